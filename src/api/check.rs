@@ -1,0 +1,51 @@
+//! `ratelimit.v1.RateLimiter/Check`.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use super::{
+    convert::{response, validate},
+    pb,
+};
+use crate::{config::LimitsConfig, decision::Engine};
+
+/// Utilization status reported until load shedding measures one.
+const STATUS_NORMAL: &str = "NORMAL";
+
+/// The native decision service.
+#[derive(Debug, Clone)]
+pub struct RateLimiterService {
+    engine: Engine,
+    limits: Arc<LimitsConfig>,
+}
+
+impl RateLimiterService {
+    /// A service deciding with `engine`, validating against `limits`.
+    pub fn new(engine: Engine, limits: LimitsConfig) -> Self {
+        RateLimiterService { engine, limits: Arc::new(limits) }
+    }
+
+    /// The tonic server wrapper.
+    pub fn into_server(self) -> pb::rate_limiter_server::RateLimiterServer<Self> {
+        pb::rate_limiter_server::RateLimiterServer::new(self)
+    }
+}
+
+#[tonic::async_trait]
+impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
+    async fn check(
+        &self,
+        request: Request<pb::RateLimitRequest>,
+    ) -> Result<Response<pb::RateLimitResponse>, Status> {
+        let message = request.into_inner();
+        // Bad input is the caller's bug: INVALID_ARGUMENT naming field and bound.
+        // Store failures never become a gRPC error here: the rule's failure
+        // policy answers (FAIL_OPEN / FAIL_CLOSED) so the gateway always gets
+        // a decision it can act on.
+        let checked =
+            validate(&message, &self.limits).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let decision = self.engine.check(&checked).await;
+        Ok(Response::new(response(decision, STATUS_NORMAL)))
+    }
+}

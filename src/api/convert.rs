@@ -1,0 +1,203 @@
+//! Request validation and conversion between protobuf and decision types.
+//!
+//! Validation borrows from the wire message: a valid request is converted
+//! without copying any string.
+
+use crate::{
+    config::LimitsConfig,
+    decision::{CheckRequest, Decision, Reason},
+    rules::Priority,
+};
+
+use super::pb;
+
+/// A request field that is out of bounds. Becomes INVALID_ARGUMENT with this
+/// message, which names the field and the bound.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct ValidationError {
+    /// The offending field.
+    pub field: &'static str,
+    /// What is wrong with it, including the bound and its configuration key.
+    pub message: String,
+}
+
+fn invalid(field: &'static str, message: String) -> ValidationError {
+    ValidationError { field, message }
+}
+
+fn bounded(
+    field: &'static str,
+    value: &str,
+    max: usize,
+    key: &str,
+    required: bool,
+) -> Result<(), ValidationError> {
+    if required && value.is_empty() {
+        return Err(invalid(field, "must not be empty".to_owned()));
+    }
+    if value.len() > max {
+        return Err(invalid(
+            field,
+            format!("{} bytes exceeds the maximum of {max} (limits.{key})", value.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates a `RateLimitRequest` against `limits` and borrows it as a
+/// [`CheckRequest`].
+pub fn validate<'a>(
+    request: &'a pb::RateLimitRequest,
+    limits: &LimitsConfig,
+) -> Result<CheckRequest<'a>, ValidationError> {
+    bounded("user_id", &request.user_id, limits.max_user_id_bytes, "max_user_id_bytes", true)?;
+    bounded(
+        "resource_path",
+        &request.resource_path,
+        limits.max_resource_path_bytes,
+        "max_resource_path_bytes",
+        true,
+    )?;
+    bounded(
+        "client_type",
+        &request.client_type,
+        limits.max_client_type_bytes,
+        "max_client_type_bytes",
+        false,
+    )?;
+    if request.headers.len() > limits.max_headers {
+        return Err(invalid(
+            "headers",
+            format!(
+                "{} entries exceed the maximum of {} (limits.max_headers)",
+                request.headers.len(),
+                limits.max_headers
+            ),
+        ));
+    }
+    for (name, value) in &request.headers {
+        if name.len() + value.len() > limits.max_header_bytes {
+            return Err(invalid(
+                "headers",
+                format!(
+                    "entry {name:?} is {} bytes (name + value), more than the maximum of {} (limits.max_header_bytes)",
+                    name.len() + value.len(),
+                    limits.max_header_bytes
+                ),
+            ));
+        }
+    }
+    let priority = match pb::PriorityBucket::try_from(request.priority) {
+        Ok(pb::PriorityBucket::Unspecified) => None,
+        Ok(pb::PriorityBucket::Critical) => Some(Priority::Critical),
+        Ok(pb::PriorityBucket::Degraded) => Some(Priority::Degraded),
+        Ok(pb::PriorityBucket::BestEffort) => Some(Priority::BestEffort),
+        Ok(pb::PriorityBucket::Bulk) => Some(Priority::Bulk),
+        Err(_) => {
+            return Err(invalid(
+                "priority",
+                format!(
+                    "unknown value {}; expected 0 (PRIORITY_BUCKET_UNSPECIFIED), 1 (CRITICAL), 2 (DEGRADED), 3 (BEST_EFFORT) or 4 (BULK)",
+                    request.priority
+                ),
+            ));
+        }
+    };
+    Ok(CheckRequest {
+        user_id: &request.user_id,
+        resource_path: &request.resource_path,
+        client_type: (!request.client_type.is_empty()).then_some(request.client_type.as_str()),
+        weight: request.weight.max(1),
+        priority,
+        headers: &request.headers,
+    })
+}
+
+/// Builds the wire response for `decision` with the current utilization `status`.
+pub(crate) fn response(decision: Decision, status: &'static str) -> pb::RateLimitResponse {
+    let (rule_id, limit, capacity, window_ms) = match decision.rule {
+        Some(rule) => (String::from(&*rule.id), rule.limit, rule.capacity, rule.window_ms),
+        None => (String::new(), 0, 0, 0),
+    };
+    pb::RateLimitResponse {
+        allowed: decision.allowed,
+        remaining_tokens: u32::try_from(decision.remaining).unwrap_or(u32::MAX),
+        retry_after_ms: decision.retry_after_ms,
+        cluster_utilization_status: status.to_owned(),
+        rule_id,
+        limit,
+        reset_after_ms: i64::try_from(decision.reset_after_ms).unwrap_or(i64::MAX),
+        reason: reason(decision.reason) as i32,
+        shadow_denied: decision.shadow_denied,
+        capacity,
+        window_ms: i64::try_from(window_ms).unwrap_or(i64::MAX),
+    }
+}
+
+fn reason(reason: Reason) -> pb::Reason {
+    match reason {
+        Reason::Ok => pb::Reason::Ok,
+        Reason::OverLimit => pb::Reason::OverLimit,
+        Reason::NoRule => pb::Reason::NoRule,
+        Reason::FailOpen => pb::Reason::FailOpen,
+        Reason::FailClosed => pb::Reason::FailClosed,
+        Reason::WeightExceedsCapacity => pb::Reason::WeightExceedsCapacity,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> pb::RateLimitRequest {
+        pb::RateLimitRequest {
+            user_id: "u1".to_owned(),
+            resource_path: "/a".to_owned(),
+            ..Default::default()
+        }
+    }
+
+    fn error(mutate: impl FnOnce(&mut pb::RateLimitRequest)) -> String {
+        let mut r = request();
+        mutate(&mut r);
+        validate(&r, &LimitsConfig::default()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn valid_request_borrows_and_defaults() {
+        let r = request();
+        let checked = validate(&r, &LimitsConfig::default()).unwrap();
+        assert_eq!(checked.weight, 1, "weight 0 means 1");
+        assert_eq!(checked.client_type, None);
+        assert_eq!(checked.priority, None);
+    }
+
+    #[test]
+    fn each_bound_names_field_and_limit() {
+        assert_eq!(error(|r| r.user_id.clear()), "user_id: must not be empty");
+        assert_eq!(error(|r| r.resource_path.clear()), "resource_path: must not be empty");
+        assert_eq!(
+            error(|r| r.user_id = "x".repeat(257)),
+            "user_id: 257 bytes exceeds the maximum of 256 (limits.max_user_id_bytes)"
+        );
+        assert!(error(|r| r.resource_path = "/".repeat(2049)).contains("limits.max_resource_path_bytes"));
+        assert!(error(|r| r.client_type = "c".repeat(65)).starts_with("client_type: 65 bytes"));
+        assert!(error(|r| r.priority = 9).starts_with("priority: unknown value 9"));
+        assert!(error(|r| r.priority = -1).starts_with("priority: unknown value -1"));
+        assert!(
+            error(|r| {
+                for i in 0..65 {
+                    r.headers.insert(format!("h{i}"), String::new());
+                }
+            })
+            .starts_with("headers: 65 entries exceed the maximum of 64")
+        );
+        assert!(
+            error(|r| {
+                r.headers.insert("big".to_owned(), "v".repeat(9_000));
+            })
+            .starts_with("headers: entry \"big\"")
+        );
+    }
+}

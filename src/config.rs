@@ -1,0 +1,334 @@
+//! The service configuration: one typed, documented, defaulted and validated
+//! [`Config`], loaded before anything binds.
+//!
+//! Sources, lowest precedence first: built-in defaults, the YAML file given by
+//! `--config`, then environment variables `RATELIMITD__SECTION__KEY`
+//! (e.g. `RATELIMITD__REDIS__TIMEOUT_MS=5`). Tests pass the environment as a
+//! map ([`Config::load`]) instead of mutating the process environment.
+
+use std::{collections::HashMap, fmt, net::SocketAddr, path::PathBuf, time::Duration};
+
+use serde::Deserialize;
+
+/// Prefix of configuration environment variables.
+pub const ENV_PREFIX: &str = "RATELIMITD";
+
+/// A configuration that could not be loaded or does not validate. The message
+/// always names the offending key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read or parsed, or a value has the wrong type.
+    #[error("configuration: {0}")]
+    Load(String),
+    /// A value parsed but is out of range or inconsistent.
+    #[error("configuration key `{key}`: {message}")]
+    Invalid { key: &'static str, message: String },
+}
+
+/// The whole configuration of `ratelimitd serve`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// The gRPC listener.
+    pub grpc: GrpcConfig,
+    /// The Redis counter store; unset `url` selects the in-memory store.
+    pub redis: RedisConfig,
+    /// The in-memory counter store (used when `redis.url` is unset).
+    pub memory: MemoryConfig,
+    /// Where native rules come from and how often they are checked for changes.
+    pub rules: RulesConfig,
+    /// Bounds on request fields, answered with INVALID_ARGUMENT when exceeded.
+    pub limits: LimitsConfig,
+    /// Logging.
+    pub log: LogConfig,
+}
+
+/// `grpc.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcConfig {
+    /// Address the gRPC server binds (`grpc.listen`).
+    pub listen: String,
+    /// How long in-flight calls may take to finish after SIGTERM before the
+    /// process exits anyway (`grpc.shutdown_grace_ms`).
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for GrpcConfig {
+    fn default() -> Self {
+        Self { listen: "0.0.0.0:8081".to_owned(), shutdown_grace_ms: 10_000 }
+    }
+}
+
+/// `redis.*`
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedisConfig {
+    /// `redis://[:password@]host:port[/db]`; unset selects the in-memory store.
+    pub url: Option<String>,
+    /// Deadline of one store call, connection acquisition included. Past it the
+    /// rule's failure policy answers. Well inside Envoy's 20 ms default budget.
+    pub timeout_ms: u64,
+    /// Deadline for opening a new connection (bounded by `timeout_ms` on the
+    /// request path; this bounds background reconnects).
+    pub connect_timeout_ms: u64,
+    /// Number of multiplexed connections; concurrent decisions are pipelined
+    /// over them, so a handful serve thousands of in-flight calls.
+    pub connections: usize,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        Self { url: None, timeout_ms: 10, connect_timeout_ms: 1_000, connections: 4 }
+    }
+}
+
+impl fmt::Debug for RedisConfig {
+    // The URL may carry a password: never print it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("url", &self.url.as_deref().map(redact_url))
+            .field("timeout_ms", &self.timeout_ms)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("connections", &self.connections)
+            .finish()
+    }
+}
+
+/// Replaces the userinfo of a URL (`user:password@`) with `***@`.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            format!("{}***{}", &url[..scheme_end + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// `memory.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemoryConfig {
+    /// How often idle (expired) counters are removed, so memory stays bounded.
+    pub sweep_interval_ms: u64,
+    /// Number of independently locked shards of the counter map.
+    pub shards: usize,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        Self { sweep_interval_ms: 10_000, shards: 64 }
+    }
+}
+
+/// `rules.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RulesConfig {
+    /// A native rule YAML file, or a directory whose `*.yaml`/`*.yml` files
+    /// together form the rule set.
+    pub path: PathBuf,
+    /// How often `path` is checked for changes (metadata only; a file is read
+    /// again only when its identity, size or mtime changed). 0 disables reload.
+    pub reload_interval_ms: u64,
+}
+
+impl Default for RulesConfig {
+    fn default() -> Self {
+        Self { path: PathBuf::from("examples/rules"), reload_interval_ms: 1_000 }
+    }
+}
+
+/// `limits.*`: bounds on request fields.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Longest accepted `user_id`, in bytes.
+    pub max_user_id_bytes: usize,
+    /// Longest accepted `resource_path`, in bytes.
+    pub max_resource_path_bytes: usize,
+    /// Longest accepted `client_type`, in bytes.
+    pub max_client_type_bytes: usize,
+    /// Most entries in the `headers` map.
+    pub max_headers: usize,
+    /// Longest header name plus value, in bytes.
+    pub max_header_bytes: usize,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_user_id_bytes: 256,
+            max_resource_path_bytes: 2_048,
+            max_client_type_bytes: 64,
+            max_headers: 64,
+            max_header_bytes: 8_192,
+        }
+    }
+}
+
+/// `log.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// A `tracing` filter directive such as `info` or `ratelimitd=debug,info`.
+    /// `RUST_LOG`, when set, wins.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { level: "info".to_owned() }
+    }
+}
+
+impl Config {
+    /// Loads defaults < `file` < `env` and validates the result. `env` is the
+    /// process environment in production and a plain map in tests.
+    pub fn load(file: Option<&std::path::Path>, env: HashMap<String, String>) -> Result<Self, ConfigError> {
+        let mut builder = config::Config::builder();
+        if let Some(file) = file {
+            if !file.is_file() {
+                return Err(ConfigError::Load(format!("--config {}: no such file", file.display())));
+            }
+            builder = builder.add_source(config::File::from(file).format(config::FileFormat::Yaml));
+        }
+        builder = builder.add_source(
+            config::Environment::with_prefix(ENV_PREFIX)
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true)
+                .source(Some(env.into_iter().collect())),
+        );
+        let raw = builder.build().map_err(|e| ConfigError::Load(e.to_string()))?;
+        let config: Config = raw.try_deserialize().map_err(|e| ConfigError::Load(e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges and consistency; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn invalid(key: &'static str, message: impl Into<String>) -> ConfigError {
+            ConfigError::Invalid { key, message: message.into() }
+        }
+        self.grpc.listen.parse::<SocketAddr>().map_err(|e| {
+            invalid("grpc.listen", format!("{:?} is not an ip:port address: {e}", self.grpc.listen))
+        })?;
+        if let Some(url) = &self.redis.url {
+            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                return Err(invalid(
+                    "redis.url",
+                    format!("{:?} must start with redis:// or rediss://", redact_url(url)),
+                ));
+            }
+            redis::Client::open(url.as_str()).map_err(|e| {
+                invalid("redis.url", format!("{:?} is not a valid Redis URL: {e}", redact_url(url)))
+            })?;
+        }
+        if self.redis.timeout_ms == 0 {
+            return Err(invalid("redis.timeout_ms", "must be at least 1"));
+        }
+        if self.redis.connect_timeout_ms == 0 {
+            return Err(invalid("redis.connect_timeout_ms", "must be at least 1"));
+        }
+        if !(1..=256).contains(&self.redis.connections) {
+            return Err(invalid("redis.connections", "must be between 1 and 256"));
+        }
+        if self.memory.sweep_interval_ms == 0 {
+            return Err(invalid("memory.sweep_interval_ms", "must be at least 1"));
+        }
+        if !(1..=4096).contains(&self.memory.shards) {
+            return Err(invalid("memory.shards", "must be between 1 and 4096"));
+        }
+        if self.rules.path.as_os_str().is_empty() {
+            return Err(invalid("rules.path", "must not be empty"));
+        }
+        for (key, value) in [
+            ("limits.max_user_id_bytes", self.limits.max_user_id_bytes),
+            ("limits.max_resource_path_bytes", self.limits.max_resource_path_bytes),
+            ("limits.max_client_type_bytes", self.limits.max_client_type_bytes),
+            ("limits.max_header_bytes", self.limits.max_header_bytes),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be at least 1"));
+            }
+        }
+        tracing_subscriber::EnvFilter::try_new(&self.log.level)
+            .map_err(|e| invalid("log.level", format!("{:?}: {e}", self.log.level)))?;
+        Ok(())
+    }
+
+    /// The validated gRPC listen address.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        // Validated in `validate`; a Config built by hand in a test must be valid too.
+        self.grpc.listen.parse().expect("grpc.listen is validated")
+    }
+
+    /// `redis.timeout_ms` as a duration.
+    pub fn redis_timeout(&self) -> Duration {
+        Duration::from_millis(self.redis.timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    #[test]
+    fn defaults_are_the_embedded_mode() {
+        let config = Config::load(None, HashMap::new()).unwrap();
+        assert!(config.redis.url.is_none());
+        assert_eq!(config.grpc.listen, "0.0.0.0:8081");
+        assert_eq!(config.rules.path, PathBuf::from("examples/rules"));
+    }
+
+    #[test]
+    fn environment_overrides_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.yaml");
+        std::fs::write(&file, "redis:\n  timeout_ms: 7\n  url: redis://127.0.0.1:1\n").unwrap();
+        let config = Config::load(Some(&file), env(&[("RATELIMITD__REDIS__TIMEOUT_MS", "3")])).unwrap();
+        assert_eq!(config.redis.timeout_ms, 3);
+        assert_eq!(config.redis.url.as_deref(), Some("redis://127.0.0.1:1"));
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let err =
+            Config::load(None, env(&[("RATELIMITD__REDIS__TIMEOUT_MS", "soon")])).unwrap_err().to_string();
+        assert!(err.contains("redis.timeout_ms"), "{err}");
+    }
+
+    #[test]
+    fn out_of_range_names_the_key() {
+        let err = Config::load(None, env(&[("RATELIMITD__REDIS__TIMEOUT_MS", "0")])).unwrap_err().to_string();
+        assert!(err.contains("`redis.timeout_ms`"), "{err}");
+        let err =
+            Config::load(None, env(&[("RATELIMITD__GRPC__LISTEN", "nowhere")])).unwrap_err().to_string();
+        assert!(err.contains("`grpc.listen`"), "{err}");
+    }
+
+    #[test]
+    fn unknown_key_is_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.yaml");
+        std::fs::write(&file, "redis:\n  timeout: 7\n").unwrap();
+        let err = Config::load(Some(&file), HashMap::new()).unwrap_err().to_string();
+        assert!(err.contains("timeout"), "{err}");
+    }
+
+    #[test]
+    fn redis_password_is_redacted() {
+        let config = RedisConfig {
+            url: Some("redis://:hunter2@10.0.0.1:6379/0".to_owned()),
+            ..RedisConfig::default()
+        };
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("***@10.0.0.1:6379"), "{shown}");
+    }
+}

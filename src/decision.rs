@@ -1,0 +1,220 @@
+//! The decision path of DESIGN §3, independent of any wire format:
+//! rule lookup, the never-admissible check, the store call, the failure
+//! policy and shadow mode. `api` converts to and from protobuf around it.
+//!
+//! Architecture invariant: this module sees no generated types and holds no
+//! lock across an `.await` (the snapshot is an `Arc`, the store is lock-free
+//! or locks only inside a synchronous call).
+
+use std::{collections::HashMap, sync::Arc};
+
+use crate::{
+    dlq::{FailedDecision, FailureSink},
+    limiter::{Store, Verdict},
+    rules::{FailurePolicy, Mode, Priority, RuleStore},
+};
+
+/// `retry_after_ms` of a FAIL_CLOSED answer (capped at the rule's window).
+pub const FAIL_CLOSED_RETRY_MS: u64 = 1_000;
+
+/// A validated request. Borrows from the wire message: no copies.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckRequest<'a> {
+    /// The counting dimension (non-empty, bounded).
+    pub user_id: &'a str,
+    /// Matched against the rules (non-empty, bounded).
+    pub resource_path: &'a str,
+    /// `None` when the caller did not say.
+    pub client_type: Option<&'a str>,
+    /// Cost, at least 1.
+    pub weight: u32,
+    /// `None`: the matched rule's priority.
+    pub priority: Option<Priority>,
+    /// Request headers (copied into failure records by allow-list).
+    pub headers: &'a HashMap<String, String>,
+}
+
+/// Why a decision came out as it did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// Within the limit, or over it under a shadow rule (`shadow_denied`).
+    Ok,
+    /// Over the limit.
+    OverLimit,
+    /// No rule matches.
+    NoRule,
+    /// The store failed; the rule fails open.
+    FailOpen,
+    /// The store failed; the rule fails closed.
+    FailClosed,
+    /// The weight exceeds the rule's capacity: it can never pass.
+    WeightExceedsCapacity,
+}
+
+impl Reason {
+    /// The API name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Ok => "OK",
+            Reason::OverLimit => "OVER_LIMIT",
+            Reason::NoRule => "NO_RULE",
+            Reason::FailOpen => "FAIL_OPEN",
+            Reason::FailClosed => "FAIL_CLOSED",
+            Reason::WeightExceedsCapacity => "WEIGHT_EXCEEDS_CAPACITY",
+        }
+    }
+}
+
+/// What the matched rule says about itself in a response.
+#[derive(Debug, Clone)]
+pub struct RuleInfo {
+    /// The rule id.
+    pub id: Arc<str>,
+    /// Requests per window before burst.
+    pub limit: u64,
+    /// `floor(limit * burst_capacity)`.
+    pub capacity: u64,
+    /// Window length in ms.
+    pub window_ms: u64,
+}
+
+/// The answer to one request.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    /// Let the request through?
+    pub allowed: bool,
+    /// Why.
+    pub reason: Reason,
+    /// Tokens left after this decision.
+    pub remaining: u64,
+    /// 0 when allowed; exact ms until the same request passes; -1 never.
+    pub retry_after_ms: i64,
+    /// ms until the counter has fully decayed.
+    pub reset_after_ms: u64,
+    /// A shadow rule would have denied.
+    pub shadow_denied: bool,
+    /// The matched rule, if any.
+    pub rule: Option<RuleInfo>,
+    /// The priority the request was decided with.
+    pub priority: Priority,
+}
+
+/// Runs the decision path. Cheap to share: everything inside is an `Arc`.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    rules: Arc<RuleStore>,
+    store: Store,
+    failures: Arc<dyn FailureSink>,
+    default_priority: Priority,
+}
+
+impl Engine {
+    /// An engine deciding with `rules` and `store`, reporting store failures to `failures`.
+    pub fn new(rules: Arc<RuleStore>, store: Store, failures: Arc<dyn FailureSink>) -> Self {
+        Engine { rules, store, failures, default_priority: Priority::Degraded }
+    }
+
+    /// The rule store (for reloads and status).
+    pub fn rules(&self) -> &Arc<RuleStore> {
+        &self.rules
+    }
+
+    /// The counter store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Decides one request.
+    pub async fn check(&self, request: &CheckRequest<'_>) -> Decision {
+        let snapshot = self.rules.load();
+        let Some(rule) = snapshot.lookup(request.resource_path, request.client_type) else {
+            return Decision {
+                allowed: true,
+                reason: Reason::NoRule,
+                remaining: 0,
+                retry_after_ms: 0,
+                reset_after_ms: 0,
+                shadow_denied: false,
+                rule: None,
+                priority: request.priority.unwrap_or(self.default_priority),
+            };
+        };
+        let priority = request.priority.unwrap_or(rule.priority);
+        let info = RuleInfo {
+            id: Arc::clone(&rule.id),
+            limit: rule.limit,
+            capacity: rule.window.capacity,
+            window_ms: rule.window.window_ms,
+        };
+        let weight = u64::from(request.weight);
+        let shadow = rule.mode == Mode::Shadow;
+
+        // Never admissible: answered from the rule alone, no store call, and a
+        // retry_after of -1 so no client loops waiting for it.
+        if weight > rule.window.capacity {
+            return Decision {
+                allowed: shadow,
+                reason: if shadow { Reason::Ok } else { Reason::WeightExceedsCapacity },
+                remaining: 0,
+                retry_after_ms: if shadow { 0 } else { -1 },
+                reset_after_ms: 0,
+                shadow_denied: shadow,
+                rule: Some(info),
+                priority,
+            };
+        }
+
+        match self.store.decide(request.user_id, rule, weight).await {
+            Ok(verdict) => from_verdict(&verdict, shadow, info, priority),
+            Err(error) => {
+                let (allowed, reason) = match rule.failure_policy {
+                    FailurePolicy::Open => (true, Reason::FailOpen),
+                    FailurePolicy::Closed => (false, Reason::FailClosed),
+                };
+                self.failures.record(&FailedDecision {
+                    request,
+                    rule,
+                    priority,
+                    error: &error,
+                    answer: reason,
+                });
+                Decision {
+                    allowed,
+                    reason,
+                    remaining: 0,
+                    // Nothing is known about the counter: when denying, ask
+                    // clients to back off for a second (or one window, if
+                    // shorter) rather than spin against an outage.
+                    retry_after_ms: if allowed {
+                        0
+                    } else {
+                        clamp_i64(rule.window.window_ms.min(FAIL_CLOSED_RETRY_MS))
+                    },
+                    reset_after_ms: 0,
+                    shadow_denied: false,
+                    rule: Some(info),
+                    priority,
+                }
+            }
+        }
+    }
+}
+
+fn from_verdict(verdict: &Verdict, shadow: bool, info: RuleInfo, priority: Priority) -> Decision {
+    let denied = !verdict.admitted;
+    let enforce_denial = denied && !shadow;
+    Decision {
+        allowed: !enforce_denial,
+        reason: if enforce_denial { Reason::OverLimit } else { Reason::Ok },
+        remaining: verdict.remaining,
+        retry_after_ms: if enforce_denial { verdict.retry_after_ms.map_or(-1, clamp_i64) } else { 0 },
+        reset_after_ms: verdict.reset_after_ms,
+        shadow_denied: denied && shadow,
+        rule: Some(info),
+        priority,
+    }
+}
+
+fn clamp_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,29 @@
+//! ratelimitd: a gRPC rate-limit decision service.
+//!
+//! # Layout
+//!
+//! The modules follow the decision path (DESIGN §3):
+//!
+//! - [`api`]: protobuf ↔ domain conversion, validation, the gRPC services.
+//!   The only module that sees generated types.
+//! - [`rules`]: rule model, YAML loader, compiler, immutable [`rules::Snapshot`],
+//!   hot-swapping [`rules::RuleStore`].
+//! - [`decision`]: the path itself — lookup, store call, failure policy, shadow mode.
+//! - [`limiter`]: the sliding-window arithmetic as a pure function and the
+//!   stores that apply it (Redis Lua script, in-memory shards).
+//! - [`dlq`]: the seam for decisions the store could not make.
+//! - [`config`], [`cli`], [`server`] (wiring, startup, graceful shutdown), [`signal`].
+//!
+//! See ARCHITECTURE.md for the invariants between them.
+
+#![forbid(unsafe_code)]
+
+pub mod api;
+pub mod cli;
+pub mod config;
+pub mod decision;
+pub mod dlq;
+pub mod limiter;
+pub mod rules;
+pub mod server;
+pub mod signal;

@@ -1,0 +1,359 @@
+//! The sliding-window counter as pure integer arithmetic (DESIGN §6).
+//!
+//! Time is split into aligned windows of `W` ms. A counter keeps the count of
+//! the current window and of the previous one; the previous count is weighted
+//! by how much of it still overlaps the sliding window:
+//!
+//! ```text
+//! estimate = current + previous * (W - elapsed) / W
+//! admit iff estimate + weight <= capacity          (capacity = floor(limit * burst))
+//! ```
+//!
+//! Everything is computed multiplied through by `W`, in integers, so the Rust
+//! and the Lua implementation (`scripts/decide.lua`) agree to the unit and
+//! `retry_after_ms` is exact to the millisecond. The Lua side runs on doubles;
+//! [`MAX_CAPACITY_TIMES_WINDOW`] keeps every intermediate below 2^53 there.
+//!
+//! Both stores call [`roll`] then [`decide`]; only the mutation (`current +=
+//! weight` on admit) happens in the store, atomically.
+
+/// Largest `capacity * window_ms` a rule may have. Every intermediate of the
+/// admission test is at most `3 * capacity * window_ms`, and Redis' Lua numbers
+/// are doubles, exact only below 2^53.
+pub const MAX_CAPACITY_TIMES_WINDOW: u64 = (1 << 53) / 4;
+
+/// The fixed parameters of one rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowParams {
+    /// Window length `W` in ms, at least 1.
+    pub window_ms: u64,
+    /// The most one window admits: `floor(limit * burst_capacity)`, at least 1.
+    pub capacity: u64,
+}
+
+/// A counter as stored: the index of the window its `current` belongs to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoredCounter {
+    /// `now_ms / W` when `current` was last written.
+    pub window: u64,
+    /// Weight admitted in window `window`.
+    pub current: u64,
+    /// Weight admitted in window `window - 1`.
+    pub previous: u64,
+}
+
+/// Counts as seen from the window that contains `now`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Weight admitted in the window containing `now`.
+    pub current: u64,
+    /// Weight admitted in the window before it.
+    pub previous: u64,
+}
+
+/// What the arithmetic says about one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// Whether the request fits; the store adds `weight` to `current` if so.
+    pub admitted: bool,
+    /// Whole tokens left after this decision: `floor(capacity - estimate - admitted weight)`.
+    pub remaining: u64,
+    /// 0 when admitted; otherwise the smallest whole number of ms after which
+    /// the same request is admitted if nothing else is counted meanwhile.
+    /// `None` when it never will (the weight exceeds the capacity).
+    pub retry_after_ms: Option<u64>,
+    /// ms until the estimate has decayed to 0 if nothing else is counted.
+    pub reset_after_ms: u64,
+}
+
+/// The window index containing `now_ms` and the ms elapsed inside it.
+pub fn position(now_ms: u64, window_ms: u64) -> (u64, u64) {
+    (now_ms / window_ms, now_ms % window_ms)
+}
+
+/// Re-reads a stored counter from the point of view of window `now_window`:
+/// the same window keeps both counts, the next one demotes `current` to
+/// `previous`, anything later (or a clock that went backwards) starts empty.
+pub fn roll(stored: StoredCounter, now_window: u64) -> Counts {
+    if stored.window == now_window {
+        Counts { current: stored.current, previous: stored.previous }
+    } else if stored.window.checked_add(1) == Some(now_window) {
+        Counts { current: 0, previous: stored.current }
+    } else {
+        Counts::default()
+    }
+}
+
+/// Decides a request of `weight` against `counts` at `elapsed_ms` into the
+/// current window. Pure: the caller applies `current += weight` on admit.
+pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams) -> Verdict {
+    let w = u128::from(params.window_ms);
+    let cap = u128::from(params.capacity);
+    let cur = u128::from(counts.current);
+    let prev = u128::from(counts.previous);
+    let weight_w = u128::from(weight);
+    let elapsed = u128::from(elapsed_ms);
+    debug_assert!(elapsed < w, "elapsed {elapsed} outside window {w}");
+
+    // estimate * W, exactly.
+    let estimate_w = cur * w + prev * (w - elapsed);
+    let admitted = weight_w <= cap && estimate_w + weight_w * w <= cap * w;
+    let used_w = if admitted { estimate_w + weight_w * w } else { estimate_w };
+    let remaining = (cap * w).saturating_sub(used_w) / w;
+
+    let current_after = if admitted { cur + weight_w } else { cur };
+    let reset_after_ms = if current_after > 0 {
+        2 * w - elapsed
+    } else if prev > 0 {
+        w - elapsed
+    } else {
+        0
+    };
+
+    let retry_after_ms = if admitted {
+        Some(0)
+    } else if weight_w > cap {
+        None
+    } else {
+        Some(retry_after(cur, prev, elapsed, weight_w, cap, w))
+    };
+
+    Verdict {
+        admitted,
+        remaining: to_u64(remaining),
+        retry_after_ms: retry_after_ms.map(to_u64),
+        reset_after_ms: to_u64(reset_after_ms),
+    }
+}
+
+/// The earliest whole ms at which a denied request of weight `weight <= cap` is
+/// admitted, given no other traffic. Solves the decay of `prev` within the
+/// current window, else in the next one (where `cur` becomes the decaying
+/// count), else at the start of the one after (where nothing is left).
+fn retry_after(cur: u128, prev: u128, elapsed: u128, weight: u128, cap: u128, w: u128) -> u128 {
+    // Within this window at elapsed e: cur*W + prev*(W - e) <= (cap - cur - weight)*W + cur*W,
+    // i.e. prev*(W - e) <= room*W with room = cap - cur - weight.
+    // `checked_div` is None when nothing decays (prev == 0).
+    if let Some(allowed_decay) = cap.checked_sub(cur + weight).and_then(|room| (room * w).checked_div(prev)) {
+        let need = w - allowed_decay.min(w);
+        if need < w {
+            // `need > elapsed`, or the request would have been admitted.
+            return need - elapsed;
+        }
+    }
+    // Next window at elapsed e2: cur*(W - e2) + weight*W <= cap*W.
+    let to_next = w - elapsed;
+    if cur == 0 {
+        return to_next;
+    }
+    let e2 = w - ((cap - weight) * w / cur).min(w);
+    to_next + e2
+}
+
+fn to_u64(value: u128) -> u64 {
+    u64::try_from(value).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A counter with a clock the test moves: the same sequence of `roll`,
+    /// `decide` and mutation the memory store performs.
+    struct Sim {
+        params: WindowParams,
+        stored: StoredCounter,
+        now_ms: u64,
+    }
+
+    impl Sim {
+        fn new(limit_window_ms: u64, capacity: u64, start_ms: u64) -> Self {
+            Sim {
+                params: WindowParams { window_ms: limit_window_ms, capacity },
+                stored: StoredCounter::default(),
+                now_ms: start_ms,
+            }
+        }
+
+        fn peek(&self, weight: u64) -> Verdict {
+            let (window, elapsed) = position(self.now_ms, self.params.window_ms);
+            decide(roll(self.stored, window), elapsed, weight, self.params)
+        }
+
+        fn hit(&mut self, weight: u64) -> Verdict {
+            let (window, elapsed) = position(self.now_ms, self.params.window_ms);
+            let counts = roll(self.stored, window);
+            let verdict = decide(counts, elapsed, weight, self.params);
+            if verdict.admitted {
+                self.stored =
+                    StoredCounter { window, current: counts.current + weight, previous: counts.previous };
+            }
+            verdict
+        }
+
+        fn advance(&mut self, ms: u64) {
+            self.now_ms += ms;
+        }
+    }
+
+    #[test]
+    fn admits_exactly_capacity_in_one_window() {
+        let mut sim = Sim::new(1_000, 5, 10_000);
+        for left in (0..5).rev() {
+            let verdict = sim.hit(1);
+            assert!(verdict.admitted);
+            assert_eq!(verdict.remaining, left);
+            assert_eq!(verdict.retry_after_ms, Some(0));
+        }
+        let denied = sim.hit(1);
+        assert!(!denied.admitted);
+        assert_eq!(denied.remaining, 0);
+    }
+
+    #[test]
+    fn denied_request_consumes_nothing() {
+        let mut sim = Sim::new(1_000, 3, 0);
+        assert!(sim.hit(2).admitted);
+        assert!(!sim.hit(2).admitted);
+        // Still room for exactly one more unit.
+        assert!(sim.hit(1).admitted);
+        assert!(!sim.hit(1).admitted);
+    }
+
+    #[test]
+    fn previous_window_decays_linearly() {
+        let mut sim = Sim::new(1_000, 10, 0);
+        assert!(sim.hit(10).admitted);
+        // At the start of the next window the previous 10 count fully.
+        sim.advance(1_000);
+        assert!(!sim.peek(1).admitted);
+        // Halfway through, they count as 5: one more leaves 4.
+        sim.advance(500);
+        assert_eq!(sim.peek(1).remaining, 4);
+        assert!(sim.hit(5).admitted);
+        assert!(!sim.hit(1).admitted);
+        // Two windows later nothing is left.
+        sim.advance(1_500);
+        assert_eq!(sim.peek(1).remaining, 9);
+    }
+
+    #[test]
+    fn window_boundary_cannot_double_the_limit() {
+        // A fixed window would admit 10 at 999 ms and 10 more at 1000 ms.
+        let mut sim = Sim::new(1_000, 10, 0);
+        sim.advance(999);
+        assert!(sim.hit(10).admitted);
+        sim.advance(1);
+        assert!(!sim.hit(1).admitted);
+    }
+
+    #[test]
+    fn weights_count_as_their_cost() {
+        let mut sim = Sim::new(60_000, 100, 0);
+        assert_eq!(sim.hit(60).remaining, 40);
+        assert_eq!(sim.peek(1).remaining, 39);
+        assert!(!sim.hit(41).admitted);
+        assert!(sim.hit(40).admitted);
+    }
+
+    #[test]
+    fn burst_is_capacity_above_the_limit() {
+        // limit 5000 x burst 1.2 = capacity 6000.
+        let mut sim = Sim::new(60_000, 6_000, 0);
+        assert!(sim.hit(6_000).admitted);
+        assert!(!sim.hit(1).admitted);
+    }
+
+    #[test]
+    fn weight_above_capacity_is_never_admissible() {
+        let sim = Sim::new(1_000, 10, 0);
+        let verdict = sim.peek(11);
+        assert!(!verdict.admitted);
+        assert_eq!(verdict.retry_after_ms, None);
+    }
+
+    #[test]
+    fn reset_after_reflects_both_windows() {
+        let mut sim = Sim::new(1_000, 10, 200);
+        assert_eq!(sim.peek(1).reset_after_ms, 1_800, "admitting makes current non-zero");
+        sim.hit(1);
+        sim.advance(1_000);
+        assert_eq!(sim.peek(20).reset_after_ms, 800, "only the decaying previous remains");
+    }
+
+    /// Whatever the state, waiting exactly `retry_after_ms` admits the same
+    /// request and waiting one ms less does not.
+    #[test]
+    fn retry_after_is_exact_to_the_millisecond() {
+        let windows = [1, 7, 1_000, 60_000];
+        let mut checked = 0;
+        for &window_ms in &windows {
+            for capacity in [1_u64, 3, 10, 97] {
+                for fill in [0, 1, capacity / 2, capacity] {
+                    for carry in [0, 1, capacity / 3, capacity] {
+                        for weight in [1, 2, capacity].into_iter().filter(|&w| w <= capacity) {
+                            for offset in [0, window_ms / 3, window_ms - 1] {
+                                checked +=
+                                    check_retry_exact(window_ms, capacity, carry, fill, weight, offset);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 500, "only {checked} denied states exercised");
+    }
+
+    /// Builds a counter with `carry` admitted in the previous window and `fill`
+    /// in the current one, `offset` ms into it; returns 1 if the request was
+    /// denied (and its retry checked), 0 if it was admitted outright.
+    fn check_retry_exact(
+        window_ms: u64,
+        capacity: u64,
+        carry: u64,
+        fill: u64,
+        weight: u64,
+        offset: u64,
+    ) -> u32 {
+        let params = WindowParams { window_ms, capacity };
+        let window = 1_000;
+        let stored = StoredCounter { window, current: fill, previous: carry };
+        let now = window * window_ms + offset;
+        let at = |t: u64| {
+            let (idx, elapsed) = position(t, window_ms);
+            decide(roll(stored, idx), elapsed, weight, params)
+        };
+        let verdict = at(now);
+        if verdict.admitted {
+            return 0;
+        }
+        let retry = verdict.retry_after_ms.expect("weight <= capacity is admissible");
+        assert!(retry >= 1, "denied but retry_after 0: {params:?} {stored:?} w={weight} +{offset}");
+        assert!(
+            at(now + retry).admitted,
+            "not admitted after retry_after={retry}: {params:?} {stored:?} w={weight} +{offset}"
+        );
+        assert!(
+            !at(now + retry - 1).admitted,
+            "admitted 1 ms before retry_after={retry}: {params:?} {stored:?} w={weight} +{offset}"
+        );
+        1
+    }
+
+    #[test]
+    fn clock_going_backwards_starts_empty_rather_than_panicking() {
+        let stored = StoredCounter { window: 10, current: 5, previous: 5 };
+        assert_eq!(roll(stored, 9), Counts::default());
+        assert_eq!(roll(stored, 12), Counts::default());
+        assert_eq!(roll(stored, 11), Counts { current: 0, previous: 5 });
+    }
+
+    #[test]
+    fn largest_allowed_product_does_not_overflow() {
+        let params = WindowParams { window_ms: 1 << 20, capacity: MAX_CAPACITY_TIMES_WINDOW >> 20 };
+        let counts = Counts { current: params.capacity, previous: params.capacity };
+        let verdict = decide(counts, 0, params.capacity, params);
+        assert!(!verdict.admitted);
+        assert!(verdict.retry_after_ms.is_some());
+    }
+}

@@ -1,0 +1,70 @@
+//! The `ratelimitd` binary: parses the command line, loads and validates the
+//! configuration before anything binds, and runs the chosen subcommand.
+
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::Parser as _;
+use ratelimitd::{
+    cli::{self, Cli, Command, RulesCommand},
+    config::Config,
+    server, signal,
+};
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let code = if e.use_stderr() { cli::EXIT_USAGE } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    match cli.command {
+        Command::Serve => serve(cli.config.as_deref()),
+        Command::Check(args) => runtime().map_or_else(report, |rt| rt.block_on(cli::check(args))),
+        Command::Rules(RulesCommand::Validate { paths }) => cli::validate_rules(&paths),
+    }
+}
+
+fn serve(config_file: Option<&std::path::Path>) -> ExitCode {
+    // Configuration is complete and valid before logging starts or a port binds.
+    let config = match Config::load(config_file, std::env::vars().collect()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("ratelimitd: {e}");
+            return ExitCode::from(cli::EXIT_USAGE);
+        }
+    };
+    init_tracing(&config.log.level);
+    let result = runtime().and_then(|rt| {
+        rt.block_on(async {
+            let addr = config.grpc_addr();
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("grpc.listen {addr}: cannot bind"))?;
+            server::run(config, listener, signal::shutdown()).await?;
+            Ok(())
+        })
+    });
+    result.map_or_else(report, |()| ExitCode::SUCCESS)
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the tokio runtime")
+}
+
+fn init_tracing(level: &str) {
+    // RUST_LOG, when set, wins over `log.level` (validated in Config).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn report(error: anyhow::Error) -> ExitCode {
+    tracing::error!(error = format!("{error:#}"), "ratelimitd failed");
+    eprintln!("ratelimitd: {error:#}");
+    ExitCode::FAILURE
+}

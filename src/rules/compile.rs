@@ -1,0 +1,226 @@
+//! Validation of a whole rule set and its compilation into a [`Snapshot`].
+//!
+//! Validation is all-or-nothing: one bad rule rejects the set, and every
+//! problem is reported at once with file, rule and field.
+
+use std::{collections::HashMap, path::Path, sync::Arc};
+
+use super::{
+    RuleError,
+    model::Rule,
+    native::SourcedRule,
+    snapshot::{PathKey, Snapshot},
+};
+use crate::limiter::window::{MAX_CAPACITY_TIMES_WINDOW, WindowParams};
+
+/// Longest accepted rule id; ids are part of Redis keys and metric labels.
+pub(crate) const MAX_RULE_ID_BYTES: usize = 128;
+
+/// Validates `rules` (loaded from `source`) and builds the snapshot.
+pub(crate) fn compile(source: &Path, rules: Vec<SourcedRule>) -> Result<Snapshot, Vec<RuleError>> {
+    let mut errors = Vec::new();
+    let mut compiled = Vec::with_capacity(rules.len());
+    let mut ids: HashMap<Arc<str>, (Arc<Path>, usize)> = HashMap::with_capacity(rules.len());
+    let mut keys: HashMap<(PathKey, Option<String>), usize> = HashMap::with_capacity(rules.len());
+
+    for sourced in rules {
+        let rule = match validate(&sourced) {
+            Ok(rule) => rule,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        if let Some((file, index)) = ids.get(&rule.id) {
+            errors.push(error(
+                &sourced,
+                "rule_id",
+                format!("duplicate rule id, first defined in {} (rules[{index}])", file.display()),
+            ));
+            continue;
+        }
+        let key = (PathKey::of(&rule.resource_path), rule.client_type.clone());
+        if let Some(&other) = keys.get(&key) {
+            let other: &Rule = &compiled[other];
+            errors.push(error(
+                &sourced,
+                "resource_path",
+                format!(
+                    "ambiguous: rule {:?} in {} already covers resource_path {:?} with client_type {}",
+                    other.id,
+                    other.source.display(),
+                    other.resource_path,
+                    other.client_type.as_deref().unwrap_or("(any)"),
+                ),
+            ));
+            continue;
+        }
+        ids.insert(Arc::clone(&rule.id), (Arc::clone(&sourced.file), sourced.index));
+        keys.insert(key, compiled.len());
+        compiled.push(rule);
+    }
+    if errors.is_empty() { Ok(Snapshot::build(source, compiled)) } else { Err(errors) }
+}
+
+fn error(sourced: &SourcedRule, field: &str, message: String) -> RuleError {
+    let rule = if sourced.raw.rule_id.is_empty() {
+        format!("rules[{}]", sourced.index)
+    } else {
+        format!("{:?} (rules[{}])", sourced.raw.rule_id, sourced.index)
+    };
+    RuleError {
+        file: sourced.file.to_path_buf(),
+        line: None,
+        rule: Some(rule),
+        field: Some(field.to_owned()),
+        message,
+    }
+}
+
+fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
+    let raw = &sourced.raw;
+    let fail = |field: &str, message: String| Err(error(sourced, field, message));
+
+    if raw.rule_id.is_empty() {
+        return fail("rule_id", "must not be empty".to_owned());
+    }
+    if raw.rule_id.len() > MAX_RULE_ID_BYTES {
+        return fail("rule_id", format!("longer than {MAX_RULE_ID_BYTES} bytes"));
+    }
+    if let Some(bad) = raw.rule_id.chars().find(|c| !(c.is_ascii_alphanumeric() || "._-".contains(*c))) {
+        return fail("rule_id", format!("{bad:?} is not allowed: use letters, digits, '.', '_' and '-'"));
+    }
+    if raw.resource_path.is_empty() {
+        return fail("resource_path", "must not be empty".to_owned());
+    }
+    if let Some(star) = raw.resource_path.find('*')
+        && star != raw.resource_path.len() - 1
+    {
+        return fail(
+            "resource_path",
+            format!("{:?}: '*' is only allowed as the last character (a prefix pattern)", raw.resource_path),
+        );
+    }
+    if raw.client_type.as_deref() == Some("") {
+        return fail("client_type", "must not be empty; omit it to match any client".to_owned());
+    }
+    if raw.limit == 0 {
+        return fail("limit", "must be at least 1".to_owned());
+    }
+    if raw.window_seconds == 0 {
+        return fail("window_seconds", "must be at least 1".to_owned());
+    }
+    if !raw.burst_capacity.is_finite() || raw.burst_capacity < 1.0 {
+        return fail("burst_capacity", format!("must be a number >= 1, got {}", raw.burst_capacity));
+    }
+    let window_ms = raw.window_seconds.checked_mul(1_000);
+    // limit * burst in f64 is exact for the magnitudes the bound below admits.
+    let capacity = (raw.limit as f64 * raw.burst_capacity).floor();
+    let within_bound = window_ms.is_some_and(|w| capacity <= (MAX_CAPACITY_TIMES_WINDOW / w) as f64);
+    if !within_bound {
+        return fail(
+            "limit",
+            format!(
+                "limit x burst_capacity x window_seconds x 1000 must not exceed {MAX_CAPACITY_TIMES_WINDOW} \
+                 (the counters are exact to the request and the ms): use a shorter window or a smaller limit"
+            ),
+        );
+    }
+    let window_ms = window_ms.unwrap_or(u64::MAX);
+    // `capacity` is an integer-valued f64 below 2^53 here: the cast is exact.
+    let capacity = capacity as u64;
+
+    Ok(Rule {
+        id: Arc::from(raw.rule_id.as_str()),
+        resource_path: raw.resource_path.clone(),
+        client_type: raw.client_type.clone(),
+        priority: raw.priority_bucket,
+        limit: raw.limit,
+        burst_capacity: raw.burst_capacity,
+        window: WindowParams { window_ms, capacity },
+        mode: raw.mode,
+        failure_policy: raw.failure_policy,
+        source: Arc::clone(&sourced.file),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::native::parse;
+
+    fn compile_text(text: &str) -> Result<Snapshot, Vec<RuleError>> {
+        let rules = parse(Path::new("r.yaml"), text).unwrap();
+        compile(Path::new("r.yaml"), rules)
+    }
+
+    fn one_error(text: &str) -> String {
+        let errors = compile_text(text).unwrap_err();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        errors[0].to_string()
+    }
+
+    fn rule(id: &str, path: &str, extra: &str) -> String {
+        format!(
+            "  - rule_id: {id}\n    resource_path: {path:?}\n    limit: 10\n    window_seconds: 1\n{extra}"
+        )
+    }
+
+    #[test]
+    fn capacity_is_limit_times_burst_floored() {
+        let snapshot =
+            compile_text(&format!("rules:\n{}", rule("a", "/a", "    burst_capacity: 1.25\n"))).unwrap();
+        let rule = snapshot.lookup("/a", None).unwrap();
+        assert_eq!(rule.window, WindowParams { window_ms: 1_000, capacity: 12 });
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let cases = [
+            (rule("a", "/a", "    burst_capacity: 0.5\n"), "field `burst_capacity`"),
+            (rule("a", "/a", "").replace("limit: 10", "limit: 0"), "field `limit`"),
+            (rule("a", "/a", "").replace("window_seconds: 1", "window_seconds: 0"), "field `window_seconds`"),
+            (rule("a b", "/a", ""), "field `rule_id`"),
+            (rule("a", "/a*/b", ""), "field `resource_path`"),
+            (rule("a", "", ""), "field `resource_path`"),
+            (rule("a", "/a", "    client_type: \"\"\n"), "field `client_type`"),
+            (rule("a", "/a", "").replace("limit: 10", "limit: 10000000000000"), "field `limit`"),
+        ];
+        for (text, expected) in cases {
+            let err = one_error(&format!("rules:\n{text}"));
+            assert!(err.starts_with("r.yaml: rule \"a"), "{err}");
+            assert!(err.contains(expected), "{expected} not in {err}");
+        }
+    }
+
+    #[test]
+    fn duplicate_ids_are_rejected() {
+        let err = one_error(&format!("rules:\n{}{}", rule("a", "/a", ""), rule("a", "/b", "")));
+        assert!(err.contains("duplicate rule id"), "{err}");
+        assert!(err.contains("rules[1]"), "{err}");
+    }
+
+    #[test]
+    fn ambiguous_duplicates_are_rejected() {
+        let err = one_error(&format!("rules:\n{}{}", rule("a", "/a*", ""), rule("b", "/a*", "")));
+        assert!(err.contains("ambiguous"), "{err}");
+        // Same path for different client types is not ambiguous.
+        compile_text(&format!(
+            "rules:\n{}{}",
+            rule("a", "/a", ""),
+            rule("b", "/a", "    client_type: IOS\n")
+        ))
+        .unwrap();
+    }
+
+    #[test]
+    fn all_errors_are_reported_at_once() {
+        let errors = compile_text(&format!(
+            "rules:\n{}{}",
+            rule("a", "/a", "").replace("limit: 10", "limit: 0"),
+            rule("b", "/b", "    burst_capacity: 0\n")
+        ))
+        .unwrap_err();
+        assert_eq!(errors.len(), 2, "{errors:?}");
+    }
+}

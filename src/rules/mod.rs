@@ -1,0 +1,86 @@
+//! Rules: the native YAML format, its validation, the immutable [`Snapshot`]
+//! the hot path reads, and the [`RuleStore`] that swaps snapshots atomically
+//! when the files change.
+//!
+//! Architecture invariant: nothing here knows about gRPC or the counter store;
+//! a snapshot is plain data, built whole and never mutated.
+
+mod compile;
+pub mod model;
+mod native;
+mod snapshot;
+mod store;
+
+use std::{fmt, io, path::Path, path::PathBuf};
+
+pub(crate) use compile::compile;
+pub use model::{FailurePolicy, Mode, Priority, Rule};
+pub use snapshot::Snapshot;
+pub use store::{RuleStore, watch};
+
+/// Loads and compiles the rule set at `path` (a file or a directory).
+pub fn load(path: &Path) -> Result<Snapshot, RuleErrors> {
+    let rules = native::load(path).map_err(RuleErrors)?;
+    compile(path, rules).map_err(RuleErrors)
+}
+
+/// A rule problem: always the file, and where known the line, the rule and the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct RuleError {
+    /// The file (or directory) at fault.
+    pub file: PathBuf,
+    /// Line and column, 1-based, when the parser knows them.
+    pub line: Option<(usize, usize)>,
+    /// The rule, by id when it has one: `"id" (rules[3])`.
+    pub rule: Option<String>,
+    /// The field of the rule.
+    pub field: Option<String>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl RuleError {
+    pub(crate) fn io(path: &Path, error: &io::Error) -> Self {
+        RuleError {
+            file: path.to_path_buf(),
+            line: None,
+            rule: None,
+            field: None,
+            message: format!("cannot read: {error}"),
+        }
+    }
+}
+
+impl fmt::Display for RuleError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file.display())?;
+        if let Some((line, column)) = self.line {
+            write!(f, ":{line}:{column}")?;
+        }
+        if let Some(rule) = &self.rule {
+            write!(f, ": rule {rule}")?;
+        }
+        if let Some(field) = &self.field {
+            write!(f, ": field `{field}`")?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+/// Every problem found in one rule set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleErrors(pub Vec<RuleError>);
+
+impl fmt::Display for RuleErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, error) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{error}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for RuleErrors {}

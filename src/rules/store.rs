@@ -1,0 +1,135 @@
+//! The current snapshot, swapped atomically, and the task that reloads it when
+//! the rule files change.
+//!
+//! Change detection polls file metadata rather than using inotify: it sees the
+//! two ways operators replace rules — an atomic `rename` over the old file and
+//! a Kubernetes ConfigMap symlink swap (`..data -> ..2026_…`) — because it
+//! compares the *resolved* path, device, inode, size and mtime of every rule
+//! file, and it needs no watch on a directory that may itself be replaced.
+//! Files are read again only when that fingerprint changes.
+
+use std::{
+    fs,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use arc_swap::ArcSwap;
+use tokio::sync::watch as tokio_watch;
+
+use super::{Snapshot, native::rule_files};
+
+/// Holds the snapshot every decision reads. Readers never block writers.
+#[derive(Debug)]
+pub struct RuleStore {
+    current: ArcSwap<Snapshot>,
+}
+
+impl RuleStore {
+    /// A store serving `snapshot`.
+    pub fn new(snapshot: Snapshot) -> Self {
+        RuleStore { current: ArcSwap::from_pointee(snapshot) }
+    }
+
+    /// The snapshot to decide with. Hold the `Arc` for the whole decision so
+    /// one request sees one rule set even if a reload lands meanwhile.
+    pub fn load(&self) -> Arc<Snapshot> {
+        self.current.load_full()
+    }
+
+    /// Replaces the snapshot for all later `load`s.
+    pub fn swap(&self, snapshot: Snapshot) {
+        self.current.store(Arc::new(snapshot));
+    }
+}
+
+/// Identity of the rule files at one moment: resolved path, device, inode,
+/// size and mtime of each. Any replacement or edit changes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Fingerprint(Vec<(PathBuf, u64, u64, u64, i64, i64)>);
+
+fn fingerprint(path: &Path) -> Result<Fingerprint, String> {
+    let files = rule_files(path).map_err(|e| e.to_string())?;
+    let mut entries = Vec::with_capacity(files.len() + 1);
+    for file in std::iter::once(path.to_path_buf()).chain(files) {
+        let resolved = fs::canonicalize(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+        let meta = fs::metadata(&resolved).map_err(|e| format!("{}: {e}", file.display()))?;
+        entries.push((resolved, meta.dev(), meta.ino(), meta.len(), meta.mtime(), meta.mtime_nsec()));
+    }
+    Ok(Fingerprint(entries))
+}
+
+/// Polls `path` every `interval` and swaps in a new snapshot when the files
+/// changed and the new rule set validates. An invalid rule set is logged
+/// (once per distinct change) and the last good snapshot keeps serving.
+/// Returns when `shutdown` turns true.
+pub async fn watch(
+    store: Arc<RuleStore>,
+    path: PathBuf,
+    interval: Duration,
+    mut shutdown: tokio_watch::Receiver<bool>,
+) {
+    let mut last = fingerprint(&path).ok();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+        let probe_path = path.clone();
+        // Metadata calls and file reads block: keep them off the runtime's workers.
+        let probed = tokio::task::spawn_blocking(move || {
+            let now = fingerprint(&probe_path);
+            (now, probe_path)
+        })
+        .await;
+        let Ok((now, probe_path)) = probed else { continue };
+        let now = match now {
+            Ok(now) => now,
+            Err(message) => {
+                // Mid-swap a file can be missing for an instant; report once.
+                if last.take().is_some() {
+                    tracing::warn!(path = %path.display(), %message, "rules unreadable; keeping the last good snapshot");
+                }
+                continue;
+            }
+        };
+        if last.as_ref() == Some(&now) {
+            continue;
+        }
+        last = Some(now);
+        let loaded = tokio::task::spawn_blocking(move || super::load(&probe_path)).await;
+        match loaded {
+            Ok(Ok(snapshot)) => {
+                let old = store.load();
+                if old.version() == snapshot.version() {
+                    tracing::debug!(version = snapshot.version(), "rule files changed, content did not");
+                    continue;
+                }
+                tracing::info!(
+                    from = old.version(),
+                    to = snapshot.version(),
+                    rules = snapshot.rules().len(),
+                    path = %path.display(),
+                    "rules reloaded"
+                );
+                store.swap(snapshot);
+            }
+            Ok(Err(errors)) => {
+                tracing::error!(
+                    path = %path.display(),
+                    serving = store.load().version(),
+                    %errors,
+                    "rule reload rejected; keeping the last good snapshot"
+                );
+            }
+            Err(join) => tracing::error!(%join, "rule reload task failed"),
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Wiring: builds the rule store, the counter store and the engine from a
+//! [`Config`], serves gRPC on a listener until a shutdown future resolves,
+//! then drains in-flight calls and joins every background task.
+//!
+//! `run` takes the listener and the shutdown future as arguments so tests run
+//! the real server on `127.0.0.1:0` and stop it deterministically.
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use tokio::{
+    net::TcpListener,
+    sync::{oneshot, watch},
+    task::JoinSet,
+};
+use tonic::transport::server::TcpIncoming;
+
+use crate::{
+    api::RateLimiterService,
+    config::Config,
+    decision::Engine,
+    dlq::LogSink,
+    limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper, redis::RedisSetupError},
+    rules::{self, RuleErrors, RuleStore},
+};
+
+/// Why the server could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The initial rule set does not load; nothing was served.
+    #[error("rules: {0}")]
+    Rules(#[from] RuleErrors),
+    /// The Redis store could not be set up.
+    #[error(transparent)]
+    Redis(#[from] RedisSetupError),
+    /// The gRPC server failed.
+    #[error("grpc server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves until `shutdown` resolves, then stops accepting, lets in-flight
+/// calls finish (at most `grpc.shutdown_grace_ms`) and stops background tasks.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let snapshot = rules::load(&config.rules.path)?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = JoinSet::new();
+
+    let store = match &config.redis.url {
+        None => {
+            let memory = Arc::new(MemoryStore::new(config.memory.shards, Arc::new(SystemClock)));
+            tasks.spawn(run_sweeper(
+                Arc::clone(&memory),
+                Duration::from_millis(config.memory.sweep_interval_ms),
+                stop_rx.clone(),
+            ));
+            Store::Memory(memory)
+        }
+        Some(url) => {
+            let redis = Arc::new(RedisStore::new(&config.redis, url)?);
+            // Not fatal: until Redis answers, rules answer by failure policy.
+            match redis.ping(Duration::from_millis(config.redis.connect_timeout_ms)).await {
+                Ok(()) => tracing::info!(url = redis.url_for_logs(), "redis reachable"),
+                Err(e) => tracing::warn!(
+                    url = redis.url_for_logs(),
+                    error = %e,
+                    "redis unreachable at startup; decisions follow each rule's failure_policy until it answers"
+                ),
+            }
+            Store::Redis(redis)
+        }
+    };
+
+    let local_addr = listener.local_addr().ok();
+    if config.redis.url.is_none() {
+        tracing::info!(
+            rules = %config.rules.path.display(),
+            "embedded defaults: in-memory counters (redis.url unset), failed decisions logged"
+        );
+    }
+    tracing::info!(
+        addr = ?local_addr,
+        store = store.name(),
+        rules_version = snapshot.version(),
+        rules = snapshot.rules().len(),
+        path = %config.rules.path.display(),
+        "ratelimitd serving"
+    );
+
+    let rule_store = Arc::new(RuleStore::new(snapshot));
+    if config.rules.reload_interval_ms > 0 {
+        tasks.spawn(rules::watch(
+            Arc::clone(&rule_store),
+            config.rules.path.clone(),
+            Duration::from_millis(config.rules.reload_interval_ms),
+            stop_rx.clone(),
+        ));
+    }
+
+    let engine = Engine::new(rule_store, store, Arc::new(LogSink::default()));
+    let service = RateLimiterService::new(engine, config.limits.clone());
+
+    let (draining_tx, draining_rx) = oneshot::channel::<()>();
+    let signal = async move {
+        shutdown.await;
+        let _ = draining_tx.send(());
+    };
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let serve = tonic::transport::Server::builder()
+        .add_service(service.into_server())
+        .serve_with_incoming_shutdown(incoming, signal);
+
+    let grace = Duration::from_millis(config.grpc.shutdown_grace_ms);
+    let grace_expired = async move {
+        if draining_rx.await.is_ok() {
+            tokio::time::sleep(grace).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    let result = tokio::select! {
+        result = serve => result.map_err(ServerError::from),
+        () = grace_expired => {
+            tracing::warn!(grace_ms = config.grpc.shutdown_grace_ms, "in-flight calls still running after the grace period; stopping anyway");
+            Ok(())
+        }
+    };
+
+    let _ = stop_tx.send(true);
+    while let Some(joined) = tasks.join_next().await {
+        if let Err(e) = joined {
+            tracing::error!(error = %e, "background task failed");
+        }
+    }
+    tracing::info!("ratelimitd stopped");
+    result
+}
