@@ -205,7 +205,12 @@ rules:
     fn unknown_field_names_file_rule_field_and_line() {
         let text = GOOD.replace("    limit: 10\n", "    limt: 10\n");
         let err = parse(Path::new("dir/a.yaml"), &text).unwrap_err().to_string();
-        assert!(err.starts_with("dir/a.yaml:14:5: rule \"search\" (rules[1]): field `limt`: unknown field `limt`"), "{err}");
+        assert!(
+            err.starts_with(
+                "dir/a.yaml:14:5: rule \"search\" (rules[1]): field `limt`: unknown field `limt`"
+            ),
+            "{err}"
+        );
         assert!(err.contains("\"search\" (rules[1])"), "{err}");
         assert!(err.contains("unknown field `limt`"), "{err}");
     }

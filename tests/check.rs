@@ -1,0 +1,280 @@
+//! Black-box tests of `ratelimit.v1.RateLimiter/Check` over real gRPC, each
+//! scenario run once against the in-memory store and once against a real
+//! `redis-server`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Backend, ConfigMapRules, Rules, check, eventually, reason, request};
+use ratelimitd::api::pb::{PriorityBucket, Reason};
+
+/// Windows of one day: a test never straddles enough of a window boundary
+/// for the previous window's decay to admit one request more (that would
+/// need `admitted * elapsed >= W`), so counts are exact and deterministic.
+const RULES: &str = r#"
+rules:
+  - { rule_id: limited, resource_path: /limited, limit: 5, window_seconds: 86400 }
+  - { rule_id: limited-android, resource_path: /limited, client_type: ANDROID_MOBILE, limit: 2, window_seconds: 86400 }
+  - { rule_id: burst, resource_path: /burst, limit: 10, window_seconds: 86400, burst_capacity: 1.5 }
+  - { rule_id: api, resource_path: "/api/*", limit: 3, window_seconds: 86400, priority_bucket: BULK }
+  - { rule_id: shadow, resource_path: /shadow, limit: 1, window_seconds: 86400, mode: shadow }
+  - { rule_id: hot, resource_path: /hot, limit: 100, window_seconds: 86400 }
+"#;
+
+const DAY_MS: i64 = 86_400_000;
+
+for_each_store!(
+    decisions_count_down_and_deny_with_exact_fields,
+    rules_match_by_path_and_client_type,
+    weights_and_burst,
+    never_admissible_weight_says_so,
+    shadow_rules_count_but_never_deny,
+    invalid_requests_are_rejected_with_the_field,
+    concurrent_callers_admit_exactly_the_limit,
+    hot_reload_sees_rename_over,
+    hot_reload_sees_configmap_symlink_swap,
+    invalid_rule_file_keeps_the_last_good_snapshot,
+);
+
+/// The limit admits exactly `limit` requests, `remaining` counts down, and
+/// the first denial carries the rule, reason and a retry inside the window.
+async fn decisions_count_down_and_deny_with_exact_fields(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+
+    for expected_remaining in (0..5).rev() {
+        let r = check(&mut client, request("alice", "/limited")).await;
+        assert!(r.allowed, "{r:?}");
+        assert_eq!(reason(&r), Reason::Ok);
+        assert_eq!(r.remaining_tokens, expected_remaining);
+        assert_eq!(r.retry_after_ms, 0);
+        assert_eq!(r.rule_id, "limited");
+        assert_eq!((r.limit, r.capacity, r.window_ms), (5, 5, DAY_MS));
+        assert_eq!(r.cluster_utilization_status, "NORMAL");
+        assert!(r.reset_after_ms > DAY_MS && r.reset_after_ms <= 2 * DAY_MS, "{r:?}");
+    }
+    let denied = check(&mut client, request("alice", "/limited")).await;
+    assert!(!denied.allowed);
+    assert_eq!(reason(&denied), Reason::OverLimit);
+    assert_eq!(denied.remaining_tokens, 0);
+    assert!(denied.retry_after_ms > 0 && denied.retry_after_ms <= 2 * DAY_MS, "{denied:?}");
+
+    // Another user has their own counter.
+    let bob = check(&mut client, request("bob", "/limited")).await;
+    assert!(bob.allowed);
+    assert_eq!(bob.remaining_tokens, 4);
+    server.stop().await.unwrap();
+}
+
+/// Exact path beats prefix, client-specific beats any-client, unmatched
+/// paths are allowed with NO_RULE and count nothing.
+async fn rules_match_by_path_and_client_type(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+
+    let mut android = request("carol", "/limited");
+    android.client_type = "ANDROID_MOBILE".to_owned();
+    let r = check(&mut client, android.clone()).await;
+    assert_eq!((r.rule_id.as_str(), r.limit), ("limited-android", 2));
+    check(&mut client, android.clone()).await;
+    assert_eq!(reason(&check(&mut client, android).await), Reason::OverLimit);
+    // The any-client rule for the same path has its own counter.
+    let r = check(&mut client, request("carol", "/limited")).await;
+    assert_eq!((r.rule_id.as_str(), r.remaining_tokens), ("limited", 4));
+
+    let r = check(&mut client, request("carol", "/api/v2/things")).await;
+    assert_eq!(r.rule_id, "api");
+
+    for _ in 0..10 {
+        let r = check(&mut client, request("carol", "/nowhere")).await;
+        assert!(r.allowed);
+        assert_eq!(reason(&r), Reason::NoRule);
+        assert_eq!(r.rule_id, "");
+    }
+    server.stop().await.unwrap();
+}
+
+/// A request of weight w costs w tokens; burst raises the capacity to
+/// floor(limit x burst) and the response says so.
+async fn weights_and_burst(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+
+    let mut heavy = request("dave", "/burst");
+    heavy.weight = 12;
+    let r = check(&mut client, heavy).await;
+    assert!(r.allowed);
+    assert_eq!((r.limit, r.capacity, r.remaining_tokens), (10, 15, 3));
+    let mut four = request("dave", "/burst");
+    four.weight = 4;
+    let r = check(&mut client, four).await;
+    assert!(!r.allowed, "4 > 3 remaining");
+    assert_eq!(r.remaining_tokens, 3, "a denied request consumes nothing");
+    let mut three = request("dave", "/burst");
+    three.weight = 3;
+    assert!(check(&mut client, three).await.allowed);
+    // weight 0 means 1.
+    let r = check(&mut client, request("erin", "/burst")).await;
+    assert_eq!(r.remaining_tokens, 14);
+    server.stop().await.unwrap();
+}
+
+/// A weight above the capacity can never pass: denied with its own reason
+/// and retry_after -1, without consuming anything.
+async fn never_admissible_weight_says_so(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+
+    let mut huge = request("frank", "/limited");
+    huge.weight = 6;
+    let r = check(&mut client, huge).await;
+    assert!(!r.allowed);
+    assert_eq!(reason(&r), Reason::WeightExceedsCapacity);
+    assert_eq!(r.retry_after_ms, -1);
+    let r = check(&mut client, request("frank", "/limited")).await;
+    assert_eq!(r.remaining_tokens, 4, "the huge request consumed nothing");
+    server.stop().await.unwrap();
+}
+
+/// Shadow rules count exactly like enforced ones and report what they would
+/// have denied, but always allow.
+async fn shadow_rules_count_but_never_deny(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+
+    let first = check(&mut client, request("gina", "/shadow")).await;
+    assert!(first.allowed && !first.shadow_denied);
+    for _ in 0..3 {
+        let r = check(&mut client, request("gina", "/shadow")).await;
+        assert!(r.allowed, "{r:?}");
+        assert!(r.shadow_denied, "{r:?}");
+        assert_eq!(reason(&r), Reason::Ok);
+        assert_eq!(r.retry_after_ms, 0);
+    }
+    let mut huge = request("gina", "/shadow");
+    huge.weight = 2;
+    let r = check(&mut client, huge).await;
+    assert!(r.allowed && r.shadow_denied);
+    server.stop().await.unwrap();
+}
+
+/// Bad input is INVALID_ARGUMENT with a message naming the field and bound.
+async fn invalid_requests_are_rejected_with_the_field(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+
+    let cases: Vec<(common::Request, &str)> = vec![
+        (request("", "/limited"), "user_id: must not be empty"),
+        (request("u", ""), "resource_path: must not be empty"),
+        (request(&"u".repeat(300), "/limited"), "user_id: 300 bytes exceeds the maximum of 256"),
+        (
+            {
+                let mut r = request("u", "/limited");
+                r.priority = 42;
+                r
+            },
+            "priority: unknown value 42",
+        ),
+        (
+            {
+                let mut r = request("u", "/limited");
+                r.headers = (0..100).map(|i| (format!("h{i}"), "v".to_owned())).collect();
+                r
+            },
+            "headers: 100 entries exceed the maximum of 64",
+        ),
+    ];
+    for (bad, expected) in cases {
+        let status = client.check(bad).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().starts_with(expected), "{:?} vs {expected:?}", status.message());
+    }
+    // A valid priority is accepted.
+    let mut ok = request("u", "/limited");
+    ok.priority = PriorityBucket::Bulk as i32;
+    assert!(check(&mut client, ok).await.allowed);
+    server.stop().await.unwrap();
+}
+
+/// 64 concurrent callers, 256 requests against a limit of 100: exactly 100
+/// are admitted.
+async fn concurrent_callers_admit_exactly_the_limit(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let client = server.client().await;
+    let admitted = common::hammer(&[client], 64, 4, "/hot").await;
+    assert_eq!(admitted, 100);
+    server.stop().await.unwrap();
+}
+
+/// Replacing the rule file by an atomic rename is picked up.
+async fn hot_reload_sees_rename_over(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+    assert_eq!(check(&mut client, request("h", "/limited")).await.limit, 5);
+
+    rules.rename_over(&RULES.replace("limit: 5,", "limit: 7,"));
+    let reloaded = eventually(Duration::from_secs(10), || {
+        let mut client = client.clone();
+        async move { check(&mut client, request("h2", "/limited")).await.limit == 7 }
+    })
+    .await;
+    assert!(reloaded, "rename-over was not picked up");
+    server.stop().await.unwrap();
+}
+
+/// A Kubernetes ConfigMap update (the `..data` symlink swapped to a new
+/// directory, the old one deleted) is picked up.
+async fn hot_reload_sees_configmap_symlink_swap(backend: Backend) {
+    let mut rules = ConfigMapRules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+    assert_eq!(check(&mut client, request("i", "/limited")).await.limit, 5);
+
+    for limit in [8, 9] {
+        rules.swap(&RULES.replace("limit: 5,", &format!("limit: {limit},")));
+        let reloaded = eventually(Duration::from_secs(10), || {
+            let mut client = client.clone();
+            async move { check(&mut client, request("i2", "/limited")).await.limit == limit }
+        })
+        .await;
+        assert!(reloaded, "symlink swap to limit {limit} was not picked up");
+    }
+    server.stop().await.unwrap();
+}
+
+/// An invalid rule set is rejected while the last good one keeps serving; a
+/// later valid one is picked up again.
+async fn invalid_rule_file_keeps_the_last_good_snapshot(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+
+    rules.rename_over(&RULES.replace("limit: 5,", "limit: 0,"));
+    // Let several reload polls (20 ms apart) see the broken file.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..5 {
+        let r = check(&mut client, request("j", "/limited")).await;
+        assert_eq!((r.rule_id.as_str(), r.limit), ("limited", 5), "old snapshot must keep serving");
+    }
+    std::fs::write(rules.dir.path().join("rules.yaml"), "rules: [ {").unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(check(&mut client, request("j", "/limited")).await.limit, 5);
+
+    rules.rename_over(&RULES.replace("limit: 5,", "limit: 6,"));
+    let recovered = eventually(Duration::from_secs(10), || {
+        let mut client = client.clone();
+        async move { check(&mut client, request("j2", "/limited")).await.limit == 6 }
+    })
+    .await;
+    assert!(recovered, "a valid file after an invalid one was not picked up");
+    server.stop().await.unwrap();
+}

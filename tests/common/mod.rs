@@ -1,0 +1,402 @@
+//! Shared harness for the black-box tests: a real `redis-server` on a free
+//! loopback port (installed from Debian's packages when missing), the real
+//! gRPC server on `127.0.0.1:0`, rule files in a temporary directory, and a
+//! generated client. Every child process is stopped by PID when dropped.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::{
+    net::{SocketAddr, TcpListener as StdListener},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::Once,
+    time::{Duration, Instant},
+};
+
+use ratelimitd::{
+    api::pb::{self, rate_limiter_client::RateLimiterClient},
+    config::Config,
+    server,
+};
+use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
+use tonic::transport::Channel;
+
+/// Which counter store a scenario runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Memory,
+    Redis,
+}
+
+/// Generates one `#[tokio::test]` per store from one async scenario
+/// `async fn name(backend: Backend)`.
+#[macro_export]
+macro_rules! for_each_store {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $scenario() { super::$scenario($crate::common::Backend::Memory).await }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $scenario() { super::$scenario($crate::common::Backend::Redis).await }
+            )*
+        }
+    };
+}
+
+static INSTALL: Once = Once::new();
+
+/// Makes sure `redis-server` is on the PATH, installing Debian's package if
+/// not. Concurrent test processes serialise on a lock file.
+pub fn ensure_redis_installed() {
+    INSTALL.call_once(|| {
+        if which("redis-server") {
+            return;
+        }
+        let status = Command::new("flock")
+            .args([
+                "/tmp/ratelimitd-apt.lock",
+                "sh",
+                "-c",
+                "command -v redis-server >/dev/null || \
+                 { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }",
+            ])
+            .status();
+        assert!(
+            which("redis-server"),
+            "redis-server is not installed and `apt-get install redis-server` failed ({status:?}); \
+             install it (Debian package redis-server) and run the tests again"
+        );
+    });
+}
+
+fn which(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program} >/dev/null")])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A `redis-server` child process, killed on drop.
+#[derive(Debug)]
+pub struct RedisServer {
+    child: Option<Child>,
+    pub port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// Starts a fresh, empty, non-persistent Redis on a free port.
+    pub fn start() -> Self {
+        ensure_redis_installed();
+        for _ in 0..5 {
+            let mut server =
+                RedisServer { child: None, port: free_port(), dir: tempfile::tempdir().unwrap() };
+            if server.spawn() {
+                return server;
+            }
+        }
+        panic!("could not start redis-server on a free port");
+    }
+
+    /// (Re)starts the process on the same port; true once it answers PING.
+    fn spawn(&mut self) -> bool {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                self.child = None;
+                return false; // exited: most likely the port was taken
+            }
+            if ping(self.port) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the process (SIGKILL) and waits for it: Redis is gone, abruptly.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port, empty.
+    pub fn restart(&mut self) {
+        self.stop();
+        assert!(self.spawn(), "redis-server did not come back on port {}", self.port);
+    }
+
+    /// A client connection for assertions on Redis itself.
+    pub async fn client(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url()).unwrap().get_multiplexed_async_connection().await.unwrap()
+    }
+
+    /// A field of `INFO <section>`, e.g. `("commandstats", "cmdstat_evalsha")`.
+    pub async fn info_field(&self, section: &str, field: &str) -> Option<String> {
+        let mut conn = self.client().await;
+        let info: String = redis::cmd("INFO").arg(section).query_async(&mut conn).await.unwrap();
+        info.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':').map(str::to_owned))
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn ping(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+    if stream.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    stream.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+/// A rule directory in a temporary folder.
+#[derive(Debug)]
+pub struct Rules {
+    pub dir: tempfile::TempDir,
+}
+
+impl Rules {
+    /// A directory holding `rules.yaml` with `yaml`.
+    pub fn new(yaml: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("rules.yaml"), yaml).unwrap();
+        Rules { dir }
+    }
+
+    pub fn path(&self) -> PathBuf {
+        self.dir.path().to_path_buf()
+    }
+
+    /// Replaces `rules.yaml` the way deploy tools do: write a temporary file
+    /// in the same directory, then `rename` it over the old one (atomic).
+    pub fn rename_over(&self, yaml: &str) {
+        let tmp = self.dir.path().join(".rules.yaml.tmp");
+        std::fs::write(&tmp, yaml).unwrap();
+        std::fs::rename(&tmp, self.dir.path().join("rules.yaml")).unwrap();
+    }
+}
+
+/// A rule directory laid out like a Kubernetes ConfigMap volume:
+/// `rules.yaml -> ..data/rules.yaml`, `..data -> ..<version>/`.
+#[derive(Debug)]
+pub struct ConfigMapRules {
+    pub dir: tempfile::TempDir,
+    version: u32,
+}
+
+impl ConfigMapRules {
+    pub fn new(yaml: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rules = ConfigMapRules { dir, version: 0 };
+        rules.write_version(yaml);
+        std::fs::rename(rules.dir.path().join("..data_tmp"), rules.dir.path().join("..data")).unwrap();
+        std::os::unix::fs::symlink("..data/rules.yaml", rules.dir.path().join("rules.yaml")).unwrap();
+        rules
+    }
+
+    fn write_version(&mut self, yaml: &str) {
+        self.version += 1;
+        let versioned = self.dir.path().join(format!("..2026_11_21_{:04}", self.version));
+        std::fs::create_dir(&versioned).unwrap();
+        std::fs::write(versioned.join("rules.yaml"), yaml).unwrap();
+        // Point a fresh link at the new version, then rename it over `..data`:
+        // the atomic swap the kubelet performs.
+        let tmp = self.dir.path().join("..data_tmp");
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(versioned.file_name().unwrap(), &tmp).unwrap();
+    }
+
+    /// Publishes `yaml` as a new version by swapping the `..data` link, then
+    /// removes the old version directory, as the kubelet does.
+    pub fn swap(&mut self, yaml: &str) {
+        let old = self.dir.path().join(format!("..2026_11_21_{:04}", self.version));
+        self.write_version(yaml);
+        std::fs::rename(self.dir.path().join("..data_tmp"), self.dir.path().join("..data")).unwrap();
+        std::fs::remove_dir_all(old).unwrap();
+    }
+
+    pub fn path(&self) -> PathBuf {
+        self.dir.path().to_path_buf()
+    }
+}
+
+/// A configuration for tests: loopback, the given rules and store, a fast
+/// reload poll and a generous store timeout (exactness tests must not fail
+/// open because a loaded CI machine answered slowly).
+pub fn config(rules: &Path, redis_url: Option<String>) -> Config {
+    let mut config = Config::default();
+    config.grpc.listen = "127.0.0.1:0".to_owned();
+    config.rules.path = rules.to_path_buf();
+    config.rules.reload_interval_ms = 20;
+    config.redis.url = redis_url;
+    config.redis.timeout_ms = 2_000;
+    config.grpc.shutdown_grace_ms = 5_000;
+    config
+}
+
+/// The real server, on a loopback port, stopped by [`TestServer::stop`].
+#[derive(Debug)]
+pub struct TestServer {
+    pub addr: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    handle: Option<JoinHandle<Result<(), server::ServerError>>>,
+}
+
+impl TestServer {
+    pub async fn start(config: Config) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = oneshot::channel();
+        let handle = tokio::spawn(server::run(config, listener, async move {
+            let _ = rx.await;
+        }));
+        TestServer { addr, shutdown: Some(tx), handle: Some(handle) }
+    }
+
+    pub async fn client(&self) -> RateLimiterClient<Channel> {
+        let endpoint = format!("http://{}", self.addr);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match RateLimiterClient::connect(endpoint.clone()).await {
+                Ok(client) => return client,
+                Err(e) if Instant::now() > deadline => panic!("server at {endpoint} unreachable: {e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
+    }
+
+    /// Stops the server gracefully and returns its result.
+    pub async fn stop(mut self) -> Result<(), server::ServerError> {
+        let _ = self.shutdown.take().unwrap().send(());
+        self.handle.take().unwrap().await.unwrap()
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(handle) = &self.handle {
+            handle.abort();
+        }
+    }
+}
+
+/// Starts the store a scenario asks for (Redis: a fresh server) and the
+/// service on `rules`. The `RedisServer` must outlive the test.
+pub async fn start(backend: Backend, rules: &Path) -> (TestServer, Option<RedisServer>) {
+    let redis = (backend == Backend::Redis).then(RedisServer::start);
+    let server = TestServer::start(config(rules, redis.as_ref().map(RedisServer::url))).await;
+    (server, redis)
+}
+
+/// A request for `user` on `path`.
+pub fn request(user: &str, path: &str) -> pb::RateLimitRequest {
+    pb::RateLimitRequest { user_id: user.to_owned(), resource_path: path.to_owned(), ..Default::default() }
+}
+
+/// Calls Check and unwraps the response.
+pub async fn check(
+    client: &mut RateLimiterClient<Channel>,
+    request: pb::RateLimitRequest,
+) -> pb::RateLimitResponse {
+    client.check(request).await.expect("Check failed").into_inner()
+}
+
+/// Polls `probe` until it returns true or `timeout` passes.
+pub async fn eventually<F, Fut>(timeout: Duration, mut probe: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if probe().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+pub fn reason(response: &pb::RateLimitResponse) -> pb::Reason {
+    pb::Reason::try_from(response.reason).unwrap()
+}
+
+pub type Request = pb::RateLimitRequest;
+
+/// `tasks` concurrent callers, each sending `per_task` requests for user
+/// `hot` on `path`, spread over `clients`. Returns how many were admitted;
+/// fails on any answer that is not a real decision (OK or OVER_LIMIT).
+pub async fn hammer(
+    clients: &[RateLimiterClient<Channel>],
+    tasks: usize,
+    per_task: usize,
+    path: &str,
+) -> usize {
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(tasks));
+    let mut handles = Vec::with_capacity(tasks);
+    for task in 0..tasks {
+        let mut client = clients[task % clients.len()].clone();
+        let barrier = std::sync::Arc::clone(&barrier);
+        let path = path.to_owned();
+        handles.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let mut admitted = 0;
+            for _ in 0..per_task {
+                let r = check(&mut client, request("hot", &path)).await;
+                let why = reason(&r);
+                assert!(matches!(why, pb::Reason::Ok | pb::Reason::OverLimit), "not a real decision: {r:?}");
+                admitted += usize::from(r.allowed);
+            }
+            admitted
+        }));
+    }
+    let mut admitted = 0;
+    for handle in handles {
+        admitted += handle.await.unwrap();
+    }
+    admitted
+}
