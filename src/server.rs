@@ -61,7 +61,7 @@ pub async fn run(
         Some(url) => {
             let redis = Arc::new(RedisStore::new(&config.redis, url)?);
             // Not fatal: until Redis answers, rules answer by failure policy.
-            match redis.ping(Duration::from_millis(config.redis.connect_timeout_ms)).await {
+            match redis.warm_up(Duration::from_millis(config.redis.connect_timeout_ms)).await {
                 Ok(()) => tracing::info!(url = redis.url_for_logs(), "redis reachable"),
                 Err(e) => tracing::warn!(
                     url = redis.url_for_logs(),

@@ -96,11 +96,16 @@ impl RedisStore {
         &self.url_for_logs
     }
 
-    /// One PING within `timeout`: used at startup to say whether Redis is up.
-    pub async fn ping(&self, timeout: Duration) -> Result<(), StoreError> {
-        let (_, mut conn) = self.within(timeout, self.connection()).await?;
-        let pong: Result<String, RedisError> = redis::cmd("PING").query_async(&mut conn).await;
-        pong.map(|_| ()).map_err(|e| classify(&e))
+    /// Checks within `timeout` that Redis answers, and loads the script so
+    /// the first decision does not meet NOSCRIPT. Used at startup to say
+    /// whether Redis is up; a failure is not fatal.
+    pub async fn warm_up(&self, timeout: Duration) -> Result<(), StoreError> {
+        let load = async {
+            let (_, mut conn) = self.connection().await?;
+            let loaded: Result<String, RedisError> = self.script.load_async(&mut conn).await;
+            loaded.map(|_| ()).map_err(|e| classify(&e))
+        };
+        self.within(timeout, load).await
     }
 
     /// Decides one request by running the script; the whole call, connection

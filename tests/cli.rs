@@ -1,0 +1,216 @@
+//! Black-box tests of the `ratelimitd` binary itself: configuration errors,
+//! `rules validate`, `serve` + `check` end to end, and graceful shutdown on
+//! SIGTERM.
+
+mod common;
+
+use std::{
+    path::Path,
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::{RedisServer, Rules, free_port};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
+
+const RULES: &str = r#"
+rules:
+  - { rule_id: two, resource_path: /two, limit: 2, window_seconds: 86400, failure_policy: closed }
+"#;
+
+fn ratelimitd(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(BIN);
+    command.args(args).env_remove("RUST_LOG");
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.output().unwrap()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// A `ratelimitd serve` child process; killed on drop if still running.
+struct Serve {
+    child: Child,
+    addr: String,
+}
+
+impl Serve {
+    fn start(rules: &Path, redis_url: Option<&str>) -> Self {
+        let port = free_port();
+        let mut command = Command::new(BIN);
+        command
+            .arg("serve")
+            .env_remove("RUST_LOG")
+            .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
+            .env("RATELIMITD__RULES__PATH", rules)
+            .env("RATELIMITD__REDIS__TIMEOUT_MS", "1000")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some(url) = redis_url {
+            command.env("RATELIMITD__REDIS__URL", url);
+        }
+        let child = command.spawn().unwrap();
+        let serve = Serve { child, addr: format!("http://127.0.0.1:{port}") };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "ratelimitd serve did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        serve
+    }
+
+    fn check(&self, extra: &[&str]) -> Output {
+        let mut args = vec!["check", "--addr", &self.addr];
+        args.extend_from_slice(extra);
+        ratelimitd(&args, &[])
+    }
+
+    /// SIGTERM, then the exit status and everything it logged.
+    fn terminate(mut self) -> (std::process::ExitStatus, String) {
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "no exit within 20 s of SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut log = String::new();
+        use std::io::Read;
+        self.child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+        (status, log)
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn invalid_configuration_exits_64_naming_the_key() {
+    for (key, value, named) in [
+        ("RATELIMITD__REDIS__TIMEOUT_MS", "soon", "redis.timeout_ms"),
+        ("RATELIMITD__REDIS__TIMEOUT_MS", "0", "redis.timeout_ms"),
+        ("RATELIMITD__GRPC__LISTEN", "everywhere", "grpc.listen"),
+        ("RATELIMITD__REDIS__URL", "http://:secret@10.0.0.1", "redis.url"),
+    ] {
+        let output = ratelimitd(&["serve"], &[(key, value)]);
+        assert_eq!(output.status.code(), Some(64), "{key}={value}: {}", stderr(&output));
+        assert!(stderr(&output).contains(named), "{key}={value}: {}", stderr(&output));
+        assert!(!stderr(&output).contains("secret"), "a password leaked: {}", stderr(&output));
+    }
+    let output = ratelimitd(&["serve", "--config", "/nonexistent/ratelimitd.yaml"], &[]);
+    assert_eq!(output.status.code(), Some(64));
+    assert!(stderr(&output).contains("/nonexistent/ratelimitd.yaml"));
+}
+
+#[test]
+fn unknown_subcommand_is_a_usage_error() {
+    assert_eq!(ratelimitd(&["frobnicate"], &[]).status.code(), Some(64));
+    assert_eq!(ratelimitd(&["--help"], &[]).status.code(), Some(0));
+}
+
+#[test]
+fn rules_validate_reports_file_rule_and_field() {
+    let good = Rules::new(RULES);
+    let output = ratelimitd(&["rules", "validate", good.path().to_str().unwrap()], &[]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stdout(&output).contains("ok, 1 rules, version "), "{}", stdout(&output));
+
+    let bad = Rules::new(&RULES.replace("limit: 2,", "limit: 2, burst_capacity: 0.5,"));
+    let output = ratelimitd(&["rules", "validate", bad.path().to_str().unwrap()], &[]);
+    assert_eq!(output.status.code(), Some(1));
+    let err = stderr(&output);
+    assert!(err.contains("rules.yaml: rule \"two\" (rules[0]): field `burst_capacity`: must be a number >= 1"), "{err}");
+
+    // The example rules shipped with the repository are valid.
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/rules");
+    let output = ratelimitd(&["rules", "validate", examples.to_str().unwrap()], &[]);
+    assert!(output.status.success(), "{}", stderr(&output));
+}
+
+#[test]
+fn serve_refuses_to_start_on_invalid_rules() {
+    let bad = Rules::new("rules:\n  - { rule_id: x, resource_path: /x, limit: 0, window_seconds: 1 }\n");
+    let output = ratelimitd(
+        &["serve"],
+        &[
+            ("RATELIMITD__RULES__PATH", bad.path().to_str().unwrap()),
+            ("RATELIMITD__GRPC__LISTEN", &format!("127.0.0.1:{}", free_port())),
+        ],
+    );
+    assert_eq!(output.status.code(), Some(1));
+    assert!(stderr(&output).contains("field `limit`: must be at least 1"), "{}", stderr(&output));
+}
+
+/// `serve` on Redis, `check` against it (text and JSON, exit codes), then
+/// SIGTERM: the process drains and exits 0.
+#[test]
+fn serve_check_and_sigterm_with_redis() {
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let serve = Serve::start(&rules.path(), Some(&redis.url()));
+
+    let first = serve.check(&["--user", "u1", "--path", "/two"]);
+    assert_eq!(first.status.code(), Some(0), "{}", stderr(&first));
+    let text = stdout(&first);
+    assert!(text.contains("allowed         true"), "{text}");
+    assert!(text.contains("rule_id         two"), "{text}");
+    assert!(text.contains("remaining       1"), "{text}");
+
+    let second = serve.check(&["--user", "u1", "--path", "/two", "--json"]);
+    assert_eq!(second.status.code(), Some(0));
+    let json: serde_json::Value = serde_json::from_slice(&second.stdout).unwrap();
+    assert_eq!(json["remaining_tokens"], 0);
+    assert_eq!(json["reason"], "OK");
+
+    let denied = serve.check(&["--user", "u1", "--path", "/two", "--json"]);
+    assert_eq!(denied.status.code(), Some(1), "denied exits 1");
+    let json: serde_json::Value = serde_json::from_slice(&denied.stdout).unwrap();
+    assert_eq!(json["reason"], "OVER_LIMIT");
+    assert!(json["retry_after_ms"].as_i64().unwrap() > 0);
+
+    let invalid = serve.check(&["--user", "", "--path", "/two"]);
+    assert_eq!(invalid.status.code(), Some(64));
+    assert!(stderr(&invalid).contains("user_id: must not be empty"), "{}", stderr(&invalid));
+
+    let (status, log) = serve.terminate();
+    assert!(status.success(), "exit {status:?}\n{log}");
+    assert!(log.contains("SIGTERM received"), "{log}");
+    assert!(log.contains("ratelimitd stopped"), "{log}");
+    assert!(!log.contains("embedded defaults"), "{log}");
+}
+
+/// With no configuration at all, `serve` runs on the embedded defaults and
+/// says so in one log line.
+#[test]
+fn embedded_defaults_say_so() {
+    let rules = Rules::new(RULES);
+    let serve = Serve::start(&rules.path(), None);
+    let ok = serve.check(&["--user", "u1", "--path", "/two"]);
+    assert_eq!(ok.status.code(), Some(0), "{}", stderr(&ok));
+    let (status, log) = serve.terminate();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("embedded defaults: in-memory counters"), "{log}");
+}
+
+/// `check` against nothing exits 69 (unavailable).
+#[test]
+fn check_without_a_server_exits_69() {
+    let addr = format!("http://127.0.0.1:{}", free_port());
+    let output = ratelimitd(&["check", "--addr", &addr, "--user", "u", "--path", "/x"], &[]);
+    assert_eq!(output.status.code(), Some(69), "{}", stderr(&output));
+}
