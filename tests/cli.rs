@@ -134,7 +134,10 @@ fn rules_validate_reports_file_rule_and_field() {
     let output = ratelimitd(&["rules", "validate", bad.path().to_str().unwrap()], &[]);
     assert_eq!(output.status.code(), Some(1));
     let err = stderr(&output);
-    assert!(err.contains("rules.yaml: rule \"two\" (rules[0]): field `burst_capacity`: must be a number >= 1"), "{err}");
+    assert!(
+        err.contains("rules.yaml: rule \"two\" (rules[0]): field `burst_capacity`: must be a number >= 1"),
+        "{err}"
+    );
 
     // The example rules shipped with the repository are valid.
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/rules");

@@ -33,8 +33,10 @@ async fn counters_are_hashes_with_a_two_window_ttl() {
     let fields: std::collections::HashMap<String, u64> = conn.hgetall("rl:{kim}:hot").await.unwrap();
     assert_eq!(fields["c"], 7);
     assert_eq!(fields["p"], 0);
-    let now_ms = u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis())
-        .unwrap();
+    let now_ms = u64::try_from(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis(),
+    )
+    .unwrap();
     assert!(fields["w"].abs_diff(now_ms / 86_400_000) <= 1, "{fields:?}");
     let ttl: i64 = conn.pttl("rl:{kim}:hot").await.unwrap();
     assert!(ttl > 0 && ttl <= 2 * 86_400_000, "ttl {ttl}");
@@ -169,4 +171,36 @@ async fn service_starts_while_redis_is_down() {
     .await;
     assert!(recovered);
     server.stop().await.unwrap();
+}
+
+/// Shutdown stops accepting but lets in-flight calls finish: calls stuck on
+/// a paused Redis when the shutdown begins still get real decisions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_finishes_in_flight_calls() {
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 5_000;
+    let server = TestServer::start(cfg).await;
+    let client = server.client().await;
+    assert_eq!(reason(&check(&mut client.clone(), request("quinn", "/hot")).await), Reason::Ok);
+
+    // Hold every Redis command for 600 ms, then start 16 calls.
+    let mut conn = redis.client().await;
+    let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(600).arg("ALL").query_async(&mut conn).await.unwrap();
+    let paused_at = Instant::now();
+    let in_flight: Vec<_> = (0..16)
+        .map(|_| {
+            let mut client = client.clone();
+            tokio::spawn(async move { client.check(request("quinn", "/hot")).await })
+        })
+        .collect();
+    // Give the calls time to reach the (paused) store before shutting down.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    server.stop().await.unwrap();
+    assert!(paused_at.elapsed() >= Duration::from_millis(600), "shutdown did not wait for in-flight calls");
+    for call in in_flight {
+        let response = call.await.unwrap().expect("in-flight call failed during shutdown").into_inner();
+        assert_eq!(reason(&response), Reason::Ok, "{response:?}");
+    }
 }
