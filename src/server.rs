@@ -73,7 +73,7 @@ pub async fn run(
         }
     };
 
-    let local_addr = listener.local_addr().ok();
+    let local_addr = listener.local_addr().map_or_else(|e| format!("unknown ({e})"), |a| a.to_string());
     if config.redis.url.is_none() {
         tracing::info!(
             rules = %config.rules.path.display(),
@@ -81,7 +81,7 @@ pub async fn run(
         );
     }
     tracing::info!(
-        addr = ?local_addr,
+        addr = %local_addr,
         store = store.name(),
         rules_version = snapshot.version(),
         rules = snapshot.rules().len(),
