@@ -204,3 +204,29 @@ async fn shutdown_finishes_in_flight_calls() {
         assert_eq!(reason(&response), Reason::Ok, "{response:?}");
     }
 }
+
+/// A Redis that is up but does not answer within `redis.timeout_ms` (here:
+/// paused) is a failure too: answered by policy once the deadline passes,
+/// not when Redis finally answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slow_redis_answers_by_failure_policy_at_the_deadline() {
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 50;
+    let server = TestServer::start(cfg).await;
+    let mut client = server.client().await;
+    assert_eq!(reason(&check(&mut client, request("rae", "/open")).await), Reason::Ok);
+
+    let mut conn = redis.client().await;
+    let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(1_000).arg("ALL").query_async(&mut conn).await.unwrap();
+    let started = Instant::now();
+    let open = check(&mut client, request("rae", "/open")).await;
+    let closed = check(&mut client, request("rae", "/closed")).await;
+    let elapsed = started.elapsed();
+    assert_eq!((open.allowed, reason(&open)), (true, Reason::FailOpen));
+    assert_eq!((closed.allowed, reason(&closed)), (false, Reason::FailClosed));
+    // Two 50 ms deadlines; well under the 1 s pause they would otherwise wait out.
+    assert!(elapsed < Duration::from_millis(900), "answers waited for Redis: {elapsed:?}");
+    server.stop().await.unwrap();
+}
