@@ -35,6 +35,9 @@ pub enum ServerError {
     /// The gRPC server failed.
     #[error("grpc server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// A background task (rule reload, counter sweep) ended while serving: a bug.
+    #[error("background task ended unexpectedly: {0}")]
+    TaskExited(String),
 }
 
 /// Serves until `shutdown` resolves, then stops accepting, lets in-flight
@@ -120,12 +123,23 @@ pub async fn run(
             std::future::pending::<()>().await;
         }
     };
+    // Background tasks only return on shutdown; one that ends earlier (a
+    // panic) stops the service with an error rather than leaving it running
+    // without rule reloads or with unbounded memory.
+    let task_exited = async {
+        match tasks.join_next().await {
+            Some(Err(e)) => e.to_string(),
+            Some(Ok(())) => "returned before shutdown".to_owned(),
+            None => std::future::pending().await,
+        }
+    };
     let result = tokio::select! {
         result = serve => result.map_err(ServerError::from),
         () = grace_expired => {
             tracing::warn!(grace_ms = config.grpc.shutdown_grace_ms, "in-flight calls still running after the grace period; stopping anyway");
             Ok(())
         }
+        reason = task_exited => Err(ServerError::TaskExited(reason)),
     };
 
     let _ = stop_tx.send(true);

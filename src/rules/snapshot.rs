@@ -89,11 +89,6 @@ impl Snapshot {
         }
     }
 
-    /// An empty rule set: every request is answered NO_RULE.
-    pub fn empty() -> Self {
-        Self::build(Path::new(""), Vec::new())
-    }
-
     /// The rule that governs `resource_path` for `client_type`, if any.
     pub fn lookup(&self, resource_path: &str, client_type: Option<&str>) -> Option<&Rule> {
         if let Some(index) = self.exact.get(resource_path).and_then(|c| c.pick(client_type)) {

@@ -71,7 +71,10 @@ pub async fn watch(
     interval: Duration,
     mut shutdown: tokio_watch::Receiver<bool>,
 ) {
-    let mut last = fingerprint(&path).ok();
+    // No fingerprint yet: the first poll reloads, so a change made between
+    // the initial load and this task's start is not missed (an unchanged
+    // rule set has the same version and is not swapped).
+    let mut last: Option<Fingerprint> = None;
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
