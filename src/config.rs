@@ -10,6 +10,11 @@ use std::{collections::HashMap, fmt, net::SocketAddr, path::PathBuf, time::Durat
 
 use serde::Deserialize;
 
+use crate::{
+    rules::Priority,
+    shed::{ShedMode, Thresholds},
+};
+
 /// Prefix of configuration environment variables.
 pub const ENV_PREFIX: &str = "RATELIMITD";
 
@@ -39,6 +44,8 @@ pub struct Config {
     pub rules: RulesConfig,
     /// Bounds on request fields, answered with INVALID_ARGUMENT when exceeded.
     pub limits: LimitsConfig,
+    /// Priority load shedding.
+    pub shed: ShedConfig,
     /// Logging.
     pub log: LogConfig,
 }
@@ -167,6 +174,64 @@ impl Default for LimitsConfig {
     }
 }
 
+/// `shed.*`: priority load shedding (DESIGN §7).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShedConfig {
+    /// `enforce` refuses shed requests (reason SHED); `shadow` decides them
+    /// normally and flags `shadow_shed`; `off` neither samples nor sheds.
+    pub mode: ShedMode,
+    /// Where `stat` is read when no cgroup CPU quota applies.
+    pub procfs_root: PathBuf,
+    /// The cgroup v2 directory holding `cpu.max` and `cpu.stat`.
+    pub cgroup_root: PathBuf,
+    /// Utilization (0..1) at which DEGRADED_MODE starts: BULK and BEST_EFFORT are shed.
+    pub degraded_at: f64,
+    /// Utilization (0..1) at which CRITICAL_ONLY starts: DEGRADED is shed too.
+    pub critical_only_at: f64,
+    /// A level is left only when utilization falls this far below its threshold.
+    pub hysteresis: f64,
+    /// How often utilization is sampled.
+    pub sample_interval_ms: u64,
+    /// Weight of a new sample in the moving average (0 < x <= 1); lower is smoother.
+    pub smoothing: f64,
+    /// Priority of requests that state none and match no rule.
+    pub default_priority: Priority,
+    /// Centre of the jittered `retry_after_ms` of shed requests (spread over ±50%).
+    pub retry_after_ms: u64,
+    /// How often, at most, the shed counts are logged while shedding.
+    pub report_interval_ms: u64,
+}
+
+impl Default for ShedConfig {
+    fn default() -> Self {
+        Self {
+            mode: ShedMode::Enforce,
+            procfs_root: PathBuf::from("/proc"),
+            cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+            degraded_at: 0.60,
+            critical_only_at: 0.85,
+            hysteresis: 0.05,
+            sample_interval_ms: 250,
+            smoothing: 0.3,
+            default_priority: Priority::Degraded,
+            retry_after_ms: 1_000,
+            report_interval_ms: 10_000,
+        }
+    }
+}
+
+impl ShedConfig {
+    /// The level thresholds.
+    pub fn thresholds(&self) -> Thresholds {
+        Thresholds {
+            degraded_at: self.degraded_at,
+            critical_only_at: self.critical_only_at,
+            hysteresis: self.hysteresis,
+        }
+    }
+}
+
 /// `log.*`
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -253,6 +318,34 @@ impl Config {
                 return Err(invalid(key, "must be at least 1"));
             }
         }
+        let shed = &self.shed;
+        if !(shed.degraded_at > 0.0 && shed.degraded_at <= 1.0) {
+            return Err(invalid("shed.degraded_at", format!("must be in (0, 1], got {}", shed.degraded_at)));
+        }
+        if !(shed.critical_only_at >= shed.degraded_at && shed.critical_only_at <= 1.0) {
+            return Err(invalid(
+                "shed.critical_only_at",
+                format!("must be in [shed.degraded_at, 1], got {}", shed.critical_only_at),
+            ));
+        }
+        if !(shed.hysteresis >= 0.0 && shed.hysteresis < shed.degraded_at) {
+            return Err(invalid(
+                "shed.hysteresis",
+                format!("must be in [0, shed.degraded_at), got {}", shed.hysteresis),
+            ));
+        }
+        if !(shed.smoothing > 0.0 && shed.smoothing <= 1.0) {
+            return Err(invalid("shed.smoothing", format!("must be in (0, 1], got {}", shed.smoothing)));
+        }
+        if shed.sample_interval_ms < 10 {
+            return Err(invalid("shed.sample_interval_ms", "must be at least 10"));
+        }
+        if shed.retry_after_ms == 0 {
+            return Err(invalid("shed.retry_after_ms", "must be at least 1"));
+        }
+        if shed.report_interval_ms == 0 {
+            return Err(invalid("shed.report_interval_ms", "must be at least 1"));
+        }
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| invalid("log.level", format!("{:?}: {e}", self.log.level)))?;
         Ok(())
@@ -310,6 +403,33 @@ mod tests {
         let err =
             Config::load(None, env(&[("RATELIMITD__GRPC__LISTEN", "nowhere")])).unwrap_err().to_string();
         assert!(err.contains("`grpc.listen`"), "{err}");
+    }
+
+    #[test]
+    fn shed_keys_parse_and_validate() {
+        let config = Config::load(
+            None,
+            env(&[
+                ("RATELIMITD__SHED__MODE", "shadow"),
+                ("RATELIMITD__SHED__DEFAULT_PRIORITY", "BULK"),
+                ("RATELIMITD__SHED__DEGRADED_AT", "0.5"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.shed.mode, ShedMode::Shadow);
+        assert_eq!(config.shed.default_priority, Priority::Bulk);
+        assert!((config.shed.degraded_at - 0.5).abs() < f64::EPSILON);
+        for (key, value, named) in [
+            ("RATELIMITD__SHED__DEGRADED_AT", "0.9", "`shed.critical_only_at`"),
+            ("RATELIMITD__SHED__DEGRADED_AT", "1.5", "`shed.degraded_at`"),
+            ("RATELIMITD__SHED__HYSTERESIS", "0.7", "`shed.hysteresis`"),
+            ("RATELIMITD__SHED__SMOOTHING", "0", "`shed.smoothing`"),
+            ("RATELIMITD__SHED__MODE", "loud", "shed.mode"),
+            ("RATELIMITD__SHED__DEFAULT_PRIORITY", "URGENT", "shed.default_priority"),
+        ] {
+            let err = Config::load(None, env(&[(key, value)])).unwrap_err().to_string();
+            assert!(err.contains(named), "{key}={value}: {err}");
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::{
     dlq::{FailedDecision, FailureSink},
     limiter::{Store, Verdict},
     rules::{FailurePolicy, Mode, Priority, RuleStore},
+    shed::{Level, ShedVerdict, Shedder},
 };
 
 /// `retry_after_ms` of a FAIL_CLOSED answer (capped at the rule's window).
@@ -41,6 +42,8 @@ pub enum Reason {
     Ok,
     /// Over the limit.
     OverLimit,
+    /// Refused by priority load shedding; no counter was touched.
+    Shed,
     /// No rule matches.
     NoRule,
     /// The store failed; the rule fails open.
@@ -57,6 +60,7 @@ impl Reason {
         match self {
             Reason::Ok => "OK",
             Reason::OverLimit => "OVER_LIMIT",
+            Reason::Shed => "SHED",
             Reason::NoRule => "NO_RULE",
             Reason::FailOpen => "FAIL_OPEN",
             Reason::FailClosed => "FAIL_CLOSED",
@@ -95,8 +99,30 @@ pub struct Decision {
     pub shadow_denied: bool,
     /// The matched rule, if any.
     pub rule: Option<RuleInfo>,
-    /// The priority the request was decided with.
+    /// The priority the request was decided with (its own, else the rule's,
+    /// else `shed.default_priority`).
     pub priority: Priority,
+    /// The utilization level the request was decided at.
+    pub level: Level,
+    /// Shedding would have refused this request, but `shed.mode` is shadow.
+    pub shadow_shed: bool,
+}
+
+impl Decision {
+    fn allowed(reason: Reason, rule: Option<RuleInfo>, priority: Priority, level: Level) -> Self {
+        Decision {
+            allowed: true,
+            reason,
+            remaining: 0,
+            retry_after_ms: 0,
+            reset_after_ms: 0,
+            shadow_denied: false,
+            rule,
+            priority,
+            level,
+            shadow_shed: false,
+        }
+    }
 }
 
 /// Runs the decision path. Cheap to share: everything inside is an `Arc`.
@@ -104,14 +130,23 @@ pub struct Decision {
 pub struct Engine {
     rules: Arc<RuleStore>,
     store: Store,
+    shedder: Arc<Shedder>,
     failures: Arc<dyn FailureSink>,
     default_priority: Priority,
 }
 
 impl Engine {
-    /// An engine deciding with `rules` and `store`, reporting store failures to `failures`.
-    pub fn new(rules: Arc<RuleStore>, store: Store, failures: Arc<dyn FailureSink>) -> Self {
-        Engine { rules, store, failures, default_priority: Priority::Degraded }
+    /// An engine deciding with `rules` and `store`, shedding through
+    /// `shedder`, reporting store failures to `failures`. `default_priority`
+    /// applies to requests that state none and match no rule.
+    pub fn new(
+        rules: Arc<RuleStore>,
+        store: Store,
+        shedder: Arc<Shedder>,
+        failures: Arc<dyn FailureSink>,
+        default_priority: Priority,
+    ) -> Self {
+        Engine { rules, store, shedder, failures, default_priority }
     }
 
     /// The rule store (for reloads and status).
@@ -124,27 +159,40 @@ impl Engine {
         &self.store
     }
 
+    /// The shedder.
+    pub fn shedder(&self) -> &Arc<Shedder> {
+        &self.shedder
+    }
+
     /// Decides one request.
     pub async fn check(&self, request: &CheckRequest<'_>) -> Decision {
         let snapshot = self.rules.load();
-        let Some(rule) = snapshot.lookup(request.resource_path, request.client_type) else {
-            return Decision {
-                allowed: true,
-                reason: Reason::NoRule,
-                remaining: 0,
-                retry_after_ms: 0,
-                reset_after_ms: 0,
-                shadow_denied: false,
-                rule: None,
-                priority: request.priority.unwrap_or(self.default_priority),
-            };
-        };
-        let priority = request.priority.unwrap_or(rule.priority);
-        let info = RuleInfo {
+        let rule = snapshot.lookup(request.resource_path, request.client_type);
+        let priority = request.priority.or(rule.map(|r| r.priority)).unwrap_or(self.default_priority);
+        let info = rule.map(|rule| RuleInfo {
             id: Arc::clone(&rule.id),
             limit: rule.limit,
             capacity: rule.window.capacity,
             window_ms: rule.window.window_ms,
+        });
+
+        // Shedding comes before anything that costs a store call. The level
+        // is read once so the answer and its status agree.
+        let level = self.shedder.level();
+        let shadow_shed = match self.shedder.check(level, priority) {
+            ShedVerdict::Pass => false,
+            ShedVerdict::ShadowShed => true,
+            ShedVerdict::Shed { retry_after_ms } => {
+                return Decision {
+                    allowed: false,
+                    retry_after_ms: clamp_i64(retry_after_ms),
+                    ..Decision::allowed(Reason::Shed, info, priority, level)
+                };
+            }
+        };
+
+        let Some(rule) = rule else {
+            return Decision { shadow_shed, ..Decision::allowed(Reason::NoRule, None, priority, level) };
         };
         let weight = u64::from(request.weight);
         let shadow = rule.mode == Mode::Shadow;
@@ -152,20 +200,16 @@ impl Engine {
         // Never admissible: answered from the rule alone, no store call, and a
         // retry_after of -1 so no client loops waiting for it.
         if weight > rule.window.capacity {
-            return Decision {
-                allowed: shadow,
-                reason: if shadow { Reason::Ok } else { Reason::WeightExceedsCapacity },
-                remaining: 0,
-                retry_after_ms: if shadow { 0 } else { -1 },
-                reset_after_ms: 0,
-                shadow_denied: shadow,
-                rule: Some(info),
-                priority,
+            let base = Decision { shadow_shed, ..Decision::allowed(Reason::Ok, info, priority, level) };
+            return if shadow {
+                Decision { shadow_denied: true, ..base }
+            } else {
+                Decision { allowed: false, reason: Reason::WeightExceedsCapacity, retry_after_ms: -1, ..base }
             };
         }
 
         match self.store.decide(request.user_id, rule, weight).await {
-            Ok(verdict) => from_verdict(&verdict, shadow, info, priority),
+            Ok(verdict) => Decision { shadow_shed, level, ..from_verdict(&verdict, shadow, info, priority) },
             Err(error) => {
                 let (allowed, reason) = match rule.failure_policy {
                     FailurePolicy::Open => (true, Reason::FailOpen),
@@ -180,8 +224,6 @@ impl Engine {
                 });
                 Decision {
                     allowed,
-                    reason,
-                    remaining: 0,
                     // Nothing is known about the counter: when denying, ask
                     // clients to back off for a second (or one window, if
                     // shorter) rather than spin against an outage.
@@ -190,17 +232,15 @@ impl Engine {
                     } else {
                         clamp_i64(rule.window.window_ms.min(FAIL_CLOSED_RETRY_MS))
                     },
-                    reset_after_ms: 0,
-                    shadow_denied: false,
-                    rule: Some(info),
-                    priority,
+                    shadow_shed,
+                    ..Decision::allowed(reason, info, priority, level)
                 }
             }
         }
     }
 }
 
-fn from_verdict(verdict: &Verdict, shadow: bool, info: RuleInfo, priority: Priority) -> Decision {
+fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priority: Priority) -> Decision {
     let denied = !verdict.admitted;
     let enforce_denial = denied && !shadow;
     Decision {
@@ -210,8 +250,10 @@ fn from_verdict(verdict: &Verdict, shadow: bool, info: RuleInfo, priority: Prior
         retry_after_ms: if enforce_denial { verdict.retry_after_ms.map_or(-1, clamp_i64) } else { 0 },
         reset_after_ms: verdict.reset_after_ms,
         shadow_denied: denied && shadow,
-        rule: Some(info),
+        rule: info,
         priority,
+        level: Level::Normal,
+        shadow_shed: false,
     }
 }
 

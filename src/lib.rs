@@ -8,10 +8,12 @@
 //!   The only module that sees generated types.
 //! - [`rules`]: rule model, YAML loader, compiler, immutable [`rules::Snapshot`],
 //!   hot-swapping [`rules::RuleStore`].
-//! - [`decision`]: the path itself — lookup, store call, failure policy, shadow mode.
+//! - [`shed`]: utilization sampler and the priority shedding policy.
+//! - [`decision`]: the path itself — lookup, shedding, store call, failure policy, shadow mode.
 //! - [`limiter`]: the sliding-window arithmetic as a pure function and the
 //!   stores that apply it (Redis Lua script, in-memory shards).
 //! - [`dlq`]: the seam for decisions the store could not make.
+//! - [`clock`]: injectable time sources.
 //! - [`config`], [`cli`], [`server`] (wiring, startup, graceful shutdown), [`signal`].
 //!
 //! See ARCHITECTURE.md for the invariants between them.
@@ -20,10 +22,12 @@
 
 pub mod api;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod decision;
 pub mod dlq;
 pub mod limiter;
 pub mod rules;
 pub mod server;
+pub mod shed;
 pub mod signal;

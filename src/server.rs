@@ -16,11 +16,13 @@ use tonic::transport::server::TcpIncoming;
 
 use crate::{
     api::RateLimiterService,
+    clock::MonotonicClock,
     config::Config,
     decision::Engine,
     dlq::LogSink,
     limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper, redis::RedisSetupError},
     rules::{self, RuleErrors, RuleStore},
+    shed::{Sampler, ShedMode, Shedder, run_sampler},
 };
 
 /// Why the server could not start or stopped abnormally.
@@ -35,7 +37,7 @@ pub enum ServerError {
     /// The gRPC server failed.
     #[error("grpc server: {0}")]
     Transport(#[from] tonic::transport::Error),
-    /// A background task (rule reload, counter sweep) ended while serving: a bug.
+    /// A background task (rule reload, counter sweep, utilization sampler) ended while serving: a bug.
     #[error("background task ended unexpectedly: {0}")]
     TaskExited(String),
 }
@@ -102,7 +104,28 @@ pub async fn run(
         ));
     }
 
-    let engine = Engine::new(rule_store, store, Arc::new(LogSink::default()));
+    let shedder = Arc::new(Shedder::new(config.shed.mode, config.shed.retry_after_ms));
+    if config.shed.mode == ShedMode::Off {
+        tracing::info!("load shedding off (shed.mode = off)");
+    } else {
+        let sampler = Sampler::new(
+            &config.shed.procfs_root,
+            &config.shed.cgroup_root,
+            config.shed.smoothing,
+            Arc::new(MonotonicClock::default()),
+        );
+        tasks.spawn(run_sampler(
+            sampler,
+            Arc::clone(&shedder),
+            config.shed.thresholds(),
+            Duration::from_millis(config.shed.sample_interval_ms),
+            Duration::from_millis(config.shed.report_interval_ms),
+            stop_rx.clone(),
+        ));
+    }
+
+    let engine =
+        Engine::new(rule_store, store, shedder, Arc::new(LogSink::default()), config.shed.default_priority);
     let service = RateLimiterService::new(engine, config.limits.clone());
 
     let (draining_tx, draining_rx) = oneshot::channel::<()>();

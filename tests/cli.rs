@@ -52,6 +52,8 @@ impl Serve {
             .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
             .env("RATELIMITD__RULES__PATH", rules)
             .env("RATELIMITD__REDIS__TIMEOUT_MS", "1000")
+            // This machine's real load must not shed the test's requests.
+            .env("RATELIMITD__SHED__MODE", "off")
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         if let Some(url) = redis_url {

@@ -10,9 +10,6 @@ use super::{
 };
 use crate::{config::LimitsConfig, decision::Engine};
 
-/// Utilization status reported until load shedding measures one.
-const STATUS_NORMAL: &str = "NORMAL";
-
 /// The native decision service.
 #[derive(Debug, Clone)]
 pub struct RateLimiterService {
@@ -46,6 +43,6 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         let checked =
             validate(&message, &self.limits).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let decision = self.engine.check(&checked).await;
-        Ok(Response::new(response(decision, STATUS_NORMAL)))
+        Ok(Response::new(response(decision)))
     }
 }

@@ -114,8 +114,8 @@ pub fn validate<'a>(
     })
 }
 
-/// Builds the wire response for `decision` with the current utilization `status`.
-pub(crate) fn response(decision: Decision, status: &'static str) -> pb::RateLimitResponse {
+/// Builds the wire response for `decision`.
+pub(crate) fn response(decision: Decision) -> pb::RateLimitResponse {
     let (rule_id, limit, capacity, window_ms) = match decision.rule {
         Some(rule) => (String::from(&*rule.id), rule.limit, rule.capacity, rule.window_ms),
         None => (String::new(), 0, 0, 0),
@@ -124,7 +124,7 @@ pub(crate) fn response(decision: Decision, status: &'static str) -> pb::RateLimi
         allowed: decision.allowed,
         remaining_tokens: u32::try_from(decision.remaining).unwrap_or(u32::MAX),
         retry_after_ms: decision.retry_after_ms,
-        cluster_utilization_status: status.to_owned(),
+        cluster_utilization_status: decision.level.as_str().to_owned(),
         rule_id,
         limit,
         reset_after_ms: i64::try_from(decision.reset_after_ms).unwrap_or(i64::MAX),
@@ -132,6 +132,8 @@ pub(crate) fn response(decision: Decision, status: &'static str) -> pb::RateLimi
         shadow_denied: decision.shadow_denied,
         capacity,
         window_ms: i64::try_from(window_ms).unwrap_or(i64::MAX),
+        shadow_shed: decision.shadow_shed,
+        priority: priority(decision.priority) as i32,
     }
 }
 
@@ -139,10 +141,20 @@ fn reason(reason: Reason) -> pb::Reason {
     match reason {
         Reason::Ok => pb::Reason::Ok,
         Reason::OverLimit => pb::Reason::OverLimit,
+        Reason::Shed => pb::Reason::Shed,
         Reason::NoRule => pb::Reason::NoRule,
         Reason::FailOpen => pb::Reason::FailOpen,
         Reason::FailClosed => pb::Reason::FailClosed,
         Reason::WeightExceedsCapacity => pb::Reason::WeightExceedsCapacity,
+    }
+}
+
+fn priority(priority: Priority) -> pb::PriorityBucket {
+    match priority {
+        Priority::Critical => pb::PriorityBucket::Critical,
+        Priority::Degraded => pb::PriorityBucket::Degraded,
+        Priority::BestEffort => pb::PriorityBucket::BestEffort,
+        Priority::Bulk => pb::PriorityBucket::Bulk,
     }
 }
 

@@ -9,11 +9,13 @@ pub mod memory;
 pub mod redis;
 pub mod window;
 
-use std::{fmt, sync::Arc, time::SystemTime};
+use std::{fmt, sync::Arc};
 
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
 pub use window::Verdict;
+
+pub use crate::clock::{Clock, ManualClock, SystemClock};
 
 use crate::rules::Rule;
 
@@ -95,47 +97,5 @@ impl FailureKind {
 impl fmt::Display for FailureKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
-    }
-}
-
-/// Milliseconds since the Unix epoch, from an injectable source so tests of
-/// time-dependent logic never sleep.
-pub trait Clock: Send + Sync + fmt::Debug {
-    /// Now, in ms since the Unix epoch.
-    fn now_ms(&self) -> u64;
-}
-
-/// The system's wall clock. Windows are aligned to the epoch, as in Redis.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now_ms(&self) -> u64 {
-        SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-            .unwrap_or(0)
-    }
-}
-
-/// A clock that only moves when told to.
-#[derive(Debug, Default)]
-pub struct ManualClock(std::sync::atomic::AtomicU64);
-
-impl ManualClock {
-    /// A clock reading `ms`.
-    pub fn new(ms: u64) -> Self {
-        ManualClock(std::sync::atomic::AtomicU64::new(ms))
-    }
-
-    /// Moves the clock forward by `ms`.
-    pub fn advance(&self, ms: u64) {
-        self.0.fetch_add(ms, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-impl Clock for ManualClock {
-    fn now_ms(&self) -> u64 {
-        self.0.load(std::sync::atomic::Ordering::SeqCst)
     }
 }

@@ -275,6 +275,9 @@ pub fn config(rules: &Path, redis_url: Option<String>) -> Config {
     config.redis.url = redis_url;
     config.redis.timeout_ms = 2_000;
     config.grpc.shutdown_grace_ms = 5_000;
+    // The host's real CPU load must not shed requests in tests that are not
+    // about shedding; those turn it on with a SyntheticCpu.
+    config.shed.mode = ratelimitd::shed::ShedMode::Off;
     config
 }
 
@@ -399,4 +402,77 @@ pub async fn hammer(
         admitted += handle.await.unwrap();
     }
     admitted
+}
+
+/// A synthetic `/proc/stat` (and an empty cgroup directory, so no quota
+/// applies) whose counters a background thread advances every few ms at a
+/// chosen busy ratio: any two readings the sampler takes differ by exactly
+/// that ratio, so the measured utilization is deterministic.
+#[derive(Debug)]
+pub struct SyntheticCpu {
+    pub procfs: tempfile::TempDir,
+    pub cgroup: tempfile::TempDir,
+    busy_per_mille: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SyntheticCpu {
+    pub fn new(utilization: f64) -> Self {
+        use std::sync::{
+            Arc,
+            atomic::{AtomicBool, AtomicU64, Ordering},
+        };
+        let procfs = tempfile::tempdir().unwrap();
+        let cgroup = tempfile::tempdir().unwrap();
+        let busy_per_mille = Arc::new(AtomicU64::new((utilization * 1000.0).round() as u64));
+        let stop = Arc::new(AtomicBool::new(false));
+        let path = procfs.path().join("stat");
+        let write = move |busy: u64, idle: u64| {
+            // Write-then-rename: the sampler never reads a half-written file.
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, format!("cpu  {busy} 0 0 {idle} 0 0 0 0 0 0\n")).unwrap();
+            std::fs::rename(&tmp, &path).unwrap();
+        };
+        write(0, 0);
+        let writer = {
+            let busy_per_mille = Arc::clone(&busy_per_mille);
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let (mut busy, mut idle) = (0, 0);
+                while !stop.load(Ordering::Relaxed) {
+                    let b = busy_per_mille.load(Ordering::Relaxed);
+                    busy += b;
+                    idle += 1000 - b;
+                    write(busy, idle);
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            })
+        };
+        SyntheticCpu { procfs, cgroup, busy_per_mille, stop, writer: Some(writer) }
+    }
+
+    /// From now on every interval reads as `utilization`.
+    pub fn set(&self, utilization: f64) {
+        self.busy_per_mille
+            .store((utilization * 1000.0).round() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Points `config` at these files with fast sampling and no smoothing
+    /// lag beyond a few samples.
+    pub fn configure(&self, config: &mut Config, mode: ratelimitd::shed::ShedMode) {
+        config.shed.mode = mode;
+        config.shed.procfs_root = self.procfs.path().to_path_buf();
+        config.shed.cgroup_root = self.cgroup.path().to_path_buf();
+        config.shed.sample_interval_ms = 10;
+    }
+}
+
+impl Drop for SyntheticCpu {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
 }

@@ -1,0 +1,163 @@
+//! Black-box tests of priority load shedding over real gRPC: a synthetic
+//! `/proc/stat` drives the utilization; each scenario runs against both stores.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{
+    Backend, RedisServer, Rules, SyntheticCpu, TestServer, check, config, eventually, reason, request,
+};
+use ratelimitd::{
+    api::pb::{PriorityBucket, RateLimitResponse, Reason, rate_limiter_client::RateLimiterClient},
+    shed::ShedMode,
+};
+use tonic::transport::Channel;
+
+const RULES: &str = r#"
+rules:
+  - { rule_id: critical, resource_path: /critical, priority_bucket: CRITICAL, limit: 1000000, window_seconds: 86400 }
+  - { rule_id: degraded, resource_path: /degraded, priority_bucket: DEGRADED, limit: 1000000, window_seconds: 86400 }
+  - { rule_id: best-effort, resource_path: /best-effort, priority_bucket: BEST_EFFORT, limit: 1000000, window_seconds: 86400 }
+  - { rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: 1000000, window_seconds: 86400 }
+"#;
+
+const PATHS: [&str; 4] = ["/critical", "/degraded", "/best-effort", "/bulk"];
+
+for_each_store!(status_and_shedding_follow_the_level_both_ways, shadow_mode_reports_but_never_refuses);
+
+async fn start(
+    backend: Backend,
+    cpu: &SyntheticCpu,
+    mode: ShedMode,
+) -> (TestServer, Option<RedisServer>, Rules) {
+    let rules = Rules::new(RULES);
+    let redis = (backend == Backend::Redis).then(RedisServer::start);
+    let mut cfg = config(&rules.path(), redis.as_ref().map(RedisServer::url));
+    cpu.configure(&mut cfg, mode);
+    (TestServer::start(cfg).await, redis, rules)
+}
+
+async fn wait_for_status(client: &RateLimiterClient<Channel>, status: &str) {
+    let reached =
+        eventually(Duration::from_secs(10), || {
+            let mut client = client.clone();
+            async move {
+                check(&mut client, request("probe", "/critical")).await.cluster_utilization_status == status
+            }
+        })
+        .await;
+    assert!(reached, "status never became {status}");
+}
+
+/// Checks each of the four paths; returns which were admitted.
+async fn admitted(client: &mut RateLimiterClient<Channel>, status: &str) -> [bool; 4] {
+    let mut result = [false; 4];
+    for (i, path) in PATHS.iter().enumerate() {
+        let r = check(client, request("user", path)).await;
+        assert_eq!(r.cluster_utilization_status, status, "{path}: {r:?}");
+        assert_shape(&r, path);
+        result[i] = r.allowed;
+    }
+    result
+}
+
+/// A shed answer is a denial with reason SHED, a jittered retry and the
+/// rule; an admitted one is a normal decision.
+fn assert_shape(r: &RateLimitResponse, path: &str) {
+    if r.allowed {
+        assert_eq!(reason(r), Reason::Ok, "{path}: {r:?}");
+    } else {
+        assert_eq!(reason(r), Reason::Shed, "{path}: {r:?}");
+        assert!((500..=1_500).contains(&r.retry_after_ms), "{path}: {r:?}");
+        assert_eq!(r.rule_id, path.trim_start_matches('/'));
+    }
+}
+
+async fn evalsha_calls(redis: Option<&RedisServer>) -> Option<u64> {
+    let stats = redis?.info_field("commandstats", "cmdstat_evalsha").await?;
+    stats.strip_prefix("calls=")?.split(',').next()?.parse().ok()
+}
+
+/// NORMAL sheds nothing; at 70% BULK and BEST_EFFORT are shed without any
+/// Redis call while CRITICAL and DEGRADED pass; at 90% only CRITICAL passes;
+/// back at 10% the status returns to NORMAL and nothing is shed.
+async fn status_and_shedding_follow_the_level_both_ways(backend: Backend) {
+    let cpu = SyntheticCpu::new(0.10);
+    let (server, redis, _rules) = start(backend, &cpu, ShedMode::Enforce).await;
+    let mut client = server.client().await;
+
+    wait_for_status(&client, "NORMAL").await;
+    assert_eq!(admitted(&mut client, "NORMAL").await, [true, true, true, true]);
+
+    cpu.set(0.70);
+    wait_for_status(&client, "DEGRADED_MODE").await;
+    assert_eq!(admitted(&mut client, "DEGRADED_MODE").await, [true, true, false, false]);
+
+    // Shed requests cost no Redis command.
+    let before = evalsha_calls(redis.as_ref()).await;
+    for i in 0..50 {
+        let r = check(&mut client, request(&format!("u{i}"), "/bulk")).await;
+        assert_eq!(reason(&r), Reason::Shed);
+    }
+    assert_eq!(evalsha_calls(redis.as_ref()).await, before, "shed requests reached Redis");
+    if backend == Backend::Redis {
+        assert!(before.is_some_and(|calls| calls > 0), "the Redis store was not in use");
+    }
+
+    // The request's own priority overrides the rule's; unmatched requests
+    // use shed.default_priority (DEGRADED).
+    let mut override_down = request("user", "/critical");
+    override_down.priority = PriorityBucket::Bulk as i32;
+    let r = check(&mut client, override_down).await;
+    assert_eq!((reason(&r), r.priority), (Reason::Shed, PriorityBucket::Bulk as i32));
+    let mut override_up = request("user", "/bulk");
+    override_up.priority = PriorityBucket::Critical as i32;
+    assert_eq!(reason(&check(&mut client, override_up).await), Reason::Ok);
+    let unmatched = check(&mut client, request("user", "/nowhere")).await;
+    assert_eq!((reason(&unmatched), unmatched.priority), (Reason::NoRule, PriorityBucket::Degraded as i32));
+
+    cpu.set(0.90);
+    wait_for_status(&client, "CRITICAL_ONLY").await;
+    assert_eq!(admitted(&mut client, "CRITICAL_ONLY").await, [true, false, false, false]);
+    assert_eq!(reason(&check(&mut client, request("user", "/nowhere")).await), Reason::Shed);
+
+    cpu.set(0.10);
+    wait_for_status(&client, "NORMAL").await;
+    assert_eq!(admitted(&mut client, "NORMAL").await, [true, true, true, true]);
+    server.stop().await.unwrap();
+}
+
+/// In shadow mode nothing is refused: what would have been shed is decided
+/// normally and flagged.
+async fn shadow_mode_reports_but_never_refuses(backend: Backend) {
+    let cpu = SyntheticCpu::new(0.95);
+    let (server, _redis, _rules) = start(backend, &cpu, ShedMode::Shadow).await;
+    let mut client = server.client().await;
+    wait_for_status(&client, "CRITICAL_ONLY").await;
+    for path in PATHS {
+        let r = check(&mut client, request("user", path)).await;
+        assert!(r.allowed, "{path}: {r:?}");
+        assert_eq!(reason(&r), Reason::Ok);
+        assert_eq!(r.shadow_shed, path != "/critical", "{path}: {r:?}");
+        assert!(r.remaining_tokens < 1_000_000, "{path}: counted like any decision");
+    }
+    server.stop().await.unwrap();
+}
+
+/// When utilization becomes unreadable the last level is kept.
+#[tokio::test]
+async fn unreadable_utilization_keeps_the_last_level() {
+    let cpu = SyntheticCpu::new(0.95);
+    let (server, _redis, _rules) = start(Backend::Memory, &cpu, ShedMode::Enforce).await;
+    let mut client = server.client().await;
+    wait_for_status(&client, "CRITICAL_ONLY").await;
+    let procfs = cpu.procfs.path().to_path_buf();
+    drop(cpu); // stops the writer; the files go with it
+    assert!(!procfs.join("stat").exists());
+    // Several sampling intervals (10 ms) pass without a readable file.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = check(&mut client, request("user", "/bulk")).await;
+    assert_eq!((r.cluster_utilization_status.as_str(), reason(&r)), ("CRITICAL_ONLY", Reason::Shed));
+    server.stop().await.unwrap();
+}
