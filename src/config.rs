@@ -46,6 +46,8 @@ pub struct Config {
     pub limits: LimitsConfig,
     /// Priority load shedding.
     pub shed: ShedConfig,
+    /// Where failed decisions are recorded.
+    pub dlq: DlqConfig,
     /// Logging.
     pub log: LogConfig,
 }
@@ -232,6 +234,45 @@ impl ShedConfig {
     }
 }
 
+/// `dlq.*`: the record of decisions the store could not make.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DlqConfig {
+    /// The JSON-lines file records are appended to when no Kafka brokers are set.
+    pub file: PathBuf,
+    /// Records waiting between the decision path and the writer, at most.
+    /// Past it a record is dropped (counted, logged): size it for bursts.
+    pub queue_capacity: usize,
+    /// Request headers copied into records (case-insensitive names).
+    pub header_allowlist: Vec<String>,
+    /// This instance's name in records; default: the host name.
+    pub instance_id: Option<String>,
+}
+
+impl Default for DlqConfig {
+    fn default() -> Self {
+        Self {
+            file: PathBuf::from("data/dlq.jsonl"),
+            queue_capacity: 65_536,
+            header_allowlist: vec!["x-request-id".to_owned(), "user-agent".to_owned()],
+            instance_id: None,
+        }
+    }
+}
+
+impl DlqConfig {
+    /// `instance_id`, else the host name, else `ratelimitd`.
+    pub fn instance(&self) -> String {
+        self.instance_id.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .ok()
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "ratelimitd".to_owned())
+        })
+    }
+}
+
 /// `log.*`
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -263,6 +304,8 @@ impl Config {
                 .prefix_separator("__")
                 .separator("__")
                 .try_parsing(true)
+                .list_separator(",")
+                .with_list_parse_key("dlq.header_allowlist")
                 .source(Some(env.into_iter().collect())),
         );
         let raw = builder.build().map_err(|e| ConfigError::Load(e.to_string()))?;
@@ -345,6 +388,12 @@ impl Config {
         }
         if shed.report_interval_ms == 0 {
             return Err(invalid("shed.report_interval_ms", "must be at least 1"));
+        }
+        if self.dlq.queue_capacity == 0 {
+            return Err(invalid("dlq.queue_capacity", "must be at least 1"));
+        }
+        if self.dlq.file.as_os_str().is_empty() {
+            return Err(invalid("dlq.file", "must not be empty"));
         }
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| invalid("log.level", format!("{:?}: {e}", self.log.level)))?;

@@ -33,6 +33,8 @@ pub struct CheckRequest<'a> {
     pub priority: Option<Priority>,
     /// Request headers (copied into failure records by allow-list).
     pub headers: &'a HashMap<String, String>,
+    /// W3C trace id from the call's `traceparent`, if any.
+    pub trace_id: Option<&'a str>,
 }
 
 /// Why a decision came out as it did.

@@ -19,7 +19,7 @@ use crate::{
     clock::MonotonicClock,
     config::Config,
     decision::Engine,
-    dlq::LogSink,
+    dlq::{self, DlqSink},
     limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper, redis::RedisSetupError},
     rules::{self, RuleErrors, RuleStore},
     shed::{Sampler, ShedMode, Shedder, run_sampler},
@@ -82,7 +82,7 @@ pub async fn run(
     if config.redis.url.is_none() {
         tracing::info!(
             rules = %config.rules.path.display(),
-            "embedded defaults: in-memory counters (redis.url unset), failed decisions logged"
+            "embedded defaults: in-memory counters (redis.url unset), failed decisions to a local file (dlq.kafka.brokers unset)"
         );
     }
     tracing::info!(
@@ -124,8 +124,12 @@ pub async fn run(
         ));
     }
 
-    let engine =
-        Engine::new(rule_store, store, shedder, Arc::new(LogSink::default()), config.shed.default_priority);
+    let (dlq, dlq_queue, dlq_counters) =
+        DlqSink::new(config.dlq.queue_capacity, config.dlq.instance(), config.dlq.header_allowlist.clone());
+    tracing::info!(file = %config.dlq.file.display(), "failed decisions go to a JSON-lines file");
+    tasks.spawn(dlq::file::run(dlq_queue, config.dlq.file.clone(), dlq_counters, stop_rx.clone()));
+
+    let engine = Engine::new(rule_store, store, shedder, Arc::new(dlq), config.shed.default_priority);
     let service = RateLimiterService::new(engine, config.limits.clone());
 
     let (draining_tx, draining_rx) = oneshot::channel::<()>();

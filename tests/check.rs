@@ -265,6 +265,11 @@ async fn invalid_rule_file_keeps_the_last_good_snapshot(backend: Backend) {
         let r = check(&mut client, request("j", "/limited")).await;
         assert_eq!((r.rule_id.as_str(), r.limit), ("limited", 5), "old snapshot must keep serving");
     }
+    // An in-place truncate-and-write is seen half-done (empty, then broken
+    // YAML): neither may replace the rules.
+    std::fs::write(rules.dir.path().join("rules.yaml"), "").unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(check(&mut client, request("j", "/limited")).await.limit, 5);
     std::fs::write(rules.dir.path().join("rules.yaml"), "rules: [ {").unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(check(&mut client, request("j", "/limited")).await.limit, 5);

@@ -40,14 +40,17 @@ fn stdout(output: &Output) -> String {
 struct Serve {
     child: Child,
     addr: String,
+    _dir: tempfile::TempDir,
 }
 
 impl Serve {
     fn start(rules: &Path, redis_url: Option<&str>) -> Self {
         let port = free_port();
+        let dir = tempfile::tempdir().unwrap();
         let mut command = Command::new(BIN);
         command
             .arg("serve")
+            .env("RATELIMITD__DLQ__FILE", dir.path().join("dlq.jsonl"))
             .env_remove("RUST_LOG")
             .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
             .env("RATELIMITD__RULES__PATH", rules)
@@ -60,7 +63,7 @@ impl Serve {
             command.env("RATELIMITD__REDIS__URL", url);
         }
         let child = command.spawn().unwrap();
-        let serve = Serve { child, addr: format!("http://127.0.0.1:{port}") };
+        let serve = Serve { child, addr: format!("http://127.0.0.1:{port}"), _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(Instant::now() < deadline, "ratelimitd serve did not listen on {port}");

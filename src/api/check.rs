@@ -35,13 +35,13 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         &self,
         request: Request<pb::RateLimitRequest>,
     ) -> Result<Response<pb::RateLimitResponse>, Status> {
-        let message = request.into_inner();
+        let (metadata, _, message) = request.into_parts();
         // Bad input is the caller's bug: INVALID_ARGUMENT naming field and bound.
         // Store failures never become a gRPC error here: the rule's failure
         // policy answers (FAIL_OPEN / FAIL_CLOSED) so the gateway always gets
         // a decision it can act on.
-        let checked =
-            validate(&message, &self.limits).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let checked = validate(&message, &metadata, &self.limits)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let decision = self.engine.check(&checked).await;
         Ok(Response::new(response(decision)))
     }

@@ -6,6 +6,7 @@
 use crate::{
     config::LimitsConfig,
     decision::{CheckRequest, Decision, Reason},
+    dlq::record::trace_id_of,
     rules::Priority,
 };
 
@@ -49,6 +50,7 @@ fn bounded(
 /// [`CheckRequest`].
 pub fn validate<'a>(
     request: &'a pb::RateLimitRequest,
+    metadata: &'a tonic::metadata::MetadataMap,
     limits: &LimitsConfig,
 ) -> Result<CheckRequest<'a>, ValidationError> {
     bounded("user_id", &request.user_id, limits.max_user_id_bytes, "max_user_id_bytes", true)?;
@@ -111,6 +113,13 @@ pub fn validate<'a>(
         weight: request.weight.max(1),
         priority,
         headers: &request.headers,
+        // W3C trace context: the gRPC call's own metadata first, else a
+        // `traceparent` the gateway forwarded among the request headers.
+        trace_id: metadata
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .or_else(|| request.headers.get("traceparent").map(String::as_str))
+            .and_then(trace_id_of),
     })
 }
 
@@ -173,16 +182,35 @@ mod tests {
     fn error(mutate: impl FnOnce(&mut pb::RateLimitRequest)) -> String {
         let mut r = request();
         mutate(&mut r);
-        validate(&r, &LimitsConfig::default()).unwrap_err().to_string()
+        validate(&r, &tonic::metadata::MetadataMap::new(), &LimitsConfig::default()).unwrap_err().to_string()
     }
 
     #[test]
     fn valid_request_borrows_and_defaults() {
         let r = request();
-        let checked = validate(&r, &LimitsConfig::default()).unwrap();
+        let metadata = tonic::metadata::MetadataMap::new();
+        let checked = validate(&r, &metadata, &LimitsConfig::default()).unwrap();
         assert_eq!(checked.weight, 1, "weight 0 means 1");
         assert_eq!(checked.client_type, None);
         assert_eq!(checked.priority, None);
+        assert_eq!(checked.trace_id, None);
+    }
+
+    #[test]
+    fn trace_id_from_metadata_or_headers() {
+        let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        metadata.insert("traceparent", traceparent.parse().unwrap());
+        let r = request();
+        let checked = validate(&r, &metadata, &LimitsConfig::default()).unwrap();
+        assert_eq!(checked.trace_id, Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+        let mut r = request();
+        r.headers.insert("traceparent".to_owned(), traceparent.to_owned());
+        let empty = tonic::metadata::MetadataMap::new();
+        assert_eq!(
+            validate(&r, &empty, &LimitsConfig::default()).unwrap().trace_id,
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
     }
 
     #[test]

@@ -1,18 +1,33 @@
-//! Failed decisions: the seam through which every decision the store could
-//! not make is reported, exactly once, with the answer the failure policy gave.
+//! Failed decisions (DESIGN §8): every decision the store could not make
+//! becomes exactly one [`FailureRecord`], written to a JSON-lines file (the
+//! embedded default) or a Kafka topic, and never lost on the way.
 //!
-//! Today the only sink logs (rate-limited, so an outage does not flood the
-//! log). The Kafka dead-letter topic and the file sink of DESIGN §8 plug in
-//! here by implementing [`FailureSink`]; the decision path does not change.
+//! The hot path only builds the record and `try_send`s it into a bounded
+//! queue ([`DlqSink`]); an owned writer task ([`file::run`]) drains it in
+//! batches and makes each batch durable (fsync) before counting it
+//! delivered. If the queue is full — the disk cannot keep up — the record is
+//! counted as dropped and an error is logged, every time.
+
+pub mod file;
+pub mod record;
 
 use std::{
     fmt,
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
+use tokio::sync::mpsc;
+
+use record::EventIds;
+pub use record::FailureRecord;
+
 use crate::{
+    clock::{Clock, SystemClock},
     decision::{CheckRequest, Reason},
-    limiter::{Clock, StoreError, SystemClock},
+    limiter::StoreError,
     rules::{Priority, Rule},
 };
 
@@ -64,6 +79,103 @@ impl FailureSink for LogSink {
             );
         } else {
             self.suppressed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Counters of the dead-letter pipeline. They reconcile:
+/// `enqueued = delivered + pending + dropped`, with `pending` measured from
+/// the queue, the writer's batch in hand and the spool — not derived.
+#[derive(Debug, Default)]
+pub struct DlqCounters {
+    /// Records offered by the decision path.
+    pub enqueued: AtomicU64,
+    /// Records durably written to the file or acknowledged by Kafka.
+    pub delivered: AtomicU64,
+    /// Records lost: the queue was full or the spool's disk refused them.
+    pub dropped: AtomicU64,
+    /// Records taken off the queue and not yet delivered.
+    pub in_hand: AtomicU64,
+}
+
+/// A consistent-enough view of [`DlqCounters`] plus the queue length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DlqStats {
+    /// Records offered.
+    pub enqueued: u64,
+    /// Records delivered.
+    pub delivered: u64,
+    /// Records waiting: in the queue or in a writer's hands.
+    pub pending: u64,
+    /// Records lost.
+    pub dropped: u64,
+}
+
+/// The hot path's end of the dead-letter pipeline.
+#[derive(Debug)]
+pub struct DlqSink {
+    queue: mpsc::Sender<FailureRecord>,
+    ids: EventIds,
+    clock: SystemClock,
+    instance: String,
+    allowlist: Vec<String>,
+    counters: Arc<DlqCounters>,
+    log: LogSink,
+}
+
+impl DlqSink {
+    /// A sink feeding a queue of `capacity` records; the receiver goes to a writer task.
+    pub fn new(
+        capacity: usize,
+        instance: String,
+        allowlist: Vec<String>,
+    ) -> (Self, mpsc::Receiver<FailureRecord>, Arc<DlqCounters>) {
+        let (queue, receiver) = mpsc::channel(capacity);
+        let counters = Arc::new(DlqCounters::default());
+        let sink = DlqSink {
+            queue,
+            ids: EventIds::default(),
+            clock: SystemClock,
+            instance,
+            allowlist: allowlist.iter().map(|h| h.to_ascii_lowercase()).collect(),
+            counters: Arc::clone(&counters),
+            log: LogSink::default(),
+        };
+        (sink, receiver, counters)
+    }
+
+    /// Current counters; `pending` includes the queue's length.
+    pub fn stats(&self) -> DlqStats {
+        let queued = (self.queue.max_capacity() - self.queue.capacity()) as u64;
+        stats(&self.counters, queued)
+    }
+}
+
+/// Reads `counters`, adding `queued` records waiting in the queue to `pending`.
+pub fn stats(counters: &DlqCounters, queued: u64) -> DlqStats {
+    DlqStats {
+        enqueued: counters.enqueued.load(Ordering::SeqCst),
+        delivered: counters.delivered.load(Ordering::SeqCst),
+        pending: queued + counters.in_hand.load(Ordering::SeqCst),
+        dropped: counters.dropped.load(Ordering::SeqCst),
+    }
+}
+
+impl FailureSink for DlqSink {
+    fn record(&self, failure: &FailedDecision<'_>) {
+        self.log.record(failure);
+        let now = self.clock.now_ms();
+        let record = FailureRecord::new(failure, self.ids.next(now), now, &self.instance, &self.allowlist);
+        self.counters.enqueued.fetch_add(1, Ordering::SeqCst);
+        if let Err(e) = self.queue.try_send(record) {
+            self.counters.dropped.fetch_add(1, Ordering::SeqCst);
+            let (why, record) = match e {
+                mpsc::error::TrySendError::Full(r) => {
+                    ("dead-letter queue full: the writer cannot keep up", r)
+                }
+                mpsc::error::TrySendError::Closed(r) => ("dead-letter writer stopped", r),
+            };
+            tracing::error!(event_id = %record.event_id, rule = %record.rule_id, "{why}; failure record DROPPED");
         }
     }
 }

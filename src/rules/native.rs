@@ -54,10 +54,12 @@ fn default_burst() -> f64 {
     1.0
 }
 
+/// A rule file. `rules` is required: an empty file is far more often a
+/// half-written one (an in-place save caught mid-way) than an intent to
+/// remove every rule, which is said explicitly with `rules: []`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawFile {
-    #[serde(default)]
     rules: Vec<RawRule>,
 }
 
@@ -108,9 +110,14 @@ pub(crate) fn load(path: &Path) -> Result<Vec<SourcedRule>, Vec<RuleError>> {
 /// Parses one file's text.
 pub(crate) fn parse(file: &Path, text: &str) -> Result<Vec<SourcedRule>, RuleError> {
     let file: Arc<Path> = Arc::from(file);
-    // An empty file (or one holding only comments) is an empty rule set.
     if text.lines().all(|l| l.trim().is_empty() || l.trim_start().starts_with('#')) {
-        return Ok(Vec::new());
+        return Err(RuleError {
+            file: file.to_path_buf(),
+            line: None,
+            rule: None,
+            field: Some("rules".to_owned()),
+            message: "the file is empty (a partial write?); write `rules: []` to declare no rules".to_owned(),
+        });
     }
     let deserializer = serde_yaml::Deserializer::from_str(text);
     let parsed: RawFile =
@@ -240,10 +247,16 @@ rules:
     }
 
     #[test]
-    fn empty_and_comment_only_files_are_empty_rule_sets() {
-        assert!(parse(Path::new("a.yaml"), "").unwrap().is_empty());
-        assert!(parse(Path::new("a.yaml"), "# nothing yet\n\n").unwrap().is_empty());
+    fn no_rules_must_be_said_explicitly() {
         assert!(parse(Path::new("a.yaml"), "rules: []\n").unwrap().is_empty());
+        for text in ["", "\n  \n", "# nothing yet\n\n"] {
+            let err = parse(Path::new("a.yaml"), text).unwrap_err().to_string();
+            assert!(err.contains("the file is empty"), "{text:?}: {err}");
+        }
+        let err = parse(Path::new("a.yaml"), "other: 1\n").unwrap_err().to_string();
+        assert!(err.contains("unknown field `other`"), "{err}");
+        let err = parse(Path::new("a.yaml"), "{}\n").unwrap_err().to_string();
+        assert!(err.contains("missing field `rules`"), "{err}");
     }
 
     #[test]

@@ -285,19 +285,37 @@ pub fn config(rules: &Path, redis_url: Option<String>) -> Config {
 #[derive(Debug)]
 pub struct TestServer {
     pub addr: SocketAddr,
+    /// Where failed decisions are written (a temporary file unless the
+    /// config named one).
+    pub dlq_file: PathBuf,
     shutdown: Option<oneshot::Sender<()>>,
     handle: Option<JoinHandle<Result<(), server::ServerError>>>,
+    _dir: tempfile::TempDir,
 }
 
 impl TestServer {
-    pub async fn start(config: Config) -> Self {
+    pub async fn start(mut config: Config) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        if config.dlq.file == ratelimitd::config::DlqConfig::default().file {
+            config.dlq.file = dir.path().join("dlq.jsonl");
+        }
+        let dlq_file = config.dlq.file.clone();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel();
         let handle = tokio::spawn(server::run(config, listener, async move {
             let _ = rx.await;
         }));
-        TestServer { addr, shutdown: Some(tx), handle: Some(handle) }
+        TestServer { addr, dlq_file, shutdown: Some(tx), handle: Some(handle), _dir: dir }
+    }
+
+    /// The records written to the DLQ file so far.
+    pub fn dlq_records(&self) -> Vec<ratelimitd::dlq::FailureRecord> {
+        match std::fs::read_to_string(&self.dlq_file) {
+            Ok(text) => text.lines().map(|l| serde_json::from_str(l).expect("a valid record line")).collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => panic!("{}: {e}", self.dlq_file.display()),
+        }
     }
 
     pub async fn client(&self) -> RateLimiterClient<Channel> {
@@ -316,6 +334,14 @@ impl TestServer {
     pub async fn stop(mut self) -> Result<(), server::ServerError> {
         let _ = self.shutdown.take().unwrap().send(());
         self.handle.take().unwrap().await.unwrap()
+    }
+
+    /// Stops the server gracefully (which drains the DLQ writer) and returns
+    /// the records it wrote.
+    pub async fn stop_and_read_dlq(mut self) -> Vec<ratelimitd::dlq::FailureRecord> {
+        let _ = self.shutdown.take().unwrap().send(());
+        self.handle.take().unwrap().await.unwrap().unwrap();
+        self.dlq_records()
     }
 }
 

@@ -1,0 +1,225 @@
+//! The dead-letter record: one JSON object per failed decision, the same
+//! schema in the Kafka topic and in the file sink (see README "Dead-letter
+//! records"). Bump [`SCHEMA_VERSION`] on any incompatible change.
+
+use std::{
+    collections::BTreeMap,
+    hash::{BuildHasher, RandomState},
+    sync::Mutex,
+};
+
+use serde::{Deserialize, Serialize};
+
+use super::FailedDecision;
+use crate::decision::Reason;
+
+/// Version of the record schema written in every record.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One decision the store could not make, as written to the dead-letter sink.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailureRecord {
+    /// [`SCHEMA_VERSION`] at the time of writing.
+    pub schema_version: u32,
+    /// Unique, time-sortable id (ULID: 26 Crockford base32 characters).
+    pub event_id: String,
+    /// When the decision was made, RFC 3339 UTC with milliseconds.
+    pub time: String,
+    /// The instance that decided (`dlq.instance_id`).
+    pub instance: String,
+    /// The request as decided.
+    pub request: RecordRequest,
+    /// The rule that matched.
+    pub rule_id: String,
+    /// What went wrong.
+    pub failure: RecordFailure,
+    /// The answer the failure policy gave.
+    pub answer: RecordAnswer,
+    /// W3C trace id of the request, when it carried a `traceparent`.
+    pub trace_id: Option<String>,
+}
+
+/// The request part of a record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordRequest {
+    /// The counting dimension; also the Kafka message key.
+    pub user_id: String,
+    /// The path that was matched.
+    pub resource_path: String,
+    /// The client type, when given.
+    pub client_type: Option<String>,
+    /// The effective priority (CRITICAL, DEGRADED, BEST_EFFORT, BULK).
+    pub priority: String,
+    /// The request's weight.
+    pub weight: u32,
+    /// Headers named in `dlq.header_allowlist` (names lower-cased).
+    pub headers: BTreeMap<String, String>,
+}
+
+/// The failure part of a record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordFailure {
+    /// timeout, connection_refused, connection_lost, pool_exhausted,
+    /// script_error, cluster_error or other.
+    pub kind: String,
+    /// The store's error message.
+    pub message: String,
+}
+
+/// The answer part of a record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordAnswer {
+    /// Whether the request was let through.
+    pub allowed: bool,
+    /// FAIL_OPEN or FAIL_CLOSED.
+    pub reason: String,
+}
+
+impl FailureRecord {
+    /// Builds the record of `failure`, decided at `now_ms` by `instance`,
+    /// keeping only the headers in `allowlist` (lower-case names).
+    pub fn new(
+        failure: &FailedDecision<'_>,
+        event_id: String,
+        now_ms: u64,
+        instance: &str,
+        allowlist: &[String],
+    ) -> Self {
+        let request = failure.request;
+        let headers = request
+            .headers
+            .iter()
+            .filter(|(name, _)| allowlist.iter().any(|allowed| allowed.eq_ignore_ascii_case(name)))
+            .map(|(name, value)| (name.to_ascii_lowercase(), value.clone()))
+            .collect();
+        FailureRecord {
+            schema_version: SCHEMA_VERSION,
+            event_id,
+            time: format_time(now_ms),
+            instance: instance.to_owned(),
+            request: RecordRequest {
+                user_id: request.user_id.to_owned(),
+                resource_path: request.resource_path.to_owned(),
+                client_type: request.client_type.map(str::to_owned),
+                priority: failure.priority.as_str().to_owned(),
+                weight: request.weight,
+                headers,
+            },
+            rule_id: failure.rule.id.to_string(),
+            failure: RecordFailure {
+                kind: failure.error.kind.as_str().to_owned(),
+                message: failure.error.message.clone(),
+            },
+            answer: RecordAnswer {
+                allowed: failure.answer == Reason::FailOpen,
+                reason: failure.answer.as_str().to_owned(),
+            },
+            trace_id: request.trace_id.map(str::to_owned),
+        }
+    }
+
+    /// The record's time in ms since the epoch, if it parses.
+    pub fn time_ms(&self) -> Option<u64> {
+        parse_time(&self.time)
+    }
+}
+
+/// RFC 3339 UTC with milliseconds, e.g. `2026-11-21T06:40:00.123Z`.
+pub fn format_time(ms: u64) -> String {
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
+}
+
+/// Parses an RFC 3339 time into ms since the epoch.
+pub fn parse_time(text: &str) -> Option<u64> {
+    let time = humantime::parse_rfc3339_weak(text).ok()?;
+    u64::try_from(time.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis()).ok()
+}
+
+/// The trace id (32 hex digits) of a W3C `traceparent`
+/// (`version-traceid-parentid-flags`), if well formed and not all zero.
+pub fn trace_id_of(traceparent: &str) -> Option<&str> {
+    let mut parts = traceparent.trim().split('-');
+    let (_version, trace_id) = (parts.next()?, parts.next()?);
+    let valid = trace_id.len() == 32
+        && trace_id.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        && trace_id.bytes().any(|b| b != b'0');
+    valid.then_some(trace_id)
+}
+
+/// ULIDs: 48 bits of ms timestamp then 80 random bits, incremented within
+/// one ms so ids from one generator are strictly increasing.
+#[derive(Debug)]
+pub struct EventIds {
+    state: Mutex<(u64, u128)>,
+    seed: RandomState,
+}
+
+impl Default for EventIds {
+    fn default() -> Self {
+        EventIds { state: Mutex::new((0, 0)), seed: RandomState::new() }
+    }
+}
+
+impl EventIds {
+    /// The next id at `now_ms`.
+    pub fn next(&self, now_ms: u64) -> String {
+        const RANDOM_BITS: u32 = 80;
+        const RANDOM_MASK: u128 = (1 << RANDOM_BITS) - 1;
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (last_ms, last_random) = *state;
+        let (ms, random) = if now_ms > last_ms {
+            let high = u128::from(self.seed.hash_one((now_ms, 0_u8)));
+            let low = u128::from(self.seed.hash_one((now_ms, 1_u8)));
+            // Leave headroom below the top so increments within the ms never overflow.
+            (now_ms, ((high << 64) | low) & (RANDOM_MASK >> 1))
+        } else {
+            (last_ms, (last_random + 1) & RANDOM_MASK)
+        };
+        *state = (ms, random);
+        drop(state);
+        encode_ulid((u128::from(ms & 0xFFFF_FFFF_FFFF) << RANDOM_BITS) | random)
+    }
+}
+
+fn encode_ulid(value: u128) -> String {
+    const ALPHABET: &[u8; 32] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+    (0..26).rev().map(|i| ALPHABET[((value >> (i * 5)) & 0x1F) as usize] as char).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_ids_are_unique_and_sortable() {
+        let ids = EventIds::default();
+        let mut previous = String::new();
+        for ms in [1_000, 1_000, 1_000, 1_001, 5_000, 5_000] {
+            let id = ids.next(ms);
+            assert_eq!(id.len(), 26);
+            assert!(id > previous, "{id} <= {previous}");
+            previous = id;
+        }
+        // A clock that steps back does not break monotonicity.
+        assert!(ids.next(10) > previous);
+    }
+
+    #[test]
+    fn time_round_trips() {
+        let ms = 1_795_242_205_123;
+        let text = format_time(ms);
+        assert_eq!(text, "2026-11-21T06:23:25.123Z");
+        assert_eq!(parse_time(&text), Some(ms));
+    }
+
+    #[test]
+    fn trace_id_from_traceparent() {
+        assert_eq!(
+            trace_id_of("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        assert_eq!(trace_id_of("00-00000000000000000000000000000000-00f067aa0ba902b7-01"), None);
+        assert_eq!(trace_id_of("garbage"), None);
+        assert_eq!(trace_id_of("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"), None);
+    }
+}

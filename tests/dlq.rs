@@ -1,0 +1,118 @@
+//! Black-box tests of the dead-letter record: every decision the store
+//! could not make becomes exactly one record with every field right.
+
+mod common;
+
+use std::collections::HashSet;
+
+use common::{RedisServer, Rules, TestServer, check, config, reason, request};
+use ratelimitd::api::pb::{PriorityBucket, Reason};
+
+const RULES: &str = r#"
+rules:
+  - { rule_id: open, resource_path: /open, limit: 1000, window_seconds: 86400, failure_policy: open, priority_bucket: BULK }
+  - { rule_id: closed, resource_path: "/closed/*", limit: 1000, window_seconds: 86400, failure_policy: closed }
+"#;
+
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// Redis stopped: each failed decision yields exactly one record, with the
+/// request, rule, failure, answer, trace id and only allow-listed headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_failed_decision_is_recorded_once_with_every_field() {
+    let mut redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 200;
+    cfg.dlq.instance_id = Some("test-instance".to_owned());
+    cfg.dlq.header_allowlist = vec!["X-Request-Id".to_owned()];
+    let server = TestServer::start(cfg).await;
+    let mut client = server.client().await;
+    // A decision Redis makes is not recorded.
+    assert_eq!(reason(&check(&mut client, request("ok-user", "/open")).await), Reason::Ok);
+
+    redis.stop();
+    let before_ms = now_ms();
+    let mut sent = Vec::new();
+    for i in 0..20 {
+        let (user, path) =
+            (format!("user-{i}"), if i % 2 == 0 { "/open".to_owned() } else { format!("/closed/{i}") });
+        let mut r = request(&user, &path);
+        r.weight = i + 1;
+        r.client_type = if i % 3 == 0 { "ANDROID_MOBILE".to_owned() } else { String::new() };
+        r.priority = if i % 4 == 0 { PriorityBucket::Critical as i32 } else { 0 };
+        r.headers.insert("x-request-id".to_owned(), format!("req-{i}"));
+        r.headers.insert("authorization".to_owned(), "Bearer secret".to_owned());
+        let mut call = tonic::Request::new(r.clone());
+        if i % 5 == 0 {
+            call.metadata_mut().insert("traceparent", TRACEPARENT.parse().unwrap());
+        }
+        let response = client.check(call).await.unwrap().into_inner();
+        assert!(matches!(reason(&response), Reason::FailOpen | Reason::FailClosed), "{response:?}");
+        sent.push((r, i % 5 == 0, response));
+    }
+    let after_ms = now_ms();
+    let records = server.stop_and_read_dlq().await;
+
+    assert_eq!(records.len(), sent.len(), "exactly one record per failed decision: {records:#?}");
+    let ids: HashSet<_> = records.iter().map(|r| r.event_id.clone()).collect();
+    assert_eq!(ids.len(), records.len(), "event ids are unique");
+    let mut sorted = records.clone();
+    sorted.sort_by(|a, b| a.event_id.cmp(&b.event_id));
+    assert_eq!(sorted, records, "event ids sort in decision order");
+
+    for (record, (req, traced, response)) in records.iter().zip(&sent) {
+        assert_eq!(record.schema_version, 1);
+        assert_eq!(record.instance, "test-instance");
+        let time = record.time_ms().expect("RFC 3339 time");
+        assert!(time >= before_ms && time <= after_ms, "{record:?}");
+        assert_eq!(record.request.user_id, req.user_id);
+        assert_eq!(record.request.resource_path, req.resource_path);
+        assert_eq!(
+            record.request.client_type.as_deref(),
+            Some(req.client_type.as_str()).filter(|c| !c.is_empty())
+        );
+        assert_eq!(record.request.weight, req.weight);
+        let expected_priority = if req.priority == PriorityBucket::Critical as i32 {
+            "CRITICAL"
+        } else if req.resource_path == "/open" {
+            "BULK"
+        } else {
+            "DEGRADED"
+        };
+        assert_eq!(record.request.priority, expected_priority);
+        assert_eq!(
+            record.request.headers.iter().collect::<Vec<_>>(),
+            vec![(&"x-request-id".to_owned(), &req.headers["x-request-id"])],
+            "only allow-listed headers"
+        );
+        assert_eq!(record.rule_id, if req.resource_path == "/open" { "open" } else { "closed" });
+        assert!(
+            ["connection_refused", "connection_lost", "timeout"].contains(&record.failure.kind.as_str()),
+            "{record:?}"
+        );
+        assert!(!record.failure.message.is_empty());
+        assert_eq!(record.answer.allowed, response.allowed);
+        assert_eq!(record.answer.reason, if response.allowed { "FAIL_OPEN" } else { "FAIL_CLOSED" });
+        assert_eq!(record.trace_id.as_deref(), traced.then_some("4bf92f3577b34da6a3ce929d0e0e4736"));
+    }
+}
+
+/// Decisions that do not fail — allowed, denied, shed or unmatched — write nothing.
+#[tokio::test]
+async fn successful_decisions_write_no_record() {
+    let redis = RedisServer::start();
+    let rules =
+        Rules::new("rules:\n  - { rule_id: one, resource_path: /one, limit: 1, window_seconds: 86400 }\n");
+    let server = TestServer::start(config(&rules.path(), Some(redis.url()))).await;
+    let mut client = server.client().await;
+    assert!(check(&mut client, request("u", "/one")).await.allowed);
+    assert!(!check(&mut client, request("u", "/one")).await.allowed);
+    assert!(check(&mut client, request("u", "/none")).await.allowed);
+    assert!(server.stop_and_read_dlq().await.is_empty());
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis())
+        .unwrap()
+}
