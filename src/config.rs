@@ -247,6 +247,12 @@ pub struct DlqConfig {
     pub header_allowlist: Vec<String>,
     /// This instance's name in records; default: the host name.
     pub instance_id: Option<String>,
+    /// Where records wait, durably, until Kafka acknowledges them.
+    pub spool_dir: PathBuf,
+    /// A spool segment is closed and a new one started past this size.
+    pub spool_segment_bytes: u64,
+    /// The dead-letter topic; `brokers` unset selects the file sink.
+    pub kafka: KafkaConfig,
 }
 
 impl Default for DlqConfig {
@@ -256,7 +262,60 @@ impl Default for DlqConfig {
             queue_capacity: 65_536,
             header_allowlist: vec!["x-request-id".to_owned(), "user-agent".to_owned()],
             instance_id: None,
+            spool_dir: PathBuf::from("data/spool"),
+            spool_segment_bytes: 16 << 20,
+            kafka: KafkaConfig::default(),
         }
+    }
+}
+
+/// `dlq.kafka.*`
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// Bootstrap servers, `host:port[,host:port…]`; unset = file sink.
+    pub brokers: Option<String>,
+    /// The dead-letter topic.
+    pub topic: String,
+    /// Partitions `ratelimitd migrate` creates the topic with.
+    pub partitions: i32,
+    /// Replication factor `ratelimitd migrate` creates the topic with.
+    pub replication_factor: i32,
+    /// `retention.ms` of the topic `ratelimitd migrate` creates.
+    pub retention_ms: i64,
+    /// How long shutdown waits for outstanding deliveries before leaving them in the spool.
+    pub flush_timeout_ms: u64,
+    /// Any librdkafka property (`security.protocol`, `sasl.*`, `ssl.*`, …),
+    /// applied over the service's defaults. Values are never logged.
+    pub properties: std::collections::BTreeMap<String, String>,
+}
+
+impl Default for KafkaConfig {
+    fn default() -> Self {
+        Self {
+            brokers: None,
+            topic: "ratelimit.dlq".to_owned(),
+            partitions: 6,
+            replication_factor: 3,
+            retention_ms: 14 * 24 * 3_600_000,
+            flush_timeout_ms: 5_000,
+            properties: Default::default(),
+        }
+    }
+}
+
+impl fmt::Debug for KafkaConfig {
+    // Properties carry SASL passwords and keys: show their names only.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("partitions", &self.partitions)
+            .field("replication_factor", &self.replication_factor)
+            .field("retention_ms", &self.retention_ms)
+            .field("flush_timeout_ms", &self.flush_timeout_ms)
+            .field("properties", &self.properties.keys().map(|k| format!("{k}=***")).collect::<Vec<_>>())
+            .finish()
     }
 }
 
@@ -394,6 +453,36 @@ impl Config {
         }
         if self.dlq.file.as_os_str().is_empty() {
             return Err(invalid("dlq.file", "must not be empty"));
+        }
+        if self.dlq.spool_segment_bytes < 4_096 {
+            return Err(invalid("dlq.spool_segment_bytes", "must be at least 4096"));
+        }
+        let kafka = &self.dlq.kafka;
+        if kafka.brokers.as_deref().is_some_and(|b| b.trim().is_empty()) {
+            return Err(invalid("dlq.kafka.brokers", "must not be empty; leave it unset for the file sink"));
+        }
+        if kafka.topic.is_empty()
+            || kafka.topic.len() > 249
+            || !kafka.topic.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        {
+            return Err(invalid(
+                "dlq.kafka.topic",
+                format!("{:?} is not a valid Kafka topic name", kafka.topic),
+            ));
+        }
+        if kafka.partitions < 1 {
+            return Err(invalid("dlq.kafka.partitions", "must be at least 1"));
+        }
+        if kafka.replication_factor < 1 {
+            return Err(invalid("dlq.kafka.replication_factor", "must be at least 1"));
+        }
+        if kafka.retention_ms < -1 || kafka.retention_ms == 0 {
+            return Err(invalid("dlq.kafka.retention_ms", "must be positive, or -1 for unlimited"));
+        }
+        for key in ["bootstrap.servers"] {
+            if kafka.properties.contains_key(key) {
+                return Err(invalid("dlq.kafka.properties", format!("set {key} through dlq.kafka.brokers")));
+            }
         }
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| invalid("log.level", format!("{:?}: {e}", self.log.level)))?;

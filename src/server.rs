@@ -34,6 +34,12 @@ pub enum ServerError {
     /// The Redis store could not be set up.
     #[error(transparent)]
     Redis(#[from] RedisSetupError),
+    /// The spool directory cannot be opened.
+    #[error("dlq.spool_dir {0}")]
+    Spool(String),
+    /// The Kafka producer cannot be created (a bad property).
+    #[error("dlq.kafka: {0}")]
+    Kafka(String),
     /// The gRPC server failed.
     #[error("grpc server: {0}")]
     Transport(#[from] tonic::transport::Error),
@@ -42,12 +48,31 @@ pub enum ServerError {
     TaskExited(String),
 }
 
+/// Handles on the running service's state, for tests and diagnostics.
+#[derive(Debug, Clone)]
+pub struct Observer {
+    /// The dead-letter pipeline (its counters reconcile).
+    pub dlq: Arc<DlqSink>,
+    /// The load shedder.
+    pub shedder: Arc<Shedder>,
+}
+
 /// Serves until `shutdown` resolves, then stops accepting, lets in-flight
 /// calls finish (at most `grpc.shutdown_grace_ms`) and stops background tasks.
 pub async fn run(
     config: Config,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    run_observed(config, listener, shutdown, |_| {}).await
+}
+
+/// [`run`], handing `observe` the service's state once it is built.
+pub async fn run_observed(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    observe: impl FnOnce(Observer),
 ) -> Result<(), ServerError> {
     let snapshot = rules::load(&config.rules.path)?;
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -126,10 +151,60 @@ pub async fn run(
 
     let (dlq, dlq_queue, dlq_counters) =
         DlqSink::new(config.dlq.queue_capacity, config.dlq.instance(), config.dlq.header_allowlist.clone());
-    tracing::info!(file = %config.dlq.file.display(), "failed decisions go to a JSON-lines file");
-    tasks.spawn(dlq::file::run(dlq_queue, config.dlq.file.clone(), dlq_counters, stop_rx.clone()));
+    let dlq = match &config.dlq.kafka.brokers {
+        None => {
+            tracing::info!(file = %config.dlq.file.display(), "failed decisions go to a JSON-lines file");
+            tasks.spawn(dlq::file::run(dlq_queue, config.dlq.file.clone(), dlq_counters, stop_rx.clone()));
+            dlq
+        }
+        Some(brokers) => {
+            let spool_dir = &config.dlq.spool_dir;
+            let (writer, reader, spool) = dlq::spool::open(spool_dir, config.dlq.spool_segment_bytes)
+                .map_err(|e| ServerError::Spool(format!("{}: {e}", spool_dir.display())))?;
+            let recovered = spool.pending();
+            dlq_counters.recovered.store(recovered, std::sync::atomic::Ordering::SeqCst);
+            if recovered > 0 {
+                tracing::info!(records = recovered, spool = %spool_dir.display(), "delivering failure records a previous run left in the spool");
+            }
+            let kafka = &config.dlq.kafka;
+            let producer = dlq::kafka::producer(brokers, &kafka.properties)
+                .map_err(|e| ServerError::Kafka(e.to_string()))?;
+            tracing::info!(brokers = %brokers, topic = %kafka.topic, spool = %spool_dir.display(), "failed decisions go to Kafka through the spool");
+            let notify = Arc::new(tokio::sync::Notify::new());
+            tasks.spawn(dlq::kafka::run_spooler(
+                dlq_queue,
+                writer,
+                Arc::clone(&dlq_counters),
+                Arc::clone(&notify),
+                stop_rx.clone(),
+            ));
+            let shipper = dlq::kafka::Shipper {
+                producer,
+                topic: kafka.topic.clone(),
+                undeliverable: spool_dir.join("undeliverable.jsonl"),
+                counters: dlq_counters,
+                flush_timeout: Duration::from_millis(kafka.flush_timeout_ms),
+            };
+            tasks.spawn(dlq::kafka::run_shipper(
+                shipper,
+                reader,
+                Arc::clone(&spool),
+                notify,
+                stop_rx.clone(),
+            ));
+            dlq.with_spool(spool)
+        }
+    };
+    let dlq = Arc::new(dlq);
+    observe(Observer { dlq: Arc::clone(&dlq), shedder: Arc::clone(&shedder) });
 
-    let engine = Engine::new(rule_store, store, shedder, Arc::new(dlq), config.shed.default_priority);
+    let engine = Engine::new(
+        rule_store,
+        store,
+        Arc::clone(&shedder),
+        Arc::clone(&dlq) as Arc<dyn dlq::FailureSink>,
+        config.shed.default_priority,
+    );
     let service = RateLimiterService::new(engine, config.limits.clone());
 
     let (draining_tx, draining_rx) = oneshot::channel::<()>();
@@ -175,6 +250,15 @@ pub async fn run(
             tracing::error!(error = %e, "background task failed");
         }
     }
+    let stats = dlq.stats();
+    tracing::info!(
+        enqueued = stats.enqueued,
+        recovered = stats.recovered,
+        delivered = stats.delivered,
+        pending = stats.pending,
+        dropped = stats.dropped,
+        "dead-letter pipeline at shutdown (enqueued + recovered = delivered + pending + dropped)"
+    );
     tracing::info!("ratelimitd stopped");
     result
 }

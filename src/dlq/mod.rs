@@ -9,7 +9,9 @@
 //! counted as dropped and an error is logged, every time.
 
 pub mod file;
+pub mod kafka;
 pub mod record;
+pub mod spool;
 
 use std::{
     fmt,
@@ -94,18 +96,23 @@ pub struct DlqCounters {
     pub delivered: AtomicU64,
     /// Records lost: the queue was full or the spool's disk refused them.
     pub dropped: AtomicU64,
-    /// Records taken off the queue and not yet delivered.
+    /// Records taken off the queue and not yet written.
     pub in_hand: AtomicU64,
+    /// Records a previous run left in the spool, found at startup.
+    pub recovered: AtomicU64,
 }
 
-/// A consistent-enough view of [`DlqCounters`] plus the queue length.
+/// A consistent-enough view of [`DlqCounters`] plus the queue and the spool.
+/// `enqueued + recovered = delivered + pending + dropped`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DlqStats {
     /// Records offered.
     pub enqueued: u64,
+    /// Records found in the spool at startup.
+    pub recovered: u64,
     /// Records delivered.
     pub delivered: u64,
-    /// Records waiting: in the queue or in a writer's hands.
+    /// Records waiting: in the queue, in a writer's hands or in the spool.
     pub pending: u64,
     /// Records lost.
     pub dropped: u64,
@@ -120,6 +127,7 @@ pub struct DlqSink {
     instance: String,
     allowlist: Vec<String>,
     counters: Arc<DlqCounters>,
+    spool: Option<Arc<spool::SpoolState>>,
     log: LogSink,
 }
 
@@ -139,25 +147,31 @@ impl DlqSink {
             instance,
             allowlist: allowlist.iter().map(|h| h.to_ascii_lowercase()).collect(),
             counters: Arc::clone(&counters),
+            spool: None,
             log: LogSink::default(),
         };
         (sink, receiver, counters)
     }
 
-    /// Current counters; `pending` includes the queue's length.
+    /// Counts the spool's records as pending (the Kafka sink).
+    pub fn with_spool(mut self, spool: Arc<spool::SpoolState>) -> Self {
+        self.spool = Some(spool);
+        self
+    }
+
+    /// Current counters, with `pending` measured from the queue, the
+    /// writer's hands and the spool.
     pub fn stats(&self) -> DlqStats {
         let queued = (self.queue.max_capacity() - self.queue.capacity()) as u64;
-        stats(&self.counters, queued)
-    }
-}
-
-/// Reads `counters`, adding `queued` records waiting in the queue to `pending`.
-pub fn stats(counters: &DlqCounters, queued: u64) -> DlqStats {
-    DlqStats {
-        enqueued: counters.enqueued.load(Ordering::SeqCst),
-        delivered: counters.delivered.load(Ordering::SeqCst),
-        pending: queued + counters.in_hand.load(Ordering::SeqCst),
-        dropped: counters.dropped.load(Ordering::SeqCst),
+        let spooled = self.spool.as_ref().map_or(0, |s| s.pending());
+        let c = &self.counters;
+        DlqStats {
+            enqueued: c.enqueued.load(Ordering::SeqCst),
+            recovered: c.recovered.load(Ordering::SeqCst),
+            delivered: c.delivered.load(Ordering::SeqCst),
+            pending: queued + c.in_hand.load(Ordering::SeqCst) + spooled,
+            dropped: c.dropped.load(Ordering::SeqCst),
+        }
     }
 }
 

@@ -1,0 +1,357 @@
+//! The Kafka sink: records go queue → spool (fsync) → Kafka, and leave the
+//! spool only once Kafka has acknowledged them.
+//!
+//! Two owned tasks: [`run_spooler`] drains the hot path's queue into the
+//! spool, [`run_shipper`] produces spooled records in order with an
+//! idempotent, `acks=all` producer and advances the spool's cursor. The
+//! producer's `message.timeout.ms` is 0 (infinite): while Kafka is down
+//! librdkafka keeps retrying — without duplicates, thanks to idempotence —
+//! and the backlog waits on disk rather than in memory. Message key: user_id.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::PathBuf,
+    sync::{Arc, atomic::Ordering},
+    time::Duration,
+};
+
+use rdkafka::{
+    ClientConfig,
+    error::{KafkaError, RDKafkaErrorCode},
+    producer::{FutureProducer, FutureRecord, Producer},
+};
+use tokio::sync::{Notify, mpsc, watch};
+
+use super::{
+    DlqCounters, FailureRecord,
+    file::{BATCH_MAX, append_durably, to_json_lines},
+    spool::{SpoolReader, SpoolState, SpoolWriter},
+};
+
+/// Properties the service sets; `dlq.kafka.properties` may override them.
+const DEFAULTS: [(&str, &str); 6] = [
+    ("enable.idempotence", "true"),
+    ("acks", "all"),
+    ("compression.type", "lz4"),
+    ("linger.ms", "5"),
+    // Infinite: the spool holds the backlog; librdkafka retries idempotently.
+    ("message.timeout.ms", "0"),
+    ("client.id", "ratelimitd"),
+];
+
+/// Records produced per round, at most.
+const ROUND_MAX: usize = 2_000;
+
+/// Builds the idempotent producer for `brokers` with `properties` applied
+/// over the service's defaults.
+pub fn producer(brokers: &str, properties: &BTreeMap<String, String>) -> Result<FutureProducer, KafkaError> {
+    client_config(brokers, properties, &DEFAULTS).create()
+}
+
+/// A librdkafka configuration: `defaults`, then the operator's `properties`.
+pub fn client_config(
+    brokers: &str,
+    properties: &BTreeMap<String, String>,
+    defaults: &[(&str, &str)],
+) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", brokers);
+    for (key, value) in defaults {
+        config.set(*key, *value);
+    }
+    for (key, value) in properties {
+        config.set(key, value);
+    }
+    config
+}
+
+/// Drains `queue` into the spool until `shutdown`, then spools what is left.
+pub async fn run_spooler(
+    mut queue: mpsc::Receiver<FailureRecord>,
+    writer: SpoolWriter,
+    counters: Arc<DlqCounters>,
+    spooled: Arc<Notify>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut writer = Some(writer);
+    let mut batch = Vec::with_capacity(BATCH_MAX);
+    let mut stopping = false;
+    loop {
+        if !stopping {
+            tokio::select! {
+                received = queue.recv_many(&mut batch, BATCH_MAX) => if received == 0 { return },
+                _ = shutdown.changed() => {
+                    stopping = true;
+                    queue.close();
+                    continue;
+                }
+            }
+        } else if queue.recv_many(&mut batch, BATCH_MAX).await == 0 {
+            return;
+        }
+        counters.in_hand.store(batch.len() as u64, Ordering::SeqCst);
+        let lines = Arc::new(to_json_lines(&batch));
+        let count = batch.len() as u64;
+        let mut backoff = Duration::from_millis(50);
+        for attempt in 1.. {
+            let mut w = writer.take().expect("the writer is returned after every append");
+            let bytes = Arc::clone(&lines);
+            let (w, result) = tokio::task::spawn_blocking(move || {
+                let result = w.append(&bytes, count);
+                (w, result)
+            })
+            .await
+            .expect("spool append does not panic");
+            writer = Some(w);
+            match result {
+                Ok(()) => break,
+                Err(e) => {
+                    // Every time: a full spool disk is the one way records get lost.
+                    tracing::error!(records = count, error = %e, attempt, "cannot append failure records to the spool");
+                    if stopping && attempt >= 5 {
+                        counters.dropped.fetch_add(count, Ordering::SeqCst);
+                        tracing::error!(
+                            records = count,
+                            "shutting down with an unwritable spool: failure records DROPPED"
+                        );
+                        break;
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+        counters.in_hand.store(0, Ordering::SeqCst);
+        spooled.notify_one();
+        batch.clear();
+    }
+}
+
+/// What the shipper needs besides the spool.
+pub struct Shipper {
+    /// The producer.
+    pub producer: FutureProducer,
+    /// The dead-letter topic.
+    pub topic: String,
+    /// Where records Kafka refuses for good (too large, invalid) are kept.
+    pub undeliverable: PathBuf,
+    /// Pipeline counters.
+    pub counters: Arc<DlqCounters>,
+    /// How long shutdown waits for outstanding deliveries.
+    pub flush_timeout: Duration,
+}
+
+/// Produces spooled records in order until `shutdown`; acknowledges them in
+/// the spool as Kafka confirms them. On shutdown it flushes the producer and
+/// leaves whatever is unconfirmed in the spool for the next start.
+pub async fn run_shipper(
+    shipper: Shipper,
+    reader: SpoolReader,
+    state: Arc<SpoolState>,
+    spooled: Arc<Notify>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut reader = Some(reader);
+    // Records Kafka confirmed beyond a failed one: skipped when the failed
+    // one is produced again, so a retry never duplicates them.
+    let mut delivered_ahead: BTreeSet<u64> = BTreeSet::new();
+    let mut backoff = Duration::from_millis(100);
+    let mut outage_logged = false;
+    loop {
+        let from = state.acked.load(Ordering::SeqCst);
+        if from >= state.durable.load(Ordering::SeqCst) {
+            tokio::select! {
+                _ = spooled.notified() => continue,
+                // A spool append notifies, but poll too: cheap insurance.
+                _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
+                _ = shutdown.changed() => return,
+            }
+        }
+        let mut r = reader.take().expect("the reader is returned after every read");
+        let (r, read) = tokio::task::spawn_blocking(move || {
+            let read = r.read(from, ROUND_MAX);
+            (r, read)
+        })
+        .await
+        .expect("spool read does not panic");
+        reader = Some(r);
+        let records = match read {
+            Ok(records) => records,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the spool; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+
+        // Produce the round.
+        let mut in_flight = Vec::with_capacity(records.len());
+        let mut settled: Vec<(u64, Outcome)> = Vec::with_capacity(records.len());
+        for (seq, record) in records {
+            if delivered_ahead.contains(&seq) {
+                settled.push((seq, Outcome::Delivered));
+                continue;
+            }
+            let record = match record {
+                Ok(record) => record,
+                Err(line) => {
+                    settled.push((seq, Outcome::Undeliverable(line, "unreadable spool line".to_owned())));
+                    continue;
+                }
+            };
+            let payload = serde_json::to_vec(&record).expect("records serialise");
+            let message =
+                FutureRecord::to(&shipper.topic).key(record.request.user_id.as_str()).payload(&payload);
+            match shipper.producer.send_result(message) {
+                Ok(delivery) => in_flight.push((seq, record, delivery)),
+                // librdkafka's own queue is full: settle what is in flight first.
+                Err((e, _)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) => break,
+                Err((e, _)) => settled.push((seq, classify(&e, &record))),
+            }
+        }
+
+        // Await the round, or shutdown.
+        let mut stopping = false;
+        for (seq, record, delivery) in in_flight {
+            let result = if stopping {
+                tokio::time::timeout(Duration::from_millis(1), delivery).await.ok()
+            } else {
+                tokio::select! {
+                    result = delivery => Some(result),
+                    _ = shutdown.changed() => {
+                        stopping = true;
+                        let producer = shipper.producer.clone();
+                        let timeout = shipper.flush_timeout;
+                        // Give outstanding deliveries a last chance, then keep what is confirmed.
+                        let _ = tokio::task::spawn_blocking(move || producer.flush(timeout)).await;
+                        None
+                    }
+                }
+            };
+            let outcome = match result {
+                Some(Ok(Ok(_))) => Outcome::Delivered,
+                Some(Ok(Err((e, _)))) => classify(&e, &record),
+                Some(Err(_)) | None => Outcome::Retry("not confirmed before shutdown".to_owned()),
+            };
+            settled.push((seq, outcome));
+        }
+        settled.sort_by_key(|(seq, _)| *seq);
+
+        // Acknowledge the confirmed prefix; remember confirmations past a gap.
+        let mut upto = from;
+        let mut retry_reason = None;
+        for (seq, outcome) in settled {
+            match outcome {
+                // Counted delivered when acknowledged, so a record is either
+                // delivered or pending, never both.
+                Outcome::Delivered => {
+                    if retry_reason.is_none() && seq == upto {
+                        upto += 1;
+                        delivered_ahead.remove(&seq);
+                        shipper.counters.delivered.fetch_add(1, Ordering::SeqCst);
+                    } else {
+                        delivered_ahead.insert(seq);
+                    }
+                }
+                Outcome::Undeliverable(line, why) if retry_reason.is_none() && seq == upto => {
+                    set_aside(&shipper, &line, &why);
+                    upto += 1;
+                }
+                Outcome::Undeliverable(_, why) | Outcome::Retry(why) => {
+                    retry_reason.get_or_insert(why);
+                }
+            }
+        }
+        if upto > from {
+            let mut r = reader.take().expect("reader");
+            let (r, acked) = tokio::task::spawn_blocking(move || {
+                let acked = r.acknowledge(upto);
+                (r, acked)
+            })
+            .await
+            .expect("spool acknowledge does not panic");
+            reader = Some(r);
+            if let Err(e) = acked {
+                tracing::error!(error = %e, "cannot record delivery in the spool; records may be sent again after a restart");
+            }
+        }
+        if stopping {
+            return;
+        }
+        match retry_reason {
+            None => {
+                if outage_logged {
+                    tracing::info!("dead-letter topic reachable again; spool draining");
+                    outage_logged = false;
+                }
+                backoff = Duration::from_millis(100);
+            }
+            Some(why) => {
+                if !outage_logged {
+                    tracing::error!(topic = %shipper.topic, reason = %why, pending = state.pending(), "cannot deliver failure records; they stay in the spool and are retried");
+                    outage_logged = true;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = shutdown.changed() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Shipper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shipper").field("topic", &self.topic).finish_non_exhaustive()
+    }
+}
+
+enum Outcome {
+    Delivered,
+    /// Kafka refuses this record for good; kept aside in a local file.
+    Undeliverable(String, String),
+    /// Try again later (no topic yet, broker trouble).
+    Retry(String),
+}
+
+fn classify(e: &KafkaError, record: &FailureRecord) -> Outcome {
+    use RDKafkaErrorCode::*;
+    match e.rdkafka_error_code() {
+        Some(MessageSizeTooLarge | InvalidMessageSize | InvalidRecord | InvalidMessage) => {
+            let line = serde_json::to_string(record).expect("records serialise");
+            Outcome::Undeliverable(line, e.to_string())
+        }
+        Some(UnknownTopic | UnknownTopicOrPartition) => {
+            Outcome::Retry(format!("{e}: the topic does not exist; run `ratelimitd migrate`"))
+        }
+        _ => Outcome::Retry(e.to_string()),
+    }
+}
+
+/// Keeps a record Kafka will never take in `undeliverable`, and counts it
+/// dropped (it did not reach the topic) with an error naming the file.
+fn set_aside(shipper: &Shipper, line: &str, why: &str) {
+    let mut bytes = line.as_bytes().to_vec();
+    bytes.push(b'\n');
+    if let Err(e) = append_durably(&shipper.undeliverable, &bytes) {
+        tracing::error!(error = %e, "cannot keep an undeliverable record aside; it is lost");
+    }
+    shipper.counters.dropped.fetch_add(1, Ordering::SeqCst);
+    tracing::error!(file = %shipper.undeliverable.display(), reason = why, "Kafka refused a failure record for good; kept aside, not on the topic");
+}
+
+/// Checks that `topic` exists on the cluster, saying clearly what to run if
+/// not. Blocking (metadata request): run it off the runtime's workers.
+pub fn check_topic(producer: &FutureProducer, topic: &str, timeout: Duration) -> Result<(), String> {
+    let metadata = producer
+        .client()
+        .fetch_metadata(Some(topic), timeout)
+        .map_err(|e| format!("cannot reach Kafka to check topic {topic:?}: {e}"))?;
+    match metadata.topics().iter().find(|t| t.name() == topic) {
+        Some(t) if t.error().is_none() && !t.partitions().is_empty() => Ok(()),
+        _ => Err(format!(
+            "dead-letter topic {topic:?} does not exist: run `ratelimitd migrate` (records are spooled until it exists)"
+        )),
+    }
+}

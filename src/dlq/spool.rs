@@ -1,0 +1,380 @@
+//! The local spool in front of Kafka: every record is made durable here
+//! before it is produced, so neither a Kafka outage nor a `kill -9` loses it.
+//!
+//! Layout of `dlq.spool_dir`:
+//!
+//! - `seg-<first sequence number, 20 digits>.jsonl`: append-only segments of
+//!   JSON lines; record `n` of the spool is line `n - first` of its segment.
+//! - `cursor`: the sequence number of the first record not yet acknowledged
+//!   by Kafka, replaced atomically (write + rename) after each acknowledged run.
+//!
+//! One writer ([`SpoolWriter`], owned by the queue-draining task) appends and
+//! fsyncs; one reader ([`SpoolReader`], owned by the shipping task) reads up
+//! to what the writer has published as durable, and deletes a segment once
+//! every record in it is acknowledged. On open, a torn last line (a crash
+//! mid-write) is cut off: it was never acknowledged as spooled.
+
+use std::{
+    fs::{self, File, OpenOptions},
+    io::{self, BufRead, BufReader, Seek, SeekFrom, Write},
+    path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use super::FailureRecord;
+
+const CURSOR: &str = "cursor";
+
+/// Positions shared between the writer and the reader.
+#[derive(Debug, Default)]
+pub struct SpoolState {
+    /// Sequence number the next appended record gets; everything below is durable.
+    pub durable: AtomicU64,
+    /// Sequence number of the first record not yet acknowledged.
+    pub acked: AtomicU64,
+}
+
+impl SpoolState {
+    /// Records on disk not yet acknowledged.
+    pub fn pending(&self) -> u64 {
+        self.durable.load(Ordering::SeqCst).saturating_sub(self.acked.load(Ordering::SeqCst))
+    }
+}
+
+/// Opens (or creates) the spool at `dir`; returns its two ends.
+pub fn open(dir: &Path, segment_bytes: u64) -> io::Result<(SpoolWriter, SpoolReader, Arc<SpoolState>)> {
+    fs::create_dir_all(dir)?;
+    let mut segments = list_segments(dir)?;
+    let acked = read_cursor(dir)?.unwrap_or_else(|| segments.first().map_or(0, |(first, _)| *first));
+    // Repair the last segment and count its records.
+    let durable = match segments.last() {
+        Some((first, path)) => first + repair(path)?,
+        None => acked,
+    };
+    // Records below the first segment were deleted, so delivered.
+    let oldest = segments.first().map_or(acked, |(first, _)| *first);
+    let acked = acked.max(oldest).min(durable);
+    // A new spool gets its first segment.
+    if segments.is_empty() {
+        segments.push((durable, segment_path(dir, durable)));
+    }
+    let state = Arc::new(SpoolState { durable: AtomicU64::new(durable), acked: AtomicU64::new(acked) });
+    let (active_first, active_path) = segments.last().cloned().expect("at least one segment");
+    let active = OpenOptions::new().create(true).append(true).open(&active_path)?;
+    let active_len = active.metadata()?.len();
+    let writer = SpoolWriter {
+        dir: dir.to_path_buf(),
+        segment_bytes,
+        active,
+        active_first,
+        active_len,
+        state: Arc::clone(&state),
+    };
+    let reader = SpoolReader { dir: dir.to_path_buf(), position: None, state: Arc::clone(&state) };
+    Ok((writer, reader, state))
+}
+
+/// The appending end.
+#[derive(Debug)]
+pub struct SpoolWriter {
+    dir: PathBuf,
+    segment_bytes: u64,
+    active: File,
+    active_first: u64,
+    active_len: u64,
+    state: Arc<SpoolState>,
+}
+
+impl SpoolWriter {
+    /// Appends `lines` (`count` JSON lines) and fsyncs them; only then are
+    /// they visible to the reader.
+    pub fn append(&mut self, lines: &[u8], count: u64) -> io::Result<()> {
+        if self.active_len >= self.segment_bytes {
+            self.roll()?;
+        }
+        self.active.write_all(lines)?;
+        self.active.sync_data()?;
+        self.active_len += lines.len() as u64;
+        self.state.durable.fetch_add(count, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn roll(&mut self) -> io::Result<()> {
+        let first = self.state.durable.load(Ordering::SeqCst);
+        let path = segment_path(&self.dir, first);
+        self.active = OpenOptions::new().create(true).append(true).open(&path)?;
+        // Make the new file's directory entry durable too.
+        File::open(&self.dir)?.sync_all()?;
+        self.active_first = first;
+        self.active_len = 0;
+        Ok(())
+    }
+}
+
+/// The reading end: hands out records in order and records acknowledgements.
+#[derive(Debug)]
+pub struct SpoolReader {
+    dir: PathBuf,
+    /// Open segment, its first sequence number, and the sequence number of
+    /// the next line the reader will return.
+    position: Option<(BufReader<File>, u64, u64)>,
+    state: Arc<SpoolState>,
+}
+
+impl SpoolReader {
+    /// Up to `max` durable records starting at sequence `from` (which must be
+    /// at or after the acknowledged cursor), with their sequence numbers.
+    /// Lines that do not parse are returned as `Err` with their text, so the
+    /// caller can set them aside instead of stalling on them.
+    pub fn read(&mut self, from: u64, max: usize) -> io::Result<Vec<(u64, Result<FailureRecord, String>)>> {
+        let durable = self.state.durable.load(Ordering::SeqCst);
+        let mut out = Vec::new();
+        let mut next = from;
+        while out.len() < max && next < durable {
+            self.seek(next)?;
+            let Some((reader, _, at)) = self.position.as_mut() else { break };
+            let mut line = String::new();
+            if reader.read_line(&mut line)? == 0 || !line.ends_with('\n') {
+                // End of this segment: the next one starts at `next`.
+                self.position = None;
+                if !segment_path(&self.dir, next).exists() {
+                    break;
+                }
+                continue;
+            }
+            *at += 1;
+            let parsed = serde_json::from_str::<FailureRecord>(line.trim_end())
+                .map_err(|_| line.trim_end().to_owned());
+            out.push((next, parsed));
+            next += 1;
+        }
+        Ok(out)
+    }
+
+    /// Positions the reader at sequence `seq`.
+    fn seek(&mut self, seq: u64) -> io::Result<()> {
+        if let Some((_, _, at)) = &self.position
+            && *at == seq
+        {
+            return Ok(());
+        }
+        let Some((first, path)) =
+            list_segments(&self.dir)?.into_iter().rev().find(|(first, _)| *first <= seq)
+        else {
+            self.position = None;
+            return Ok(());
+        };
+        let mut reader = BufReader::new(File::open(path)?);
+        let mut line = String::new();
+        for _ in first..seq {
+            line.clear();
+            reader.read_line(&mut line)?;
+        }
+        self.position = Some((reader, first, seq));
+        Ok(())
+    }
+
+    /// Marks every record below `upto` as delivered: persists the cursor and
+    /// deletes segments that hold nothing else.
+    pub fn acknowledge(&mut self, upto: u64) -> io::Result<()> {
+        write_cursor(&self.dir, upto)?;
+        self.state.acked.store(upto, Ordering::SeqCst);
+        let segments = list_segments(&self.dir)?;
+        for pair in segments.windows(2) {
+            let ((_, path), (next_first, _)) = (&pair[0], &pair[1]);
+            if *next_first <= upto {
+                if let Some((_, open_first, _)) = &self.position
+                    && segment_path(&self.dir, *open_first) == *path
+                {
+                    self.position = None;
+                }
+                fs::remove_file(path)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn segment_path(dir: &Path, first: u64) -> PathBuf {
+    dir.join(format!("seg-{first:020}.jsonl"))
+}
+
+fn list_segments(dir: &Path) -> io::Result<Vec<(u64, PathBuf)>> {
+    let mut segments = Vec::new();
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(first) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("seg-"))
+            .and_then(|n| n.strip_suffix(".jsonl"))
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        segments.push((first, entry.path()));
+    }
+    segments.sort();
+    Ok(segments)
+}
+
+fn read_cursor(dir: &Path) -> io::Result<Option<u64>> {
+    match fs::read_to_string(dir.join(CURSOR)) {
+        Ok(text) => text.trim().parse().map(Some).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{}: not a number", dir.join(CURSOR).display()),
+            )
+        }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn write_cursor(dir: &Path, value: u64) -> io::Result<()> {
+    let tmp = dir.join("cursor.tmp");
+    let mut file = File::create(&tmp)?;
+    writeln!(file, "{value}")?;
+    file.sync_data()?;
+    fs::rename(tmp, dir.join(CURSOR))
+}
+
+/// Cuts a torn last line off `path`; returns the number of complete lines.
+fn repair(path: &Path) -> io::Result<u64> {
+    let mut file = OpenOptions::new().read(true).write(true).open(path)?;
+    let mut reader = BufReader::new(&mut file);
+    let (mut lines, mut good_len, mut line) = (0, 0_u64, Vec::new());
+    loop {
+        line.clear();
+        let read = reader.read_until(b'\n', &mut line)?;
+        if read == 0 || line.last() != Some(&b'\n') {
+            break;
+        }
+        lines += 1;
+        good_len += read as u64;
+    }
+    drop(reader);
+    if file.seek(SeekFrom::End(0))? != good_len {
+        tracing::warn!(path = %path.display(), kept = lines, "spool segment ended in a torn write; cut it off");
+        file.set_len(good_len)?;
+        file.sync_data()?;
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dlq::{file::to_json_lines, record::*};
+
+    fn record(i: u64) -> FailureRecord {
+        FailureRecord {
+            schema_version: SCHEMA_VERSION,
+            event_id: format!("{i:026}"),
+            time: format_time(i),
+            instance: "t".to_owned(),
+            request: RecordRequest {
+                user_id: format!("u{i}"),
+                resource_path: "/p".to_owned(),
+                client_type: None,
+                priority: "BULK".to_owned(),
+                weight: 1,
+                headers: Default::default(),
+            },
+            rule_id: "r".to_owned(),
+            failure: RecordFailure { kind: "timeout".to_owned(), message: "slow".to_owned() },
+            answer: RecordAnswer { allowed: true, reason: "FAIL_OPEN".to_owned() },
+            trace_id: None,
+        }
+    }
+
+    fn append(writer: &mut SpoolWriter, range: std::ops::Range<u64>) {
+        let records: Vec<_> = range.clone().map(record).collect();
+        writer.append(&to_json_lines(&records), records.len() as u64).unwrap();
+    }
+
+    fn users(read: &[(u64, Result<FailureRecord, String>)]) -> Vec<String> {
+        read.iter().map(|(_, r)| r.as_ref().unwrap().request.user_id.clone()).collect()
+    }
+
+    #[test]
+    fn reads_in_order_across_segments_and_deletes_acknowledged_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut writer, mut reader, state) = open(dir.path(), 600).unwrap();
+        for batch in 0..10 {
+            append(&mut writer, batch * 3..batch * 3 + 3);
+        }
+        assert_eq!(state.pending(), 30);
+        assert!(list_segments(dir.path()).unwrap().len() > 3, "segments rolled");
+        let first = reader.read(0, 12).unwrap();
+        assert_eq!(first.iter().map(|(s, _)| *s).collect::<Vec<_>>(), (0..12).collect::<Vec<_>>());
+        reader.acknowledge(12).unwrap();
+        assert_eq!(state.pending(), 18);
+        let rest = reader.read(12, 100).unwrap();
+        assert_eq!(users(&rest), (12..30).map(|i| format!("u{i}")).collect::<Vec<_>>());
+        reader.acknowledge(30).unwrap();
+        assert_eq!(state.pending(), 0);
+        assert_eq!(list_segments(dir.path()).unwrap().len(), 1, "only the active segment is left");
+    }
+
+    #[test]
+    fn reopening_resumes_at_the_cursor() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut writer, mut reader, _) = open(dir.path(), 1 << 20).unwrap();
+            append(&mut writer, 0..10);
+            reader.read(0, 4).unwrap();
+            reader.acknowledge(4).unwrap();
+        }
+        let (mut writer, mut reader, state) = open(dir.path(), 1 << 20).unwrap();
+        assert_eq!((state.acked.load(Ordering::SeqCst), state.pending()), (4, 6));
+        append(&mut writer, 10..12);
+        let read = reader.read(4, 100).unwrap();
+        assert_eq!(read.first().unwrap().0, 4);
+        assert_eq!(users(&read), (4..12).map(|i| format!("u{i}")).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_torn_last_line_is_cut_off() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut writer, _, _) = open(dir.path(), 1 << 20).unwrap();
+            append(&mut writer, 0..3);
+        }
+        let (_, path) = list_segments(dir.path()).unwrap().pop().unwrap();
+        OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap()
+            .write_all(b"{\"schema_version\":1,\"ev")
+            .unwrap();
+        let (mut writer, mut reader, state) = open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(state.pending(), 3);
+        append(&mut writer, 3..4);
+        assert_eq!(users(&reader.read(0, 10).unwrap()), ["u0", "u1", "u2", "u3"]);
+    }
+
+    #[test]
+    fn nothing_beyond_durable_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut writer, mut reader, _) = open(dir.path(), 1 << 20).unwrap();
+        assert!(reader.read(0, 10).unwrap().is_empty());
+        append(&mut writer, 0..2);
+        assert_eq!(reader.read(0, 10).unwrap().len(), 2);
+        assert!(reader.read(2, 10).unwrap().is_empty());
+    }
+
+    #[test]
+    fn unparseable_lines_are_handed_back_not_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut writer, mut reader, _) = open(dir.path(), 1 << 20).unwrap();
+        writer.append(b"not json\n", 1).unwrap();
+        append(&mut writer, 1..2);
+        let read = reader.read(0, 10).unwrap();
+        assert_eq!(read[0], (0, Err("not json".to_owned())));
+        assert!(read[1].1.is_ok());
+    }
+}
