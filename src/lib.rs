@@ -12,7 +12,9 @@
 //! - [`decision`]: the path itself — lookup, shedding, store call, failure policy, shadow mode.
 //! - [`limiter`]: the sliding-window arithmetic as a pure function and the
 //!   stores that apply it (Redis Lua script, in-memory shards).
-//! - [`dlq`]: the seam for decisions the store could not make.
+//! - [`dlq`]: records of decisions the store could not make: file or Kafka (through a
+//!   durable spool), and the `audit` reader.
+//! - [`migrate`]: the numbered setup steps of `migrations/`.
 //! - [`clock`]: injectable time sources.
 //! - [`config`], [`cli`], [`server`] (wiring, startup, graceful shutdown), [`signal`].
 //!
@@ -27,6 +29,7 @@ pub mod config;
 pub mod decision;
 pub mod dlq;
 pub mod limiter;
+pub mod migrate;
 pub mod rules;
 pub mod server;
 pub mod shed;

@@ -26,17 +26,30 @@ fn main() -> ExitCode {
         Command::Serve => serve(cli.config.as_deref()),
         Command::Check(args) => runtime().map_or_else(report, |rt| rt.block_on(cli::check(args))),
         Command::Rules(RulesCommand::Validate { paths }) => cli::validate_rules(&paths),
+        Command::Migrate => match load_config(cli.config.as_deref()) {
+            Ok(config) => runtime().map_or_else(report, |rt| rt.block_on(cli::migrate(&config))),
+            Err(code) => code,
+        },
+        Command::Audit(args) => match load_config(cli.config.as_deref()) {
+            Ok(config) => cli::audit(args, &config),
+            Err(code) => code,
+        },
     }
+}
+
+/// Loads and validates the configuration; on error prints it and returns exit 64.
+fn load_config(config_file: Option<&std::path::Path>) -> Result<Config, ExitCode> {
+    Config::load(config_file, std::env::vars().collect()).map_err(|e| {
+        eprintln!("ratelimitd: {e}");
+        ExitCode::from(cli::EXIT_USAGE)
+    })
 }
 
 fn serve(config_file: Option<&std::path::Path>) -> ExitCode {
     // Configuration is complete and valid before logging starts or a port binds.
-    let config = match Config::load(config_file, std::env::vars().collect()) {
+    let config = match load_config(config_file) {
         Ok(config) => config,
-        Err(e) => {
-            eprintln!("ratelimitd: {e}");
-            return ExitCode::from(cli::EXIT_USAGE);
-        }
+        Err(code) => return code,
     };
     init_tracing(&config.log.level);
     let result = runtime().and_then(|rt| {

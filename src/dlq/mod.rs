@@ -8,6 +8,7 @@
 //! delivered. If the queue is full — the disk cannot keep up — the record is
 //! counted as dropped and an error is logged, every time.
 
+pub mod audit;
 pub mod file;
 pub mod kafka;
 pub mod record;

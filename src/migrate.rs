@@ -1,0 +1,222 @@
+//! `ratelimitd migrate`: the numbered, idempotent setup steps of
+//! `migrations/` applied to the external systems — the dead-letter topic in
+//! Kafka and the counter key-schema version in Redis.
+//!
+//! The step files are compiled into the binary, so a deployed binary
+//! migrates without the repository. Each step checks before it changes
+//! anything; running `migrate` twice changes nothing and says so.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use rdkafka::{
+    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+    client::DefaultClientContext,
+    types::RDKafkaErrorCode,
+};
+use serde::Deserialize;
+
+use crate::config::{Config, redact_url};
+
+/// The migration files, in order, as compiled in.
+pub const MIGRATIONS: [(&str, &str); 2] = [
+    ("0001_dlq_topic.yaml", include_str!("../migrations/0001_dlq_topic.yaml")),
+    ("0002_redis_key_schema.yaml", include_str!("../migrations/0002_redis_key_schema.yaml")),
+];
+
+/// The Redis key holding the counter key-schema version.
+pub const KEY_SCHEMA_KEY: &str = "ratelimitd:key_schema_version";
+
+/// One step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Migration {
+    /// Position; ids run 1, 2, 3, … without gaps.
+    pub id: u32,
+    /// Short name.
+    pub name: String,
+    /// What it does.
+    pub kind: Kind,
+}
+
+/// A step file as written (`deny_unknown_fields` does not combine with a
+/// flattened tagged enum, so the kind is resolved by hand).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMigration {
+    id: u32,
+    name: String,
+    kind: String,
+    version: Option<u32>,
+}
+
+/// The kinds of steps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kind {
+    /// Create `dlq.kafka.topic`.
+    KafkaTopic,
+    /// Record the Redis key-schema version.
+    RedisKeySchema {
+        /// The version this build writes.
+        version: u32,
+    },
+}
+
+/// What applying a step did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// It changed something.
+    Changed(String),
+    /// It was already in place.
+    AlreadyApplied(String),
+    /// It does not apply to this configuration.
+    Skipped(String),
+}
+
+/// A step that failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {message}")]
+pub struct MigrateError {
+    /// The migration file.
+    pub file: String,
+    /// What went wrong.
+    pub message: String,
+}
+
+/// Parses the compiled-in migrations and checks their numbering.
+pub fn migrations() -> Result<Vec<(&'static str, Migration)>, MigrateError> {
+    let mut out = Vec::with_capacity(MIGRATIONS.len());
+    for (index, (file, text)) in MIGRATIONS.iter().enumerate() {
+        let error = |message: String| MigrateError { file: (*file).to_owned(), message };
+        let raw: RawMigration = serde_yaml::from_str(text).map_err(|e| error(e.to_string()))?;
+        let kind = match (raw.kind.as_str(), raw.version) {
+            ("kafka_topic", None) => Kind::KafkaTopic,
+            ("redis_key_schema", Some(version)) => Kind::RedisKeySchema { version },
+            (other, _) => return Err(error(format!("unknown kind {other:?} or misplaced version"))),
+        };
+        let migration = Migration { id: raw.id, name: raw.name, kind };
+        let expected = u32::try_from(index + 1).unwrap_or(u32::MAX);
+        if migration.id != expected || !file.starts_with(&format!("{expected:04}_")) {
+            return Err(MigrateError {
+                file: (*file).to_owned(),
+                message: format!("id {} out of sequence (expected {expected})", migration.id),
+            });
+        }
+        out.push((*file, migration));
+    }
+    Ok(out)
+}
+
+/// Applies every step in order; stops at the first failure.
+pub async fn run(config: &Config) -> Result<Vec<(&'static str, Applied)>, MigrateError> {
+    let mut results = Vec::new();
+    for (file, migration) in migrations()? {
+        let applied = match &migration.kind {
+            Kind::KafkaTopic => kafka_topic(config).await,
+            Kind::RedisKeySchema { version } => redis_key_schema(config, *version).await,
+        }
+        .map_err(|message| MigrateError { file: file.to_owned(), message })?;
+        results.push((file, applied));
+    }
+    Ok(results)
+}
+
+async fn kafka_topic(config: &Config) -> Result<Applied, String> {
+    let kafka = &config.dlq.kafka;
+    let Some(brokers) = &kafka.brokers else {
+        return Ok(Applied::Skipped("dlq.kafka.brokers unset (the file sink needs no topic)".to_owned()));
+    };
+    let admin: AdminClient<DefaultClientContext> =
+        crate::dlq::kafka::client_config(brokers, &kafka.properties, &[])
+            .create()
+            .map_err(|e| format!("cannot create a Kafka admin client: {e}"))?;
+    let retention = kafka.retention_ms.to_string();
+    let topic =
+        NewTopic::new(&kafka.topic, kafka.partitions, TopicReplication::Fixed(kafka.replication_factor))
+            .set("retention.ms", &retention);
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let results = tokio::time::timeout(Duration::from_secs(30), admin.create_topics([&topic], &options))
+        .await
+        .map_err(|_| format!("no answer from Kafka at {brokers} within 30 s"))?
+        .map_err(|e| format!("cannot create topic {:?}: {e}", kafka.topic))?;
+    match results.into_iter().next() {
+        Some(Ok(name)) => Ok(Applied::Changed(format!(
+            "created topic {name:?} ({} partitions, replication factor {}, retention.ms {})",
+            kafka.partitions, kafka.replication_factor, kafka.retention_ms
+        ))),
+        Some(Err((name, RDKafkaErrorCode::TopicAlreadyExists))) => {
+            Ok(Applied::AlreadyApplied(format!("topic {name:?} exists")))
+        }
+        Some(Err((name, code))) => Err(format!("cannot create topic {name:?}: {code}")),
+        None => Err("Kafka answered CreateTopics with no result".to_owned()),
+    }
+}
+
+async fn redis_key_schema(config: &Config, version: u32) -> Result<Applied, String> {
+    let Some(url) = &config.redis.url else {
+        return Ok(Applied::Skipped("redis.url unset (in-memory counters)".to_owned()));
+    };
+    let shown = redact_url(url);
+    let client = redis::Client::open(url.as_str()).map_err(|e| format!("redis.url {shown}: {e}"))?;
+    let mut conn = tokio::time::timeout(Duration::from_secs(10), client.get_multiplexed_async_connection())
+        .await
+        .map_err(|_| format!("no answer from Redis at {shown} within 10 s"))?
+        .map_err(|e| format!("cannot connect to Redis at {shown}: {e}"))?;
+    // SET NX first: concurrent migrations agree on one writer.
+    let set: Option<String> = redis::cmd("SET")
+        .arg(KEY_SCHEMA_KEY)
+        .arg(version)
+        .arg("NX")
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| format!("cannot write {KEY_SCHEMA_KEY}: {e}"))?;
+    if set.is_some() {
+        return Ok(Applied::Changed(format!("recorded key-schema version {version} in {KEY_SCHEMA_KEY}")));
+    }
+    let stored: String = redis::cmd("GET")
+        .arg(KEY_SCHEMA_KEY)
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| format!("cannot read {KEY_SCHEMA_KEY}: {e}"))?;
+    match stored.parse::<u32>() {
+        Ok(v) if v == version => Ok(Applied::AlreadyApplied(format!("key-schema version {v} recorded"))),
+        Ok(v) if v > version => Err(format!(
+            "Redis holds key-schema version {v}, newer than this build's {version}: upgrade ratelimitd"
+        )),
+        Ok(v) => {
+            Err(format!("Redis holds key-schema version {v}; this build has no upgrade from it to {version}"))
+        }
+        Err(_) => Err(format!("{KEY_SCHEMA_KEY} holds {stored:?}, not a version number")),
+    }
+}
+
+/// Counts of what a run did, for the closing line.
+pub fn summary(results: &[(&str, Applied)]) -> BTreeMap<&'static str, usize> {
+    let mut counts = BTreeMap::new();
+    for (_, applied) in results {
+        let key = match applied {
+            Applied::Changed(_) => "applied",
+            Applied::AlreadyApplied(_) => "already applied",
+            Applied::Skipped(_) => "skipped",
+        };
+        *counts.entry(key).or_insert(0) += 1;
+    }
+    counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compiled_in_migrations_parse_in_sequence() {
+        let migrations = migrations().unwrap();
+        assert_eq!(migrations.len(), 2);
+        assert_eq!(migrations[0].1.kind, Kind::KafkaTopic);
+        assert_eq!(migrations[1].1.kind, Kind::RedisKeySchema { version: 1 });
+    }
+
+    #[tokio::test]
+    async fn nothing_configured_skips_every_step() {
+        let results = run(&Config::default()).await.unwrap();
+        assert!(results.iter().all(|(_, a)| matches!(a, Applied::Skipped(_))), "{results:?}");
+    }
+}
