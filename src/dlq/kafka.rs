@@ -29,13 +29,15 @@ use super::{
 };
 
 /// Properties the service sets; `dlq.kafka.properties` may override them.
-const DEFAULTS: [(&str, &str); 6] = [
+const DEFAULTS: [(&str, &str); 7] = [
     ("enable.idempotence", "true"),
     ("acks", "all"),
     ("compression.type", "lz4"),
     ("linger.ms", "5"),
     // Infinite: the spool holds the backlog; librdkafka retries idempotently.
     ("message.timeout.ms", "0"),
+    // Back within a second of the broker (librdkafka's default backs off to 10 s).
+    ("reconnect.backoff.max.ms", "1000"),
     ("client.id", "ratelimitd"),
 ];
 

@@ -290,6 +290,7 @@ pub struct TestServer {
     pub dlq_file: PathBuf,
     shutdown: Option<oneshot::Sender<()>>,
     handle: Option<JoinHandle<Result<(), server::ServerError>>>,
+    observer: std::sync::Arc<std::sync::Mutex<Option<server::Observer>>>,
     _dir: tempfile::TempDir,
 }
 
@@ -303,10 +304,17 @@ impl TestServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel();
-        let handle = tokio::spawn(server::run(config, listener, async move {
-            let _ = rx.await;
-        }));
-        TestServer { addr, dlq_file, shutdown: Some(tx), handle: Some(handle), _dir: dir }
+        let observer = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let slot = std::sync::Arc::clone(&observer);
+        let handle = tokio::spawn(server::run_observed(
+            config,
+            listener,
+            async move {
+                let _ = rx.await;
+            },
+            move |o| *slot.lock().unwrap() = Some(o),
+        ));
+        TestServer { addr, dlq_file, shutdown: Some(tx), handle: Some(handle), observer, _dir: dir }
     }
 
     /// The records written to the DLQ file so far.
@@ -334,6 +342,18 @@ impl TestServer {
     pub async fn stop(mut self) -> Result<(), server::ServerError> {
         let _ = self.shutdown.take().unwrap().send(());
         self.handle.take().unwrap().await.unwrap()
+    }
+
+    /// The service's state, once it has been built.
+    pub async fn observer(&self) -> server::Observer {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(observer) = self.observer.lock().unwrap().clone() {
+                return observer;
+            }
+            assert!(Instant::now() < deadline, "the server never finished starting");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Stops the server gracefully (which drains the DLQ writer) and returns
@@ -501,4 +521,122 @@ impl Drop for SyntheticCpu {
             let _ = writer.join();
         }
     }
+}
+
+/// The tansu binary: `$RATELIMITD_TANSU`, else the `scripts/install-tools` cache.
+pub fn tansu_path() -> PathBuf {
+    if let Some(path) = std::env::var_os("RATELIMITD_TANSU") {
+        return PathBuf::from(path);
+    }
+    let tools = std::env::var_os("RATELIMITD_TOOLS_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into()))
+            .join(".cache/ratelimitd-tools")
+    });
+    tools.join("bin/tansu")
+}
+
+/// A real Kafka-protocol broker (tansu) on a free loopback port, storing in
+/// sqlite inside a temporary directory so a restart keeps topics and data.
+/// Killed by PID on drop.
+#[derive(Debug)]
+pub struct Broker {
+    child: Option<Child>,
+    pub port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Broker {
+    pub fn start() -> Self {
+        let tansu = tansu_path();
+        assert!(
+            tansu.exists(),
+            "{} not found: run scripts/install-tools (it builds tansu once into a cache)",
+            tansu.display()
+        );
+        for _ in 0..5 {
+            let mut broker = Broker { child: None, port: free_port(), dir: tempfile::tempdir().unwrap() };
+            if broker.spawn() {
+                return broker;
+            }
+        }
+        panic!("could not start tansu on a free port");
+    }
+
+    fn spawn(&mut self) -> bool {
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let child = Command::new(tansu_path())
+            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["--storage-engine", "sqlite://tansu.db"])
+            .current_dir(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn tansu");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                self.child = None;
+                return false;
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// `127.0.0.1:<port>`.
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the broker (SIGKILL): Kafka is gone, abruptly.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port with the same data.
+    pub fn restart(&mut self) {
+        self.stop();
+        assert!(self.spawn(), "tansu did not come back on port {}", self.port);
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Points `config` at `broker` with a topic name unique to the test.
+pub fn kafka_config(config: &mut Config, broker: &Broker, spool: &Path) {
+    config.dlq.kafka.brokers = Some(broker.brokers());
+    config.dlq.kafka.topic = "ratelimit.dlq.test".to_owned();
+    config.dlq.kafka.partitions = 3;
+    config.dlq.kafka.replication_factor = 1;
+    config.dlq.kafka.flush_timeout_ms = 2_000;
+    config.dlq.spool_dir = spool.to_path_buf();
+}
+
+/// Every record on the configured topic, read with the audit reader.
+pub fn topic_records(config: &Config) -> Vec<ratelimitd::dlq::FailureRecord> {
+    use ratelimitd::dlq::audit::{Filter, Format, Printer};
+    let mut out = Vec::new();
+    let mut printer = Printer::new(&mut out, Format::Json, Filter::default());
+    ratelimitd::dlq::audit::from_kafka(
+        config.dlq.kafka.brokers.as_deref().unwrap(),
+        &config.dlq.kafka.topic,
+        &config.dlq.kafka.properties,
+        &mut printer,
+    )
+    .expect("audit the topic");
+    printer.finish(&mut std::io::sink()).unwrap();
+    String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }

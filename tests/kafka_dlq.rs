@@ -1,0 +1,339 @@
+//! The Kafka dead-letter topic end to end, against a real Kafka-protocol
+//! broker (tansu) and a real redis-server: migrate, records on the topic,
+//! a broker outage, `kill -9` with a spool, and `audit`.
+
+mod common;
+
+use std::{
+    collections::HashSet,
+    process::{Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::{
+    Broker, RedisServer, Rules, TestServer, check, config, eventually, free_port, kafka_config, reason,
+    request, topic_records,
+};
+use ratelimitd::{api::pb::Reason, config::Config, migrate};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
+
+const RULES: &str = r#"
+rules:
+  - { rule_id: open, resource_path: /open, limit: 1000, window_seconds: 86400, failure_policy: open }
+  - { rule_id: closed, resource_path: /closed, limit: 1000, window_seconds: 86400, failure_policy: closed }
+"#;
+
+/// A configuration on `broker` and `redis`, with the topic created.
+async fn migrated(rules: &Rules, redis: &RedisServer, broker: &Broker, spool: &std::path::Path) -> Config {
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 200;
+    kafka_config(&mut cfg, broker, spool);
+    migrate::run(&cfg).await.expect("migrate");
+    cfg
+}
+
+/// `users` failing decisions (Redis is down) for users `prefix-0..`.
+async fn fail_decisions(server: &TestServer, prefix: &str, users: usize) {
+    let mut client = server.client().await;
+    for i in 0..users {
+        let path = if i % 2 == 0 { "/open" } else { "/closed" };
+        let r = check(&mut client, request(&format!("{prefix}-{i}"), path)).await;
+        assert!(matches!(reason(&r), Reason::FailOpen | Reason::FailClosed), "{r:?}");
+    }
+}
+
+fn assert_exactly_once(records: &[ratelimitd::dlq::FailureRecord], prefix: &str, users: usize) {
+    let ids: HashSet<_> = records.iter().map(|r| &r.event_id).collect();
+    assert_eq!(ids.len(), records.len(), "duplicate event ids on the topic");
+    let mut seen: Vec<_> = records.iter().map(|r| r.request.user_id.clone()).collect();
+    seen.sort();
+    let mut expected: Vec<_> = (0..users).map(|i| format!("{prefix}-{i}")).collect();
+    expected.sort();
+    assert_eq!(seen, expected, "every failed decision exactly once");
+}
+
+/// `migrate` creates the topic and records the key schema, then is a no-op.
+#[test]
+fn migrate_creates_then_is_a_no_op() {
+    let broker = Broker::start();
+    let redis = RedisServer::start();
+    let env = [
+        ("RATELIMITD__DLQ__KAFKA__BROKERS", broker.brokers()),
+        ("RATELIMITD__DLQ__KAFKA__REPLICATION_FACTOR", "1".to_owned()),
+        ("RATELIMITD__DLQ__KAFKA__PARTITIONS", "2".to_owned()),
+        ("RATELIMITD__REDIS__URL", redis.url()),
+    ];
+    let run = || {
+        let output = Command::new(BIN).arg("migrate").envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let first = run();
+    assert!(
+        first.contains("0001_dlq_topic.yaml: applied: created topic \"ratelimit.dlq\" (2 partitions"),
+        "{first}"
+    );
+    assert!(first.contains("0002_redis_key_schema.yaml: applied: recorded key-schema version 1"), "{first}");
+    let second = run();
+    assert!(
+        second.contains("0001_dlq_topic.yaml: already applied: topic \"ratelimit.dlq\" exists"),
+        "{second}"
+    );
+    assert!(second.contains("0002_redis_key_schema.yaml: already applied"), "{second}");
+    assert!(second.contains("nothing to do"), "{second}");
+}
+
+/// Redis stopped: each failed decision is one record on the topic, keyed by
+/// user, and the pipeline's counters reconcile with nothing pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failed_decisions_reach_the_topic_exactly_once() {
+    let broker = Broker::start();
+    let mut redis = RedisServer::start();
+    let (rules, spool) = (Rules::new(RULES), tempfile::tempdir().unwrap());
+    let cfg = migrated(&rules, &redis, &broker, spool.path()).await;
+    let server = TestServer::start(cfg.clone()).await;
+    redis.stop();
+    fail_decisions(&server, "user", 40).await;
+    let observer = server.observer().await;
+    let delivered = eventually(Duration::from_secs(30), || {
+        let stats = observer.dlq.stats();
+        async move { stats.delivered == 40 }
+    })
+    .await;
+    let stats = observer.dlq.stats();
+    assert!(delivered, "{stats:?}");
+    assert_eq!((stats.enqueued, stats.delivered, stats.pending, stats.dropped), (40, 40, 0, 0));
+    server.stop().await.unwrap();
+
+    let records = tokio::task::spawn_blocking(move || topic_records(&cfg)).await.unwrap();
+    assert_exactly_once(&records, "user", 40);
+    assert!(
+        records
+            .iter()
+            .all(|r| r.answer.reason == if r.rule_id == "open" { "FAIL_OPEN" } else { "FAIL_CLOSED" })
+    );
+}
+
+/// Broker down while failures happen: records wait in the spool (counted
+/// pending); broker back: all delivered, none lost, no duplicate event ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn broker_outage_spools_then_delivers_everything_once() {
+    let mut broker = Broker::start();
+    let mut redis = RedisServer::start();
+    let (rules, spool) = (Rules::new(RULES), tempfile::tempdir().unwrap());
+    let cfg = migrated(&rules, &redis, &broker, spool.path()).await;
+    let server = TestServer::start(cfg.clone()).await;
+    let observer = server.observer().await;
+    redis.stop();
+
+    fail_decisions(&server, "before", 10).await;
+    assert!(eventually(Duration::from_secs(30), || async { observer.dlq.stats().delivered == 10 }).await);
+
+    broker.stop();
+    fail_decisions(&server, "during", 200).await;
+    // Everything offered is accounted for: delivered before, pending now.
+    let during = observer.dlq.stats();
+    assert_eq!(during.enqueued, 210);
+    assert_eq!(during.delivered + during.pending + during.dropped, during.enqueued, "{during:?}");
+    assert_eq!(during.dropped, 0);
+    eprintln!("during the broker outage: {during:?}");
+
+    broker.restart();
+    let drained =
+        eventually(Duration::from_secs(60), || async { observer.dlq.stats().delivered == 210 }).await;
+    let after = observer.dlq.stats();
+    eprintln!("after the broker came back: {after:?}");
+    assert!(drained, "{after:?}");
+    assert_eq!((after.pending, after.dropped), (0, 0));
+    server.stop().await.unwrap();
+
+    let records = tokio::task::spawn_blocking(move || topic_records(&cfg)).await.unwrap();
+    let during: Vec<_> =
+        records.iter().filter(|r| r.request.user_id.starts_with("during-")).cloned().collect();
+    assert_eq!(records.len(), 210);
+    assert_exactly_once(&during, "during", 200);
+}
+
+/// `kill -9` while records sit in the spool (broker down): a restarted
+/// service delivers them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn records_spooled_before_kill_9_are_delivered_after_restart() {
+    let mut broker = Broker::start();
+    let mut redis = RedisServer::start();
+    let (rules, spool) = (Rules::new(RULES), tempfile::tempdir().unwrap());
+    let cfg = migrated(&rules, &redis, &broker, spool.path()).await;
+    broker.stop();
+    redis.stop();
+
+    let brokers = broker.brokers();
+    let serve = |port: u16| {
+        Command::new(BIN)
+            .arg("serve")
+            .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
+            .env("RATELIMITD__RULES__PATH", rules.path())
+            .env("RATELIMITD__REDIS__URL", redis.url())
+            .env("RATELIMITD__REDIS__TIMEOUT_MS", "200")
+            .env("RATELIMITD__SHED__MODE", "off")
+            .env("RATELIMITD__DLQ__KAFKA__BROKERS", &brokers)
+            .env("RATELIMITD__DLQ__KAFKA__TOPIC", &cfg.dlq.kafka.topic)
+            .env("RATELIMITD__DLQ__SPOOL_DIR", spool.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let port = free_port();
+    let mut first = serve(port);
+    let addr = format!("http://127.0.0.1:{port}");
+    let mut client = connect(&addr).await;
+    for i in 0..30 {
+        let r = check(&mut client, request(&format!("spooled-{i}"), "/open")).await;
+        assert_eq!(reason(&r), Reason::FailOpen);
+    }
+    // Each answered decision is in the spool once its batch is fsync'd.
+    let spooled = eventually(Duration::from_secs(10), || async { spool_lines(spool.path()) == 30 }).await;
+    assert!(spooled, "{} lines spooled", spool_lines(spool.path()));
+    first.kill().unwrap(); // SIGKILL: no drain, no flush
+    first.wait().unwrap();
+
+    broker.restart();
+    let mut second = serve(free_port());
+    let topic_cfg = cfg.clone();
+    let delivered = eventually(Duration::from_secs(60), || {
+        let cfg = topic_cfg.clone();
+        async move { tokio::task::spawn_blocking(move || topic_records(&cfg).len()).await.unwrap() >= 30 }
+    })
+    .await;
+    second.kill().unwrap();
+    second.wait().unwrap();
+    assert!(delivered, "spooled records were not delivered after the restart");
+    let records = tokio::task::spawn_blocking(move || topic_records(&cfg)).await.unwrap();
+    assert_exactly_once(&records, "spooled", 30);
+}
+
+/// audit over the topic: every filter, the summary, JSON, an empty topic
+/// and a missing one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn audit_filters_and_summarises_the_topic() {
+    let broker = Broker::start();
+    let mut redis = RedisServer::start();
+    let (rules, spool) = (Rules::new(RULES), tempfile::tempdir().unwrap());
+    let cfg = migrated(&rules, &redis, &broker, spool.path()).await;
+    let env = [
+        ("RATELIMITD__DLQ__KAFKA__BROKERS".to_owned(), broker.brokers()),
+        ("RATELIMITD__DLQ__KAFKA__TOPIC".to_owned(), cfg.dlq.kafka.topic.clone()),
+    ];
+    let audit = |args: &[&str]| -> Output {
+        Command::new(BIN).arg("audit").args(args).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap()
+    };
+
+    // An empty topic.
+    let empty = audit(&[]);
+    assert!(empty.status.success(), "{}", String::from_utf8_lossy(&empty.stderr));
+    assert!(String::from_utf8_lossy(&empty.stdout).contains("0 of 0 records matched"));
+
+    let server = TestServer::start(cfg.clone()).await;
+    redis.stop();
+    let started = Instant::now();
+    fail_decisions(&server, "aud", 6).await; // open: aud-0,2,4; closed: aud-1,3,5
+    let observer = server.observer().await;
+    assert!(eventually(Duration::from_secs(30), || async { observer.dlq.stats().delivered == 6 }).await);
+    server.stop().await.unwrap();
+
+    let text = |o: &Output| String::from_utf8_lossy(&o.stdout).into_owned();
+    let all = audit(&[]);
+    assert!(
+        text(&all).contains("6 of 6 records matched; answered FAIL_OPEN 3, FAIL_CLOSED 3"),
+        "{}",
+        text(&all)
+    );
+    assert!(
+        text(&all).contains("by rule:\n  closed                   3\n  open                     3"),
+        "{}",
+        text(&all)
+    );
+    assert!(text(&audit(&["--user", "aud-3"])).contains("1 of 6 records matched"));
+    assert!(text(&audit(&["--rule", "open"])).contains("3 of 6 records matched"));
+    // Filter by the kind of some record on the topic.
+    let records = tokio::task::spawn_blocking({
+        let cfg = cfg.clone();
+        move || topic_records(&cfg)
+    })
+    .await
+    .unwrap();
+    let some_kind = records[0].failure.kind.clone();
+    let of_kind = records.iter().filter(|r| r.failure.kind == some_kind).count();
+    assert!(text(&audit(&["--kind", &some_kind])).contains(&format!("{of_kind} of 6 records matched")));
+    assert!(text(&audit(&["--kind", "cluster_error"])).contains("0 of 6 records matched"));
+    let minutes = format!("{}m", started.elapsed().as_secs() / 60 + 5);
+    assert!(text(&audit(&["--since", &minutes])).contains("6 of 6 records matched"));
+    assert!(text(&audit(&["--until", &minutes])).contains("0 of 6 records matched"));
+    assert!(
+        text(&audit(&["--since", "2000-01-01T00:00:00Z", "--until", "2000-01-02T00:00:00Z"]))
+            .contains("0 of 6")
+    );
+
+    let json = audit(&["--format", "json", "--rule", "closed"]);
+    let lines: Vec<ratelimitd::dlq::FailureRecord> =
+        text(&json).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3);
+    assert!(String::from_utf8_lossy(&json.stderr).contains("3 of 6 records matched"));
+
+    let bad = audit(&["--since", "last tuesday"]);
+    assert_eq!(bad.status.code(), Some(64));
+
+    let missing = Command::new(BIN)
+        .args(["audit"])
+        .env("RATELIMITD__DLQ__KAFKA__BROKERS", broker.brokers())
+        .env("RATELIMITD__DLQ__KAFKA__TOPIC", "no.such.topic")
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(err.contains("topic \"no.such.topic\" does not exist"), "{err}");
+}
+
+/// A service pointed at a topic that does not exist says what to run, keeps
+/// the records in the spool, and delivers them once `migrate` has run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn missing_topic_spools_until_migrate() {
+    let broker = Broker::start();
+    let mut redis = RedisServer::start();
+    let (rules, spool) = (Rules::new(RULES), tempfile::tempdir().unwrap());
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 200;
+    kafka_config(&mut cfg, &broker, spool.path());
+    let server = TestServer::start(cfg.clone()).await;
+    let observer = server.observer().await;
+    redis.stop();
+    fail_decisions(&server, "early", 5).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let waiting = observer.dlq.stats();
+    assert_eq!((waiting.delivered, waiting.pending), (0, 5), "{waiting:?}");
+    migrate::run(&cfg).await.unwrap();
+    assert!(eventually(Duration::from_secs(60), || async { observer.dlq.stats().delivered == 5 }).await);
+    server.stop().await.unwrap();
+}
+
+async fn connect(
+    addr: &str,
+) -> ratelimitd::api::pb::rate_limiter_client::RateLimiterClient<tonic::transport::Channel> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match ratelimitd::api::pb::rate_limiter_client::RateLimiterClient::connect(addr.to_owned()).await {
+            Ok(client) => return client,
+            Err(e) if Instant::now() > deadline => panic!("{addr}: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+fn spool_lines(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with("seg-"))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default().lines().count())
+        .sum()
+}
