@@ -153,6 +153,13 @@ pub async fn run_shipper(
     spooled: Arc<Notify>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    // Say clearly, once, when the topic is missing: never rely on auto-creation.
+    let (producer, topic) = (shipper.producer.clone(), shipper.topic.clone());
+    match tokio::task::spawn_blocking(move || check_topic(&producer, &topic, Duration::from_secs(5))).await {
+        Ok(Ok(())) => tracing::info!(topic = %shipper.topic, "dead-letter topic found"),
+        Ok(Err(message)) => tracing::error!("{message}"),
+        Err(e) => tracing::error!(error = %e, "topic check failed"),
+    }
     let mut reader = Some(reader);
     // Records Kafka confirmed beyond a failed one: skipped when the failed
     // one is produced again, so a retry never duplicates them.
