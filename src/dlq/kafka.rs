@@ -29,8 +29,11 @@ use super::{
 };
 
 /// Properties the service sets; `dlq.kafka.properties` may override them.
-const DEFAULTS: [(&str, &str); 7] = [
+const DEFAULTS: [(&str, &str); 8] = [
     ("enable.idempotence", "true"),
+    // Never create the topic by producing to it (librdkafka's producer
+    // default is true): `ratelimitd migrate` creates it, with its settings.
+    ("allow.auto.create.topics", "false"),
     ("acks", "all"),
     ("compression.type", "lz4"),
     ("linger.ms", "5"),
