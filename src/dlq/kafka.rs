@@ -224,19 +224,19 @@ pub async fn run_shipper(
 
         // Await the round, or shutdown.
         let mut stopping = false;
-        for (seq, record, delivery) in in_flight {
+        for (seq, record, mut delivery) in in_flight {
             let result = if stopping {
-                tokio::time::timeout(Duration::from_millis(1), delivery).await.ok()
+                tokio::time::timeout(Duration::from_millis(1), &mut delivery).await.ok()
             } else {
                 tokio::select! {
-                    result = delivery => Some(result),
+                    result = &mut delivery => Some(result),
                     _ = shutdown.changed() => {
                         stopping = true;
                         let producer = shipper.producer.clone();
                         let timeout = shipper.flush_timeout;
                         // Give outstanding deliveries a last chance, then keep what is confirmed.
                         let _ = tokio::task::spawn_blocking(move || producer.flush(timeout)).await;
-                        None
+                        tokio::time::timeout(Duration::from_millis(1), &mut delivery).await.ok()
                     }
                 }
             };
