@@ -194,3 +194,83 @@ impl FailureSink for DlqSink {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::HashMap, path::Path};
+
+    use super::*;
+    use crate::{
+        limiter::{FailureKind, window::WindowParams},
+        rules::{FailurePolicy, Mode},
+    };
+
+    fn rule() -> Rule {
+        Rule {
+            id: Arc::from("r"),
+            resource_path: "/p".to_owned(),
+            client_type: None,
+            priority: Priority::Bulk,
+            limit: 1,
+            burst_capacity: 1.0,
+            window: WindowParams { window_ms: 1_000, capacity: 1 },
+            mode: Mode::Enforce,
+            failure_policy: FailurePolicy::Open,
+            source: Arc::from(Path::new("r.yaml")),
+        }
+    }
+
+    fn fail(sink: &DlqSink, times: usize) {
+        let headers = HashMap::new();
+        let rule = rule();
+        let error = StoreError { kind: FailureKind::Timeout, message: "slow".to_owned() };
+        for i in 0..times {
+            let user = format!("u{i}");
+            let request = CheckRequest {
+                user_id: &user,
+                resource_path: "/p",
+                client_type: None,
+                weight: 1,
+                priority: None,
+                headers: &headers,
+                trace_id: None,
+            };
+            sink.record(&FailedDecision {
+                request: &request,
+                rule: &rule,
+                priority: Priority::Bulk,
+                error: &error,
+                answer: Reason::FailOpen,
+            });
+        }
+    }
+
+    #[test]
+    fn a_full_queue_drops_and_counts_without_blocking() {
+        let (sink, _queue, _) = DlqSink::new(2, "i".to_owned(), Vec::new());
+        fail(&sink, 5);
+        let stats = sink.stats();
+        assert_eq!((stats.enqueued, stats.pending, stats.dropped, stats.delivered), (5, 2, 3, 0));
+    }
+
+    #[tokio::test]
+    async fn file_writer_delivers_everything_and_drains_on_shutdown() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nested/dlq.jsonl");
+        let (sink, queue, counters) = DlqSink::new(1_000, "i".to_owned(), Vec::new());
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let writer = tokio::spawn(file::run(queue, path.clone(), counters, stopped));
+        fail(&sink, 300);
+        stop.send(true).unwrap();
+        writer.await.unwrap();
+        let stats = sink.stats();
+        assert_eq!((stats.enqueued, stats.delivered, stats.pending, stats.dropped), (300, 300, 0, 0));
+        let lines: Vec<FailureRecord> = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 300);
+        assert_eq!(lines[299].request.user_id, "u299");
+    }
+}
