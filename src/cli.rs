@@ -246,10 +246,17 @@ pub async fn migrate(config: &Config) -> ExitCode {
                 let _ = writeln!(out, "{file}: {what}: {detail}");
             }
             let summary = migrate::summary(&results);
-            if summary.get("applied").copied().unwrap_or(0) == 0 {
+            let count = |key| summary.get(key).copied().unwrap_or(0);
+            if count("applied") == 0 {
                 let _ = writeln!(out, "nothing to do: {} migrations, none changed anything", results.len());
             } else {
-                let _ = writeln!(out, "{summary:?}");
+                let _ = writeln!(
+                    out,
+                    "{} applied, {} already applied, {} skipped",
+                    count("applied"),
+                    count("already applied"),
+                    count("skipped")
+                );
             }
             ExitCode::SUCCESS
         }

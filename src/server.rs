@@ -103,22 +103,6 @@ pub async fn run_observed(
         }
     };
 
-    let local_addr = listener.local_addr().map_or_else(|e| format!("unknown ({e})"), |a| a.to_string());
-    if config.redis.url.is_none() {
-        tracing::info!(
-            rules = %config.rules.path.display(),
-            "embedded defaults: in-memory counters (redis.url unset), failed decisions to a local file (dlq.kafka.brokers unset)"
-        );
-    }
-    tracing::info!(
-        addr = %local_addr,
-        store = store.name(),
-        rules_version = snapshot.version(),
-        rules = snapshot.rules().len(),
-        path = %config.rules.path.display(),
-        "ratelimitd serving"
-    );
-
     let rule_store = Arc::new(RuleStore::new(snapshot));
     if config.rules.reload_interval_ms > 0 {
         tasks.spawn(rules::watch(
@@ -205,6 +189,23 @@ pub async fn run_observed(
         Arc::clone(&dlq) as Arc<dyn dlq::FailureSink>,
         config.shed.default_priority,
     );
+
+    let local_addr = listener.local_addr().map_or_else(|e| format!("unknown ({e})"), |a| a.to_string());
+    if config.redis.url.is_none() && config.dlq.kafka.brokers.is_none() {
+        tracing::info!(
+            rules = %config.rules.path.display(),
+            "embedded defaults: in-memory counters (redis.url unset), failed decisions to a local file (dlq.kafka.brokers unset)"
+        );
+    }
+    tracing::info!(
+        addr = %local_addr,
+        store = engine.store().name(),
+        rules_version = engine.rules().load().version(),
+        rules = engine.rules().load().rules().len(),
+        path = %config.rules.path.display(),
+        "ratelimitd serving"
+    );
+
     let service = RateLimiterService::new(engine, config.limits.clone());
 
     let (draining_tx, draining_rx) = oneshot::channel::<()>();
