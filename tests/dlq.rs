@@ -116,3 +116,43 @@ fn now_ms() -> u64 {
     u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis())
         .unwrap()
 }
+
+/// `ratelimitd audit --file` reads the file sink's records, filters and summarises.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn audit_reads_the_file_sink() {
+    let mut redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 200;
+    let server = TestServer::start(cfg).await;
+    let mut client = server.client().await;
+    redis.stop();
+    for i in 0..4 {
+        check(&mut client, request(&format!("f{i}"), if i < 3 { "/open" } else { "/closed/x" })).await;
+    }
+    let file = server.dlq_file.clone();
+    let records = server.stop_and_read_dlq().await;
+    assert_eq!(records.len(), 4);
+
+    let audit = |args: &[&str]| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+            .arg("audit")
+            .arg("--file")
+            .arg(&file)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let all = audit(&[]);
+    assert!(all.contains("4 of 4 records matched; answered FAIL_OPEN 3, FAIL_CLOSED 1"), "{all}");
+    assert!(audit(&["--rule", "closed"]).contains("1 of 4 records matched"));
+    assert!(audit(&["--user", "f1", "--since", "10m"]).contains("1 of 4 records matched"));
+    let missing = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .args(["audit", "--file", "/nonexistent/dlq.jsonl"])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/dlq.jsonl"));
+}
