@@ -124,6 +124,9 @@ async fn audit_reads_the_file_sink() {
     let rules = Rules::new(RULES);
     let mut cfg = config(&rules.path(), Some(redis.url()));
     cfg.redis.timeout_ms = 200;
+    // A file that outlives the server (the default one goes with it).
+    let dir = tempfile::tempdir().unwrap();
+    cfg.dlq.file = dir.path().join("dlq.jsonl");
     let server = TestServer::start(cfg).await;
     let mut client = server.client().await;
     redis.stop();
