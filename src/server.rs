@@ -158,6 +158,7 @@ pub async fn run_observed(
             tasks.spawn(dlq::kafka::run_spooler(
                 dlq_queue,
                 writer,
+                Arc::clone(&spool),
                 Arc::clone(&dlq_counters),
                 Arc::clone(&notify),
                 stop_rx.clone(),

@@ -98,6 +98,9 @@ async fn concurrent_decisions_are_pipelined_on_one_connection() {
     cfg.redis.connections = 1;
     let server = TestServer::start(cfg).await;
     let client = server.client().await;
+    // One real decision first: the listener accepts TCP before the server
+    // has finished starting (and opened its Redis connection).
+    assert_eq!(reason(&check(&mut client.clone(), request("warm-up", "/hot")).await), Reason::Ok);
     let connections = || async { redis.info_field("stats", "total_connections_received").await.unwrap() };
     let before: u64 = connections().await.parse().unwrap();
     let admitted = common::hammer(&[client], 64, 4, "/hot").await;

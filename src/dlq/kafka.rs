@@ -74,6 +74,7 @@ pub fn client_config(
 pub async fn run_spooler(
     mut queue: mpsc::Receiver<FailureRecord>,
     writer: SpoolWriter,
+    spool: Arc<SpoolState>,
     counters: Arc<DlqCounters>,
     spooled: Arc<Notify>,
     mut shutdown: watch::Receiver<bool>,
@@ -102,14 +103,20 @@ pub async fn run_spooler(
             let mut w = writer.take().expect("the writer is returned after every append");
             let bytes = Arc::clone(&lines);
             let (w, result) = tokio::task::spawn_blocking(move || {
-                let result = w.append(&bytes, count);
+                let result = w.append(&bytes);
                 (w, result)
             })
             .await
             .expect("spool append does not panic");
             writer = Some(w);
             match result {
-                Ok(()) => break,
+                Ok(()) => {
+                    // Out of the writer's hands, into the spool: adjacent
+                    // stores, so a stats read rarely sees the batch twice.
+                    counters.in_hand.store(0, Ordering::SeqCst);
+                    spool.publish(count);
+                    break;
+                }
                 Err(e) => {
                     // Every time: a full spool disk is the one way records get lost.
                     tracing::error!(records = count, error = %e, attempt, "cannot append failure records to the spool");
@@ -251,6 +258,7 @@ pub async fn run_shipper(
 
         // Acknowledge the confirmed prefix; remember confirmations past a gap.
         let mut upto = from;
+        let mut newly_delivered = 0;
         let mut retry_reason = None;
         for (seq, outcome) in settled {
             match outcome {
@@ -260,7 +268,7 @@ pub async fn run_shipper(
                     if retry_reason.is_none() && seq == upto {
                         upto += 1;
                         delivered_ahead.remove(&seq);
-                        shipper.counters.delivered.fetch_add(1, Ordering::SeqCst);
+                        newly_delivered += 1;
                     } else {
                         delivered_ahead.insert(seq);
                     }
@@ -286,6 +294,8 @@ pub async fn run_shipper(
             if let Err(e) = acked {
                 tracing::error!(error = %e, "cannot record delivery in the spool; records may be sent again after a restart");
             }
+            // Counted after the spool let go of them: never both delivered and pending.
+            shipper.counters.delivered.fetch_add(newly_delivered, Ordering::SeqCst);
         }
         if stopping {
             return;

@@ -38,6 +38,11 @@ pub struct SpoolState {
 }
 
 impl SpoolState {
+    /// Makes `count` appended (and fsync'd) records visible to the reader.
+    pub fn publish(&self, count: u64) {
+        self.durable.fetch_add(count, Ordering::SeqCst);
+    }
+
     /// Records on disk not yet acknowledged.
     pub fn pending(&self) -> u64 {
         self.durable.load(Ordering::SeqCst).saturating_sub(self.acked.load(Ordering::SeqCst))
@@ -89,16 +94,15 @@ pub struct SpoolWriter {
 }
 
 impl SpoolWriter {
-    /// Appends `lines` (`count` JSON lines) and fsyncs them; only then are
-    /// they visible to the reader.
-    pub fn append(&mut self, lines: &[u8], count: u64) -> io::Result<()> {
+    /// Appends `lines` (`count` JSON lines) and fsyncs them. They become
+    /// visible to the reader once [`SpoolState::publish`]ed.
+    pub fn append(&mut self, lines: &[u8]) -> io::Result<()> {
         if self.active_len >= self.segment_bytes {
             self.roll()?;
         }
         self.active.write_all(lines)?;
         self.active.sync_data()?;
         self.active_len += lines.len() as u64;
-        self.state.durable.fetch_add(count, Ordering::SeqCst);
         Ok(())
     }
 
@@ -180,8 +184,10 @@ impl SpoolReader {
     /// Marks every record below `upto` as delivered: persists the cursor and
     /// deletes segments that hold nothing else.
     pub fn acknowledge(&mut self, upto: u64) -> io::Result<()> {
-        write_cursor(&self.dir, upto)?;
+        // Delivered is delivered: move on in memory even if persisting the
+        // cursor fails (then only a restart would send these again).
         self.state.acked.store(upto, Ordering::SeqCst);
+        write_cursor(&self.dir, upto)?;
         let segments = list_segments(&self.dir)?;
         for pair in segments.windows(2) {
             let ((_, path), (next_first, _)) = (&pair[0], &pair[1]);
@@ -293,7 +299,8 @@ mod tests {
 
     fn append(writer: &mut SpoolWriter, range: std::ops::Range<u64>) {
         let records: Vec<_> = range.clone().map(record).collect();
-        writer.append(&to_json_lines(&records), records.len() as u64).unwrap();
+        writer.append(&to_json_lines(&records)).unwrap();
+        writer.state.publish(records.len() as u64);
     }
 
     fn users(read: &[(u64, Result<FailureRecord, String>)]) -> Vec<String> {
@@ -371,7 +378,8 @@ mod tests {
     fn unparseable_lines_are_handed_back_not_skipped() {
         let dir = tempfile::tempdir().unwrap();
         let (mut writer, mut reader, _) = open(dir.path(), 1 << 20).unwrap();
-        writer.append(b"not json\n", 1).unwrap();
+        writer.append(b"not json\n").unwrap();
+        writer.state.publish(1);
         append(&mut writer, 1..2);
         let read = reader.read(0, 10).unwrap();
         assert_eq!(read[0], (0, Err("not json".to_owned())));

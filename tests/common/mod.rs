@@ -367,7 +367,13 @@ impl TestServer {
 
 impl Drop for TestServer {
     fn drop(&mut self) {
-        if let Some(handle) = &self.handle {
+        let Some(handle) = self.handle.take() else { return };
+        if handle.is_finished() {
+            // The server stopped on its own before the test stopped it: say
+            // why, or a failing test only shows a refused connection.
+            let result = tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(handle));
+            eprintln!("the server stopped before the test stopped it: {result:?}");
+        } else {
             handle.abort();
         }
     }
