@@ -1,20 +1,57 @@
-//! Compiles the gRPC protos with the `protoc` shipped inside the
-//! `protoc-bin-vendored` crate, so a fresh machine needs no system protoc.
+//! Compiles the gRPC protos — ours (`proto/ratelimit/v1`) and Envoy's rate
+//! limit service with its imports (`proto/vendor`, untouched) — with the
+//! protoc shipped inside the `protoc-bin-vendored` crate, so a fresh machine
+//! needs no system protoc. Writes descriptor sets for server reflection.
 
 use std::{env, path::PathBuf};
 
+/// Every vendored file: Envoy's RLS and what it imports (transitively).
+const ENVOY_PROTOS: &[&str] = &[
+    "proto/vendor/envoy/service/ratelimit/v3/rls.proto",
+    "proto/vendor/envoy/extensions/common/ratelimit/v3/ratelimit.proto",
+    "proto/vendor/envoy/config/core/v3/base.proto",
+    "proto/vendor/envoy/config/core/v3/address.proto",
+    "proto/vendor/envoy/config/core/v3/backoff.proto",
+    "proto/vendor/envoy/config/core/v3/extension.proto",
+    "proto/vendor/envoy/config/core/v3/http_uri.proto",
+    "proto/vendor/envoy/config/core/v3/socket_option.proto",
+    "proto/vendor/envoy/type/v3/percent.proto",
+    "proto/vendor/envoy/type/v3/ratelimit_unit.proto",
+    "proto/vendor/envoy/type/v3/semantic_version.proto",
+    "proto/vendor/envoy/type/v3/token_bucket.proto",
+    "proto/vendor/envoy/annotations/deprecation.proto",
+    "proto/vendor/udpa/annotations/migrate.proto",
+    "proto/vendor/udpa/annotations/status.proto",
+    "proto/vendor/udpa/annotations/versioning.proto",
+    "proto/vendor/validate/validate.proto",
+    "proto/vendor/xds/annotations/v3/status.proto",
+    "proto/vendor/xds/core/v3/context_params.proto",
+];
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let out_dir = PathBuf::from(env::var("OUT_DIR")?);
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    let well_known = protoc_bin_vendored::include_path()?;
+    let well_known = well_known.to_str().ok_or("non-UTF-8 protoc include path")?;
+
     // Hand the vendored protoc to prost-build directly rather than through the
     // PROTOC environment variable (`set_var` is unsafe in edition 2024).
-    let out_dir = PathBuf::from(env::var("OUT_DIR")?);
     let mut config = tonic_prost_build::Config::new();
-    config.protoc_executable(protoc);
+    config.protoc_executable(&protoc);
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
         .file_descriptor_set_path(out_dir.join("ratelimit_descriptor.bin"))
-        .compile_with_config(config, &["proto/ratelimit/v1/ratelimit.proto"], &["proto"])?;
+        .compile_with_config(config, &["proto/ratelimit/v1/ratelimit.proto"], &["proto", well_known])?;
+
+    let mut config = tonic_prost_build::Config::new();
+    config.protoc_executable(&protoc);
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .file_descriptor_set_path(out_dir.join("envoy_descriptor.bin"))
+        .compile_with_config(config, ENVOY_PROTOS, &["proto/vendor", well_known])?;
+
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

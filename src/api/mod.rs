@@ -18,3 +18,52 @@ pub mod pb {
     /// Encoded `FileDescriptorSet` of the protos, for server reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("ratelimit_descriptor");
 }
+
+/// Generated code for Envoy's rate limit service (`proto/vendor`), mounted
+/// with the package nesting the generated cross-references expect.
+#[allow(missing_docs, unreachable_pub, missing_debug_implementations, clippy::all, clippy::pedantic)]
+pub mod envoy_pb {
+    pub mod envoy {
+        pub mod service {
+            pub mod ratelimit {
+                pub mod v3 {
+                    tonic::include_proto!("envoy.service.ratelimit.v3");
+                }
+            }
+        }
+        pub mod extensions {
+            pub mod common {
+                pub mod ratelimit {
+                    pub mod v3 {
+                        tonic::include_proto!("envoy.extensions.common.ratelimit.v3");
+                    }
+                }
+            }
+        }
+        pub mod config {
+            pub mod core {
+                pub mod v3 {
+                    tonic::include_proto!("envoy.config.core.v3");
+                }
+            }
+        }
+        pub mod r#type {
+            pub mod v3 {
+                tonic::include_proto!("envoy.r#type.v3");
+            }
+        }
+    }
+
+    pub mod xds {
+        pub mod core {
+            pub mod v3 {
+                tonic::include_proto!("xds.core.v3");
+            }
+        }
+    }
+
+    /// Encoded `FileDescriptorSet` of the Envoy protos, for server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("envoy_descriptor");
+
+    pub use envoy::service::ratelimit::v3 as rls;
+}
