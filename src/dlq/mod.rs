@@ -213,7 +213,7 @@ mod tests {
             priority: Priority::Bulk,
             limit: 1,
             burst_capacity: 1.0,
-            window: WindowParams { window_ms: 1_000, capacity: 1 },
+            window: WindowParams::sliding(1_000, 1),
             mode: Mode::Enforce,
             failure_policy: FailurePolicy::Open,
             source: Arc::from(Path::new("r.yaml")),

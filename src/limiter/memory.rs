@@ -155,7 +155,7 @@ mod tests {
             priority: Priority::Degraded,
             limit: capacity,
             burst_capacity: 1.0,
-            window: WindowParams { window_ms, capacity },
+            window: WindowParams::sliding(window_ms, capacity),
             mode: Mode::Enforce,
             failure_policy: FailurePolicy::Open,
             source: Arc::from(Path::new("t.yaml")),

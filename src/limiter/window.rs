@@ -29,6 +29,16 @@ pub struct WindowParams {
     pub window_ms: u64,
     /// The most one window admits: `floor(limit * burst_capacity)`, at least 1.
     pub capacity: u64,
+    /// Sliding window (the previous window decays in); `false` is a fixed
+    /// window, envoyproxy/ratelimit's algorithm, kept for exact parity.
+    pub sliding: bool,
+}
+
+impl WindowParams {
+    /// A sliding window of `window_ms` admitting `capacity`.
+    pub const fn sliding(window_ms: u64, capacity: u64) -> Self {
+        WindowParams { window_ms, capacity, sliding: true }
+    }
 }
 
 /// A counter as stored: the index of the window its `current` belongs to.
@@ -90,7 +100,8 @@ pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams
     let w = u128::from(params.window_ms);
     let cap = u128::from(params.capacity);
     let cur = u128::from(counts.current);
-    let prev = u128::from(counts.previous);
+    // A fixed window forgets the previous one entirely.
+    let prev = if params.sliding { u128::from(counts.previous) } else { 0 };
     let weight_w = u128::from(weight);
     let elapsed = u128::from(elapsed_ms);
     debug_assert!(elapsed < w, "elapsed {elapsed} outside window {w}");
@@ -102,8 +113,10 @@ pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams
     let remaining = (cap * w).saturating_sub(used_w) / w;
 
     let current_after = if admitted { cur + weight_w } else { cur };
-    let reset_after_ms = if current_after > 0 {
+    let reset_after_ms = if current_after > 0 && params.sliding {
         2 * w - elapsed
+    } else if current_after > 0 {
+        w - elapsed
     } else if prev > 0 {
         w - elapsed
     } else {
@@ -114,8 +127,11 @@ pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams
         Some(0)
     } else if weight_w > cap {
         None
-    } else {
+    } else if params.sliding {
         Some(retry_after(cur, prev, elapsed, weight_w, cap, w))
+    } else {
+        // Fixed window: everything resets when the next window starts.
+        Some(w - elapsed)
     };
 
     Verdict {
@@ -169,7 +185,7 @@ mod tests {
     impl Sim {
         fn new(limit_window_ms: u64, capacity: u64, start_ms: u64) -> Self {
             Sim {
-                params: WindowParams { window_ms: limit_window_ms, capacity },
+                params: WindowParams::sliding(limit_window_ms, capacity),
                 stored: StoredCounter::default(),
                 now_ms: start_ms,
             }
@@ -315,7 +331,7 @@ mod tests {
         weight: u64,
         offset: u64,
     ) -> u32 {
-        let params = WindowParams { window_ms, capacity };
+        let params = WindowParams::sliding(window_ms, capacity);
         let window = 1_000;
         let stored = StoredCounter { window, current: fill, previous: carry };
         let now = window * window_ms + offset;
@@ -341,6 +357,21 @@ mod tests {
     }
 
     #[test]
+    fn fixed_window_forgets_the_previous_window_and_retries_at_its_end() {
+        let params = WindowParams { window_ms: 1_000, capacity: 10, sliding: false };
+        let full = StoredCounter { window: 5, current: 10, previous: 0 };
+        // Same window: denied, retry exactly at the next window's start.
+        let verdict = decide(roll(full, 5), 300, 1, params);
+        assert_eq!(
+            (verdict.admitted, verdict.retry_after_ms, verdict.reset_after_ms),
+            (false, Some(700), 700)
+        );
+        // Next window: the previous 10 no longer count (a sliding window would deny).
+        assert!(decide(roll(full, 6), 0, 10, params).admitted);
+        assert!(!decide(roll(full, 6), 0, 1, WindowParams { sliding: true, ..params }).admitted);
+    }
+
+    #[test]
     fn clock_going_backwards_starts_empty_rather_than_panicking() {
         let stored = StoredCounter { window: 10, current: 5, previous: 5 };
         assert_eq!(roll(stored, 9), Counts::default());
@@ -350,7 +381,7 @@ mod tests {
 
     #[test]
     fn largest_allowed_product_does_not_overflow() {
-        let params = WindowParams { window_ms: 1 << 20, capacity: MAX_CAPACITY_TIMES_WINDOW >> 20 };
+        let params = WindowParams::sliding(1 << 20, MAX_CAPACITY_TIMES_WINDOW >> 20);
         let counts = Counts { current: params.capacity, previous: params.capacity };
         let verdict = decide(counts, 0, params.capacity, params);
         assert!(!verdict.admitted);

@@ -137,7 +137,7 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         priority: raw.priority_bucket,
         limit: raw.limit,
         burst_capacity: raw.burst_capacity,
-        window: WindowParams { window_ms, capacity },
+        window: WindowParams::sliding(window_ms, capacity),
         mode: raw.mode,
         failure_policy: raw.failure_policy,
         source: Arc::clone(&sourced.file),
@@ -171,7 +171,7 @@ mod tests {
         let snapshot =
             compile_text(&format!("rules:\n{}", rule("a", "/a", "    burst_capacity: 1.25\n"))).unwrap();
         let rule = snapshot.lookup("/a", None).unwrap();
-        assert_eq!(rule.window, WindowParams { window_ms: 1_000, capacity: 12 });
+        assert_eq!(rule.window, WindowParams::sliding(1_000, 12));
     }
 
     #[test]
