@@ -113,11 +113,11 @@ pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams
     let remaining = (cap * w).saturating_sub(used_w) / w;
 
     let current_after = if admitted { cur + weight_w } else { cur };
+    // Sliding: what is counted now decays out by the end of the next window.
+    // Fixed (prev is 0 there): everything resets when this window ends.
     let reset_after_ms = if current_after > 0 && params.sliding {
         2 * w - elapsed
-    } else if current_after > 0 {
-        w - elapsed
-    } else if prev > 0 {
+    } else if current_after > 0 || prev > 0 {
         w - elapsed
     } else {
         0
