@@ -1,0 +1,715 @@
+//! envoyproxy/ratelimit's YAML configuration format, loaded unchanged from
+//! `rules.envoy_path` (a file, or a directory with one domain per file), and
+//! compiled into an immutable [`EnvoyConfig`] that answers descriptor lookups
+//! exactly as upstream does: at each entry `key_value` first, then wildcard
+//! values (`*` matches any run of characters), then the bare `key` default; a
+//! limit applies only where the last entry lands.
+//!
+//! Every key upstream accepts is accepted. `value_to_metric`,
+//! `share_threshold` and `metadata` only shape upstream's metric names and
+//! dynamic metadata; they are validated and otherwise ignored here.
+
+use std::{
+    collections::{HashMap, hash_map::Entry},
+    fs,
+    path::Path,
+    sync::Arc,
+};
+
+use serde::{Deserialize, Deserializer};
+
+use super::{RuleError, RuleErrors, native::rule_files};
+use crate::limiter::window::{MAX_CAPACITY_TIMES_WINDOW, WindowParams};
+
+/// A rate-limit unit, with upstream's lengths (a month is 30 days).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unit {
+    /// 1 s.
+    Second,
+    /// 60 s.
+    Minute,
+    /// 3,600 s.
+    Hour,
+    /// 86,400 s.
+    Day,
+    /// 7 days.
+    Week,
+    /// 30 days.
+    Month,
+    /// 365 days.
+    Year,
+}
+
+impl Unit {
+    fn parse(text: &str) -> Option<Self> {
+        Some(match text.to_ascii_uppercase().as_str() {
+            "SECOND" => Unit::Second,
+            "MINUTE" => Unit::Minute,
+            "HOUR" => Unit::Hour,
+            "DAY" => Unit::Day,
+            "WEEK" => Unit::Week,
+            "MONTH" => Unit::Month,
+            "YEAR" => Unit::Year,
+            _ => return None,
+        })
+    }
+
+    /// The unit's length in seconds.
+    pub fn seconds(self) -> u64 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 60,
+            Unit::Hour => 3_600,
+            Unit::Day => 86_400,
+            Unit::Week => 7 * 86_400,
+            Unit::Month => 30 * 86_400,
+            Unit::Year => 365 * 86_400,
+        }
+    }
+
+    /// The clock resolution counters of this unit use: ms up to a minute,
+    /// seconds up to a day, minutes for weeks and months, hours for a year.
+    /// Coarser ticks for long windows keep `requests_per_unit × window`
+    /// exact in Redis' double-precision Lua for any `u32` limit.
+    pub fn tick_ms(self) -> u64 {
+        match self {
+            Unit::Second | Unit::Minute => 1,
+            Unit::Hour | Unit::Day => 1_000,
+            Unit::Week | Unit::Month => 60_000,
+            Unit::Year => 3_600_000,
+        }
+    }
+
+    /// The value of `envoy.service.ratelimit.v3.RateLimitResponse.RateLimit.Unit`.
+    pub fn proto_value(self) -> i32 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 2,
+            Unit::Hour => 3,
+            Unit::Day => 4,
+            Unit::Month => 5,
+            Unit::Year => 6,
+            Unit::Week => 7,
+        }
+    }
+
+    /// The unit of a request-supplied limit override (proto value).
+    pub fn from_proto(value: i32) -> Option<Self> {
+        Some(match value {
+            1 => Unit::Second,
+            2 => Unit::Minute,
+            3 => Unit::Hour,
+            4 => Unit::Day,
+            5 => Unit::Month,
+            6 => Unit::Year,
+            7 => Unit::Week,
+            _ => return None,
+        })
+    }
+
+    /// Window parameters for `requests_per_unit` in ticks of [`Unit::tick_ms`].
+    pub fn window(self, requests_per_unit: u32, sliding: bool) -> WindowParams {
+        WindowParams {
+            window_ms: self.seconds() * 1_000 / self.tick_ms(),
+            capacity: u64::from(requests_per_unit),
+            sliding,
+        }
+    }
+}
+
+/// A limit from the configuration (or a request's override).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EnvoyLimit {
+    /// Where it sits: `domain.key_value.key…`, as upstream names it.
+    pub full_key: Arc<str>,
+    /// Requests per unit.
+    pub requests_per_unit: u32,
+    /// The unit; `None` only when unlimited.
+    pub unit: Option<Unit>,
+    /// Never limited.
+    pub unlimited: bool,
+    /// Over-limit is reported but never makes the overall code OVER_LIMIT.
+    pub shadow_mode: bool,
+    /// Over-limit makes the overall code OVER_LIMIT only if every quota descriptor is over.
+    pub quota_mode: bool,
+    /// The limit's name (for `replaces`).
+    pub name: Option<String>,
+    /// Names of limits this one replaces.
+    pub replaces: Vec<String>,
+    /// Upstream's per-value metrics flag (kept for fidelity).
+    pub detailed_metric: bool,
+}
+
+#[derive(Debug, Default)]
+struct Level {
+    /// `key_value` or `key` → node, as upstream keys its map.
+    entries: HashMap<String, Node>,
+    /// Values containing `*`: the composite key split on `*`, in file order.
+    wildcards: Vec<(String, Vec<String>)>,
+}
+
+#[derive(Debug, Default)]
+struct Node {
+    limit: Option<Arc<EnvoyLimit>>,
+    children: Level,
+}
+
+/// Every domain's compiled descriptor tree.
+#[derive(Debug, Default)]
+pub struct EnvoyConfig {
+    domains: HashMap<String, Level>,
+    version: String,
+}
+
+impl EnvoyConfig {
+    /// The limit for `entries` (key, value pairs) in `domain`, as upstream's
+    /// `GetLimit` finds it; `None` when nothing matches.
+    pub fn lookup<'a>(
+        &self,
+        domain: &str,
+        entries: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Option<Arc<EnvoyLimit>> {
+        let mut level = self.domains.get(domain)?;
+        let mut found = None;
+        let mut entries = entries.into_iter().peekable();
+        let mut composite = String::new();
+        while let Some((key, value)) = entries.next() {
+            composite.clear();
+            composite.push_str(key);
+            composite.push('_');
+            composite.push_str(value);
+            let node = level
+                .entries
+                .get(&composite)
+                .or_else(|| {
+                    level
+                        .wildcards
+                        .iter()
+                        .find(|(_, parts)| wildcard_match(parts, &composite))
+                        .and_then(|(pattern, _)| level.entries.get(pattern))
+                })
+                .or_else(|| level.entries.get(key));
+            let Some(node) = node else { break };
+            if entries.peek().is_none() {
+                found = node.limit.clone();
+            }
+            if node.children.entries.is_empty() {
+                break;
+            }
+            level = &node.children;
+        }
+        found
+    }
+
+    /// Content hash of the configuration.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// Number of domains.
+    pub fn domain_count(&self) -> usize {
+        self.domains.len()
+    }
+}
+
+/// Upstream's wildcard match: `*` matches any (possibly empty) run of
+/// characters; `parts` is the pattern split on `*`.
+fn wildcard_match(parts: &[String], value: &str) -> bool {
+    let (Some(first), Some(last)) = (parts.first(), parts.last()) else { return false };
+    if parts.len() == 1 {
+        return first == value;
+    }
+    let fixed: usize = parts.iter().map(String::len).sum();
+    if value.len() < fixed || !value.starts_with(first.as_str()) || !value.ends_with(last.as_str()) {
+        return false;
+    }
+    let mut rest = &value[first.len()..value.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part.as_str()) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+// === YAML ===
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct YamlRoot {
+    #[serde(default, deserialize_with = "scalar")]
+    domain: String,
+    #[serde(default, deserialize_with = "list")]
+    descriptors: Vec<YamlDescriptor>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct YamlDescriptor {
+    #[serde(default, deserialize_with = "scalar")]
+    key: String,
+    #[serde(default, deserialize_with = "scalar")]
+    value: String,
+    #[serde(default)]
+    rate_limit: Option<YamlRateLimit>,
+    #[serde(default, deserialize_with = "list")]
+    descriptors: Vec<YamlDescriptor>,
+    #[serde(default)]
+    shadow_mode: bool,
+    #[serde(default)]
+    quota_mode: bool,
+    #[serde(default)]
+    detailed_metric: bool,
+    #[serde(default)]
+    value_to_metric: bool,
+    #[serde(default)]
+    share_threshold: bool,
+    #[serde(default)]
+    #[allow(dead_code)] // accepted for compatibility; only upstream's dynamic metadata uses it
+    metadata: Option<serde_yaml::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct YamlRateLimit {
+    #[serde(default)]
+    requests_per_unit: u32,
+    #[serde(default, deserialize_with = "scalar")]
+    unit: String,
+    #[serde(default)]
+    unlimited: bool,
+    #[serde(default, deserialize_with = "scalar")]
+    name: String,
+    #[serde(default, deserialize_with = "list")]
+    replaces: Vec<YamlReplaces>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct YamlReplaces {
+    #[serde(default, deserialize_with = "scalar")]
+    name: String,
+}
+
+/// A string, or a number or boolean written where upstream expects a string
+/// (`value: 123`); null is empty.
+fn scalar<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    Ok(match serde_yaml::Value::deserialize(deserializer)? {
+        serde_yaml::Value::Null => String::new(),
+        serde_yaml::Value::String(s) => s,
+        serde_yaml::Value::Number(n) => n.to_string(),
+        serde_yaml::Value::Bool(b) => b.to_string(),
+        other => return Err(serde::de::Error::custom(format!("expected a string, found {other:?}"))),
+    })
+}
+
+/// A list, with `key:` left empty (null) meaning an empty list.
+fn list<'de, D: Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Result<Vec<T>, D::Error> {
+    Ok(Option::<Vec<T>>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+/// Loads every file at `path` (a file or a directory of `*.yaml`/`*.yml`)
+/// with the fixed-window (`sliding = false`) or sliding algorithm.
+pub fn load(path: &Path, sliding: bool) -> Result<EnvoyConfig, RuleErrors> {
+    let files = rule_files(path).map_err(|e| RuleErrors(vec![e]))?;
+    let mut domains: HashMap<String, (Level, std::path::PathBuf)> = HashMap::new();
+    let mut errors = Vec::new();
+    let mut canonical = String::new();
+    for file in files {
+        let text = match fs::read_to_string(&file) {
+            Ok(text) => text,
+            Err(e) => {
+                errors.push(RuleError::io(&file, &e));
+                continue;
+            }
+        };
+        match parse_file(&file, &text, sliding) {
+            Ok((domain, level)) => match domains.entry(domain.clone()) {
+                Entry::Occupied(existing) => errors.push(error(
+                    &file,
+                    None,
+                    "domain",
+                    format!(
+                        "duplicate domain '{domain}' in config file (also in {})",
+                        existing.get().1.display()
+                    ),
+                )),
+                Entry::Vacant(slot) => {
+                    canonical.push_str(&text);
+                    slot.insert((level, file.clone()));
+                }
+            },
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(RuleErrors(errors));
+    }
+    let version = sha1_smol::Sha1::from(format!("{sliding}{canonical}").as_bytes()).digest().to_string()
+        [..16]
+        .to_owned();
+    Ok(EnvoyConfig { domains: domains.into_iter().map(|(d, (level, _))| (d, level)).collect(), version })
+}
+
+fn error(file: &Path, at: Option<&str>, field: &str, message: String) -> RuleError {
+    RuleError {
+        file: file.to_path_buf(),
+        line: None,
+        rule: at.map(str::to_owned),
+        field: Some(field.to_owned()),
+        message,
+    }
+}
+
+fn parse_file(file: &Path, text: &str, sliding: bool) -> Result<(String, Level), RuleError> {
+    let root: YamlRoot =
+        serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(text)).map_err(|e| {
+            let inner = e.inner();
+            let mut message = inner.to_string();
+            if let Some(cut) = message.find(" at line ") {
+                message.truncate(cut);
+            }
+            // serde_yaml prefixes its own path; the path is shown once, below.
+            if let Some((prefix, rest)) = message.split_once(": ")
+                && !prefix.contains(' ')
+            {
+                message = rest.to_owned();
+            }
+            RuleError {
+                file: file.to_path_buf(),
+                line: inner.location().map(|l| (l.line(), l.column())),
+                rule: Some(e.path().to_string()).filter(|p| p != "."),
+                field: None,
+                message,
+            }
+        })?;
+    if root.domain.is_empty() {
+        return Err(error(file, None, "domain", "config file cannot have empty domain".to_owned()));
+    }
+    let mut level = Level::default();
+    load_level(file, &mut level, &root.domain, "descriptors", &root.descriptors, sliding)?;
+    Ok((root.domain, level))
+}
+
+fn load_level(
+    file: &Path,
+    level: &mut Level,
+    parent_key: &str,
+    path: &str,
+    descriptors: &[YamlDescriptor],
+    sliding: bool,
+) -> Result<(), RuleError> {
+    for (index, d) in descriptors.iter().enumerate() {
+        let at = format!("{path}[{index}]");
+        if d.key.is_empty() {
+            return Err(error(file, Some(&at), "key", "descriptor has empty key".to_owned()));
+        }
+        let composite = if d.value.is_empty() { d.key.clone() } else { format!("{}_{}", d.key, d.value) };
+        let full_key = format!("{parent_key}.{composite}");
+        if level.entries.contains_key(&composite) {
+            return Err(error(
+                file,
+                Some(&at),
+                "key",
+                format!("duplicate descriptor composite key '{full_key}'"),
+            ));
+        }
+        if d.share_threshold && !composite.contains('*') {
+            return Err(error(
+                file,
+                Some(&at),
+                "share_threshold",
+                format!(
+                    "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
+                ),
+            ));
+        }
+        let _ = d.value_to_metric; // metric naming only
+        let limit = match &d.rate_limit {
+            None => None,
+            Some(r) => Some(Arc::new(compile_limit(file, &at, r, d, &full_key, sliding)?)),
+        };
+        let mut node = Node { limit, children: Level::default() };
+        load_level(
+            file,
+            &mut node.children,
+            &full_key,
+            &format!("{at}.descriptors"),
+            &d.descriptors,
+            sliding,
+        )?;
+        if composite.contains('*') {
+            level.wildcards.push((composite.clone(), composite.split('*').map(str::to_owned).collect()));
+        }
+        level.entries.insert(composite, node);
+    }
+    Ok(())
+}
+
+fn compile_limit(
+    file: &Path,
+    at: &str,
+    r: &YamlRateLimit,
+    d: &YamlDescriptor,
+    full_key: &str,
+    sliding: bool,
+) -> Result<EnvoyLimit, RuleError> {
+    let at = format!("{at}.rate_limit");
+    let unit = Unit::parse(&r.unit);
+    if r.unlimited && unit.is_some() {
+        return Err(error(
+            file,
+            Some(&at),
+            "unit",
+            "should not specify rate limit unit when unlimited".to_owned(),
+        ));
+    }
+    if !r.unlimited && unit.is_none() {
+        return Err(error(file, Some(&at), "unit", format!("invalid rate limit unit '{}'", r.unit)));
+    }
+    for replaced in &r.replaces {
+        if replaced.name.is_empty() {
+            return Err(error(
+                file,
+                Some(&at),
+                "replaces",
+                "should not have an empty replaces entry".to_owned(),
+            ));
+        }
+        if replaced.name == r.name {
+            return Err(error(
+                file,
+                Some(&at),
+                "replaces",
+                "replaces should not contain name of same descriptor".to_owned(),
+            ));
+        }
+    }
+    if let Some(unit) = unit {
+        let window = unit.window(r.requests_per_unit, sliding);
+        // Holds for every u32 with the ticks chosen per unit; checked anyway.
+        if window.capacity.saturating_mul(window.window_ms) > MAX_CAPACITY_TIMES_WINDOW {
+            return Err(error(file, Some(&at), "requests_per_unit", "too large to count exactly".to_owned()));
+        }
+    }
+    Ok(EnvoyLimit {
+        full_key: Arc::from(full_key),
+        requests_per_unit: r.requests_per_unit,
+        unit,
+        unlimited: r.unlimited,
+        shadow_mode: d.shadow_mode,
+        quota_mode: d.quota_mode,
+        name: Some(r.name.clone()).filter(|n| !n.is_empty()),
+        replaces: r.replaces.iter().map(|r| r.name.clone()).collect(),
+        detailed_metric: d.detailed_metric,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(files: &[(&str, &str)]) -> Result<EnvoyConfig, RuleErrors> {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            fs::write(dir.path().join(name), text).unwrap();
+        }
+        load(dir.path(), true)
+    }
+
+    fn one_error(text: &str) -> String {
+        let errors = config(&[("c.yaml", text)]).unwrap_err();
+        assert_eq!(errors.0.len(), 1, "{errors}");
+        errors.0[0].to_string()
+    }
+
+    /// The example of envoyproxy/ratelimit's README, unchanged.
+    const UPSTREAM: &str = r#"
+domain: mongo_cps
+descriptors:
+  - key: database
+    value: users
+    rate_limit:
+      unit: second
+      requests_per_unit: 500
+
+  - key: database
+    value: default
+    rate_limit:
+      unit: second
+      requests_per_unit: 500
+
+  - key: remote_address
+    rate_limit:
+      unit: second
+      requests_per_unit: 10
+    descriptors:
+      - key: path
+        value: "/foo*"
+        rate_limit:
+          unit: minute
+          requests_per_unit: 2
+
+  - key: client_id
+    value: "*_bar*"
+    rate_limit:
+      requests_per_unit: 7
+      unit: HOUR
+    shadow_mode: true
+    detailed_metric: true
+
+  - key: free
+    rate_limit:
+      unlimited: true
+
+  - key: named
+    rate_limit:
+      name: specific
+      replaces:
+        - name: general
+      unit: week
+      requests_per_unit: 100
+    quota_mode: true
+    value_to_metric: true
+    metadata:
+      team: search
+"#;
+
+    fn entries<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
+        pairs.iter().copied()
+    }
+
+    #[test]
+    fn loads_upstreams_format_and_looks_up_like_upstream() {
+        let c = config(&[("mongo.yaml", UPSTREAM)]).unwrap();
+        let key =
+            |pairs: &[(&str, &str)]| c.lookup("mongo_cps", entries(pairs)).map(|l| l.full_key.to_string());
+        assert_eq!(key(&[("database", "users")]).as_deref(), Some("mongo_cps.database_users"));
+        assert_eq!(key(&[("database", "other")]), None, "no default for database");
+        // remote_address has a default (no value) limit; nested path wildcard.
+        assert_eq!(key(&[("remote_address", "10.0.0.1")]).as_deref(), Some("mongo_cps.remote_address"));
+        assert_eq!(
+            key(&[("remote_address", "10.0.0.1"), ("path", "/foo/bar")]).as_deref(),
+            Some("mongo_cps.remote_address.path_/foo*")
+        );
+        assert_eq!(
+            key(&[("remote_address", "10.0.0.1"), ("path", "/baz")]),
+            None,
+            "the limit applies to the last entry only"
+        );
+        // A mid-value wildcard.
+        assert_eq!(key(&[("client_id", "x_bar_y")]).as_deref(), Some("mongo_cps.client_id_*_bar*"));
+        assert_eq!(key(&[("client_id", "bar")]), None);
+        assert_eq!(key(&[("unknown", "x")]), None);
+        assert!(c.lookup("other_domain", entries(&[("database", "users")])).is_none());
+
+        let free = c.lookup("mongo_cps", entries(&[("free", "x")])).unwrap();
+        assert!(free.unlimited);
+        let named = c.lookup("mongo_cps", entries(&[("named", "x")])).unwrap();
+        assert_eq!(
+            (named.name.as_deref(), named.replaces.as_slice(), named.quota_mode),
+            (Some("specific"), &["general".to_owned()][..], true)
+        );
+        let shadow = c.lookup("mongo_cps", entries(&[("client_id", "a_bar")])).unwrap();
+        assert!(shadow.shadow_mode && shadow.detailed_metric);
+        assert_eq!(shadow.unit, Some(Unit::Hour));
+    }
+
+    #[test]
+    fn wildcard_match_is_upstreams() {
+        let parts = |p: &str| p.split('*').map(str::to_owned).collect::<Vec<_>>();
+        assert!(wildcard_match(&parts("path_/foo*"), "path_/foo"));
+        assert!(wildcard_match(&parts("path_/foo*"), "path_/foo/x"));
+        assert!(!wildcard_match(&parts("path_/foo*"), "path_/fo"));
+        assert!(wildcard_match(&parts("k_a*b*c"), "k_aXbYc"));
+        assert!(wildcard_match(&parts("k_a*b*c"), "k_abc"));
+        assert!(!wildcard_match(&parts("k_a*b*c"), "k_ac"));
+        assert!(!wildcard_match(&parts("k_ab*ab"), "k_ab"), "fixed parts may not overlap");
+    }
+
+    #[test]
+    fn every_upstream_error() {
+        let cases = [
+            ("descriptors:\n  - key: a\n", "config file cannot have empty domain"),
+            ("domain: d\ndescriptors:\n  - value: v\n", "descriptor has empty key"),
+            ("domain: d\ndescriptors:\n  - key: a\n  - key: a\n", "duplicate descriptor composite key 'd.a'"),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    value: b\n  - key: a\n    value: b\n",
+                "duplicate descriptor composite key 'd.a_b'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: fortnight, requests_per_unit: 1 }\n",
+                "invalid rate limit unit 'fortnight'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { requests_per_unit: 1 }\n",
+                "invalid rate limit unit ''",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true, unit: second }\n",
+                "should not specify rate limit unit when unlimited",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, replaces: [ {} ] }\n",
+                "should not have an empty replaces entry",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { name: x, unit: second, requests_per_unit: 1, replaces: [ { name: x } ] }\n",
+                "replaces should not contain name of same descriptor",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    share_threshold: true\n",
+                "share_threshold can only be used with wildcard values",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, burst: 2 }\n",
+                "unknown field `burst`",
+            ),
+            ("domain: d\nlimits: []\n", "unknown field `limits`"),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: -1 }\n",
+                "expected u32",
+            ),
+        ];
+        for (text, expected) in cases {
+            let err = one_error(text);
+            assert!(
+                err.starts_with(std::env::temp_dir().to_str().unwrap()) || err.contains("c.yaml"),
+                "{err}"
+            );
+            assert!(err.contains(expected), "{expected:?} not in {err}");
+        }
+        // The error says where in the document.
+        let nested = one_error(
+            "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n        rate_limit: { unit: eon }\n",
+        );
+        assert!(nested.contains("descriptors[0].descriptors[0].rate_limit"), "{nested}");
+    }
+
+    #[test]
+    fn duplicate_domain_across_files_names_both() {
+        let errors = config(&[("a.yaml", "domain: d\n"), ("b.yaml", "domain: d\n")]).unwrap_err();
+        let text = errors.to_string();
+        assert!(
+            text.contains("b.yaml") && text.contains("duplicate domain 'd'") && text.contains("a.yaml"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn scalars_and_empty_lists_are_lenient_like_upstream() {
+        let c = config(&[("c.yaml", "domain: d\ndescriptors:\n  - key: code\n    value: 429\n    rate_limit: { unit: SECOND, requests_per_unit: 1 }\n    descriptors:\n")]).unwrap();
+        assert!(c.lookup("d", entries(&[("code", "429")])).is_some());
+    }
+
+    #[test]
+    fn units_and_ticks_keep_every_u32_exact() {
+        for unit in [Unit::Second, Unit::Minute, Unit::Hour, Unit::Day, Unit::Week, Unit::Month, Unit::Year] {
+            let w = unit.window(u32::MAX, true);
+            assert!(w.capacity * w.window_ms <= MAX_CAPACITY_TIMES_WINDOW, "{unit:?}");
+            assert_eq!(Unit::from_proto(unit.proto_value()), Some(unit));
+            assert_eq!(w.window_ms * unit.tick_ms(), unit.seconds() * 1_000);
+        }
+    }
+}
