@@ -217,13 +217,7 @@ impl Engine {
                     FailurePolicy::Open => (true, Reason::FailOpen),
                     FailurePolicy::Closed => (false, Reason::FailClosed),
                 };
-                self.failures.record(&FailedDecision {
-                    request,
-                    rule,
-                    priority,
-                    error: &error,
-                    answer: reason,
-                });
+                self.failures.record(&FailedDecision::of_check(request, rule, priority, &error, reason));
                 Decision {
                     allowed,
                     // Nothing is known about the counter: when denying, ask

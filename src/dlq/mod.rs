@@ -15,6 +15,7 @@ pub mod record;
 pub mod spool;
 
 use std::{
+    collections::HashMap,
     fmt,
     sync::{
         Arc,
@@ -34,19 +35,55 @@ use crate::{
     rules::{Priority, Rule},
 };
 
-/// One decision the store could not make, as the hot path saw it.
+/// One decision the store could not make, as the hot path saw it. Plain
+/// borrowed fields, so both APIs (`Check` and Envoy's `ShouldRateLimit`)
+/// report through the same sink and schema.
 #[derive(Debug)]
 pub struct FailedDecision<'a> {
-    /// The request, as validated.
-    pub request: &'a CheckRequest<'a>,
-    /// The rule that matched.
-    pub rule: &'a Rule,
+    /// The counting dimension (for Envoy: the descriptor's entries).
+    pub user_id: &'a str,
+    /// The matched path (for Envoy: `envoy:<domain>`).
+    pub resource_path: &'a str,
+    /// The client type, if given.
+    pub client_type: Option<&'a str>,
+    /// The request's weight (Envoy: hits_addend).
+    pub weight: u32,
+    /// Request headers (copied by allow-list).
+    pub headers: &'a HashMap<String, String>,
+    /// W3C trace id, if any.
+    pub trace_id: Option<&'a str>,
+    /// The rule (for Envoy: the limit's full key).
+    pub rule_id: &'a str,
     /// The priority the request was decided with.
     pub priority: Priority,
     /// What went wrong.
     pub error: &'a StoreError,
     /// The answer given: `FailOpen` or `FailClosed`.
     pub answer: Reason,
+}
+
+impl<'a> FailedDecision<'a> {
+    /// The failure of a native `Check` request.
+    pub fn of_check(
+        request: &'a CheckRequest<'a>,
+        rule: &'a Rule,
+        priority: Priority,
+        error: &'a StoreError,
+        answer: Reason,
+    ) -> Self {
+        FailedDecision {
+            user_id: request.user_id,
+            resource_path: request.resource_path,
+            client_type: request.client_type,
+            weight: request.weight,
+            headers: request.headers,
+            trace_id: request.trace_id,
+            rule_id: &rule.id,
+            priority,
+            error,
+            answer,
+        }
+    }
 }
 
 /// Receives failed decisions. Called on the hot path: implementations must
@@ -73,7 +110,7 @@ impl FailureSink for LogSink {
         {
             let folded = self.suppressed.swap(0, Ordering::Relaxed);
             tracing::warn!(
-                rule = %failure.rule.id,
+                rule = failure.rule_id,
                 kind = %failure.error.kind,
                 error = %failure.error.message,
                 answer = failure.answer.as_str(),
@@ -197,7 +234,7 @@ impl FailureSink for DlqSink {
 
 #[cfg(test)]
 mod tests {
-    use std::{collections::HashMap, path::Path};
+    use std::path::Path;
 
     use super::*;
     use crate::{
@@ -235,13 +272,7 @@ mod tests {
                 headers: &headers,
                 trace_id: None,
             };
-            sink.record(&FailedDecision {
-                request: &request,
-                rule: &rule,
-                priority: Priority::Bulk,
-                error: &error,
-                answer: Reason::FailOpen,
-            });
+            sink.record(&FailedDecision::of_check(&request, &rule, Priority::Bulk, &error, Reason::FailOpen));
         }
     }
 

@@ -85,8 +85,7 @@ impl FailureRecord {
         instance: &str,
         allowlist: &[String],
     ) -> Self {
-        let request = failure.request;
-        let headers = request
+        let headers = failure
             .headers
             .iter()
             .filter(|(name, _)| allowlist.iter().any(|allowed| allowed.eq_ignore_ascii_case(name)))
@@ -98,14 +97,14 @@ impl FailureRecord {
             time: format_time(now_ms),
             instance: instance.to_owned(),
             request: RecordRequest {
-                user_id: request.user_id.to_owned(),
-                resource_path: request.resource_path.to_owned(),
-                client_type: request.client_type.map(str::to_owned),
+                user_id: failure.user_id.to_owned(),
+                resource_path: failure.resource_path.to_owned(),
+                client_type: failure.client_type.map(str::to_owned),
                 priority: failure.priority.as_str().to_owned(),
-                weight: request.weight,
+                weight: failure.weight,
                 headers,
             },
-            rule_id: failure.rule.id.to_string(),
+            rule_id: failure.rule_id.to_owned(),
             failure: RecordFailure {
                 kind: failure.error.kind.as_str().to_owned(),
                 message: failure.error.message.clone(),
@@ -114,7 +113,7 @@ impl FailureRecord {
                 allowed: failure.answer == Reason::FailOpen,
                 reason: failure.answer.as_str().to_owned(),
             },
-            trace_id: request.trace_id.map(str::to_owned),
+            trace_id: failure.trace_id.map(str::to_owned),
         }
     }
 
