@@ -17,7 +17,7 @@ use std::{
 use tokio::sync::watch;
 
 use super::{
-    Clock,
+    Clock, ManyItem, ManyOutcome, many_verdicts,
     window::{self, StoredCounter, Verdict},
 };
 use crate::rules::Rule;
@@ -49,9 +49,12 @@ impl MemoryStore {
         }
     }
 
+    fn shard_index(&self, key: &str) -> usize {
+        self.hasher.hash_one(key) as usize % self.shards.len()
+    }
+
     fn shard(&self, user_id: &str) -> &Mutex<Shard> {
-        let index = self.hasher.hash_one(user_id) as usize % self.shards.len();
-        &self.shards[index]
+        &self.shards[self.shard_index(user_id)]
     }
 
     /// Decides and, on admit, counts — atomically for this user and rule.
@@ -91,6 +94,67 @@ impl MemoryStore {
             }
         }
         verdict
+    }
+
+    /// All-or-nothing decision over several counters of `group`; see
+    /// [`Store::decide_many`](super::Store::decide_many). The shards involved
+    /// are locked together, in index order (no deadlock), for the whole call.
+    pub fn decide_many(&self, group: &Arc<str>, items: &[ManyItem]) -> ManyOutcome {
+        let now_ms = self.clock.now_ms();
+        let shard_of: Vec<usize> = items.iter().map(|i| self.shard_index(&i.key)).collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<(usize, std::sync::MutexGuard<'_, Shard>)> =
+            order.iter().map(|&i| (i, self.shards[i].lock().unwrap_or_else(|p| p.into_inner()))).collect();
+
+        let mut pending: HashMap<&str, StoredCounter> = HashMap::new();
+        let mut raw = Vec::with_capacity(items.len());
+        let mut writes = Vec::new();
+        let mut blocked = false;
+        for (item, &shard) in items.iter().zip(&shard_of) {
+            let now = now_ms / item.tick_ms;
+            let (window_index, elapsed) = window::position(now, item.params.window_ms);
+            let stored = match pending.get(item.key.as_str()) {
+                Some(counter) => *counter,
+                None => {
+                    let guard = &guards.iter().find(|(i, _)| *i == shard).expect("shard locked").1;
+                    guard
+                        .get(&**group)
+                        .and_then(|keys| keys.get(item.key.as_str()))
+                        .filter(|entry| entry.expires_at_ms > now_ms)
+                        .map(|entry| entry.counter)
+                        .unwrap_or_default()
+                }
+            };
+            let counts = window::roll(stored, window_index);
+            let fits = window::decide(counts, elapsed, item.weight, item.params).admitted;
+            if fits {
+                let next = StoredCounter {
+                    window: window_index,
+                    current: counts.current + item.weight,
+                    previous: counts.previous,
+                };
+                pending.insert(item.key.as_str(), next);
+                writes.push((shard, item, next));
+            } else if !item.shadow {
+                blocked = true;
+            }
+            raw.push((fits, counts, elapsed));
+        }
+        if !blocked {
+            for (shard, item, counter) in writes {
+                let guard = &mut guards.iter_mut().find(|(i, _)| *i == shard).expect("shard locked").1;
+                let keys = match guard.get_mut(&**group) {
+                    Some(keys) => keys,
+                    None => guard.entry(Arc::clone(group)).or_default(),
+                };
+                let expires_at_ms = now_ms.saturating_add(2 * item.params.window_ms * item.tick_ms);
+                keys.insert(item.key.as_str().into(), Entry { counter, expires_at_ms });
+            }
+        }
+        drop(guards);
+        ManyOutcome { committed: !blocked, verdicts: many_verdicts(items, &raw, !blocked) }
     }
 
     /// Removes expired counters; returns how many remain.
@@ -143,7 +207,7 @@ mod tests {
 
     use super::*;
     use crate::{
-        limiter::{ManualClock, window::WindowParams},
+        limiter::{ManualClock, ManyItem, window::WindowParams},
         rules::{FailurePolicy, Mode, Priority},
     };
 
@@ -197,6 +261,51 @@ mod tests {
         let r = rule("a", 1_000, 1);
         assert!(!store.decide("u", &r, 2).admitted);
         assert!(store.is_empty());
+    }
+
+    fn item(key: &str, capacity: u64, weight: u64, shadow: bool) -> ManyItem {
+        ManyItem {
+            key: key.to_owned(),
+            params: WindowParams::sliding(60_000, capacity),
+            tick_ms: 1,
+            weight,
+            shadow,
+        }
+    }
+
+    #[test]
+    fn many_is_all_or_nothing() {
+        let store = MemoryStore::new(8, Arc::new(ManualClock::new(1_000_000)));
+        let group: Arc<str> = Arc::from("d");
+        let first = store.decide_many(&group, &[item("a", 5, 1, false), item("b", 1, 1, false)]);
+        assert!(first.committed);
+        // b is full: a must not be consumed.
+        let second = store.decide_many(&group, &[item("a", 5, 1, false), item("b", 1, 1, false)]);
+        assert!(!second.committed);
+        assert_eq!((second.verdicts[0].admitted, second.verdicts[1].admitted), (true, false));
+        assert_eq!(second.verdicts[0].remaining, 4, "a is reported unconsumed");
+        let a_alone = store.decide_many(&group, &[item("a", 5, 1, false)]);
+        assert_eq!(a_alone.verdicts[0].remaining, 3, "only the first call counted on a");
+    }
+
+    #[test]
+    fn many_shadow_items_never_block() {
+        let store = MemoryStore::new(8, Arc::new(ManualClock::new(1_000_000)));
+        let group: Arc<str> = Arc::from("d");
+        store.decide_many(&group, &[item("s", 1, 1, true)]);
+        let outcome = store.decide_many(&group, &[item("s", 1, 1, true), item("a", 5, 1, false)]);
+        assert!(outcome.committed);
+        assert!(!outcome.verdicts[0].admitted);
+        assert_eq!(store.decide_many(&group, &[item("a", 5, 0, false)]).verdicts[0].remaining, 4);
+    }
+
+    #[test]
+    fn many_counts_a_repeated_key_once_per_occurrence() {
+        let store = MemoryStore::new(8, Arc::new(ManualClock::new(1_000_000)));
+        let group: Arc<str> = Arc::from("d");
+        let outcome = store.decide_many(&group, &[item("a", 3, 2, false), item("a", 3, 2, false)]);
+        assert!(!outcome.committed, "2 + 2 > 3 on the same counter");
+        assert!(store.decide_many(&group, &[item("a", 3, 3, false)]).committed);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::{fmt, sync::Arc};
 
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
-pub use window::Verdict;
+pub use window::{Verdict, WindowParams};
 
 pub use crate::clock::{Clock, ManualClock, SystemClock};
 
@@ -40,6 +40,16 @@ impl Store {
         }
     }
 
+    /// Decides several counters together, all or nothing (Envoy's
+    /// multi-descriptor requests): if any non-shadow item does not fit,
+    /// nothing is counted. `group` scopes the keys (the Envoy domain).
+    pub async fn decide_many(&self, group: &Arc<str>, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
+        match self {
+            Store::Memory(store) => Ok(store.decide_many(group, items)),
+            Store::Redis(store) => store.decide_many(group, items).await,
+        }
+    }
+
     /// `memory` or `redis`, for logs.
     pub fn name(&self) -> &'static str {
         match self {
@@ -47,6 +57,51 @@ impl Store {
             Store::Redis(_) => "redis",
         }
     }
+}
+
+/// One counter of a multi-counter decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManyItem {
+    /// The counter's key within its group.
+    pub key: String,
+    /// Window and capacity, in ticks of `tick_ms`.
+    pub params: WindowParams,
+    /// Length of one tick in ms (1 for windows up to a minute).
+    pub tick_ms: u64,
+    /// Weight to add.
+    pub weight: u64,
+    /// Over the limit does not block the other items (and is not counted).
+    pub shadow: bool,
+}
+
+/// The result of [`Store::decide_many`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManyOutcome {
+    /// Whether the items that fit were counted (no enforced item was over).
+    pub committed: bool,
+    /// Per item, durations in ms. `admitted` says whether the item fit on
+    /// its own; `remaining` reflects what was actually counted.
+    pub verdicts: Vec<Verdict>,
+}
+
+/// Per item: fits, then the counts before its own weight and the elapsed ticks.
+pub(crate) type RawItem = (bool, window::Counts, u64);
+
+/// Turns the raw per-item results of either store into verdicts in ms.
+pub(crate) fn many_verdicts(items: &[ManyItem], raw: &[RawItem], committed: bool) -> Vec<Verdict> {
+    items
+        .iter()
+        .zip(raw)
+        .map(|(item, &(fits, counts, elapsed))| {
+            // Nothing was counted: report the item as if it had no weight.
+            let weight = if fits && !committed { 0 } else { item.weight };
+            let mut verdict = window::decide(counts, elapsed, weight, item.params);
+            verdict.admitted = fits;
+            verdict.retry_after_ms = verdict.retry_after_ms.map(|t| t.saturating_mul(item.tick_ms));
+            verdict.reset_after_ms = verdict.reset_after_ms.saturating_mul(item.tick_ms);
+            verdict
+        })
+        .collect()
 }
 
 /// Why the store could not decide. Cheap to build on the hot path's error

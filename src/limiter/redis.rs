@@ -24,12 +24,13 @@ use deadpool_redis::{Pool, PoolError, Runtime};
 use redis::{AsyncConnectionConfig, RedisError, aio::MultiplexedConnection};
 
 use super::{
-    FailureKind, StoreError,
+    FailureKind, ManyItem, ManyOutcome, StoreError, many_verdicts,
     window::{self, Counts, Verdict},
 };
 use crate::{config::RedisConfig, config::redact_url, rules::Rule};
 
 const DECIDE_LUA: &str = include_str!("scripts/decide.lua");
+const DECIDE_MANY_LUA: &str = include_str!("scripts/decide_many.lua");
 
 type Slot = ArcSwapOption<deadpool_redis::Connection>;
 
@@ -39,6 +40,7 @@ pub struct RedisStore {
     slots: Box<[Slot]>,
     next_slot: AtomicUsize,
     script: redis::Script,
+    many_script: redis::Script,
     timeout: Duration,
     url_for_logs: String,
 }
@@ -86,6 +88,7 @@ impl RedisStore {
             slots: (0..config.connections).map(|_| Slot::empty()).collect(),
             next_slot: AtomicUsize::new(0),
             script: redis::Script::new(DECIDE_LUA),
+            many_script: redis::Script::new(DECIDE_MANY_LUA),
             timeout: Duration::from_millis(config.timeout_ms),
             url_for_logs: redact_url(url),
         })
@@ -102,8 +105,11 @@ impl RedisStore {
     pub async fn warm_up(&self, timeout: Duration) -> Result<(), StoreError> {
         let load = async {
             let (_, mut conn) = self.connection().await?;
-            let loaded: Result<String, RedisError> = self.script.load_async(&mut conn).await;
-            loaded.map(|_| ()).map_err(|e| classify(&e))
+            for script in [&self.script, &self.many_script] {
+                let loaded: Result<String, RedisError> = script.load_async(&mut conn).await;
+                loaded.map_err(|e| classify(&e))?;
+            }
+            Ok(())
         };
         self.within(timeout, load).await
     }
@@ -143,6 +149,66 @@ impl RedisStore {
             )));
         }
         Ok(verdict)
+    }
+
+    /// All-or-nothing decision over several counters of `group` in one
+    /// script call; see [`Store::decide_many`](super::Store::decide_many).
+    /// Keys are `rle:{<group>}:<key>`: the hash tag puts one group's
+    /// counters in one cluster slot, which a multi-key script requires.
+    pub async fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
+        let call = async {
+            let (slot, mut conn) = self.connection().await?;
+            let mut invocation = self.many_script.prepare_invoke();
+            for item in items {
+                let mut key = String::with_capacity(8 + group.len() + item.key.len());
+                key.push_str("rle:{");
+                key.push_str(group);
+                key.push_str("}:");
+                key.push_str(&item.key);
+                let flags = u8::from(item.params.sliding) | (u8::from(item.shadow) << 1);
+                invocation
+                    .key(key)
+                    .arg(item.params.window_ms)
+                    .arg(item.params.capacity)
+                    .arg(item.weight)
+                    .arg(item.tick_ms)
+                    .arg(flags);
+            }
+            match invocation.invoke_async::<Vec<u64>>(&mut conn).await {
+                Ok(reply) => Ok(reply),
+                Err(e) => {
+                    if e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error() {
+                        self.release_broken(slot);
+                    }
+                    Err(classify(&e))
+                }
+            }
+        };
+        let reply = self.within(self.timeout, call).await?;
+        if reply.len() != 1 + 4 * items.len() {
+            return Err(script_error(format!(
+                "multi-key script answered {} values for {} keys",
+                reply.len(),
+                items.len()
+            )));
+        }
+        let committed = reply[0] == 1;
+        let mut raw = Vec::with_capacity(items.len());
+        for (item, chunk) in items.iter().zip(reply[1..].chunks_exact(4)) {
+            let (fits, current, previous, elapsed) = (chunk[0] == 1, chunk[1], chunk[2], chunk[3]);
+            if elapsed >= item.params.window_ms {
+                return Err(script_error(format!(
+                    "elapsed {elapsed} outside a window of {}",
+                    item.params.window_ms
+                )));
+            }
+            let counts = Counts { current, previous };
+            if window::decide(counts, elapsed, item.weight, item.params).admitted != fits {
+                return Err(script_error(format!("multi-key script and window.rs disagree on {}", item.key)));
+            }
+            raw.push((fits, counts, elapsed));
+        }
+        Ok(ManyOutcome { committed, verdicts: many_verdicts(items, &raw, committed) })
     }
 
     async fn within<T>(
