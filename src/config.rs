@@ -48,6 +48,8 @@ pub struct Config {
     pub shed: ShedConfig,
     /// Where failed decisions are recorded.
     pub dlq: DlqConfig,
+    /// Envoy's `ShouldRateLimit` (active when `rules.envoy_path` is set).
+    pub envoy: EnvoySettings,
     /// Logging.
     pub log: LogConfig,
 }
@@ -140,11 +142,73 @@ pub struct RulesConfig {
     /// How often `path` is checked for changes (metadata only; a file is read
     /// again only when its identity, size or mtime changed). 0 disables reload.
     pub reload_interval_ms: u64,
+    /// envoyproxy/ratelimit-format YAML: a file, or a directory with one
+    /// domain per file. Unset: `ShouldRateLimit` is not served.
+    pub envoy_path: Option<PathBuf>,
 }
 
 impl Default for RulesConfig {
     fn default() -> Self {
-        Self { path: PathBuf::from("examples/rules"), reload_interval_ms: 1_000 }
+        Self { path: PathBuf::from("examples/rules"), reload_interval_ms: 1_000, envoy_path: None }
+    }
+}
+
+/// Counting algorithm of Envoy descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyAlgorithm {
+    /// Sliding window: no client gets twice the limit across a window edge.
+    #[default]
+    SlidingWindow,
+    /// envoyproxy/ratelimit's fixed window, for exact parity.
+    FixedWindow,
+}
+
+/// What `ShouldRateLimit` answers when the counter store cannot decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyFailureMode {
+    /// Answer OK (and record the failure like any failed decision).
+    #[default]
+    Allow,
+    /// Answer gRPC UNAVAILABLE, so Envoy's own `failure_mode_deny` decides.
+    Unavailable,
+}
+
+/// `envoy.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EnvoySettings {
+    /// `sliding_window` (default) or `fixed_window`.
+    pub algorithm: EnvoyAlgorithm,
+    /// `allow` (default) or `unavailable`.
+    pub failure_mode: EnvoyFailureMode,
+    /// Add rate-limit headers (of the descriptor closest to its limit) to responses.
+    pub response_headers: bool,
+    /// Name of the limit header.
+    pub limit_header: String,
+    /// Name of the remaining header.
+    pub remaining_header: String,
+    /// Name of the reset header (seconds).
+    pub reset_header: String,
+    /// Most descriptors in one request.
+    pub max_descriptors: usize,
+    /// Most entries in one descriptor.
+    pub max_entries: usize,
+}
+
+impl Default for EnvoySettings {
+    fn default() -> Self {
+        Self {
+            algorithm: EnvoyAlgorithm::SlidingWindow,
+            failure_mode: EnvoyFailureMode::Allow,
+            response_headers: false,
+            limit_header: "x-ratelimit-limit".to_owned(),
+            remaining_header: "x-ratelimit-remaining".to_owned(),
+            reset_header: "x-ratelimit-reset".to_owned(),
+            max_descriptors: 64,
+            max_entries: 32,
+        }
     }
 }
 
@@ -447,6 +511,29 @@ impl Config {
         }
         if shed.report_interval_ms == 0 {
             return Err(invalid("shed.report_interval_ms", "must be at least 1"));
+        }
+        if let Some(path) = &self.rules.envoy_path
+            && path.as_os_str().is_empty()
+        {
+            return Err(invalid(
+                "rules.envoy_path",
+                "must not be empty; leave it unset to not serve ShouldRateLimit",
+            ));
+        }
+        for (key, name) in [
+            ("envoy.limit_header", &self.envoy.limit_header),
+            ("envoy.remaining_header", &self.envoy.remaining_header),
+            ("envoy.reset_header", &self.envoy.reset_header),
+        ] {
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+                return Err(invalid(key, format!("{name:?} is not a valid header name")));
+            }
+        }
+        if self.envoy.max_descriptors == 0 {
+            return Err(invalid("envoy.max_descriptors", "must be at least 1"));
+        }
+        if self.envoy.max_entries == 0 {
+            return Err(invalid("envoy.max_entries", "must be at least 1"));
         }
         if self.dlq.queue_capacity == 0 {
             return Err(invalid("dlq.queue_capacity", "must be at least 1"));

@@ -15,9 +15,9 @@ use tokio::{
 use tonic::transport::server::TcpIncoming;
 
 use crate::{
-    api::RateLimiterService,
+    api::{EnvoyService, RateLimiterService},
     clock::MonotonicClock,
-    config::Config,
+    config::{Config, EnvoyAlgorithm},
     decision::Engine,
     dlq::{self, DlqSink},
     limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper, redis::RedisSetupError},
@@ -109,6 +109,7 @@ pub async fn run_observed(
             Arc::clone(&rule_store),
             config.rules.path.clone(),
             Duration::from_millis(config.rules.reload_interval_ms),
+            rules::load,
             stop_rx.clone(),
         ));
     }
@@ -207,6 +208,39 @@ pub async fn run_observed(
         "ratelimitd serving"
     );
 
+    let envoy = match &config.rules.envoy_path {
+        None => None,
+        Some(path) => {
+            let load = match config.envoy.algorithm {
+                EnvoyAlgorithm::SlidingWindow => rules::envoy::load_sliding,
+                EnvoyAlgorithm::FixedWindow => rules::envoy::load_fixed,
+            };
+            let envoy_config = load(path)?;
+            tracing::info!(
+                path = %path.display(),
+                domains = envoy_config.domain_count(),
+                version = envoy_config.version(),
+                algorithm = ?config.envoy.algorithm,
+                "serving envoy.service.ratelimit.v3.RateLimitService"
+            );
+            let envoy_config = Arc::new(rules::Hot::new(envoy_config));
+            if config.rules.reload_interval_ms > 0 {
+                tasks.spawn(rules::watch(
+                    Arc::clone(&envoy_config),
+                    path.clone(),
+                    Duration::from_millis(config.rules.reload_interval_ms),
+                    load,
+                    stop_rx.clone(),
+                ));
+            }
+            Some(EnvoyService::new(
+                envoy_config,
+                engine.store().clone(),
+                Arc::clone(&dlq) as Arc<dyn dlq::FailureSink>,
+                config.envoy.clone(),
+            ))
+        }
+    };
     let service = RateLimiterService::new(engine, config.limits.clone());
 
     let (draining_tx, draining_rx) = oneshot::channel::<()>();
@@ -217,6 +251,7 @@ pub async fn run_observed(
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let serve = tonic::transport::Server::builder()
         .add_service(service.into_server())
+        .add_optional_service(envoy.map(EnvoyService::into_server))
         .serve_with_incoming_shutdown(incoming, signal);
 
     let grace = Duration::from_millis(config.grpc.shutdown_grace_ms);

@@ -6,9 +6,11 @@
 
 mod check;
 mod convert;
+mod envoy;
 
 pub use check::RateLimiterService;
 pub use convert::{ValidationError, validate};
+pub use envoy::EnvoyService;
 
 /// Generated code for `proto/ratelimit/v1/ratelimit.proto`.
 #[allow(missing_docs, unreachable_pub, missing_debug_implementations, clippy::all, clippy::pedantic)]

@@ -309,6 +309,16 @@ fn list<'de, D: Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Resu
     Ok(Option::<Vec<T>>::deserialize(deserializer)?.unwrap_or_default())
 }
 
+/// [`load`] with the sliding-window algorithm (a plain `fn` for the reloader).
+pub fn load_sliding(path: &Path) -> Result<EnvoyConfig, RuleErrors> {
+    load(path, true)
+}
+
+/// [`load`] with upstream's fixed-window algorithm.
+pub fn load_fixed(path: &Path) -> Result<EnvoyConfig, RuleErrors> {
+    load(path, false)
+}
+
 /// Loads every file at `path` (a file or a directory of `*.yaml`/`*.yml`)
 /// with the fixed-window (`sliding = false`) or sliding algorithm.
 pub fn load(path: &Path, sliding: bool) -> Result<EnvoyConfig, RuleErrors> {

@@ -17,7 +17,7 @@ use std::{fmt, io, path::Path, path::PathBuf};
 pub(crate) use compile::compile;
 pub use model::{FailurePolicy, Mode, Priority, Rule};
 pub use snapshot::Snapshot;
-pub use store::{RuleStore, watch};
+pub use store::{Hot, RuleStore, Versioned, watch};
 
 /// Loads and compiles the rule set at `path` (a file or a directory).
 pub fn load(path: &Path) -> Result<Snapshot, RuleErrors> {

@@ -21,27 +21,57 @@ use tokio::sync::watch as tokio_watch;
 
 use super::{Snapshot, native::rule_files};
 
-/// Holds the snapshot every decision reads. Readers never block writers.
-#[derive(Debug)]
-pub struct RuleStore {
-    current: ArcSwap<Snapshot>,
+/// A compiled rule set that can be hot-swapped: native rules or the Envoy
+/// configuration.
+pub trait Versioned: Send + Sync + 'static {
+    /// Content hash: equal content, equal version.
+    fn version(&self) -> &str;
+    /// A short description for logs (how many rules or domains).
+    fn size(&self) -> usize;
 }
 
-impl RuleStore {
-    /// A store serving `snapshot`.
-    pub fn new(snapshot: Snapshot) -> Self {
-        RuleStore { current: ArcSwap::from_pointee(snapshot) }
+impl Versioned for Snapshot {
+    fn version(&self) -> &str {
+        Snapshot::version(self)
+    }
+    fn size(&self) -> usize {
+        self.rules().len()
+    }
+}
+
+impl Versioned for super::envoy::EnvoyConfig {
+    fn version(&self) -> &str {
+        super::envoy::EnvoyConfig::version(self)
+    }
+    fn size(&self) -> usize {
+        self.domain_count()
+    }
+}
+
+/// Holds the compiled rules every decision reads. Readers never block writers.
+#[derive(Debug)]
+pub struct Hot<T> {
+    current: ArcSwap<T>,
+}
+
+/// The native rule snapshot, hot-swapped.
+pub type RuleStore = Hot<Snapshot>;
+
+impl<T> Hot<T> {
+    /// A store serving `value`.
+    pub fn new(value: T) -> Self {
+        Hot { current: ArcSwap::from_pointee(value) }
     }
 
-    /// The snapshot to decide with. Hold the `Arc` for the whole decision so
+    /// The rules to decide with. Hold the `Arc` for the whole decision so
     /// one request sees one rule set even if a reload lands meanwhile.
-    pub fn load(&self) -> Arc<Snapshot> {
+    pub fn load(&self) -> Arc<T> {
         self.current.load_full()
     }
 
-    /// Replaces the snapshot for all later `load`s.
-    pub fn swap(&self, snapshot: Snapshot) {
-        self.current.store(Arc::new(snapshot));
+    /// Replaces the rules for all later `load`s.
+    pub fn swap(&self, value: T) {
+        self.current.store(Arc::new(value));
     }
 }
 
@@ -65,10 +95,11 @@ fn fingerprint(path: &Path) -> Result<Fingerprint, String> {
 /// changed and the new rule set validates. An invalid rule set is logged
 /// (once per distinct change) and the last good snapshot keeps serving.
 /// Returns when `shutdown` turns true.
-pub async fn watch(
-    store: Arc<RuleStore>,
+pub async fn watch<T: Versioned>(
+    store: Arc<Hot<T>>,
     path: PathBuf,
     interval: Duration,
+    load: fn(&Path) -> Result<T, super::RuleErrors>,
     mut shutdown: tokio_watch::Receiver<bool>,
 ) {
     // No fingerprint yet: the first poll reloads, so a change made between
@@ -107,7 +138,7 @@ pub async fn watch(
             continue;
         }
         last = Some(now);
-        let loaded = tokio::task::spawn_blocking(move || super::load(&probe_path)).await;
+        let loaded = tokio::task::spawn_blocking(move || load(&probe_path)).await;
         match loaded {
             Ok(Ok(snapshot)) => {
                 let old = store.load();
@@ -118,7 +149,7 @@ pub async fn watch(
                 tracing::info!(
                     from = old.version(),
                     to = snapshot.version(),
-                    rules = snapshot.rules().len(),
+                    size = snapshot.size(),
                     path = %path.display(),
                     "rules reloaded"
                 );
