@@ -67,7 +67,8 @@ pub async fn run(
     run_observed(config, listener, shutdown, |_| {}).await
 }
 
-/// [`run`], handing `observe` the service's state once it is built.
+/// [`run`], handing `observe` the service's state once everything is built
+/// and loaded, just before it starts answering.
 pub async fn run_observed(
     config: Config,
     listener: TcpListener,
@@ -182,7 +183,6 @@ pub async fn run_observed(
         }
     };
     let dlq = Arc::new(dlq);
-    observe(Observer { dlq: Arc::clone(&dlq), shedder: Arc::clone(&shedder) });
 
     let engine = Engine::new(
         rule_store,
@@ -190,22 +190,6 @@ pub async fn run_observed(
         Arc::clone(&shedder),
         Arc::clone(&dlq) as Arc<dyn dlq::FailureSink>,
         config.shed.default_priority,
-    );
-
-    let local_addr = listener.local_addr().map_or_else(|e| format!("unknown ({e})"), |a| a.to_string());
-    if config.redis.url.is_none() && config.dlq.kafka.brokers.is_none() {
-        tracing::info!(
-            rules = %config.rules.path.display(),
-            "embedded defaults: in-memory counters (redis.url unset), failed decisions to a local file (dlq.kafka.brokers unset)"
-        );
-    }
-    tracing::info!(
-        addr = %local_addr,
-        store = engine.store().name(),
-        rules_version = engine.rules().load().version(),
-        rules = engine.rules().load().rules().len(),
-        path = %config.rules.path.display(),
-        "ratelimitd serving"
     );
 
     let envoy = match &config.rules.envoy_path {
@@ -241,7 +225,26 @@ pub async fn run_observed(
             ))
         }
     };
+    let local_addr = listener.local_addr().map_or_else(|e| format!("unknown ({e})"), |a| a.to_string());
+    if config.redis.url.is_none() && config.dlq.kafka.brokers.is_none() {
+        tracing::info!(
+            rules = %config.rules.path.display(),
+            "embedded defaults: in-memory counters (redis.url unset), failed decisions to a local file (dlq.kafka.brokers unset)"
+        );
+    }
+    tracing::info!(
+        addr = %local_addr,
+        store = engine.store().name(),
+        rules_version = engine.rules().load().version(),
+        rules = engine.rules().load().rules().len(),
+        path = %config.rules.path.display(),
+        "ratelimitd serving"
+    );
+
     let service = RateLimiterService::new(engine, config.limits.clone());
+
+    // Everything is built: the service is about to answer.
+    observe(Observer { dlq: Arc::clone(&dlq), shedder: Arc::clone(&shedder) });
 
     let (draining_tx, draining_rx) = oneshot::channel::<()>();
     let signal = async move {

@@ -296,6 +296,11 @@ pub struct TestServer {
 
 impl TestServer {
     pub async fn start(mut config: Config) -> Self {
+        // The server's own logs, shown by the test runner when a test fails.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+            .with_test_writer()
+            .try_init();
         let dir = tempfile::tempdir().unwrap();
         if config.dlq.file == ratelimitd::config::DlqConfig::default().file {
             config.dlq.file = dir.path().join("dlq.jsonl");
@@ -314,7 +319,24 @@ impl TestServer {
             },
             move |o| *slot.lock().unwrap() = Some(o),
         ));
-        TestServer { addr, dlq_file, shutdown: Some(tx), handle: Some(handle), observer, _dir: dir }
+        let server =
+            TestServer { addr, dlq_file, shutdown: Some(tx), handle: Some(handle), observer, _dir: dir };
+        // The listener accepts TCP before the server has loaded its rules:
+        // wait until it is built, so a test that changes files right away
+        // does not race the initial load.
+        server.ready().await;
+        server
+    }
+
+    async fn ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.observer.lock().unwrap().is_none() {
+            if self.handle.as_ref().is_some_and(JoinHandle::is_finished) {
+                panic!("the server stopped while starting (see its log above)");
+            }
+            assert!(Instant::now() < deadline, "the server never finished starting");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     /// The records written to the DLQ file so far.

@@ -1,0 +1,403 @@
+//! Black-box tests of `envoy.service.ratelimit.v3.RateLimitService` over real
+//! gRPC with envoyproxy/ratelimit-format configuration, against both stores.
+
+mod common;
+
+use std::{path::Path, time::Duration};
+
+use common::{Backend, RedisServer, Rules, TestServer, config, eventually};
+use ratelimitd::{
+    api::envoy_pb::{
+        envoy::extensions::common::ratelimit::v3::{
+            RateLimitDescriptor,
+            rate_limit_descriptor::{Entry, RateLimitOverride},
+        },
+        rls::{
+            RateLimitRequest, RateLimitResponse, rate_limit_response::Code,
+            rate_limit_service_client::RateLimitServiceClient,
+        },
+    },
+    config::{EnvoyAlgorithm, EnvoyFailureMode},
+};
+use tonic::transport::Channel;
+
+/// Units of a day for anything counted more than once, so no test straddles
+/// a window boundary by enough to matter.
+const CONFIG: &str = r#"
+domain: edge
+descriptors:
+  - key: user
+    rate_limit: { unit: day, requests_per_unit: 3 }
+  - key: path
+    value: "/api/*"
+    rate_limit: { unit: day, requests_per_unit: 2 }
+  - key: path
+    value: "/health"
+    rate_limit: { unlimited: true }
+  - key: tenant
+    value: acme
+    descriptors:
+      - key: user
+        rate_limit: { unit: day, requests_per_unit: 1 }
+  - key: shadow
+    rate_limit: { unit: day, requests_per_unit: 1 }
+    shadow_mode: true
+  - key: generic
+    rate_limit: { name: generic, unit: day, requests_per_unit: 1 }
+  - key: special
+    rate_limit:
+      name: special
+      unit: day
+      requests_per_unit: 5
+      replaces: [ { name: generic } ]
+  - key: quota_a
+    rate_limit: { unit: day, requests_per_unit: 1 }
+    quota_mode: true
+  - key: quota_b
+    rate_limit: { unit: day, requests_per_unit: 1 }
+    quota_mode: true
+  - key: fixed
+    rate_limit: { unit: second, requests_per_unit: 2 }
+"#;
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry { key: (*k).to_owned(), value: (*v).to_owned() })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn request(descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest { domain: "edge".to_owned(), descriptors, hits_addend: 0 }
+}
+
+async fn ask(client: &mut RateLimitServiceClient<Channel>, request: RateLimitRequest) -> RateLimitResponse {
+    client.should_rate_limit(request).await.expect("ShouldRateLimit").into_inner()
+}
+
+fn code(value: i32) -> Code {
+    Code::try_from(value).unwrap()
+}
+
+struct Setup {
+    server: TestServer,
+    client: RateLimitServiceClient<Channel>,
+    redis: Option<RedisServer>,
+    _rules: (Rules, Rules),
+}
+
+async fn start(backend: Backend, tune: impl FnOnce(&mut ratelimitd::config::Config)) -> Setup {
+    let native = Rules::new("rules: []\n");
+    let envoy = Rules::new(CONFIG);
+    let redis = (backend == Backend::Redis).then(RedisServer::start);
+    let mut cfg = config(&native.path(), redis.as_ref().map(RedisServer::url));
+    cfg.rules.envoy_path = Some(envoy.path());
+    tune(&mut cfg);
+    let server = TestServer::start(cfg).await;
+    let endpoint = format!("http://{}", server.addr);
+    let client = loop {
+        if let Ok(c) = RateLimitServiceClient::connect(endpoint.clone()).await {
+            break c;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    Setup { server, client, redis, _rules: (native, envoy) }
+}
+
+for_each_store!(
+    limits_count_down_per_value_with_upstream_fields,
+    wildcards_nested_and_unmatched,
+    unlimited_shadow_and_replaces,
+    one_descriptor_over_consumes_nothing_from_the_others,
+    hits_addend_request_and_descriptor_level,
+    quota_mode_denies_only_when_all_quota_descriptors_are_over,
+    headers_on_off_and_request_overrides,
+    sliding_window_by_default_fixed_window_on_request,
+    invalid_requests_are_invalid_argument,
+);
+
+/// A default-key limit counts per runtime value; statuses carry the limit,
+/// what remains and when it resets.
+async fn limits_count_down_per_value_with_upstream_fields(backend: Backend) {
+    let mut s = start(backend, |_| {}).await;
+    for left in (0..3).rev() {
+        let r = ask(&mut s.client, request(vec![descriptor(&[("user", "alice")])])).await;
+        assert_eq!(code(r.overall_code), Code::Ok);
+        let st = &r.statuses[0];
+        assert_eq!((code(st.code), st.limit_remaining), (Code::Ok, left));
+        let limit = st.current_limit.as_ref().unwrap();
+        assert_eq!((limit.requests_per_unit, limit.unit), (3, 4), "DAY is 4");
+        assert!(st.duration_until_reset.as_ref().unwrap().seconds > 0);
+    }
+    let over = ask(&mut s.client, request(vec![descriptor(&[("user", "alice")])])).await;
+    assert_eq!((code(over.overall_code), code(over.statuses[0].code)), (Code::OverLimit, Code::OverLimit));
+    assert_eq!(over.statuses[0].limit_remaining, 0);
+    let bob = ask(&mut s.client, request(vec![descriptor(&[("user", "bob")])])).await;
+    assert_eq!(bob.statuses[0].limit_remaining, 2, "each value has its own counter");
+    assert!(s.redis.is_none() || s.redis.is_some());
+    s.server.stop().await.unwrap();
+}
+
+/// Wildcard values, nested descriptors (the limit of the last entry),
+/// unmatched descriptors OK without a limit.
+async fn wildcards_nested_and_unmatched(backend: Backend) {
+    let mut s = start(backend, |_| {}).await;
+    let r = ask(&mut s.client, request(vec![descriptor(&[("path", "/api/users")])])).await;
+    assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().requests_per_unit, 2);
+    let r = ask(&mut s.client, request(vec![descriptor(&[("tenant", "acme"), ("user", "x")])])).await;
+    assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().requests_per_unit, 1);
+    let r = ask(&mut s.client, request(vec![descriptor(&[("tenant", "acme"), ("user", "x")])])).await;
+    assert_eq!(code(r.overall_code), Code::OverLimit);
+    // No limit at the tenant level itself, nor for another tenant.
+    for entries in
+        [vec![("tenant", "acme")], vec![("tenant", "other"), ("user", "x")], vec![("nothing", "here")]]
+    {
+        let r = ask(&mut s.client, request(vec![descriptor(&entries)])).await;
+        assert_eq!(code(r.overall_code), Code::Ok, "{entries:?}");
+        assert!(r.statuses[0].current_limit.is_none(), "{entries:?}");
+    }
+    s.server.stop().await.unwrap();
+}
+
+/// Unlimited answers OK with remaining u32::MAX; shadow never denies;
+/// a limit named in another's `replaces` does not apply.
+async fn unlimited_shadow_and_replaces(backend: Backend) {
+    let mut s = start(backend, |_| {}).await;
+    for _ in 0..5 {
+        let r = ask(&mut s.client, request(vec![descriptor(&[("path", "/health")])])).await;
+        assert_eq!((code(r.overall_code), r.statuses[0].limit_remaining), (Code::Ok, u32::MAX));
+    }
+    for _ in 0..3 {
+        let r = ask(&mut s.client, request(vec![descriptor(&[("shadow", "s")])])).await;
+        assert_eq!(code(r.overall_code), Code::Ok, "shadow never denies");
+        assert_eq!(code(r.statuses[0].code), Code::Ok);
+    }
+    // generic alone: 1 per day.
+    ask(&mut s.client, request(vec![descriptor(&[("generic", "g")])])).await;
+    let alone = ask(&mut s.client, request(vec![descriptor(&[("generic", "g")])])).await;
+    assert_eq!(code(alone.overall_code), Code::OverLimit);
+    // With special, generic is replaced: only special (5) applies.
+    for _ in 0..4 {
+        let r = ask(
+            &mut s.client,
+            request(vec![descriptor(&[("generic", "g")]), descriptor(&[("special", "p")])]),
+        )
+        .await;
+        assert_eq!(code(r.overall_code), Code::Ok);
+        assert!(r.statuses[0].current_limit.is_none(), "generic is replaced");
+    }
+    s.server.stop().await.unwrap();
+}
+
+/// Better than upstream: when one descriptor is over, the others are not consumed.
+async fn one_descriptor_over_consumes_nothing_from_the_others(backend: Backend) {
+    let mut s = start(backend, |_| {}).await;
+    let both = || {
+        request(vec![descriptor(&[("user", "carol")]), descriptor(&[("tenant", "acme"), ("user", "carol")])])
+    };
+    let first = ask(&mut s.client, both()).await;
+    assert_eq!(code(first.overall_code), Code::Ok);
+    for _ in 0..3 {
+        let r = ask(&mut s.client, both()).await;
+        assert_eq!(code(r.overall_code), Code::OverLimit);
+        assert_eq!((code(r.statuses[0].code), code(r.statuses[1].code)), (Code::Ok, Code::OverLimit));
+        assert_eq!(r.statuses[0].limit_remaining, 2, "the user limit was not consumed");
+    }
+    let user_only = ask(&mut s.client, request(vec![descriptor(&[("user", "carol")])])).await;
+    assert_eq!(user_only.statuses[0].limit_remaining, 1, "only the first request counted");
+    s.server.stop().await.unwrap();
+}
+
+/// hits_addend: the request's (0 means 1), overridden per descriptor (0 = check only).
+async fn hits_addend_request_and_descriptor_level(backend: Backend) {
+    let mut s = start(backend, |_| {}).await;
+    let mut r = request(vec![descriptor(&[("user", "dave")])]);
+    r.hits_addend = 2;
+    assert_eq!(ask(&mut s.client, r.clone()).await.statuses[0].limit_remaining, 1);
+    assert_eq!(code(ask(&mut s.client, r).await.overall_code), Code::OverLimit, "1 left < 2 hits");
+    let mut check_only = descriptor(&[("user", "dave")]);
+    check_only.hits_addend = Some(0);
+    let peek = ask(&mut s.client, request(vec![check_only])).await;
+    assert_eq!((code(peek.overall_code), peek.statuses[0].limit_remaining), (Code::Ok, 1));
+    let mut one = descriptor(&[("user", "dave")]);
+    one.hits_addend = Some(1);
+    let mut req = request(vec![one]);
+    req.hits_addend = 50; // the descriptor's own wins
+    assert_eq!(ask(&mut s.client, req).await.statuses[0].limit_remaining, 0);
+    s.server.stop().await.unwrap();
+}
+
+/// Quota descriptors make the request OVER_LIMIT only when all of them are over.
+async fn quota_mode_denies_only_when_all_quota_descriptors_are_over(backend: Backend) {
+    let mut s = start(backend, |_| {}).await;
+    ask(&mut s.client, request(vec![descriptor(&[("quota_a", "x")])])).await;
+    let one_over =
+        ask(&mut s.client, request(vec![descriptor(&[("quota_a", "x")]), descriptor(&[("quota_b", "x")])]))
+            .await;
+    assert_eq!(code(one_over.overall_code), Code::Ok);
+    assert_eq!(code(one_over.statuses[0].code), Code::OverLimit);
+    let both_over =
+        ask(&mut s.client, request(vec![descriptor(&[("quota_a", "x")]), descriptor(&[("quota_b", "x")])]))
+            .await;
+    assert_eq!(code(both_over.overall_code), Code::OverLimit);
+    s.server.stop().await.unwrap();
+}
+
+/// Headers only when enabled, from the descriptor closest to its limit;
+/// a request's limit override applies instead of the configuration.
+async fn headers_on_off_and_request_overrides(backend: Backend) {
+    let mut off = start(backend, |_| {}).await;
+    let r = ask(&mut off.client, request(vec![descriptor(&[("user", "erin")])])).await;
+    assert!(r.response_headers_to_add.is_empty());
+    off.server.stop().await.unwrap();
+
+    let mut on = start(backend, |c| c.envoy.response_headers = true).await;
+    let r = ask(
+        &mut on.client,
+        request(vec![descriptor(&[("user", "erin")]), descriptor(&[("path", "/api/x")])]),
+    )
+    .await;
+    let h: Vec<(String, String)> =
+        r.response_headers_to_add.iter().map(|h| (h.key.clone(), h.value.clone())).collect();
+    assert_eq!(h[0], ("x-ratelimit-limit".to_owned(), "2".to_owned()), "the path limit is closer: {h:?}");
+    assert_eq!(h[1], ("x-ratelimit-remaining".to_owned(), "1".to_owned()));
+    assert_eq!(h[2].0, "x-ratelimit-reset");
+    assert!(h[2].1.parse::<u64>().unwrap() > 0);
+
+    let mut overridden = descriptor(&[("user", "frank")]);
+    overridden.limit = Some(RateLimitOverride { requests_per_unit: 10, unit: 4 });
+    let r = ask(&mut on.client, request(vec![overridden])).await;
+    assert_eq!(
+        (r.statuses[0].current_limit.as_ref().unwrap().requests_per_unit, r.statuses[0].limit_remaining),
+        (10, 9)
+    );
+    on.server.stop().await.unwrap();
+}
+
+/// Across a window edge a fixed window lets a client through again at once;
+/// the sliding window (the default) keeps counting the previous window.
+async fn sliding_window_by_default_fixed_window_on_request(backend: Backend) {
+    for (algorithm, admitted_after_edge) in
+        [(EnvoyAlgorithm::SlidingWindow, false), (EnvoyAlgorithm::FixedWindow, true)]
+    {
+        let mut s = start(backend, |c| c.envoy.algorithm = algorithm).await;
+        // Fill the 2-per-second limit, then wait into the next second (a real
+        // window edge; this test is about what crossing it does).
+        let user = format!("{algorithm:?}");
+        let fill = || request(vec![descriptor(&[("fixed", user.as_str())])]);
+        let mut filled = false;
+        for _ in 0..20 {
+            let start_second = now_ms() / 1_000;
+            ask(&mut s.client, fill()).await;
+            let second = ask(&mut s.client, fill()).await;
+            // Both hits must land in the same second and early in it.
+            if now_ms() / 1_000 == start_second
+                && now_ms() % 1_000 < 300
+                && code(second.overall_code) == Code::Ok
+            {
+                filled = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(u64::try_from(1_000 - now_ms() % 1_000).unwrap())).await;
+        }
+        assert!(filled, "could not fill a window early in a second");
+        let edge = 1_000 - now_ms() % 1_000;
+        tokio::time::sleep(Duration::from_millis(edge + 20)).await;
+        let after = ask(&mut s.client, fill()).await;
+        assert_eq!(code(after.overall_code) == Code::Ok, admitted_after_edge, "{algorithm:?}");
+        s.server.stop().await.unwrap();
+    }
+}
+
+/// Empty domain, no descriptors, empty keys and unknown override units are
+/// INVALID_ARGUMENT with the field named.
+async fn invalid_requests_are_invalid_argument(backend: Backend) {
+    let mut s = start(backend, |_| {}).await;
+    let mut no_domain = request(vec![descriptor(&[("user", "x")])]);
+    no_domain.domain.clear();
+    let mut bad_unit = descriptor(&[("user", "x")]);
+    bad_unit.limit = Some(RateLimitOverride { requests_per_unit: 1, unit: 0 });
+    let cases = [
+        (no_domain, "domain: must not be empty"),
+        (request(vec![]), "descriptors: must not be empty"),
+        (request(vec![descriptor(&[])]), "descriptors[0].entries: must not be empty"),
+        (request(vec![descriptor(&[("", "v")])]), "descriptors[0].entries[0].key: must not be empty"),
+        (request(vec![bad_unit]), "descriptors[0].limit.unit: unknown unit 0"),
+        (
+            request((0..65).map(|_| descriptor(&[("k", "v")])).collect()),
+            "descriptors: 65 exceed the maximum of 64",
+        ),
+    ];
+    for (bad, expected) in cases {
+        let status = s.client.should_rate_limit(bad).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().starts_with(expected), "{:?} vs {expected:?}", status.message());
+    }
+    s.server.stop().await.unwrap();
+}
+
+/// Redis down: `allow` answers OK and records the failure; `unavailable`
+/// answers gRPC UNAVAILABLE so Envoy's failure_mode_deny decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn store_failure_follows_the_failure_mode() {
+    for mode in [EnvoyFailureMode::Allow, EnvoyFailureMode::Unavailable] {
+        let mut s = start(Backend::Redis, |c| {
+            c.envoy.failure_mode = mode;
+            c.redis.timeout_ms = 200;
+        })
+        .await;
+        s.redis.as_mut().unwrap().stop();
+        let result = s.client.should_rate_limit(request(vec![descriptor(&[("user", "gina")])])).await;
+        match mode {
+            EnvoyFailureMode::Allow => {
+                let r = result.unwrap().into_inner();
+                assert_eq!(code(r.overall_code), Code::Ok);
+            }
+            EnvoyFailureMode::Unavailable => {
+                assert_eq!(result.unwrap_err().code(), tonic::Code::Unavailable);
+            }
+        }
+        let records = s.server.stop_and_read_dlq().await;
+        assert_eq!(records.len(), 1, "{mode:?}: {records:?}");
+        assert_eq!(records[0].rule_id, "edge.user");
+        assert_eq!(records[0].request.resource_path, "envoy:edge");
+        assert_eq!(records[0].request.user_id, "86400|user=gina");
+        assert_eq!(
+            records[0].answer.reason,
+            if mode == EnvoyFailureMode::Allow { "FAIL_OPEN" } else { "FAIL_CLOSED" }
+        );
+    }
+}
+
+/// Config reload: a rename over the file is picked up; a broken file keeps
+/// the last good configuration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn envoy_config_hot_reloads_and_keeps_last_good() {
+    let mut s = start(Backend::Memory, |_| {}).await;
+    let limit_of = |r: RateLimitResponse| r.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit);
+    let dir: &Path = s._rules.1.dir.path();
+    let broken = CONFIG.replace("requests_per_unit: 3 }", "requests_per_unit: 3, unit_typo: 1 }");
+    std::fs::write(dir.join(".tmp"), broken).unwrap();
+    std::fs::rename(dir.join(".tmp"), dir.join("rules.yaml")).unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(limit_of(ask(&mut s.client, request(vec![descriptor(&[("user", "h")])])).await), Some(3));
+    s._rules.1.rename_over(&CONFIG.replace("requests_per_unit: 3 }", "requests_per_unit: 30 }"));
+    let reloaded =
+        eventually(Duration::from_secs(10), || {
+            let mut client = s.client.clone();
+            async move {
+                limit_of(ask(&mut client, request(vec![descriptor(&[("user", "h2")])])).await) == Some(30)
+            }
+        })
+        .await;
+    assert!(reloaded);
+    s.server.stop().await.unwrap();
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis())
+        .unwrap()
+}
