@@ -380,8 +380,3 @@ async fn envoy_config_hot_reloads_and_keeps_last_good() {
     assert!(reloaded);
     s.server.stop().await.unwrap();
 }
-
-fn now_ms() -> u64 {
-    u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis())
-        .unwrap()
-}
