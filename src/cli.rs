@@ -79,9 +79,12 @@ pub struct AuditArgs {
 pub enum RulesCommand {
     /// Load and validate rule files or directories; print every problem.
     Validate {
-        /// Native rule files or directories.
+        /// Rule files or directories.
         #[arg(required = true)]
         paths: Vec<PathBuf>,
+        /// The paths are envoyproxy/ratelimit configurations (rules.envoy_path), not native rules.
+        #[arg(long)]
+        envoy: bool,
     },
 }
 
@@ -206,19 +209,19 @@ pub async fn check(args: CheckArgs) -> ExitCode {
 }
 
 /// Runs `ratelimitd rules validate`: 0 when every path loads, 1 otherwise.
-pub fn validate_rules(paths: &[PathBuf]) -> ExitCode {
+pub fn validate_rules(paths: &[PathBuf], envoy: bool) -> ExitCode {
     let mut ok = true;
     let mut out = std::io::stdout().lock();
     for path in paths {
-        match crate::rules::load(path) {
-            Ok(snapshot) => {
-                let _ = writeln!(
-                    out,
-                    "{}: ok, {} rules, version {}",
-                    path.display(),
-                    snapshot.rules().len(),
-                    snapshot.version()
-                );
+        let loaded = if envoy {
+            crate::rules::envoy::load_sliding(path)
+                .map(|c| format!("{} domains, version {}", c.domain_count(), c.version()))
+        } else {
+            crate::rules::load(path).map(|s| format!("{} rules, version {}", s.rules().len(), s.version()))
+        };
+        match loaded {
+            Ok(summary) => {
+                let _ = writeln!(out, "{}: ok, {summary}", path.display());
             }
             Err(errors) => {
                 ok = false;

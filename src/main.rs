@@ -25,7 +25,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Serve => serve(cli.config.as_deref()),
         Command::Check(args) => runtime().map_or_else(report, |rt| rt.block_on(cli::check(args))),
-        Command::Rules(RulesCommand::Validate { paths }) => cli::validate_rules(&paths),
+        Command::Rules(RulesCommand::Validate { paths, envoy }) => cli::validate_rules(&paths, envoy),
         Command::Migrate => match load_config(cli.config.as_deref()) {
             Ok(config) => runtime().map_or_else(report, |rt| rt.block_on(cli::migrate(&config))),
             Err(code) => code,

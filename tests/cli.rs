@@ -148,6 +148,14 @@ fn rules_validate_reports_file_rule_and_field() {
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/rules");
     let output = ratelimitd(&["rules", "validate", examples.to_str().unwrap()], &[]);
     assert!(output.status.success(), "{}", stderr(&output));
+    let envoy = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/ratelimit");
+    let output = ratelimitd(&["rules", "validate", "--envoy", envoy.to_str().unwrap()], &[]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stdout(&output).contains("ok, 1 domains"), "{}", stdout(&output));
+    let bad = Rules::new("domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: fortnight }\n");
+    let output = ratelimitd(&["rules", "validate", "--envoy", bad.path().to_str().unwrap()], &[]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(stderr(&output).contains("invalid rate limit unit 'fortnight'"), "{}", stderr(&output));
 }
 
 #[test]
