@@ -40,6 +40,39 @@ pub fn append_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     file.sync_data()
 }
 
+/// How a writer task takes batches off the queue: until shutdown, whatever
+/// arrives; from shutdown on, what is left (the queue is closed: nothing new
+/// arrives, nothing already in it is lost).
+#[derive(Debug, Default)]
+pub struct Drain {
+    /// Shutdown has begun: the queue is closed and being emptied.
+    pub stopping: bool,
+}
+
+impl Drain {
+    /// Fills `batch` (up to [`BATCH_MAX`]); false when there is nothing more,
+    /// ever: shutdown has emptied the queue, or every sender is gone.
+    pub async fn next_batch(
+        &mut self,
+        queue: &mut mpsc::Receiver<FailureRecord>,
+        batch: &mut Vec<FailureRecord>,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> bool {
+        loop {
+            if self.stopping {
+                return queue.recv_many(batch, BATCH_MAX).await > 0;
+            }
+            tokio::select! {
+                received = queue.recv_many(batch, BATCH_MAX) => return received > 0,
+                _ = shutdown.changed() => {
+                    self.stopping = true;
+                    queue.close();
+                }
+            }
+        }
+    }
+}
+
 /// Drains `queue` into `path` until `shutdown` turns true, then writes what
 /// is still queued and returns.
 pub async fn run(
@@ -49,25 +82,9 @@ pub async fn run(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut batch = Vec::with_capacity(BATCH_MAX);
-    let mut stopping = false;
-    loop {
-        if !stopping {
-            tokio::select! {
-                received = queue.recv_many(&mut batch, BATCH_MAX) => {
-                    if received == 0 {
-                        return; // every sender is gone and the queue is empty
-                    }
-                }
-                _ = shutdown.changed() => {
-                    // No decision sends any more: take what is left, then stop.
-                    stopping = true;
-                    queue.close();
-                    continue;
-                }
-            }
-        } else if queue.recv_many(&mut batch, BATCH_MAX).await == 0 {
-            return;
-        }
+    let mut drain = Drain::default();
+    while drain.next_batch(&mut queue, &mut batch, &mut shutdown).await {
+        let stopping = drain.stopping;
         counters.in_hand.store(batch.len() as u64, Ordering::SeqCst);
         let outcome = if write_with_retry(&path, &batch, stopping).await {
             &counters.delivered

@@ -24,7 +24,7 @@ use tokio::sync::{Notify, mpsc, watch};
 
 use super::{
     DlqCounters, FailureRecord,
-    file::{BATCH_MAX, append_durably, to_json_lines},
+    file::{BATCH_MAX, Drain, append_durably, to_json_lines},
     spool::{SpoolReader, SpoolState, SpoolWriter},
 };
 
@@ -81,20 +81,9 @@ pub async fn run_spooler(
 ) {
     let mut writer = Some(writer);
     let mut batch = Vec::with_capacity(BATCH_MAX);
-    let mut stopping = false;
-    loop {
-        if !stopping {
-            tokio::select! {
-                received = queue.recv_many(&mut batch, BATCH_MAX) => if received == 0 { return },
-                _ = shutdown.changed() => {
-                    stopping = true;
-                    queue.close();
-                    continue;
-                }
-            }
-        } else if queue.recv_many(&mut batch, BATCH_MAX).await == 0 {
-            return;
-        }
+    let mut drain = Drain::default();
+    while drain.next_batch(&mut queue, &mut batch, &mut shutdown).await {
+        let stopping = drain.stopping;
         counters.in_hand.store(batch.len() as u64, Ordering::SeqCst);
         let lines = Arc::new(to_json_lines(&batch));
         let count = batch.len() as u64;
