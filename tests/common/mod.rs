@@ -127,21 +127,9 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn redis-server");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(_)) = child.try_wait()
-            {
-                self.child = None;
-                return false; // exited: most likely the port was taken
-            }
-            if ping(self.port) {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        false
+        let port = self.port;
+        self.child = wait_ready(child, Duration::from_secs(10), || ping(port));
+        self.child.is_some()
     }
 
     /// `redis://127.0.0.1:<port>`.
@@ -180,6 +168,25 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Waits until `ready()` says the child serves. `None` if it exited first
+/// (most likely its port was taken meanwhile) or never became ready, in
+/// which case it is killed.
+fn wait_ready(mut child: Child, timeout: Duration, ready: impl Fn() -> bool) -> Option<Child> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return None;
+        }
+        if ready() {
+            return Some(child);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
 }
 
 fn ping(port: u16) -> bool {
@@ -600,21 +607,11 @@ impl Broker {
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn tansu");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(_)) = child.try_wait()
-            {
-                self.child = None;
-                return false;
-            }
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        false
+        let port = self.port;
+        self.child = wait_ready(child, Duration::from_secs(20), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        self.child.is_some()
     }
 
     /// `127.0.0.1:<port>`.
