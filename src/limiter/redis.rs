@@ -1,6 +1,5 @@
-//! The Redis counter store: one Lua script (`scripts/decide_many.lua`, one
-//! key for `Check`, one per descriptor for Envoy), called by SHA and
-//! reloaded on NOSCRIPT; one hash per `(user, rule)` at
+//! The Redis counter store: one Lua script (`scripts/decide.lua`), called by
+//! SHA and reloaded on NOSCRIPT, one hash per `(user, rule)` at
 //! `rl:{<user_id>}:<rule_id>`.
 //!
 //! Connections come from a deadpool-redis pool, but a decision does not check
@@ -25,12 +24,13 @@ use deadpool_redis::{Pool, PoolError, Runtime};
 use redis::{AsyncConnectionConfig, RedisError, aio::MultiplexedConnection};
 
 use super::{
-    FailureKind, ManyItem, ManyOutcome, RawItem, StoreError, many_verdicts,
+    FailureKind, ManyItem, ManyOutcome, StoreError, many_verdicts,
     window::{self, Counts, Verdict},
 };
 use crate::{config::RedisConfig, config::redact_url, rules::Rule};
 
-const DECIDE_LUA: &str = include_str!("scripts/decide_many.lua");
+const DECIDE_LUA: &str = include_str!("scripts/decide.lua");
+const DECIDE_MANY_LUA: &str = include_str!("scripts/decide_many.lua");
 
 type Slot = ArcSwapOption<deadpool_redis::Connection>;
 
@@ -40,6 +40,7 @@ pub struct RedisStore {
     slots: Box<[Slot]>,
     next_slot: AtomicUsize,
     script: redis::Script,
+    many_script: redis::Script,
     timeout: Duration,
     url_for_logs: String,
 }
@@ -87,6 +88,7 @@ impl RedisStore {
             slots: (0..config.connections).map(|_| Slot::empty()).collect(),
             next_slot: AtomicUsize::new(0),
             script: redis::Script::new(DECIDE_LUA),
+            many_script: redis::Script::new(DECIDE_MANY_LUA),
             timeout: Duration::from_millis(config.timeout_ms),
             url_for_logs: redact_url(url),
         })
@@ -103,8 +105,11 @@ impl RedisStore {
     pub async fn warm_up(&self, timeout: Duration) -> Result<(), StoreError> {
         let load = async {
             let (_, mut conn) = self.connection().await?;
-            let loaded: Result<String, RedisError> = self.script.load_async(&mut conn).await;
-            loaded.map(|_| ()).map_err(|e| classify(&e))
+            for script in [&self.script, &self.many_script] {
+                let loaded: Result<String, RedisError> = script.load_async(&mut conn).await;
+                loaded.map_err(|e| classify(&e))?;
+            }
+            Ok(())
         };
         self.within(timeout, load).await
     }
@@ -112,11 +117,38 @@ impl RedisStore {
     /// Decides one request by running the script; the whole call, connection
     /// included, is bounded by `redis.timeout_ms`.
     pub async fn decide(&self, user_id: &str, rule: &Rule, weight: u64) -> Result<Verdict, StoreError> {
-        // The native case is the multi-key script with one key.
-        let item = ManyItem { key: String::new(), params: rule.window, tick_ms: 1, weight, shadow: false };
-        let items = std::slice::from_ref(&item);
-        let (committed, raw) = self.eval(&[counter_key(user_id, &rule.id)], items).await?;
-        Ok(many_verdicts(items, &raw, committed).swap_remove(0))
+        let params = rule.window;
+        let key = counter_key(user_id, &rule.id);
+        let call = async {
+            let (slot, mut conn) = self.connection().await?;
+            let mut invocation = self.script.prepare_invoke();
+            invocation.key(key.as_str()).arg(params.window_ms).arg(params.capacity).arg(weight);
+            match invocation.invoke_async::<(u8, u64, u64, u64)>(&mut conn).await {
+                Ok(reply) => Ok(reply),
+                Err(e) => {
+                    if e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error() {
+                        self.release_broken(slot);
+                    }
+                    Err(classify(&e))
+                }
+            }
+        };
+        let (admitted, current, previous, elapsed) = self.within(self.timeout, call).await?;
+        if elapsed >= params.window_ms {
+            return Err(script_error(format!(
+                "elapsed {elapsed} ms outside a {} ms window",
+                params.window_ms
+            )));
+        }
+        let verdict = window::decide(Counts { current, previous }, elapsed, weight, params);
+        if verdict.admitted != (admitted == 1) {
+            // The script and window.rs disagree: a bug, never papered over.
+            return Err(script_error(format!(
+                "script answered admitted={admitted} where the arithmetic says {} (counts {current}/{previous} at {elapsed} ms)",
+                verdict.admitted
+            )));
+        }
+        Ok(verdict)
     }
 
     /// All-or-nothing decision over several counters of `group` in one
@@ -124,31 +156,18 @@ impl RedisStore {
     /// Keys are `rle:{<group>}:<key>`: the hash tag puts one group's
     /// counters in one cluster slot, which a multi-key script requires.
     pub async fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
-        let keys: Vec<String> = items
-            .iter()
-            .map(|item| {
+        let call = async {
+            let (slot, mut conn) = self.connection().await?;
+            let mut invocation = self.many_script.prepare_invoke();
+            for item in items {
                 let mut key = String::with_capacity(8 + group.len() + item.key.len());
                 key.push_str("rle:{");
                 key.push_str(group);
                 key.push_str("}:");
                 key.push_str(&item.key);
-                key
-            })
-            .collect();
-        let (committed, raw) = self.eval(&keys, items).await?;
-        Ok(ManyOutcome { committed, verdicts: many_verdicts(items, &raw, committed) })
-    }
-
-    /// Runs the script over `keys` (one per item) under the store deadline
-    /// and checks its answer against the arithmetic of `window.rs`.
-    async fn eval(&self, keys: &[String], items: &[ManyItem]) -> Result<(bool, Vec<RawItem>), StoreError> {
-        let call = async {
-            let (slot, mut conn) = self.connection().await?;
-            let mut invocation = self.script.prepare_invoke();
-            for (key, item) in keys.iter().zip(items) {
                 let flags = u8::from(item.params.sliding) | (u8::from(item.shadow) << 1);
                 invocation
-                    .key(key.as_str())
+                    .key(key)
                     .arg(item.params.window_ms)
                     .arg(item.params.capacity)
                     .arg(item.weight)
@@ -168,13 +187,14 @@ impl RedisStore {
         let reply = self.within(self.timeout, call).await?;
         if reply.len() != 1 + 4 * items.len() {
             return Err(script_error(format!(
-                "script answered {} values for {} keys",
+                "multi-key script answered {} values for {} keys",
                 reply.len(),
                 items.len()
             )));
         }
+        let committed = reply[0] == 1;
         let mut raw = Vec::with_capacity(items.len());
-        for ((key, item), chunk) in keys.iter().zip(items).zip(reply[1..].chunks_exact(4)) {
+        for (item, chunk) in items.iter().zip(reply[1..].chunks_exact(4)) {
             let (fits, current, previous, elapsed) = (chunk[0] == 1, chunk[1], chunk[2], chunk[3]);
             if elapsed >= item.params.window_ms {
                 return Err(script_error(format!(
@@ -184,14 +204,11 @@ impl RedisStore {
             }
             let counts = Counts { current, previous };
             if window::decide(counts, elapsed, item.weight, item.params).admitted != fits {
-                // The script and window.rs disagree: a bug, never papered over.
-                return Err(script_error(format!(
-                    "script and window.rs disagree on {key}: {counts:?} at {elapsed}"
-                )));
+                return Err(script_error(format!("multi-key script and window.rs disagree on {}", item.key)));
             }
             raw.push((fits, counts, elapsed));
         }
-        Ok((reply[0] == 1, raw))
+        Ok(ManyOutcome { committed, verdicts: many_verdicts(items, &raw, committed) })
     }
 
     async fn within<T>(

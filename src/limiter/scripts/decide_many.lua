@@ -1,10 +1,5 @@
--- The sliding-window decision in Redis: the Lua twin of limiter/window.rs
--- (`roll` + the admission test of `decide`), for one key (native Check) or
--- several decided together, all or nothing (Envoy's ShouldRateLimit).
--- Time is the server's (TIME), so instances with skewed clocks agree. Every
--- product stays under 2^53 because rules bound capacity * W (window.rs
--- MAX_CAPACITY_TIMES_WINDOW); Lua numbers are doubles, and '%d' keeps large
--- integers out of Lua's '%.14g' number-to-string conversion.
+-- Several counters decided together, all or nothing: the multi-descriptor
+-- twin of decide.lua, for Envoy's ShouldRateLimit.
 --
 -- KEYS[i]          counter hashes (fields w, c, p), all in one hash slot
 -- ARGV[5i-4 .. 5i] per key: window length W in ticks, capacity, weight,
