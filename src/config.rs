@@ -36,6 +36,8 @@ pub enum ConfigError {
 pub struct Config {
     /// The gRPC listener.
     pub grpc: GrpcConfig,
+    /// Metrics and health over HTTP.
+    pub http: HttpConfig,
     /// The Redis counter store; unset `url` selects the in-memory store.
     pub redis: RedisConfig,
     /// The in-memory counter store (used when `redis.url` is unset).
@@ -68,6 +70,22 @@ pub struct GrpcConfig {
 impl Default for GrpcConfig {
     fn default() -> Self {
         Self { listen: "0.0.0.0:8081".to_owned(), shutdown_grace_ms: 10_000 }
+    }
+}
+
+/// `http.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Address of `/metrics`, `/healthz` and `/readyz` (`http.listen`).
+    pub listen: String,
+    /// How often the counter store is probed for readiness and gRPC health.
+    pub health_interval_ms: u64,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self { listen: "0.0.0.0:8080".to_owned(), health_interval_ms: 1_000 }
     }
 }
 
@@ -445,6 +463,12 @@ impl Config {
         self.grpc.listen.parse::<SocketAddr>().map_err(|e| {
             invalid("grpc.listen", format!("{:?} is not an ip:port address: {e}", self.grpc.listen))
         })?;
+        self.http.listen.parse::<SocketAddr>().map_err(|e| {
+            invalid("http.listen", format!("{:?} is not an ip:port address: {e}", self.http.listen))
+        })?;
+        if self.http.health_interval_ms < 10 {
+            return Err(invalid("http.health_interval_ms", "must be at least 10"));
+        }
         if let Some(url) = &self.redis.url {
             if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
                 return Err(invalid(
@@ -580,6 +604,11 @@ impl Config {
     pub fn grpc_addr(&self) -> SocketAddr {
         // Validated in `validate`; a Config built by hand in a test must be valid too.
         self.grpc.listen.parse().expect("grpc.listen is validated")
+    }
+
+    /// The validated HTTP listen address.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http.listen.parse().expect("http.listen is validated")
     }
 
     /// `redis.timeout_ms` as a duration.

@@ -13,6 +13,7 @@ use crate::{
     limiter::{Store, Verdict},
     rules::{FailurePolicy, Mode, Priority, RuleStore},
     shed::{Level, ShedVerdict, Shedder},
+    telemetry::{Api, Metrics},
 };
 
 /// `retry_after_ms` of a FAIL_CLOSED answer (capped at the rule's window).
@@ -135,6 +136,7 @@ pub struct Engine {
     shedder: Arc<Shedder>,
     failures: Arc<dyn FailureSink>,
     default_priority: Priority,
+    metrics: Arc<Metrics>,
 }
 
 impl Engine {
@@ -147,8 +149,14 @@ impl Engine {
         shedder: Arc<Shedder>,
         failures: Arc<dyn FailureSink>,
         default_priority: Priority,
+        metrics: Arc<Metrics>,
     ) -> Self {
-        Engine { rules, store, shedder, failures, default_priority }
+        Engine { rules, store, shedder, failures, default_priority, metrics }
+    }
+
+    /// The metrics registry.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// The rule store (for reloads and status).
@@ -166,8 +174,21 @@ impl Engine {
         &self.shedder
     }
 
-    /// Decides one request.
+    /// Decides one request, and counts and times it.
     pub async fn check(&self, request: &CheckRequest<'_>) -> Decision {
+        let started = std::time::Instant::now();
+        let decision = self.decide(request).await;
+        self.metrics.decision(
+            Api::Check,
+            decision.rule.as_ref().map(|r| &r.id),
+            decision.reason.as_str(),
+            decision.allowed,
+        );
+        self.metrics.decision_latency(Api::Check, started.elapsed());
+        decision
+    }
+
+    async fn decide(&self, request: &CheckRequest<'_>) -> Decision {
         let snapshot = self.rules.load();
         let rule = snapshot.lookup(request.resource_path, request.client_type);
         let priority = request.priority.or(rule.map(|r| r.priority)).unwrap_or(self.default_priority);
@@ -210,7 +231,10 @@ impl Engine {
             };
         }
 
-        match self.store.decide(request.user_id, rule, weight).await {
+        let store_started = std::time::Instant::now();
+        let decided = self.store.decide(request.user_id, rule, weight).await;
+        self.metrics.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
+        match decided {
             Ok(verdict) => Decision { shadow_shed, level, ..from_verdict(&verdict, shadow, info, priority) },
             Err(error) => {
                 let (allowed, reason) = match rule.failure_policy {

@@ -16,6 +16,7 @@
 //!   durable spool), and the `audit` reader.
 //! - [`migrate`]: the numbered setup steps of `migrations/`.
 //! - [`clock`]: injectable time sources.
+//! - [`telemetry`]: metrics, health and readiness.
 //! - [`config`], [`cli`], [`server`] (wiring, startup, graceful shutdown), [`signal`].
 //!
 //! See ARCHITECTURE.md for the invariants between them.
@@ -34,3 +35,4 @@ pub mod rules;
 pub mod server;
 pub mod shed;
 pub mod signal;
+pub mod telemetry;

@@ -58,7 +58,11 @@ fn serve(config_file: Option<&std::path::Path>) -> ExitCode {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("grpc.listen {addr}: cannot bind"))?;
-            server::run(config, listener, signal::shutdown()).await?;
+            let http_addr = config.http_addr();
+            let http = tokio::net::TcpListener::bind(http_addr)
+                .await
+                .with_context(|| format!("http.listen {http_addr}: cannot bind"))?;
+            server::run(config, listener, Some(http), signal::shutdown()).await?;
             Ok(())
         })
     });

@@ -23,6 +23,11 @@ use crate::{
     limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper, redis::RedisSetupError},
     rules::{self, RuleErrors, RuleStore},
     shed::{Sampler, ShedMode, Shedder, run_sampler},
+    telemetry::{
+        Metrics,
+        health::{Health, publish, run_monitor, serve_http},
+        metrics::Sources,
+    },
 };
 
 /// Why the server could not start or stopped abnormally.
@@ -40,6 +45,9 @@ pub enum ServerError {
     /// The Kafka producer cannot be created (a bad property).
     #[error("dlq.kafka: {0}")]
     Kafka(String),
+    /// The reflection service could not be built from the descriptor sets.
+    #[error("grpc reflection: {0}")]
+    Reflection(String),
     /// The gRPC server failed.
     #[error("grpc server: {0}")]
     Transport(#[from] tonic::transport::Error),
@@ -55,6 +63,8 @@ pub struct Observer {
     pub dlq: Arc<DlqSink>,
     /// The load shedder.
     pub shedder: Arc<Shedder>,
+    /// The metrics registry.
+    pub metrics: Arc<Metrics>,
 }
 
 /// Serves until `shutdown` resolves, then stops accepting, lets in-flight
@@ -62,9 +72,10 @@ pub struct Observer {
 pub async fn run(
     config: Config,
     listener: TcpListener,
+    http: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
-    run_observed(config, listener, shutdown, |_| {}).await
+    run_observed(config, listener, http, shutdown, |_| {}).await
 }
 
 /// [`run`], handing `observe` the service's state once everything is built
@@ -72,6 +83,7 @@ pub async fn run(
 pub async fn run_observed(
     config: Config,
     listener: TcpListener,
+    http: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     observe: impl FnOnce(Observer),
 ) -> Result<(), ServerError> {
@@ -184,14 +196,17 @@ pub async fn run_observed(
     };
     let dlq = Arc::new(dlq);
 
+    let metrics = Arc::new(Metrics::new(store.name()));
     let engine = Engine::new(
-        rule_store,
+        Arc::clone(&rule_store),
         store,
         Arc::clone(&shedder),
         Arc::clone(&dlq) as Arc<dyn dlq::FailureSink>,
         config.shed.default_priority,
+        Arc::clone(&metrics),
     );
 
+    let mut envoy_hot = None;
     let envoy = match &config.rules.envoy_path {
         None => None,
         Some(path) => {
@@ -208,6 +223,7 @@ pub async fn run_observed(
                 "serving envoy.service.ratelimit.v3.RateLimitService"
             );
             let envoy_config = Arc::new(rules::Hot::new(envoy_config));
+            envoy_hot = Some(Arc::clone(&envoy_config));
             if config.rules.reload_interval_ms > 0 {
                 tasks.spawn(rules::watch(
                     Arc::clone(&envoy_config),
@@ -222,6 +238,7 @@ pub async fn run_observed(
                 engine.store().clone(),
                 Arc::clone(&dlq) as Arc<dyn dlq::FailureSink>,
                 config.envoy.clone(),
+                Arc::clone(&metrics),
             ))
         }
     };
@@ -241,20 +258,67 @@ pub async fn run_observed(
         "ratelimitd serving"
     );
 
+    let store_handle = engine.store().clone();
     let service = RateLimiterService::new(engine, config.limits.clone());
 
+    // Metrics, health, readiness, reflection.
+    metrics.set_sources(Sources {
+        shedder: Arc::clone(&shedder),
+        dlq: Arc::clone(&dlq),
+        rules: Arc::clone(&rule_store),
+        envoy: envoy_hot,
+    });
+    let health = Arc::new(Health::new(
+        Arc::clone(&rule_store),
+        envoy.as_ref().map(|_| config.envoy.failure_mode),
+        store_handle.name(),
+    ));
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    publish(&reporter, false).await;
+    tasks.spawn(run_monitor(
+        Arc::clone(&health),
+        store_handle,
+        reporter.clone(),
+        Duration::from_millis(config.http.health_interval_ms),
+        Duration::from_millis(config.redis.connect_timeout_ms),
+        stop_rx.clone(),
+    ));
+    if let Some(http) = http {
+        tracing::info!(addr = ?http.local_addr().ok(), "serving /metrics, /healthz, /readyz");
+        tasks.spawn(serve_http(http, Arc::clone(&health), Arc::clone(&metrics), stop_rx.clone()));
+    }
+    let reflection = |builder: tonic_reflection::server::Builder<'static>| {
+        builder
+            .register_encoded_file_descriptor_set(crate::api::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(crate::api::envoy_pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())
+        .build_v1()
+        .map_err(|e| ServerError::Reflection(e.to_string()))?;
+    let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
+        .build_v1alpha()
+        .map_err(|e| ServerError::Reflection(e.to_string()))?;
+
     // Everything is built: the service is about to answer.
-    observe(Observer { dlq: Arc::clone(&dlq), shedder: Arc::clone(&shedder) });
+    observe(Observer { dlq: Arc::clone(&dlq), shedder: Arc::clone(&shedder), metrics: Arc::clone(&metrics) });
 
     let (draining_tx, draining_rx) = oneshot::channel::<()>();
+    let draining_health = Arc::clone(&health);
     let signal = async move {
         shutdown.await;
+        // Tell load balancers first, then stop accepting and drain.
+        draining_health.set_draining();
+        publish(&reporter, false).await;
         let _ = draining_tx.send(());
     };
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let serve = tonic::transport::Server::builder()
         .add_service(service.into_server())
         .add_optional_service(envoy.map(EnvoyService::into_server))
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .serve_with_incoming_shutdown(incoming, signal);
 
     let grace = Duration::from_millis(config.grpc.shutdown_grace_ms);

@@ -53,6 +53,7 @@ impl Serve {
             .env("RATELIMITD__DLQ__FILE", dir.path().join("dlq.jsonl"))
             .env_remove("RUST_LOG")
             .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
+            .env("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{}", free_port()))
             .env("RATELIMITD__RULES__PATH", rules)
             .env("RATELIMITD__REDIS__TIMEOUT_MS", "1000")
             // This machine's real load must not shed the test's requests.
@@ -166,6 +167,7 @@ fn serve_refuses_to_start_on_invalid_rules() {
         &[
             ("RATELIMITD__RULES__PATH", bad.path().to_str().unwrap()),
             ("RATELIMITD__GRPC__LISTEN", &format!("127.0.0.1:{}", free_port())),
+            ("RATELIMITD__HTTP__LISTEN", &format!("127.0.0.1:{}", free_port())),
         ],
     );
     assert_eq!(output.status.code(), Some(1));

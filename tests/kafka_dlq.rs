@@ -177,6 +177,7 @@ async fn records_spooled_before_kill_9_are_delivered_after_restart() {
         Command::new(BIN)
             .arg("serve")
             .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
+            .env("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{}", free_port()))
             .env("RATELIMITD__RULES__PATH", rules.path())
             .env("RATELIMITD__REDIS__URL", redis.url())
             .env("RATELIMITD__REDIS__TIMEOUT_MS", "200")

@@ -28,6 +28,7 @@ use crate::{
         Hot, Priority,
         envoy::{EnvoyConfig, EnvoyLimit, Unit},
     },
+    telemetry::{Api, Metrics},
 };
 
 /// The Envoy rate limit service.
@@ -37,6 +38,7 @@ pub struct EnvoyService {
     store: Store,
     failures: Arc<dyn FailureSink>,
     settings: Arc<EnvoySettings>,
+    metrics: Arc<Metrics>,
 }
 
 impl EnvoyService {
@@ -46,8 +48,9 @@ impl EnvoyService {
         store: Store,
         failures: Arc<dyn FailureSink>,
         settings: EnvoySettings,
+        metrics: Arc<Metrics>,
     ) -> Self {
-        EnvoyService { config, store, failures, settings: Arc::new(settings) }
+        EnvoyService { config, store, failures, settings: Arc::new(settings), metrics }
     }
 
     /// The tonic server wrapper.
@@ -107,6 +110,18 @@ enum Plan {
 #[tonic::async_trait]
 impl RateLimitService for EnvoyService {
     async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let started = std::time::Instant::now();
+        let answer = self.answer(request).await;
+        self.metrics.decision_latency(Api::Envoy, started.elapsed());
+        answer
+    }
+}
+
+impl EnvoyService {
+    async fn answer(
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
@@ -179,7 +194,10 @@ impl RateLimitService for EnvoyService {
             None
         } else {
             let domain: Arc<str> = Arc::from(request.domain.as_str());
-            match self.store.decide_many(&domain, &items).await {
+            let store_started = std::time::Instant::now();
+            let decided = self.store.decide_many(&domain, &items).await;
+            self.metrics.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
+            match decided {
                 Ok(outcome) => Some(outcome),
                 Err(error) => return self.store_failed(&request, &metadata, &plans, &items, &error),
             }
@@ -190,12 +208,18 @@ impl RateLimitService for EnvoyService {
         let mut tightest: Option<(u32, usize)> = None;
         for plan in &plans {
             let status = match plan {
-                Plan::NoLimit => DescriptorStatus { code: Code::Ok as i32, ..Default::default() },
-                Plan::Unlimited => DescriptorStatus {
-                    code: Code::Ok as i32,
-                    limit_remaining: u32::MAX,
-                    ..Default::default()
-                },
+                Plan::NoLimit => {
+                    self.metrics.decision(Api::Envoy, None, "NO_RULE", true);
+                    DescriptorStatus { code: Code::Ok as i32, ..Default::default() }
+                }
+                Plan::Unlimited => {
+                    self.metrics.decision(Api::Envoy, None, "UNLIMITED", true);
+                    DescriptorStatus {
+                        code: Code::Ok as i32,
+                        limit_remaining: u32::MAX,
+                        ..Default::default()
+                    }
+                }
                 Plan::Limited(limit, index) => {
                     let verdict =
                         outcome.as_ref().expect("limited descriptors were decided").verdicts[*index];
@@ -212,6 +236,8 @@ impl RateLimitService for EnvoyService {
                     let until_ms =
                         if over { verdict.retry_after_ms.unwrap_or(0) } else { verdict.reset_after_ms };
                     let code = if over && !limit.shadow_mode { Code::OverLimit } else { Code::Ok };
+                    let reason = if code == Code::OverLimit { "OVER_LIMIT" } else { "OK" };
+                    self.metrics.decision(Api::Envoy, Some(&limit.full_key), reason, code == Code::Ok);
                     let rank = if code == Code::OverLimit { 0 } else { remaining };
                     if tightest.is_none_or(|(r, _)| rank < r) {
                         tightest = Some((rank, statuses.len()));
@@ -244,9 +270,7 @@ impl RateLimitService for EnvoyService {
         }
         Ok(Response::new(response))
     }
-}
 
-impl EnvoyService {
     /// The store could not decide: record it, then answer by `envoy.failure_mode`.
     fn store_failed(
         &self,
@@ -260,6 +284,16 @@ impl EnvoyService {
             EnvoyFailureMode::Allow => Reason::FailOpen,
             EnvoyFailureMode::Unavailable => Reason::FailClosed,
         };
+        for plan in plans {
+            if let Plan::Limited(limit, _) = plan {
+                self.metrics.decision(
+                    Api::Envoy,
+                    Some(&limit.full_key),
+                    answer.as_str(),
+                    answer == Reason::FailOpen,
+                );
+            }
+        }
         // One record per request, naming the first counted descriptor.
         if let Some((limit, index)) = plans.iter().find_map(|p| match p {
             Plan::Limited(l, i) => Some((l, *i)),

@@ -16,7 +16,11 @@ use std::{
     time::Duration,
 };
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use arc_swap::ArcSwap;
+
+use crate::clock::{Clock, SystemClock};
 use tokio::sync::watch as tokio_watch;
 
 use super::{Snapshot, native::rule_files};
@@ -52,6 +56,10 @@ impl Versioned for super::envoy::EnvoyConfig {
 #[derive(Debug)]
 pub struct Hot<T> {
     current: ArcSwap<T>,
+    /// When `current` was last swapped in, ms since the epoch.
+    swapped_at_ms: AtomicU64,
+    /// Reloads rejected since start.
+    reload_failures: AtomicU64,
 }
 
 /// The native rule snapshot, hot-swapped.
@@ -60,7 +68,21 @@ pub type RuleStore = Hot<Snapshot>;
 impl<T> Hot<T> {
     /// A store serving `value`.
     pub fn new(value: T) -> Self {
-        Hot { current: ArcSwap::from_pointee(value) }
+        Hot {
+            current: ArcSwap::from_pointee(value),
+            swapped_at_ms: AtomicU64::new(SystemClock.now_ms()),
+            reload_failures: AtomicU64::new(0),
+        }
+    }
+
+    /// When the current rules were swapped in.
+    pub fn swapped_at(&self) -> std::time::SystemTime {
+        std::time::UNIX_EPOCH + Duration::from_millis(self.swapped_at_ms.load(Ordering::Relaxed))
+    }
+
+    /// Reloads rejected since start (the previous rules kept serving).
+    pub fn reload_failures(&self) -> u64 {
+        self.reload_failures.load(Ordering::Relaxed)
     }
 
     /// The rules to decide with. Hold the `Arc` for the whole decision so
@@ -72,6 +94,7 @@ impl<T> Hot<T> {
     /// Replaces the rules for all later `load`s.
     pub fn swap(&self, value: T) {
         self.current.store(Arc::new(value));
+        self.swapped_at_ms.store(SystemClock.now_ms(), Ordering::Relaxed);
     }
 }
 
@@ -156,6 +179,7 @@ pub async fn watch<T: Versioned>(
                 store.swap(snapshot);
             }
             Ok(Err(errors)) => {
+                store.reload_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(
                     path = %path.display(),
                     serving = store.load().version(),

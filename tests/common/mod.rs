@@ -292,6 +292,8 @@ pub fn config(rules: &Path, redis_url: Option<String>) -> Config {
 #[derive(Debug)]
 pub struct TestServer {
     pub addr: SocketAddr,
+    /// `/metrics`, `/healthz`, `/readyz`.
+    pub http_addr: SocketAddr,
     /// Where failed decisions are written (a temporary file unless the
     /// config named one).
     pub dlq_file: PathBuf,
@@ -315,19 +317,29 @@ impl TestServer {
         let dlq_file = config.dlq.file.clone();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http_addr = http.local_addr().unwrap();
         let (tx, rx) = oneshot::channel();
         let observer = std::sync::Arc::new(std::sync::Mutex::new(None));
         let slot = std::sync::Arc::clone(&observer);
         let handle = tokio::spawn(server::run_observed(
             config,
             listener,
+            Some(http),
             async move {
                 let _ = rx.await;
             },
             move |o| *slot.lock().unwrap() = Some(o),
         ));
-        let server =
-            TestServer { addr, dlq_file, shutdown: Some(tx), handle: Some(handle), observer, _dir: dir };
+        let server = TestServer {
+            addr,
+            http_addr,
+            dlq_file,
+            shutdown: Some(tx),
+            handle: Some(handle),
+            observer,
+            _dir: dir,
+        };
         // The listener accepts TCP before the server has loaded its rules:
         // wait until it is built, so a test that changes files right away
         // does not race the initial load.
@@ -664,4 +676,18 @@ pub fn topic_records(config: &Config) -> Vec<ratelimitd::dlq::FailureRecord> {
     .expect("audit the topic");
     printer.finish(&mut std::io::sink()).unwrap();
     String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// One HTTP/1.1 GET; returns the status and the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).unwrap();
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, body.to_owned())
 }

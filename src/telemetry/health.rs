@@ -1,0 +1,182 @@
+//! Liveness, readiness and gRPC health, from one monitor.
+//!
+//! `/healthz` answers 200 while the process serves. `/readyz` and
+//! `grpc.health.v1.Health` say whether the service gives *exact* answers:
+//! ready when the counter store answers; when it does not, still ready if
+//! every answer would fail open (the gateway loses nothing by sending
+//! traffic here), not ready if some rule would deny by policy; not ready
+//! while draining on shutdown. The body says which.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU8, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
+use tokio::{net::TcpListener, sync::watch};
+use tonic_health::server::HealthReporter;
+
+use super::Metrics;
+use crate::{
+    config::EnvoyFailureMode,
+    limiter::Store,
+    rules::{FailurePolicy, RuleStore},
+};
+
+/// gRPC service names whose health is reported (besides the overall "").
+pub const SERVICES: [&str; 2] = ["ratelimit.v1.RateLimiter", "envoy.service.ratelimit.v3.RateLimitService"];
+
+const STARTING: u8 = 0;
+const STORE_UP: u8 = 1;
+const STORE_DOWN: u8 = 2;
+const DRAINING: u8 = 3;
+
+/// What the monitor last saw.
+#[derive(Debug)]
+pub struct Health {
+    state: AtomicU8,
+    rules: Arc<RuleStore>,
+    envoy_failure_mode: Option<EnvoyFailureMode>,
+    store_name: &'static str,
+}
+
+impl Health {
+    /// Health of a service deciding with `rules`; `envoy_failure_mode` when
+    /// `ShouldRateLimit` is served.
+    pub fn new(
+        rules: Arc<RuleStore>,
+        envoy_failure_mode: Option<EnvoyFailureMode>,
+        store_name: &'static str,
+    ) -> Self {
+        Health { state: AtomicU8::new(STARTING), rules, envoy_failure_mode, store_name }
+    }
+
+    /// Marks the service as draining (shutdown has begun).
+    pub fn set_draining(&self) {
+        self.state.store(DRAINING, Ordering::SeqCst);
+    }
+
+    /// Ready, and why (or why not).
+    pub fn readiness(&self) -> (bool, String) {
+        match self.state.load(Ordering::SeqCst) {
+            STARTING => (false, "not ready: starting".to_owned()),
+            STORE_UP => (true, format!("ready: {} store reachable, decisions are exact", self.store_name)),
+            DRAINING => (false, "not ready: draining for shutdown".to_owned()),
+            _ => {
+                let snapshot = self.rules.load();
+                let closed: Vec<&str> = snapshot
+                    .rules()
+                    .iter()
+                    .filter(|r| r.failure_policy == FailurePolicy::Closed)
+                    .map(|r| &*r.id)
+                    .collect();
+                let envoy_denies = self.envoy_failure_mode == Some(EnvoyFailureMode::Unavailable);
+                if closed.is_empty() && !envoy_denies {
+                    (
+                        true,
+                        format!(
+                            "ready: {} store unreachable, every rule fails open by policy",
+                            self.store_name
+                        ),
+                    )
+                } else {
+                    let mut why = format!("not ready: {} store unreachable", self.store_name);
+                    if !closed.is_empty() {
+                        why += &format!("; rules failing closed: {}", closed.join(", "));
+                    }
+                    if envoy_denies {
+                        why += "; ShouldRateLimit answers UNAVAILABLE";
+                    }
+                    (false, why)
+                }
+            }
+        }
+    }
+}
+
+/// Probes the store every `interval` and publishes readiness to `reporter`
+/// until `shutdown`.
+pub async fn run_monitor(
+    health: Arc<Health>,
+    store: Store,
+    reporter: HealthReporter,
+    interval: Duration,
+    probe_timeout: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_ready = None;
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        if health.state.load(Ordering::SeqCst) == DRAINING {
+            continue;
+        }
+        let up = match &store {
+            Store::Memory(_) => true,
+            // Also reloads the script after a Redis restart.
+            Store::Redis(redis) => redis.warm_up(probe_timeout).await.is_ok(),
+        };
+        // A concurrent drain wins: never turn draining back into serving.
+        let next = if up { STORE_UP } else { STORE_DOWN };
+        let _ = health
+            .state
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| (s != DRAINING).then_some(next));
+        let (ready, why) = health.readiness();
+        if last_ready != Some(ready) {
+            tracing::info!(ready, %why, "readiness changed");
+            publish(&reporter, ready).await;
+            last_ready = Some(ready);
+        }
+    }
+}
+
+/// Sets every reported gRPC service (and the overall "") to `serving` or not.
+pub async fn publish(reporter: &HealthReporter, serving: bool) {
+    let status =
+        if serving { tonic_health::ServingStatus::Serving } else { tonic_health::ServingStatus::NotServing };
+    for service in SERVICES.into_iter().chain([""]) {
+        reporter.set_service_status(service, status).await;
+    }
+}
+
+#[derive(Clone)]
+struct HttpState {
+    health: Arc<Health>,
+    metrics: Arc<Metrics>,
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until `shutdown`.
+pub async fn serve_http(
+    listener: TcpListener,
+    health: Arc<Health>,
+    metrics: Arc<Metrics>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let app = Router::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready_handler))
+        .with_state(HttpState { health, metrics });
+    let stopped = async move {
+        let _ = shutdown.changed().await;
+    };
+    if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(stopped).await {
+        tracing::error!(error = %e, "http server failed");
+    }
+}
+
+async fn metrics_handler(State(state): State<HttpState>) -> impl IntoResponse {
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.metrics.render())
+}
+
+async fn ready_handler(State(state): State<HttpState>) -> impl IntoResponse {
+    let (ready, why) = state.health.readiness();
+    (if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, why + "\n")
+}

@@ -1,0 +1,394 @@
+//! Prometheus metrics, rendered in the text exposition format on `/metrics`.
+//!
+//! A small registry of our own rather than a client library: every label
+//! value is bounded (API, rule id, reason, priority, failure kind — never a
+//! user id or a request path), a known label set costs one read lock and one
+//! atomic add on the hot path, and gauges that mirror other components
+//! (shedding level, dead-letter accounting, rule snapshots) are read from
+//! them at scrape time instead of being copied on every change.
+
+use std::{
+    collections::HashMap,
+    fmt::Write as _,
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, SystemTime},
+};
+
+use crate::{
+    dlq::DlqSink,
+    limiter::FailureKind,
+    rules::{Hot, Priority, Snapshot, Versioned, envoy::EnvoyConfig},
+    shed::Shedder,
+};
+
+/// Latency buckets in seconds: resolve tens of microseconds up to a second.
+const LATENCY_BUCKETS: [f64; 14] = [
+    0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
+/// A fixed-bucket histogram.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
+    count: AtomicU64,
+    sum_nanos: AtomicU64,
+}
+
+impl Histogram {
+    /// Records one observation.
+    pub fn observe(&self, elapsed: Duration) {
+        let seconds = elapsed.as_secs_f64();
+        if let Some(i) = LATENCY_BUCKETS.iter().position(|&b| seconds <= b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_nanos.fetch_add(u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let mut cumulative = 0;
+        for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&self.buckets) {
+            cumulative += bucket.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels}{}le=\"{bound}\"}} {cumulative}", sep(labels));
+        }
+        let count = self.count();
+        let _ = writeln!(out, "{name}_bucket{{{labels}{}le=\"+Inf\"}} {count}", sep(labels));
+        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
+        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    }
+}
+
+fn sep(labels: &str) -> &'static str {
+    if labels.is_empty() { "" } else { "," }
+}
+
+/// Which API a decision came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// `ratelimit.v1.RateLimiter/Check`.
+    Check,
+    /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit` (one per descriptor).
+    Envoy,
+}
+
+impl Api {
+    fn as_str(self) -> &'static str {
+        match self {
+            Api::Check => "check",
+            Api::Envoy => "envoy",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct DecisionKey {
+    api: Api,
+    /// `None`: no rule matched.
+    rule: Option<Arc<str>>,
+    reason: &'static str,
+    allowed: bool,
+}
+
+const FAILURE_KINDS: [FailureKind; 7] = [
+    FailureKind::Timeout,
+    FailureKind::ConnectionRefused,
+    FailureKind::ConnectionLost,
+    FailureKind::PoolExhausted,
+    FailureKind::ScriptError,
+    FailureKind::ClusterError,
+    FailureKind::Other,
+];
+
+/// Everything `/metrics` shows.
+#[derive(Debug)]
+pub struct Metrics {
+    decisions: RwLock<HashMap<DecisionKey, AtomicU64>>,
+    decision_latency: [Histogram; 2],
+    store_latency: Histogram,
+    store_errors: [AtomicU64; FAILURE_KINDS.len()],
+    store_name: &'static str,
+    sources: RwLock<Option<Sources>>,
+}
+
+/// Components whose state `/metrics` reads at scrape time.
+#[derive(Debug, Clone)]
+pub struct Sources {
+    /// Load shedding.
+    pub shedder: Arc<Shedder>,
+    /// The dead-letter pipeline.
+    pub dlq: Arc<DlqSink>,
+    /// Native rules.
+    pub rules: Arc<Hot<Snapshot>>,
+    /// The Envoy configuration, if served.
+    pub envoy: Option<Arc<Hot<EnvoyConfig>>>,
+}
+
+impl Metrics {
+    /// An empty registry for a store named `store_name` (`memory` or `redis`).
+    pub fn new(store_name: &'static str) -> Self {
+        Metrics {
+            decisions: RwLock::new(HashMap::new()),
+            decision_latency: Default::default(),
+            store_latency: Histogram::default(),
+            store_errors: Default::default(),
+            store_name,
+            sources: RwLock::new(None),
+        }
+    }
+
+    /// Wires the components read at scrape time.
+    pub fn set_sources(&self, sources: Sources) {
+        *self.sources.write().unwrap_or_else(|p| p.into_inner()) = Some(sources);
+    }
+
+    /// Counts one decision.
+    pub fn decision(&self, api: Api, rule: Option<&Arc<str>>, reason: &'static str, allowed: bool) {
+        let key = DecisionKey { api, rule: rule.cloned(), reason, allowed };
+        if let Some(counter) = self.decisions.read().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            counter.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.decisions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key)
+            .or_default()
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records the whole time of one request through `api`.
+    pub fn decision_latency(&self, api: Api, elapsed: Duration) {
+        self.decision_latency[api as usize].observe(elapsed);
+    }
+
+    /// Records one store call and, if it failed, its kind.
+    pub fn store_call(&self, elapsed: Duration, failure: Option<FailureKind>) {
+        self.store_latency.observe(elapsed);
+        if let Some(kind) = failure
+            && let Some(i) = FAILURE_KINDS.iter().position(|k| *k == kind)
+        {
+            self.store_errors[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(8 * 1024);
+        header(
+            &mut out,
+            "ratelimitd_decisions_total",
+            "counter",
+            "Decisions by API, rule, reason and whether the request was allowed.",
+        );
+        let mut decisions: Vec<(String, u64)> = self
+            .decisions
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, v)| {
+                let labels = format!(
+                    "api=\"{}\",rule=\"{}\",reason=\"{}\",allowed=\"{}\"",
+                    k.api.as_str(),
+                    escape(k.rule.as_deref().unwrap_or("")),
+                    k.reason,
+                    k.allowed
+                );
+                (labels, v.load(Ordering::Relaxed))
+            })
+            .collect();
+        decisions.sort();
+        for (labels, value) in decisions {
+            let _ = writeln!(out, "ratelimitd_decisions_total{{{labels}}} {value}");
+        }
+
+        header(
+            &mut out,
+            "ratelimitd_decision_duration_seconds",
+            "histogram",
+            "Time to answer one request, by API.",
+        );
+        for api in [Api::Check, Api::Envoy] {
+            self.decision_latency[api as usize].render(
+                &mut out,
+                "ratelimitd_decision_duration_seconds",
+                &format!("api=\"{}\"", api.as_str()),
+            );
+        }
+        header(&mut out, "ratelimitd_store_duration_seconds", "histogram", "Time of one counter store call.");
+        self.store_latency.render(
+            &mut out,
+            "ratelimitd_store_duration_seconds",
+            &format!("store=\"{}\"", self.store_name),
+        );
+        header(&mut out, "ratelimitd_store_errors_total", "counter", "Store calls that failed, by kind.");
+        for (kind, count) in FAILURE_KINDS.iter().zip(&self.store_errors) {
+            let _ = writeln!(
+                out,
+                "ratelimitd_store_errors_total{{kind=\"{kind}\"}} {}",
+                count.load(Ordering::Relaxed)
+            );
+        }
+
+        let sources = self.sources.read().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(s) = sources {
+            render_sources(&mut out, &s);
+        }
+        out
+    }
+}
+
+fn render_sources(out: &mut String, s: &Sources) {
+    header(
+        out,
+        "ratelimitd_shed_total",
+        "counter",
+        "Requests refused (mode=enforce) or flagged (mode=shadow) by load shedding, by priority.",
+    );
+    for p in [Priority::Critical, Priority::Degraded, Priority::BestEffort, Priority::Bulk] {
+        let _ = writeln!(
+            out,
+            "ratelimitd_shed_total{{priority=\"{p}\",mode=\"enforce\"}} {}",
+            s.shedder.shed_count(p)
+        );
+        let _ = writeln!(
+            out,
+            "ratelimitd_shed_total{{priority=\"{p}\",mode=\"shadow\"}} {}",
+            s.shedder.shadow_shed_count(p)
+        );
+    }
+    header(
+        out,
+        "ratelimitd_utilization_level",
+        "gauge",
+        "Shedding level: 0 NORMAL, 1 DEGRADED_MODE, 2 CRITICAL_ONLY.",
+    );
+    let _ = writeln!(out, "ratelimitd_utilization_level {}", s.shedder.level().to_u8());
+    header(
+        out,
+        "ratelimitd_utilization_ratio",
+        "gauge",
+        "Smoothed CPU utilization (0..1) the level is decided on.",
+    );
+    let _ = writeln!(out, "ratelimitd_utilization_ratio {}", s.shedder.utilization().unwrap_or(0.0));
+
+    let dlq = s.dlq.stats();
+    for (name, help, value) in [
+        ("ratelimitd_dlq_enqueued_total", "Failure records offered by the decision path.", dlq.enqueued),
+        (
+            "ratelimitd_dlq_delivered_total",
+            "Failure records durably written (file) or acknowledged (Kafka).",
+            dlq.delivered,
+        ),
+        (
+            "ratelimitd_dlq_dropped_total",
+            "Failure records lost (queue overflow, spool disk full).",
+            dlq.dropped,
+        ),
+        ("ratelimitd_dlq_recovered_total", "Failure records found in the spool at startup.", dlq.recovered),
+    ] {
+        header(out, name, "counter", help);
+        let _ = writeln!(out, "{name} {value}");
+    }
+    header(
+        out,
+        "ratelimitd_dlq_pending",
+        "gauge",
+        "Failure records waiting in the queue, the writer or the spool.",
+    );
+    let _ = writeln!(out, "ratelimitd_dlq_pending {}", dlq.pending);
+
+    header(out, "ratelimitd_rules_info", "gauge", "The loaded rule sets (value 1), by kind and version.");
+    let native = s.rules.load();
+    let _ = writeln!(out, "ratelimitd_rules_info{{kind=\"native\",version=\"{}\"}} 1", native.version());
+    let envoy = s.envoy.as_ref().map(|e| e.load());
+    if let Some(envoy) = &envoy {
+        let _ = writeln!(out, "ratelimitd_rules_info{{kind=\"envoy\",version=\"{}\"}} 1", envoy.version());
+    }
+    header(out, "ratelimitd_rules_count", "gauge", "Native rules, or Envoy domains, in the loaded set.");
+    let _ = writeln!(out, "ratelimitd_rules_count{{kind=\"native\"}} {}", native.size());
+    if let Some(envoy) = &envoy {
+        let _ = writeln!(out, "ratelimitd_rules_count{{kind=\"envoy\"}} {}", envoy.size());
+    }
+    header(out, "ratelimitd_rules_age_seconds", "gauge", "Seconds since the loaded rule set was swapped in.");
+    let _ = writeln!(out, "ratelimitd_rules_age_seconds{{kind=\"native\"}} {}", age(s.rules.swapped_at()));
+    if let Some(e) = &s.envoy {
+        let _ = writeln!(out, "ratelimitd_rules_age_seconds{{kind=\"envoy\"}} {}", age(e.swapped_at()));
+    }
+    header(
+        out,
+        "ratelimitd_rules_reload_failures_total",
+        "counter",
+        "Reloads rejected (the previous set kept serving).",
+    );
+    let _ = writeln!(
+        out,
+        "ratelimitd_rules_reload_failures_total{{kind=\"native\"}} {}",
+        s.rules.reload_failures()
+    );
+    if let Some(e) = &s.envoy {
+        let _ =
+            writeln!(out, "ratelimitd_rules_reload_failures_total{{kind=\"envoy\"}} {}", e.reload_failures());
+    }
+}
+
+fn age(at: SystemTime) -> f64 {
+    SystemTime::now().duration_since(at).map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// Label values: backslash, double quote and newline escaped.
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_and_renders_decisions_and_histograms() {
+        let m = Metrics::new("memory");
+        let rule: Arc<str> = Arc::from("search");
+        m.decision(Api::Check, Some(&rule), "OK", true);
+        m.decision(Api::Check, Some(&rule), "OK", true);
+        m.decision(Api::Check, None, "NO_RULE", true);
+        m.decision_latency(Api::Check, Duration::from_micros(80));
+        m.store_call(Duration::from_micros(300), Some(FailureKind::Timeout));
+        let text = m.render();
+        assert!(
+            text.contains(
+                "ratelimitd_decisions_total{api=\"check\",rule=\"search\",reason=\"OK\",allowed=\"true\"} 2"
+            ),
+            "{text}"
+        );
+        assert!(text.contains(
+            "ratelimitd_decisions_total{api=\"check\",rule=\"\",reason=\"NO_RULE\",allowed=\"true\"} 1"
+        ));
+        assert!(
+            text.contains("ratelimitd_decision_duration_seconds_bucket{api=\"check\",le=\"0.00005\"} 0"),
+            "{text}"
+        );
+        assert!(text.contains("ratelimitd_decision_duration_seconds_bucket{api=\"check\",le=\"0.0001\"} 1"));
+        assert!(text.contains("ratelimitd_decision_duration_seconds_count{api=\"check\"} 1"));
+        assert!(text.contains("ratelimitd_store_errors_total{kind=\"timeout\"} 1"));
+        assert!(text.contains("ratelimitd_store_duration_seconds_count{store=\"memory\"} 1"));
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}
