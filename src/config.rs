@@ -65,11 +65,15 @@ pub struct GrpcConfig {
     /// How long in-flight calls may take to finish after SIGTERM before the
     /// process exits anyway (`grpc.shutdown_grace_ms`).
     pub shutdown_grace_ms: u64,
+    /// After SIGTERM, how long to keep answering while health already says
+    /// NOT_SERVING (and `/readyz` 503), so load balancers stop sending before
+    /// the listener closes. Behind Kubernetes or Envoy a few seconds is usual.
+    pub drain_delay_ms: u64,
 }
 
 impl Default for GrpcConfig {
     fn default() -> Self {
-        Self { listen: "0.0.0.0:8081".to_owned(), shutdown_grace_ms: 10_000 }
+        Self { listen: "0.0.0.0:8081".to_owned(), shutdown_grace_ms: 10_000, drain_delay_ms: 0 }
     }
 }
 

@@ -305,11 +305,15 @@ pub async fn run_observed(
 
     let (draining_tx, draining_rx) = oneshot::channel::<()>();
     let draining_health = Arc::clone(&health);
+    let drain_delay = Duration::from_millis(config.grpc.drain_delay_ms);
     let signal = async move {
         shutdown.await;
-        // Tell load balancers first, then stop accepting and drain.
+        // Tell load balancers first, keep answering for the drain delay,
+        // then stop accepting and let in-flight calls finish.
         draining_health.set_draining();
         publish(&reporter, false).await;
+        tracing::info!(delay_ms = drain_delay.as_millis(), "health NOT_SERVING; draining");
+        tokio::time::sleep(drain_delay).await;
         let _ = draining_tx.send(());
     };
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));

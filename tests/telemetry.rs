@@ -1,0 +1,222 @@
+//! Black-box tests of what operators see: `/metrics` after a known sequence
+//! of decisions, `/readyz` and gRPC health as Redis comes and goes and while
+//! draining, and server reflection read by grpcurl.
+
+mod common;
+
+use std::{path::PathBuf, process::Command, time::Duration};
+
+use common::{RedisServer, Rules, TestServer, check, config, eventually, http_get, request};
+use ratelimitd::api::pb::PriorityBucket;
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+const RULES: &str = r#"
+rules:
+  - { rule_id: two, resource_path: /two, limit: 2, window_seconds: 86400 }
+  - { rule_id: open, resource_path: /open, limit: 100, window_seconds: 86400, failure_policy: open }
+  - { rule_id: closed, resource_path: /closed, limit: 100, window_seconds: 86400, failure_policy: closed }
+"#;
+
+fn metric(scrape: &str, line_start: &str) -> u64 {
+    scrape
+        .lines()
+        .find(|l| l.starts_with(line_start))
+        .unwrap_or_else(|| panic!("no {line_start} in\n{scrape}"))
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// Five decisions (allowed, allowed, over limit, no rule, weight too large)
+/// show up as exactly those counter increments and five latency
+/// observations; the scrape never contains a user id or a request path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn metrics_count_exactly_the_decisions_made() {
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let server = TestServer::start(config(&rules.path(), Some(redis.url()))).await;
+    let mut client = server.client().await;
+    let secret_user = "user-7f3a9c-secret";
+    check(&mut client, request(secret_user, "/two")).await;
+    check(&mut client, request(secret_user, "/two")).await;
+    check(&mut client, request(secret_user, "/two")).await;
+    check(&mut client, request(secret_user, "/unmatched/path-secret")).await;
+    let mut heavy = request(secret_user, "/two");
+    heavy.weight = 10;
+    heavy.priority = PriorityBucket::Bulk as i32;
+    check(&mut client, heavy).await;
+
+    let (status, scrape) = tokio::task::spawn_blocking({
+        let addr = server.http_addr;
+        move || http_get(addr, "/metrics")
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200);
+    let decisions = |rule: &str, reason: &str, allowed: bool| {
+        metric(
+            &scrape,
+            &format!(
+                "ratelimitd_decisions_total{{api=\"check\",rule=\"{rule}\",reason=\"{reason}\",allowed=\"{allowed}\"}}"
+            ),
+        )
+    };
+    assert_eq!(decisions("two", "OK", true), 2);
+    assert_eq!(decisions("two", "OVER_LIMIT", false), 1);
+    assert_eq!(decisions("", "NO_RULE", true), 1);
+    assert_eq!(decisions("two", "WEIGHT_EXCEEDS_CAPACITY", false), 1);
+    assert_eq!(metric(&scrape, "ratelimitd_decision_duration_seconds_count{api=\"check\"}"), 5);
+    assert_eq!(metric(&scrape, "ratelimitd_decision_duration_seconds_bucket{api=\"check\",le=\"+Inf\"}"), 5);
+    // Three decisions reached Redis (no rule and an impossible weight do not).
+    assert_eq!(metric(&scrape, "ratelimitd_store_duration_seconds_count{store=\"redis\"}"), 3);
+    assert_eq!(metric(&scrape, "ratelimitd_store_errors_total{kind=\"timeout\"}"), 0);
+    assert_eq!(metric(&scrape, "ratelimitd_dlq_enqueued_total"), 0);
+    assert_eq!(metric(&scrape, "ratelimitd_utilization_level"), 0);
+    assert_eq!(metric(&scrape, "ratelimitd_rules_count{kind=\"native\"}"), 3);
+    assert_eq!(metric(&scrape, "ratelimitd_rules_reload_failures_total{kind=\"native\"}"), 0);
+    assert!(scrape.contains("ratelimitd_shed_total{priority=\"BULK\",mode=\"enforce\"} 0"));
+    assert!(!scrape.contains(secret_user), "a user id leaked into the scrape");
+    assert!(!scrape.contains("path-secret"), "a request path leaked into the scrape");
+    // Every family is documented.
+    for line in scrape.lines().filter(|l| !l.starts_with('#')) {
+        let family = line.split(['{', ' ']).next().unwrap();
+        let documented = scrape.contains(&format!("# HELP {family} "))
+            || ["_bucket", "_sum", "_count"].iter().any(|suffix| {
+                family
+                    .strip_suffix(suffix)
+                    .is_some_and(|base| scrape.contains(&format!("# TYPE {base} histogram")))
+            });
+        assert!(documented, "no HELP for {family}");
+    }
+    server.stop().await.unwrap();
+}
+
+async fn grpc_health(server: &TestServer, service: &str) -> ServingStatus {
+    let mut client = HealthClient::new(channel(server).await);
+    let response =
+        client.check(HealthCheckRequest { service: service.to_owned() }).await.unwrap().into_inner();
+    ServingStatus::try_from(response.status).unwrap()
+}
+
+async fn channel(server: &TestServer) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+async fn readyz(server: &TestServer) -> (u16, String) {
+    let addr = server.http_addr;
+    tokio::task::spawn_blocking(move || http_get(addr, "/readyz")).await.unwrap()
+}
+
+/// Redis down: a rule fails closed, so not ready (the body names it) and
+/// gRPC health NOT_SERVING; Redis back: ready and SERVING again; shutdown:
+/// NOT_SERVING while draining. `/healthz` stays 200 throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readiness_and_grpc_health_follow_redis_and_shutdown() {
+    let mut redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.http.health_interval_ms = 50;
+    cfg.redis.connect_timeout_ms = 200;
+    // Long enough to observe the drain below.
+    cfg.grpc.drain_delay_ms = 1_500;
+    let server = TestServer::start(cfg).await;
+    let service = "ratelimit.v1.RateLimiter";
+
+    let ready = |expected: u16| {
+        let server = &server;
+        move || async move { readyz(server).await.0 == expected }
+    };
+    assert!(eventually(Duration::from_secs(10), ready(200)).await);
+    assert!(readyz(&server).await.1.starts_with("ready: redis store reachable"));
+    assert_eq!(grpc_health(&server, service).await, ServingStatus::Serving);
+    assert_eq!(grpc_health(&server, "").await, ServingStatus::Serving);
+
+    redis.stop();
+    assert!(eventually(Duration::from_secs(10), ready(503)).await);
+    let (_, body) = readyz(&server).await;
+    assert!(body.contains("store unreachable") && body.contains("rules failing closed: closed"), "{body}");
+    assert_eq!(grpc_health(&server, service).await, ServingStatus::NotServing);
+    let addr = server.http_addr;
+    assert_eq!(tokio::task::spawn_blocking(move || http_get(addr, "/healthz")).await.unwrap().0, 200);
+
+    redis.restart();
+    assert!(eventually(Duration::from_secs(10), ready(200)).await);
+    assert_eq!(grpc_health(&server, service).await, ServingStatus::Serving);
+
+    // Shutdown: during the drain delay the service still answers, but health
+    // already says NOT_SERVING and /readyz 503.
+    let mut health_client = HealthClient::new(channel(&server).await);
+    let mut client = server.client().await;
+    let http_addr = server.http_addr;
+    let stopping = tokio::spawn(server.stop());
+    let draining = eventually(Duration::from_secs(5), || {
+        let mut c = health_client.clone();
+        async move {
+            c.check(HealthCheckRequest { service: String::new() })
+                .await
+                .is_ok_and(|r| r.into_inner().status == ServingStatus::NotServing as i32)
+        }
+    })
+    .await;
+    assert!(draining, "gRPC health did not turn NOT_SERVING while draining");
+    let status = health_client.check(HealthCheckRequest { service: service.to_owned() }).await.unwrap();
+    assert_eq!(status.into_inner().status, ServingStatus::NotServing as i32);
+    let (code, body) = tokio::task::spawn_blocking(move || http_get(http_addr, "/readyz")).await.unwrap();
+    assert_eq!((code, body.trim()), (503, "not ready: draining for shutdown"));
+    assert!(client.check(request("u", "/two")).await.is_ok(), "still answering during the drain delay");
+    stopping.await.unwrap().unwrap();
+}
+
+/// grpcurl, with no proto files, lists both rate-limit services, health and
+/// reflection, and describes the Check method.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reflection_lists_every_service_for_grpcurl() {
+    let rules = Rules::new(RULES);
+    let envoy = Rules::new(
+        "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: { unit: second, requests_per_unit: 1 }\n",
+    );
+    let mut cfg = config(&rules.path(), None);
+    cfg.rules.envoy_path = Some(envoy.path());
+    let server = TestServer::start(cfg).await;
+    let grpcurl = std::env::var_os("RATELIMITD_GRPCURL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| common::tansu_path().parent().unwrap().parent().unwrap().join("venv/bin/grpcurl"));
+    assert!(grpcurl.exists(), "{} not found: run scripts/install-tools", grpcurl.display());
+    let addr = server.addr.to_string();
+    let run = move |args: Vec<String>| {
+        let output = Command::new(&grpcurl).arg("-plaintext").args(&args).output().unwrap();
+        assert!(output.status.success(), "grpcurl {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let (list, describe) = tokio::task::spawn_blocking(move || {
+        (
+            run(vec![addr.clone(), "list".into()]),
+            run(vec![addr, "describe".into(), "ratelimit.v1.RateLimiter.Check".into()]),
+        )
+    })
+    .await
+    .unwrap();
+    for service in [
+        "ratelimit.v1.RateLimiter",
+        "envoy.service.ratelimit.v3.RateLimitService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    ] {
+        assert!(list.lines().any(|l| l.trim() == service), "{service} not in\n{list}");
+    }
+    assert!(
+        describe.contains(
+            "rpc Check ( .ratelimit.v1.RateLimitRequest ) returns ( .ratelimit.v1.RateLimitResponse )"
+        ),
+        "{describe}"
+    );
+    server.stop().await.unwrap();
+}
