@@ -54,6 +54,8 @@ pub struct Config {
     pub envoy: EnvoySettings,
     /// Logging.
     pub log: LogConfig,
+    /// Trace export.
+    pub telemetry: TelemetryConfig,
 }
 
 /// `grpc.*`
@@ -418,6 +420,17 @@ impl DlqConfig {
     }
 }
 
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Readable text (coloured on a terminal).
+    #[default]
+    Human,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
 /// `log.*`
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -425,11 +438,29 @@ pub struct LogConfig {
     /// A `tracing` filter directive such as `info` or `ratelimitd=debug,info`.
     /// `RUST_LOG`, when set, wins.
     pub level: String,
+    /// `human` or `json`.
+    pub format: LogFormat,
 }
 
 impl Default for LogConfig {
     fn default() -> Self {
-        Self { level: "info".to_owned() }
+        Self { level: "info".to_owned(), format: LogFormat::Human }
+    }
+}
+
+/// `telemetry.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// OTLP/gRPC collector, e.g. `http://otel-collector:4317`; unset = no span export.
+    pub otlp_endpoint: Option<String>,
+    /// `service.name` of exported spans.
+    pub service_name: String,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self { otlp_endpoint: None, service_name: "ratelimitd".to_owned() }
     }
 }
 
@@ -598,6 +629,14 @@ impl Config {
             if kafka.properties.contains_key(key) {
                 return Err(invalid("dlq.kafka.properties", format!("set {key} through dlq.kafka.brokers")));
             }
+        }
+        if let Some(endpoint) = &self.telemetry.otlp_endpoint
+            && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
+        {
+            return Err(invalid(
+                "telemetry.otlp_endpoint",
+                format!("{endpoint:?} must start with http:// or https://"),
+            ));
         }
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| invalid("log.level", format!("{:?}: {e}", self.log.level)))?;

@@ -8,6 +8,8 @@
 
 use std::{collections::HashMap, sync::Arc};
 
+use tracing::Instrument as _;
+
 use crate::{
     dlq::{FailedDecision, FailureSink},
     limiter::{Store, Verdict},
@@ -232,7 +234,11 @@ impl Engine {
         }
 
         let store_started = std::time::Instant::now();
-        let decided = self.store.decide(request.user_id, rule, weight).await;
+        let decided = self
+            .store
+            .decide(request.user_id, rule, weight)
+            .instrument(tracing::info_span!("store.decide", store = self.store.name()))
+            .await;
         self.metrics.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
         match decided {
             Ok(verdict) => Decision { shadow_shed, level, ..from_verdict(&verdict, shadow, info, priority) },

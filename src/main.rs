@@ -10,7 +10,7 @@ use clap::Parser as _;
 use ratelimitd::{
     cli::{self, Cli, Command, RulesCommand},
     config::Config,
-    server, signal,
+    server, signal, telemetry,
 };
 
 fn main() -> ExitCode {
@@ -51,9 +51,10 @@ fn serve(config_file: Option<&std::path::Path>) -> ExitCode {
         Ok(config) => config,
         Err(code) => return code,
     };
-    init_tracing(&config.log.level);
     let result = runtime().and_then(|rt| {
-        rt.block_on(async {
+        // Inside the runtime: the OTLP batch exporter runs on it.
+        let tracing = rt.block_on(async { telemetry::traces::init(&config.log, &config.telemetry) })?;
+        let served = rt.block_on(async {
             let addr = config.grpc_addr();
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
@@ -64,22 +65,16 @@ fn serve(config_file: Option<&std::path::Path>) -> ExitCode {
                 .with_context(|| format!("http.listen {http_addr}: cannot bind"))?;
             server::run(config, listener, Some(http), signal::shutdown()).await?;
             Ok(())
-        })
+        });
+        // Flushes spans still buffered, while the runtime still runs.
+        drop(tracing);
+        served
     });
     result.map_or_else(report, |()| ExitCode::SUCCESS)
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the tokio runtime")
-}
-
-fn init_tracing(level: &str) {
-    // RUST_LOG, when set, wins over `log.level` (validated in Config).
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    // Colours only for a terminal: log files and collectors get plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
 }
 
 fn report(error: anyhow::Error) -> ExitCode {

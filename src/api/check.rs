@@ -3,12 +3,13 @@
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use super::{
     convert::{response, validate},
     pb,
 };
-use crate::{config::LimitsConfig, decision::Engine};
+use crate::{config::LimitsConfig, decision::Engine, telemetry::traces::continue_trace};
 
 /// The native decision service.
 #[derive(Debug, Clone)]
@@ -42,7 +43,20 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         // a decision it can act on.
         let checked = validate(&message, &metadata, &self.limits)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let decision = self.engine.check(&checked).await;
+        let span = tracing::info_span!(
+            "ratelimit.check",
+            otel.kind = "server",
+            rule = tracing::field::Empty,
+            reason = tracing::field::Empty,
+            allowed = tracing::field::Empty,
+        );
+        continue_trace(&span, &metadata);
+        let decision = self.engine.check(&checked).instrument(span.clone()).await;
+        if let Some(rule) = &decision.rule {
+            span.record("rule", &*rule.id);
+        }
+        span.record("reason", decision.reason.as_str());
+        span.record("allowed", decision.allowed);
         Ok(Response::new(response(decision)))
     }
 }

@@ -10,6 +10,7 @@
 use std::{collections::HashMap, fmt::Write as _, sync::Arc};
 
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use super::envoy_pb::{
     envoy::{config::core::v3::HeaderValue, extensions::common::ratelimit::v3::RateLimitDescriptor},
@@ -28,7 +29,7 @@ use crate::{
         Hot, Priority,
         envoy::{EnvoyConfig, EnvoyLimit, Unit},
     },
-    telemetry::{Api, Metrics},
+    telemetry::{Api, Metrics, traces::continue_trace},
 };
 
 /// The Envoy rate limit service.
@@ -114,7 +115,21 @@ impl RateLimitService for EnvoyService {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let started = std::time::Instant::now();
-        let answer = self.answer(request).await;
+        let span = tracing::info_span!(
+            "ratelimit.should_rate_limit",
+            otel.kind = "server",
+            domain = %request.get_ref().domain,
+            descriptors = request.get_ref().descriptors.len(),
+            overall_code = tracing::field::Empty,
+        );
+        continue_trace(&span, request.metadata());
+        let answer = self.answer(request).instrument(span.clone()).await;
+        if let Ok(response) = &answer {
+            span.record(
+                "overall_code",
+                Code::try_from(response.get_ref().overall_code).map_or("?", |c| c.as_str_name()),
+            );
+        }
         self.metrics.decision_latency(Api::Envoy, started.elapsed());
         answer
     }
@@ -195,7 +210,15 @@ impl EnvoyService {
         } else {
             let domain: Arc<str> = Arc::from(request.domain.as_str());
             let store_started = std::time::Instant::now();
-            let decided = self.store.decide_many(&domain, &items).await;
+            let decided = self
+                .store
+                .decide_many(&domain, &items)
+                .instrument(tracing::info_span!(
+                    "store.decide_many",
+                    store = self.store.name(),
+                    keys = items.len()
+                ))
+                .await;
             self.metrics.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
             match decided {
                 Ok(outcome) => Some(outcome),

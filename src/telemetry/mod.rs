@@ -1,8 +1,10 @@
 //! Observability: Prometheus metrics ([`metrics`]), the HTTP endpoints
 //! `/metrics`, `/healthz` and `/readyz` and the health monitor that also
-//! drives gRPC health ([`health`]).
+//! drives gRPC health ([`health`]), and logs and OpenTelemetry traces
+//! ([`traces`]).
 
 pub mod health;
 pub mod metrics;
+pub mod traces;
 
 pub use metrics::{Api, Metrics};

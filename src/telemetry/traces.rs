@@ -1,0 +1,96 @@
+//! Logs and traces: a `tracing` subscriber with human (default) or JSON
+//! logs, and — when `telemetry.otlp_endpoint` is set — an OpenTelemetry
+//! layer exporting spans over OTLP/gRPC. Incoming W3C trace context
+//! (`traceparent` in gRPC metadata) becomes the parent of each decision span.
+
+use opentelemetry::{propagation::Extractor, trace::TracerProvider as _};
+use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry_sdk::{Resource, propagation::TraceContextPropagator, trace::SdkTracerProvider};
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+use tracing_subscriber::{Layer as _, layer::SubscriberExt as _, util::SubscriberInitExt as _};
+
+use crate::config::{LogConfig, LogFormat, TelemetryConfig};
+
+/// Flushes and stops the span exporter when dropped (after the server has stopped).
+#[derive(Debug)]
+pub struct TracingGuard {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Drop for TracingGuard {
+    fn drop(&mut self) {
+        if let Some(provider) = self.provider.take()
+            && let Err(e) = provider.shutdown()
+        {
+            tracing::warn!(error = %e, "could not flush spans to the OTLP collector");
+        }
+    }
+}
+
+/// Why telemetry could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("telemetry.otlp_endpoint: {0}")]
+pub struct TelemetryError(String);
+
+/// Installs the global subscriber. `RUST_LOG`, when set, wins over `log.level`.
+/// Must run inside a tokio runtime when OTLP is configured (batch export).
+pub fn init(log: &LogConfig, telemetry: &TelemetryConfig) -> Result<TracingGuard, TelemetryError> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
+    // Colours only for a terminal: log files and collectors get plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let fmt = match log.format {
+        LogFormat::Human => {
+            tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi).boxed()
+        }
+        LogFormat::Json => tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr).boxed(),
+    };
+    let (otel, provider) = match &telemetry.otlp_endpoint {
+        None => (None, None),
+        Some(endpoint) => {
+            let exporter = opentelemetry_otlp::SpanExporter::builder()
+                .with_tonic()
+                .with_endpoint(endpoint)
+                .build()
+                .map_err(|e| TelemetryError(e.to_string()))?;
+            let provider = SdkTracerProvider::builder()
+                .with_batch_exporter(exporter)
+                .with_resource(Resource::builder().with_service_name(telemetry.service_name.clone()).build())
+                .build();
+            let tracer = provider.tracer("ratelimitd");
+            opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+            (Some(tracing_opentelemetry::layer().with_tracer(tracer)), Some(provider))
+        }
+    };
+    tracing_subscriber::registry().with(filter).with(fmt).with(otel).init();
+    Ok(TracingGuard { provider })
+}
+
+/// Reads W3C trace headers from gRPC metadata.
+struct MetadataExtractor<'a>(&'a tonic::metadata::MetadataMap);
+
+impl Extractor for MetadataExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0
+            .keys()
+            .filter_map(|k| match k {
+                tonic::metadata::KeyRef::Ascii(k) => Some(k.as_str()),
+                tonic::metadata::KeyRef::Binary(_) => None,
+            })
+            .collect()
+    }
+}
+
+/// Makes the caller's trace (from `traceparent` in `metadata`) the parent of `span`.
+pub fn continue_trace(span: &tracing::Span, metadata: &tonic::metadata::MetadataMap) {
+    if metadata.get("traceparent").is_none() {
+        return;
+    }
+    let context = opentelemetry::global::get_text_map_propagator(|p| p.extract(&MetadataExtractor(metadata)));
+    // Fails only when no OpenTelemetry layer is installed: nothing to link then.
+    let _ = span.set_parent(context);
+}
