@@ -1,0 +1,125 @@
+//! With `telemetry.otlp_endpoint` pointed at a test OTLP/gRPC receiver, a
+//! decision produces a span that carries the caller's trace id.
+
+mod common;
+
+use std::{
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use common::{Rules, free_port, request};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+    trace_service_server::{TraceService, TraceServiceServer},
+};
+use ratelimitd::api::pb::rate_limiter_client::RateLimiterClient;
+
+/// Keeps every export it receives.
+#[derive(Clone, Default)]
+struct Receiver(Arc<Mutex<Vec<ExportTraceServiceRequest>>>);
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.0.lock().unwrap().push(request.into_inner());
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decision_span_carries_the_incoming_trace_id() {
+    // The receiver.
+    let receiver = Receiver::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let otlp_port = listener.local_addr().unwrap().port();
+    let (stop_receiver, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(receiver.clone()))
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener),
+                async move {
+                    let _ = stopped.await;
+                },
+            ),
+    );
+
+    // The real binary, exporting to it.
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: traced, resource_path: /traced, limit: 10, window_seconds: 60 }\n",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .arg("serve")
+        .env_remove("RUST_LOG")
+        .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
+        .env("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{}", free_port()))
+        .env("RATELIMITD__RULES__PATH", rules.path())
+        .env("RATELIMITD__SHED__MODE", "off")
+        .env("RATELIMITD__DLQ__FILE", dir.path().join("dlq.jsonl"))
+        .env("RATELIMITD__TELEMETRY__OTLP_ENDPOINT", format!("http://127.0.0.1:{otlp_port}"))
+        .env("RATELIMITD__LOG__FORMAT", "json")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut client = loop {
+        match RateLimiterClient::connect(endpoint.clone()).await {
+            Ok(c) => break c,
+            Err(e) if Instant::now() > deadline => panic!("{e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut call = tonic::Request::new(request("alice", "/traced"));
+    call.metadata_mut().insert("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap());
+    assert!(client.check(call).await.unwrap().into_inner().allowed);
+
+    // SIGTERM: the exporter flushes on the way out.
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "no exit after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let spans: Vec<_> = receiver
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.resource_spans.iter())
+        .flat_map(|r| r.scope_spans.iter())
+        .flat_map(|s| s.spans.iter())
+        .cloned()
+        .collect();
+    let expected =
+        (0..16).map(|i| u8::from_str_radix(&trace_id[2 * i..2 * i + 2], 16).unwrap()).collect::<Vec<_>>();
+    let check = spans
+        .iter()
+        .find(|s| s.name == "ratelimit.check")
+        .unwrap_or_else(|| panic!("no decision span in {spans:#?}"));
+    assert_eq!(check.trace_id, expected, "the decision span continues the caller's trace");
+    let parent = (0..8)
+        .map(|i| u8::from_str_radix(&"00f067aa0ba902b7"[2 * i..2 * i + 2], 16).unwrap())
+        .collect::<Vec<_>>();
+    assert_eq!(check.parent_span_id, parent);
+    let attributes: Vec<String> = check.attributes.iter().map(|a| a.key.clone()).collect();
+    for key in ["rule", "reason", "allowed"] {
+        assert!(attributes.iter().any(|a| a == key), "{key} not in {attributes:?}");
+    }
+    let store = spans.iter().find(|s| s.name == "store.decide").expect("a store span");
+    assert_eq!((store.trace_id.clone(), store.parent_span_id.clone()), (expected, check.span_id.clone()));
+
+    let _ = stop_receiver.send(());
+    serving.await.unwrap().unwrap();
+}
