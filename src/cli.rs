@@ -46,6 +46,15 @@ pub enum Command {
     Migrate,
     /// Read failed-decision records from the dead-letter topic (or a file), filter and summarise.
     Audit(AuditArgs),
+    /// GET a health endpoint of a running service; exit 0 on HTTP 200 (for container HEALTHCHECKs).
+    Probe {
+        /// host:port of the HTTP listener (http.listen).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        addr: String,
+        /// /healthz (alive) or /readyz (ready).
+        #[arg(long, default_value = "/healthz")]
+        path: String,
+    },
 }
 
 /// `ratelimitd audit …`
@@ -308,6 +317,33 @@ pub fn audit(args: AuditArgs, config: &Config) -> ExitCode {
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("audit: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Runs `ratelimitd probe`: 0 when `path` on `addr` answers 200, 1 otherwise.
+pub fn probe(addr: &str, path: &str) -> ExitCode {
+    use std::io::Read;
+    let fetched = (|| -> std::io::Result<String> {
+        let addr: std::net::SocketAddr = addr
+            .parse()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{addr}: {e}")))?;
+        let mut stream = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(2))?;
+        stream.set_read_timeout(Some(std::time::Duration::from_secs(2)))?;
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        Ok(response)
+    })();
+    match fetched {
+        Ok(response) if response.starts_with("HTTP/1.1 200") => ExitCode::SUCCESS,
+        Ok(response) => {
+            eprintln!("{}", response.lines().next().unwrap_or("empty response"));
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("probe {addr}{path}: {e}");
             ExitCode::from(1)
         }
     }

@@ -30,6 +30,7 @@ fn main() -> ExitCode {
             Ok(config) => runtime().map_or_else(report, |rt| rt.block_on(cli::migrate(&config))),
             Err(code) => code,
         },
+        Command::Probe { addr, path } => cli::probe(&addr, &path),
         Command::Audit(args) => match load_config(cli.config.as_deref()) {
             Ok(config) => cli::audit(args, &config),
             Err(code) => code,

@@ -1,0 +1,215 @@
+//! The compose stack and the image cannot be started on these machines, so
+//! their files are checked against the service itself: every `RATELIMITD__*`
+//! variable is a configuration key with a valid value, every port and path
+//! exists, the HEALTHCHECK runs a real subcommand, and the Grafana dashboard
+//! is valid JSON with a panel for every metric family the service exports.
+
+mod common;
+
+use std::{collections::HashMap, path::Path, process::Command};
+
+use common::{Rules, TestServer, config, http_get};
+use ratelimitd::config::Config;
+use serde_yaml::Value;
+
+fn repo(path: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+fn compose() -> Value {
+    serde_yaml::from_str(&std::fs::read_to_string(repo("docker-compose.yml")).unwrap()).unwrap()
+}
+
+fn dockerfile() -> String {
+    std::fs::read_to_string(repo("Dockerfile")).unwrap()
+}
+
+/// The environment of a compose service, as strings.
+fn environment(service: &Value) -> HashMap<String, String> {
+    service["environment"]
+        .as_mapping()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| {
+                    let value = match v {
+                        Value::String(s) => s.clone(),
+                        Value::Number(n) => n.to_string(),
+                        Value::Bool(b) => b.to_string(),
+                        other => panic!("unexpected value {other:?}"),
+                    };
+                    (k.as_str().unwrap().to_owned(), value)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `/etc/ratelimitd/examples/…` in the image is `examples/…` in the repository
+/// (the Dockerfile's `COPY examples /etc/ratelimitd/examples`).
+fn image_path_to_repo(path: &str) -> std::path::PathBuf {
+    assert!(dockerfile().contains("COPY examples /etc/ratelimitd/examples"));
+    let rest = path
+        .strip_prefix("/etc/ratelimitd/examples/")
+        .unwrap_or_else(|| panic!("{path} is not under the copied examples"));
+    repo(&format!("examples/{rest}"))
+}
+
+#[test]
+fn compose_environment_is_real_configuration() {
+    let compose = compose();
+    let services = compose["services"].as_mapping().unwrap();
+    let mut checked = 0;
+    for (name, service) in services {
+        let env: HashMap<String, String> =
+            environment(service).into_iter().filter(|(k, _)| k.starts_with("RATELIMITD__")).collect();
+        if env.is_empty() {
+            continue;
+        }
+        checked += env.len();
+        // Unknown keys and bad values are rejected by the service's own loader.
+        let config = Config::load(None, env.clone()).unwrap_or_else(|e| panic!("service {name:?}: {e}"));
+        if let Some(path) = env.get("RATELIMITD__RULES__PATH") {
+            assert_eq!(config.rules.path, Path::new(path));
+            ratelimitd::rules::load(&image_path_to_repo(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+        }
+        if let Some(path) = env.get("RATELIMITD__RULES__ENVOY_PATH") {
+            ratelimitd::rules::envoy::load_sliding(&image_path_to_repo(path))
+                .unwrap_or_else(|e| panic!("{path}: {e}"));
+        }
+        if let Some(endpoint) = &config.telemetry.otlp_endpoint {
+            let collector = std::fs::read_to_string(repo("deploy/otel-collector.yaml")).unwrap();
+            let port = endpoint.rsplit(':').next().unwrap();
+            assert!(
+                collector.contains(&format!("0.0.0.0:{port}")),
+                "the collector does not listen on {port}"
+            );
+            assert!(endpoint.contains("otel-collector"), "{endpoint}");
+        }
+        if let Some(brokers) = &config.dlq.kafka.brokers {
+            assert_eq!(brokers, "kafka:9092");
+            let kafka = environment(&services[&Value::from("kafka")]);
+            assert!(kafka["KAFKA_ADVERTISED_LISTENERS"].contains("kafka:9092"));
+        }
+        if let Some(url) = &config.redis.url {
+            assert!(
+                services.contains_key(&Value::from("redis")) && url.starts_with("redis://redis:"),
+                "{url}"
+            );
+        }
+    }
+    assert!(checked >= 10, "only {checked} variables checked");
+}
+
+#[test]
+fn compose_ports_and_files_exist() {
+    let compose = compose();
+    let services = compose["services"].as_mapping().unwrap();
+    let defaults = Config::default();
+    let grpc_port = defaults.grpc_addr().port();
+    let http_port = defaults.http_addr().port();
+    let ports: Vec<String> = services[&Value::from("ratelimitd")]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap().to_owned())
+        .collect();
+    assert!(ports.contains(&format!("{grpc_port}:{grpc_port}")), "{ports:?}");
+    assert!(ports.contains(&format!("{http_port}:{http_port}")), "{ports:?}");
+    let prometheus = std::fs::read_to_string(repo("deploy/prometheus.yml")).unwrap();
+    assert!(prometheus.contains(&format!("ratelimitd:{http_port}")), "Prometheus scrapes another port");
+    // Every bind mount of the repository exists.
+    for service in services.values() {
+        for volume in service["volumes"].as_sequence().into_iter().flatten() {
+            let volume = volume.as_str().unwrap();
+            if let Some(source) = volume.strip_prefix("./") {
+                let source = source.split(':').next().unwrap();
+                assert!(repo(source).exists(), "{volume}: {source} missing");
+            }
+        }
+    }
+}
+
+#[test]
+fn dockerfile_matches_the_service() {
+    let dockerfile = dockerfile();
+    let defaults = Config::default();
+    assert!(dockerfile.contains(&format!(
+        "EXPOSE {} {}",
+        defaults.grpc_addr().port(),
+        defaults.http_addr().port()
+    )));
+    // ENV keys are configuration keys with valid values.
+    let env_block = dockerfile.split("ENV ").nth(1).unwrap().split("\nUSER").next().unwrap();
+    let env: HashMap<String, String> = env_block
+        .split_whitespace()
+        .filter(|t| *t != "\\")
+        .map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap();
+            (k.to_owned(), v.to_owned())
+        })
+        .collect();
+    assert!(env.len() >= 3);
+    let config = Config::load(None, env.clone()).unwrap();
+    ratelimitd::rules::load(&image_path_to_repo(env["RATELIMITD__RULES__PATH"].as_str())).unwrap();
+    assert!(
+        config.dlq.file.starts_with("/var/lib/ratelimitd")
+            && config.dlq.spool_dir.starts_with("/var/lib/ratelimitd")
+    );
+    assert!(dockerfile.contains("--home-dir /var/lib/ratelimitd"), "the data directory is the user's home");
+    assert!(dockerfile.contains("USER ratelimitd"), "not root");
+    // The HEALTHCHECK runs the binary's own probe against http.listen.
+    let probe = format!("127.0.0.1:{}", defaults.http_addr().port());
+    assert!(
+        dockerfile
+            .contains(&format!(r#"CMD ["ratelimitd", "probe", "--addr", "{probe}", "--path", "/healthz"]"#))
+    );
+    let help = Command::new(env!("CARGO_BIN_EXE_ratelimitd")).args(["probe", "--help"]).output().unwrap();
+    assert!(help.status.success());
+}
+
+/// The probe subcommand the HEALTHCHECK uses works against a real server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probe_reports_health() {
+    let rules = Rules::new("rules: []\n");
+    let server = TestServer::start(config(&rules.path(), None)).await;
+    let addr = server.http_addr.to_string();
+    let probe = |path: &str| {
+        Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+            .args(["probe", "--addr", &addr, "--path", path])
+            .status()
+            .unwrap()
+    };
+    assert!(probe("/healthz").success());
+    assert!(!probe("/nope").success());
+    server.stop().await.unwrap();
+    assert!(!probe("/healthz").success(), "nothing listens any more");
+}
+
+/// The dashboard is valid JSON and has a panel for every metric family.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_covers_every_metric_family() {
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo("deploy/grafana/dashboards/ratelimitd.json")).unwrap(),
+    )
+    .expect("valid dashboard JSON");
+    let exprs: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().iter().map(|t| t["expr"].as_str().unwrap().to_owned()))
+        .collect();
+    let rules = Rules::new("rules: []\n");
+    let server = TestServer::start(config(&rules.path(), None)).await;
+    let addr = server.http_addr;
+    let (_, scrape) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.unwrap();
+    server.stop().await.unwrap();
+    let families: Vec<&str> = scrape
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| l.split(' ').next().unwrap())
+        .collect();
+    assert!(families.len() >= 15, "{families:?}");
+    for family in families {
+        assert!(exprs.iter().any(|e| e.contains(family)), "no dashboard panel shows {family}");
+    }
+}
