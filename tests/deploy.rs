@@ -92,7 +92,7 @@ fn compose_environment_is_real_configuration() {
         }
         if let Some(url) = &config.redis.url {
             assert!(
-                services.contains_key(&Value::from("redis")) && url.starts_with("redis://redis:"),
+                services.contains_key(Value::from("redis")) && url.starts_with("redis://redis:"),
                 "{url}"
             );
         }
