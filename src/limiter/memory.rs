@@ -31,7 +31,8 @@ struct Entry {
 
 type Shard = HashMap<Arc<str>, HashMap<Box<str>, Entry>>;
 
-/// Sharded in-process counters.
+/// Sharded in-process counters. The maps keep std's SipHash: their keys are
+/// user ids, which clients choose, so a flooding-resistant hash matters here.
 #[derive(Debug)]
 pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,

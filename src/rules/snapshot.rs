@@ -4,13 +4,19 @@
 //! patterns from the longest down); at the same path, a rule for the request's
 //! client type beats a rule for any client. An exact path is one hash lookup;
 //! prefixes cost one hash lookup per distinct prefix length, not per rule.
+//! The maps use hashbrown's foldhash rather than std's SipHash: lookup plus
+//! the shedding check over 10,000 rules went from 104 ns to 46 ns
+//! (benches/hot_path.rs). Flooding is no concern here: the keys come from the
+//! configuration, so requests cannot plant colliding entries. (The memory
+//! store, whose keys are user ids, keeps SipHash for exactly that reason.)
 
 use std::{
-    collections::HashMap,
     fmt::Write as _,
     path::{Path, PathBuf},
     time::SystemTime,
 };
+
+use hashbrown::HashMap;
 
 use super::model::Rule;
 

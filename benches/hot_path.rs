@@ -1,0 +1,172 @@
+//! Criterion benches of the decision hot path, with a heap allocation count
+//! per operation (a counting global allocator wraps the system one).
+//!
+//!   cargo bench --bench hot_path
+//!
+//! Scenarios: request validation, rule lookup in a 10,000-rule snapshot plus
+//! the shedding check, the window arithmetic, one in-memory store decision,
+//! and a whole `Engine::check` on the in-memory store.
+
+use std::{alloc::System, collections::HashMap, hint::black_box, sync::Arc, time::Duration};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use ratelimitd::{
+    api::{pb, validate},
+    clock::SystemClock,
+    config::LimitsConfig,
+    decision::{CheckRequest, Engine},
+    dlq::LogSink,
+    limiter::{
+        MemoryStore, Store,
+        window::{self, Counts, WindowParams},
+    },
+    rules::{Priority, RuleStore},
+    shed::{Level, ShedMode, Shedder},
+    telemetry::Metrics,
+};
+use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+const RULES: usize = 10_000;
+
+/// 10,000 rules: 9,000 exact paths (some per client type) and 1,000 prefixes
+/// of varied lengths, loaded through the real YAML loader.
+fn snapshot() -> ratelimitd::rules::Snapshot {
+    let dir = std::env::temp_dir().join(format!("ratelimitd-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut yaml = String::from("rules:\n");
+    for i in 0..RULES {
+        let (path, client) = if i < 9_000 {
+            (
+                format!("/api/v1/service-{}/resource-{i}", i % 97),
+                if i % 3 == 0 { "ANDROID_MOBILE" } else { "" },
+            )
+        } else {
+            (format!("/static/{}{}*", "x".repeat(i % 40), i), "")
+        };
+        yaml += &format!("  - {{ rule_id: r{i}, resource_path: {path:?}, limit: 100, window_seconds: 60");
+        if !client.is_empty() {
+            yaml += &format!(", client_type: {client}");
+        }
+        yaml += " }\n";
+    }
+    let file = dir.join("rules.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    let snapshot = ratelimitd::rules::load(&file).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(snapshot.rules().len(), RULES);
+    snapshot
+}
+
+/// Runs `f` `n` times and returns the heap allocations per call.
+fn allocations_per_call(n: usize, mut f: impl FnMut()) -> f64 {
+    let region = Region::new(GLOBAL);
+    for _ in 0..n {
+        f();
+    }
+    region.change().allocations as f64 / n as f64
+}
+
+fn benches(c: &mut Criterion) {
+    let snapshot = snapshot();
+    let shedder = Shedder::new(ShedMode::Enforce, 1_000);
+    let paths: Vec<String> = (0..1_024)
+        .map(|i| match i % 4 {
+            0 => format!("/api/v1/service-{}/resource-{}", (i * 7) % 97, (i * 7) % 9_000),
+            1 => format!("/static/{}{}/file.css", "x".repeat((9_000 + i) % 40), 9_000 + i % 1_000),
+            2 => "/nowhere/at/all".to_owned(),
+            _ => format!("/api/v1/service-{}/resource-{}", i % 97, i % 9_000),
+        })
+        .collect();
+
+    let mut i = 0;
+    let lookup_and_shed = |i: &mut usize| {
+        let path = &paths[*i % paths.len()];
+        *i += 1;
+        let rule = snapshot.lookup(path, Some("ANDROID_MOBILE"));
+        let priority = rule.map_or(Priority::Degraded, |r| r.priority);
+        black_box(shedder.check(black_box(Level::Degraded), priority));
+        black_box(rule);
+    };
+    c.bench_function("lookup + shedding check, 10k rules", |b| b.iter(|| lookup_and_shed(&mut i)));
+    let allocs = allocations_per_call(100_000, || lookup_and_shed(&mut i));
+    println!("lookup + shedding check, 10k rules: {allocs} allocations per call");
+
+    let params = WindowParams::sliding(60_000, 6_000);
+    c.bench_function("window arithmetic (decide)", |b| {
+        b.iter(|| {
+            window::decide(
+                black_box(Counts { current: 4_000, previous: 3_000 }),
+                black_box(21_000),
+                1,
+                params,
+            )
+        })
+    });
+
+    let request = pb::RateLimitRequest {
+        user_id: "user-123456".to_owned(),
+        resource_path: "/api/v1/service-49/resource-49".to_owned(),
+        client_type: "ANDROID_MOBILE".to_owned(),
+        weight: 1,
+        priority: 2,
+        headers: HashMap::from([("x-request-id".to_owned(), "r-1".to_owned())]),
+    };
+    let metadata = tonic::metadata::MetadataMap::new();
+    let limits = LimitsConfig::default();
+    c.bench_function("request validation", |b| {
+        b.iter(|| black_box(validate(black_box(&request), &metadata, &limits)).is_ok())
+    });
+    let allocs = allocations_per_call(100_000, || {
+        black_box(validate(&request, &metadata, &limits).is_ok());
+    });
+    println!("request validation: {allocs} allocations per call");
+
+    let memory = Arc::new(MemoryStore::new(64, Arc::new(SystemClock)));
+    let rule = snapshot.lookup("/api/v1/service-49/resource-49", None).unwrap().clone();
+    let big = ratelimitd::rules::Rule { window: WindowParams::sliding(60_000, u64::MAX >> 40), ..rule };
+    c.bench_function("memory store decide (known counter)", |b| {
+        b.iter(|| memory.decide(black_box("user-1"), &big, 1))
+    });
+    let allocs = allocations_per_call(100_000, || {
+        black_box(memory.decide("user-1", &big, 1));
+    });
+    println!("memory store decide (known counter): {allocs} allocations per call");
+
+    // The whole decision path on the in-memory store (no gRPC).
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let engine = Engine::new(
+        Arc::new(RuleStore::new(snapshot)),
+        Store::Memory(Arc::clone(&memory)),
+        Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
+        Arc::new(LogSink::default()),
+        Priority::Degraded,
+        Arc::new(Metrics::new("memory")),
+    );
+    let headers = HashMap::new();
+    let check = CheckRequest {
+        user_id: "user-2",
+        resource_path: "/api/v1/service-49/resource-49",
+        client_type: None,
+        weight: 1,
+        priority: None,
+        headers: &headers,
+        trace_id: None,
+    };
+    c.bench_function("Engine::check, memory store", |b| {
+        b.iter(|| runtime.block_on(engine.check(black_box(&check))))
+    });
+    let allocs = allocations_per_call(100_000, || {
+        black_box(runtime.block_on(engine.check(&check)));
+    });
+    println!("Engine::check, memory store: {allocs} allocations per decision");
+}
+
+criterion_group! {
+    name = hot_path;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = benches
+}
+criterion_main!(hot_path);
