@@ -1,0 +1,345 @@
+//! `loadtest`: a gRPC load generator for ratelimitd's `Check` and Envoy's
+//! `ShouldRateLimit` (so it drives envoyproxy/ratelimit and limitador too).
+//!
+//! - Closed loop (`--concurrency N`): N callers, each sending its next request
+//!   when the previous one is answered.
+//! - Open loop (`--rate R`): requests are started at a fixed rate whatever
+//!   the answers do, and latency is measured from each request's *intended*
+//!   send time, so queueing in the client or the server is not hidden.
+//!
+//! Keys: one hot key, uniform over N users, or zipf over N users. Latency
+//! goes into an HDR histogram; the report has p50/p90/p99/p99.9/max,
+//! throughput, errors by gRPC code and, with `--target-pid`, the target's
+//! CPU time per decision (from `/proc/PID/stat`). A progress line on stderr
+//! while it runs; a JSON report and an SVG latency plot at the end.
+
+#![forbid(unsafe_code)]
+#![allow(clippy::print_stdout)] // the report is the program's output
+
+mod keys;
+mod report;
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use clap::Parser;
+use hdrhistogram::Histogram;
+use ratelimitd::api::{
+    envoy_pb::{
+        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+        rls::{RateLimitRequest as EnvoyRequest, rate_limit_service_client::RateLimitServiceClient},
+    },
+    pb::{self, rate_limiter_client::RateLimiterClient},
+};
+use tonic::transport::Channel;
+
+use crate::keys::{KeySpace, Rng};
+
+/// Load generator for ratelimitd.
+#[derive(Debug, Parser)]
+#[command(name = "loadtest", version, about)]
+struct Args {
+    /// Target gRPC address.
+    #[arg(long, default_value = "http://127.0.0.1:8081")]
+    target: String,
+    /// `check` (ratelimit.v1.RateLimiter/Check) or `envoy` (ShouldRateLimit).
+    #[arg(long, default_value = "check")]
+    api: String,
+    /// Closed loop: this many concurrent callers.
+    #[arg(long, conflicts_with = "rate")]
+    concurrency: Option<usize>,
+    /// Open loop: requests per second, started on schedule.
+    #[arg(long)]
+    rate: Option<u64>,
+    /// How long to run, in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// HTTP/2 connections the calls are spread over.
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// `hot`, `uniform:N` or `zipf:N:S` (S the exponent, e.g. 1.1).
+    #[arg(long, default_value = "hot")]
+    keys: String,
+    /// resource_path of Check requests.
+    #[arg(long, default_value = "/api/v1/playback")]
+    path: String,
+    /// Envoy domain; descriptors are (user=<key>).
+    #[arg(long, default_value = "edge")]
+    domain: String,
+    /// Request weight (Check) / hits_addend (Envoy).
+    #[arg(long, default_value_t = 1)]
+    weight: u32,
+    /// Priority mix for Check, e.g. `CRITICAL=1,BULK=3` (default: unspecified).
+    #[arg(long)]
+    priority_mix: Option<String>,
+    /// PID of the target process: report its CPU time per decision.
+    #[arg(long)]
+    target_pid: Option<u32>,
+    /// Write the JSON report here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Write an SVG latency plot here.
+    #[arg(long)]
+    svg: Option<std::path::PathBuf>,
+    /// Label for the report (e.g. `ratelimitd-redis`).
+    #[arg(long, default_value = "run")]
+    label: String,
+    /// Seed of the key and priority choices.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+/// Client of one of the two APIs over one channel.
+#[derive(Clone)]
+enum Client {
+    Check(RateLimiterClient<Channel>),
+    Envoy(RateLimitServiceClient<Channel>),
+}
+
+/// What every call needs to build its request.
+struct Plan {
+    keys: KeySpace,
+    path: String,
+    domain: String,
+    weight: u32,
+    priorities: Vec<(i32, u32)>,
+}
+
+impl Plan {
+    async fn call(&self, client: &mut Client, rng: &mut Rng) -> Result<bool, tonic::Code> {
+        let user = self.keys.pick(rng);
+        match client {
+            Client::Check(c) => {
+                let priority = pick_priority(&self.priorities, rng);
+                let request = pb::RateLimitRequest {
+                    user_id: user,
+                    resource_path: self.path.clone(),
+                    weight: self.weight,
+                    priority,
+                    ..Default::default()
+                };
+                c.check(request).await.map(|r| r.into_inner().allowed).map_err(|s| s.code())
+            }
+            Client::Envoy(c) => {
+                let request = EnvoyRequest {
+                    domain: self.domain.clone(),
+                    descriptors: vec![RateLimitDescriptor {
+                        entries: vec![Entry { key: "user".to_owned(), value: user }],
+                        ..Default::default()
+                    }],
+                    hits_addend: self.weight,
+                };
+                c.should_rate_limit(request)
+                    .await
+                    .map(|r| r.into_inner().overall_code == 1)
+                    .map_err(|s| s.code())
+            }
+        }
+    }
+}
+
+fn pick_priority(mix: &[(i32, u32)], rng: &mut Rng) -> i32 {
+    let total: u32 = mix.iter().map(|(_, w)| w).sum();
+    if total == 0 {
+        return 0;
+    }
+    let mut roll = (rng.next() % u64::from(total)) as u32;
+    for (priority, weight) in mix {
+        if roll < *weight {
+            return *priority;
+        }
+        roll -= weight;
+    }
+    0
+}
+
+fn parse_priorities(text: Option<&str>) -> anyhow::Result<Vec<(i32, u32)>> {
+    let Some(text) = text else { return Ok(Vec::new()) };
+    text.split(',')
+        .map(|part| {
+            let (name, weight) = part.split_once('=').context("--priority-mix: expected NAME=WEIGHT")?;
+            let priority = pb::PriorityBucket::from_str_name(name)
+                .with_context(|| format!("--priority-mix: unknown {name}"))?;
+            Ok((priority as i32, weight.parse().context("--priority-mix: weight")?))
+        })
+        .collect()
+}
+
+/// Shared counters of a run.
+#[derive(Default)]
+struct Tally {
+    sent: AtomicU64,
+    allowed: AtomicU64,
+    denied: AtomicU64,
+    errors: Mutex<BTreeMap<String, u64>>,
+    latency: Mutex<Option<Histogram<u64>>>,
+}
+
+impl Tally {
+    fn record(&self, outcome: Result<bool, tonic::Code>, latency: Duration, local: &mut Histogram<u64>) {
+        self.count(outcome);
+        let _ = local.record(nanos(latency));
+    }
+
+    fn count(&self, outcome: Result<bool, tonic::Code>) {
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        match outcome {
+            Ok(true) => self.allowed.fetch_add(1, Ordering::Relaxed),
+            Ok(false) => self.denied.fetch_add(1, Ordering::Relaxed),
+            Err(code) => {
+                *self.errors.lock().unwrap().entry(format!("{code:?}")).or_default() += 1;
+                0
+            }
+        };
+    }
+
+    fn merge(&self, local: &Histogram<u64>) {
+        let mut merged = self.latency.lock().unwrap();
+        match merged.as_mut() {
+            Some(h) => h.add(local).expect("same bounds"),
+            None => *merged = Some(local.clone()),
+        }
+    }
+}
+
+fn nanos(latency: Duration) -> u64 {
+    u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX).max(1)
+}
+
+fn histogram() -> Histogram<u64> {
+    // 1 ns .. 60 s, 3 significant digits.
+    Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("valid bounds")
+}
+
+/// User + system CPU time of `pid`, in seconds.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat =
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("/proc/{pid}/stat"))?;
+    // Fields after the command name, which is in parentheses and may contain spaces.
+    let after = stat.rsplit_once(')').context("malformed stat")?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 =
+        fields.get(11).context("utime")?.parse::<u64>()? + fields.get(12).context("stime")?.parse::<u64>()?;
+    // USER_HZ is 100 on Linux for every architecture this runs on.
+    Ok(ticks as f64 / 100.0)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let keys: KeySpace = args.keys.parse().map_err(anyhow::Error::msg)?;
+    let plan = Arc::new(Plan {
+        keys,
+        path: args.path.clone(),
+        domain: args.domain.clone(),
+        weight: args.weight,
+        priorities: parse_priorities(args.priority_mix.as_deref())?,
+    });
+    let mut clients = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections.max(1) {
+        let channel = tonic::transport::Endpoint::from_shared(args.target.clone())?
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .with_context(|| format!("cannot connect to {}", args.target))?;
+        clients.push(match args.api.as_str() {
+            "check" => Client::Check(RateLimiterClient::new(channel)),
+            "envoy" => Client::Envoy(RateLimitServiceClient::new(channel)),
+            other => anyhow::bail!("--api {other}: expected check or envoy"),
+        });
+    }
+
+    let duration = Duration::from_secs_f64(args.duration);
+    let tally = Arc::new(Tally::default());
+    let running = Arc::new(AtomicBool::new(true));
+    let cpu_before = args.target_pid.map(cpu_seconds).transpose()?;
+    let started = Instant::now();
+    let progress =
+        tokio::spawn(report::progress(Arc::clone(&tally), started, duration, Arc::clone(&running)));
+
+    let mut workers = Vec::new();
+    match (args.concurrency, args.rate) {
+        (Some(concurrency), None) => {
+            for worker in 0..concurrency.max(1) {
+                let (plan, tally, running) = (Arc::clone(&plan), Arc::clone(&tally), Arc::clone(&running));
+                let mut client = clients[worker % clients.len()].clone();
+                let mut rng = Rng::new(args.seed ^ (worker as u64 + 1));
+                workers.push(tokio::spawn(async move {
+                    let mut local = histogram();
+                    while running.load(Ordering::Relaxed) && started.elapsed() < duration {
+                        let sent = Instant::now();
+                        let outcome = plan.call(&mut client, &mut rng).await;
+                        tally.record(outcome, sent.elapsed(), &mut local);
+                    }
+                    tally.merge(&local);
+                }));
+            }
+        }
+        (None, Some(rate)) => {
+            // One scheduler; each request its own task, timed from its intended start.
+            let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
+            let mut rng = Rng::new(args.seed);
+            let in_flight = Arc::new(tokio::sync::Semaphore::new(100_000));
+            let mut i: u64 = 0;
+            // Tasks report only their latency; one collector owns the histogram.
+            let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<u64>();
+            let collector = tokio::spawn(async move {
+                let mut all = histogram();
+                while let Some(ns) = done_rx.recv().await {
+                    let _ = all.record(ns);
+                }
+                all
+            });
+            loop {
+                let intended = started + interval.mul_f64(i as f64);
+                if intended.duration_since(started) >= duration {
+                    break;
+                }
+                tokio::time::sleep_until(intended.into()).await;
+                let permit = Arc::clone(&in_flight).acquire_owned().await.expect("semaphore open");
+                let (plan, tally, done) = (Arc::clone(&plan), Arc::clone(&tally), done_tx.clone());
+                let mut client = clients[(i as usize) % clients.len()].clone();
+                let mut task_rng = Rng::new(rng.next());
+                tokio::spawn(async move {
+                    let outcome = plan.call(&mut client, &mut task_rng).await;
+                    tally.count(outcome);
+                    let _ = done.send(nanos(intended.elapsed()));
+                    drop(permit);
+                });
+                i += 1;
+            }
+            drop(done_tx);
+            tally.merge(&collector.await?);
+        }
+        _ => anyhow::bail!("give exactly one of --concurrency (closed loop) or --rate (open loop)"),
+    }
+    for worker in workers {
+        worker.await?;
+    }
+    let elapsed = started.elapsed();
+    running.store(false, Ordering::Relaxed);
+    progress.await?;
+    let cpu = match (args.target_pid, cpu_before) {
+        (Some(pid), Some(before)) => Some(cpu_seconds(pid)? - before),
+        _ => None,
+    };
+    let report =
+        report::Report::build(&args.label, &args.api, &tally, elapsed, cpu, args.rate, args.concurrency);
+    println!("{}", report.text());
+    if let Some(path) = &args.json {
+        std::fs::write(path, report.json()).with_context(|| path.display().to_string())?;
+    }
+    if let Some(path) = &args.svg {
+        let latency = tally.latency.lock().unwrap();
+        std::fs::write(path, report::svg(&args.label, latency.as_ref().expect("a histogram")))
+            .with_context(|| path.display().to_string())?;
+    }
+    Ok(())
+}
