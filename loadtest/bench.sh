@@ -8,7 +8,9 @@
 #   LIMITADOR_DIR=/path/to/limitador loadtest/bench.sh
 #
 # LIMITADOR_DIR: a checkout of Kuadrant/limitador OUTSIDE this repository,
-# built with `cargo build --release -p limitador-server` (never vendored).
+# built with `cargo build --release -p limitador-server` (never vendored;
+# it needs libclang and protoc: PROTOC can point at the protoc that this
+# project's build fetched with protoc-bin-vendored).
 # DURATION (s, default 10), CONCURRENCY (default 64), KEYS (default hot),
 # CONNECTIONS (default 4) tune the load.
 set -euo pipefail
@@ -77,7 +79,8 @@ run() { # label, then the command starting the target on $PORT
 }
 
 ratelimitd_env() {
-  env RATELIMITD__GRPC__LISTEN="127.0.0.1:$PORT" RATELIMITD__HTTP__LISTEN="127.0.0.1:$(free_port)" \
+  # exec: the measured PID must be the service's, not a wrapper's.
+  exec env RATELIMITD__GRPC__LISTEN="127.0.0.1:$PORT" RATELIMITD__HTTP__LISTEN="127.0.0.1:$(free_port)" \
     RATELIMITD__RULES__PATH="$WORK/native.yaml" RATELIMITD__RULES__ENVOY_PATH="$WORK/envoy" \
     RATELIMITD__SHED__MODE=off RATELIMITD__DLQ__FILE="$WORK/dlq.jsonl" RUST_LOG=warn "$@"
 }
