@@ -139,10 +139,7 @@ impl RedisServer {
 
     /// Kills the process (SIGKILL) and waits for it: Redis is gone, abruptly.
     pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        kill(&mut self.child);
     }
 
     /// Starts it again on the same port, empty.
@@ -170,6 +167,14 @@ impl Drop for RedisServer {
     }
 }
 
+/// Kills a child process by PID (SIGKILL), if running, and reaps it.
+fn kill(child: &mut Option<Child>) {
+    if let Some(mut child) = child.take() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
 /// Waits until `ready()` says the child serves. `None` if it exited first
 /// (most likely its port was taken meanwhile) or never became ready, in
 /// which case it is killed.
@@ -184,8 +189,7 @@ fn wait_ready(mut child: Child, timeout: Duration, ready: impl Fn() -> bool) -> 
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    kill(&mut Some(child));
     None
 }
 
@@ -633,10 +637,7 @@ impl Broker {
 
     /// Kills the broker (SIGKILL): Kafka is gone, abruptly.
     pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        kill(&mut self.child);
     }
 
     /// Starts it again on the same port with the same data.
