@@ -103,11 +103,6 @@ impl Shedder {
         Some(f64::from_bits(self.utilization.load(Ordering::Relaxed))).filter(|u| !u.is_nan())
     }
 
-    /// The mode.
-    pub fn mode(&self) -> ShedMode {
-        self.mode
-    }
-
     /// Decides whether a request of `priority` is shed at `level` (the
     /// level the caller read once for the whole decision), and counts it.
     pub fn check(&self, level: Level, priority: Priority) -> ShedVerdict {
