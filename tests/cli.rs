@@ -146,10 +146,10 @@ fn rules_validate_reports_file_rule_and_field() {
     );
 
     // The example rules shipped with the repository are valid.
-    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/rules");
+    let examples = common::repo_path("examples/rules");
     let output = ratelimitd(&["rules", "validate", examples.to_str().unwrap()], &[]);
     assert!(output.status.success(), "{}", stderr(&output));
-    let envoy = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/ratelimit");
+    let envoy = common::repo_path("examples/envoy/ratelimit");
     let output = ratelimitd(&["rules", "validate", "--envoy", envoy.to_str().unwrap()], &[]);
     assert!(output.status.success(), "{}", stderr(&output));
     assert!(stdout(&output).contains("ok, 1 domains"), "{}", stdout(&output));

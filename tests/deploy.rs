@@ -13,7 +13,7 @@ use ratelimitd::config::Config;
 use serde_yaml::Value;
 
 fn repo(path: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+    common::repo_path(path)
 }
 
 fn compose() -> Value {

@@ -62,9 +62,7 @@ fn envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) 
     let envoy = envoy_path();
     assert!(envoy.exists(), "{} not found: run scripts/install-tools", envoy.display());
     let (listen, admin) = (free_port(), free_port());
-    let example =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/envoy.yaml"))
-            .unwrap();
+    let example = std::fs::read_to_string(common::repo_path("examples/envoy/envoy.yaml")).unwrap();
     let yaml = example
         .replace("port_value: 10000", &format!("port_value: {listen}"))
         .replace("port_value: 8000", &format!("port_value: {upstream_port}"))
@@ -123,7 +121,7 @@ async fn stack(tune: impl FnOnce(&mut ratelimitd::config::Config)) -> Stack {
     let redis = RedisServer::start();
     let native = Rules::new("rules: []\n");
     let mut cfg = config(&native.path(), Some(redis.url()));
-    cfg.rules.envoy_path = Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/ratelimit"));
+    cfg.rules.envoy_path = Some(common::repo_path("examples/envoy/ratelimit"));
     cfg.redis.timeout_ms = 200;
     tune(&mut cfg);
     let server = TestServer::start(cfg).await;

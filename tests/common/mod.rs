@@ -81,6 +81,16 @@ fn which(program: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// A file of this repository. Read from the test's environment at run
+/// time, not baked in at compile time: CI shares one target directory
+/// between clones at different paths, and a test binary built in one clone
+/// must not read another clone's files.
+pub fn repo_path(relative: &str) -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+        .join(relative)
+}
+
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
     StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
