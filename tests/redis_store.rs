@@ -1,6 +1,7 @@
 //! Black-box tests of what only the Redis store has: the key layout, the
-//! script called by SHA, sharing one Redis between instances, pipelining on
-//! few connections, and answering by failure policy when Redis goes away.
+//! script called by SHA, sharing one Redis between instances, coalescing
+//! concurrent decisions on few connections, and answering by failure policy
+//! when Redis goes away.
 
 mod common;
 
@@ -88,10 +89,10 @@ async fn two_instances_sharing_one_redis_admit_exactly_the_limit() {
     b.stop().await.unwrap();
 }
 
-/// 64 concurrent decisions share one connection (pipelined), rather than
-/// each needing a connection or waiting for the others' round trips.
+/// 64 concurrent decisions share one connection (coalesced into few script
+/// calls), rather than each needing a connection of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_decisions_are_pipelined_on_one_connection() {
+async fn concurrent_decisions_share_one_connection() {
     let redis = RedisServer::start();
     let rules = Rules::new(RULES);
     let mut cfg = config(&rules.path(), Some(redis.url()));
@@ -232,4 +233,93 @@ async fn slow_redis_answers_by_failure_policy_at_the_deadline() {
     // Two 50 ms deadlines; well under the 1 s pause they would otherwise wait out.
     assert!(elapsed < Duration::from_millis(900), "answers waited for Redis: {elapsed:?}");
     server.stop().await.unwrap();
+}
+
+fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
+    use ratelimitd::{
+        limiter::WindowParams,
+        rules::{FailurePolicy, Mode, Priority, Rule},
+    };
+    Rule {
+        id: "hot".into(),
+        resource_path: "/hot".to_owned(),
+        client_type: None,
+        priority: Priority::Degraded,
+        limit,
+        burst_capacity: 1.0,
+        window: WindowParams::sliding(86_400_000, limit),
+        mode: Mode::Enforce,
+        failure_policy: FailurePolicy::Open,
+        source: std::path::Path::new("t.yaml").into(),
+    }
+}
+
+async fn evalsha_calls(redis: &RedisServer) -> u64 {
+    let stats = redis.info_field("commandstats", "cmdstat_evalsha").await.unwrap_or_default();
+    stats.strip_prefix("calls=").and_then(|s| s.split(',').next()).map_or(0, |n| n.parse().unwrap())
+}
+
+/// Decisions that queue while a connection is busy reach Redis as one script
+/// call, in arrival order, and stay exact. On a single-threaded runtime,
+/// `join_all` queues all 300 jobs before the dispatcher first runs, so the
+/// batches are exactly 256 (MAX_BATCH) and 44: two EVALSHAs for 300
+/// decisions, and the 100 admitted are the first 100, counting down.
+#[tokio::test(flavor = "current_thread")]
+async fn queued_decisions_are_coalesced_into_one_script_call() {
+    let redis = RedisServer::start();
+    let config = ratelimitd::config::RedisConfig { connections: 1, timeout_ms: 5_000, ..Default::default() };
+    let store = ratelimitd::limiter::RedisStore::new(&config, &redis.url()).unwrap();
+    store.warm_up(Duration::from_secs(5)).await.unwrap();
+    let rule = hot_rule(100);
+    let before = evalsha_calls(&redis).await;
+
+    let verdicts = futures_util::future::join_all((0..300).map(|_| store.decide("ann", &rule, 1))).await;
+
+    assert_eq!(evalsha_calls(&redis).await - before, 2, "300 queued decisions, 2 script calls");
+    let verdicts: Vec<_> = verdicts.into_iter().map(Result::unwrap).collect();
+    assert!(verdicts[..100].iter().all(|v| v.admitted));
+    assert!(verdicts[100..].iter().all(|v| !v.admitted));
+    let remaining: Vec<u64> = verdicts[..100].iter().map(|v| v.remaining).collect();
+    assert_eq!(remaining, (0..100).rev().collect::<Vec<_>>());
+    let mut conn = redis.client().await;
+    let count: u64 = conn.hget("rl:{ann}:hot", "c").await.unwrap();
+    assert_eq!(count, 100);
+}
+
+/// In one batch, a multi-counter job that one counter denies writes nothing,
+/// and the jobs after it see exactly what the jobs before it committed.
+#[tokio::test(flavor = "current_thread")]
+async fn a_denied_job_in_a_batch_writes_nothing() {
+    use ratelimitd::limiter::{ManyItem, WindowParams};
+    let redis = RedisServer::start();
+    let config = ratelimitd::config::RedisConfig { connections: 1, timeout_ms: 5_000, ..Default::default() };
+    let store = ratelimitd::limiter::RedisStore::new(&config, &redis.url()).unwrap();
+    store.warm_up(Duration::from_secs(5)).await.unwrap();
+    let item = |key: &str, capacity: u64, weight: u64| ManyItem {
+        key: key.to_owned(),
+        params: WindowParams::sliding(60_000, capacity),
+        tick_ms: 1,
+        weight,
+        shadow: false,
+    };
+    let first = [item("a", 10, 4), item("b", 10, 4)];
+    // b would reach 4 + 7 = 11 > 10: denied, so a gets nothing either.
+    let denied = [item("a", 10, 1), item("b", 10, 7)];
+    let third = [item("a", 10, 6), item("b", 10, 6)];
+    let before = evalsha_calls(&redis).await;
+    let (first, denied, third) = tokio::join!(
+        store.decide_many("g", &first),
+        store.decide_many("g", &denied),
+        store.decide_many("g", &third)
+    );
+    assert_eq!(evalsha_calls(&redis).await - before, 1, "one batch");
+    let (first, denied, third) = (first.unwrap(), denied.unwrap(), third.unwrap());
+    assert!(first.committed && !denied.committed && third.committed);
+    assert!(denied.verdicts[0].admitted && !denied.verdicts[1].admitted);
+    assert_eq!([third.verdicts[0].remaining, third.verdicts[1].remaining], [0, 0]);
+    let mut conn = redis.client().await;
+    for key in ["rle:{g}:a", "rle:{g}:b"] {
+        let count: u64 = conn.hget(key, "c").await.unwrap();
+        assert_eq!(count, 10, "{key}");
+    }
 }

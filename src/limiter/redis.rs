@@ -1,15 +1,22 @@
-//! The Redis counter store: one Lua script (`scripts/decide.lua`), called by
-//! SHA and reloaded on NOSCRIPT, one hash per `(user, rule)` at
-//! `rl:{<user_id>}:<rule_id>`.
+//! The Redis counter store: one Lua script (`scripts/decide_batch.lua`),
+//! called by SHA and reloaded on NOSCRIPT; one hash per counter, at
+//! `rl:{<user_id>}:<rule_id>` (Check) or `rle:{<domain>}:<key>` (Envoy).
 //!
-//! Connections come from a deadpool-redis pool, but a decision does not check
-//! one out exclusively: each of `redis.connections` slots keeps one pooled
-//! multiplexed connection, and concurrent decisions share it, so their
-//! EVALSHAs are pipelined on the wire instead of waiting for each other's
-//! round trip. (An exclusive checkout per call would serialise callers per
-//! connection, and deadpool-redis' recycle check PINGs Redis on every checkout
-//! — a second round trip per decision.) A slot whose connection breaks is
-//! emptied and refilled from the pool, which health-checks what it hands out.
+//! Decisions are coalesced. Each of `redis.connections` slots has one
+//! dispatcher task that owns a connection: a decision queues a job on a
+//! slot and awaits its answer; the dispatcher sends everything queued as
+//! one script call, and whatever arrives while that call is in flight
+//! becomes the next call. An idle service therefore sends a lone decision
+//! at once, and a busy one pays Redis' per-command costs (parsing, script
+//! start, TIME, the round trip, the syscalls on both ends) once per batch
+//! instead of once per decision, and reads and writes a hot counter once
+//! per batch. Jobs in a batch run in order inside one atomic script, so the
+//! result is exactly that of running them one after another.
+//!
+//! Connections come from a deadpool-redis pool, which creates them under
+//! `redis.connect_timeout_ms` and health-checks (PINGs) one before handing
+//! it out again; a dispatcher whose call failed on the connection returns
+//! it and takes a fresh one for its next batch.
 
 use std::{
     sync::{
@@ -19,9 +26,9 @@ use std::{
     time::Duration,
 };
 
-use arc_swap::ArcSwapOption;
 use deadpool_redis::{Pool, PoolError, Runtime};
-use redis::{AsyncConnectionConfig, RedisError, aio::MultiplexedConnection};
+use redis::{AsyncConnectionConfig, RedisError};
+use tokio::sync::{mpsc, oneshot};
 
 use super::{
     FailureKind, ManyItem, ManyOutcome, StoreError, many_verdicts,
@@ -29,18 +36,50 @@ use super::{
 };
 use crate::{config::RedisConfig, config::redact_url, rules::Rule};
 
-const DECIDE_LUA: &str = include_str!("scripts/decide.lua");
-const DECIDE_MANY_LUA: &str = include_str!("scripts/decide_many.lua");
+const DECIDE_BATCH_LUA: &str = include_str!("scripts/decide_batch.lua");
 
-type Slot = ArcSwapOption<deadpool_redis::Connection>;
+/// Most jobs in one script call. Bounds the time one call holds Redis (a
+/// script blocks every other client while it runs): at ~1 µs of Lua per key,
+/// 256 single-key jobs hold it for about a quarter of a millisecond.
+const MAX_BATCH: usize = 256;
+
+/// Most jobs waiting per slot. A job waits at most `redis.timeout_ms`, so
+/// the queue only fills when Redis is far slower than the offered load; a
+/// decision that finds it full is answered at once by its failure policy
+/// (`pool_exhausted`) instead of queueing without bound.
+const QUEUE_PER_SLOT: usize = 4_096;
+
+/// Per counter: W in ticks, capacity, weight, tick length in ms, flags
+/// (1 = sliding, 2 = shadow) — the script's five arguments.
+type KeyArgs = [u64; 5];
+
+/// One decision waiting for its batch.
+struct Job {
+    keys: JobKeys,
+    reply: oneshot::Sender<Result<Vec<u64>, StoreError>>,
+}
+
+/// A job's counters. `One` spares the single-key Check path a vector.
+enum JobKeys {
+    One([(String, KeyArgs); 1]),
+    Many(Vec<(String, KeyArgs)>),
+}
+
+impl JobKeys {
+    fn as_slice(&self) -> &[(String, KeyArgs)] {
+        match self {
+            JobKeys::One(key) => key,
+            JobKeys::Many(keys) => keys,
+        }
+    }
+}
 
 /// Counters in one Redis server.
 pub struct RedisStore {
     pool: Pool,
-    slots: Box<[Slot]>,
+    queues: Box<[mpsc::Sender<Job>]>,
     next_slot: AtomicUsize,
-    script: redis::Script,
-    many_script: redis::Script,
+    script: Arc<redis::Script>,
     timeout: Duration,
     url_for_logs: String,
 }
@@ -49,7 +88,7 @@ impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
             .field("url", &self.url_for_logs)
-            .field("slots", &self.slots.len())
+            .field("slots", &self.queues.len())
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
@@ -65,7 +104,10 @@ pub struct RedisSetupError {
 }
 
 impl RedisStore {
-    /// Builds the pool. Does not connect: see [`RedisStore::ping`].
+    /// Builds the pool and starts one dispatcher task per slot (so it must
+    /// be called inside a Tokio runtime). Does not connect: see
+    /// [`RedisStore::warm_up`]. The dispatchers end once the store is
+    /// dropped and their queued jobs are answered.
     pub fn new(config: &RedisConfig, url: &str) -> Result<Self, RedisSetupError> {
         let setup_error = |message: String| RedisSetupError { url: redact_url(url), message };
         // The per-call deadline is ours (`timeout_ms`); the client's own
@@ -75,21 +117,33 @@ impl RedisStore {
             .set_response_timeout(None);
         let manager = deadpool_redis::Manager::new_with_config(url, connection_config)
             .map_err(|e| setup_error(e.to_string()))?;
-        // Twice the slots: a broken connection is still checked out while
-        // its replacement is being created.
+        // One connection per dispatcher, one for `warm_up` (the readiness
+        // probe), and room for a replacement while a broken one is dropped.
         let pool = Pool::builder(manager)
-            .max_size(config.connections * 2)
+            .max_size(config.connections * 2 + 1)
             .runtime(Runtime::Tokio1)
             .create_timeout(Some(Duration::from_millis(config.connect_timeout_ms)))
+            // Handing out a returned connection PINGs it first; a peer that
+            // stopped answering must not hang a dispatcher in that PING.
+            .recycle_timeout(Some(Duration::from_millis(config.connect_timeout_ms)))
+            .wait_timeout(Some(Duration::from_millis(config.connect_timeout_ms)))
             .build()
             .map_err(|e| setup_error(e.to_string()))?;
+        let script = Arc::new(redis::Script::new(DECIDE_BATCH_LUA));
+        let timeout = Duration::from_millis(config.timeout_ms);
+        let queues = (0..config.connections)
+            .map(|slot| {
+                let (sender, receiver) = mpsc::channel(QUEUE_PER_SLOT);
+                tokio::spawn(dispatch(slot, pool.clone(), Arc::clone(&script), timeout, receiver));
+                sender
+            })
+            .collect();
         Ok(RedisStore {
             pool,
-            slots: (0..config.connections).map(|_| Slot::empty()).collect(),
+            queues,
             next_slot: AtomicUsize::new(0),
-            script: redis::Script::new(DECIDE_LUA),
-            many_script: redis::Script::new(DECIDE_MANY_LUA),
-            timeout: Duration::from_millis(config.timeout_ms),
+            script,
+            timeout,
             url_for_logs: redact_url(url),
         })
     }
@@ -100,40 +154,28 @@ impl RedisStore {
     }
 
     /// Checks within `timeout` that Redis answers, and loads the script so
-    /// the first decision does not meet NOSCRIPT. Used at startup to say
-    /// whether Redis is up; a failure is not fatal.
+    /// the first decision does not meet NOSCRIPT. Used at startup and by
+    /// the readiness probe to say whether Redis is up; a failure is not fatal.
     pub async fn warm_up(&self, timeout: Duration) -> Result<(), StoreError> {
         let load = async {
-            let (_, mut conn) = self.connection().await?;
-            for script in [&self.script, &self.many_script] {
-                let loaded: Result<String, RedisError> = script.load_async(&mut conn).await;
-                loaded.map_err(|e| classify(&e))?;
-            }
-            Ok(())
+            let mut conn = self.pool.get().await.map_err(|e| classify_pool(&e))?;
+            let loaded: Result<String, RedisError> = self.script.load_async(&mut *conn).await;
+            loaded.map(drop).map_err(|e| classify(&e))
         };
-        self.within(timeout, load).await
+        match tokio::time::timeout(timeout, load).await {
+            Ok(result) => result,
+            Err(_) => Err(timeout_error(timeout)),
+        }
     }
 
-    /// Decides one request by running the script; the whole call, connection
-    /// included, is bounded by `redis.timeout_ms`.
+    /// Decides one request (one counter) within `redis.timeout_ms`.
     pub async fn decide(&self, user_id: &str, rule: &Rule, weight: u64) -> Result<Verdict, StoreError> {
         let params = rule.window;
-        let key = counter_key(user_id, &rule.id);
-        let call = async {
-            let (slot, mut conn) = self.connection().await?;
-            let mut invocation = self.script.prepare_invoke();
-            invocation.key(key.as_str()).arg(params.window_ms).arg(params.capacity).arg(weight);
-            match invocation.invoke_async::<(u8, u64, u64, u64)>(&mut conn).await {
-                Ok(reply) => Ok(reply),
-                Err(e) => {
-                    if e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error() {
-                        self.release_broken(slot);
-                    }
-                    Err(classify(&e))
-                }
-            }
+        let args = [params.window_ms, params.capacity, weight, 1, u64::from(params.sliding)];
+        let reply = self.run(JobKeys::One([(counter_key(user_id, &rule.id), args)])).await?;
+        let &[committed, fits, current, previous, elapsed] = reply.as_slice() else {
+            return Err(script_error(format!("script answered {} values for one key", reply.len())));
         };
-        let (admitted, current, previous, elapsed) = self.within(self.timeout, call).await?;
         if elapsed >= params.window_ms {
             return Err(script_error(format!(
                 "elapsed {elapsed} ms outside a {} ms window",
@@ -141,53 +183,37 @@ impl RedisStore {
             )));
         }
         let verdict = window::decide(Counts { current, previous }, elapsed, weight, params);
-        if verdict.admitted != (admitted == 1) {
+        if verdict.admitted != (fits == 1) || committed != fits {
             // The script and window.rs disagree: a bug, never papered over.
             return Err(script_error(format!(
-                "script answered admitted={admitted} where the arithmetic says {} (counts {current}/{previous} at {elapsed} ms)",
+                "script answered fits={fits} committed={committed} where the arithmetic says {} (counts {current}/{previous} at {elapsed} ms)",
                 verdict.admitted
             )));
         }
         Ok(verdict)
     }
 
-    /// All-or-nothing decision over several counters of `group` in one
-    /// script call; see [`Store::decide_many`](super::Store::decide_many).
-    /// Keys are `rle:{<group>}:<key>`: the hash tag puts one group's
-    /// counters in one cluster slot, which a multi-key script requires.
+    /// All-or-nothing decision over several counters of `group` in one job;
+    /// see [`Store::decide_many`](super::Store::decide_many). Keys are
+    /// `rle:{<group>}:<key>`: the hash tag puts one group's counters in one
+    /// cluster slot, which a multi-key script requires.
     pub async fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
-        let call = async {
-            let (slot, mut conn) = self.connection().await?;
-            let mut invocation = self.many_script.prepare_invoke();
-            for item in items {
-                let mut key = String::with_capacity(8 + group.len() + item.key.len());
+        let keys = items
+            .iter()
+            .map(|item| {
+                let mut key = String::with_capacity(6 + group.len() + item.key.len());
                 key.push_str("rle:{");
                 key.push_str(group);
                 key.push_str("}:");
                 key.push_str(&item.key);
-                let flags = u8::from(item.params.sliding) | (u8::from(item.shadow) << 1);
-                invocation
-                    .key(key)
-                    .arg(item.params.window_ms)
-                    .arg(item.params.capacity)
-                    .arg(item.weight)
-                    .arg(item.tick_ms)
-                    .arg(flags);
-            }
-            match invocation.invoke_async::<Vec<u64>>(&mut conn).await {
-                Ok(reply) => Ok(reply),
-                Err(e) => {
-                    if e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error() {
-                        self.release_broken(slot);
-                    }
-                    Err(classify(&e))
-                }
-            }
-        };
-        let reply = self.within(self.timeout, call).await?;
+                let flags = u64::from(item.params.sliding) | (u64::from(item.shadow) << 1);
+                (key, [item.params.window_ms, item.params.capacity, item.weight, item.tick_ms, flags])
+            })
+            .collect();
+        let reply = self.run(JobKeys::Many(keys)).await?;
         if reply.len() != 1 + 4 * items.len() {
             return Err(script_error(format!(
-                "multi-key script answered {} values for {} keys",
+                "script answered {} values for {} keys",
                 reply.len(),
                 items.len()
             )));
@@ -204,49 +230,177 @@ impl RedisStore {
             }
             let counts = Counts { current, previous };
             if window::decide(counts, elapsed, item.weight, item.params).admitted != fits {
-                return Err(script_error(format!("multi-key script and window.rs disagree on {}", item.key)));
+                return Err(script_error(format!("script and window.rs disagree on {}", item.key)));
             }
             raw.push((fits, counts, elapsed));
         }
         Ok(ManyOutcome { committed, verdicts: many_verdicts(items, &raw, committed) })
     }
 
-    async fn within<T>(
-        &self,
-        timeout: Duration,
-        call: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        match tokio::time::timeout(timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError {
-                kind: FailureKind::Timeout,
-                message: format!("no answer within {} ms", timeout.as_millis()),
+    /// Queues a job on the next slot and waits, at most `redis.timeout_ms`
+    /// from now, for its part of the batch's answer. Small by design: this
+    /// future is part of every decision's state machine.
+    async fn run(&self, keys: JobKeys) -> Result<Vec<u64>, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let slot = self.next_slot.fetch_add(1, Ordering::Relaxed) % self.queues.len();
+        if let Err(e) = self.queues[slot].try_send(Job { keys, reply }) {
+            return Err(match e {
+                mpsc::error::TrySendError::Full(_) => StoreError {
+                    kind: FailureKind::PoolExhausted,
+                    message: format!("{QUEUE_PER_SLOT} decisions already wait for redis connection {slot}"),
+                },
+                mpsc::error::TrySendError::Closed(_) => StoreError {
+                    kind: FailureKind::Other,
+                    message: "the redis store is shutting down".to_owned(),
+                },
+            });
+        }
+        match tokio::time::timeout(self.timeout, answer).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(StoreError {
+                kind: FailureKind::Other,
+                message: "the redis dispatcher stopped before answering".to_owned(),
             }),
+            Err(_) => Err(timeout_error(self.timeout)),
         }
     }
+}
 
-    /// A shared multiplexed connection from the next slot, filling the slot
-    /// from the pool when it is empty.
-    async fn connection(&self) -> Result<(usize, MultiplexedConnection), StoreError> {
-        let index = self.next_slot.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        let slot = &self.slots[index];
-        if let Some(pooled) = slot.load().as_ref() {
-            return Ok((index, MultiplexedConnection::clone(pooled)));
-        }
-        let pooled = Arc::new(self.pool.get().await.map_err(|e| classify_pool(&e))?);
-        let conn = MultiplexedConnection::clone(&pooled);
-        // If another caller filled the slot first, ours goes back to the pool.
-        let _ = slot.compare_and_swap(&None::<Arc<deadpool_redis::Connection>>, Some(pooled));
-        Ok((index, conn))
-    }
+/// Consecutive batches that missed `redis.timeout_ms` after which a
+/// dispatcher stops trusting its connection (a peer that vanished without a
+/// reset never errors) and takes a fresh one. One slow call is not enough:
+/// replacing connections while Redis is merely overloaded adds load.
+const TIMEOUTS_BEFORE_RECONNECT: u32 = 3;
 
-    fn release_broken(&self, index: usize) {
-        // The pool re-checks the returned connection (PING) before reuse and
-        // drops it when it fails.
-        if self.slots[index].swap(None).is_some() {
-            tracing::debug!(slot = index, "redis connection broken; slot emptied");
+/// One slot's dispatcher: takes everything queued (up to [`MAX_BATCH`]),
+/// sends it as one script call, hands each job its part of the answer.
+async fn dispatch(
+    slot: usize,
+    pool: Pool,
+    script: Arc<redis::Script>,
+    timeout: Duration,
+    mut queue: mpsc::Receiver<Job>,
+) {
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    let mut conn: Option<deadpool_redis::Connection> = None;
+    let mut timeouts = 0;
+    while queue.recv_many(&mut batch, MAX_BATCH).await > 0 {
+        // A caller that gave up (its deadline passed while the job queued)
+        // was answered by its failure policy: do not count it now.
+        batch.retain(|job: &Job| !job.reply.is_closed());
+        if batch.is_empty() {
+            continue;
+        }
+        if conn.is_none() {
+            // Bounded by `redis.connect_timeout_ms`, not by the decisions'
+            // deadline: callers stop waiting at theirs (and are answered by
+            // policy), but a connection that takes longer than one decision
+            // to open is still worth having for the next ones.
+            match pool.get().await {
+                Ok(fresh) => conn = Some(fresh),
+                Err(e) => {
+                    let error = classify_pool(&e);
+                    for job in batch.drain(..) {
+                        let _ = job.reply.send(Err(error.clone()));
+                    }
+                    continue;
+                }
+            }
+            batch.retain(|job: &Job| !job.reply.is_closed());
+            if batch.is_empty() {
+                continue;
+            }
+        }
+        // Nobody waits longer than `timeout` for this answer. A late reply
+        // on a kept connection is read and discarded by the client.
+        let result = match tokio::time::timeout(timeout, call(&mut conn, &script, &batch)).await {
+            Ok(result) => {
+                timeouts = 0;
+                result
+            }
+            Err(_) => {
+                timeouts += 1;
+                if timeouts >= TIMEOUTS_BEFORE_RECONNECT && conn.take().is_some() {
+                    tracing::debug!(
+                        slot,
+                        timeouts,
+                        "redis connection unresponsive; dispatcher takes a new one"
+                    );
+                }
+                Err(timeout_error(timeout))
+            }
+        };
+        match result {
+            Ok(reply) => split_reply(&mut batch, &reply),
+            Err(error) => {
+                for job in batch.drain(..) {
+                    let _ = job.reply.send(Err(error.clone()));
+                }
+            }
         }
     }
+}
+
+/// Sends one batch on `conn` (which the caller has filled), emptying it
+/// when the connection turns out broken.
+async fn call(
+    conn: &mut Option<deadpool_redis::Connection>,
+    script: &redis::Script,
+    batch: &[Job],
+) -> Result<Vec<u64>, StoreError> {
+    let Some(connection) = conn.as_mut() else {
+        return Err(StoreError { kind: FailureKind::Other, message: "no redis connection".to_owned() });
+    };
+    let mut invocation = script.prepare_invoke();
+    for job in batch {
+        for (key, _) in job.keys.as_slice() {
+            invocation.key(key.as_str());
+        }
+    }
+    invocation.arg(batch.len());
+    for job in batch {
+        let keys = job.keys.as_slice();
+        invocation.arg(keys.len());
+        for (_, args) in keys {
+            for value in args {
+                invocation.arg(*value);
+            }
+        }
+    }
+    let reply: Result<Vec<u64>, RedisError> = invocation.invoke_async(&mut **connection).await;
+    reply.map_err(|e| {
+        if e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error() {
+            // Back to the pool, which PINGs it before reuse and drops it
+            // when that fails; the next batch takes another.
+            *conn = None;
+            tracing::debug!("redis connection broken; dispatcher takes a new one");
+        }
+        classify(&e)
+    })
+}
+
+/// Hands each job of `batch` its slice of `reply` (committed, then four
+/// values per key), emptying `batch`.
+fn split_reply(batch: &mut Vec<Job>, reply: &[u64]) {
+    let expected: usize = batch.iter().map(|job| 1 + 4 * job.keys.as_slice().len()).sum();
+    if reply.len() != expected {
+        let error =
+            script_error(format!("script answered {} values for a batch needing {expected}", reply.len()));
+        for job in batch.drain(..) {
+            let _ = job.reply.send(Err(error.clone()));
+        }
+        return;
+    }
+    let mut at = 0;
+    for job in batch.drain(..) {
+        let len = 1 + 4 * job.keys.as_slice().len();
+        let _ = job.reply.send(Ok(reply[at..at + len].to_vec()));
+        at += len;
+    }
+}
+
+fn timeout_error(timeout: Duration) -> StoreError {
+    StoreError { kind: FailureKind::Timeout, message: format!("no answer within {} ms", timeout.as_millis()) }
 }
 
 /// `rl:{<user_id>}:<rule_id>`, built in one allocation. The hash tag keeps

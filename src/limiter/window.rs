@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Everything is computed multiplied through by `W`, in integers, so the Rust
-//! and the Lua implementation (`scripts/decide.lua`) agree to the unit and
+//! and the Lua implementation (`scripts/decide_batch.lua`) agree to the unit and
 //! `retry_after_ms` is exact to the millisecond. The Lua side runs on doubles;
 //! [`MAX_CAPACITY_TIMES_WINDOW`] keeps every intermediate below 2^53 there.
 //!
