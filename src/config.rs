@@ -112,11 +112,24 @@ pub struct RedisConfig {
     /// couple serve thousands of in-flight decisions (fewer connections,
     /// bigger batches, less Redis CPU per decision).
     pub connections: usize,
+    /// Consecutive failed script calls (unreachable, connection lost,
+    /// deadline missed) that open the circuit breaker; 0 disables it.
+    pub breaker_failures: u32,
+    /// How long an open breaker fails decisions fast before letting one
+    /// probe decision through.
+    pub breaker_open_ms: u64,
 }
 
 impl Default for RedisConfig {
     fn default() -> Self {
-        Self { url: None, timeout_ms: 10, connect_timeout_ms: 1_000, connections: 2 }
+        Self {
+            url: None,
+            timeout_ms: 10,
+            connect_timeout_ms: 1_000,
+            connections: 2,
+            breaker_failures: 3,
+            breaker_open_ms: 250,
+        }
     }
 }
 
@@ -128,6 +141,8 @@ impl fmt::Debug for RedisConfig {
             .field("timeout_ms", &self.timeout_ms)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("connections", &self.connections)
+            .field("breaker_failures", &self.breaker_failures)
+            .field("breaker_open_ms", &self.breaker_open_ms)
             .finish()
     }
 }
@@ -525,6 +540,12 @@ impl Config {
         }
         if !(1..=256).contains(&self.redis.connections) {
             return Err(invalid("redis.connections", "must be between 1 and 256"));
+        }
+        if self.redis.breaker_failures > 0 && self.redis.breaker_open_ms == 0 {
+            return Err(invalid(
+                "redis.breaker_open_ms",
+                "must be at least 1 while redis.breaker_failures is set",
+            ));
         }
         if self.memory.sweep_interval_ms == 0 {
             return Err(invalid("memory.sweep_interval_ms", "must be at least 1"));

@@ -88,7 +88,8 @@ async fn each_failed_decision_is_recorded_once_with_every_field() {
         );
         assert_eq!(record.rule_id, if req.resource_path == "/open" { "open" } else { "closed" });
         assert!(
-            ["connection_refused", "connection_lost", "timeout"].contains(&record.failure.kind.as_str()),
+            ["connection_refused", "connection_lost", "timeout", "circuit_open"]
+                .contains(&record.failure.kind.as_str()),
             "{record:?}"
         );
         assert!(!record.failure.message.is_empty());

@@ -323,3 +323,46 @@ async fn a_denied_job_in_a_batch_writes_nothing() {
         assert_eq!(count, 10, "{key}");
     }
 }
+
+/// The circuit breaker: with Redis down, `breaker_failures` failed calls
+/// open it, and from then on decisions fail with `circuit_open` without
+/// being tried (not one connection attempt each); once Redis is back, the
+/// first probe after `breaker_open_ms` closes it and decisions are exact
+/// again well within a second.
+#[tokio::test(flavor = "current_thread")]
+async fn breaker_fails_fast_while_redis_is_down_and_closes_when_it_returns() {
+    use ratelimitd::limiter::FailureKind;
+    let mut redis = RedisServer::start();
+    let config = ratelimitd::config::RedisConfig {
+        connections: 1,
+        timeout_ms: 1_000,
+        breaker_failures: 3,
+        breaker_open_ms: 100,
+        ..Default::default()
+    };
+    let store = ratelimitd::limiter::RedisStore::new(&config, &redis.url()).unwrap();
+    let rule = hot_rule(100);
+    assert!(store.decide("ivy", &rule, 1).await.unwrap().admitted);
+
+    redis.stop();
+    let mut kinds = Vec::new();
+    for _ in 0..10 {
+        kinds.push(store.decide("ivy", &rule, 1).await.unwrap_err().kind);
+    }
+    assert!(
+        kinds[..3].iter().all(|k| matches!(k, FailureKind::ConnectionLost | FailureKind::ConnectionRefused)),
+        "{kinds:?}"
+    );
+    assert!(kinds[3..].iter().all(|k| *k == FailureKind::CircuitOpen), "{kinds:?}");
+
+    redis.restart();
+    let back = Instant::now();
+    let recovered = eventually(Duration::from_secs(1), || async {
+        store.decide("ivy", &rule, 1).await.is_ok_and(|v| v.admitted)
+    })
+    .await;
+    assert!(recovered, "exact decisions did not resume within 1 s of Redis returning");
+    eprintln!("decisions exact again {:?} after Redis returned", back.elapsed());
+    // The restarted Redis is empty: counting starts again, exactly.
+    assert_eq!(store.decide("ivy", &rule, 1).await.unwrap().remaining, 98);
+}

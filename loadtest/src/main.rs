@@ -283,11 +283,16 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         (None, Some(rate)) => {
-            // One scheduler; each request its own task, timed from its intended start.
+            // One pacing thread; each request its own task, timed from its
+            // intended start. The pacer sleeps with the OS (nanosleep, some
+            // 50-100 µs late), not with Tokio's timer, whose 1 ms granularity
+            // would release requests in bursts and add up to a millisecond
+            // of the generator's own lateness to every latency. Requests
+            // whose intended time has passed are started at once (catch-up),
+            // so the rate holds and the lateness is still measured.
             let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
             let mut rng = Rng::new(args.seed);
             let in_flight = Arc::new(tokio::sync::Semaphore::new(100_000));
-            let mut i: u64 = 0;
             // Tasks report only their latency; one collector owns the histogram.
             let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<u64>();
             let collector = tokio::spawn(async move {
@@ -297,25 +302,38 @@ async fn main() -> anyhow::Result<()> {
                 }
                 all
             });
-            loop {
-                let intended = started + interval.mul_f64(i as f64);
-                if intended.duration_since(started) >= duration {
-                    break;
+            let runtime = tokio::runtime::Handle::current();
+            let (plan, pacer_tally, clients) = (Arc::clone(&plan), Arc::clone(&tally), clients.clone());
+            let pacer = tokio::task::spawn_blocking(move || {
+                let mut i: u64 = 0;
+                loop {
+                    let intended = started + interval.mul_f64(i as f64);
+                    if intended.duration_since(started) >= duration {
+                        break;
+                    }
+                    let now = Instant::now();
+                    if intended > now {
+                        std::thread::sleep(intended - now);
+                    }
+                    let permit = match Arc::clone(&in_flight).try_acquire_owned() {
+                        Ok(permit) => permit,
+                        Err(_) => {
+                            runtime.block_on(Arc::clone(&in_flight).acquire_owned()).expect("semaphore open")
+                        }
+                    };
+                    let (plan, tally, done) = (Arc::clone(&plan), Arc::clone(&pacer_tally), done_tx.clone());
+                    let mut client = clients[(i as usize) % clients.len()].clone();
+                    let mut task_rng = Rng::new(rng.next());
+                    runtime.spawn(async move {
+                        let outcome = plan.call(&mut client, &mut task_rng).await;
+                        tally.count(outcome);
+                        let _ = done.send(nanos(intended.elapsed()));
+                        drop(permit);
+                    });
+                    i += 1;
                 }
-                tokio::time::sleep_until(intended.into()).await;
-                let permit = Arc::clone(&in_flight).acquire_owned().await.expect("semaphore open");
-                let (plan, tally, done) = (Arc::clone(&plan), Arc::clone(&tally), done_tx.clone());
-                let mut client = clients[(i as usize) % clients.len()].clone();
-                let mut task_rng = Rng::new(rng.next());
-                tokio::spawn(async move {
-                    let outcome = plan.call(&mut client, &mut task_rng).await;
-                    tally.count(outcome);
-                    let _ = done.send(nanos(intended.elapsed()));
-                    drop(permit);
-                });
-                i += 1;
-            }
-            drop(done_tx);
+            });
+            pacer.await?;
             tally.merge(&collector.await?);
         }
         _ => anyhow::bail!("give exactly one of --concurrency (closed loop) or --rate (open loop)"),

@@ -59,7 +59,7 @@ pub struct RecordRequest {
 /// The failure part of a record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecordFailure {
-    /// timeout, connection_refused, connection_lost, pool_exhausted,
+    /// timeout, connection_refused, connection_lost, pool_exhausted, circuit_open,
     /// script_error, cluster_error or other.
     pub kind: String,
     /// The store's error message.

@@ -5,6 +5,7 @@
 //! Architecture invariant: no gRPC here, and both stores answer through
 //! [`window::decide`], so the embedded default behaves exactly like Redis.
 
+pub mod breaker;
 pub mod memory;
 pub mod redis;
 pub mod window;
@@ -124,8 +125,11 @@ pub enum FailureKind {
     ConnectionRefused,
     /// The connection broke mid-call.
     ConnectionLost,
-    /// No connection could be had from the pool in time.
+    /// No connection could be had from the pool in time, or too many
+    /// decisions already wait for one.
     PoolExhausted,
+    /// Not tried: the circuit breaker is open after consecutive failures.
+    CircuitOpen,
     /// The script failed or answered something unexpected.
     ScriptError,
     /// A Redis Cluster error (slot moved, cluster down).
@@ -142,6 +146,7 @@ impl FailureKind {
             FailureKind::ConnectionRefused => "connection_refused",
             FailureKind::ConnectionLost => "connection_lost",
             FailureKind::PoolExhausted => "pool_exhausted",
+            FailureKind::CircuitOpen => "circuit_open",
             FailureKind::ScriptError => "script_error",
             FailureKind::ClusterError => "cluster_error",
             FailureKind::Other => "other",

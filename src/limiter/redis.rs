@@ -31,7 +31,9 @@ use redis::{AsyncConnectionConfig, RedisError};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    FailureKind, ManyItem, ManyOutcome, StoreError, many_verdicts,
+    FailureKind, ManyItem, ManyOutcome, StoreError,
+    breaker::{Admission, Breaker},
+    many_verdicts,
     window::{self, Counts, Verdict},
 };
 use crate::{config::RedisConfig, config::redact_url, rules::Rule};
@@ -81,6 +83,7 @@ pub struct RedisStore {
     next_slot: AtomicUsize,
     script: Arc<redis::Script>,
     timeout: Duration,
+    breaker: Arc<Breaker>,
     url_for_logs: String,
 }
 
@@ -131,10 +134,19 @@ impl RedisStore {
             .map_err(|e| setup_error(e.to_string()))?;
         let script = Arc::new(redis::Script::new(DECIDE_BATCH_LUA));
         let timeout = Duration::from_millis(config.timeout_ms);
+        let breaker =
+            Arc::new(Breaker::new(config.breaker_failures, Duration::from_millis(config.breaker_open_ms)));
         let queues = (0..config.connections)
             .map(|slot| {
                 let (sender, receiver) = mpsc::channel(QUEUE_PER_SLOT);
-                tokio::spawn(dispatch(slot, pool.clone(), Arc::clone(&script), timeout, receiver));
+                let dispatcher = Dispatcher {
+                    slot,
+                    pool: pool.clone(),
+                    script: Arc::clone(&script),
+                    timeout,
+                    breaker: Arc::clone(&breaker),
+                };
+                tokio::spawn(dispatcher.run(receiver));
                 sender
             })
             .collect();
@@ -144,6 +156,7 @@ impl RedisStore {
             next_slot: AtomicUsize::new(0),
             script,
             timeout,
+            breaker,
             url_for_logs: redact_url(url),
         })
     }
@@ -241,6 +254,12 @@ impl RedisStore {
     /// from now, for its part of the batch's answer. Small by design: this
     /// future is part of every decision's state machine.
     async fn run(&self, keys: JobKeys) -> Result<Vec<u64>, StoreError> {
+        if self.breaker.admit() == Admission::Reject {
+            return Err(StoreError {
+                kind: FailureKind::CircuitOpen,
+                message: "redis circuit breaker open after consecutive failures; not tried".to_owned(),
+            });
+        }
         let (reply, answer) = oneshot::channel();
         let slot = self.next_slot.fetch_add(1, Ordering::Relaxed) % self.queues.len();
         if let Err(e) = self.queues[slot].try_send(Job { keys, reply }) {
@@ -273,71 +292,87 @@ impl RedisStore {
 const TIMEOUTS_BEFORE_RECONNECT: u32 = 3;
 
 /// One slot's dispatcher: takes everything queued (up to [`MAX_BATCH`]),
-/// sends it as one script call, hands each job its part of the answer.
-async fn dispatch(
+/// sends it as one script call, hands each job its part of the answer, and
+/// tells the breaker how Redis did.
+struct Dispatcher {
     slot: usize,
     pool: Pool,
     script: Arc<redis::Script>,
     timeout: Duration,
-    mut queue: mpsc::Receiver<Job>,
-) {
-    let mut batch = Vec::with_capacity(MAX_BATCH);
-    let mut conn: Option<deadpool_redis::Connection> = None;
-    let mut timeouts = 0;
-    while queue.recv_many(&mut batch, MAX_BATCH).await > 0 {
-        // A caller that gave up (its deadline passed while the job queued)
-        // was answered by its failure policy: do not count it now.
-        batch.retain(|job: &Job| !job.reply.is_closed());
-        if batch.is_empty() {
-            continue;
-        }
-        if conn.is_none() {
-            // Bounded by `redis.connect_timeout_ms`, not by the decisions'
-            // deadline: callers stop waiting at theirs (and are answered by
-            // policy), but a connection that takes longer than one decision
-            // to open is still worth having for the next ones.
-            match pool.get().await {
-                Ok(fresh) => conn = Some(fresh),
-                Err(e) => {
-                    let error = classify_pool(&e);
-                    for job in batch.drain(..) {
-                        let _ = job.reply.send(Err(error.clone()));
-                    }
-                    continue;
-                }
-            }
+    breaker: Arc<Breaker>,
+}
+
+impl Dispatcher {
+    async fn run(self, mut queue: mpsc::Receiver<Job>) {
+        let slot = self.slot;
+        let mut batch = Vec::with_capacity(MAX_BATCH);
+        let mut conn: Option<deadpool_redis::Connection> = None;
+        let mut timeouts = 0;
+        while queue.recv_many(&mut batch, MAX_BATCH).await > 0 {
+            // A caller that gave up (its deadline passed while the job queued)
+            // was answered by its failure policy: do not count it now.
             batch.retain(|job: &Job| !job.reply.is_closed());
             if batch.is_empty() {
                 continue;
             }
-        }
-        // Nobody waits longer than `timeout` for this answer. A late reply
-        // on a kept connection is read and discarded by the client.
-        let result = match tokio::time::timeout(timeout, call(&mut conn, &script, &batch)).await {
-            Ok(result) => {
-                timeouts = 0;
-                result
-            }
-            Err(_) => {
-                timeouts += 1;
-                if timeouts >= TIMEOUTS_BEFORE_RECONNECT && conn.take().is_some() {
-                    tracing::debug!(
-                        slot,
-                        timeouts,
-                        "redis connection unresponsive; dispatcher takes a new one"
-                    );
+            if conn.is_none() {
+                // Bounded by `redis.connect_timeout_ms`, not by the decisions'
+                // deadline: callers stop waiting at theirs (and are answered by
+                // policy), but a connection that takes longer than one decision
+                // to open is still worth having for the next ones.
+                match self.pool.get().await {
+                    Ok(fresh) => conn = Some(fresh),
+                    Err(e) => {
+                        self.breaker.failure();
+                        fail_all(&mut batch, &classify_pool(&e));
+                        continue;
+                    }
                 }
-                Err(timeout_error(timeout))
-            }
-        };
-        match result {
-            Ok(reply) => split_reply(&mut batch, &reply),
-            Err(error) => {
-                for job in batch.drain(..) {
-                    let _ = job.reply.send(Err(error.clone()));
+                batch.retain(|job: &Job| !job.reply.is_closed());
+                if batch.is_empty() {
+                    continue;
                 }
             }
+            // Nobody waits longer than `timeout` for this answer. A late reply
+            // on a kept connection is read and discarded by the client.
+            let result = match tokio::time::timeout(self.timeout, call(&mut conn, &self.script, &batch)).await
+            {
+                Ok(result) => {
+                    timeouts = 0;
+                    result
+                }
+                Err(_) => {
+                    timeouts += 1;
+                    if timeouts >= TIMEOUTS_BEFORE_RECONNECT && conn.take().is_some() {
+                        tracing::debug!(
+                            slot,
+                            timeouts,
+                            "redis connection unresponsive; dispatcher takes a new one"
+                        );
+                    }
+                    Err(timeout_error(self.timeout))
+                }
+            };
+            match result {
+                Ok(reply) => {
+                    self.breaker.success();
+                    split_reply(&mut batch, &reply);
+                }
+                Err(error) => {
+                    // A script error is an answer: Redis is there.
+                    if error.kind != FailureKind::ScriptError {
+                        self.breaker.failure();
+                    }
+                    fail_all(&mut batch, &error);
+                }
+            }
         }
+    }
+}
+
+fn fail_all(batch: &mut Vec<Job>, error: &StoreError) {
+    for job in batch.drain(..) {
+        let _ = job.reply.send(Err(error.clone()));
     }
 }
 

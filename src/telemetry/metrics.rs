@@ -98,11 +98,12 @@ struct DecisionKey {
     allowed: bool,
 }
 
-const FAILURE_KINDS: [FailureKind; 7] = [
+const FAILURE_KINDS: [FailureKind; 8] = [
     FailureKind::Timeout,
     FailureKind::ConnectionRefused,
     FailureKind::ConnectionLost,
     FailureKind::PoolExhausted,
+    FailureKind::CircuitOpen,
     FailureKind::ScriptError,
     FailureKind::ClusterError,
     FailureKind::Other,
