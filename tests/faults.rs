@@ -1,0 +1,177 @@
+//! Fault tests: real processes killed under sustained load. Phases advance
+//! on counts of answers seen, not on sleeps, so the test runs as fast as the
+//! machine allows and is bounded by its `eventually` timeouts.
+
+mod common;
+
+use std::{
+    collections::HashSet,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use common::{RedisServer, Rules, TestServer, config, eventually, reason};
+use ratelimitd::api::pb::{self, Reason};
+
+const RULES: &str = r#"
+rules:
+  - { rule_id: open, resource_path: /open, limit: 100000000, window_seconds: 3600, failure_policy: open }
+"#;
+
+/// What the callers saw.
+#[derive(Debug, Default)]
+struct Seen {
+    /// Request ids answered OK, with when the answer arrived.
+    ok: Vec<(String, Instant)>,
+    /// Request ids answered by the failure policy, with their latency.
+    by_policy: Vec<(String, Duration)>,
+    /// RPCs that failed (any gRPC error).
+    errors: Vec<String>,
+}
+
+/// Redis killed under sustained load (16 callers): no RPC fails, every
+/// decision made while Redis is away is answered by the failure policy and
+/// is in the dead-letter file exactly once (matched by request id), the
+/// breaker answers most of them without trying Redis, and exact decisions
+/// resume within one second of Redis returning. Prints the figures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_under_load_loses_no_decision() {
+    let mut redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    // The production deadline, not the harness' lenient one.
+    cfg.redis.timeout_ms = ratelimitd::config::RedisConfig::default().timeout_ms;
+    // Our own directory: the server's temporary one goes with it on stop,
+    // and the file is read after the stop has flushed it.
+    let dlq_dir = tempfile::tempdir().unwrap();
+    cfg.dlq.file = dlq_dir.path().join("dlq.jsonl");
+    let server = TestServer::start(cfg).await;
+    let client = server.client().await;
+
+    let running = Arc::new(AtomicBool::new(true));
+    let ok = Arc::new(AtomicUsize::new(0));
+    let by_policy = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let mut callers = Vec::new();
+    for caller in 0..16 {
+        let (running, ok, by_policy, seen) =
+            (Arc::clone(&running), Arc::clone(&ok), Arc::clone(&by_policy), Arc::clone(&seen));
+        let mut client = client.clone();
+        callers.push(tokio::spawn(async move {
+            let mut mine = Seen::default();
+            let mut n = 0;
+            while running.load(Ordering::Relaxed) {
+                let id = format!("{caller}-{n}");
+                n += 1;
+                let mut request = common::request(&format!("user-{caller}"), "/open");
+                request.headers.insert("x-request-id".to_owned(), id.clone());
+                let sent = Instant::now();
+                match client.check(request).await {
+                    Ok(response) => {
+                        let response: pb::RateLimitResponse = response.into_inner();
+                        match reason(&response) {
+                            Reason::Ok => {
+                                mine.ok.push((id, Instant::now()));
+                                ok.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Reason::FailOpen => {
+                                assert!(response.allowed);
+                                mine.by_policy.push((id, sent.elapsed()));
+                                by_policy.fetch_add(1, Ordering::Relaxed);
+                            }
+                            other => panic!("unexpected answer {other:?}: {response:?}"),
+                        }
+                    }
+                    Err(status) => mine.errors.push(format!("{id}: {status}")),
+                }
+            }
+            let mut all = seen.lock().unwrap();
+            all.ok.extend(mine.ok);
+            all.by_policy.extend(mine.by_policy);
+            all.errors.extend(mine.errors);
+        }));
+    }
+    let reaches = |counter: &Arc<AtomicUsize>, at_least: usize| {
+        let counter = Arc::clone(counter);
+        eventually(Duration::from_secs(30), move || {
+            let reached = counter.load(Ordering::Relaxed) >= at_least;
+            async move { reached }
+        })
+    };
+
+    assert!(reaches(&ok, 500).await, "no load before the outage");
+    redis.stop();
+    let killed = Instant::now();
+    assert!(reaches(&by_policy, 3_000).await, "the outage was not answered by policy");
+    let outage_answers = by_policy.load(Ordering::Relaxed);
+    let ok_before_restart = ok.load(Ordering::Relaxed);
+    redis.restart();
+    let restarted = Instant::now();
+    assert!(reaches(&ok, ok_before_restart + 500).await, "decisions did not resume");
+    running.store(false, Ordering::Relaxed);
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let outage = restarted - killed;
+    let records = {
+        server.stop().await.unwrap();
+        let text = std::fs::read_to_string(dlq_dir.path().join("dlq.jsonl")).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<ratelimitd::dlq::FailureRecord>(l).expect("a valid record"))
+            .collect::<Vec<_>>()
+    };
+
+    let seen = seen.lock().unwrap();
+    assert!(
+        seen.errors.is_empty(),
+        "{} RPCs failed: {:?}",
+        seen.errors.len(),
+        &seen.errors[..seen.errors.len().min(5)]
+    );
+    let first_ok_after =
+        seen.ok.iter().map(|(_, at)| *at).filter(|at| *at > restarted).min().expect("OK after restart");
+    let recovery = first_ok_after - restarted;
+
+    // Exactly once: the record ids are the policy answers' ids, no more, no fewer, no twice.
+    let recorded: Vec<&str> = records
+        .iter()
+        .map(|r| r.request.headers.get("x-request-id").expect("request id kept").as_str())
+        .collect();
+    let unique: HashSet<&str> = recorded.iter().copied().collect();
+    assert_eq!(unique.len(), recorded.len(), "a decision was recorded twice");
+    let answered: HashSet<&str> = seen.by_policy.iter().map(|(id, _)| id.as_str()).collect();
+    let unrecorded: Vec<_> = answered.difference(&unique).collect();
+    let unanswered: Vec<_> = unique.difference(&answered).collect();
+    assert!(
+        unrecorded.is_empty() && unanswered.is_empty(),
+        "{} policy answers without a record (e.g. {:?}), {} records without a policy answer (e.g. {:?})",
+        unrecorded.len(),
+        &unrecorded[..unrecorded.len().min(5)],
+        unanswered.len(),
+        &unanswered[..unanswered.len().min(5)]
+    );
+    let circuit_open = records.iter().filter(|r| r.failure.kind == "circuit_open").count();
+    assert!(circuit_open > 0, "the breaker never opened");
+
+    let mut latencies: Vec<Duration> = seen.by_policy.iter().map(|(_, d)| *d).collect();
+    latencies.sort();
+    let p = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+    eprintln!(
+        "outage {outage:?}: {} decisions answered by policy ({outage_answers} when Redis was restarted), \
+         {} records ({circuit_open} circuit_open), 0 lost, 0 failed RPCs; policy-answer latency p50 {:?} p99 {:?} max {:?}; \
+         {} OK decisions in all; first exact decision {recovery:?} after Redis returned",
+        seen.by_policy.len(),
+        records.len(),
+        p(0.5),
+        p(0.99),
+        latencies.last().unwrap(),
+        seen.ok.len(),
+    );
+    assert!(
+        recovery < Duration::from_secs(1),
+        "exact decisions resumed only {recovery:?} after Redis returned"
+    );
+}
