@@ -419,11 +419,10 @@ async fn call(
 fn split_reply(batch: &mut Vec<Job>, reply: &[u64]) {
     let expected: usize = batch.iter().map(|job| 1 + 4 * job.keys.as_slice().len()).sum();
     if reply.len() != expected {
-        let error =
-            script_error(format!("script answered {} values for a batch needing {expected}", reply.len()));
-        for job in batch.drain(..) {
-            let _ = job.reply.send(Err(error.clone()));
-        }
+        fail_all(
+            batch,
+            &script_error(format!("script answered {} values for a batch needing {expected}", reply.len())),
+        );
         return;
     }
     let mut at = 0;
