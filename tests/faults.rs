@@ -118,10 +118,7 @@ async fn redis_killed_under_load_loses_no_decision() {
     let outage = restarted - killed;
     let records = {
         server.stop().await.unwrap();
-        let text = std::fs::read_to_string(dlq_dir.path().join("dlq.jsonl")).unwrap();
-        text.lines()
-            .map(|l| serde_json::from_str::<ratelimitd::dlq::FailureRecord>(l).expect("a valid record"))
-            .collect::<Vec<_>>()
+        common::read_dlq(&dlq_dir.path().join("dlq.jsonl"))
     };
 
     let seen = seen.lock().unwrap();

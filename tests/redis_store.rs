@@ -254,9 +254,13 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
     }
 }
 
-async fn evalsha_calls(redis: &RedisServer) -> u64 {
-    let stats = redis.info_field("commandstats", "cmdstat_evalsha").await.unwrap_or_default();
-    stats.strip_prefix("calls=").and_then(|s| s.split(',').next()).map_or(0, |n| n.parse().unwrap())
+/// A store with one connection (so one dispatcher, one batch at a time),
+/// its script loaded.
+async fn single_connection_store(redis: &RedisServer) -> ratelimitd::limiter::RedisStore {
+    let config = ratelimitd::config::RedisConfig { connections: 1, timeout_ms: 5_000, ..Default::default() };
+    let store = ratelimitd::limiter::RedisStore::new(&config, &redis.url()).unwrap();
+    store.warm_up(Duration::from_secs(5)).await.unwrap();
+    store
 }
 
 /// Decisions that queue while a connection is busy reach Redis as one script
@@ -267,15 +271,13 @@ async fn evalsha_calls(redis: &RedisServer) -> u64 {
 #[tokio::test(flavor = "current_thread")]
 async fn queued_decisions_are_coalesced_into_one_script_call() {
     let redis = RedisServer::start();
-    let config = ratelimitd::config::RedisConfig { connections: 1, timeout_ms: 5_000, ..Default::default() };
-    let store = ratelimitd::limiter::RedisStore::new(&config, &redis.url()).unwrap();
-    store.warm_up(Duration::from_secs(5)).await.unwrap();
+    let store = single_connection_store(&redis).await;
     let rule = hot_rule(100);
-    let before = evalsha_calls(&redis).await;
+    let before = redis.evalsha_calls().await;
 
     let verdicts = futures_util::future::join_all((0..300).map(|_| store.decide("ann", &rule, 1))).await;
 
-    assert_eq!(evalsha_calls(&redis).await - before, 2, "300 queued decisions, 2 script calls");
+    assert_eq!(redis.evalsha_calls().await - before, 2, "300 queued decisions, 2 script calls");
     let verdicts: Vec<_> = verdicts.into_iter().map(Result::unwrap).collect();
     assert!(verdicts[..100].iter().all(|v| v.admitted));
     assert!(verdicts[100..].iter().all(|v| !v.admitted));
@@ -292,9 +294,7 @@ async fn queued_decisions_are_coalesced_into_one_script_call() {
 async fn a_denied_job_in_a_batch_writes_nothing() {
     use ratelimitd::limiter::{ManyItem, WindowParams};
     let redis = RedisServer::start();
-    let config = ratelimitd::config::RedisConfig { connections: 1, timeout_ms: 5_000, ..Default::default() };
-    let store = ratelimitd::limiter::RedisStore::new(&config, &redis.url()).unwrap();
-    store.warm_up(Duration::from_secs(5)).await.unwrap();
+    let store = single_connection_store(&redis).await;
     let item = |key: &str, capacity: u64, weight: u64| ManyItem {
         key: key.to_owned(),
         params: WindowParams::sliding(60_000, capacity),
@@ -306,13 +306,13 @@ async fn a_denied_job_in_a_batch_writes_nothing() {
     // b would reach 4 + 7 = 11 > 10: denied, so a gets nothing either.
     let denied = [item("a", 10, 1), item("b", 10, 7)];
     let third = [item("a", 10, 6), item("b", 10, 6)];
-    let before = evalsha_calls(&redis).await;
+    let before = redis.evalsha_calls().await;
     let (first, denied, third) = tokio::join!(
         store.decide_many("g", &first),
         store.decide_many("g", &denied),
         store.decide_many("g", &third)
     );
-    assert_eq!(evalsha_calls(&redis).await - before, 1, "one batch");
+    assert_eq!(redis.evalsha_calls().await - before, 1, "one batch");
     let (first, denied, third) = (first.unwrap(), denied.unwrap(), third.unwrap());
     assert!(first.committed && !denied.committed && third.committed);
     assert!(denied.verdicts[0].admitted && !denied.verdicts[1].admitted);

@@ -75,8 +75,7 @@ fn assert_shape(r: &RateLimitResponse, path: &str) {
 }
 
 async fn evalsha_calls(redis: Option<&RedisServer>) -> Option<u64> {
-    let stats = redis?.info_field("commandstats", "cmdstat_evalsha").await?;
-    stats.strip_prefix("calls=")?.split(',').next()?.parse().ok()
+    Some(redis?.evalsha_calls().await)
 }
 
 /// NORMAL sheds nothing; at 70% BULK and BEST_EFFORT are shed without any

@@ -129,8 +129,9 @@ impl Breaker {
     }
 
     /// Whether decisions currently fail fast (open, or half-open with its
-    /// probe out). For readiness and tests.
-    pub fn is_open(&self) -> bool {
+    /// probe out).
+    #[cfg(test)]
+    fn is_open(&self) -> bool {
         self.state.load(Ordering::Relaxed) != CLOSED
     }
 }

@@ -91,6 +91,15 @@ pub fn repo_path(relative: &str) -> PathBuf {
         .join(relative)
 }
 
+/// The records in a DLQ file (none if it does not exist).
+pub fn read_dlq(path: &Path) -> Vec<ratelimitd::dlq::FailureRecord> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => text.lines().map(|l| serde_json::from_str(l).expect("a valid record line")).collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => panic!("{}: {e}", path.display()),
+    }
+}
+
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
     StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -168,6 +177,12 @@ impl RedisServer {
         let mut conn = self.client().await;
         let info: String = redis::cmd("INFO").arg(section).query_async(&mut conn).await.unwrap();
         info.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':').map(str::to_owned))
+    }
+
+    /// EVALSHA calls this server has run (0 before the first).
+    pub async fn evalsha_calls(&self) -> u64 {
+        let stats = self.info_field("commandstats", "cmdstat_evalsha").await.unwrap_or_default();
+        stats.strip_prefix("calls=").and_then(|s| s.split(',').next()).map_or(0, |n| n.parse().unwrap())
     }
 }
 
@@ -374,11 +389,7 @@ impl TestServer {
 
     /// The records written to the DLQ file so far.
     pub fn dlq_records(&self) -> Vec<ratelimitd::dlq::FailureRecord> {
-        match std::fs::read_to_string(&self.dlq_file) {
-            Ok(text) => text.lines().map(|l| serde_json::from_str(l).expect("a valid record line")).collect(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => panic!("{}: {e}", self.dlq_file.display()),
-        }
+        read_dlq(&self.dlq_file)
     }
 
     pub async fn client(&self) -> RateLimiterClient<Channel> {
