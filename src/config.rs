@@ -99,8 +99,18 @@ impl Default for HttpConfig {
 #[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisConfig {
-    /// `redis://[:password@]host:port[/db]`; unset selects the in-memory store.
+    /// `redis://[:password@]host:port[/db]` (`rediss://` for TLS); unset
+    /// selects the in-memory store. With `cluster`, a comma-separated list
+    /// of seed nodes.
     pub url: Option<String>,
+    /// `url` names Redis Cluster seed nodes; the slot map is read from them.
+    pub cluster: bool,
+    /// The AUTH password, instead of one in `url` (best set through
+    /// `RATELIMITD__REDIS__PASSWORD`). Never logged.
+    pub password: Option<String>,
+    /// A file whose content (trailing newline removed) is the AUTH
+    /// password, e.g. a mounted Kubernetes secret. Read at startup.
+    pub password_file: Option<PathBuf>,
     /// Deadline of one store call, connection acquisition included. Past it the
     /// rule's failure policy answers. Well inside Envoy's 20 ms default budget.
     pub timeout_ms: u64,
@@ -124,6 +134,9 @@ impl Default for RedisConfig {
     fn default() -> Self {
         Self {
             url: None,
+            cluster: false,
+            password: None,
+            password_file: None,
             timeout_ms: 10,
             connect_timeout_ms: 1_000,
             connections: 2,
@@ -138,6 +151,9 @@ impl fmt::Debug for RedisConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisConfig")
             .field("url", &self.url.as_deref().map(redact_url))
+            .field("cluster", &self.cluster)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("password_file", &self.password_file)
             .field("timeout_ms", &self.timeout_ms)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("connections", &self.connections)
@@ -147,14 +163,52 @@ impl fmt::Debug for RedisConfig {
     }
 }
 
-/// Replaces the userinfo of a URL (`user:password@`) with `***@`.
-pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            format!("{}***{}", &url[..scheme_end + 3], &url[at..])
-        }
-        _ => url.to_owned(),
+impl RedisConfig {
+    /// The seed URLs in `url` (one unless `cluster`).
+    pub fn seed_urls(&self) -> impl Iterator<Item = &str> {
+        self.url.as_deref().unwrap_or_default().split(',').map(str::trim).filter(|s| !s.is_empty())
     }
+
+    /// The AUTH password from `password` or `password_file`, if either is
+    /// set. The error names the key and the file, never the content.
+    pub fn password(&self) -> Result<Option<String>, ConfigError> {
+        match (&self.password, &self.password_file) {
+            (Some(_), Some(_)) => Err(ConfigError::Invalid {
+                key: "redis.password_file",
+                message: "set redis.password or redis.password_file, not both".to_owned(),
+            }),
+            (Some(password), None) => Ok(Some(password.clone())),
+            (None, Some(file)) => {
+                let text = std::fs::read_to_string(file).map_err(|e| ConfigError::Invalid {
+                    key: "redis.password_file",
+                    message: format!("cannot read {}: {e}", file.display()),
+                })?;
+                let password = text.trim_end_matches(['\r', '\n']);
+                if password.is_empty() {
+                    return Err(ConfigError::Invalid {
+                        key: "redis.password_file",
+                        message: format!("{} is empty", file.display()),
+                    });
+                }
+                Ok(Some(password.to_owned()))
+            }
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+/// Replaces the userinfo of a URL (`user:password@`) with `***@`; in a
+/// comma-separated list of URLs (cluster seed nodes), that of each.
+pub fn redact_url(url: &str) -> String {
+    fn one(url: &str) -> String {
+        match (url.find("://"), url.rfind('@')) {
+            (Some(scheme_end), Some(at)) if at > scheme_end => {
+                format!("{}***{}", &url[..scheme_end + 3], &url[at..])
+            }
+            _ => url.to_owned(),
+        }
+    }
+    if url.contains(',') { url.split(',').map(one).collect::<Vec<_>>().join(",") } else { one(url) }
 }
 
 /// `memory.*`
@@ -522,15 +576,34 @@ impl Config {
             return Err(invalid("http.health_interval_ms", "must be at least 10"));
         }
         if let Some(url) = &self.redis.url {
-            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+            let mut seeds = 0;
+            for seed in self.redis.seed_urls() {
+                seeds += 1;
+                if !(seed.starts_with("redis://") || seed.starts_with("rediss://")) {
+                    return Err(invalid(
+                        "redis.url",
+                        format!("{:?} must start with redis:// or rediss://", redact_url(seed)),
+                    ));
+                }
+                redis::Client::open(seed).map_err(|e| {
+                    invalid("redis.url", format!("{:?} is not a valid Redis URL: {e}", redact_url(seed)))
+                })?;
+            }
+            if seeds == 0 {
+                return Err(invalid("redis.url", "must not be empty; leave it unset for in-memory counters"));
+            }
+            if seeds > 1 && !self.redis.cluster {
                 return Err(invalid(
                     "redis.url",
-                    format!("{:?} must start with redis:// or rediss://", redact_url(url)),
+                    format!(
+                        "{:?} lists {seeds} servers; set redis.cluster: true for a Redis Cluster",
+                        redact_url(url)
+                    ),
                 ));
             }
-            redis::Client::open(url.as_str()).map_err(|e| {
-                invalid("redis.url", format!("{:?} is not a valid Redis URL: {e}", redact_url(url)))
-            })?;
+            self.redis.password()?;
+        } else if self.redis.cluster {
+            return Err(invalid("redis.cluster", "needs redis.url (the seed nodes)"));
         }
         if self.redis.timeout_ms == 0 {
             return Err(invalid("redis.timeout_ms", "must be at least 1"));
@@ -762,6 +835,57 @@ mod tests {
     }
 
     #[test]
+    fn cluster_seeds_and_password_keys() {
+        let config = Config::load(
+            None,
+            env(&[
+                ("RATELIMITD__REDIS__URL", "redis://10.0.0.1:7000, redis://10.0.0.2:7000"),
+                ("RATELIMITD__REDIS__CLUSTER", "true"),
+                ("RATELIMITD__REDIS__PASSWORD", "s3cret"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            config.redis.seed_urls().collect::<Vec<_>>(),
+            ["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"]
+        );
+        assert_eq!(config.redis.password().unwrap().as_deref(), Some("s3cret"));
+        assert!(!format!("{config:?}").contains("s3cret"));
+
+        let err = Config::load(None, env(&[("RATELIMITD__REDIS__URL", "redis://a:1,redis://b:2")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`redis.url`") && err.contains("redis.cluster: true"), "{err}");
+        let err = Config::load(None, env(&[("RATELIMITD__REDIS__CLUSTER", "true")])).unwrap_err().to_string();
+        assert!(err.contains("`redis.cluster`"), "{err}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("password");
+        std::fs::write(&file, "from-file\n").unwrap();
+        let file_env = file.to_str().unwrap();
+        let config = Config::load(
+            None,
+            env(&[
+                ("RATELIMITD__REDIS__URL", "redis://127.0.0.1:1"),
+                ("RATELIMITD__REDIS__PASSWORD_FILE", file_env),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.redis.password().unwrap().as_deref(), Some("from-file"));
+        let missing = dir.path().join("absent");
+        let err = Config::load(
+            None,
+            env(&[
+                ("RATELIMITD__REDIS__URL", "redis://127.0.0.1:1"),
+                ("RATELIMITD__REDIS__PASSWORD_FILE", missing.to_str().unwrap()),
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("`redis.password_file`") && err.contains("absent"), "{err}");
+    }
+
+    #[test]
     fn redis_password_is_redacted() {
         let config = RedisConfig {
             url: Some("redis://:hunter2@10.0.0.1:6379/0".to_owned()),
@@ -770,5 +894,6 @@ mod tests {
         let shown = format!("{config:?}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("***@10.0.0.1:6379"), "{shown}");
+        assert_eq!(redact_url("redis://:a@h1:1,redis://:b@h2:2"), "redis://***@h1:1,redis://***@h2:2");
     }
 }

@@ -101,8 +101,8 @@ pub async fn run_observed(
             ));
             Store::Memory(memory)
         }
-        Some(url) => {
-            let redis = Arc::new(RedisStore::new(&config.redis, url)?);
+        Some(_) => {
+            let redis = Arc::new(RedisStore::new(&config.redis)?);
             // Not fatal: until Redis answers, rules answer by failure policy.
             match redis.warm_up(Duration::from_millis(config.redis.connect_timeout_ms)).await {
                 Ok(()) => tracing::info!(url = redis.url_for_logs(), "redis reachable"),

@@ -257,8 +257,13 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
 /// A store with one connection (so one dispatcher, one batch at a time),
 /// its script loaded.
 async fn single_connection_store(redis: &RedisServer) -> ratelimitd::limiter::RedisStore {
-    let config = ratelimitd::config::RedisConfig { connections: 1, timeout_ms: 5_000, ..Default::default() };
-    let store = ratelimitd::limiter::RedisStore::new(&config, &redis.url()).unwrap();
+    let config = ratelimitd::config::RedisConfig {
+        url: Some(redis.url()),
+        connections: 1,
+        timeout_ms: 5_000,
+        ..Default::default()
+    };
+    let store = ratelimitd::limiter::RedisStore::new(&config).unwrap();
     store.warm_up(Duration::from_secs(5)).await.unwrap();
     store
 }
@@ -338,9 +343,10 @@ async fn breaker_fails_fast_while_redis_is_down_and_closes_when_it_returns() {
         timeout_ms: 1_000,
         breaker_failures: 3,
         breaker_open_ms: 100,
+        url: Some(redis.url()),
         ..Default::default()
     };
-    let store = ratelimitd::limiter::RedisStore::new(&config, &redis.url()).unwrap();
+    let store = ratelimitd::limiter::RedisStore::new(&config).unwrap();
     let rule = hot_rule(100);
     assert!(store.decide("ivy", &rule, 1).await.unwrap().admitted);
 

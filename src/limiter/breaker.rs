@@ -40,7 +40,8 @@ pub enum Admission {
     Reject,
 }
 
-/// Shared by every slot of one store.
+/// Shared by every dispatcher of one store (one per range of slots in a
+/// cluster).
 #[derive(Debug)]
 pub struct Breaker {
     state: AtomicU8,
@@ -51,12 +52,14 @@ pub struct Breaker {
     threshold: u32,
     open_ms: u64,
     epoch: Instant,
+    /// What it guards, for logs: `redis`, or a range of cluster slots.
+    scope: String,
 }
 
 impl Breaker {
     /// Opens after `threshold` consecutive failures, for `open`. A threshold
-    /// of 0 disables the breaker.
-    pub fn new(threshold: u32, open: Duration) -> Self {
+    /// of 0 disables the breaker. `scope` names what it guards in logs.
+    pub fn new(threshold: u32, open: Duration, scope: String) -> Self {
         Breaker {
             state: AtomicU8::new(CLOSED),
             until_ms: AtomicU64::new(0),
@@ -64,6 +67,7 @@ impl Breaker {
             threshold,
             open_ms: u64::try_from(open.as_millis()).unwrap_or(u64::MAX),
             epoch: Instant::now(),
+            scope,
         }
     }
 
@@ -104,7 +108,7 @@ impl Breaker {
     pub fn success(&self) {
         self.failures.store(0, Ordering::Relaxed);
         if self.state.swap(CLOSED, Ordering::AcqRel) != CLOSED {
-            tracing::info!("redis answers again; circuit breaker closed");
+            tracing::info!(scope = %self.scope, "redis answers again; circuit breaker closed");
         }
     }
 
@@ -120,6 +124,7 @@ impl Breaker {
             self.until_ms.store(self.now_ms().saturating_add(self.open_ms), Ordering::Release);
             if self.state.swap(OPEN, Ordering::AcqRel) == CLOSED {
                 tracing::warn!(
+                    scope = %self.scope,
                     failures,
                     open_ms = self.open_ms,
                     "redis unreachable; circuit breaker open: decisions follow their failure policy at once"
@@ -142,7 +147,7 @@ mod tests {
 
     #[test]
     fn opens_after_threshold_consecutive_failures_only() {
-        let b = Breaker::new(3, Duration::from_secs(60));
+        let b = Breaker::new(3, Duration::from_secs(60), "test".to_owned());
         b.failure();
         b.failure();
         b.success();
@@ -156,7 +161,7 @@ mod tests {
 
     #[test]
     fn one_probe_after_the_open_time_then_closes_on_success() {
-        let b = Breaker::new(1, Duration::ZERO);
+        let b = Breaker::new(1, Duration::ZERO, "test".to_owned());
         b.failure();
         assert_eq!(b.admit(), Admission::Probe);
         assert_eq!(b.admit(), Admission::Probe, "open_ms 0: a lost probe is replaced at once");
@@ -167,7 +172,7 @@ mod tests {
 
     #[test]
     fn a_failed_probe_reopens() {
-        let b = Breaker::new(1, Duration::from_secs(60));
+        let b = Breaker::new(1, Duration::from_secs(60), "test".to_owned());
         b.failure();
         // Pretend the open time passed.
         b.until_ms.store(0, Ordering::Release);
@@ -180,7 +185,7 @@ mod tests {
 
     #[test]
     fn threshold_zero_never_opens() {
-        let b = Breaker::new(0, Duration::from_secs(60));
+        let b = Breaker::new(0, Duration::from_secs(60), "test".to_owned());
         for _ in 0..100 {
             b.failure();
         }

@@ -13,10 +13,20 @@
 //! per batch. Jobs in a batch run in order inside one atomic script, so the
 //! result is exactly that of running them one after another.
 //!
-//! Connections come from a deadpool-redis pool, which creates them under
-//! `redis.connect_timeout_ms` and health-checks (PINGs) one before handing
-//! it out again; a dispatcher whose call failed on the connection returns
-//! it and takes a fresh one for its next batch.
+//! Against one server, connections come from a deadpool-redis pool, which
+//! creates them under `redis.connect_timeout_ms` and health-checks (PINGs)
+//! one before handing it out again; a dispatcher whose call failed on the
+//! connection returns it and takes a fresh one for its next batch.
+//!
+//! Against a Redis Cluster (`redis.cluster`), each dispatcher owns one
+//! multiplexed cluster connection (redis-rs follows MOVED/ASK, refreshes
+//! its slot map and reconnects to nodes that come back). A script call must
+//! keep all its keys in one hash slot, so a dispatcher splits what it took
+//! from its queue by slot (stable: jobs on one counter keep their order)
+//! and sends one call per slot, all at once; every key of a job shares one
+//! hash tag (`{<user_id>}` or `{<domain>}`), so a job never spans slots.
+//! The circuit breaker is kept per range of 256 slots: a dead primary opens
+//! the breakers of its ranges, and the other primaries' slots keep deciding.
 
 use std::{
     sync::{
@@ -27,7 +37,10 @@ use std::{
 };
 
 use deadpool_redis::{Pool, PoolError, Runtime};
-use redis::{AsyncConnectionConfig, RedisError};
+use redis::{
+    AsyncConnectionConfig, ConnectionInfo, IntoConnectionInfo, RedisError, cluster::ClusterClient,
+    cluster_async::ClusterConnection,
+};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
@@ -55,8 +68,15 @@ const QUEUE_PER_SLOT: usize = 4_096;
 /// (1 = sliding, 2 = shadow) — the script's five arguments.
 type KeyArgs = [u64; 5];
 
+/// Cluster slots per circuit breaker: 64 breakers cover the 16384 slots.
+/// A primary owns whole ranges of slots, so a dead one opens its own
+/// breakers; finer ranges would need more failures to open them all.
+const SLOTS_PER_BREAKER: u16 = 256;
+
 /// One decision waiting for its batch.
 struct Job {
+    /// Its cluster slot (0 against one server).
+    slot: u16,
     keys: JobKeys,
     reply: oneshot::Sender<Result<Vec<u64>, StoreError>>,
 }
@@ -76,14 +96,57 @@ impl JobKeys {
     }
 }
 
-/// Counters in one Redis server.
+/// Where the dispatchers get connections from.
+#[derive(Clone)]
+enum Backend {
+    /// One server, through a pool.
+    Single(Pool),
+    /// A Redis Cluster.
+    Cluster(Arc<Cluster>),
+}
+
+/// A Redis Cluster: the client (seed nodes, timeouts, credentials) and the
+/// connection the readiness probe reuses between probes.
+struct Cluster {
+    client: ClusterClient,
+    connect_timeout: Duration,
+    probe: std::sync::Mutex<Option<ClusterConnection>>,
+}
+
+impl Cluster {
+    /// Connects to the seed nodes and reads the slot map, within
+    /// `redis.connect_timeout_ms`.
+    async fn connect(&self) -> Result<ClusterConnection, StoreError> {
+        match tokio::time::timeout(self.connect_timeout, self.client.get_async_connection()).await {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(classify(&e)),
+            Err(_) => Err(StoreError {
+                kind: FailureKind::Timeout,
+                message: format!(
+                    "no redis cluster connection within {} ms",
+                    self.connect_timeout.as_millis()
+                ),
+            }),
+        }
+    }
+}
+
+/// A dispatcher's connection.
+enum Conn {
+    Single(deadpool_redis::Connection),
+    Cluster(ClusterConnection),
+}
+
+/// Counters in one Redis server or a Redis Cluster.
 pub struct RedisStore {
-    pool: Pool,
+    backend: Backend,
     queues: Box<[mpsc::Sender<Job>]>,
     next_slot: AtomicUsize,
     script: Arc<redis::Script>,
     timeout: Duration,
-    breaker: Arc<Breaker>,
+    /// One against a single server; one per [`SLOTS_PER_BREAKER`] slots
+    /// against a cluster.
+    breakers: Arc<[Breaker]>,
     url_for_logs: String,
 }
 
@@ -91,6 +154,7 @@ impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
             .field("url", &self.url_for_logs)
+            .field("cluster", &matches!(self.backend, Backend::Cluster(_)))
             .field("slots", &self.queues.len())
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
@@ -107,56 +171,98 @@ pub struct RedisSetupError {
 }
 
 impl RedisStore {
-    /// Builds the pool and starts one dispatcher task per slot (so it must
-    /// be called inside a Tokio runtime). Does not connect: see
-    /// [`RedisStore::warm_up`]. The dispatchers end once the store is
-    /// dropped and their queued jobs are answered.
-    pub fn new(config: &RedisConfig, url: &str) -> Result<Self, RedisSetupError> {
+    /// Builds the pool (or the cluster client) from `redis.url` and starts
+    /// one dispatcher task per slot (so it must be called inside a Tokio
+    /// runtime). Does not connect: see [`RedisStore::warm_up`]. The
+    /// dispatchers end once the store is dropped and their queued jobs are
+    /// answered.
+    pub fn new(config: &RedisConfig) -> Result<Self, RedisSetupError> {
+        let url = config.url.as_deref().unwrap_or_default();
         let setup_error = |message: String| RedisSetupError { url: redact_url(url), message };
-        // The per-call deadline is ours (`timeout_ms`); the client's own
-        // response timeout would only race it.
-        let connection_config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(Duration::from_millis(config.connect_timeout_ms)))
-            .set_response_timeout(None);
-        let manager = deadpool_redis::Manager::new_with_config(url, connection_config)
-            .map_err(|e| setup_error(e.to_string()))?;
-        // One connection per dispatcher, one for `warm_up` (the readiness
-        // probe), and room for a replacement while a broken one is dropped.
-        let pool = Pool::builder(manager)
-            .max_size(config.connections * 2 + 1)
-            .runtime(Runtime::Tokio1)
-            .create_timeout(Some(Duration::from_millis(config.connect_timeout_ms)))
-            // Handing out a returned connection PINGs it first; a peer that
-            // stopped answering must not hang a dispatcher in that PING.
-            .recycle_timeout(Some(Duration::from_millis(config.connect_timeout_ms)))
-            .wait_timeout(Some(Duration::from_millis(config.connect_timeout_ms)))
-            .build()
-            .map_err(|e| setup_error(e.to_string()))?;
+        let password = config.password().map_err(|e| setup_error(e.to_string()))?;
+        let nodes = config
+            .seed_urls()
+            .map(|node| {
+                let info = node.into_connection_info().map_err(|e| setup_error(e.to_string()))?;
+                Ok(with_password(info, password.as_deref()))
+            })
+            .collect::<Result<Vec<_>, RedisSetupError>>()?;
+        let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
+        let backend = if config.cluster {
+            let client = ClusterClient::builder(nodes)
+                .connection_timeout(connect_timeout)
+                // Bounds one attempt inside the client; callers stop
+                // waiting at `timeout_ms` either way.
+                .response_timeout(connect_timeout)
+                // A redirect (MOVED/ASK, a failover) is a retry: a few, fast.
+                .retries(3)
+                .min_retry_wait(1)
+                .max_retry_wait(50)
+                .build()
+                .map_err(|e| setup_error(e.to_string()))?;
+            Backend::Cluster(Arc::new(Cluster {
+                client,
+                connect_timeout,
+                probe: std::sync::Mutex::new(None),
+            }))
+        } else {
+            let [node] = <[ConnectionInfo; 1]>::try_from(nodes)
+                .map_err(|_| setup_error("several seed nodes need redis.cluster: true".to_owned()))?;
+            // The per-call deadline is ours (`timeout_ms`); the client's own
+            // response timeout would only race it.
+            let connection_config = AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(connect_timeout))
+                .set_response_timeout(None);
+            let manager = deadpool_redis::Manager::new_with_config(node, connection_config)
+                .map_err(|e| setup_error(e.to_string()))?;
+            // One connection per dispatcher, one for `warm_up` (the readiness
+            // probe), and room for a replacement while a broken one is dropped.
+            let pool = Pool::builder(manager)
+                .max_size(config.connections * 2 + 1)
+                .runtime(Runtime::Tokio1)
+                .create_timeout(Some(connect_timeout))
+                // Handing out a returned connection PINGs it first; a peer that
+                // stopped answering must not hang a dispatcher in that PING.
+                .recycle_timeout(Some(connect_timeout))
+                .wait_timeout(Some(connect_timeout))
+                .build()
+                .map_err(|e| setup_error(e.to_string()))?;
+            Backend::Single(pool)
+        };
         let script = Arc::new(redis::Script::new(DECIDE_BATCH_LUA));
         let timeout = Duration::from_millis(config.timeout_ms);
-        let breaker =
-            Arc::new(Breaker::new(config.breaker_failures, Duration::from_millis(config.breaker_open_ms)));
+        let open = Duration::from_millis(config.breaker_open_ms);
+        let breakers: Arc<[Breaker]> = match backend {
+            Backend::Single(_) => Arc::new([Breaker::new(config.breaker_failures, open, "redis".to_owned())]),
+            Backend::Cluster(_) => (0..16_384 / SLOTS_PER_BREAKER)
+                .map(|range| {
+                    let first = range * SLOTS_PER_BREAKER;
+                    let scope = format!("redis cluster slots {first}-{}", first + SLOTS_PER_BREAKER - 1);
+                    Breaker::new(config.breaker_failures, open, scope)
+                })
+                .collect(),
+        };
         let queues = (0..config.connections)
             .map(|slot| {
                 let (sender, receiver) = mpsc::channel(QUEUE_PER_SLOT);
                 let dispatcher = Dispatcher {
                     slot,
-                    pool: pool.clone(),
+                    backend: backend.clone(),
                     script: Arc::clone(&script),
                     timeout,
-                    breaker: Arc::clone(&breaker),
+                    breakers: Arc::clone(&breakers),
                 };
                 tokio::spawn(dispatcher.run(receiver));
                 sender
             })
             .collect();
         Ok(RedisStore {
-            pool,
+            backend,
             queues,
             next_slot: AtomicUsize::new(0),
             script,
             timeout,
-            breaker,
+            breakers,
             url_for_logs: redact_url(url),
         })
     }
@@ -171,9 +277,27 @@ impl RedisStore {
     /// the readiness probe to say whether Redis is up; a failure is not fatal.
     pub async fn warm_up(&self, timeout: Duration) -> Result<(), StoreError> {
         let load = async {
-            let mut conn = self.pool.get().await.map_err(|e| classify_pool(&e))?;
-            let loaded: Result<String, RedisError> = self.script.load_async(&mut *conn).await;
-            loaded.map(drop).map_err(|e| classify(&e))
+            match &self.backend {
+                Backend::Single(pool) => {
+                    let mut conn = pool.get().await.map_err(|e| classify_pool(&e))?;
+                    let loaded: Result<String, RedisError> = self.script.load_async(&mut *conn).await;
+                    loaded.map(drop).map_err(|e| classify(&e))
+                }
+                Backend::Cluster(cluster) => {
+                    let kept =
+                        cluster.probe.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+                    let mut conn = match kept {
+                        Some(conn) => conn,
+                        None => cluster.connect().await?,
+                    };
+                    // SCRIPT LOAD goes to every primary.
+                    let loaded: Result<String, RedisError> = self.script.load_async(&mut conn).await;
+                    let mut probe = cluster.probe.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    // A probe that failed starts from the seed nodes next time.
+                    *probe = loaded.is_ok().then_some(conn);
+                    loaded.map(drop).map_err(|e| classify(&e))
+                }
+            }
         };
         match tokio::time::timeout(timeout, load).await {
             Ok(result) => result,
@@ -254,19 +378,23 @@ impl RedisStore {
     /// from now, for its part of the batch's answer. Small by design: this
     /// future is part of every decision's state machine.
     async fn run(&self, keys: JobKeys) -> Result<Vec<u64>, StoreError> {
-        if self.breaker.admit() == Admission::Reject {
+        let slot = match self.backend {
+            Backend::Single(_) => 0,
+            Backend::Cluster(_) => key_slot(keys.as_slice().first().map_or("", |(key, _)| key.as_str())),
+        };
+        if breaker_of(&self.breakers, slot).admit() == Admission::Reject {
             return Err(StoreError {
                 kind: FailureKind::CircuitOpen,
                 message: "redis circuit breaker open after consecutive failures; not tried".to_owned(),
             });
         }
         let (reply, answer) = oneshot::channel();
-        let slot = self.next_slot.fetch_add(1, Ordering::Relaxed) % self.queues.len();
-        if let Err(e) = self.queues[slot].try_send(Job { keys, reply }) {
+        let queue = self.next_slot.fetch_add(1, Ordering::Relaxed) % self.queues.len();
+        if let Err(e) = self.queues[queue].try_send(Job { slot, keys, reply }) {
             return Err(match e {
                 mpsc::error::TrySendError::Full(_) => StoreError {
                     kind: FailureKind::PoolExhausted,
-                    message: format!("{QUEUE_PER_SLOT} decisions already wait for redis connection {slot}"),
+                    message: format!("{QUEUE_PER_SLOT} decisions already wait for redis connection {queue}"),
                 },
                 mpsc::error::TrySendError::Closed(_) => StoreError {
                     kind: FailureKind::Other,
@@ -296,17 +424,29 @@ const TIMEOUTS_BEFORE_RECONNECT: u32 = 3;
 /// tells the breaker how Redis did.
 struct Dispatcher {
     slot: usize,
-    pool: Pool,
+    backend: Backend,
     script: Arc<redis::Script>,
     timeout: Duration,
-    breaker: Arc<Breaker>,
+    breakers: Arc<[Breaker]>,
+}
+
+/// How one script call (or, in a cluster, the calls of one batch) went,
+/// for the breaker and the reconnect rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Health {
+    /// Redis answered (a script error is an answer too).
+    Answered,
+    /// The call missed its deadline.
+    TimedOut,
+    /// Unreachable, refused, connection lost, cluster down.
+    Failed,
 }
 
 impl Dispatcher {
     async fn run(self, mut queue: mpsc::Receiver<Job>) {
         let slot = self.slot;
         let mut batch = Vec::with_capacity(MAX_BATCH);
-        let mut conn: Option<deadpool_redis::Connection> = None;
+        let mut conn: Option<Conn> = None;
         let mut timeouts = 0;
         while queue.recv_many(&mut batch, MAX_BATCH).await > 0 {
             // A caller that gave up (its deadline passed while the job queued)
@@ -320,11 +460,11 @@ impl Dispatcher {
                 // deadline: callers stop waiting at theirs (and are answered by
                 // policy), but a connection that takes longer than one decision
                 // to open is still worth having for the next ones.
-                match self.pool.get().await {
+                match self.connect().await {
                     Ok(fresh) => conn = Some(fresh),
-                    Err(e) => {
-                        self.breaker.failure();
-                        fail_all(&mut batch, &classify_pool(&e));
+                    Err(error) => {
+                        self.report(&batch, Health::Failed);
+                        fail_all(&mut batch, &error);
                         continue;
                     }
                 }
@@ -333,15 +473,16 @@ impl Dispatcher {
                     continue;
                 }
             }
-            // Nobody waits longer than `timeout` for this answer. A late reply
-            // on a kept connection is read and discarded by the client.
-            let result = match tokio::time::timeout(self.timeout, call(&mut conn, &self.script, &batch)).await
-            {
-                Ok(result) => {
-                    timeouts = 0;
-                    result
-                }
-                Err(_) => {
+            // The breakers hear about every call; `health` is what the
+            // connection as a whole did.
+            let health = match &mut conn {
+                Some(Conn::Single(connection)) => self.dispatch_single(connection, &mut batch).await,
+                Some(Conn::Cluster(connection)) => self.dispatch_cluster(connection, &mut batch).await,
+                None => unreachable!("a connection was just set"),
+            };
+            match health {
+                Health::Answered => timeouts = 0,
+                Health::TimedOut => {
                     timeouts += 1;
                     if timeouts >= TIMEOUTS_BEFORE_RECONNECT && conn.take().is_some() {
                         tracing::debug!(
@@ -350,23 +491,141 @@ impl Dispatcher {
                             "redis connection unresponsive; dispatcher takes a new one"
                         );
                     }
-                    Err(timeout_error(self.timeout))
                 }
-            };
-            match result {
-                Ok(reply) => {
-                    self.breaker.success();
-                    split_reply(&mut batch, &reply);
-                }
-                Err(error) => {
-                    // A script error is an answer: Redis is there.
-                    if error.kind != FailureKind::ScriptError {
-                        self.breaker.failure();
+                Health::Failed => {
+                    timeouts = 0;
+                    if matches!(conn, Some(Conn::Single(_))) {
+                        // Back to the pool, which PINGs it before reuse and
+                        // drops it when that fails; the next batch takes
+                        // another. (A cluster connection reconnects to its
+                        // nodes by itself.)
+                        conn = None;
+                        tracing::debug!(slot, "redis connection broken; dispatcher takes a new one");
                     }
-                    fail_all(&mut batch, &error);
                 }
             }
         }
+    }
+
+    async fn connect(&self) -> Result<Conn, StoreError> {
+        match &self.backend {
+            Backend::Single(pool) => pool.get().await.map(Conn::Single).map_err(|e| classify_pool(&e)),
+            Backend::Cluster(cluster) => cluster.connect().await.map(Conn::Cluster),
+        }
+    }
+
+    /// Tells the breakers of `batch`'s slots how Redis did (once per
+    /// breaker, however many of its jobs the batch holds).
+    fn report(&self, batch: &[Job], health: Health) {
+        let mut told = 0u64; // one bit per breaker (at most 64)
+        for job in batch {
+            let index = usize::from(job.slot / SLOTS_PER_BREAKER) % self.breakers.len();
+            if told & (1 << index) == 0 {
+                told |= 1 << index;
+                match health {
+                    Health::Answered => self.breakers[index].success(),
+                    Health::TimedOut | Health::Failed => self.breakers[index].failure(),
+                }
+            }
+        }
+    }
+
+    /// One script call for the whole batch, answered within `timeout`.
+    async fn dispatch_single(&self, conn: &mut deadpool_redis::Connection, batch: &mut Vec<Job>) -> Health {
+        // Nobody waits longer than `timeout` for this answer. A late reply
+        // on a kept connection is read and discarded by the client.
+        let call = tokio::time::timeout(self.timeout, invoke(&mut **conn, &self.script, batch)).await;
+        let health = health_of(&call);
+        self.report(batch, health);
+        answer(batch, call, self.timeout);
+        health
+    }
+
+    /// One script call per hash slot, all in flight together.
+    async fn dispatch_cluster(&self, conn: &ClusterConnection, batch: &mut Vec<Job>) -> Health {
+        // Stable: jobs on one counter (hence one slot) keep their order.
+        batch.sort_by_key(|job| job.slot);
+        let mut groups: Vec<Vec<Job>> = Vec::new();
+        for job in batch.drain(..) {
+            match groups.last_mut() {
+                Some(group) if group[0].slot == job.slot => group.push(job),
+                _ => groups.push(vec![job]),
+            }
+        }
+        let calls = groups.into_iter().map(|mut group| {
+            let mut conn = conn.clone();
+            async move {
+                let call = tokio::time::timeout(self.timeout, invoke(&mut conn, &self.script, &group)).await;
+                let health = health_of(&call);
+                self.report(&group, health);
+                answer(&mut group, call, self.timeout);
+                health
+            }
+        });
+        let healths = futures_util::future::join_all(calls).await;
+        // The connection is fine while any node answers through it.
+        if healths.contains(&Health::Answered) {
+            Health::Answered
+        } else if healths.contains(&Health::Failed) {
+            Health::Failed
+        } else {
+            Health::TimedOut
+        }
+    }
+}
+
+type CallResult = Result<Result<Vec<u64>, RedisError>, tokio::time::error::Elapsed>;
+
+/// How Redis did on one call.
+fn health_of(call: &CallResult) -> Health {
+    match call {
+        Ok(Ok(_)) => Health::Answered,
+        // A script error is an answer: Redis is there.
+        Ok(Err(e)) if classify(e).kind == FailureKind::ScriptError => Health::Answered,
+        Ok(Err(_)) => Health::Failed,
+        Err(_) => Health::TimedOut,
+    }
+}
+
+/// Hands a call's result to the jobs it was for.
+fn answer(batch: &mut Vec<Job>, call: CallResult, timeout: Duration) {
+    match call {
+        Ok(Ok(reply)) => split_reply(batch, &reply),
+        Ok(Err(e)) => fail_all(batch, &classify(&e)),
+        Err(_) => fail_all(batch, &timeout_error(timeout)),
+    }
+}
+
+/// The breaker of a slot's range.
+fn breaker_of(breakers: &[Breaker], slot: u16) -> &Breaker {
+    &breakers[usize::from(slot / SLOTS_PER_BREAKER) % breakers.len()]
+}
+
+/// Redis Cluster's slot of a key: CRC16 (XMODEM) of its hash tag (between
+/// the first `{` and the next `}`, when not empty), else of the whole key,
+/// modulo 16384. Every key of one job shares a hash tag.
+pub fn key_slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let hashed = bytes
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let len = bytes[open + 1..].iter().position(|&b| b == b'}')?;
+            (len > 0).then(|| &bytes[open + 1..open + 1 + len])
+        })
+        .unwrap_or(bytes);
+    crc16::State::<crc16::XMODEM>::calculate(hashed) % 16_384
+}
+
+/// Sets the password (from `redis.password` or `redis.password_file`) on
+/// a seed node's connection info; a URL's own password is kept otherwise.
+fn with_password(info: ConnectionInfo, password: Option<&str>) -> ConnectionInfo {
+    match password {
+        Some(password) => {
+            let settings = info.redis_settings().clone().set_password(password);
+            info.set_redis_settings(settings)
+        }
+        None => info,
     }
 }
 
@@ -376,16 +635,12 @@ fn fail_all(batch: &mut Vec<Job>, error: &StoreError) {
     }
 }
 
-/// Sends one batch on `conn` (which the caller has filled), emptying it
-/// when the connection turns out broken.
-async fn call(
-    conn: &mut Option<deadpool_redis::Connection>,
+/// Sends one batch as one script call.
+async fn invoke(
+    conn: &mut impl redis::aio::ConnectionLike,
     script: &redis::Script,
     batch: &[Job],
-) -> Result<Vec<u64>, StoreError> {
-    let Some(connection) = conn.as_mut() else {
-        return Err(StoreError { kind: FailureKind::Other, message: "no redis connection".to_owned() });
-    };
+) -> Result<Vec<u64>, RedisError> {
     let mut invocation = script.prepare_invoke();
     for job in batch {
         for (key, _) in job.keys.as_slice() {
@@ -402,16 +657,7 @@ async fn call(
             }
         }
     }
-    let reply: Result<Vec<u64>, RedisError> = invocation.invoke_async(&mut **connection).await;
-    reply.map_err(|e| {
-        if e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error() {
-            // Back to the pool, which PINGs it before reuse and drops it
-            // when that fails; the next batch takes another.
-            *conn = None;
-            tracing::debug!("redis connection broken; dispatcher takes a new one");
-        }
-        classify(&e)
-    })
+    invocation.invoke_async(conn).await
 }
 
 /// Hands each job of `batch` its slice of `reply` (committed, then four
@@ -484,5 +730,16 @@ mod tests {
     #[test]
     fn key_has_the_user_as_hash_tag() {
         assert_eq!(counter_key("u-1", "playback"), "rl:{u-1}:playback");
+    }
+
+    #[test]
+    fn key_slot_matches_redis_cluster() {
+        // Values from Redis' CLUSTER KEYSLOT.
+        assert_eq!(key_slot("foo"), 12_182);
+        assert_eq!(key_slot("123456789"), 12_739);
+        assert_eq!(key_slot("{user1000}.following"), key_slot("user1000"));
+        assert_eq!(key_slot("rl:{u-1}:a"), key_slot("rle:{u-1}:b"));
+        // An empty tag hashes the whole key.
+        assert_eq!(key_slot("{}x"), crc16::State::<crc16::XMODEM>::calculate(b"{}x") % 16_384);
     }
 }

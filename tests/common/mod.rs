@@ -192,6 +192,197 @@ impl Drop for RedisServer {
     }
 }
 
+/// A real Redis Cluster of three primaries (no replicas) on free loopback
+/// ports, built with `redis-cli --cluster create`. A node can be killed and
+/// restarted on its port with its `nodes.conf`, so it takes its slots back
+/// (empty: no persistence), which is the failover the tests exercise.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<ClusterNode>,
+    dir: tempfile::TempDir,
+}
+
+#[derive(Debug)]
+struct ClusterNode {
+    port: u16,
+    bus_port: u16,
+    child: Option<Child>,
+}
+
+impl RedisCluster {
+    /// Starts three cluster-enabled servers, assigns the 16384 slots and
+    /// waits until every node reports `cluster_state:ok`.
+    pub fn start() -> Self {
+        ensure_redis_installed();
+        let dir = tempfile::tempdir().unwrap();
+        let mut cluster = RedisCluster { nodes: Vec::new(), dir };
+        for _ in 0..3 {
+            let mut started = None;
+            for _ in 0..5 {
+                let mut node = ClusterNode { port: free_port(), bus_port: free_port(), child: None };
+                if cluster.spawn(&mut node) {
+                    started = Some(node);
+                    break;
+                }
+            }
+            cluster.nodes.push(started.expect("could not start a cluster node on free ports"));
+        }
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for node in &cluster.nodes {
+            create.arg(format!("127.0.0.1:{}", node.port));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        cluster.wait_healthy();
+        cluster
+    }
+
+    /// (Re)starts one node on its ports, with its cluster config file.
+    fn spawn(&self, node: &mut ClusterNode) -> bool {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &node.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--cluster-enabled", "yes", "--cluster-port", &node.bus_port.to_string()])
+            .args(["--cluster-config-file", &format!("nodes-{}.conf", node.port)])
+            // A dead primary is detected within a second, and the other
+            // primaries keep serving their slots meanwhile.
+            .args(["--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        let port = node.port;
+        node.child = wait_ready(child, Duration::from_secs(10), || ping(port));
+        node.child.is_some()
+    }
+
+    /// The seed nodes, as `redis.url` takes them.
+    pub fn url(&self) -> String {
+        self.nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect::<Vec<_>>().join(",")
+    }
+
+    /// Kills node `i` (SIGKILL): its slots are unreachable.
+    pub fn stop_node(&mut self, i: usize) {
+        kill(&mut self.nodes[i].child);
+    }
+
+    /// Starts node `i` again (empty) and waits until the cluster is whole.
+    pub fn restart_node(&mut self, i: usize) {
+        let mut node =
+            ClusterNode { port: self.nodes[i].port, bus_port: self.nodes[i].bus_port, child: None };
+        kill(&mut self.nodes[i].child);
+        assert!(self.spawn(&mut node), "cluster node on port {} did not come back", node.port);
+        self.nodes[i] = node;
+        self.wait_healthy();
+    }
+
+    /// Waits until every node says `cluster_state:ok` with all slots served.
+    pub fn wait_healthy(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let healthy = self.nodes.iter().all(|n| {
+                let info = redis_cli(n.port, &["cluster", "info"]);
+                info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
+            });
+            if healthy {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the redis cluster never became healthy");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Keys stored on node `i`.
+    pub fn keys_on(&self, i: usize) -> u64 {
+        redis_cli(self.nodes[i].port, &["dbsize"]).trim().parse().unwrap_or(0)
+    }
+
+    /// Which node serves each slot, from `CLUSTER NODES`; see [`key_slot`].
+    pub fn slot_owners(&self) -> Vec<usize> {
+        let mut owners = vec![usize::MAX; 16_384];
+        let nodes = redis_cli(self.nodes[0].port, &["cluster", "nodes"]);
+        for line in nodes.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let Some(port) = fields.get(1).and_then(|a| a.split(['@', ':']).nth(1)) else { continue };
+            let Some(node) = self.nodes.iter().position(|n| n.port.to_string() == port) else { continue };
+            for range in fields.iter().skip(8) {
+                let (a, b) = range.split_once('-').unwrap_or((range, range));
+                if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
+                    owners[a..=b].iter_mut().for_each(|o| *o = node);
+                }
+            }
+        }
+        owners
+    }
+
+    /// The index of the node serving `key`'s slot.
+    pub fn node_of(&self, key: &str) -> usize {
+        self.slot_owners()[usize::from(key_slot(key))]
+    }
+}
+
+/// Redis Cluster's slot of a key: CRC16 (XMODEM) of its hash tag (the part
+/// between the first `{` and the next `}`, if not empty) or of the whole
+/// key, modulo 16384.
+pub fn key_slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let hashed = bytes
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let close = bytes[open + 1..].iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &bytes[open + 1..open + 1 + close])
+        })
+        .unwrap_or(bytes);
+    let mut crc: u16 = 0;
+    for &byte in hashed {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+    }
+    crc % 16_384
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            kill(&mut node.child);
+        }
+    }
+}
+
+/// `redis-cli -p <port> <args…>`'s output ("" if it could not run).
+fn redis_cli(port: u16, args: &[&str]) -> String {
+    Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
 /// Kills a child process by PID (SIGKILL), if running, and reaps it.
 fn kill(child: &mut Option<Child>) {
     if let Some(mut child) = child.take() {

@@ -1,0 +1,186 @@
+//! Redis Cluster: a real three-primary cluster started by the harness
+//! (`redis-server --cluster-enabled yes` ×3 + `redis-cli --cluster create`).
+//! Decisions are exact across slots, a killed primary only affects its own
+//! slots (answered by policy), and once it is back the service decides
+//! exactly again without a restart. Two instances sharing the cluster admit
+//! exactly `limit × burst` under 64 concurrent callers.
+
+mod common;
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use common::{RedisCluster, Rules, TestServer, check, config, eventually, key_slot, reason, request};
+use ratelimitd::{
+    api::pb::{Reason, rate_limiter_client::RateLimiterClient},
+    config::Config,
+};
+use tonic::transport::Channel;
+
+fn cluster_config(rules: &Rules, cluster: &RedisCluster) -> Config {
+    let mut config = config(&rules.path(), Some(cluster.url()));
+    config.redis.cluster = true;
+    config
+}
+
+/// `n` users whose counters (`rl:{user}:…`) live on node `node`.
+fn users_on(cluster: &RedisCluster, node: usize, prefix: &str, n: usize) -> Vec<String> {
+    let owners = cluster.slot_owners();
+    (0..)
+        .map(|i| format!("{prefix}-{i}"))
+        .filter(|user| owners[usize::from(key_slot(&format!("rl:{{{user}}}:cap")))] == node)
+        .take(n)
+        .collect()
+}
+
+/// Sends `limit + 2` requests for `user` and asserts the exact sequence:
+/// remaining counts down to 0, then two OVER_LIMIT.
+async fn assert_exact(client: &mut RateLimiterClient<Channel>, user: &str, limit: u32) {
+    for i in 0..limit + 2 {
+        let r = check(client, request(user, "/cap")).await;
+        if i < limit {
+            assert_eq!(reason(&r), Reason::Ok, "{user} request {i}: {r:?}");
+            assert_eq!(r.remaining_tokens, limit - i - 1, "{user} request {i}: {r:?}");
+        } else {
+            assert_eq!(reason(&r), Reason::OverLimit, "{user} request {i}: {r:?}");
+            assert!(r.retry_after_ms > 0, "{r:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_are_exact_across_slots_and_survive_a_primary_restart() {
+    let mut cluster = RedisCluster::start();
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: cap, resource_path: /cap, limit: 5, window_seconds: 3600, failure_policy: closed }\n",
+    );
+    let server = TestServer::start(cluster_config(&rules, &cluster)).await;
+    let mut client = server.client().await;
+
+    // Users on every node: each counter is exact, wherever its slot is.
+    for node in 0..3 {
+        for user in users_on(&cluster, node, "before", 4) {
+            assert_exact(&mut client, &user, 5).await;
+        }
+    }
+    for node in 0..3 {
+        assert_eq!(cluster.keys_on(node), 4, "node {node} holds its users' counters");
+    }
+
+    // One primary killed: its slots are answered by the failure policy
+    // (closed), the other primaries' slots stay exact.
+    cluster.stop_node(1);
+    // More failures in a row than `redis.breaker_failures`: the breaker is
+    // cluster-wide and must not open because one primary is gone.
+    for down in users_on(&cluster, 1, "down", 6) {
+        let asked = Instant::now();
+        let r = check(&mut client, request(&down, "/cap")).await;
+        assert_eq!(reason(&r), Reason::FailClosed, "{r:?}");
+        eprintln!("dead primary's slot: answered by policy in {} us", asked.elapsed().as_micros());
+    }
+    for node in [0, 2] {
+        let user = users_on(&cluster, node, "during", 1).remove(0);
+        assert_exact(&mut client, &user, 5).await;
+    }
+
+    // Back (empty, on its port): exact again, without restarting the service.
+    let probe = users_on(&cluster, 1, "probe", 500);
+    cluster.restart_node(1);
+    let back = Instant::now();
+    let mut next = probe.iter();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let mut client = client.clone();
+            let user = next.next().expect("enough probe users").clone();
+            async move { reason(&check(&mut client, request(&user, "/cap")).await) == Reason::Ok }
+        })
+        .await,
+        "decisions on the restarted primary's slots never became exact again"
+    );
+    eprintln!(
+        "restarted primary: exact decisions again {} ms after it was healthy",
+        back.elapsed().as_millis()
+    );
+    for user in users_on(&cluster, 1, "after", 3) {
+        assert_exact(&mut client, &user, 5).await;
+    }
+    server.stop().await.unwrap();
+}
+
+/// Two service instances on one cluster, 64 concurrent callers split
+/// between them, 8 users spread over the slots, each user offered far more
+/// than its capacity: every user is admitted exactly `limit × burst`
+/// (failure policy closed, so a failed decision could only under-admit;
+/// none may fail). Prints the over- and under-admission per user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_admit_exactly_limit_times_burst_under_contention() {
+    const CALLERS: usize = 64;
+    const PER_CALLER: usize = 40;
+    const USERS: usize = 8;
+    const LIMIT: u64 = 50;
+    const CAPACITY: usize = 60; // limit 50 × burst 1.2
+    let cluster = RedisCluster::start();
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: cap, resource_path: /cap, limit: 50, burst_capacity: 1.2, window_seconds: 3600, failure_policy: closed }\n",
+    );
+    let a = TestServer::start(cluster_config(&rules, &cluster)).await;
+    let b = TestServer::start(cluster_config(&rules, &cluster)).await;
+    let clients = [a.client().await, b.client().await];
+    let users: Arc<Vec<String>> = Arc::new((0..USERS).map(|i| format!("contended-{i}")).collect());
+    let nodes: std::collections::HashSet<usize> =
+        users.iter().map(|u| cluster.node_of(&format!("rl:{{{u}}}:cap"))).collect();
+    assert!(nodes.len() >= 2, "the users should spread over several primaries: {nodes:?}");
+
+    let barrier = Arc::new(tokio::sync::Barrier::new(CALLERS));
+    let started = Instant::now();
+    let mut handles = Vec::new();
+    for caller in 0..CALLERS {
+        let mut client = clients[caller % 2].clone();
+        let users = Arc::clone(&users);
+        let barrier = Arc::clone(&barrier);
+        handles.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let mut admitted = vec![0usize; USERS];
+            let mut failed = 0;
+            for i in 0..PER_CALLER {
+                let user = (caller + i) % USERS;
+                let r = check(&mut client, request(&users[user], "/cap")).await;
+                match reason(&r) {
+                    Reason::Ok => admitted[user] += 1,
+                    Reason::OverLimit => {}
+                    _ => failed += 1,
+                }
+            }
+            (admitted, failed)
+        }));
+    }
+    let mut admitted = vec![0usize; USERS];
+    let mut failed = 0;
+    for handle in handles {
+        let (mine, my_failed) = handle.await.unwrap();
+        for (total, n) in admitted.iter_mut().zip(mine) {
+            *total += n;
+        }
+        failed += my_failed;
+    }
+    let elapsed = started.elapsed();
+    let offered = CALLERS * PER_CALLER / USERS;
+    eprintln!(
+        "accuracy: 2 instances, {CALLERS} callers, {} decisions in {} ms; per user offered {offered}, capacity {CAPACITY} (limit {LIMIT} x 1.2)",
+        CALLERS * PER_CALLER,
+        elapsed.as_millis()
+    );
+    for (user, n) in users.iter().zip(&admitted) {
+        let delta = *n as i64 - CAPACITY as i64;
+        eprintln!("  {user}: admitted {n}, over/under-admission {delta:+}");
+    }
+    assert_eq!(failed, 0, "decisions that failed (answered by policy)");
+    for (user, n) in users.iter().zip(&admitted) {
+        assert!(*n <= CAPACITY, "{user} admitted {n} > limit x burst = {CAPACITY}");
+        assert_eq!(*n, CAPACITY, "{user} under-admitted");
+    }
+    a.stop().await.unwrap();
+    b.stop().await.unwrap();
+}
