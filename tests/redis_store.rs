@@ -372,3 +372,37 @@ async fn breaker_fails_fast_while_redis_is_down_and_closes_when_it_returns() {
     // The restarted Redis is empty: counting starts again, exactly.
     assert_eq!(store.decide("ivy", &rule, 1).await.unwrap().remaining, 98);
 }
+
+/// A Redis that requires AUTH: the password comes from `redis.password_file`
+/// (a mounted secret), decisions are exact; with a wrong password they are
+/// answered by policy, and neither the log-facing error nor the dead-letter
+/// record carries the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_password_from_a_file_and_never_in_errors() {
+    let redis = RedisServer::start_with_password(Some("s3cret-pw"));
+    let rules = Rules::new(RULES);
+    let secrets = tempfile::tempdir().unwrap();
+    let file = secrets.path().join("redis-password");
+    std::fs::write(&file, "s3cret-pw\n").unwrap();
+    let mut good = config(&rules.path(), Some(redis.url()));
+    good.redis.password_file = Some(file);
+    let server = TestServer::start(good).await;
+    let mut client = server.client().await;
+    for expected in (97..100).rev() {
+        let r = check(&mut client, request("ana", "/hot")).await;
+        assert_eq!(reason(&r), Reason::Ok, "{r:?}");
+        assert_eq!(r.remaining_tokens, expected);
+    }
+    server.stop().await.unwrap();
+
+    let mut bad = config(&rules.path(), Some(redis.url()));
+    bad.redis.password = Some("wrong-pw-value".to_owned());
+    let server = TestServer::start(bad).await;
+    let mut client = server.client().await;
+    let r = check(&mut client, request("ana", "/closed")).await;
+    assert_eq!(reason(&r), Reason::FailClosed, "{r:?}");
+    let records = server.stop_and_read_dlq().await;
+    assert_eq!(records.len(), 1);
+    let text = serde_json::to_string(&records[0]).unwrap();
+    assert!(!text.contains("wrong-pw-value") && !text.contains("s3cret"), "{text}");
+}

@@ -111,15 +111,26 @@ pub struct RedisServer {
     child: Option<Child>,
     pub port: u16,
     dir: tempfile::TempDir,
+    /// `--requirepass`, if any.
+    password: Option<String>,
 }
 
 impl RedisServer {
     /// Starts a fresh, empty, non-persistent Redis on a free port.
     pub fn start() -> Self {
+        Self::start_with_password(None)
+    }
+
+    /// Starts one that requires AUTH with `password`.
+    pub fn start_with_password(password: Option<&str>) -> Self {
         ensure_redis_installed();
         for _ in 0..5 {
-            let mut server =
-                RedisServer { child: None, port: free_port(), dir: tempfile::tempdir().unwrap() };
+            let mut server = RedisServer {
+                child: None,
+                port: free_port(),
+                dir: tempfile::tempdir().unwrap(),
+                password: password.map(str::to_owned),
+            };
             if server.spawn() {
                 return server;
             }
@@ -140,6 +151,7 @@ impl RedisServer {
                 "--appendonly",
                 "no",
             ])
+            .args(self.password.iter().flat_map(|p| ["--requirepass", p.as_str()]))
             .arg("--dir")
             .arg(self.dir.path())
             .stdout(Stdio::null())
@@ -147,7 +159,12 @@ impl RedisServer {
             .spawn()
             .expect("spawn redis-server");
         let port = self.port;
-        self.child = wait_ready(child, Duration::from_secs(10), || ping(port));
+        // Without AUTH a protected server answers PING with NOAUTH: a TCP
+        // answer is then proof enough that it serves.
+        let protected = self.password.is_some();
+        self.child = wait_ready(child, Duration::from_secs(10), || {
+            if protected { std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() } else { ping(port) }
+        });
         self.child.is_some()
     }
 
@@ -169,7 +186,11 @@ impl RedisServer {
 
     /// A client connection for assertions on Redis itself.
     pub async fn client(&self) -> redis::aio::MultiplexedConnection {
-        redis::Client::open(self.url()).unwrap().get_multiplexed_async_connection().await.unwrap()
+        let url = match &self.password {
+            Some(password) => format!("redis://:{password}@127.0.0.1:{}", self.port),
+            None => self.url(),
+        };
+        redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap()
     }
 
     /// A field of `INFO <section>`, e.g. `("commandstats", "cmdstat_evalsha")`.
