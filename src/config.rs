@@ -71,11 +71,20 @@ pub struct GrpcConfig {
     /// NOT_SERVING (and `/readyz` 503), so load balancers stop sending before
     /// the listener closes. Behind Kubernetes or Envoy a few seconds is usual.
     pub drain_delay_ms: u64,
+    /// Largest accepted request message, in bytes; a larger one is refused
+    /// with RESOURCE_EXHAUSTED before it is decoded. The default is above
+    /// what the field bounds (`limits.*`, `envoy.max_*`) allow.
+    pub max_message_bytes: usize,
 }
 
 impl Default for GrpcConfig {
     fn default() -> Self {
-        Self { listen: "0.0.0.0:8081".to_owned(), shutdown_grace_ms: 10_000, drain_delay_ms: 0 }
+        Self {
+            listen: "0.0.0.0:8081".to_owned(),
+            shutdown_grace_ms: 10_000,
+            drain_delay_ms: 0,
+            max_message_bytes: 1 << 20,
+        }
     }
 }
 
@@ -290,6 +299,8 @@ pub struct EnvoySettings {
     pub max_descriptors: usize,
     /// Most entries in one descriptor.
     pub max_entries: usize,
+    /// Longest entry (key + value) and domain, in bytes.
+    pub max_entry_bytes: usize,
 }
 
 impl Default for EnvoySettings {
@@ -303,6 +314,7 @@ impl Default for EnvoySettings {
             reset_header: "x-ratelimit-reset".to_owned(),
             max_descriptors: 64,
             max_entries: 32,
+            max_entry_bytes: 1_024,
         }
     }
 }
@@ -572,6 +584,9 @@ impl Config {
         self.http.listen.parse::<SocketAddr>().map_err(|e| {
             invalid("http.listen", format!("{:?} is not an ip:port address: {e}", self.http.listen))
         })?;
+        if !(1_024..=64 << 20).contains(&self.grpc.max_message_bytes) {
+            return Err(invalid("grpc.max_message_bytes", "must be between 1024 and 67108864"));
+        }
         if self.http.health_interval_ms < 10 {
             return Err(invalid("http.health_interval_ms", "must be at least 10"));
         }
@@ -689,6 +704,9 @@ impl Config {
         }
         if self.envoy.max_entries == 0 {
             return Err(invalid("envoy.max_entries", "must be at least 1"));
+        }
+        if self.envoy.max_entry_bytes == 0 {
+            return Err(invalid("envoy.max_entry_bytes", "must be at least 1"));
         }
         if self.dlq.queue_capacity == 0 {
             return Err(invalid("dlq.queue_capacity", "must be at least 1"));

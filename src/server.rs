@@ -56,6 +56,21 @@ pub enum ServerError {
     TaskExited(String),
 }
 
+/// tonic refuses a request message above `max_decoding_message_size` with
+/// OUT_OF_RANGE; gRPC's convention (and what clients retry on) for a message
+/// over the receive limit is RESOURCE_EXHAUSTED. Our handlers never answer
+/// OUT_OF_RANGE, so the rewrite touches nothing else. The refusal is a
+/// trailers-only response: the status is in the headers.
+fn oversized_is_resource_exhausted(
+    mut response: tonic::codegen::http::Response<tonic::body::Body>,
+) -> tonic::codegen::http::Response<tonic::body::Body> {
+    let headers = response.headers_mut();
+    if headers.get("grpc-status").is_some_and(|code| code.as_bytes() == b"11") {
+        headers.insert("grpc-status", tonic::codegen::http::HeaderValue::from_static("8"));
+    }
+    response
+}
+
 /// Handles on the running service's state, for tests and diagnostics.
 #[derive(Debug, Clone)]
 pub struct Observer {
@@ -317,9 +332,11 @@ pub async fn run_observed(
         let _ = draining_tx.send(());
     };
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let max_message = config.grpc.max_message_bytes;
     let serve = tonic::transport::Server::builder()
-        .add_service(service.into_server())
-        .add_optional_service(envoy.map(EnvoyService::into_server))
+        .layer(tower::util::MapResponseLayer::new(oversized_is_resource_exhausted))
+        .add_service(service.into_server().max_decoding_message_size(max_message))
+        .add_optional_service(envoy.map(|envoy| envoy.into_server().max_decoding_message_size(max_message)))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

@@ -203,6 +203,28 @@ async fn invalid_requests_are_rejected_with_the_field(backend: Backend) {
     server.stop().await.unwrap();
 }
 
+/// A request message over `grpc.max_message_bytes` is refused with
+/// RESOURCE_EXHAUSTED (gRPC's code for "larger than the receive limit")
+/// naming both sizes, before it is decoded; the connection keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_message_is_resource_exhausted() {
+    let rules = Rules::new(RULES);
+    let mut config = common::config(&rules.path(), None);
+    config.grpc.max_message_bytes = 4_096;
+    let server = common::TestServer::start(config).await;
+    let mut client = server.client().await;
+    let mut big = request("u", "/limited");
+    // 40 headers of 200 bytes: within limits.max_headers and
+    // limits.max_header_bytes, but over 4 KiB as a whole.
+    big.headers = (0..40).map(|i| (format!("h{i}"), "v".repeat(200))).collect();
+    let status = client.check(big).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("the limit is: 4096 bytes"), "{:?}", status.message());
+    // The same connection still answers a normal request.
+    assert!(check(&mut client, request("u", "/limited")).await.allowed);
+    server.stop().await.unwrap();
+}
+
 /// 64 concurrent callers, 256 requests against a limit of 100: exactly 100
 /// are admitted.
 async fn concurrent_callers_admit_exactly_the_limit(backend: Backend) {

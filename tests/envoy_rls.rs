@@ -314,6 +314,10 @@ async fn invalid_requests_are_invalid_argument(backend: Backend) {
             request((0..65).map(|_| descriptor(&[("k", "v")])).collect()),
             "descriptors: 65 exceed the maximum of 64",
         ),
+        (
+            request(vec![descriptor(&[("user", &"x".repeat(1_100))])]),
+            "descriptors[0].entries[0]: 1104 bytes (key + value) exceed the maximum of 1024 (envoy.max_entry_bytes)",
+        ),
     ];
     for (bad, expected) in cases {
         let status = s.client.should_rate_limit(bad).await.unwrap_err();

@@ -64,6 +64,13 @@ impl EnvoyService {
         if request.domain.is_empty() {
             return invalid("domain: must not be empty".to_owned());
         }
+        if request.domain.len() > self.settings.max_entry_bytes {
+            return invalid(format!(
+                "domain: {} bytes exceed the maximum of {} (envoy.max_entry_bytes)",
+                request.domain.len(),
+                self.settings.max_entry_bytes
+            ));
+        }
         if request.descriptors.is_empty() {
             return invalid("descriptors: must not be empty".to_owned());
         }
@@ -87,6 +94,18 @@ impl EnvoyService {
             }
             if let Some(j) = d.entries.iter().position(|e| e.key.is_empty()) {
                 return invalid(format!("descriptors[{i}].entries[{j}].key: must not be empty"));
+            }
+            if let Some((j, e)) = d
+                .entries
+                .iter()
+                .enumerate()
+                .find(|(_, e)| e.key.len() + e.value.len() > self.settings.max_entry_bytes)
+            {
+                return invalid(format!(
+                    "descriptors[{i}].entries[{j}]: {} bytes (key + value) exceed the maximum of {} (envoy.max_entry_bytes)",
+                    e.key.len() + e.value.len(),
+                    self.settings.max_entry_bytes
+                ));
             }
             if let Some(limit) = &d.limit
                 && Unit::from_proto(limit.unit).is_none()
