@@ -240,4 +240,67 @@ mod tests {
             .starts_with("headers: entry \"big\"")
         );
     }
+
+    mod properties {
+        //! Property tests: any request is either converted or refused with a
+        //! field-naming error, never a panic, and exactly the bounds decide.
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// Small bounds, so generated values fall on both sides of each.
+        fn limits() -> LimitsConfig {
+            LimitsConfig {
+                max_user_id_bytes: 16,
+                max_resource_path_bytes: 32,
+                max_client_type_bytes: 8,
+                max_headers: 4,
+                max_header_bytes: 24,
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2_000, ..ProptestConfig::default() })]
+
+            #[test]
+            fn validate_is_total_and_exactly_the_bounds_decide(
+                user_id in "(?s).{0,20}",
+                resource_path in "(?s).{0,40}",
+                client_type in "(?s).{0,10}",
+                headers in proptest::collection::hash_map("(?s).{0,16}", "(?s).{0,16}", 0..6),
+                traceparent in proptest::option::of("(?s).{0,64}"),
+                priority in -2i32..8,
+                weight in any::<u32>(),
+            ) {
+                let mut headers = headers;
+                if let Some(traceparent) = traceparent {
+                    headers.insert("traceparent".to_owned(), traceparent);
+                }
+                let request = pb::RateLimitRequest {
+                    user_id, resource_path, client_type, headers, priority, weight
+                };
+                let limits = limits();
+                let within = !request.user_id.is_empty()
+                    && request.user_id.len() <= limits.max_user_id_bytes
+                    && !request.resource_path.is_empty()
+                    && request.resource_path.len() <= limits.max_resource_path_bytes
+                    && request.client_type.len() <= limits.max_client_type_bytes
+                    && request.headers.len() <= limits.max_headers
+                    && request.headers.iter().all(|(n, v)| n.len() + v.len() <= limits.max_header_bytes)
+                    && (0..=4).contains(&request.priority);
+                match validate(&request, &tonic::metadata::MetadataMap::new(), &limits) {
+                    Ok(checked) => {
+                        prop_assert!(within, "accepted out of bounds: {request:?}");
+                        prop_assert_eq!(checked.user_id, request.user_id.as_str());
+                        prop_assert_eq!(checked.weight, request.weight.max(1));
+                        prop_assert_eq!(checked.client_type.is_none(), request.client_type.is_empty());
+                    }
+                    Err(error) => {
+                        prop_assert!(!within, "refused within bounds: {error}");
+                        prop_assert!(error.to_string().starts_with(error.field));
+                    }
+                }
+            }
+        }
+    }
 }

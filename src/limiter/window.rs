@@ -387,4 +387,120 @@ mod tests {
         assert!(!verdict.admitted);
         assert!(verdict.retry_after_ms.is_some());
     }
+
+    mod properties {
+        //! Property tests: any parameters a rule may have, any counts a
+        //! store may hold, any time and weight.
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// Parameters a compiled rule may have (capacity × window within
+        /// [`MAX_CAPACITY_TIMES_WINDOW`]).
+        fn params() -> impl Strategy<Value = WindowParams> {
+            (1u64..=86_400_000, any::<bool>()).prop_flat_map(|(window_ms, sliding)| {
+                let max_capacity = (MAX_CAPACITY_TIMES_WINDOW / window_ms).clamp(1, 1 << 40);
+                (Just(window_ms), 1..=max_capacity, Just(sliding))
+                    .prop_map(|(window_ms, capacity, sliding)| WindowParams { window_ms, capacity, sliding })
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2_000, ..ProptestConfig::default() })]
+
+            /// No panic or overflow for any stored counts (even corrupt ones
+            /// far above capacity), any elapsed time and any weight; and the
+            /// verdict is self-consistent.
+            #[test]
+            fn decide_is_total_and_consistent(
+                params in params(),
+                current in any::<u64>(),
+                previous in any::<u64>(),
+                elapsed_frac in 0.0f64..1.0,
+                weight in any::<u64>(),
+            ) {
+                let elapsed = ((params.window_ms as f64) * elapsed_frac) as u64 % params.window_ms;
+                let v = decide(Counts { current, previous }, elapsed, weight, params);
+                prop_assert!(v.remaining <= params.capacity);
+                if v.admitted {
+                    prop_assert_eq!(v.retry_after_ms, Some(0));
+                    prop_assert!(weight <= params.capacity);
+                } else if weight > params.capacity {
+                    prop_assert_eq!(v.retry_after_ms, None, "never admissible says so");
+                } else {
+                    prop_assert!(v.retry_after_ms.is_some_and(|t| t >= 1));
+                }
+                prop_assert!(v.reset_after_ms <= 2 * params.window_ms);
+            }
+
+            /// A counter driven through roll + decide + commit, as both stores
+            /// do, by requests at increasing random times with random weights:
+            /// the weight admitted in any one window never exceeds the
+            /// capacity (limit × burst), and with a sliding window the
+            /// estimate never does either.
+            #[test]
+            fn never_admits_more_than_capacity_in_any_window(
+                window_ms in 1u64..=10_000,
+                capacity in 1u64..=1_000,
+                sliding in any::<bool>(),
+                start in 0u64..1_000_000_000,
+                steps in proptest::collection::vec((0u64..3_000, 1u64..=50), 1..300),
+            ) {
+                let params = WindowParams { window_ms, capacity, sliding };
+                let mut stored = StoredCounter::default();
+                let mut now = start;
+                let mut admitted_in: std::collections::HashMap<u64, u64> = Default::default();
+                for (gap, weight) in steps {
+                    now += gap;
+                    let (window, elapsed) = position(now, window_ms);
+                    let counts = roll(stored, window);
+                    let v = decide(counts, elapsed, weight, params);
+                    if v.admitted {
+                        stored = StoredCounter { window, current: counts.current + weight, previous: counts.previous };
+                        let total = admitted_in.entry(window).or_default();
+                        *total += weight;
+                        prop_assert!(*total <= capacity, "window {window} admitted {total} > {capacity}");
+                        if sliding {
+                            // estimate × W after the commit.
+                            let estimate_w = u128::from(stored.current) * u128::from(window_ms)
+                                + u128::from(stored.previous) * u128::from(window_ms - elapsed);
+                            prop_assert!(estimate_w <= u128::from(capacity) * u128::from(window_ms));
+                        }
+                    }
+                }
+            }
+
+            /// Denied with `retry_after_ms = t`: the same request, with nothing
+            /// else counted, is admitted after exactly `t` ms and not at `t - 1`.
+            #[test]
+            fn retry_after_is_exact(
+                window_ms in 1u64..=120_000,
+                capacity in 1u64..=10_000,
+                sliding in any::<bool>(),
+                fill in 0.0f64..=1.0,
+                carry in 0.0f64..=1.0,
+                weight_frac in 0.0f64..=1.0,
+                offset_frac in 0.0f64..1.0,
+            ) {
+                let params = WindowParams { window_ms, capacity, sliding };
+                let current = (capacity as f64 * fill) as u64;
+                let previous = (capacity as f64 * carry) as u64;
+                let weight = ((capacity as f64 * weight_frac) as u64).max(1);
+                let offset = ((window_ms as f64 * offset_frac) as u64).min(window_ms - 1);
+                let stored = StoredCounter { window: 1_000, current, previous };
+                let now = 1_000 * window_ms + offset;
+                let at = |t: u64| {
+                    let (idx, elapsed) = position(t, window_ms);
+                    decide(roll(stored, idx), elapsed, weight, params)
+                };
+                let v = at(now);
+                if !v.admitted {
+                    let t = v.retry_after_ms.expect("weight <= capacity is admissible");
+                    prop_assert!(t >= 1);
+                    prop_assert!(at(now + t).admitted, "not admitted after retry_after {}", t);
+                    prop_assert!(!at(now + t - 1).admitted, "admitted 1 ms before retry_after {}", t);
+                }
+            }
+        }
+    }
 }

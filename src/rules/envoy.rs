@@ -722,4 +722,47 @@ descriptors:
             assert_eq!(w.window_ms * unit.tick_ms(), unit.seconds() * 1_000);
         }
     }
+
+    mod properties {
+        //! Property tests: any file text in envoyproxy/ratelimit's format
+        //! either loads or fails with an error naming the file; never a panic.
+        use proptest::prelude::*;
+
+        use super::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 1_000, ..ProptestConfig::default() })]
+
+            #[test]
+            fn any_text_parses_or_names_the_file(text in "(?s).{0,300}", sliding in any::<bool>()) {
+                if let Err(e) = parse_file(Path::new("e.yaml"), &text, sliding) {
+                    prop_assert!(e.to_string().starts_with("e.yaml"), "{e}");
+                }
+            }
+
+            #[test]
+            fn any_descriptor_values_load_or_name_the_file(
+                key in "[a-z_]{0,8}",
+                value in proptest::option::of("[a-z0-9]{0,6}"),
+                unit in "(second|minute|hour|day|week|month|year|fortnight|)",
+                requests in any::<i64>(),
+                shadow in any::<bool>(),
+                nested in any::<bool>(),
+                sliding in any::<bool>(),
+            ) {
+                let value = value.map_or(String::new(), |v| format!("\n    value: {v}"));
+                let inner = if nested {
+                    format!("\n    descriptors:\n      - key: {key}\n        rate_limit: {{unit: {unit}, requests_per_unit: {requests}}}")
+                } else {
+                    String::new()
+                };
+                let text = format!(
+                    "domain: d\ndescriptors:\n  - key: {key}{value}\n    shadow_mode: {shadow}\n    rate_limit:\n      unit: {unit}\n      requests_per_unit: {requests}{inner}\n"
+                );
+                if let Err(e) = parse_file(Path::new("e.yaml"), &text, sliding) {
+                    prop_assert!(e.to_string().starts_with("e.yaml"), "{e}");
+                }
+            }
+        }
+    }
 }

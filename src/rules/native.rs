@@ -277,4 +277,79 @@ rules:
         let names: Vec<_> = files.iter().map(|f| f.file_name().unwrap().to_str().unwrap()).collect();
         assert_eq!(names, ["a.yml", "b.yaml"]);
     }
+
+    mod properties {
+        //! Property tests: any file text, and any values in each field of a
+        //! well-formed rule, either compile or fail with an error naming the
+        //! file; never a panic.
+        use proptest::prelude::*;
+
+        use super::*;
+
+        fn scalar() -> impl Strategy<Value = String> {
+            prop_oneof![
+                any::<i64>().prop_map(|n| n.to_string()),
+                any::<f64>().prop_map(|x| format!("{x:?}")),
+                Just(".nan".to_owned()),
+                Just("-.inf".to_owned()),
+                Just("~".to_owned()),
+                Just("[]".to_owned()),
+                "[a-zA-Z_/*.-]{0,12}",
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 1_000, ..ProptestConfig::default() })]
+
+            #[test]
+            fn any_text_parses_or_names_the_file(text in "(?s).{0,300}") {
+                match parse(Path::new("any.yaml"), &text) {
+                    Ok(rules) => {
+                        if let Err(errors) = crate::rules::compile(Path::new("any.yaml"), rules) {
+                            prop_assert!(errors.iter().all(|e| e.to_string().starts_with("any.yaml")));
+                        }
+                    }
+                    Err(e) => prop_assert!(e.to_string().starts_with("any.yaml"), "{e}"),
+                }
+            }
+
+            #[test]
+            fn any_field_values_compile_or_name_file_rule_and_field(
+                fields in proptest::collection::vec(scalar(), 8),
+            ) {
+                let names = [
+                    "rule_id", "resource_path", "limit", "window_seconds",
+                    "burst_capacity", "mode", "failure_policy", "priority_bucket",
+                ];
+                let mut text = "rules:\n  -".to_owned();
+                for (name, value) in names.iter().zip(&fields) {
+                    text.push_str(&format!(" {name}: {value:?}\n   "));
+                }
+                let text = text.replace('"', "");
+                let result = parse(Path::new("f.yaml"), &text)
+                    .map_err(|e| vec![e])
+                    .and_then(|rules| crate::rules::compile(Path::new("f.yaml"), rules));
+                match result {
+                    Ok(snapshot) => {
+                        for rule in snapshot.rules() {
+                            prop_assert!(rule.window.capacity >= 1);
+                            prop_assert!(rule.window.window_ms >= 1);
+                            prop_assert!(
+                                rule.window.capacity.checked_mul(rule.window.window_ms).is_some_and(
+                                    |p| p <= crate::limiter::window::MAX_CAPACITY_TIMES_WINDOW
+                                )
+                            );
+                        }
+                    }
+                    Err(errors) => {
+                        prop_assert!(!errors.is_empty());
+                        for e in errors {
+                            prop_assert!(e.to_string().starts_with("f.yaml"), "{e}");
+                            prop_assert!(e.field.is_some() || e.line.is_some(), "no field or line: {e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
