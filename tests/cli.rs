@@ -45,6 +45,10 @@ struct Serve {
 
 impl Serve {
     fn start(rules: &Path, redis_url: Option<&str>) -> Self {
+        Self::start_with(rules, redis_url, &[])
+    }
+
+    fn start_with(rules: &Path, redis_url: Option<&str>, env: &[(&str, &str)]) -> Self {
         let port = free_port();
         let dir = tempfile::tempdir().unwrap();
         let mut command = Command::new(BIN);
@@ -63,6 +67,7 @@ impl Serve {
         if let Some(url) = redis_url {
             command.env("RATELIMITD__REDIS__URL", url);
         }
+        command.envs(env.iter().copied());
         let child = command.spawn().unwrap();
         let serve = Serve { child, addr: format!("http://127.0.0.1:{port}"), _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -79,10 +84,20 @@ impl Serve {
         ratelimitd(&args, &[])
     }
 
-    /// SIGTERM, then the exit status and everything it logged.
-    fn terminate(mut self) -> (std::process::ExitStatus, String) {
+    /// Sends SIGTERM (and returns at once).
+    fn signal_term(&self) {
         let pid = self.child.id().to_string();
         assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    }
+
+    /// SIGTERM, then the exit status and everything it logged.
+    fn terminate(self) -> (std::process::ExitStatus, String) {
+        self.signal_term();
+        self.wait_exit()
+    }
+
+    /// Waits (at most 20 s) for the process to exit; its status and log.
+    fn wait_exit(mut self) -> (std::process::ExitStatus, String) {
         let deadline = Instant::now() + Duration::from_secs(20);
         let status = loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -231,4 +246,113 @@ fn check_without_a_server_exits_69() {
     let addr = format!("http://127.0.0.1:{}", free_port());
     let output = ratelimitd(&["check", "--addr", &addr, "--user", "u", "--path", "/x"], &[]);
     assert_eq!(output.status.code(), Some(69), "{}", stderr(&output));
+}
+
+/// SIGTERM under sustained load (16 callers on 4 connections, Redis store,
+/// the production default `grpc.drain_delay_ms` of 0): every call that was
+/// sent before the signal is answered with a real decision (zero failed
+/// in-flight calls); calls sent after it are answered, or refused as new
+/// streams on a closing connection; the process exits 0. Prints the counts.
+#[test]
+fn sigterm_under_load_fails_no_in_flight_call() {
+    use std::sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    };
+
+    use ratelimitd::api::pb::{self, rate_limiter_client::RateLimiterClient};
+
+    let redis = RedisServer::start();
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: many, resource_path: /many, limit: 100000000, window_seconds: 3600 }\n",
+    );
+    let serve = Serve::start_with(
+        &rules.path(),
+        Some(&redis.url()),
+        &[("RATELIMITD__GRPC__SHUTDOWN_GRACE_MS", "10000")],
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let answered = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    // (sent at, outcome) of every call; outcome None = a real decision.
+    let calls: Arc<Mutex<Vec<(Instant, Option<tonic::Status>)>>> = Arc::default();
+    let addr = serve.addr.clone();
+    let callers = runtime.block_on(async {
+        let mut clients = Vec::new();
+        for _ in 0..4 {
+            clients.push(RateLimiterClient::connect(addr.clone()).await.unwrap());
+        }
+        (0..16)
+            .map(|i| {
+                let mut client = clients[i % 4].clone();
+                let (answered, stop, calls) = (Arc::clone(&answered), Arc::clone(&stop), Arc::clone(&calls));
+                tokio::spawn(async move {
+                    let mut n = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        let request = pb::RateLimitRequest {
+                            user_id: format!("caller-{i}"),
+                            resource_path: "/many".to_owned(),
+                            ..Default::default()
+                        };
+                        let sent = Instant::now();
+                        let outcome = match client.check(request).await {
+                            Ok(response) => {
+                                let r = response.into_inner();
+                                assert_eq!(r.reason, pb::Reason::Ok as i32, "{r:?}");
+                                answered.fetch_add(1, Ordering::Relaxed);
+                                None
+                            }
+                            Err(status) => Some(status),
+                        };
+                        let refused = outcome.is_some();
+                        calls.lock().unwrap().push((sent, outcome));
+                        n += 1;
+                        if refused {
+                            // The server is gone for this connection.
+                            break;
+                        }
+                    }
+                    n
+                })
+            })
+            .collect::<Vec<_>>()
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while answered.load(Ordering::Relaxed) < 2_000 {
+        assert!(Instant::now() < deadline, "the load never reached 2000 decisions");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let signalled = Instant::now();
+    serve.signal_term();
+    let (status, log) = serve.wait_exit();
+    stop.store(true, Ordering::Relaxed);
+    runtime.block_on(async {
+        for caller in callers {
+            caller.await.unwrap();
+        }
+    });
+    let calls = calls.lock().unwrap();
+    let before: Vec<_> = calls.iter().filter(|(sent, _)| *sent < signalled).collect();
+    let failed_before: Vec<_> = before.iter().filter_map(|(_, outcome)| outcome.as_ref()).collect();
+    let after = calls.len() - before.len();
+    let refused_after: Vec<_> = calls
+        .iter()
+        .filter(|(sent, outcome)| *sent >= signalled && outcome.is_some())
+        .map(|(_, outcome)| outcome.as_ref().unwrap())
+        .collect();
+    eprintln!(
+        "SIGTERM under load: {} calls sent before the signal, {} failed; {after} sent after it, {} answered, {} refused as new streams",
+        before.len(),
+        failed_before.len(),
+        after - refused_after.len(),
+        refused_after.len()
+    );
+    assert!(failed_before.is_empty(), "in-flight calls failed: {failed_before:?}");
+    // A new stream on a closing connection: refused (UNAVAILABLE) or
+    // never sent (CANCELLED, "connection closed"); nothing else.
+    for status in refused_after {
+        assert!(matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Cancelled), "{status:?}");
+    }
+    assert!(status.success(), "exit {status:?}\n{log}");
+    assert!(log.contains("SIGTERM received") && log.contains("ratelimitd stopped"), "{log}");
 }
