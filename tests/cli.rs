@@ -275,7 +275,8 @@ fn sigterm_under_load_fails_no_in_flight_call() {
     let answered = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     // (sent at, outcome) of every call; outcome None = a real decision.
-    let calls: Arc<Mutex<Vec<(Instant, Option<tonic::Status>)>>> = Arc::default();
+    type Calls = Arc<Mutex<Vec<(Instant, Option<tonic::Status>)>>>;
+    let calls: Calls = Arc::default();
     let addr = serve.addr.clone();
     let callers = runtime.block_on(async {
         let mut clients = Vec::new();
