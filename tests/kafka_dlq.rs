@@ -346,3 +346,92 @@ fn spool_lines(dir: &std::path::Path) -> usize {
         .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default().lines().count())
         .sum()
 }
+
+/// The broker killed (SIGKILL) while failed decisions stream in from 8
+/// callers (Redis down), then restarted: no RPC fails, nothing is dropped,
+/// and `ratelimitd audit` counts exactly as many records as the callers saw
+/// failed decisions. Prints the figures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn broker_killed_under_sustained_failures_loses_nothing() {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    };
+
+    let mut broker = Broker::start();
+    let mut redis = RedisServer::start();
+    let (rules, spool) = (Rules::new(RULES), tempfile::tempdir().unwrap());
+    let cfg = migrated(&rules, &redis, &broker, spool.path()).await;
+    let server = TestServer::start(cfg.clone()).await;
+    let observer = server.observer().await;
+    redis.stop();
+
+    let failed = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let client = server.client().await;
+    let callers: Vec<_> = (0..8)
+        .map(|caller| {
+            let (mut client, failed, stop) = (client.clone(), Arc::clone(&failed), Arc::clone(&stop));
+            tokio::spawn(async move {
+                let mut n = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let path = if n % 2 == 0 { "/open" } else { "/closed" };
+                    let r = check(&mut client, request(&format!("load-{caller}-{n}"), path)).await;
+                    assert!(matches!(reason(&r), Reason::FailOpen | Reason::FailClosed), "{r:?}");
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    n += 1;
+                }
+            })
+        })
+        .collect();
+
+    assert!(eventually(Duration::from_secs(30), || async { observer.dlq.stats().delivered >= 200 }).await);
+    broker.stop();
+    let killed = Instant::now();
+    let at_kill = failed.load(Ordering::Relaxed);
+    assert!(
+        eventually(Duration::from_secs(30), || async { failed.load(Ordering::Relaxed) >= at_kill + 2_000 })
+            .await
+    );
+    broker.restart();
+    let outage = killed.elapsed();
+    let at_restart = failed.load(Ordering::Relaxed);
+    assert!(
+        eventually(Duration::from_secs(30), || async { failed.load(Ordering::Relaxed) >= at_restart + 500 })
+            .await
+    );
+    stop.store(true, Ordering::Relaxed);
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let failures = failed.load(Ordering::Relaxed);
+    let delivered_all = eventually(Duration::from_secs(60), || async {
+        let s = observer.dlq.stats();
+        s.enqueued == failures as u64 && s.delivered == s.enqueued
+    })
+    .await;
+    let stats = observer.dlq.stats();
+    assert!(delivered_all, "{stats:?} for {failures} failures");
+    assert_eq!((stats.pending, stats.dropped), (0, 0));
+    server.stop().await.unwrap();
+
+    let audit = Command::new(BIN)
+        .arg("audit")
+        .env("RATELIMITD__DLQ__KAFKA__BROKERS", broker.brokers())
+        .env("RATELIMITD__DLQ__KAFKA__TOPIC", &cfg.dlq.kafka.topic)
+        .output()
+        .unwrap();
+    let summary = String::from_utf8_lossy(&audit.stdout);
+    assert!(audit.status.success(), "{}", String::from_utf8_lossy(&audit.stderr));
+    assert!(
+        summary.contains(&format!("{failures} of {failures} records matched")),
+        "audit after {failures} failed decisions: {summary}"
+    );
+    eprintln!(
+        "broker killed for {} ms under load: {failures} failed decisions ({} while it was down), {} records delivered, {} dropped, audit counted {failures}",
+        outage.as_millis(),
+        at_restart - at_kill,
+        stats.delivered,
+        stats.dropped
+    );
+}
