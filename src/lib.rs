@@ -36,3 +36,4 @@ pub mod server;
 pub mod shed;
 pub mod signal;
 pub mod telemetry;
+pub mod tls;

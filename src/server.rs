@@ -28,6 +28,7 @@ use crate::{
         health::{Health, publish, run_monitor, serve_http},
         metrics::Sources,
     },
+    tls::ReloadingAcceptor,
 };
 
 /// Why the server could not start or stopped abnormally.
@@ -51,6 +52,9 @@ pub enum ServerError {
     /// The gRPC server failed.
     #[error("grpc server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// The gRPC TLS certificate, key or client CA does not load.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     /// A background task (rule reload, counter sweep, utilization sampler) ended while serving: a bug.
     #[error("background task ended unexpectedly: {0}")]
     TaskExited(String),
@@ -103,6 +107,8 @@ pub async fn run_observed(
     observe: impl FnOnce(Observer),
 ) -> Result<(), ServerError> {
     let snapshot = rules::load(&config.rules.path)?;
+    // Before anything else starts: a TLS file that does not load is fatal.
+    let tls = ReloadingAcceptor::new(&config.grpc.tls)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
 
@@ -331,16 +337,34 @@ pub async fn run_observed(
         tokio::time::sleep(drain_delay).await;
         let _ = draining_tx.send(());
     };
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let max_message = config.grpc.max_message_bytes;
-    let serve = tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .layer(tower::util::MapResponseLayer::new(oversized_is_resource_exhausted))
         .add_service(service.into_server().max_decoding_message_size(max_message))
         .add_optional_service(envoy.map(|envoy| envoy.into_server().max_decoding_message_size(max_message)))
         .add_service(health_service)
         .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .serve_with_incoming_shutdown(incoming, signal);
+        .add_service(reflection_v1alpha);
+    // One boxed future for the server's lifetime: plain TCP and TLS streams
+    // are different types.
+    let serve: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match tls
+    {
+        None => {
+            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
+        }
+        Some(tls) => {
+            tracing::info!(mutual = tls.mutual(), "gRPC over TLS");
+            if config.grpc.tls.reload_interval_ms > 0 {
+                let interval = Duration::from_millis(config.grpc.tls.reload_interval_ms);
+                tasks.spawn(tls.clone().watch(interval, stop_rx.clone()));
+            }
+            let (streams, accept_loop) = tls.incoming(listener, stop_rx.clone());
+            tasks.spawn(accept_loop);
+            let incoming = tokio_stream::wrappers::ReceiverStream::new(streams);
+            Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
+        }
+    };
 
     let grace = Duration::from_millis(config.grpc.shutdown_grace_ms);
     let grace_expired = async move {

@@ -1,0 +1,241 @@
+//! TLS and mTLS on the gRPC port (rustls, ring provider), with certificates
+//! reloaded when their files change.
+//!
+//! The accept loop takes TCP connections, runs each handshake in its own
+//! task (bounded by `grpc.tls.handshake_timeout_ms`, so a client that never
+//! finishes its handshake holds no one up) with the acceptor current at that
+//! moment, and hands finished TLS streams to tonic. A watcher polls the
+//! files' metadata every `grpc.tls.reload_interval_ms`; when any changed it
+//! builds a new acceptor and swaps it in: new connections use the new
+//! certificate, established ones keep theirs. A file that does not parse
+//! (a rotation half written) leaves the old acceptor serving and is tried
+//! again at the next change. Private keys never appear in logs or errors.
+
+use std::{
+    io,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use arc_swap::ArcSwap;
+use tokio::{
+    net::{TcpListener, TcpStream},
+    sync::{mpsc, watch},
+};
+use tokio_rustls::{
+    TlsAcceptor,
+    rustls::{
+        self, RootCertStore, ServerConfig,
+        pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject},
+        server::WebPkiClientVerifier,
+    },
+    server::TlsStream,
+};
+
+use crate::config::GrpcTlsConfig;
+
+/// A TLS setting that cannot be used; names the key and the file.
+#[derive(Debug, thiserror::Error)]
+#[error("{key} {file}: {message}")]
+pub struct TlsError {
+    key: &'static str,
+    file: String,
+    message: String,
+}
+
+impl TlsError {
+    fn new(key: &'static str, file: &Path, message: impl Into<String>) -> Self {
+        TlsError { key, file: file.display().to_string(), message: message.into() }
+    }
+}
+
+/// The files a server configuration is built from.
+#[derive(Debug, Clone)]
+struct Files {
+    cert: PathBuf,
+    key: PathBuf,
+    client_ca: Option<PathBuf>,
+}
+
+impl Files {
+    fn of(config: &GrpcTlsConfig) -> Option<Self> {
+        Some(Files {
+            cert: config.cert_file.clone()?,
+            key: config.key_file.clone()?,
+            client_ca: config.client_ca_file.clone(),
+        })
+    }
+
+    /// Size and mtime of each file (None for a file that cannot be read):
+    /// a change of any is a rotation.
+    fn fingerprint(&self) -> Vec<Option<(u64, SystemTime)>> {
+        [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|path| std::fs::metadata(path).ok().and_then(|m| Some((m.len(), m.modified().ok()?))))
+            .collect()
+    }
+
+    /// Reads and checks every file and builds the rustls configuration.
+    fn build(&self) -> Result<ServerConfig, TlsError> {
+        let certs = CertificateDer::pem_file_iter(&self.cert)
+            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+            .map_err(|e| TlsError::new("grpc.tls.cert_file", &self.cert, e.to_string()))?;
+        if certs.is_empty() {
+            return Err(TlsError::new("grpc.tls.cert_file", &self.cert, "no PEM certificate in the file"));
+        }
+        // The key's parse error says what is wrong, never what is in it.
+        let key = PrivateKeyDer::from_pem_file(&self.key)
+            .map_err(|e| TlsError::new("grpc.tls.key_file", &self.key, e.to_string()))?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError::new("grpc.tls.cert_file", &self.cert, e.to_string()))?;
+        let builder = match &self.client_ca {
+            None => builder.with_no_client_auth(),
+            Some(ca_file) => {
+                let mut roots = RootCertStore::empty();
+                let cas = CertificateDer::pem_file_iter(ca_file)
+                    .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+                    .map_err(|e| TlsError::new("grpc.tls.client_ca_file", ca_file, e.to_string()))?;
+                let (added, _) = roots.add_parsable_certificates(cas);
+                if added == 0 {
+                    return Err(TlsError::new(
+                        "grpc.tls.client_ca_file",
+                        ca_file,
+                        "no usable CA certificate in the file",
+                    ));
+                }
+                // Every client must present a certificate this CA signed.
+                let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                    .build()
+                    .map_err(|e| TlsError::new("grpc.tls.client_ca_file", ca_file, e.to_string()))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let mut config = builder
+            .with_single_cert(certs, key)
+            .map_err(|e| TlsError::new("grpc.tls.key_file", &self.key, e.to_string()))?;
+        // gRPC is HTTP/2 only.
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(config)
+    }
+}
+
+/// The acceptor in use, swapped when the certificate files change.
+#[derive(Clone)]
+pub struct ReloadingAcceptor {
+    files: Files,
+    current: Arc<ArcSwap<TlsAcceptor>>,
+    handshake_timeout: Duration,
+}
+
+impl std::fmt::Debug for ReloadingAcceptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReloadingAcceptor").field("files", &self.files).finish_non_exhaustive()
+    }
+}
+
+impl ReloadingAcceptor {
+    /// Builds the first acceptor; `None` when `grpc.tls` is not configured.
+    pub fn new(config: &GrpcTlsConfig) -> Result<Option<Self>, TlsError> {
+        let Some(files) = Files::of(config) else { return Ok(None) };
+        let acceptor = TlsAcceptor::from(Arc::new(files.build()?));
+        Ok(Some(ReloadingAcceptor {
+            files,
+            current: Arc::new(ArcSwap::from_pointee(acceptor)),
+            handshake_timeout: Duration::from_millis(config.handshake_timeout_ms),
+        }))
+    }
+
+    /// Whether clients must present a certificate.
+    pub fn mutual(&self) -> bool {
+        self.files.client_ca.is_some()
+    }
+
+    /// Polls the files every `interval` and swaps in a new acceptor when
+    /// they changed and parse; ends when `stop` turns true.
+    pub async fn watch(self, interval: Duration, mut stop: watch::Receiver<bool>) {
+        let mut seen = self.files.fingerprint();
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                _ = stop.changed() => return,
+            }
+            let now = self.files.fingerprint();
+            if now == seen {
+                continue;
+            }
+            // Build on a blocking thread: it reads files.
+            let files = self.files.clone();
+            match tokio::task::spawn_blocking(move || files.build()).await {
+                Ok(Ok(config)) => {
+                    self.current.store(Arc::new(TlsAcceptor::from(Arc::new(config))));
+                    seen = now;
+                    tracing::info!(cert = %self.files.cert.display(), "TLS certificate reloaded; new connections use it");
+                }
+                Ok(Err(e)) => {
+                    // Keep serving with the old one; retry at the next change
+                    // (a rotation may still be writing the other file).
+                    seen = now;
+                    tracing::warn!(error = %e, "TLS files changed but do not load; the previous certificate stays in use");
+                }
+                Err(e) => tracing::error!(error = %e, "TLS reload task failed"),
+            }
+        }
+    }
+
+    /// Accepts TCP connections on `listener` and sends each completed TLS
+    /// stream to the returned channel (for tonic's `serve_with_incoming`).
+    /// Ends when `stop` turns true.
+    pub fn incoming(
+        &self,
+        listener: TcpListener,
+        mut stop: watch::Receiver<bool>,
+    ) -> (mpsc::Receiver<io::Result<TlsStream<TcpStream>>>, impl Future<Output = ()> + Send + 'static) {
+        // Bounded: if tonic stops taking connections, handshakes wait.
+        let (sender, receiver) = mpsc::channel(1_024);
+        let acceptor = self.clone();
+        let accept_loop = async move {
+            loop {
+                let accepted = tokio::select! {
+                    accepted = listener.accept() => accepted,
+                    _ = stop.wait_for(|stopped| *stopped) => return,
+                    // tonic dropped the stream: shutdown began. Closing the
+                    // listener now refuses new connections, as plain TCP does.
+                    () = sender.closed() => break,
+                };
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off briefly.
+                        tracing::warn!(error = %e, "accepting a gRPC connection failed");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let tls = acceptor.current.load_full();
+                let sender = sender.clone();
+                let timeout = acceptor.handshake_timeout;
+                tokio::spawn(async move {
+                    let peer = stream.peer_addr().ok();
+                    match tokio::time::timeout(timeout, tls.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            let _ = sender.send(Ok(stream)).await;
+                        }
+                        // A client without a valid certificate, or not speaking
+                        // TLS: refused. Debug level: scanners would flood warn.
+                        Ok(Err(e)) => tracing::debug!(?peer, error = %e, "TLS handshake refused"),
+                        Err(_) => tracing::debug!(?peer, "TLS handshake timed out"),
+                    }
+                });
+            }
+            drop(listener);
+            // A background task of the server: it ends with the others.
+            let _ = stop.wait_for(|stopped| *stopped).await;
+        };
+        (receiver, accept_loop)
+    }
+}
