@@ -153,6 +153,14 @@ pub struct RedisConfig {
     /// A file whose content (trailing newline removed) is the AUTH
     /// password, e.g. a mounted Kubernetes secret. Read at startup.
     pub password_file: Option<PathBuf>,
+    /// With `rediss://`: PEM CA certificate(s) to trust instead of the
+    /// system's roots (a private CA).
+    pub tls_ca_file: Option<PathBuf>,
+    /// With `rediss://`: PEM client certificate, for a Redis that requires
+    /// client certificates (`tls-auth-clients yes`); with `tls_key_file`.
+    pub tls_cert_file: Option<PathBuf>,
+    /// The client certificate's PEM private key.
+    pub tls_key_file: Option<PathBuf>,
     /// Deadline of one store call, connection acquisition included. Past it the
     /// rule's failure policy answers. Well inside Envoy's 20 ms default budget.
     pub timeout_ms: u64,
@@ -179,6 +187,9 @@ impl Default for RedisConfig {
             cluster: false,
             password: None,
             password_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             timeout_ms: 10,
             connect_timeout_ms: 1_000,
             connections: 2,
@@ -196,6 +207,9 @@ impl fmt::Debug for RedisConfig {
             .field("cluster", &self.cluster)
             .field("password", &self.password.as_ref().map(|_| "***"))
             .field("password_file", &self.password_file)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
             .field("timeout_ms", &self.timeout_ms)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("connections", &self.connections)
@@ -669,6 +683,18 @@ impl Config {
                 ));
             }
             self.redis.password()?;
+            let tls_files = self.redis.tls_ca_file.is_some()
+                || self.redis.tls_cert_file.is_some()
+                || self.redis.tls_key_file.is_some();
+            if tls_files && !self.redis.seed_urls().all(|seed| seed.starts_with("rediss://")) {
+                return Err(invalid("redis.url", "redis.tls_* files need rediss:// URLs"));
+            }
+            if self.redis.tls_cert_file.is_some() != self.redis.tls_key_file.is_some() {
+                return Err(invalid(
+                    "redis.tls_key_file",
+                    "set redis.tls_cert_file and redis.tls_key_file together",
+                ));
+            }
         } else if self.redis.cluster {
             return Err(invalid("redis.cluster", "needs redis.url (the seed nodes)"));
         }

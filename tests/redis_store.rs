@@ -406,3 +406,39 @@ async fn auth_password_from_a_file_and_never_in_errors() {
     let text = serde_json::to_string(&records[0]).unwrap();
     assert!(!text.contains("wrong-pw-value") && !text.contains("s3cret"), "{text}");
 }
+
+/// `rediss://` to a Redis that serves TLS only and requires AUTH, trusting
+/// a private CA through `redis.tls_ca_file`: decisions are exact. Without
+/// that CA the server's certificate is not trusted: decisions are answered
+/// by policy (and the password is in no record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_a_private_ca_and_auth() {
+    let certs = tempfile::tempdir().unwrap();
+    common::make_ca(certs.path(), "ca");
+    common::make_leaf(certs.path(), "ca", "server", "serverAuth");
+    let redis = RedisServer::start_with(Some("tls-pw"), Some(certs.path()));
+    let url = format!("rediss://127.0.0.1:{}", redis.port);
+    let rules = Rules::new(RULES);
+
+    let mut trusted = config(&rules.path(), Some(url.clone()));
+    trusted.redis.password = Some("tls-pw".to_owned());
+    trusted.redis.tls_ca_file = Some(certs.path().join("ca.pem"));
+    let server = TestServer::start(trusted).await;
+    let mut client = server.client().await;
+    for expected in (97..100).rev() {
+        let r = check(&mut client, request("tess", "/hot")).await;
+        assert_eq!(reason(&r), Reason::Ok, "{r:?}");
+        assert_eq!(r.remaining_tokens, expected);
+    }
+    server.stop().await.unwrap();
+
+    let mut untrusted = config(&rules.path(), Some(url));
+    untrusted.redis.password = Some("tls-pw".to_owned());
+    let server = TestServer::start(untrusted).await;
+    let mut client = server.client().await;
+    let r = check(&mut client, request("tess", "/closed")).await;
+    assert_eq!(reason(&r), Reason::FailClosed, "{r:?}");
+    let records = server.stop_and_read_dlq().await;
+    let text = serde_json::to_string(&records).unwrap();
+    assert!(!text.contains("tls-pw"), "{text}");
+}

@@ -8,94 +8,14 @@ mod common;
 
 use std::{
     path::{Path, PathBuf},
-    process::Command,
     time::Duration,
 };
 
-use common::{Rules, TestServer, config, eventually, request};
+use common::{Rules, TestServer, config, eventually, make_ca, make_leaf, request};
 use ratelimitd::api::pb::rate_limiter_client::RateLimiterClient;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 const RULES: &str = "rules:\n  - { rule_id: r, resource_path: /r, limit: 1000, window_seconds: 60 }\n";
-
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl").current_dir(dir).args(args).output().expect("run openssl");
-    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-/// A CA (`<name>.pem`, `<name>.key`) in `dir`.
-fn make_ca(dir: &Path, name: &str) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            &format!("{name}.key"),
-            "-out",
-            &format!("{name}.pem"),
-            "-days",
-            "2",
-            "-subj",
-            &format!("/CN={name}"),
-        ],
-    );
-}
-
-/// A leaf certificate `<name>.pem` / `<name>.key` signed by CA `ca`, for
-/// `usage` (`serverAuth` or `clientAuth`).
-fn make_leaf(dir: &Path, ca: &str, name: &str, usage: &str) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            &format!("{name}.key"),
-            "-out",
-            &format!("{name}.csr"),
-            "-subj",
-            &format!("/CN={name}"),
-        ],
-    );
-    let ext = dir.join(format!("{name}.ext"));
-    std::fs::write(
-        &ext,
-        format!(
-            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n"
-        ),
-    )
-    .unwrap();
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &format!("{name}.csr"),
-            "-CA",
-            &format!("{ca}.pem"),
-            "-CAkey",
-            &format!("{ca}.key"),
-            "-CAcreateserial",
-            "-out",
-            &format!("{name}.pem"),
-            "-days",
-            "2",
-            "-extfile",
-            ext.to_str().unwrap(),
-        ],
-    );
-}
 
 fn read(dir: &Path, file: &str) -> String {
     std::fs::read_to_string(dir.join(file)).unwrap()

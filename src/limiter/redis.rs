@@ -188,8 +188,13 @@ impl RedisStore {
             })
             .collect::<Result<Vec<_>, RedisSetupError>>()?;
         let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
+        let tls = tls_certificates(config).map_err(setup_error)?;
         let backend = if config.cluster {
-            let client = ClusterClient::builder(nodes)
+            let mut builder = ClusterClient::builder(nodes);
+            if let Some(certs) = tls {
+                builder = builder.certs(certs);
+            }
+            let client = builder
                 .connection_timeout(connect_timeout)
                 // Bounds one attempt inside the client; callers stop
                 // waiting at `timeout_ms` either way.
@@ -206,8 +211,16 @@ impl RedisStore {
                 probe: std::sync::Mutex::new(None),
             }))
         } else {
-            let [node] = <[ConnectionInfo; 1]>::try_from(nodes)
+            let [mut node] = <[ConnectionInfo; 1]>::try_from(nodes)
                 .map_err(|_| setup_error("several seed nodes need redis.cluster: true".to_owned()))?;
+            if let Some(certs) = tls {
+                // The TLS parameters become part of the connection info the
+                // pool's manager connects with.
+                node = redis::Client::build_with_tls(node, certs)
+                    .map_err(|e| setup_error(e.to_string()))?
+                    .get_connection_info()
+                    .clone();
+            }
             // The per-call deadline is ours (`timeout_ms`); the client's own
             // response timeout would only race it.
             let connection_config = AsyncConnectionConfig::new()
@@ -615,6 +628,26 @@ pub fn key_slot(key: &str) -> u16 {
         })
         .unwrap_or(bytes);
     crc16::State::<crc16::XMODEM>::calculate(hashed) % 16_384
+}
+
+/// The private CA and client certificate of `redis.tls_*`, if any is set.
+fn tls_certificates(config: &RedisConfig) -> Result<Option<redis::TlsCertificates>, String> {
+    let read = |key: &str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| format!("{key} {}: {e}", path.display()))
+    };
+    let root_cert = match &config.tls_ca_file {
+        Some(path) => Some(read("redis.tls_ca_file", path)?),
+        None => None,
+    };
+    let client_tls = match (&config.tls_cert_file, &config.tls_key_file) {
+        (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+            client_cert: read("redis.tls_cert_file", cert)?,
+            client_key: read("redis.tls_key_file", key)?,
+        }),
+        _ => None,
+    };
+    Ok((root_cert.is_some() || client_tls.is_some())
+        .then_some(redis::TlsCertificates { client_tls, root_cert }))
 }
 
 /// Sets the password (from `redis.password` or `redis.password_file`) on

@@ -113,6 +113,9 @@ pub struct RedisServer {
     dir: tempfile::TempDir,
     /// `--requirepass`, if any.
     password: Option<String>,
+    /// TLS only (no plain port), with `server.pem`/`server.key`/`ca.pem`
+    /// from this directory.
+    tls: Option<PathBuf>,
 }
 
 impl RedisServer {
@@ -123,6 +126,13 @@ impl RedisServer {
 
     /// Starts one that requires AUTH with `password`.
     pub fn start_with_password(password: Option<&str>) -> Self {
+        Self::start_with(password, None)
+    }
+
+    /// Starts one serving TLS only, with `server.pem`, `server.key` and
+    /// `ca.pem` from `certs` (client certificates not required), and AUTH
+    /// with `password` if given.
+    pub fn start_with(password: Option<&str>, certs: Option<&Path>) -> Self {
         ensure_redis_installed();
         for _ in 0..5 {
             let mut server = RedisServer {
@@ -130,6 +140,7 @@ impl RedisServer {
                 port: free_port(),
                 dir: tempfile::tempdir().unwrap(),
                 password: password.map(str::to_owned),
+                tls: certs.map(Path::to_path_buf),
             };
             if server.spawn() {
                 return server;
@@ -140,17 +151,20 @@ impl RedisServer {
 
     /// (Re)starts the process on the same port; true once it answers PING.
     fn spawn(&mut self) -> bool {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+        let mut command = Command::new("redis-server");
+        match &self.tls {
+            None => command.args(["--port", &self.port.to_string()]),
+            Some(certs) => command
+                .args(["--port", "0", "--tls-port", &self.port.to_string(), "--tls-auth-clients", "no"])
+                .arg("--tls-cert-file")
+                .arg(certs.join("server.pem"))
+                .arg("--tls-key-file")
+                .arg(certs.join("server.key"))
+                .arg("--tls-ca-cert-file")
+                .arg(certs.join("ca.pem")),
+        };
+        let child = command
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(self.password.iter().flat_map(|p| ["--requirepass", p.as_str()]))
             .arg("--dir")
             .arg(self.dir.path())
@@ -161,7 +175,7 @@ impl RedisServer {
         let port = self.port;
         // Without AUTH a protected server answers PING with NOAUTH: a TCP
         // answer is then proof enough that it serves.
-        let protected = self.password.is_some();
+        let protected = self.password.is_some() || self.tls.is_some();
         self.child = wait_ready(child, Duration::from_secs(10), || {
             if protected { std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() } else { ping(port) }
         });
@@ -924,4 +938,85 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
     (status, body.to_owned())
+}
+
+// Certificates for the TLS tests, made by the `openssl` command line.
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl").current_dir(dir).args(args).output().expect("run openssl");
+    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A CA (`<name>.pem`, `<name>.key`) in `dir`.
+pub fn make_ca(dir: &Path, name: &str) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.pem"),
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN={name}"),
+        ],
+    );
+}
+
+/// A leaf certificate `<name>.pem` / `<name>.key` signed by CA `ca`, for
+/// `usage` (`serverAuth` or `clientAuth`).
+pub fn make_leaf(dir: &Path, ca: &str, name: &str, usage: &str) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.csr"),
+            "-subj",
+            &format!("/CN={name}"),
+        ],
+    );
+    let ext = dir.join(format!("{name}.ext"));
+    std::fs::write(
+        &ext,
+        format!(
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n"
+        ),
+    )
+    .unwrap();
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{name}.csr"),
+            "-CA",
+            &format!("{ca}.pem"),
+            "-CAkey",
+            &format!("{ca}.key"),
+            "-CAcreateserial",
+            "-out",
+            &format!("{name}.pem"),
+            "-days",
+            "2",
+            "-extfile",
+            ext.to_str().unwrap(),
+        ],
+    );
 }
