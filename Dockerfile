@@ -1,8 +1,10 @@
 # syntax=docker/dockerfile:1
 # Multi-stage build: compile with the full Rust toolchain (protoc is vendored
-# by a crate; librdkafka is built from source by rdkafka-sys with the C
-# toolchain the image has), ship only the binary and the example rules on a
-# slim Debian, as a non-root user.
+# by a crate; librdkafka and the OpenSSL it uses for Kafka SSL/SASL are built
+# from source by rdkafka-sys with the C toolchain and perl the image has, so
+# the binary needs no libssl at run time; gRPC and Redis TLS are rustls),
+# ship only the binary and the example rules on a slim Debian, as a non-root
+# user.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .

@@ -841,6 +841,8 @@ pub struct Broker {
     child: Option<Child>,
     pub port: u16,
     dir: tempfile::TempDir,
+    /// `--authentication`: clients must authenticate (SASL).
+    authentication: bool,
 }
 
 impl Broker {
@@ -852,7 +854,12 @@ impl Broker {
             tansu.display()
         );
         for _ in 0..5 {
-            let mut broker = Broker { child: None, port: free_port(), dir: tempfile::tempdir().unwrap() };
+            let mut broker = Broker {
+                child: None,
+                port: free_port(),
+                dir: tempfile::tempdir().unwrap(),
+                authentication: false,
+            };
             if broker.spawn() {
                 return broker;
             }
@@ -865,6 +872,7 @@ impl Broker {
         let child = Command::new(tansu_path())
             .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
             .args(["--storage-engine", "sqlite://tansu.db"])
+            .args(self.authentication.then_some("--authentication"))
             .current_dir(self.dir.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -880,6 +888,20 @@ impl Broker {
     /// `127.0.0.1:<port>`.
     pub fn brokers(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Creates SCRAM-SHA-512 user `name` (with `tansu user create`), then
+    /// restarts the broker requiring authentication.
+    pub fn require_scram_user(&mut self, name: &str, password: &str) {
+        let out = Command::new(tansu_path())
+            .args(["user", "create", "--broker", &format!("tcp://127.0.0.1:{}", self.port), name, password])
+            .args(["--mechanism", "scram512"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run tansu user create");
+        assert!(out.status.success(), "tansu user create: {}", String::from_utf8_lossy(&out.stderr));
+        self.authentication = true;
+        self.restart();
     }
 
     /// Kills the broker (SIGKILL): Kafka is gone, abruptly.
