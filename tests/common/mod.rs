@@ -376,28 +376,7 @@ impl RedisCluster {
     }
 }
 
-/// Redis Cluster's slot of a key: CRC16 (XMODEM) of its hash tag (the part
-/// between the first `{` and the next `}`, if not empty) or of the whole
-/// key, modulo 16384.
-pub fn key_slot(key: &str) -> u16 {
-    let bytes = key.as_bytes();
-    let hashed = bytes
-        .iter()
-        .position(|&b| b == b'{')
-        .and_then(|open| {
-            let close = bytes[open + 1..].iter().position(|&b| b == b'}')?;
-            (close > 0).then(|| &bytes[open + 1..open + 1 + close])
-        })
-        .unwrap_or(bytes);
-    let mut crc: u16 = 0;
-    for &byte in hashed {
-        crc ^= u16::from(byte) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
-        }
-    }
-    crc % 16_384
-}
+pub use ratelimitd::limiter::redis::key_slot;
 
 impl Drop for RedisCluster {
     fn drop(&mut self) {
@@ -971,48 +950,24 @@ fn openssl(dir: &Path, args: &[&str]) {
 
 /// A CA (`<name>.pem`, `<name>.key`) in `dir`.
 pub fn make_ca(dir: &Path, name: &str) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            &format!("{name}.key"),
-            "-out",
-            &format!("{name}.pem"),
-            "-days",
-            "2",
-            "-subj",
-            &format!("/CN={name}"),
-        ],
-    );
+    let (key, pem, subject) = (format!("{name}.key"), format!("{name}.pem"), format!("/CN={name}"));
+    let mut args = vec!["req", "-x509"];
+    args.extend(NEW_EC_KEY);
+    args.extend(["-keyout", &key, "-out", &pem, "-days", "2", "-subj", &subject]);
+    openssl(dir, &args);
 }
+
+/// `openssl req` arguments for a new P-256 key, unencrypted.
+const NEW_EC_KEY: [&str; 5] = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
 
 /// A leaf certificate `<name>.pem` / `<name>.key` signed by CA `ca`, for
 /// `usage` (`serverAuth` or `clientAuth`).
 pub fn make_leaf(dir: &Path, ca: &str, name: &str, usage: &str) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            &format!("{name}.key"),
-            "-out",
-            &format!("{name}.csr"),
-            "-subj",
-            &format!("/CN={name}"),
-        ],
-    );
+    let (key, csr, subject) = (format!("{name}.key"), format!("{name}.csr"), format!("/CN={name}"));
+    let mut args = vec!["req"];
+    args.extend(NEW_EC_KEY);
+    args.extend(["-keyout", &key, "-out", &csr, "-subj", &subject]);
+    openssl(dir, &args);
     let ext = dir.join(format!("{name}.ext"));
     std::fs::write(
         &ext,
