@@ -151,7 +151,7 @@ impl RedisServer {
 
     /// (Re)starts the process on the same port; true once it answers PING.
     fn spawn(&mut self) -> bool {
-        let mut command = Command::new("redis-server");
+        let mut command = redis_server(self.dir.path());
         match &self.tls {
             None => command.args(["--port", &self.port.to_string()]),
             Some(certs) => command
@@ -164,12 +164,7 @@ impl RedisServer {
                 .arg(certs.join("ca.pem")),
         };
         let child = command
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(self.password.iter().flat_map(|p| ["--requirepass", p.as_str()]))
-            .arg("--dir")
-            .arg(self.dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .expect("spawn redis-server");
         let port = self.port;
@@ -284,26 +279,13 @@ impl RedisCluster {
 
     /// (Re)starts one node on its ports, with its cluster config file.
     fn spawn(&self, node: &mut ClusterNode) -> bool {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &node.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+        let child = redis_server(self.dir.path())
+            .args(["--port", &node.port.to_string()])
             .args(["--cluster-enabled", "yes", "--cluster-port", &node.bus_port.to_string()])
             .args(["--cluster-config-file", &format!("nodes-{}.conf", node.port)])
             // A dead primary is detected within a second, and the other
             // primaries keep serving their slots meanwhile.
             .args(["--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"])
-            .arg("--dir")
-            .arg(self.dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .expect("spawn redis-server");
         let port = node.port;
@@ -395,6 +377,19 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default()
+}
+
+/// `redis-server` on loopback, without persistence, its files in `dir`, its
+/// output discarded; the caller adds the port and the rest.
+fn redis_server(dir: &Path) -> Command {
+    let mut command = Command::new("redis-server");
+    command
+        .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .arg("--dir")
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    command
 }
 
 /// Kills a child process by PID (SIGKILL), if running, and reaps it.
