@@ -9,20 +9,13 @@ mod common;
 use std::{
     io::{Read, Write},
     net::TcpStream,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
 use common::{RedisServer, Rules, TestServer, config, free_port};
 use ratelimitd::config::EnvoyFailureMode;
-
-fn envoy_path() -> PathBuf {
-    if let Some(path) = std::env::var_os("RATELIMITD_ENVOY") {
-        return PathBuf::from(path);
-    }
-    common::tansu_path().parent().unwrap().parent().unwrap().join("venv/bin/envoy")
-}
 
 /// A child process killed (by PID) on drop.
 struct Process(Child);
@@ -59,7 +52,7 @@ fn upstream(dir: &Path) -> (Process, u16) {
 
 /// Envoy on the example config with `ratelimit_port` and `upstream_port`.
 fn envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) {
-    let envoy = envoy_path();
+    let envoy = common::envoy_path();
     assert!(envoy.exists(), "{} not found: run scripts/install-tools", envoy.display());
     let (listen, admin) = (free_port(), free_port());
     let example = std::fs::read_to_string(common::repo_path("examples/envoy/envoy.yaml")).unwrap();

@@ -470,23 +470,142 @@ async fn sasl_scram_credentials_pass_through_to_the_broker() {
     assert!(!serde_json::to_string(&records).unwrap().contains("scram-secret-pw"));
 }
 
-/// librdkafka is built with TLS (vendored OpenSSL): a producer configured
-/// for `SASL_SSL` with a CA file is created (an unsupported protocol would
-/// fail right here, at startup).
-#[test]
-fn ssl_properties_are_supported_by_the_producer() {
-    let dir = tempfile::tempdir().unwrap();
-    common::make_ca(dir.path(), "ca");
-    let properties = [
+/// SASL_SSL end to end: the broker (tansu, whose own TLS flags cannot be
+/// used together in 0.6.0) behind a real Envoy that terminates TLS with a
+/// certificate from a private CA and advertised at Envoy's port, requiring
+/// SCRAM-SHA-512. With `security.protocol: SASL_SSL` and `ssl.ca.location`
+/// in `dlq.kafka.properties`, `migrate`, delivery and audit all work over
+/// TLS; without the CA the service cannot deliver and keeps every record in
+/// the spool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sasl_ssl_through_a_tls_terminating_proxy() {
+    let certs = tempfile::tempdir().unwrap();
+    common::make_ca(certs.path(), "ca");
+    common::make_leaf(certs.path(), "ca", "kafka", "serverAuth");
+    let mut broker = Broker::start();
+    broker.require_scram_user("ratelimitd", "ssl-scram-pw");
+    let proxy = TlsProxy::start(certs.path(), broker.port);
+    broker.advertise(proxy.port);
+
+    let mut redis = RedisServer::start();
+    let (rules, spool) = (Rules::new(RULES), tempfile::tempdir().unwrap());
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 200;
+    kafka_config(&mut cfg, &broker, spool.path());
+    cfg.dlq.kafka.brokers = Some(format!("127.0.0.1:{}", proxy.port));
+    let ca = certs.path().join("ca.pem");
+    for (key, value) in [
         ("security.protocol", "SASL_SSL"),
-        ("ssl.ca.location", dir.path().join("ca.pem").to_str().unwrap()),
-        ("sasl.mechanism", "SCRAM-SHA-256"),
-        ("sasl.username", "u"),
-        ("sasl.password", "p"),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .collect();
-    let producer = ratelimitd::dlq::kafka::producer("127.0.0.1:1", &properties);
-    assert!(producer.is_ok(), "{:?}", producer.err());
+        ("ssl.ca.location", ca.to_str().unwrap()),
+        ("sasl.mechanism", "SCRAM-SHA-512"),
+        ("sasl.username", "ratelimitd"),
+        ("sasl.password", "ssl-scram-pw"),
+    ] {
+        cfg.dlq.kafka.properties.insert(key.to_owned(), value.to_owned());
+    }
+    migrate::run(&cfg).await.expect("migrate over SASL_SSL");
+    let server = TestServer::start(cfg.clone()).await;
+    let observer = server.observer().await;
+    redis.stop();
+    fail_decisions(&server, "tls", 6).await;
+    assert!(eventually(Duration::from_secs(30), || async { observer.dlq.stats().delivered == 6 }).await);
+    server.stop().await.unwrap();
+    let records = tokio::task::spawn_blocking({
+        let cfg = cfg.clone();
+        move || topic_records(&cfg)
+    })
+    .await
+    .unwrap();
+    assert_exactly_once(&records, "tls", 6);
+
+    // The same, trusting the system roots only: the proxy's certificate is
+    // refused, nothing is delivered and nothing is lost.
+    let spool2 = tempfile::tempdir().unwrap();
+    let mut untrusted = cfg.clone();
+    untrusted.dlq.kafka.properties.remove("ssl.ca.location");
+    untrusted.dlq.spool_dir = spool2.path().to_path_buf();
+    let server = TestServer::start(untrusted).await;
+    let observer = server.observer().await;
+    fail_decisions(&server, "untrusted", 4).await;
+    assert!(eventually(Duration::from_secs(10), || async { observer.dlq.stats().pending == 4 }).await);
+    let stats = observer.dlq.stats();
+    assert_eq!((stats.delivered, stats.dropped), (0, 0), "{stats:?}");
+    server.stop().await.unwrap();
+}
+
+/// Envoy terminating TLS (`kafka.pem`/`kafka.key` from `certs`) in front of
+/// a plain TCP port. Killed by PID on drop.
+struct TlsProxy {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl TlsProxy {
+    fn start(certs: &std::path::Path, upstream: u16) -> Self {
+        let envoy = common::envoy_path();
+        assert!(envoy.exists(), "{} not found: run scripts/install-tools", envoy.display());
+        let dir = tempfile::tempdir().unwrap();
+        let (port, admin) = (free_port(), free_port());
+        let yaml = format!(
+            r#"
+admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}
+static_resources:
+  listeners:
+  - name: kafka_tls
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
+    filter_chains:
+    - transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+          common_tls_context:
+            tls_certificates:
+            - certificate_chain: {{ filename: "{cert}" }}
+              private_key: {{ filename: "{key}" }}
+      filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: kafka
+          cluster: broker
+  clusters:
+  - name: broker
+    connect_timeout: 1s
+    type: STATIC
+    load_assignment:
+      cluster_name: broker
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {upstream} }} }} }}
+"#,
+            cert = certs.join("kafka.pem").display(),
+            key = certs.join("kafka.key").display(),
+        );
+        let config = dir.path().join("envoy.yaml");
+        std::fs::write(&config, yaml).unwrap();
+        let child = Command::new(envoy)
+            .arg("-c")
+            .arg(&config)
+            .args(["--disable-hot-restart", "--concurrency", "1", "-l", "warning"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let proxy = TlsProxy { child, port, _dir: dir };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "envoy did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        proxy
+    }
+}
+
+impl Drop for TlsProxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

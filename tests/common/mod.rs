@@ -807,6 +807,14 @@ pub fn tansu_path() -> PathBuf {
     tools.join("bin/tansu")
 }
 
+/// The Envoy binary scripts/install-tools put in the tools cache.
+pub fn envoy_path() -> PathBuf {
+    if let Some(path) = std::env::var_os("RATELIMITD_ENVOY") {
+        return PathBuf::from(path);
+    }
+    tansu_path().parent().unwrap().parent().unwrap().join("venv/bin/envoy")
+}
+
 /// A real Kafka-protocol broker (tansu) on a free loopback port, storing in
 /// sqlite inside a temporary directory so a restart keeps topics and data.
 /// Killed by PID on drop.
@@ -817,6 +825,9 @@ pub struct Broker {
     dir: tempfile::TempDir,
     /// `--authentication`: clients must authenticate (SASL).
     authentication: bool,
+    /// The port the broker tells clients to connect to (its own, unless a
+    /// proxy fronts it).
+    advertised: u16,
 }
 
 impl Broker {
@@ -828,11 +839,13 @@ impl Broker {
             tansu.display()
         );
         for _ in 0..5 {
+            let port = free_port();
             let mut broker = Broker {
                 child: None,
-                port: free_port(),
+                port,
                 dir: tempfile::tempdir().unwrap(),
                 authentication: false,
+                advertised: port,
             };
             if broker.spawn() {
                 return broker;
@@ -843,8 +856,9 @@ impl Broker {
 
     fn spawn(&mut self) -> bool {
         let url = format!("tcp://127.0.0.1:{}", self.port);
+        let advertised = format!("tcp://127.0.0.1:{}", self.advertised);
         let child = Command::new(tansu_path())
-            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &advertised])
             .args(["--storage-engine", "sqlite://tansu.db"])
             .args(self.authentication.then_some("--authentication"))
             .current_dir(self.dir.path())
@@ -875,6 +889,13 @@ impl Broker {
             .expect("run tansu user create");
         assert!(out.status.success(), "tansu user create: {}", String::from_utf8_lossy(&out.stderr));
         self.authentication = true;
+        self.restart();
+    }
+
+    /// Restarts the broker telling clients to connect to `port` (a proxy in
+    /// front of it) instead of its own.
+    pub fn advertise(&mut self, port: u16) {
+        self.advertised = port;
         self.restart();
     }
 
