@@ -184,3 +184,66 @@ async fn two_instances_admit_exactly_limit_times_burst_under_contention() {
     a.stop().await.unwrap();
     b.stop().await.unwrap();
 }
+
+/// Three primaries with a replica each: a primary killed under the service
+/// is failed over to its replica by the cluster, and the service follows
+/// (MOVED, slot map refresh) without a restart: decisions on the failed
+/// primary's slots are exact again soon after the promotion. Prints how
+/// long each step took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_primary_is_replaced_by_its_promoted_replica() {
+    let mut cluster = RedisCluster::start_with_replicas(1);
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: cap, resource_path: /cap, limit: 5, window_seconds: 3600, failure_policy: closed }\n",
+    );
+    let server = TestServer::start(cluster_config(&rules, &cluster)).await;
+    let mut client = server.client().await;
+    let owners = cluster.slot_owners();
+    let mut primaries: Vec<usize> = owners.clone();
+    primaries.sort_unstable();
+    primaries.dedup();
+    assert_eq!(primaries.len(), 3, "three primaries own the slots");
+    for &node in &primaries {
+        for user in users_on(&cluster, node, "before", 2) {
+            assert_exact(&mut client, &user, 5).await;
+        }
+    }
+
+    let victim = primaries[1];
+    let probes = users_on(&cluster, victim, "after", 500);
+    let killed = std::time::Instant::now();
+    cluster.stop_node(victim);
+    // The cluster notices (node timeout 1 s) and promotes the replica.
+    let mut promoted = None;
+    assert!(
+        eventually(Duration::from_secs(20), || {
+            let owner = cluster.slot_owners()[usize::from(key_slot(&format!("rl:{{{}}}:cap", probes[0])))];
+            promoted = (owner != victim && owner != usize::MAX).then_some(owner);
+            std::future::ready(promoted.is_some())
+        })
+        .await,
+        "no replica took over the killed primary's slots"
+    );
+    cluster.wait_healthy();
+    let failed_over = killed.elapsed();
+    let healthy = std::time::Instant::now();
+    let mut next = probes.iter();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let mut client = client.clone();
+            let user = next.next().expect("enough probe users").clone();
+            async move { reason(&check(&mut client, request(&user, "/cap")).await) == Reason::Ok }
+        })
+        .await,
+        "decisions on the promoted replica's slots never became exact again"
+    );
+    eprintln!(
+        "failover: replica promoted {} ms after the primary was killed; exact decisions {} ms after the cluster was healthy again",
+        failed_over.as_millis(),
+        healthy.elapsed().as_millis()
+    );
+    for user in users_on(&cluster, promoted.unwrap(), "promoted", 3) {
+        assert_exact(&mut client, &user, 5).await;
+    }
+    server.stop().await.unwrap();
+}

@@ -243,10 +243,16 @@ impl RedisCluster {
     /// Starts three cluster-enabled servers, assigns the 16384 slots and
     /// waits until every node reports `cluster_state:ok`.
     pub fn start() -> Self {
+        Self::start_with_replicas(0)
+    }
+
+    /// Three primaries with `replicas` replicas each (redis-cli assigns
+    /// the roles); a killed primary is failed over to one of its replicas.
+    pub fn start_with_replicas(replicas: usize) -> Self {
         ensure_redis_installed();
         let dir = tempfile::tempdir().unwrap();
         let mut cluster = RedisCluster { nodes: Vec::new(), dir };
-        for _ in 0..3 {
+        for _ in 0..3 * (1 + replicas) {
             let mut started = None;
             for _ in 0..5 {
                 let mut node = ClusterNode { port: free_port(), bus_port: free_port(), child: None };
@@ -263,7 +269,7 @@ impl RedisCluster {
             create.arg(format!("127.0.0.1:{}", node.port));
         }
         let out = create
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .output()
             .expect("run redis-cli --cluster create");
@@ -274,6 +280,20 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stderr)
         );
         cluster.wait_healthy();
+        // A replica can only be promoted once it has synchronised with its
+        // primary, which takes a few seconds after the cluster forms.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while cluster
+            .nodes
+            .iter()
+            .map(|n| redis_cli(n.port, &["info", "replication"]))
+            .filter(|info| info.contains("role:slave") && info.contains("master_link_status:up"))
+            .count()
+            < 3 * replicas
+        {
+            assert!(Instant::now() < deadline, "the replicas never synchronised with their primaries");
+            std::thread::sleep(Duration::from_millis(50));
+        }
         cluster
     }
 
@@ -313,11 +333,12 @@ impl RedisCluster {
         self.wait_healthy();
     }
 
-    /// Waits until every node says `cluster_state:ok` with all slots served.
+    /// Waits until every running node says `cluster_state:ok` with all
+    /// slots served.
     pub fn wait_healthy(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let healthy = self.nodes.iter().all(|n| {
+            let healthy = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
                 let info = redis_cli(n.port, &["cluster", "info"]);
                 info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
             });
@@ -337,7 +358,8 @@ impl RedisCluster {
     /// Which node serves each slot, from `CLUSTER NODES`; see [`key_slot`].
     pub fn slot_owners(&self) -> Vec<usize> {
         let mut owners = vec![usize::MAX; 16_384];
-        let nodes = redis_cli(self.nodes[0].port, &["cluster", "nodes"]);
+        let alive = self.nodes.iter().find(|n| n.child.is_some()).expect("a running node");
+        let nodes = redis_cli(alive.port, &["cluster", "nodes"]);
         for line in nodes.lines() {
             let fields: Vec<&str> = line.split_whitespace().collect();
             let Some(port) = fields.get(1).and_then(|a| a.split(['@', ':']).nth(1)) else { continue };
