@@ -129,6 +129,9 @@ pub struct ReloadingAcceptor {
     files: Files,
     current: Arc<ArcSwap<TlsAcceptor>>,
     handshake_timeout: Duration,
+    /// The files' fingerprint taken before the first acceptor was built
+    /// from them: a change from then on is seen by [`Self::watch`].
+    built_from: Vec<Option<(u64, SystemTime)>>,
 }
 
 impl std::fmt::Debug for ReloadingAcceptor {
@@ -141,11 +144,13 @@ impl ReloadingAcceptor {
     /// Builds the first acceptor; `None` when `grpc.tls` is not configured.
     pub fn new(config: &GrpcTlsConfig) -> Result<Option<Self>, TlsError> {
         let Some(files) = Files::of(config) else { return Ok(None) };
+        let built_from = files.fingerprint();
         let acceptor = TlsAcceptor::from(Arc::new(files.build()?));
         Ok(Some(ReloadingAcceptor {
             files,
             current: Arc::new(ArcSwap::from_pointee(acceptor)),
             handshake_timeout: Duration::from_millis(config.handshake_timeout_ms),
+            built_from,
         }))
     }
 
@@ -157,7 +162,7 @@ impl ReloadingAcceptor {
     /// Polls the files every `interval` and swaps in a new acceptor when
     /// they changed and parse; ends when `stop` turns true.
     pub async fn watch(self, interval: Duration, mut stop: watch::Receiver<bool>) {
-        let mut seen = self.files.fingerprint();
+        let mut seen = self.built_from.clone();
         loop {
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
