@@ -50,6 +50,19 @@ async fn assert_exact(client: &mut RateLimiterClient<Channel>, user: &str, limit
     }
 }
 
+/// Whether, within 10 s, a first request of one of `fresh_users` (a new
+/// user for each try, all on the slots under test) is admitted by a real
+/// decision rather than by the failure policy.
+async fn exact_again(client: &RateLimiterClient<Channel>, fresh_users: &[String]) -> bool {
+    let mut next = fresh_users.iter();
+    eventually(Duration::from_secs(10), || {
+        let mut client = client.clone();
+        let user = next.next().expect("enough fresh users").clone();
+        async move { reason(&check(&mut client, request(&user, "/cap")).await) == Reason::Ok }
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_are_exact_across_slots_and_survive_a_primary_restart() {
     let mut cluster = RedisCluster::start();
@@ -89,14 +102,8 @@ async fn decisions_are_exact_across_slots_and_survive_a_primary_restart() {
     let probe = users_on(&cluster, 1, "probe", 500);
     cluster.restart_node(1);
     let back = Instant::now();
-    let mut next = probe.iter();
     assert!(
-        eventually(Duration::from_secs(10), || {
-            let mut client = client.clone();
-            let user = next.next().expect("enough probe users").clone();
-            async move { reason(&check(&mut client, request(&user, "/cap")).await) == Reason::Ok }
-        })
-        .await,
+        exact_again(&client, &probe).await,
         "decisions on the restarted primary's slots never became exact again"
     );
     eprintln!(
@@ -227,14 +234,8 @@ async fn killed_primary_is_replaced_by_its_promoted_replica() {
     cluster.wait_healthy();
     let failed_over = killed.elapsed();
     let healthy = std::time::Instant::now();
-    let mut next = probes.iter();
     assert!(
-        eventually(Duration::from_secs(10), || {
-            let mut client = client.clone();
-            let user = next.next().expect("enough probe users").clone();
-            async move { reason(&check(&mut client, request(&user, "/cap")).await) == Reason::Ok }
-        })
-        .await,
+        exact_again(&client, &probes).await,
         "decisions on the promoted replica's slots never became exact again"
     );
     eprintln!(

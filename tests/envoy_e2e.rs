@@ -52,8 +52,6 @@ fn upstream(dir: &Path) -> (Process, u16) {
 
 /// Envoy on the example config with `ratelimit_port` and `upstream_port`.
 fn envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) {
-    let envoy = common::envoy_path();
-    assert!(envoy.exists(), "{} not found: run scripts/install-tools", envoy.display());
     let (listen, admin) = (free_port(), free_port());
     let example = std::fs::read_to_string(common::repo_path("examples/envoy/envoy.yaml")).unwrap();
     let yaml = example
@@ -65,15 +63,7 @@ fn envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) 
         .replace("timeout: 0.02s", "timeout: 2s");
     let config = dir.join("envoy.yaml");
     std::fs::write(&config, yaml).unwrap();
-    let child = Command::new(envoy)
-        .arg("-c")
-        .arg(&config)
-        .args(["--disable-hot-restart", "--concurrency", "1", "-l", "warning"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let process = Process(child);
+    let process = Process(common::spawn_envoy(&config));
     wait_for_port(listen, "envoy");
     (process, listen)
 }

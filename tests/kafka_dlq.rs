@@ -543,8 +543,6 @@ struct TlsProxy {
 
 impl TlsProxy {
     fn start(certs: &std::path::Path, upstream: u16) -> Self {
-        let envoy = common::envoy_path();
-        assert!(envoy.exists(), "{} not found: run scripts/install-tools", envoy.display());
         let dir = tempfile::tempdir().unwrap();
         let (port, admin) = (free_port(), free_port());
         let yaml = format!(
@@ -585,15 +583,7 @@ static_resources:
         );
         let config = dir.path().join("envoy.yaml");
         std::fs::write(&config, yaml).unwrap();
-        let child = Command::new(envoy)
-            .arg("-c")
-            .arg(&config)
-            .args(["--disable-hot-restart", "--concurrency", "1", "-l", "warning"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let proxy = TlsProxy { child, port, _dir: dir };
+        let proxy = TlsProxy { child: common::spawn_envoy(&config), port, _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(Instant::now() < deadline, "envoy did not listen on {port}");

@@ -837,6 +837,20 @@ pub fn envoy_path() -> PathBuf {
     tansu_path().parent().unwrap().parent().unwrap().join("venv/bin/envoy")
 }
 
+/// Envoy on `config`, one worker, warnings only, output discarded.
+pub fn spawn_envoy(config: &Path) -> Child {
+    let envoy = envoy_path();
+    assert!(envoy.exists(), "{} not found: run scripts/install-tools", envoy.display());
+    Command::new(envoy)
+        .arg("-c")
+        .arg(config)
+        .args(["--disable-hot-restart", "--concurrency", "1", "-l", "warning"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn envoy")
+}
+
 /// A real Kafka-protocol broker (tansu) on a free loopback port, storing in
 /// sqlite inside a temporary directory so a restart keeps topics and data.
 /// Killed by PID on drop.
