@@ -532,7 +532,7 @@ impl Dispatcher {
     fn report(&self, batch: &[Job], health: Health) {
         let mut told = 0u64; // one bit per breaker (at most 64)
         for job in batch {
-            let index = usize::from(job.slot / SLOTS_PER_BREAKER) % self.breakers.len();
+            let index = breaker_index(job.slot, self.breakers.len());
             if told & (1 << index) == 0 {
                 told |= 1 << index;
                 match health {
@@ -548,9 +548,9 @@ impl Dispatcher {
         // Nobody waits longer than `timeout` for this answer. A late reply
         // on a kept connection is read and discarded by the client.
         let call = tokio::time::timeout(self.timeout, invoke(&mut **conn, &self.script, batch)).await;
-        let health = health_of(&call);
+        let (health, result) = settle(call, self.timeout);
         self.report(batch, health);
-        answer(batch, call, self.timeout);
+        answer(batch, result);
         health
     }
 
@@ -569,9 +569,9 @@ impl Dispatcher {
             let mut conn = conn.clone();
             async move {
                 let call = tokio::time::timeout(self.timeout, invoke(&mut conn, &self.script, &group)).await;
-                let health = health_of(&call);
+                let (health, result) = settle(call, self.timeout);
                 self.report(&group, health);
-                answer(&mut group, call, self.timeout);
+                answer(&mut group, result);
                 health
             }
         });
@@ -589,29 +589,39 @@ impl Dispatcher {
 
 type CallResult = Result<Result<Vec<u64>, RedisError>, tokio::time::error::Elapsed>;
 
-/// How Redis did on one call.
-fn health_of(call: &CallResult) -> Health {
+/// How Redis did on one call, and its answer with any error classified
+/// (once).
+fn settle(call: CallResult, timeout: Duration) -> (Health, Result<Vec<u64>, StoreError>) {
     match call {
-        Ok(Ok(_)) => Health::Answered,
-        // A script error is an answer: Redis is there.
-        Ok(Err(e)) if classify(e).kind == FailureKind::ScriptError => Health::Answered,
-        Ok(Err(_)) => Health::Failed,
-        Err(_) => Health::TimedOut,
+        Ok(Ok(reply)) => (Health::Answered, Ok(reply)),
+        Ok(Err(e)) => {
+            let error = classify(&e);
+            // A script error is an answer: Redis is there.
+            let health =
+                if error.kind == FailureKind::ScriptError { Health::Answered } else { Health::Failed };
+            (health, Err(error))
+        }
+        Err(_) => (Health::TimedOut, Err(timeout_error(timeout))),
     }
 }
 
 /// Hands a call's result to the jobs it was for.
-fn answer(batch: &mut Vec<Job>, call: CallResult, timeout: Duration) {
-    match call {
-        Ok(Ok(reply)) => split_reply(batch, &reply),
-        Ok(Err(e)) => fail_all(batch, &classify(&e)),
-        Err(_) => fail_all(batch, &timeout_error(timeout)),
+fn answer(batch: &mut Vec<Job>, result: Result<Vec<u64>, StoreError>) {
+    match result {
+        Ok(reply) => split_reply(batch, &reply),
+        Err(error) => fail_all(batch, &error),
     }
+}
+
+/// Index of the breaker guarding `slot` among `breakers` of them (one
+/// against a single server: every job has slot 0 there).
+fn breaker_index(slot: u16, breakers: usize) -> usize {
+    usize::from(slot / SLOTS_PER_BREAKER) % breakers
 }
 
 /// The breaker of a slot's range.
 fn breaker_of(breakers: &[Breaker], slot: u16) -> &Breaker {
-    &breakers[usize::from(slot / SLOTS_PER_BREAKER) % breakers.len()]
+    &breakers[breaker_index(slot, breakers.len())]
 }
 
 /// Redis Cluster's slot of a key: CRC16 (XMODEM) of its hash tag (between
