@@ -5,7 +5,8 @@
 //!
 //! Scenarios: request validation, rule lookup in a 10,000-rule snapshot plus
 //! the shedding check, the window arithmetic, one in-memory store decision,
-//! and a whole `Engine::check` on the in-memory store.
+//! a whole `Engine::check` on the in-memory store, and Envoy's
+//! `ShouldRateLimit` handler (conversion, engine, response) on it.
 
 // The allocation counts are this bench's report, printed beside criterion's.
 #![allow(clippy::print_stdout)]
@@ -14,17 +15,24 @@ use std::{alloc::System, collections::HashMap, hint::black_box, sync::Arc, time:
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use ratelimitd::{
-    api::{pb, validate},
+    api::{
+        EnvoyService,
+        envoy_pb::{
+            envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+            rls::{RateLimitRequest as RlsRequest, rate_limit_service_server::RateLimitService as _},
+        },
+        pb, validate,
+    },
     clock::SystemClock,
-    config::LimitsConfig,
-    decision::{CheckRequest, Engine},
+    config::{EnvoySettings, LimitsConfig},
+    decision::{CheckRequest, Engine, EngineParts, EnvoyPolicy},
     dlq::LogSink,
     limiter::{
         MemoryStore, Store,
         window::{self, Counts, WindowParams},
     },
-    rules::{Priority, RuleStore},
-    shed::{Level, ShedMode, Shedder},
+    rules::{Hot, RuleStore, envoy::EnvoyConfig},
+    shed::{Level, Priority, ShedMode, Shedder},
     telemetry::Metrics,
 };
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
@@ -131,23 +139,26 @@ fn benches(c: &mut Criterion) {
     let rule = snapshot.lookup("/api/v1/service-49/resource-49", None).unwrap().clone();
     let big = ratelimitd::rules::Rule { window: WindowParams::sliding(60_000, u64::MAX >> 40), ..rule };
     c.bench_function("memory store decide (known counter)", |b| {
-        b.iter(|| memory.decide(black_box("user-1"), &big, 1))
+        b.iter(|| memory.decide(black_box("user-1"), big.counter(), 1))
     });
     let allocs = allocations_per_call(100_000, || {
-        black_box(memory.decide("user-1", &big, 1));
+        black_box(memory.decide("user-1", big.counter(), 1));
     });
     println!("memory store decide (known counter): {allocs} allocations per call");
 
     // The whole decision path on the in-memory store (no gRPC).
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let engine = Engine::new(
-        Arc::new(RuleStore::new(snapshot)),
-        Store::Memory(Arc::clone(&memory)),
-        Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
-        Arc::new(LogSink::default()),
-        Priority::Degraded,
-        Arc::new(Metrics::new("memory")),
-    );
+    let envoy_config = envoy_config();
+    let engine = Engine::new(EngineParts {
+        rules: Arc::new(RuleStore::new(snapshot)),
+        envoy: Some(Arc::new(Hot::new(envoy_config))),
+        store: Store::Memory(Arc::clone(&memory)),
+        shedder: Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
+        failures: Arc::new(LogSink::default()),
+        stats: Arc::new(Metrics::new("memory")),
+        default_priority: Priority::Degraded,
+        envoy_policy: EnvoyPolicy::default(),
+    });
     let headers = HashMap::new();
     let check = CheckRequest {
         user_id: "user-2",
@@ -165,6 +176,56 @@ fn benches(c: &mut Criterion) {
         black_box(runtime.block_on(engine.check(&check)));
     });
     println!("Engine::check, memory store: {allocs} allocations per decision");
+
+    // Envoy's ShouldRateLimit through the handler (validation, conversion,
+    // the engine, the response), in memory, no network: two descriptors,
+    // one counted.
+    let service = EnvoyService::new(engine.clone(), EnvoySettings::default());
+    let envoy_request = RlsRequest {
+        domain: "bench".to_owned(),
+        descriptors: vec![
+            RateLimitDescriptor {
+                entries: vec![
+                    Entry { key: "remote_address".to_owned(), value: "10.0.0.1".to_owned() },
+                    Entry { key: "path".to_owned(), value: "/api/v1/items".to_owned() },
+                ],
+                ..Default::default()
+            },
+            RateLimitDescriptor {
+                entries: vec![Entry { key: "unmatched".to_owned(), value: "x".to_owned() }],
+                ..Default::default()
+            },
+        ],
+        hits_addend: 1,
+    };
+    c.bench_function("ShouldRateLimit handler, memory store", |b| {
+        b.iter(|| {
+            runtime.block_on(service.should_rate_limit(tonic::Request::new(black_box(envoy_request.clone()))))
+        })
+    });
+    let allocs = allocations_per_call(100_000, || {
+        let _ = black_box(
+            runtime.block_on(service.should_rate_limit(tonic::Request::new(envoy_request.clone()))),
+        );
+    });
+    println!(
+        "ShouldRateLimit handler, memory store: {allocs} allocations per request (request clone included)"
+    );
+}
+
+/// One domain with a nested limit that never fills during the bench.
+fn envoy_config() -> EnvoyConfig {
+    let dir = std::env::temp_dir().join(format!("ratelimitd-bench-envoy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("bench.yaml");
+    std::fs::write(
+        &file,
+        "domain: bench\ndescriptors:\n  - key: remote_address\n    descriptors:\n      - key: path\n        rate_limit: { unit: hour, requests_per_unit: 4000000000 }\n",
+    )
+    .unwrap();
+    let config = ratelimitd::rules::envoy::load_sliding(&file).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    config
 }
 
 criterion_group! {

@@ -9,11 +9,12 @@ use std::{io::Write, path::PathBuf, process::ExitCode};
 use clap::{Parser, Subcommand};
 
 use crate::{
-    api::pb,
+    api::client::{self, CallError, CheckCall},
     clock::{Clock, SystemClock},
     config::Config,
     dlq::audit::{self, Filter, Format, Printer},
     migrate::{self, Applied},
+    shed::Priority,
 };
 
 /// Exit status for a bad command line or configuration (EX_USAGE).
@@ -131,16 +132,16 @@ pub struct CheckArgs {
 
 /// Runs `ratelimitd check`: 0 allowed, 1 denied, 64 bad arguments, 69 RPC failure.
 pub async fn check(args: CheckArgs) -> ExitCode {
-    let mut request = pb::RateLimitRequest {
+    let mut call = CheckCall {
         user_id: args.user,
         resource_path: args.path,
-        client_type: args.client_type.unwrap_or_default(),
+        client_type: args.client_type,
         weight: args.weight,
-        ..Default::default()
+        ..CheckCall::default()
     };
     if let Some(priority) = &args.priority {
-        match pb::PriorityBucket::from_str_name(&priority.to_ascii_uppercase()) {
-            Some(p) => request.priority = p as i32,
+        match Priority::parse(priority) {
+            Some(p) => call.priority = Some(p),
             None => {
                 eprintln!("--priority {priority:?}: expected CRITICAL, DEGRADED, BEST_EFFORT or BULK");
                 return ExitCode::from(EXIT_USAGE);
@@ -152,69 +153,48 @@ pub async fn check(args: CheckArgs) -> ExitCode {
             eprintln!("--header {header:?}: expected NAME=VALUE");
             return ExitCode::from(EXIT_USAGE);
         };
-        request.headers.insert(name.to_owned(), value.to_owned());
+        call.headers.insert(name.to_owned(), value.to_owned());
     }
-
-    let endpoint = match tonic::transport::Endpoint::from_shared(args.addr.clone()) {
-        Ok(e) => e.timeout(std::time::Duration::from_millis(args.timeout_ms)),
-        Err(e) => {
-            eprintln!("--addr {:?}: {e}", args.addr);
-            return ExitCode::from(EXIT_USAGE);
-        }
-    };
-    let channel = match endpoint.connect().await {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("cannot connect to {}: {e}", args.addr);
-            return ExitCode::from(EXIT_UNAVAILABLE);
-        }
-    };
-    let mut client = pb::rate_limiter_client::RateLimiterClient::new(channel);
-    let response = match client.check(request).await {
-        Ok(r) => r.into_inner(),
-        Err(status) => {
-            eprintln!("{}: {}", status.code(), status.message());
-            return ExitCode::from(if status.code() == tonic::Code::InvalidArgument {
-                EXIT_USAGE
-            } else {
-                EXIT_UNAVAILABLE
-            });
-        }
-    };
-    let reason = pb::Reason::try_from(response.reason).map_or("REASON_UNSPECIFIED", |r| r.as_str_name());
+    let answer =
+        match client::check(&args.addr, std::time::Duration::from_millis(args.timeout_ms), call).await {
+            Ok(answer) => answer,
+            Err(CallError::Address(e)) => {
+                eprintln!("--addr {:?}: {e}", args.addr);
+                return ExitCode::from(EXIT_USAGE);
+            }
+            Err(CallError::Connect(e)) => {
+                eprintln!("cannot connect to {}: {e}", args.addr);
+                return ExitCode::from(EXIT_UNAVAILABLE);
+            }
+            Err(CallError::InvalidArgument(e)) => {
+                eprintln!("{e}");
+                return ExitCode::from(EXIT_USAGE);
+            }
+            Err(CallError::Rpc(e)) => {
+                eprintln!("{e}");
+                return ExitCode::from(EXIT_UNAVAILABLE);
+            }
+        };
     let out = if args.json {
-        serde_json::json!({
-            "allowed": response.allowed,
-            "reason": reason,
-            "remaining_tokens": response.remaining_tokens,
-            "retry_after_ms": response.retry_after_ms,
-            "reset_after_ms": response.reset_after_ms,
-            "rule_id": response.rule_id,
-            "limit": response.limit,
-            "capacity": response.capacity,
-            "window_ms": response.window_ms,
-            "shadow_denied": response.shadow_denied,
-            "cluster_utilization_status": response.cluster_utilization_status,
-        })
-        .to_string()
-            + "\n"
+        serde_json::to_string(&answer).unwrap_or_default() + "\n"
     } else {
         format!(
-            "allowed         {}\nreason          {reason}\nremaining       {}\nretry_after_ms  {}\nreset_after_ms  {}\nrule_id         {}\nlimit           {} per {} ms (capacity {})\nshadow_denied   {}\nutilization     {}\n",
-            response.allowed,
-            response.remaining_tokens,
-            response.retry_after_ms,
-            response.reset_after_ms,
-            if response.rule_id.is_empty() { "-" } else { &response.rule_id },
-            response.limit,
-            response.window_ms,
-            response.capacity,
-            response.shadow_denied,
-            response.cluster_utilization_status,
+            "allowed         {}\nreason          {}\nremaining       {}\nretry_after_ms  {}\nreset_after_ms  {}\nrule_id         {}\nlimit           {} per {} ms (capacity {})\nshadow_denied   {}\nutilization     {}\n",
+            answer.allowed,
+            answer.reason,
+            answer.remaining_tokens,
+            answer.retry_after_ms,
+            answer.reset_after_ms,
+            if answer.rule_id.is_empty() { "-" } else { &answer.rule_id },
+            answer.limit,
+            answer.window_ms,
+            answer.capacity,
+            answer.shadow_denied,
+            answer.cluster_utilization_status,
         )
     };
     let _ = std::io::stdout().write_all(out.as_bytes());
-    if response.allowed { ExitCode::SUCCESS } else { ExitCode::from(1) }
+    if answer.allowed { ExitCode::SUCCESS } else { ExitCode::from(1) }
 }
 
 /// Runs `ratelimitd rules validate`: 0 when every path loads, 1 otherwise.

@@ -238,7 +238,8 @@ async fn slow_redis_answers_by_failure_policy_at_the_deadline() {
 fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
     use ratelimitd::{
         limiter::WindowParams,
-        rules::{FailurePolicy, Mode, Priority, Rule},
+        rules::{FailurePolicy, Mode, Rule},
+        shed::Priority,
     };
     Rule {
         id: "hot".into(),
@@ -263,7 +264,8 @@ async fn single_connection_store(redis: &RedisServer) -> ratelimitd::limiter::Re
         timeout_ms: 5_000,
         ..Default::default()
     };
-    let store = ratelimitd::limiter::RedisStore::new(&config).unwrap();
+    let mut dispatchers = tokio::task::JoinSet::new();
+    let store = ratelimitd::limiter::RedisStore::new(&config, &mut dispatchers).unwrap();
     store.warm_up(Duration::from_secs(5)).await.unwrap();
     store
 }
@@ -280,7 +282,8 @@ async fn queued_decisions_are_coalesced_into_one_script_call() {
     let rule = hot_rule(100);
     let before = redis.evalsha_calls().await;
 
-    let verdicts = futures_util::future::join_all((0..300).map(|_| store.decide("ann", &rule, 1))).await;
+    let verdicts =
+        futures_util::future::join_all((0..300).map(|_| store.decide("ann", rule.counter(), 1))).await;
 
     assert_eq!(redis.evalsha_calls().await - before, 2, "300 queued decisions, 2 script calls");
     let verdicts: Vec<_> = verdicts.into_iter().map(Result::unwrap).collect();
@@ -346,14 +349,15 @@ async fn breaker_fails_fast_while_redis_is_down_and_closes_when_it_returns() {
         url: Some(redis.url()),
         ..Default::default()
     };
-    let store = ratelimitd::limiter::RedisStore::new(&config).unwrap();
+    let mut dispatchers = tokio::task::JoinSet::new();
+    let store = ratelimitd::limiter::RedisStore::new(&config, &mut dispatchers).unwrap();
     let rule = hot_rule(100);
-    assert!(store.decide("ivy", &rule, 1).await.unwrap().admitted);
+    assert!(store.decide("ivy", rule.counter(), 1).await.unwrap().admitted);
 
     redis.stop();
     let mut kinds = Vec::new();
     for _ in 0..10 {
-        kinds.push(store.decide("ivy", &rule, 1).await.unwrap_err().kind);
+        kinds.push(store.decide("ivy", rule.counter(), 1).await.unwrap_err().kind);
     }
     assert!(
         kinds[..3].iter().all(|k| matches!(k, FailureKind::ConnectionLost | FailureKind::ConnectionRefused)),
@@ -364,13 +368,13 @@ async fn breaker_fails_fast_while_redis_is_down_and_closes_when_it_returns() {
     redis.restart();
     let back = Instant::now();
     let recovered = eventually(Duration::from_secs(1), || async {
-        store.decide("ivy", &rule, 1).await.is_ok_and(|v| v.admitted)
+        store.decide("ivy", rule.counter(), 1).await.is_ok_and(|v| v.admitted)
     })
     .await;
     assert!(recovered, "exact decisions did not resume within 1 s of Redis returning");
     eprintln!("decisions exact again {:?} after Redis returned", back.elapsed());
     // The restarted Redis is empty: counting starts again, exactly.
-    assert_eq!(store.decide("ivy", &rule, 1).await.unwrap().remaining, 98);
+    assert_eq!(store.decide("ivy", rule.counter(), 1).await.unwrap().remaining, 98);
 }
 
 /// A Redis that requires AUTH: the password comes from `redis.password_file`

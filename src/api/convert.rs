@@ -6,8 +6,8 @@
 use crate::{
     config::LimitsConfig,
     decision::{CheckRequest, Decision, Reason},
-    dlq::record::trace_id_of,
-    rules::Priority,
+    shed::Priority,
+    telemetry::traces::trace_id_of,
 };
 
 use super::pb;
@@ -158,7 +158,7 @@ fn reason(reason: Reason) -> pb::Reason {
     }
 }
 
-fn priority(priority: Priority) -> pb::PriorityBucket {
+pub(super) fn priority(priority: Priority) -> pb::PriorityBucket {
     match priority {
         Priority::Critical => pb::PriorityBucket::Critical,
         Priority::Degraded => pb::PriorityBucket::Degraded,

@@ -1,57 +1,42 @@
-//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`: Envoy's
-//! external rate limit protocol over the envoyproxy/ratelimit configuration.
-//!
-//! Semantics follow upstream (lookup, `replaces`, `unlimited`, shadow and
-//! quota modes, `hits_addend`, the overall code, the rate-limit headers),
-//! with two deliberate differences: counting is a sliding window by default
-//! (`envoy.algorithm: fixed_window` restores upstream's), and a request that
-//! one enforced descriptor denies consumes nothing from the others.
+//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`: validates
+//! and converts Envoy's request, asks the engine
+//! ([`Engine::should_rate_limit`]), and converts the answer back. Every
+//! decision, shedding and failure handling included, is the engine's.
 
-use std::{collections::HashMap, fmt::Write as _, sync::Arc};
+use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
 use super::envoy_pb::{
-    envoy::{config::core::v3::HeaderValue, extensions::common::ratelimit::v3::RateLimitDescriptor},
+    envoy::{
+        config::core::v3::HeaderValue, extensions::common::ratelimit::v3::RateLimitDescriptor,
+        r#type::v3::RateLimitUnit,
+    },
     rls::{
         RateLimitRequest, RateLimitResponse,
-        rate_limit_response::{Code, DescriptorStatus, RateLimit},
+        rate_limit_response::{Code, DescriptorStatus, RateLimit, rate_limit::Unit as ResponseUnit},
         rate_limit_service_server::{RateLimitService, RateLimitServiceServer},
     },
 };
 use crate::{
-    config::{EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings},
-    decision::Reason,
-    dlq::{FailedDecision, FailureSink, record::trace_id_of},
-    limiter::{ManyItem, Store},
-    rules::{
-        Hot, Priority,
-        envoy::{EnvoyConfig, EnvoyLimit, Unit},
-    },
-    telemetry::{Api, Metrics, traces::continue_trace},
+    config::EnvoySettings,
+    decision::{DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsDescriptor, RlsRequest},
+    rules::envoy::Unit,
+    telemetry::traces::{continue_trace, trace_id_of},
 };
 
 /// The Envoy rate limit service.
 #[derive(Debug, Clone)]
 pub struct EnvoyService {
-    config: Arc<Hot<EnvoyConfig>>,
-    store: Store,
-    failures: Arc<dyn FailureSink>,
+    engine: Engine,
     settings: Arc<EnvoySettings>,
-    metrics: Arc<Metrics>,
 }
 
 impl EnvoyService {
-    /// A service deciding with `config` and `store`.
-    pub fn new(
-        config: Arc<Hot<EnvoyConfig>>,
-        store: Store,
-        failures: Arc<dyn FailureSink>,
-        settings: EnvoySettings,
-        metrics: Arc<Metrics>,
-    ) -> Self {
-        EnvoyService { config, store, failures, settings: Arc::new(settings), metrics }
+    /// A service deciding with `engine`, validating and answering by `settings`.
+    pub fn new(engine: Engine, settings: EnvoySettings) -> Self {
+        EnvoyService { engine, settings: Arc::new(settings) }
     }
 
     /// The tonic server wrapper.
@@ -108,23 +93,16 @@ impl EnvoyService {
                 ));
             }
             if let Some(limit) = &d.limit
-                && Unit::from_proto(limit.unit).is_none()
+                && override_unit(limit.unit).is_none()
             {
-                return invalid(format!("descriptors[{i}].limit.unit: unknown unit {}", limit.unit));
+                return invalid(format!(
+                    "descriptors[{i}].limit.unit: unknown unit {}; expected 1 (SECOND) to 6 (YEAR)",
+                    limit.unit
+                ));
             }
         }
         Ok(())
     }
-}
-
-/// How one descriptor is decided.
-enum Plan {
-    /// No limit applies (unmatched, or replaced).
-    NoLimit,
-    /// `unlimited: true`.
-    Unlimited,
-    /// Counted: the limit and the item's index in the store call.
-    Limited(Arc<EnvoyLimit>, usize),
 }
 
 #[tonic::async_trait]
@@ -133,288 +111,115 @@ impl RateLimitService for EnvoyService {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let started = std::time::Instant::now();
+        let (metadata, _, request) = request.into_parts();
+        self.validate(&request)?;
         let span = tracing::info_span!(
             "ratelimit.should_rate_limit",
             otel.kind = "server",
-            domain = %request.get_ref().domain,
-            descriptors = request.get_ref().descriptors.len(),
+            domain = %request.domain,
+            descriptors = request.descriptors.len(),
+            reason = tracing::field::Empty,
             overall_code = tracing::field::Empty,
         );
-        continue_trace(&span, request.metadata());
-        let answer = self.answer(request).instrument(span.clone()).await;
-        if let Ok(response) = &answer {
-            span.record(
-                "overall_code",
-                Code::try_from(response.get_ref().overall_code).map_or("?", |c| c.as_str_name()),
-            );
-        }
-        self.metrics.decision_latency(Api::Envoy, started.elapsed());
-        answer
+        continue_trace(&span, &metadata);
+        let rls = convert(&request, metadata.get("traceparent").and_then(|v| v.to_str().ok()));
+        let decision = self.engine.should_rate_limit(&rls).instrument(span.clone()).await;
+        span.record("reason", decision.reason.as_str());
+        span.record("overall_code", if decision.over_limit { "OVER_LIMIT" } else { "OK" });
+        response(decision, &self.settings).map(Response::new)
     }
 }
 
-impl EnvoyService {
-    async fn answer(
-        &self,
-        request: Request<RateLimitRequest>,
-    ) -> Result<Response<RateLimitResponse>, Status> {
-        let (metadata, _, request) = request.into_parts();
-        self.validate(&request)?;
-        let config = self.config.load();
-
-        // The limit of each descriptor: a request override, else the configuration.
-        let mut limits: Vec<Option<Arc<EnvoyLimit>>> = request
-            .descriptors
-            .iter()
-            .map(|d| match &d.limit {
-                Some(o) => Some(Arc::new(EnvoyLimit {
-                    full_key: Arc::from(override_key(&request.domain, d)),
-                    requests_per_unit: o.requests_per_unit,
-                    unit: Unit::from_proto(o.unit),
-                    unlimited: false,
-                    shadow_mode: false,
-                    quota_mode: false,
-                    name: None,
-                    replaces: Vec::new(),
-                    detailed_metric: false,
-                })),
-                None => config
-                    .lookup(&request.domain, d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()))),
-            })
-            .collect();
-        // `replaces`: a named limit that another matched limit replaces does not apply.
-        // The limits are `Arc`s: collecting the names clones pointers, not strings.
-        let replacing: Vec<Arc<EnvoyLimit>> =
-            limits.iter().flatten().filter(|l| !l.replaces.is_empty()).cloned().collect();
-        if !replacing.is_empty() {
-            for limit in &mut limits {
-                let replaced = limit
-                    .as_ref()
-                    .and_then(|l| l.name.as_deref())
-                    .is_some_and(|name| replacing.iter().any(|r| r.replaces.iter().any(|x| x == name)));
-                if replaced {
-                    *limit = None;
-                }
-            }
-        }
-
-        let sliding = self.settings.algorithm == EnvoyAlgorithm::SlidingWindow;
-        let mut items = Vec::new();
-        let plans: Vec<Plan> = limits
-            .into_iter()
-            .zip(&request.descriptors)
-            .map(|(limit, d)| match limit {
-                None => Plan::NoLimit,
-                Some(l) if l.unlimited => Plan::Unlimited,
-                Some(l) => {
-                    let unit = l.unit.expect("a limited limit has a unit");
-                    let hits = d.hits_addend.unwrap_or_else(|| u64::from(request.hits_addend.max(1)));
-                    items.push(ManyItem {
-                        key: counter_key(unit, d),
-                        params: unit.window(l.requests_per_unit, sliding),
-                        tick_ms: unit.tick_ms(),
-                        weight: hits,
-                        // Neither blocks the others: shadow never denies, and
-                        // a quota descriptor denies only together with all others.
-                        shadow: l.shadow_mode || l.quota_mode,
-                    });
-                    Plan::Limited(l, items.len() - 1)
-                }
-            })
-            .collect();
-
-        let outcome = if items.is_empty() {
-            None
-        } else {
-            let domain: Arc<str> = Arc::from(request.domain.as_str());
-            let store_started = std::time::Instant::now();
-            let decided = self
-                .store
-                .decide_many(&domain, &items)
-                .instrument(tracing::info_span!(
-                    "store.decide_many",
-                    store = self.store.name(),
-                    keys = items.len()
-                ))
-                .await;
-            self.metrics.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
-            match decided {
-                Ok(outcome) => Some(outcome),
-                Err(error) => return self.store_failed(&request, &metadata, &plans, &items, &error),
-            }
-        };
-
-        let mut statuses = Vec::with_capacity(plans.len());
-        let (mut enforced_over, mut quota_total, mut quota_over) = (false, 0, 0);
-        let mut tightest: Option<(u32, usize)> = None;
-        for plan in &plans {
-            let status = match plan {
-                Plan::NoLimit => {
-                    self.metrics.decision(Api::Envoy, None, "NO_RULE", true);
-                    DescriptorStatus { code: Code::Ok as i32, ..Default::default() }
-                }
-                Plan::Unlimited => {
-                    self.metrics.decision(Api::Envoy, None, "UNLIMITED", true);
-                    DescriptorStatus {
-                        code: Code::Ok as i32,
-                        limit_remaining: u32::MAX,
-                        ..Default::default()
-                    }
-                }
-                Plan::Limited(limit, index) => {
-                    let verdict =
-                        outcome.as_ref().expect("limited descriptors were decided").verdicts[*index];
-                    let over = !verdict.admitted;
-                    if limit.quota_mode {
-                        quota_total += 1;
-                        quota_over += usize::from(over);
-                    } else if over && !limit.shadow_mode {
-                        enforced_over = true;
-                    }
-                    let remaining =
-                        if over { 0 } else { u32::try_from(verdict.remaining).unwrap_or(u32::MAX) };
-                    // Over: exactly when the same hit would pass. Under: when the quota is whole again.
-                    let until_ms =
-                        if over { verdict.retry_after_ms.unwrap_or(0) } else { verdict.reset_after_ms };
-                    let code = if over && !limit.shadow_mode { Code::OverLimit } else { Code::Ok };
-                    let reason = if code == Code::OverLimit { "OVER_LIMIT" } else { "OK" };
-                    self.metrics.decision(Api::Envoy, Some(&limit.full_key), reason, code == Code::Ok);
-                    let rank = if code == Code::OverLimit { 0 } else { remaining };
-                    if tightest.is_none_or(|(r, _)| rank < r) {
-                        tightest = Some((rank, statuses.len()));
-                    }
-                    DescriptorStatus {
-                        code: code as i32,
-                        current_limit: Some(RateLimit {
-                            name: limit.name.clone().unwrap_or_default(),
-                            requests_per_unit: limit.requests_per_unit,
-                            unit: limit.unit.map_or(0, Unit::proto_value),
-                        }),
-                        limit_remaining: remaining,
-                        duration_until_reset: Some(duration(until_ms)),
-                        quota: None,
-                    }
-                }
-            };
-            statuses.push(status);
-        }
-        let over = enforced_over || (quota_total > 0 && quota_total == quota_over);
-        let mut response = RateLimitResponse {
-            overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
-            statuses,
-            ..Default::default()
-        };
-        if self.settings.response_headers
-            && let Some((_, index)) = tightest
-        {
-            response.response_headers_to_add = headers(&self.settings, &response.statuses[index]);
-        }
-        Ok(Response::new(response))
-    }
-
-    /// The store could not decide: record it, then answer by `envoy.failure_mode`.
-    fn store_failed(
-        &self,
-        request: &RateLimitRequest,
-        metadata: &tonic::metadata::MetadataMap,
-        plans: &[Plan],
-        items: &[ManyItem],
-        error: &crate::limiter::StoreError,
-    ) -> Result<Response<RateLimitResponse>, Status> {
-        let answer = match self.settings.failure_mode {
-            EnvoyFailureMode::Allow => Reason::FailOpen,
-            EnvoyFailureMode::Unavailable => Reason::FailClosed,
-        };
-        for plan in plans {
-            if let Plan::Limited(limit, _) = plan {
-                self.metrics.decision(
-                    Api::Envoy,
-                    Some(&limit.full_key),
-                    answer.as_str(),
-                    answer == Reason::FailOpen,
-                );
-            }
-        }
-        // One record per request, naming the first counted descriptor.
-        if let Some((limit, index)) = plans.iter().find_map(|p| match p {
-            Plan::Limited(l, i) => Some((l, *i)),
-            _ => None,
-        }) {
-            let headers = HashMap::new();
-            let resource = format!("envoy:{}", request.domain);
-            self.failures.record(&FailedDecision {
-                user_id: &items[index].key,
-                resource_path: &resource,
-                client_type: None,
-                weight: u32::try_from(items[index].weight).unwrap_or(u32::MAX),
-                headers: &headers,
-                trace_id: metadata.get("traceparent").and_then(|v| v.to_str().ok()).and_then(trace_id_of),
-                rule_id: &limit.full_key,
-                priority: Priority::Degraded,
-                error,
-                answer,
-            });
-        }
-        match self.settings.failure_mode {
-            // Fail open: every descriptor OK, nothing counted.
-            EnvoyFailureMode::Allow => Ok(Response::new(RateLimitResponse {
-                overall_code: Code::Ok as i32,
-                statuses: plans
-                    .iter()
-                    .map(|_| DescriptorStatus { code: Code::Ok as i32, ..Default::default() })
-                    .collect(),
-                ..Default::default()
-            })),
-            // UNAVAILABLE (not UNKNOWN): Envoy then applies its failure_mode_deny.
-            EnvoyFailureMode::Unavailable => {
-                Err(Status::unavailable(format!("counter store unavailable: {error}")))
-            }
-        }
+/// Borrows a validated request as the engine's [`RlsRequest`].
+fn convert<'a>(request: &'a RateLimitRequest, traceparent: Option<&'a str>) -> RlsRequest<'a> {
+    RlsRequest {
+        domain: &request.domain,
+        descriptors: request.descriptors.iter().map(descriptor).collect(),
+        hits_addend: request.hits_addend,
+        trace_id: traceparent.and_then(trace_id_of),
     }
 }
 
-/// The counter of one descriptor: its unit and its entries, each as
-/// `key=value` with `%`, `=` and `|` percent-encoded so distinct entry lists
-/// never share a counter.
-fn counter_key(unit: Unit, descriptor: &RateLimitDescriptor) -> String {
-    let mut key = String::with_capacity(
-        16 + descriptor.entries.iter().map(|e| e.key.len() + e.value.len() + 2).sum::<usize>(),
-    );
-    let _ = write!(key, "{}", unit.seconds());
-    for entry in &descriptor.entries {
-        key.push('|');
-        escape_into(&mut key, &entry.key);
-        key.push('=');
-        escape_into(&mut key, &entry.value);
-    }
-    key
-}
-
-fn escape_into(out: &mut String, text: &str) {
-    if !text.contains(['%', '=', '|']) {
-        out.push_str(text);
-        return;
-    }
-    for c in text.chars() {
-        match c {
-            '%' => out.push_str("%25"),
-            '=' => out.push_str("%3D"),
-            '|' => out.push_str("%7C"),
-            c => out.push(c),
-        }
+fn descriptor(d: &RateLimitDescriptor) -> RlsDescriptor<'_> {
+    RlsDescriptor {
+        entries: d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect(),
+        limit: d.limit.as_ref().and_then(|l| {
+            Some(LimitOverride { requests_per_unit: l.requests_per_unit, unit: override_unit(l.unit)? })
+        }),
+        hits_addend: d.hits_addend,
     }
 }
 
-fn override_key(domain: &str, descriptor: &RateLimitDescriptor) -> String {
-    let mut key = domain.to_owned();
-    for entry in &descriptor.entries {
-        key.push('.');
-        key.push_str(&entry.key);
-        key.push('_');
-        key.push_str(&entry.value);
+/// The unit of a request-supplied limit (`envoy.type.v3.RateLimitUnit`,
+/// which has no week).
+fn override_unit(value: i32) -> Option<Unit> {
+    Some(match RateLimitUnit::try_from(value).ok()? {
+        RateLimitUnit::Unknown => return None,
+        RateLimitUnit::Second => Unit::Second,
+        RateLimitUnit::Minute => Unit::Minute,
+        RateLimitUnit::Hour => Unit::Hour,
+        RateLimitUnit::Day => Unit::Day,
+        RateLimitUnit::Month => Unit::Month,
+        RateLimitUnit::Year => Unit::Year,
+    })
+}
+
+/// The unit as a response's `RateLimit.Unit`.
+fn response_unit(unit: Unit) -> ResponseUnit {
+    match unit {
+        Unit::Second => ResponseUnit::Second,
+        Unit::Minute => ResponseUnit::Minute,
+        Unit::Hour => ResponseUnit::Hour,
+        Unit::Day => ResponseUnit::Day,
+        Unit::Week => ResponseUnit::Week,
+        Unit::Month => ResponseUnit::Month,
+        Unit::Year => ResponseUnit::Year,
     }
-    key
+}
+
+/// The wire answer for `decision`. A store failure under
+/// `envoy.failure_mode: unavailable` is UNAVAILABLE (not UNKNOWN): Envoy
+/// then applies its own `failure_mode_deny`.
+fn response(decision: RlsDecision, settings: &EnvoySettings) -> Result<RateLimitResponse, Status> {
+    if decision.reason == Reason::FailClosed {
+        let why = decision.failure.as_ref().map_or_else(String::new, ToString::to_string);
+        return Err(Status::unavailable(format!("counter store unavailable: {why}")));
+    }
+    let statuses: Vec<DescriptorStatus> = decision.statuses.iter().map(status).collect();
+    let mut response_headers_to_add = Vec::new();
+    if settings.response_headers
+        && let Some(index) = decision.tightest
+    {
+        response_headers_to_add = headers(settings, &statuses[index]);
+    }
+    if decision.reason == Reason::Shed && !settings.reason_header.is_empty() {
+        // Envoy adds these to its 429: the client sees why.
+        response_headers_to_add.push(header(&settings.reason_header, Reason::Shed.as_str().to_owned()));
+    }
+    Ok(RateLimitResponse {
+        overall_code: if decision.over_limit { Code::OverLimit } else { Code::Ok } as i32,
+        statuses,
+        response_headers_to_add,
+        ..Default::default()
+    })
+}
+
+fn status(decision: &DescriptorDecision) -> DescriptorStatus {
+    DescriptorStatus {
+        code: if decision.over_limit { Code::OverLimit } else { Code::Ok } as i32,
+        current_limit: decision.limit.as_ref().map(|limit| RateLimit {
+            name: limit.name.clone().unwrap_or_default(),
+            requests_per_unit: limit.requests_per_unit,
+            unit: limit.unit.map_or(ResponseUnit::Unknown, response_unit) as i32,
+        }),
+        limit_remaining: decision.remaining,
+        duration_until_reset: decision.limit.as_ref().map(|_| duration(decision.until_reset_ms)),
+        quota: None,
+    }
+}
+
+fn header(key: &str, value: String) -> HeaderValue {
+    HeaderValue { key: key.to_owned(), value, ..Default::default() }
 }
 
 fn duration(ms: u64) -> prost_types::Duration {
@@ -426,7 +231,6 @@ fn duration(ms: u64) -> prost_types::Duration {
 
 /// Limit, remaining and reset (whole seconds, rounded up) of `status`.
 fn headers(settings: &EnvoySettings, status: &DescriptorStatus) -> Vec<HeaderValue> {
-    let header = |key: &str, value: String| HeaderValue { key: key.to_owned(), value, ..Default::default() };
     let limit = status.current_limit.as_ref().map_or(0, |l| l.requests_per_unit);
     let reset_s = status.duration_until_reset.as_ref().map_or(0, |d| d.seconds + i64::from(d.nanos > 0));
     vec![
@@ -439,29 +243,6 @@ fn headers(settings: &EnvoySettings, status: &DescriptorStatus) -> Vec<HeaderVal
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::envoy_pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-
-    fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-        RateLimitDescriptor {
-            entries: entries
-                .iter()
-                .map(|(k, v)| Entry { key: (*k).to_owned(), value: (*v).to_owned() })
-                .collect(),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn counter_keys_never_collide() {
-        let a = counter_key(Unit::Second, &descriptor(&[("a", "b|c=d")]));
-        let b = counter_key(Unit::Second, &descriptor(&[("a", "b"), ("c", "d")]));
-        assert_ne!(a, b);
-        assert_eq!(b, "1|a=b|c=d");
-        assert_ne!(
-            counter_key(Unit::Second, &descriptor(&[("a", "b")])),
-            counter_key(Unit::Minute, &descriptor(&[("a", "b")]))
-        );
-    }
 
     #[test]
     fn durations_and_reset_header_round_up() {
@@ -474,7 +255,20 @@ mod tests {
     }
 
     #[test]
-    fn proto_module_is_mounted() {
-        let _ = crate::api::envoy_pb::rls::RateLimitRequest::default();
+    fn units_map_both_ways() {
+        for (wire, unit) in [
+            (1, Unit::Second),
+            (2, Unit::Minute),
+            (3, Unit::Hour),
+            (4, Unit::Day),
+            (5, Unit::Month),
+            (6, Unit::Year),
+        ] {
+            assert_eq!(override_unit(wire), Some(unit));
+        }
+        assert_eq!(override_unit(0), None);
+        assert_eq!(override_unit(7), None, "RateLimitUnit has no week");
+        assert_eq!(response_unit(Unit::Week) as i32, 7);
+        assert_eq!(response_unit(Unit::Month) as i32, 5);
     }
 }

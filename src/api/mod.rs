@@ -5,6 +5,7 @@
 //! protobuf types; everything deeper works on [`crate::decision`] types.
 
 mod check;
+pub mod client;
 mod convert;
 mod envoy;
 

@@ -14,13 +14,9 @@ pub mod kafka;
 pub mod record;
 pub mod spool;
 
-use std::{
-    collections::HashMap,
-    fmt,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
+use std::sync::{
+    Arc,
+    atomic::{AtomicU64, Ordering},
 };
 
 use tokio::sync::mpsc;
@@ -30,68 +26,8 @@ pub use record::FailureRecord;
 
 use crate::{
     clock::{Clock, SystemClock},
-    decision::{CheckRequest, Reason},
-    limiter::StoreError,
-    rules::{Priority, Rule},
+    decision::{FailedDecision, FailureSink},
 };
-
-/// One decision the store could not make, as the hot path saw it. Plain
-/// borrowed fields, so both APIs (`Check` and Envoy's `ShouldRateLimit`)
-/// report through the same sink and schema.
-#[derive(Debug)]
-pub struct FailedDecision<'a> {
-    /// The counting dimension (for Envoy: the descriptor's entries).
-    pub user_id: &'a str,
-    /// The matched path (for Envoy: `envoy:<domain>`).
-    pub resource_path: &'a str,
-    /// The client type, if given.
-    pub client_type: Option<&'a str>,
-    /// The request's weight (Envoy: hits_addend).
-    pub weight: u32,
-    /// Request headers (copied by allow-list).
-    pub headers: &'a HashMap<String, String>,
-    /// W3C trace id, if any.
-    pub trace_id: Option<&'a str>,
-    /// The rule (for Envoy: the limit's full key).
-    pub rule_id: &'a str,
-    /// The priority the request was decided with.
-    pub priority: Priority,
-    /// What went wrong.
-    pub error: &'a StoreError,
-    /// The answer given: `FailOpen` or `FailClosed`.
-    pub answer: Reason,
-}
-
-impl<'a> FailedDecision<'a> {
-    /// The failure of a native `Check` request.
-    pub fn of_check(
-        request: &'a CheckRequest<'a>,
-        rule: &'a Rule,
-        priority: Priority,
-        error: &'a StoreError,
-        answer: Reason,
-    ) -> Self {
-        FailedDecision {
-            user_id: request.user_id,
-            resource_path: request.resource_path,
-            client_type: request.client_type,
-            weight: request.weight,
-            headers: request.headers,
-            trace_id: request.trace_id,
-            rule_id: &rule.id,
-            priority,
-            error,
-            answer,
-        }
-    }
-}
-
-/// Receives failed decisions. Called on the hot path: implementations must
-/// only enqueue, never wait on I/O.
-pub trait FailureSink: Send + Sync + fmt::Debug {
-    /// Records one failed decision.
-    fn record(&self, failure: &FailedDecision<'_>);
-}
 
 /// Logs failed decisions at `warn`, at most one line per second; the line
 /// carries how many were folded into it.
@@ -234,12 +170,14 @@ impl FailureSink for DlqSink {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
+    use std::{collections::HashMap, path::Path};
 
     use super::*;
     use crate::{
-        limiter::{FailureKind, window::WindowParams},
-        rules::{FailurePolicy, Mode},
+        decision::{CheckRequest, Reason},
+        limiter::{FailureKind, StoreError, window::WindowParams},
+        rules::{FailurePolicy, Mode, Rule},
+        shed::Priority,
     };
 
     fn rule() -> Rule {

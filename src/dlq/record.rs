@@ -10,8 +10,7 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use super::FailedDecision;
-use crate::decision::Reason;
+use crate::decision::{FailedDecision, Reason};
 
 /// Version of the record schema written in every record.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -134,17 +133,6 @@ pub fn parse_time(text: &str) -> Option<u64> {
     u64::try_from(time.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis()).ok()
 }
 
-/// The trace id (32 hex digits) of a W3C `traceparent`
-/// (`version-traceid-parentid-flags`), if well formed and not all zero.
-pub fn trace_id_of(traceparent: &str) -> Option<&str> {
-    let mut parts = traceparent.trim().split('-');
-    let (_version, trace_id) = (parts.next()?, parts.next()?);
-    let valid = trace_id.len() == 32
-        && trace_id.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
-        && trace_id.bytes().any(|b| b != b'0');
-    valid.then_some(trace_id)
-}
-
 /// ULIDs: 48 bits of ms timestamp then 80 random bits, incremented within
 /// one ms so ids from one generator are strictly increasing.
 #[derive(Debug)]
@@ -209,16 +197,5 @@ mod tests {
         let text = format_time(ms);
         assert_eq!(text, "2026-11-21T06:23:25.123Z");
         assert_eq!(parse_time(&text), Some(ms));
-    }
-
-    #[test]
-    fn trace_id_from_traceparent() {
-        assert_eq!(
-            trace_id_of("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
-            Some("4bf92f3577b34da6a3ce929d0e0e4736")
-        );
-        assert_eq!(trace_id_of("00-00000000000000000000000000000000-00f067aa0ba902b7-01"), None);
-        assert_eq!(trace_id_of("garbage"), None);
-        assert_eq!(trace_id_of("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"), None);
     }
 }

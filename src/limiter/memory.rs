@@ -17,11 +17,9 @@ use std::{
 use tokio::sync::watch;
 
 use super::{
-    Clock, ManyItem, ManyOutcome, many_verdicts,
+    Clock, CounterSpec, ManyItem, ManyOutcome, many_verdicts,
     window::{self, StoredCounter, Verdict},
 };
-use crate::rules::Rule;
-
 #[derive(Debug)]
 struct Entry {
     counter: StoredCounter,
@@ -59,15 +57,15 @@ impl MemoryStore {
     }
 
     /// Decides and, on admit, counts — atomically for this user and rule.
-    pub fn decide(&self, user_id: &str, rule: &Rule, weight: u64) -> Verdict {
+    pub fn decide(&self, user_id: &str, counter: CounterSpec<'_>, weight: u64) -> Verdict {
         let now = self.clock.now_ms();
-        let params = rule.window;
+        let params = counter.window;
         let (window_index, elapsed) = window::position(now, params.window_ms);
         // A poisoned lock only means another thread panicked mid-update of
         // plain integers; the counters are still meaningful.
         let mut shard = self.shard(user_id).lock().unwrap_or_else(|p| p.into_inner());
         let stored = shard
-            .get(&*rule.id)
+            .get(&**counter.id)
             .and_then(|users| users.get(user_id))
             .filter(|entry| entry.expires_at_ms > now)
             .map(|entry| entry.counter)
@@ -83,9 +81,9 @@ impl MemoryStore {
                 },
                 expires_at_ms: now.saturating_add(2 * params.window_ms),
             };
-            let users = match shard.get_mut(&*rule.id) {
+            let users = match shard.get_mut(&**counter.id) {
                 Some(users) => users,
-                None => shard.entry(Arc::clone(&rule.id)).or_default(),
+                None => shard.entry(Arc::clone(counter.id)).or_default(),
             };
             match users.get_mut(user_id) {
                 Some(existing) => *existing = entry,
@@ -209,7 +207,8 @@ mod tests {
     use super::*;
     use crate::{
         limiter::{ManualClock, ManyItem, window::WindowParams},
-        rules::{FailurePolicy, Mode, Priority},
+        rules::{FailurePolicy, Mode, Rule},
+        shed::Priority,
     };
 
     fn rule(id: &str, window_ms: u64, capacity: u64) -> Rule {
@@ -233,10 +232,10 @@ mod tests {
         let store = MemoryStore::new(4, clock);
         let a = rule("a", 1_000, 2);
         let b = rule("b", 1_000, 2);
-        assert!(store.decide("u1", &a, 2).admitted);
-        assert!(!store.decide("u1", &a, 1).admitted);
-        assert!(store.decide("u2", &a, 2).admitted, "users are independent");
-        assert!(store.decide("u1", &b, 2).admitted, "rules are independent");
+        assert!(store.decide("u1", a.counter(), 2).admitted);
+        assert!(!store.decide("u1", a.counter(), 1).admitted);
+        assert!(store.decide("u2", a.counter(), 2).admitted, "users are independent");
+        assert!(store.decide("u1", b.counter(), 2).admitted, "rules are independent");
     }
 
     #[test]
@@ -245,7 +244,7 @@ mod tests {
         let store = MemoryStore::new(4, Arc::clone(&clock) as Arc<dyn Clock>);
         let r = rule("a", 1_000, 5);
         for user in 0..100 {
-            store.decide(&format!("user-{user}"), &r, 1);
+            store.decide(&format!("user-{user}"), r.counter(), 1);
         }
         assert_eq!(store.len(), 100);
         clock.advance(1_999);
@@ -260,7 +259,7 @@ mod tests {
         let clock = Arc::new(ManualClock::new(0));
         let store = MemoryStore::new(1, clock);
         let r = rule("a", 1_000, 1);
-        assert!(!store.decide("u", &r, 2).admitted);
+        assert!(!store.decide("u", r.counter(), 2).admitted);
         assert!(store.is_empty());
     }
 
@@ -319,7 +318,9 @@ mod tests {
                 .map(|_| {
                     let store = Arc::clone(&store);
                     let r = Arc::clone(&r);
-                    scope.spawn(move || (0..500).filter(|_| store.decide("hot", &r, 1).admitted).count())
+                    scope.spawn(move || {
+                        (0..500).filter(|_| store.decide("hot", r.counter(), 1).admitted).count()
+                    })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).sum()

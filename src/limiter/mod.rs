@@ -18,8 +18,6 @@ pub use window::{Verdict, WindowParams};
 
 pub use crate::clock::{Clock, ManualClock, SystemClock};
 
-use crate::rules::Rule;
-
 /// Where counters live. An enum rather than a trait object: static dispatch,
 /// and no boxed future per decision.
 #[derive(Debug, Clone)]
@@ -31,13 +29,18 @@ pub enum Store {
 }
 
 impl Store {
-    /// Counts a request of `weight` for `user_id` against `rule`, if it fits.
-    /// `weight` must not exceed the rule's capacity (the caller answers those
-    /// without a store call).
-    pub async fn decide(&self, user_id: &str, rule: &Rule, weight: u64) -> Result<Verdict, StoreError> {
+    /// Counts a request of `weight` for `user_id` against `counter`, if it
+    /// fits. `weight` must not exceed the counter's capacity (the caller
+    /// answers those without a store call).
+    pub async fn decide(
+        &self,
+        user_id: &str,
+        counter: CounterSpec<'_>,
+        weight: u64,
+    ) -> Result<Verdict, StoreError> {
         match self {
-            Store::Memory(store) => Ok(store.decide(user_id, rule, weight)),
-            Store::Redis(store) => store.decide(user_id, rule, weight).await,
+            Store::Memory(store) => Ok(store.decide(user_id, counter, weight)),
+            Store::Redis(store) => store.decide(user_id, counter, weight).await,
         }
     }
 
@@ -58,6 +61,17 @@ impl Store {
             Store::Redis(_) => "redis",
         }
     }
+}
+
+/// Which counter of a user a single-counter decision uses: the rule's id
+/// (part of the key) and its window. Borrowed from the caller's rule, so the
+/// store knows nothing of the rule model.
+#[derive(Debug, Clone, Copy)]
+pub struct CounterSpec<'a> {
+    /// Scopes the counter (a native rule id).
+    pub id: &'a Arc<str>,
+    /// Window and capacity.
+    pub window: WindowParams,
 }
 
 /// One counter of a multi-counter decision.

@@ -41,15 +41,18 @@ use redis::{
     AsyncConnectionConfig, ConnectionInfo, IntoConnectionInfo, RedisError, cluster::ClusterClient,
     cluster_async::ClusterConnection,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::{
+    sync::{mpsc, oneshot},
+    task::JoinSet,
+};
 
 use super::{
-    FailureKind, ManyItem, ManyOutcome, StoreError,
+    CounterSpec, FailureKind, ManyItem, ManyOutcome, StoreError,
     breaker::{Admission, Breaker},
     many_verdicts,
     window::{self, Counts, Verdict},
 };
-use crate::{config::RedisConfig, config::redact_url, rules::Rule};
+use crate::config::{RedisConfig, redact_url};
 
 const DECIDE_BATCH_LUA: &str = include_str!("scripts/decide_batch.lua");
 
@@ -171,12 +174,12 @@ pub struct RedisSetupError {
 }
 
 impl RedisStore {
-    /// Builds the pool (or the cluster client) from `redis.url` and starts
-    /// one dispatcher task per slot (so it must be called inside a Tokio
-    /// runtime). Does not connect: see [`RedisStore::warm_up`]. The
-    /// dispatchers end once the store is dropped and their queued jobs are
-    /// answered.
-    pub fn new(config: &RedisConfig) -> Result<Self, RedisSetupError> {
+    /// Builds the pool (or the cluster client) from `redis.url` and spawns
+    /// one dispatcher task per connection into `tasks` (so it must be called
+    /// inside a Tokio runtime), whose owner joins them. Does not connect: see
+    /// [`RedisStore::warm_up`]. The dispatchers end once the store is
+    /// dropped and their queued jobs are answered.
+    pub fn new(config: &RedisConfig, tasks: &mut JoinSet<()>) -> Result<Self, RedisSetupError> {
         let url = config.url.as_deref().unwrap_or_default();
         let setup_error = |message: String| RedisSetupError { url: redact_url(url), message };
         let password = config.password().map_err(|e| setup_error(e.to_string()))?;
@@ -265,7 +268,7 @@ impl RedisStore {
                     timeout,
                     breakers: Arc::clone(&breakers),
                 };
-                tokio::spawn(dispatcher.run(receiver));
+                tasks.spawn(dispatcher.run(receiver));
                 sender
             })
             .collect();
@@ -319,10 +322,15 @@ impl RedisStore {
     }
 
     /// Decides one request (one counter) within `redis.timeout_ms`.
-    pub async fn decide(&self, user_id: &str, rule: &Rule, weight: u64) -> Result<Verdict, StoreError> {
-        let params = rule.window;
+    pub async fn decide(
+        &self,
+        user_id: &str,
+        counter: CounterSpec<'_>,
+        weight: u64,
+    ) -> Result<Verdict, StoreError> {
+        let params = counter.window;
         let args = [params.window_ms, params.capacity, weight, 1, u64::from(params.sliding)];
-        let reply = self.run(JobKeys::One([(counter_key(user_id, &rule.id), args)])).await?;
+        let reply = self.run(JobKeys::One([(counter_key(user_id, counter.id), args)])).await?;
         let &[committed, fits, current, previous, elapsed] = reply.as_slice() else {
             return Err(script_error(format!("script answered {} values for one key", reply.len())));
         };

@@ -5,9 +5,13 @@
 //! values (`*` matches any run of characters), then the bare `key` default; a
 //! limit applies only where the last entry lands.
 //!
-//! Every key upstream accepts is accepted. `value_to_metric`,
-//! `share_threshold` and `metadata` only shape upstream's metric names and
-//! dynamic metadata; they are validated and otherwise ignored here.
+//! `share_threshold: true` on a wildcard makes every value it matches share
+//! one counter, as upstream: the lookup reports the pattern, and the counter
+//! key carries it instead of the value.
+//!
+//! Every key upstream accepts is accepted. `value_to_metric` and `metadata`
+//! only shape upstream's metric names and dynamic metadata; they are
+//! validated and otherwise ignored here.
 
 use std::{
     collections::{HashMap, hash_map::Entry},
@@ -80,33 +84,6 @@ impl Unit {
         }
     }
 
-    /// The value of `envoy.service.ratelimit.v3.RateLimitResponse.RateLimit.Unit`.
-    pub fn proto_value(self) -> i32 {
-        match self {
-            Unit::Second => 1,
-            Unit::Minute => 2,
-            Unit::Hour => 3,
-            Unit::Day => 4,
-            Unit::Month => 5,
-            Unit::Year => 6,
-            Unit::Week => 7,
-        }
-    }
-
-    /// The unit of a request-supplied limit override (proto value).
-    pub fn from_proto(value: i32) -> Option<Self> {
-        Some(match value {
-            1 => Unit::Second,
-            2 => Unit::Minute,
-            3 => Unit::Hour,
-            4 => Unit::Day,
-            5 => Unit::Month,
-            6 => Unit::Year,
-            7 => Unit::Week,
-            _ => return None,
-        })
-    }
-
     /// Window parameters for `requests_per_unit` in ticks of [`Unit::tick_ms`].
     pub fn window(self, requests_per_unit: u32, sliding: bool) -> WindowParams {
         WindowParams {
@@ -151,7 +128,21 @@ struct Level {
 #[derive(Debug, Default)]
 struct Node {
     limit: Option<Arc<EnvoyLimit>>,
+    /// `share_threshold: true` on a wildcard: the pattern's value part
+    /// (`files/*` of `key: files, value: files/*`).
+    shared_value: Option<Arc<str>>,
     children: Level,
+}
+
+/// The limit a descriptor matched, and how its counter is keyed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EnvoyMatch {
+    /// The limit.
+    pub limit: Arc<EnvoyLimit>,
+    /// Entries matched through a `share_threshold` wildcard: their index and
+    /// the pattern that stands for their value in the counter key, so every
+    /// matching value shares one counter. Empty (no allocation) otherwise.
+    pub shared: Vec<(usize, Arc<str>)>,
 }
 
 /// Every domain's compiled descriptor tree.
@@ -168,12 +159,13 @@ impl EnvoyConfig {
         &self,
         domain: &str,
         entries: impl IntoIterator<Item = (&'a str, &'a str)>,
-    ) -> Option<Arc<EnvoyLimit>> {
+    ) -> Option<EnvoyMatch> {
         let mut level = self.domains.get(domain)?;
         let mut found = None;
-        let mut entries = entries.into_iter().peekable();
+        let mut shared = Vec::new();
+        let mut entries = entries.into_iter().enumerate().peekable();
         let mut composite = String::new();
-        while let Some((key, value)) = entries.next() {
+        while let Some((index, (key, value))) = entries.next() {
             composite.clear();
             composite.push_str(key);
             composite.push('_');
@@ -190,6 +182,9 @@ impl EnvoyConfig {
                 })
                 .or_else(|| level.entries.get(key));
             let Some(node) = node else { break };
+            if let Some(pattern) = &node.shared_value {
+                shared.push((index, Arc::clone(pattern)));
+            }
             if entries.peek().is_none() {
                 found = node.limit.clone();
             }
@@ -198,7 +193,7 @@ impl EnvoyConfig {
             }
             level = &node.children;
         }
-        found
+        found.map(|limit| EnvoyMatch { limit, shared })
     }
 
     /// Content hash of the configuration.
@@ -440,7 +435,8 @@ fn load_level(
             None => None,
             Some(r) => Some(Arc::new(compile_limit(file, &at, r, d, &full_key, sliding)?)),
         };
-        let mut node = Node { limit, children: Level::default() };
+        let shared_value = d.share_threshold.then(|| Arc::from(d.value.as_str()));
+        let mut node = Node { limit, shared_value, children: Level::default() };
         load_level(
             file,
             &mut node.children,
@@ -593,8 +589,9 @@ descriptors:
     #[test]
     fn loads_upstreams_format_and_looks_up_like_upstream() {
         let c = config(&[("mongo.yaml", UPSTREAM)]).unwrap();
-        let key =
-            |pairs: &[(&str, &str)]| c.lookup("mongo_cps", entries(pairs)).map(|l| l.full_key.to_string());
+        let key = |pairs: &[(&str, &str)]| {
+            c.lookup("mongo_cps", entries(pairs)).map(|m| m.limit.full_key.to_string())
+        };
         assert_eq!(key(&[("database", "users")]).as_deref(), Some("mongo_cps.database_users"));
         assert_eq!(key(&[("database", "other")]), None, "no default for database");
         // remote_address has a default (no value) limit; nested path wildcard.
@@ -614,14 +611,14 @@ descriptors:
         assert_eq!(key(&[("unknown", "x")]), None);
         assert!(c.lookup("other_domain", entries(&[("database", "users")])).is_none());
 
-        let free = c.lookup("mongo_cps", entries(&[("free", "x")])).unwrap();
+        let free = c.lookup("mongo_cps", entries(&[("free", "x")])).unwrap().limit;
         assert!(free.unlimited);
-        let named = c.lookup("mongo_cps", entries(&[("named", "x")])).unwrap();
+        let named = c.lookup("mongo_cps", entries(&[("named", "x")])).unwrap().limit;
         assert_eq!(
             (named.name.as_deref(), named.replaces.as_slice(), named.quota_mode),
             (Some("specific"), &["general".to_owned()][..], true)
         );
-        let shadow = c.lookup("mongo_cps", entries(&[("client_id", "a_bar")])).unwrap();
+        let shadow = c.lookup("mongo_cps", entries(&[("client_id", "a_bar")])).unwrap().limit;
         assert!(shadow.shadow_mode && shadow.detailed_metric);
         assert_eq!(shadow.unit, Some(Unit::Hour));
     }
@@ -698,6 +695,22 @@ descriptors:
     }
 
     #[test]
+    fn share_threshold_reports_the_pattern_of_each_shared_entry() {
+        let c = config(&[(
+            "c.yaml",
+            "domain: d\ndescriptors:\n  - key: files\n    value: \"files/*\"\n    share_threshold: true\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n  - key: own\n    value: \"o/*\"\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n  - key: user\n    value: \"u*\"\n    share_threshold: true\n    descriptors:\n      - key: path\n        rate_limit: { unit: second, requests_per_unit: 1 }\n",
+        )])
+        .unwrap();
+        let a = c.lookup("d", entries(&[("files", "files/a.pdf")])).unwrap();
+        let b = c.lookup("d", entries(&[("files", "files/b.csv")])).unwrap();
+        assert_eq!(a.shared, vec![(0, Arc::from("files/*"))]);
+        assert_eq!(a, b, "both values match the same limit and the same shared pattern");
+        assert!(c.lookup("d", entries(&[("own", "o/x")])).unwrap().shared.is_empty(), "no share_threshold");
+        let nested = c.lookup("d", entries(&[("user", "u1"), ("path", "/x")])).unwrap();
+        assert_eq!(nested.shared, vec![(0, Arc::from("u*"))], "a shared entry above the limit counts too");
+    }
+
+    #[test]
     fn duplicate_domain_across_files_names_both() {
         let errors = config(&[("a.yaml", "domain: d\n"), ("b.yaml", "domain: d\n")]).unwrap_err();
         let text = errors.to_string();
@@ -718,7 +731,6 @@ descriptors:
         for unit in [Unit::Second, Unit::Minute, Unit::Hour, Unit::Day, Unit::Week, Unit::Month, Unit::Year] {
             let w = unit.window(u32::MAX, true);
             assert!(w.capacity * w.window_ms <= MAX_CAPACITY_TIMES_WINDOW, "{unit:?}");
-            assert_eq!(Unit::from_proto(unit.proto_value()), Some(unit));
             assert_eq!(w.window_ms * unit.tick_ms(), unit.seconds() * 1_000);
         }
     }

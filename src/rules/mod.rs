@@ -15,7 +15,7 @@ mod store;
 use std::{fmt, io, path::Path, path::PathBuf};
 
 pub(crate) use compile::compile;
-pub use model::{FailurePolicy, Mode, Priority, Rule};
+pub use model::{FailurePolicy, Mode, Rule};
 pub use snapshot::Snapshot;
 pub use store::{Hot, RuleStore, Versioned, watch};
 
@@ -23,6 +23,28 @@ pub use store::{Hot, RuleStore, Versioned, watch};
 pub fn load(path: &Path) -> Result<Snapshot, RuleErrors> {
     let rules = native::load(path).map_err(RuleErrors)?;
     compile(path, rules).map_err(RuleErrors)
+}
+
+/// The example rule files compiled into the binary: what `serve` decides
+/// with when `rules.path` is unset, from any working directory.
+const EMBEDDED: &[(&str, &str)] =
+    &[("examples/rules/api.yaml", include_str!("../../examples/rules/api.yaml"))];
+
+/// Where [`embedded`] rules say they come from in logs and messages.
+pub const EMBEDDED_SOURCE: &str = "<embedded examples/rules>";
+
+/// The rule set compiled into the binary (the repository's `examples/rules`).
+pub fn embedded() -> Result<Snapshot, RuleErrors> {
+    let mut rules = Vec::new();
+    for (name, text) in EMBEDDED {
+        rules.extend(native::parse(Path::new(name), text).map_err(|e| RuleErrors(vec![e]))?);
+    }
+    compile(Path::new(EMBEDDED_SOURCE), rules).map_err(RuleErrors)
+}
+
+/// A rule set with no rules (an Envoy-only deployment): every `Check` is NO_RULE.
+pub fn empty() -> Snapshot {
+    Snapshot::build(Path::new("<no native rules>"), Vec::new())
 }
 
 /// A rule problem: always the file, and where known the line, the rule and the field.

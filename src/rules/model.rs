@@ -1,42 +1,13 @@
 //! The compiled rule model: what a rule means once it has been validated.
 
-use std::{fmt, path::Path, sync::Arc};
+use std::{path::Path, sync::Arc};
 
 use serde::Deserialize;
 
-use crate::limiter::window::WindowParams;
-
-/// How important a request is when the service sheds load (DESIGN §7).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum Priority {
-    /// Never shed.
-    Critical,
-    /// Shed only at CRITICAL_ONLY.
-    Degraded,
-    /// Shed from DEGRADED_MODE on.
-    BestEffort,
-    /// Shed from DEGRADED_MODE on.
-    Bulk,
-}
-
-impl Priority {
-    /// The name used in rule files, the API and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::Critical => "CRITICAL",
-            Priority::Degraded => "DEGRADED",
-            Priority::BestEffort => "BEST_EFFORT",
-            Priority::Bulk => "BULK",
-        }
-    }
-}
-
-impl fmt::Display for Priority {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+use crate::{
+    limiter::{CounterSpec, window::WindowParams},
+    shed::Priority,
+};
 
 /// Whether a rule's denials are enforced or only reported.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -85,4 +56,11 @@ pub struct Rule {
     pub failure_policy: FailurePolicy,
     /// The file the rule came from, for messages.
     pub source: Arc<Path>,
+}
+
+impl Rule {
+    /// The counter this rule keeps per user, as the store takes it.
+    pub fn counter(&self) -> CounterSpec<'_> {
+        CounterSpec { id: &self.id, window: self.window }
+    }
 }

@@ -15,8 +15,9 @@ use serde::Deserialize;
 
 use super::{
     RuleError,
-    model::{FailurePolicy, Mode, Priority},
+    model::{FailurePolicy, Mode},
 };
+use crate::shed::Priority;
 
 /// One rule as written, before validation.
 #[derive(Debug, Clone, Deserialize)]

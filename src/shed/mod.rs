@@ -9,6 +9,7 @@
 //! Architecture invariant: no gRPC and no store access here.
 
 pub mod policy;
+mod priority;
 pub mod sampler;
 
 use std::{
@@ -22,10 +23,9 @@ use std::{
 };
 
 pub use policy::{Level, Thresholds};
+pub use priority::Priority;
 pub use sampler::Sampler;
 use tokio::sync::watch;
-
-use crate::rules::Priority;
 
 /// Whether shedding refuses requests or only reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]

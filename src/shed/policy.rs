@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use crate::rules::Priority;
+use super::Priority;
 
 /// How hot the host runs, as seen by the policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -18,10 +18,11 @@ use std::{
 };
 
 use crate::{
+    decision::{Api, Stats},
     dlq::DlqSink,
     limiter::FailureKind,
-    rules::{Hot, Priority, Snapshot, Versioned, envoy::EnvoyConfig},
-    shed::Shedder,
+    rules::{Hot, Snapshot, Versioned, envoy::EnvoyConfig},
+    shed::{Priority, Shedder},
 };
 
 /// Latency buckets in seconds: resolve tens of microseconds up to a second.
@@ -69,24 +70,6 @@ impl Histogram {
 
 fn sep(labels: &str) -> &'static str {
     if labels.is_empty() { "" } else { "," }
-}
-
-/// Which API a decision came through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Api {
-    /// `ratelimit.v1.RateLimiter/Check`.
-    Check,
-    /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit` (one per descriptor).
-    Envoy,
-}
-
-impl Api {
-    fn as_str(self) -> &'static str {
-        match self {
-            Api::Check => "check",
-            Api::Envoy => "envoy",
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -149,36 +132,6 @@ impl Metrics {
     /// Wires the components read at scrape time.
     pub fn set_sources(&self, sources: Sources) {
         *self.sources.write().unwrap_or_else(|p| p.into_inner()) = Some(sources);
-    }
-
-    /// Counts one decision.
-    pub fn decision(&self, api: Api, rule: Option<&Arc<str>>, reason: &'static str, allowed: bool) {
-        let key = DecisionKey { api, rule: rule.cloned(), reason, allowed };
-        if let Some(counter) = self.decisions.read().unwrap_or_else(|p| p.into_inner()).get(&key) {
-            counter.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        self.decisions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(key)
-            .or_default()
-            .fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Records the whole time of one request through `api`.
-    pub fn decision_latency(&self, api: Api, elapsed: Duration) {
-        self.decision_latency[api as usize].observe(elapsed);
-    }
-
-    /// Records one store call and, if it failed, its kind.
-    pub fn store_call(&self, elapsed: Duration, failure: Option<FailureKind>) {
-        self.store_latency.observe(elapsed);
-        if let Some(kind) = failure
-            && let Some(i) = FAILURE_KINDS.iter().position(|k| *k == kind)
-        {
-            self.store_errors[i].fetch_add(1, Ordering::Relaxed);
-        }
     }
 
     /// The text exposition of every metric.
@@ -343,6 +296,38 @@ fn render_sources(out: &mut String, s: &Sources) {
 
 fn age(at: SystemTime) -> f64 {
     SystemTime::now().duration_since(at).map_or(0.0, |d| d.as_secs_f64())
+}
+
+impl Stats for Metrics {
+    /// Counts one decision.
+    fn decision(&self, api: Api, rule: Option<&Arc<str>>, reason: &'static str, allowed: bool) {
+        let key = DecisionKey { api, rule: rule.cloned(), reason, allowed };
+        if let Some(counter) = self.decisions.read().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            counter.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.decisions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key)
+            .or_default()
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records the whole time of one request through `api`.
+    fn decision_latency(&self, api: Api, elapsed: Duration) {
+        self.decision_latency[api as usize].observe(elapsed);
+    }
+
+    /// Records one store call and, if it failed, its kind.
+    fn store_call(&self, elapsed: Duration, failure: Option<FailureKind>) {
+        self.store_latency.observe(elapsed);
+        if let Some(kind) = failure
+            && let Some(i) = FAILURE_KINDS.iter().position(|k| *k == kind)
+        {
+            self.store_errors[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {

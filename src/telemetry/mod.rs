@@ -7,4 +7,4 @@ pub mod health;
 pub mod metrics;
 pub mod traces;
 
-pub use metrics::{Api, Metrics};
+pub use metrics::Metrics;

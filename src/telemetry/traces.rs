@@ -94,3 +94,30 @@ pub fn continue_trace(span: &tracing::Span, metadata: &tonic::metadata::Metadata
     // Fails only when no OpenTelemetry layer is installed: nothing to link then.
     let _ = span.set_parent(context);
 }
+
+/// The trace id (32 hex digits) of a W3C `traceparent`
+/// (`version-traceid-parentid-flags`), if well formed and not all zero.
+pub fn trace_id_of(traceparent: &str) -> Option<&str> {
+    let mut parts = traceparent.trim().split('-');
+    let (_version, trace_id) = (parts.next()?, parts.next()?);
+    let valid = trace_id.len() == 32
+        && trace_id.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        && trace_id.bytes().any(|b| b != b'0');
+    valid.then_some(trace_id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_id_from_traceparent() {
+        assert_eq!(
+            trace_id_of("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        assert_eq!(trace_id_of("00-00000000000000000000000000000000-00f067aa0ba902b7-01"), None);
+        assert_eq!(trace_id_of("garbage"), None);
+        assert_eq!(trace_id_of("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"), None);
+    }
+}

@@ -528,7 +528,7 @@ impl ConfigMapRules {
 pub fn config(rules: &Path, redis_url: Option<String>) -> Config {
     let mut config = Config::default();
     config.grpc.listen = "127.0.0.1:0".to_owned();
-    config.rules.path = rules.to_path_buf();
+    config.rules.path = Some(rules.to_path_buf());
     config.rules.reload_interval_ms = 20;
     config.redis.url = redis_url;
     config.redis.timeout_ms = 2_000;

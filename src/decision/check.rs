@@ -1,25 +1,16 @@
-//! The decision path of DESIGN §3, independent of any wire format:
-//! rule lookup, the never-admissible check, the store call, the failure
-//! policy and shadow mode. `api` converts to and from protobuf around it.
-//!
-//! Architecture invariant: this module sees no generated types and holds no
-//! lock across an `.await` (the snapshot is an `Arc`, the store is lock-free
-//! or locks only inside a synchronous call).
+//! The native entry point, [`Engine::check`]: one request, one rule, one
+//! counter per user.
 
 use std::{collections::HashMap, sync::Arc};
 
 use tracing::Instrument as _;
 
+use super::{Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, Reason, clamp_i64};
 use crate::{
-    dlq::{FailedDecision, FailureSink},
-    limiter::{Store, Verdict},
-    rules::{FailurePolicy, Mode, Priority, RuleStore},
-    shed::{Level, ShedVerdict, Shedder},
-    telemetry::{Api, Metrics},
+    limiter::Verdict,
+    rules::{FailurePolicy, Mode},
+    shed::{Level, Priority, ShedVerdict},
 };
-
-/// `retry_after_ms` of a FAIL_CLOSED answer (capped at the rule's window).
-pub const FAIL_CLOSED_RETRY_MS: u64 = 1_000;
 
 /// A validated request. Borrows from the wire message: no copies.
 #[derive(Debug, Clone, Copy)]
@@ -38,40 +29,6 @@ pub struct CheckRequest<'a> {
     pub headers: &'a HashMap<String, String>,
     /// W3C trace id from the call's `traceparent`, if any.
     pub trace_id: Option<&'a str>,
-}
-
-/// Why a decision came out as it did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
-    /// Within the limit, or over it under a shadow rule (`shadow_denied`).
-    Ok,
-    /// Over the limit.
-    OverLimit,
-    /// Refused by priority load shedding; no counter was touched.
-    Shed,
-    /// No rule matches.
-    NoRule,
-    /// The store failed; the rule fails open.
-    FailOpen,
-    /// The store failed; the rule fails closed.
-    FailClosed,
-    /// The weight exceeds the rule's capacity: it can never pass.
-    WeightExceedsCapacity,
-}
-
-impl Reason {
-    /// The API name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Ok => "OK",
-            Reason::OverLimit => "OVER_LIMIT",
-            Reason::Shed => "SHED",
-            Reason::NoRule => "NO_RULE",
-            Reason::FailOpen => "FAIL_OPEN",
-            Reason::FailClosed => "FAIL_CLOSED",
-            Reason::WeightExceedsCapacity => "WEIGHT_EXCEEDS_CAPACITY",
-        }
-    }
 }
 
 /// What the matched rule says about itself in a response.
@@ -130,70 +87,25 @@ impl Decision {
     }
 }
 
-/// Runs the decision path. Cheap to share: everything inside is an `Arc`.
-#[derive(Debug, Clone)]
-pub struct Engine {
-    rules: Arc<RuleStore>,
-    store: Store,
-    shedder: Arc<Shedder>,
-    failures: Arc<dyn FailureSink>,
-    default_priority: Priority,
-    metrics: Arc<Metrics>,
-}
-
 impl Engine {
-    /// An engine deciding with `rules` and `store`, shedding through
-    /// `shedder`, reporting store failures to `failures`. `default_priority`
-    /// applies to requests that state none and match no rule.
-    pub fn new(
-        rules: Arc<RuleStore>,
-        store: Store,
-        shedder: Arc<Shedder>,
-        failures: Arc<dyn FailureSink>,
-        default_priority: Priority,
-        metrics: Arc<Metrics>,
-    ) -> Self {
-        Engine { rules, store, shedder, failures, default_priority, metrics }
-    }
-
-    /// The metrics registry.
-    pub fn metrics(&self) -> &Arc<Metrics> {
-        &self.metrics
-    }
-
-    /// The rule store (for reloads and status).
-    pub fn rules(&self) -> &Arc<RuleStore> {
-        &self.rules
-    }
-
-    /// The counter store.
-    pub fn store(&self) -> &Store {
-        &self.store
-    }
-
-    /// The shedder.
-    pub fn shedder(&self) -> &Arc<Shedder> {
-        &self.shedder
-    }
-
     /// Decides one request, and counts and times it.
     pub async fn check(&self, request: &CheckRequest<'_>) -> Decision {
         let started = std::time::Instant::now();
         let decision = self.decide(request).await;
-        self.metrics.decision(
+        self.inner.stats.decision(
             Api::Check,
             decision.rule.as_ref().map(|r| &r.id),
             decision.reason.as_str(),
             decision.allowed,
         );
-        self.metrics.decision_latency(Api::Check, started.elapsed());
+        self.inner.stats.decision_latency(Api::Check, started.elapsed());
         decision
     }
 
     async fn decide(&self, request: &CheckRequest<'_>) -> Decision {
-        let snapshot = self.rules.load();
+        let snapshot = self.inner.rules.load();
         let rule = snapshot.lookup(request.resource_path, request.client_type);
-        let priority = request.priority.or(rule.map(|r| r.priority)).unwrap_or(self.default_priority);
+        let priority = request.priority.or(rule.map(|r| r.priority)).unwrap_or(self.inner.default_priority);
         let info = rule.map(|rule| RuleInfo {
             id: Arc::clone(&rule.id),
             limit: rule.limit,
@@ -203,8 +115,8 @@ impl Engine {
 
         // Shedding comes before anything that costs a store call. The level
         // is read once so the answer and its status agree.
-        let level = self.shedder.level();
-        let shadow_shed = match self.shedder.check(level, priority) {
+        let level = self.inner.shedder.level();
+        let shadow_shed = match self.inner.shedder.check(level, priority) {
             ShedVerdict::Pass => false,
             ShedVerdict::ShadowShed => true,
             ShedVerdict::Shed { retry_after_ms } => {
@@ -235,11 +147,12 @@ impl Engine {
 
         let store_started = std::time::Instant::now();
         let decided = self
+            .inner
             .store
-            .decide(request.user_id, rule, weight)
-            .instrument(tracing::info_span!("store.decide", store = self.store.name()))
+            .decide(request.user_id, rule.counter(), weight)
+            .instrument(tracing::info_span!("store.decide", store = self.inner.store.name()))
             .await;
-        self.metrics.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
+        self.inner.stats.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
         match decided {
             Ok(verdict) => Decision { shadow_shed, level, ..from_verdict(&verdict, shadow, info, priority) },
             Err(error) => {
@@ -247,7 +160,9 @@ impl Engine {
                     FailurePolicy::Open => (true, Reason::FailOpen),
                     FailurePolicy::Closed => (false, Reason::FailClosed),
                 };
-                self.failures.record(&FailedDecision::of_check(request, rule, priority, &error, reason));
+                self.inner
+                    .failures
+                    .record(&FailedDecision::of_check(request, rule, priority, &error, reason));
                 Decision {
                     allowed,
                     // Nothing is known about the counter: when denying, ask
@@ -281,8 +196,4 @@ fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priorit
         level: Level::Normal,
         shadow_shed: false,
     }
-}
-
-fn clamp_i64(value: u64) -> i64 {
-    i64::try_from(value).unwrap_or(i64::MAX)
 }

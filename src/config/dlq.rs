@@ -1,0 +1,159 @@
+//! `dlq.*`: where failed decisions are recorded (a file, or a Kafka topic
+//! through a spool).
+
+use std::{collections::BTreeMap, fmt, path::PathBuf};
+
+use serde::Deserialize;
+
+use super::{ConfigError, invalid};
+
+/// The state directory when the environment names none (see
+/// [`super::state_dir`]); also the defaults of a `Config` built in code.
+pub(super) const SYSTEM_STATE_DIR: &str = "/var/lib/ratelimitd";
+
+/// `dlq.*`: the record of decisions the store could not make.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DlqConfig {
+    /// The JSON-lines file records are appended to when no Kafka brokers are
+    /// set. Default: `dlq.jsonl` in the state directory.
+    pub file: PathBuf,
+    /// Records waiting between the decision path and the writer, at most.
+    /// Past it a record is dropped (counted, logged): size it for bursts.
+    pub queue_capacity: usize,
+    /// Request headers copied into records (case-insensitive names).
+    pub header_allowlist: Vec<String>,
+    /// This instance's name in records; default: the host name.
+    pub instance_id: Option<String>,
+    /// Where records wait, durably, until Kafka acknowledges them. Default:
+    /// `spool/` in the state directory.
+    pub spool_dir: PathBuf,
+    /// A spool segment is closed and a new one started past this size.
+    pub spool_segment_bytes: u64,
+    /// The dead-letter topic; `brokers` unset selects the file sink.
+    pub kafka: KafkaConfig,
+}
+
+impl Default for DlqConfig {
+    fn default() -> Self {
+        Self {
+            file: PathBuf::from(SYSTEM_STATE_DIR).join("dlq.jsonl"),
+            queue_capacity: 65_536,
+            header_allowlist: vec!["x-request-id".to_owned(), "user-agent".to_owned()],
+            instance_id: None,
+            spool_dir: PathBuf::from(SYSTEM_STATE_DIR).join("spool"),
+            spool_segment_bytes: 16 << 20,
+            kafka: KafkaConfig::default(),
+        }
+    }
+}
+
+/// `dlq.kafka.*`
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// Bootstrap servers, `host:port[,host:port…]`; unset = file sink.
+    pub brokers: Option<String>,
+    /// The dead-letter topic.
+    pub topic: String,
+    /// Partitions `ratelimitd migrate` creates the topic with.
+    pub partitions: i32,
+    /// Replication factor `ratelimitd migrate` creates the topic with.
+    pub replication_factor: i32,
+    /// `retention.ms` of the topic `ratelimitd migrate` creates.
+    pub retention_ms: i64,
+    /// How long shutdown waits for outstanding deliveries before leaving them in the spool.
+    pub flush_timeout_ms: u64,
+    /// Any librdkafka property (`security.protocol`, `sasl.*`, `ssl.*`, …),
+    /// applied over the service's defaults. Values are never logged.
+    pub properties: BTreeMap<String, String>,
+}
+
+impl Default for KafkaConfig {
+    fn default() -> Self {
+        Self {
+            brokers: None,
+            topic: "ratelimit.dlq".to_owned(),
+            partitions: 6,
+            replication_factor: 3,
+            retention_ms: 14 * 24 * 3_600_000,
+            flush_timeout_ms: 5_000,
+            properties: Default::default(),
+        }
+    }
+}
+
+impl fmt::Debug for KafkaConfig {
+    // Properties carry SASL passwords and keys: show their names only.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("partitions", &self.partitions)
+            .field("replication_factor", &self.replication_factor)
+            .field("retention_ms", &self.retention_ms)
+            .field("flush_timeout_ms", &self.flush_timeout_ms)
+            .field("properties", &self.properties.keys().map(|k| format!("{k}=***")).collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl DlqConfig {
+    /// `instance_id`, else the host name, else `ratelimitd`.
+    pub fn instance(&self) -> String {
+        self.instance_id.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .ok()
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "ratelimitd".to_owned())
+        })
+    }
+}
+
+impl DlqConfig {
+    /// Checks `dlq.*` and `dlq.kafka.*`; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.queue_capacity == 0 {
+            return Err(invalid("dlq.queue_capacity", "must be at least 1"));
+        }
+        if self.file.as_os_str().is_empty() {
+            return Err(invalid("dlq.file", "must not be empty"));
+        }
+        if self.spool_segment_bytes < 4_096 {
+            return Err(invalid("dlq.spool_segment_bytes", "must be at least 4096"));
+        }
+        self.kafka.validate()
+    }
+}
+
+impl KafkaConfig {
+    /// Checks `dlq.kafka.*`; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.brokers.as_deref().is_some_and(|b| b.trim().is_empty()) {
+            return Err(invalid("dlq.kafka.brokers", "must not be empty; leave it unset for the file sink"));
+        }
+        if self.topic.is_empty()
+            || self.topic.len() > 249
+            || !self.topic.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        {
+            return Err(invalid(
+                "dlq.kafka.topic",
+                format!("{:?} is not a valid Kafka topic name", self.topic),
+            ));
+        }
+        if self.partitions < 1 {
+            return Err(invalid("dlq.kafka.partitions", "must be at least 1"));
+        }
+        if self.replication_factor < 1 {
+            return Err(invalid("dlq.kafka.replication_factor", "must be at least 1"));
+        }
+        if self.retention_ms < -1 || self.retention_ms == 0 {
+            return Err(invalid("dlq.kafka.retention_ms", "must be positive, or -1 for unlimited"));
+        }
+        if self.properties.contains_key("bootstrap.servers") {
+            return Err(invalid("dlq.kafka.properties", "set bootstrap.servers through dlq.kafka.brokers"));
+        }
+        Ok(())
+    }
+}

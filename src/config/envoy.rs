@@ -1,0 +1,115 @@
+//! `envoy.*`: how `ShouldRateLimit` counts, fails, prioritises, bounds and
+//! answers Envoy requests.
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+
+use super::{ConfigError, invalid};
+use crate::shed::Priority;
+
+/// Counting algorithm of Envoy descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyAlgorithm {
+    /// Sliding window: no client gets twice the limit across a window edge.
+    #[default]
+    SlidingWindow,
+    /// envoyproxy/ratelimit's fixed window, for exact parity.
+    FixedWindow,
+}
+
+/// What `ShouldRateLimit` answers when the counter store cannot decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyFailureMode {
+    /// Answer OK (and record the failure like any failed decision).
+    #[default]
+    Allow,
+    /// Answer gRPC UNAVAILABLE, so Envoy's own `failure_mode_deny` decides.
+    Unavailable,
+}
+
+/// `envoy.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EnvoySettings {
+    /// `sliding_window` (default) or `fixed_window`.
+    pub algorithm: EnvoyAlgorithm,
+    /// `allow` (default) or `unavailable`.
+    pub failure_mode: EnvoyFailureMode,
+    /// Add rate-limit headers (of the descriptor closest to its limit) to responses.
+    pub response_headers: bool,
+    /// Name of the limit header.
+    pub limit_header: String,
+    /// Name of the remaining header.
+    pub remaining_header: String,
+    /// Name of the reset header (seconds).
+    pub reset_header: String,
+    /// Most descriptors in one request.
+    pub max_descriptors: usize,
+    /// Most entries in one descriptor.
+    pub max_entries: usize,
+    /// Longest entry (key + value) and domain, in bytes.
+    pub max_entry_bytes: usize,
+    /// A descriptor entry with this key and a priority name as its value
+    /// (`CRITICAL`, `DEGRADED`, `BEST_EFFORT`, `BULK`, any case) sets the
+    /// request's priority for load shedding; the entry still takes part in
+    /// matching like any other. Empty: requests never state a priority.
+    pub priority_key: String,
+    /// Priority of requests to a domain (`domain: PRIORITY`) whose
+    /// descriptors state none; other domains get `shed.default_priority`.
+    pub domain_priority: HashMap<String, Priority>,
+    /// Response header naming why a request was refused when it was shed
+    /// (value `SHED`); Envoy adds it to its 429. Empty: no header.
+    pub reason_header: String,
+}
+
+impl Default for EnvoySettings {
+    fn default() -> Self {
+        Self {
+            algorithm: EnvoyAlgorithm::SlidingWindow,
+            failure_mode: EnvoyFailureMode::Allow,
+            response_headers: false,
+            limit_header: "x-ratelimit-limit".to_owned(),
+            remaining_header: "x-ratelimit-remaining".to_owned(),
+            reset_header: "x-ratelimit-reset".to_owned(),
+            max_descriptors: 64,
+            max_entries: 32,
+            max_entry_bytes: 1_024,
+            priority_key: "priority".to_owned(),
+            domain_priority: HashMap::new(),
+            reason_header: "x-ratelimit-reason".to_owned(),
+        }
+    }
+}
+
+impl EnvoySettings {
+    /// Checks `envoy.*`; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (key, name, may_be_empty) in [
+            ("envoy.limit_header", &self.limit_header, false),
+            ("envoy.remaining_header", &self.remaining_header, false),
+            ("envoy.reset_header", &self.reset_header, false),
+            ("envoy.reason_header", &self.reason_header, true),
+        ] {
+            let valid = name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            if !valid || (name.is_empty() && !may_be_empty) {
+                return Err(invalid(key, format!("{name:?} is not a valid header name")));
+            }
+        }
+        if self.max_descriptors == 0 {
+            return Err(invalid("envoy.max_descriptors", "must be at least 1"));
+        }
+        if self.max_entries == 0 {
+            return Err(invalid("envoy.max_entries", "must be at least 1"));
+        }
+        if self.max_entry_bytes == 0 {
+            return Err(invalid("envoy.max_entry_bytes", "must be at least 1"));
+        }
+        if let Some(domain) = self.domain_priority.keys().find(|d| d.is_empty()) {
+            return Err(invalid("envoy.domain_priority", format!("{domain:?}: a domain must not be empty")));
+        }
+        Ok(())
+    }
+}

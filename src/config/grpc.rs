@@ -1,0 +1,108 @@
+//! `grpc.*`: the gRPC listener, its limits and its TLS.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use serde::Deserialize;
+
+use super::{ConfigError, invalid};
+
+/// `grpc.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcConfig {
+    /// Address the gRPC server binds (`grpc.listen`).
+    pub listen: String,
+    /// How long in-flight calls may take to finish after SIGTERM before the
+    /// process exits anyway (`grpc.shutdown_grace_ms`).
+    pub shutdown_grace_ms: u64,
+    /// After SIGTERM, how long to keep answering while health already says
+    /// NOT_SERVING (and `/readyz` 503), so load balancers stop sending before
+    /// the listener closes. Behind Kubernetes or Envoy a few seconds is usual.
+    pub drain_delay_ms: u64,
+    /// Largest accepted request message, in bytes; a larger one is refused
+    /// with RESOURCE_EXHAUSTED before it is decoded. The default is above
+    /// what the field bounds (`limits.*`, `envoy.max_*`) allow.
+    pub max_message_bytes: usize,
+    /// TLS on the gRPC port; off unless `cert_file` and `key_file` are set.
+    pub tls: GrpcTlsConfig,
+}
+
+/// `grpc.tls.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcTlsConfig {
+    /// PEM certificate chain (leaf first). With `key_file`, turns TLS on.
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of the certificate.
+    pub key_file: Option<PathBuf>,
+    /// PEM CA certificate(s): when set, every client must present a
+    /// certificate they signed (mTLS).
+    pub client_ca_file: Option<PathBuf>,
+    /// How often the files are checked for changes (size, mtime); a change
+    /// is loaded for new connections without a restart. 0 disables reload.
+    pub reload_interval_ms: u64,
+    /// A connection whose TLS handshake takes longer is closed.
+    pub handshake_timeout_ms: u64,
+}
+
+impl Default for GrpcTlsConfig {
+    fn default() -> Self {
+        Self {
+            cert_file: None,
+            key_file: None,
+            client_ca_file: None,
+            reload_interval_ms: 10_000,
+            handshake_timeout_ms: 10_000,
+        }
+    }
+}
+
+impl Default for GrpcConfig {
+    fn default() -> Self {
+        Self {
+            listen: "0.0.0.0:8081".to_owned(),
+            shutdown_grace_ms: 10_000,
+            drain_delay_ms: 0,
+            max_message_bytes: 1 << 20,
+            tls: GrpcTlsConfig::default(),
+        }
+    }
+}
+
+impl GrpcConfig {
+    /// Checks `grpc.*`; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.listen.parse::<SocketAddr>().map_err(|e| {
+            invalid("grpc.listen", format!("{:?} is not an ip:port address: {e}", self.listen))
+        })?;
+        if !(1_024..=64 << 20).contains(&self.max_message_bytes) {
+            return Err(invalid("grpc.max_message_bytes", "must be between 1024 and 67108864"));
+        }
+        self.tls.validate()
+    }
+}
+
+impl GrpcTlsConfig {
+    /// Checks `grpc.tls.*`: a certificate and key together, mTLS only over TLS.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        match (&self.cert_file, &self.key_file) {
+            (Some(_), None) => {
+                return Err(invalid("grpc.tls.key_file", "must be set with grpc.tls.cert_file"));
+            }
+            (None, Some(_)) => {
+                return Err(invalid("grpc.tls.cert_file", "must be set with grpc.tls.key_file"));
+            }
+            (None, None) if self.client_ca_file.is_some() => {
+                return Err(invalid(
+                    "grpc.tls.client_ca_file",
+                    "needs grpc.tls.cert_file and grpc.tls.key_file (mTLS is TLS first)",
+                ));
+            }
+            _ => {}
+        }
+        if self.handshake_timeout_ms == 0 {
+            return Err(invalid("grpc.tls.handshake_timeout_ms", "must be at least 1"));
+        }
+        Ok(())
+    }
+}

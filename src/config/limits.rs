@@ -1,0 +1,50 @@
+//! `limits.*`: bounds on `Check` request fields.
+
+use serde::Deserialize;
+
+use super::{ConfigError, invalid};
+
+/// `limits.*`: bounds on request fields.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Longest accepted `user_id`, in bytes.
+    pub max_user_id_bytes: usize,
+    /// Longest accepted `resource_path`, in bytes.
+    pub max_resource_path_bytes: usize,
+    /// Longest accepted `client_type`, in bytes.
+    pub max_client_type_bytes: usize,
+    /// Most entries in the `headers` map.
+    pub max_headers: usize,
+    /// Longest header name plus value, in bytes.
+    pub max_header_bytes: usize,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_user_id_bytes: 256,
+            max_resource_path_bytes: 2_048,
+            max_client_type_bytes: 64,
+            max_headers: 64,
+            max_header_bytes: 8_192,
+        }
+    }
+}
+
+impl LimitsConfig {
+    /// Checks `limits.*`; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (key, value) in [
+            ("limits.max_user_id_bytes", self.max_user_id_bytes),
+            ("limits.max_resource_path_bytes", self.max_resource_path_bytes),
+            ("limits.max_client_type_bytes", self.max_client_type_bytes),
+            ("limits.max_header_bytes", self.max_header_bytes),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+}

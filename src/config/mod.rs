@@ -1,0 +1,360 @@
+//! The service configuration: one typed, documented, defaulted and validated
+//! [`Config`], loaded before anything binds.
+//!
+//! Sources, lowest precedence first: built-in defaults, the YAML file given by
+//! `--config`, then environment variables `RATELIMITD__SECTION__KEY`
+//! (e.g. `RATELIMITD__REDIS__TIMEOUT_MS=5`). Tests pass the environment as a
+//! map ([`Config::load`]) instead of mutating the process environment.
+//!
+//! One module per section, each with its own `validate()` naming the full
+//! key; this module only composes them. No default depends on the working
+//! directory: native rules default to the set compiled into the binary, and
+//! the dead-letter file and spool to a state directory ([`state_dir`]).
+
+mod dlq;
+mod envoy;
+mod grpc;
+mod http;
+mod limits;
+mod memory;
+mod redis;
+mod rules;
+mod shed;
+mod telemetry;
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde::Deserialize;
+
+pub use dlq::{DlqConfig, KafkaConfig};
+pub use envoy::{EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings};
+pub use grpc::{GrpcConfig, GrpcTlsConfig};
+pub use http::HttpConfig;
+pub use limits::LimitsConfig;
+pub use memory::MemoryConfig;
+pub use redis::{RedisConfig, redact_url};
+pub use rules::RulesConfig;
+pub use shed::ShedConfig;
+pub use telemetry::{LogConfig, LogFormat, TelemetryConfig};
+
+/// Prefix of configuration environment variables.
+pub const ENV_PREFIX: &str = "RATELIMITD";
+
+/// A configuration that could not be loaded or does not validate. The message
+/// always names the offending key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read or parsed, or a value has the wrong type.
+    #[error("configuration: {0}")]
+    Load(String),
+    /// A value parsed but is out of range or inconsistent.
+    #[error("configuration key `{key}`: {message}")]
+    Invalid {
+        /// The full dotted key, e.g. `redis.timeout_ms`.
+        key: &'static str,
+        /// What is wrong with its value.
+        message: String,
+    },
+}
+
+/// A [`ConfigError::Invalid`] for `key`.
+pub(crate) fn invalid(key: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key, message: message.into() }
+}
+
+/// The whole configuration of `ratelimitd serve`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// The gRPC listener.
+    pub grpc: GrpcConfig,
+    /// Metrics and health over HTTP.
+    pub http: HttpConfig,
+    /// The Redis counter store; unset `url` selects the in-memory store.
+    pub redis: RedisConfig,
+    /// The in-memory counter store (used when `redis.url` is unset).
+    pub memory: MemoryConfig,
+    /// Where native and Envoy rules come from and how often they are checked for changes.
+    pub rules: RulesConfig,
+    /// Bounds on request fields, answered with INVALID_ARGUMENT when exceeded.
+    pub limits: LimitsConfig,
+    /// Priority load shedding.
+    pub shed: ShedConfig,
+    /// Where failed decisions are recorded.
+    pub dlq: DlqConfig,
+    /// Envoy's `ShouldRateLimit` (active when `rules.envoy_path` is set).
+    pub envoy: EnvoySettings,
+    /// Logging.
+    pub log: LogConfig,
+    /// Trace export.
+    pub telemetry: TelemetryConfig,
+}
+
+/// Where state that must survive a restart (the dead-letter file and spool)
+/// goes by default, from the environment `env`: `$STATE_DIRECTORY` (systemd's
+/// `StateDirectory=`), else `$XDG_STATE_HOME/ratelimitd`, else
+/// `$HOME/.local/state/ratelimitd`, else `/var/lib/ratelimitd`. Never the
+/// working directory.
+pub fn state_dir(env: &HashMap<String, String>) -> PathBuf {
+    let set = |name: &str| env.get(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    set("STATE_DIRECTORY")
+        .or_else(|| set("XDG_STATE_HOME").map(|d| d.join("ratelimitd")))
+        .or_else(|| set("HOME").map(|d| d.join(".local/state/ratelimitd")))
+        .unwrap_or_else(|| PathBuf::from(dlq::SYSTEM_STATE_DIR))
+}
+
+impl Config {
+    /// Loads defaults < `file` < `env` and validates the result. `env` is the
+    /// process environment in production and a plain map in tests.
+    pub fn load(file: Option<&Path>, env: HashMap<String, String>) -> Result<Self, ConfigError> {
+        let state = state_dir(&env);
+        let mut builder = config::Config::builder()
+            .set_default("dlq.file", path_value(&state.join("dlq.jsonl")))
+            .and_then(|b| b.set_default("dlq.spool_dir", path_value(&state.join("spool"))))
+            .map_err(|e| ConfigError::Load(e.to_string()))?;
+        if let Some(file) = file {
+            if !file.is_file() {
+                return Err(ConfigError::Load(format!("--config {}: no such file", file.display())));
+            }
+            builder = builder.add_source(config::File::from(file).format(config::FileFormat::Yaml));
+        }
+        builder = builder.add_source(
+            config::Environment::with_prefix(ENV_PREFIX)
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true)
+                .list_separator(",")
+                .with_list_parse_key("dlq.header_allowlist")
+                .source(Some(env.into_iter().collect())),
+        );
+        let raw = builder.build().map_err(|e| ConfigError::Load(e.to_string()))?;
+        let config: Config = raw.try_deserialize().map_err(|e| ConfigError::Load(e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges and consistency, section by section; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.grpc.validate()?;
+        self.http.validate()?;
+        self.redis.validate()?;
+        self.memory.validate()?;
+        self.rules.validate()?;
+        self.limits.validate()?;
+        self.shed.validate()?;
+        self.dlq.validate()?;
+        self.envoy.validate()?;
+        self.log.validate()?;
+        self.telemetry.validate()
+    }
+
+    /// The validated gRPC listen address.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        // Validated in `validate`; a Config built by hand in a test must be valid too.
+        self.grpc.listen.parse().expect("grpc.listen is validated")
+    }
+
+    /// The validated HTTP listen address.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http.listen.parse().expect("http.listen is validated")
+    }
+
+    /// `redis.timeout_ms` as a duration.
+    pub fn redis_timeout(&self) -> Duration {
+        Duration::from_millis(self.redis.timeout_ms)
+    }
+}
+
+fn path_value(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shed::{Priority, ShedMode};
+
+    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    #[test]
+    fn defaults_are_the_embedded_mode() {
+        let config = Config::load(None, HashMap::new()).unwrap();
+        assert!(config.redis.url.is_none());
+        assert_eq!(config.grpc.listen, "0.0.0.0:8081");
+        assert_eq!(config.rules.path, None, "the embedded rules");
+    }
+
+    #[test]
+    fn no_default_depends_on_the_working_directory() {
+        let config = Config::load(None, env(&[("HOME", "/home/ann")])).unwrap();
+        assert_eq!(config.dlq.file, PathBuf::from("/home/ann/.local/state/ratelimitd/dlq.jsonl"));
+        assert_eq!(config.dlq.spool_dir, PathBuf::from("/home/ann/.local/state/ratelimitd/spool"));
+        let config = Config::load(None, env(&[("HOME", "/home/ann"), ("XDG_STATE_HOME", "/state")])).unwrap();
+        assert_eq!(config.dlq.file, PathBuf::from("/state/ratelimitd/dlq.jsonl"));
+        let config = Config::load(None, env(&[("STATE_DIRECTORY", "/var/lib/rl"), ("HOME", "/h")])).unwrap();
+        assert_eq!(config.dlq.spool_dir, PathBuf::from("/var/lib/rl/spool"));
+        let config = Config::load(None, HashMap::new()).unwrap();
+        assert_eq!(config.dlq.file, DlqConfig::default().file);
+        assert!(config.dlq.file.is_absolute() && config.dlq.spool_dir.is_absolute());
+        // Set explicitly, the key wins over the state directory.
+        let config =
+            Config::load(None, env(&[("HOME", "/h"), ("RATELIMITD__DLQ__FILE", "/x/dlq.jsonl")])).unwrap();
+        assert_eq!(config.dlq.file, PathBuf::from("/x/dlq.jsonl"));
+    }
+
+    #[test]
+    fn envoy_priority_keys_parse_and_validate() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.yaml");
+        std::fs::write(
+            &file,
+            "envoy:\n  priority_key: tier\n  domain_priority:\n    checkout: CRITICAL\n    batch: BULK\n",
+        )
+        .unwrap();
+        let config = Config::load(Some(&file), HashMap::new()).unwrap();
+        assert_eq!(config.envoy.priority_key, "tier");
+        assert_eq!(config.envoy.domain_priority.get("checkout"), Some(&crate::shed::Priority::Critical));
+        std::fs::write(&file, "envoy:\n  domain_priority:\n    checkout: URGENT\n").unwrap();
+        let err = Config::load(Some(&file), HashMap::new()).unwrap_err().to_string();
+        assert!(err.contains("domain_priority") || err.contains("URGENT"), "{err}");
+        let err =
+            Config::load(None, env(&[("RATELIMITD__ENVOY__REASON_HEADER", "a b")])).unwrap_err().to_string();
+        assert!(err.contains("`envoy.reason_header`"), "{err}");
+        assert!(
+            Config::load(None, env(&[("RATELIMITD__ENVOY__REASON_HEADER", "")])).is_ok(),
+            "empty turns it off"
+        );
+    }
+
+    #[test]
+    fn environment_overrides_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.yaml");
+        std::fs::write(&file, "redis:\n  timeout_ms: 7\n  url: redis://127.0.0.1:1\n").unwrap();
+        let config = Config::load(Some(&file), env(&[("RATELIMITD__REDIS__TIMEOUT_MS", "3")])).unwrap();
+        assert_eq!(config.redis.timeout_ms, 3);
+        assert_eq!(config.redis.url.as_deref(), Some("redis://127.0.0.1:1"));
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let err =
+            Config::load(None, env(&[("RATELIMITD__REDIS__TIMEOUT_MS", "soon")])).unwrap_err().to_string();
+        assert!(err.contains("redis.timeout_ms"), "{err}");
+    }
+
+    #[test]
+    fn out_of_range_names_the_key() {
+        let err = Config::load(None, env(&[("RATELIMITD__REDIS__TIMEOUT_MS", "0")])).unwrap_err().to_string();
+        assert!(err.contains("`redis.timeout_ms`"), "{err}");
+        let err =
+            Config::load(None, env(&[("RATELIMITD__GRPC__LISTEN", "nowhere")])).unwrap_err().to_string();
+        assert!(err.contains("`grpc.listen`"), "{err}");
+    }
+
+    #[test]
+    fn shed_keys_parse_and_validate() {
+        let config = Config::load(
+            None,
+            env(&[
+                ("RATELIMITD__SHED__MODE", "shadow"),
+                ("RATELIMITD__SHED__DEFAULT_PRIORITY", "BULK"),
+                ("RATELIMITD__SHED__DEGRADED_AT", "0.5"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.shed.mode, ShedMode::Shadow);
+        assert_eq!(config.shed.default_priority, Priority::Bulk);
+        assert!((config.shed.degraded_at - 0.5).abs() < f64::EPSILON);
+        for (key, value, named) in [
+            ("RATELIMITD__SHED__DEGRADED_AT", "0.9", "`shed.critical_only_at`"),
+            ("RATELIMITD__SHED__DEGRADED_AT", "1.5", "`shed.degraded_at`"),
+            ("RATELIMITD__SHED__HYSTERESIS", "0.7", "`shed.hysteresis`"),
+            ("RATELIMITD__SHED__SMOOTHING", "0", "`shed.smoothing`"),
+            ("RATELIMITD__SHED__MODE", "loud", "shed.mode"),
+            ("RATELIMITD__SHED__DEFAULT_PRIORITY", "URGENT", "shed.default_priority"),
+        ] {
+            let err = Config::load(None, env(&[(key, value)])).unwrap_err().to_string();
+            assert!(err.contains(named), "{key}={value}: {err}");
+        }
+    }
+
+    #[test]
+    fn unknown_key_is_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.yaml");
+        std::fs::write(&file, "redis:\n  timeout: 7\n").unwrap();
+        let err = Config::load(Some(&file), HashMap::new()).unwrap_err().to_string();
+        assert!(err.contains("timeout"), "{err}");
+    }
+
+    #[test]
+    fn cluster_seeds_and_password_keys() {
+        let config = Config::load(
+            None,
+            env(&[
+                ("RATELIMITD__REDIS__URL", "redis://10.0.0.1:7000, redis://10.0.0.2:7000"),
+                ("RATELIMITD__REDIS__CLUSTER", "true"),
+                ("RATELIMITD__REDIS__PASSWORD", "s3cret"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            config.redis.seed_urls().collect::<Vec<_>>(),
+            ["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"]
+        );
+        assert_eq!(config.redis.password().unwrap().as_deref(), Some("s3cret"));
+        assert!(!format!("{config:?}").contains("s3cret"));
+
+        let err = Config::load(None, env(&[("RATELIMITD__REDIS__URL", "redis://a:1,redis://b:2")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`redis.url`") && err.contains("redis.cluster: true"), "{err}");
+        let err = Config::load(None, env(&[("RATELIMITD__REDIS__CLUSTER", "true")])).unwrap_err().to_string();
+        assert!(err.contains("`redis.cluster`"), "{err}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("password");
+        std::fs::write(&file, "from-file\n").unwrap();
+        let file_env = file.to_str().unwrap();
+        let config = Config::load(
+            None,
+            env(&[
+                ("RATELIMITD__REDIS__URL", "redis://127.0.0.1:1"),
+                ("RATELIMITD__REDIS__PASSWORD_FILE", file_env),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.redis.password().unwrap().as_deref(), Some("from-file"));
+        let missing = dir.path().join("absent");
+        let err = Config::load(
+            None,
+            env(&[
+                ("RATELIMITD__REDIS__URL", "redis://127.0.0.1:1"),
+                ("RATELIMITD__REDIS__PASSWORD_FILE", missing.to_str().unwrap()),
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("`redis.password_file`") && err.contains("absent"), "{err}");
+    }
+
+    #[test]
+    fn redis_password_is_redacted() {
+        let config = RedisConfig {
+            url: Some("redis://:hunter2@10.0.0.1:6379/0".to_owned()),
+            ..RedisConfig::default()
+        };
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("***@10.0.0.1:6379"), "{shown}");
+        assert_eq!(redact_url("redis://:a@h1:1,redis://:b@h2:2"), "redis://***@h1:1,redis://***@h2:2");
+    }
+}

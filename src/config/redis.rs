@@ -1,0 +1,206 @@
+//! `redis.*`: the Redis counter store (one server or a cluster), its
+//! credentials, TLS, deadlines and circuit breaker.
+
+use std::{fmt, path::PathBuf};
+
+use serde::Deserialize;
+
+use super::{ConfigError, invalid};
+
+/// `redis.*`
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedisConfig {
+    /// `redis://[:password@]host:port[/db]` (`rediss://` for TLS); unset
+    /// selects the in-memory store. With `cluster`, a comma-separated list
+    /// of seed nodes.
+    pub url: Option<String>,
+    /// `url` names Redis Cluster seed nodes; the slot map is read from them.
+    pub cluster: bool,
+    /// The AUTH password, instead of one in `url` (best set through
+    /// `RATELIMITD__REDIS__PASSWORD`). Never logged.
+    pub password: Option<String>,
+    /// A file whose content (trailing newline removed) is the AUTH
+    /// password, e.g. a mounted Kubernetes secret. Read at startup.
+    pub password_file: Option<PathBuf>,
+    /// With `rediss://`: PEM CA certificate(s) to trust instead of the
+    /// system's roots (a private CA).
+    pub tls_ca_file: Option<PathBuf>,
+    /// With `rediss://`: PEM client certificate, for a Redis that requires
+    /// client certificates (`tls-auth-clients yes`); with `tls_key_file`.
+    pub tls_cert_file: Option<PathBuf>,
+    /// The client certificate's PEM private key.
+    pub tls_key_file: Option<PathBuf>,
+    /// Deadline of one store call, connection acquisition included. Past it the
+    /// rule's failure policy answers. Well inside Envoy's 20 ms default budget.
+    pub timeout_ms: u64,
+    /// Deadline for opening a new connection (bounded by `timeout_ms` on the
+    /// request path; this bounds background reconnects).
+    pub connect_timeout_ms: u64,
+    /// Number of connections, each with one dispatcher task: the decisions
+    /// queued while its script call is in flight become its next call, so a
+    /// couple serve thousands of in-flight decisions (fewer connections,
+    /// bigger batches, less Redis CPU per decision).
+    pub connections: usize,
+    /// Consecutive failed script calls (unreachable, connection lost,
+    /// deadline missed) that open the circuit breaker; 0 disables it.
+    pub breaker_failures: u32,
+    /// How long an open breaker fails decisions fast before letting one
+    /// probe decision through.
+    pub breaker_open_ms: u64,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        Self {
+            url: None,
+            cluster: false,
+            password: None,
+            password_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            timeout_ms: 10,
+            connect_timeout_ms: 1_000,
+            connections: 2,
+            breaker_failures: 3,
+            breaker_open_ms: 250,
+        }
+    }
+}
+
+impl fmt::Debug for RedisConfig {
+    // The URL may carry a password: never print it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("url", &self.url.as_deref().map(redact_url))
+            .field("cluster", &self.cluster)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("password_file", &self.password_file)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
+            .field("timeout_ms", &self.timeout_ms)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("connections", &self.connections)
+            .field("breaker_failures", &self.breaker_failures)
+            .field("breaker_open_ms", &self.breaker_open_ms)
+            .finish()
+    }
+}
+
+impl RedisConfig {
+    /// The seed URLs in `url` (one unless `cluster`).
+    pub fn seed_urls(&self) -> impl Iterator<Item = &str> {
+        self.url.as_deref().unwrap_or_default().split(',').map(str::trim).filter(|s| !s.is_empty())
+    }
+
+    /// The AUTH password from `password` or `password_file`, if either is
+    /// set. The error names the key and the file, never the content.
+    pub fn password(&self) -> Result<Option<String>, ConfigError> {
+        match (&self.password, &self.password_file) {
+            (Some(_), Some(_)) => Err(ConfigError::Invalid {
+                key: "redis.password_file",
+                message: "set redis.password or redis.password_file, not both".to_owned(),
+            }),
+            (Some(password), None) => Ok(Some(password.clone())),
+            (None, Some(file)) => {
+                let text = std::fs::read_to_string(file).map_err(|e| ConfigError::Invalid {
+                    key: "redis.password_file",
+                    message: format!("cannot read {}: {e}", file.display()),
+                })?;
+                let password = text.trim_end_matches(['\r', '\n']);
+                if password.is_empty() {
+                    return Err(ConfigError::Invalid {
+                        key: "redis.password_file",
+                        message: format!("{} is empty", file.display()),
+                    });
+                }
+                Ok(Some(password.to_owned()))
+            }
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+/// Replaces the userinfo of a URL (`user:password@`) with `***@`; in a
+/// comma-separated list of URLs (cluster seed nodes), that of each.
+pub fn redact_url(url: &str) -> String {
+    fn one(url: &str) -> String {
+        match (url.find("://"), url.rfind('@')) {
+            (Some(scheme_end), Some(at)) if at > scheme_end => {
+                format!("{}***{}", &url[..scheme_end + 3], &url[at..])
+            }
+            _ => url.to_owned(),
+        }
+    }
+    if url.contains(',') { url.split(',').map(one).collect::<Vec<_>>().join(",") } else { one(url) }
+}
+
+impl RedisConfig {
+    /// Checks `redis.*`: URLs, credentials, TLS files, deadlines and the breaker.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(url) = &self.url {
+            self.validate_seeds(url)?;
+            self.password()?;
+            let tls_files =
+                self.tls_ca_file.is_some() || self.tls_cert_file.is_some() || self.tls_key_file.is_some();
+            if tls_files && !self.seed_urls().all(|seed| seed.starts_with("rediss://")) {
+                return Err(invalid("redis.url", "redis.tls_* files need rediss:// URLs"));
+            }
+            if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+                return Err(invalid(
+                    "redis.tls_key_file",
+                    "set redis.tls_cert_file and redis.tls_key_file together",
+                ));
+            }
+        } else if self.cluster {
+            return Err(invalid("redis.cluster", "needs redis.url (the seed nodes)"));
+        }
+        if self.timeout_ms == 0 {
+            return Err(invalid("redis.timeout_ms", "must be at least 1"));
+        }
+        if self.connect_timeout_ms == 0 {
+            return Err(invalid("redis.connect_timeout_ms", "must be at least 1"));
+        }
+        if !(1..=256).contains(&self.connections) {
+            return Err(invalid("redis.connections", "must be between 1 and 256"));
+        }
+        if self.breaker_failures > 0 && self.breaker_open_ms == 0 {
+            return Err(invalid(
+                "redis.breaker_open_ms",
+                "must be at least 1 while redis.breaker_failures is set",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_seeds(&self, url: &str) -> Result<(), ConfigError> {
+        let mut seeds = 0;
+        for seed in self.seed_urls() {
+            seeds += 1;
+            if !(seed.starts_with("redis://") || seed.starts_with("rediss://")) {
+                return Err(invalid(
+                    "redis.url",
+                    format!("{:?} must start with redis:// or rediss://", redact_url(seed)),
+                ));
+            }
+            ::redis::Client::open(seed).map_err(|e| {
+                invalid("redis.url", format!("{:?} is not a valid Redis URL: {e}", redact_url(seed)))
+            })?;
+        }
+        if seeds == 0 {
+            return Err(invalid("redis.url", "must not be empty; leave it unset for in-memory counters"));
+        }
+        if seeds > 1 && !self.cluster {
+            return Err(invalid(
+                "redis.url",
+                format!(
+                    "{:?} lists {seeds} servers; set redis.cluster: true for a Redis Cluster",
+                    redact_url(url)
+                ),
+            ));
+        }
+        Ok(())
+    }
+}

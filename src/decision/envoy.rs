@@ -1,0 +1,521 @@
+//! The Envoy entry point, [`Engine::should_rate_limit`]: envoyproxy/ratelimit's
+//! semantics over the engine's steps.
+//!
+//! Per request: each descriptor's limit (a request override, else the
+//! configuration, `share_threshold` patterns included), `replaces`, the
+//! request's priority and shedding (no store call when shed), then one
+//! all-or-nothing store call over every counted descriptor, the failure
+//! policy (`envoy.failure_mode`) with one dead-letter record, and the
+//! overall code (shadow descriptors never deny; quota descriptors deny only
+//! when all of them are over).
+//!
+//! Two deliberate differences from upstream: counting is a sliding window by
+//! default (`envoy.algorithm: fixed_window` restores upstream's), and a
+//! request that one enforced descriptor denies consumes nothing from the
+//! others.
+
+use std::{collections::HashMap, fmt::Write as _, sync::Arc};
+
+use tracing::Instrument as _;
+
+use super::{Api, Engine, FailedDecision, Reason};
+use crate::{
+    limiter::{ManyItem, ManyOutcome, StoreError},
+    rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
+    shed::{Level, Priority, ShedVerdict},
+};
+
+/// The metric label and dead-letter rule id of a request-supplied limit: a
+/// fixed value, so no request can mint a metric series.
+pub(super) const OVERRIDE_LABEL: &str = "override";
+
+/// How the engine treats Envoy requests (from `envoy.*` and `shed.*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvoyPolicy {
+    /// Request overrides count in a sliding window (else a fixed one), like
+    /// the configured limits (`envoy.algorithm`).
+    pub sliding: bool,
+    /// When the store cannot decide: answer OK (`true`) or let the API
+    /// answer UNAVAILABLE (`envoy.failure_mode`).
+    pub fail_open: bool,
+    /// A descriptor entry with this key and a priority name as its value
+    /// sets the request's priority (`envoy.priority_key`; empty: none).
+    pub priority_key: String,
+    /// Priority of requests to a domain whose descriptors name none
+    /// (`envoy.domain_priority`).
+    pub domain_priority: HashMap<String, Priority>,
+}
+
+impl Default for EnvoyPolicy {
+    fn default() -> Self {
+        EnvoyPolicy {
+            sliding: true,
+            fail_open: true,
+            priority_key: "priority".to_owned(),
+            domain_priority: HashMap::new(),
+        }
+    }
+}
+
+/// A validated `ShouldRateLimit` request, borrowing from the wire message.
+#[derive(Debug, Clone)]
+pub struct RlsRequest<'a> {
+    /// The configuration domain.
+    pub domain: &'a str,
+    /// The descriptors, in request order.
+    pub descriptors: Vec<RlsDescriptor<'a>>,
+    /// Hits of descriptors that state none (0 means 1).
+    pub hits_addend: u32,
+    /// W3C trace id from the call's `traceparent`, if any.
+    pub trace_id: Option<&'a str>,
+}
+
+/// One descriptor of an [`RlsRequest`].
+#[derive(Debug, Clone)]
+pub struct RlsDescriptor<'a> {
+    /// `(key, value)` entries, in order.
+    pub entries: Vec<(&'a str, &'a str)>,
+    /// A limit the request supplies for this descriptor.
+    pub limit: Option<LimitOverride>,
+    /// This descriptor's own hits, overriding the request's.
+    pub hits_addend: Option<u64>,
+}
+
+/// A request-supplied limit (`RateLimitDescriptor.limit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitOverride {
+    /// Requests per unit.
+    pub requests_per_unit: u32,
+    /// The unit.
+    pub unit: Unit,
+}
+
+/// The answer to one `ShouldRateLimit` request.
+#[derive(Debug, Clone)]
+pub struct RlsDecision {
+    /// The overall code is OVER_LIMIT.
+    pub over_limit: bool,
+    /// Why: `Ok`, `OverLimit`, `Shed`, `NoRule` (nothing was counted),
+    /// `FailOpen`, or `FailClosed` (the API answers UNAVAILABLE).
+    pub reason: Reason,
+    /// One per descriptor, in request order.
+    pub statuses: Vec<DescriptorDecision>,
+    /// The descriptor closest to its limit, whose limit the rate-limit
+    /// headers describe.
+    pub tightest: Option<usize>,
+    /// Shed: the jittered ms after which to retry; 0 otherwise.
+    pub retry_after_ms: u64,
+    /// The priority the request was decided with.
+    pub priority: Priority,
+    /// The utilization level it was decided at.
+    pub level: Level,
+    /// Shedding would have refused it, but `shed.mode` is shadow.
+    pub shadow_shed: bool,
+    /// `FailClosed`: what the store said.
+    pub failure: Option<StoreError>,
+}
+
+/// The answer for one descriptor.
+#[derive(Debug, Clone, Default)]
+pub struct DescriptorDecision {
+    /// This descriptor's code is OVER_LIMIT.
+    pub over_limit: bool,
+    /// The limit that was applied (`None`: unmatched, replaced, unlimited,
+    /// or not counted because the store failed).
+    pub limit: Option<Arc<EnvoyLimit>>,
+    /// `unlimited: true` matched.
+    pub unlimited: bool,
+    /// Hits left.
+    pub remaining: u32,
+    /// Over: ms until the same hit would pass; under: until the quota is whole.
+    pub until_reset_ms: u64,
+}
+
+/// How one descriptor is decided.
+enum Plan {
+    /// No limit applies (unmatched, or replaced).
+    NoLimit,
+    /// `unlimited: true`.
+    Unlimited,
+    /// Counted: the limit and its item's index in the store call.
+    Limited(Arc<EnvoyLimit>, usize),
+}
+
+impl Engine {
+    /// Decides one `ShouldRateLimit` request, and counts and times it.
+    pub async fn should_rate_limit(&self, request: &RlsRequest<'_>) -> RlsDecision {
+        let started = std::time::Instant::now();
+        let decision = self.decide_rls(request).await;
+        self.inner.stats.decision_latency(Api::Envoy, started.elapsed());
+        decision
+    }
+
+    /// The request's priority: a descriptor entry named
+    /// `envoy.priority_key` with a priority as its value, else the domain's
+    /// default, else `shed.default_priority`. An unknown value is ignored.
+    pub fn rls_priority(&self, request: &RlsRequest<'_>) -> Priority {
+        let policy = &self.inner.envoy_policy;
+        let stated = (!policy.priority_key.is_empty())
+            .then(|| {
+                request
+                    .descriptors
+                    .iter()
+                    .flat_map(|d| &d.entries)
+                    .filter(|(key, _)| *key == policy.priority_key)
+                    .find_map(|(_, value)| Priority::parse(value))
+            })
+            .flatten();
+        stated
+            .or_else(|| policy.domain_priority.get(request.domain).copied())
+            .unwrap_or(self.inner.default_priority)
+    }
+
+    async fn decide_rls(&self, request: &RlsRequest<'_>) -> RlsDecision {
+        let limits = self.rls_limits(request);
+        let priority = self.rls_priority(request);
+
+        // Shedding comes before anything that costs a store call; the level
+        // is read once so the answer and its status agree.
+        let level = self.inner.shedder.level();
+        let shadow_shed = match self.inner.shedder.check(level, priority) {
+            ShedVerdict::Pass => false,
+            ShedVerdict::ShadowShed => true,
+            ShedVerdict::Shed { retry_after_ms } => {
+                return self.rls_shed(limits, priority, level, retry_after_ms);
+            }
+        };
+
+        let mut items = Vec::new();
+        let plans: Vec<Plan> = limits
+            .into_iter()
+            .zip(&request.descriptors)
+            .map(|(found, descriptor)| match found {
+                None => Plan::NoLimit,
+                Some(found) if found.limit.unlimited => Plan::Unlimited,
+                Some(found) => {
+                    let limit = found.limit;
+                    let unit = limit.unit.expect("a limited limit has a unit");
+                    let hits =
+                        descriptor.hits_addend.unwrap_or_else(|| u64::from(request.hits_addend.max(1)));
+                    items.push(ManyItem {
+                        key: counter_key(unit, &descriptor.entries, &found.shared),
+                        params: unit.window(limit.requests_per_unit, self.inner.envoy_policy.sliding),
+                        tick_ms: unit.tick_ms(),
+                        weight: hits,
+                        // Neither blocks the others: shadow never denies, and
+                        // a quota descriptor denies only together with all others.
+                        shadow: limit.shadow_mode || limit.quota_mode,
+                    });
+                    Plan::Limited(limit, items.len() - 1)
+                }
+            })
+            .collect();
+
+        let base = RlsDecision {
+            over_limit: false,
+            reason: Reason::NoRule,
+            statuses: Vec::with_capacity(plans.len()),
+            tightest: None,
+            retry_after_ms: 0,
+            priority,
+            level,
+            shadow_shed,
+            failure: None,
+        };
+        if items.is_empty() {
+            return self.rls_answer(&plans, None, base);
+        }
+        let domain: Arc<str> = Arc::from(request.domain);
+        let store_started = std::time::Instant::now();
+        let decided = self
+            .inner
+            .store
+            .decide_many(&domain, &items)
+            .instrument(tracing::info_span!(
+                "store.decide_many",
+                store = self.inner.store.name(),
+                keys = items.len()
+            ))
+            .await;
+        self.inner.stats.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
+        match decided {
+            Ok(outcome) => self.rls_answer(&plans, Some(&outcome), base),
+            Err(error) => self.rls_failed(request, &plans, &items, error, base),
+        }
+    }
+
+    /// Each descriptor's limit: the request's override, else the
+    /// configuration's; then `replaces` drops every named limit another
+    /// matched limit replaces.
+    fn rls_limits(&self, request: &RlsRequest<'_>) -> Vec<Option<EnvoyMatch>> {
+        let config = self.inner.envoy.as_ref().map(|hot| hot.load());
+        let mut limits: Vec<Option<EnvoyMatch>> = request
+            .descriptors
+            .iter()
+            .map(|d| match &d.limit {
+                Some(o) => Some(EnvoyMatch {
+                    limit: Arc::new(EnvoyLimit {
+                        full_key: Arc::clone(&self.override_label),
+                        requests_per_unit: o.requests_per_unit,
+                        unit: Some(o.unit),
+                        unlimited: false,
+                        shadow_mode: false,
+                        quota_mode: false,
+                        name: None,
+                        replaces: Vec::new(),
+                        detailed_metric: false,
+                    }),
+                    shared: Vec::new(),
+                }),
+                None => config.as_ref()?.lookup(request.domain, d.entries.iter().copied()),
+            })
+            .collect();
+        // The limits are `Arc`s: collecting the replacing ones clones pointers.
+        let replacing: Vec<Arc<EnvoyLimit>> = limits
+            .iter()
+            .flatten()
+            .filter(|m| !m.limit.replaces.is_empty())
+            .map(|m| Arc::clone(&m.limit))
+            .collect();
+        if !replacing.is_empty() {
+            for slot in &mut limits {
+                let replaced = slot
+                    .as_ref()
+                    .and_then(|m| m.limit.name.as_deref())
+                    .is_some_and(|name| replacing.iter().any(|r| r.replaces.iter().any(|x| x == name)));
+                if replaced {
+                    *slot = None;
+                }
+            }
+        }
+        limits
+    }
+
+    /// The answer to a shed request: every descriptor OVER_LIMIT (with its
+    /// limit, when one matched), nothing counted.
+    fn rls_shed(
+        &self,
+        limits: Vec<Option<EnvoyMatch>>,
+        priority: Priority,
+        level: Level,
+        retry_after_ms: u64,
+    ) -> RlsDecision {
+        let statuses = limits
+            .into_iter()
+            .map(|found| {
+                let limit = found.map(|m| m.limit);
+                self.inner.stats.decision(Api::Envoy, limit.as_ref().map(|l| &l.full_key), "SHED", false);
+                DescriptorDecision {
+                    over_limit: true,
+                    unlimited: limit.as_ref().is_some_and(|l| l.unlimited),
+                    limit: limit.filter(|l| !l.unlimited),
+                    remaining: 0,
+                    until_reset_ms: retry_after_ms,
+                }
+            })
+            .collect();
+        RlsDecision {
+            over_limit: true,
+            reason: Reason::Shed,
+            statuses,
+            tightest: None,
+            retry_after_ms,
+            priority,
+            level,
+            shadow_shed: false,
+            failure: None,
+        }
+    }
+
+    /// Statuses and the overall code from the store's verdicts (`None`:
+    /// nothing was counted).
+    fn rls_answer(
+        &self,
+        plans: &[Plan],
+        outcome: Option<&ManyOutcome>,
+        mut decision: RlsDecision,
+    ) -> RlsDecision {
+        let (mut enforced_over, mut quota_total, mut quota_over, mut counted) = (false, 0, 0, false);
+        let mut tightest: Option<(u32, usize)> = None;
+        for plan in plans {
+            let status = match plan {
+                Plan::NoLimit => {
+                    self.inner.stats.decision(Api::Envoy, None, "NO_RULE", true);
+                    DescriptorDecision::default()
+                }
+                Plan::Unlimited => {
+                    self.inner.stats.decision(Api::Envoy, None, "UNLIMITED", true);
+                    DescriptorDecision {
+                        unlimited: true,
+                        remaining: u32::MAX,
+                        ..DescriptorDecision::default()
+                    }
+                }
+                Plan::Limited(limit, index) => {
+                    counted = true;
+                    let verdict = outcome.expect("limited descriptors were decided").verdicts[*index];
+                    let over = !verdict.admitted;
+                    if limit.quota_mode {
+                        quota_total += 1;
+                        quota_over += usize::from(over);
+                    } else if over && !limit.shadow_mode {
+                        enforced_over = true;
+                    }
+                    let remaining =
+                        if over { 0 } else { u32::try_from(verdict.remaining).unwrap_or(u32::MAX) };
+                    let denied = over && !limit.shadow_mode;
+                    let reason = if denied { "OVER_LIMIT" } else { "OK" };
+                    self.inner.stats.decision(Api::Envoy, Some(&limit.full_key), reason, !denied);
+                    let rank = if denied { 0 } else { remaining };
+                    if tightest.is_none_or(|(r, _)| rank < r) {
+                        tightest = Some((rank, decision.statuses.len()));
+                    }
+                    DescriptorDecision {
+                        over_limit: denied,
+                        limit: Some(Arc::clone(limit)),
+                        unlimited: false,
+                        remaining,
+                        // Over: exactly when the same hit would pass. Under: when the quota is whole again.
+                        until_reset_ms: if over {
+                            verdict.retry_after_ms.unwrap_or(0)
+                        } else {
+                            verdict.reset_after_ms
+                        },
+                    }
+                }
+            };
+            decision.statuses.push(status);
+        }
+        decision.over_limit = enforced_over || (quota_total > 0 && quota_total == quota_over);
+        decision.reason = match (decision.over_limit, counted) {
+            (true, _) => Reason::OverLimit,
+            (false, true) => Reason::Ok,
+            (false, false) => Reason::NoRule,
+        };
+        decision.tightest = tightest.map(|(_, index)| index);
+        decision
+    }
+
+    /// The store could not decide: one dead-letter record for the request,
+    /// then the answer `envoy.failure_mode` gives.
+    fn rls_failed(
+        &self,
+        request: &RlsRequest<'_>,
+        plans: &[Plan],
+        items: &[ManyItem],
+        error: StoreError,
+        mut decision: RlsDecision,
+    ) -> RlsDecision {
+        let reason = if self.inner.envoy_policy.fail_open { Reason::FailOpen } else { Reason::FailClosed };
+        for plan in plans {
+            if let Plan::Limited(limit, _) = plan {
+                self.inner.stats.decision(
+                    Api::Envoy,
+                    Some(&limit.full_key),
+                    reason.as_str(),
+                    reason == Reason::FailOpen,
+                );
+            }
+        }
+        // One record per request, naming the first counted descriptor.
+        if let Some((limit, index)) = plans.iter().find_map(|p| match p {
+            Plan::Limited(l, i) => Some((l, *i)),
+            _ => None,
+        }) {
+            let headers = HashMap::new();
+            let resource = format!("envoy:{}", request.domain);
+            self.inner.failures.record(&FailedDecision {
+                user_id: &items[index].key,
+                resource_path: &resource,
+                client_type: None,
+                weight: u32::try_from(items[index].weight).unwrap_or(u32::MAX),
+                headers: &headers,
+                trace_id: request.trace_id,
+                rule_id: &limit.full_key,
+                priority: decision.priority,
+                error: &error,
+                answer: reason,
+            });
+        }
+        // Fail open: every descriptor OK, nothing counted.
+        decision.statuses = plans.iter().map(|_| DescriptorDecision::default()).collect();
+        decision.reason = reason;
+        if reason == Reason::FailClosed {
+            decision.failure = Some(error);
+        }
+        decision
+    }
+}
+
+/// The counter of one descriptor: its unit and its entries, each as
+/// `key=value` with `%`, `=` and `|` percent-encoded so distinct entry lists
+/// never share a counter. An entry matched through a `share_threshold`
+/// wildcard contributes the pattern instead of its value (`shared`), so all
+/// of its values share the counter.
+pub(crate) fn counter_key(unit: Unit, entries: &[(&str, &str)], shared: &[(usize, Arc<str>)]) -> String {
+    let mut key =
+        String::with_capacity(16 + entries.iter().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>());
+    let _ = write!(key, "{}", unit.seconds());
+    for (index, (name, value)) in entries.iter().enumerate() {
+        key.push('|');
+        escape_into(&mut key, name);
+        key.push('=');
+        match shared.iter().find(|(i, _)| *i == index) {
+            // `*` is escaped too, so a shared pattern never equals a value.
+            Some((_, pattern)) => {
+                key.push('*');
+                escape_into(&mut key, pattern);
+            }
+            None => escape_into(&mut key, value),
+        }
+    }
+    key
+}
+
+fn escape_into(out: &mut String, text: &str) {
+    if !text.contains(['%', '=', '|', '*']) {
+        out.push_str(text);
+        return;
+    }
+    for c in text.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '=' => out.push_str("%3D"),
+            '|' => out.push_str("%7C"),
+            '*' => out.push_str("%2A"),
+            c => out.push(c),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counter_keys_never_collide() {
+        let a = counter_key(Unit::Second, &[("a", "b|c=d")], &[]);
+        let b = counter_key(Unit::Second, &[("a", "b"), ("c", "d")], &[]);
+        assert_ne!(a, b);
+        assert_eq!(b, "1|a=b|c=d");
+        assert_ne!(
+            counter_key(Unit::Second, &[("a", "b")], &[]),
+            counter_key(Unit::Minute, &[("a", "b")], &[])
+        );
+    }
+
+    #[test]
+    fn shared_entries_key_by_pattern_and_never_meet_a_value() {
+        let shared = [(0, Arc::from("files/*"))];
+        let a = counter_key(Unit::Minute, &[("files", "files/a.pdf")], &shared);
+        let b = counter_key(Unit::Minute, &[("files", "files/b.csv")], &shared);
+        assert_eq!(a, b);
+        assert_eq!(a, "60|files=*files/%2A");
+        // The literal value "files/*" (or "*files/*") counted without sharing is another counter.
+        assert_ne!(a, counter_key(Unit::Minute, &[("files", "files/*")], &[]));
+        assert_ne!(a, counter_key(Unit::Minute, &[("files", "*files/*")], &[]));
+        // Only the shared entry is replaced.
+        let nested = counter_key(Unit::Second, &[("user", "u1"), ("path", "/x")], &[(0, Arc::from("u*"))]);
+        assert_eq!(nested, "1|user=*u%2A|path=/x");
+    }
+}

@@ -1,0 +1,167 @@
+//! The decision engine (DESIGN §3): the one place that decides, for every
+//! API. `api/` validates and converts; `Check` enters at
+//! [`Engine::check`], Envoy's `ShouldRateLimit` at
+//! [`Engine::should_rate_limit`]. Both go through the same steps in the same
+//! order: rule lookup, priority, shedding (no store call when shed), the
+//! store call, the failure policy with exactly one [`FailedDecision`] for
+//! the dead-letter sink, shadow mode, metrics and the span.
+//!
+//! Architecture invariants:
+//! - no generated (protobuf) types here;
+//! - the engine owns the traits it reports through ([`FailureSink`],
+//!   [`Stats`]): `dlq` and `telemetry` depend on `decision`, never the
+//!   other way round;
+//! - no lock is held across an `.await` (snapshots are `Arc`s, stores lock
+//!   only inside synchronous calls).
+
+mod check;
+mod envoy;
+mod failure;
+#[cfg(test)]
+mod tests;
+
+use std::{fmt, sync::Arc, time::Duration};
+
+pub use check::{CheckRequest, Decision, RuleInfo};
+pub use envoy::{DescriptorDecision, EnvoyPolicy, LimitOverride, RlsDecision, RlsDescriptor, RlsRequest};
+pub use failure::{FailedDecision, FailureSink};
+
+use crate::{
+    limiter::{FailureKind, Store},
+    rules::{Hot, RuleStore, envoy::EnvoyConfig},
+    shed::{Priority, Shedder},
+};
+
+/// `retry_after_ms` of a FAIL_CLOSED answer (capped at the rule's window).
+pub const FAIL_CLOSED_RETRY_MS: u64 = 1_000;
+
+/// Why a decision came out as it did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// Within the limit, or over it under a shadow rule (`shadow_denied`).
+    Ok,
+    /// Over the limit.
+    OverLimit,
+    /// Refused by priority load shedding; no counter was touched.
+    Shed,
+    /// No rule matches.
+    NoRule,
+    /// The store failed; the rule fails open.
+    FailOpen,
+    /// The store failed; the rule fails closed.
+    FailClosed,
+    /// The weight exceeds the rule's capacity: it can never pass.
+    WeightExceedsCapacity,
+}
+
+impl Reason {
+    /// The API name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Ok => "OK",
+            Reason::OverLimit => "OVER_LIMIT",
+            Reason::Shed => "SHED",
+            Reason::NoRule => "NO_RULE",
+            Reason::FailOpen => "FAIL_OPEN",
+            Reason::FailClosed => "FAIL_CLOSED",
+            Reason::WeightExceedsCapacity => "WEIGHT_EXCEEDS_CAPACITY",
+        }
+    }
+}
+
+/// Which API a decision came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// `ratelimit.v1.RateLimiter/Check`.
+    Check,
+    /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit` (one per descriptor).
+    Envoy,
+}
+
+impl Api {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Check => "check",
+            Api::Envoy => "envoy",
+        }
+    }
+}
+
+/// Where the engine counts what it decides. Called on the hot path:
+/// implementations only add to atomics.
+pub trait Stats: Send + Sync + fmt::Debug {
+    /// One decision (for Envoy: one per descriptor). `rule` is a configured
+    /// id or key, or a fixed label: never a request value.
+    fn decision(&self, api: Api, rule: Option<&Arc<str>>, reason: &'static str, allowed: bool);
+    /// The whole time of one request through `api`.
+    fn decision_latency(&self, api: Api, elapsed: Duration);
+    /// One store call and, if it failed, its kind.
+    fn store_call(&self, elapsed: Duration, failure: Option<FailureKind>);
+}
+
+/// A [`Stats`] that counts nothing (tools and tests that do not scrape).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoStats;
+
+impl Stats for NoStats {
+    fn decision(&self, _: Api, _: Option<&Arc<str>>, _: &'static str, _: bool) {}
+    fn decision_latency(&self, _: Api, _: Duration) {}
+    fn store_call(&self, _: Duration, _: Option<FailureKind>) {}
+}
+
+/// Everything an [`Engine`] decides with.
+#[derive(Debug)]
+pub struct EngineParts {
+    /// Native rules, hot-swapped.
+    pub rules: Arc<RuleStore>,
+    /// The Envoy configuration, hot-swapped; `None` when not served (every
+    /// descriptor is then unmatched).
+    pub envoy: Option<Arc<Hot<EnvoyConfig>>>,
+    /// Where counters live.
+    pub store: Store,
+    /// The current utilization level and shed counters.
+    pub shedder: Arc<Shedder>,
+    /// Receives decisions the store could not make.
+    pub failures: Arc<dyn FailureSink>,
+    /// Counts decisions.
+    pub stats: Arc<dyn Stats>,
+    /// Priority of a request that states none and matches no rule (`shed.default_priority`).
+    pub default_priority: Priority,
+    /// How Envoy requests are prioritised, counted and failed.
+    pub envoy_policy: EnvoyPolicy,
+}
+
+/// Runs the decision path. Cheap to clone: everything inside is shared.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    inner: Arc<EngineParts>,
+    /// The metric label of request-supplied limits (a fixed value, never the request's).
+    override_label: Arc<str>,
+}
+
+impl Engine {
+    /// An engine deciding with `parts`.
+    pub fn new(parts: EngineParts) -> Self {
+        Engine { inner: Arc::new(parts), override_label: Arc::from(envoy::OVERRIDE_LABEL) }
+    }
+
+    /// The native rule store (for reloads and status).
+    pub fn rules(&self) -> &Arc<RuleStore> {
+        &self.inner.rules
+    }
+
+    /// The counter store.
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    /// The shedder.
+    pub fn shedder(&self) -> &Arc<Shedder> {
+        &self.inner.shedder
+    }
+}
+
+pub(crate) fn clamp_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}

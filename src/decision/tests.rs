@@ -1,0 +1,77 @@
+//! Unit tests of the engine's own choices: how an Envoy request's priority
+//! is resolved. The reasons each entry point gives, on both stores, are
+//! tested in `tests/engine.rs` (no gRPC, real Redis).
+
+use std::{collections::HashMap, path::Path, sync::Arc};
+
+use super::*;
+use crate::{
+    dlq::LogSink,
+    limiter::{ManualClock, MemoryStore},
+    rules,
+    shed::ShedMode,
+};
+
+fn engine(policy: EnvoyPolicy) -> Engine {
+    Engine::new(EngineParts {
+        rules: Arc::new(RuleStore::new(rules::empty())),
+        envoy: None,
+        store: Store::Memory(Arc::new(MemoryStore::new(1, Arc::new(ManualClock::new(0))))),
+        shedder: Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
+        failures: Arc::new(LogSink::default()),
+        stats: Arc::new(NoStats),
+        default_priority: Priority::Degraded,
+        envoy_policy: policy,
+    })
+}
+
+fn request<'a>(domain: &'a str, entries: &[&[(&'a str, &'a str)]]) -> RlsRequest<'a> {
+    RlsRequest {
+        domain,
+        descriptors: entries
+            .iter()
+            .map(|e| RlsDescriptor { entries: e.to_vec(), limit: None, hits_addend: None })
+            .collect(),
+        hits_addend: 1,
+        trace_id: None,
+    }
+}
+
+#[test]
+fn envoy_priority_comes_from_an_entry_then_the_domain_then_the_default() {
+    let policy = EnvoyPolicy {
+        domain_priority: HashMap::from([("checkout".to_owned(), Priority::Critical)]),
+        ..EnvoyPolicy::default()
+    };
+    let engine = engine(policy);
+    // An entry anywhere in any descriptor, any case.
+    let stated = request("other", &[&[("path", "/a")], &[("priority", "bulk")]]);
+    assert_eq!(engine.rls_priority(&stated), Priority::Bulk);
+    // The entry beats the domain's default.
+    let both = request("checkout", &[&[("priority", "BEST_EFFORT")]]);
+    assert_eq!(engine.rls_priority(&both), Priority::BestEffort);
+    assert_eq!(engine.rls_priority(&request("checkout", &[&[("path", "/a")]])), Priority::Critical);
+    // Unknown values and other domains fall back; never an error.
+    let unknown = request("other", &[&[("priority", "URGENT")]]);
+    assert_eq!(engine.rls_priority(&unknown), Priority::Degraded);
+    // The first valid entry wins.
+    let two =
+        request("other", &[&[("priority", "nope")], &[("priority", "CRITICAL")], &[("priority", "BULK")]]);
+    assert_eq!(engine.rls_priority(&two), Priority::Critical);
+}
+
+#[test]
+fn an_empty_priority_key_ignores_entries() {
+    let engine = engine(EnvoyPolicy { priority_key: String::new(), ..EnvoyPolicy::default() });
+    assert_eq!(
+        engine.rls_priority(&request("d", &[&[("priority", "CRITICAL")], &[("", "BULK")]])),
+        Priority::Degraded
+    );
+}
+
+#[test]
+fn the_embedded_rules_compile() {
+    let snapshot = rules::embedded().unwrap();
+    assert!(!snapshot.rules().is_empty());
+    assert!(snapshot.rules().iter().all(|r| r.source.starts_with(Path::new("examples/rules"))));
+}

@@ -1,0 +1,313 @@
+//! Wiring: builds the named parts of the service from a [`Config`]
+//! ([`parts`]: rules, store, shedding, dead-letter pipeline, engine), serves
+//! gRPC and HTTP until a shutdown future resolves, then drains in-flight
+//! calls and joins every task it started.
+//!
+//! `run` takes the listener and the shutdown future as arguments so tests run
+//! the real server on `127.0.0.1:0` and stop it deterministically.
+//!
+//! Shutdown order: health turns NOT_SERVING, the drain delay passes, the
+//! listener closes and in-flight calls finish (at most
+//! `grpc.shutdown_grace_ms`); then background tasks stop and are joined
+//! (the dead-letter writers drain their queues); then the engine is dropped
+//! and the Redis dispatchers, which end with the store, are joined.
+
+mod parts;
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use tokio::{net::TcpListener, sync::oneshot, task::JoinSet};
+use tonic::transport::server::TcpIncoming;
+
+use self::parts::Tasks;
+use crate::{
+    api::{EnvoyService, RateLimiterService},
+    config::Config,
+    dlq::DlqSink,
+    limiter::redis::RedisSetupError,
+    rules::RuleErrors,
+    shed::Shedder,
+    telemetry::{
+        Metrics,
+        health::{Health, publish, run_monitor, serve_http},
+        metrics::Sources,
+    },
+    tls::ReloadingAcceptor,
+};
+
+/// Why the server could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The initial rule set does not load; nothing was served.
+    #[error("rules")]
+    Rules(#[from] RuleErrors),
+    /// The Redis store could not be set up.
+    #[error(transparent)]
+    Redis(#[from] RedisSetupError),
+    /// The spool directory cannot be opened.
+    #[error("dlq.spool_dir {0}")]
+    Spool(String),
+    /// The Kafka producer cannot be created (a bad property).
+    #[error("dlq.kafka: {0}")]
+    Kafka(String),
+    /// The reflection service could not be built from the descriptor sets.
+    #[error("grpc reflection: {0}")]
+    Reflection(String),
+    /// The gRPC server failed.
+    #[error("grpc server")]
+    Transport(#[from] tonic::transport::Error),
+    /// The gRPC TLS certificate, key or client CA does not load.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    /// A background task (rule reload, counter sweep, utilization sampler,
+    /// Redis dispatcher) ended while serving: a bug.
+    #[error("background task ended unexpectedly: {0}")]
+    TaskExited(String),
+}
+
+/// tonic refuses a request message above `max_decoding_message_size` with
+/// OUT_OF_RANGE; gRPC's convention (and what clients retry on) for a message
+/// over the receive limit is RESOURCE_EXHAUSTED. Our handlers never answer
+/// OUT_OF_RANGE, so the rewrite touches nothing else. The refusal is a
+/// trailers-only response: the status is in the headers.
+fn oversized_is_resource_exhausted(mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    if headers.get("grpc-status").is_some_and(|code| code.as_bytes() == b"11") {
+        headers.insert("grpc-status", tonic::codegen::http::HeaderValue::from_static("8"));
+    }
+    response
+}
+
+/// Handles on the running service's state, for tests and diagnostics.
+#[derive(Debug, Clone)]
+pub struct Observer {
+    /// The dead-letter pipeline (its counters reconcile).
+    pub dlq: Arc<DlqSink>,
+    /// The load shedder.
+    pub shedder: Arc<Shedder>,
+    /// The metrics registry.
+    pub metrics: Arc<Metrics>,
+}
+
+/// Serves until `shutdown` resolves, then stops accepting, lets in-flight
+/// calls finish (at most `grpc.shutdown_grace_ms`) and stops background tasks.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    http: Option<TcpListener>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    run_observed(config, listener, http, shutdown, |_| {}).await
+}
+
+/// [`run`], handing `observe` the service's state once everything is built
+/// and loaded, just before it starts answering.
+pub async fn run_observed(
+    config: Config,
+    listener: TcpListener,
+    http: Option<TcpListener>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    observe: impl FnOnce(Observer),
+) -> Result<(), ServerError> {
+    let mut tasks = Tasks::new();
+    let mut dispatchers = JoinSet::new();
+    let rules = parts::rules(&config.rules, &config.envoy, &mut tasks)?;
+    // Before anything binds or connects: a TLS file that does not load is fatal.
+    let tls = ReloadingAcceptor::new(&config.grpc.tls)?;
+    let store = parts::store(&config, &mut tasks, &mut dispatchers).await?;
+    let shedder = parts::shedder(&config.shed, &mut tasks);
+    let dlq = parts::dlq(&config.dlq, &mut tasks)?;
+    let metrics = Arc::new(Metrics::new(store.name()));
+    let engine = parts::engine(&config, &rules, store, &shedder, &dlq, &metrics);
+    log_serving(&config, &listener, &rules, engine.store().name());
+
+    metrics.set_sources(Sources {
+        shedder: Arc::clone(&shedder),
+        dlq: Arc::clone(&dlq),
+        rules: Arc::clone(&rules.native),
+        envoy: rules.envoy.clone(),
+    });
+    let health = Arc::new(Health::new(
+        Arc::clone(&rules.native),
+        rules.envoy.as_ref().map(|_| config.envoy.failure_mode),
+        engine.store().name(),
+    ));
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    publish(&reporter, false).await;
+    let stop = tasks.stopper();
+    tasks.spawn(run_monitor(
+        Arc::clone(&health),
+        engine.store().clone(),
+        reporter.clone(),
+        Duration::from_millis(config.http.health_interval_ms),
+        Duration::from_millis(config.redis.connect_timeout_ms),
+        stop,
+    ));
+    if let Some(http) = http {
+        tracing::info!(addr = ?http.local_addr().ok(), "serving /metrics, /healthz, /readyz");
+        let stop = tasks.stopper();
+        tasks.spawn(serve_http(http, Arc::clone(&health), Arc::clone(&metrics), stop));
+    }
+
+    let check = RateLimiterService::new(engine.clone(), config.limits.clone());
+    let envoy = rules.envoy.is_some().then(|| EnvoyService::new(engine.clone(), config.envoy.clone()));
+    drop(engine);
+    let router = grpc_router(&config, check, envoy, health_service)?;
+
+    // Everything is built: the service is about to answer.
+    observe(Observer { dlq: Arc::clone(&dlq), shedder: Arc::clone(&shedder), metrics: Arc::clone(&metrics) });
+
+    let (draining_tx, draining_rx) = oneshot::channel::<()>();
+    let draining_health = Arc::clone(&health);
+    let drain_delay = Duration::from_millis(config.grpc.drain_delay_ms);
+    let signal = async move {
+        shutdown.await;
+        // Tell load balancers first, keep answering for the drain delay,
+        // then stop accepting and let in-flight calls finish.
+        draining_health.set_draining();
+        publish(&reporter, false).await;
+        tracing::info!(delay_ms = drain_delay.as_millis(), "health NOT_SERVING; draining");
+        tokio::time::sleep(drain_delay).await;
+        let _ = draining_tx.send(());
+    };
+    let serve = serve_grpc(&config, router, listener, tls, signal, &mut tasks);
+
+    let grace = Duration::from_millis(config.grpc.shutdown_grace_ms);
+    let grace_expired = async move {
+        if draining_rx.await.is_ok() {
+            tokio::time::sleep(grace).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    // Background tasks and dispatchers only return on shutdown; one that
+    // ends earlier (a panic) stops the service with an error rather than
+    // leaving it running without rule reloads, bounded memory or Redis.
+    let dispatcher_exited = async {
+        match dispatchers.join_next().await {
+            Some(Err(e)) => format!("redis dispatcher: {e}"),
+            Some(Ok(())) => "redis dispatcher returned before shutdown".to_owned(),
+            None => std::future::pending().await,
+        }
+    };
+    let result = tokio::select! {
+        result = serve => result.map_err(ServerError::from),
+        () = grace_expired => {
+            tracing::warn!(grace_ms = config.grpc.shutdown_grace_ms, "in-flight calls still running after the grace period; stopping anyway");
+            Ok(())
+        }
+        reason = tasks.first_exit() => Err(ServerError::TaskExited(reason)),
+        reason = dispatcher_exited => Err(ServerError::TaskExited(reason)),
+    };
+
+    tasks.stop_and_join().await;
+    // The services (and with them the engine and its store) went with the
+    // server future; the dispatchers now see their queues close.
+    if tokio::time::timeout(grace, async { while dispatchers.join_next().await.is_some() {} }).await.is_err()
+    {
+        tracing::warn!("redis dispatchers still running after the grace period; aborting them");
+        dispatchers.shutdown().await;
+    }
+    let stats = dlq.stats();
+    tracing::info!(
+        enqueued = stats.enqueued,
+        recovered = stats.recovered,
+        delivered = stats.delivered,
+        pending = stats.pending,
+        dropped = stats.dropped,
+        "dead-letter pipeline at shutdown (enqueued + recovered = delivered + pending + dropped)"
+    );
+    tracing::info!("ratelimitd stopped");
+    result
+}
+
+/// The startup lines: what is served, from where, on which store.
+fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, store: &str) {
+    let local_addr = listener.local_addr().map_or_else(|e| format!("unknown ({e})"), |a| a.to_string());
+    if config.redis.url.is_none() && config.dlq.kafka.brokers.is_none() {
+        tracing::info!(
+            rules = %rules.native_source,
+            dlq = %config.dlq.file.display(),
+            "embedded defaults: in-memory counters (redis.url unset), failed decisions to a local file (dlq.kafka.brokers unset)"
+        );
+    }
+    let snapshot = rules.native.load();
+    tracing::info!(
+        addr = %local_addr,
+        store,
+        rules_version = snapshot.version(),
+        rules = snapshot.rules().len(),
+        source = %rules.native_source,
+        "ratelimitd serving"
+    );
+}
+
+/// The gRPC services: `Check`, `ShouldRateLimit` (when Envoy rules are
+/// configured), health and reflection.
+fn grpc_router(
+    config: &Config,
+    check: RateLimiterService,
+    envoy: Option<EnvoyService>,
+    health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+) -> Result<Router, ServerError> {
+    let reflection = |builder: tonic_reflection::server::Builder<'static>| {
+        builder
+            .register_encoded_file_descriptor_set(crate::api::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(crate::api::envoy_pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())
+        .build_v1()
+        .map_err(|e| ServerError::Reflection(e.to_string()))?;
+    let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
+        .build_v1alpha()
+        .map_err(|e| ServerError::Reflection(e.to_string()))?;
+    let max_message = config.grpc.max_message_bytes;
+    let rewrite: fn(Response) -> Response = oversized_is_resource_exhausted;
+    Ok(tonic::transport::Server::builder()
+        .layer(tower::util::MapResponseLayer::new(rewrite))
+        .add_service(check.into_server().max_decoding_message_size(max_message))
+        .add_optional_service(envoy.map(|envoy| envoy.into_server().max_decoding_message_size(max_message)))
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha))
+}
+
+type Response = tonic::codegen::http::Response<tonic::body::Body>;
+type Router = tonic::transport::server::Router<
+    tower::layer::util::Stack<
+        tower::util::MapResponseLayer<fn(Response) -> Response>,
+        tower::layer::util::Identity,
+    >,
+>;
+
+/// Serves `router` on `listener` (over TLS when configured) until `signal`.
+/// One boxed future for the server's lifetime: plain TCP and TLS streams
+/// are different types.
+fn serve_grpc(
+    config: &Config,
+    router: Router,
+    listener: TcpListener,
+    tls: Option<ReloadingAcceptor>,
+    signal: impl Future<Output = ()> + Send + 'static,
+    tasks: &mut Tasks,
+) -> std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> {
+    match tls {
+        None => {
+            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
+        }
+        Some(tls) => {
+            tracing::info!(mutual = tls.mutual(), "gRPC over TLS");
+            if config.grpc.tls.reload_interval_ms > 0 {
+                let interval = Duration::from_millis(config.grpc.tls.reload_interval_ms);
+                let stop = tasks.stopper();
+                tasks.spawn(tls.clone().watch(interval, stop));
+            }
+            let (streams, accept_loop) = tls.incoming(listener, tasks.stopper());
+            tasks.spawn(accept_loop);
+            let incoming = tokio_stream::wrappers::ReceiverStream::new(streams);
+            Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
+        }
+    }
+}

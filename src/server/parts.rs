@@ -1,0 +1,314 @@
+//! The named parts of a running service, each built by one function from its
+//! configuration section: rules, store, shedding, dead-letter pipeline,
+//! engine, health. Every long-lived task a part needs is spawned into the
+//! [`Tasks`] it is given, never detached.
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use tokio::{sync::watch, task::JoinSet};
+
+use super::ServerError;
+use crate::{
+    clock::MonotonicClock,
+    config::{Config, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, RulesConfig, ShedConfig},
+    decision::{Engine, EngineParts, EnvoyPolicy, FailureSink, Stats},
+    dlq::{self, DlqSink},
+    limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper},
+    rules::{self, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig},
+    shed::{Sampler, ShedMode, Shedder, run_sampler},
+    telemetry::Metrics,
+};
+
+/// Background tasks and the signal that stops them. Each returns once the
+/// signal turns true; one that ends earlier is a bug the server reports.
+#[derive(Debug)]
+pub(crate) struct Tasks {
+    set: JoinSet<()>,
+    stop: watch::Sender<bool>,
+}
+
+impl Tasks {
+    pub(crate) fn new() -> Self {
+        Tasks { set: JoinSet::new(), stop: watch::channel(false).0 }
+    }
+
+    /// A receiver for the stop signal, for a task to watch.
+    pub(crate) fn stopper(&self) -> watch::Receiver<bool> {
+        self.stop.subscribe()
+    }
+
+    pub(crate) fn spawn(&mut self, task: impl Future<Output = ()> + Send + 'static) {
+        self.set.spawn(task);
+    }
+
+    /// Waits for the first task to end (serving: that is a failure) and says why.
+    pub(crate) async fn first_exit(&mut self) -> String {
+        match self.set.join_next().await {
+            Some(Err(e)) => e.to_string(),
+            Some(Ok(())) => "returned before shutdown".to_owned(),
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Signals every task to stop and waits for all of them.
+    pub(crate) async fn stop_and_join(mut self) {
+        let _ = self.stop.send(true);
+        while let Some(joined) = self.set.join_next().await {
+            if let Err(e) = joined {
+                tracing::error!(error = %e, "background task failed");
+            }
+        }
+    }
+}
+
+/// The compiled rules the engine decides with.
+#[derive(Debug)]
+pub(crate) struct Rules {
+    /// Native rules.
+    pub(crate) native: Arc<RuleStore>,
+    /// Where they come from, for logs: a path, or the embedded set.
+    pub(crate) native_source: String,
+    /// The Envoy configuration, when `rules.envoy_path` is set.
+    pub(crate) envoy: Option<Arc<Hot<EnvoyConfig>>>,
+}
+
+/// Loads the native rules (`rules.path`; unset: the embedded set, or none
+/// when only Envoy rules are configured) and the Envoy configuration, and
+/// spawns their reloaders.
+pub(crate) fn rules(
+    config: &RulesConfig,
+    envoy: &EnvoySettings,
+    tasks: &mut Tasks,
+) -> Result<Rules, ServerError> {
+    let (native, native_source) = match (&config.path, &config.envoy_path) {
+        (Some(path), _) => (rules::load(path)?, path.display().to_string()),
+        (None, None) => (rules::embedded()?, rules::EMBEDDED_SOURCE.to_owned()),
+        (None, Some(_)) => (rules::empty(), "none (rules.path unset, Envoy rules only)".to_owned()),
+    };
+    let native = Arc::new(RuleStore::new(native));
+    let interval = Duration::from_millis(config.reload_interval_ms);
+    if let Some(path) = &config.path {
+        watch(tasks, &native, path, interval, rules::load);
+    }
+    let envoy = match &config.envoy_path {
+        None => None,
+        Some(path) => {
+            let load = match envoy.algorithm {
+                EnvoyAlgorithm::SlidingWindow => rules::envoy::load_sliding,
+                EnvoyAlgorithm::FixedWindow => rules::envoy::load_fixed,
+            };
+            let loaded = load(path)?;
+            tracing::info!(
+                path = %path.display(),
+                domains = loaded.domain_count(),
+                version = loaded.version(),
+                algorithm = ?envoy.algorithm,
+                "serving envoy.service.ratelimit.v3.RateLimitService"
+            );
+            let hot = Arc::new(Hot::new(loaded));
+            watch(tasks, &hot, path, interval, load);
+            Some(hot)
+        }
+    };
+    Ok(Rules { native, native_source, envoy })
+}
+
+fn watch<T: rules::Versioned>(
+    tasks: &mut Tasks,
+    hot: &Arc<Hot<T>>,
+    path: &std::path::Path,
+    interval: Duration,
+    load: fn(&std::path::Path) -> Result<T, RuleErrors>,
+) {
+    if !interval.is_zero() {
+        let stop = tasks.stopper();
+        tasks.spawn(rules::watch(Arc::clone(hot), PathBuf::from(path), interval, load, stop));
+    }
+}
+
+/// The counter store: in memory (with its sweeper in `tasks`) or Redis
+/// (its dispatchers in `dispatchers`, joined only after the engine is
+/// dropped, since they end when the store does).
+pub(crate) async fn store(
+    config: &Config,
+    tasks: &mut Tasks,
+    dispatchers: &mut JoinSet<()>,
+) -> Result<Store, ServerError> {
+    if config.redis.url.is_none() {
+        let memory = Arc::new(MemoryStore::new(config.memory.shards, Arc::new(SystemClock)));
+        let stop = tasks.stopper();
+        tasks.spawn(run_sweeper(
+            Arc::clone(&memory),
+            Duration::from_millis(config.memory.sweep_interval_ms),
+            stop,
+        ));
+        return Ok(Store::Memory(memory));
+    }
+    let redis = Arc::new(RedisStore::new(&config.redis, dispatchers)?);
+    // Not fatal: until Redis answers, rules answer by failure policy.
+    match redis.warm_up(Duration::from_millis(config.redis.connect_timeout_ms)).await {
+        Ok(()) => tracing::info!(url = redis.url_for_logs(), "redis reachable"),
+        Err(e) => tracing::warn!(
+            url = redis.url_for_logs(),
+            error = %e,
+            "redis unreachable at startup; decisions follow each rule's failure_policy until it answers"
+        ),
+    }
+    Ok(Store::Redis(redis))
+}
+
+/// The shedder, and its utilization sampler unless `shed.mode` is off.
+pub(crate) fn shedder(config: &ShedConfig, tasks: &mut Tasks) -> Arc<Shedder> {
+    let shedder = Arc::new(Shedder::new(config.mode, config.retry_after_ms));
+    if config.mode == ShedMode::Off {
+        tracing::info!("load shedding off (shed.mode = off)");
+        return shedder;
+    }
+    let sampler = Sampler::new(
+        &config.procfs_root,
+        &config.cgroup_root,
+        config.smoothing,
+        Arc::new(MonotonicClock::default()),
+    );
+    let stop = tasks.stopper();
+    tasks.spawn(run_sampler(
+        sampler,
+        Arc::clone(&shedder),
+        config.thresholds(),
+        Duration::from_millis(config.sample_interval_ms),
+        Duration::from_millis(config.report_interval_ms),
+        stop,
+    ));
+    shedder
+}
+
+/// The dead-letter pipeline: the hot path's sink, and its writer tasks (the
+/// file writer, or the spooler and the Kafka shipper).
+pub(crate) fn dlq(config: &DlqConfig, tasks: &mut Tasks) -> Result<Arc<DlqSink>, ServerError> {
+    let (sink, queue, counters) =
+        DlqSink::new(config.queue_capacity, config.instance(), config.header_allowlist.clone());
+    let Some(brokers) = &config.kafka.brokers else {
+        tracing::info!(file = %config.file.display(), "failed decisions go to a JSON-lines file");
+        let stop = tasks.stopper();
+        tasks.spawn(dlq::file::run(queue, config.file.clone(), counters, stop));
+        return Ok(Arc::new(sink));
+    };
+    let spool_dir = &config.spool_dir;
+    let (writer, reader, spool) = dlq::spool::open(spool_dir, config.spool_segment_bytes)
+        .map_err(|e| ServerError::Spool(format!("{}: {e}", spool_dir.display())))?;
+    let recovered = spool.pending();
+    counters.recovered.store(recovered, std::sync::atomic::Ordering::SeqCst);
+    if recovered > 0 {
+        tracing::info!(records = recovered, spool = %spool_dir.display(), "delivering failure records a previous run left in the spool");
+    }
+    let kafka = &config.kafka;
+    let producer =
+        dlq::kafka::producer(brokers, &kafka.properties).map_err(|e| ServerError::Kafka(e.to_string()))?;
+    tracing::info!(brokers = %brokers, topic = %kafka.topic, spool = %spool_dir.display(), "failed decisions go to Kafka through the spool");
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let stop = tasks.stopper();
+    tasks.spawn(dlq::kafka::run_spooler(
+        queue,
+        writer,
+        Arc::clone(&spool),
+        Arc::clone(&counters),
+        Arc::clone(&notify),
+        stop,
+    ));
+    let shipper = dlq::kafka::Shipper {
+        producer,
+        topic: kafka.topic.clone(),
+        undeliverable: spool_dir.join("undeliverable.jsonl"),
+        counters,
+        flush_timeout: Duration::from_millis(kafka.flush_timeout_ms),
+    };
+    let stop = tasks.stopper();
+    tasks.spawn(dlq::kafka::run_shipper(shipper, reader, Arc::clone(&spool), notify, stop));
+    Ok(Arc::new(sink.with_spool(spool)))
+}
+
+/// How the engine treats Envoy requests, from `envoy.*`.
+pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
+    EnvoyPolicy {
+        sliding: settings.algorithm == EnvoyAlgorithm::SlidingWindow,
+        fail_open: settings.failure_mode == EnvoyFailureMode::Allow,
+        priority_key: settings.priority_key.clone(),
+        domain_priority: settings.domain_priority.clone(),
+    }
+}
+
+/// The engine both APIs decide through.
+pub(crate) fn engine(
+    config: &Config,
+    rules: &Rules,
+    store: Store,
+    shedder: &Arc<Shedder>,
+    dlq: &Arc<DlqSink>,
+    metrics: &Arc<Metrics>,
+) -> Engine {
+    Engine::new(EngineParts {
+        rules: Arc::clone(&rules.native),
+        envoy: rules.envoy.clone(),
+        store,
+        shedder: Arc::clone(shedder),
+        failures: Arc::clone(dlq) as Arc<dyn FailureSink>,
+        stats: Arc::clone(metrics) as Arc<dyn Stats>,
+        default_priority: config.shed.default_priority,
+        envoy_policy: envoy_policy(&config.envoy),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules_config(path: Option<PathBuf>, envoy_path: Option<PathBuf>) -> RulesConfig {
+        RulesConfig { path, envoy_path, reload_interval_ms: 0 }
+    }
+
+    #[test]
+    fn rules_default_to_the_embedded_set_and_to_none_beside_envoy() {
+        let mut tasks = Tasks::new();
+        let envoy = EnvoySettings::default();
+        let embedded = rules(&rules_config(None, None), &envoy, &mut tasks).unwrap();
+        assert!(!embedded.native.load().rules().is_empty());
+        assert!(embedded.envoy.is_none());
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("envoy.yaml");
+        std::fs::write(
+            &file,
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: { unit: second, requests_per_unit: 1 }\n",
+        )
+        .unwrap();
+        let envoy_only = rules(&rules_config(None, Some(file)), &envoy, &mut tasks).unwrap();
+        assert!(envoy_only.native.load().rules().is_empty(), "no native rules beside Envoy's");
+        assert_eq!(envoy_only.envoy.unwrap().load().domain_count(), 1);
+
+        let missing = rules(&rules_config(Some(dir.path().join("absent")), None), &envoy, &mut tasks);
+        assert!(matches!(missing, Err(ServerError::Rules(_))));
+    }
+
+    #[test]
+    fn envoy_policy_follows_the_settings() {
+        let settings = EnvoySettings {
+            algorithm: EnvoyAlgorithm::FixedWindow,
+            failure_mode: EnvoyFailureMode::Unavailable,
+            ..EnvoySettings::default()
+        };
+        let policy = envoy_policy(&settings);
+        assert!(!policy.sliding && !policy.fail_open);
+        assert_eq!(policy.priority_key, "priority");
+        assert_eq!(envoy_policy(&EnvoySettings::default()), EnvoyPolicy::default());
+    }
+
+    #[tokio::test]
+    async fn tasks_stop_and_join() {
+        let mut tasks = Tasks::new();
+        let mut stop = tasks.stopper();
+        tasks.spawn(async move {
+            let _ = stop.changed().await;
+        });
+        tokio::time::timeout(Duration::from_secs(5), tasks.stop_and_join()).await.unwrap();
+    }
+}
