@@ -120,6 +120,86 @@ impl Drop for Serve {
     }
 }
 
+/// `ratelimitd serve` started from `/` with a clean environment (HOME in a
+/// temporary directory for the dead-letter file), only the given variables
+/// set; returns it once it listens.
+fn serve_from_root(env: &[(&str, &str)]) -> Serve {
+    let port = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let mut command = Command::new(BIN);
+    command
+        .arg("serve")
+        .current_dir("/")
+        .env_clear()
+        .env("HOME", dir.path())
+        .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
+        .env("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{}", free_port()))
+        .env("RATELIMITD__SHED__MODE", "off")
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let child = command.spawn().unwrap();
+    let mut serve = Serve { child, addr: format!("http://127.0.0.1:{port}"), _dir: dir };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Some(status) = serve.child.try_wait().unwrap() {
+            let mut log = String::new();
+            use std::io::Read;
+            serve.child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+            panic!("serve exited with {status}: {log}");
+        }
+        assert!(Instant::now() < deadline, "ratelimitd serve did not listen on {port}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    serve
+}
+
+/// No configuration at all, started from `/`: the embedded example rules
+/// decide, and failed decisions would go under $HOME, never the working
+/// directory.
+#[test]
+fn serve_from_root_with_no_configuration_uses_the_embedded_rules() {
+    let serve = serve_from_root(&[]);
+    let out = serve.check(&["--user", "alice", "--path", "/api/v1/search", "--json"]);
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (answer["reason"].as_str(), answer["rule_id"].as_str()),
+        (Some("OK"), Some("search")),
+        "{answer}"
+    );
+    let (status, log) = serve.terminate();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("<embedded examples/rules>"), "{log}");
+    assert!(log.contains(".local/state/ratelimitd/dlq.jsonl"), "{log}");
+}
+
+/// Only an Envoy configuration, started from `/`: serve starts with no
+/// native rules (Check answers NO_RULE) and serves ShouldRateLimit.
+#[test]
+fn serve_from_root_with_only_envoy_rules() {
+    let envoy = common::repo_path("examples/envoy/ratelimit");
+    let serve = serve_from_root(&[("RATELIMITD__RULES__ENVOY_PATH", envoy.to_str().unwrap())]);
+    let out = serve.check(&["--user", "alice", "--path", "/api/v1/search", "--json"]);
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answer["reason"].as_str(), Some("NO_RULE"), "{answer}");
+    let (status, log) = serve.terminate();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("serving envoy.service.ratelimit.v3.RateLimitService"), "{log}");
+}
+
+/// A rule path that cannot be read fails startup with its cause said once.
+#[test]
+fn a_missing_rule_path_says_its_cause_once() {
+    let out = ratelimitd(&["serve"], &[("RATELIMITD__RULES__PATH", "/nonexistent/rules")]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = stderr(&out);
+    let line = text.lines().find(|l| l.starts_with("ratelimitd: ")).unwrap_or_default();
+    assert_eq!(
+        line,
+        "ratelimitd: rules: /nonexistent/rules: cannot read: No such file or directory (os error 2)"
+    );
+}
+
 #[test]
 fn invalid_configuration_exits_64_naming_the_key() {
     for (key, value, named) in [

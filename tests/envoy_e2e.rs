@@ -14,8 +14,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{RedisServer, Rules, TestServer, config, free_port};
-use ratelimitd::config::EnvoyFailureMode;
+use common::{RedisServer, Rules, SyntheticCpu, TestServer, config, free_port};
+use ratelimitd::{config::EnvoyFailureMode, shed::ShedMode};
 
 /// A child process killed (by PID) on drop.
 struct Process(Child);
@@ -68,11 +68,16 @@ fn envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) 
     (process, listen)
 }
 
-/// One HTTP/1.1 GET through Envoy; returns the status and the headers.
+/// One HTTP/1.1 GET / through Envoy; returns the status and the headers.
 fn get(port: u16, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>) {
+    get_path(port, "/", headers)
+}
+
+/// One HTTP/1.1 GET of `path` through Envoy.
+fn get_path(port: u16, path: &str, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>) {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut request = "GET / HTTP/1.1\r\nHost: test\r\nConnection: close\r\n".to_owned();
+    let mut request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
     for (name, value) in headers {
         request += &format!("{name}: {value}\r\n");
     }
@@ -186,4 +191,68 @@ async fn redis_down_follows_the_configured_policy() {
         assert_eq!(records.len(), 5, "{mode:?}: one record per failed decision");
         assert!(records.iter().all(|r| r.rule_id == "edge.user"));
     }
+}
+
+/// The service runs hot (CRITICAL_ONLY, from a synthetic `/proc/stat`):
+/// Envoy's requests without a priority (the default, DEGRADED) or with a
+/// lower one get 429 with `x-ratelimit-reason: SHED`, without a counter
+/// being touched; `x-priority: CRITICAL` passes and is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hot_service_sheds_envoy_traffic_by_priority() {
+    let cpu = SyntheticCpu::new(0.95);
+    let s = stack(|c| cpu.configure(c, ShedMode::Enforce)).await;
+    let client = s.server.client().await;
+    let hot = common::eventually(Duration::from_secs(10), || {
+        let mut client = client.clone();
+        async move {
+            common::check(&mut client, common::request("probe", "/nowhere")).await.cluster_utilization_status
+                == "CRITICAL_ONLY"
+        }
+    })
+    .await;
+    assert!(hot, "the level never reached CRITICAL_ONLY");
+    let before = s.redis.evalsha_calls().await;
+    let port = s.envoy_port;
+    let answers = tokio::task::spawn_blocking(move || {
+        [
+            get(port, &[("x-user-id", "erin")]),
+            get(port, &[("x-user-id", "erin"), ("x-priority", "BULK")]),
+            get(port, &[("x-user-id", "erin"), ("x-priority", "DEGRADED")]),
+        ]
+    })
+    .await
+    .unwrap();
+    for (code, headers) in &answers {
+        assert_eq!(*code, 429, "{headers:?}");
+        assert_eq!(header(headers, "x-ratelimit-reason"), Some("SHED"), "{headers:?}");
+    }
+    assert_eq!(s.redis.evalsha_calls().await, before, "shed requests cost no Redis call");
+    let critical: Vec<u16> = tokio::task::spawn_blocking(move || {
+        (0..4).map(|_| get(port, &[("x-user-id", "erin"), ("x-priority", "CRITICAL")]).0).collect()
+    })
+    .await
+    .unwrap();
+    assert_eq!(critical, [200, 200, 200, 429], "CRITICAL is never shed, and is still limited");
+    s.server.stop().await.unwrap();
+}
+
+/// `share_threshold: true` on `/files/*`: ten requests a minute for all
+/// files together, as envoyproxy/ratelimit counts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn share_threshold_shares_one_limit_across_matching_paths() {
+    let s = stack(|_| {}).await;
+    let files = s._dirs.1.path().join("files");
+    std::fs::create_dir_all(&files).unwrap();
+    for i in 0..12 {
+        std::fs::write(files.join(format!("f{i}.txt")), "x").unwrap();
+    }
+    let port = s.envoy_port;
+    let codes: Vec<u16> = tokio::task::spawn_blocking(move || {
+        (0..12).map(|i| get_path(port, &format!("/files/f{i}.txt"), &[]).0).collect()
+    })
+    .await
+    .unwrap();
+    assert_eq!(codes[..10], [200; 10], "{codes:?}");
+    assert_eq!(codes[10..], [429, 429], "eleventh distinct file: the shared limit is spent");
+    s.server.stop().await.unwrap();
 }

@@ -256,8 +256,11 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
 }
 
 /// A store with one connection (so one dispatcher, one batch at a time),
-/// its script loaded.
-async fn single_connection_store(redis: &RedisServer) -> ratelimitd::limiter::RedisStore {
+/// its script loaded, and the task set its dispatcher runs in (dropping the
+/// set aborts it).
+async fn single_connection_store(
+    redis: &RedisServer,
+) -> (ratelimitd::limiter::RedisStore, tokio::task::JoinSet<()>) {
     let config = ratelimitd::config::RedisConfig {
         url: Some(redis.url()),
         connections: 1,
@@ -267,7 +270,7 @@ async fn single_connection_store(redis: &RedisServer) -> ratelimitd::limiter::Re
     let mut dispatchers = tokio::task::JoinSet::new();
     let store = ratelimitd::limiter::RedisStore::new(&config, &mut dispatchers).unwrap();
     store.warm_up(Duration::from_secs(5)).await.unwrap();
-    store
+    (store, dispatchers)
 }
 
 /// Decisions that queue while a connection is busy reach Redis as one script
@@ -278,7 +281,7 @@ async fn single_connection_store(redis: &RedisServer) -> ratelimitd::limiter::Re
 #[tokio::test(flavor = "current_thread")]
 async fn queued_decisions_are_coalesced_into_one_script_call() {
     let redis = RedisServer::start();
-    let store = single_connection_store(&redis).await;
+    let (store, _dispatchers) = single_connection_store(&redis).await;
     let rule = hot_rule(100);
     let before = redis.evalsha_calls().await;
 
@@ -302,7 +305,7 @@ async fn queued_decisions_are_coalesced_into_one_script_call() {
 async fn a_denied_job_in_a_batch_writes_nothing() {
     use ratelimitd::limiter::{ManyItem, WindowParams};
     let redis = RedisServer::start();
-    let store = single_connection_store(&redis).await;
+    let (store, _dispatchers) = single_connection_store(&redis).await;
     let item = |key: &str, capacity: u64, weight: u64| ManyItem {
         key: key.to_owned(),
         params: WindowParams::sliding(60_000, capacity),

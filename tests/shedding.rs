@@ -9,8 +9,17 @@ use common::{
     Backend, RedisServer, Rules, SyntheticCpu, TestServer, check, config, eventually, reason, request,
 };
 use ratelimitd::{
-    api::pb::{PriorityBucket, RateLimitResponse, Reason, rate_limiter_client::RateLimiterClient},
-    shed::ShedMode,
+    api::{
+        envoy_pb::{
+            envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+            rls::{
+                RateLimitRequest as EnvoyRequest, rate_limit_response::Code,
+                rate_limit_service_client::RateLimitServiceClient,
+            },
+        },
+        pb::{PriorityBucket, RateLimitResponse, Reason, rate_limiter_client::RateLimiterClient},
+    },
+    shed::{Priority, ShedMode},
 };
 use tonic::transport::Channel;
 
@@ -24,7 +33,11 @@ rules:
 
 const PATHS: [&str; 4] = ["/critical", "/degraded", "/best-effort", "/bulk"];
 
-for_each_store!(status_and_shedding_follow_the_level_both_ways, shadow_mode_reports_but_never_refuses);
+for_each_store!(
+    status_and_shedding_follow_the_level_both_ways,
+    shadow_mode_reports_but_never_refuses,
+    envoy_requests_are_shed_by_priority_like_check
+);
 
 async fn start(
     backend: Backend,
@@ -158,5 +171,75 @@ async fn unreadable_utilization_keeps_the_last_level() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let r = check(&mut client, request("user", "/bulk")).await;
     assert_eq!((r.cluster_utilization_status.as_str(), reason(&r)), ("CRITICAL_ONLY", Reason::Shed));
+    server.stop().await.unwrap();
+}
+
+const ENVOY: &str =
+    "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: { unit: hour, requests_per_unit: 1000000 }\n";
+
+fn envoy_request(entries: &[(&str, &str)]) -> EnvoyRequest {
+    EnvoyRequest {
+        domain: "edge".to_owned(),
+        descriptors: entries
+            .iter()
+            .map(|(key, value)| RateLimitDescriptor {
+                entries: vec![Entry { key: (*key).to_owned(), value: (*value).to_owned() }],
+                ..Default::default()
+            })
+            .collect(),
+        hits_addend: 1,
+    }
+}
+
+/// ShouldRateLimit goes through the same shedding as Check: at 70% a
+/// `priority` entry of BULK or BEST_EFFORT is shed (OVER_LIMIT on every
+/// descriptor, the `x-ratelimit-reason: SHED` header, no Redis call) while
+/// the default (DEGRADED) passes; at 90% only CRITICAL passes.
+async fn envoy_requests_are_shed_by_priority_like_check(backend: Backend) {
+    let cpu = SyntheticCpu::new(0.70);
+    let rules = Rules::new(RULES);
+    let envoy_dir = tempfile::tempdir().unwrap();
+    std::fs::write(envoy_dir.path().join("edge.yaml"), ENVOY).unwrap();
+    let redis = (backend == Backend::Redis).then(RedisServer::start);
+    let mut cfg = config(&rules.path(), redis.as_ref().map(RedisServer::url));
+    cfg.rules.envoy_path = Some(envoy_dir.path().to_path_buf());
+    cpu.configure(&mut cfg, ShedMode::Enforce);
+    let server = TestServer::start(cfg).await;
+    let client = server.client().await;
+    wait_for_status(&client, "DEGRADED_MODE").await;
+    let mut envoy = RateLimitServiceClient::connect(format!("http://{}", server.addr)).await.unwrap();
+
+    let before = evalsha_calls(redis.as_ref()).await;
+    for priority in ["BULK", "best_effort"] {
+        let r = envoy
+            .should_rate_limit(envoy_request(&[("user", "ann"), ("priority", priority)]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.overall_code, Code::OverLimit as i32, "{priority}: {r:?}");
+        assert!(r.statuses.iter().all(|s| s.code == Code::OverLimit as i32), "{r:?}");
+        assert_eq!(r.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit), Some(1_000_000));
+        let reason = r.response_headers_to_add.iter().find(|h| h.key == "x-ratelimit-reason");
+        assert_eq!(reason.map(|h| h.value.as_str()), Some("SHED"), "{r:?}");
+    }
+    assert_eq!(evalsha_calls(redis.as_ref()).await, before, "shed requests reached Redis");
+    let default = envoy.should_rate_limit(envoy_request(&[("user", "ann")])).await.unwrap().into_inner();
+    assert_eq!(default.overall_code, Code::Ok as i32, "DEGRADED (shed.default_priority) passes at 70%");
+    assert!(default.response_headers_to_add.is_empty());
+
+    cpu.set(0.90);
+    wait_for_status(&client, "CRITICAL_ONLY").await;
+    let degraded = envoy.should_rate_limit(envoy_request(&[("user", "ann")])).await.unwrap().into_inner();
+    assert_eq!(degraded.overall_code, Code::OverLimit as i32);
+    let critical = envoy
+        .should_rate_limit(envoy_request(&[("user", "ann"), ("priority", "CRITICAL")]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(critical.overall_code, Code::Ok as i32, "CRITICAL is never shed");
+    let observer = server.observer().await;
+    assert_eq!(observer.shedder.shed_count(Priority::Bulk), 1);
+    assert_eq!(observer.shedder.shed_count(Priority::BestEffort), 1);
+    assert_eq!(observer.shedder.shed_count(Priority::Degraded), 1);
     server.stop().await.unwrap();
 }

@@ -10,6 +10,11 @@ mod convert;
 mod envoy;
 
 pub use check::RateLimiterService;
+
+/// Encoded `FileDescriptorSet`s of the services served (ours and Envoy's),
+/// for server reflection: bytes, so the server wires reflection without
+/// naming a generated type.
+pub const DESCRIPTOR_SETS: [&[u8]; 2] = [pb::FILE_DESCRIPTOR_SET, envoy_pb::FILE_DESCRIPTOR_SET];
 pub use convert::{ValidationError, validate};
 pub use envoy::EnvoyService;
 

@@ -251,10 +251,10 @@ fn grpc_router(
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
 ) -> Result<Router, ServerError> {
     let reflection = |builder: tonic_reflection::server::Builder<'static>| {
-        builder
-            .register_encoded_file_descriptor_set(crate::api::pb::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(crate::api::envoy_pb::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        crate::api::DESCRIPTOR_SETS
+            .into_iter()
+            .chain([tonic_health::pb::FILE_DESCRIPTOR_SET])
+            .fold(builder, |builder, set| builder.register_encoded_file_descriptor_set(set))
     };
     let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())
         .build_v1()

@@ -132,7 +132,9 @@ impl Shedder {
         self.shadow_shed[priority_index(priority)].load(Ordering::Relaxed)
     }
 
-    fn publish(&self, level: Level, utilization: f64) {
+    /// Sets the level and the utilization it was read at: the sampler's job
+    /// ([`run_sampler`]); tests and tools pin a level with it.
+    pub fn publish(&self, level: Level, utilization: f64) {
         self.utilization.store(utilization.to_bits(), Ordering::Relaxed);
         self.level.store(level.to_u8(), Ordering::Relaxed);
     }

@@ -1,0 +1,381 @@
+//! The decision engine called directly, without gRPC: every reason both
+//! entry points give (`Engine::check` and `Engine::should_rate_limit`),
+//! against the in-memory store (on an injected clock) and a real
+//! `redis-server`. Store failures are a real Redis stopped mid-test.
+
+mod common;
+
+use std::{
+    collections::HashMap,
+    path::Path,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use common::{Backend, RedisServer};
+use ratelimitd::{
+    config::RedisConfig,
+    decision::{
+        CheckRequest, Decision, Engine, EngineParts, EnvoyPolicy, FailedDecision, FailureSink, LimitOverride,
+        NoStats, Reason, RlsDecision, RlsDescriptor, RlsRequest,
+    },
+    limiter::{ManualClock, MemoryStore, RedisStore, Store},
+    rules::{self, Hot, RuleStore, envoy::Unit},
+    shed::{Level, Priority, ShedMode, Shedder},
+};
+use tokio::task::JoinSet;
+
+const NATIVE: &str = r#"
+rules:
+  - { rule_id: two, resource_path: /two, priority_bucket: DEGRADED, limit: 2, window_seconds: 60 }
+  - { rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: 100, window_seconds: 60 }
+  - { rule_id: vip, resource_path: /vip, priority_bucket: CRITICAL, limit: 100, window_seconds: 60 }
+  - { rule_id: trial, resource_path: /trial, limit: 1, window_seconds: 60, mode: shadow }
+  - { rule_id: closed, resource_path: /closed, limit: 5, window_seconds: 60, failure_policy: closed }
+"#;
+
+const ENVOY: &str = r#"
+domain: edge
+descriptors:
+  - key: user
+    rate_limit: { unit: minute, requests_per_unit: 2 }
+  - key: trial
+    shadow_mode: true
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: free
+    rate_limit: { unlimited: true }
+  - key: files
+    value: "/files/*"
+    share_threshold: true
+    rate_limit: { unit: minute, requests_per_unit: 3 }
+  - key: own
+    value: "/own/*"
+    rate_limit: { unit: minute, requests_per_unit: 3 }
+"#;
+
+/// The failed decisions the engine reported.
+#[derive(Debug, Default)]
+struct Recorded(Mutex<Vec<(String, Reason, Priority, String)>>);
+
+impl FailureSink for Recorded {
+    fn record(&self, failure: &FailedDecision<'_>) {
+        self.0.lock().unwrap().push((
+            failure.rule_id.to_owned(),
+            failure.answer,
+            failure.priority,
+            failure.resource_path.to_owned(),
+        ));
+    }
+}
+
+struct Harness {
+    engine: Engine,
+    shedder: Arc<Shedder>,
+    failures: Arc<Recorded>,
+    clock: Arc<ManualClock>,
+    memory: Option<Arc<MemoryStore>>,
+    redis: Option<RedisServer>,
+    _dispatchers: JoinSet<()>,
+    _dir: tempfile::TempDir,
+}
+
+impl Harness {
+    async fn new(backend: Backend, shed_mode: ShedMode, policy: EnvoyPolicy) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("native.yaml"), NATIVE).unwrap();
+        std::fs::write(dir.path().join("edge.yaml"), ENVOY).unwrap();
+        let native = rules::load(&dir.path().join("native.yaml")).unwrap();
+        let envoy = rules::envoy::load_sliding(&dir.path().join("edge.yaml")).unwrap();
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let mut dispatchers = JoinSet::new();
+        let (store, memory, redis) = match backend {
+            Backend::Memory => {
+                let memory = Arc::new(MemoryStore::new(4, Arc::clone(&clock) as _));
+                (Store::Memory(Arc::clone(&memory)), Some(memory), None)
+            }
+            Backend::Redis => {
+                let redis = RedisServer::start();
+                let config = RedisConfig {
+                    url: Some(redis.url()),
+                    timeout_ms: 2_000,
+                    connect_timeout_ms: 500,
+                    ..RedisConfig::default()
+                };
+                let store = Arc::new(RedisStore::new(&config, &mut dispatchers).unwrap());
+                store.warm_up(Duration::from_secs(5)).await.unwrap();
+                (Store::Redis(store), None, Some(redis))
+            }
+        };
+        let shedder = Arc::new(Shedder::new(shed_mode, 1_000));
+        let failures = Arc::new(Recorded::default());
+        let engine = Engine::new(EngineParts {
+            rules: Arc::new(RuleStore::new(native)),
+            envoy: Some(Arc::new(Hot::new(envoy))),
+            store,
+            shedder: Arc::clone(&shedder),
+            failures: Arc::clone(&failures) as _,
+            stats: Arc::new(NoStats),
+            default_priority: Priority::Degraded,
+            envoy_policy: policy,
+        });
+        Harness { engine, shedder, failures, clock, memory, redis, _dispatchers: dispatchers, _dir: dir }
+    }
+
+    async fn default(backend: Backend) -> Self {
+        Self::new(backend, ShedMode::Enforce, EnvoyPolicy::default()).await
+    }
+
+    async fn check(&self, user: &str, path: &str, weight: u32) -> Decision {
+        let headers = HashMap::new();
+        let request = CheckRequest {
+            user_id: user,
+            resource_path: path,
+            client_type: None,
+            weight,
+            priority: None,
+            headers: &headers,
+            trace_id: None,
+        };
+        self.engine.check(&request).await
+    }
+
+    async fn rls(&self, descriptors: &[&[(&str, &str)]]) -> RlsDecision {
+        self.rls_with(descriptors, 1, None).await
+    }
+
+    async fn rls_with(
+        &self,
+        descriptors: &[&[(&str, &str)]],
+        hits: u32,
+        limit: Option<LimitOverride>,
+    ) -> RlsDecision {
+        let request = RlsRequest {
+            domain: "edge",
+            descriptors: descriptors
+                .iter()
+                .map(|entries| RlsDescriptor { entries: entries.to_vec(), limit, hits_addend: None })
+                .collect(),
+            hits_addend: hits,
+            trace_id: None,
+        };
+        self.engine.should_rate_limit(&request).await
+    }
+
+    /// How many counters the store holds (memory) or script calls it made (Redis).
+    async fn store_work(&self) -> u64 {
+        match (&self.memory, &self.redis) {
+            (Some(memory), _) => memory.len() as u64,
+            (_, Some(redis)) => redis.evalsha_calls().await,
+            _ => unreachable!(),
+        }
+    }
+}
+
+for_each_store!(
+    check_ok_then_over_limit_then_ok_once_the_window_passes,
+    check_no_rule_weight_and_shadow,
+    check_sheds_by_priority_without_a_store_call,
+    check_shadow_shedding_decides_normally,
+    envoy_ok_over_limit_no_rule_unlimited_and_shadow,
+    envoy_sheds_by_priority_without_a_store_call,
+    envoy_share_threshold_shares_one_counter,
+    envoy_override_limits_count_under_a_fixed_label,
+);
+
+async fn check_ok_then_over_limit_then_ok_once_the_window_passes(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let first = h.check("ann", "/two", 1).await;
+    assert_eq!((first.allowed, first.reason, first.remaining), (true, Reason::Ok, 1));
+    assert_eq!(first.rule.as_ref().map(|r| &*r.id), Some("two"));
+    assert_eq!(first.priority, Priority::Degraded, "the rule's priority");
+    assert!(h.check("ann", "/two", 1).await.allowed);
+    let over = h.check("ann", "/two", 1).await;
+    assert_eq!((over.allowed, over.reason), (false, Reason::OverLimit));
+    assert!(over.retry_after_ms > 0 && over.retry_after_ms <= 120_000, "{over:?}");
+    assert!(h.check("bob", "/two", 1).await.allowed, "users are independent");
+    if backend == Backend::Memory {
+        // The injected clock: the sliding estimate lets one more through
+        // exactly at retry_after, not a millisecond before.
+        let wait = u64::try_from(over.retry_after_ms).unwrap();
+        h.clock.advance(wait - 1);
+        assert_eq!(h.check("ann", "/two", 1).await.reason, Reason::OverLimit);
+        h.clock.advance(1);
+        assert_eq!(h.check("ann", "/two", 1).await.reason, Reason::Ok);
+    }
+}
+
+async fn check_no_rule_weight_and_shadow(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let none = h.check("ann", "/nowhere", 1).await;
+    assert_eq!((none.allowed, none.reason, none.rule.is_none()), (true, Reason::NoRule, true));
+    assert_eq!(none.priority, Priority::Degraded, "shed.default_priority");
+
+    let before = h.store_work().await;
+    let heavy = h.check("ann", "/two", 3).await;
+    assert_eq!(
+        (heavy.allowed, heavy.reason, heavy.retry_after_ms),
+        (false, Reason::WeightExceedsCapacity, -1)
+    );
+    assert_eq!(h.store_work().await, before, "answered from the rule alone");
+
+    assert!(h.check("ann", "/trial", 1).await.allowed);
+    let shadow = h.check("ann", "/trial", 1).await;
+    assert_eq!((shadow.allowed, shadow.reason, shadow.shadow_denied), (true, Reason::Ok, true));
+}
+
+async fn check_sheds_by_priority_without_a_store_call(backend: Backend) {
+    let h = Harness::default(backend).await;
+    h.shedder.publish(Level::CriticalOnly, 0.95);
+    let before = h.store_work().await;
+    for path in ["/bulk", "/two", "/nowhere"] {
+        let shed = h.check("ann", path, 1).await;
+        assert_eq!(
+            (shed.allowed, shed.reason, shed.level),
+            (false, Reason::Shed, Level::CriticalOnly),
+            "{path}"
+        );
+        assert!((500..=1_500).contains(&shed.retry_after_ms), "{shed:?}");
+    }
+    assert_eq!(h.store_work().await, before, "no store call when shed");
+    let critical = h.check("ann", "/vip", 1).await;
+    assert_eq!((critical.allowed, critical.reason), (true, Reason::Ok), "CRITICAL is never shed");
+
+    h.shedder.publish(Level::Degraded, 0.7);
+    assert_eq!(h.check("ann", "/bulk", 1).await.reason, Reason::Shed);
+    assert_eq!(h.check("ann", "/two", 1).await.reason, Reason::Ok, "DEGRADED passes in DEGRADED_MODE");
+    assert_eq!(h.shedder.shed_count(Priority::Bulk), 2);
+}
+
+async fn check_shadow_shedding_decides_normally(backend: Backend) {
+    let h = Harness::new(backend, ShedMode::Shadow, EnvoyPolicy::default()).await;
+    h.shedder.publish(Level::CriticalOnly, 0.95);
+    let d = h.check("ann", "/bulk", 1).await;
+    assert_eq!((d.allowed, d.reason, d.shadow_shed), (true, Reason::Ok, true));
+    let e = h.rls(&[&[("user", "ann")]]).await;
+    assert_eq!((e.over_limit, e.reason, e.shadow_shed), (false, Reason::Ok, true));
+    assert_eq!(h.shedder.shadow_shed_count(Priority::Bulk), 1);
+    assert_eq!(h.shedder.shadow_shed_count(Priority::Degraded), 1);
+}
+
+async fn envoy_ok_over_limit_no_rule_unlimited_and_shadow(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let ok = h.rls(&[&[("user", "ann")], &[("nothing", "x")], &[("free", "x")]]).await;
+    assert_eq!((ok.over_limit, ok.reason), (false, Reason::Ok));
+    assert_eq!(ok.statuses.len(), 3);
+    assert_eq!(ok.statuses[0].remaining, 1);
+    assert_eq!(ok.statuses[0].limit.as_ref().map(|l| l.requests_per_unit), Some(2));
+    assert!(ok.statuses[1].limit.is_none() && !ok.statuses[1].over_limit, "unmatched is OK");
+    assert!(ok.statuses[2].unlimited && ok.statuses[2].remaining == u32::MAX);
+    assert_eq!(ok.tightest, Some(0));
+
+    assert!(!h.rls(&[&[("user", "ann")]]).await.over_limit);
+    let over = h.rls(&[&[("user", "ann")], &[("free", "x")]]).await;
+    assert_eq!((over.over_limit, over.reason), (true, Reason::OverLimit));
+    assert!(over.statuses[0].over_limit && over.statuses[0].until_reset_ms > 0);
+    assert!(!over.statuses[1].over_limit);
+
+    let none = h.rls(&[&[("nothing", "x")]]).await;
+    assert_eq!((none.over_limit, none.reason), (false, Reason::NoRule));
+
+    // A shadow descriptor over its limit reports but never denies.
+    assert!(!h.rls(&[&[("trial", "t")]]).await.over_limit);
+    let shadow = h.rls(&[&[("trial", "t")]]).await;
+    assert_eq!((shadow.over_limit, shadow.statuses[0].over_limit), (false, false));
+
+    // Hits beyond the limit can never pass.
+    let heavy = h.rls_with(&[&[("user", "bob")]], 3, None).await;
+    assert_eq!(heavy.reason, Reason::OverLimit);
+    assert!(h.rls(&[&[("user", "bob")]]).await.statuses[0].remaining == 1, "nothing was counted");
+}
+
+async fn envoy_sheds_by_priority_without_a_store_call(backend: Backend) {
+    let policy = EnvoyPolicy {
+        domain_priority: HashMap::from([("edge".to_owned(), Priority::BestEffort)]),
+        ..EnvoyPolicy::default()
+    };
+    let h = Harness::new(backend, ShedMode::Enforce, policy).await;
+    h.shedder.publish(Level::Degraded, 0.7);
+    let before = h.store_work().await;
+    // The domain's priority (BEST_EFFORT) is shed in DEGRADED_MODE.
+    let shed = h.rls(&[&[("user", "ann")], &[("nothing", "x")]]).await;
+    assert_eq!((shed.over_limit, shed.reason, shed.priority), (true, Reason::Shed, Priority::BestEffort));
+    assert!(shed.statuses.iter().all(|s| s.over_limit), "every descriptor OVER_LIMIT");
+    assert_eq!(shed.statuses[0].limit.as_ref().map(|l| l.requests_per_unit), Some(2), "with its limit");
+    assert!(shed.statuses[1].limit.is_none());
+    assert!((500..=1_500).contains(&shed.retry_after_ms));
+    assert_eq!(shed.statuses[0].until_reset_ms, shed.retry_after_ms);
+    assert_eq!(h.store_work().await, before, "no store call when shed");
+    // A priority entry overrides the domain's: DEGRADED passes in DEGRADED_MODE ...
+    let stated = h.rls(&[&[("user", "ann")], &[("priority", "DEGRADED")]]).await;
+    assert_eq!((stated.reason, stated.priority), (Reason::Ok, Priority::Degraded));
+    // ... and is shed at CRITICAL_ONLY, where only CRITICAL passes.
+    h.shedder.publish(Level::CriticalOnly, 0.95);
+    assert_eq!(h.rls(&[&[("user", "ann")], &[("priority", "degraded")]]).await.reason, Reason::Shed);
+    let critical = h.rls(&[&[("user", "ann")], &[("priority", "CRITICAL")]]).await;
+    assert_eq!((critical.reason, critical.level), (Reason::Ok, Level::CriticalOnly));
+    assert_eq!(critical.statuses[0].remaining, 0, "counted: the second of two");
+}
+
+async fn envoy_share_threshold_shares_one_counter(backend: Backend) {
+    let h = Harness::default(backend).await;
+    for file in ["/files/a.pdf", "/files/b.csv", "/files/c"] {
+        assert!(!h.rls(&[&[("files", file)]]).await.over_limit, "{file}");
+    }
+    let fourth = h.rls(&[&[("files", "/files/d.txt")]]).await;
+    assert!(fourth.over_limit, "3 shared by every value matching /files/*");
+    // Without share_threshold each value counts on its own.
+    for file in ["/own/a", "/own/b", "/own/c", "/own/d"] {
+        assert!(!h.rls(&[&[("own", file)]]).await.over_limit, "{file}");
+    }
+}
+
+async fn envoy_override_limits_count_under_a_fixed_label(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let limit = Some(LimitOverride { requests_per_unit: 1, unit: Unit::Hour });
+    let first = h.rls_with(&[&[("anything", "v1")]], 1, limit).await;
+    assert_eq!(first.reason, Reason::Ok);
+    assert_eq!(first.statuses[0].limit.as_ref().map(|l| &*l.full_key), Some("override"));
+    assert_eq!(h.rls_with(&[&[("anything", "v1")]], 1, limit).await.reason, Reason::OverLimit);
+}
+
+/// Redis stops: each entry point answers by its failure policy and reports
+/// exactly one failed decision per request, with the request's priority.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn store_failures_follow_the_failure_policy_on_both_entry_points() {
+    let mut h = Harness::default(Backend::Redis).await;
+    h.redis.as_mut().unwrap().stop();
+    let open = h.check("ann", "/two", 1).await;
+    assert_eq!((open.allowed, open.reason), (true, Reason::FailOpen));
+    let closed = h.check("ann", "/closed", 1).await;
+    assert_eq!((closed.allowed, closed.reason, closed.retry_after_ms), (false, Reason::FailClosed, 1_000));
+    let envoy = h.rls(&[&[("user", "ann")], &[("priority", "BULK")]]).await;
+    assert_eq!((envoy.over_limit, envoy.reason), (false, Reason::FailOpen));
+    assert!(envoy.statuses.iter().all(|s| !s.over_limit && s.limit.is_none()), "nothing counted");
+    assert!(h.rls(&[&[("nothing", "x")]]).await.reason == Reason::NoRule, "no store call, no failure");
+    let recorded = h.failures.0.lock().unwrap().clone();
+    assert_eq!(
+        recorded,
+        [
+            ("two".to_owned(), Reason::FailOpen, Priority::Degraded, "/two".to_owned()),
+            ("closed".to_owned(), Reason::FailClosed, Priority::Degraded, "/closed".to_owned()),
+            ("edge.user".to_owned(), Reason::FailOpen, Priority::Bulk, "envoy:edge".to_owned()),
+        ]
+    );
+
+    let policy = EnvoyPolicy { fail_open: false, ..EnvoyPolicy::default() };
+    let mut h = Harness::new(Backend::Redis, ShedMode::Enforce, policy).await;
+    h.redis.as_mut().unwrap().stop();
+    let unavailable = h.rls(&[&[("user", "ann")]]).await;
+    assert_eq!(unavailable.reason, Reason::FailClosed);
+    assert!(unavailable.failure.is_some(), "the API answers UNAVAILABLE with the store's error");
+    assert_eq!(h.failures.0.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn embedded_rules_are_the_repositorys_examples() {
+    let embedded = rules::embedded().unwrap();
+    let examples = rules::load(&common::repo_path("examples/rules")).unwrap();
+    let ids = |s: &rules::Snapshot| s.rules().iter().map(|r| (r.id.to_string(), r.limit)).collect::<Vec<_>>();
+    assert_eq!(ids(&embedded), ids(&examples), "every example file is compiled in");
+    assert!(Path::new(&common::repo_path("examples/rules/api.yaml")).is_file());
+}

@@ -1,0 +1,222 @@
+//! Tidy checks: the architecture invariants of ARCHITECTURE.md, enforced on
+//! the source text so they cannot drift into prose only.
+//!
+//! - The `use crate::` graph between top-level modules has no cycle
+//!   (test modules excluded: a test may reach anywhere).
+//! - Generated protobuf types (`api::pb`, `api::envoy_pb`) are named only
+//!   under `src/api/`.
+//! - Every module file starts with a `//!` doc.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    path::{Path, PathBuf},
+};
+
+fn source_files() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), &mut files);
+    files.sort();
+    files
+}
+
+fn relative(path: &Path) -> String {
+    path.strip_prefix(Path::new(env!("CARGO_MANIFEST_DIR")).join("src"))
+        .unwrap()
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The top-level module a file belongs to (`decision/envoy.rs` → `decision`).
+fn module_of(path: &Path) -> String {
+    let rel = relative(path);
+    match rel.split_once('/') {
+        Some((dir, _)) => dir.to_owned(),
+        None => rel.trim_end_matches(".rs").to_owned(),
+    }
+}
+
+/// The text without line comments and without `#[cfg(test)]` items (a test
+/// module, or a whole `tests.rs` declared under `#[cfg(test)]`).
+fn production_code(path: &Path, text: &str) -> String {
+    if path.file_name().is_some_and(|n| n == "tests.rs") {
+        return String::new();
+    }
+    let mut out = String::new();
+    let mut lines = text.lines();
+    while let Some(line) = lines.next() {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with("#[cfg(test)]") {
+            // Skip the next item: up to its closing brace at the same depth.
+            let mut depth = 0i32;
+            let mut opened = false;
+            for item in lines.by_ref() {
+                depth += item.matches('{').count() as i32 - item.matches('}').count() as i32;
+                opened |= item.contains('{');
+                if (opened && depth <= 0) || (!opened && item.trim_end().ends_with(';')) {
+                    break;
+                }
+            }
+            continue;
+        }
+        if trimmed.starts_with("//") {
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// Top-level modules named after `crate::`, including every root of a
+/// `use crate::{a::x, b::{y, z}}` group.
+fn crate_references(code: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let bytes = code.as_bytes();
+    let ident = |from: usize| -> String {
+        code[from..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
+    };
+    let mut at = 0;
+    while let Some(found) = code[at..].find("crate::") {
+        let start = at + found + "crate::".len();
+        at = start;
+        if bytes.get(start) != Some(&b'{') {
+            let name = ident(start);
+            if !name.is_empty() {
+                out.insert(name);
+            }
+            continue;
+        }
+        let (mut depth, mut item_start) = (0, true);
+        let mut i = start;
+        while i < bytes.len() {
+            match bytes[i] {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        break;
+                    }
+                }
+                b',' if depth == 1 => item_start = true,
+                c if depth == 1 && item_start && (c.is_ascii_alphabetic() || c == b'_') => {
+                    let name = ident(i);
+                    i += name.len();
+                    out.insert(name);
+                    item_start = false;
+                    continue;
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+    }
+    out
+}
+
+#[test]
+fn the_module_graph_has_no_cycle() {
+    let files = source_files();
+    let modules: BTreeSet<String> = files.iter().map(|f| module_of(f)).collect();
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in &files {
+        let from = module_of(file);
+        if from == "lib" || from == "main" {
+            continue;
+        }
+        let code = production_code(file, &fs::read_to_string(file).unwrap());
+        for to in crate_references(&code) {
+            if to != from && modules.contains(&to) {
+                edges.entry(from.clone()).or_default().insert(to);
+            }
+        }
+    }
+    // Depth-first search for a back edge, reporting the cycle it closes.
+    fn visit(
+        node: &str,
+        edges: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|n| n == node) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(node.to_owned());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_owned());
+        for next in edges.get(node).into_iter().flatten() {
+            if let Some(cycle) = visit(next, edges, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    for module in edges.keys() {
+        if let Some(cycle) = visit(module, &edges, &mut Vec::new(), &mut done) {
+            panic!("module cycle: {}\nedges: {edges:#?}", cycle.join(" -> "));
+        }
+    }
+    // The graph is not trivially empty: the parser sees the real edges.
+    assert!(edges.get("api").is_some_and(|to| to.contains("decision")), "{edges:#?}");
+    assert!(edges.get("dlq").is_some_and(|to| to.contains("decision")), "{edges:#?}");
+}
+
+#[test]
+fn crate_references_see_groups_and_paths() {
+    let code = "use crate::{a::x, b::{y, z}, c};\nfn f() { crate::d::g(); }\n";
+    assert_eq!(crate_references(code), ["a", "b", "c", "d"].map(str::to_owned).into());
+    let tested =
+        "use crate::a;\n#[cfg(test)]\nmod tests {\n    use crate::b;\n    fn f() {}\n}\nuse crate::c;\n";
+    assert_eq!(
+        crate_references(&production_code(Path::new("x.rs"), tested)),
+        ["a", "c"].map(str::to_owned).into()
+    );
+}
+
+#[test]
+fn generated_types_are_named_only_in_api() {
+    let mut offenders = Vec::new();
+    for file in source_files() {
+        let rel = relative(&file);
+        if rel.starts_with("api/") {
+            continue;
+        }
+        let text = fs::read_to_string(&file).unwrap();
+        for (number, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or_default();
+            let names_generated = code.contains("envoy_pb")
+                || code.contains("api::pb")
+                || (code.contains("api::{") && code.split(['{', ',', '}', ' ']).any(|part| part == "pb"));
+            if names_generated {
+                offenders.push(format!("src/{rel}:{}: {}", number + 1, line.trim()));
+            }
+        }
+    }
+    assert!(offenders.is_empty(), "generated protobuf types outside src/api/:\n{}", offenders.join("\n"));
+}
+
+#[test]
+fn every_module_has_a_doc() {
+    let missing: Vec<String> = source_files()
+        .into_iter()
+        .filter(|f| !fs::read_to_string(f).unwrap().trim_start().starts_with("//!"))
+        .map(|f| relative(&f))
+        .collect();
+    assert!(missing.is_empty(), "modules without a //! doc: {missing:?}");
+}
