@@ -51,12 +51,8 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
             allowed = tracing::field::Empty,
         );
         continue_trace(&span, &metadata);
-        let decision = self.engine.check(&checked).instrument(span.clone()).await;
-        if let Some(rule) = &decision.rule {
-            span.record("rule", &*rule.id);
-        }
-        span.record("reason", decision.reason.as_str());
-        span.record("allowed", decision.allowed);
+        // The engine fills the span's decision fields (it runs inside it).
+        let decision = self.engine.check(&checked).instrument(span).await;
         Ok(Response::new(response(decision)))
     }
 }

@@ -123,9 +123,8 @@ impl RateLimitService for EnvoyService {
         );
         continue_trace(&span, &metadata);
         let rls = convert(&request, metadata.get("traceparent").and_then(|v| v.to_str().ok()));
-        let decision = self.engine.should_rate_limit(&rls).instrument(span.clone()).await;
-        span.record("reason", decision.reason.as_str());
-        span.record("overall_code", if decision.over_limit { "OVER_LIMIT" } else { "OK" });
+        // The engine fills the span's decision fields (it runs inside it).
+        let decision = self.engine.should_rate_limit(&rls).instrument(span).await;
         response(decision, &self.settings).map(Response::new)
     }
 }

@@ -88,10 +88,17 @@ impl Decision {
 }
 
 impl Engine {
-    /// Decides one request, and counts and times it.
+    /// Decides one request, counts and times it, and records `rule`,
+    /// `reason` and `allowed` on the current span (the caller's request span).
     pub async fn check(&self, request: &CheckRequest<'_>) -> Decision {
         let started = std::time::Instant::now();
         let decision = self.decide(request).await;
+        let span = tracing::Span::current();
+        if let Some(rule) = &decision.rule {
+            span.record("rule", &*rule.id);
+        }
+        span.record("reason", decision.reason.as_str());
+        span.record("allowed", decision.allowed);
         self.inner.stats.decision(
             Api::Check,
             decision.rule.as_ref().map(|r| &r.id),

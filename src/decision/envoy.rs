@@ -142,10 +142,14 @@ enum Plan {
 }
 
 impl Engine {
-    /// Decides one `ShouldRateLimit` request, and counts and times it.
+    /// Decides one `ShouldRateLimit` request, counts and times it, and
+    /// records `reason` and `overall_code` on the current span.
     pub async fn should_rate_limit(&self, request: &RlsRequest<'_>) -> RlsDecision {
         let started = std::time::Instant::now();
         let decision = self.decide_rls(request).await;
+        let span = tracing::Span::current();
+        span.record("reason", decision.reason.as_str());
+        span.record("overall_code", if decision.over_limit { "OVER_LIMIT" } else { "OK" });
         self.inner.stats.decision_latency(Api::Envoy, started.elapsed());
         decision
     }

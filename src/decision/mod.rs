@@ -4,7 +4,10 @@
 //! [`Engine::should_rate_limit`]. Both go through the same steps in the same
 //! order: rule lookup, priority, shedding (no store call when shed), the
 //! store call, the failure policy with exactly one [`FailedDecision`] for
-//! the dead-letter sink, shadow mode, metrics and the span.
+//! the dead-letter sink, shadow mode, metrics ([`Stats`]) and the span's
+//! decision fields. The API opens the request span (it alone sees the
+//! caller's trace context in gRPC metadata); the engine runs inside it and
+//! records what it decided.
 //!
 //! Architecture invariants:
 //! - no generated (protobuf) types here;

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# A/B benchmark of two ratelimitd builds under the same load, in one run:
+# before/after a change. Check and ShouldRateLimit, the in-memory store and
+# (with REDIS_CMD set) one Redis; runs alternate A, B, A, B… so drift hits
+# both. Prints a markdown table (decisions/s and the service's CPU time per
+# decision, median of the rounds) and the B/A ratios; raw JSON reports go
+# to OUTDIR.
+#
+#   loadtest/ab.sh "A_CMD" "B_CMD" "LOADTEST_CMD" OUTDIR
+#   e.g. loadtest/ab.sh ".kit/run ratelimitd-base" ".kit/run ratelimitd" ".kit/run loadtest" "$OUT"
+#
+# SERVICE_CPUS (default 2-5), LOAD_CPUS (6-15), REDIS_CPUS (0): core sets
+# (taskset -c). DURATION (s, 8), ROUNDS (3), CONCURRENCY (256),
+# CONNECTIONS (16), KEYS (hot). REDIS_CMD: how to start redis-server (unset:
+# memory only).
+set -euo pipefail
+
+A_CMD="$1"; B_CMD="$2"; LOADTEST_CMD="$3"; OUT="$4"
+SERVICE_CPUS="${SERVICE_CPUS:-2-5}"; LOAD_CPUS="${LOAD_CPUS:-6-15}"; REDIS_CPUS="${REDIS_CPUS:-0}"
+DURATION="${DURATION:-8}"; ROUNDS="${ROUNDS:-3}"; CONCURRENCY="${CONCURRENCY:-256}"
+CONNECTIONS="${CONNECTIONS:-16}"; KEYS="${KEYS:-hot}"
+mkdir -p "$OUT"
+WORK="$(mktemp -d)"
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+wait_port() { for _ in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "ab: nothing on port $1" >&2; exit 1; }
+
+# Limits far above what the load reaches: every decision is counted, none denied.
+mkdir -p "$WORK/envoy"
+cat > "$WORK/envoy/edge.yaml" <<'YAML'
+domain: edge
+descriptors:
+  - key: user
+    rate_limit: { unit: minute, requests_per_unit: 1000000000 }
+YAML
+cat > "$WORK/native.yaml" <<'YAML'
+rules:
+  - { rule_id: playback, resource_path: /api/v1/playback, limit: 1000000000, window_seconds: 60 }
+YAML
+
+STORES=(memory)
+REDIS_URL=""
+if [ -n "${REDIS_CMD:-}" ]; then
+  REDIS_PORT="$(free_port)"
+  # shellcheck disable=SC2086
+  taskset -c "$REDIS_CPUS" $REDIS_CMD --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >"$WORK/redis.log" 2>&1 &
+  PIDS+=("$!")
+  wait_port "$REDIS_PORT"
+  REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
+  STORES+=(redis)
+fi
+
+one() { # label, command, api, store
+  local label="$1" cmd="$2" api="$3" store="$4" port
+  port="$(free_port)"
+  local env=(RATELIMITD__GRPC__LISTEN="127.0.0.1:$port" RATELIMITD__HTTP__LISTEN="127.0.0.1:$(free_port)"
+    RATELIMITD__RULES__PATH="$WORK/native.yaml" RATELIMITD__RULES__ENVOY_PATH="$WORK/envoy"
+    RATELIMITD__SHED__MODE=off RATELIMITD__DLQ__FILE="$WORK/dlq.jsonl" RUST_LOG=warn)
+  [ "$store" = redis ] && env+=(RATELIMITD__REDIS__URL="$REDIS_URL")
+  # shellcheck disable=SC2086
+  env "${env[@]}" taskset -c "$SERVICE_CPUS" $cmd serve >"$WORK/$label.log" 2>&1 &
+  local pid=$!
+  PIDS+=("$pid")
+  wait_port "$port"
+  sleep 0.3
+  # shellcheck disable=SC2086
+  taskset -c "$LOAD_CPUS" $LOADTEST_CMD --target "http://127.0.0.1:$port" --api "$api" --domain edge \
+    --keys "$KEYS" --concurrency "$CONCURRENCY" --connections "$CONNECTIONS" --duration "$DURATION" \
+    --target-pid "$pid" --label "$label" --json "$OUT/$label.json" >/dev/null 2>&1
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+
+for round in $(seq "$ROUNDS"); do
+  for store in "${STORES[@]}"; do
+    for api in check envoy; do
+      one "a-$api-$store-$round" "$A_CMD" "$api" "$store"
+      one "b-$api-$store-$round" "$B_CMD" "$api" "$store"
+    done
+  done
+done
+
+python3 - "$OUT" "$ROUNDS" "$SERVICE_CPUS" "$LOAD_CPUS" "$CONCURRENCY" "$CONNECTIONS" "$KEYS" "$DURATION" "${STORES[*]}" <<'PY'
+import json, statistics, sys
+out, rounds, svc, load, conc, conns, keys, dur, stores = sys.argv[1:]
+rounds = int(rounds)
+print(f"A/B, alternating runs: service on cores {svc}, loadtest on {load}, {conc} callers over {conns} connections, keys {keys}, {dur} s per run, median of {rounds} rounds.\n")
+print("| API | store | A decisions/s | B decisions/s | B/A | A CPU µs/decision | B CPU µs/decision | B/A |")
+print("|---|---|---|---|---|---|---|---|")
+for store in stores.split():
+    for api in ["check", "envoy"]:
+        get = lambda side, key: statistics.median(json.load(open(f"{out}/{side}-{api}-{store}-{r}.json"))[key] for r in range(1, rounds + 1))
+        ad, bd = get("a", "decisions_per_second"), get("b", "decisions_per_second")
+        ac, bc = get("a", "target_cpu_us_per_decision"), get("b", "target_cpu_us_per_decision")
+        print(f"| {api} | {store} | {ad:.0f} | {bd:.0f} | {bd/ad:.3f} | {ac:.2f} | {bc:.2f} | {bc/ac:.3f} |")
+PY
