@@ -149,15 +149,12 @@ impl Harness {
         hits: u32,
         limit: Option<LimitOverride>,
     ) -> RlsDecision {
-        let request = RlsRequest {
-            domain: "edge",
-            descriptors: descriptors
-                .iter()
-                .map(|entries| RlsDescriptor { entries: entries.to_vec(), limit, hits_addend: None })
-                .collect(),
-            hits_addend: hits,
-            trace_id: None,
-        };
+        let descriptors: Vec<RlsDescriptor<'_>> = descriptors
+            .iter()
+            .map(|entries| RlsDescriptor { entries: entries.to_vec(), limit, hits_addend: None })
+            .collect();
+        let request =
+            RlsRequest { domain: "edge", descriptors: &descriptors, hits_addend: hits, trace_id: None };
         self.engine.should_rate_limit(&request).await
     }
 

@@ -21,7 +21,7 @@ use super::envoy_pb::{
 };
 use crate::{
     config::EnvoySettings,
-    decision::{DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsDescriptor, RlsRequest},
+    decision::{Descriptor, DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsRequest},
     rules::envoy::Unit,
     telemetry::traces::{continue_trace, trace_id_of},
 };
@@ -129,23 +129,32 @@ impl RateLimitService for EnvoyService {
     }
 }
 
-/// Borrows a validated request as the engine's [`RlsRequest`].
-fn convert<'a>(request: &'a RateLimitRequest, traceparent: Option<&'a str>) -> RlsRequest<'a> {
+/// Borrows a validated request as the engine's [`RlsRequest`]: no copy.
+fn convert<'a>(
+    request: &'a RateLimitRequest,
+    traceparent: Option<&'a str>,
+) -> RlsRequest<'a, RateLimitDescriptor> {
     RlsRequest {
         domain: &request.domain,
-        descriptors: request.descriptors.iter().map(descriptor).collect(),
+        descriptors: &request.descriptors,
         hits_addend: request.hits_addend,
         trace_id: traceparent.and_then(trace_id_of),
     }
 }
 
-fn descriptor(d: &RateLimitDescriptor) -> RlsDescriptor<'_> {
-    RlsDescriptor {
-        entries: d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect(),
-        limit: d.limit.as_ref().and_then(|l| {
-            Some(LimitOverride { requests_per_unit: l.requests_per_unit, unit: override_unit(l.unit)? })
-        }),
-        hits_addend: d.hits_addend,
+/// The engine reads the wire descriptor in place.
+impl Descriptor for RateLimitDescriptor {
+    fn entries(&self) -> impl Iterator<Item = (&str, &str)> + Clone {
+        self.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()))
+    }
+
+    fn limit(&self) -> Option<LimitOverride> {
+        let limit = self.limit.as_ref()?;
+        Some(LimitOverride { requests_per_unit: limit.requests_per_unit, unit: override_unit(limit.unit)? })
+    }
+
+    fn hits_addend(&self) -> Option<u64> {
+        self.hits_addend
     }
 }
 

@@ -57,21 +57,35 @@ impl Default for EnvoyPolicy {
     }
 }
 
-/// A validated `ShouldRateLimit` request, borrowing from the wire message.
-#[derive(Debug, Clone)]
-pub struct RlsRequest<'a> {
+/// A validated `ShouldRateLimit` request. It borrows the descriptors as
+/// they are (any [`Descriptor`], the wire message's included), so handing
+/// a request to the engine copies and allocates nothing.
+#[derive(Debug, Clone, Copy)]
+pub struct RlsRequest<'a, D> {
     /// The configuration domain.
     pub domain: &'a str,
     /// The descriptors, in request order.
-    pub descriptors: Vec<RlsDescriptor<'a>>,
+    pub descriptors: &'a [D],
     /// Hits of descriptors that state none (0 means 1).
     pub hits_addend: u32,
     /// W3C trace id from the call's `traceparent`, if any.
     pub trace_id: Option<&'a str>,
 }
 
-/// One descriptor of an [`RlsRequest`].
-#[derive(Debug, Clone)]
+/// What the engine reads of one descriptor. `api` implements it for the
+/// wire type; [`RlsDescriptor`] is a plain one for tools and tests.
+pub trait Descriptor {
+    /// `(key, value)` entries, in order.
+    fn entries(&self) -> impl Iterator<Item = (&str, &str)> + Clone;
+    /// A limit the request supplies for this descriptor (a valid one: the
+    /// API refuses unknown units before the engine).
+    fn limit(&self) -> Option<LimitOverride>;
+    /// This descriptor's own hits, overriding the request's.
+    fn hits_addend(&self) -> Option<u64>;
+}
+
+/// A descriptor as plain data.
+#[derive(Debug, Clone, Default)]
 pub struct RlsDescriptor<'a> {
     /// `(key, value)` entries, in order.
     pub entries: Vec<(&'a str, &'a str)>,
@@ -79,6 +93,18 @@ pub struct RlsDescriptor<'a> {
     pub limit: Option<LimitOverride>,
     /// This descriptor's own hits, overriding the request's.
     pub hits_addend: Option<u64>,
+}
+
+impl Descriptor for RlsDescriptor<'_> {
+    fn entries(&self) -> impl Iterator<Item = (&str, &str)> + Clone {
+        self.entries.iter().copied()
+    }
+    fn limit(&self) -> Option<LimitOverride> {
+        self.limit
+    }
+    fn hits_addend(&self) -> Option<u64> {
+        self.hits_addend
+    }
 }
 
 /// A request-supplied limit (`RateLimitDescriptor.limit`).
@@ -144,7 +170,7 @@ enum Plan {
 impl Engine {
     /// Decides one `ShouldRateLimit` request, counts and times it, and
     /// records `reason` and `overall_code` on the current span.
-    pub async fn should_rate_limit(&self, request: &RlsRequest<'_>) -> RlsDecision {
+    pub async fn should_rate_limit<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> RlsDecision {
         let started = std::time::Instant::now();
         let decision = self.decide_rls(request).await;
         let span = tracing::Span::current();
@@ -157,14 +183,14 @@ impl Engine {
     /// The request's priority: a descriptor entry named
     /// `envoy.priority_key` with a priority as its value, else the domain's
     /// default, else `shed.default_priority`. An unknown value is ignored.
-    pub fn rls_priority(&self, request: &RlsRequest<'_>) -> Priority {
+    pub fn rls_priority<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> Priority {
         let policy = &self.inner.envoy_policy;
         let stated = (!policy.priority_key.is_empty())
             .then(|| {
                 request
                     .descriptors
                     .iter()
-                    .flat_map(|d| &d.entries)
+                    .flat_map(Descriptor::entries)
                     .filter(|(key, _)| *key == policy.priority_key)
                     .find_map(|(_, value)| Priority::parse(value))
             })
@@ -174,7 +200,7 @@ impl Engine {
             .unwrap_or(self.inner.default_priority)
     }
 
-    async fn decide_rls(&self, request: &RlsRequest<'_>) -> RlsDecision {
+    async fn decide_rls<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> RlsDecision {
         let limits = self.rls_limits(request);
         let priority = self.rls_priority(request);
 
@@ -192,7 +218,7 @@ impl Engine {
         let mut items = Vec::new();
         let plans: Vec<Plan> = limits
             .into_iter()
-            .zip(&request.descriptors)
+            .zip(request.descriptors)
             .map(|(found, descriptor)| match found {
                 None => Plan::NoLimit,
                 Some(found) if found.limit.unlimited => Plan::Unlimited,
@@ -200,9 +226,9 @@ impl Engine {
                     let limit = found.limit;
                     let unit = limit.unit.expect("a limited limit has a unit");
                     let hits =
-                        descriptor.hits_addend.unwrap_or_else(|| u64::from(request.hits_addend.max(1)));
+                        descriptor.hits_addend().unwrap_or_else(|| u64::from(request.hits_addend.max(1)));
                     items.push(ManyItem {
-                        key: counter_key(unit, &descriptor.entries, &found.shared),
+                        key: counter_key(unit, descriptor.entries(), &found.shared),
                         params: unit.window(limit.requests_per_unit, self.inner.envoy_policy.sliding),
                         tick_ms: unit.tick_ms(),
                         weight: hits,
@@ -229,12 +255,11 @@ impl Engine {
         if items.is_empty() {
             return self.rls_answer(&plans, None, base);
         }
-        let domain: Arc<str> = Arc::from(request.domain);
         let store_started = std::time::Instant::now();
         let decided = self
             .inner
             .store
-            .decide_many(&domain, &items)
+            .decide_many(request.domain, &items)
             .instrument(tracing::info_span!(
                 "store.decide_many",
                 store = self.inner.store.name(),
@@ -251,12 +276,12 @@ impl Engine {
     /// Each descriptor's limit: the request's override, else the
     /// configuration's; then `replaces` drops every named limit another
     /// matched limit replaces.
-    fn rls_limits(&self, request: &RlsRequest<'_>) -> Vec<Option<EnvoyMatch>> {
+    fn rls_limits<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> Vec<Option<EnvoyMatch>> {
         let config = self.inner.envoy.as_ref().map(|hot| hot.load());
         let mut limits: Vec<Option<EnvoyMatch>> = request
             .descriptors
             .iter()
-            .map(|d| match &d.limit {
+            .map(|d| match d.limit() {
                 Some(o) => Some(EnvoyMatch {
                     limit: Arc::new(EnvoyLimit {
                         full_key: Arc::clone(&self.override_label),
@@ -271,7 +296,7 @@ impl Engine {
                     }),
                     shared: Vec::new(),
                 }),
-                None => config.as_ref()?.lookup(request.domain, d.entries.iter().copied()),
+                None => config.as_ref()?.lookup(request.domain, d.entries()),
             })
             .collect();
         // The limits are `Arc`s: collecting the replacing ones clones pointers.
@@ -402,9 +427,9 @@ impl Engine {
 
     /// The store could not decide: one dead-letter record for the request,
     /// then the answer `envoy.failure_mode` gives.
-    fn rls_failed(
+    fn rls_failed<D>(
         &self,
-        request: &RlsRequest<'_>,
+        request: &RlsRequest<'_, D>,
         plans: &[Plan],
         items: &[ManyItem],
         error: StoreError,
@@ -456,11 +481,15 @@ impl Engine {
 /// never share a counter. An entry matched through a `share_threshold`
 /// wildcard contributes the pattern instead of its value (`shared`), so all
 /// of its values share the counter.
-pub(crate) fn counter_key(unit: Unit, entries: &[(&str, &str)], shared: &[(usize, Arc<str>)]) -> String {
+pub(crate) fn counter_key<'a>(
+    unit: Unit,
+    entries: impl Iterator<Item = (&'a str, &'a str)> + Clone,
+    shared: &[(usize, Arc<str>)],
+) -> String {
     let mut key =
-        String::with_capacity(16 + entries.iter().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>());
+        String::with_capacity(16 + entries.clone().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>());
     let _ = write!(key, "{}", unit.seconds());
-    for (index, (name, value)) in entries.iter().enumerate() {
+    for (index, (name, value)) in entries.enumerate() {
         key.push('|');
         escape_into(&mut key, name);
         key.push('=');
@@ -498,28 +527,29 @@ mod tests {
 
     #[test]
     fn counter_keys_never_collide() {
-        let a = counter_key(Unit::Second, &[("a", "b|c=d")], &[]);
-        let b = counter_key(Unit::Second, &[("a", "b"), ("c", "d")], &[]);
+        let a = counter_key(Unit::Second, [("a", "b|c=d")].into_iter(), &[]);
+        let b = counter_key(Unit::Second, [("a", "b"), ("c", "d")].into_iter(), &[]);
         assert_ne!(a, b);
         assert_eq!(b, "1|a=b|c=d");
         assert_ne!(
-            counter_key(Unit::Second, &[("a", "b")], &[]),
-            counter_key(Unit::Minute, &[("a", "b")], &[])
+            counter_key(Unit::Second, [("a", "b")].into_iter(), &[]),
+            counter_key(Unit::Minute, [("a", "b")].into_iter(), &[])
         );
     }
 
     #[test]
     fn shared_entries_key_by_pattern_and_never_meet_a_value() {
         let shared = [(0, Arc::from("files/*"))];
-        let a = counter_key(Unit::Minute, &[("files", "files/a.pdf")], &shared);
-        let b = counter_key(Unit::Minute, &[("files", "files/b.csv")], &shared);
+        let a = counter_key(Unit::Minute, [("files", "files/a.pdf")].into_iter(), &shared);
+        let b = counter_key(Unit::Minute, [("files", "files/b.csv")].into_iter(), &shared);
         assert_eq!(a, b);
         assert_eq!(a, "60|files=*files/%2A");
         // The literal value "files/*" (or "*files/*") counted without sharing is another counter.
-        assert_ne!(a, counter_key(Unit::Minute, &[("files", "files/*")], &[]));
-        assert_ne!(a, counter_key(Unit::Minute, &[("files", "*files/*")], &[]));
+        assert_ne!(a, counter_key(Unit::Minute, [("files", "files/*")].into_iter(), &[]));
+        assert_ne!(a, counter_key(Unit::Minute, [("files", "*files/*")].into_iter(), &[]));
         // Only the shared entry is replaced.
-        let nested = counter_key(Unit::Second, &[("user", "u1"), ("path", "/x")], &[(0, Arc::from("u*"))]);
+        let nested =
+            counter_key(Unit::Second, [("user", "u1"), ("path", "/x")].into_iter(), &[(0, Arc::from("u*"))]);
         assert_eq!(nested, "1|user=*u%2A|path=/x");
     }
 }

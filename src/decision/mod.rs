@@ -26,7 +26,9 @@ mod tests;
 use std::{fmt, sync::Arc, time::Duration};
 
 pub use check::{CheckRequest, Decision, RuleInfo};
-pub use envoy::{DescriptorDecision, EnvoyPolicy, LimitOverride, RlsDecision, RlsDescriptor, RlsRequest};
+pub use envoy::{
+    Descriptor, DescriptorDecision, EnvoyPolicy, LimitOverride, RlsDecision, RlsDescriptor, RlsRequest,
+};
 pub use failure::{FailedDecision, FailureSink};
 
 use crate::{

@@ -25,16 +25,12 @@ fn engine(policy: EnvoyPolicy) -> Engine {
     })
 }
 
-fn request<'a>(domain: &'a str, entries: &[&[(&'a str, &'a str)]]) -> RlsRequest<'a> {
-    RlsRequest {
-        domain,
-        descriptors: entries
-            .iter()
-            .map(|e| RlsDescriptor { entries: e.to_vec(), limit: None, hits_addend: None })
-            .collect(),
-        hits_addend: 1,
-        trace_id: None,
-    }
+fn descriptors<'a>(entries: &[&[(&'a str, &'a str)]]) -> Vec<RlsDescriptor<'a>> {
+    entries.iter().map(|e| RlsDescriptor { entries: e.to_vec(), ..RlsDescriptor::default() }).collect()
+}
+
+fn request<'a>(domain: &'a str, descriptors: &'a [RlsDescriptor<'a>]) -> RlsRequest<'a, RlsDescriptor<'a>> {
+    RlsRequest { domain, descriptors, hits_addend: 1, trace_id: None }
 }
 
 #[test]
@@ -44,29 +40,29 @@ fn envoy_priority_comes_from_an_entry_then_the_domain_then_the_default() {
         ..EnvoyPolicy::default()
     };
     let engine = engine(policy);
+    let priority = |domain: &str, entries: &[&[(&str, &str)]]| {
+        let descriptors = descriptors(entries);
+        engine.rls_priority(&request(domain, &descriptors))
+    };
     // An entry anywhere in any descriptor, any case.
-    let stated = request("other", &[&[("path", "/a")], &[("priority", "bulk")]]);
-    assert_eq!(engine.rls_priority(&stated), Priority::Bulk);
+    assert_eq!(priority("other", &[&[("path", "/a")], &[("priority", "bulk")]]), Priority::Bulk);
     // The entry beats the domain's default.
-    let both = request("checkout", &[&[("priority", "BEST_EFFORT")]]);
-    assert_eq!(engine.rls_priority(&both), Priority::BestEffort);
-    assert_eq!(engine.rls_priority(&request("checkout", &[&[("path", "/a")]])), Priority::Critical);
+    assert_eq!(priority("checkout", &[&[("priority", "BEST_EFFORT")]]), Priority::BestEffort);
+    assert_eq!(priority("checkout", &[&[("path", "/a")]]), Priority::Critical);
     // Unknown values and other domains fall back; never an error.
-    let unknown = request("other", &[&[("priority", "URGENT")]]);
-    assert_eq!(engine.rls_priority(&unknown), Priority::Degraded);
+    assert_eq!(priority("other", &[&[("priority", "URGENT")]]), Priority::Degraded);
     // The first valid entry wins.
-    let two =
-        request("other", &[&[("priority", "nope")], &[("priority", "CRITICAL")], &[("priority", "BULK")]]);
-    assert_eq!(engine.rls_priority(&two), Priority::Critical);
+    assert_eq!(
+        priority("other", &[&[("priority", "nope")], &[("priority", "CRITICAL")], &[("priority", "BULK")]]),
+        Priority::Critical
+    );
 }
 
 #[test]
 fn an_empty_priority_key_ignores_entries() {
     let engine = engine(EnvoyPolicy { priority_key: String::new(), ..EnvoyPolicy::default() });
-    assert_eq!(
-        engine.rls_priority(&request("d", &[&[("priority", "CRITICAL")], &[("", "BULK")]])),
-        Priority::Degraded
-    );
+    let descriptors = descriptors(&[&[("priority", "CRITICAL")], &[("", "BULK")]]);
+    assert_eq!(engine.rls_priority(&request("d", &descriptors)), Priority::Degraded);
 }
 
 #[test]

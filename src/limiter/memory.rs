@@ -98,7 +98,7 @@ impl MemoryStore {
     /// All-or-nothing decision over several counters of `group`; see
     /// [`Store::decide_many`](super::Store::decide_many). The shards involved
     /// are locked together, in index order (no deadlock), for the whole call.
-    pub fn decide_many(&self, group: &Arc<str>, items: &[ManyItem]) -> ManyOutcome {
+    pub fn decide_many(&self, group: &str, items: &[ManyItem]) -> ManyOutcome {
         let now_ms = self.clock.now_ms();
         let shard_of: Vec<usize> = items.iter().map(|i| self.shard_index(&i.key)).collect();
         let mut order = shard_of.clone();
@@ -119,7 +119,7 @@ impl MemoryStore {
                 None => {
                     let guard = &guards.iter().find(|(i, _)| *i == shard).expect("shard locked").1;
                     guard
-                        .get(&**group)
+                        .get(group)
                         .and_then(|keys| keys.get(item.key.as_str()))
                         .filter(|entry| entry.expires_at_ms > now_ms)
                         .map(|entry| entry.counter)
@@ -144,12 +144,18 @@ impl MemoryStore {
         if !blocked {
             for (shard, item, counter) in writes {
                 let guard = &mut guards.iter_mut().find(|(i, _)| *i == shard).expect("shard locked").1;
-                let keys = match guard.get_mut(&**group) {
+                let keys = match guard.get_mut(group) {
                     Some(keys) => keys,
-                    None => guard.entry(Arc::clone(group)).or_default(),
+                    None => guard.entry(Arc::from(group)).or_default(),
                 };
                 let expires_at_ms = now_ms.saturating_add(2 * item.params.window_ms * item.tick_ms);
-                keys.insert(item.key.as_str().into(), Entry { counter, expires_at_ms });
+                // An existing counter is updated in place: no key allocation.
+                match keys.get_mut(item.key.as_str()) {
+                    Some(entry) => *entry = Entry { counter, expires_at_ms },
+                    None => {
+                        keys.insert(item.key.as_str().into(), Entry { counter, expires_at_ms });
+                    }
+                }
             }
         }
         drop(guards);

@@ -47,7 +47,7 @@ impl Store {
     /// Decides several counters together, all or nothing (Envoy's
     /// multi-descriptor requests): if any non-shadow item does not fit,
     /// nothing is counted. `group` scopes the keys (the Envoy domain).
-    pub async fn decide_many(&self, group: &Arc<str>, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
+    pub async fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
         match self {
             Store::Memory(store) => Ok(store.decide_many(group, items)),
             Store::Redis(store) => store.decide_many(group, items).await,
