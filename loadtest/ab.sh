@@ -20,16 +20,8 @@ SERVICE_CPUS="${SERVICE_CPUS:-2-5}"; LOAD_CPUS="${LOAD_CPUS:-6-15}"; REDIS_CPUS=
 DURATION="${DURATION:-8}"; ROUNDS="${ROUNDS:-3}"; CONCURRENCY="${CONCURRENCY:-256}"
 CONNECTIONS="${CONNECTIONS:-16}"; KEYS="${KEYS:-hot}"
 mkdir -p "$OUT"
-WORK="$(mktemp -d)"
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
-wait_port() { for _ in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "ab: nothing on port $1" >&2; exit 1; }
+# shellcheck source=loadtest/common.sh
+source "$(dirname "$0")/common.sh"
 
 # Limits far above what the load reaches: every decision is counted, none denied.
 mkdir -p "$WORK/envoy"

@@ -27,16 +27,8 @@ CONNECTIONS="${CONNECTIONS:-4}"
 cargo build --release --locked -p ratelimitd -p loadtest >&2
 RATELIMITD="$PWD/target/release/ratelimitd"
 LOADTEST="$PWD/target/release/loadtest"
-WORK="$(mktemp -d)"
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
-wait_port() { for _ in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "bench: nothing on port $1" >&2; exit 1; }
+# shellcheck source=loadtest/common.sh
+source loadtest/common.sh  # the script runs from the repository root (cd above)
 
 # One Redis for everyone, flushed between runs.
 REDIS_PORT="$(free_port)"
