@@ -77,6 +77,7 @@ for round in $(seq "$ROUNDS"); do
   done
 done
 
+command -v python3 >/dev/null || { echo "ab: no python3 here; the JSON reports are in $OUT" >&2; exit 0; }
 python3 - "$OUT" "$ROUNDS" "$SERVICE_CPUS" "$LOAD_CPUS" "$CONCURRENCY" "$CONNECTIONS" "$KEYS" "$DURATION" "${STORES[*]}" <<'PY'
 import json, statistics, sys
 out, rounds, svc, load, conc, conns, keys, dur, stores = sys.argv[1:]
