@@ -11,14 +11,14 @@
 #
 # SERVICE_CPUS (default 2-5), LOAD_CPUS (6-15), REDIS_CPUS (0): core sets
 # (taskset -c). DURATION (s, 8), ROUNDS (3), CONCURRENCY (256),
-# CONNECTIONS (16), KEYS (hot). REDIS_CMD: how to start redis-server (unset:
-# memory only).
+# CONNECTIONS (16), KEYS (hot), APIS ("check envoy"). REDIS_CMD: how to
+# start redis-server (unset: memory only); MEMORY=0 skips the memory store.
 set -euo pipefail
 
 A_CMD="$1"; B_CMD="$2"; LOADTEST_CMD="$3"; OUT="$4"
 SERVICE_CPUS="${SERVICE_CPUS:-2-5}"; LOAD_CPUS="${LOAD_CPUS:-6-15}"; REDIS_CPUS="${REDIS_CPUS:-0}"
 DURATION="${DURATION:-8}"; ROUNDS="${ROUNDS:-3}"; CONCURRENCY="${CONCURRENCY:-256}"
-CONNECTIONS="${CONNECTIONS:-16}"; KEYS="${KEYS:-hot}"
+CONNECTIONS="${CONNECTIONS:-16}"; KEYS="${KEYS:-hot}"; APIS="${APIS:-check envoy}"
 mkdir -p "$OUT"
 # shellcheck source=loadtest/common.sh
 source "$(dirname "$0")/common.sh"
@@ -36,7 +36,8 @@ rules:
   - { rule_id: playback, resource_path: /api/v1/playback, limit: 1000000000, window_seconds: 60 }
 YAML
 
-STORES=(memory)
+STORES=()
+[ "${MEMORY:-1}" = 0 ] || STORES+=(memory)
 REDIS_URL=""
 if [ -n "${REDIS_CMD:-}" ]; then
   REDIS_PORT="$(free_port)"
@@ -70,7 +71,7 @@ one() { # label, command, api, store
 
 for round in $(seq "$ROUNDS"); do
   for store in "${STORES[@]}"; do
-    for api in check envoy; do
+    for api in $APIS; do
       one "a-$api-$store-$round" "$A_CMD" "$api" "$store"
       one "b-$api-$store-$round" "$B_CMD" "$api" "$store"
     done
@@ -78,17 +79,21 @@ for round in $(seq "$ROUNDS"); do
 done
 
 command -v python3 >/dev/null || { echo "ab: no python3 here; the JSON reports are in $OUT" >&2; exit 0; }
-python3 - "$OUT" "$ROUNDS" "$SERVICE_CPUS" "$LOAD_CPUS" "$CONCURRENCY" "$CONNECTIONS" "$KEYS" "$DURATION" "${STORES[*]}" <<'PY'
+python3 - "$OUT" "$ROUNDS" "$SERVICE_CPUS" "$LOAD_CPUS" "$CONCURRENCY" "$CONNECTIONS" "$KEYS" "$DURATION" "${STORES[*]}" "$APIS" <<'PY'
 import json, statistics, sys
-out, rounds, svc, load, conc, conns, keys, dur, stores = sys.argv[1:]
+out, rounds, svc, load, conc, conns, keys, dur, stores, apis = sys.argv[1:]
 rounds = int(rounds)
 print(f"A/B, alternating runs: service on cores {svc}, loadtest on {load}, {conc} callers over {conns} connections, keys {keys}, {dur} s per run, median of {rounds} rounds.\n")
-print("| API | store | A decisions/s | B decisions/s | B/A | A CPU µs/decision | B CPU µs/decision | B/A |")
+print("B/A per round: each B run against the A run just before it (drift cancels); the table shows the median and the range.\n")
+print("| API | store | A decisions/s | B decisions/s | B/A decisions/s (min–max) | A CPU µs/decision | B CPU µs/decision | B/A CPU (min–max) |")
 print("|---|---|---|---|---|---|---|---|")
 for store in stores.split():
-    for api in ["check", "envoy"]:
-        get = lambda side, key: statistics.median(json.load(open(f"{out}/{side}-{api}-{store}-{r}.json"))[key] for r in range(1, rounds + 1))
-        ad, bd = get("a", "decisions_per_second"), get("b", "decisions_per_second")
-        ac, bc = get("a", "target_cpu_us_per_decision"), get("b", "target_cpu_us_per_decision")
-        print(f"| {api} | {store} | {ad:.0f} | {bd:.0f} | {bd/ad:.3f} | {ac:.2f} | {bc:.2f} | {bc/ac:.3f} |")
+    for api in apis.split():
+        runs = lambda side, key: [json.load(open(f"{out}/{side}-{api}-{store}-{r}.json"))[key] for r in range(1, rounds + 1)]
+        ad, bd = runs("a", "decisions_per_second"), runs("b", "decisions_per_second")
+        ac, bc = runs("a", "target_cpu_us_per_decision"), runs("b", "target_cpu_us_per_decision")
+        rd = [b / a for a, b in zip(ad, bd)]
+        rc = [b / a for a, b in zip(ac, bc)]
+        med = statistics.median
+        print(f"| {api} | {store} | {med(ad):.0f} | {med(bd):.0f} | {med(rd):.3f} ({min(rd):.2f}–{max(rd):.2f}) | {med(ac):.2f} | {med(bc):.2f} | {med(rc):.3f} ({min(rc):.2f}–{max(rc):.2f}) |")
 PY
