@@ -23,13 +23,14 @@ use self::parts::Tasks;
 use crate::{
     api::{EnvoyService, RateLimiterService},
     config::Config,
+    decision::Engine,
     dlq::DlqSink,
     limiter::redis::RedisSetupError,
     rules::RuleErrors,
     shed::Shedder,
     telemetry::{
         Metrics,
-        health::{Health, publish, run_monitor, serve_http},
+        health::{Health, publish},
         metrics::Sources,
     },
     tls::ReloadingAcceptor,
@@ -120,69 +121,70 @@ pub async fn run_observed(
     let metrics = Arc::new(Metrics::new(store.name()));
     let engine = parts::engine(&config, &rules, store, &shedder, &dlq, &metrics);
     log_serving(&config, &listener, &rules, engine.store().name());
-
     metrics.set_sources(Sources {
         shedder: Arc::clone(&shedder),
         dlq: Arc::clone(&dlq),
         rules: Arc::clone(&rules.native),
         envoy: rules.envoy.clone(),
     });
-    let health = Arc::new(Health::new(
-        Arc::clone(&rules.native),
-        rules.envoy.as_ref().map(|_| config.envoy.failure_mode),
-        engine.store().name(),
-    ));
-    let (reporter, health_service) = tonic_health::server::health_reporter();
-    publish(&reporter, false).await;
-    let stop = tasks.stopper();
-    tasks.spawn(run_monitor(
-        Arc::clone(&health),
-        engine.store().clone(),
-        reporter.clone(),
-        Duration::from_millis(config.http.health_interval_ms),
-        Duration::from_millis(config.redis.connect_timeout_ms),
-        stop,
-    ));
-    if let Some(http) = http {
-        tracing::info!(addr = ?http.local_addr().ok(), "serving /metrics, /healthz, /readyz");
-        let stop = tasks.stopper();
-        tasks.spawn(serve_http(http, Arc::clone(&health), Arc::clone(&metrics), stop));
-    }
-
-    let check = RateLimiterService::new(engine.clone(), config.limits.clone());
-    let envoy = rules.envoy.is_some().then(|| EnvoyService::new(engine.clone(), config.envoy.clone()));
+    let (health, reporter, health_service) =
+        parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await;
+    let router = grpc_router(&config, &engine, rules.envoy.is_some(), health_service)?;
+    // From here the services hold the engine (and the store) alone.
     drop(engine);
-    let router = grpc_router(&config, check, envoy, health_service)?;
 
     // Everything is built: the service is about to answer.
     observe(Observer { dlq: Arc::clone(&dlq), shedder: Arc::clone(&shedder), metrics: Arc::clone(&metrics) });
-
-    let (draining_tx, draining_rx) = oneshot::channel::<()>();
-    let draining_health = Arc::clone(&health);
     let drain_delay = Duration::from_millis(config.grpc.drain_delay_ms);
+    let (signal, drained) = drain_on(shutdown, health, reporter, drain_delay);
+    let serve = serve_grpc(&config, router, listener, tls, signal, &mut tasks);
+    let grace = Duration::from_millis(config.grpc.shutdown_grace_ms);
+    let result = serve_until_stopped(serve, drained, grace, &mut tasks, &mut dispatchers).await;
+    stop(tasks, dispatchers, grace, &dlq).await;
+    result
+}
+
+/// The shutdown signal the gRPC server waits for: once `shutdown` resolves,
+/// health turns NOT_SERVING (load balancers are told first), answers go on
+/// for `drain_delay`, then the server stops accepting. The receiver hears
+/// when that moment comes.
+fn drain_on(
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    health: Arc<Health>,
+    reporter: tonic_health::server::HealthReporter,
+    drain_delay: Duration,
+) -> (impl Future<Output = ()> + Send + 'static, oneshot::Receiver<()>) {
+    let (draining_tx, draining_rx) = oneshot::channel::<()>();
     let signal = async move {
         shutdown.await;
-        // Tell load balancers first, keep answering for the drain delay,
-        // then stop accepting and let in-flight calls finish.
-        draining_health.set_draining();
+        health.set_draining();
         publish(&reporter, false).await;
         tracing::info!(delay_ms = drain_delay.as_millis(), "health NOT_SERVING; draining");
         tokio::time::sleep(drain_delay).await;
         let _ = draining_tx.send(());
     };
-    let serve = serve_grpc(&config, router, listener, tls, signal, &mut tasks);
+    (signal, draining_rx)
+}
 
-    let grace = Duration::from_millis(config.grpc.shutdown_grace_ms);
+/// Runs the gRPC server until it has drained, `grace` after draining began
+/// (in-flight calls still running then are left), or until a background
+/// task or a Redis dispatcher ends: they only return on shutdown, so one
+/// that ends earlier (a panic) stops the service with an error rather than
+/// leaving it running without rule reloads, bounded memory or Redis.
+async fn serve_until_stopped(
+    serve: impl Future<Output = Result<(), tonic::transport::Error>>,
+    drained: oneshot::Receiver<()>,
+    grace: Duration,
+    tasks: &mut Tasks,
+    dispatchers: &mut JoinSet<()>,
+) -> Result<(), ServerError> {
     let grace_expired = async move {
-        if draining_rx.await.is_ok() {
+        if drained.await.is_ok() {
             tokio::time::sleep(grace).await;
         } else {
             std::future::pending::<()>().await;
         }
     };
-    // Background tasks and dispatchers only return on shutdown; one that
-    // ends earlier (a panic) stops the service with an error rather than
-    // leaving it running without rule reloads, bounded memory or Redis.
     let dispatcher_exited = async {
         match dispatchers.join_next().await {
             Some(Err(e)) => format!("redis dispatcher: {e}"),
@@ -190,19 +192,23 @@ pub async fn run_observed(
             None => std::future::pending().await,
         }
     };
-    let result = tokio::select! {
+    tokio::select! {
         result = serve => result.map_err(ServerError::from),
         () = grace_expired => {
-            tracing::warn!(grace_ms = config.grpc.shutdown_grace_ms, "in-flight calls still running after the grace period; stopping anyway");
+            tracing::warn!(grace_ms = grace.as_millis(), "in-flight calls still running after the grace period; stopping anyway");
             Ok(())
         }
         reason = tasks.first_exit() => Err(ServerError::TaskExited(reason)),
         reason = dispatcher_exited => Err(ServerError::TaskExited(reason)),
-    };
+    }
+}
 
+/// Stops and joins the background tasks (the dead-letter writers drain their
+/// queues), then the Redis dispatchers: the services, and with them the
+/// engine and its store, went with the server future, so their queues are
+/// closing. Logs the dead-letter accounting.
+async fn stop(tasks: Tasks, mut dispatchers: JoinSet<()>, grace: Duration, dlq: &DlqSink) {
     tasks.stop_and_join().await;
-    // The services (and with them the engine and its store) went with the
-    // server future; the dispatchers now see their queues close.
     if tokio::time::timeout(grace, async { while dispatchers.join_next().await.is_some() {} }).await.is_err()
     {
         tracing::warn!("redis dispatchers still running after the grace period; aborting them");
@@ -218,7 +224,6 @@ pub async fn run_observed(
         "dead-letter pipeline at shutdown (enqueued + recovered = delivered + pending + dropped)"
     );
     tracing::info!("ratelimitd stopped");
-    result
 }
 
 /// The startup lines: what is served, from where, on which store.
@@ -246,10 +251,12 @@ fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, st
 /// configured), health and reflection.
 fn grpc_router(
     config: &Config,
-    check: RateLimiterService,
-    envoy: Option<EnvoyService>,
+    engine: &Engine,
+    serve_envoy: bool,
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
 ) -> Result<Router, ServerError> {
+    let check = RateLimiterService::new(engine.clone(), config.limits.clone());
+    let envoy = serve_envoy.then(|| EnvoyService::new(engine.clone(), config.envoy.clone()));
     let reflection = |builder: tonic_reflection::server::Builder<'static>| {
         crate::api::DESCRIPTOR_SETS
             .into_iter()

@@ -5,7 +5,8 @@
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
-use tokio::{sync::watch, task::JoinSet};
+use tokio::{net::TcpListener, sync::watch, task::JoinSet};
+use tonic_health::{pb::health_server::HealthServer, server::HealthReporter};
 
 use super::ServerError;
 use crate::{
@@ -16,7 +17,10 @@ use crate::{
     limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper},
     rules::{self, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig},
     shed::{Sampler, ShedMode, Shedder, run_sampler},
-    telemetry::Metrics,
+    telemetry::{
+        Metrics,
+        health::{Health, publish, run_monitor, serve_http},
+    },
 };
 
 /// Background tasks and the signal that stops them. Each returns once the
@@ -256,6 +260,41 @@ pub(crate) fn engine(
         default_priority: config.shed.default_priority,
         envoy_policy: envoy_policy(&config.envoy),
     })
+}
+
+/// Readiness and gRPC health: the state behind `/readyz` and
+/// `grpc.health.v1`, the monitor that probes the store, and the HTTP
+/// endpoints when `http` is given. Starts NOT_SERVING until the first probe.
+pub(crate) async fn health(
+    config: &Config,
+    rules: &Rules,
+    engine: &Engine,
+    metrics: &Arc<Metrics>,
+    http: Option<TcpListener>,
+    tasks: &mut Tasks,
+) -> (Arc<Health>, HealthReporter, HealthServer<impl tonic_health::pb::health_server::Health>) {
+    let health = Arc::new(Health::new(
+        Arc::clone(&rules.native),
+        rules.envoy.as_ref().map(|_| config.envoy.failure_mode),
+        engine.store().name(),
+    ));
+    let (reporter, service) = tonic_health::server::health_reporter();
+    publish(&reporter, false).await;
+    let stop = tasks.stopper();
+    tasks.spawn(run_monitor(
+        Arc::clone(&health),
+        engine.store().clone(),
+        reporter.clone(),
+        Duration::from_millis(config.http.health_interval_ms),
+        Duration::from_millis(config.redis.connect_timeout_ms),
+        stop,
+    ));
+    if let Some(http) = http {
+        tracing::info!(addr = ?http.local_addr().ok(), "serving /metrics, /healthz, /readyz");
+        let stop = tasks.stopper();
+        tasks.spawn(serve_http(http, Arc::clone(&health), Arc::clone(metrics), stop));
+    }
+    (health, reporter, service)
 }
 
 #[cfg(test)]
