@@ -24,7 +24,7 @@ use ratelimitd::{
         pb, validate,
     },
     clock::SystemClock,
-    config::{EnvoySettings, LimitsConfig},
+    config::EnvoySettings,
     decision::{CheckRequest, Engine, EngineParts, EnvoyPolicy},
     dlq::LogSink,
     limiter::{
@@ -126,12 +126,11 @@ fn benches(c: &mut Criterion) {
         headers: HashMap::from([("x-request-id".to_owned(), "r-1".to_owned())]),
     };
     let metadata = tonic::metadata::MetadataMap::new();
-    let limits = LimitsConfig::default();
     c.bench_function("request validation", |b| {
-        b.iter(|| black_box(validate(black_box(&request), &metadata, &limits)).is_ok())
+        b.iter(|| black_box(validate(black_box(&request), &metadata)).is_ok())
     });
     let allocs = allocations_per_call(100_000, || {
-        black_box(validate(&request, &metadata, &limits).is_ok());
+        black_box(validate(&request, &metadata).is_ok());
     });
     println!("request validation: {allocs} allocations per call");
 
@@ -157,6 +156,7 @@ fn benches(c: &mut Criterion) {
         failures: Arc::new(LogSink::default()),
         stats: Arc::new(Metrics::new("memory")),
         default_priority: Priority::Degraded,
+        max_user_id_bytes: 256,
         envoy_policy: EnvoyPolicy::default(),
     });
     let headers = HashMap::new();

@@ -116,6 +116,7 @@ impl Harness {
             failures: Arc::clone(&failures) as _,
             stats: Arc::new(NoStats),
             default_priority: Priority::Degraded,
+            max_user_id_bytes: 256,
             envoy_policy: policy,
         });
         Harness { engine, shedder, failures, clock, memory, redis, _dispatchers: dispatchers, _dir: dir }
@@ -177,6 +178,7 @@ for_each_store!(
     envoy_sheds_by_priority_without_a_store_call,
     envoy_share_threshold_shares_one_counter,
     envoy_override_limits_count_under_a_fixed_label,
+    over_long_values_are_counted_by_digest_exactly,
 );
 
 async fn check_ok_then_over_limit_then_ok_once_the_window_passes(backend: Backend) {
@@ -327,12 +329,38 @@ async fn envoy_share_threshold_shares_one_counter(backend: Backend) {
 }
 
 async fn envoy_override_limits_count_under_a_fixed_label(backend: Backend) {
-    let h = Harness::default(backend).await;
     let limit = Some(LimitOverride { requests_per_unit: 1, unit: Unit::Hour });
+    // Off by default: the request's limit is ignored, the configured one applies.
+    let h = Harness::default(backend).await;
+    let ignored = h.rls_with(&[&[("anything", "v1")]], 1, limit).await;
+    assert_eq!((ignored.reason, ignored.statuses[0].limit.is_none()), (Reason::NoRule, true));
+    let user = h.rls_with(&[&[("user", "ann")]], 1, limit).await;
+    assert_eq!(user.statuses[0].limit.as_ref().map(|l| l.requests_per_unit), Some(2));
+    // Honoured for a listed domain, under a fixed label.
+    let policy = EnvoyPolicy { request_limit_domains: ["edge".to_owned()].into(), ..EnvoyPolicy::default() };
+    let h = Harness::new(backend, ShedMode::Enforce, policy).await;
     let first = h.rls_with(&[&[("anything", "v1")]], 1, limit).await;
     assert_eq!(first.reason, Reason::Ok);
     assert_eq!(first.statuses[0].limit.as_ref().map(|l| &*l.full_key), Some("override"));
     assert_eq!(h.rls_with(&[&[("anything", "v1")]], 1, limit).await.reason, Reason::OverLimit);
+}
+
+async fn over_long_values_are_counted_by_digest_exactly(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let long = "u".repeat(2_000);
+    let mut near = long.clone();
+    near.push('v');
+    assert_eq!(h.check(&long, "/two", 1).await.reason, Reason::Ok);
+    assert_eq!(h.check(&long, "/two", 1).await.reason, Reason::Ok);
+    assert_eq!(h.check(&long, "/two", 1).await.reason, Reason::OverLimit, "limited like a short id");
+    assert_eq!(h.check(&near, "/two", 1).await.reason, Reason::Ok, "a different long id is another counter");
+    let value = "v".repeat(5_000);
+    assert!(!h.rls(&[&[("user", &value)]]).await.over_limit);
+    assert!(!h.rls(&[&[("user", &value)]]).await.over_limit);
+    assert!(h.rls(&[&[("user", &value)]]).await.over_limit, "limited like a short value");
+    // Matching still sees the whole value: a wildcard matches a long path.
+    let path = format!("/files/{}", "p".repeat(5_000));
+    assert!(h.rls(&[&[("files", &path)]]).await.statuses[0].limit.is_some());
 }
 
 /// Redis stops: each entry point answers by its failure policy and reports

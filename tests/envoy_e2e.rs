@@ -256,3 +256,23 @@ async fn share_threshold_shares_one_limit_across_matching_paths() {
     assert_eq!(codes[10..], [429, 429], "eleventh distinct file: the shared limit is spent");
     s.server.stop().await.unwrap();
 }
+
+/// A 2,000-byte user header is limited exactly like a short one (3 a
+/// minute, then 429): over `envoy.max_entry_bytes` the value is counted by
+/// its digest instead of being refused (a refusal would be an error Envoy,
+/// with `failure_mode_deny: false`, answers with "allow").
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_over_long_user_header_is_limited_like_a_short_one() {
+    let s = stack(|_| {}).await;
+    let port = s.envoy_port;
+    let codes: Vec<u16> = tokio::task::spawn_blocking(move || {
+        let long = "m".repeat(2_000);
+        (0..5).map(|_| get(port, &[("x-user-id", &long)]).0).collect()
+    })
+    .await
+    .unwrap();
+    assert_eq!(codes, [200, 200, 200, 429, 429]);
+    let scrape = s.server.observer().await.metrics.render();
+    assert!(scrape.contains("reason=\"entry_digest\"} 5"), "{scrape}");
+    s.server.stop().await.unwrap();
+}

@@ -1,7 +1,5 @@
 //! `ratelimit.v1.RateLimiter/Check`.
 
-use std::sync::Arc;
-
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
@@ -9,19 +7,21 @@ use super::{
     convert::{response, validate},
     pb,
 };
-use crate::{config::LimitsConfig, decision::Engine, telemetry::traces::continue_trace};
+use crate::{
+    decision::{Api, Engine},
+    telemetry::traces::continue_trace,
+};
 
 /// The native decision service.
 #[derive(Debug, Clone)]
 pub struct RateLimiterService {
     engine: Engine,
-    limits: Arc<LimitsConfig>,
 }
 
 impl RateLimiterService {
-    /// A service deciding with `engine`, validating against `limits`.
-    pub fn new(engine: Engine, limits: LimitsConfig) -> Self {
-        RateLimiterService { engine, limits: Arc::new(limits) }
+    /// A service deciding with `engine`.
+    pub fn new(engine: Engine) -> Self {
+        RateLimiterService { engine }
     }
 
     /// The tonic server wrapper.
@@ -41,8 +41,10 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         // Store failures never become a gRPC error here: the rule's failure
         // policy answers (FAIL_OPEN / FAIL_CLOSED) so the gateway always gets
         // a decision it can act on.
-        let checked = validate(&message, &metadata, &self.limits)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let checked = validate(&message, &metadata).map_err(|e| {
+            self.engine.refused(Api::Check, e.reason);
+            Status::invalid_argument(e.to_string())
+        })?;
         let span = tracing::info_span!(
             "ratelimit.check",
             otel.kind = "server",

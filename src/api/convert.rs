@@ -4,7 +4,6 @@
 //! without copying any string.
 
 use crate::{
-    config::LimitsConfig,
     decision::{CheckRequest, Decision, Reason},
     shed::Priority,
     telemetry::traces::trace_id_of,
@@ -12,83 +11,39 @@ use crate::{
 
 use super::pb;
 
-/// A request field that is out of bounds. Becomes INVALID_ARGUMENT with this
-/// message, which names the field and the bound.
+/// A structurally broken request. Becomes INVALID_ARGUMENT with this
+/// message, which names the field; `reason` is the fixed metric label.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {message}")]
 pub struct ValidationError {
     /// The offending field.
     pub field: &'static str,
-    /// What is wrong with it, including the bound and its configuration key.
+    /// What is wrong with it.
     pub message: String,
+    /// Fixed name of the problem (`empty_user_id`, …), for metrics.
+    pub reason: &'static str,
 }
 
-fn invalid(field: &'static str, message: String) -> ValidationError {
-    ValidationError { field, message }
+fn invalid(field: &'static str, reason: &'static str, message: String) -> ValidationError {
+    ValidationError { field, message, reason }
 }
 
-fn bounded(
-    field: &'static str,
-    value: &str,
-    max: usize,
-    key: &str,
-    required: bool,
-) -> Result<(), ValidationError> {
-    if required && value.is_empty() {
-        return Err(invalid(field, "must not be empty".to_owned()));
-    }
-    if value.len() > max {
-        return Err(invalid(
-            field,
-            format!("{} bytes exceeds the maximum of {max} (limits.{key})", value.len()),
-        ));
-    }
-    Ok(())
-}
-
-/// Validates a `RateLimitRequest` against `limits` and borrows it as a
-/// [`CheckRequest`].
+/// Validates a `RateLimitRequest` and borrows it as a [`CheckRequest`].
+///
+/// Only a structurally broken request is refused (empty `user_id` or
+/// `resource_path`, an unknown priority): a refusal is an error a proxy may
+/// answer with "allow", so no value is refused for its size. The engine
+/// counts an over-long `user_id` by its digest; long paths and client types
+/// are matched as they are; records keep bounded copies (`limits.*`).
 pub fn validate<'a>(
     request: &'a pb::RateLimitRequest,
     metadata: &'a tonic::metadata::MetadataMap,
-    limits: &LimitsConfig,
 ) -> Result<CheckRequest<'a>, ValidationError> {
-    bounded("user_id", &request.user_id, limits.max_user_id_bytes, "max_user_id_bytes", true)?;
-    bounded(
-        "resource_path",
-        &request.resource_path,
-        limits.max_resource_path_bytes,
-        "max_resource_path_bytes",
-        true,
-    )?;
-    bounded(
-        "client_type",
-        &request.client_type,
-        limits.max_client_type_bytes,
-        "max_client_type_bytes",
-        false,
-    )?;
-    if request.headers.len() > limits.max_headers {
-        return Err(invalid(
-            "headers",
-            format!(
-                "{} entries exceed the maximum of {} (limits.max_headers)",
-                request.headers.len(),
-                limits.max_headers
-            ),
-        ));
+    if request.user_id.is_empty() {
+        return Err(invalid("user_id", "empty_user_id", "must not be empty".to_owned()));
     }
-    for (name, value) in &request.headers {
-        if name.len() + value.len() > limits.max_header_bytes {
-            return Err(invalid(
-                "headers",
-                format!(
-                    "entry {name:?} is {} bytes (name + value), more than the maximum of {} (limits.max_header_bytes)",
-                    name.len() + value.len(),
-                    limits.max_header_bytes
-                ),
-            ));
-        }
+    if request.resource_path.is_empty() {
+        return Err(invalid("resource_path", "empty_resource_path", "must not be empty".to_owned()));
     }
     let priority = match pb::PriorityBucket::try_from(request.priority) {
         Ok(pb::PriorityBucket::Unspecified) => None,
@@ -99,6 +54,7 @@ pub fn validate<'a>(
         Err(_) => {
             return Err(invalid(
                 "priority",
+                "unknown_priority",
                 format!(
                     "unknown value {}; expected 0 (PRIORITY_BUCKET_UNSPECIFIED), 1 (CRITICAL), 2 (DEGRADED), 3 (BEST_EFFORT) or 4 (BULK)",
                     request.priority
@@ -179,17 +135,17 @@ mod tests {
         }
     }
 
-    fn error(mutate: impl FnOnce(&mut pb::RateLimitRequest)) -> String {
+    fn error(mutate: impl FnOnce(&mut pb::RateLimitRequest)) -> ValidationError {
         let mut r = request();
         mutate(&mut r);
-        validate(&r, &tonic::metadata::MetadataMap::new(), &LimitsConfig::default()).unwrap_err().to_string()
+        validate(&r, &tonic::metadata::MetadataMap::new()).unwrap_err()
     }
 
     #[test]
     fn valid_request_borrows_and_defaults() {
         let r = request();
         let metadata = tonic::metadata::MetadataMap::new();
-        let checked = validate(&r, &metadata, &LimitsConfig::default()).unwrap();
+        let checked = validate(&r, &metadata).unwrap();
         assert_eq!(checked.weight, 1, "weight 0 means 1");
         assert_eq!(checked.client_type, None);
         assert_eq!(checked.priority, None);
@@ -202,69 +158,43 @@ mod tests {
         let mut metadata = tonic::metadata::MetadataMap::new();
         metadata.insert("traceparent", traceparent.parse().unwrap());
         let r = request();
-        let checked = validate(&r, &metadata, &LimitsConfig::default()).unwrap();
+        let checked = validate(&r, &metadata).unwrap();
         assert_eq!(checked.trace_id, Some("4bf92f3577b34da6a3ce929d0e0e4736"));
         let mut r = request();
         r.headers.insert("traceparent".to_owned(), traceparent.to_owned());
         let empty = tonic::metadata::MetadataMap::new();
-        assert_eq!(
-            validate(&r, &empty, &LimitsConfig::default()).unwrap().trace_id,
-            Some("4bf92f3577b34da6a3ce929d0e0e4736")
-        );
+        assert_eq!(validate(&r, &empty).unwrap().trace_id, Some("4bf92f3577b34da6a3ce929d0e0e4736"));
     }
 
     #[test]
-    fn each_bound_names_field_and_limit() {
-        assert_eq!(error(|r| r.user_id.clear()), "user_id: must not be empty");
-        assert_eq!(error(|r| r.resource_path.clear()), "resource_path: must not be empty");
-        assert_eq!(
-            error(|r| r.user_id = "x".repeat(257)),
-            "user_id: 257 bytes exceeds the maximum of 256 (limits.max_user_id_bytes)"
-        );
-        assert!(error(|r| r.resource_path = "/".repeat(2049)).contains("limits.max_resource_path_bytes"));
-        assert!(error(|r| r.client_type = "c".repeat(65)).starts_with("client_type: 65 bytes"));
-        assert!(error(|r| r.priority = 9).starts_with("priority: unknown value 9"));
-        assert!(error(|r| r.priority = -1).starts_with("priority: unknown value -1"));
-        assert!(
-            error(|r| {
-                for i in 0..65 {
-                    r.headers.insert(format!("h{i}"), String::new());
-                }
-            })
-            .starts_with("headers: 65 entries exceed the maximum of 64")
-        );
-        assert!(
-            error(|r| {
-                r.headers.insert("big".to_owned(), "v".repeat(9_000));
-            })
-            .starts_with("headers: entry \"big\"")
-        );
+    fn only_broken_structure_is_refused() {
+        let e = error(|r| r.user_id.clear());
+        assert_eq!((e.to_string().as_str(), e.reason), ("user_id: must not be empty", "empty_user_id"));
+        assert_eq!(error(|r| r.resource_path.clear()).reason, "empty_resource_path");
+        assert!(error(|r| r.priority = 9).to_string().starts_with("priority: unknown value 9"));
+        assert_eq!(error(|r| r.priority = -1).reason, "unknown_priority");
+        // Sizes are never a reason to refuse.
+        let mut big = request();
+        big.user_id = "x".repeat(10_000);
+        big.resource_path = "/".repeat(10_000);
+        big.client_type = "c".repeat(1_000);
+        big.headers = (0..500).map(|i| (format!("h{i}"), "v".repeat(9_000))).collect();
+        assert!(validate(&big, &tonic::metadata::MetadataMap::new()).is_ok());
     }
 
     mod properties {
         //! Property tests: any request is either converted or refused with a
-        //! field-naming error, never a panic, and exactly the bounds decide.
+        //! field-naming error, never a panic, and only its structure decides.
         use proptest::prelude::*;
 
         use super::*;
-
-        /// Small bounds, so generated values fall on both sides of each.
-        fn limits() -> LimitsConfig {
-            LimitsConfig {
-                max_user_id_bytes: 16,
-                max_resource_path_bytes: 32,
-                max_client_type_bytes: 8,
-                max_headers: 4,
-                max_header_bytes: 24,
-            }
-        }
 
         proptest! {
             #![proptest_config(ProptestConfig { cases: 2_000, ..ProptestConfig::default() })]
 
             #[test]
-            fn validate_is_total_and_exactly_the_bounds_decide(
-                user_id in "(?s).{0,20}",
+            fn validate_is_total_and_only_structure_decides(
+                user_id in "(?s).{0,300}",
                 resource_path in "(?s).{0,40}",
                 client_type in "(?s).{0,10}",
                 headers in proptest::collection::hash_map("(?s).{0,16}", "(?s).{0,16}", 0..6),
@@ -279,24 +209,18 @@ mod tests {
                 let request = pb::RateLimitRequest {
                     user_id, resource_path, client_type, headers, priority, weight
                 };
-                let limits = limits();
-                let within = !request.user_id.is_empty()
-                    && request.user_id.len() <= limits.max_user_id_bytes
+                let well_formed = !request.user_id.is_empty()
                     && !request.resource_path.is_empty()
-                    && request.resource_path.len() <= limits.max_resource_path_bytes
-                    && request.client_type.len() <= limits.max_client_type_bytes
-                    && request.headers.len() <= limits.max_headers
-                    && request.headers.iter().all(|(n, v)| n.len() + v.len() <= limits.max_header_bytes)
                     && (0..=4).contains(&request.priority);
-                match validate(&request, &tonic::metadata::MetadataMap::new(), &limits) {
+                match validate(&request, &tonic::metadata::MetadataMap::new()) {
                     Ok(checked) => {
-                        prop_assert!(within, "accepted out of bounds: {request:?}");
+                        prop_assert!(well_formed, "accepted a broken request: {request:?}");
                         prop_assert_eq!(checked.user_id, request.user_id.as_str());
                         prop_assert_eq!(checked.weight, request.weight.max(1));
                         prop_assert_eq!(checked.client_type.is_none(), request.client_type.is_empty());
                     }
                     Err(error) => {
-                        prop_assert!(!within, "refused within bounds: {error}");
+                        prop_assert!(!well_formed, "refused a well-formed request: {error}");
                         prop_assert!(error.to_string().starts_with(error.field));
                     }
                 }

@@ -21,7 +21,7 @@ use super::envoy_pb::{
 };
 use crate::{
     config::EnvoySettings,
-    decision::{Descriptor, DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsRequest},
+    decision::{Api, Descriptor, DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsRequest},
     rules::envoy::Unit,
     telemetry::traces::{continue_trace, trace_id_of},
 };
@@ -44,60 +44,65 @@ impl EnvoyService {
         RateLimitServiceServer::new(self)
     }
 
-    fn validate(&self, request: &RateLimitRequest) -> Result<(), Status> {
-        let invalid = |message: String| Err(Status::invalid_argument(message));
+    /// Refuses only broken structure (empty domain, no descriptors, an
+    /// empty entry list or key, an unknown override unit) and the counts
+    /// Envoy's own configuration bounds (domain length, descriptors,
+    /// entries). An entry's size never refuses: the engine counts a long
+    /// one by its digest. Returns the refusal's fixed reason and message.
+    fn validate(&self, request: &RateLimitRequest) -> Result<(), (&'static str, String)> {
+        let settings = &self.settings;
         if request.domain.is_empty() {
-            return invalid("domain: must not be empty".to_owned());
+            return Err(("empty_domain", "domain: must not be empty".to_owned()));
         }
-        if request.domain.len() > self.settings.max_entry_bytes {
-            return invalid(format!(
-                "domain: {} bytes exceed the maximum of {} (envoy.max_entry_bytes)",
-                request.domain.len(),
-                self.settings.max_entry_bytes
+        if request.domain.len() > settings.max_entry_bytes {
+            return Err((
+                "domain_too_long",
+                format!(
+                    "domain: {} bytes exceed the maximum of {} (envoy.max_entry_bytes)",
+                    request.domain.len(),
+                    settings.max_entry_bytes
+                ),
             ));
         }
         if request.descriptors.is_empty() {
-            return invalid("descriptors: must not be empty".to_owned());
+            return Err(("no_descriptors", "descriptors: must not be empty".to_owned()));
         }
-        if request.descriptors.len() > self.settings.max_descriptors {
-            return invalid(format!(
-                "descriptors: {} exceed the maximum of {} (envoy.max_descriptors)",
-                request.descriptors.len(),
-                self.settings.max_descriptors
+        if request.descriptors.len() > settings.max_descriptors {
+            return Err((
+                "too_many_descriptors",
+                format!(
+                    "descriptors: {} exceed the maximum of {} (envoy.max_descriptors)",
+                    request.descriptors.len(),
+                    settings.max_descriptors
+                ),
             ));
         }
         for (i, d) in request.descriptors.iter().enumerate() {
             if d.entries.is_empty() {
-                return invalid(format!("descriptors[{i}].entries: must not be empty"));
+                return Err(("empty_entries", format!("descriptors[{i}].entries: must not be empty")));
             }
-            if d.entries.len() > self.settings.max_entries {
-                return invalid(format!(
-                    "descriptors[{i}].entries: {} exceed the maximum of {} (envoy.max_entries)",
-                    d.entries.len(),
-                    self.settings.max_entries
+            if d.entries.len() > settings.max_entries {
+                return Err((
+                    "too_many_entries",
+                    format!(
+                        "descriptors[{i}].entries: {} exceed the maximum of {} (envoy.max_entries)",
+                        d.entries.len(),
+                        settings.max_entries
+                    ),
                 ));
             }
             if let Some(j) = d.entries.iter().position(|e| e.key.is_empty()) {
-                return invalid(format!("descriptors[{i}].entries[{j}].key: must not be empty"));
-            }
-            if let Some((j, e)) = d
-                .entries
-                .iter()
-                .enumerate()
-                .find(|(_, e)| e.key.len() + e.value.len() > self.settings.max_entry_bytes)
-            {
-                return invalid(format!(
-                    "descriptors[{i}].entries[{j}]: {} bytes (key + value) exceed the maximum of {} (envoy.max_entry_bytes)",
-                    e.key.len() + e.value.len(),
-                    self.settings.max_entry_bytes
-                ));
+                return Err(("empty_key", format!("descriptors[{i}].entries[{j}].key: must not be empty")));
             }
             if let Some(limit) = &d.limit
                 && override_unit(limit.unit).is_none()
             {
-                return invalid(format!(
-                    "descriptors[{i}].limit.unit: unknown unit {}; expected 1 (SECOND) to 6 (YEAR)",
-                    limit.unit
+                return Err((
+                    "unknown_unit",
+                    format!(
+                        "descriptors[{i}].limit.unit: unknown unit {}; expected 1 (SECOND) to 6 (YEAR)",
+                        limit.unit
+                    ),
                 ));
             }
         }
@@ -112,7 +117,10 @@ impl RateLimitService for EnvoyService {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let (metadata, _, request) = request.into_parts();
-        self.validate(&request)?;
+        if let Err((reason, message)) = self.validate(&request) {
+            self.engine.refused(Api::Envoy, reason);
+            return Err(Status::invalid_argument(message));
+        }
         let span = tracing::info_span!(
             "ratelimit.should_rate_limit",
             otel.kind = "server",

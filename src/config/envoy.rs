@@ -50,7 +50,10 @@ pub struct EnvoySettings {
     pub max_descriptors: usize,
     /// Most entries in one descriptor.
     pub max_entries: usize,
-    /// Longest entry (key + value) and domain, in bytes.
+    /// Longest domain, in bytes (a longer one is refused: domains come
+    /// from Envoy's configuration, not from clients); and the longest entry
+    /// key or value counted as it is: a longer one is counted by its SHA-256
+    /// digest, exactly, never refused.
     pub max_entry_bytes: usize,
     /// A descriptor entry with this key and a priority name as its value
     /// (`CRITICAL`, `DEGRADED`, `BEST_EFFORT`, `BULK`, any case) sets the
@@ -63,6 +66,12 @@ pub struct EnvoySettings {
     /// Response header naming why a request was refused when it was shed
     /// (value `SHED`); Envoy adds it to its 429. Empty: no header.
     pub reason_header: String,
+    /// Honour a request's own limit (`RateLimitDescriptor.limit`), for the
+    /// domains in `request_limit_domains` only. Off: the configured limit
+    /// applies as if the request had sent none.
+    pub allow_request_limits: bool,
+    /// The domains whose requests may supply their own limit.
+    pub request_limit_domains: Vec<String>,
 }
 
 impl Default for EnvoySettings {
@@ -80,6 +89,8 @@ impl Default for EnvoySettings {
             priority_key: "priority".to_owned(),
             domain_priority: HashMap::new(),
             reason_header: "x-ratelimit-reason".to_owned(),
+            allow_request_limits: false,
+            request_limit_domains: Vec::new(),
         }
     }
 }
@@ -106,6 +117,18 @@ impl EnvoySettings {
         }
         if self.max_entry_bytes == 0 {
             return Err(invalid("envoy.max_entry_bytes", "must be at least 1"));
+        }
+        if self.allow_request_limits && self.request_limit_domains.is_empty() {
+            return Err(invalid(
+                "envoy.request_limit_domains",
+                "must name the domains whose requests may supply a limit (envoy.allow_request_limits is on)",
+            ));
+        }
+        if !self.allow_request_limits && !self.request_limit_domains.is_empty() {
+            return Err(invalid(
+                "envoy.allow_request_limits",
+                "must be true for envoy.request_limit_domains to take effect",
+            ));
         }
         if let Some(domain) = self.domain_priority.keys().find(|d| d.is_empty()) {
             return Err(invalid("envoy.domain_priority", format!("{domain:?}: a domain must not be empty")));

@@ -130,6 +130,7 @@ impl Config {
                 .try_parsing(true)
                 .list_separator(",")
                 .with_list_parse_key("dlq.header_allowlist")
+                .with_list_parse_key("envoy.request_limit_domains")
                 .source(Some(env.into_iter().collect())),
         );
         let raw = builder.build().map_err(|e| ConfigError::Load(e.to_string()))?;

@@ -1,11 +1,11 @@
 //! The native entry point, [`Engine::check`]: one request, one rule, one
 //! counter per user.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
 use tracing::Instrument as _;
 
-use super::{Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, Reason, clamp_i64};
+use super::{Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, Reason, clamp_i64, keys};
 use crate::{
     limiter::Verdict,
     rules::{FailurePolicy, Mode},
@@ -152,11 +152,16 @@ impl Engine {
             };
         }
 
+        // An over-long user id is counted by its digest, exactly, never refused.
+        let user = keys::bounded(request.user_id, self.inner.max_user_id_bytes);
+        if matches!(user, Cow::Owned(_)) {
+            self.inner.stats.adjusted(Api::Check, "user_id_digest");
+        }
         let store_started = std::time::Instant::now();
         let decided = self
             .inner
             .store
-            .decide(request.user_id, rule.counter(), weight)
+            .decide(&user, rule.counter(), weight)
             .instrument(tracing::info_span!("store.decide", store = self.inner.store.name()))
             .await;
         self.inner.stats.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
@@ -167,9 +172,11 @@ impl Engine {
                     FailurePolicy::Open => (true, Reason::FailOpen),
                     FailurePolicy::Closed => (false, Reason::FailClosed),
                 };
-                self.inner
-                    .failures
-                    .record(&FailedDecision::of_check(request, rule, priority, &error, reason));
+                // The record names what was counted: the digest of an over-long id.
+                self.inner.failures.record(&FailedDecision {
+                    user_id: &user,
+                    ..FailedDecision::of_check(request, rule, priority, &error, reason)
+                });
                 Decision {
                     allowed,
                     // Nothing is known about the counter: when denying, ask

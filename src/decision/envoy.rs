@@ -14,11 +14,15 @@
 //! request that one enforced descriptor denies consumes nothing from the
 //! others.
 
-use std::{collections::HashMap, fmt::Write as _, sync::Arc};
+use std::{
+    collections::{HashMap, HashSet},
+    fmt::Write as _,
+    sync::Arc,
+};
 
 use tracing::Instrument as _;
 
-use super::{Api, Engine, FailedDecision, Reason};
+use super::{Api, Engine, FailedDecision, Reason, keys};
 use crate::{
     limiter::{ManyItem, ManyOutcome, StoreError},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
@@ -44,6 +48,13 @@ pub struct EnvoyPolicy {
     /// Priority of requests to a domain whose descriptors name none
     /// (`envoy.domain_priority`).
     pub domain_priority: HashMap<String, Priority>,
+    /// A longer entry key or value is counted by its digest
+    /// (`envoy.max_entry_bytes`).
+    pub max_value_bytes: usize,
+    /// Domains whose requests may supply their own limit
+    /// (`envoy.allow_request_limits` with `envoy.request_limit_domains`);
+    /// empty: no request limit is honoured.
+    pub request_limit_domains: HashSet<String>,
 }
 
 impl Default for EnvoyPolicy {
@@ -53,6 +64,8 @@ impl Default for EnvoyPolicy {
             fail_open: true,
             priority_key: "priority".to_owned(),
             domain_priority: HashMap::new(),
+            max_value_bytes: 1_024,
+            request_limit_domains: HashSet::new(),
         }
     }
 }
@@ -227,8 +240,17 @@ impl Engine {
                     let unit = limit.unit.expect("a limited limit has a unit");
                     let hits =
                         descriptor.hits_addend().unwrap_or_else(|| u64::from(request.hits_addend.max(1)));
+                    let (key, digested) = counter_key(
+                        unit,
+                        descriptor.entries(),
+                        &found.shared,
+                        self.inner.envoy_policy.max_value_bytes,
+                    );
+                    if digested {
+                        self.inner.stats.adjusted(Api::Envoy, "entry_digest");
+                    }
                     items.push(ManyItem {
-                        key: counter_key(unit, descriptor.entries(), &found.shared),
+                        key,
                         params: unit.window(limit.requests_per_unit, self.inner.envoy_policy.sliding),
                         tick_ms: unit.tick_ms(),
                         weight: hits,
@@ -278,10 +300,17 @@ impl Engine {
     /// matched limit replaces.
     fn rls_limits<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> Vec<Option<EnvoyMatch>> {
         let config = self.inner.envoy.as_ref().map(|hot| hot.load());
+        let honoured = self.inner.envoy_policy.request_limit_domains.contains(request.domain);
         let mut limits: Vec<Option<EnvoyMatch>> = request
             .descriptors
             .iter()
             .map(|d| match d.limit() {
+                Some(_) if !honoured => {
+                    // Request-supplied limits are off for this domain: the
+                    // configured limit applies, as if none were sent.
+                    self.inner.stats.adjusted(Api::Envoy, "override_ignored");
+                    config.as_ref()?.lookup(request.domain, d.entries())
+                }
                 Some(o) => Some(EnvoyMatch {
                     limit: Arc::new(EnvoyLimit {
                         full_key: Arc::clone(&self.override_label),
@@ -477,21 +506,28 @@ impl Engine {
 }
 
 /// The counter of one descriptor: its unit and its entries, each as
-/// `key=value` with `%`, `=` and `|` percent-encoded so distinct entry lists
-/// never share a counter. An entry matched through a `share_threshold`
+/// `key=value` with `%`, `=`, `|` and `*` percent-encoded so distinct entry
+/// lists never share a counter. An entry matched through a `share_threshold`
 /// wildcard contributes the pattern instead of its value (`shared`), so all
-/// of its values share the counter.
+/// of its values share the counter. A key or value over `max_bytes` is
+/// counted by its digest ([`keys::bounded`]); the flag says one was.
 pub(crate) fn counter_key<'a>(
     unit: Unit,
     entries: impl Iterator<Item = (&'a str, &'a str)> + Clone,
     shared: &[(usize, Arc<str>)],
-) -> String {
-    let mut key =
-        String::with_capacity(16 + entries.clone().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>());
+    max_bytes: usize,
+) -> (String, bool) {
+    let bound = |text: &'a str| keys::bounded(text, max_bytes);
+    let mut key = String::with_capacity(
+        16 + entries.clone().map(|(k, v)| k.len().min(72) + v.len().min(72) + 2).sum::<usize>(),
+    );
+    let mut digested = false;
     let _ = write!(key, "{}", unit.seconds());
     for (index, (name, value)) in entries.enumerate() {
         key.push('|');
-        escape_into(&mut key, name);
+        let name = bound(name);
+        digested |= matches!(name, std::borrow::Cow::Owned(_));
+        escape_into(&mut key, &name);
         key.push('=');
         match shared.iter().find(|(i, _)| *i == index) {
             // `*` is escaped too, so a shared pattern never equals a value.
@@ -499,10 +535,14 @@ pub(crate) fn counter_key<'a>(
                 key.push('*');
                 escape_into(&mut key, pattern);
             }
-            None => escape_into(&mut key, value),
+            None => {
+                let value = bound(value);
+                digested |= matches!(value, std::borrow::Cow::Owned(_));
+                escape_into(&mut key, &value);
+            }
         }
     }
-    key
+    (key, digested)
 }
 
 fn escape_into(out: &mut String, text: &str) {
@@ -527,29 +567,34 @@ mod tests {
 
     #[test]
     fn counter_keys_never_collide() {
-        let a = counter_key(Unit::Second, [("a", "b|c=d")].into_iter(), &[]);
-        let b = counter_key(Unit::Second, [("a", "b"), ("c", "d")].into_iter(), &[]);
+        let a = counter_key(Unit::Second, [("a", "b|c=d")].into_iter(), &[], 1_024).0;
+        let b = counter_key(Unit::Second, [("a", "b"), ("c", "d")].into_iter(), &[], 1_024).0;
         assert_ne!(a, b);
         assert_eq!(b, "1|a=b|c=d");
         assert_ne!(
-            counter_key(Unit::Second, [("a", "b")].into_iter(), &[]),
-            counter_key(Unit::Minute, [("a", "b")].into_iter(), &[])
+            counter_key(Unit::Second, [("a", "b")].into_iter(), &[], 1_024).0,
+            counter_key(Unit::Minute, [("a", "b")].into_iter(), &[], 1_024).0
         );
     }
 
     #[test]
     fn shared_entries_key_by_pattern_and_never_meet_a_value() {
         let shared = [(0, Arc::from("files/*"))];
-        let a = counter_key(Unit::Minute, [("files", "files/a.pdf")].into_iter(), &shared);
-        let b = counter_key(Unit::Minute, [("files", "files/b.csv")].into_iter(), &shared);
+        let a = counter_key(Unit::Minute, [("files", "files/a.pdf")].into_iter(), &shared, 1_024).0;
+        let b = counter_key(Unit::Minute, [("files", "files/b.csv")].into_iter(), &shared, 1_024).0;
         assert_eq!(a, b);
         assert_eq!(a, "60|files=*files/%2A");
         // The literal value "files/*" (or "*files/*") counted without sharing is another counter.
-        assert_ne!(a, counter_key(Unit::Minute, [("files", "files/*")].into_iter(), &[]));
-        assert_ne!(a, counter_key(Unit::Minute, [("files", "*files/*")].into_iter(), &[]));
+        assert_ne!(a, counter_key(Unit::Minute, [("files", "files/*")].into_iter(), &[], 1_024).0);
+        assert_ne!(a, counter_key(Unit::Minute, [("files", "*files/*")].into_iter(), &[], 1_024).0);
         // Only the shared entry is replaced.
-        let nested =
-            counter_key(Unit::Second, [("user", "u1"), ("path", "/x")].into_iter(), &[(0, Arc::from("u*"))]);
+        let nested = counter_key(
+            Unit::Second,
+            [("user", "u1"), ("path", "/x")].into_iter(),
+            &[(0, Arc::from("u*"))],
+            1_024,
+        )
+        .0;
         assert_eq!(nested, "1|user=*u%2A|path=/x");
     }
 }

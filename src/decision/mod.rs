@@ -20,6 +20,7 @@
 mod check;
 mod envoy;
 mod failure;
+pub mod keys;
 #[cfg(test)]
 mod tests;
 
@@ -103,6 +104,12 @@ pub trait Stats: Send + Sync + fmt::Debug {
     fn decision_latency(&self, api: Api, elapsed: Duration);
     /// One store call and, if it failed, its kind.
     fn store_call(&self, elapsed: Duration, failure: Option<FailureKind>);
+    /// A request value the engine adjusted instead of refusing: `what` is a
+    /// fixed name (`user_id_digest`, `entry_digest`, `override_ignored`).
+    fn adjusted(&self, api: Api, what: &'static str);
+    /// A request refused as malformed (INVALID_ARGUMENT): `reason` is a
+    /// fixed name of the broken structure, never a request value.
+    fn refused(&self, api: Api, reason: &'static str);
 }
 
 /// A [`Stats`] that counts nothing (tools and tests that do not scrape).
@@ -113,6 +120,8 @@ impl Stats for NoStats {
     fn decision(&self, _: Api, _: Option<&Arc<str>>, _: &'static str, _: bool) {}
     fn decision_latency(&self, _: Api, _: Duration) {}
     fn store_call(&self, _: Duration, _: Option<FailureKind>) {}
+    fn adjusted(&self, _: Api, _: &'static str) {}
+    fn refused(&self, _: Api, _: &'static str) {}
 }
 
 /// Everything an [`Engine`] decides with.
@@ -133,6 +142,8 @@ pub struct EngineParts {
     pub stats: Arc<dyn Stats>,
     /// Priority of a request that states none and matches no rule (`shed.default_priority`).
     pub default_priority: Priority,
+    /// A longer `user_id` is counted by its digest (`limits.max_user_id_bytes`).
+    pub max_user_id_bytes: usize,
     /// How Envoy requests are prioritised, counted and failed.
     pub envoy_policy: EnvoyPolicy,
 }
@@ -164,6 +175,11 @@ impl Engine {
     /// The shedder.
     pub fn shedder(&self) -> &Arc<Shedder> {
         &self.inner.shedder
+    }
+
+    /// Counts a request the API refused as malformed, under a fixed reason.
+    pub fn refused(&self, api: Api, reason: &'static str) {
+        self.inner.stats.refused(api, reason);
     }
 }
 

@@ -21,6 +21,7 @@ fn engine(policy: EnvoyPolicy) -> Engine {
         failures: Arc::new(LogSink::default()),
         stats: Arc::new(NoStats),
         default_priority: Priority::Degraded,
+        max_user_id_bytes: 256,
         envoy_policy: policy,
     })
 }

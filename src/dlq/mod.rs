@@ -22,7 +22,7 @@ use std::sync::{
 use tokio::sync::mpsc;
 
 use record::EventIds;
-pub use record::FailureRecord;
+pub use record::{FailureRecord, RecordBounds};
 
 use crate::{
     clock::{Clock, SystemClock},
@@ -100,17 +100,20 @@ pub struct DlqSink {
     clock: SystemClock,
     instance: String,
     allowlist: Vec<String>,
+    bounds: RecordBounds,
     counters: Arc<DlqCounters>,
     spool: Option<Arc<spool::SpoolState>>,
     log: LogSink,
 }
 
 impl DlqSink {
-    /// A sink feeding a queue of `capacity` records; the receiver goes to a writer task.
+    /// A sink feeding a queue of `capacity` records; the receiver goes to a
+    /// writer task. Records keep the headers in `allowlist`, within `bounds`.
     pub fn new(
         capacity: usize,
         instance: String,
         allowlist: Vec<String>,
+        bounds: RecordBounds,
     ) -> (Self, mpsc::Receiver<FailureRecord>, Arc<DlqCounters>) {
         let (queue, receiver) = mpsc::channel(capacity);
         let counters = Arc::new(DlqCounters::default());
@@ -120,6 +123,7 @@ impl DlqSink {
             clock: SystemClock,
             instance,
             allowlist: allowlist.iter().map(|h| h.to_ascii_lowercase()).collect(),
+            bounds,
             counters: Arc::clone(&counters),
             spool: None,
             log: LogSink::default(),
@@ -153,7 +157,14 @@ impl FailureSink for DlqSink {
     fn record(&self, failure: &FailedDecision<'_>) {
         self.log.record(failure);
         let now = self.clock.now_ms();
-        let record = FailureRecord::new(failure, self.ids.next(now), now, &self.instance, &self.allowlist);
+        let record = FailureRecord::new(
+            failure,
+            self.ids.next(now),
+            now,
+            &self.instance,
+            &self.allowlist,
+            &self.bounds,
+        );
         self.counters.enqueued.fetch_add(1, Ordering::SeqCst);
         if let Err(e) = self.queue.try_send(record) {
             self.counters.dropped.fetch_add(1, Ordering::SeqCst);
@@ -216,7 +227,7 @@ mod tests {
 
     #[test]
     fn a_full_queue_drops_and_counts_without_blocking() {
-        let (sink, _queue, _) = DlqSink::new(2, "i".to_owned(), Vec::new());
+        let (sink, _queue, _) = DlqSink::new(2, "i".to_owned(), Vec::new(), RecordBounds::default());
         fail(&sink, 5);
         let stats = sink.stats();
         assert_eq!((stats.enqueued, stats.pending, stats.dropped, stats.delivered), (5, 2, 3, 0));
@@ -226,7 +237,8 @@ mod tests {
     async fn file_writer_delivers_everything_and_drains_on_shutdown() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nested/dlq.jsonl");
-        let (sink, queue, counters) = DlqSink::new(1_000, "i".to_owned(), Vec::new());
+        let (sink, queue, counters) =
+            DlqSink::new(1_000, "i".to_owned(), Vec::new(), RecordBounds::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let writer = tokio::spawn(file::run(queue, path.clone(), counters, stopped));
         fail(&sink, 300);

@@ -74,21 +74,60 @@ pub struct RecordAnswer {
     pub reason: String,
 }
 
+/// How much of a request a record keeps (`limits.*`): request values are
+/// never refused for their size, so the record bounds them instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordBounds {
+    /// `resource_path` beyond this many bytes is truncated.
+    pub resource_path_bytes: usize,
+    /// `client_type` beyond this many bytes is truncated.
+    pub client_type_bytes: usize,
+    /// At most this many allow-listed headers are kept.
+    pub headers: usize,
+    /// A kept header's value beyond this many bytes is truncated.
+    pub header_bytes: usize,
+}
+
+impl Default for RecordBounds {
+    fn default() -> Self {
+        RecordBounds { resource_path_bytes: 2_048, client_type_bytes: 64, headers: 64, header_bytes: 8_192 }
+    }
+}
+
+/// Appended to a truncated field, so a reader sees it was cut.
+pub const TRUNCATED: &str = "…[truncated]";
+
+/// `text` cut to at most `max` bytes (at a character boundary) plus
+/// [`TRUNCATED`], or whole when it fits.
+pub fn truncated(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{TRUNCATED}", &text[..end])
+}
+
 impl FailureRecord {
     /// Builds the record of `failure`, decided at `now_ms` by `instance`,
-    /// keeping only the headers in `allowlist` (lower-case names).
+    /// keeping only the headers in `allowlist` (lower-case names), every
+    /// request field within `bounds`.
     pub fn new(
         failure: &FailedDecision<'_>,
         event_id: String,
         now_ms: u64,
         instance: &str,
         allowlist: &[String],
+        bounds: &RecordBounds,
     ) -> Self {
         let headers = failure
             .headers
             .iter()
             .filter(|(name, _)| allowlist.iter().any(|allowed| allowed.eq_ignore_ascii_case(name)))
-            .map(|(name, value)| (name.to_ascii_lowercase(), value.clone()))
+            .take(bounds.headers)
+            .map(|(name, value)| (name.to_ascii_lowercase(), truncated(value, bounds.header_bytes)))
             .collect();
         FailureRecord {
             schema_version: SCHEMA_VERSION,
@@ -97,8 +136,8 @@ impl FailureRecord {
             instance: instance.to_owned(),
             request: RecordRequest {
                 user_id: failure.user_id.to_owned(),
-                resource_path: failure.resource_path.to_owned(),
-                client_type: failure.client_type.map(str::to_owned),
+                resource_path: truncated(failure.resource_path, bounds.resource_path_bytes),
+                client_type: failure.client_type.map(|c| truncated(c, bounds.client_type_bytes)),
                 priority: failure.priority.as_str().to_owned(),
                 weight: failure.weight,
                 headers,
@@ -176,6 +215,14 @@ fn encode_ulid(value: u128) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn truncation_keeps_a_char_boundary_and_says_so() {
+        assert_eq!(truncated("short", 8), "short");
+        assert_eq!(truncated("abcdefghij", 4), format!("abcd{TRUNCATED}"));
+        // 'é' is two bytes: a cut inside it backs off to the boundary.
+        assert_eq!(truncated("aé", 2), format!("a{TRUNCATED}"));
+    }
 
     #[test]
     fn event_ids_are_unique_and_sortable() {

@@ -117,7 +117,7 @@ pub async fn run_observed(
     let tls = ReloadingAcceptor::new(&config.grpc.tls)?;
     let store = parts::store(&config, &mut tasks, &mut dispatchers).await?;
     let shedder = parts::shedder(&config.shed, &mut tasks);
-    let dlq = parts::dlq(&config.dlq, &mut tasks)?;
+    let dlq = parts::dlq(&config.dlq, &config.limits, &mut tasks)?;
     let metrics = Arc::new(Metrics::new(store.name()));
     let engine = parts::engine(&config, &rules, store, &shedder, &dlq, &metrics);
     log_serving(&config, &listener, &rules, engine.store().name());
@@ -255,7 +255,7 @@ fn grpc_router(
     serve_envoy: bool,
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
 ) -> Result<Router, ServerError> {
-    let check = RateLimiterService::new(engine.clone(), config.limits.clone());
+    let check = RateLimiterService::new(engine.clone());
     let envoy = serve_envoy.then(|| EnvoyService::new(engine.clone(), config.envoy.clone()));
     let reflection = |builder: tonic_reflection::server::Builder<'static>| {
         crate::api::DESCRIPTOR_SETS

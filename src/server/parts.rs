@@ -11,9 +11,12 @@ use tonic_health::{pb::health_server::HealthServer, server::HealthReporter};
 use super::ServerError;
 use crate::{
     clock::MonotonicClock,
-    config::{Config, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, RulesConfig, ShedConfig},
+    config::{
+        Config, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, LimitsConfig, RulesConfig,
+        ShedConfig,
+    },
     decision::{Engine, EngineParts, EnvoyPolicy, FailureSink, Stats},
-    dlq::{self, DlqSink},
+    dlq::{self, DlqSink, RecordBounds},
     limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper},
     rules::{self, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig},
     shed::{Sampler, ShedMode, Shedder, run_sampler},
@@ -188,9 +191,19 @@ pub(crate) fn shedder(config: &ShedConfig, tasks: &mut Tasks) -> Arc<Shedder> {
 
 /// The dead-letter pipeline: the hot path's sink, and its writer tasks (the
 /// file writer, or the spooler and the Kafka shipper).
-pub(crate) fn dlq(config: &DlqConfig, tasks: &mut Tasks) -> Result<Arc<DlqSink>, ServerError> {
+pub(crate) fn dlq(
+    config: &DlqConfig,
+    limits: &LimitsConfig,
+    tasks: &mut Tasks,
+) -> Result<Arc<DlqSink>, ServerError> {
+    let bounds = RecordBounds {
+        resource_path_bytes: limits.max_resource_path_bytes,
+        client_type_bytes: limits.max_client_type_bytes,
+        headers: limits.max_headers,
+        header_bytes: limits.max_header_bytes,
+    };
     let (sink, queue, counters) =
-        DlqSink::new(config.queue_capacity, config.instance(), config.header_allowlist.clone());
+        DlqSink::new(config.queue_capacity, config.instance(), config.header_allowlist.clone(), bounds);
     let Some(brokers) = &config.kafka.brokers else {
         tracing::info!(file = %config.file.display(), "failed decisions go to a JSON-lines file");
         let stop = tasks.stopper();
@@ -238,6 +251,12 @@ pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
         fail_open: settings.failure_mode == EnvoyFailureMode::Allow,
         priority_key: settings.priority_key.clone(),
         domain_priority: settings.domain_priority.clone(),
+        max_value_bytes: settings.max_entry_bytes,
+        request_limit_domains: if settings.allow_request_limits {
+            settings.request_limit_domains.iter().cloned().collect()
+        } else {
+            Default::default()
+        },
     }
 }
 
@@ -258,6 +277,7 @@ pub(crate) fn engine(
         failures: Arc::clone(dlq) as Arc<dyn FailureSink>,
         stats: Arc::clone(metrics) as Arc<dyn Stats>,
         default_priority: config.shed.default_priority,
+        max_user_id_bytes: config.limits.max_user_id_bytes,
         envoy_policy: envoy_policy(&config.envoy),
     })
 }

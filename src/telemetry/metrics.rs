@@ -96,6 +96,10 @@ const FAILURE_KINDS: [FailureKind; 8] = [
 #[derive(Debug)]
 pub struct Metrics {
     decisions: RwLock<HashMap<DecisionKey, AtomicU64>>,
+    /// `(api, reason)` of adjusted request values and of refused requests:
+    /// fixed names only, so both maps stay a handful of entries.
+    adjusted: RwLock<HashMap<(Api, &'static str), AtomicU64>>,
+    refused: RwLock<HashMap<(Api, &'static str), AtomicU64>>,
     decision_latency: [Histogram; 2],
     store_latency: Histogram,
     store_errors: [AtomicU64; FAILURE_KINDS.len()],
@@ -121,6 +125,8 @@ impl Metrics {
     pub fn new(store_name: &'static str) -> Self {
         Metrics {
             decisions: RwLock::new(HashMap::new()),
+            adjusted: RwLock::new(HashMap::new()),
+            refused: RwLock::new(HashMap::new()),
             decision_latency: Default::default(),
             store_latency: Histogram::default(),
             store_errors: Default::default(),
@@ -162,6 +168,32 @@ impl Metrics {
         decisions.sort();
         for (labels, value) in decisions {
             let _ = writeln!(out, "ratelimitd_decisions_total{{{labels}}} {value}");
+        }
+        for (name, help, map) in [
+            (
+                "ratelimitd_request_values_adjusted_total",
+                "Request values counted by digest or ignored instead of refused, by API and reason.",
+                &self.adjusted,
+            ),
+            (
+                "ratelimitd_requests_refused_total",
+                "Requests refused as malformed (INVALID_ARGUMENT), by API and reason.",
+                &self.refused,
+            ),
+        ] {
+            header(&mut out, name, "counter", help);
+            let mut rows: Vec<(String, u64)> = map
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .map(|((api, reason), v)| {
+                    (format!("api=\"{}\",reason=\"{reason}\"", api.as_str()), v.load(Ordering::Relaxed))
+                })
+                .collect();
+            rows.sort();
+            for (labels, value) in rows {
+                let _ = writeln!(out, "{name}{{{labels}}} {value}");
+            }
         }
 
         header(
@@ -298,7 +330,23 @@ fn age(at: SystemTime) -> f64 {
     SystemTime::now().duration_since(at).map_or(0.0, |d| d.as_secs_f64())
 }
 
+fn count(map: &RwLock<HashMap<(Api, &'static str), AtomicU64>>, key: (Api, &'static str)) {
+    if let Some(counter) = map.read().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        counter.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    map.write().unwrap_or_else(|p| p.into_inner()).entry(key).or_default().fetch_add(1, Ordering::Relaxed);
+}
+
 impl Stats for Metrics {
+    fn adjusted(&self, api: Api, what: &'static str) {
+        count(&self.adjusted, (api, what));
+    }
+
+    fn refused(&self, api: Api, reason: &'static str) {
+        count(&self.refused, (api, reason));
+    }
+
     /// Counts one decision.
     fn decision(&self, api: Api, rule: Option<&Arc<str>>, reason: &'static str, allowed: bool) {
         let key = DecisionKey { api, rule: rule.cloned(), reason, allowed };
