@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
-use crate::shed::{Priority, ShedMode, Thresholds};
+use crate::shed::{Priority, ShedMode, Source, Thresholds};
 
 /// `shed.*`: priority load shedding (DESIGN §7).
 #[derive(Debug, Clone, Deserialize)]
@@ -14,7 +14,12 @@ pub struct ShedConfig {
     /// `enforce` refuses shed requests (reason SHED); `shadow` decides them
     /// normally and flags `shadow_shed`; `off` neither samples nor sheds.
     pub mode: ShedMode,
-    /// Where `stat` is read when no cgroup CPU quota applies.
+    /// What utilization measures: `process` (the service's own CPU use:
+    /// its cgroup against the quota when one is set, else the process
+    /// against the CPUs its affinity mask allows), or `host` (the whole
+    /// host's busy share, neighbours included).
+    pub source: Source,
+    /// Where `self/stat`, `self/status` (process) and `stat` (host) are read.
     pub procfs_root: PathBuf,
     /// The cgroup v2 directory holding `cpu.max` and `cpu.stat`.
     pub cgroup_root: PathBuf,
@@ -40,6 +45,7 @@ impl Default for ShedConfig {
     fn default() -> Self {
         Self {
             mode: ShedMode::Enforce,
+            source: Source::Process,
             procfs_root: PathBuf::from("/proc"),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             degraded_at: 0.60,

@@ -172,6 +172,7 @@ pub(crate) fn shedder(config: &ShedConfig, tasks: &mut Tasks) -> Arc<Shedder> {
         return shedder;
     }
     let sampler = Sampler::new(
+        config.source,
         &config.procfs_root,
         &config.cgroup_root,
         config.smoothing,

@@ -24,7 +24,7 @@ use std::{
 
 pub use policy::{Level, Thresholds};
 pub use priority::Priority;
-pub use sampler::Sampler;
+pub use sampler::{Sampler, Source};
 use tokio::sync::watch;
 
 /// Whether shedding refuses requests or only reports.

@@ -1,10 +1,14 @@
-//! CPU utilization of the service's container or host, as a fraction 0..1.
+//! CPU utilization the service can use, as a fraction 0..1.
 //!
-//! With a cgroup v2 CPU quota (`cpu.max` other than `max`), utilization is
-//! CPU time used (`cpu.stat` `usage_usec`) against the quota over the same
-//! wall-clock interval: a container using 70% of its quota reads 0.70 even on
-//! an idle host, which is what decides whether *this* service is starved.
-//! Without a quota it is the host's busy share from `/proc/stat`.
+//! [`Source::Process`] (the default) measures the service's own use, so a
+//! neighbour's load never sheds its traffic: with a cgroup v2 CPU quota
+//! (`cpu.max` other than `max`), the cgroup's CPU time (`cpu.stat`
+//! `usage_usec`) against the quota (a container using 70% of its quota
+//! reads 0.70 even on an idle host); without one, the process's own CPU time
+//! (`<procfs>/self/stat` utime + stime) against the CPUs its affinity mask
+//! allows (`<procfs>/self/status` `Cpus_allowed_list`), over the same
+//! wall-clock interval. [`Source::Host`] is the host's busy share from
+//! `<procfs>/stat`, only when configured (`shed.source: host`).
 //!
 //! Raw samples are smoothed by an exponentially weighted moving average so a
 //! single spike does not flip levels. The roots are configurable so tests
@@ -29,6 +33,22 @@ pub struct SampleError {
     pub message: String,
 }
 
+/// What utilization measures (`shed.source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    /// The service's own CPU use: its cgroup against the quota when there
+    /// is one, else the process against the CPUs of its affinity mask.
+    #[default]
+    Process,
+    /// The whole host's busy share (`/proc/stat`), neighbours included.
+    Host,
+}
+
+/// Clock ticks per second of `/proc/<pid>/stat` times (`USER_HZ`, fixed at
+/// 100 by the kernel's ABI on the architectures Linux runs services on).
+const USER_HZ: u64 = 100;
+
 /// One raw reading of cumulative counters.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Reading {
@@ -36,11 +56,15 @@ enum Reading {
     Host { busy: u64, total: u64 },
     /// cgroup v2: CPU time used, when, and the quota in CPUs.
     Cgroup { usage_usec: u64, at_ms: u64, quota_cpus: f64 },
+    /// This process: CPU time in `USER_HZ` ticks, when, and the CPUs its
+    /// affinity mask allows.
+    Process { ticks: u64, at_ms: u64, cpus: f64 },
 }
 
 /// Reads and smooths utilization.
 #[derive(Debug)]
 pub struct Sampler {
+    source: Source,
     procfs_root: PathBuf,
     cgroup_root: PathBuf,
     clock: Arc<dyn Clock>,
@@ -51,9 +75,18 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// A sampler reading `<procfs_root>/stat` and `<cgroup_root>/cpu.{max,stat}`.
-    pub fn new(procfs_root: &Path, cgroup_root: &Path, alpha: f64, clock: Arc<dyn Clock>) -> Self {
+    /// A sampler of `source`, reading `<procfs_root>/stat` (host),
+    /// `<procfs_root>/self/{stat,status}` (process) and
+    /// `<cgroup_root>/cpu.{max,stat}`.
+    pub fn new(
+        source: Source,
+        procfs_root: &Path,
+        cgroup_root: &Path,
+        alpha: f64,
+        clock: Arc<dyn Clock>,
+    ) -> Self {
         Sampler {
+            source,
             procfs_root: procfs_root.to_path_buf(),
             cgroup_root: cgroup_root.to_path_buf(),
             clock,
@@ -86,6 +119,10 @@ impl Sampler {
     }
 
     fn read(&self) -> Result<Reading, SampleError> {
+        if self.source == Source::Host {
+            let path = self.procfs_root.join("stat");
+            return parse_proc_stat(&read(&path)?).map_err(|m| error(&path, m));
+        }
         match self.cgroup_quota()? {
             Some(quota_cpus) => {
                 let path = self.cgroup_root.join("cpu.stat");
@@ -98,8 +135,11 @@ impl Sampler {
                 Ok(Reading::Cgroup { usage_usec, at_ms: self.clock.now_ms(), quota_cpus })
             }
             None => {
-                let path = self.procfs_root.join("stat");
-                parse_proc_stat(&read(&path)?).map_err(|m| error(&path, m))
+                let stat = self.procfs_root.join("self/stat");
+                let ticks = parse_self_stat(&read(&stat)?).map_err(|m| error(&stat, m))?;
+                let status = self.procfs_root.join("self/status");
+                let cpus = parse_cpus_allowed(&read(&status)?).map_err(|m| error(&status, m))?;
+                Ok(Reading::Process { ticks, at_ms: self.clock.now_ms(), cpus: cpus as f64 })
             }
         }
     }
@@ -143,6 +183,11 @@ fn interval_utilization(previous: Reading, now: Reading) -> Option<f64> {
             let elapsed_usec = a1.checked_sub(a0).filter(|&e| e > 0)? * 1_000;
             u1.saturating_sub(u0) as f64 / (elapsed_usec as f64 * quota_cpus)
         }
+        (Reading::Process { ticks: t0, at_ms: a0, .. }, Reading::Process { ticks: t1, at_ms: a1, cpus }) => {
+            let elapsed_ms = a1.checked_sub(a0).filter(|&e| e > 0)?;
+            let used_ms = t1.saturating_sub(t0) * (1_000 / USER_HZ);
+            used_ms as f64 / (elapsed_ms as f64 * cpus)
+        }
         _ => return None,
     };
     Some(raw.clamp(0.0, 1.0))
@@ -166,6 +211,37 @@ fn parse_proc_stat(text: &str) -> Result<Reading, &'static str> {
     let total: u64 = values.iter().sum();
     let idle = values[3] + values.get(4).copied().unwrap_or(0);
     Ok(Reading::Host { busy: total - idle, total })
+}
+
+/// utime + stime (ticks) from `/proc/self/stat`. The command name in
+/// parentheses may hold spaces or parentheses: fields are counted after the
+/// last `)`, where field 3 (state) comes first and utime, stime are 14, 15.
+fn parse_self_stat(text: &str) -> Result<u64, &'static str> {
+    let rest = text.rsplit_once(')').ok_or("no \"(comm)\" field")?.1;
+    let mut fields = rest.split_whitespace().skip(11);
+    let mut next =
+        || fields.next().and_then(|f| f.parse::<u64>().ok()).ok_or("no numeric utime/stime fields");
+    Ok(next()? + next()?)
+}
+
+/// The number of CPUs in `Cpus_allowed_list:` (`0-3,6,8-9`) of
+/// `/proc/self/status`.
+fn parse_cpus_allowed(text: &str) -> Result<u64, &'static str> {
+    let list = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .ok_or("no Cpus_allowed_list line")?
+        .trim();
+    let mut count = 0;
+    for part in list.split(',').filter(|p| !p.is_empty()) {
+        let (first, last) = part.split_once('-').unwrap_or((part, part));
+        let (first, last): (u64, u64) = (
+            first.trim().parse().map_err(|_| "non-numeric CPU in Cpus_allowed_list")?,
+            last.trim().parse().map_err(|_| "non-numeric CPU in Cpus_allowed_list")?,
+        );
+        count += last.checked_sub(first).ok_or("a descending CPU range in Cpus_allowed_list")? + 1;
+    }
+    if count == 0 { Err("an empty Cpus_allowed_list") } else { Ok(count) }
 }
 
 fn read(path: &Path) -> Result<String, SampleError> {
@@ -197,7 +273,12 @@ mod tests {
         }
 
         fn sampler(&self, alpha: f64) -> Sampler {
+            self.sampler_of(Source::Host, alpha)
+        }
+
+        fn sampler_of(&self, source: Source, alpha: f64) -> Sampler {
             Sampler::new(
+                source,
                 self.proc.path(),
                 self.cgroup.path(),
                 alpha,
@@ -221,6 +302,55 @@ mod tests {
             )
             .unwrap();
         }
+
+        fn process(&self, ticks: u64, cpus: &str) {
+            fs::create_dir_all(self.proc.path().join("self")).unwrap();
+            // A command name with spaces and a parenthesis, as a process may have.
+            let stat = format!(
+                "4242 (rate limit) d) S 1 4242 4242 0 -1 4194560 1 0 0 0 {} {} 0 0 20 0 9 0\n",
+                ticks / 2,
+                ticks - ticks / 2
+            );
+            fs::write(self.proc.path().join("self/stat"), stat).unwrap();
+            fs::write(
+                self.proc.path().join("self/status"),
+                format!("Name:\tratelimitd\nCpus_allowed:\tff\nCpus_allowed_list:\t{cpus}\n"),
+            )
+            .unwrap();
+        }
+    }
+
+    /// The default measures the process itself: 1.5 CPU-seconds in one
+    /// second on 4 allowed CPUs is 0.375, while the host reads fully busy.
+    #[test]
+    fn process_utilization_is_its_own_cpu_time_over_its_allowed_cpus() {
+        let f = Files::new();
+        let mut s = f.sampler_of(Source::Process, 1.0);
+        f.host(0, 0);
+        f.process(1_000, "0-1,4,6");
+        assert_eq!(s.sample().unwrap(), None);
+        f.host(1_000_000, 0); // a neighbour keeps every core busy
+        f.clock.advance(1_000);
+        f.process(1_150, "0-1,4,6");
+        let u = s.sample().unwrap().unwrap();
+        assert!((u - 0.375).abs() < 1e-9, "{u}");
+        // Host only when asked for.
+        let mut host = f.sampler_of(Source::Host, 1.0);
+        f.host(2_000_000, 0);
+        host.sample().unwrap();
+        f.host(2_000_100, 0);
+        assert_eq!(host.sample().unwrap(), Some(1.0));
+    }
+
+    #[test]
+    fn self_stat_and_cpu_lists_parse_or_say_why() {
+        assert_eq!(parse_self_stat("1 (a) b) S 1 1 1 0 -1 0 0 0 0 0 7 5 0 0\n"), Ok(12));
+        assert!(parse_self_stat("no parenthesis").is_err());
+        assert!(parse_self_stat("1 (a) S 1").is_err());
+        assert_eq!(parse_cpus_allowed("Cpus_allowed_list:\t0-3,8,10-11\n"), Ok(7));
+        assert!(parse_cpus_allowed("Cpus_allowed_list:\t3-1\n").is_err());
+        assert!(parse_cpus_allowed("Cpus_allowed_list:\t\n").is_err());
+        assert!(parse_cpus_allowed("Name: x\n").is_err());
     }
 
     #[test]
@@ -246,7 +376,7 @@ mod tests {
     #[test]
     fn quota_limited_cgroup_reads_against_its_quota() {
         let f = Files::new();
-        let mut s = f.sampler(1.0);
+        let mut s = f.sampler_of(Source::Process, 1.0);
         f.host(0, 1_000_000);
         f.cgroup("200000 100000\n", 5_000_000);
         assert_eq!(s.sample().unwrap(), None);
@@ -258,13 +388,14 @@ mod tests {
     }
 
     #[test]
-    fn unlimited_cgroup_falls_back_to_the_host() {
+    fn unlimited_cgroup_falls_back_to_the_process() {
         let f = Files::new();
-        let mut s = f.sampler(1.0);
+        let mut s = f.sampler_of(Source::Process, 1.0);
         f.cgroup("max 100000\n", 0);
-        f.host(0, 100);
+        f.process(0, "0-1");
         s.sample().unwrap();
-        f.host(25, 175);
+        f.clock.advance(2_000);
+        f.process(100, "0-1"); // 1 CPU-second in 2 s of 2 CPUs
         assert_eq!(s.sample().unwrap(), Some(0.25));
     }
 

@@ -802,6 +802,8 @@ impl SyntheticCpu {
     /// lag beyond a few samples.
     pub fn configure(&self, config: &mut Config, mode: ratelimitd::shed::ShedMode) {
         config.shed.mode = mode;
+        // The synthetic file is a host-wide /proc/stat.
+        config.shed.source = ratelimitd::shed::Source::Host;
         config.shed.procfs_root = self.procfs.path().to_path_buf();
         config.shed.cgroup_root = self.cgroup.path().to_path_buf();
         config.shed.sample_interval_ms = 10;
