@@ -157,6 +157,7 @@ fn benches(c: &mut Criterion) {
         stats: Arc::new(Metrics::new("memory")),
         default_priority: Priority::Degraded,
         max_user_id_bytes: 256,
+        trust_request_priority: true,
         envoy_policy: EnvoyPolicy::default(),
     });
     let headers = HashMap::new();

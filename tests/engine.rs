@@ -117,6 +117,7 @@ impl Harness {
             stats: Arc::new(NoStats),
             default_priority: Priority::Degraded,
             max_user_id_bytes: 256,
+            trust_request_priority: true,
             envoy_policy: policy,
         });
         Harness { engine, shedder, failures, clock, memory, redis, _dispatchers: dispatchers, _dir: dir }

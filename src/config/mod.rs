@@ -357,5 +357,14 @@ mod tests {
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("***@10.0.0.1:6379"), "{shown}");
         assert_eq!(redact_url("redis://:a@h1:1,redis://:b@h2:2"), "redis://***@h1:1,redis://***@h2:2");
+        // A comma inside a password is not a seed separator.
+        assert_eq!(redact_url("redis://:se,cret@h1:1"), "redis://***@h1:1");
+        assert_eq!(
+            redact_url("redis://:a,b@h1:1, rediss://:c,d@h2:2"),
+            "redis://***@h1:1, rediss://***@h2:2"
+        );
+        let config =
+            RedisConfig { url: Some("redis://:p,w@h1:1,redis://h2:2".to_owned()), ..RedisConfig::default() };
+        assert_eq!(config.seed_urls().collect::<Vec<_>>(), ["redis://:p,w@h1:1", "redis://h2:2"]);
     }
 }

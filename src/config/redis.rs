@@ -92,7 +92,7 @@ impl fmt::Debug for RedisConfig {
 impl RedisConfig {
     /// The seed URLs in `url` (one unless `cluster`).
     pub fn seed_urls(&self) -> impl Iterator<Item = &str> {
-        self.url.as_deref().unwrap_or_default().split(',').map(str::trim).filter(|s| !s.is_empty())
+        split_seeds(self.url.as_deref().unwrap_or_default()).map(str::trim).filter(|s| !s.is_empty())
     }
 
     /// The AUTH password from `password` or `password_file`, if either is
@@ -134,7 +134,25 @@ pub fn redact_url(url: &str) -> String {
             _ => url.to_owned(),
         }
     }
-    if url.contains(',') { url.split(',').map(one).collect::<Vec<_>>().join(",") } else { one(url) }
+    split_seeds(url).map(one).collect::<Vec<_>>().join(",")
+}
+
+/// Splits a seed list at the commas that start another `redis://` or
+/// `rediss://` URL, so a comma inside a password stays in its URL.
+fn split_seeds(list: &str) -> impl Iterator<Item = &str> {
+    let starts_url = |rest: &str| {
+        let rest = rest.trim_start();
+        rest.starts_with("redis://") || rest.starts_with("rediss://")
+    };
+    let mut cuts: Vec<usize> =
+        list.match_indices(',').map(|(at, _)| at).filter(|&at| starts_url(&list[at + 1..])).collect();
+    cuts.push(list.len());
+    let mut start = 0;
+    cuts.into_iter().map(move |end| {
+        let seed = &list[start..end];
+        start = (end + 1).min(list.len());
+        seed
+    })
 }
 
 impl RedisConfig {

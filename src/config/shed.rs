@@ -35,6 +35,11 @@ pub struct ShedConfig {
     pub smoothing: f64,
     /// Priority of requests that state none and match no rule.
     pub default_priority: Priority,
+    /// Whether a priority the request states (Check's `priority`, Envoy's
+    /// `envoy.priority_key` entry) is believed. Off: it may only lower the
+    /// rule's, domain's or default priority, so a caller that forwards a
+    /// client's value cannot let that client declare itself CRITICAL.
+    pub trust_request_priority: bool,
     /// Centre of the jittered `retry_after_ms` of shed requests (spread over ±50%).
     pub retry_after_ms: u64,
     /// How often, at most, the shed counts are logged while shedding.
@@ -54,6 +59,7 @@ impl Default for ShedConfig {
             sample_interval_ms: 250,
             smoothing: 0.3,
             default_priority: Priority::Degraded,
+            trust_request_priority: true,
             retry_after_ms: 1_000,
             report_interval_ms: 10_000,
         }

@@ -112,7 +112,8 @@ impl Engine {
     async fn decide(&self, request: &CheckRequest<'_>) -> Decision {
         let snapshot = self.inner.rules.load();
         let rule = snapshot.lookup(request.resource_path, request.client_type);
-        let priority = request.priority.or(rule.map(|r| r.priority)).unwrap_or(self.inner.default_priority);
+        let base = rule.map_or(self.inner.default_priority, |r| r.priority);
+        let priority = self.effective_priority(request.priority, base);
         let info = rule.map(|rule| RuleInfo {
             id: Arc::clone(&rule.id),
             limit: rule.limit,

@@ -195,7 +195,9 @@ impl Engine {
 
     /// The request's priority: a descriptor entry named
     /// `envoy.priority_key` with a priority as its value, else the domain's
-    /// default, else `shed.default_priority`. An unknown value is ignored.
+    /// default, else `shed.default_priority`. An unknown value is ignored;
+    /// with `shed.trust_request_priority` off the entry may only lower the
+    /// domain's (or the default) priority.
     pub fn rls_priority<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> Priority {
         let policy = &self.inner.envoy_policy;
         let stated = (!policy.priority_key.is_empty())
@@ -208,9 +210,8 @@ impl Engine {
                     .find_map(|(_, value)| Priority::parse(value))
             })
             .flatten();
-        stated
-            .or_else(|| policy.domain_priority.get(request.domain).copied())
-            .unwrap_or(self.inner.default_priority)
+        let base = policy.domain_priority.get(request.domain).copied().unwrap_or(self.inner.default_priority);
+        self.effective_priority(stated, base)
     }
 
     async fn decide_rls<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> RlsDecision {

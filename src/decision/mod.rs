@@ -144,6 +144,10 @@ pub struct EngineParts {
     pub default_priority: Priority,
     /// A longer `user_id` is counted by its digest (`limits.max_user_id_bytes`).
     pub max_user_id_bytes: usize,
+    /// A priority the request states replaces the rule's or the default
+    /// (`true`), or may only lower it (`false`: no caller can make itself
+    /// more important) (`shed.trust_request_priority`).
+    pub trust_request_priority: bool,
     /// How Envoy requests are prioritised, counted and failed.
     pub envoy_policy: EnvoyPolicy,
 }
@@ -180,6 +184,19 @@ impl Engine {
     /// Counts a request the API refused as malformed, under a fixed reason.
     pub fn refused(&self, api: Api, reason: &'static str) {
         self.inner.stats.refused(api, reason);
+    }
+}
+
+impl Engine {
+    /// The priority a request is decided with: what it `stated` over the
+    /// `base` (the rule's, the domain's or the default), or, when request
+    /// priorities are not trusted, only ever the less important of the two.
+    fn effective_priority(&self, stated: Option<Priority>, base: Priority) -> Priority {
+        match stated {
+            None => base,
+            Some(stated) if self.inner.trust_request_priority => stated,
+            Some(stated) => base.least_important(stated),
+        }
     }
 }
 

@@ -13,6 +13,10 @@ use crate::{
 };
 
 fn engine(policy: EnvoyPolicy) -> Engine {
+    engine_trusting(policy, true)
+}
+
+fn engine_trusting(policy: EnvoyPolicy, trust_request_priority: bool) -> Engine {
     Engine::new(EngineParts {
         rules: Arc::new(RuleStore::new(rules::empty())),
         envoy: None,
@@ -22,6 +26,7 @@ fn engine(policy: EnvoyPolicy) -> Engine {
         stats: Arc::new(NoStats),
         default_priority: Priority::Degraded,
         max_user_id_bytes: 256,
+        trust_request_priority,
         envoy_policy: policy,
     })
 }
@@ -64,6 +69,33 @@ fn an_empty_priority_key_ignores_entries() {
     let engine = engine(EnvoyPolicy { priority_key: String::new(), ..EnvoyPolicy::default() });
     let descriptors = descriptors(&[&[("priority", "CRITICAL")], &[("", "BULK")]]);
     assert_eq!(engine.rls_priority(&request("d", &descriptors)), Priority::Degraded);
+}
+
+/// With `shed.trust_request_priority` off a request may lower its priority,
+/// never raise it, on both entry points.
+#[tokio::test]
+async fn an_untrusted_request_priority_only_lowers() {
+    let engine = engine_trusting(EnvoyPolicy::default(), false);
+    let stated = |priority: &'static str| {
+        let descriptors = descriptors(&[&[("priority", priority)]]);
+        engine.rls_priority(&request("d", &descriptors))
+    };
+    assert_eq!(stated("CRITICAL"), Priority::Degraded, "cannot rise above the default");
+    assert_eq!(stated("BULK"), Priority::Bulk, "may lower");
+    let headers = HashMap::new();
+    let check = |priority| CheckRequest {
+        user_id: "u",
+        resource_path: "/p",
+        client_type: None,
+        weight: 1,
+        priority: Some(priority),
+        headers: &headers,
+        trace_id: None,
+    };
+    assert_eq!(engine.check(&check(Priority::Critical)).await.priority, Priority::Degraded);
+    assert_eq!(engine.check(&check(Priority::BestEffort)).await.priority, Priority::BestEffort);
+    let trusting = engine_trusting(EnvoyPolicy::default(), true);
+    assert_eq!(trusting.check(&check(Priority::Critical)).await.priority, Priority::Critical);
 }
 
 #[test]

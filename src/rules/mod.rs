@@ -16,7 +16,7 @@ use std::{fmt, io, path::Path, path::PathBuf};
 
 pub(crate) use compile::compile;
 pub use model::{FailurePolicy, Mode, Rule};
-pub use snapshot::Snapshot;
+pub use snapshot::{Snapshot, canonical_path};
 pub use store::{Hot, RuleStore, Versioned, watch};
 
 /// Loads and compiles the rule set at `path` (a file or a directory).

@@ -11,6 +11,7 @@
 //! store, whose keys are user ids, keeps SipHash for exactly that reason.)
 
 use std::{
+    borrow::Cow,
     fmt::Write as _,
     path::{Path, PathBuf},
     time::SystemTime,
@@ -31,9 +32,37 @@ pub(crate) enum PathKey {
 impl PathKey {
     pub(crate) fn of(resource_path: &str) -> Self {
         match resource_path.strip_suffix('*') {
-            Some(prefix) => PathKey::Prefix(prefix.to_owned()),
-            None => PathKey::Exact(resource_path.to_owned()),
+            Some(prefix) => PathKey::Prefix(canonical_path(prefix).into_owned()),
+            None => PathKey::Exact(exact_form(&canonical_path(resource_path)).to_owned()),
         }
+    }
+}
+
+/// A path as rules match it: cut at the first `?` or `#` (a query string
+/// or fragment is not part of the resource) and every run of `/` collapsed
+/// to one, so `//api/v1/search?x=1` is `/api/v1/search`. Borrowed when
+/// already canonical, the usual case.
+pub fn canonical_path(path: &str) -> Cow<'_, str> {
+    let path = path.find(['?', '#']).map_or(path, |end| &path[..end]);
+    if !path.contains("//") {
+        return Cow::Borrowed(path);
+    }
+    let mut out = String::with_capacity(path.len());
+    for c in path.chars() {
+        if !(c == '/' && out.ends_with('/')) {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// An exact path without its trailing `/` (but `/` itself): `/a/` and `/a`
+/// are one exact path. Prefix patterns keep theirs: `/static/*` does not
+/// match `/staticfile`.
+fn exact_form(path: &str) -> &str {
+    match path.strip_suffix('/') {
+        Some(trimmed) if !trimmed.is_empty() => trimmed,
+        _ => path,
     }
 }
 
@@ -96,8 +125,14 @@ impl Snapshot {
     }
 
     /// The rule that governs `resource_path` for `client_type`, if any.
+    ///
+    /// The path is matched in its canonical form ([`canonical_path`]): no
+    /// query string, no repeated `/`, and for exact paths no trailing `/`,
+    /// so a variant of a path cannot escape its rule.
     pub fn lookup(&self, resource_path: &str, client_type: Option<&str>) -> Option<&Rule> {
-        if let Some(index) = self.exact.get(resource_path).and_then(|c| c.pick(client_type)) {
+        let canonical = canonical_path(resource_path);
+        let resource_path = canonical.as_ref();
+        if let Some(index) = self.exact.get(exact_form(resource_path)).and_then(|c| c.pick(client_type)) {
             return Some(&self.rules[index]);
         }
         for &len in &self.prefix_lens {
@@ -183,6 +218,36 @@ rules:
         snapshot.lookup(path, client).map(|r| &*r.id)
     }
 
+    /// A variant of a path (query string, fragment, repeated or trailing
+    /// `/`) reaches the rule of the path itself; prefixes keep their `/`.
+    #[test]
+    fn path_variants_cannot_escape_an_exact_rule() {
+        let s = snapshot(RULES);
+        for variant in [
+            "/api/v1/playback/",
+            "//api/v1/playback",
+            "/api//v1///playback",
+            "/api/v1/playback?user=x",
+            "/api/v1/playback#top",
+            "/api/v1/playback/?a=b/c",
+        ] {
+            assert_eq!(id(&s, variant, Some("ANDROID")), Some("exact-android"), "{variant}");
+        }
+        assert_eq!(id(&s, "/api//v2/x?y", None), Some("api-any"), "prefixes see the canonical path");
+        assert_eq!(canonical_path("/a/b"), Cow::Borrowed("/a/b"));
+        assert_eq!(canonical_path("/"), "/");
+        assert_eq!(exact_form("/"), "/");
+        let prefixed = snapshot(
+            "rules:\n  - { rule_id: s, resource_path: \"/static/*\", limit: 1, window_seconds: 1 }\n",
+        );
+        assert_eq!(id(&prefixed, "/staticfile", None), None, "a prefix keeps its trailing /");
+        assert_eq!(id(&prefixed, "//static//x.css", None), Some("s"));
+        // Two rules for one canonical path are ambiguous.
+        let clash = "rules:\n  - { rule_id: a, resource_path: /x, limit: 1, window_seconds: 1 }\n  - { rule_id: b, resource_path: /x/, limit: 1, window_seconds: 1 }\n";
+        let errors = compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), clash).unwrap()).unwrap_err();
+        assert!(errors[0].message.contains("ambiguous"), "{errors:?}");
+    }
+
     #[test]
     fn exact_beats_prefix_and_client_beats_any() {
         let s = snapshot(RULES);
@@ -212,7 +277,7 @@ rules:
     fn no_rule_without_catch_all() {
         let s = snapshot("rules:\n  - { rule_id: a, resource_path: /a, limit: 1, window_seconds: 1 }\n");
         assert_eq!(id(&s, "/b", None), None);
-        assert_eq!(id(&s, "/a/", None), None, "exact paths do not match as prefixes");
+        assert_eq!(id(&s, "/a/x", None), None, "exact paths do not match as prefixes");
     }
 
     #[test]

@@ -279,6 +279,7 @@ pub(crate) fn engine(
         stats: Arc::clone(metrics) as Arc<dyn Stats>,
         default_priority: config.shed.default_priority,
         max_user_id_bytes: config.limits.max_user_id_bytes,
+        trust_request_priority: config.shed.trust_request_priority,
         envoy_policy: envoy_policy(&config.envoy),
     })
 }

@@ -43,6 +43,12 @@ impl Priority {
     pub const ALL: [Priority; 4] =
         [Priority::Critical, Priority::Degraded, Priority::BestEffort, Priority::Bulk];
 
+    /// The less important of `self` and `other` (BULK is the least).
+    pub fn least_important(self, other: Priority) -> Priority {
+        let rank = |p: Priority| Priority::ALL.iter().position(|&q| q == p);
+        if rank(other) > rank(self) { other } else { self }
+    }
+
     /// The priority named `text` (`CRITICAL`, `DEGRADED`, `BEST_EFFORT`,
     /// `BULK`, any ASCII case); `None` for anything else.
     pub fn parse(text: &str) -> Option<Self> {
