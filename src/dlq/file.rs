@@ -30,14 +30,19 @@ pub fn to_json_lines(records: &[FailureRecord]) -> Vec<u8> {
 }
 
 /// Appends `bytes` to `path` (created with its directory if missing) and
-/// waits until they are on disk.
+/// waits until they are on disk. On failure the file is cut back to its
+/// length before the call, so a retry neither duplicates nor tears a line.
 pub fn append_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
     let mut file = OpenOptions::new().create(true).append(true).open(path)?;
-    file.write_all(bytes)?;
-    file.sync_data()
+    let before = file.metadata()?.len();
+    let written = file.write_all(bytes).and_then(|()| file.sync_data());
+    if written.is_err() {
+        let _ = file.set_len(before).and_then(|()| file.sync_data());
+    }
+    written
 }
 
 /// How a writer task takes batches off the queue: until shutdown, whatever

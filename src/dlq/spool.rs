@@ -12,7 +12,10 @@
 //! fsyncs; one reader ([`SpoolReader`], owned by the shipping task) reads up
 //! to what the writer has published as durable, and deletes a segment once
 //! every record in it is acknowledged. On open, a torn last line (a crash
-//! mid-write) is cut off: it was never acknowledged as spooled.
+//! mid-write) is cut off: it was never acknowledged as spooled. A failed
+//! append (a short write, a failed fsync) is cut back to the last durable
+//! length before anything else is written, so a retried batch is in the
+//! segment exactly once and the line numbering stays true.
 
 use std::{
     fs::{self, File, OpenOptions},
@@ -49,8 +52,48 @@ impl SpoolState {
     }
 }
 
+/// What the writer writes a segment through: a [`File`], or in tests a file
+/// that fails on cue.
+pub trait Segment: Send + std::fmt::Debug {
+    /// Appends all of `bytes` (or fails having written some of them).
+    fn write_bytes(&mut self, bytes: &[u8]) -> io::Result<()>;
+    /// Makes what was written durable.
+    fn sync(&mut self) -> io::Result<()>;
+    /// Cuts the segment back to `len` bytes (and makes that durable).
+    fn truncate(&mut self, len: u64) -> io::Result<()>;
+}
+
+impl Segment for File {
+    fn write_bytes(&mut self, bytes: &[u8]) -> io::Result<()> {
+        Write::write_all(self, bytes)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        File::sync_data(self)
+    }
+    fn truncate(&mut self, len: u64) -> io::Result<()> {
+        self.set_len(len)?;
+        File::sync_data(self)
+    }
+}
+
+/// Opens a segment file for appending.
+pub type SegmentOpener = fn(&Path) -> io::Result<Box<dyn Segment>>;
+
+fn open_segment(path: &Path) -> io::Result<Box<dyn Segment>> {
+    Ok(Box::new(OpenOptions::new().create(true).append(true).open(path)?))
+}
+
 /// Opens (or creates) the spool at `dir`; returns its two ends.
 pub fn open(dir: &Path, segment_bytes: u64) -> io::Result<(SpoolWriter, SpoolReader, Arc<SpoolState>)> {
+    open_with(dir, segment_bytes, open_segment)
+}
+
+/// [`open`], writing segments through `opener` (the seam fault tests use).
+pub fn open_with(
+    dir: &Path,
+    segment_bytes: u64,
+    opener: SegmentOpener,
+) -> io::Result<(SpoolWriter, SpoolReader, Arc<SpoolState>)> {
     fs::create_dir_all(dir)?;
     let mut segments = list_segments(dir)?;
     let acked = read_cursor(dir)?.unwrap_or_else(|| segments.first().map_or(0, |(first, _)| *first));
@@ -68,14 +111,16 @@ pub fn open(dir: &Path, segment_bytes: u64) -> io::Result<(SpoolWriter, SpoolRea
     }
     let state = Arc::new(SpoolState { durable: AtomicU64::new(durable), acked: AtomicU64::new(acked) });
     let (active_first, active_path) = segments.last().cloned().expect("at least one segment");
-    let active = OpenOptions::new().create(true).append(true).open(&active_path)?;
-    let active_len = active.metadata()?.len();
+    let active_len = fs::metadata(&active_path).map_or(0, |m| m.len());
+    let active = opener(&active_path)?;
     let writer = SpoolWriter {
         dir: dir.to_path_buf(),
         segment_bytes,
+        opener,
         active,
         active_first,
         active_len,
+        dirty: false,
         state: Arc::clone(&state),
     };
     let reader = SpoolReader { dir: dir.to_path_buf(), position: None, state: Arc::clone(&state) };
@@ -87,21 +132,35 @@ pub fn open(dir: &Path, segment_bytes: u64) -> io::Result<(SpoolWriter, SpoolRea
 pub struct SpoolWriter {
     dir: PathBuf,
     segment_bytes: u64,
-    active: File,
+    opener: SegmentOpener,
+    active: Box<dyn Segment>,
     active_first: u64,
+    /// Bytes of the active segment that are durable and published.
     active_len: u64,
+    /// A failed append may have left bytes past `active_len`.
+    dirty: bool,
     state: Arc<SpoolState>,
 }
 
 impl SpoolWriter {
     /// Appends `lines` (`count` JSON lines) and fsyncs them. They become
-    /// visible to the reader once [`SpoolState::publish`]ed.
+    /// visible to the reader once [`SpoolState::publish`]ed. On failure the
+    /// segment is cut back to its last durable length (now, or before the
+    /// next append if that fails too), so the caller can retry the same
+    /// lines without duplicating or tearing any.
     pub fn append(&mut self, lines: &[u8]) -> io::Result<()> {
+        if self.dirty {
+            self.active.truncate(self.active_len)?;
+            self.dirty = false;
+        }
         if self.active_len >= self.segment_bytes {
             self.roll()?;
         }
-        self.active.write_all(lines)?;
-        self.active.sync_data()?;
+        let written = self.active.write_bytes(lines).and_then(|()| self.active.sync());
+        if let Err(e) = written {
+            self.dirty = self.active.truncate(self.active_len).is_err();
+            return Err(e);
+        }
         self.active_len += lines.len() as u64;
         Ok(())
     }
@@ -109,7 +168,7 @@ impl SpoolWriter {
     fn roll(&mut self) -> io::Result<()> {
         let first = self.state.durable.load(Ordering::SeqCst);
         let path = segment_path(&self.dir, first);
-        self.active = OpenOptions::new().create(true).append(true).open(&path)?;
+        self.active = (self.opener)(&path)?;
         // Make the new file's directory entry durable too.
         File::open(&self.dir)?.sync_all()?;
         self.active_first = first;
@@ -305,6 +364,85 @@ mod tests {
 
     fn users(read: &[(u64, Result<FailureRecord, String>)]) -> Vec<String> {
         read.iter().map(|(_, r)| r.as_ref().unwrap().request.user_id.clone()).collect()
+    }
+
+    /// Faults the next segment operations will meet, shared by the test and
+    /// the opener (a `fn`, so the script is a static).
+    static FAULTS: std::sync::Mutex<Vec<Fault>> = std::sync::Mutex::new(Vec::new());
+
+    #[derive(Debug, Clone, Copy)]
+    enum Fault {
+        /// `write_all` writes this many bytes, then fails.
+        ShortWrite(usize),
+        /// `sync_data` fails after a complete write.
+        FailedSync,
+    }
+
+    #[derive(Debug)]
+    struct Faulty(File);
+
+    impl Segment for Faulty {
+        fn write_bytes(&mut self, bytes: &[u8]) -> io::Result<()> {
+            let fault = FAULTS.lock().unwrap().first().copied();
+            if let Some(Fault::ShortWrite(n)) = fault {
+                FAULTS.lock().unwrap().remove(0);
+                Write::write_all(&mut self.0, &bytes[..n.min(bytes.len())])?;
+                return Err(io::Error::other("injected short write (disk full)"));
+            }
+            Write::write_all(&mut self.0, bytes)
+        }
+        fn sync(&mut self) -> io::Result<()> {
+            let fault = FAULTS.lock().unwrap().first().copied();
+            if let Some(Fault::FailedSync) = fault {
+                FAULTS.lock().unwrap().remove(0);
+                return Err(io::Error::other("injected fsync failure (EIO)"));
+            }
+            self.0.sync_data()
+        }
+        fn truncate(&mut self, len: u64) -> io::Result<()> {
+            Segment::truncate(&mut self.0, len)
+        }
+    }
+
+    fn faulty(path: &Path) -> io::Result<Box<dyn Segment>> {
+        Ok(Box::new(Faulty(OpenOptions::new().create(true).append(true).open(path)?)))
+    }
+
+    /// A short write and a failed fsync, each retried as the spooler does:
+    /// every record is read back exactly once, in order, none torn, and
+    /// again after a reopen (a restart).
+    #[test]
+    fn a_retried_append_after_a_partial_write_or_failed_fsync_loses_and_repeats_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut writer, mut reader, state) = open_with(dir.path(), 1 << 20, faulty).unwrap();
+        let batch = |range: std::ops::Range<u64>| to_json_lines(&range.map(record).collect::<Vec<_>>());
+        let append_retrying = |writer: &mut SpoolWriter, lines: Vec<u8>, count: u64| {
+            let mut failures = 0;
+            while writer.append(&lines).is_err() {
+                failures += 1;
+            }
+            writer.state.publish(count);
+            failures
+        };
+        assert_eq!(append_retrying(&mut writer, batch(0..3), 3), 0);
+        FAULTS.lock().unwrap().push(Fault::ShortWrite(100));
+        assert_eq!(append_retrying(&mut writer, batch(3..6), 3), 1, "the short write failed once");
+        FAULTS.lock().unwrap().push(Fault::FailedSync);
+        assert_eq!(append_retrying(&mut writer, batch(6..9), 3), 1, "the fsync failed once");
+        assert_eq!(append_retrying(&mut writer, batch(9..10), 1), 0);
+        assert_eq!(state.pending(), 10);
+        let read = reader.read(0, 100).unwrap();
+        assert_eq!(users(&read), (0..10).map(|i| format!("u{i}")).collect::<Vec<_>>());
+        let ids: std::collections::HashSet<_> =
+            read.iter().map(|(_, r)| r.as_ref().unwrap().event_id.clone()).collect();
+        assert_eq!(ids.len(), 10, "every event id exactly once");
+        drop((writer, reader));
+        let (_, mut reader, state) = open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(state.pending(), 10, "a restart counts the same records");
+        assert_eq!(
+            users(&reader.read(0, 100).unwrap()),
+            (0..10).map(|i| format!("u{i}")).collect::<Vec<_>>()
+        );
     }
 
     #[test]
