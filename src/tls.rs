@@ -4,7 +4,11 @@
 //! The accept loop takes TCP connections, runs each handshake in its own
 //! task (bounded by `grpc.tls.handshake_timeout_ms`, so a client that never
 //! finishes its handshake holds no one up) with the acceptor current at that
-//! moment, and hands finished TLS streams to tonic. A watcher polls the
+//! moment, and hands finished TLS streams to tonic. At most
+//! `grpc.tls.max_handshakes` run at once: past that the loop stops
+//! accepting (connections wait in the kernel's backlog) until one ends, so
+//! a flood of slow handshakes cannot grow memory without bound. The
+//! handshake tasks belong to the loop and end with it. A watcher polls the
 //! files' metadata every `grpc.tls.reload_interval_ms`; when any changed it
 //! builds a new acceptor and swaps it in: new connections use the new
 //! certificate, established ones keep theirs. A file that does not parse
@@ -21,7 +25,8 @@ use std::{
 use arc_swap::ArcSwap;
 use tokio::{
     net::{TcpListener, TcpStream},
-    sync::{mpsc, watch},
+    sync::{Semaphore, mpsc, watch},
+    task::JoinSet,
 };
 use tokio_rustls::{
     TlsAcceptor,
@@ -129,6 +134,7 @@ pub struct ReloadingAcceptor {
     files: Files,
     current: Arc<ArcSwap<TlsAcceptor>>,
     handshake_timeout: Duration,
+    max_handshakes: usize,
     /// The files' fingerprint taken before the first acceptor was built
     /// from them: a change from then on is seen by [`Self::watch`].
     built_from: Vec<Option<(u64, SystemTime)>>,
@@ -150,6 +156,7 @@ impl ReloadingAcceptor {
             files,
             current: Arc::new(ArcSwap::from_pointee(acceptor)),
             handshake_timeout: Duration::from_millis(config.handshake_timeout_ms),
+            max_handshakes: config.max_handshakes,
             built_from,
         }))
     }
@@ -203,7 +210,17 @@ impl ReloadingAcceptor {
         let (sender, receiver) = mpsc::channel(1_024);
         let acceptor = self.clone();
         let accept_loop = async move {
+            let permits = Arc::new(Semaphore::new(acceptor.max_handshakes));
+            let mut handshakes = JoinSet::new();
+            let mut failures = FoldedWarning::default();
             loop {
+                // Reap finished handshakes, then wait for room for one more.
+                while handshakes.try_join_next().is_some() {}
+                let permit = tokio::select! {
+                    permit = Arc::clone(&permits).acquire_owned() => permit.expect("the semaphore is never closed"),
+                    _ = stop.wait_for(|stopped| *stopped) => return,
+                    () = sender.closed() => break,
+                };
                 let accepted = tokio::select! {
                     accepted = listener.accept() => accepted,
                     _ = stop.wait_for(|stopped| *stopped) => return,
@@ -214,8 +231,9 @@ impl ReloadingAcceptor {
                 let stream = match accepted {
                     Ok((stream, _)) => stream,
                     Err(e) => {
-                        // Out of file descriptors and the like: back off briefly.
-                        tracing::warn!(error = %e, "accepting a gRPC connection failed");
+                        // Out of file descriptors and the like: back off
+                        // briefly, and say so at most once a second.
+                        failures.record(&e);
                         tokio::time::sleep(Duration::from_millis(10)).await;
                         continue;
                     }
@@ -224,7 +242,8 @@ impl ReloadingAcceptor {
                 let tls = acceptor.current.load_full();
                 let sender = sender.clone();
                 let timeout = acceptor.handshake_timeout;
-                tokio::spawn(async move {
+                handshakes.spawn(async move {
+                    let _permit = permit;
                     let peer = stream.peer_addr().ok();
                     match tokio::time::timeout(timeout, tls.accept(stream)).await {
                         Ok(Ok(stream)) => {
@@ -242,5 +261,25 @@ impl ReloadingAcceptor {
             let _ = stop.wait_for(|stopped| *stopped).await;
         };
         (receiver, accept_loop)
+    }
+}
+
+/// A warning logged at most once a second, carrying how many occurrences
+/// it stands for.
+#[derive(Debug, Default)]
+struct FoldedWarning {
+    last: Option<tokio::time::Instant>,
+    folded: u64,
+}
+
+impl FoldedWarning {
+    fn record(&mut self, error: &io::Error) {
+        self.folded += 1;
+        let now = tokio::time::Instant::now();
+        if self.last.is_none_or(|last| now.duration_since(last) >= Duration::from_secs(1)) {
+            tracing::warn!(error = %error, failures = self.folded, "accepting gRPC connections failed");
+            self.last = Some(now);
+            self.folded = 0;
+        }
     }
 }

@@ -138,6 +138,35 @@ async fn rotated_certificate_is_used_without_a_restart() {
     server.stop().await.unwrap();
 }
 
+/// With `grpc.tls.max_handshakes` stalled handshakes in progress (clients
+/// that connect and never speak), a real client waits; once the stalled
+/// ones go away it is served: handshakes are capped, not queued in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_handshakes_are_capped_and_release_their_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    make_ca(d, "ca");
+    make_leaf(d, "ca", "server", "serverAuth");
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), None);
+    cfg.grpc.tls.cert_file = Some(d.join("server.pem"));
+    cfg.grpc.tls.key_file = Some(d.join("server.key"));
+    cfg.grpc.tls.max_handshakes = 2;
+    let server = TestServer::start(cfg).await;
+    let addr = server.addr;
+    let stalled: Vec<std::net::TcpStream> =
+        (0..2).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+    let waiting = tokio::spawn({
+        let d = d.to_path_buf();
+        async move { served(addr, &d, "ca", None).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "a third handshake ran beside two stalled ones");
+    drop(stalled);
+    assert!(waiting.await.unwrap(), "served once the stalled handshakes ended");
+    server.stop().await.unwrap();
+}
+
 #[test]
 fn unusable_tls_files_stop_startup_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();

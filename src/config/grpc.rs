@@ -43,6 +43,9 @@ pub struct GrpcTlsConfig {
     pub reload_interval_ms: u64,
     /// A connection whose TLS handshake takes longer is closed.
     pub handshake_timeout_ms: u64,
+    /// Most TLS handshakes in progress at once; past it, new connections
+    /// wait in the listen backlog until one finishes.
+    pub max_handshakes: usize,
 }
 
 impl Default for GrpcTlsConfig {
@@ -53,6 +56,7 @@ impl Default for GrpcTlsConfig {
             client_ca_file: None,
             reload_interval_ms: 10_000,
             handshake_timeout_ms: 10_000,
+            max_handshakes: 1_024,
         }
     }
 }
@@ -102,6 +106,9 @@ impl GrpcTlsConfig {
         }
         if self.handshake_timeout_ms == 0 {
             return Err(invalid("grpc.tls.handshake_timeout_ms", "must be at least 1"));
+        }
+        if !(1..=1 << 20).contains(&self.max_handshakes) {
+            return Err(invalid("grpc.tls.max_handshakes", "must be between 1 and 1048576"));
         }
         Ok(())
     }
