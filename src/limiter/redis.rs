@@ -361,7 +361,7 @@ impl RedisStore {
             .map(|item| {
                 let mut key = String::with_capacity(6 + group.len() + item.key.len());
                 key.push_str("rle:{");
-                key.push_str(group);
+                push_tag(&mut key, group);
                 key.push_str("}:");
                 key.push_str(&item.key);
                 let flags = u64::from(item.params.sliding) | (u64::from(item.shadow) << 1);
@@ -739,10 +739,30 @@ fn timeout_error(timeout: Duration) -> StoreError {
 pub fn counter_key(user_id: &str, rule_id: &str) -> String {
     let mut key = String::with_capacity(6 + user_id.len() + rule_id.len());
     key.push_str("rl:{");
-    key.push_str(user_id);
+    push_tag(&mut key, user_id);
     key.push_str("}:");
     key.push_str(rule_id);
     key
+}
+
+/// Appends `text` as a hash tag's content with `%`, `{` and `}`
+/// percent-encoded: Redis takes the tag from the first `{` to the next `}`,
+/// so a raw brace in a user id or a domain would cut the tag short, or
+/// empty it (then the whole key is hashed, and one Envoy job's keys could
+/// land in different cluster slots). Encoded, the tag is the whole value.
+fn push_tag(key: &mut String, text: &str) {
+    if !text.contains(['%', '{', '}']) {
+        key.push_str(text);
+        return;
+    }
+    for c in text.chars() {
+        match c {
+            '%' => key.push_str("%25"),
+            '{' => key.push_str("%7B"),
+            '}' => key.push_str("%7D"),
+            c => key.push(c),
+        }
+    }
 }
 
 fn script_error(message: String) -> StoreError {
@@ -790,6 +810,15 @@ mod tests {
         assert_eq!(key_slot("123456789"), 12_739);
         assert_eq!(key_slot("{user1000}.following"), key_slot("user1000"));
         assert_eq!(key_slot("rl:{u-1}:a"), key_slot("rle:{u-1}:b"));
+        // A brace in a value cannot cut or empty the tag: every key of one
+        // user (or domain) stays in one slot, whatever follows the tag.
+        for hostile in ["}evil", "{x}y", "a}b{c", "%7D"] {
+            let a = counter_key(hostile, "rule-a");
+            let b = counter_key(hostile, "rule-b");
+            assert_eq!(key_slot(&a), key_slot(&b), "{a} / {b}");
+            assert!(!a.contains("{}"), "{a}");
+        }
+        assert_ne!(counter_key("}", "r"), counter_key("%7D", "r"), "the encoding is injective");
         // An empty tag hashes the whole key.
         assert_eq!(key_slot("{}x"), crc16::State::<crc16::XMODEM>::calculate(b"{}x") % 16_384);
     }
