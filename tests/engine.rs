@@ -160,6 +160,18 @@ impl Harness {
         self.engine.should_rate_limit(&request).await
     }
 
+    /// How many counters the store holds.
+    async fn counters(&self) -> u64 {
+        match (&self.memory, &self.redis) {
+            (Some(memory), _) => memory.len() as u64,
+            (_, Some(redis)) => {
+                let mut conn = redis.client().await;
+                ::redis::cmd("DBSIZE").query_async(&mut conn).await.unwrap()
+            }
+            _ => unreachable!(),
+        }
+    }
+
     /// How many counters the store holds (memory) or script calls it made (Redis).
     async fn store_work(&self) -> u64 {
         match (&self.memory, &self.redis) {
@@ -180,7 +192,23 @@ for_each_store!(
     envoy_share_threshold_shares_one_counter,
     envoy_override_limits_count_under_a_fixed_label,
     over_long_values_are_counted_by_digest_exactly,
+    a_peek_counts_nothing_and_creates_no_counter,
 );
+
+/// `hits_addend: 0` on a descriptor checks without counting, and leaves no
+/// counter behind: a flood of peeks at distinct values costs no memory.
+async fn a_peek_counts_nothing_and_creates_no_counter(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let before = h.counters().await;
+    let peek = [RlsDescriptor { entries: vec![("user", "peeker")], limit: None, hits_addend: Some(0) }];
+    for _ in 0..3 {
+        let request = RlsRequest { domain: "edge", descriptors: &peek, hits_addend: 1, trace_id: None };
+        let r = h.engine.should_rate_limit(&request).await;
+        assert_eq!((r.reason, r.statuses[0].remaining), (Reason::Ok, 2), "{r:?}");
+    }
+    assert_eq!(h.counters().await, before, "no counter created");
+    assert!(!h.rls(&[&[("user", "peeker")]]).await.over_limit, "the full limit is still there");
+}
 
 async fn check_ok_then_over_limit_then_ok_once_the_window_passes(backend: Backend) {
     let h = Harness::default(backend).await;

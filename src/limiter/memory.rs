@@ -128,7 +128,8 @@ impl MemoryStore {
             };
             let counts = window::roll(stored, window_index);
             let fits = window::decide(counts, elapsed, item.weight, item.params).admitted;
-            if fits {
+            // A weight of 0 (a peek) writes nothing: no counter is created.
+            if fits && item.weight > 0 {
                 let next = StoredCounter {
                     window: window_index,
                     current: counts.current + item.weight,

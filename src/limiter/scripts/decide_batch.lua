@@ -101,7 +101,9 @@ for _ = 1, tonumber(ARGV[1]) do
     local fits = 0
     if cur * w + counted_prev * (w - elapsed) + weight * w <= cap * w then
       fits = 1
-      if pending then
+      -- A weight of 0 (a peek) writes nothing: no counter is created or extended.
+      if weight == 0 then
+      elseif pending then
         pending[key] = {idx, cur + weight, prev, 2 * w * tick}
       else
         s_key, s_idx, s_cur, s_prev, s_ttl = key, idx, cur + weight, prev, 2 * w * tick
