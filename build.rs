@@ -41,14 +41,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
+        .codec_path("crate::api::lenient::LenientCodec")
         .file_descriptor_set_path(out_dir.join("ratelimit_descriptor.bin"))
         .compile_with_config(config, &["proto/ratelimit/v1/ratelimit.proto"], &["proto", well_known])?;
 
     let mut config = tonic_prost_build::Config::new();
     config.protoc_executable(&protoc);
+    // Both services decode through our lenient codec: a request whose
+    // strings are not UTF-8 is counted, not refused (src/api/lenient.rs).
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
+        .codec_path("crate::api::lenient::LenientCodec")
         .file_descriptor_set_path(out_dir.join("envoy_descriptor.bin"))
         .compile_with_config(config, ENVOY_PROTOS, &["proto/vendor", well_known])?;
 

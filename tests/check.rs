@@ -317,3 +317,38 @@ async fn invalid_rule_file_keeps_the_last_good_snapshot(backend: Backend) {
     assert!(recovered, "a valid file after an invalid one was not picked up");
     server.stop().await.unwrap();
 }
+
+/// A `Check` whose user id is not UTF-8, sent as raw bytes over gRPC (prost
+/// would refuse the string; a refusal is an error a fail-open proxy
+/// answers with "allow"): decided and limited like any other user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_id_that_is_not_utf8_is_limited_like_any_other() {
+    /// `RateLimitRequest`'s first two fields, as bytes.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct RawRequest {
+        #[prost(bytes = "vec", tag = "1")]
+        user_id: Vec<u8>,
+        #[prost(bytes = "vec", tag = "2")]
+        resource_path: Vec<u8>,
+    }
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(Backend::Memory, &rules.path()).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut answers = Vec::new();
+    for _ in 0..6 {
+        grpc.ready().await.unwrap();
+        let request = RawRequest { user_id: b"zed\xff".to_vec(), resource_path: b"/limited".to_vec() };
+        let codec: tonic_prost::ProstCodec<RawRequest, ratelimitd::api::pb::RateLimitResponse> =
+            Default::default();
+        let path = tonic::codegen::http::uri::PathAndQuery::from_static("/ratelimit.v1.RateLimiter/Check");
+        let response = grpc.unary(tonic::Request::new(request), path, codec).await.unwrap().into_inner();
+        answers.push(response.allowed);
+    }
+    assert_eq!(answers, [true, true, true, true, true, false], "limit 5, then denied");
+    server.stop().await.unwrap();
+}

@@ -75,14 +75,22 @@ fn get(port: u16, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>) {
 
 /// One HTTP/1.1 GET of `path` through Envoy.
 fn get_path(port: u16, path: &str, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>) {
+    let headers: Vec<(&str, &[u8])> = headers.iter().map(|(n, v)| (*n, v.as_bytes())).collect();
+    get_raw(port, path, &headers)
+}
+
+/// One HTTP/1.1 GET with header values as raw bytes (not necessarily UTF-8).
+fn get_raw(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<(String, String)>) {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
+    let mut request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n").into_bytes();
     for (name, value) in headers {
-        request += &format!("{name}: {value}\r\n");
+        request.extend_from_slice(format!("{name}: ").as_bytes());
+        request.extend_from_slice(value);
+        request.extend_from_slice(b"\r\n");
     }
-    request += "\r\n";
-    stream.write_all(request.as_bytes()).unwrap();
+    request.extend_from_slice(b"\r\n");
+    stream.write_all(&request).unwrap();
     let mut response = Vec::new();
     stream.read_to_end(&mut response).unwrap();
     let text = String::from_utf8_lossy(&response);
@@ -274,5 +282,26 @@ async fn an_over_long_user_header_is_limited_like_a_short_one() {
     assert_eq!(codes, [200, 200, 200, 429, 429]);
     let scrape = s.server.observer().await.metrics.render();
     assert!(scrape.contains("reason=\"entry_digest\"} 5"), "{scrape}");
+    s.server.stop().await.unwrap();
+}
+
+/// A user header that is not UTF-8 (prost refuses such a string; a refusal
+/// would be an error Envoy answers with "allow") is limited exactly like
+/// any other: 3 a minute, then 429, and another invalid value is another
+/// user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_user_header_that_is_not_utf8_is_limited_like_any_other() {
+    let s = stack(|_| {}).await;
+    let port = s.envoy_port;
+    let (codes, other) = tokio::task::spawn_blocking(move || {
+        let codes: Vec<u16> =
+            (0..5).map(|_| get_raw(port, "/", &[("x-user-id", b"mallory\xff\xfe")]).0).collect();
+        let other = get_raw(port, "/", &[("x-user-id", b"mallory\xfe\xff")]).0;
+        (codes, other)
+    })
+    .await
+    .unwrap();
+    assert_eq!(codes, [200, 200, 200, 429, 429]);
+    assert_eq!(other, 200, "different bytes, a different counter");
     s.server.stop().await.unwrap();
 }

@@ -8,6 +8,7 @@ mod check;
 pub mod client;
 mod convert;
 mod envoy;
+pub mod lenient;
 
 pub use check::RateLimiterService;
 

@@ -20,13 +20,19 @@ pub fn bounded(value: &str, max_bytes: usize) -> Cow<'_, str> {
     if value.len() <= max_bytes && !value.starts_with(DIGEST_PREFIX) {
         return Cow::Borrowed(value);
     }
-    let digest = Sha256::digest(value.as_bytes());
+    Cow::Owned(digest_bytes(value.as_bytes()))
+}
+
+/// `#sha256:` and the 64 hex digits of the SHA-256 of `bytes`: how a value
+/// that is not UTF-8 is counted (the API cannot carry it as a string).
+pub fn digest_bytes(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
     let mut key = String::with_capacity(DIGEST_PREFIX.len() + 64);
     key.push_str(DIGEST_PREFIX);
     for byte in digest {
         let _ = write!(key, "{byte:02x}");
     }
-    Cow::Owned(key)
+    key
 }
 
 #[cfg(test)]
