@@ -9,7 +9,8 @@
 //! - [`rules`]: rule model, YAML loader, compiler, immutable [`rules::Snapshot`],
 //!   hot-swapping [`rules::RuleStore`].
 //! - [`shed`]: utilization sampler and the priority shedding policy.
-//! - [`decision`]: the path itself — lookup, shedding, store call, failure policy, shadow mode.
+//! - [`decision`]: the one engine both APIs decide through — lookup, priority,
+//!   shedding, store call, failure policy, shadow mode, dead-letter record, metrics.
 //! - [`limiter`]: the sliding-window arithmetic as a pure function and the
 //!   stores that apply it (Redis Lua script, in-memory shards).
 //! - [`dlq`]: records of decisions the store could not make: file or Kafka (through a
@@ -17,7 +18,8 @@
 //! - [`migrate`]: the numbered setup steps of `migrations/`.
 //! - [`clock`]: injectable time sources.
 //! - [`telemetry`]: metrics, health and readiness.
-//! - [`config`], [`cli`], [`server`] (wiring, startup, graceful shutdown), [`signal`].
+//! - [`config`] (one module per section), [`cli`], [`server`] (named parts,
+//!   startup, graceful shutdown), [`signal`], [`tls`].
 //!
 //! See ARCHITECTURE.md for the invariants between them.
 
