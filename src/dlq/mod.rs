@@ -6,7 +6,8 @@
 //! queue ([`DlqSink`]); an owned writer task ([`file::run`]) drains it in
 //! batches and makes each batch durable (fsync) before counting it
 //! delivered. If the queue is full — the disk cannot keep up — the record is
-//! counted as dropped and an error is logged, every time.
+//! counted as dropped, every time, and an error is logged at most once a
+//! second with the number of drops it stands for ([`Folded`]).
 
 pub mod audit;
 pub mod file;
@@ -29,22 +30,40 @@ use crate::{
     decision::{FailedDecision, FailureSink},
 };
 
-/// Logs failed decisions at `warn`, at most one line per second; the line
-/// carries how many were folded into it.
+/// One log line a second at most for an event the hot path may meet at any
+/// rate: lock-free, and the line says how many occurrences it stands for.
 #[derive(Debug, Default)]
-pub struct LogSink {
+pub struct Folded {
     last_logged_s: AtomicU64,
     suppressed: AtomicU64,
 }
 
-impl FailureSink for LogSink {
-    fn record(&self, failure: &FailedDecision<'_>) {
-        let now_s = SystemClock.now_ms() / 1_000;
+impl Folded {
+    /// Whether to log an occurrence at `now_s` (seconds): `Some(n)` with the
+    /// `n` occurrences folded since the last line, or `None` (counted).
+    pub fn pass(&self, now_s: u64) -> Option<u64> {
         let last = self.last_logged_s.load(Ordering::Relaxed);
         if now_s > last
             && self.last_logged_s.compare_exchange(last, now_s, Ordering::Relaxed, Ordering::Relaxed).is_ok()
         {
-            let folded = self.suppressed.swap(0, Ordering::Relaxed);
+            Some(self.suppressed.swap(0, Ordering::Relaxed))
+        } else {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+}
+
+/// Logs failed decisions at `warn`, at most one line per second; the line
+/// carries how many were folded into it.
+#[derive(Debug, Default)]
+pub struct LogSink {
+    folded: Folded,
+}
+
+impl FailureSink for LogSink {
+    fn record(&self, failure: &FailedDecision<'_>) {
+        if let Some(folded) = self.folded.pass(SystemClock.now_ms() / 1_000) {
             tracing::warn!(
                 rule = failure.rule_id,
                 kind = %failure.error.kind,
@@ -53,8 +72,6 @@ impl FailureSink for LogSink {
                 folded,
                 "store could not decide; answered by failure policy"
             );
-        } else {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
@@ -104,6 +121,7 @@ pub struct DlqSink {
     counters: Arc<DlqCounters>,
     spool: Option<Arc<spool::SpoolState>>,
     log: LogSink,
+    drops: Folded,
 }
 
 impl DlqSink {
@@ -127,6 +145,7 @@ impl DlqSink {
             counters: Arc::clone(&counters),
             spool: None,
             log: LogSink::default(),
+            drops: Folded::default(),
         };
         (sink, receiver, counters)
     }
@@ -168,13 +187,22 @@ impl FailureSink for DlqSink {
         self.counters.enqueued.fetch_add(1, Ordering::SeqCst);
         if let Err(e) = self.queue.try_send(record) {
             self.counters.dropped.fetch_add(1, Ordering::SeqCst);
-            let (why, record) = match e {
-                mpsc::error::TrySendError::Full(r) => {
-                    ("dead-letter queue full: the writer cannot keep up", r)
-                }
-                mpsc::error::TrySendError::Closed(r) => ("dead-letter writer stopped", r),
-            };
-            tracing::error!(event_id = %record.event_id, rule = %record.rule_id, "{why}; failure record DROPPED");
+            // Every drop is counted; the log says so once a second at most,
+            // so a flood of drops cannot become a flood of log lines.
+            if let Some(folded) = self.drops.pass(now / 1_000) {
+                let (why, record) = match e {
+                    mpsc::error::TrySendError::Full(r) => {
+                        ("dead-letter queue full: the writer cannot keep up", r)
+                    }
+                    mpsc::error::TrySendError::Closed(r) => ("dead-letter writer stopped", r),
+                };
+                tracing::error!(
+                    event_id = %record.event_id,
+                    rule = %record.rule_id,
+                    also_dropped = folded,
+                    "{why}; failure record DROPPED (ratelimitd_dlq_dropped_total counts them all)"
+                );
+            }
         }
     }
 }
@@ -223,6 +251,15 @@ mod tests {
             };
             sink.record(&FailedDecision::of_check(&request, &rule, Priority::Bulk, &error, Reason::FailOpen));
         }
+    }
+
+    #[test]
+    fn folded_logging_passes_once_a_second_and_counts_the_rest() {
+        let folded = Folded::default();
+        assert_eq!(folded.pass(10), Some(0));
+        assert_eq!((folded.pass(10), folded.pass(10), folded.pass(10)), (None, None, None));
+        assert_eq!(folded.pass(11), Some(3), "the next second's line carries the three folded");
+        assert_eq!(folded.pass(11), None);
     }
 
     #[test]
