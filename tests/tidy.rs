@@ -1,8 +1,8 @@
 //! Tidy checks: the architecture invariants of ARCHITECTURE.md, enforced on
 //! the source text so they cannot drift into prose only.
 //!
-//! - The `use crate::` graph between top-level modules has no cycle
-//!   (test modules excluded: a test may reach anywhere).
+//! - The `use crate::` graph between top-level modules has no cycle, test
+//!   modules included (a test that needs a higher module lives in `tests/`).
 //! - Generated protobuf types (`api::pb`, `api::envoy_pb`) are named only
 //!   under `src/api/`.
 //! - Every module file starts with a `//!` doc.
@@ -46,36 +46,9 @@ fn module_of(path: &Path) -> String {
     }
 }
 
-/// The text without line comments and without `#[cfg(test)]` items (a test
-/// module, or a whole `tests.rs` declared under `#[cfg(test)]`).
-fn production_code(path: &Path, text: &str) -> String {
-    if path.file_name().is_some_and(|n| n == "tests.rs") {
-        return String::new();
-    }
-    let mut out = String::new();
-    let mut lines = text.lines();
-    while let Some(line) = lines.next() {
-        let trimmed = line.trim_start();
-        if trimmed.starts_with("#[cfg(test)]") {
-            // Skip the next item: up to its closing brace at the same depth.
-            let mut depth = 0i32;
-            let mut opened = false;
-            for item in lines.by_ref() {
-                depth += item.matches('{').count() as i32 - item.matches('}').count() as i32;
-                opened |= item.contains('{');
-                if (opened && depth <= 0) || (!opened && item.trim_end().ends_with(';')) {
-                    break;
-                }
-            }
-            continue;
-        }
-        if trimmed.starts_with("//") {
-            continue;
-        }
-        out.push_str(line);
-        out.push('\n');
-    }
-    out
+/// The text without line comments.
+fn code(text: &str) -> String {
+    text.lines().filter(|line| !line.trim_start().starts_with("//")).flat_map(|line| [line, "\n"]).collect()
 }
 
 /// Top-level modules named after `crate::`, including every root of a
@@ -134,8 +107,7 @@ fn the_module_graph_has_no_cycle() {
         if from == "lib" || from == "main" {
             continue;
         }
-        let code = production_code(file, &fs::read_to_string(file).unwrap());
-        for to in crate_references(&code) {
+        for to in crate_references(&code(&fs::read_to_string(file).unwrap())) {
             if to != from && modules.contains(&to) {
                 edges.entry(from.clone()).or_default().insert(to);
             }
@@ -179,14 +151,10 @@ fn the_module_graph_has_no_cycle() {
 
 #[test]
 fn crate_references_see_groups_and_paths() {
-    let code = "use crate::{a::x, b::{y, z}, c};\nfn f() { crate::d::g(); }\n";
-    assert_eq!(crate_references(code), ["a", "b", "c", "d"].map(str::to_owned).into());
-    let tested =
-        "use crate::a;\n#[cfg(test)]\nmod tests {\n    use crate::b;\n    fn f() {}\n}\nuse crate::c;\n";
-    assert_eq!(
-        crate_references(&production_code(Path::new("x.rs"), tested)),
-        ["a", "c"].map(str::to_owned).into()
-    );
+    let grouped = "use crate::{a::x, b::{y, z}, c};\nfn f() { crate::d::g(); }\n";
+    assert_eq!(crate_references(grouped), ["a", "b", "c", "d"].map(str::to_owned).into());
+    let commented = "// use crate::x;\nuse crate::a;\n";
+    assert_eq!(crate_references(&code(commented)), ["a"].map(str::to_owned).into());
 }
 
 #[test]

@@ -6,11 +6,18 @@ use std::{collections::HashMap, path::Path, sync::Arc};
 
 use super::*;
 use crate::{
-    dlq::LogSink,
     limiter::{ManualClock, MemoryStore},
     rules,
     shed::ShedMode,
 };
+
+/// Store failures cannot happen on the memory store: nothing to record.
+#[derive(Debug)]
+struct Discard;
+
+impl FailureSink for Discard {
+    fn record(&self, _: &FailedDecision<'_>) {}
+}
 
 fn engine(policy: EnvoyPolicy) -> Engine {
     engine_trusting(policy, true)
@@ -22,7 +29,7 @@ fn engine_trusting(policy: EnvoyPolicy, trust_request_priority: bool) -> Engine 
         envoy: None,
         store: Store::Memory(Arc::new(MemoryStore::new(1, Arc::new(ManualClock::new(0))))),
         shedder: Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
-        failures: Arc::new(LogSink::default()),
+        failures: Arc::new(Discard),
         stats: Arc::new(NoStats),
         default_priority: Priority::Degraded,
         max_user_id_bytes: 256,

@@ -209,28 +209,23 @@ pub async fn run_sweeper(store: Arc<MemoryStore>, interval: Duration, mut shutdo
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-
     use super::*;
-    use crate::{
-        limiter::{ManualClock, ManyItem, window::WindowParams},
-        rules::{FailurePolicy, Mode, Rule},
-        shed::Priority,
-    };
+    use crate::limiter::{ManualClock, ManyItem, window::WindowParams};
 
-    fn rule(id: &str, window_ms: u64, capacity: u64) -> Rule {
-        Rule {
-            id: Arc::from(id),
-            resource_path: "/x".to_owned(),
-            client_type: None,
-            priority: Priority::Degraded,
-            limit: capacity,
-            burst_capacity: 1.0,
-            window: WindowParams::sliding(window_ms, capacity),
-            mode: Mode::Enforce,
-            failure_policy: FailurePolicy::Open,
-            source: Arc::from(Path::new("t.yaml")),
+    /// A rule's counter, as the store sees it (the store knows no rules).
+    struct Counter {
+        id: Arc<str>,
+        window: WindowParams,
+    }
+
+    impl Counter {
+        fn counter(&self) -> CounterSpec<'_> {
+            CounterSpec { id: &self.id, window: self.window }
         }
+    }
+
+    fn rule(id: &str, window_ms: u64, capacity: u64) -> Counter {
+        Counter { id: Arc::from(id), window: WindowParams::sliding(window_ms, capacity) }
     }
 
     #[test]
