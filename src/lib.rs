@@ -16,7 +16,7 @@
 //! - [`dlq`]: records of decisions the store could not make: file or Kafka (through a
 //!   durable spool), and the `audit` reader.
 //! - [`migrate`]: the numbered setup steps of `migrations/`.
-//! - [`clock`]: injectable time sources.
+//! - [`clock`]: injectable time sources; [`folded`]: logging at most once a second.
 //! - [`telemetry`]: metrics, health and readiness.
 //! - [`config`] (one module per section), [`cli`], [`server`] (named parts,
 //!   startup, graceful shutdown), [`signal`], [`tls`].
@@ -31,6 +31,7 @@ pub mod clock;
 pub mod config;
 pub mod decision;
 pub mod dlq;
+pub mod folded;
 pub mod limiter;
 pub mod migrate;
 pub mod rules;

@@ -38,7 +38,11 @@ use tokio_rustls::{
     server::TlsStream,
 };
 
-use crate::config::GrpcTlsConfig;
+use crate::{
+    clock::{Clock, SystemClock},
+    config::GrpcTlsConfig,
+    folded::Folded,
+};
 
 /// A TLS setting that cannot be used; names the key and the file.
 #[derive(Debug, thiserror::Error)]
@@ -212,7 +216,7 @@ impl ReloadingAcceptor {
         let accept_loop = async move {
             let permits = Arc::new(Semaphore::new(acceptor.max_handshakes));
             let mut handshakes = JoinSet::new();
-            let mut failures = FoldedWarning::default();
+            let failures = Folded::default();
             loop {
                 // Reap finished handshakes, then wait for room for one more.
                 while handshakes.try_join_next().is_some() {}
@@ -233,7 +237,9 @@ impl ReloadingAcceptor {
                     Err(e) => {
                         // Out of file descriptors and the like: back off
                         // briefly, and say so at most once a second.
-                        failures.record(&e);
+                        if let Some(folded) = failures.pass(SystemClock.now_ms() / 1_000) {
+                            tracing::warn!(error = %e, also_failed = folded, "accepting a gRPC connection failed");
+                        }
                         tokio::time::sleep(Duration::from_millis(10)).await;
                         continue;
                     }
@@ -261,25 +267,5 @@ impl ReloadingAcceptor {
             let _ = stop.wait_for(|stopped| *stopped).await;
         };
         (receiver, accept_loop)
-    }
-}
-
-/// A warning logged at most once a second, carrying how many occurrences
-/// it stands for.
-#[derive(Debug, Default)]
-struct FoldedWarning {
-    last: Option<tokio::time::Instant>,
-    folded: u64,
-}
-
-impl FoldedWarning {
-    fn record(&mut self, error: &io::Error) {
-        self.folded += 1;
-        let now = tokio::time::Instant::now();
-        if self.last.is_none_or(|last| now.duration_since(last) >= Duration::from_secs(1)) {
-            tracing::warn!(error = %error, failures = self.folded, "accepting gRPC connections failed");
-            self.last = Some(now);
-            self.folded = 0;
-        }
     }
 }

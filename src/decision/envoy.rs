@@ -24,7 +24,7 @@ use tracing::Instrument as _;
 
 use super::{Api, Engine, FailedDecision, Reason, keys};
 use crate::{
-    limiter::{ManyItem, ManyOutcome, StoreError},
+    limiter::{ManyItem, ManyOutcome, StoreError, push_encoded},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
     shed::{Level, Priority, ShedVerdict},
 };
@@ -301,32 +301,39 @@ impl Engine {
     /// matched limit replaces.
     fn rls_limits<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> Vec<Option<EnvoyMatch>> {
         let config = self.inner.envoy.as_ref().map(|hot| hot.load());
-        let honoured = self.inner.envoy_policy.request_limit_domains.contains(request.domain);
+        // Asked only of requests that carry a limit: most carry none.
+        let honoured = || self.inner.envoy_policy.request_limit_domains.contains(request.domain);
         let mut limits: Vec<Option<EnvoyMatch>> = request
             .descriptors
             .iter()
-            .map(|d| match d.limit() {
-                Some(_) if !honoured => {
-                    // Request-supplied limits are off for this domain: the
-                    // configured limit applies, as if none were sent.
-                    self.inner.stats.adjusted(Api::Envoy, "override_ignored");
-                    config.as_ref()?.lookup(request.domain, d.entries())
-                }
-                Some(o) => Some(EnvoyMatch {
-                    limit: Arc::new(EnvoyLimit {
-                        full_key: Arc::clone(&self.override_label),
-                        requests_per_unit: o.requests_per_unit,
-                        unit: Some(o.unit),
-                        unlimited: false,
-                        shadow_mode: false,
-                        quota_mode: false,
-                        name: None,
-                        replaces: Vec::new(),
-                        detailed_metric: false,
+            .map(|d| {
+                let requested = match d.limit() {
+                    Some(limit) if honoured() => Some(limit),
+                    Some(_) => {
+                        // Request-supplied limits are off for this domain: the
+                        // configured limit applies, as if none were sent.
+                        self.inner.stats.adjusted(Api::Envoy, "override_ignored");
+                        None
+                    }
+                    None => None,
+                };
+                match requested {
+                    Some(o) => Some(EnvoyMatch {
+                        limit: Arc::new(EnvoyLimit {
+                            full_key: Arc::clone(&self.override_label),
+                            requests_per_unit: o.requests_per_unit,
+                            unit: Some(o.unit),
+                            unlimited: false,
+                            shadow_mode: false,
+                            quota_mode: false,
+                            name: None,
+                            replaces: Vec::new(),
+                            detailed_metric: false,
+                        }),
+                        shared: Vec::new(),
                     }),
-                    shared: Vec::new(),
-                }),
-                None => config.as_ref()?.lookup(request.domain, d.entries()),
+                    None => config.as_ref()?.lookup(request.domain, d.entries()),
+                }
             })
             .collect();
         // The limits are `Arc`s: collecting the replacing ones clones pointers.
@@ -546,20 +553,11 @@ pub(crate) fn counter_key<'a>(
     (key, digested)
 }
 
+/// Separators of the counter key format, encoded inside names and values.
+const KEY_SEPARATORS: [char; 3] = ['=', '|', '*'];
+
 fn escape_into(out: &mut String, text: &str) {
-    if !text.contains(['%', '=', '|', '*']) {
-        out.push_str(text);
-        return;
-    }
-    for c in text.chars() {
-        match c {
-            '%' => out.push_str("%25"),
-            '=' => out.push_str("%3D"),
-            '|' => out.push_str("%7C"),
-            '*' => out.push_str("%2A"),
-            c => out.push(c),
-        }
-    }
+    push_encoded(out, text, &KEY_SEPARATORS);
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 //! batches and makes each batch durable (fsync) before counting it
 //! delivered. If the queue is full — the disk cannot keep up — the record is
 //! counted as dropped, every time, and an error is logged at most once a
-//! second with the number of drops it stands for ([`Folded`]).
+//! second with the number of drops it stands for ([`crate::folded::Folded`]).
 
 pub mod audit;
 pub mod file;
@@ -28,31 +28,8 @@ pub use record::{FailureRecord, RecordBounds};
 use crate::{
     clock::{Clock, SystemClock},
     decision::{FailedDecision, FailureSink},
+    folded::Folded,
 };
-
-/// One log line a second at most for an event the hot path may meet at any
-/// rate: lock-free, and the line says how many occurrences it stands for.
-#[derive(Debug, Default)]
-pub struct Folded {
-    last_logged_s: AtomicU64,
-    suppressed: AtomicU64,
-}
-
-impl Folded {
-    /// Whether to log an occurrence at `now_s` (seconds): `Some(n)` with the
-    /// `n` occurrences folded since the last line, or `None` (counted).
-    pub fn pass(&self, now_s: u64) -> Option<u64> {
-        let last = self.last_logged_s.load(Ordering::Relaxed);
-        if now_s > last
-            && self.last_logged_s.compare_exchange(last, now_s, Ordering::Relaxed, Ordering::Relaxed).is_ok()
-        {
-            Some(self.suppressed.swap(0, Ordering::Relaxed))
-        } else {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
-            None
-        }
-    }
-}
 
 /// Logs failed decisions at `warn`, at most one line per second; the line
 /// carries how many were folded into it.
@@ -251,15 +228,6 @@ mod tests {
             };
             sink.record(&FailedDecision::of_check(&request, &rule, Priority::Bulk, &error, Reason::FailOpen));
         }
-    }
-
-    #[test]
-    fn folded_logging_passes_once_a_second_and_counts_the_rest() {
-        let folded = Folded::default();
-        assert_eq!(folded.pass(10), Some(0));
-        assert_eq!((folded.pass(10), folded.pass(10), folded.pass(10)), (None, None, None));
-        assert_eq!(folded.pass(11), Some(3), "the next second's line carries the three folded");
-        assert_eq!(folded.pass(11), None);
     }
 
     #[test]

@@ -10,7 +10,10 @@ pub mod memory;
 pub mod redis;
 pub mod window;
 
-use std::{fmt, sync::Arc};
+use std::{
+    fmt::{self, Write as _},
+    sync::Arc,
+};
 
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
@@ -59,6 +62,24 @@ impl Store {
         match self {
             Store::Memory(_) => "memory",
             Store::Redis(_) => "redis",
+        }
+    }
+}
+
+/// Appends `text` to a counter key with `%` and every character of
+/// `reserved` (ASCII separators of the key format) percent-encoded, so
+/// values can never be confused with the key's structure. Borrowed through
+/// when there is nothing to encode, the usual case.
+pub fn push_encoded(key: &mut String, text: &str, reserved: &[char]) {
+    if !text.contains(|c| c == '%' || reserved.contains(&c)) {
+        key.push_str(text);
+        return;
+    }
+    for c in text.chars() {
+        if c == '%' || reserved.contains(&c) {
+            let _ = write!(key, "%{:02X}", u32::from(c));
+        } else {
+            key.push(c);
         }
     }
 }

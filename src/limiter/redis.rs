@@ -751,18 +751,7 @@ pub fn counter_key(user_id: &str, rule_id: &str) -> String {
 /// empty it (then the whole key is hashed, and one Envoy job's keys could
 /// land in different cluster slots). Encoded, the tag is the whole value.
 fn push_tag(key: &mut String, text: &str) {
-    if !text.contains(['%', '{', '}']) {
-        key.push_str(text);
-        return;
-    }
-    for c in text.chars() {
-        match c {
-            '%' => key.push_str("%25"),
-            '{' => key.push_str("%7B"),
-            '}' => key.push_str("%7D"),
-            c => key.push(c),
-        }
-    }
+    super::push_encoded(key, text, &['{', '}']);
 }
 
 fn script_error(message: String) -> StoreError {
