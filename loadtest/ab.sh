@@ -24,13 +24,7 @@ mkdir -p "$OUT"
 source "$(dirname "$0")/common.sh"
 
 # Limits far above what the load reaches: every decision is counted, none denied.
-mkdir -p "$WORK/envoy"
-cat > "$WORK/envoy/edge.yaml" <<'YAML'
-domain: edge
-descriptors:
-  - key: user
-    rate_limit: { unit: minute, requests_per_unit: 1000000000 }
-YAML
+write_edge_config "$WORK/envoy"
 cat > "$WORK/native.yaml" <<'YAML'
 rules:
   - { rule_id: playback, resource_path: /api/v1/playback, limit: 1000000000, window_seconds: 60 }

@@ -39,13 +39,7 @@ REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
 
 # The same limit for both: domain/namespace "edge", a counter per user, far
 # above what the load reaches (every decision is counted, none denied).
-mkdir -p "$WORK/envoy"
-cat > "$WORK/envoy/edge.yaml" <<'YAML'
-domain: edge
-descriptors:
-  - key: user
-    rate_limit: { unit: minute, requests_per_unit: 1000000000 }
-YAML
+write_edge_config "$WORK/envoy"
 echo "rules: []" > "$WORK/native.yaml"
 cat > "$WORK/limits.yaml" <<'YAML'
 - namespace: edge

@@ -1,6 +1,7 @@
 # Shared by the benchmark scripts (sourced, not run): a work directory
 # removed on exit, the PIDs of what they started (killed on exit), a free
-# loopback port, and waiting until something listens on one.
+# loopback port, waiting until something listens on one, and the Envoy
+# configuration the loads run against.
 WORK="$(mktemp -d)"
 PIDS=()
 cleanup() {
@@ -22,3 +23,15 @@ free_port() {
   done
 }
 wait_port() { for _ in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "$0: nothing on port $1" >&2; exit 1; }
+
+# Envoy-format rules in directory $1: domain "edge", a counter per user, far
+# above what any load reaches (every decision is counted, none denied).
+write_edge_config() {
+  mkdir -p "$1"
+  cat > "$1/edge.yaml" <<'YAML'
+domain: edge
+descriptors:
+  - key: user
+    rate_limit: { unit: minute, requests_per_unit: 1000000000 }
+YAML
+}
