@@ -13,6 +13,15 @@ use std::{
     path::{Path, PathBuf},
 };
 
+/// `src/` of the checkout under test: the run-time `CARGO_MANIFEST_DIR`
+/// (cargo and nextest set it), so a test binary reused from a shared target
+/// dir built in another clone still reads this clone's sources.
+fn src_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+        .join("src")
+}
+
 fn source_files() -> Vec<PathBuf> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         for entry in fs::read_dir(dir).unwrap() {
@@ -25,16 +34,13 @@ fn source_files() -> Vec<PathBuf> {
         }
     }
     let mut files = Vec::new();
-    walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), &mut files);
+    walk(&src_dir(), &mut files);
     files.sort();
     files
 }
 
 fn relative(path: &Path) -> String {
-    path.strip_prefix(Path::new(env!("CARGO_MANIFEST_DIR")).join("src"))
-        .unwrap()
-        .to_string_lossy()
-        .into_owned()
+    path.strip_prefix(src_dir()).unwrap().to_string_lossy().into_owned()
 }
 
 /// The top-level module a file belongs to (`decision/envoy.rs` → `decision`).
