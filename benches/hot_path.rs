@@ -134,14 +134,14 @@ fn benches(c: &mut Criterion) {
     });
     println!("request validation: {allocs} allocations per call");
 
-    let memory = Arc::new(MemoryStore::new(64, Arc::new(SystemClock)));
+    let memory = Arc::new(MemoryStore::new(64, 1_000_000, Arc::new(SystemClock)));
     let rule = snapshot.lookup("/api/v1/service-49/resource-49", None).unwrap().clone();
     let big = ratelimitd::rules::Rule { window: WindowParams::sliding(60_000, u64::MAX >> 40), ..rule };
     c.bench_function("memory store decide (known counter)", |b| {
         b.iter(|| memory.decide(black_box("user-1"), big.counter(), 1))
     });
     let allocs = allocations_per_call(100_000, || {
-        black_box(memory.decide("user-1", big.counter(), 1));
+        let _ = black_box(memory.decide("user-1", big.counter(), 1));
     });
     println!("memory store decide (known counter): {allocs} allocations per call");
 

@@ -90,7 +90,7 @@ impl Harness {
         let mut dispatchers = JoinSet::new();
         let (store, memory, redis) = match backend {
             Backend::Memory => {
-                let memory = Arc::new(MemoryStore::new(4, Arc::clone(&clock) as _));
+                let memory = Arc::new(MemoryStore::new(4, 1_000_000, Arc::clone(&clock) as _));
                 (Store::Memory(Arc::clone(&memory)), Some(memory), None)
             }
             Backend::Redis => {

@@ -12,11 +12,14 @@ pub struct MemoryConfig {
     pub sweep_interval_ms: u64,
     /// Number of independently locked shards of the counter map.
     pub shards: usize,
+    /// The most counters held at once (rounded up to a multiple of
+    /// `shards`); see the memory store for what happens when full.
+    pub max_counters: usize,
 }
 
 impl Default for MemoryConfig {
     fn default() -> Self {
-        Self { sweep_interval_ms: 10_000, shards: 64 }
+        Self { sweep_interval_ms: 10_000, shards: 64, max_counters: 1_000_000 }
     }
 }
 
@@ -28,6 +31,9 @@ impl MemoryConfig {
         }
         if !(1..=4096).contains(&self.shards) {
             return Err(invalid("memory.shards", "must be between 1 and 4096"));
+        }
+        if !(1..=1 << 32).contains(&self.max_counters) {
+            return Err(invalid("memory.max_counters", "must be between 1 and 4294967296"));
         }
         Ok(())
     }

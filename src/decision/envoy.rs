@@ -518,7 +518,8 @@ impl Engine {
 /// lists never share a counter. An entry matched through a `share_threshold`
 /// wildcard contributes the pattern instead of its value (`shared`), so all
 /// of its values share the counter. A key or value over `max_bytes` is
-/// counted by its digest ([`keys::bounded`]); the flag says one was.
+/// counted by its digest ([`keys::bounded`]), and so is a whole key over
+/// [`keys::MAX_COUNTER_KEY_BYTES`]; the flag says a digest was taken.
 pub(crate) fn counter_key<'a>(
     unit: Unit,
     entries: impl Iterator<Item = (&'a str, &'a str)> + Clone,
@@ -549,6 +550,10 @@ pub(crate) fn counter_key<'a>(
                 escape_into(&mut key, &value);
             }
         }
+    }
+    // Never equal to a short key: those start with the unit's digits.
+    if key.len() > keys::MAX_COUNTER_KEY_BYTES {
+        return (keys::digest_bytes(key.as_bytes()), true);
     }
     (key, digested)
 }
@@ -595,5 +600,17 @@ mod tests {
         )
         .0;
         assert_eq!(nested, "1|user=*u%2A|path=/x");
+    }
+
+    #[test]
+    fn long_keys_are_stored_by_a_digest_of_the_whole_key() {
+        let long = "v".repeat(400);
+        let (a, digested) = counter_key(Unit::Second, [("a", &*long), ("b", &*long)].into_iter(), &[], 1_024);
+        assert!(digested);
+        assert_eq!(a.len(), 72);
+        let (b, _) = counter_key(Unit::Second, [("a", &*long), ("b", "w")].into_iter(), &[], 1_024);
+        assert_eq!(b.len(), 2 + 2 + 400 + 4, "under the bound: kept as it is");
+        let (c, _) = counter_key(Unit::Minute, [("a", &*long), ("b", &*long)].into_iter(), &[], 1_024);
+        assert_ne!(a, c, "the unit is part of what is digested");
     }
 }

@@ -13,6 +13,11 @@ use sha2::{Digest, Sha256};
 /// two values share a counter only if SHA-256 collides.
 pub const DIGEST_PREFIX: &str = "#sha256:";
 
+/// The longest counter key stored as it is. A longer one (an Envoy
+/// descriptor of several long entries) is stored by its digest, so one
+/// counter costs a bounded number of bytes in either store.
+pub const MAX_COUNTER_KEY_BYTES: usize = 512;
+
 /// `value` itself when it is at most `max_bytes` long and does not start
 /// with [`DIGEST_PREFIX`]; otherwise `#sha256:` and the 64 hex digits of its
 /// SHA-256 (72 bytes, whatever the value's length).

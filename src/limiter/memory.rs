@@ -1,25 +1,51 @@
 //! The in-memory counter store: the embedded default when `redis.url` is unset.
 //!
-//! Counters live in a fixed number of shards, each a `std::sync::Mutex` over a
-//! map `rule id -> user id -> counter`. A lock is held only for the few
-//! arithmetic operations of one decision and never across an `.await`. The
-//! two-level map lets a lookup borrow `&str` keys, so a known counter costs
-//! no allocation. Idle counters expire after `2 * W`, like the Redis keys, and
-//! a background sweep removes them, so memory stays bounded by active users.
+//! Counters live in a fixed number of shards, each a `std::sync::Mutex` over
+//! one map `(rule id or group, user id or key) -> counter`. A lock is held
+//! only for the few arithmetic operations of one decision and never across an
+//! `.await`. Lookups borrow `&str` keys ([`KeyRef`]), so a known counter costs
+//! no allocation.
+//!
+//! Memory is bounded, whatever the callers send:
+//! - at most `memory.max_counters` counters (split evenly over the shards);
+//! - a full shard makes room by evicting, among [`EVICTION_SAMPLE`] sampled
+//!   counters, the one that expired earliest. A counter that still counts
+//!   is never evicted: that would hand its user a fresh budget, and anyone
+//!   able to send distinct keys could reset anyone else's counter. When the
+//!   sample holds no expired counter the decision fails with
+//!   [`FailureKind::StoreFull`] (the rule's failure policy answers it, the
+//!   failure is counted) and the sweeper is woken;
+//! - idle counters expire after `2 * W`, like the Redis keys; the sweeper
+//!   removes them on a blocking thread, a bounded chunk per lock hold, and
+//!   shrinks maps that a flood left mostly empty.
 
 use std::{
-    collections::HashMap,
-    hash::{BuildHasher, RandomState},
-    sync::{Arc, Mutex},
-    time::Duration,
+    collections::HashSet,
+    hash::{BuildHasher, Hash, Hasher, RandomState},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
 };
 
-use tokio::sync::watch;
+use indexmap::{Equivalent, IndexMap};
+use tokio::sync::{Notify, watch};
 
 use super::{
-    Clock, CounterSpec, ManyItem, ManyOutcome, many_verdicts,
+    Clock, CounterSpec, FailureKind, ManyItem, ManyOutcome, StoreError, many_verdicts,
     window::{self, StoredCounter, Verdict},
 };
+
+/// How many counters a full shard samples for an expired one to evict.
+pub const EVICTION_SAMPLE: usize = 16;
+
+/// Counters the sweeper examines per lock hold.
+const SWEEP_CHUNK: usize = 1_024;
+
+/// A sweep asked for by a full shard starts at most this often.
+const MIN_WAKE_GAP: Duration = Duration::from_secs(1);
+
 #[derive(Debug)]
 struct Entry {
     counter: StoredCounter,
@@ -27,24 +53,141 @@ struct Entry {
     expires_at_ms: u64,
 }
 
-type Shard = HashMap<Arc<str>, HashMap<Box<str>, Entry>>;
+/// A counter's identity as stored: its group (a native rule id or an Envoy
+/// domain, shared by all of the group's counters) and its key.
+#[derive(Debug, PartialEq, Eq)]
+struct CounterKey {
+    group: Arc<str>,
+    key: Box<str>,
+}
 
-/// Sharded in-process counters. The maps keep std's SipHash: their keys are
-/// user ids, which clients choose, so a flooding-resistant hash matters here.
+impl Hash for CounterKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        KeyRef { group: &self.group, key: &self.key }.hash(state);
+    }
+}
+
+/// A borrowed [`CounterKey`]: hashes the same, so a lookup allocates nothing.
+#[derive(Debug, Hash)]
+struct KeyRef<'a> {
+    group: &'a str,
+    key: &'a str,
+}
+
+impl Equivalent<CounterKey> for KeyRef<'_> {
+    fn equivalent(&self, stored: &CounterKey) -> bool {
+        *stored.group == *self.group && *stored.key == *self.key
+    }
+}
+
+/// One shard: its counters (std's SipHash: the keys are chosen by clients,
+/// so a flooding-resistant hash matters here), the interned group names,
+/// and the state of the sampling generator.
+#[derive(Debug)]
+struct Shard {
+    counters: IndexMap<CounterKey, Entry>,
+    groups: HashSet<Arc<str>>,
+    rng: u64,
+}
+
+impl Shard {
+    fn get(&self, group: &str, key: &str, now_ms: u64) -> Option<StoredCounter> {
+        self.counters
+            .get(&KeyRef { group, key })
+            .filter(|entry| entry.expires_at_ms > now_ms)
+            .map(|entry| entry.counter)
+    }
+
+    fn contains(&self, group: &str, key: &str) -> bool {
+        self.counters.contains_key(&KeyRef { group, key })
+    }
+
+    /// Updates an existing counter in place, or inserts it (the caller made
+    /// room with [`make_room`](Self::make_room)).
+    fn put(&mut self, group: &str, key: &str, entry: Entry) {
+        if let Some(existing) = self.counters.get_mut(&KeyRef { group, key }) {
+            *existing = entry;
+            return;
+        }
+        let group = match self.groups.get(group) {
+            Some(interned) => Arc::clone(interned),
+            None => {
+                let interned: Arc<str> = Arc::from(group);
+                self.groups.insert(Arc::clone(&interned));
+                interned
+            }
+        };
+        self.counters.insert(CounterKey { group, key: key.into() }, entry);
+    }
+
+    /// Makes room for `needed` new counters under `capacity`, evicting
+    /// expired ones; `false` when the sampled counters all still count.
+    fn make_room(&mut self, needed: usize, capacity: usize, now_ms: u64, evictions: &AtomicU64) -> bool {
+        while self.counters.len() + needed > capacity {
+            let Some(victim) = self.expired_sample(now_ms) else { return false };
+            self.counters.swap_remove_index(victim);
+            evictions.fetch_add(1, Ordering::Relaxed);
+        }
+        true
+    }
+
+    /// Among [`EVICTION_SAMPLE`] random counters, the index of the one that
+    /// expired earliest, if any has.
+    fn expired_sample(&mut self, now_ms: u64) -> Option<usize> {
+        let len = self.counters.len();
+        if len == 0 {
+            return None;
+        }
+        let mut best: Option<(u64, usize)> = None;
+        for _ in 0..EVICTION_SAMPLE {
+            // xorshift64: cheap, and only ever indexes this shard.
+            self.rng ^= self.rng << 13;
+            self.rng ^= self.rng >> 7;
+            self.rng ^= self.rng << 17;
+            let index = (self.rng % len as u64) as usize;
+            let (_, entry) = self.counters.get_index(index).expect("index below len");
+            if entry.expires_at_ms <= now_ms && best.is_none_or(|(at, _)| entry.expires_at_ms < at) {
+                best = Some((entry.expires_at_ms, index));
+            }
+        }
+        best.map(|(_, index)| index)
+    }
+}
+
+/// Sharded in-process counters, at most `max_counters` of them.
 #[derive(Debug)]
 pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
+    /// Counters one shard may hold: `ceil(max_counters / shards)`.
+    shard_capacity: usize,
+    evictions: AtomicU64,
+    sweep_wanted: Notify,
 }
 
 impl MemoryStore {
-    /// A store with `shards` independently locked shards reading `clock`.
-    pub fn new(shards: usize, clock: Arc<dyn Clock>) -> Self {
+    /// A store with `shards` independently locked shards holding at most
+    /// `max_counters` counters together (rounded up to a multiple of
+    /// `shards`), reading `clock`.
+    pub fn new(shards: usize, max_counters: usize, clock: Arc<dyn Clock>) -> Self {
+        let shards = shards.max(1);
+        let hasher = RandomState::new();
         MemoryStore {
-            shards: (0..shards.max(1)).map(|_| Mutex::new(Shard::new())).collect(),
-            hasher: RandomState::new(),
+            shards: (0..shards)
+                .map(|i| {
+                    Mutex::new(Shard {
+                        counters: IndexMap::new(),
+                        groups: HashSet::new(),
+                        rng: hasher.hash_one(i) | 1,
+                    })
+                })
+                .collect(),
+            hasher,
             clock,
+            shard_capacity: max_counters.max(1).div_ceil(shards),
+            evictions: AtomicU64::new(0),
+            sweep_wanted: Notify::new(),
         }
     }
 
@@ -52,27 +195,45 @@ impl MemoryStore {
         self.hasher.hash_one(key) as usize % self.shards.len()
     }
 
-    fn shard(&self, user_id: &str) -> &Mutex<Shard> {
-        &self.shards[self.shard_index(user_id)]
+    fn lock(&self, index: usize) -> MutexGuard<'_, Shard> {
+        // A poisoned lock only means another thread panicked mid-update of
+        // plain integers; the counters are still meaningful.
+        self.shards[index].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn full(&self) -> StoreError {
+        self.sweep_wanted.notify_one();
+        StoreError {
+            kind: FailureKind::StoreFull,
+            message: format!(
+                "memory.max_counters reached ({} per shard) and no expired counter to evict",
+                self.shard_capacity
+            ),
+        }
     }
 
     /// Decides and, on admit, counts — atomically for this user and rule.
-    pub fn decide(&self, user_id: &str, counter: CounterSpec<'_>, weight: u64) -> Verdict {
+    /// Fails only when a new counter is needed and its shard is full of
+    /// counters that still count.
+    pub fn decide(
+        &self,
+        user_id: &str,
+        counter: CounterSpec<'_>,
+        weight: u64,
+    ) -> Result<Verdict, StoreError> {
         let now = self.clock.now_ms();
         let params = counter.window;
         let (window_index, elapsed) = window::position(now, params.window_ms);
-        // A poisoned lock only means another thread panicked mid-update of
-        // plain integers; the counters are still meaningful.
-        let mut shard = self.shard(user_id).lock().unwrap_or_else(|p| p.into_inner());
-        let stored = shard
-            .get(&**counter.id)
-            .and_then(|users| users.get(user_id))
-            .filter(|entry| entry.expires_at_ms > now)
-            .map(|entry| entry.counter)
-            .unwrap_or_default();
+        let mut shard = self.lock(self.shard_index(user_id));
+        let stored = shard.get(counter.id, user_id, now).unwrap_or_default();
         let counts = window::roll(stored, window_index);
         let verdict = window::decide(counts, elapsed, weight, params);
-        if verdict.admitted {
+        if verdict.admitted && weight > 0 {
+            let new = !shard.contains(counter.id, user_id);
+            if new && !shard.make_room(1, self.shard_capacity, now, &self.evictions) {
+                drop(shard);
+                return Err(self.full());
+            }
             let entry = Entry {
                 counter: StoredCounter {
                     window: window_index,
@@ -81,50 +242,34 @@ impl MemoryStore {
                 },
                 expires_at_ms: now.saturating_add(2 * params.window_ms),
             };
-            let users = match shard.get_mut(&**counter.id) {
-                Some(users) => users,
-                None => shard.entry(Arc::clone(counter.id)).or_default(),
-            };
-            match users.get_mut(user_id) {
-                Some(existing) => *existing = entry,
-                None => {
-                    users.insert(user_id.into(), entry);
-                }
-            }
+            shard.put(counter.id, user_id, entry);
         }
-        verdict
+        Ok(verdict)
     }
 
     /// All-or-nothing decision over several counters of `group`; see
     /// [`Store::decide_many`](super::Store::decide_many). The shards involved
     /// are locked together, in index order (no deadlock), for the whole call.
-    pub fn decide_many(&self, group: &str, items: &[ManyItem]) -> ManyOutcome {
+    pub fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
         let now_ms = self.clock.now_ms();
         let shard_of: Vec<usize> = items.iter().map(|i| self.shard_index(&i.key)).collect();
         let mut order = shard_of.clone();
         order.sort_unstable();
         order.dedup();
-        let mut guards: Vec<(usize, std::sync::MutexGuard<'_, Shard>)> =
-            order.iter().map(|&i| (i, self.shards[i].lock().unwrap_or_else(|p| p.into_inner()))).collect();
+        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> =
+            order.iter().map(|&i| (i, self.lock(i))).collect();
+        let position = |shard: usize| guards_position(&order, shard);
 
-        let mut pending: HashMap<&str, StoredCounter> = HashMap::new();
+        let mut pending: Vec<(&str, StoredCounter)> = Vec::new();
         let mut raw = Vec::with_capacity(items.len());
         let mut writes = Vec::new();
         let mut blocked = false;
         for (item, &shard) in items.iter().zip(&shard_of) {
             let now = now_ms / item.tick_ms;
             let (window_index, elapsed) = window::position(now, item.params.window_ms);
-            let stored = match pending.get(item.key.as_str()) {
-                Some(counter) => *counter,
-                None => {
-                    let guard = &guards.iter().find(|(i, _)| *i == shard).expect("shard locked").1;
-                    guard
-                        .get(group)
-                        .and_then(|keys| keys.get(item.key.as_str()))
-                        .filter(|entry| entry.expires_at_ms > now_ms)
-                        .map(|entry| entry.counter)
-                        .unwrap_or_default()
-                }
+            let stored = match pending.iter().rev().find(|(key, _)| *key == item.key) {
+                Some((_, counter)) => *counter,
+                None => guards[position(shard)].1.get(group, &item.key, now_ms).unwrap_or_default(),
             };
             let counts = window::roll(stored, window_index);
             let fits = window::decide(counts, elapsed, item.weight, item.params).admitted;
@@ -135,7 +280,7 @@ impl MemoryStore {
                     current: counts.current + item.weight,
                     previous: counts.previous,
                 };
-                pending.insert(item.key.as_str(), next);
+                pending.push((item.key.as_str(), next));
                 writes.push((shard, item, next));
             } else if !item.shadow {
                 blocked = true;
@@ -143,66 +288,120 @@ impl MemoryStore {
             raw.push((fits, counts, elapsed));
         }
         if !blocked {
-            for (shard, item, counter) in writes {
-                let guard = &mut guards.iter_mut().find(|(i, _)| *i == shard).expect("shard locked").1;
-                let keys = match guard.get_mut(group) {
-                    Some(keys) => keys,
-                    None => guard.entry(Arc::from(group)).or_default(),
-                };
-                let expires_at_ms = now_ms.saturating_add(2 * item.params.window_ms * item.tick_ms);
-                // An existing counter is updated in place: no key allocation.
-                match keys.get_mut(item.key.as_str()) {
-                    Some(entry) => *entry = Entry { counter, expires_at_ms },
-                    None => {
-                        keys.insert(item.key.as_str().into(), Entry { counter, expires_at_ms });
+            // Room for every new counter first, so a full shard fails the
+            // call before anything is counted.
+            for &shard in &order {
+                let guard = &mut guards[position(shard)].1;
+                let mut new_keys: Vec<&str> = Vec::new();
+                for (_, item, _) in writes.iter().filter(|(s, _, _)| *s == shard) {
+                    if !guard.contains(group, &item.key) && !new_keys.contains(&item.key.as_str()) {
+                        new_keys.push(&item.key);
                     }
                 }
+                if !guard.make_room(new_keys.len(), self.shard_capacity, now_ms, &self.evictions) {
+                    drop(guards);
+                    return Err(self.full());
+                }
+            }
+            for (shard, item, counter) in writes {
+                let expires_at_ms = now_ms.saturating_add(2 * item.params.window_ms * item.tick_ms);
+                guards[position(shard)].1.put(group, &item.key, Entry { counter, expires_at_ms });
             }
         }
         drop(guards);
-        ManyOutcome { committed: !blocked, verdicts: many_verdicts(items, &raw, !blocked) }
+        Ok(ManyOutcome { committed: !blocked, verdicts: many_verdicts(items, &raw, !blocked) })
     }
 
-    /// Removes expired counters; returns how many remain.
+    /// Removes expired counters, [`SWEEP_CHUNK`] per lock hold, and shrinks
+    /// maps that hold under a quarter of what they have room for; returns
+    /// how many counters remain. Blocking: run it off the async workers.
     pub fn sweep(&self) -> usize {
         let now = self.clock.now_ms();
         let mut remaining = 0;
-        for shard in self.shards.iter() {
-            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
-            shard.retain(|_, users| {
-                users.retain(|_, entry| entry.expires_at_ms > now);
-                remaining += users.len();
-                !users.is_empty()
-            });
+        for index in 0..self.shards.len() {
+            let mut next = 0;
+            loop {
+                let mut shard = self.lock(index);
+                let mut examined = 0;
+                while next < shard.counters.len() && examined < SWEEP_CHUNK {
+                    if shard.counters[next].expires_at_ms <= now {
+                        // The last counter moves into `next`: examined next.
+                        shard.counters.swap_remove_index(next);
+                    } else {
+                        next += 1;
+                    }
+                    examined += 1;
+                }
+                if next < shard.counters.len() {
+                    continue;
+                }
+                let len = shard.counters.len();
+                if shard.counters.capacity() > 4 * len.max(1024) {
+                    shard.counters.shrink_to(2 * len);
+                    shard.groups.shrink_to_fit();
+                }
+                shard.groups.retain(|group| Arc::strong_count(group) > 1);
+                remaining += len;
+                break;
+            }
         }
         remaining
     }
 
     /// Number of live counters (expired ones not yet swept included).
     pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).values().map(HashMap::len).sum::<usize>())
-            .sum()
+        (0..self.shards.len()).map(|i| self.lock(i).counters.len()).sum()
     }
 
     /// Whether no counter is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The most counters the store holds: `memory.max_counters` rounded up
+    /// to a multiple of the shard count.
+    pub fn max_counters(&self) -> usize {
+        self.shard_capacity * self.shards.len()
+    }
+
+    /// Expired counters evicted to make room for new ones (the sweeper's
+    /// removals not included).
+    pub fn evictions(&self) -> u64 {
+        self.evictions.load(Ordering::Relaxed)
+    }
+
+    /// Counter slots allocated over all shards (what the maps have room for).
+    pub fn allocated(&self) -> usize {
+        (0..self.shards.len()).map(|i| self.lock(i).counters.capacity()).sum()
+    }
 }
 
-/// Sweeps `store` every `interval` until `shutdown` turns true.
+/// Where shard `shard` sits among the guards of a sorted, deduplicated `order`.
+fn guards_position(order: &[usize], shard: usize) -> usize {
+    order.binary_search(&shard).expect("shard locked")
+}
+
+/// Sweeps `store` every `interval`, and when a full shard asks (at most
+/// once per second), on a blocking thread, until `shutdown` turns true.
 pub async fn run_sweeper(store: Arc<MemoryStore>, interval: Duration, mut shutdown: watch::Receiver<bool>) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last: Option<Instant> = None;
     loop {
         tokio::select! {
-            _ = ticker.tick() => {
-                let remaining = store.sweep();
-                tracing::trace!(remaining, "memory store swept");
+            _ = ticker.tick() => {}
+            () = store.sweep_wanted.notified() => {
+                if last.is_some_and(|at| at.elapsed() < MIN_WAKE_GAP) {
+                    continue;
+                }
             }
             _ = shutdown.changed() => return,
+        }
+        last = Some(Instant::now());
+        let sweeping = Arc::clone(&store);
+        match tokio::task::spawn_blocking(move || sweeping.sweep()).await {
+            Ok(remaining) => tracing::trace!(remaining, "memory store swept"),
+            Err(error) => tracing::error!(%error, "memory store sweep failed"),
         }
     }
 }
@@ -231,22 +430,22 @@ mod tests {
     #[test]
     fn counts_per_user_and_rule() {
         let clock = Arc::new(ManualClock::new(1_000_000));
-        let store = MemoryStore::new(4, clock);
+        let store = MemoryStore::new(4, 1_000, clock);
         let a = rule("a", 1_000, 2);
         let b = rule("b", 1_000, 2);
-        assert!(store.decide("u1", a.counter(), 2).admitted);
-        assert!(!store.decide("u1", a.counter(), 1).admitted);
-        assert!(store.decide("u2", a.counter(), 2).admitted, "users are independent");
-        assert!(store.decide("u1", b.counter(), 2).admitted, "rules are independent");
+        assert!(store.decide("u1", a.counter(), 2).unwrap().admitted);
+        assert!(!store.decide("u1", a.counter(), 1).unwrap().admitted);
+        assert!(store.decide("u2", a.counter(), 2).unwrap().admitted, "users are independent");
+        assert!(store.decide("u1", b.counter(), 2).unwrap().admitted, "rules are independent");
     }
 
     #[test]
     fn idle_counters_expire_and_are_swept() {
         let clock = Arc::new(ManualClock::new(1_000_000));
-        let store = MemoryStore::new(4, Arc::clone(&clock) as Arc<dyn Clock>);
+        let store = MemoryStore::new(4, 1_000, Arc::clone(&clock) as Arc<dyn Clock>);
         let r = rule("a", 1_000, 5);
         for user in 0..100 {
-            store.decide(&format!("user-{user}"), r.counter(), 1);
+            store.decide(&format!("user-{user}"), r.counter(), 1).unwrap();
         }
         assert_eq!(store.len(), 100);
         clock.advance(1_999);
@@ -259,9 +458,9 @@ mod tests {
     #[test]
     fn denied_requests_allocate_nothing() {
         let clock = Arc::new(ManualClock::new(0));
-        let store = MemoryStore::new(1, clock);
+        let store = MemoryStore::new(1, 1_000, clock);
         let r = rule("a", 1_000, 1);
-        assert!(!store.decide("u", r.counter(), 2).admitted);
+        assert!(!store.decide("u", r.counter(), 2).unwrap().admitted);
         assert!(store.is_empty());
     }
 
@@ -277,43 +476,43 @@ mod tests {
 
     #[test]
     fn many_is_all_or_nothing() {
-        let store = MemoryStore::new(8, Arc::new(ManualClock::new(1_000_000)));
+        let store = MemoryStore::new(8, 1_000, Arc::new(ManualClock::new(1_000_000)));
         let group: Arc<str> = Arc::from("d");
-        let first = store.decide_many(&group, &[item("a", 5, 1, false), item("b", 1, 1, false)]);
+        let first = store.decide_many(&group, &[item("a", 5, 1, false), item("b", 1, 1, false)]).unwrap();
         assert!(first.committed);
         // b is full: a must not be consumed.
-        let second = store.decide_many(&group, &[item("a", 5, 1, false), item("b", 1, 1, false)]);
+        let second = store.decide_many(&group, &[item("a", 5, 1, false), item("b", 1, 1, false)]).unwrap();
         assert!(!second.committed);
         assert_eq!((second.verdicts[0].admitted, second.verdicts[1].admitted), (true, false));
         assert_eq!(second.verdicts[0].remaining, 4, "a is reported unconsumed");
-        let a_alone = store.decide_many(&group, &[item("a", 5, 1, false)]);
+        let a_alone = store.decide_many(&group, &[item("a", 5, 1, false)]).unwrap();
         assert_eq!(a_alone.verdicts[0].remaining, 3, "only the first call counted on a");
     }
 
     #[test]
     fn many_shadow_items_never_block() {
-        let store = MemoryStore::new(8, Arc::new(ManualClock::new(1_000_000)));
+        let store = MemoryStore::new(8, 1_000, Arc::new(ManualClock::new(1_000_000)));
         let group: Arc<str> = Arc::from("d");
-        store.decide_many(&group, &[item("s", 1, 1, true)]);
-        let outcome = store.decide_many(&group, &[item("s", 1, 1, true), item("a", 5, 1, false)]);
+        store.decide_many(&group, &[item("s", 1, 1, true)]).unwrap();
+        let outcome = store.decide_many(&group, &[item("s", 1, 1, true), item("a", 5, 1, false)]).unwrap();
         assert!(outcome.committed);
         assert!(!outcome.verdicts[0].admitted);
-        assert_eq!(store.decide_many(&group, &[item("a", 5, 0, false)]).verdicts[0].remaining, 4);
+        assert_eq!(store.decide_many(&group, &[item("a", 5, 0, false)]).unwrap().verdicts[0].remaining, 4);
     }
 
     #[test]
     fn many_counts_a_repeated_key_once_per_occurrence() {
-        let store = MemoryStore::new(8, Arc::new(ManualClock::new(1_000_000)));
+        let store = MemoryStore::new(8, 1_000, Arc::new(ManualClock::new(1_000_000)));
         let group: Arc<str> = Arc::from("d");
-        let outcome = store.decide_many(&group, &[item("a", 3, 2, false), item("a", 3, 2, false)]);
+        let outcome = store.decide_many(&group, &[item("a", 3, 2, false), item("a", 3, 2, false)]).unwrap();
         assert!(!outcome.committed, "2 + 2 > 3 on the same counter");
-        assert!(store.decide_many(&group, &[item("a", 3, 3, false)]).committed);
+        assert!(store.decide_many(&group, &[item("a", 3, 3, false)]).unwrap().committed);
     }
 
     #[test]
     fn concurrent_callers_admit_exactly_the_capacity() {
         let clock = Arc::new(ManualClock::new(5_000));
-        let store = Arc::new(MemoryStore::new(8, clock));
+        let store = Arc::new(MemoryStore::new(8, 1_000, clock));
         let r = Arc::new(rule("a", 60_000, 1_000));
         let admitted: usize = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..8)
@@ -321,12 +520,88 @@ mod tests {
                     let store = Arc::clone(&store);
                     let r = Arc::clone(&r);
                     scope.spawn(move || {
-                        (0..500).filter(|_| store.decide("hot", r.counter(), 1).admitted).count()
+                        (0..500).filter(|_| store.decide("hot", r.counter(), 1).unwrap().admitted).count()
                     })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).sum()
         });
         assert_eq!(admitted, 1_000);
+    }
+
+    #[test]
+    fn a_full_store_never_evicts_a_counter_that_still_counts() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let store = MemoryStore::new(4, 64, Arc::clone(&clock) as Arc<dyn Clock>);
+        let r = rule("a", 1_000, 3);
+        store.decide("victim", r.counter(), 3).unwrap();
+        let mut full = 0;
+        for user in 0..1_000 {
+            match store.decide(&format!("flood-{user}"), r.counter(), 1) {
+                Ok(verdict) => assert!(verdict.admitted),
+                Err(e) => {
+                    assert_eq!(e.kind, FailureKind::StoreFull);
+                    full += 1;
+                }
+            }
+        }
+        assert_eq!(store.len(), 64, "every shard filled to its share, none beyond");
+        assert_eq!(full, 1_000 - 63);
+        assert_eq!(store.evictions(), 0);
+        assert!(!store.decide("victim", r.counter(), 1).unwrap().admitted, "the victim's counter survived");
+        // A known counter keeps deciding; a denial or a peek needs no room.
+        assert!(!store.decide("flood-unknown", r.counter(), 4).unwrap().admitted);
+        assert!(store.decide("flood-unknown-2", r.counter(), 0).unwrap().admitted);
+    }
+
+    #[test]
+    fn a_full_shard_evicts_expired_counters_without_a_sweep() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let store = MemoryStore::new(1, 8, Arc::clone(&clock) as Arc<dyn Clock>);
+        let r = rule("a", 1_000, 3);
+        for user in 0..8 {
+            store.decide(&format!("old-{user}"), r.counter(), 1).unwrap();
+        }
+        assert_eq!(store.decide("new", r.counter(), 1).unwrap_err().kind, FailureKind::StoreFull);
+        clock.advance(2_000);
+        for user in 0..8 {
+            assert!(store.decide(&format!("new-{user}"), r.counter(), 1).unwrap().admitted);
+        }
+        assert_eq!(store.len(), 8);
+        assert_eq!(store.evictions(), 8);
+    }
+
+    #[test]
+    fn many_fails_whole_when_a_new_counter_finds_no_room() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let store = MemoryStore::new(1, 2, Arc::clone(&clock) as Arc<dyn Clock>);
+        let group: Arc<str> = Arc::from("d");
+        store.decide_many(&group, &[item("a", 5, 1, false), item("b", 5, 1, false)]).unwrap();
+        let error = store.decide_many(&group, &[item("a", 5, 1, false), item("c", 5, 1, false)]).unwrap_err();
+        assert_eq!(error.kind, FailureKind::StoreFull);
+        let a = store.decide_many(&group, &[item("a", 5, 0, false)]).unwrap();
+        assert_eq!(a.verdicts[0].remaining, 4, "a was not counted by the failed call");
+        // Repeated new keys need one slot, not two.
+        clock.advance(120_000);
+        store.decide_many(&group, &[item("c", 5, 1, false), item("c", 5, 1, false)]).unwrap();
+        assert_eq!(store.len(), 2);
+    }
+
+    #[test]
+    fn sweeping_after_a_flood_shrinks_the_maps() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let store = MemoryStore::new(2, 100_000, Arc::clone(&clock) as Arc<dyn Clock>);
+        let r = rule("a", 1_000, 3);
+        for user in 0..50_000 {
+            store.decide(&format!("flood-{user}"), r.counter(), 1).unwrap();
+        }
+        let flooded = store.allocated();
+        assert!(flooded >= 50_000);
+        clock.advance(1_000);
+        store.decide("stays", r.counter(), 1).unwrap();
+        clock.advance(1_000);
+        assert_eq!(store.sweep(), 1, "only the counter written a window ago is left");
+        assert!(store.allocated() < flooded / 10, "{} slots left of {flooded}", store.allocated());
+        assert!(!store.decide("stays", r.counter(), 3).unwrap().admitted, "the survivor still counts");
     }
 }

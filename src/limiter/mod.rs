@@ -42,7 +42,7 @@ impl Store {
         weight: u64,
     ) -> Result<Verdict, StoreError> {
         match self {
-            Store::Memory(store) => Ok(store.decide(user_id, counter, weight)),
+            Store::Memory(store) => store.decide(user_id, counter, weight),
             Store::Redis(store) => store.decide(user_id, counter, weight).await,
         }
     }
@@ -52,7 +52,7 @@ impl Store {
     /// nothing is counted. `group` scopes the keys (the Envoy domain).
     pub async fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
         match self {
-            Store::Memory(store) => Ok(store.decide_many(group, items)),
+            Store::Memory(store) => store.decide_many(group, items),
             Store::Redis(store) => store.decide_many(group, items).await,
         }
     }
@@ -169,6 +169,9 @@ pub enum FailureKind {
     ScriptError,
     /// A Redis Cluster error (slot moved, cluster down).
     ClusterError,
+    /// The in-memory store is at `memory.max_counters` and none of the
+    /// counters it sampled has expired.
+    StoreFull,
     /// Anything else.
     Other,
 }
@@ -184,6 +187,7 @@ impl FailureKind {
             FailureKind::CircuitOpen => "circuit_open",
             FailureKind::ScriptError => "script_error",
             FailureKind::ClusterError => "cluster_error",
+            FailureKind::StoreFull => "store_full",
             FailureKind::Other => "other",
         }
     }

@@ -25,7 +25,7 @@ use crate::{
     config::Config,
     decision::Engine,
     dlq::DlqSink,
-    limiter::redis::RedisSetupError,
+    limiter::{Store, redis::RedisSetupError},
     rules::RuleErrors,
     shed::Shedder,
     telemetry::{
@@ -126,6 +126,10 @@ pub async fn run_observed(
         dlq: Arc::clone(&dlq),
         rules: Arc::clone(&rules.native),
         envoy: rules.envoy.clone(),
+        memory: match engine.store() {
+            Store::Memory(memory) => Some(Arc::clone(memory)),
+            Store::Redis(_) => None,
+        },
     });
     let (health, reporter, health_service) =
         parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await;

@@ -142,7 +142,11 @@ pub(crate) async fn store(
     dispatchers: &mut JoinSet<()>,
 ) -> Result<Store, ServerError> {
     if config.redis.url.is_none() {
-        let memory = Arc::new(MemoryStore::new(config.memory.shards, Arc::new(SystemClock)));
+        let memory = Arc::new(MemoryStore::new(
+            config.memory.shards,
+            config.memory.max_counters,
+            Arc::new(SystemClock),
+        ));
         let stop = tasks.stopper();
         tasks.spawn(run_sweeper(
             Arc::clone(&memory),

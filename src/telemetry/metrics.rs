@@ -20,7 +20,7 @@ use std::{
 use crate::{
     decision::{Api, Stats},
     dlq::DlqSink,
-    limiter::FailureKind,
+    limiter::{FailureKind, MemoryStore},
     rules::{Hot, Snapshot, Versioned, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
 };
@@ -81,7 +81,7 @@ struct DecisionKey {
     allowed: bool,
 }
 
-const FAILURE_KINDS: [FailureKind; 8] = [
+const FAILURE_KINDS: [FailureKind; 9] = [
     FailureKind::Timeout,
     FailureKind::ConnectionRefused,
     FailureKind::ConnectionLost,
@@ -89,6 +89,7 @@ const FAILURE_KINDS: [FailureKind; 8] = [
     FailureKind::CircuitOpen,
     FailureKind::ScriptError,
     FailureKind::ClusterError,
+    FailureKind::StoreFull,
     FailureKind::Other,
 ];
 
@@ -118,6 +119,8 @@ pub struct Sources {
     pub rules: Arc<Hot<Snapshot>>,
     /// The Envoy configuration, if served.
     pub envoy: Option<Arc<Hot<EnvoyConfig>>>,
+    /// The in-memory counter store, when it is the store.
+    pub memory: Option<Arc<MemoryStore>>,
 }
 
 impl Metrics {
@@ -233,6 +236,9 @@ impl Metrics {
 }
 
 fn render_sources(out: &mut String, s: &Sources) {
+    if let Some(memory) = &s.memory {
+        render_memory(out, memory);
+    }
     header(
         out,
         "ratelimitd_shed_total",
@@ -324,6 +330,30 @@ fn render_sources(out: &mut String, s: &Sources) {
         let _ =
             writeln!(out, "ratelimitd_rules_reload_failures_total{{kind=\"envoy\"}} {}", e.reload_failures());
     }
+}
+
+fn render_memory(out: &mut String, memory: &MemoryStore) {
+    header(
+        out,
+        "ratelimitd_memory_counters",
+        "gauge",
+        "Counters held by the in-memory store (expired ones not yet swept included).",
+    );
+    let _ = writeln!(out, "ratelimitd_memory_counters {}", memory.len());
+    header(
+        out,
+        "ratelimitd_memory_counters_max",
+        "gauge",
+        "The most counters the in-memory store holds (memory.max_counters, rounded up to the shards).",
+    );
+    let _ = writeln!(out, "ratelimitd_memory_counters_max {}", memory.max_counters());
+    header(
+        out,
+        "ratelimitd_memory_evictions_total",
+        "counter",
+        "Expired counters evicted to make room for new ones in a full shard.",
+    );
+    let _ = writeln!(out, "ratelimitd_memory_evictions_total {}", memory.evictions());
 }
 
 fn age(at: SystemTime) -> f64 {
