@@ -21,6 +21,13 @@ pub struct DlqConfig {
     /// Records waiting between the decision path and the writer, at most.
     /// Past it a record is dropped (counted, logged): size it for bursts.
     pub queue_capacity: usize,
+    /// Bytes of records waiting in that queue, at most (a record's bytes are
+    /// its strings plus a fixed overhead). Past it a record is dropped.
+    pub queue_max_bytes: u64,
+    /// The file sink's file never grows past this; records that would take
+    /// it there are dropped (counted, logged once a minute) until it is
+    /// rotated away or emptied.
+    pub file_max_bytes: u64,
     /// Request headers copied into records (case-insensitive names).
     pub header_allowlist: Vec<String>,
     /// This instance's name in records; default: the host name.
@@ -30,6 +37,10 @@ pub struct DlqConfig {
     pub spool_dir: PathBuf,
     /// A spool segment is closed and a new one started past this size.
     pub spool_segment_bytes: u64,
+    /// The spool's segments together never exceed this; records that would
+    /// take them there are dropped (counted, logged once a minute) until
+    /// Kafka has taken enough of them. At least 4 segments.
+    pub spool_max_bytes: u64,
     /// The dead-letter topic; `brokers` unset selects the file sink.
     pub kafka: KafkaConfig,
 }
@@ -39,10 +50,13 @@ impl Default for DlqConfig {
         Self {
             file: PathBuf::from(SYSTEM_STATE_DIR).join("dlq.jsonl"),
             queue_capacity: 65_536,
+            queue_max_bytes: 64 << 20,
+            file_max_bytes: 1 << 30,
             header_allowlist: vec!["x-request-id".to_owned(), "user-agent".to_owned()],
             instance_id: None,
             spool_dir: PathBuf::from(SYSTEM_STATE_DIR).join("spool"),
             spool_segment_bytes: 16 << 20,
+            spool_max_bytes: 1 << 30,
             kafka: KafkaConfig::default(),
         }
     }
@@ -122,6 +136,17 @@ impl DlqConfig {
         }
         if self.spool_segment_bytes < 4_096 {
             return Err(invalid("dlq.spool_segment_bytes", "must be at least 4096"));
+        }
+        if self.queue_max_bytes < 1 << 20 {
+            return Err(invalid("dlq.queue_max_bytes", "must be at least 1048576 (1 MiB)"));
+        }
+        if self.file_max_bytes < 1 << 20 {
+            return Err(invalid("dlq.file_max_bytes", "must be at least 1048576 (1 MiB)"));
+        }
+        // Acknowledged records are freed a segment at a time, and only once
+        // a newer segment exists: room for a few segments keeps it moving.
+        if self.spool_max_bytes < self.spool_segment_bytes.saturating_mul(4) {
+            return Err(invalid("dlq.spool_max_bytes", "must be at least 4 x dlq.spool_segment_bytes"));
         }
         self.kafka.validate()
     }

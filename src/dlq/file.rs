@@ -2,6 +2,9 @@
 //! configured): records appended as JSON lines to `dlq.file`, one `fsync`
 //! per batch. A batch counts as delivered only once it is on disk; a failed
 //! write is retried, never skipped, and on shutdown the queue is drained.
+//! The file never grows past `dlq.file_max_bytes`: records that would take
+//! it there are dropped (counted as `disk_cap`, logged once a minute), until
+//! the file is rotated away or emptied.
 
 use std::{
     fs::OpenOptions,
@@ -13,20 +16,77 @@ use std::{
 
 use tokio::sync::{mpsc, watch};
 
-use super::{DlqCounters, FailureRecord};
+use super::{DlqCounters, DropReason, FailureRecord};
+use crate::{
+    clock::{Clock, SystemClock},
+    folded::Folded,
+};
 
 /// Records per write and fsync, at most.
 pub const BATCH_MAX: usize = 1_024;
 
 /// Serialises `records` as JSON lines.
 pub fn to_json_lines(records: &[FailureRecord]) -> Vec<u8> {
-    let mut buffer = Vec::with_capacity(records.len() * 512);
-    for record in records {
-        // Serialising plain strings and integers cannot fail.
-        serde_json::to_writer(&mut buffer, record).expect("records serialise");
-        buffer.push(b'\n');
+    Lines::of(records).bytes
+}
+
+/// A batch serialised as JSON lines, with where each record's line ends, so
+/// a writer can take the longest prefix that fits under a byte cap.
+#[derive(Debug, Default)]
+pub struct Lines {
+    bytes: Vec<u8>,
+    ends: Vec<usize>,
+}
+
+impl Lines {
+    /// Serialises `records`.
+    pub fn of(records: &[FailureRecord]) -> Self {
+        let mut lines = Lines { bytes: Vec::with_capacity(records.len() * 512), ends: Vec::new() };
+        for record in records {
+            serde_json::to_writer(&mut lines.bytes, record).expect("records serialise");
+            lines.bytes.push(b'\n');
+            lines.ends.push(lines.bytes.len());
+        }
+        lines
     }
-    buffer
+
+    /// How many leading records fit in `room` bytes.
+    pub fn fitting(&self, room: u64) -> usize {
+        self.ends.partition_point(|&end| end as u64 <= room)
+    }
+
+    /// The lines of the first `records` records.
+    pub fn prefix(&self, records: usize) -> &[u8] {
+        &self.bytes[..records.checked_sub(1).map_or(0, |last| self.ends[last])]
+    }
+}
+
+/// Logs, once a minute at most, that a byte cap made records drop; the line
+/// says how many drops it stands for.
+#[derive(Debug, Default)]
+pub struct CapAlarm {
+    folded: Folded,
+    dropped_since: std::sync::atomic::AtomicU64,
+}
+
+impl CapAlarm {
+    /// Counts `count` records dropped at the cap `key` = `max_bytes` of
+    /// `place`, and logs one loud line a minute.
+    pub fn dropped(&self, counters: &DlqCounters, count: u64, key: &str, max_bytes: u64, place: &Path) {
+        counters.lose(DropReason::DiskCap, count);
+        let since = self.dropped_since.fetch_add(count, Ordering::Relaxed) + count;
+        if self.folded.pass(SystemClock.now_ms() / 60_000).is_some() {
+            self.dropped_since.store(0, Ordering::Relaxed);
+            tracing::error!(
+                place = %place.display(),
+                cap = key,
+                max_bytes,
+                dropped = since,
+                "dead-letter storage at its byte cap: failure records DROPPED (ratelimitd_dlq_dropped_total{{reason=\"disk_cap\"}}); \
+                 free space by shipping, rotating or raising the cap"
+            );
+        }
+    }
 }
 
 /// Appends `bytes` to `path` (created with its directory if missing) and
@@ -56,76 +116,123 @@ pub struct Drain {
 
 impl Drain {
     /// Fills `batch` (up to [`BATCH_MAX`]); false when there is nothing more,
-    /// ever: shutdown has emptied the queue, or every sender is gone.
+    /// ever: shutdown has emptied the queue, or every sender is gone. What
+    /// it takes off the queue leaves the queue's byte count in `counters`.
     pub async fn next_batch(
         &mut self,
         queue: &mut mpsc::Receiver<FailureRecord>,
         batch: &mut Vec<FailureRecord>,
+        counters: &DlqCounters,
         shutdown: &mut watch::Receiver<bool>,
     ) -> bool {
-        loop {
+        let received = loop {
             if self.stopping {
-                return queue.recv_many(batch, BATCH_MAX).await > 0;
+                break queue.recv_many(batch, BATCH_MAX).await;
             }
             tokio::select! {
-                received = queue.recv_many(batch, BATCH_MAX) => return received > 0,
+                received = queue.recv_many(batch, BATCH_MAX) => break received,
                 _ = shutdown.changed() => {
                     self.stopping = true;
                     queue.close();
                 }
             }
-        }
+        };
+        let bytes: u64 = batch[batch.len() - received..].iter().map(FailureRecord::size_bytes).sum();
+        counters.queued_bytes.fetch_sub(bytes, Ordering::SeqCst);
+        received > 0
     }
 }
 
-/// Drains `queue` into `path` until `shutdown` turns true, then writes what
-/// is still queued and returns.
+/// Where the file sink writes, and how much it may hold.
+#[derive(Debug, Clone)]
+pub struct FileTarget {
+    /// `dlq.file`.
+    pub path: PathBuf,
+    /// `dlq.file_max_bytes`.
+    pub max_bytes: u64,
+}
+
+/// Drains `queue` into the file until `shutdown` turns true, then writes
+/// what is still queued and returns.
 pub async fn run(
     mut queue: mpsc::Receiver<FailureRecord>,
-    path: PathBuf,
+    target: FileTarget,
     counters: Arc<DlqCounters>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let alarm = CapAlarm::default();
     let mut batch = Vec::with_capacity(BATCH_MAX);
     let mut drain = Drain::default();
-    while drain.next_batch(&mut queue, &mut batch, &mut shutdown).await {
-        let stopping = drain.stopping;
+    while drain.next_batch(&mut queue, &mut batch, &counters, &mut shutdown).await {
         counters.in_hand.store(batch.len() as u64, Ordering::SeqCst);
-        let outcome = if write_with_retry(&path, &batch, stopping).await {
-            &counters.delivered
+        let lines = Arc::new(Lines::of(&batch));
+        let written = write_with_retry(&target, lines, drain.stopping).await;
+        let over = (batch.len() - written.records) as u64;
+        if over > 0 {
+            alarm.dropped(&counters, over, "dlq.file_max_bytes", target.max_bytes, &target.path);
+        }
+        if written.durable {
+            counters.delivered.fetch_add(written.records as u64, Ordering::SeqCst);
         } else {
-            tracing::error!(records = batch.len(), path = %path.display(), "shutting down with an unwritable disk: failure records DROPPED");
-            &counters.dropped
-        };
-        outcome.fetch_add(batch.len() as u64, Ordering::SeqCst);
+            tracing::error!(records = written.records, path = %target.path.display(), "shutting down with an unwritable disk: failure records DROPPED");
+            counters.lose(DropReason::DiskError, written.records as u64);
+        }
+        if let Some(bytes) = written.file_bytes {
+            counters.file_bytes.store(bytes, Ordering::SeqCst);
+        }
         counters.in_hand.store(0, Ordering::SeqCst);
         batch.clear();
     }
 }
 
+/// What one batch's write achieved.
+#[derive(Debug, Clone, Copy)]
+struct Written {
+    /// Records that fit under the cap at the last attempt (the rest are dropped).
+    records: usize,
+    /// Whether they are on disk (false only when shutdown gave up).
+    durable: bool,
+    /// The file's size afterwards, when known.
+    file_bytes: Option<u64>,
+}
+
 /// Attempts at writing one batch during shutdown before it is given up.
 const SHUTDOWN_ATTEMPTS: u32 = 5;
 
-/// Writes one batch, retrying with backoff while the disk refuses it. The
-/// queue fills meanwhile, and the hot path counts what it cannot enqueue as
-/// dropped, so nothing is lost silently. While serving it retries for as long
-/// as it takes; during shutdown it gives up (returns false) after a few tries
-/// so a dead disk cannot keep the process from exiting.
-async fn write_with_retry(path: &Path, batch: &[FailureRecord], stopping: bool) -> bool {
-    let bytes = Arc::new(to_json_lines(batch));
+/// Writes what of `lines` fits under the cap, on a blocking thread (the size
+/// is read afresh each time, so a rotated file makes room), retrying with
+/// backoff while the disk refuses it. The queue fills meanwhile, and the hot
+/// path counts what it cannot enqueue as dropped, so nothing is lost
+/// silently. While serving it retries for as long as it takes; during
+/// shutdown it gives up after a few tries so a dead disk cannot keep the
+/// process from exiting.
+async fn write_with_retry(target: &FileTarget, lines: Arc<Lines>, stopping: bool) -> Written {
     let mut backoff = Duration::from_millis(50);
+    let mut records = lines.ends.len();
     for attempt in 1.. {
         if stopping && attempt > SHUTDOWN_ATTEMPTS {
-            return false;
+            return Written { records, durable: false, file_bytes: None };
         }
-        let (path_owned, bytes_owned) = (path.to_path_buf(), Arc::clone(&bytes));
-        let written = tokio::task::spawn_blocking(move || append_durably(&path_owned, &bytes_owned)).await;
-        match written {
-            Ok(Ok(())) => return true,
-            Ok(Err(e)) => tracing::error!(
-                path = %path.display(), records = batch.len(), error = %e, stopping,
-                "cannot write failure records; retrying"
-            ),
+        let (owned, batch) = (target.clone(), Arc::clone(&lines));
+        let attempted = tokio::task::spawn_blocking(move || {
+            let size = std::fs::metadata(&owned.path).map_or(0, |m| m.len());
+            let records = batch.fitting(owned.max_bytes.saturating_sub(size));
+            let bytes = batch.prefix(records);
+            let result = if records == 0 { Ok(()) } else { append_durably(&owned.path, bytes) };
+            (records, size + bytes.len() as u64, result)
+        })
+        .await;
+        match attempted {
+            Ok((fitting, file_bytes, Ok(()))) => {
+                return Written { records: fitting, durable: true, file_bytes: Some(file_bytes) };
+            }
+            Ok((fitting, _, Err(e))) => {
+                records = fitting;
+                tracing::error!(
+                    path = %target.path.display(), records, error = %e, stopping,
+                    "cannot write failure records; retrying"
+                );
+            }
             Err(e) => tracing::error!(error = %e, "failure-record write task failed; retrying"),
         }
         tokio::time::sleep(backoff).await;

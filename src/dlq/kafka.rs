@@ -23,8 +23,8 @@ use rdkafka::{
 use tokio::sync::{Notify, mpsc, watch};
 
 use super::{
-    DlqCounters, FailureRecord,
-    file::{BATCH_MAX, Drain, append_durably, to_json_lines},
+    DlqCounters, DropReason, FailureRecord,
+    file::{BATCH_MAX, CapAlarm, Drain, Lines, append_durably},
     spool::{SpoolReader, SpoolState, SpoolWriter},
 };
 
@@ -71,6 +71,8 @@ pub fn client_config(
 }
 
 /// Drains `queue` into the spool until `shutdown`, then spools what is left.
+/// Records that would take the spool past `dlq.spool_max_bytes` are dropped
+/// (counted as `disk_cap`, logged once a minute).
 pub async fn run_spooler(
     mut queue: mpsc::Receiver<FailureRecord>,
     writer: SpoolWriter,
@@ -79,20 +81,36 @@ pub async fn run_spooler(
     spooled: Arc<Notify>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let alarm = CapAlarm::default();
     let mut writer = Some(writer);
     let mut batch = Vec::with_capacity(BATCH_MAX);
     let mut drain = Drain::default();
-    while drain.next_batch(&mut queue, &mut batch, &mut shutdown).await {
+    while drain.next_batch(&mut queue, &mut batch, &counters, &mut shutdown).await {
         let stopping = drain.stopping;
         counters.in_hand.store(batch.len() as u64, Ordering::SeqCst);
-        let lines = Arc::new(to_json_lines(&batch));
-        let count = batch.len() as u64;
+        let lines = Lines::of(&batch);
+        // Room only grows meanwhile (the shipper deletes segments).
+        let w = writer.as_ref().expect("the writer is returned after every append");
+        let count = lines.fitting(w.room());
+        if count < batch.len() {
+            alarm.dropped(
+                &counters,
+                (batch.len() - count) as u64,
+                "dlq.spool_max_bytes",
+                w.max_bytes(),
+                w.dir(),
+            );
+        }
+        let lines = Arc::new(lines);
         let mut backoff = Duration::from_millis(50);
         for attempt in 1.. {
+            if count == 0 {
+                break;
+            }
             let mut w = writer.take().expect("the writer is returned after every append");
             let bytes = Arc::clone(&lines);
             let (w, result) = tokio::task::spawn_blocking(move || {
-                let result = w.append(&bytes);
+                let result = w.append(bytes.prefix(count));
                 (w, result)
             })
             .await
@@ -103,14 +121,14 @@ pub async fn run_spooler(
                     // Out of the writer's hands, into the spool: adjacent
                     // stores, so a stats read rarely sees the batch twice.
                     counters.in_hand.store(0, Ordering::SeqCst);
-                    spool.publish(count);
+                    spool.publish(count as u64);
                     break;
                 }
                 Err(e) => {
-                    // Every time: a full spool disk is the one way records get lost.
+                    // Every time: a failing spool disk is a way records get lost.
                     tracing::error!(records = count, error = %e, attempt, "cannot append failure records to the spool");
                     if stopping && attempt >= 5 {
-                        counters.dropped.fetch_add(count, Ordering::SeqCst);
+                        counters.lose(DropReason::DiskError, count as u64);
                         tracing::error!(
                             records = count,
                             "shutting down with an unwritable spool: failure records DROPPED"
@@ -348,7 +366,7 @@ fn set_aside(shipper: &Shipper, line: &str, why: &str) {
     if let Err(e) = append_durably(&shipper.undeliverable, &bytes) {
         tracing::error!(error = %e, "cannot keep an undeliverable record aside; it is lost");
     }
-    shipper.counters.dropped.fetch_add(1, Ordering::SeqCst);
+    shipper.counters.lose(DropReason::Undeliverable, 1);
     tracing::error!(file = %shipper.undeliverable.display(), reason = why, "Kafka refused a failure record for good; kept aside, not on the topic");
 }
 

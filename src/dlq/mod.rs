@@ -2,12 +2,15 @@
 //! becomes exactly one [`FailureRecord`], written to a JSON-lines file (the
 //! embedded default) or a Kafka topic, and never lost on the way.
 //!
-//! The hot path only builds the record and `try_send`s it into a bounded
-//! queue ([`DlqSink`]); an owned writer task ([`file::run`]) drains it in
-//! batches and makes each batch durable (fsync) before counting it
-//! delivered. If the queue is full — the disk cannot keep up — the record is
-//! counted as dropped, every time, and an error is logged at most once a
-//! second with the number of drops it stands for ([`crate::folded::Folded`]).
+//! The hot path only builds the record and `try_send`s it into a queue
+//! bounded in records and in bytes ([`DlqSink`]); an owned writer task
+//! ([`file::run`]) drains it in batches and makes each batch durable (fsync)
+//! before counting it delivered. The file and the spool have byte caps too.
+//! A record that finds no room — the disk cannot keep up, or a cap is
+//! reached — is counted as dropped with its [`DropReason`], every time, and
+//! an error is logged folded ([`crate::folded::Folded`]): once a second at
+//! most for the queue, once a minute for a cap, with the number of drops
+//! the line stands for.
 
 pub mod audit;
 pub mod file;
@@ -53,6 +56,48 @@ impl FailureSink for LogSink {
     }
 }
 
+/// Why a failure record was lost (the `reason` of `ratelimitd_dlq_dropped_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// The queue held `dlq.queue_capacity` records.
+    QueueFull,
+    /// The queue held `dlq.queue_max_bytes` bytes of records.
+    QueueBytes,
+    /// The writer task had stopped.
+    WriterStopped,
+    /// The file (`dlq.file_max_bytes`) or the spool (`dlq.spool_max_bytes`)
+    /// reached its byte cap.
+    DiskCap,
+    /// Shutdown met a disk that kept refusing the write.
+    DiskError,
+    /// Kafka refused the record for good and it could not be set aside.
+    Undeliverable,
+}
+
+impl DropReason {
+    /// Every reason, in the order of [`DlqCounters::dropped`].
+    pub const ALL: [DropReason; 6] = [
+        DropReason::QueueFull,
+        DropReason::QueueBytes,
+        DropReason::WriterStopped,
+        DropReason::DiskCap,
+        DropReason::DiskError,
+        DropReason::Undeliverable,
+    ];
+
+    /// Stable snake_case name, the metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::QueueFull => "queue_full",
+            DropReason::QueueBytes => "queue_bytes",
+            DropReason::WriterStopped => "writer_stopped",
+            DropReason::DiskCap => "disk_cap",
+            DropReason::DiskError => "disk_error",
+            DropReason::Undeliverable => "undeliverable",
+        }
+    }
+}
+
 /// Counters of the dead-letter pipeline. They reconcile:
 /// `enqueued = delivered + pending + dropped`, with `pending` measured from
 /// the queue, the writer's batch in hand and the spool — not derived.
@@ -62,12 +107,33 @@ pub struct DlqCounters {
     pub enqueued: AtomicU64,
     /// Records durably written to the file or acknowledged by Kafka.
     pub delivered: AtomicU64,
-    /// Records lost: the queue was full or the spool's disk refused them.
-    pub dropped: AtomicU64,
+    /// Records lost, per [`DropReason::ALL`].
+    dropped: [AtomicU64; DropReason::ALL.len()],
     /// Records taken off the queue and not yet written.
     pub in_hand: AtomicU64,
     /// Records a previous run left in the spool, found at startup.
     pub recovered: AtomicU64,
+    /// [`FailureRecord::size_bytes`] of the records in the queue.
+    pub queued_bytes: AtomicU64,
+    /// Size of the file sink's file after the last write.
+    pub file_bytes: AtomicU64,
+}
+
+impl DlqCounters {
+    /// Counts `count` records lost for `reason`.
+    pub fn lose(&self, reason: DropReason, count: u64) {
+        self.dropped[reason as usize].fetch_add(count, Ordering::SeqCst);
+    }
+
+    /// Records lost for `reason`.
+    pub fn dropped_by(&self, reason: DropReason) -> u64 {
+        self.dropped[reason as usize].load(Ordering::SeqCst)
+    }
+
+    /// Records lost, for every reason.
+    pub fn dropped(&self) -> u64 {
+        DropReason::ALL.iter().map(|&r| self.dropped_by(r)).sum()
+    }
 }
 
 /// A consistent-enough view of [`DlqCounters`] plus the queue and the spool.
@@ -84,12 +150,18 @@ pub struct DlqStats {
     pub pending: u64,
     /// Records lost.
     pub dropped: u64,
+    /// Bytes of records in the queue.
+    pub queued_bytes: u64,
+    /// Bytes on disk: the file sink's file, or the spool's segments.
+    pub disk_bytes: u64,
 }
 
 /// The hot path's end of the dead-letter pipeline.
 #[derive(Debug)]
 pub struct DlqSink {
     queue: mpsc::Sender<FailureRecord>,
+    queue_max_bytes: u64,
+    disk_max_bytes: u64,
     ids: EventIds,
     clock: SystemClock,
     instance: String,
@@ -102,10 +174,12 @@ pub struct DlqSink {
 }
 
 impl DlqSink {
-    /// A sink feeding a queue of `capacity` records; the receiver goes to a
-    /// writer task. Records keep the headers in `allowlist`, within `bounds`.
+    /// A sink feeding a queue of at most `capacity` records and `max_bytes`
+    /// bytes of them; the receiver goes to a writer task. Records keep the
+    /// headers in `allowlist`, within `bounds`.
     pub fn new(
         capacity: usize,
+        max_bytes: u64,
         instance: String,
         allowlist: Vec<String>,
         bounds: RecordBounds,
@@ -114,6 +188,8 @@ impl DlqSink {
         let counters = Arc::new(DlqCounters::default());
         let sink = DlqSink {
             queue,
+            queue_max_bytes: max_bytes,
+            disk_max_bytes: u64::MAX,
             ids: EventIds::default(),
             clock: SystemClock,
             instance,
@@ -125,6 +201,17 @@ impl DlqSink {
             drops: Folded::default(),
         };
         (sink, receiver, counters)
+    }
+
+    /// Reports `max_bytes` as the byte cap of the file or the spool.
+    pub fn with_disk_cap(mut self, max_bytes: u64) -> Self {
+        self.disk_max_bytes = max_bytes;
+        self
+    }
+
+    /// The queue's and the disk's byte caps.
+    pub fn byte_caps(&self) -> (u64, u64) {
+        (self.queue_max_bytes, self.disk_max_bytes)
     }
 
     /// Counts the spool's records as pending (the Kafka sink).
@@ -144,7 +231,33 @@ impl DlqSink {
             recovered: c.recovered.load(Ordering::SeqCst),
             delivered: c.delivered.load(Ordering::SeqCst),
             pending: queued + c.in_hand.load(Ordering::SeqCst) + spooled,
-            dropped: c.dropped.load(Ordering::SeqCst),
+            dropped: c.dropped(),
+            queued_bytes: c.queued_bytes.load(Ordering::SeqCst),
+            disk_bytes: self
+                .spool
+                .as_ref()
+                .map_or_else(|| c.file_bytes.load(Ordering::SeqCst), |s| s.bytes()),
+        }
+    }
+
+    /// Records lost for `reason`.
+    pub fn dropped_by(&self, reason: DropReason) -> u64 {
+        self.counters.dropped_by(reason)
+    }
+
+    /// Counts a record lost on the hot path and logs it folded.
+    fn lost(&self, reason: DropReason, why: &str, record: &FailureRecord, now_ms: u64) {
+        self.counters.lose(reason, 1);
+        // Every drop is counted; the log says so once a second at most,
+        // so a flood of drops cannot become a flood of log lines.
+        if let Some(folded) = self.drops.pass(now_ms / 1_000) {
+            tracing::error!(
+                event_id = %record.event_id,
+                rule = %record.rule_id,
+                reason = reason.as_str(),
+                also_dropped = folded,
+                "{why}; failure record DROPPED (ratelimitd_dlq_dropped_total counts them all)"
+            );
         }
     }
 }
@@ -162,24 +275,25 @@ impl FailureSink for DlqSink {
             &self.bounds,
         );
         self.counters.enqueued.fetch_add(1, Ordering::SeqCst);
+        let size = record.size_bytes();
+        let queued = self.counters.queued_bytes.fetch_add(size, Ordering::SeqCst);
+        if queued + size > self.queue_max_bytes {
+            self.counters.queued_bytes.fetch_sub(size, Ordering::SeqCst);
+            let why = "dead-letter queue at dlq.queue_max_bytes: the writer cannot keep up";
+            self.lost(DropReason::QueueBytes, why, &record, now);
+            return;
+        }
         if let Err(e) = self.queue.try_send(record) {
-            self.counters.dropped.fetch_add(1, Ordering::SeqCst);
-            // Every drop is counted; the log says so once a second at most,
-            // so a flood of drops cannot become a flood of log lines.
-            if let Some(folded) = self.drops.pass(now / 1_000) {
-                let (why, record) = match e {
-                    mpsc::error::TrySendError::Full(r) => {
-                        ("dead-letter queue full: the writer cannot keep up", r)
-                    }
-                    mpsc::error::TrySendError::Closed(r) => ("dead-letter writer stopped", r),
-                };
-                tracing::error!(
-                    event_id = %record.event_id,
-                    rule = %record.rule_id,
-                    also_dropped = folded,
-                    "{why}; failure record DROPPED (ratelimitd_dlq_dropped_total counts them all)"
-                );
-            }
+            self.counters.queued_bytes.fetch_sub(size, Ordering::SeqCst);
+            let (reason, why, record) = match e {
+                mpsc::error::TrySendError::Full(r) => {
+                    (DropReason::QueueFull, "dead-letter queue full: the writer cannot keep up", r)
+                }
+                mpsc::error::TrySendError::Closed(r) => {
+                    (DropReason::WriterStopped, "dead-letter writer stopped", r)
+                }
+            };
+            self.lost(reason, why, &record, now);
         }
     }
 }
@@ -232,7 +346,7 @@ mod tests {
 
     #[test]
     fn a_full_queue_drops_and_counts_without_blocking() {
-        let (sink, _queue, _) = DlqSink::new(2, "i".to_owned(), Vec::new(), RecordBounds::default());
+        let (sink, _queue, _) = DlqSink::new(2, 1 << 20, "i".to_owned(), Vec::new(), RecordBounds::default());
         fail(&sink, 5);
         let stats = sink.stats();
         assert_eq!((stats.enqueued, stats.pending, stats.dropped, stats.delivered), (5, 2, 3, 0));
@@ -243,9 +357,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nested/dlq.jsonl");
         let (sink, queue, counters) =
-            DlqSink::new(1_000, "i".to_owned(), Vec::new(), RecordBounds::default());
+            DlqSink::new(1_000, 1 << 20, "i".to_owned(), Vec::new(), RecordBounds::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let writer = tokio::spawn(file::run(queue, path.clone(), counters, stopped));
+        let target = file::FileTarget { path: path.clone(), max_bytes: u64::MAX };
+        let writer = tokio::spawn(file::run(queue, target, counters, stopped));
         fail(&sink, 300);
         stop.send(true).unwrap();
         writer.await.unwrap();
@@ -258,5 +373,66 @@ mod tests {
             .collect();
         assert_eq!(lines.len(), 300);
         assert_eq!(lines[299].request.user_id, "u299");
+    }
+
+    #[test]
+    fn the_queue_is_bounded_in_bytes_too() {
+        let (probe, _q, _) = DlqSink::new(10, u64::MAX, "i".to_owned(), Vec::new(), RecordBounds::default());
+        fail(&probe, 1);
+        let one = probe.stats().queued_bytes;
+        assert!(one > 0);
+        // Room for three records' bytes, ten records' slots.
+        let (sink, mut queue, counters) =
+            DlqSink::new(10, one * 3 + one / 2, "i".to_owned(), Vec::new(), RecordBounds::default());
+        fail(&sink, 5);
+        let stats = sink.stats();
+        assert_eq!((stats.enqueued, stats.pending, stats.dropped), (5, 3, 2));
+        assert_eq!(sink.dropped_by(DropReason::QueueBytes), 2);
+        // Taking records off the queue gives their bytes back.
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let (_stop, mut stopped) = tokio::sync::watch::channel(false);
+        let mut batch = Vec::new();
+        rt.block_on(file::Drain::default().next_batch(&mut queue, &mut batch, &counters, &mut stopped));
+        assert_eq!((batch.len(), sink.stats().queued_bytes), (3, 0));
+        fail(&sink, 1);
+        assert_eq!(sink.stats().pending, 1, "room again");
+    }
+
+    #[tokio::test]
+    async fn the_file_never_grows_past_its_cap_and_a_rotated_file_makes_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dlq.jsonl");
+        let (probe, mut probe_queue, _) =
+            DlqSink::new(10, u64::MAX, "i".to_owned(), Vec::new(), RecordBounds::default());
+        fail(&probe, 1);
+        let line = file::to_json_lines(&[probe_queue.recv().await.unwrap()]).len() as u64;
+        let cap = line * 10 + line / 2;
+        let (sink, queue, counters) =
+            DlqSink::new(1_000, u64::MAX, "i".to_owned(), Vec::new(), RecordBounds::default());
+        let sink = sink.with_disk_cap(cap);
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let target = file::FileTarget { path: path.clone(), max_bytes: cap };
+        let writer = tokio::spawn(file::run(queue, target, counters, stopped));
+        let settled = |sink: &DlqSink| {
+            let s = sink.stats();
+            s.pending == 0 && s.enqueued == s.delivered + s.dropped
+        };
+        fail(&sink, 25);
+        while !settled(&sink) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let stats = sink.stats();
+        assert_eq!((stats.delivered, stats.dropped), (10, 15), "{stats:?}");
+        assert_eq!(sink.dropped_by(DropReason::DiskCap), 15);
+        let size = std::fs::metadata(&path).unwrap().len();
+        assert!(size <= cap && stats.disk_bytes == size, "{size} of {cap}, {stats:?}");
+        // Rotated away (logrotate's rename): the next records go to a new file.
+        std::fs::rename(&path, dir.path().join("dlq.jsonl.1")).unwrap();
+        fail(&sink, 4);
+        stop.send(true).unwrap();
+        writer.await.unwrap();
+        let stats = sink.stats();
+        assert_eq!((stats.enqueued, stats.delivered, stats.dropped, stats.pending), (29, 14, 15, 0));
+        assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 4);
     }
 }

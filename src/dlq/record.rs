@@ -59,7 +59,7 @@ pub struct RecordRequest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecordFailure {
     /// timeout, connection_refused, connection_lost, pool_exhausted, circuit_open,
-    /// script_error, cluster_error or other.
+    /// script_error, cluster_error, store_full or other.
     pub kind: String,
     /// The store's error message.
     pub message: String,
@@ -153,6 +153,25 @@ impl FailureRecord {
             },
             trace_id: failure.trace_id.map(str::to_owned),
         }
+    }
+
+    /// What the record holds in memory, about: its strings plus a fixed
+    /// overhead. The queue's byte bound counts this.
+    pub fn size_bytes(&self) -> u64 {
+        let strings = self.event_id.len()
+            + self.time.len()
+            + self.instance.len()
+            + self.request.user_id.len()
+            + self.request.resource_path.len()
+            + self.request.client_type.as_ref().map_or(0, String::len)
+            + self.request.priority.len()
+            + self.request.headers.iter().map(|(k, v)| k.len() + v.len() + 64).sum::<usize>()
+            + self.rule_id.len()
+            + self.failure.kind.len()
+            + self.failure.message.len()
+            + self.answer.reason.len()
+            + self.trace_id.as_ref().map_or(0, String::len);
+        (std::mem::size_of::<Self>() + strings) as u64
     }
 
     /// The record's time in ms since the epoch, if it parses.

@@ -38,6 +38,9 @@ pub struct SpoolState {
     pub durable: AtomicU64,
     /// Sequence number of the first record not yet acknowledged.
     pub acked: AtomicU64,
+    /// Bytes of the segments on disk (acknowledged records in a segment not
+    /// yet deleted included).
+    pub bytes: AtomicU64,
 }
 
 impl SpoolState {
@@ -49,6 +52,11 @@ impl SpoolState {
     /// Records on disk not yet acknowledged.
     pub fn pending(&self) -> u64 {
         self.durable.load(Ordering::SeqCst).saturating_sub(self.acked.load(Ordering::SeqCst))
+    }
+
+    /// Bytes of the segments on disk.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::SeqCst)
     }
 }
 
@@ -83,15 +91,24 @@ fn open_segment(path: &Path) -> io::Result<Box<dyn Segment>> {
     Ok(Box::new(OpenOptions::new().create(true).append(true).open(path)?))
 }
 
+/// How the spool is laid out and how much it may hold.
+#[derive(Debug, Clone, Copy)]
+pub struct SpoolSizes {
+    /// A segment is closed and a new one started past this size.
+    pub segment_bytes: u64,
+    /// The segments together never exceed this (`dlq.spool_max_bytes`).
+    pub max_bytes: u64,
+}
+
 /// Opens (or creates) the spool at `dir`; returns its two ends.
-pub fn open(dir: &Path, segment_bytes: u64) -> io::Result<(SpoolWriter, SpoolReader, Arc<SpoolState>)> {
-    open_with(dir, segment_bytes, open_segment)
+pub fn open(dir: &Path, sizes: SpoolSizes) -> io::Result<(SpoolWriter, SpoolReader, Arc<SpoolState>)> {
+    open_with(dir, sizes, open_segment)
 }
 
 /// [`open`], writing segments through `opener` (the seam fault tests use).
 pub fn open_with(
     dir: &Path,
-    segment_bytes: u64,
+    sizes: SpoolSizes,
     opener: SegmentOpener,
 ) -> io::Result<(SpoolWriter, SpoolReader, Arc<SpoolState>)> {
     fs::create_dir_all(dir)?;
@@ -109,13 +126,21 @@ pub fn open_with(
     if segments.is_empty() {
         segments.push((durable, segment_path(dir, durable)));
     }
-    let state = Arc::new(SpoolState { durable: AtomicU64::new(durable), acked: AtomicU64::new(acked) });
+    let mut bytes = 0;
+    for (_, path) in &segments {
+        bytes += fs::metadata(path).map_or(0, |m| m.len());
+    }
+    let state = Arc::new(SpoolState {
+        durable: AtomicU64::new(durable),
+        acked: AtomicU64::new(acked),
+        bytes: AtomicU64::new(bytes),
+    });
     let (active_first, active_path) = segments.last().cloned().expect("at least one segment");
     let active_len = fs::metadata(&active_path).map_or(0, |m| m.len());
     let active = opener(&active_path)?;
     let writer = SpoolWriter {
         dir: dir.to_path_buf(),
-        segment_bytes,
+        sizes,
         opener,
         active,
         active_first,
@@ -131,7 +156,7 @@ pub fn open_with(
 #[derive(Debug)]
 pub struct SpoolWriter {
     dir: PathBuf,
-    segment_bytes: u64,
+    sizes: SpoolSizes,
     opener: SegmentOpener,
     active: Box<dyn Segment>,
     active_first: u64,
@@ -143,6 +168,21 @@ pub struct SpoolWriter {
 }
 
 impl SpoolWriter {
+    /// Bytes that may still be appended under `dlq.spool_max_bytes`.
+    pub fn room(&self) -> u64 {
+        self.sizes.max_bytes.saturating_sub(self.state.bytes())
+    }
+
+    /// The spool's byte cap.
+    pub fn max_bytes(&self) -> u64 {
+        self.sizes.max_bytes
+    }
+
+    /// The spool's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Appends `lines` (`count` JSON lines) and fsyncs them. They become
     /// visible to the reader once [`SpoolState::publish`]ed. On failure the
     /// segment is cut back to its last durable length (now, or before the
@@ -153,7 +193,7 @@ impl SpoolWriter {
             self.active.truncate(self.active_len)?;
             self.dirty = false;
         }
-        if self.active_len >= self.segment_bytes {
+        if self.active_len >= self.sizes.segment_bytes {
             self.roll()?;
         }
         let written = self.active.write_bytes(lines).and_then(|()| self.active.sync());
@@ -162,6 +202,7 @@ impl SpoolWriter {
             return Err(e);
         }
         self.active_len += lines.len() as u64;
+        self.state.bytes.fetch_add(lines.len() as u64, Ordering::SeqCst);
         Ok(())
     }
 
@@ -256,7 +297,9 @@ impl SpoolReader {
                 {
                     self.position = None;
                 }
+                let len = fs::metadata(path).map_or(0, |m| m.len());
                 fs::remove_file(path)?;
+                self.state.bytes.fetch_sub(len.min(self.state.bytes()), Ordering::SeqCst);
             }
         }
         Ok(())
@@ -334,6 +377,10 @@ fn repair(path: &Path) -> io::Result<u64> {
 mod tests {
     use super::*;
     use crate::dlq::{file::to_json_lines, record::*};
+
+    fn sizes(segment_bytes: u64) -> SpoolSizes {
+        SpoolSizes { segment_bytes, max_bytes: u64::MAX }
+    }
 
     fn record(i: u64) -> FailureRecord {
         FailureRecord {
@@ -414,7 +461,7 @@ mod tests {
     #[test]
     fn a_retried_append_after_a_partial_write_or_failed_fsync_loses_and_repeats_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut writer, mut reader, state) = open_with(dir.path(), 1 << 20, faulty).unwrap();
+        let (mut writer, mut reader, state) = open_with(dir.path(), sizes(1 << 20), faulty).unwrap();
         let batch = |range: std::ops::Range<u64>| to_json_lines(&range.map(record).collect::<Vec<_>>());
         let append_retrying = |writer: &mut SpoolWriter, lines: Vec<u8>, count: u64| {
             let mut failures = 0;
@@ -437,7 +484,7 @@ mod tests {
             read.iter().map(|(_, r)| r.as_ref().unwrap().event_id.clone()).collect();
         assert_eq!(ids.len(), 10, "every event id exactly once");
         drop((writer, reader));
-        let (_, mut reader, state) = open(dir.path(), 1 << 20).unwrap();
+        let (_, mut reader, state) = open(dir.path(), sizes(1 << 20)).unwrap();
         assert_eq!(state.pending(), 10, "a restart counts the same records");
         assert_eq!(
             users(&reader.read(0, 100).unwrap()),
@@ -448,7 +495,7 @@ mod tests {
     #[test]
     fn reads_in_order_across_segments_and_deletes_acknowledged_ones() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut writer, mut reader, state) = open(dir.path(), 600).unwrap();
+        let (mut writer, mut reader, state) = open(dir.path(), sizes(600)).unwrap();
         for batch in 0..10 {
             append(&mut writer, batch * 3..batch * 3 + 3);
         }
@@ -469,12 +516,12 @@ mod tests {
     fn reopening_resumes_at_the_cursor() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let (mut writer, mut reader, _) = open(dir.path(), 1 << 20).unwrap();
+            let (mut writer, mut reader, _) = open(dir.path(), sizes(1 << 20)).unwrap();
             append(&mut writer, 0..10);
             reader.read(0, 4).unwrap();
             reader.acknowledge(4).unwrap();
         }
-        let (mut writer, mut reader, state) = open(dir.path(), 1 << 20).unwrap();
+        let (mut writer, mut reader, state) = open(dir.path(), sizes(1 << 20)).unwrap();
         assert_eq!((state.acked.load(Ordering::SeqCst), state.pending()), (4, 6));
         append(&mut writer, 10..12);
         let read = reader.read(4, 100).unwrap();
@@ -486,7 +533,7 @@ mod tests {
     fn a_torn_last_line_is_cut_off() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let (mut writer, _, _) = open(dir.path(), 1 << 20).unwrap();
+            let (mut writer, _, _) = open(dir.path(), sizes(1 << 20)).unwrap();
             append(&mut writer, 0..3);
         }
         let (_, path) = list_segments(dir.path()).unwrap().pop().unwrap();
@@ -496,7 +543,7 @@ mod tests {
             .unwrap()
             .write_all(b"{\"schema_version\":1,\"ev")
             .unwrap();
-        let (mut writer, mut reader, state) = open(dir.path(), 1 << 20).unwrap();
+        let (mut writer, mut reader, state) = open(dir.path(), sizes(1 << 20)).unwrap();
         assert_eq!(state.pending(), 3);
         append(&mut writer, 3..4);
         assert_eq!(users(&reader.read(0, 10).unwrap()), ["u0", "u1", "u2", "u3"]);
@@ -505,7 +552,7 @@ mod tests {
     #[test]
     fn nothing_beyond_durable_is_read() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut writer, mut reader, _) = open(dir.path(), 1 << 20).unwrap();
+        let (mut writer, mut reader, _) = open(dir.path(), sizes(1 << 20)).unwrap();
         assert!(reader.read(0, 10).unwrap().is_empty());
         append(&mut writer, 0..2);
         assert_eq!(reader.read(0, 10).unwrap().len(), 2);
@@ -515,12 +562,64 @@ mod tests {
     #[test]
     fn unparseable_lines_are_handed_back_not_skipped() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut writer, mut reader, _) = open(dir.path(), 1 << 20).unwrap();
+        let (mut writer, mut reader, _) = open(dir.path(), sizes(1 << 20)).unwrap();
         writer.append(b"not json\n").unwrap();
         writer.state.publish(1);
         append(&mut writer, 1..2);
         let read = reader.read(0, 10).unwrap();
         assert_eq!(read[0], (0, Err("not json".to_owned())));
         assert!(read[1].1.is_ok());
+    }
+
+    #[test]
+    fn its_bytes_are_counted_on_append_and_freed_with_deleted_segments() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut writer, mut reader, state) = open(dir.path(), sizes(600)).unwrap();
+        append(&mut writer, 0..5);
+        append(&mut writer, 5..10);
+        append(&mut writer, 10..15);
+        let on_disk = |dir: &Path| -> u64 {
+            list_segments(dir).unwrap().iter().map(|(_, p)| fs::metadata(p).unwrap().len()).sum()
+        };
+        assert_eq!(state.bytes(), on_disk(dir.path()));
+        assert!(list_segments(dir.path()).unwrap().len() >= 2);
+        reader.acknowledge(15).unwrap();
+        assert_eq!(state.bytes(), on_disk(dir.path()), "deleted segments are given back");
+        drop((writer, reader));
+        let (_, _, reopened) = open(dir.path(), sizes(600)).unwrap();
+        assert_eq!(reopened.bytes(), on_disk(dir.path()), "counted again at startup");
+    }
+
+    #[tokio::test]
+    async fn the_spool_never_grows_past_its_cap() {
+        use std::sync::atomic::Ordering;
+
+        use crate::dlq::{DlqCounters, DropReason, kafka::run_spooler};
+        let dir = tempfile::tempdir().unwrap();
+        let line = to_json_lines(&[record(100)]).len() as u64;
+        let cap = line * 8 + line / 2;
+        let (writer, _reader, state) =
+            open(dir.path(), SpoolSizes { segment_bytes: line * 2, max_bytes: cap }).unwrap();
+        let counters = Arc::new(DlqCounters::default());
+        let (queue, receiver) = tokio::sync::mpsc::channel(100);
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let spooler = tokio::spawn(run_spooler(
+            receiver,
+            writer,
+            Arc::clone(&state),
+            Arc::clone(&counters),
+            Arc::new(tokio::sync::Notify::new()),
+            stopped,
+        ));
+        for i in 100..120 {
+            let record = record(i);
+            counters.queued_bytes.fetch_add(record.size_bytes(), Ordering::SeqCst);
+            queue.send(record).await.unwrap();
+        }
+        stop.send(true).unwrap();
+        spooler.await.unwrap();
+        assert_eq!((state.pending(), counters.dropped_by(DropReason::DiskCap)), (8, 12));
+        assert!(state.bytes() <= cap, "{} of {cap}", state.bytes());
+        assert_eq!(counters.queued_bytes.load(Ordering::SeqCst), 0);
     }
 }

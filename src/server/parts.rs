@@ -207,17 +207,31 @@ pub(crate) fn dlq(
         headers: limits.max_headers,
         header_bytes: limits.max_header_bytes,
     };
-    let (sink, queue, counters) =
-        DlqSink::new(config.queue_capacity, config.instance(), config.header_allowlist.clone(), bounds);
+    let (sink, queue, counters) = DlqSink::new(
+        config.queue_capacity,
+        config.queue_max_bytes,
+        config.instance(),
+        config.header_allowlist.clone(),
+        bounds,
+    );
     let Some(brokers) = &config.kafka.brokers else {
         tracing::info!(file = %config.file.display(), "failed decisions go to a JSON-lines file");
         let stop = tasks.stopper();
-        tasks.spawn(dlq::file::run(queue, config.file.clone(), counters, stop));
-        return Ok(Arc::new(sink));
+        let target = dlq::file::FileTarget { path: config.file.clone(), max_bytes: config.file_max_bytes };
+        let size = std::fs::metadata(&target.path).map_or(0, |m| m.len());
+        counters.file_bytes.store(size, std::sync::atomic::Ordering::SeqCst);
+        tasks.spawn(dlq::file::run(queue, target, counters, stop));
+        return Ok(Arc::new(sink.with_disk_cap(config.file_max_bytes)));
     };
     let spool_dir = &config.spool_dir;
-    let (writer, reader, spool) = dlq::spool::open(spool_dir, config.spool_segment_bytes)
-        .map_err(|e| ServerError::Spool(format!("{}: {e}", spool_dir.display())))?;
+    let (writer, reader, spool) = dlq::spool::open(
+        spool_dir,
+        dlq::spool::SpoolSizes {
+            segment_bytes: config.spool_segment_bytes,
+            max_bytes: config.spool_max_bytes,
+        },
+    )
+    .map_err(|e| ServerError::Spool(format!("{}: {e}", spool_dir.display())))?;
     let recovered = spool.pending();
     counters.recovered.store(recovered, std::sync::atomic::Ordering::SeqCst);
     if recovered > 0 {
@@ -246,7 +260,7 @@ pub(crate) fn dlq(
     };
     let stop = tasks.stopper();
     tasks.spawn(dlq::kafka::run_shipper(shipper, reader, Arc::clone(&spool), notify, stop));
-    Ok(Arc::new(sink.with_spool(spool)))
+    Ok(Arc::new(sink.with_spool(spool).with_disk_cap(config.spool_max_bytes)))
 }
 
 /// How the engine treats Envoy requests, from `envoy.*`.

@@ -19,7 +19,7 @@ use std::{
 
 use crate::{
     decision::{Api, Stats},
-    dlq::DlqSink,
+    dlq::{DlqSink, DropReason},
     limiter::{FailureKind, MemoryStore},
     rules::{Hot, Snapshot, Versioned, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
@@ -280,23 +280,39 @@ fn render_sources(out: &mut String, s: &Sources) {
             "Failure records durably written (file) or acknowledged (Kafka).",
             dlq.delivered,
         ),
-        (
-            "ratelimitd_dlq_dropped_total",
-            "Failure records lost (queue overflow, spool disk full).",
-            dlq.dropped,
-        ),
         ("ratelimitd_dlq_recovered_total", "Failure records found in the spool at startup.", dlq.recovered),
     ] {
         header(out, name, "counter", help);
         let _ = writeln!(out, "{name} {value}");
     }
-    header(
-        out,
-        "ratelimitd_dlq_pending",
-        "gauge",
-        "Failure records waiting in the queue, the writer or the spool.",
-    );
-    let _ = writeln!(out, "ratelimitd_dlq_pending {}", dlq.pending);
+    header(out, "ratelimitd_dlq_dropped_total", "counter", "Failure records lost, by reason.");
+    for reason in DropReason::ALL {
+        let _ = writeln!(
+            out,
+            "ratelimitd_dlq_dropped_total{{reason=\"{}\"}} {}",
+            reason.as_str(),
+            s.dlq.dropped_by(reason)
+        );
+    }
+    let (queue_max, disk_max) = s.dlq.byte_caps();
+    for (name, help, value) in [
+        (
+            "ratelimitd_dlq_pending",
+            "Failure records waiting in the queue, the writer or the spool.",
+            dlq.pending,
+        ),
+        ("ratelimitd_dlq_queue_bytes", "Bytes of failure records in the queue.", dlq.queued_bytes),
+        ("ratelimitd_dlq_queue_max_bytes", "The queue's byte cap (dlq.queue_max_bytes).", queue_max),
+        ("ratelimitd_dlq_disk_bytes", "Bytes on disk: the file sink's file, or the spool.", dlq.disk_bytes),
+        (
+            "ratelimitd_dlq_disk_max_bytes",
+            "The byte cap of that file or spool (dlq.file_max_bytes, dlq.spool_max_bytes).",
+            disk_max,
+        ),
+    ] {
+        header(out, name, "gauge", help);
+        let _ = writeln!(out, "{name} {value}");
+    }
 
     header(out, "ratelimitd_rules_info", "gauge", "The loaded rule sets (value 1), by kind and version.");
     let native = s.rules.load();
