@@ -40,6 +40,8 @@ fn stdout(output: &Output) -> String {
 struct Serve {
     child: Child,
     addr: String,
+    /// The metrics and health port.
+    http: u16,
     _dir: tempfile::TempDir,
 }
 
@@ -49,7 +51,7 @@ impl Serve {
     }
 
     fn start_with(rules: &Path, redis_url: Option<&str>, env: &[(&str, &str)]) -> Self {
-        let port = free_port();
+        let (port, http) = (free_port(), free_port());
         let dir = tempfile::tempdir().unwrap();
         let mut command = Command::new(BIN);
         command
@@ -57,7 +59,7 @@ impl Serve {
             .env("RATELIMITD__DLQ__FILE", dir.path().join("dlq.jsonl"))
             .env_remove("RUST_LOG")
             .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
-            .env("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{}", free_port()))
+            .env("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{http}"))
             .env("RATELIMITD__RULES__PATH", rules)
             .env("RATELIMITD__REDIS__TIMEOUT_MS", "1000")
             // This machine's real load must not shed the test's requests.
@@ -69,7 +71,7 @@ impl Serve {
         }
         command.envs(env.iter().copied());
         let child = command.spawn().unwrap();
-        let serve = Serve { child, addr: format!("http://127.0.0.1:{port}"), _dir: dir };
+        let serve = Serve { child, addr: format!("http://127.0.0.1:{port}"), http, _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(Instant::now() < deadline, "ratelimitd serve did not listen on {port}");
@@ -124,7 +126,7 @@ impl Drop for Serve {
 /// temporary directory for the dead-letter file), only the given variables
 /// set; returns it once it listens.
 fn serve_from_root(env: &[(&str, &str)]) -> Serve {
-    let port = free_port();
+    let (port, http) = (free_port(), free_port());
     let dir = tempfile::tempdir().unwrap();
     let mut command = Command::new(BIN);
     command
@@ -133,13 +135,13 @@ fn serve_from_root(env: &[(&str, &str)]) -> Serve {
         .env_clear()
         .env("HOME", dir.path())
         .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
-        .env("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{}", free_port()))
+        .env("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{http}"))
         .env("RATELIMITD__SHED__MODE", "off")
         .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     let child = command.spawn().unwrap();
-    let mut serve = Serve { child, addr: format!("http://127.0.0.1:{port}"), _dir: dir };
+    let mut serve = Serve { child, addr: format!("http://127.0.0.1:{port}"), http, _dir: dir };
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         if let Some(status) = serve.child.try_wait().unwrap() {
@@ -171,6 +173,40 @@ fn serve_from_root_with_no_configuration_uses_the_embedded_rules() {
     assert!(status.success(), "{log}");
     assert!(log.contains("<embedded examples/rules>"), "{log}");
     assert!(log.contains(".local/state/ratelimitd/dlq.jsonl"), "{log}");
+}
+
+/// A stderr nobody reads (a full pipe) never stalls a decision: the log
+/// writer thread drops lines and counts them instead of blocking a worker.
+/// With a blocking writer this stops after a few requests, when the 64 KiB
+/// pipe is full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_stderr_never_stalls_decisions() {
+    use ratelimitd::api::pb::rate_limiter_client::RateLimiterClient;
+    let serve = serve_from_root(&[("RUST_LOG", "trace")]);
+    let mut client = RateLimiterClient::connect(serve.addr.clone()).await.unwrap();
+    for i in 0..3_000 {
+        let request = common::request(&format!("user-{i}"), "/api/v1/search");
+        let answered = tokio::time::timeout(Duration::from_secs(10), client.check(request)).await;
+        answered.unwrap_or_else(|_| panic!("request {i} not answered in 10 s")).unwrap();
+    }
+    let metrics = scrape(serve.http);
+    let dropped: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("ratelimitd_log_lines_dropped_total "))
+        .unwrap_or_else(|| panic!("no log drop counter in {metrics}"))
+        .parse()
+        .unwrap();
+    assert!(dropped > 0, "the pipe was full, yet no line was dropped");
+}
+
+/// `GET /metrics` over plain HTTP/1.1.
+fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
 }
 
 /// Only an Envoy configuration, started from `/`: serve starts with no

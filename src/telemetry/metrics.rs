@@ -227,6 +227,14 @@ impl Metrics {
             );
         }
 
+        header(
+            &mut out,
+            "ratelimitd_log_lines_dropped_total",
+            "counter",
+            "Log lines dropped because stderr could not keep up (logging never blocks a worker).",
+        );
+        let _ = writeln!(out, "ratelimitd_log_lines_dropped_total {}", super::traces::log_lines_dropped());
+
         let sources = self.sources.read().unwrap_or_else(|p| p.into_inner()).clone();
         if let Some(s) = sources {
             render_sources(&mut out, &s);

@@ -1,5 +1,7 @@
 //! Logs and traces: a `tracing` subscriber with human (default) or JSON
-//! logs, and — when `telemetry.otlp_endpoint` is set — an OpenTelemetry
+//! logs written to stderr by a dedicated thread (a worker only hands a
+//! line to a bounded buffer; when the buffer is full the line is dropped
+//! and counted, never waited for), and — when `telemetry.otlp_endpoint` is set — an OpenTelemetry
 //! layer exporting spans over OTLP/gRPC. Incoming W3C trace context
 //! (`traceparent` in gRPC metadata) becomes the parent of each decision span.
 
@@ -11,10 +13,24 @@ use tracing_subscriber::{Layer as _, layer::SubscriberExt as _, util::Subscriber
 
 use crate::config::{LogConfig, LogFormat, TelemetryConfig};
 
-/// Flushes and stops the span exporter when dropped (after the server has stopped).
+/// Log lines the writer thread may have waiting; past it lines are dropped.
+const LOG_BUFFER_LINES: usize = 65_536;
+
+/// The log writer's count of lines dropped because its buffer was full.
+static LOG_LINES_DROPPED: std::sync::OnceLock<tracing_appender::non_blocking::ErrorCounter> =
+    std::sync::OnceLock::new();
+
+/// Log lines dropped because stderr could not keep up (0 before [`init`]).
+pub fn log_lines_dropped() -> u64 {
+    LOG_LINES_DROPPED.get().map_or(0, |c| c.dropped_lines() as u64)
+}
+
+/// Flushes and stops the span exporter, then the log writer, when dropped
+/// (after the server has stopped).
 #[derive(Debug)]
 pub struct TracingGuard {
     provider: Option<SdkTracerProvider>,
+    _log_writer: tracing_appender::non_blocking::WorkerGuard,
 }
 
 impl Drop for TracingGuard {
@@ -39,11 +55,15 @@ pub fn init(log: &LogConfig, telemetry: &TelemetryConfig) -> Result<TracingGuard
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
     // Colours only for a terminal: log files and collectors get plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let (writer, log_writer) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(LOG_BUFFER_LINES)
+        .thread_name("ratelimitd-log")
+        .finish(std::io::stderr());
+    let _ = LOG_LINES_DROPPED.set(writer.error_counter());
     let fmt = match log.format {
-        LogFormat::Human => {
-            tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi).boxed()
-        }
-        LogFormat::Json => tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr).boxed(),
+        LogFormat::Human => tracing_subscriber::fmt::layer().with_writer(writer).with_ansi(ansi).boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer().json().with_writer(writer).boxed(),
     };
     let (otel, provider) = match &telemetry.otlp_endpoint {
         None => (None, None),
@@ -63,7 +83,7 @@ pub fn init(log: &LogConfig, telemetry: &TelemetryConfig) -> Result<TracingGuard
         }
     };
     tracing_subscriber::registry().with(filter).with(fmt).with(otel).init();
-    Ok(TracingGuard { provider })
+    Ok(TracingGuard { provider, _log_writer: log_writer })
 }
 
 /// Reads W3C trace headers from gRPC metadata.
