@@ -172,3 +172,76 @@ async fn redis_killed_under_load_loses_no_decision() {
         "exact decisions resumed only {recovery:?} after Redis returned"
     );
 }
+
+/// A Redis pause of 30 ms (`DEBUG SLEEP 0.03`, what a fork for BGSAVE
+/// costs), five times under load from 8 callers of a fail-closed rule at
+/// the production deadline: the decisions the pauses delay fail by policy,
+/// but no pause opens the circuit breaker (it needs failures spanning
+/// `redis.breaker_min_failing_ms`), so no decision is denied without trying
+/// Redis and `/readyz` stays ready. Prints the figures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_redis_pauses_open_no_breaker() {
+    const CLOSED: &str = r#"
+rules:
+  - { rule_id: closed, resource_path: /closed, limit: 100000000, window_seconds: 3600, failure_policy: closed }
+"#;
+    let redis = RedisServer::start();
+    let rules = Rules::new(CLOSED);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = ratelimitd::config::RedisConfig::default().timeout_ms;
+    let dlq_dir = tempfile::tempdir().unwrap();
+    cfg.dlq.file = dlq_dir.path().join("dlq.jsonl");
+    let server = TestServer::start(cfg).await;
+    let client = server.client().await;
+    let running = Arc::new(AtomicBool::new(true));
+    let ok = Arc::new(AtomicUsize::new(0));
+    let denied = Arc::new(AtomicUsize::new(0));
+    let mut callers = Vec::new();
+    for caller in 0..8 {
+        let (running, ok, denied) = (Arc::clone(&running), Arc::clone(&ok), Arc::clone(&denied));
+        let mut client = client.clone();
+        callers.push(tokio::spawn(async move {
+            while running.load(Ordering::Relaxed) {
+                let response = client.check(common::request(&format!("user-{caller}"), "/closed")).await;
+                match reason(&response.expect("no RPC fails").into_inner()) {
+                    Reason::Ok => ok.fetch_add(1, Ordering::Relaxed),
+                    Reason::FailClosed => denied.fetch_add(1, Ordering::Relaxed),
+                    other => panic!("unexpected answer {other:?}"),
+                };
+            }
+        }));
+    }
+    let reaches = |counter: &Arc<AtomicUsize>, at_least: usize| {
+        let counter = Arc::clone(counter);
+        eventually(Duration::from_secs(30), move || {
+            let reached = counter.load(Ordering::Relaxed) >= at_least;
+            async move { reached }
+        })
+    };
+    assert!(reaches(&ok, 300).await, "no load before the pauses");
+    let mut admin = redis.client().await;
+    for _ in 0..5 {
+        let () = redis::cmd("DEBUG").arg("SLEEP").arg("0.03").query_async(&mut admin).await.unwrap();
+        let seen = ok.load(Ordering::Relaxed);
+        assert!(reaches(&ok, seen + 200).await, "decisions did not resume after a pause");
+        let addr = server.http_addr;
+        let (code, why) =
+            tokio::task::spawn_blocking(move || common::http_get(addr, "/readyz")).await.unwrap();
+        assert_eq!(code, 200, "{why}");
+    }
+    running.store(false, Ordering::Relaxed);
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    server.stop().await.unwrap();
+    let records = common::read_dlq(&dlq_dir.path().join("dlq.jsonl"));
+    let circuit_open = records.iter().filter(|r| r.failure.kind == "circuit_open").count();
+    eprintln!(
+        "5 pauses of 30 ms: {} exact decisions, {} denied by policy while delayed ({} records, {circuit_open} circuit_open)",
+        ok.load(Ordering::Relaxed),
+        denied.load(Ordering::Relaxed),
+        records.len()
+    );
+    assert_eq!(records.len(), denied.load(Ordering::Relaxed), "every policy answer recorded");
+    assert_eq!(circuit_open, 0, "a 30 ms pause opened the breaker");
+}

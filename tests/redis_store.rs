@@ -299,6 +299,44 @@ async fn queued_decisions_are_coalesced_into_one_script_call() {
     assert_eq!(count, 100);
 }
 
+/// A batch over `redis.max_keys_per_call` is split into calls in order,
+/// each within the cap (a job whole), and stays exact: 300 queued jobs of 4
+/// counters with a cap of 64 keys are 19 script calls of 16 jobs (the last
+/// of 12), and every counter holds exactly what was admitted.
+#[tokio::test(flavor = "current_thread")]
+async fn batches_over_the_key_cap_are_split_in_order() {
+    use ratelimitd::limiter::{ManyItem, WindowParams};
+    let redis = RedisServer::start();
+    let config = ratelimitd::config::RedisConfig {
+        url: Some(redis.url()),
+        connections: 1,
+        timeout_ms: 5_000,
+        max_keys_per_call: 64,
+        ..Default::default()
+    };
+    let mut dispatchers = tokio::task::JoinSet::new();
+    let store = ratelimitd::limiter::RedisStore::new(&config, &mut dispatchers).unwrap();
+    store.warm_up(Duration::from_secs(5)).await.unwrap();
+    let item = |key: &str| ManyItem {
+        key: key.to_owned(),
+        params: WindowParams::sliding(60_000, 250),
+        tick_ms: 1,
+        weight: 1,
+        shadow: false,
+    };
+    let jobs: Vec<Vec<ManyItem>> = (0..300).map(|_| ["a", "b", "c", "d"].map(item).to_vec()).collect();
+    let before = redis.evalsha_calls().await;
+    let outcomes = futures_util::future::join_all(jobs.iter().map(|job| store.decide_many("g", job))).await;
+    assert_eq!(redis.evalsha_calls().await - before, 19, "16 jobs of 4 keys per call");
+    let committed: Vec<bool> = outcomes.into_iter().map(|o| o.unwrap().committed).collect();
+    assert!(committed[..250].iter().all(|c| *c) && committed[250..].iter().all(|c| !c), "in order");
+    let mut conn = redis.client().await;
+    for key in ["rle:{g}:a", "rle:{g}:d"] {
+        let count: u64 = conn.hget(key, "c").await.unwrap();
+        assert_eq!(count, 250, "{key}");
+    }
+}
+
 /// In one batch, a multi-counter job that one counter denies writes nothing,
 /// and the jobs after it see exactly what the jobs before it committed.
 #[tokio::test(flavor = "current_thread")]
@@ -348,6 +386,8 @@ async fn breaker_fails_fast_while_redis_is_down_and_closes_when_it_returns() {
         connections: 1,
         timeout_ms: 1_000,
         breaker_failures: 3,
+        // The count alone here; the sustained-failure rule has its own tests.
+        breaker_min_failing_ms: 0,
         breaker_open_ms: 100,
         url: Some(redis.url()),
         ..Default::default()

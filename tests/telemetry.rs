@@ -175,6 +175,53 @@ async fn readiness_and_grpc_health_follow_redis_and_shutdown() {
     stopping.await.unwrap().unwrap();
 }
 
+/// An open circuit breaker makes the instance unready at once (`/readyz`
+/// reads the breaker; the monitor has not probed since Redis went), and the
+/// monitor's probe closes it with no traffic at all once Redis is back,
+/// although `redis.breaker_open_ms` would keep it open for a minute: an
+/// unready instance gets no decisions, so no decision would close it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_open_breaker_is_unready_and_closes_without_traffic() {
+    let mut redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let settings = |interval_ms: u64| {
+        let mut cfg = config(&rules.path(), Some(redis.url()));
+        cfg.http.health_interval_ms = interval_ms;
+        cfg.redis.connect_timeout_ms = 200;
+        cfg.redis.timeout_ms = 200;
+        cfg.redis.breaker_failures = 1;
+        cfg.redis.breaker_min_failing_ms = 0;
+        cfg.redis.breaker_open_ms = 60_000;
+        cfg
+    };
+    // The monitor probes once, at start, then not for a minute.
+    let unprobed = TestServer::start(settings(60_000)).await;
+    let probed = TestServer::start(settings(50)).await;
+    for server in [&unprobed, &probed] {
+        assert!(eventually(Duration::from_secs(10), || async { readyz(server).await.0 == 200 }).await);
+    }
+    redis.stop();
+    for server in [&unprobed, &probed] {
+        let mut client = server.client().await;
+        let answer = check(&mut client, request("u", "/closed")).await;
+        assert!(!answer.allowed, "failed closed");
+    }
+    let (code, body) = readyz(&unprobed).await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("circuit breaker open: 1 of 1") && body.contains("rules failing closed"), "{body}");
+
+    redis.restart();
+    assert!(
+        eventually(Duration::from_secs(10), || async { readyz(&probed).await.0 == 200 }).await,
+        "the probe did not close the breaker: {}",
+        readyz(&probed).await.1
+    );
+    let mut client = probed.client().await;
+    assert!(check(&mut client, request("u", "/closed")).await.allowed, "exact again at once");
+    unprobed.stop().await.unwrap();
+    probed.stop().await.unwrap();
+}
+
 /// grpcurl, with no proto files, lists both rate-limit services, health and
 /// reflection, and describes the Check method.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

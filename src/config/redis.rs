@@ -45,9 +45,17 @@ pub struct RedisConfig {
     /// Consecutive failed script calls (unreachable, connection lost,
     /// deadline missed) that open the circuit breaker; 0 disables it.
     pub breaker_failures: u32,
+    /// ...and the least time those failures must span, from the first: a
+    /// shorter pause (a BGSAVE fork) opens no breaker.
+    pub breaker_min_failing_ms: u64,
     /// How long an open breaker fails decisions fast before letting one
     /// probe decision through.
     pub breaker_open_ms: u64,
+    /// The most counters one script call carries; a bigger batch is split
+    /// into calls (a job never is).
+    pub max_keys_per_call: usize,
+    /// The most bytes of counter keys one script call carries; likewise.
+    pub max_key_bytes_per_call: usize,
 }
 
 impl Default for RedisConfig {
@@ -64,7 +72,10 @@ impl Default for RedisConfig {
             connect_timeout_ms: 1_000,
             connections: 2,
             breaker_failures: 3,
+            breaker_min_failing_ms: 200,
             breaker_open_ms: 250,
+            max_keys_per_call: 1_024,
+            max_key_bytes_per_call: 256 << 10,
         }
     }
 }
@@ -84,7 +95,10 @@ impl fmt::Debug for RedisConfig {
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("connections", &self.connections)
             .field("breaker_failures", &self.breaker_failures)
+            .field("breaker_min_failing_ms", &self.breaker_min_failing_ms)
             .field("breaker_open_ms", &self.breaker_open_ms)
+            .field("max_keys_per_call", &self.max_keys_per_call)
+            .field("max_key_bytes_per_call", &self.max_key_bytes_per_call)
             .finish()
     }
 }
@@ -183,6 +197,12 @@ impl RedisConfig {
         }
         if !(1..=256).contains(&self.connections) {
             return Err(invalid("redis.connections", "must be between 1 and 256"));
+        }
+        if self.max_keys_per_call == 0 {
+            return Err(invalid("redis.max_keys_per_call", "must be at least 1"));
+        }
+        if self.max_key_bytes_per_call < 1_024 {
+            return Err(invalid("redis.max_key_bytes_per_call", "must be at least 1024"));
         }
         if self.breaker_failures > 0 && self.breaker_open_ms == 0 {
             return Err(invalid(

@@ -248,13 +248,16 @@ impl RedisStore {
         let script = Arc::new(redis::Script::new(DECIDE_BATCH_LUA));
         let timeout = Duration::from_millis(config.timeout_ms);
         let open = Duration::from_millis(config.breaker_open_ms);
+        let min_failing = Duration::from_millis(config.breaker_min_failing_ms);
         let breakers: Arc<[Breaker]> = match backend {
-            Backend::Single(_) => Arc::new([Breaker::new(config.breaker_failures, open, "redis".to_owned())]),
+            Backend::Single(_) => {
+                Arc::new([Breaker::new(config.breaker_failures, min_failing, open, "redis".to_owned())])
+            }
             Backend::Cluster(_) => (0..16_384 / SLOTS_PER_BREAKER)
                 .map(|range| {
                     let first = range * SLOTS_PER_BREAKER;
                     let scope = format!("redis cluster slots {first}-{}", first + SLOTS_PER_BREAKER - 1);
-                    Breaker::new(config.breaker_failures, open, scope)
+                    Breaker::new(config.breaker_failures, min_failing, open, scope)
                 })
                 .collect(),
         };
@@ -267,6 +270,10 @@ impl RedisStore {
                     script: Arc::clone(&script),
                     timeout,
                     breakers: Arc::clone(&breakers),
+                    caps: CallCaps {
+                        keys: config.max_keys_per_call,
+                        key_bytes: config.max_key_bytes_per_call,
+                    },
                 };
                 tasks.spawn(dispatcher.run(receiver));
                 sender
@@ -281,6 +288,13 @@ impl RedisStore {
             breakers,
             url_for_logs: redact_url(url),
         })
+    }
+
+    /// The circuit breakers (one, or one per range of cluster slots), for
+    /// the readiness monitor: it reads them and closes them when its probe
+    /// finds Redis answering. Holding them keeps no dispatcher alive.
+    pub fn breakers(&self) -> Arc<[Breaker]> {
+        Arc::clone(&self.breakers)
     }
 
     /// The URL with any password masked.
@@ -440,15 +454,42 @@ impl RedisStore {
 /// replacing connections while Redis is merely overloaded adds load.
 const TIMEOUTS_BEFORE_RECONNECT: u32 = 3;
 
+/// How much one script call may carry (`redis.max_keys_per_call`,
+/// `redis.max_key_bytes_per_call`): a bigger batch is split into calls in
+/// order, so no batch of hostile (many, long) keys holds Redis' single
+/// thread for long. A job is never split: one that alone exceeds a cap
+/// goes in a call of its own.
+#[derive(Debug, Clone, Copy)]
+struct CallCaps {
+    keys: usize,
+    key_bytes: usize,
+}
+
+/// How many leading jobs of `batch` the next script call carries: as many
+/// as fit both caps, and at least one.
+fn call_size<'a>(jobs: impl IntoIterator<Item = &'a [(String, KeyArgs)]>, caps: CallCaps) -> usize {
+    let (mut taken, mut keys, mut key_bytes) = (0, 0, 0);
+    for job in jobs {
+        keys += job.len();
+        key_bytes += job.iter().map(|(key, _)| key.len()).sum::<usize>();
+        if taken > 0 && (keys > caps.keys || key_bytes > caps.key_bytes) {
+            break;
+        }
+        taken += 1;
+    }
+    taken
+}
+
 /// One slot's dispatcher: takes everything queued (up to [`MAX_BATCH`]),
-/// sends it as one script call, hands each job its part of the answer, and
-/// tells the breaker how Redis did.
+/// sends it as script calls within [`CallCaps`] (usually one), hands each
+/// job its part of the answer, and tells the breaker how Redis did.
 struct Dispatcher {
     slot: usize,
     backend: Backend,
     script: Arc<redis::Script>,
     timeout: Duration,
     breakers: Arc<[Breaker]>,
+    caps: CallCaps,
 }
 
 /// How one script call (or, in a cluster, the calls of one batch) went,
@@ -467,14 +508,31 @@ impl Dispatcher {
     async fn run(self, mut queue: mpsc::Receiver<Job>) {
         let slot = self.slot;
         let mut batch = Vec::with_capacity(MAX_BATCH);
+        // Jobs past the caps of the last call: the next call's first, in order.
+        let mut rest: Vec<Job> = Vec::new();
         let mut conn: Option<Conn> = None;
         let mut timeouts = 0;
-        while queue.recv_many(&mut batch, MAX_BATCH).await > 0 {
+        loop {
+            if rest.is_empty() {
+                if queue.recv_many(&mut batch, MAX_BATCH).await == 0 {
+                    break;
+                }
+            } else {
+                batch.append(&mut rest);
+                while batch.len() < MAX_BATCH {
+                    let Ok(job) = queue.try_recv() else { break };
+                    batch.push(job);
+                }
+            }
             // A caller that gave up (its deadline passed while the job queued)
             // was answered by its failure policy: do not count it now.
             batch.retain(|job: &Job| !job.reply.is_closed());
             if batch.is_empty() {
                 continue;
+            }
+            let size = call_size(batch.iter().map(|job| job.keys.as_slice()), self.caps);
+            if size < batch.len() {
+                rest = batch.split_off(size);
             }
             if conn.is_none() {
                 // Bounded by `redis.connect_timeout_ms`, not by the decisions'
@@ -810,5 +868,18 @@ mod tests {
         assert_ne!(counter_key("}", "r"), counter_key("%7D", "r"), "the encoding is injective");
         // An empty tag hashes the whole key.
         assert_eq!(key_slot("{}x"), crc16::State::<crc16::XMODEM>::calculate(b"{}x") % 16_384);
+    }
+
+    #[test]
+    fn a_call_takes_jobs_while_both_caps_hold_and_always_one() {
+        let job =
+            |keys: usize, len: usize| -> Vec<(String, KeyArgs)> { vec![("k".repeat(len), [0; 5]); keys] };
+        let jobs = [job(4, 10), job(4, 10), job(4, 10), job(100, 10), job(1, 10)];
+        let slices = || jobs.iter().map(Vec::as_slice);
+        let caps = |keys, key_bytes| CallCaps { keys, key_bytes };
+        assert_eq!(call_size(slices(), caps(8, 1 << 20)), 2, "8 keys: two jobs of 4");
+        assert_eq!(call_size(slices(), caps(1_000, 100)), 2, "100 bytes: two jobs of 40");
+        assert_eq!(call_size(slices().skip(3), caps(8, 1 << 20)), 1, "a job over the cap goes alone");
+        assert_eq!(call_size(slices(), caps(1_000, 1 << 20)), 5);
     }
 }

@@ -316,7 +316,7 @@ pub(crate) async fn health(
     let health = Arc::new(Health::new(
         Arc::clone(&rules.native),
         rules.envoy.as_ref().map(|_| config.envoy.failure_mode),
-        engine.store().name(),
+        engine.store(),
     ));
     let (reporter, service) = tonic_health::server::health_reporter();
     publish(&reporter, false).await;

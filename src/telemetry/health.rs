@@ -2,10 +2,16 @@
 //!
 //! `/healthz` answers 200 while the process serves. `/readyz` and
 //! `grpc.health.v1.Health` say whether the service gives *exact* answers:
-//! ready when the counter store answers; when it does not, still ready if
-//! every answer would fail open (the gateway loses nothing by sending
-//! traffic here), not ready if some rule would deny by policy; not ready
-//! while draining on shutdown. The body says which.
+//! ready when the counter store answers and no circuit breaker is open;
+//! when it does not, still ready if every answer would fail open (the
+//! gateway loses nothing by sending traffic here), not ready if some rule
+//! would deny by policy; not ready while draining on shutdown. The body
+//! says which. `/readyz` reads the breakers when asked; gRPC health is
+//! published by the monitor, every `http.health_interval_ms`.
+//!
+//! The monitor probes the store whatever the traffic, and a probe that
+//! finds Redis answering closes its breakers: an instance made unready by
+//! an open breaker gets no traffic, so no decision would ever close it.
 
 use std::{
     sync::{
@@ -22,7 +28,7 @@ use tonic_health::server::HealthReporter;
 use super::Metrics;
 use crate::{
     config::EnvoyFailureMode,
-    limiter::Store,
+    limiter::{Store, breaker::Breaker},
     rules::{FailurePolicy, RuleStore},
 };
 
@@ -41,17 +47,30 @@ pub struct Health {
     rules: Arc<RuleStore>,
     envoy_failure_mode: Option<EnvoyFailureMode>,
     store_name: &'static str,
+    /// The Redis store's circuit breakers (none for the memory store).
+    breakers: Option<Arc<[Breaker]>>,
 }
 
 impl Health {
     /// Health of a service deciding with `rules`; `envoy_failure_mode` when
     /// `ShouldRateLimit` is served.
-    pub fn new(
-        rules: Arc<RuleStore>,
-        envoy_failure_mode: Option<EnvoyFailureMode>,
-        store_name: &'static str,
-    ) -> Self {
-        Health { state: AtomicU8::new(STARTING), rules, envoy_failure_mode, store_name }
+    pub fn new(rules: Arc<RuleStore>, envoy_failure_mode: Option<EnvoyFailureMode>, store: &Store) -> Self {
+        let breakers = match store {
+            Store::Memory(_) => None,
+            Store::Redis(redis) => Some(redis.breakers()),
+        };
+        Health {
+            state: AtomicU8::new(STARTING),
+            rules,
+            envoy_failure_mode,
+            store_name: store.name(),
+            breakers,
+        }
+    }
+
+    /// How many circuit breakers are open.
+    fn open_breakers(&self) -> usize {
+        self.breakers.as_deref().map_or(0, |b| b.iter().filter(|b| b.is_open()).count())
     }
 
     /// Marks the service as draining (shutdown has begun).
@@ -61,11 +80,23 @@ impl Health {
 
     /// Ready, and why (or why not).
     pub fn readiness(&self) -> (bool, String) {
+        let open = self.open_breakers();
         match self.state.load(Ordering::SeqCst) {
             STARTING => (false, "not ready: starting".to_owned()),
-            STORE_UP => (true, format!("ready: {} store reachable, decisions are exact", self.store_name)),
+            STORE_UP if open == 0 => {
+                (true, format!("ready: {} store reachable, decisions are exact", self.store_name))
+            }
             DRAINING => (false, "not ready: draining for shutdown".to_owned()),
-            _ => {
+            state => {
+                let down = if state == STORE_UP {
+                    format!(
+                        "{} store failing (circuit breaker open: {open} of {})",
+                        self.store_name,
+                        self.breakers.as_deref().map_or(0, <[Breaker]>::len)
+                    )
+                } else {
+                    format!("{} store unreachable", self.store_name)
+                };
                 let snapshot = self.rules.load();
                 let closed: Vec<&str> = snapshot
                     .rules()
@@ -75,15 +106,9 @@ impl Health {
                     .collect();
                 let envoy_denies = self.envoy_failure_mode == Some(EnvoyFailureMode::Unavailable);
                 if closed.is_empty() && !envoy_denies {
-                    (
-                        true,
-                        format!(
-                            "ready: {} store unreachable, every rule fails open by policy",
-                            self.store_name
-                        ),
-                    )
+                    (true, format!("ready: {down}, every rule fails open by policy"))
                 } else {
-                    let mut why = format!("not ready: {} store unreachable", self.store_name);
+                    let mut why = format!("not ready: {down}");
                     if !closed.is_empty() {
                         why += &format!("; rules failing closed: {}", closed.join(", "));
                     }
@@ -121,7 +146,14 @@ pub async fn run_monitor(
         let up = match &store {
             Store::Memory(_) => true,
             // Also reloads the script after a Redis restart.
-            Store::Redis(redis) => redis.warm_up(probe_timeout).await.is_ok(),
+            Store::Redis(redis) => {
+                let up = redis.warm_up(probe_timeout).await.is_ok();
+                if up {
+                    // Redis answers: no traffic is needed to close a breaker.
+                    redis.breakers().iter().for_each(Breaker::close);
+                }
+                up
+            }
         };
         // A concurrent drain wins: never turn draining back into serving.
         let next = if up { STORE_UP } else { STORE_DOWN };

@@ -407,6 +407,8 @@ fn redis_server(dir: &Path) -> Command {
     let mut command = Command::new("redis-server");
     command
         .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        // DEBUG SLEEP simulates a pause (a BGSAVE fork); Redis 7 or later.
+        .args(["--enable-debug-command", "local"])
         .arg("--dir")
         .arg(dir)
         .stdout(Stdio::null())
