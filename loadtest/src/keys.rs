@@ -1,8 +1,12 @@
-//! Which user each request counts against: one hot key, uniform over N, or
+//! Which user each request counts against: one hot key, uniform over N,
 //! zipf over N (a few users hot, a long tail cold), from a seeded RNG so
-//! runs are repeatable.
+//! runs are repeatable; or a new user every request (a flood of distinct
+//! keys, optionally padded to a length).
 
-use std::str::FromStr;
+use std::{
+    str::FromStr,
+    sync::atomic::{AtomicU64, Ordering},
+};
 
 /// xorshift64*: fast, seedable, good enough to pick keys.
 #[derive(Debug, Clone)]
@@ -29,7 +33,7 @@ impl Rng {
 }
 
 /// The distribution of user ids.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) enum KeySpace {
     /// Every request for `user-0`.
     Hot,
@@ -37,6 +41,9 @@ pub(crate) enum KeySpace {
     Uniform(u64),
     /// `user-0 .. user-{N-1}`, rank k with probability ∝ 1/(k+1)^s (cumulative table).
     Zipf(Vec<f64>),
+    /// `user-<n>` for n = 0, 1, 2, … across all callers, left-padded with
+    /// `x` to at least the given length.
+    Distinct(AtomicU64, usize),
 }
 
 impl KeySpace {
@@ -48,6 +55,10 @@ impl KeySpace {
             KeySpace::Zipf(cumulative) => {
                 let roll = rng.unit();
                 cumulative.partition_point(|&c| c < roll) as u64
+            }
+            KeySpace::Distinct(next, len) => {
+                let id = format!("user-{}", next.fetch_add(1, Ordering::Relaxed));
+                return if id.len() < *len { format!("{}{id}", "x".repeat(len - id.len())) } else { id };
             }
         };
         format!("user-{index}")
@@ -66,6 +77,11 @@ impl FromStr for KeySpace {
         };
         match parts.as_slice() {
             ["hot"] => Ok(KeySpace::Hot),
+            ["distinct"] => Ok(KeySpace::Distinct(AtomicU64::new(0), 0)),
+            ["distinct", len] => {
+                let len = len.parse().map_err(|_| format!("--keys {text}: {len} is not a length"))?;
+                Ok(KeySpace::Distinct(AtomicU64::new(0), len))
+            }
             ["uniform", n] => Ok(KeySpace::Uniform(number(n)?)),
             ["zipf", n, s] => {
                 let n = number(n)?;

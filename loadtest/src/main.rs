@@ -64,7 +64,8 @@ struct Args {
     /// HTTP/2 connections the calls are spread over.
     #[arg(long, default_value_t = 4)]
     connections: usize,
-    /// `hot`, `uniform:N` or `zipf:N:S` (S the exponent, e.g. 1.1).
+    /// `hot`, `uniform:N`, `zipf:N:S` (S the exponent, e.g. 1.1), or
+    /// `distinct[:LEN]` (a new user every request, padded to LEN bytes).
     #[arg(long, default_value = "hot")]
     keys: String,
     /// resource_path of Check requests.
