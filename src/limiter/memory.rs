@@ -8,8 +8,8 @@
 //!
 //! Memory is bounded, whatever the callers send:
 //! - at most `memory.max_counters` counters (split evenly over the shards);
-//! - a full shard makes room by evicting, among [`EVICTION_SAMPLE`] sampled
-//!   counters, the one that expired earliest. A counter that still counts
+//! - a full shard makes room by evicting, among [`EVICTION_SAMPLE`]
+//!   counters from a random position, the one that expired earliest. A counter that still counts
 //!   is never evicted: that would hand its user a fresh budget, and anyone
 //!   able to send distinct keys could reset anyone else's counter. When the
 //!   sample holds no expired counter the decision fails with
@@ -37,8 +37,10 @@ use super::{
     window::{self, StoredCounter, Verdict},
 };
 
-/// How many counters a full shard samples for an expired one to evict.
-pub const EVICTION_SAMPLE: usize = 16;
+/// How many counters a full shard examines for an expired one to evict:
+/// this many consecutive ones from a random index (contiguous in memory),
+/// every one in a smaller shard.
+pub const EVICTION_SAMPLE: usize = 64;
 
 /// Counters the sweeper examines per lock hold.
 const SWEEP_CHUNK: usize = 1_024;
@@ -131,20 +133,22 @@ impl Shard {
         true
     }
 
-    /// Among [`EVICTION_SAMPLE`] random counters, the index of the one that
+    /// Among [`EVICTION_SAMPLE`] consecutive counters from a random index
+    /// (wrapping; all of them in a smaller shard), the index of the one that
     /// expired earliest, if any has.
     fn expired_sample(&mut self, now_ms: u64) -> Option<usize> {
         let len = self.counters.len();
         if len == 0 {
             return None;
         }
+        // xorshift64: cheap, and only ever indexes this shard.
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let start = (self.rng % len as u64) as usize;
         let mut best: Option<(u64, usize)> = None;
-        for _ in 0..EVICTION_SAMPLE {
-            // xorshift64: cheap, and only ever indexes this shard.
-            self.rng ^= self.rng << 13;
-            self.rng ^= self.rng >> 7;
-            self.rng ^= self.rng << 17;
-            let index = (self.rng % len as u64) as usize;
+        for offset in 0..EVICTION_SAMPLE.min(len) {
+            let index = (start + offset) % len;
             let (_, entry) = self.counters.get_index(index).expect("index below len");
             if entry.expires_at_ms <= now_ms && best.is_none_or(|(at, _)| entry.expires_at_ms < at) {
                 best = Some((entry.expires_at_ms, index));
