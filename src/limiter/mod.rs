@@ -6,6 +6,7 @@
 //! [`window::decide`], so the embedded default behaves exactly like Redis.
 
 pub mod breaker;
+pub mod bucket;
 pub mod memory;
 pub mod redis;
 pub mod window;

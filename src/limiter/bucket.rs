@@ -1,0 +1,313 @@
+//! The token bucket and GCRA (issue 15) as pure integer arithmetic.
+//!
+//! Both admit the same requests: a bucket of `capacity` tokens (the burst,
+//! `floor(limit * burst_capacity)`) refilled at `rate` tokens (the rule's
+//! `limit`) per `window_ms`, and a request of weight `n` takes `n` tokens
+//! when it finds them. They differ in what they store:
+//!
+//! - **token bucket**: the level and when it was last refilled;
+//! - **GCRA**: one timestamp, the theoretical arrival time (TAT) at which
+//!   the bucket will be full again.
+//!
+//! Everything is computed in *units*: one token is `window_ms` units and
+//! one ms refills `rate` units, so the refill of any whole number of ms is
+//! an integer and `retry_after_ms` is exact. Both stores reduce their state
+//! to the bucket's **debt** at `now` (units missing from a full bucket: 0
+//! when full, at most `capacity * window_ms`), call [`decide`], and store
+//! the new debt back in their own form. The Lua side
+//! (`scripts/decide_batch.lua`) does the same on doubles; the debt never
+//! exceeds `capacity * window_ms` ≤ [`MAX_CAPACITY_TIMES_WINDOW`], and GCRA
+//! stores its TAT as whole ms plus a remainder in units, so no quantity
+//! reaches 2^53.
+//!
+//! In any interval of `t` ms the weight admitted is at most
+//! `capacity + rate * t / window_ms` (the property tests check it).
+//!
+//! [`MAX_CAPACITY_TIMES_WINDOW`]: super::window::MAX_CAPACITY_TIMES_WINDOW
+
+use super::window::Verdict;
+
+/// The fixed parameters of one bucket rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketParams {
+    /// The refill period `W` in ms (or ticks), at least 1.
+    pub window_ms: u64,
+    /// Tokens refilled per `window_ms`, at least 1.
+    pub rate: u64,
+    /// Tokens the bucket holds when full (the burst), at least 1.
+    pub capacity: u64,
+}
+
+impl BucketParams {
+    /// Units in a full bucket: `capacity * window_ms`.
+    pub fn full(self) -> u128 {
+        u128::from(self.capacity) * u128::from(self.window_ms)
+    }
+}
+
+/// Decides a request of `weight` against a bucket `debt` units short of
+/// full (clamped to the full bucket). Returns the verdict and the debt to
+/// store: `debt + weight * W` when admitted, `debt` when not (a denied
+/// request consumes nothing).
+pub fn decide(debt: u128, weight: u64, params: BucketParams) -> (Verdict, u128) {
+    let full = params.full();
+    let w = u128::from(params.window_ms);
+    let rate = u128::from(params.rate);
+    let debt = debt.min(full);
+    let need = u128::from(weight) * w;
+    let admitted = weight <= params.capacity && debt + need <= full;
+    let after = if admitted { debt + need } else { debt };
+    let retry_after_ms = if admitted {
+        Some(0)
+    } else if weight > params.capacity {
+        None
+    } else {
+        Some(to_u64((debt + need - full).div_ceil(rate)))
+    };
+    let verdict = Verdict {
+        admitted,
+        remaining: to_u64((full - after) / w),
+        retry_after_ms,
+        reset_after_ms: to_u64(after.div_ceil(rate)),
+    };
+    (verdict, after)
+}
+
+/// The debt at `now_ms` of a token bucket stored as its `level` (units) at
+/// `last_ms`: refilled by `rate` units per ms since, up to full. A clock
+/// that went backwards refills nothing.
+pub fn token_bucket_debt(level: u64, last_ms: u64, now_ms: u64, params: BucketParams) -> u128 {
+    let full = params.full();
+    let elapsed = u128::from(now_ms.saturating_sub(last_ms));
+    let level = (u128::from(level) + elapsed * u128::from(params.rate)).min(full);
+    full - level
+}
+
+/// A token bucket's state after a decision at `now_ms` left `debt`:
+/// `(level, last_ms)`.
+pub fn token_bucket_state(debt: u128, now_ms: u64, params: BucketParams) -> (u64, u64) {
+    (to_u64(params.full() - debt.min(params.full())), now_ms)
+}
+
+/// The debt at `now_ms` of a GCRA bucket whose TAT is `tat_ms` whole ms
+/// plus `tat_rem` units (`tat_rem < rate`): how far the TAT lies ahead of
+/// now, in units, clamped to a full bucket (a clock that went backwards
+/// cannot create more debt than a bucket holds).
+pub fn gcra_debt(tat_ms: u64, tat_rem: u64, now_ms: u64, params: BucketParams) -> u128 {
+    if tat_ms < now_ms {
+        return 0;
+    }
+    let ahead = u128::from(tat_ms - now_ms) * u128::from(params.rate) + u128::from(tat_rem);
+    ahead.min(params.full())
+}
+
+/// A GCRA bucket's state after a decision at `now_ms` left `debt`: the new
+/// TAT as `(tat_ms, tat_rem)`.
+pub fn gcra_state(debt: u128, now_ms: u64, params: BucketParams) -> (u64, u64) {
+    let rate = u128::from(params.rate);
+    (now_ms.saturating_add(to_u64(debt / rate)), to_u64(debt % rate))
+}
+
+fn to_u64(value: u128) -> u64 {
+    u64::try_from(value).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bucket as a store drives it, in either representation.
+    #[derive(Debug, Clone, Copy)]
+    enum Stored {
+        Bucket { level: u64, last_ms: u64 },
+        Gcra { tat_ms: u64, tat_rem: u64 },
+    }
+
+    impl Stored {
+        fn empty_bucket(params: BucketParams) -> Self {
+            Stored::Bucket { level: to_u64(params.full()), last_ms: 0 }
+        }
+
+        fn debt(self, now_ms: u64, params: BucketParams) -> u128 {
+            match self {
+                Stored::Bucket { level, last_ms } => token_bucket_debt(level, last_ms, now_ms, params),
+                Stored::Gcra { tat_ms, tat_rem } => gcra_debt(tat_ms, tat_rem, now_ms, params),
+            }
+        }
+
+        fn hit(&mut self, now_ms: u64, weight: u64, params: BucketParams) -> Verdict {
+            let (verdict, after) = decide(self.debt(now_ms, params), weight, params);
+            if verdict.admitted {
+                *self = match self {
+                    Stored::Bucket { .. } => {
+                        let (level, last_ms) = token_bucket_state(after, now_ms, params);
+                        Stored::Bucket { level, last_ms }
+                    }
+                    Stored::Gcra { .. } => {
+                        let (tat_ms, tat_rem) = gcra_state(after, now_ms, params);
+                        Stored::Gcra { tat_ms, tat_rem }
+                    }
+                };
+            }
+            verdict
+        }
+    }
+
+    fn params(window_ms: u64, rate: u64, capacity: u64) -> BucketParams {
+        BucketParams { window_ms, rate, capacity }
+    }
+
+    #[test]
+    fn a_full_bucket_admits_the_burst_then_refills_at_the_rate() {
+        // 10 per second, burst 20.
+        let p = params(1_000, 10, 20);
+        for mut stored in [Stored::empty_bucket(p), Stored::Gcra { tat_ms: 0, tat_rem: 0 }] {
+            let now = 1_000_000;
+            for left in (0..20).rev() {
+                let v = stored.hit(now, 1, p);
+                assert!(v.admitted);
+                assert_eq!(v.remaining, left);
+            }
+            let denied = stored.hit(now, 1, p);
+            assert!(!denied.admitted);
+            assert_eq!(denied.retry_after_ms, Some(100), "one token every 100 ms");
+            assert_eq!(denied.reset_after_ms, 2_000, "full again in 2 s");
+            assert!(!stored.hit(now + 99, 1, p).admitted);
+            assert!(stored.hit(now + 100, 1, p).admitted);
+            // Half a second later: five more tokens, no more.
+            let later = now + 600;
+            for _ in 0..5 {
+                assert!(stored.hit(later, 1, p).admitted);
+            }
+            assert!(!stored.hit(later, 1, p).admitted);
+        }
+    }
+
+    #[test]
+    fn a_weight_over_the_burst_is_never_admitted_and_consumes_nothing() {
+        let p = params(1_000, 10, 20);
+        let mut stored = Stored::Gcra { tat_ms: 0, tat_rem: 0 };
+        let v = stored.hit(5_000, 21, p);
+        assert!(!v.admitted);
+        assert_eq!(v.retry_after_ms, None);
+        assert_eq!(v.remaining, 20);
+        assert!(stored.hit(5_000, 20, p).admitted);
+    }
+
+    #[test]
+    fn fractional_rates_stay_exact() {
+        // 3 per 1000 ms: a token every 333.33 ms.
+        let p = params(1_000, 3, 1);
+        let mut stored = Stored::Gcra { tat_ms: 0, tat_rem: 0 };
+        assert!(stored.hit(10_000, 1, p).admitted);
+        let denied = stored.hit(10_000, 1, p);
+        assert_eq!(denied.retry_after_ms, Some(334), "ceil(1000 / 3)");
+        assert!(!stored.hit(10_333, 1, p).admitted);
+        assert!(stored.hit(10_334, 1, p).admitted);
+        // The bucket was full from 10_333.33: what refilled past full is
+        // lost, so the next token is due 333.33 ms after 10_334.
+        assert!(!stored.hit(10_667, 1, p).admitted);
+        assert!(stored.hit(10_668, 1, p).admitted);
+        // Two tokens of a larger bucket, 3 ms apart, leave exactly 1000 - 9
+        // units of debt behind the second: the remainder is kept.
+        let p = params(1_000, 3, 2);
+        let mut stored = Stored::Gcra { tat_ms: 0, tat_rem: 0 };
+        assert!(stored.hit(20_000, 1, p).admitted);
+        assert!(stored.hit(20_003, 1, p).admitted);
+        assert_eq!(stored.debt(20_003, p), 2_000 - 9);
+        assert_eq!(stored.hit(20_003, 1, p).retry_after_ms, Some(331), "ceil(991 / 3)");
+    }
+
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::*;
+        use crate::limiter::window::MAX_CAPACITY_TIMES_WINDOW;
+
+        fn bucket_params() -> impl Strategy<Value = BucketParams> {
+            (1u64..=120_000, 1u64..=1_000, 1u64..=1_000).prop_map(|(window_ms, rate, capacity)| {
+                let capacity = capacity.max(1).min(MAX_CAPACITY_TIMES_WINDOW / window_ms);
+                BucketParams { window_ms, rate, capacity }
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 1_000, ..ProptestConfig::default() })]
+
+            /// Both representations decide alike, and in every interval
+            /// [t_i, t_j] the weight admitted is at most
+            /// capacity + rate * (t_j - t_i) / W.
+            #[test]
+            fn never_admits_more_than_burst_plus_rate_times_t(
+                p in bucket_params(),
+                start in 0u64..1_000_000_000,
+                steps in proptest::collection::vec((0u64..2_000, 1u64..=20), 1..200),
+            ) {
+                let mut bucket = Stored::empty_bucket(p);
+                let mut gcra = Stored::Gcra { tat_ms: 0, tat_rem: 0 };
+                let mut now = start;
+                let mut admitted: Vec<(u64, u64)> = Vec::new();
+                for (gap, weight) in steps {
+                    now += gap;
+                    let a = bucket.hit(now, weight, p);
+                    let b = gcra.hit(now, weight, p);
+                    prop_assert_eq!(a, b, "token bucket and GCRA disagree at {}", now);
+                    if a.admitted {
+                        admitted.push((now, weight));
+                    }
+                }
+                for i in 0..admitted.len() {
+                    let mut sum = 0u128;
+                    for j in i..admitted.len() {
+                        sum += u128::from(admitted[j].1);
+                        let t = u128::from(admitted[j].0 - admitted[i].0);
+                        prop_assert!(
+                            sum * u128::from(p.window_ms) <= p.full() + t * u128::from(p.rate),
+                            "{} admitted in {} ms", sum, t
+                        );
+                    }
+                }
+            }
+
+            /// Denied with `retry_after_ms = t`: admitted after exactly `t`
+            /// ms with nothing else counted, and not at `t - 1`.
+            #[test]
+            fn retry_after_is_exact(
+                p in bucket_params(),
+                debt_frac in 0.0f64..=1.0,
+                weight_frac in 0.0f64..=1.0,
+            ) {
+                let now = 5_000_000_000u64;
+                let debt = (p.full() as f64 * debt_frac) as u128;
+                let (tat_ms, tat_rem) = gcra_state(debt, now, p);
+                let weight = ((p.capacity as f64 * weight_frac) as u64).max(1);
+                let at = |t: u64| decide(gcra_debt(tat_ms, tat_rem, t, p), weight, p).0;
+                let v = at(now);
+                if !v.admitted {
+                    let t = v.retry_after_ms.expect("weight <= capacity is admissible");
+                    prop_assert!(t >= 1);
+                    prop_assert!(at(now + t).admitted, "not admitted after retry_after {}", t);
+                    prop_assert!(!at(now + t - 1).admitted, "admitted 1 ms before retry_after {}", t);
+                }
+            }
+
+            /// Any state, any time (clocks going backwards included), any
+            /// weight: no panic, and a consistent verdict.
+            #[test]
+            fn decide_is_total(
+                p in bucket_params(),
+                level in any::<u64>(),
+                stamp in any::<u64>(),
+                now in any::<u64>(),
+                weight in any::<u64>(),
+            ) {
+                for debt in [token_bucket_debt(level, stamp, now, p), gcra_debt(stamp, level % p.rate, now, p)] {
+                    prop_assert!(debt <= p.full());
+                    let (v, after) = decide(debt, weight, p);
+                    prop_assert!(v.remaining <= p.capacity && after <= p.full());
+                    prop_assert_eq!(v.admitted, v.retry_after_ms == Some(0));
+                }
+            }
+        }
+    }
+}
