@@ -24,7 +24,7 @@ use tracing::Instrument as _;
 
 use super::{Api, Engine, FailedDecision, Reason, keys};
 use crate::{
-    limiter::{ManyItem, ManyOutcome, StoreError, push_encoded},
+    limiter::{ManyItem, ManyOutcome, StoreError, push_encoded, window::Algorithm},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
     shed::{Level, Priority, ShedVerdict},
 };
@@ -36,9 +36,9 @@ pub(super) const OVERRIDE_LABEL: &str = "override";
 /// How the engine treats Envoy requests (from `envoy.*` and `shed.*`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EnvoyPolicy {
-    /// Request overrides count in a sliding window (else a fixed one), like
-    /// the configured limits (`envoy.algorithm`).
-    pub sliding: bool,
+    /// How limits without an `algorithm` of their own count, request
+    /// overrides included (`envoy.algorithm`: a sliding or a fixed window).
+    pub algorithm: Algorithm,
     /// When the store cannot decide: answer OK (`true`) or let the API
     /// answer UNAVAILABLE (`envoy.failure_mode`).
     pub fail_open: bool,
@@ -60,7 +60,7 @@ pub struct EnvoyPolicy {
 impl Default for EnvoyPolicy {
     fn default() -> Self {
         EnvoyPolicy {
-            sliding: true,
+            algorithm: Algorithm::SlidingWindow,
             fail_open: true,
             priority_key: "priority".to_owned(),
             domain_priority: HashMap::new(),
@@ -252,7 +252,10 @@ impl Engine {
                     }
                     items.push(ManyItem {
                         key,
-                        params: unit.window(limit.requests_per_unit, self.inner.envoy_policy.sliding),
+                        params: unit.params(
+                            limit.requests_per_unit,
+                            limit.algorithm.unwrap_or(self.inner.envoy_policy.algorithm),
+                        ),
                         tick_ms: unit.tick_ms(),
                         weight: hits,
                         // Neither blocks the others: shadow never denies, and
@@ -329,6 +332,7 @@ impl Engine {
                             name: None,
                             replaces: Vec::new(),
                             detailed_metric: false,
+                            algorithm: None,
                         }),
                         shared: Vec::new(),
                     }),

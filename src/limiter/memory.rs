@@ -33,8 +33,8 @@ use indexmap::{Equivalent, IndexMap};
 use tokio::sync::{Notify, watch};
 
 use super::{
-    Clock, CounterSpec, FailureKind, ManyItem, ManyOutcome, StoreError, many_verdicts,
-    window::{self, StoredCounter, Verdict},
+    Clock, CounterSpec, FailureKind, ManyItem, ManyOutcome, StoreError, evaluate, many_verdicts,
+    window::{StoredCounter, Verdict},
 };
 
 /// How many counters a full shard examines for an expired one to evict:
@@ -226,29 +226,18 @@ impl MemoryStore {
         weight: u64,
     ) -> Result<Verdict, StoreError> {
         let now = self.clock.now_ms();
-        let params = counter.window;
-        let (window_index, elapsed) = window::position(now, params.window_ms);
         let mut shard = self.lock(self.shard_index(user_id));
-        let stored = shard.get(counter.id, user_id, now).unwrap_or_default();
-        let counts = window::roll(stored, window_index);
-        let verdict = window::decide(counts, elapsed, weight, params);
-        if verdict.admitted && weight > 0 {
+        let decided = evaluate(shard.get(counter.id, user_id, now), now, weight, counter.window);
+        if decided.verdict.admitted && weight > 0 {
             let new = !shard.contains(counter.id, user_id);
             if new && !shard.make_room(1, self.shard_capacity, now, &self.evictions) {
                 drop(shard);
                 return Err(self.full());
             }
-            let entry = Entry {
-                counter: StoredCounter {
-                    window: window_index,
-                    current: counts.current + weight,
-                    previous: counts.previous,
-                },
-                expires_at_ms: now.saturating_add(2 * params.window_ms),
-            };
+            let entry = Entry { counter: decided.next, expires_at_ms: now.saturating_add(decided.ttl) };
             shard.put(counter.id, user_id, entry);
         }
-        Ok(verdict)
+        Ok(decided.verdict)
     }
 
     /// All-or-nothing decision over several counters of `group`; see
@@ -264,32 +253,29 @@ impl MemoryStore {
             order.iter().map(|&i| (i, self.lock(i))).collect();
         let position = |shard: usize| guards_position(&order, shard);
 
-        let mut pending: Vec<(&str, StoredCounter)> = Vec::new();
+        // What this call would store, per key, until it commits (a key may
+        // appear twice): state and expiry in ms.
+        let mut pending: Vec<(&str, StoredCounter, u64)> = Vec::new();
         let mut raw = Vec::with_capacity(items.len());
         let mut writes = Vec::new();
         let mut blocked = false;
         for (item, &shard) in items.iter().zip(&shard_of) {
             let now = now_ms / item.tick_ms;
-            let (window_index, elapsed) = window::position(now, item.params.window_ms);
-            let stored = match pending.iter().rev().find(|(key, _)| *key == item.key) {
-                Some((_, counter)) => *counter,
-                None => guards[position(shard)].1.get(group, &item.key, now_ms).unwrap_or_default(),
+            let stored = match pending.iter().rev().find(|(key, _, _)| *key == item.key) {
+                Some((_, counter, _)) => Some(*counter),
+                None => guards[position(shard)].1.get(group, &item.key, now_ms),
             };
-            let counts = window::roll(stored, window_index);
-            let fits = window::decide(counts, elapsed, item.weight, item.params).admitted;
+            let decided = evaluate(stored, now, item.weight, item.params);
+            let fits = decided.verdict.admitted;
             // A weight of 0 (a peek) writes nothing: no counter is created.
             if fits && item.weight > 0 {
-                let next = StoredCounter {
-                    window: window_index,
-                    current: counts.current + item.weight,
-                    previous: counts.previous,
-                };
-                pending.push((item.key.as_str(), next));
-                writes.push((shard, item, next));
+                let expires_at_ms = now_ms.saturating_add(decided.ttl.saturating_mul(item.tick_ms));
+                pending.push((item.key.as_str(), decided.next, expires_at_ms));
+                writes.push((shard, item, decided.next, expires_at_ms));
             } else if !item.shadow {
                 blocked = true;
             }
-            raw.push((fits, counts, elapsed));
+            raw.push((fits, decided.seen));
         }
         if !blocked {
             // Room for every new counter first, so a full shard fails the
@@ -297,7 +283,7 @@ impl MemoryStore {
             for &shard in &order {
                 let guard = &mut guards[position(shard)].1;
                 let mut new_keys: Vec<&str> = Vec::new();
-                for (_, item, _) in writes.iter().filter(|(s, _, _)| *s == shard) {
+                for (_, item, _, _) in writes.iter().filter(|(s, _, _, _)| *s == shard) {
                     if !guard.contains(group, &item.key) && !new_keys.contains(&item.key.as_str()) {
                         new_keys.push(&item.key);
                     }
@@ -307,8 +293,7 @@ impl MemoryStore {
                     return Err(self.full());
                 }
             }
-            for (shard, item, counter) in writes {
-                let expires_at_ms = now_ms.saturating_add(2 * item.params.window_ms * item.tick_ms);
+            for (shard, item, counter, expires_at_ms) in writes {
                 guards[position(shard)].1.put(group, &item.key, Entry { counter, expires_at_ms });
             }
         }

@@ -18,7 +18,8 @@ use std::{
 
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
-pub use window::{Verdict, WindowParams};
+use window::StoredCounter;
+pub use window::{Algorithm, Verdict, WindowParams};
 
 pub use crate::clock::{Clock, ManualClock, SystemClock};
 
@@ -121,18 +122,115 @@ pub struct ManyOutcome {
     pub verdicts: Vec<Verdict>,
 }
 
-/// Per item: fits, then the counts before its own weight and the elapsed ticks.
-pub(crate) type RawItem = (bool, window::Counts, u64);
+/// What a store saw of one counter, before the request's own weight: the
+/// verdict follows from it alone ([`Seen::verdict`]), for both stores and
+/// for the check of every Redis answer against the Rust arithmetic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Seen {
+    /// A window's counts and the ticks elapsed in the current window.
+    Window {
+        /// Counts of the current and the previous window.
+        counts: window::Counts,
+        /// Ticks elapsed in the current window.
+        elapsed: u64,
+    },
+    /// A bucket's debt in units ([`bucket`]).
+    Bucket {
+        /// Units missing from a full bucket.
+        debt: u128,
+    },
+}
+
+impl Seen {
+    /// The verdict for a request of `weight` (durations in ticks).
+    pub(crate) fn verdict(self, weight: u64, params: WindowParams) -> Verdict {
+        match self {
+            Seen::Window { counts, elapsed } => window::decide(counts, elapsed, weight, params),
+            Seen::Bucket { debt } => bucket::decide(debt, weight, params.bucket()).0,
+        }
+    }
+}
+
+/// One counter decided at `now` (in ticks): what was seen, the verdict, and
+/// the state to store if it is admitted, with how long (in ticks) that
+/// state still matters.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Evaluated {
+    pub(crate) seen: Seen,
+    pub(crate) verdict: Verdict,
+    pub(crate) next: StoredCounter,
+    pub(crate) ttl: u64,
+}
+
+/// Decides a request of `weight` on the counter `stored` (none: never
+/// counted, or expired) at `now` ticks, by the rule's algorithm. Pure: the
+/// memory store applies `next` on admit; the Lua script is its twin.
+/// A bucket keeps its stamp (last refill, or TAT in whole ticks) in
+/// `StoredCounter::window` and its level (or TAT remainder) in `current`.
+pub(crate) fn evaluate(
+    stored: Option<StoredCounter>,
+    now: u64,
+    weight: u64,
+    params: WindowParams,
+) -> Evaluated {
+    let bucket_ttl = |after: u128, b: bucket::BucketParams| {
+        u64::try_from(after.div_ceil(u128::from(b.rate))).unwrap_or(u64::MAX).max(1)
+    };
+    match params.algorithm {
+        Algorithm::SlidingWindow | Algorithm::FixedWindow => {
+            let (index, elapsed) = window::position(now, params.window_ms);
+            let counts = window::roll(stored.unwrap_or_default(), index);
+            let verdict = window::decide(counts, elapsed, weight, params);
+            Evaluated {
+                seen: Seen::Window { counts, elapsed },
+                verdict,
+                next: StoredCounter {
+                    window: index,
+                    current: counts.current + weight,
+                    previous: counts.previous,
+                },
+                ttl: 2 * params.window_ms,
+            }
+        }
+        Algorithm::TokenBucket => {
+            let b = params.bucket();
+            let debt = stored.map_or(0, |s| bucket::token_bucket_debt(s.current, s.window, now, b));
+            let (verdict, after) = bucket::decide(debt, weight, b);
+            let (level, last) = bucket::token_bucket_state(after, now, b);
+            Evaluated {
+                seen: Seen::Bucket { debt },
+                verdict,
+                next: StoredCounter { window: last, current: level, previous: 0 },
+                ttl: bucket_ttl(after, b),
+            }
+        }
+        Algorithm::Gcra => {
+            let b = params.bucket();
+            let debt = stored.map_or(0, |s| bucket::gcra_debt(s.window, s.current, now, b));
+            let (verdict, after) = bucket::decide(debt, weight, b);
+            let (tat, rem) = bucket::gcra_state(after, now, b);
+            Evaluated {
+                seen: Seen::Bucket { debt },
+                verdict,
+                next: StoredCounter { window: tat, current: rem, previous: 0 },
+                ttl: bucket_ttl(after, b),
+            }
+        }
+    }
+}
+
+/// Per item: fits, then what the store saw before its own weight.
+pub(crate) type RawItem = (bool, Seen);
 
 /// Turns the raw per-item results of either store into verdicts in ms.
 pub(crate) fn many_verdicts(items: &[ManyItem], raw: &[RawItem], committed: bool) -> Vec<Verdict> {
     items
         .iter()
         .zip(raw)
-        .map(|(item, &(fits, counts, elapsed))| {
+        .map(|(item, &(fits, seen))| {
             // Nothing was counted: report the item as if it had no weight.
             let weight = if fits && !committed { 0 } else { item.weight };
-            let mut verdict = window::decide(counts, elapsed, weight, item.params);
+            let mut verdict = seen.verdict(weight, item.params);
             verdict.admitted = fits;
             verdict.retry_after_ms = verdict.retry_after_ms.map(|t| t.saturating_mul(item.tick_ms));
             verdict.reset_after_ms = verdict.reset_after_ms.saturating_mul(item.tick_ms);

@@ -47,10 +47,10 @@ use tokio::{
 };
 
 use super::{
-    CounterSpec, FailureKind, ManyItem, ManyOutcome, StoreError,
+    CounterSpec, FailureKind, ManyItem, ManyOutcome, Seen, StoreError,
     breaker::{Admission, Breaker},
     many_verdicts,
-    window::{self, Counts, Verdict},
+    window::{Counts, Verdict, WindowParams},
 };
 use crate::config::{RedisConfig, redact_url};
 
@@ -67,9 +67,34 @@ const MAX_BATCH: usize = 256;
 /// (`pool_exhausted`) instead of queueing without bound.
 const QUEUE_PER_SLOT: usize = 4_096;
 
-/// Per counter: W in ticks, capacity, weight, tick length in ms, flags
-/// (1 = sliding, 2 = shadow) — the script's five arguments.
-type KeyArgs = [u64; 5];
+/// One counter's script arguments: window (ticks), capacity, weight, tick
+/// (ms), flags (algorithm code + 4 if shadow), rate.
+type KeyArgs = [u64; 6];
+
+/// The flags argument of a counter: its algorithm's code, plus 4 when shadow.
+fn flags(params: WindowParams, shadow: bool) -> u64 {
+    params.algorithm.code() | (u64::from(shadow) << 2)
+}
+
+/// What the script saw of one counter (`a, b, c` of its answer), checked
+/// against the counter's parameters: a window's `current, previous,
+/// elapsed`, or a bucket's `debt, 0, 0`.
+fn seen_of(a: u64, b: u64, c: u64, params: WindowParams) -> Result<Seen, StoreError> {
+    if params.algorithm.is_bucket() {
+        let debt = u128::from(a);
+        if debt > params.bucket().full() {
+            return Err(script_error(format!(
+                "debt {debt} beyond a full bucket of {}",
+                params.bucket().full()
+            )));
+        }
+        return Ok(Seen::Bucket { debt });
+    }
+    if c >= params.window_ms {
+        return Err(script_error(format!("elapsed {c} outside a window of {}", params.window_ms)));
+    }
+    Ok(Seen::Window { counts: Counts { current: a, previous: b }, elapsed: c })
+}
 
 /// Cluster slots per circuit breaker: 64 breakers cover the 16384 slots.
 /// A primary owns whole ranges of slots, so a dead one opens its own
@@ -343,22 +368,17 @@ impl RedisStore {
         weight: u64,
     ) -> Result<Verdict, StoreError> {
         let params = counter.window;
-        let args = [params.window_ms, params.capacity, weight, 1, u64::from(params.sliding)];
+        let args = [params.window_ms, params.capacity, weight, 1, flags(params, false), params.rate];
         let reply = self.run(JobKeys::One([(counter_key(user_id, counter.id), args)])).await?;
-        let &[committed, fits, current, previous, elapsed] = reply.as_slice() else {
+        let &[committed, fits, a, b, c] = reply.as_slice() else {
             return Err(script_error(format!("script answered {} values for one key", reply.len())));
         };
-        if elapsed >= params.window_ms {
-            return Err(script_error(format!(
-                "elapsed {elapsed} ms outside a {} ms window",
-                params.window_ms
-            )));
-        }
-        let verdict = window::decide(Counts { current, previous }, elapsed, weight, params);
+        let seen = seen_of(a, b, c, params)?;
+        let verdict = seen.verdict(weight, params);
         if verdict.admitted != (fits == 1) || committed != fits {
-            // The script and window.rs disagree: a bug, never papered over.
+            // The script and the Rust arithmetic disagree: a bug, never papered over.
             return Err(script_error(format!(
-                "script answered fits={fits} committed={committed} where the arithmetic says {} (counts {current}/{previous} at {elapsed} ms)",
+                "script answered fits={fits} committed={committed} where the arithmetic says {} (saw {seen:?})",
                 verdict.admitted
             )));
         }
@@ -378,8 +398,8 @@ impl RedisStore {
                 push_tag(&mut key, group);
                 key.push_str("}:");
                 key.push_str(&item.key);
-                let flags = u64::from(item.params.sliding) | (u64::from(item.shadow) << 1);
-                (key, [item.params.window_ms, item.params.capacity, item.weight, item.tick_ms, flags])
+                let p = item.params;
+                (key, [p.window_ms, p.capacity, item.weight, item.tick_ms, flags(p, item.shadow), p.rate])
             })
             .collect();
         let reply = self.run(JobKeys::Many(keys)).await?;
@@ -393,18 +413,12 @@ impl RedisStore {
         let committed = reply[0] == 1;
         let mut raw = Vec::with_capacity(items.len());
         for (item, chunk) in items.iter().zip(reply[1..].chunks_exact(4)) {
-            let (fits, current, previous, elapsed) = (chunk[0] == 1, chunk[1], chunk[2], chunk[3]);
-            if elapsed >= item.params.window_ms {
-                return Err(script_error(format!(
-                    "elapsed {elapsed} outside a window of {}",
-                    item.params.window_ms
-                )));
+            let fits = chunk[0] == 1;
+            let seen = seen_of(chunk[1], chunk[2], chunk[3], item.params)?;
+            if seen.verdict(item.weight, item.params).admitted != fits {
+                return Err(script_error(format!("script and the Rust arithmetic disagree on {}", item.key)));
             }
-            let counts = Counts { current, previous };
-            if window::decide(counts, elapsed, item.weight, item.params).admitted != fits {
-                return Err(script_error(format!("script and window.rs disagree on {}", item.key)));
-            }
-            raw.push((fits, counts, elapsed));
+            raw.push((fits, seen));
         }
         Ok(ManyOutcome { committed, verdicts: many_verdicts(items, &raw, committed) })
     }
@@ -873,7 +887,7 @@ mod tests {
     #[test]
     fn a_call_takes_jobs_while_both_caps_hold_and_always_one() {
         let job =
-            |keys: usize, len: usize| -> Vec<(String, KeyArgs)> { vec![("k".repeat(len), [0; 5]); keys] };
+            |keys: usize, len: usize| -> Vec<(String, KeyArgs)> { vec![("k".repeat(len), [0; 6]); keys] };
         let jobs = [job(4, 10), job(4, 10), job(4, 10), job(100, 10), job(1, 10)];
         let slices = || jobs.iter().map(Vec::as_slice);
         let caps = |keys, key_bytes| CallCaps { keys, key_bytes };

@@ -22,22 +22,86 @@
 /// are doubles, exact only below 2^53.
 pub const MAX_CAPACITY_TIMES_WINDOW: u64 = (1 << 53) / 4;
 
+/// How a rule counts (`algorithm:` of a rule or an Envoy descriptor).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Algorithm {
+    /// The previous window decays in (the default).
+    #[default]
+    SlidingWindow,
+    /// Each aligned window starts from zero (envoyproxy/ratelimit's
+    /// algorithm, kept for exact parity).
+    FixedWindow,
+    /// A bucket of `capacity` tokens refilled at `rate` per `W`
+    /// ([`super::bucket`]); stores its level and last refill.
+    TokenBucket,
+    /// The same bucket as one theoretical arrival time ([`super::bucket`]).
+    Gcra,
+}
+
+impl Algorithm {
+    /// Every algorithm, in [`Algorithm::code`] order.
+    pub const ALL: [Algorithm; 4] =
+        [Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::TokenBucket, Algorithm::Gcra];
+
+    /// The name in rule files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::Gcra => "gcra",
+        }
+    }
+
+    /// The algorithm named `name` in a rule file.
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.as_str() == name)
+    }
+
+    /// Its number in the Redis script's flags (0 to 3).
+    pub fn code(self) -> u64 {
+        self as u64
+    }
+
+    /// A bucket (token bucket or GCRA) rather than a window.
+    pub fn is_bucket(self) -> bool {
+        matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
+    }
+}
+
 /// The fixed parameters of one rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WindowParams {
-    /// Window length `W` in ms, at least 1.
+    /// Window length (or a bucket's refill period) `W` in ms, at least 1.
     pub window_ms: u64,
-    /// The most one window admits: `floor(limit * burst_capacity)`, at least 1.
+    /// The most one window admits, or a full bucket holds:
+    /// `floor(limit * burst_capacity)`, at least 1.
     pub capacity: u64,
-    /// Sliding window (the previous window decays in); `false` is a fixed
-    /// window, envoyproxy/ratelimit's algorithm, kept for exact parity.
-    pub sliding: bool,
+    /// A bucket's refill per `W` (the rule's `limit`); unused by windows.
+    pub rate: u64,
+    /// How it counts.
+    pub algorithm: Algorithm,
 }
 
 impl WindowParams {
     /// A sliding window of `window_ms` admitting `capacity`.
     pub const fn sliding(window_ms: u64, capacity: u64) -> Self {
-        WindowParams { window_ms, capacity, sliding: true }
+        WindowParams { window_ms, capacity, rate: capacity, algorithm: Algorithm::SlidingWindow }
+    }
+
+    /// A window of `window_ms` admitting `capacity`, sliding or fixed.
+    pub const fn window(window_ms: u64, capacity: u64, sliding: bool) -> Self {
+        let algorithm = if sliding { Algorithm::SlidingWindow } else { Algorithm::FixedWindow };
+        WindowParams { window_ms, capacity, rate: capacity, algorithm }
+    }
+
+    /// The bucket view of these parameters.
+    pub fn bucket(self) -> super::bucket::BucketParams {
+        super::bucket::BucketParams {
+            window_ms: self.window_ms,
+            rate: self.rate.max(1),
+            capacity: self.capacity,
+        }
     }
 }
 
@@ -101,7 +165,9 @@ pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams
     let cap = u128::from(params.capacity);
     let cur = u128::from(counts.current);
     // A fixed window forgets the previous one entirely.
-    let prev = if params.sliding { u128::from(counts.previous) } else { 0 };
+    let sliding = params.algorithm != Algorithm::FixedWindow;
+    debug_assert!(!params.algorithm.is_bucket(), "a bucket decides in bucket.rs");
+    let prev = if sliding { u128::from(counts.previous) } else { 0 };
     let weight_w = u128::from(weight);
     let elapsed = u128::from(elapsed_ms);
     debug_assert!(elapsed < w, "elapsed {elapsed} outside window {w}");
@@ -115,7 +181,7 @@ pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams
     let current_after = if admitted { cur + weight_w } else { cur };
     // Sliding: what is counted now decays out by the end of the next window.
     // Fixed (prev is 0 there): everything resets when this window ends.
-    let reset_after_ms = if current_after > 0 && params.sliding {
+    let reset_after_ms = if current_after > 0 && sliding {
         2 * w - elapsed
     } else if current_after > 0 || prev > 0 {
         w - elapsed
@@ -127,7 +193,7 @@ pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams
         Some(0)
     } else if weight_w > cap {
         None
-    } else if params.sliding {
+    } else if sliding {
         Some(retry_after(cur, prev, elapsed, weight_w, cap, w))
     } else {
         // Fixed window: everything resets when the next window starts.
@@ -358,7 +424,7 @@ mod tests {
 
     #[test]
     fn fixed_window_forgets_the_previous_window_and_retries_at_its_end() {
-        let params = WindowParams { window_ms: 1_000, capacity: 10, sliding: false };
+        let params = WindowParams::window(1_000, 10, false);
         let full = StoredCounter { window: 5, current: 10, previous: 0 };
         // Same window: denied, retry exactly at the next window's start.
         let verdict = decide(roll(full, 5), 300, 1, params);
@@ -368,7 +434,7 @@ mod tests {
         );
         // Next window: the previous 10 no longer count (a sliding window would deny).
         assert!(decide(roll(full, 6), 0, 10, params).admitted);
-        assert!(!decide(roll(full, 6), 0, 1, WindowParams { sliding: true, ..params }).admitted);
+        assert!(!decide(roll(full, 6), 0, 1, WindowParams::window(1_000, 10, true)).admitted);
     }
 
     #[test]
@@ -400,8 +466,9 @@ mod tests {
         fn params() -> impl Strategy<Value = WindowParams> {
             (1u64..=86_400_000, any::<bool>()).prop_flat_map(|(window_ms, sliding)| {
                 let max_capacity = (MAX_CAPACITY_TIMES_WINDOW / window_ms).clamp(1, 1 << 40);
-                (Just(window_ms), 1..=max_capacity, Just(sliding))
-                    .prop_map(|(window_ms, capacity, sliding)| WindowParams { window_ms, capacity, sliding })
+                (Just(window_ms), 1..=max_capacity, Just(sliding)).prop_map(
+                    |(window_ms, capacity, sliding)| WindowParams::window(window_ms, capacity, sliding),
+                )
             })
         }
 
@@ -446,7 +513,7 @@ mod tests {
                 start in 0u64..1_000_000_000,
                 steps in proptest::collection::vec((0u64..3_000, 1u64..=50), 1..300),
             ) {
-                let params = WindowParams { window_ms, capacity, sliding };
+                let params = WindowParams::window(window_ms, capacity, sliding);
                 let mut stored = StoredCounter::default();
                 let mut now = start;
                 let mut admitted_in: std::collections::HashMap<u64, u64> = Default::default();
@@ -482,7 +549,7 @@ mod tests {
                 weight_frac in 0.0f64..=1.0,
                 offset_frac in 0.0f64..1.0,
             ) {
-                let params = WindowParams { window_ms, capacity, sliding };
+                let params = WindowParams::window(window_ms, capacity, sliding);
                 let current = (capacity as f64 * fill) as u64;
                 let previous = (capacity as f64 * carry) as u64;
                 let weight = ((capacity as f64 * weight_frac) as u64).max(1);

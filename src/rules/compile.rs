@@ -11,7 +11,7 @@ use super::{
     native::SourcedRule,
     snapshot::{PathKey, Snapshot},
 };
-use crate::limiter::window::{MAX_CAPACITY_TIMES_WINDOW, WindowParams};
+use crate::limiter::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams};
 
 /// Longest accepted rule id; ids are part of Redis keys and metric labels.
 pub(crate) const MAX_RULE_ID_BYTES: usize = 128;
@@ -113,6 +113,18 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
     if !raw.burst_capacity.is_finite() || raw.burst_capacity < 1.0 {
         return fail("burst_capacity", format!("must be a number >= 1, got {}", raw.burst_capacity));
     }
+    let algorithm = match raw.algorithm.as_deref() {
+        None => Algorithm::SlidingWindow,
+        Some(name) => match Algorithm::parse(name) {
+            Some(algorithm) => algorithm,
+            None => {
+                return fail(
+                    "algorithm",
+                    format!("unknown algorithm {name:?} (sliding_window, fixed_window, token_bucket or gcra)"),
+                );
+            }
+        },
+    };
     let window_ms = raw.window_seconds.checked_mul(1_000);
     // limit * burst in f64 is exact for the magnitudes the bound below admits.
     let capacity = (raw.limit as f64 * raw.burst_capacity).floor();
@@ -137,7 +149,7 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         priority: raw.priority_bucket,
         limit: raw.limit,
         burst_capacity: raw.burst_capacity,
-        window: WindowParams::sliding(window_ms, capacity),
+        window: WindowParams { window_ms, capacity, rate: raw.limit, algorithm },
         mode: raw.mode,
         failure_policy: raw.failure_policy,
         source: Arc::clone(&sourced.file),
@@ -171,7 +183,7 @@ mod tests {
         let snapshot =
             compile_text(&format!("rules:\n{}", rule("a", "/a", "    burst_capacity: 1.25\n"))).unwrap();
         let rule = snapshot.lookup("/a", None).unwrap();
-        assert_eq!(rule.window, WindowParams::sliding(1_000, 12));
+        assert_eq!(rule.window, WindowParams { rate: 10, ..WindowParams::sliding(1_000, 12) });
     }
 
     #[test]

@@ -23,7 +23,7 @@ use std::{
 use serde::{Deserialize, Deserializer};
 
 use super::{RuleError, RuleErrors, native::rule_files};
-use crate::limiter::window::{MAX_CAPACITY_TIMES_WINDOW, WindowParams};
+use crate::limiter::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams};
 
 /// A rate-limit unit, with upstream's lengths (a month is 30 days).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -84,12 +84,16 @@ impl Unit {
         }
     }
 
-    /// Window parameters for `requests_per_unit` in ticks of [`Unit::tick_ms`].
-    pub fn window(self, requests_per_unit: u32, sliding: bool) -> WindowParams {
+    /// Counting parameters for `requests_per_unit` in ticks of
+    /// [`Unit::tick_ms`]: a window of one unit, or a bucket of
+    /// `requests_per_unit` tokens refilled at that rate per unit.
+    pub fn params(self, requests_per_unit: u32, algorithm: Algorithm) -> WindowParams {
+        let per_unit = u64::from(requests_per_unit);
         WindowParams {
             window_ms: self.seconds() * 1_000 / self.tick_ms(),
-            capacity: u64::from(requests_per_unit),
-            sliding,
+            capacity: per_unit,
+            rate: per_unit,
+            algorithm,
         }
     }
 }
@@ -115,6 +119,9 @@ pub struct EnvoyLimit {
     pub replaces: Vec<String>,
     /// Upstream's per-value metrics flag (kept for fidelity).
     pub detailed_metric: bool,
+    /// `rate_limit.algorithm` (ratelimitd's extension); `None`: the
+    /// service's `envoy.algorithm`.
+    pub algorithm: Option<Algorithm>,
 }
 
 #[derive(Debug, Default)]
@@ -278,6 +285,10 @@ struct YamlRateLimit {
     name: String,
     #[serde(default, deserialize_with = "list")]
     replaces: Vec<YamlReplaces>,
+    /// ratelimitd's extension: `sliding_window`, `fixed_window`,
+    /// `token_bucket` or `gcra`; unset, `envoy.algorithm` decides.
+    #[serde(default, deserialize_with = "scalar")]
+    algorithm: String,
 }
 
 #[derive(Deserialize)]
@@ -329,7 +340,7 @@ pub fn load(path: &Path, sliding: bool) -> Result<EnvoyConfig, RuleErrors> {
                 continue;
             }
         };
-        match parse_file(&file, &text, sliding) {
+        match parse_file(&file, &text) {
             Ok((domain, level)) => match domains.entry(domain.clone()) {
                 Entry::Occupied(existing) => errors.push(error(
                     &file,
@@ -367,7 +378,7 @@ fn error(file: &Path, at: Option<&str>, field: &str, message: String) -> RuleErr
     }
 }
 
-fn parse_file(file: &Path, text: &str, sliding: bool) -> Result<(String, Level), RuleError> {
+fn parse_file(file: &Path, text: &str) -> Result<(String, Level), RuleError> {
     let root: YamlRoot =
         serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(text)).map_err(|e| {
             let inner = e.inner();
@@ -393,7 +404,7 @@ fn parse_file(file: &Path, text: &str, sliding: bool) -> Result<(String, Level),
         return Err(error(file, None, "domain", "config file cannot have empty domain".to_owned()));
     }
     let mut level = Level::default();
-    load_level(file, &mut level, &root.domain, "descriptors", &root.descriptors, sliding)?;
+    load_level(file, &mut level, &root.domain, "descriptors", &root.descriptors)?;
     Ok((root.domain, level))
 }
 
@@ -403,7 +414,6 @@ fn load_level(
     parent_key: &str,
     path: &str,
     descriptors: &[YamlDescriptor],
-    sliding: bool,
 ) -> Result<(), RuleError> {
     for (index, d) in descriptors.iter().enumerate() {
         let at = format!("{path}[{index}]");
@@ -433,18 +443,11 @@ fn load_level(
         let _ = d.value_to_metric; // metric naming only
         let limit = match &d.rate_limit {
             None => None,
-            Some(r) => Some(Arc::new(compile_limit(file, &at, r, d, &full_key, sliding)?)),
+            Some(r) => Some(Arc::new(compile_limit(file, &at, r, d, &full_key)?)),
         };
         let shared_value = d.share_threshold.then(|| Arc::from(d.value.as_str()));
         let mut node = Node { limit, shared_value, children: Level::default() };
-        load_level(
-            file,
-            &mut node.children,
-            &full_key,
-            &format!("{at}.descriptors"),
-            &d.descriptors,
-            sliding,
-        )?;
+        load_level(file, &mut node.children, &full_key, &format!("{at}.descriptors"), &d.descriptors)?;
         if composite.contains('*') {
             level.wildcards.push((composite.clone(), composite.split('*').map(str::to_owned).collect()));
         }
@@ -459,7 +462,6 @@ fn compile_limit(
     r: &YamlRateLimit,
     d: &YamlDescriptor,
     full_key: &str,
-    sliding: bool,
 ) -> Result<EnvoyLimit, RuleError> {
     let at = format!("{at}.rate_limit");
     let unit = Unit::parse(&r.unit);
@@ -492,8 +494,19 @@ fn compile_limit(
             ));
         }
     }
+    let algorithm = match r.algorithm.as_str() {
+        "" => None,
+        name => Some(Algorithm::parse(name).ok_or_else(|| {
+            error(
+                file,
+                Some(&at),
+                "algorithm",
+                format!("unknown algorithm '{name}' (sliding_window, fixed_window, token_bucket or gcra)"),
+            )
+        })?),
+    };
     if let Some(unit) = unit {
-        let window = unit.window(r.requests_per_unit, sliding);
+        let window = unit.params(r.requests_per_unit, Algorithm::SlidingWindow);
         // Holds for every u32 with the ticks chosen per unit; checked anyway.
         if window.capacity.saturating_mul(window.window_ms) > MAX_CAPACITY_TIMES_WINDOW {
             return Err(error(file, Some(&at), "requests_per_unit", "too large to count exactly".to_owned()));
@@ -509,6 +522,7 @@ fn compile_limit(
         name: Some(r.name.clone()).filter(|n| !n.is_empty()),
         replaces: r.replaces.iter().map(|r| r.name.clone()).collect(),
         detailed_metric: d.detailed_metric,
+        algorithm,
     })
 }
 
@@ -729,7 +743,7 @@ descriptors:
     #[test]
     fn units_and_ticks_keep_every_u32_exact() {
         for unit in [Unit::Second, Unit::Minute, Unit::Hour, Unit::Day, Unit::Week, Unit::Month, Unit::Year] {
-            let w = unit.window(u32::MAX, true);
+            let w = unit.params(u32::MAX, Algorithm::SlidingWindow);
             assert!(w.capacity * w.window_ms <= MAX_CAPACITY_TIMES_WINDOW, "{unit:?}");
             assert_eq!(w.window_ms * unit.tick_ms(), unit.seconds() * 1_000);
         }
@@ -746,8 +760,8 @@ descriptors:
             #![proptest_config(ProptestConfig { cases: 1_000, ..ProptestConfig::default() })]
 
             #[test]
-            fn any_text_parses_or_names_the_file(text in "(?s).{0,300}", sliding in any::<bool>()) {
-                if let Err(e) = parse_file(Path::new("e.yaml"), &text, sliding) {
+            fn any_text_parses_or_names_the_file(text in "(?s).{0,300}") {
+                if let Err(e) = parse_file(Path::new("e.yaml"), &text) {
                     prop_assert!(e.to_string().starts_with("e.yaml"), "{e}");
                 }
             }
@@ -760,7 +774,6 @@ descriptors:
                 requests in any::<i64>(),
                 shadow in any::<bool>(),
                 nested in any::<bool>(),
-                sliding in any::<bool>(),
             ) {
                 let value = value.map_or(String::new(), |v| format!("\n    value: {v}"));
                 let inner = if nested {
@@ -771,7 +784,7 @@ descriptors:
                 let text = format!(
                     "domain: d\ndescriptors:\n  - key: {key}{value}\n    shadow_mode: {shadow}\n    rate_limit:\n      unit: {unit}\n      requests_per_unit: {requests}{inner}\n"
                 );
-                if let Err(e) = parse_file(Path::new("e.yaml"), &text, sliding) {
+                if let Err(e) = parse_file(Path::new("e.yaml"), &text) {
                     prop_assert!(e.to_string().starts_with("e.yaml"), "{e}");
                 }
             }

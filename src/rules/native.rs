@@ -37,6 +37,9 @@ pub(crate) struct RawRule {
     pub(crate) mode: Mode,
     #[serde(default)]
     pub(crate) failure_policy: FailurePolicy,
+    /// `sliding_window` (default), `fixed_window`, `token_bucket` or `gcra`.
+    #[serde(default)]
+    pub(crate) algorithm: Option<String>,
 }
 
 /// A rule together with the file it came from and its position in it.

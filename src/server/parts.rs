@@ -17,7 +17,7 @@ use crate::{
     },
     decision::{Engine, EngineParts, EnvoyPolicy, FailureSink, Stats},
     dlq::{self, DlqSink, RecordBounds},
-    limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper},
+    limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper, window::Algorithm},
     rules::{self, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig},
     shed::{Sampler, ShedMode, Shedder, run_sampler},
     telemetry::{
@@ -266,7 +266,10 @@ pub(crate) fn dlq(
 /// How the engine treats Envoy requests, from `envoy.*`.
 pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
     EnvoyPolicy {
-        sliding: settings.algorithm == EnvoyAlgorithm::SlidingWindow,
+        algorithm: match settings.algorithm {
+            EnvoyAlgorithm::SlidingWindow => Algorithm::SlidingWindow,
+            EnvoyAlgorithm::FixedWindow => Algorithm::FixedWindow,
+        },
         fail_open: settings.failure_mode == EnvoyFailureMode::Allow,
         priority_key: settings.priority_key.clone(),
         domain_priority: settings.domain_priority.clone(),
@@ -376,7 +379,7 @@ mod tests {
             ..EnvoySettings::default()
         };
         let policy = envoy_policy(&settings);
-        assert!(!policy.sliding && !policy.fail_open);
+        assert!(policy.algorithm == Algorithm::FixedWindow && !policy.fail_open);
         assert_eq!(policy.priority_key, "priority");
         assert_eq!(envoy_policy(&EnvoySettings::default()), EnvoyPolicy::default());
     }

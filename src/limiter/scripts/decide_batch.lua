@@ -1,5 +1,6 @@
 -- Many decisions in one script call: the Redis side of limiter/window.rs
--- (`roll` + the admission test of `decide`). RedisStore coalesces the
+-- (`roll` + the admission test of `decide`) and limiter/bucket.rs (the
+-- token bucket and GCRA on a bucket's debt). RedisStore coalesces the
 -- decisions that arrive while a connection's previous call is in flight
 -- into one call of this script, so Redis parses one command, runs one script
 -- and reads TIME once per batch instead of once per decision.
@@ -11,13 +12,21 @@
 --
 -- KEYS             every job's counter hashes (fields w, c, p), job after job
 -- ARGV[1]          number of jobs J
--- then per job     n (its number of keys), then per key 5 values: window
+-- then per job     n (its number of keys), then per key 6 values: window
 --                  length W in ticks, capacity, weight, tick length in ms,
---                  flags (1 = sliding, 2 = shadow)
+--                  flags (algorithm: 0 sliding window, 1 fixed window,
+--                  2 token bucket, 3 GCRA; + 4 = shadow), rate (a bucket's
+--                  refill per W)
 --
--- Returns, per job: committed (0|1), then per key: fits (0|1), current,
--- previous, elapsed; the counts as seen BEFORE this key's own weight, so the
--- caller derives remaining, retry_after and reset_after with window.rs.
+-- Returns, per job: committed (0|1), then per key: fits (0|1) and three
+-- values as seen BEFORE this key's own weight — a window's current,
+-- previous, elapsed; a bucket's debt, 0, 0 — so the caller derives
+-- remaining, retry_after and reset_after with the Rust arithmetic (and
+-- checks the script's answer against it).
+--
+-- A bucket's hash keeps its stamp in w (last refill, or the TAT in whole
+-- ticks) and its level (or the TAT's remainder in units) in c; its TTL is
+-- the time until it is full again.
 --
 -- A job commits when no non-shadow key is over; then every key that fits is
 -- incremented (a shadow key over its limit is not). A job that does not
@@ -37,15 +46,20 @@ local out = {}
 local k = 0
 local a = 2
 
--- The counts of `key` at window index `idx` as committed so far, reading
--- the hash on first use.
-local function counts(key, idx)
+-- The counter `key` as committed so far, reading the hash on first use.
+local function stored(key)
   local s = state[key]
   if s == nil then
-    local stored = redis.call('HMGET', key, 'w', 'c', 'p')
-    s = {tonumber(stored[1]), tonumber(stored[2]) or 0, tonumber(stored[3]) or 0, 0}
+    local fields = redis.call('HMGET', key, 'w', 'c', 'p')
+    s = {tonumber(fields[1]), tonumber(fields[2]) or 0, tonumber(fields[3]) or 0, 0}
     state[key] = s
   end
+  return s
+end
+
+-- The counts of `key` at window index `idx` as committed so far.
+local function counts(key, idx)
+  local s = stored(key)
   if s[1] == idx then
     return s[2], s[3]
   elseif s[1] == idx - 1 then
@@ -80,41 +94,99 @@ for _ = 1, tonumber(ARGV[1]) do
     local weight = tonumber(ARGV[a + 2])
     local tick = tonumber(ARGV[a + 3])
     local flags = tonumber(ARGV[a + 4])
-    a = a + 5
-    local sliding = flags % 2 == 1
-    local shadow = flags >= 2
-
+    local rate = tonumber(ARGV[a + 5])
+    a = a + 6
+    local alg = flags % 4
+    local shadow = flags >= 4
     local now = math.floor(now_ms / tick)
-    local idx = math.floor(now / w)
-    local elapsed = now - idx * w
-
-    local cur, prev
     local p = pending and pending[key]
-    if p and p[1] == idx then
-      cur, prev = p[2], p[3]
-    else
-      cur, prev = counts(key, idx)
-    end
-    local counted_prev = prev
-    if not sliding then counted_prev = 0 end
-
     local fits = 0
-    if cur * w + counted_prev * (w - elapsed) + weight * w <= cap * w then
-      fits = 1
-      -- A weight of 0 (a peek) writes nothing: no counter is created or extended.
-      if weight == 0 then
-      elseif pending then
-        pending[key] = {idx, cur + weight, prev, 2 * w * tick}
+    local seen1, seen2, seen3
+
+    if alg >= 2 then
+      -- A bucket (bucket.rs): its debt at `now`, in units (1 token = w
+      -- units, 1 tick refills `rate`), never above a full bucket.
+      local full = cap * w
+      local stamp, value
+      if p then
+        stamp, value = p[1], p[2]
       else
-        s_key, s_idx, s_cur, s_prev, s_ttl = key, idx, cur + weight, prev, 2 * w * tick
+        local s = stored(key)
+        stamp, value = s[1], s[2]
       end
-    elseif not shadow then
-      blocked = true
+      local debt = 0
+      if stamp ~= nil then
+        -- Ticks beyond these refill a bucket from empty: no product grows past 2^53.
+        local fill = math.ceil(full / rate)
+        if alg == 2 then
+          local el = now - stamp
+          if el < 0 then el = 0 end
+          if el > fill then el = fill end
+          local level = value + el * rate
+          if level > full then level = full end
+          debt = full - level
+        elseif stamp >= now then
+          local ahead = stamp - now
+          if ahead > fill then debt = full else debt = ahead * rate + value end
+          if debt > full then debt = full end
+        end
+      end
+      local need = weight * w
+      if weight <= cap and debt + need <= full then
+        fits = 1
+        if weight > 0 then
+          local after = debt + need
+          local ns, nv
+          if alg == 2 then
+            ns, nv = now, full - after
+          else
+            local whole = math.floor(after / rate)
+            ns, nv = now + whole, after - whole * rate
+          end
+          local ttl = math.ceil(after / rate) * tick
+          if ttl < 1 then ttl = 1 end
+          if pending then
+            pending[key] = {ns, nv, 0, ttl}
+          else
+            s_key, s_idx, s_cur, s_prev, s_ttl = key, ns, nv, 0, ttl
+          end
+        end
+      elseif not shadow then
+        blocked = true
+      end
+      seen1, seen2, seen3 = debt, 0, 0
+    else
+      local sliding = alg == 0
+      local idx = math.floor(now / w)
+      local elapsed = now - idx * w
+
+      local cur, prev
+      if p and p[1] == idx then
+        cur, prev = p[2], p[3]
+      else
+        cur, prev = counts(key, idx)
+      end
+      local counted_prev = prev
+      if not sliding then counted_prev = 0 end
+
+      if cur * w + counted_prev * (w - elapsed) + weight * w <= cap * w then
+        fits = 1
+        -- A weight of 0 (a peek) writes nothing: no counter is created or extended.
+        if weight == 0 then
+        elseif pending then
+          pending[key] = {idx, cur + weight, prev, 2 * w * tick}
+        else
+          s_key, s_idx, s_cur, s_prev, s_ttl = key, idx, cur + weight, prev, 2 * w * tick
+        end
+      elseif not shadow then
+        blocked = true
+      end
+      seen1, seen2, seen3 = cur, prev, elapsed
     end
     out[#out + 1] = fits
-    out[#out + 1] = cur
-    out[#out + 1] = prev
-    out[#out + 1] = elapsed
+    out[#out + 1] = seen1
+    out[#out + 1] = seen2
+    out[#out + 1] = seen3
   end
   if not blocked then
     out[header] = 1
