@@ -120,7 +120,9 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
             None => {
                 return fail(
                     "algorithm",
-                    format!("unknown algorithm {name:?} (sliding_window, fixed_window, token_bucket or gcra)"),
+                    format!(
+                        "unknown algorithm {name:?} (sliding_window, fixed_window, token_bucket or gcra)"
+                    ),
                 );
             }
         },
@@ -187,6 +189,20 @@ mod tests {
     }
 
     #[test]
+    fn a_bucket_refills_at_the_limit_and_holds_limit_times_burst() {
+        let snapshot = compile_text(&format!(
+            "rules:\n{}",
+            rule("a", "/a", "    burst_capacity: 2\n    algorithm: token_bucket\n")
+        ))
+        .unwrap();
+        let rule = snapshot.lookup("/a", None).unwrap();
+        assert_eq!(
+            rule.window,
+            WindowParams { window_ms: 1_000, capacity: 20, rate: 10, algorithm: Algorithm::TokenBucket }
+        );
+    }
+
+    #[test]
     fn each_bad_field_is_named() {
         let cases = [
             (rule("a", "/a", "    burst_capacity: 0.5\n"), "field `burst_capacity`"),
@@ -197,6 +213,7 @@ mod tests {
             (rule("a", "", ""), "field `resource_path`"),
             (rule("a", "/a", "    client_type: \"\"\n"), "field `client_type`"),
             (rule("a", "/a", "").replace("limit: 10", "limit: 10000000000000"), "field `limit`"),
+            (rule("a", "/a", "    algorithm: leaky_bucket\n"), "field `algorithm`"),
         ];
         for (text, expected) in cases {
             let err = one_error(&format!("rules:\n{text}"));

@@ -650,6 +650,18 @@ descriptors:
     }
 
     #[test]
+    fn a_limit_may_name_its_algorithm() {
+        let c = config(&[(
+            "e.yaml",
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: minute, requests_per_unit: 5, algorithm: gcra }\n  - key: b\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n",
+        )])
+        .unwrap();
+        let algorithm = |key: &str| c.lookup("d", [(key, "x")].into_iter()).unwrap().limit.algorithm;
+        assert_eq!(algorithm("a"), Some(Algorithm::Gcra));
+        assert_eq!(algorithm("b"), None, "unset: envoy.algorithm decides");
+    }
+
+    #[test]
     fn every_upstream_error() {
         let cases = [
             ("descriptors:\n  - key: a\n", "config file cannot have empty domain"),
@@ -666,6 +678,10 @@ descriptors:
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { requests_per_unit: 1 }\n",
                 "invalid rate limit unit ''",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, algorithm: leaky }\n",
+                "unknown algorithm 'leaky' (sliding_window, fixed_window, token_bucket or gcra)",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true, unit: second }\n",
