@@ -656,7 +656,7 @@ descriptors:
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: minute, requests_per_unit: 5, algorithm: gcra }\n  - key: b\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n",
         )])
         .unwrap();
-        let algorithm = |key: &str| c.lookup("d", [(key, "x")].into_iter()).unwrap().limit.algorithm;
+        let algorithm = |key: &str| c.lookup("d", [(key, "x")]).unwrap().limit.algorithm;
         assert_eq!(algorithm("a"), Some(Algorithm::Gcra));
         assert_eq!(algorithm("b"), None, "unset: envoy.algorithm decides");
     }
