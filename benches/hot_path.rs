@@ -29,7 +29,7 @@ use ratelimitd::{
     dlq::LogSink,
     limiter::{
         MemoryStore, Store,
-        window::{self, Counts, WindowParams},
+        window::{self, Algorithm, Counts, WindowParams},
     },
     rules::{Hot, RuleStore, envoy::EnvoyConfig},
     shed::{Level, Priority, ShedMode, Shedder},
@@ -136,7 +136,8 @@ fn benches(c: &mut Criterion) {
 
     let memory = Arc::new(MemoryStore::new(64, 1_000_000, Arc::new(SystemClock)));
     let rule = snapshot.lookup("/api/v1/service-49/resource-49", None).unwrap().clone();
-    let big = ratelimitd::rules::Rule { window: WindowParams::sliding(60_000, u64::MAX >> 40), ..rule };
+    let big =
+        ratelimitd::rules::Rule { window: WindowParams::sliding(60_000, u64::MAX >> 40), ..rule.clone() };
     c.bench_function("memory store decide (known counter)", |b| {
         b.iter(|| memory.decide(black_box("user-1"), big.counter(), 1))
     });
@@ -144,6 +145,18 @@ fn benches(c: &mut Criterion) {
         let _ = black_box(memory.decide("user-1", big.counter(), 1));
     });
     println!("memory store decide (known counter): {allocs} allocations per call");
+    // The other algorithms, each on a counter of its own.
+    for algorithm in [Algorithm::FixedWindow, Algorithm::TokenBucket, Algorithm::Gcra] {
+        let capacity = u64::MAX >> 40;
+        let window = WindowParams { window_ms: 60_000, capacity, rate: capacity, algorithm };
+        let rule = ratelimitd::rules::Rule { id: algorithm.as_str().into(), window, ..rule.clone() };
+        let name = format!("memory store decide (known counter, {})", algorithm.as_str());
+        c.bench_function(&name, |b| b.iter(|| memory.decide(black_box("user-1"), rule.counter(), 1)));
+        let allocs = allocations_per_call(100_000, || {
+            let _ = black_box(memory.decide("user-1", rule.counter(), 1));
+        });
+        println!("{name}: {allocs} allocations per call");
+    }
 
     // The whole decision path on the in-memory store (no gRPC).
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
