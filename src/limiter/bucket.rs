@@ -39,36 +39,49 @@ pub struct BucketParams {
 }
 
 impl BucketParams {
-    /// Units in a full bucket: `capacity * window_ms`.
-    pub fn full(self) -> u128 {
-        u128::from(self.capacity) * u128::from(self.window_ms)
+    /// Units in a full bucket: `capacity * window_ms` (at most 2^51 for a
+    /// validated rule; saturating for any other).
+    pub fn full(self) -> u64 {
+        self.capacity.saturating_mul(self.window_ms)
+    }
+
+    /// Ms (or ticks) that refill an empty bucket: `ceil(full / rate)`.
+    fn fill_time(self) -> u64 {
+        self.full().div_ceil(self.rate.max(1))
     }
 }
+
+// All arithmetic is in u64: the debt never exceeds a full bucket (≤ 2^51),
+// a weight over the capacity is answered before it is multiplied, and an
+// elapsed time is clamped to the fill time before it is.
 
 /// Decides a request of `weight` against a bucket `debt` units short of
 /// full (clamped to the full bucket). Returns the verdict and the debt to
 /// store: `debt + weight * W` when admitted, `debt` when not (a denied
 /// request consumes nothing).
-pub fn decide(debt: u128, weight: u64, params: BucketParams) -> (Verdict, u128) {
+pub fn decide(debt: u64, weight: u64, params: BucketParams) -> (Verdict, u64) {
     let full = params.full();
-    let w = u128::from(params.window_ms);
-    let rate = u128::from(params.rate);
+    let w = params.window_ms.max(1);
+    let rate = params.rate.max(1);
     let debt = debt.min(full);
-    let need = u128::from(weight) * w;
-    let admitted = weight <= params.capacity && debt + need <= full;
+    if weight > params.capacity {
+        let verdict = Verdict {
+            admitted: false,
+            remaining: (full - debt) / w,
+            retry_after_ms: None,
+            reset_after_ms: debt.div_ceil(rate),
+        };
+        return (verdict, debt);
+    }
+    let need = weight * w;
+    let admitted = debt + need <= full;
     let after = if admitted { debt + need } else { debt };
-    let retry_after_ms = if admitted {
-        Some(0)
-    } else if weight > params.capacity {
-        None
-    } else {
-        Some(to_u64((debt + need - full).div_ceil(rate)))
-    };
+    let retry_after_ms = if admitted { 0 } else { (debt + need - full).div_ceil(rate) };
     let verdict = Verdict {
         admitted,
-        remaining: to_u64((full - after) / w),
-        retry_after_ms,
-        reset_after_ms: to_u64(after.div_ceil(rate)),
+        remaining: (full - after) / w,
+        retry_after_ms: Some(retry_after_ms),
+        reset_after_ms: after.div_ceil(rate),
     };
     (verdict, after)
 }
@@ -76,40 +89,40 @@ pub fn decide(debt: u128, weight: u64, params: BucketParams) -> (Verdict, u128) 
 /// The debt at `now_ms` of a token bucket stored as its `level` (units) at
 /// `last_ms`: refilled by `rate` units per ms since, up to full. A clock
 /// that went backwards refills nothing.
-pub fn token_bucket_debt(level: u64, last_ms: u64, now_ms: u64, params: BucketParams) -> u128 {
+pub fn token_bucket_debt(level: u64, last_ms: u64, now_ms: u64, params: BucketParams) -> u64 {
     let full = params.full();
-    let elapsed = u128::from(now_ms.saturating_sub(last_ms));
-    let level = (u128::from(level) + elapsed * u128::from(params.rate)).min(full);
+    let elapsed = now_ms.saturating_sub(last_ms).min(params.fill_time());
+    let level = (level.min(full) + elapsed * params.rate.max(1)).min(full);
     full - level
 }
 
 /// A token bucket's state after a decision at `now_ms` left `debt`:
 /// `(level, last_ms)`.
-pub fn token_bucket_state(debt: u128, now_ms: u64, params: BucketParams) -> (u64, u64) {
-    (to_u64(params.full() - debt.min(params.full())), now_ms)
+pub fn token_bucket_state(debt: u64, now_ms: u64, params: BucketParams) -> (u64, u64) {
+    let full = params.full();
+    (full - debt.min(full), now_ms)
 }
 
 /// The debt at `now_ms` of a GCRA bucket whose TAT is `tat_ms` whole ms
 /// plus `tat_rem` units (`tat_rem < rate`): how far the TAT lies ahead of
 /// now, in units, clamped to a full bucket (a clock that went backwards
 /// cannot create more debt than a bucket holds).
-pub fn gcra_debt(tat_ms: u64, tat_rem: u64, now_ms: u64, params: BucketParams) -> u128 {
+pub fn gcra_debt(tat_ms: u64, tat_rem: u64, now_ms: u64, params: BucketParams) -> u64 {
     if tat_ms < now_ms {
         return 0;
     }
-    let ahead = u128::from(tat_ms - now_ms) * u128::from(params.rate) + u128::from(tat_rem);
-    ahead.min(params.full())
+    let ahead = tat_ms - now_ms;
+    if ahead > params.fill_time() {
+        return params.full();
+    }
+    (ahead * params.rate.max(1) + tat_rem.min(params.rate)).min(params.full())
 }
 
 /// A GCRA bucket's state after a decision at `now_ms` left `debt`: the new
 /// TAT as `(tat_ms, tat_rem)`.
-pub fn gcra_state(debt: u128, now_ms: u64, params: BucketParams) -> (u64, u64) {
-    let rate = u128::from(params.rate);
-    (now_ms.saturating_add(to_u64(debt / rate)), to_u64(debt % rate))
-}
-
-fn to_u64(value: u128) -> u64 {
-    u64::try_from(value).unwrap_or(u64::MAX)
+pub fn gcra_state(debt: u64, now_ms: u64, params: BucketParams) -> (u64, u64) {
+    let rate = params.rate.max(1);
+    (now_ms.saturating_add(debt / rate), debt % rate)
 }
 
 #[cfg(test)]
@@ -125,10 +138,10 @@ mod tests {
 
     impl Stored {
         fn empty_bucket(params: BucketParams) -> Self {
-            Stored::Bucket { level: to_u64(params.full()), last_ms: 0 }
+            Stored::Bucket { level: params.full(), last_ms: 0 }
         }
 
-        fn debt(self, now_ms: u64, params: BucketParams) -> u128 {
+        fn debt(self, now_ms: u64, params: BucketParams) -> u64 {
             match self {
                 Stored::Bucket { level, last_ms } => token_bucket_debt(level, last_ms, now_ms, params),
                 Stored::Gcra { tat_ms, tat_rem } => gcra_debt(tat_ms, tat_rem, now_ms, params),
@@ -262,7 +275,7 @@ mod tests {
                         sum += u128::from(admitted[j].1);
                         let t = u128::from(admitted[j].0 - admitted[i].0);
                         prop_assert!(
-                            sum * u128::from(p.window_ms) <= p.full() + t * u128::from(p.rate),
+                            sum * u128::from(p.window_ms) <= u128::from(p.full()) + t * u128::from(p.rate),
                             "{} admitted in {} ms", sum, t
                         );
                     }
@@ -278,7 +291,7 @@ mod tests {
                 weight_frac in 0.0f64..=1.0,
             ) {
                 let now = 5_000_000_000u64;
-                let debt = (p.full() as f64 * debt_frac) as u128;
+                let debt = (p.full() as f64 * debt_frac) as u64;
                 let (tat_ms, tat_rem) = gcra_state(debt, now, p);
                 let weight = ((p.capacity as f64 * weight_frac) as u64).max(1);
                 let at = |t: u64| decide(gcra_debt(tat_ms, tat_rem, t, p), weight, p).0;

@@ -137,7 +137,7 @@ pub(crate) enum Seen {
     /// A bucket's debt in units ([`bucket`]).
     Bucket {
         /// Units missing from a full bucket.
-        debt: u128,
+        debt: u64,
     },
 }
 
@@ -173,9 +173,7 @@ pub(crate) fn evaluate(
     weight: u64,
     params: WindowParams,
 ) -> Evaluated {
-    let bucket_ttl = |after: u128, b: bucket::BucketParams| {
-        u64::try_from(after.div_ceil(u128::from(b.rate))).unwrap_or(u64::MAX).max(1)
-    };
+    let bucket_ttl = |after: u64, b: bucket::BucketParams| after.div_ceil(b.rate.max(1)).max(1);
     match params.algorithm {
         Algorithm::SlidingWindow | Algorithm::FixedWindow => {
             let (index, elapsed) = window::position(now, params.window_ms);

@@ -81,7 +81,7 @@ fn flags(params: WindowParams, shadow: bool) -> u64 {
 /// elapsed`, or a bucket's `debt, 0, 0`.
 fn seen_of(a: u64, b: u64, c: u64, params: WindowParams) -> Result<Seen, StoreError> {
     if params.algorithm.is_bucket() {
-        let debt = u128::from(a);
+        let debt = a;
         if debt > params.bucket().full() {
             return Err(script_error(format!(
                 "debt {debt} beyond a full bucket of {}",
