@@ -100,6 +100,15 @@ impl Shard {
             .map(|entry| entry.counter)
     }
 
+    /// Where a counter sits, if held, and its state at `now_ms` (none when
+    /// expired): one hash lookup for a whole decision.
+    fn find(&self, group: &str, key: &str, now_ms: u64) -> (Option<usize>, Option<StoredCounter>) {
+        match self.counters.get_full(&KeyRef { group, key }) {
+            Some((index, _, entry)) => (Some(index), (entry.expires_at_ms > now_ms).then_some(entry.counter)),
+            None => (None, None),
+        }
+    }
+
     fn contains(&self, group: &str, key: &str) -> bool {
         self.counters.contains_key(&KeyRef { group, key })
     }
@@ -111,6 +120,11 @@ impl Shard {
             *existing = entry;
             return;
         }
+        self.insert(group, key, entry);
+    }
+
+    /// Inserts a counter known not to be held (room made).
+    fn insert(&mut self, group: &str, key: &str, entry: Entry) {
         let group = match self.groups.get(group) {
             Some(interned) => Arc::clone(interned),
             None => {
@@ -227,15 +241,20 @@ impl MemoryStore {
     ) -> Result<Verdict, StoreError> {
         let now = self.clock.now_ms();
         let mut shard = self.lock(self.shard_index(user_id));
-        let decided = evaluate(shard.get(counter.id, user_id, now), now, weight, counter.window);
+        let (at, stored) = shard.find(counter.id, user_id, now);
+        let decided = evaluate(stored, now, weight, counter.window);
         if decided.verdict.admitted && weight > 0 {
-            let new = !shard.contains(counter.id, user_id);
-            if new && !shard.make_room(1, self.shard_capacity, now, &self.evictions) {
-                drop(shard);
-                return Err(self.full());
-            }
             let entry = Entry { counter: decided.next, expires_at_ms: now.saturating_add(decided.ttl) };
-            shard.put(counter.id, user_id, entry);
+            match at {
+                Some(index) => shard.counters[index] = entry,
+                None => {
+                    if !shard.make_room(1, self.shard_capacity, now, &self.evictions) {
+                        drop(shard);
+                        return Err(self.full());
+                    }
+                    shard.insert(counter.id, user_id, entry);
+                }
+            }
         }
         Ok(decided.verdict)
     }
