@@ -109,10 +109,6 @@ impl Shard {
         }
     }
 
-    fn contains(&self, group: &str, key: &str) -> bool {
-        self.counters.contains_key(&KeyRef { group, key })
-    }
-
     /// Updates an existing counter in place, or inserts it (the caller made
     /// room with [`make_room`](Self::make_room)).
     fn put(&mut self, group: &str, key: &str, entry: Entry) {
@@ -303,7 +299,9 @@ impl MemoryStore {
                 let guard = &mut guards[position(shard)].1;
                 let mut new_keys: Vec<&str> = Vec::new();
                 for (_, item, _, _) in writes.iter().filter(|(s, _, _, _)| *s == shard) {
-                    if !guard.contains(group, &item.key) && !new_keys.contains(&item.key.as_str()) {
+                    // An expired counter may be evicted to make room: count it as new.
+                    let live = guard.get(group, &item.key, now_ms).is_some();
+                    if !live && !new_keys.contains(&item.key.as_str()) {
                         new_keys.push(&item.key);
                     }
                 }
@@ -611,5 +609,21 @@ mod tests {
         assert_eq!(store.sweep(), 1, "only the counter written a window ago is left");
         assert!(store.allocated() < flooded / 10, "{} slots left of {flooded}", store.allocated());
         assert!(!store.decide("stays", r.counter(), 3).unwrap().admitted, "the survivor still counts");
+    }
+
+    #[test]
+    fn many_never_outgrows_the_bound_by_rewriting_an_expired_counter() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let store = MemoryStore::new(1, 2, Arc::clone(&clock) as Arc<dyn Clock>);
+        let group: Arc<str> = Arc::from("d");
+        let short =
+            |key: &str| ManyItem { params: WindowParams::sliding(1_000, 5), ..item(key, 5, 1, false) };
+        store.decide_many(&group, &[short("a"), item("b", 5, 1, false)]).unwrap();
+        clock.advance(2_000);
+        // a has expired, b has not: writing a again and c needs two slots,
+        // and only a's can be had.
+        let error = store.decide_many(&group, &[short("a"), item("c", 5, 1, false)]).unwrap_err();
+        assert_eq!(error.kind, FailureKind::StoreFull);
+        assert!(store.len() <= 2, "{} counters", store.len());
     }
 }
