@@ -1,9 +1,11 @@
-//! Counting: the sliding-window arithmetic ([`window`]) and the two stores
-//! that apply it atomically — [`redis`] (a Lua script) and [`memory`]
-//! (sharded maps) — behind one [`Store`].
+//! Counting: the window arithmetic ([`window`]), the token bucket and GCRA
+//! ([`bucket`]), [`evaluate`] which picks by a rule's [`Algorithm`], and the
+//! two stores that apply it atomically — [`redis`] (a Lua script) and
+//! [`memory`] (sharded maps) — behind one [`Store`].
 //!
 //! Architecture invariant: no gRPC here, and both stores answer through
-//! [`window::decide`], so the embedded default behaves exactly like Redis.
+//! [`Seen::verdict`] (the memory store through [`evaluate`], the Lua script
+//! as its twin), so the embedded default behaves exactly like Redis.
 
 pub mod breaker;
 pub mod bucket;
