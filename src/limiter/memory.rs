@@ -3,7 +3,7 @@
 //! Counters live in a fixed number of shards, each a `std::sync::Mutex` over
 //! one map `(rule id or group, user id or key) -> counter`. A lock is held
 //! only for the few arithmetic operations of one decision and never across an
-//! `.await`. Lookups borrow `&str` keys ([`KeyRef`]), so a known counter costs
+//! `.await`. Lookups borrow `&str` keys (`KeyRef`), so a known counter costs
 //! no allocation.
 //!
 //! Memory is bounded, whatever the callers send:
@@ -318,7 +318,7 @@ impl MemoryStore {
         Ok(ManyOutcome { committed: !blocked, verdicts: many_verdicts(items, &raw, !blocked) })
     }
 
-    /// Removes expired counters, [`SWEEP_CHUNK`] per lock hold, and shrinks
+    /// Removes expired counters, `SWEEP_CHUNK` per lock hold, and shrinks
     /// maps that hold under a quarter of what they have room for; returns
     /// how many counters remain. Blocking: run it off the async workers.
     pub fn sweep(&self) -> usize {

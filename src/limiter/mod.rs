@@ -1,10 +1,10 @@
 //! Counting: the window arithmetic ([`window`]), the token bucket and GCRA
-//! ([`bucket`]), [`evaluate`] which picks by a rule's [`Algorithm`], and the
+//! ([`bucket`]), `evaluate` which picks by a rule's [`Algorithm`], and the
 //! two stores that apply it atomically — [`redis`] (a Lua script) and
 //! [`memory`] (sharded maps) — behind one [`Store`].
 //!
 //! Architecture invariant: no gRPC here, and both stores answer through
-//! [`Seen::verdict`] (the memory store through [`evaluate`], the Lua script
+//! `Seen::verdict` (the memory store through `evaluate`, the Lua script
 //! as its twin), so the embedded default behaves exactly like Redis.
 
 pub mod breaker;
@@ -125,7 +125,7 @@ pub struct ManyOutcome {
 }
 
 /// What a store saw of one counter, before the request's own weight: the
-/// verdict follows from it alone ([`Seen::verdict`]), for both stores and
+/// verdict follows from it alone (`Seen::verdict`), for both stores and
 /// for the check of every Redis answer against the Rust arithmetic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Seen {

@@ -1,5 +1,5 @@
 //! Wiring: builds the named parts of the service from a [`Config`]
-//! ([`parts`]: rules, store, shedding, dead-letter pipeline, engine), serves
+//! (`parts`: rules, store, shedding, dead-letter pipeline, engine), serves
 //! gRPC and HTTP until a shutdown future resolves, then drains in-flight
 //! calls and joins every task it started.
 //!
