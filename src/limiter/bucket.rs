@@ -25,7 +25,7 @@
 //!
 //! [`MAX_CAPACITY_TIMES_WINDOW`]: super::window::MAX_CAPACITY_TIMES_WINDOW
 
-use super::window::Verdict;
+use super::window::{Algorithm, Verdict};
 
 /// The fixed parameters of one bucket rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,6 +123,27 @@ pub fn gcra_debt(tat_ms: u64, tat_rem: u64, now_ms: u64, params: BucketParams) -
 pub fn gcra_state(debt: u64, now_ms: u64, params: BucketParams) -> (u64, u64) {
     let rate = params.rate.max(1);
     (now_ms.saturating_add(debt / rate), debt % rate)
+}
+
+/// The debt at `now_ms` of a bucket stored as `(stamp, value)`, the two
+/// fields both stores keep for it: a token bucket's (last refill, level),
+/// GCRA's (TAT in whole ms, remainder).
+pub fn debt_of(algorithm: Algorithm, stamp: u64, value: u64, now_ms: u64, params: BucketParams) -> u64 {
+    match algorithm {
+        Algorithm::Gcra => gcra_debt(stamp, value, now_ms, params),
+        _ => token_bucket_debt(value, stamp, now_ms, params),
+    }
+}
+
+/// The `(stamp, value)` to store after a decision at `now_ms` left `debt`.
+pub fn state_of(algorithm: Algorithm, debt: u64, now_ms: u64, params: BucketParams) -> (u64, u64) {
+    match algorithm {
+        Algorithm::Gcra => gcra_state(debt, now_ms, params),
+        _ => {
+            let (level, last_ms) = token_bucket_state(debt, now_ms, params);
+            (last_ms, level)
+        }
+    }
 }
 
 #[cfg(test)]

@@ -175,7 +175,6 @@ pub(crate) fn evaluate(
     weight: u64,
     params: WindowParams,
 ) -> Evaluated {
-    let bucket_ttl = |after: u64, b: bucket::BucketParams| after.div_ceil(b.rate.max(1)).max(1);
     match params.algorithm {
         Algorithm::SlidingWindow | Algorithm::FixedWindow => {
             let (index, elapsed) = window::position(now, params.window_ms);
@@ -192,28 +191,17 @@ pub(crate) fn evaluate(
                 ttl: 2 * params.window_ms,
             }
         }
-        Algorithm::TokenBucket => {
+        Algorithm::TokenBucket | Algorithm::Gcra => {
             let b = params.bucket();
-            let debt = stored.map_or(0, |s| bucket::token_bucket_debt(s.current, s.window, now, b));
+            let debt = stored.map_or(0, |s| bucket::debt_of(params.algorithm, s.window, s.current, now, b));
             let (verdict, after) = bucket::decide(debt, weight, b);
-            let (level, last) = bucket::token_bucket_state(after, now, b);
+            let (stamp, value) = bucket::state_of(params.algorithm, after, now, b);
             Evaluated {
                 seen: Seen::Bucket { debt },
                 verdict,
-                next: StoredCounter { window: last, current: level, previous: 0 },
-                ttl: bucket_ttl(after, b),
-            }
-        }
-        Algorithm::Gcra => {
-            let b = params.bucket();
-            let debt = stored.map_or(0, |s| bucket::gcra_debt(s.window, s.current, now, b));
-            let (verdict, after) = bucket::decide(debt, weight, b);
-            let (tat, rem) = bucket::gcra_state(after, now, b);
-            Evaluated {
-                seen: Seen::Bucket { debt },
-                verdict,
-                next: StoredCounter { window: tat, current: rem, previous: 0 },
-                ttl: bucket_ttl(after, b),
+                next: StoredCounter { window: stamp, current: value, previous: 0 },
+                // Until it is full again, at least a tick.
+                ttl: after.div_ceil(b.rate.max(1)).max(1),
             }
         }
     }
