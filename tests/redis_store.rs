@@ -328,12 +328,16 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
 async fn single_connection_store(
     redis: &RedisServer,
 ) -> (ratelimitd::limiter::RedisStore, tokio::task::JoinSet<()>) {
-    let config = ratelimitd::config::RedisConfig {
-        url: Some(redis.url()),
-        connections: 1,
-        timeout_ms: 5_000,
-        ..Default::default()
-    };
+    single_connection_store_with(redis, ratelimitd::config::RedisConfig::default()).await
+}
+
+/// [`single_connection_store`] with the other settings of `base`.
+async fn single_connection_store_with(
+    redis: &RedisServer,
+    base: ratelimitd::config::RedisConfig,
+) -> (ratelimitd::limiter::RedisStore, tokio::task::JoinSet<()>) {
+    let config =
+        ratelimitd::config::RedisConfig { url: Some(redis.url()), connections: 1, timeout_ms: 5_000, ..base };
     let mut dispatchers = tokio::task::JoinSet::new();
     let store = ratelimitd::limiter::RedisStore::new(&config, &mut dispatchers).unwrap();
     store.warm_up(Duration::from_secs(5)).await.unwrap();
@@ -374,16 +378,11 @@ async fn queued_decisions_are_coalesced_into_one_script_call() {
 async fn batches_over_the_key_cap_are_split_in_order() {
     use ratelimitd::limiter::{ManyItem, WindowParams};
     let redis = RedisServer::start();
-    let config = ratelimitd::config::RedisConfig {
-        url: Some(redis.url()),
-        connections: 1,
-        timeout_ms: 5_000,
-        max_keys_per_call: 64,
-        ..Default::default()
-    };
-    let mut dispatchers = tokio::task::JoinSet::new();
-    let store = ratelimitd::limiter::RedisStore::new(&config, &mut dispatchers).unwrap();
-    store.warm_up(Duration::from_secs(5)).await.unwrap();
+    let (store, _dispatchers) = single_connection_store_with(
+        &redis,
+        ratelimitd::config::RedisConfig { max_keys_per_call: 64, ..Default::default() },
+    )
+    .await;
     let item = |key: &str| ManyItem {
         key: key.to_owned(),
         params: WindowParams::sliding(60_000, 250),
