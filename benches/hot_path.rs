@@ -28,7 +28,7 @@ use ratelimitd::{
     decision::{CheckRequest, Engine, EngineParts, EnvoyPolicy},
     dlq::LogSink,
     limiter::{
-        MemoryStore, Store,
+        Count, MemoryStore, Store,
         window::{self, Algorithm, Counts, WindowParams},
     },
     rules::{Hot, RuleStore, envoy::EnvoyConfig},
@@ -124,6 +124,7 @@ fn benches(c: &mut Criterion) {
         weight: 1,
         priority: 2,
         headers: HashMap::from([("x-request-id".to_owned(), "r-1".to_owned())]),
+        peek: false,
     };
     let metadata = tonic::metadata::MetadataMap::new();
     c.bench_function("request validation", |b| {
@@ -139,10 +140,10 @@ fn benches(c: &mut Criterion) {
     let big =
         ratelimitd::rules::Rule { window: WindowParams::sliding(60_000, u64::MAX >> 40), ..rule.clone() };
     c.bench_function("memory store decide (known counter)", |b| {
-        b.iter(|| memory.decide(black_box("user-1"), big.counter(), 1))
+        b.iter(|| memory.decide(black_box("user-1"), big.counter(), 1, Count::IfFits))
     });
     let allocs = allocations_per_call(100_000, || {
-        let _ = black_box(memory.decide("user-1", big.counter(), 1));
+        let _ = black_box(memory.decide("user-1", big.counter(), 1, Count::IfFits));
     });
     println!("memory store decide (known counter): {allocs} allocations per call");
     // The other algorithms, each on a counter of its own.
@@ -151,9 +152,11 @@ fn benches(c: &mut Criterion) {
         let window = WindowParams { window_ms: 60_000, capacity, rate: capacity, algorithm };
         let rule = ratelimitd::rules::Rule { id: algorithm.as_str().into(), window, ..rule.clone() };
         let name = format!("memory store decide (known counter, {})", algorithm.as_str());
-        c.bench_function(&name, |b| b.iter(|| memory.decide(black_box("user-1"), rule.counter(), 1)));
+        c.bench_function(&name, |b| {
+            b.iter(|| memory.decide(black_box("user-1"), rule.counter(), 1, Count::IfFits))
+        });
         let allocs = allocations_per_call(100_000, || {
-            let _ = black_box(memory.decide("user-1", rule.counter(), 1));
+            let _ = black_box(memory.decide("user-1", rule.counter(), 1, Count::IfFits));
         });
         println!("{name}: {allocs} allocations per call");
     }
@@ -179,6 +182,7 @@ fn benches(c: &mut Criterion) {
         resource_path: "/api/v1/service-49/resource-49",
         client_type: None,
         weight: 1,
+        count: Count::IfFits,
         priority: None,
         headers: &headers,
         trace_id: None,

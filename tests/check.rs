@@ -35,7 +35,40 @@ for_each_store!(
     hot_reload_sees_rename_over,
     hot_reload_sees_configmap_symlink_swap,
     invalid_rule_file_keeps_the_last_good_snapshot,
+    report_and_peek_over_grpc,
 );
+
+/// `Report` counts usage past the limit and answers for the next request;
+/// `peek` checks without counting; `peek` on `Report` is refused by name.
+async fn report_and_peek_over_grpc(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+
+    let mut peek = request("rae", "/limited");
+    peek.peek = true;
+    peek.weight = 5;
+    for _ in 0..2 {
+        let r = check(&mut client, peek.clone()).await;
+        assert_eq!((r.allowed, r.remaining_tokens, reason(&r)), (true, 5, Reason::Ok), "{r:?}");
+    }
+    let mut usage = request("rae", "/limited");
+    usage.weight = 8;
+    let r = client.report(usage.clone()).await.unwrap().into_inner();
+    assert_eq!((r.allowed, r.remaining_tokens, reason(&r)), (false, 0, Reason::OverLimit), "{r:?}");
+    assert!(r.retry_after_ms > 0 && r.retry_after_ms <= 2 * DAY_MS, "{r:?}");
+    assert_eq!(r.rule_id, "limited");
+    let next = check(&mut client, request("rae", "/limited")).await;
+    assert_eq!(reason(&next), Reason::OverLimit, "the report was counted past the limit");
+    peek.weight = 1;
+    assert!(!check(&mut client, peek.clone()).await.allowed);
+
+    usage.peek = true;
+    let refused = client.report(usage).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(refused.message().contains("peek"), "{}", refused.message());
+    server.stop().await.unwrap();
+}
 
 /// The limit admits exactly `limit` requests, `remaining` counts down, and
 /// the first denial carries the rule, reason and a retry inside the window.

@@ -19,7 +19,7 @@ use ratelimitd::{
         CheckRequest, Decision, Engine, EngineParts, EnvoyPolicy, FailedDecision, FailureSink, LimitOverride,
         NoStats, Reason, RlsDecision, RlsDescriptor, RlsRequest,
     },
-    limiter::{ManualClock, MemoryStore, RedisStore, Store},
+    limiter::{Algorithm, Count, ManualClock, MemoryStore, RedisStore, Store},
     rules::{self, Hot, RuleStore, envoy::Unit},
     shed::{Level, Priority, ShedMode, Shedder},
 };
@@ -32,6 +32,10 @@ rules:
   - { rule_id: vip, resource_path: /vip, priority_bucket: CRITICAL, limit: 100, window_seconds: 60 }
   - { rule_id: trial, resource_path: /trial, limit: 1, window_seconds: 60, mode: shadow }
   - { rule_id: closed, resource_path: /closed, limit: 5, window_seconds: 60, failure_policy: closed }
+  - { rule_id: llm-sliding_window, resource_path: /llm/sliding_window, priority_bucket: BULK, limit: 100, window_seconds: 60 }
+  - { rule_id: llm-fixed_window, resource_path: /llm/fixed_window, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: fixed_window }
+  - { rule_id: llm-token_bucket, resource_path: /llm/token_bucket, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: token_bucket }
+  - { rule_id: llm-gcra, resource_path: /llm/gcra, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: gcra }
 "#;
 
 const ENVOY: &str = r#"
@@ -51,6 +55,9 @@ descriptors:
   - key: own
     value: "/own/*"
     rate_limit: { unit: minute, requests_per_unit: 3 }
+  - key: tokens
+    report_mode: true
+    rate_limit: { unit: minute, requests_per_unit: 100 }
 "#;
 
 /// The failed decisions the engine reported.
@@ -128,12 +135,18 @@ impl Harness {
     }
 
     async fn check(&self, user: &str, path: &str, weight: u32) -> Decision {
+        self.call(user, path, weight, Count::IfFits).await
+    }
+
+    /// A `Check` (`IfFits`), a peek (`Never`) or a `Report` (`Always`).
+    async fn call(&self, user: &str, path: &str, weight: u32, count: Count) -> Decision {
         let headers = HashMap::new();
         let request = CheckRequest {
             user_id: user,
             resource_path: path,
             client_type: None,
             weight,
+            count,
             priority: None,
             headers: &headers,
             trace_id: None,
@@ -157,6 +170,15 @@ impl Harness {
             .collect();
         let request =
             RlsRequest { domain: "edge", descriptors: &descriptors, hits_addend: hits, trace_id: None };
+        self.engine.should_rate_limit(&request).await
+    }
+
+    /// One descriptor `key=value` with its own `hits_addend`.
+    async fn hits(&self, key: &str, value: &str, hits: u64) -> RlsDecision {
+        let descriptors =
+            [RlsDescriptor { entries: vec![(key, value)], limit: None, hits_addend: Some(hits) }];
+        let request =
+            RlsRequest { domain: "edge", descriptors: &descriptors, hits_addend: 0, trace_id: None };
         self.engine.should_rate_limit(&request).await
     }
 
@@ -193,7 +215,116 @@ for_each_store!(
     envoy_override_limits_count_under_a_fixed_label,
     over_long_values_are_counted_by_digest_exactly,
     a_peek_counts_nothing_and_creates_no_counter,
+    reports_count_past_the_limit_for_every_algorithm,
+    native_peeks_count_nothing_for_every_algorithm,
+    reports_are_never_shed,
+    envoy_report_mode_counts_after_the_fact_and_zero_hits_peek,
 );
+
+/// A report counts its whole weight, past the limit: the counter is
+/// overdrawn, the report's answer says the next request is refused and
+/// exactly until when, and Checks are refused until then (memory: on the
+/// injected clock, to the millisecond).
+async fn reports_count_past_the_limit_for_every_algorithm(backend: Backend) {
+    let h = Harness::default(backend).await;
+    for algorithm in Algorithm::ALL {
+        let path = format!("/llm/{}", algorithm.as_str());
+        let first = h.call("ann", &path, 60, Count::Always).await;
+        assert_eq!((first.allowed, first.reason, first.remaining), (true, Reason::Ok, 40), "{algorithm:?}");
+        let over = h.call("ann", &path, 90, Count::Always).await;
+        assert_eq!(
+            (over.allowed, over.reason, over.remaining),
+            (false, Reason::OverLimit, 0),
+            "{algorithm:?}"
+        );
+        let wait = over.retry_after_ms;
+        assert!(wait > 0 && wait <= 120_000, "{algorithm:?}: {over:?}");
+        let denied = h.check("ann", &path, 1).await;
+        assert_eq!((denied.allowed, denied.reason), (false, Reason::OverLimit), "{algorithm:?}");
+        if backend == Backend::Memory {
+            assert_eq!(denied.retry_after_ms, wait, "{algorithm:?}: the report's answer is the next check's");
+        } else {
+            // Redis time moves on between the two calls.
+            assert!((wait - 1_000..=wait).contains(&denied.retry_after_ms), "{algorithm:?}: {denied:?}");
+        }
+        assert!(h.check("bob", &path, 1).await.allowed, "users are independent");
+        if backend == Backend::Memory {
+            h.clock.advance(u64::try_from(wait).unwrap() - 1);
+            assert!(!h.check("ann", &path, 1).await.allowed, "{algorithm:?}: 1 ms early");
+            h.clock.advance(1);
+            assert!(h.check("ann", &path, 1).await.allowed, "{algorithm:?}: at retry_after");
+        }
+    }
+}
+
+/// A native peek says whether the weight would fit, counts nothing and
+/// creates no counter; a weight over the capacity is never admissible.
+async fn native_peeks_count_nothing_for_every_algorithm(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let before = h.counters().await;
+    for algorithm in Algorithm::ALL {
+        let path = format!("/llm/{}", algorithm.as_str());
+        for _ in 0..3 {
+            let peek = h.call("cy", &path, 100, Count::Never).await;
+            assert_eq!((peek.allowed, peek.remaining, peek.retry_after_ms), (true, 100, 0), "{algorithm:?}");
+        }
+        let never = h.call("cy", &path, 101, Count::Never).await;
+        assert_eq!((never.reason, never.retry_after_ms), (Reason::WeightExceedsCapacity, -1));
+    }
+    assert_eq!(h.counters().await, before, "no counter created");
+    h.check("cy", "/llm/gcra", 30).await;
+    let peek = h.call("cy", "/llm/gcra", 71, Count::Never).await;
+    assert_eq!((peek.allowed, peek.reason, peek.remaining), (false, Reason::OverLimit, 70));
+    assert!(peek.retry_after_ms > 0);
+}
+
+/// A report is never shed (the usage it reports has happened), even at
+/// CRITICAL_ONLY for a BULK rule; a Check of the same rule is.
+async fn reports_are_never_shed(backend: Backend) {
+    let h = Harness::default(backend).await;
+    h.shedder.publish(Level::CriticalOnly, 0.95);
+    assert_eq!(h.check("dee", "/llm/gcra", 1).await.reason, Reason::Shed);
+    let report = h.call("dee", "/llm/gcra", 100, Count::Always).await;
+    assert_eq!((report.reason, report.remaining), (Reason::OverLimit, 0), "{report:?}");
+    h.shedder.publish(Level::Normal, 0.1);
+    assert_eq!(h.check("dee", "/llm/gcra", 1).await.reason, Reason::OverLimit, "the report was counted");
+}
+
+/// Envoy's token-quota flow: `hits_addend: 0` on the request path asks
+/// whether any quota is left (counting nothing); the stream-done report on
+/// a `report_mode` descriptor counts its hits whatever is left; the
+/// request after the budget is spent is refused.
+async fn envoy_report_mode_counts_after_the_fact_and_zero_hits_peek(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let before = h.counters().await;
+    let send = |hits| h.hits("tokens", "eve", hits);
+    let check = send(0).await;
+    assert_eq!((check.over_limit, check.statuses[0].remaining), (false, 100));
+    assert_eq!(h.counters().await, before, "a check creates no counter");
+    let report = send(70).await;
+    assert_eq!((report.over_limit, report.statuses[0].remaining), (false, 30));
+    assert!(!send(0).await.over_limit, "30 left");
+    let report = send(45).await;
+    assert!(report.over_limit, "the budget is overdrawn by 15: {report:?}");
+    let refused = send(0).await;
+    assert!(refused.over_limit, "the request after the budget is spent is refused");
+    assert!(refused.statuses[0].until_reset_ms > 0);
+    // Exactly spent: a report that lands on the limit leaves nothing for the next request.
+    assert!(h.hits("tokens", "fay", 100).await.over_limit);
+
+    // A report rides along with an admission that is refused: the report
+    // is counted all the same (it is its own job), the admission is not.
+    assert!(!h.rls(&[&[("user", "gil")]]).await.over_limit);
+    assert!(!h.rls(&[&[("user", "gil")]]).await.over_limit);
+    let descriptors = [
+        RlsDescriptor { entries: vec![("tokens", "gil")], limit: None, hits_addend: Some(150) },
+        RlsDescriptor { entries: vec![("user", "gil")], limit: None, hits_addend: None },
+    ];
+    let request = RlsRequest { domain: "edge", descriptors: &descriptors, hits_addend: 0, trace_id: None };
+    let mixed = h.engine.should_rate_limit(&request).await;
+    assert!(mixed.over_limit && mixed.statuses[1].over_limit, "{mixed:?}");
+    assert!(h.hits("tokens", "gil", 0).await.over_limit, "the report was counted");
+}
 
 /// `hits_addend: 0` on a descriptor checks without counting, and leaves no
 /// counter behind: a flood of peeks at distinct values costs no memory.

@@ -9,7 +9,7 @@ use std::{sync::Arc, time::Instant};
 
 use ratelimitd::{
     config::Config,
-    limiter::{CounterSpec, FailureKind, MemoryStore, SystemClock, WindowParams},
+    limiter::{Count, CounterSpec, FailureKind, MemoryStore, SystemClock, WindowParams},
 };
 
 /// What README promises per counter at the longest user id, allocator
@@ -46,7 +46,7 @@ fn ten_million_distinct_keys_stay_under_the_documented_bound() {
                         user.truncate(max_len - 20);
                         use std::fmt::Write as _;
                         let _ = write!(user, "{t:>10}{n:>10}");
-                        match store.decide(&user, counter, 1) {
+                        match store.decide(&user, counter, 1, Count::IfFits) {
                             Ok(verdict) => admitted += u64::from(verdict.admitted),
                             Err(e) => {
                                 assert_eq!(e.kind, FailureKind::StoreFull);

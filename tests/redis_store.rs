@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{RedisServer, Rules, TestServer, check, config, eventually, reason, request};
-use ratelimitd::api::pb::Reason;
+use ratelimitd::{api::pb::Reason, limiter::Count};
 use redis::AsyncCommands;
 
 const RULES: &str = r#"
@@ -136,6 +136,7 @@ async fn buckets_decide_many_alike_on_both_stores() {
                 params: WindowParams { window_ms: 3_600, capacity: 5, rate: 5, algorithm },
                 tick_ms: 1_000,
                 weight: 1,
+                count: Count::IfFits,
                 shadow: false,
             };
             for left in (0..5).rev() {
@@ -356,8 +357,10 @@ async fn queued_decisions_are_coalesced_into_one_script_call() {
     let rule = hot_rule(100);
     let before = redis.evalsha_calls().await;
 
-    let verdicts =
-        futures_util::future::join_all((0..300).map(|_| store.decide("ann", rule.counter(), 1))).await;
+    let verdicts = futures_util::future::join_all(
+        (0..300).map(|_| store.decide("ann", rule.counter(), 1, Count::IfFits)),
+    )
+    .await;
 
     assert_eq!(redis.evalsha_calls().await - before, 2, "300 queued decisions, 2 script calls");
     let verdicts: Vec<_> = verdicts.into_iter().map(Result::unwrap).collect();
@@ -388,6 +391,7 @@ async fn batches_over_the_key_cap_are_split_in_order() {
         params: WindowParams::sliding(60_000, 250),
         tick_ms: 1,
         weight: 1,
+        count: Count::IfFits,
         shadow: false,
     };
     let jobs: Vec<Vec<ManyItem>> = (0..300).map(|_| ["a", "b", "c", "d"].map(item).to_vec()).collect();
@@ -415,6 +419,7 @@ async fn a_denied_job_in_a_batch_writes_nothing() {
         params: WindowParams::sliding(60_000, capacity),
         tick_ms: 1,
         weight,
+        count: Count::IfFits,
         shadow: false,
     };
     let first = [item("a", 10, 4), item("b", 10, 4)];
@@ -461,12 +466,12 @@ async fn breaker_fails_fast_while_redis_is_down_and_closes_when_it_returns() {
     let mut dispatchers = tokio::task::JoinSet::new();
     let store = ratelimitd::limiter::RedisStore::new(&config, &mut dispatchers).unwrap();
     let rule = hot_rule(100);
-    assert!(store.decide("ivy", rule.counter(), 1).await.unwrap().admitted);
+    assert!(store.decide("ivy", rule.counter(), 1, Count::IfFits).await.unwrap().admitted);
 
     redis.stop();
     let mut kinds = Vec::new();
     for _ in 0..10 {
-        kinds.push(store.decide("ivy", rule.counter(), 1).await.unwrap_err().kind);
+        kinds.push(store.decide("ivy", rule.counter(), 1, Count::IfFits).await.unwrap_err().kind);
     }
     assert!(
         kinds[..3].iter().all(|k| matches!(k, FailureKind::ConnectionLost | FailureKind::ConnectionRefused)),
@@ -477,13 +482,13 @@ async fn breaker_fails_fast_while_redis_is_down_and_closes_when_it_returns() {
     redis.restart();
     let back = Instant::now();
     let recovered = eventually(Duration::from_secs(1), || async {
-        store.decide("ivy", rule.counter(), 1).await.is_ok_and(|v| v.admitted)
+        store.decide("ivy", rule.counter(), 1, Count::IfFits).await.is_ok_and(|v| v.admitted)
     })
     .await;
     assert!(recovered, "exact decisions did not resume within 1 s of Redis returning");
     eprintln!("decisions exact again {:?} after Redis returned", back.elapsed());
     // The restarted Redis is empty: counting starts again, exactly.
-    assert_eq!(store.decide("ivy", rule.counter(), 1).await.unwrap().remaining, 98);
+    assert_eq!(store.decide("ivy", rule.counter(), 1, Count::IfFits).await.unwrap().remaining, 98);
 }
 
 /// A Redis that requires AUTH: the password comes from `redis.password_file`

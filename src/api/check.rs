@@ -1,14 +1,15 @@
-//! `ratelimit.v1.RateLimiter/Check`.
+//! `ratelimit.v1.RateLimiter/Check` and `/Report`.
 
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
 use super::{
-    convert::{response, validate},
+    convert::{ValidationError, response, validate},
     pb,
 };
 use crate::{
     decision::{Api, Engine},
+    limiter::Count,
     telemetry::traces::continue_trace,
 };
 
@@ -30,31 +31,71 @@ impl RateLimiterService {
     }
 }
 
-#[tonic::async_trait]
-impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
-    async fn check(
+impl RateLimiterService {
+    /// Validates, decides inside the request span, and answers; `report`:
+    /// the request is a `Report` (counted whatever is left).
+    async fn decide(
         &self,
         request: Request<pb::RateLimitRequest>,
+        report: bool,
     ) -> Result<Response<pb::RateLimitResponse>, Status> {
         let (metadata, _, message) = request.into_parts();
         // Bad input is the caller's bug: INVALID_ARGUMENT naming field and bound.
         // Store failures never become a gRPC error here: the rule's failure
         // policy answers (FAIL_OPEN / FAIL_CLOSED) so the gateway always gets
         // a decision it can act on.
-        let checked = validate(&message, &metadata).map_err(|e| {
+        let refuse = |e: ValidationError| {
             self.engine.refused(Api::Check, e.reason);
             Status::invalid_argument(e.to_string())
-        })?;
-        let span = tracing::info_span!(
-            "ratelimit.check",
-            otel.kind = "server",
-            rule = tracing::field::Empty,
-            reason = tracing::field::Empty,
-            allowed = tracing::field::Empty,
-        );
+        };
+        let mut checked = validate(&message, &metadata).map_err(refuse)?;
+        if report {
+            if message.peek {
+                return Err(refuse(ValidationError {
+                    field: "peek",
+                    message: "must be false on Report (a report always counts)".to_owned(),
+                    reason: "peek_report",
+                }));
+            }
+            checked.count = Count::Always;
+        }
+        let span = if report {
+            tracing::info_span!(
+                "ratelimit.report",
+                otel.kind = "server",
+                rule = tracing::field::Empty,
+                reason = tracing::field::Empty,
+                allowed = tracing::field::Empty,
+            )
+        } else {
+            tracing::info_span!(
+                "ratelimit.check",
+                otel.kind = "server",
+                rule = tracing::field::Empty,
+                reason = tracing::field::Empty,
+                allowed = tracing::field::Empty,
+            )
+        };
         continue_trace(&span, &metadata);
         // The engine fills the span's decision fields (it runs inside it).
         let decision = self.engine.check(&checked).instrument(span).await;
         Ok(Response::new(response(decision)))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
+    async fn check(
+        &self,
+        request: Request<pb::RateLimitRequest>,
+    ) -> Result<Response<pb::RateLimitResponse>, Status> {
+        self.decide(request, false).await
+    }
+
+    async fn report(
+        &self,
+        request: Request<pb::RateLimitRequest>,
+    ) -> Result<Response<pb::RateLimitResponse>, Status> {
+        self.decide(request, true).await
     }
 }

@@ -80,6 +80,7 @@ pub async fn check(addr: &str, timeout: Duration, call: CheckCall) -> Result<Che
         weight: call.weight,
         priority: call.priority.map_or(pb::PriorityBucket::Unspecified, super::convert::priority) as i32,
         headers: call.headers,
+        peek: false,
     };
     let response =
         pb::rate_limiter_client::RateLimiterClient::new(channel).check(request).await.map_err(|status| {

@@ -5,6 +5,7 @@
 
 use crate::{
     decision::{CheckRequest, Decision, Reason},
+    limiter::Count,
     shed::Priority,
     telemetry::traces::trace_id_of,
 };
@@ -67,6 +68,7 @@ pub fn validate<'a>(
         resource_path: &request.resource_path,
         client_type: (!request.client_type.is_empty()).then_some(request.client_type.as_str()),
         weight: request.weight.max(1),
+        count: if request.peek { Count::Never } else { Count::IfFits },
         priority,
         headers: &request.headers,
         // W3C trace context: the gRPC call's own metadata first, else a
@@ -207,7 +209,7 @@ mod tests {
                     headers.insert("traceparent".to_owned(), traceparent);
                 }
                 let request = pb::RateLimitRequest {
-                    user_id, resource_path, client_type, headers, priority, weight
+                    user_id, resource_path, client_type, headers, priority, weight, peek: false
                 };
                 let well_formed = !request.user_id.is_empty()
                     && !request.resource_path.is_empty()

@@ -52,6 +52,7 @@ impl Lenient for pb::RateLimitRequest {
             weight: raw.weight,
             priority: raw.priority,
             client_type: text(raw.client_type),
+            peek: raw.peek,
         })
     }
 }
@@ -107,6 +108,8 @@ struct RawCheck {
     priority: i32,
     #[prost(bytes = "vec", tag = "6")]
     client_type: Vec<u8>,
+    #[prost(bool, tag = "7")]
+    peek: bool,
 }
 
 /// `RateLimitRequest` with `bytes` where it has `string`: the same wire format.
@@ -257,6 +260,7 @@ mod tests {
             weight: 2,
             priority: 4,
             client_type: Vec::new(),
+            peek: true,
         }
         .encode_to_vec();
         assert!(pb::RateLimitRequest::decode(raw.as_slice()).is_err(), "prost refuses it");
@@ -264,6 +268,7 @@ mod tests {
         assert!(request.user_id.starts_with("eve\u{fffd}#sha256:"), "{}", request.user_id);
         assert!(request.resource_path.starts_with("/api/v1/search\u{fffd}"));
         assert_eq!((request.weight, request.priority, request.client_type.as_str()), (2, 4, ""));
+        assert!(request.peek, "the peek flag survives the lenient decoding");
         assert!(request.headers["x-request-id"].starts_with("r\u{fffd}"));
     }
 }

@@ -7,7 +7,7 @@ use tracing::Instrument as _;
 
 use super::{Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, Reason, clamp_i64, keys};
 use crate::{
-    limiter::Verdict,
+    limiter::{Count, Verdict},
     rules::{FailurePolicy, Mode},
     shed::{Level, Priority, ShedVerdict},
 };
@@ -23,6 +23,9 @@ pub struct CheckRequest<'a> {
     pub client_type: Option<&'a str>,
     /// Cost, at least 1.
     pub weight: u32,
+    /// `IfFits`: a `Check`; `Never`: a `Check` with `peek` (nothing is
+    /// counted); `Always`: a `Report` (counted whatever is left).
+    pub count: Count,
     /// `None`: the matched rule's priority.
     pub priority: Option<Priority>,
     /// Request headers (copied into failure records by allow-list).
@@ -122,9 +125,14 @@ impl Engine {
         });
 
         // Shedding comes before anything that costs a store call. The level
-        // is read once so the answer and its status agree.
+        // is read once so the answer and its status agree. A report is never
+        // shed: the usage it reports has happened.
         let level = self.inner.shedder.level();
-        let shadow_shed = match self.inner.shedder.check(level, priority) {
+        let verdict = match request.count {
+            Count::Always => ShedVerdict::Pass,
+            Count::IfFits | Count::Never => self.inner.shedder.check(level, priority),
+        };
+        let shadow_shed = match verdict {
             ShedVerdict::Pass => false,
             ShedVerdict::ShadowShed => true,
             ShedVerdict::Shed { retry_after_ms } => {
@@ -143,8 +151,9 @@ impl Engine {
         let shadow = rule.mode == Mode::Shadow;
 
         // Never admissible: answered from the rule alone, no store call, and a
-        // retry_after of -1 so no client loops waiting for it.
-        if weight > rule.window.capacity {
+        // retry_after of -1 so no client loops waiting for it. A report is
+        // counted whatever its weight.
+        if weight > rule.window.capacity && request.count != Count::Always {
             let base = Decision { shadow_shed, ..Decision::allowed(Reason::Ok, info, priority, level) };
             return if shadow {
                 Decision { shadow_denied: true, ..base }
@@ -162,7 +171,7 @@ impl Engine {
         let decided = self
             .inner
             .store
-            .decide(&user, rule.counter(), weight)
+            .decide(&user, rule.counter(), weight, request.count)
             .instrument(tracing::info_span!("store.decide", store = self.inner.store.name()))
             .await;
         self.inner.stats.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));

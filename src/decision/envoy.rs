@@ -24,7 +24,7 @@ use tracing::Instrument as _;
 
 use super::{Api, Engine, FailedDecision, Reason, keys};
 use crate::{
-    limiter::{ManyItem, ManyOutcome, StoreError, push_encoded, window::Algorithm},
+    limiter::{Count, ManyItem, ManyOutcome, StoreError, push_encoded, window::Algorithm},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
     shed::{Level, Priority, ShedVerdict},
 };
@@ -219,9 +219,13 @@ impl Engine {
         let priority = self.rls_priority(request);
 
         // Shedding comes before anything that costs a store call; the level
-        // is read once so the answer and its status agree.
+        // is read once so the answer and its status agree. A request whose
+        // every limit counts reports is never shed: its usage has happened.
         let level = self.inner.shedder.level();
-        let shadow_shed = match self.inner.shedder.check(level, priority) {
+        let reports_only = limits.iter().flatten().all(|m| m.limit.report_mode || m.limit.unlimited)
+            && limits.iter().flatten().any(|m| m.limit.report_mode);
+        let shed = if reports_only { ShedVerdict::Pass } else { self.inner.shedder.check(level, priority) };
+        let shadow_shed = match shed {
             ShedVerdict::Pass => false,
             ShedVerdict::ShadowShed => true,
             ShedVerdict::Shed { retry_after_ms } => {
@@ -241,6 +245,13 @@ impl Engine {
                     let unit = limit.unit.expect("a limited limit has a unit");
                     let hits =
                         descriptor.hits_addend().unwrap_or_else(|| u64::from(request.hits_addend.max(1)));
+                    // `hits_addend: 0` asks whether one more hit fits and counts
+                    // nothing; a `report_mode` limit counts hits whatever is left.
+                    let (weight, count) = match hits {
+                        0 => (1, Count::Never),
+                        hits if limit.report_mode => (hits, Count::Always),
+                        hits => (hits, Count::IfFits),
+                    };
                     let (key, digested) = counter_key(
                         unit,
                         descriptor.entries(),
@@ -257,7 +268,8 @@ impl Engine {
                             limit.algorithm.unwrap_or(self.inner.envoy_policy.algorithm),
                         ),
                         tick_ms: unit.tick_ms(),
-                        weight: hits,
+                        weight,
+                        count,
                         // Neither blocks the others: shadow never denies, and
                         // a quota descriptor denies only together with all others.
                         shadow: limit.shadow_mode || limit.quota_mode,
@@ -329,6 +341,7 @@ impl Engine {
                             unlimited: false,
                             shadow_mode: false,
                             quota_mode: false,
+                            report_mode: false,
                             name: None,
                             replaces: Vec::new(),
                             detailed_metric: false,
@@ -499,6 +512,7 @@ impl Engine {
                 resource_path: &resource,
                 client_type: None,
                 weight: u32::try_from(items[index].weight).unwrap_or(u32::MAX),
+                count: items[index].count,
                 headers: &headers,
                 trace_id: request.trace_id,
                 rule_id: &limit.full_key,

@@ -5,7 +5,11 @@
 use std::{collections::HashMap, fmt};
 
 use super::{CheckRequest, Reason};
-use crate::{limiter::StoreError, rules::Rule, shed::Priority};
+use crate::{
+    limiter::{Count, StoreError},
+    rules::Rule,
+    shed::Priority,
+};
 
 /// One decision the store could not make, as the hot path saw it. Plain
 /// borrowed fields, so both APIs (`Check` and Envoy's `ShouldRateLimit`)
@@ -20,6 +24,9 @@ pub struct FailedDecision<'a> {
     pub client_type: Option<&'a str>,
     /// The request's weight (Envoy: the descriptor's hits).
     pub weight: u32,
+    /// How it was to be counted: an admission, a peek or a report (a
+    /// report's usage is what an auditor must not lose).
+    pub count: Count,
     /// Request headers (copied by allow-list; Envoy requests carry none).
     pub headers: &'a HashMap<String, String>,
     /// W3C trace id, if any.
@@ -48,6 +55,7 @@ impl<'a> FailedDecision<'a> {
             resource_path: request.resource_path,
             client_type: request.client_type,
             weight: request.weight,
+            count: request.count,
             headers: request.headers,
             trace_id: request.trace_id,
             rule_id: &rule.id,

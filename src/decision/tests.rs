@@ -95,6 +95,7 @@ async fn an_untrusted_request_priority_only_lowers() {
         resource_path: "/p",
         client_type: None,
         weight: 1,
+        count: crate::limiter::Count::IfFits,
         priority: Some(priority),
         headers: &headers,
         trace_id: None,

@@ -309,6 +309,7 @@ mod tests {
                 client_type: None,
                 priority: "DEGRADED".to_owned(),
                 weight: 1,
+                counting: "admission".to_owned(),
                 headers: Default::default(),
             },
             rule_id: rule.to_owned(),

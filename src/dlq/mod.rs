@@ -336,6 +336,7 @@ mod tests {
                 resource_path: "/p",
                 client_type: None,
                 weight: 1,
+                count: crate::limiter::Count::IfFits,
                 priority: None,
                 headers: &headers,
                 trace_id: None,

@@ -10,7 +10,10 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::decision::{FailedDecision, Reason};
+use crate::{
+    decision::{FailedDecision, Reason},
+    limiter::Count,
+};
 
 /// Version of the record schema written in every record.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -51,8 +54,27 @@ pub struct RecordRequest {
     pub priority: String,
     /// The request's weight.
     pub weight: u32,
+    /// How it was to be counted: `admission` (Check, ShouldRateLimit),
+    /// `peek` (counts nothing) or `report` (usage counted after the fact,
+    /// whatever was left). Records written before the field read as
+    /// `admission`.
+    #[serde(default = "admission")]
+    pub counting: String,
     /// Headers named in `dlq.header_allowlist` (names lower-cased).
     pub headers: BTreeMap<String, String>,
+}
+
+fn admission() -> String {
+    counting_name(Count::IfFits).to_owned()
+}
+
+/// The record's name for how a request was to be counted.
+pub fn counting_name(count: Count) -> &'static str {
+    match count {
+        Count::IfFits => "admission",
+        Count::Never => "peek",
+        Count::Always => "report",
+    }
 }
 
 /// The failure part of a record.
@@ -140,6 +162,7 @@ impl FailureRecord {
                 client_type: failure.client_type.map(|c| truncated(c, bounds.client_type_bytes)),
                 priority: failure.priority.as_str().to_owned(),
                 weight: failure.weight,
+                counting: counting_name(failure.count).to_owned(),
                 headers,
             },
             rule_id: failure.rule_id.to_owned(),
@@ -165,6 +188,7 @@ impl FailureRecord {
             + self.request.resource_path.len()
             + self.request.client_type.as_ref().map_or(0, String::len)
             + self.request.priority.len()
+            + self.request.counting.len()
             + self.request.headers.iter().map(|(k, v)| k.len() + v.len() + 64).sum::<usize>()
             + self.rule_id.len()
             + self.failure.kind.len()
@@ -255,6 +279,38 @@ mod tests {
         }
         // A clock that steps back does not break monotonicity.
         assert!(ids.next(10) > previous);
+    }
+
+    #[test]
+    fn a_failed_report_says_so_and_older_records_read_as_admissions() {
+        let headers = std::collections::HashMap::new();
+        let error = crate::limiter::StoreError {
+            kind: crate::limiter::FailureKind::Timeout,
+            message: "slow".to_owned(),
+        };
+        let failure = FailedDecision {
+            user_id: "ann",
+            resource_path: "/llm",
+            client_type: None,
+            weight: 1_500,
+            count: Count::Always,
+            headers: &headers,
+            trace_id: None,
+            rule_id: "tokens",
+            priority: crate::shed::Priority::Critical,
+            error: &error,
+            answer: Reason::FailOpen,
+        };
+        let record = FailureRecord::new(&failure, "01J".to_owned(), 0, "i", &[], &RecordBounds::default());
+        let json = serde_json::to_value(&record).unwrap();
+        assert_eq!(
+            (json["request"]["counting"].as_str(), json["request"]["weight"].as_u64()),
+            (Some("report"), Some(1_500))
+        );
+        let mut old = json;
+        old["request"].as_object_mut().unwrap().remove("counting");
+        let read: FailureRecord = serde_json::from_value(old).unwrap();
+        assert_eq!(read.request.counting, "admission");
     }
 
     #[test]

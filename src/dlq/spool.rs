@@ -394,6 +394,7 @@ mod tests {
                 client_type: None,
                 priority: "BULK".to_owned(),
                 weight: 1,
+                counting: "admission".to_owned(),
                 headers: Default::default(),
             },
             rule_id: "r".to_owned(),

@@ -5,7 +5,7 @@
 //! `limit`) per `window_ms`, and a request of weight `n` takes `n` tokens
 //! when it finds them. They differ in what they store:
 //!
-//! - **token bucket**: the level and when it was last refilled;
+//! - **token bucket**: its debt (below) and when it was last refilled;
 //! - **GCRA**: one timestamp, the theoretical arrival time (TAT) at which
 //!   the bucket will be full again.
 //!
@@ -13,19 +13,23 @@
 //! one ms refills `rate` units, so the refill of any whole number of ms is
 //! an integer and `retry_after_ms` is exact. Both stores reduce their state
 //! to the bucket's **debt** at `now` (units missing from a full bucket: 0
-//! when full, at most `capacity * window_ms`), call [`decide`], and store
-//! the new debt back in their own form. The Lua side
-//! (`scripts/decide_batch.lua`) does the same on doubles; the debt never
-//! exceeds `capacity * window_ms` ≤ [`MAX_CAPACITY_TIMES_WINDOW`], and GCRA
-//! stores its TAT as whole ms plus a remainder in units, so no quantity
-//! reaches 2^53.
+//! when full), call [`decide`], and store the new debt back in their own
+//! form. Admission keeps the debt at most a full bucket (`capacity *
+//! window_ms`); a usage report (`Count::Always`) may push it further, up to
+//! [`MAX_DEBT`], and the bucket then admits nothing until it has refilled
+//! past the overdraft. The Lua side (`scripts/decide_batch.lua`) does the
+//! same on doubles; every quantity stays below 2^53 (a debt of at most
+//! 2^51 plus a request of at most a full bucket ≤ 2^51), and GCRA stores
+//! its TAT as whole ms plus a remainder in units.
 //!
 //! In any interval of `t` ms the weight admitted is at most
 //! `capacity + rate * t / window_ms` (the property tests check it).
-//!
-//! [`MAX_CAPACITY_TIMES_WINDOW`]: super::window::MAX_CAPACITY_TIMES_WINDOW
 
-use super::window::{Algorithm, Verdict};
+use super::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, Verdict};
+
+/// The most debt a bucket carries, in units: reports past a full bucket are
+/// clamped here (2^51, like a rule's largest full bucket).
+pub const MAX_DEBT: u64 = MAX_CAPACITY_TIMES_WINDOW;
 
 /// The fixed parameters of one bucket rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,29 +49,29 @@ impl BucketParams {
         self.capacity.saturating_mul(self.window_ms)
     }
 
-    /// Ms (or ticks) that refill an empty bucket: `ceil(full / rate)`.
-    fn fill_time(self) -> u64 {
-        self.full().div_ceil(self.rate.max(1))
+    /// Ms (or ticks) that pay back the largest debt: `ceil(MAX_DEBT / rate)`.
+    fn payback_time(self) -> u64 {
+        MAX_DEBT.div_ceil(self.rate.max(1))
     }
 }
 
-// All arithmetic is in u64: the debt never exceeds a full bucket (≤ 2^51),
-// a weight over the capacity is answered before it is multiplied, and an
-// elapsed time is clamped to the fill time before it is.
+// All arithmetic is in u64: a debt never exceeds `MAX_DEBT` (2^51), a
+// weight over the capacity is answered before it is multiplied, and an
+// elapsed time is clamped to the payback time before it is.
 
 /// Decides a request of `weight` against a bucket `debt` units short of
-/// full (clamped to the full bucket). Returns the verdict and the debt to
+/// full (clamped to [`MAX_DEBT`]). Returns the verdict and the debt to
 /// store: `debt + weight * W` when admitted, `debt` when not (a denied
 /// request consumes nothing).
 pub fn decide(debt: u64, weight: u64, params: BucketParams) -> (Verdict, u64) {
     let full = params.full();
     let w = params.window_ms.max(1);
     let rate = params.rate.max(1);
-    let debt = debt.min(full);
+    let debt = debt.min(MAX_DEBT);
     if weight > params.capacity {
         let verdict = Verdict {
             admitted: false,
-            remaining: (full - debt) / w,
+            remaining: full.saturating_sub(debt) / w,
             retry_after_ms: None,
             reset_after_ms: debt.div_ceil(rate),
         };
@@ -79,43 +83,40 @@ pub fn decide(debt: u64, weight: u64, params: BucketParams) -> (Verdict, u64) {
     let retry_after_ms = if admitted { 0 } else { (debt + need - full).div_ceil(rate) };
     let verdict = Verdict {
         admitted,
-        remaining: (full - after) / w,
+        remaining: full.saturating_sub(after) / w,
         retry_after_ms: Some(retry_after_ms),
         reset_after_ms: after.div_ceil(rate),
     };
     (verdict, after)
 }
 
-/// The debt at `now_ms` of a token bucket stored as its `level` (units) at
-/// `last_ms`: refilled by `rate` units per ms since, up to full. A clock
-/// that went backwards refills nothing.
-pub fn token_bucket_debt(level: u64, last_ms: u64, now_ms: u64, params: BucketParams) -> u64 {
-    let full = params.full();
-    let elapsed = now_ms.saturating_sub(last_ms).min(params.fill_time());
-    let level = (level.min(full) + elapsed * params.rate.max(1)).min(full);
-    full - level
+/// The debt after `weight` is counted whatever is left (a report), clamped
+/// to [`MAX_DEBT`].
+pub fn report(debt: u64, weight: u64, params: BucketParams) -> u64 {
+    debt.saturating_add(weight.saturating_mul(params.window_ms.max(1))).min(MAX_DEBT)
 }
 
-/// A token bucket's state after a decision at `now_ms` left `debt`:
-/// `(level, last_ms)`.
-pub fn token_bucket_state(debt: u64, now_ms: u64, params: BucketParams) -> (u64, u64) {
-    let full = params.full();
-    (full - debt.min(full), now_ms)
+/// The debt at `now_ms` of a token bucket that owed `debt` units at
+/// `last_ms`: paid back by `rate` units per ms since, down to 0. A clock
+/// that went backwards pays back nothing.
+pub fn token_bucket_debt(debt: u64, last_ms: u64, now_ms: u64, params: BucketParams) -> u64 {
+    let elapsed = now_ms.saturating_sub(last_ms).min(params.payback_time());
+    debt.min(MAX_DEBT).saturating_sub(elapsed * params.rate.max(1))
 }
 
 /// The debt at `now_ms` of a GCRA bucket whose TAT is `tat_ms` whole ms
-/// plus `tat_rem` units (`tat_rem < rate`): how far the TAT lies ahead of
-/// now, in units, clamped to a full bucket (a clock that went backwards
-/// cannot create more debt than a bucket holds).
+/// plus `tat_rem` units: how far the TAT lies ahead of now, in units,
+/// clamped to [`MAX_DEBT`] (a clock that went backwards cannot create more
+/// debt than that).
 pub fn gcra_debt(tat_ms: u64, tat_rem: u64, now_ms: u64, params: BucketParams) -> u64 {
     if tat_ms < now_ms {
         return 0;
     }
     let ahead = tat_ms - now_ms;
-    if ahead > params.fill_time() {
-        return params.full();
+    if ahead > params.payback_time() {
+        return MAX_DEBT;
     }
-    (ahead * params.rate.max(1) + tat_rem.min(params.rate)).min(params.full())
+    (ahead * params.rate.max(1)).saturating_add(tat_rem).min(MAX_DEBT)
 }
 
 /// A GCRA bucket's state after a decision at `now_ms` left `debt`: the new
@@ -126,8 +127,8 @@ pub fn gcra_state(debt: u64, now_ms: u64, params: BucketParams) -> (u64, u64) {
 }
 
 /// The debt at `now_ms` of a bucket stored as `(stamp, value)`, the two
-/// fields both stores keep for it: a token bucket's (last refill, level),
-/// GCRA's (TAT in whole ms, remainder).
+/// fields both stores keep for it: a token bucket's (last refill, debt
+/// then), GCRA's (TAT in whole ms, remainder).
 pub fn debt_of(algorithm: Algorithm, stamp: u64, value: u64, now_ms: u64, params: BucketParams) -> u64 {
     match algorithm {
         Algorithm::Gcra => gcra_debt(stamp, value, now_ms, params),
@@ -139,10 +140,7 @@ pub fn debt_of(algorithm: Algorithm, stamp: u64, value: u64, now_ms: u64, params
 pub fn state_of(algorithm: Algorithm, debt: u64, now_ms: u64, params: BucketParams) -> (u64, u64) {
     match algorithm {
         Algorithm::Gcra => gcra_state(debt, now_ms, params),
-        _ => {
-            let (level, last_ms) = token_bucket_state(debt, now_ms, params);
-            (last_ms, level)
-        }
+        _ => (now_ms, debt),
     }
 }
 
@@ -153,37 +151,43 @@ mod tests {
     /// A bucket as a store drives it, in either representation.
     #[derive(Debug, Clone, Copy)]
     enum Stored {
-        Bucket { level: u64, last_ms: u64 },
+        Bucket { debt: u64, last_ms: u64 },
         Gcra { tat_ms: u64, tat_rem: u64 },
     }
 
     impl Stored {
-        fn empty_bucket(params: BucketParams) -> Self {
-            Stored::Bucket { level: params.full(), last_ms: 0 }
+        fn empty_bucket() -> Self {
+            Stored::Bucket { debt: 0, last_ms: 0 }
         }
 
         fn debt(self, now_ms: u64, params: BucketParams) -> u64 {
             match self {
-                Stored::Bucket { level, last_ms } => token_bucket_debt(level, last_ms, now_ms, params),
+                Stored::Bucket { debt, last_ms } => token_bucket_debt(debt, last_ms, now_ms, params),
                 Stored::Gcra { tat_ms, tat_rem } => gcra_debt(tat_ms, tat_rem, now_ms, params),
             }
+        }
+
+        fn store(&mut self, debt: u64, now_ms: u64, params: BucketParams) {
+            *self = match self {
+                Stored::Bucket { .. } => Stored::Bucket { debt, last_ms: now_ms },
+                Stored::Gcra { .. } => {
+                    let (tat_ms, tat_rem) = gcra_state(debt, now_ms, params);
+                    Stored::Gcra { tat_ms, tat_rem }
+                }
+            };
         }
 
         fn hit(&mut self, now_ms: u64, weight: u64, params: BucketParams) -> Verdict {
             let (verdict, after) = decide(self.debt(now_ms, params), weight, params);
             if verdict.admitted {
-                *self = match self {
-                    Stored::Bucket { .. } => {
-                        let (level, last_ms) = token_bucket_state(after, now_ms, params);
-                        Stored::Bucket { level, last_ms }
-                    }
-                    Stored::Gcra { .. } => {
-                        let (tat_ms, tat_rem) = gcra_state(after, now_ms, params);
-                        Stored::Gcra { tat_ms, tat_rem }
-                    }
-                };
+                self.store(after, now_ms, params);
             }
             verdict
+        }
+
+        fn report(&mut self, now_ms: u64, weight: u64, params: BucketParams) {
+            let after = report(self.debt(now_ms, params), weight, params);
+            self.store(after, now_ms, params);
         }
     }
 
@@ -195,7 +199,7 @@ mod tests {
     fn a_full_bucket_admits_the_burst_then_refills_at_the_rate() {
         // 10 per second, burst 20.
         let p = params(1_000, 10, 20);
-        for mut stored in [Stored::empty_bucket(p), Stored::Gcra { tat_ms: 0, tat_rem: 0 }] {
+        for mut stored in [Stored::empty_bucket(), Stored::Gcra { tat_ms: 0, tat_rem: 0 }] {
             let now = 1_000_000;
             for left in (0..20).rev() {
                 let v = stored.hit(now, 1, p);
@@ -252,6 +256,37 @@ mod tests {
         assert_eq!(stored.hit(20_003, 1, p).retry_after_ms, Some(331), "ceil(991 / 3)");
     }
 
+    #[test]
+    fn a_report_overdraws_the_bucket_and_it_pays_the_overdraft_back_at_the_rate() {
+        // 10 per second, burst 20: a report of 50 leaves a debt of 30 tokens past empty.
+        let p = params(1_000, 10, 20);
+        for mut stored in [Stored::empty_bucket(), Stored::Gcra { tat_ms: 0, tat_rem: 0 }] {
+            let now = 1_000_000;
+            stored.report(now, 50, p);
+            assert_eq!(stored.debt(now, p), 50_000);
+            let denied = stored.hit(now, 1, p);
+            assert!(!denied.admitted);
+            assert_eq!(denied.remaining, 0);
+            // 30 tokens of overdraft and one for the request: 3.1 s.
+            assert_eq!(denied.retry_after_ms, Some(3_100));
+            assert_eq!(denied.reset_after_ms, 5_000);
+            assert!(!stored.hit(now + 3_099, 1, p).admitted);
+            assert!(stored.hit(now + 3_100, 1, p).admitted);
+        }
+    }
+
+    #[test]
+    fn reports_are_clamped_at_the_largest_debt() {
+        let p = params(1_000, 10, 20);
+        for mut stored in [Stored::empty_bucket(), Stored::Gcra { tat_ms: 0, tat_rem: 0 }] {
+            stored.report(7, u64::MAX, p);
+            stored.report(7, u64::MAX, p);
+            assert_eq!(stored.debt(7, p), MAX_DEBT);
+            let v = stored.hit(7, 1, p);
+            assert_eq!(v.retry_after_ms, Some((MAX_DEBT + 1_000 - 20_000).div_ceil(10)));
+        }
+    }
+
     mod properties {
         use proptest::prelude::*;
 
@@ -277,7 +312,7 @@ mod tests {
                 start in 0u64..1_000_000_000,
                 steps in proptest::collection::vec((0u64..2_000, 1u64..=20), 1..200),
             ) {
-                let mut bucket = Stored::empty_bucket(p);
+                let mut bucket = Stored::empty_bucket();
                 let mut gcra = Stored::Gcra { tat_ms: 0, tat_rem: 0 };
                 let mut now = start;
                 let mut admitted: Vec<(u64, u64)> = Vec::new();
@@ -335,11 +370,60 @@ mod tests {
                 now in any::<u64>(),
                 weight in any::<u64>(),
             ) {
-                for debt in [token_bucket_debt(level, stamp, now, p), gcra_debt(stamp, level % p.rate, now, p)] {
-                    prop_assert!(debt <= p.full());
+                for debt in [token_bucket_debt(level, stamp, now, p), gcra_debt(stamp, level, now, p)] {
+                    prop_assert!(debt <= MAX_DEBT);
                     let (v, after) = decide(debt, weight, p);
-                    prop_assert!(v.remaining <= p.capacity && after <= p.full());
+                    prop_assert!(v.remaining <= p.capacity && after <= MAX_DEBT);
+                    prop_assert!(!v.admitted || after <= p.full());
                     prop_assert_eq!(v.admitted, v.retry_after_ms == Some(0));
+                    prop_assert!(report(debt, weight, p) <= MAX_DEBT);
+                }
+            }
+
+            /// Reports and admissions mixed: both representations agree,
+            /// and what is admitted plus what is reported in any interval
+            /// stays within capacity + rate * t / W.
+            #[test]
+            fn reports_count_against_the_same_bound(
+                p in bucket_params(),
+                start in 0u64..1_000_000_000,
+                steps in proptest::collection::vec((0u64..2_000, 1u64..=40, any::<bool>()), 1..200),
+            ) {
+                let mut bucket = Stored::empty_bucket();
+                let mut gcra = Stored::Gcra { tat_ms: 0, tat_rem: 0 };
+                let mut now = start;
+                let mut counted: Vec<(u64, u64, bool)> = Vec::new();
+                for (gap, weight, is_report) in steps {
+                    now += gap;
+                    if is_report {
+                        bucket.report(now, weight, p);
+                        gcra.report(now, weight, p);
+                        counted.push((now, weight, true));
+                    } else {
+                        let a = bucket.hit(now, weight, p);
+                        let b = gcra.hit(now, weight, p);
+                        prop_assert_eq!(a, b, "token bucket and GCRA disagree at {}", now);
+                        if a.admitted {
+                            counted.push((now, weight, false));
+                        }
+                    }
+                    prop_assert_eq!(bucket.debt(now, p), gcra.debt(now, p));
+                }
+                // Every admission at t_j fits: the weight counted in
+                // [t_i, t_j] is at most capacity + rate * (t_j - t_i) / W.
+                for j in 0..counted.len() {
+                    if counted[j].2 {
+                        continue;
+                    }
+                    let mut sum = 0u128;
+                    for i in (0..=j).rev() {
+                        sum += u128::from(counted[i].1);
+                        let t = u128::from(counted[j].0 - counted[i].0);
+                        prop_assert!(
+                            sum * u128::from(p.window_ms) <= u128::from(p.full()) + t * u128::from(p.rate),
+                            "{} counted in {} ms before an admission", sum, t
+                        );
+                    }
                 }
             }
         }

@@ -33,7 +33,7 @@ use indexmap::{Equivalent, IndexMap};
 use tokio::sync::{Notify, watch};
 
 use super::{
-    Clock, CounterSpec, FailureKind, ManyItem, ManyOutcome, StoreError, evaluate, many_verdicts,
+    Clock, Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, StoreError, evaluate, many_verdicts,
     window::{StoredCounter, Verdict},
 };
 
@@ -226,21 +226,22 @@ impl MemoryStore {
         }
     }
 
-    /// Decides and, on admit, counts — atomically for this user and rule.
-    /// Fails only when a new counter is needed and its shard is full of
-    /// counters that still count.
+    /// Decides and counts as `count` says — atomically for this user and
+    /// rule. Fails only when a new counter is needed and its shard is full
+    /// of counters that still count.
     pub fn decide(
         &self,
         user_id: &str,
         counter: CounterSpec<'_>,
         weight: u64,
+        count: Count,
     ) -> Result<Verdict, StoreError> {
         let now = self.clock.now_ms();
         let mut shard = self.lock(self.shard_index(user_id));
         let (at, stored) = shard.find(counter.id, user_id, now);
-        let decided = evaluate(stored, now, weight, counter.window);
-        if decided.verdict.admitted && weight > 0 {
-            let entry = Entry { counter: decided.next, expires_at_ms: now.saturating_add(decided.ttl) };
+        let decided = evaluate(stored, now, weight, counter.window, count);
+        if let Some((next, ttl)) = decided.write {
+            let entry = Entry { counter: next, expires_at_ms: now.saturating_add(ttl) };
             match at {
                 Some(index) => shard.counters[index] = entry,
                 None => {
@@ -280,14 +281,16 @@ impl MemoryStore {
                 Some((_, counter, _)) => Some(*counter),
                 None => guards[position(shard)].1.get(group, &item.key, now_ms),
             };
-            let decided = evaluate(stored, now, item.weight, item.params);
-            let fits = decided.verdict.admitted;
-            // A weight of 0 (a peek) writes nothing: no counter is created.
-            if fits && item.weight > 0 {
-                let expires_at_ms = now_ms.saturating_add(decided.ttl.saturating_mul(item.tick_ms));
-                pending.push((item.key.as_str(), decided.next, expires_at_ms));
-                writes.push((shard, item, decided.next, expires_at_ms));
-            } else if !item.shadow {
+            let decided = evaluate(stored, now, item.weight, item.params, item.count);
+            let fits = decided.fits;
+            // A peek (or a weight of 0) writes nothing: no counter is created.
+            if let Some((next, ttl)) = decided.write {
+                let expires_at_ms = now_ms.saturating_add(ttl.saturating_mul(item.tick_ms));
+                pending.push((item.key.as_str(), next, expires_at_ms));
+                writes.push((shard, item, next, expires_at_ms));
+            }
+            // A report never blocks: it is counted whatever is left.
+            if !fits && !item.shadow && item.count != Count::Always {
                 blocked = true;
             }
             raw.push((fits, decided.seen));
@@ -439,10 +442,10 @@ mod tests {
         let store = MemoryStore::new(4, 1_000, clock);
         let a = rule("a", 1_000, 2);
         let b = rule("b", 1_000, 2);
-        assert!(store.decide("u1", a.counter(), 2).unwrap().admitted);
-        assert!(!store.decide("u1", a.counter(), 1).unwrap().admitted);
-        assert!(store.decide("u2", a.counter(), 2).unwrap().admitted, "users are independent");
-        assert!(store.decide("u1", b.counter(), 2).unwrap().admitted, "rules are independent");
+        assert!(store.decide("u1", a.counter(), 2, Count::IfFits).unwrap().admitted);
+        assert!(!store.decide("u1", a.counter(), 1, Count::IfFits).unwrap().admitted);
+        assert!(store.decide("u2", a.counter(), 2, Count::IfFits).unwrap().admitted, "users are independent");
+        assert!(store.decide("u1", b.counter(), 2, Count::IfFits).unwrap().admitted, "rules are independent");
     }
 
     #[test]
@@ -451,7 +454,7 @@ mod tests {
         let store = MemoryStore::new(4, 1_000, Arc::clone(&clock) as Arc<dyn Clock>);
         let r = rule("a", 1_000, 5);
         for user in 0..100 {
-            store.decide(&format!("user-{user}"), r.counter(), 1).unwrap();
+            store.decide(&format!("user-{user}"), r.counter(), 1, Count::IfFits).unwrap();
         }
         assert_eq!(store.len(), 100);
         clock.advance(1_999);
@@ -466,7 +469,7 @@ mod tests {
         let clock = Arc::new(ManualClock::new(0));
         let store = MemoryStore::new(1, 1_000, clock);
         let r = rule("a", 1_000, 1);
-        assert!(!store.decide("u", r.counter(), 2).unwrap().admitted);
+        assert!(!store.decide("u", r.counter(), 2, Count::IfFits).unwrap().admitted);
         assert!(store.is_empty());
     }
 
@@ -476,6 +479,7 @@ mod tests {
             params: WindowParams::sliding(60_000, capacity),
             tick_ms: 1,
             weight,
+            count: Count::IfFits,
             shadow,
         }
     }
@@ -526,7 +530,9 @@ mod tests {
                     let store = Arc::clone(&store);
                     let r = Arc::clone(&r);
                     scope.spawn(move || {
-                        (0..500).filter(|_| store.decide("hot", r.counter(), 1).unwrap().admitted).count()
+                        (0..500)
+                            .filter(|_| store.decide("hot", r.counter(), 1, Count::IfFits).unwrap().admitted)
+                            .count()
                     })
                 })
                 .collect();
@@ -540,10 +546,10 @@ mod tests {
         let clock = Arc::new(ManualClock::new(1_000_000));
         let store = MemoryStore::new(4, 64, Arc::clone(&clock) as Arc<dyn Clock>);
         let r = rule("a", 1_000, 3);
-        store.decide("victim", r.counter(), 3).unwrap();
+        store.decide("victim", r.counter(), 3, Count::IfFits).unwrap();
         let mut full = 0;
         for user in 0..1_000 {
-            match store.decide(&format!("flood-{user}"), r.counter(), 1) {
+            match store.decide(&format!("flood-{user}"), r.counter(), 1, Count::IfFits) {
                 Ok(verdict) => assert!(verdict.admitted),
                 Err(e) => {
                     assert_eq!(e.kind, FailureKind::StoreFull);
@@ -554,10 +560,13 @@ mod tests {
         assert_eq!(store.len(), 64, "every shard filled to its share, none beyond");
         assert_eq!(full, 1_000 - 63);
         assert_eq!(store.evictions(), 0);
-        assert!(!store.decide("victim", r.counter(), 1).unwrap().admitted, "the victim's counter survived");
+        assert!(
+            !store.decide("victim", r.counter(), 1, Count::IfFits).unwrap().admitted,
+            "the victim's counter survived"
+        );
         // A known counter keeps deciding; a denial or a peek needs no room.
-        assert!(!store.decide("flood-unknown", r.counter(), 4).unwrap().admitted);
-        assert!(store.decide("flood-unknown-2", r.counter(), 0).unwrap().admitted);
+        assert!(!store.decide("flood-unknown", r.counter(), 4, Count::IfFits).unwrap().admitted);
+        assert!(store.decide("flood-unknown-2", r.counter(), 0, Count::IfFits).unwrap().admitted);
     }
 
     #[test]
@@ -566,12 +575,15 @@ mod tests {
         let store = MemoryStore::new(1, 8, Arc::clone(&clock) as Arc<dyn Clock>);
         let r = rule("a", 1_000, 3);
         for user in 0..8 {
-            store.decide(&format!("old-{user}"), r.counter(), 1).unwrap();
+            store.decide(&format!("old-{user}"), r.counter(), 1, Count::IfFits).unwrap();
         }
-        assert_eq!(store.decide("new", r.counter(), 1).unwrap_err().kind, FailureKind::StoreFull);
+        assert_eq!(
+            store.decide("new", r.counter(), 1, Count::IfFits).unwrap_err().kind,
+            FailureKind::StoreFull
+        );
         clock.advance(2_000);
         for user in 0..8 {
-            assert!(store.decide(&format!("new-{user}"), r.counter(), 1).unwrap().admitted);
+            assert!(store.decide(&format!("new-{user}"), r.counter(), 1, Count::IfFits).unwrap().admitted);
         }
         assert_eq!(store.len(), 8);
         assert_eq!(store.evictions(), 8);
@@ -599,16 +611,19 @@ mod tests {
         let store = MemoryStore::new(2, 100_000, Arc::clone(&clock) as Arc<dyn Clock>);
         let r = rule("a", 1_000, 3);
         for user in 0..50_000 {
-            store.decide(&format!("flood-{user}"), r.counter(), 1).unwrap();
+            store.decide(&format!("flood-{user}"), r.counter(), 1, Count::IfFits).unwrap();
         }
         let flooded = store.allocated();
         assert!(flooded >= 50_000);
         clock.advance(1_000);
-        store.decide("stays", r.counter(), 1).unwrap();
+        store.decide("stays", r.counter(), 1, Count::IfFits).unwrap();
         clock.advance(1_000);
         assert_eq!(store.sweep(), 1, "only the counter written a window ago is left");
         assert!(store.allocated() < flooded / 10, "{} slots left of {flooded}", store.allocated());
-        assert!(!store.decide("stays", r.counter(), 3).unwrap().admitted, "the survivor still counts");
+        assert!(
+            !store.decide("stays", r.counter(), 3, Count::IfFits).unwrap().admitted,
+            "the survivor still counts"
+        );
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::{
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
 use window::StoredCounter;
-pub use window::{Algorithm, Verdict, WindowParams};
+pub use window::{Algorithm, Count, Verdict, WindowParams};
 
 pub use crate::clock::{Clock, ManualClock, SystemClock};
 
@@ -36,25 +36,53 @@ pub enum Store {
 }
 
 impl Store {
-    /// Counts a request of `weight` for `user_id` against `counter`, if it
-    /// fits. `weight` must not exceed the counter's capacity (the caller
-    /// answers those without a store call).
+    /// Decides a request of `weight` for `user_id` against `counter` and
+    /// counts it as `count` says ([`Count`]): if it fits, never (a peek), or
+    /// always (a report). The verdict of a peek or a report describes the
+    /// counter without (peek) or after (report) its weight; see
+    /// `Seen::answer`.
     pub async fn decide(
         &self,
         user_id: &str,
         counter: CounterSpec<'_>,
         weight: u64,
+        count: Count,
     ) -> Result<Verdict, StoreError> {
         match self {
-            Store::Memory(store) => store.decide(user_id, counter, weight),
-            Store::Redis(store) => store.decide(user_id, counter, weight).await,
+            Store::Memory(store) => store.decide(user_id, counter, weight, count),
+            Store::Redis(store) => store.decide(user_id, counter, weight, count).await,
         }
     }
 
     /// Decides several counters together, all or nothing (Envoy's
     /// multi-descriptor requests): if any non-shadow item does not fit,
-    /// nothing is counted. `group` scopes the keys (the Envoy domain).
+    /// none of the admissions is counted. `group` scopes the keys (the
+    /// Envoy domain). Reports ([`Count::Always`]) are counted whatever the
+    /// others decide: mixed with admissions, they go to the store as a job
+    /// of their own.
     pub async fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
+        let reports = items.iter().filter(|i| i.count == Count::Always).count();
+        if reports == 0 || reports == items.len() {
+            return self.decide_job(group, items).await;
+        }
+        // Rare (one request carrying both reports and admissions): clones.
+        let (reported, decided): (Vec<ManyItem>, Vec<ManyItem>) =
+            items.iter().cloned().partition(|i| i.count == Count::Always);
+        let (reported, decided) =
+            tokio::join!(self.decide_job(group, &reported), self.decide_job(group, &decided));
+        let (mut reported, mut decided) = (reported?.verdicts.into_iter(), decided?);
+        let committed = decided.committed;
+        let mut admissions = std::mem::take(&mut decided.verdicts).into_iter();
+        let verdicts = items
+            .iter()
+            .map(|i| if i.count == Count::Always { reported.next() } else { admissions.next() })
+            .collect::<Option<Vec<Verdict>>>()
+            .expect("one verdict per item");
+        Ok(ManyOutcome { committed, verdicts })
+    }
+
+    /// One all-or-nothing job (reports only, or no report).
+    async fn decide_job(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
         match self {
             Store::Memory(store) => store.decide_many(group, items),
             Store::Redis(store) => store.decide_many(group, items).await,
@@ -110,6 +138,8 @@ pub struct ManyItem {
     pub tick_ms: u64,
     /// Weight to add.
     pub weight: u64,
+    /// Whether to count it: if it fits, never (a peek) or always (a report).
+    pub count: Count,
     /// Over the limit does not block the other items (and is not counted).
     pub shadow: bool,
 }
@@ -117,7 +147,8 @@ pub struct ManyItem {
 /// The result of [`Store::decide_many`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ManyOutcome {
-    /// Whether the items that fit were counted (no enforced item was over).
+    /// Whether the admissions that fit were counted (no enforced item was
+    /// over).
     pub committed: bool,
     /// Per item, durations in ms. `admitted` says whether the item fit on
     /// its own; `remaining` reflects what was actually counted.
@@ -144,67 +175,116 @@ pub(crate) enum Seen {
 }
 
 impl Seen {
-    /// The verdict for a request of `weight` (durations in ticks).
+    /// What a store sees of `stored` (none: never counted, or expired) at
+    /// `now` ticks: a window's counts (clamped to `window::max_count`), a
+    /// bucket's debt.
+    fn at(stored: Option<StoredCounter>, now: u64, params: WindowParams) -> Self {
+        if params.algorithm.is_bucket() {
+            let debt = stored
+                .map_or(0, |s| bucket::debt_of(params.algorithm, s.window, s.current, now, params.bucket()));
+            return Seen::Bucket { debt };
+        }
+        let (index, elapsed) = window::position(now, params.window_ms);
+        let counts = window::roll(stored.unwrap_or_default(), index).clamped(params.window_ms);
+        Seen::Window { counts, elapsed }
+    }
+
+    /// The verdict for a request of `weight` (durations in ticks), as if
+    /// it were counted when it fits.
     pub(crate) fn verdict(self, weight: u64, params: WindowParams) -> Verdict {
         match self {
             Seen::Window { counts, elapsed } => window::decide(counts, elapsed, weight, params),
             Seen::Bucket { debt } => bucket::decide(debt, weight, params.bucket()).0,
         }
     }
+
+    /// The verdict for a request of `weight` that is not counted: whether
+    /// it fits and when it would, with `remaining` and `reset_after_ms` as
+    /// the counter stands.
+    fn probe(self, weight: u64, params: WindowParams) -> Verdict {
+        let test = self.verdict(weight, params);
+        if !test.admitted {
+            // Nothing was counted: remaining and reset are already the counter's own.
+            return test;
+        }
+        Verdict { admitted: true, retry_after_ms: Some(0), ..self.verdict(0, params) }
+    }
+
+    /// The counter after `weight` is counted whatever is left, clamped
+    /// exactly as both stores clamp it.
+    fn after(self, weight: u64, params: WindowParams) -> Self {
+        match self {
+            Seen::Window { counts, elapsed } => Seen::Window {
+                counts: window::Counts {
+                    current: counts.current.saturating_add(weight).min(window::max_count(params.window_ms)),
+                    previous: counts.previous,
+                },
+                elapsed,
+            },
+            Seen::Bucket { debt } => Seen::Bucket { debt: bucket::report(debt, weight, params.bucket()) },
+        }
+    }
+
+    /// The answer to a decision of `weight` that counted as `count` says;
+    /// `counted`: an admission's weight was written. An admission answers
+    /// for itself; a peek (or an admission not counted) answers without
+    /// its weight; a report answers for the *next* request: whether one of
+    /// weight 1 would pass now that the report is counted, and when.
+    pub(crate) fn answer(self, weight: u64, count: Count, params: WindowParams, counted: bool) -> Verdict {
+        match count {
+            Count::IfFits if counted => self.verdict(weight, params),
+            Count::Always => self.after(weight, params).probe(1, params),
+            Count::IfFits | Count::Never => self.probe(weight, params),
+        }
+    }
 }
 
-/// One counter decided at `now` (in ticks): what was seen, the verdict, and
-/// the state to store if it is admitted, with how long (in ticks) that
-/// state still matters.
+/// One counter decided at `now` (in ticks): what was seen, whether the
+/// weight fits, the answer, and the state to store (with how long, in
+/// ticks, it still matters) when the decision writes.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Evaluated {
     pub(crate) seen: Seen,
+    pub(crate) fits: bool,
     pub(crate) verdict: Verdict,
-    pub(crate) next: StoredCounter,
-    pub(crate) ttl: u64,
+    pub(crate) write: Option<(StoredCounter, u64)>,
 }
 
 /// Decides a request of `weight` on the counter `stored` (none: never
-/// counted, or expired) at `now` ticks, by the rule's algorithm. Pure: the
-/// memory store applies `next` on admit; the Lua script is its twin.
-/// A bucket keeps its stamp (last refill, or TAT in whole ticks) in
-/// `StoredCounter::window` and its level (or TAT remainder) in `current`.
+/// counted, or expired) at `now` ticks, by the rule's algorithm, counting
+/// it as `count` says. Pure: the memory store applies `write`; the Lua
+/// script is its twin. A bucket keeps its stamp (last refill, or TAT in
+/// whole ticks) in `StoredCounter::window` and its debt (or TAT remainder)
+/// in `current`. A weight of 0 writes nothing.
 pub(crate) fn evaluate(
     stored: Option<StoredCounter>,
     now: u64,
     weight: u64,
     params: WindowParams,
+    count: Count,
 ) -> Evaluated {
-    match params.algorithm {
-        Algorithm::SlidingWindow | Algorithm::FixedWindow => {
-            let (index, elapsed) = window::position(now, params.window_ms);
-            let counts = window::roll(stored.unwrap_or_default(), index);
-            let verdict = window::decide(counts, elapsed, weight, params);
-            Evaluated {
-                seen: Seen::Window { counts, elapsed },
-                verdict,
-                next: StoredCounter {
-                    window: index,
-                    current: counts.current + weight,
-                    previous: counts.previous,
-                },
-                ttl: 2 * params.window_ms,
-            }
+    let seen = Seen::at(stored, now, params);
+    let test = seen.verdict(weight, params);
+    let fits = test.admitted;
+    let writes = weight > 0 && (count == Count::Always || (count == Count::IfFits && fits));
+    let verdict = if count == Count::IfFits { test } else { seen.answer(weight, count, params, false) };
+    let write = writes.then(|| match seen.after(weight, params) {
+        Seen::Window { counts, .. } => {
+            let next = StoredCounter {
+                window: window::position(now, params.window_ms).0,
+                current: counts.current,
+                previous: counts.previous,
+            };
+            (next, 2 * params.window_ms)
         }
-        Algorithm::TokenBucket | Algorithm::Gcra => {
+        Seen::Bucket { debt } => {
             let b = params.bucket();
-            let debt = stored.map_or(0, |s| bucket::debt_of(params.algorithm, s.window, s.current, now, b));
-            let (verdict, after) = bucket::decide(debt, weight, b);
-            let (stamp, value) = bucket::state_of(params.algorithm, after, now, b);
-            Evaluated {
-                seen: Seen::Bucket { debt },
-                verdict,
-                next: StoredCounter { window: stamp, current: value, previous: 0 },
-                // Until it is full again, at least a tick.
-                ttl: after.div_ceil(b.rate.max(1)).max(1),
-            }
+            let (stamp, value) = bucket::state_of(params.algorithm, debt, now, b);
+            // Until it is full again, at least a tick.
+            (StoredCounter { window: stamp, current: value, previous: 0 }, debt.div_ceil(b.rate).max(1))
         }
-    }
+    });
+    Evaluated { seen, fits, verdict, write }
 }
 
 /// Per item: fits, then what the store saw before its own weight.
@@ -216,10 +296,7 @@ pub(crate) fn many_verdicts(items: &[ManyItem], raw: &[RawItem], committed: bool
         .iter()
         .zip(raw)
         .map(|(item, &(fits, seen))| {
-            // Nothing was counted: report the item as if it had no weight.
-            let weight = if fits && !committed { 0 } else { item.weight };
-            let mut verdict = seen.verdict(weight, item.params);
-            verdict.admitted = fits;
+            let mut verdict = seen.answer(item.weight, item.count, item.params, fits && committed);
             verdict.retry_after_ms = verdict.retry_after_ms.map(|t| t.saturating_mul(item.tick_ms));
             verdict.reset_after_ms = verdict.reset_after_ms.saturating_mul(item.tick_ms);
             verdict

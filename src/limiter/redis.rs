@@ -47,10 +47,11 @@ use tokio::{
 };
 
 use super::{
-    CounterSpec, FailureKind, ManyItem, ManyOutcome, Seen, StoreError,
+    Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, Seen, StoreError,
     breaker::{Admission, Breaker},
+    bucket::MAX_DEBT,
     many_verdicts,
-    window::{Counts, Verdict, WindowParams},
+    window::{Counts, Verdict, WindowParams, max_count},
 };
 use crate::config::{RedisConfig, redact_url};
 
@@ -68,12 +69,13 @@ const MAX_BATCH: usize = 256;
 const QUEUE_PER_SLOT: usize = 4_096;
 
 /// One counter's script arguments: window (ticks), capacity, weight, tick
-/// (ms), flags (algorithm code + 4 if shadow), rate.
+/// (ms), flags (algorithm code + 4 if shadow + 8 × count code), rate.
 type KeyArgs = [u64; 6];
 
-/// The flags argument of a counter: its algorithm's code, plus 4 when shadow.
-fn flags(params: WindowParams, shadow: bool) -> u64 {
-    params.algorithm.code() | (u64::from(shadow) << 2)
+/// The flags argument of a counter: its algorithm's code, plus 4 when
+/// shadow, plus 8 times how it counts ([`Count::code`]).
+fn flags(params: WindowParams, shadow: bool, count: Count) -> u64 {
+    params.algorithm.code() | (u64::from(shadow) << 2) | (count.code() << 3)
 }
 
 /// What the script saw of one counter (`a, b, c` of its answer), checked
@@ -82,16 +84,17 @@ fn flags(params: WindowParams, shadow: bool) -> u64 {
 fn seen_of(a: u64, b: u64, c: u64, params: WindowParams) -> Result<Seen, StoreError> {
     if params.algorithm.is_bucket() {
         let debt = a;
-        if debt > params.bucket().full() {
-            return Err(script_error(format!(
-                "debt {debt} beyond a full bucket of {}",
-                params.bucket().full()
-            )));
+        if debt > MAX_DEBT {
+            return Err(script_error(format!("debt {debt} beyond the largest debt {MAX_DEBT}")));
         }
         return Ok(Seen::Bucket { debt });
     }
     if c >= params.window_ms {
         return Err(script_error(format!("elapsed {c} outside a window of {}", params.window_ms)));
+    }
+    let max = max_count(params.window_ms);
+    if a > max || b > max {
+        return Err(script_error(format!("counts {a}, {b} beyond the largest count {max}")));
     }
     Ok(Seen::Window { counts: Counts { current: a, previous: b }, elapsed: c })
 }
@@ -360,29 +363,32 @@ impl RedisStore {
         }
     }
 
-    /// Decides one request (one counter) within `redis.timeout_ms`.
+    /// Decides one request (one counter) within `redis.timeout_ms`,
+    /// counting it as `count` says.
     pub async fn decide(
         &self,
         user_id: &str,
         counter: CounterSpec<'_>,
         weight: u64,
+        count: Count,
     ) -> Result<Verdict, StoreError> {
         let params = counter.window;
-        let args = [params.window_ms, params.capacity, weight, 1, flags(params, false), params.rate];
+        let args = [params.window_ms, params.capacity, weight, 1, flags(params, false, count), params.rate];
         let reply = self.run(JobKeys::One([(counter_key(user_id, counter.id), args)])).await?;
         let &[committed, fits, a, b, c] = reply.as_slice() else {
             return Err(script_error(format!("script answered {} values for one key", reply.len())));
         };
         let seen = seen_of(a, b, c, params)?;
-        let verdict = seen.verdict(weight, params);
-        if verdict.admitted != (fits == 1) || committed != fits {
+        let admitted = seen.verdict(weight, params).admitted;
+        // A report always commits; an admission or a peek when it fits.
+        let commits = count == Count::Always || admitted;
+        if admitted != (fits == 1) || (committed == 1) != commits {
             // The script and the Rust arithmetic disagree: a bug, never papered over.
             return Err(script_error(format!(
-                "script answered fits={fits} committed={committed} where the arithmetic says {} (saw {seen:?})",
-                verdict.admitted
+                "script answered fits={fits} committed={committed} where the arithmetic says {admitted} (saw {seen:?})"
             )));
         }
-        Ok(verdict)
+        Ok(seen.answer(weight, count, params, admitted))
     }
 
     /// All-or-nothing decision over several counters of `group` in one job;
@@ -399,7 +405,8 @@ impl RedisStore {
                 key.push_str("}:");
                 key.push_str(&item.key);
                 let p = item.params;
-                (key, [p.window_ms, p.capacity, item.weight, item.tick_ms, flags(p, item.shadow), p.rate])
+                let flags = flags(p, item.shadow, item.count);
+                (key, [p.window_ms, p.capacity, item.weight, item.tick_ms, flags, p.rate])
             })
             .collect();
         let reply = self.run(JobKeys::Many(keys)).await?;

@@ -69,6 +69,40 @@ impl Algorithm {
     }
 }
 
+/// What a decision does with its weight (issue 15).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Count {
+    /// Count it if it fits (admission: `Check`, `ShouldRateLimit`).
+    #[default]
+    IfFits,
+    /// Never count it: say whether it would fit now (a peek: native
+    /// `peek`, Envoy `hits_addend: 0`). Creates no counter.
+    Never,
+    /// Count it whatever is left (usage reported after the fact: native
+    /// `Report`, Envoy `report_mode`). The counter may go past its capacity,
+    /// up to [`max_count`] (windows) or `bucket::MAX_DEBT` (buckets).
+    Always,
+}
+
+impl Count {
+    /// Its number in the Redis script's flags (0 to 2), times 8.
+    pub fn code(self) -> u64 {
+        match self {
+            Count::IfFits => 0,
+            Count::Never => 1,
+            Count::Always => 2,
+        }
+    }
+}
+
+/// The most a window's count holds: `MAX_CAPACITY_TIMES_WINDOW / W`. Only
+/// reports push a count past the capacity; beyond this bound a count is
+/// clamped (read and write, in both stores), so every intermediate stays
+/// below 2^53 and the Lua arithmetic stays exact.
+pub fn max_count(window: u64) -> u64 {
+    MAX_CAPACITY_TIMES_WINDOW / window.max(1)
+}
+
 /// The fixed parameters of one rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WindowParams {
@@ -138,6 +172,14 @@ pub struct Verdict {
     pub retry_after_ms: Option<u64>,
     /// ms until the estimate has decayed to 0 if nothing else is counted.
     pub reset_after_ms: u64,
+}
+
+impl Counts {
+    /// Both counts clamped to [`max_count`] of a window of `window` ticks.
+    pub fn clamped(self, window: u64) -> Self {
+        let max = max_count(window);
+        Counts { current: self.current.min(max), previous: self.previous.min(max) }
+    }
 }
 
 /// The window index containing `now_ms` and the ms elapsed inside it.

@@ -113,6 +113,9 @@ pub struct EnvoyLimit {
     pub shadow_mode: bool,
     /// Over-limit makes the overall code OVER_LIMIT only if every quota descriptor is over.
     pub quota_mode: bool,
+    /// ratelimitd's extension: hits are usage reported after the fact
+    /// (Envoy's `apply_on_stream_done`), counted whatever is left.
+    pub report_mode: bool,
     /// The limit's name (for `replaces`).
     pub name: Option<String>,
     /// Names of limits this one replaces.
@@ -261,6 +264,9 @@ struct YamlDescriptor {
     shadow_mode: bool,
     #[serde(default)]
     quota_mode: bool,
+    /// ratelimitd's extension: count hits after the fact.
+    #[serde(default)]
+    report_mode: bool,
     #[serde(default)]
     detailed_metric: bool,
     #[serde(default)]
@@ -519,6 +525,7 @@ fn compile_limit(
         unlimited: r.unlimited,
         shadow_mode: d.shadow_mode,
         quota_mode: d.quota_mode,
+        report_mode: d.report_mode,
         name: Some(r.name.clone()).filter(|n| !n.is_empty()),
         replaces: r.replaces.iter().map(|r| r.name.clone()).collect(),
         detailed_metric: d.detailed_metric,

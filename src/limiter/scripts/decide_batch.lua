@@ -15,8 +15,9 @@
 -- then per job     n (its number of keys), then per key 6 values: window
 --                  length W in ticks, capacity, weight, tick length in ms,
 --                  flags (algorithm: 0 sliding window, 1 fixed window,
---                  2 token bucket, 3 GCRA; + 4 = shadow), rate (a bucket's
---                  refill per W)
+--                  2 token bucket, 3 GCRA; + 4 = shadow; + 8 x count:
+--                  0 if it fits, 1 never (a peek), 2 always (a report)),
+--                  rate (a bucket's refill per W)
 --
 -- Returns, per job: committed (0|1), then per key: fits (0|1) and three
 -- values as seen BEFORE this key's own weight — a window's current,
@@ -25,16 +26,21 @@
 -- checks the script's answer against it).
 --
 -- A bucket's hash keeps its stamp in w (last refill, or the TAT in whole
--- ticks) and its level (or the TAT's remainder in units) in c; its TTL is
+-- ticks) and its debt (or the TAT's remainder in units) in c; its TTL is
 -- the time until it is full again.
 --
--- A job commits when no non-shadow key is over; then every key that fits is
--- incremented (a shadow key over its limit is not). A job that does not
+-- A job commits when no non-shadow admission or peek is over; then every
+-- admission that fits is incremented (a shadow key over its limit is not),
+-- and every report is, whatever is left (RedisStore never mixes reports
+-- with admissions in one job). A peek never writes. A job that does not
 -- commit writes nothing. Counters are read once per batch (HMGET) and
 -- written once per batch (HSET + PEXPIRE 2W) however many jobs touch them.
 --
--- Every product stays under 2^53: rules bound capacity * W (window.rs
--- MAX_CAPACITY_TIMES_WINDOW), and Lua numbers are doubles.
+-- Every product stays under 2^53: rules bound capacity * W by MAXCW
+-- (window.rs MAX_CAPACITY_TIMES_WINDOW, 2^51); a window's counts are
+-- clamped to MAXCW / W and a bucket's debt to MAXCW (bucket.rs MAX_DEBT),
+-- read and write; Lua numbers are doubles.
+local MAXCW = 2251799813685248
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
@@ -97,7 +103,10 @@ for _ = 1, tonumber(ARGV[1]) do
     local rate = tonumber(ARGV[a + 5])
     a = a + 6
     local alg = flags % 4
-    local shadow = flags >= 4
+    local shadow = math.floor(flags / 4) % 2 == 1
+    local mode = math.floor(flags / 8)
+    -- Written: an admission that fits, or a report; never a peek nor a weight of 0.
+    local writes = weight > 0 and mode ~= 1
     local now = math.floor(now_ms / tick)
     local p = pending and pending[key]
     local fits = 0
@@ -105,7 +114,7 @@ for _ = 1, tonumber(ARGV[1]) do
 
     if alg >= 2 then
       -- A bucket (bucket.rs): its debt at `now`, in units (1 token = w
-      -- units, 1 tick refills `rate`), never above a full bucket.
+      -- units, 1 tick refills `rate`), at most MAXCW.
       local full = cap * w
       local stamp, value
       if p then
@@ -116,43 +125,40 @@ for _ = 1, tonumber(ARGV[1]) do
       end
       local debt = 0
       if stamp ~= nil then
-        -- Ticks beyond these refill a bucket from empty: no product grows past 2^53.
-        local fill = math.ceil(full / rate)
+        -- Ticks beyond these pay back the largest debt: no product grows past 2^53.
+        local payback = math.ceil(MAXCW / rate)
         if alg == 2 then
           local el = now - stamp
           if el < 0 then el = 0 end
-          if el > fill then el = fill end
-          local level = value + el * rate
-          if level > full then level = full end
-          debt = full - level
+          if el > payback then el = payback end
+          if value > MAXCW then value = MAXCW end
+          debt = value - el * rate
+          if debt < 0 then debt = 0 end
         elseif stamp >= now then
           local ahead = stamp - now
-          if ahead > fill then debt = full else debt = ahead * rate + value end
-          if debt > full then debt = full end
+          if ahead > payback then debt = MAXCW else debt = ahead * rate + value end
+          if debt > MAXCW then debt = MAXCW end
         end
       end
       local need = weight * w
-      if weight <= cap and debt + need <= full then
-        fits = 1
-        if weight > 0 then
-          local after = debt + need
-          local ns, nv
-          if alg == 2 then
-            ns, nv = now, full - after
-          else
-            local whole = math.floor(after / rate)
-            ns, nv = now + whole, after - whole * rate
-          end
-          local ttl = math.ceil(after / rate) * tick
-          if ttl < 1 then ttl = 1 end
-          if pending then
-            pending[key] = {ns, nv, 0, ttl}
-          else
-            s_key, s_idx, s_cur, s_prev, s_ttl = key, ns, nv, 0, ttl
-          end
+      if weight <= cap and debt + need <= full then fits = 1 end
+      if writes and (fits == 1 or mode == 2) then
+        local after = debt + need
+        if after > MAXCW then after = MAXCW end
+        local ns, nv
+        if alg == 2 then
+          ns, nv = now, after
+        else
+          local whole = math.floor(after / rate)
+          ns, nv = now + whole, after - whole * rate
         end
-      elseif not shadow then
-        blocked = true
+        local ttl = math.ceil(after / rate) * tick
+        if ttl < 1 then ttl = 1 end
+        if pending then
+          pending[key] = {ns, nv, 0, ttl}
+        else
+          s_key, s_idx, s_cur, s_prev, s_ttl = key, ns, nv, 0, ttl
+        end
       end
       seen1, seen2, seen3 = debt, 0, 0
     else
@@ -166,22 +172,28 @@ for _ = 1, tonumber(ARGV[1]) do
       else
         cur, prev = counts(key, idx)
       end
+      local maxc = math.floor(MAXCW / w)
+      if cur > maxc then cur = maxc end
+      if prev > maxc then prev = maxc end
       local counted_prev = prev
       if not sliding then counted_prev = 0 end
 
-      if cur * w + counted_prev * (w - elapsed) + weight * w <= cap * w then
-        fits = 1
-        -- A weight of 0 (a peek) writes nothing: no counter is created or extended.
-        if weight == 0 then
-        elseif pending then
-          pending[key] = {idx, cur + weight, prev, 2 * w * tick}
+      if cur * w + counted_prev * (w - elapsed) + weight * w <= cap * w then fits = 1 end
+      -- A peek or a weight of 0 writes nothing: no counter is created or extended.
+      if writes and (fits == 1 or mode == 2) then
+        local next = cur + weight
+        if next > maxc then next = maxc end
+        if pending then
+          pending[key] = {idx, next, prev, 2 * w * tick}
         else
-          s_key, s_idx, s_cur, s_prev, s_ttl = key, idx, cur + weight, prev, 2 * w * tick
+          s_key, s_idx, s_cur, s_prev, s_ttl = key, idx, next, prev, 2 * w * tick
         end
-      elseif not shadow then
-        blocked = true
       end
       seen1, seen2, seen3 = cur, prev, elapsed
+    end
+    -- A report never blocks: it is counted whatever is left.
+    if fits == 0 and mode ~= 2 and not shadow then
+      blocked = true
     end
     out[#out + 1] = fits
     out[#out + 1] = seen1
