@@ -219,7 +219,23 @@ for_each_store!(
     native_peeks_count_nothing_for_every_algorithm,
     reports_are_never_shed,
     envoy_report_mode_counts_after_the_fact_and_zero_hits_peek,
+    envoy_global_quota_mode_denies_only_when_every_limit_is_over,
 );
+
+/// `envoy.quota_mode`: every limit is a quota; a request passes while any
+/// of its limits has quota left, and the limits with quota are counted.
+async fn envoy_global_quota_mode_denies_only_when_every_limit_is_over(backend: Backend) {
+    let policy = EnvoyPolicy { quota_mode: true, ..EnvoyPolicy::default() };
+    let h = Harness::new(backend, ShedMode::Enforce, policy).await;
+    for _ in 0..2 {
+        assert!(!h.rls(&[&[("user", "hal")]]).await.over_limit);
+    }
+    let both = h.rls(&[&[("user", "hal")], &[("own", "/own/x")]]).await;
+    assert!(!both.over_limit, "own has quota left: {both:?}");
+    assert!(both.statuses[0].over_limit && !both.statuses[1].over_limit);
+    assert_eq!(both.statuses[1].remaining, 2, "the limit with quota was counted");
+    assert!(h.rls(&[&[("user", "hal")]]).await.over_limit, "its only limit is over");
+}
 
 /// A report counts its whole weight, past the limit: the counter is
 /// overdrawn, the report's answer says the next request is refused and

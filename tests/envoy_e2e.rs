@@ -305,3 +305,151 @@ async fn a_user_header_that_is_not_utf8_is_limited_like_any_other() {
     assert_eq!(other, 200, "different bytes, a different counter");
     s.server.stop().await.unwrap();
 }
+
+/// An upstream answering 200 with `x-service: NAME` and `x-tokens-used`
+/// copied from the request's `x-tokens` (the tokens an LLM response used).
+fn reporting_upstream(name: &str) -> (Process, u16) {
+    const SCRIPT: &str = r#"
+import http.server, sys
+name = sys.argv[2]
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("x-service", name)
+        self.send_header("x-tokens-used", self.headers.get("x-tokens", "0"))
+        self.send_header("content-length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"#;
+    let port = free_port();
+    let child = Command::new("python3")
+        .args(["-c", SCRIPT, &port.to_string(), name])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let process = Process(child);
+    wait_for_port(port, name);
+    (process, port)
+}
+
+/// The quota stack: ratelimitd on `examples/envoy/quota` (Redis, dynamic
+/// metadata on), the three upstreams, and Envoy on `examples/envoy/quota.yaml`.
+struct QuotaStack {
+    server: TestServer,
+    envoy_port: u16,
+    _redis: RedisServer,
+    _processes: Vec<Process>,
+    _dirs: (Rules, tempfile::TempDir),
+}
+
+async fn quota_stack() -> QuotaStack {
+    let redis = RedisServer::start();
+    let native = Rules::new("rules: []\n");
+    let mut cfg = config(&native.path(), Some(redis.url()));
+    cfg.rules.envoy_path = Some(common::repo_path("examples/envoy/quota"));
+    cfg.envoy.response_dynamic_metadata = true;
+    let server = TestServer::start(cfg).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (llm, llm_port) = reporting_upstream("llm");
+    let (one, one_port) = reporting_upstream("service_1");
+    let (two, two_port) = reporting_upstream("service_2");
+    let (listen, admin) = (free_port(), free_port());
+    let yaml = std::fs::read_to_string(common::repo_path("examples/envoy/quota.yaml"))
+        .unwrap()
+        .replace("port_value: 10001", &format!("port_value: {listen}"))
+        .replace("port_value: 8001", &format!("port_value: {llm_port}"))
+        .replace("port_value: 8002", &format!("port_value: {one_port}"))
+        .replace("port_value: 8003", &format!("port_value: {two_port}"))
+        .replace("port_value: 8081", &format!("port_value: {}", server.addr.port()))
+        .replace("port_value: 9902", &format!("port_value: {admin}"))
+        .replace("timeout: 0.02s", "timeout: 2s");
+    let path = dir.path().join("quota.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let envoy = Process(common::spawn_envoy(&path));
+    wait_for_port(listen, "envoy");
+    QuotaStack {
+        server,
+        envoy_port: listen,
+        _redis: redis,
+        _processes: vec![envoy, llm, one, two],
+        _dirs: (native, dir),
+    }
+}
+
+impl QuotaStack {
+    /// What ratelimitd has left for `key=value` in domain `llm`, asked as
+    /// Envoy's request path asks (hits_addend 0: counts nothing).
+    async fn remaining(&self, key: &str, value: &str) -> u32 {
+        use ratelimitd::api::envoy_pb::{
+            envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+            rls::{RateLimitRequest, rate_limit_service_client::RateLimitServiceClient},
+        };
+        let mut client =
+            RateLimitServiceClient::connect(format!("http://{}", self.server.addr)).await.unwrap();
+        let request = RateLimitRequest {
+            domain: "llm".to_owned(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![Entry { key: key.to_owned(), value: value.to_owned() }],
+                hits_addend: Some(0),
+                ..Default::default()
+            }],
+            hits_addend: 0,
+        };
+        client.should_rate_limit(request).await.unwrap().into_inner().statuses[0].limit_remaining
+    }
+
+    /// Waits for Envoy's stream-done report to leave `remaining` behind.
+    async fn until_remaining(&self, key: &str, value: &str, remaining: u32) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = self.remaining(key, value).await;
+            if now == remaining {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{key}={value}: {now} left, expected {remaining}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Envoy's token-quota flow (`hits_addend: 0` on the request path, the
+/// response's tokens with `apply_on_stream_done`): the usage is counted
+/// after the fact whatever is left, and the request after the budget is
+/// spent gets 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn token_usage_reported_on_stream_done_spends_the_budget() {
+    let s = quota_stack().await;
+    let port = s.envoy_port;
+    let chat =
+        |tokens: &'static str| get_path(port, "/v1/chat", &[("x-user-id", "alice"), ("x-tokens", tokens)]).0;
+    assert_eq!(chat("70"), 200);
+    s.until_remaining("tokens_user", "alice", 30).await;
+    assert_eq!(chat("45"), 200, "30 tokens left: the request passes, its usage overdraws");
+    s.until_remaining("tokens_user", "alice", 0).await;
+    assert_eq!(chat("1"), 429, "the budget is spent");
+    assert_eq!(get_path(port, "/v1/chat", &[("x-user-id", "bob"), ("x-tokens", "5")]).0, 200, "per user");
+    s.server.stop().await.unwrap();
+}
+
+/// Quota mode through Envoy: the response's dynamic metadata names the
+/// first backend with quota left, Envoy routes there (subset load
+/// balancing on it), the stream-done report spends it; when both are
+/// spent the request gets 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn quota_mode_routes_on_the_returned_dynamic_metadata() {
+    let s = quota_stack().await;
+    let port = s.envoy_port;
+    let mut served = Vec::new();
+    for (key, left) in [("service_1", 1), ("service_1", 0), ("service_2", 1), ("service_2", 0)] {
+        let (status, headers) = get_path(port, "/multi", &[]);
+        assert_eq!(status, 200);
+        served.push(header(&headers, "x-service").unwrap_or("none").to_owned());
+        s.until_remaining("service", key, left).await;
+    }
+    assert_eq!(served, ["service_1", "service_1", "service_2", "service_2"]);
+    assert_eq!(get_path(port, "/multi", &[]).0, 429, "every backend's quota is spent");
+    s.server.stop().await.unwrap();
+}

@@ -133,7 +133,11 @@ impl RateLimitService for EnvoyService {
         let rls = convert(&request, metadata.get("traceparent").and_then(|v| v.to_str().ok()));
         // The engine fills the span's decision fields (it runs inside it).
         let decision = self.engine.should_rate_limit(&rls).instrument(span).await;
-        response(decision, &self.settings).map(Response::new)
+        let mut answer = response(&decision, &self.settings)?;
+        if self.settings.response_dynamic_metadata {
+            answer.dynamic_metadata = Some(dynamic_metadata(&request, &decision));
+        }
+        Ok(Response::new(answer))
     }
 }
 
@@ -196,7 +200,7 @@ fn response_unit(unit: Unit) -> ResponseUnit {
 /// The wire answer for `decision`. A store failure under
 /// `envoy.failure_mode: unavailable` is UNAVAILABLE (not UNKNOWN): Envoy
 /// then applies its own `failure_mode_deny`.
-fn response(decision: RlsDecision, settings: &EnvoySettings) -> Result<RateLimitResponse, Status> {
+fn response(decision: &RlsDecision, settings: &EnvoySettings) -> Result<RateLimitResponse, Status> {
     if decision.reason == Reason::FailClosed {
         let why = decision.failure.as_ref().map_or_else(String::new, ToString::to_string);
         return Err(Status::unavailable(format!("counter store unavailable: {why}")));
@@ -218,6 +222,95 @@ fn response(decision: RlsDecision, settings: &EnvoySettings) -> Result<RateLimit
         response_headers_to_add,
         ..Default::default()
     })
+}
+
+/// Upstream's dynamic metadata (`RESPONSE_DYNAMIC_METADATA`): `domain`,
+/// `descriptors` (each as `entries: ["key=value", …]`, with its `limit`
+/// and `hitsAddend` when the request gave them), `hitsAddend` when not 0,
+/// and `metadata`: the `metadata` of every descriptor whose limit passed,
+/// merged in request order (the first value of a key wins; mappings merge
+/// recursively). Envoy stores it under the filter's namespace, so a route
+/// can pick, say, the backend whose quota is left
+/// (`%DYNAMIC_METADATA(envoy.filters.http.ratelimit:metadata:…)%`).
+fn dynamic_metadata(request: &RateLimitRequest, decision: &RlsDecision) -> prost_types::Struct {
+    use prost_types::{ListValue, Struct, Value, value::Kind};
+    let text = |s: String| Value { kind: Some(Kind::StringValue(s)) };
+    let number = |n: f64| Value { kind: Some(Kind::NumberValue(n)) };
+    let list = |values: Vec<Value>| Value { kind: Some(Kind::ListValue(ListValue { values })) };
+    let object = |fields: std::collections::BTreeMap<String, Value>| Value {
+        kind: Some(Kind::StructValue(Struct { fields })),
+    };
+
+    let descriptors = request
+        .descriptors
+        .iter()
+        .map(|d| {
+            let mut fields = std::collections::BTreeMap::new();
+            let entries = d.entries.iter().map(|e| text(format!("{}={}", e.key, e.value))).collect();
+            fields.insert("entries".to_owned(), list(entries));
+            if let Some(limit) = &d.limit {
+                let unit = RateLimitUnit::try_from(limit.unit).map_or("UNKNOWN", |u| u.as_str_name());
+                fields.insert(
+                    "limit".to_owned(),
+                    text(format!("requests_per_unit:{} unit:{unit}", limit.requests_per_unit)),
+                );
+            }
+            if let Some(hits) = d.hits_addend {
+                fields.insert("hitsAddend".to_owned(), number(hits as f64));
+            }
+            object(fields)
+        })
+        .collect();
+    let mut fields = std::collections::BTreeMap::new();
+    fields.insert("domain".to_owned(), text(request.domain.clone()));
+    fields.insert("descriptors".to_owned(), list(descriptors));
+    if request.hits_addend != 0 {
+        fields.insert("hitsAddend".to_owned(), number(f64::from(request.hits_addend)));
+    }
+    let mut passed = serde_json::Map::new();
+    for status in decision.statuses.iter().filter(|s| !s.over_limit) {
+        if let Some(metadata) = status.limit.as_ref().and_then(|l| l.metadata.as_deref()) {
+            merge(&mut passed, metadata);
+        }
+    }
+    if !passed.is_empty() {
+        fields.insert("metadata".to_owned(), to_value(&serde_json::Value::Object(passed)));
+    }
+    Struct { fields }
+}
+
+/// Adds `from`'s keys that `into` lacks; two mappings under one key merge.
+fn merge(
+    into: &mut serde_json::Map<String, serde_json::Value>,
+    from: &serde_json::Map<String, serde_json::Value>,
+) {
+    for (key, value) in from {
+        match (into.get_mut(key), value) {
+            (Some(serde_json::Value::Object(mine)), serde_json::Value::Object(theirs)) => merge(mine, theirs),
+            (Some(_), _) => {}
+            (None, _) => {
+                into.insert(key.clone(), value.clone());
+            }
+        }
+    }
+}
+
+/// A JSON value as a protobuf `Value`.
+fn to_value(json: &serde_json::Value) -> prost_types::Value {
+    use prost_types::{ListValue, Struct, value::Kind};
+    let kind = match json {
+        serde_json::Value::Null => Kind::NullValue(0),
+        serde_json::Value::Bool(b) => Kind::BoolValue(*b),
+        serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+        serde_json::Value::String(s) => Kind::StringValue(s.clone()),
+        serde_json::Value::Array(items) => {
+            Kind::ListValue(ListValue { values: items.iter().map(to_value).collect() })
+        }
+        serde_json::Value::Object(map) => {
+            Kind::StructValue(Struct { fields: map.iter().map(|(k, v)| (k.clone(), to_value(v))).collect() })
+        }
+    };
+    prost_types::Value { kind: Some(kind) }
 }
 
 fn status(decision: &DescriptorDecision) -> DescriptorStatus {
@@ -259,6 +352,22 @@ fn headers(settings: &EnvoySettings, status: &DescriptorStatus) -> Vec<HeaderVal
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metadata_merges_first_wins_and_mappings_recursively() {
+        let mut into =
+            serde_json::json!({ "svc": { "name": "one" }, "tier": "gold" }).as_object().unwrap().clone();
+        let from =
+            serde_json::json!({ "svc": { "name": "two", "zone": "b" }, "tier": "free", "extra": [1, 2] });
+        merge(&mut into, from.as_object().unwrap());
+        assert_eq!(
+            serde_json::Value::Object(into.clone()),
+            serde_json::json!({ "svc": { "name": "one", "zone": "b" }, "tier": "gold", "extra": [1, 2] })
+        );
+        let value = to_value(&serde_json::Value::Object(into));
+        let Some(prost_types::value::Kind::StructValue(s)) = value.kind else { panic!("{value:?}") };
+        assert_eq!(s.fields["tier"].kind, Some(prost_types::value::Kind::StringValue("gold".to_owned())));
+    }
 
     #[test]
     fn durations_and_reset_header_round_up() {

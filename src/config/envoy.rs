@@ -72,6 +72,14 @@ pub struct EnvoySettings {
     pub allow_request_limits: bool,
     /// The domains whose requests may supply their own limit.
     pub request_limit_domains: Vec<String>,
+    /// Every limit in quota mode (upstream's `QUOTA_MODE`): the overall
+    /// code is OVER_LIMIT only when every descriptor with a limit is over.
+    pub quota_mode: bool,
+    /// Answer with dynamic metadata (upstream's `RESPONSE_DYNAMIC_METADATA`):
+    /// the domain, the request's descriptors, and the `metadata` of the
+    /// limits that passed, merged, under `metadata`, which Envoy stores in
+    /// the filter's namespace (`envoy.filters.http.ratelimit`) to route on.
+    pub response_dynamic_metadata: bool,
 }
 
 impl Default for EnvoySettings {
@@ -91,6 +99,8 @@ impl Default for EnvoySettings {
             reason_header: "x-ratelimit-reason".to_owned(),
             allow_request_limits: false,
             request_limit_domains: Vec::new(),
+            quota_mode: false,
+            response_dynamic_metadata: false,
         }
     }
 }

@@ -55,6 +55,9 @@ pub struct EnvoyPolicy {
     /// (`envoy.allow_request_limits` with `envoy.request_limit_domains`);
     /// empty: no request limit is honoured.
     pub request_limit_domains: HashSet<String>,
+    /// Every limit is in quota mode (`envoy.quota_mode`, upstream's
+    /// `QUOTA_MODE`), as if each descriptor said `quota_mode: true`.
+    pub quota_mode: bool,
 }
 
 impl Default for EnvoyPolicy {
@@ -66,6 +69,7 @@ impl Default for EnvoyPolicy {
             domain_priority: HashMap::new(),
             max_value_bytes: 1_024,
             request_limit_domains: HashSet::new(),
+            quota_mode: false,
         }
     }
 }
@@ -272,7 +276,7 @@ impl Engine {
                         count,
                         // Neither blocks the others: shadow never denies, and
                         // a quota descriptor denies only together with all others.
-                        shadow: limit.shadow_mode || limit.quota_mode,
+                        shadow: limit.shadow_mode || self.quota(&limit),
                     });
                     Plan::Limited(limit, items.len() - 1)
                 }
@@ -311,6 +315,12 @@ impl Engine {
         }
     }
 
+    /// Whether `limit` is in quota mode: its own `quota_mode`, or
+    /// `envoy.quota_mode` for all.
+    fn quota(&self, limit: &EnvoyLimit) -> bool {
+        limit.quota_mode || self.inner.envoy_policy.quota_mode
+    }
+
     /// Each descriptor's limit: the request's override, else the
     /// configuration's; then `replaces` drops every named limit another
     /// matched limit replaces.
@@ -342,6 +352,7 @@ impl Engine {
                             shadow_mode: false,
                             quota_mode: false,
                             report_mode: false,
+                            metadata: None,
                             name: None,
                             replaces: Vec::new(),
                             detailed_metric: false,
@@ -438,7 +449,7 @@ impl Engine {
                     counted = true;
                     let verdict = outcome.expect("limited descriptors were decided").verdicts[*index];
                     let over = !verdict.admitted;
-                    if limit.quota_mode {
+                    if self.quota(limit) {
                         quota_total += 1;
                         quota_over += usize::from(over);
                     } else if over && !limit.shadow_mode {

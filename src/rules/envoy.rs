@@ -116,6 +116,11 @@ pub struct EnvoyLimit {
     /// ratelimitd's extension: hits are usage reported after the fact
     /// (Envoy's `apply_on_stream_done`), counted whatever is left.
     pub report_mode: bool,
+    /// The descriptor's `metadata`, returned (merged over the descriptors
+    /// that passed) as the response's dynamic metadata when
+    /// `envoy.response_dynamic_metadata` is on. Any YAML mapping with
+    /// string keys.
+    pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
     /// The limit's name (for `replaces`).
     pub name: Option<String>,
     /// Names of limits this one replaces.
@@ -274,7 +279,6 @@ struct YamlDescriptor {
     #[serde(default)]
     share_threshold: bool,
     #[serde(default)]
-    #[allow(dead_code)] // accepted for compatibility; only upstream's dynamic metadata uses it
     metadata: Option<serde_yaml::Value>,
 }
 
@@ -449,7 +453,16 @@ fn load_level(
         let _ = d.value_to_metric; // metric naming only
         let limit = match &d.rate_limit {
             None => None,
-            Some(r) => Some(Arc::new(compile_limit(file, &at, r, d, &full_key)?)),
+            Some(r) => {
+                // Upstream reads it on any descriptor; only a limit returns it.
+                let metadata = match &d.metadata {
+                    None | Some(serde_yaml::Value::Null) => None,
+                    Some(yaml) => {
+                        Some(Arc::new(metadata(yaml).map_err(|e| error(file, Some(&at), "metadata", e))?))
+                    }
+                };
+                Some(Arc::new(compile_limit(file, &at, r, d, &full_key, metadata)?))
+            }
         };
         let shared_value = d.share_threshold.then(|| Arc::from(d.value.as_str()));
         let mut node = Node { limit, shared_value, children: Level::default() };
@@ -462,12 +475,58 @@ fn load_level(
     Ok(())
 }
 
+/// A descriptor's `metadata` as JSON: a mapping whose keys are strings,
+/// holding any plain YAML (upstream reads it into a protobuf `Struct`).
+fn metadata(yaml: &serde_yaml::Value) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    fn json(yaml: &serde_yaml::Value, at: &str) -> Result<serde_json::Value, String> {
+        use serde_json::Value as J;
+        use serde_yaml::Value as Y;
+        Ok(match yaml {
+            Y::Null => J::Null,
+            Y::Bool(b) => J::Bool(*b),
+            Y::Number(n) => n.as_f64().and_then(serde_json::Number::from_f64).map_or(J::Null, J::Number),
+            Y::String(s) => J::String(s.clone()),
+            Y::Sequence(items) => J::Array(
+                items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| json(v, &format!("{at}[{i}]")))
+                    .collect::<Result<_, _>>()?,
+            ),
+            Y::Mapping(map) => J::Object(object(map, at)?),
+            Y::Tagged(_) => {
+                return Err(format!("{at}: YAML tags are not supported"));
+            }
+        })
+    }
+    fn object(
+        map: &serde_yaml::Mapping,
+        at: &str,
+    ) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+        map.iter()
+            .map(|(k, v)| {
+                let serde_yaml::Value::String(key) = k else {
+                    let message = format!("keys must be strings, found {k:?}");
+                    return Err(if at.is_empty() { message } else { format!("{at}: {message}") });
+                };
+                let path = if at.is_empty() { key.clone() } else { format!("{at}.{key}") };
+                Ok((key.clone(), json(v, &path)?))
+            })
+            .collect()
+    }
+    match yaml {
+        serde_yaml::Value::Mapping(map) => object(map, ""),
+        other => Err(format!("must be a mapping, found {other:?}")),
+    }
+}
+
 fn compile_limit(
     file: &Path,
     at: &str,
     r: &YamlRateLimit,
     d: &YamlDescriptor,
     full_key: &str,
+    metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
 ) -> Result<EnvoyLimit, RuleError> {
     let at = format!("{at}.rate_limit");
     let unit = Unit::parse(&r.unit);
@@ -526,6 +585,7 @@ fn compile_limit(
         shadow_mode: d.shadow_mode,
         quota_mode: d.quota_mode,
         report_mode: d.report_mode,
+        metadata,
         name: Some(r.name.clone()).filter(|n| !n.is_empty()),
         replaces: r.replaces.iter().map(|r| r.name.clone()).collect(),
         detailed_metric: d.detailed_metric,
@@ -639,6 +699,10 @@ descriptors:
             (named.name.as_deref(), named.replaces.as_slice(), named.quota_mode),
             (Some("specific"), &["general".to_owned()][..], true)
         );
+        assert_eq!(
+            named.metadata.as_deref(),
+            Some(&serde_json::json!({ "team": "search" }).as_object().unwrap().clone())
+        );
         let shadow = c.lookup("mongo_cps", entries(&[("client_id", "a_bar")])).unwrap().limit;
         assert!(shadow.shadow_mode && shadow.detailed_metric);
         assert_eq!(shadow.unit, Some(Unit::Hour));
@@ -711,6 +775,14 @@ descriptors:
                 "unknown field `burst`",
             ),
             ("domain: d\nlimits: []\n", "unknown field `limits`"),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    metadata: [1]\n    rate_limit: { unit: second, requests_per_unit: 1 }\n",
+                "field `metadata`: must be a mapping",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    metadata: { x: { 1: y } }\n    rate_limit: { unit: second, requests_per_unit: 1 }\n",
+                "field `metadata`: x: keys must be strings",
+            ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: -1 }\n",
                 "expected u32",

@@ -279,6 +279,7 @@ pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
         } else {
             Default::default()
         },
+        quota_mode: settings.quota_mode,
     }
 }
 
