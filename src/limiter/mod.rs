@@ -176,17 +176,22 @@ pub(crate) enum Seen {
 
 impl Seen {
     /// What a store sees of `stored` (none: never counted, or expired) at
-    /// `now` ticks: a window's counts (clamped to `window::max_count`), a
-    /// bucket's debt.
-    fn at(stored: Option<StoredCounter>, now: u64, params: WindowParams) -> Self {
+    /// `now` ticks: a window's counts (clamped to `window::max_count`) and
+    /// the index of the window containing `now`, or a bucket's debt (and 0).
+    fn at(stored: Option<StoredCounter>, now: u64, params: WindowParams) -> (Self, u64) {
         if params.algorithm.is_bucket() {
             let debt = stored
                 .map_or(0, |s| bucket::debt_of(params.algorithm, s.window, s.current, now, params.bucket()));
-            return Seen::Bucket { debt };
+            return (Seen::Bucket { debt }, 0);
         }
         let (index, elapsed) = window::position(now, params.window_ms);
-        let counts = window::roll(stored.unwrap_or_default(), index).clamped(params.window_ms);
-        Seen::Window { counts, elapsed }
+        let mut counts = window::roll(stored.unwrap_or_default(), index);
+        // Only a report leaves a count above the capacity (≤ max_count): the
+        // division of the clamp is paid only then.
+        if counts.current.max(counts.previous) > params.capacity {
+            counts = counts.clamped(params.window_ms);
+        }
+        (Seen::Window { counts, elapsed }, index)
     }
 
     /// The verdict for a request of `weight` (durations in ticks), as if
@@ -214,13 +219,14 @@ impl Seen {
     /// exactly as both stores clamp it.
     fn after(self, weight: u64, params: WindowParams) -> Self {
         match self {
-            Seen::Window { counts, elapsed } => Seen::Window {
-                counts: window::Counts {
-                    current: counts.current.saturating_add(weight).min(window::max_count(params.window_ms)),
-                    previous: counts.previous,
-                },
-                elapsed,
-            },
+            Seen::Window { counts, elapsed } => {
+                let mut current = counts.current.saturating_add(weight);
+                // An admission stays within the capacity (≤ max_count): no division.
+                if current > params.capacity {
+                    current = current.min(window::max_count(params.window_ms));
+                }
+                Seen::Window { counts: window::Counts { current, previous: counts.previous }, elapsed }
+            }
             Seen::Bucket { debt } => Seen::Bucket { debt: bucket::report(debt, weight, params.bucket()) },
         }
     }
@@ -263,18 +269,14 @@ pub(crate) fn evaluate(
     params: WindowParams,
     count: Count,
 ) -> Evaluated {
-    let seen = Seen::at(stored, now, params);
+    let (seen, index) = Seen::at(stored, now, params);
     let test = seen.verdict(weight, params);
     let fits = test.admitted;
     let writes = weight > 0 && (count == Count::Always || (count == Count::IfFits && fits));
     let verdict = if count == Count::IfFits { test } else { seen.answer(weight, count, params, false) };
     let write = writes.then(|| match seen.after(weight, params) {
         Seen::Window { counts, .. } => {
-            let next = StoredCounter {
-                window: window::position(now, params.window_ms).0,
-                current: counts.current,
-                previous: counts.previous,
-            };
+            let next = StoredCounter { window: index, current: counts.current, previous: counts.previous };
             (next, 2 * params.window_ms)
         }
         Seen::Bucket { debt } => {
