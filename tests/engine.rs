@@ -302,8 +302,13 @@ async fn reports_are_never_shed(backend: Backend) {
     assert_eq!(h.check("dee", "/llm/gcra", 1).await.reason, Reason::Shed);
     let report = h.call("dee", "/llm/gcra", 100, Count::Always).await;
     assert_eq!((report.reason, report.remaining), (Reason::OverLimit, 0), "{report:?}");
+    // Envoy: the stream-done report is not shed; the request path's check (0 hits) is.
+    assert_eq!(h.hits("tokens", "dee", 0).await.reason, Reason::Shed);
+    let report = h.hits("tokens", "dee", 150).await;
+    assert_eq!((report.reason, report.over_limit), (Reason::OverLimit, true), "counted: {report:?}");
     h.shedder.publish(Level::Normal, 0.1);
     assert_eq!(h.check("dee", "/llm/gcra", 1).await.reason, Reason::OverLimit, "the report was counted");
+    assert!(h.hits("tokens", "dee", 0).await.over_limit, "the Envoy report was counted");
 }
 
 /// Envoy's token-quota flow: `hits_addend: 0` on the request path asks

@@ -224,11 +224,24 @@ impl Engine {
 
         // Shedding comes before anything that costs a store call; the level
         // is read once so the answer and its status agree. A request whose
-        // every limit counts reports is never shed: its usage has happened.
+        // every counted limit is a report is never shed: its usage has
+        // happened. (A check of a `report_mode` limit, 0 hits, is shed.)
         let level = self.inner.shedder.level();
-        let reports_only = limits.iter().flatten().all(|m| m.limit.report_mode || m.limit.unlimited)
-            && limits.iter().flatten().any(|m| m.limit.report_mode);
-        let shed = if reports_only { ShedVerdict::Pass } else { self.inner.shedder.check(level, priority) };
+        let hits = |d: &D| d.hits_addend().unwrap_or_else(|| u64::from(request.hits_addend.max(1)));
+        let (mut reports, mut others) = (0, 0);
+        for (found, descriptor) in limits.iter().zip(request.descriptors) {
+            match found {
+                Some(m) if m.limit.unlimited => {}
+                Some(m) if m.limit.report_mode && hits(descriptor) > 0 => reports += 1,
+                Some(_) => others += 1,
+                None => {}
+            }
+        }
+        let shed = if reports > 0 && others == 0 {
+            ShedVerdict::Pass
+        } else {
+            self.inner.shedder.check(level, priority)
+        };
         let shadow_shed = match shed {
             ShedVerdict::Pass => false,
             ShedVerdict::ShadowShed => true,
@@ -247,8 +260,7 @@ impl Engine {
                 Some(found) => {
                     let limit = found.limit;
                     let unit = limit.unit.expect("a limited limit has a unit");
-                    let hits =
-                        descriptor.hits_addend().unwrap_or_else(|| u64::from(request.hits_addend.max(1)));
+                    let hits = hits(descriptor);
                     // `hits_addend: 0` asks whether one more hit fits and counts
                     // nothing; a `report_mode` limit counts hits whatever is left.
                     let (weight, count) = match hits {
