@@ -67,6 +67,16 @@ async fn report_and_peek_over_grpc(backend: Backend) {
     let refused = client.report(usage).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);
     assert!(refused.message().contains("peek"), "{}", refused.message());
+
+    // The report refused nothing: REPORT, allowed, never a denial.
+    let addr = server.http_addr;
+    let (_, metrics) = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
+    assert!(
+        metrics.contains(
+            r#"ratelimitd_decisions_total{api="check",rule="limited",reason="REPORT",allowed="true"} 1"#
+        ),
+        "{metrics}"
+    );
     server.stop().await.unwrap();
 }
 

@@ -5,7 +5,7 @@ use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
 use tracing::Instrument as _;
 
-use super::{Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, Reason, clamp_i64, keys};
+use super::{Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, REPORT_LABEL, Reason, clamp_i64, keys};
 use crate::{
     limiter::{Count, Verdict},
     rules::{FailurePolicy, Mode},
@@ -102,12 +102,12 @@ impl Engine {
         }
         span.record("reason", decision.reason.as_str());
         span.record("allowed", decision.allowed);
-        self.inner.stats.decision(
-            Api::Check,
-            decision.rule.as_ref().map(|r| &r.id),
-            decision.reason.as_str(),
-            decision.allowed,
-        );
+        // A report refuses nothing: it is counted as REPORT, never as a denial.
+        let (label, allowed) = match (request.count, decision.reason) {
+            (Count::Always, Reason::Ok | Reason::OverLimit) => (REPORT_LABEL, true),
+            _ => (decision.reason.as_str(), decision.allowed),
+        };
+        self.inner.stats.decision(Api::Check, decision.rule.as_ref().map(|r| &r.id), label, allowed);
         self.inner.stats.decision_latency(Api::Check, started.elapsed());
         decision
     }

@@ -22,7 +22,7 @@ use std::{
 
 use tracing::Instrument as _;
 
-use super::{Api, Engine, FailedDecision, Reason, keys};
+use super::{Api, Engine, FailedDecision, REPORT_LABEL, Reason, keys};
 use crate::{
     limiter::{Count, ManyItem, ManyOutcome, StoreError, push_encoded, window::Algorithm},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
@@ -307,7 +307,7 @@ impl Engine {
             failure: None,
         };
         if items.is_empty() {
-            return self.rls_answer(&plans, None, base);
+            return self.rls_answer(&plans, &items, None, base);
         }
         let store_started = std::time::Instant::now();
         let decided = self
@@ -322,7 +322,7 @@ impl Engine {
             .await;
         self.inner.stats.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
         match decided {
-            Ok(outcome) => self.rls_answer(&plans, Some(&outcome), base),
+            Ok(outcome) => self.rls_answer(&plans, &items, Some(&outcome), base),
             Err(error) => self.rls_failed(request, &plans, &items, error, base),
         }
     }
@@ -438,6 +438,7 @@ impl Engine {
     fn rls_answer(
         &self,
         plans: &[Plan],
+        items: &[ManyItem],
         outcome: Option<&ManyOutcome>,
         mut decision: RlsDecision,
     ) -> RlsDecision {
@@ -470,8 +471,13 @@ impl Engine {
                     let remaining =
                         if over { 0 } else { u32::try_from(verdict.remaining).unwrap_or(u32::MAX) };
                     let denied = over && !limit.shadow_mode;
-                    let reason = if denied { "OVER_LIMIT" } else { "OK" };
-                    self.inner.stats.decision(Api::Envoy, Some(&limit.full_key), reason, !denied);
+                    let report = items[*index].count == Count::Always;
+                    let reason = match (report, denied) {
+                        (true, _) => REPORT_LABEL,
+                        (false, true) => "OVER_LIMIT",
+                        (false, false) => "OK",
+                    };
+                    self.inner.stats.decision(Api::Envoy, Some(&limit.full_key), reason, report || !denied);
                     let rank = if denied { 0 } else { remaining };
                     if tightest.is_none_or(|(r, _)| rank < r) {
                         tightest = Some((rank, decision.statuses.len()));

@@ -38,6 +38,11 @@ use crate::{
     shed::{Priority, Shedder},
 };
 
+/// The `reason` metric label of a counted report (native `Report`, an
+/// Envoy `report_mode` descriptor): it refuses nothing, so it is never
+/// counted as OK or OVER_LIMIT.
+pub const REPORT_LABEL: &str = "REPORT";
+
 /// `retry_after_ms` of a FAIL_CLOSED answer (capped at the rule's window).
 pub const FAIL_CLOSED_RETRY_MS: u64 = 1_000;
 
