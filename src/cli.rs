@@ -116,6 +116,13 @@ pub struct CheckArgs {
     /// Request weight (0 means 1).
     #[arg(long, default_value_t = 1)]
     pub weight: u32,
+    /// Check without counting (`peek`): would this request pass now?
+    #[arg(long, conflicts_with = "report")]
+    pub peek: bool,
+    /// Send a `Report` instead: count `--weight` of usage whatever is left;
+    /// the answer is about the next request.
+    #[arg(long)]
+    pub report: bool,
     /// CRITICAL, DEGRADED, BEST_EFFORT or BULK (default: the rule's).
     #[arg(long)]
     pub priority: Option<String>,
@@ -137,6 +144,8 @@ pub async fn check(args: CheckArgs) -> ExitCode {
         resource_path: args.path,
         client_type: args.client_type,
         weight: args.weight,
+        peek: args.peek,
+        report: args.report,
         ..CheckCall::default()
     };
     if let Some(priority) = &args.priority {

@@ -332,6 +332,17 @@ fn serve_check_and_sigterm_with_redis() {
     assert_eq!(json["reason"], "OVER_LIMIT");
     assert!(json["retry_after_ms"].as_i64().unwrap() > 0);
 
+    // A peek counts nothing; a report counts past the limit.
+    let peek = serve.check(&["--user", "u2", "--path", "/two", "--peek", "--json"]);
+    assert_eq!(peek.status.code(), Some(0), "{}", stderr(&peek));
+    let json: serde_json::Value = serde_json::from_slice(&peek.stdout).unwrap();
+    assert_eq!(json["remaining_tokens"], 2);
+    let report = serve.check(&["--user", "u2", "--path", "/two", "--report", "--weight", "5", "--json"]);
+    assert_eq!(report.status.code(), Some(1), "the next request would be refused");
+    let json: serde_json::Value = serde_json::from_slice(&report.stdout).unwrap();
+    assert_eq!(json["reason"], "OVER_LIMIT");
+    assert_eq!(serve.check(&["--user", "u2", "--path", "/two"]).status.code(), Some(1));
+
     let invalid = serve.check(&["--user", "", "--path", "/two"]);
     assert_eq!(invalid.status.code(), Some(64));
     assert!(stderr(&invalid).contains("user_id: must not be empty"), "{}", stderr(&invalid));

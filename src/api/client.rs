@@ -21,6 +21,10 @@ pub struct CheckCall {
     pub priority: Option<Priority>,
     /// Request headers.
     pub headers: HashMap<String, String>,
+    /// Check without counting.
+    pub peek: bool,
+    /// Call `Report` (count the weight whatever is left) instead of `Check`.
+    pub report: bool,
 }
 
 /// The server's answer, field by field.
@@ -80,17 +84,18 @@ pub async fn check(addr: &str, timeout: Duration, call: CheckCall) -> Result<Che
         weight: call.weight,
         priority: call.priority.map_or(pb::PriorityBucket::Unspecified, super::convert::priority) as i32,
         headers: call.headers,
-        peek: false,
+        peek: call.peek,
     };
-    let response =
-        pb::rate_limiter_client::RateLimiterClient::new(channel).check(request).await.map_err(|status| {
-            let message = format!("{}: {}", status.code(), status.message());
-            if status.code() == tonic::Code::InvalidArgument {
-                CallError::InvalidArgument(message)
-            } else {
-                CallError::Rpc(message)
-            }
-        })?;
+    let mut client = pb::rate_limiter_client::RateLimiterClient::new(channel);
+    let answer = if call.report { client.report(request).await } else { client.check(request).await };
+    let response = answer.map_err(|status| {
+        let message = format!("{}: {}", status.code(), status.message());
+        if status.code() == tonic::Code::InvalidArgument {
+            CallError::InvalidArgument(message)
+        } else {
+            CallError::Rpc(message)
+        }
+    })?;
     let r = response.into_inner();
     Ok(CheckAnswer {
         allowed: r.allowed,
