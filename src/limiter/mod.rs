@@ -203,11 +203,10 @@ impl Seen {
         }
     }
 
-    /// The verdict for a request of `weight` that is not counted: whether
-    /// it fits and when it would, with `remaining` and `reset_after_ms` as
-    /// the counter stands.
-    fn probe(self, weight: u64, params: WindowParams) -> Verdict {
-        let test = self.verdict(weight, params);
+    /// The verdict for a request that is not counted, from its `test`
+    /// (`self.verdict(weight, params)`): whether it fits and when it would,
+    /// with `remaining` and `reset_after_ms` as the counter stands.
+    fn uncounted(self, test: Verdict, params: WindowParams) -> Verdict {
         if !test.admitted {
             // Nothing was counted: remaining and reset are already the counter's own.
             return test;
@@ -231,16 +230,27 @@ impl Seen {
         }
     }
 
-    /// The answer to a decision of `weight` that counted as `count` says;
-    /// `counted`: an admission's weight was written. An admission answers
+    /// The answer to a decision of `weight` that counted as `count` says,
+    /// from its `test` (`self.verdict(weight, params)`, which every caller
+    /// has already computed); `counted`: an admission's weight was written. An admission answers
     /// for itself; a peek (or an admission not counted) answers without
     /// its weight; a report answers for the *next* request: whether one of
     /// weight 1 would pass now that the report is counted, and when.
-    pub(crate) fn answer(self, weight: u64, count: Count, params: WindowParams, counted: bool) -> Verdict {
+    pub(crate) fn answer(
+        self,
+        test: Verdict,
+        weight: u64,
+        count: Count,
+        params: WindowParams,
+        counted: bool,
+    ) -> Verdict {
         match count {
-            Count::IfFits if counted => self.verdict(weight, params),
-            Count::Always => self.after(weight, params).probe(1, params),
-            Count::IfFits | Count::Never => self.probe(weight, params),
+            Count::IfFits if counted => test,
+            Count::Always => {
+                let after = self.after(weight, params);
+                after.uncounted(after.verdict(1, params), params)
+            }
+            Count::IfFits | Count::Never => self.uncounted(test, params),
         }
     }
 }
@@ -273,7 +283,8 @@ pub(crate) fn evaluate(
     let test = seen.verdict(weight, params);
     let fits = test.admitted;
     let writes = weight > 0 && (count == Count::Always || (count == Count::IfFits && fits));
-    let verdict = if count == Count::IfFits { test } else { seen.answer(weight, count, params, false) };
+    // An admission that does not fit is its own test: the answer is `test` either way.
+    let verdict = seen.answer(test, weight, count, params, fits);
     let write = writes.then(|| match seen.after(weight, params) {
         Seen::Window { counts, .. } => {
             let next = StoredCounter { window: index, current: counts.current, previous: counts.previous };
@@ -298,7 +309,8 @@ pub(crate) fn many_verdicts(items: &[ManyItem], raw: &[RawItem], committed: bool
         .iter()
         .zip(raw)
         .map(|(item, &(fits, seen))| {
-            let mut verdict = seen.answer(item.weight, item.count, item.params, fits && committed);
+            let test = seen.verdict(item.weight, item.params);
+            let mut verdict = seen.answer(test, item.weight, item.count, item.params, fits && committed);
             verdict.retry_after_ms = verdict.retry_after_ms.map(|t| t.saturating_mul(item.tick_ms));
             verdict.reset_after_ms = verdict.reset_after_ms.saturating_mul(item.tick_ms);
             verdict

@@ -379,7 +379,8 @@ impl RedisStore {
             return Err(script_error(format!("script answered {} values for one key", reply.len())));
         };
         let seen = seen_of(a, b, c, params)?;
-        let admitted = seen.verdict(weight, params).admitted;
+        let test = seen.verdict(weight, params);
+        let admitted = test.admitted;
         // A report always commits; an admission or a peek when it fits.
         let commits = count == Count::Always || admitted;
         if admitted != (fits == 1) || (committed == 1) != commits {
@@ -388,7 +389,7 @@ impl RedisStore {
                 "script answered fits={fits} committed={committed} where the arithmetic says {admitted} (saw {seen:?})"
             )));
         }
-        Ok(seen.answer(weight, count, params, admitted))
+        Ok(seen.answer(test, weight, count, params, admitted))
     }
 
     /// All-or-nothing decision over several counters of `group` in one job;
