@@ -59,23 +59,20 @@ impl RateLimiterService {
             }
             checked.count = Count::Always;
         }
-        let span = if report {
-            tracing::info_span!(
-                "ratelimit.report",
-                otel.kind = "server",
-                rule = tracing::field::Empty,
-                reason = tracing::field::Empty,
-                allowed = tracing::field::Empty,
-            )
-        } else {
-            tracing::info_span!(
-                "ratelimit.check",
-                otel.kind = "server",
-                rule = tracing::field::Empty,
-                reason = tracing::field::Empty,
-                allowed = tracing::field::Empty,
-            )
-        };
+        // One field list for both spans: the engine records `rule`, `reason`
+        // and `allowed` on whichever it runs in. (A span's name must be a literal.)
+        macro_rules! request_span {
+            ($name:literal) => {
+                tracing::info_span!(
+                    $name,
+                    otel.kind = "server",
+                    rule = tracing::field::Empty,
+                    reason = tracing::field::Empty,
+                    allowed = tracing::field::Empty,
+                )
+            };
+        }
+        let span = if report { request_span!("ratelimit.report") } else { request_span!("ratelimit.check") };
         continue_trace(&span, &metadata);
         // The engine fills the span's decision fields (it runs inside it).
         let decision = self.engine.check(&checked).instrument(span).await;
