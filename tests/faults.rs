@@ -32,6 +32,18 @@ struct Seen {
     errors: Vec<String>,
 }
 
+/// A server on `rules` and `redis` with the production Redis deadline (not
+/// the harness' lenient one) and its dead-letter file (`dlq.jsonl`) in a
+/// directory of the test's own: the server's temporary one goes with it on
+/// stop, and the file is read after the stop has flushed it.
+async fn fault_server(rules: &Rules, redis: &RedisServer) -> (TestServer, tempfile::TempDir) {
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = ratelimitd::config::RedisConfig::default().timeout_ms;
+    let dlq_dir = tempfile::tempdir().unwrap();
+    cfg.dlq.file = dlq_dir.path().join("dlq.jsonl");
+    (TestServer::start(cfg).await, dlq_dir)
+}
+
 /// Redis killed under sustained load (16 callers): no RPC fails, every
 /// decision made while Redis is away is answered by the failure policy and
 /// is in the dead-letter file exactly once (matched by request id), the
@@ -41,14 +53,7 @@ struct Seen {
 async fn redis_killed_under_load_loses_no_decision() {
     let mut redis = RedisServer::start();
     let rules = Rules::new(RULES);
-    let mut cfg = config(&rules.path(), Some(redis.url()));
-    // The production deadline, not the harness' lenient one.
-    cfg.redis.timeout_ms = ratelimitd::config::RedisConfig::default().timeout_ms;
-    // Our own directory: the server's temporary one goes with it on stop,
-    // and the file is read after the stop has flushed it.
-    let dlq_dir = tempfile::tempdir().unwrap();
-    cfg.dlq.file = dlq_dir.path().join("dlq.jsonl");
-    let server = TestServer::start(cfg).await;
+    let (server, dlq_dir) = fault_server(&rules, &redis).await;
     let client = server.client().await;
 
     let running = Arc::new(AtomicBool::new(true));
@@ -187,11 +192,7 @@ rules:
 "#;
     let redis = RedisServer::start();
     let rules = Rules::new(CLOSED);
-    let mut cfg = config(&rules.path(), Some(redis.url()));
-    cfg.redis.timeout_ms = ratelimitd::config::RedisConfig::default().timeout_ms;
-    let dlq_dir = tempfile::tempdir().unwrap();
-    cfg.dlq.file = dlq_dir.path().join("dlq.jsonl");
-    let server = TestServer::start(cfg).await;
+    let (server, dlq_dir) = fault_server(&rules, &redis).await;
     let client = server.client().await;
     let running = Arc::new(AtomicBool::new(true));
     let ok = Arc::new(AtomicUsize::new(0));
