@@ -291,7 +291,7 @@ mod tests {
         use proptest::prelude::*;
 
         use super::*;
-        use crate::limiter::window::MAX_CAPACITY_TIMES_WINDOW;
+        use crate::limiter::window::{MAX_CAPACITY_TIMES_WINDOW, tests::properties::retry_is_exact};
 
         fn bucket_params() -> impl Strategy<Value = BucketParams> {
             (1u64..=120_000, 1u64..=1_000, 1u64..=1_000).prop_map(|(window_ms, rate, capacity)| {
@@ -350,14 +350,7 @@ mod tests {
                 let debt = (p.full() as f64 * debt_frac) as u64;
                 let (tat_ms, tat_rem) = gcra_state(debt, now, p);
                 let weight = ((p.capacity as f64 * weight_frac) as u64).max(1);
-                let at = |t: u64| decide(gcra_debt(tat_ms, tat_rem, t, p), weight, p).0;
-                let v = at(now);
-                if !v.admitted {
-                    let t = v.retry_after_ms.expect("weight <= capacity is admissible");
-                    prop_assert!(t >= 1);
-                    prop_assert!(at(now + t).admitted, "not admitted after retry_after {}", t);
-                    prop_assert!(!at(now + t - 1).admitted, "admitted 1 ms before retry_after {}", t);
-                }
+                retry_is_exact(now, |t| decide(gcra_debt(tat_ms, tat_rem, t, p), weight, p).0)?;
             }
 
             /// Any state, any time (clocks going backwards included), any

@@ -279,7 +279,7 @@ fn to_u64(value: u128) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// A counter with a clock the test moves: the same sequence of `roll`,
@@ -496,12 +496,30 @@ mod tests {
         assert!(verdict.retry_after_ms.is_some());
     }
 
-    mod properties {
+    pub(in crate::limiter) mod properties {
         //! Property tests: any parameters a rule may have, any counts a
         //! store may hold, any time and weight.
-        use proptest::prelude::*;
+        use proptest::{prelude::*, test_runner::TestCaseError};
 
         use super::*;
+
+        /// The verdict `at(now)`, if denied, names the exact ms at which the
+        /// same request passes with nothing else counted: admitted at
+        /// `now + retry_after_ms`, not one ms earlier. (The bucket's
+        /// properties check theirs with it too.)
+        pub(in crate::limiter) fn retry_is_exact(
+            now: u64,
+            at: impl Fn(u64) -> Verdict,
+        ) -> Result<(), TestCaseError> {
+            let v = at(now);
+            if !v.admitted {
+                let t = v.retry_after_ms.expect("weight <= capacity is admissible");
+                prop_assert!(t >= 1);
+                prop_assert!(at(now + t).admitted, "not admitted after retry_after {}", t);
+                prop_assert!(!at(now + t - 1).admitted, "admitted 1 ms before retry_after {}", t);
+            }
+            Ok(())
+        }
 
         /// Parameters a compiled rule may have (capacity × window within
         /// [`MAX_CAPACITY_TIMES_WINDOW`]).
@@ -602,13 +620,7 @@ mod tests {
                     let (idx, elapsed) = position(t, window_ms);
                     decide(roll(stored, idx), elapsed, weight, params)
                 };
-                let v = at(now);
-                if !v.admitted {
-                    let t = v.retry_after_ms.expect("weight <= capacity is admissible");
-                    prop_assert!(t >= 1);
-                    prop_assert!(at(now + t).admitted, "not admitted after retry_after {}", t);
-                    prop_assert!(!at(now + t - 1).admitted, "admitted 1 ms before retry_after {}", t);
-                }
+                retry_is_exact(now, at)?;
             }
         }
     }
