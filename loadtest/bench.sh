@@ -90,7 +90,7 @@ PORT="$(free_port)"; run limitador-memory "$LIMITADOR" --rls-port "$PORT" --http
 # so it can pass this figure: the ratio shows what coalescing buys.
 SHA="$(redis-cli -p "$REDIS_PORT" SCRIPT LOAD "$(cat src/limiter/scripts/decide_batch.lua)")"
 CEILING="$(redis-benchmark -p "$REDIS_PORT" -c "$CONCURRENCY" -n 500000 -q \
-  EVALSHA "$SHA" 1 'rle:{edge}:60|user=user-0' 1 1 60000 1000000000 1 1 1 | tr '\r' '\n' | grep -o '[0-9.]* requests per second' | tail -1 | cut -d' ' -f1)"
+  EVALSHA "$SHA" 1 'rle2:{edge}:60|user=user-0' 1 60000 1000000000 1 0 1000000000 1 1 1 1 | tr '\r' '\n' | grep -o '[0-9.]* requests per second' | tail -1 | cut -d' ' -f1)"
 
 python3 - "$WORK" "$CEILING" "$DURATION" "$CONCURRENCY" "$KEYS" <<'PY'
 import json, sys

@@ -18,9 +18,10 @@ use serde::Deserialize;
 use crate::config::{Config, redact_url};
 
 /// The migration files, in order, as compiled in.
-pub const MIGRATIONS: [(&str, &str); 2] = [
+pub const MIGRATIONS: [(&str, &str); 3] = [
     ("0001_dlq_topic.yaml", include_str!("../migrations/0001_dlq_topic.yaml")),
     ("0002_redis_key_schema.yaml", include_str!("../migrations/0002_redis_key_schema.yaml")),
+    ("0003_redis_key_schema_v2.yaml", include_str!("../migrations/0003_redis_key_schema_v2.yaml")),
 ];
 
 /// The Redis key holding the counter key-schema version.
@@ -107,11 +108,20 @@ pub fn migrations() -> Result<Vec<(&'static str, Migration)>, MigrateError> {
 
 /// Applies every step in order; stops at the first failure.
 pub async fn run(config: &Config) -> Result<Vec<(&'static str, Applied)>, MigrateError> {
+    let migrations = migrations()?;
+    let latest = migrations
+        .iter()
+        .filter_map(|(_, m)| match m.kind {
+            Kind::RedisKeySchema { version } => Some(version),
+            Kind::KafkaTopic => None,
+        })
+        .max()
+        .unwrap_or(0);
     let mut results = Vec::new();
-    for (file, migration) in migrations()? {
+    for (file, migration) in migrations {
         let applied = match &migration.kind {
             Kind::KafkaTopic => kafka_topic(config).await,
-            Kind::RedisKeySchema { version } => redis_key_schema(config, *version).await,
+            Kind::RedisKeySchema { version } => redis_key_schema(config, *version, latest).await,
         }
         .map_err(|message| MigrateError { file: file.to_owned(), message })?;
         results.push((file, applied));
@@ -150,7 +160,11 @@ async fn kafka_topic(config: &Config) -> Result<Applied, String> {
     }
 }
 
-async fn redis_key_schema(config: &Config, version: u32) -> Result<Applied, String> {
+/// Records key-schema `version` in Redis: on an empty Redis, or as the
+/// upgrade from `version - 1`. A version up to `latest` (this build's
+/// newest, recorded by a later step) counts as applied; a newer one is
+/// refused.
+async fn redis_key_schema(config: &Config, version: u32, latest: u32) -> Result<Applied, String> {
     let Some(url) = &config.redis.url else {
         return Ok(Applied::Skipped("redis.url unset (in-memory counters)".to_owned()));
     };
@@ -178,13 +192,44 @@ async fn redis_key_schema(config: &Config, version: u32) -> Result<Applied, Stri
         .map_err(|e| format!("cannot read {KEY_SCHEMA_KEY}: {e}"))?;
     match stored.parse::<u32>() {
         Ok(v) if v == version => Ok(Applied::AlreadyApplied(format!("key-schema version {v} recorded"))),
+        Ok(v) if v > version && v <= latest => {
+            Ok(Applied::AlreadyApplied(format!("key-schema version {v} recorded (a later step)")))
+        }
         Ok(v) if v > version => Err(format!(
-            "Redis holds key-schema version {v}, newer than this build's {version}: upgrade ratelimitd"
+            "Redis holds key-schema version {v}, newer than this build's {latest}: upgrade ratelimitd"
         )),
+        Ok(v) if v + 1 == version => upgrade_key_schema(&mut conn, v, version).await,
         Ok(v) => {
             Err(format!("Redis holds key-schema version {v}; this build has no upgrade from it to {version}"))
         }
         Err(_) => Err(format!("{KEY_SCHEMA_KEY} holds {stored:?}, not a version number")),
+    }
+}
+
+/// Moves the recorded key-schema version from `from` to `to` if it still
+/// is `from` (compare and set, so concurrent migrations agree). The
+/// counters need no conversion: each version has its own key prefix, and
+/// the older counters expire by their own TTL.
+async fn upgrade_key_schema(
+    conn: &mut redis::aio::MultiplexedConnection,
+    from: u32,
+    to: u32,
+) -> Result<Applied, String> {
+    let swapped: u32 = redis::Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0",
+    )
+    .key(KEY_SCHEMA_KEY)
+    .arg(from)
+    .arg(to)
+    .invoke_async(conn)
+    .await
+    .map_err(|e| format!("cannot update {KEY_SCHEMA_KEY}: {e}"))?;
+    if swapped == 1 {
+        Ok(Applied::Changed(format!(
+            "upgraded key-schema version {from} to {to}; version-{from} counters expire by their own TTL"
+        )))
+    } else {
+        Err(format!("{KEY_SCHEMA_KEY} changed while this step ran; run migrate again"))
     }
 }
 
@@ -209,9 +254,10 @@ mod tests {
     #[test]
     fn compiled_in_migrations_parse_in_sequence() {
         let migrations = migrations().unwrap();
-        assert_eq!(migrations.len(), 2);
+        assert_eq!(migrations.len(), 3);
         assert_eq!(migrations[0].1.kind, Kind::KafkaTopic);
         assert_eq!(migrations[1].1.kind, Kind::RedisKeySchema { version: 1 });
+        assert_eq!(migrations[2].1.kind, Kind::RedisKeySchema { version: 2 });
     }
 
     #[tokio::test]

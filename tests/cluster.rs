@@ -25,12 +25,12 @@ fn cluster_config(rules: &Rules, cluster: &RedisCluster) -> Config {
     config
 }
 
-/// `n` users whose counters (`rl:{user}:…`) live on node `node`.
+/// `n` users whose counters (`rl2:{user}:…`) live on node `node`.
 fn users_on(cluster: &RedisCluster, node: usize, prefix: &str, n: usize) -> Vec<String> {
     let owners = cluster.slot_owners();
     (0..)
         .map(|i| format!("{prefix}-{i}"))
-        .filter(|user| owners[usize::from(key_slot(&format!("rl:{{{user}}}:cap")))] == node)
+        .filter(|user| owners[usize::from(key_slot(&format!("rl2:{{{user}}}:cap")))] == node)
         .take(n)
         .collect()
 }
@@ -137,7 +137,7 @@ async fn two_instances_admit_exactly_limit_times_burst_under_contention() {
     let clients = [a.client().await, b.client().await];
     let users: Arc<Vec<String>> = Arc::new((0..USERS).map(|i| format!("contended-{i}")).collect());
     let nodes: std::collections::HashSet<usize> =
-        users.iter().map(|u| cluster.node_of(&format!("rl:{{{u}}}:cap"))).collect();
+        users.iter().map(|u| cluster.node_of(&format!("rl2:{{{u}}}:cap"))).collect();
     assert!(nodes.len() >= 2, "the users should spread over several primaries: {nodes:?}");
 
     let barrier = Arc::new(tokio::sync::Barrier::new(CALLERS));
@@ -224,7 +224,7 @@ async fn killed_primary_is_replaced_by_its_promoted_replica() {
     let mut promoted = None;
     assert!(
         eventually(Duration::from_secs(20), || {
-            let owner = cluster.slot_owners()[usize::from(key_slot(&format!("rl:{{{}}}:cap", probes[0])))];
+            let owner = cluster.slot_owners()[usize::from(key_slot(&format!("rl2:{{{}}}:cap", probes[0])))];
             promoted = (owner != victim && owner != usize::MAX).then_some(owner);
             std::future::ready(promoted.is_some())
         })

@@ -75,12 +75,22 @@ fn migrate_creates_then_is_a_no_op() {
         "{first}"
     );
     assert!(first.contains("0002_redis_key_schema.yaml: applied: recorded key-schema version 1"), "{first}");
+    assert!(
+        first.contains("0003_redis_key_schema_v2.yaml: applied: upgraded key-schema version 1 to 2"),
+        "{first}"
+    );
     let second = run();
     assert!(
         second.contains("0001_dlq_topic.yaml: already applied: topic \"ratelimit.dlq\" exists"),
         "{second}"
     );
-    assert!(second.contains("0002_redis_key_schema.yaml: already applied"), "{second}");
+    assert!(
+        second.contains(
+            "0002_redis_key_schema.yaml: already applied: key-schema version 2 recorded (a later step)"
+        ),
+        "{second}"
+    );
+    assert!(second.contains("0003_redis_key_schema_v2.yaml: already applied"), "{second}");
     assert!(second.contains("nothing to do"), "{second}");
 }
 

@@ -18,10 +18,11 @@ rules:
   - { rule_id: closed, resource_path: /closed, limit: 1000, window_seconds: 86400, failure_policy: closed }
 "#;
 
-/// One hash per (user, rule) at `rl:{user}:rule`, with the window index,
-/// the two counts and a TTL of two windows; denied requests write nothing.
+/// One string per (user, rule) at `rl2:{user}:rule`: the window index, the
+/// two counts and the expiry (the end of the next window), which is the
+/// key's own; denied requests write nothing.
 #[tokio::test]
-async fn counters_are_hashes_with_a_two_window_ttl() {
+async fn counters_are_strings_that_expire_at_the_end_of_the_next_window() {
     let redis = RedisServer::start();
     let rules = Rules::new(RULES);
     let server = TestServer::start(config(&rules.path(), Some(redis.url()))).await;
@@ -31,21 +32,20 @@ async fn counters_are_hashes_with_a_two_window_ttl() {
     check(&mut client, weighted).await;
 
     let mut conn = redis.client().await;
-    let fields: std::collections::HashMap<String, u64> = conn.hgetall("rl:{kim}:hot").await.unwrap();
-    assert_eq!(fields["c"], 7);
-    assert_eq!(fields["p"], 0);
-    let now_ms = u64::try_from(
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis(),
-    )
-    .unwrap();
-    assert!(fields["w"].abs_diff(now_ms / 86_400_000) <= 1, "{fields:?}");
-    let ttl: i64 = conn.pttl("rl:{kim}:hot").await.unwrap();
-    assert!(ttl > 0 && ttl <= 2 * 86_400_000, "ttl {ttl}");
+    let [window, current, previous, expiry] = redis.counter("rl2:{kim}:hot").await.expect("a counter");
+    assert_eq!((current, previous), (7.0, 0.0));
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
+    let now_ms = u64::try_from(now_ms).unwrap();
+    let day = 86_400_000;
+    assert!((window as u64).abs_diff(now_ms / day) <= 1, "window {window}");
+    assert_eq!(expiry as u64, (window as u64 + 2) * day, "the end of the next window");
+    let expiry_at: i64 = redis::cmd("PEXPIRETIME").arg("rl2:{kim}:hot").query_async(&mut conn).await.unwrap();
+    assert_eq!(expiry_at, expiry as i64, "the key expires when its value says");
 
     let mut too_heavy = request("lee", "/hot");
     too_heavy.weight = 101;
     check(&mut client, too_heavy).await;
-    let exists: bool = conn.exists("rl:{lee}:hot").await.unwrap();
+    let exists: bool = conn.exists("rl2:{lee}:hot").await.unwrap();
     assert!(!exists, "a never-admissible request must not touch Redis");
     server.stop().await.unwrap();
 }
@@ -154,6 +154,63 @@ async fn buckets_decide_many_alike_on_both_stores() {
             );
             assert_eq!(denied.verdicts[0].remaining, 0);
         }
+    }
+}
+
+/// A bucket is stored as (stamp, value, minus its algorithm code, expiry);
+/// the key expires when its value says, at least when the bucket is full
+/// again plus one full refill, and a write whose bucket fills before that
+/// keeps the expiry (no PXAT): two decisions, one expiry.
+#[tokio::test(flavor = "current_thread")]
+async fn a_bucket_keeps_its_expiry_until_it_must_move() {
+    use ratelimitd::limiter::{Algorithm, ManyItem, WindowParams};
+    let redis = RedisServer::start();
+    let (store, _dispatchers) = single_connection_store(&redis).await;
+    let mut conn = redis.client().await;
+    for (algorithm, code) in [(Algorithm::TokenBucket, -2.0), (Algorithm::Gcra, -3.0)] {
+        let item = ManyItem {
+            key: format!("k-{}", algorithm.as_str()),
+            // 10 tokens, refilled at 10 a minute: a full refill takes 60 s.
+            params: WindowParams { window_ms: 60_000, capacity: 10, rate: 10, algorithm },
+            tick_ms: 1,
+            weight: 2,
+            count: Count::IfFits,
+            shadow: false,
+        };
+        let key = format!("rle2:{{g}}:k-{}", algorithm.as_str());
+        let mut expiries = Vec::new();
+        for _ in 0..2 {
+            let before = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+            assert!(store.decide_many("g", std::slice::from_ref(&item)).await.unwrap().committed);
+            let [_, _, kind, expiry] = redis.counter(&key).await.unwrap();
+            assert_eq!(kind, code, "{algorithm:?}");
+            let at: i64 = redis::cmd("PEXPIRETIME").arg(&key).query_async(&mut conn).await.unwrap();
+            assert_eq!(at, expiry as i64, "{algorithm:?}: the key expires when its value says");
+            // Full again 12 s after a debt of 2 tokens, then a full refill.
+            let floor = u64::try_from(before.as_millis()).unwrap() + 12_000 + 60_000;
+            assert!(expiry as u64 >= floor - 5, "{algorithm:?}: {expiry} < {floor}");
+            expiries.push(expiry);
+        }
+        assert_eq!(expiries[0], expiries[1], "{algorithm:?}: the second write kept the expiry");
+    }
+}
+
+/// A counter key holding something else — a version-1 hash, a string of
+/// another length — reads as no counter and is overwritten; the decision
+/// is made, not failed.
+#[tokio::test(flavor = "current_thread")]
+async fn a_foreign_value_at_a_counter_key_reads_as_none() {
+    let redis = RedisServer::start();
+    let (store, _dispatchers) = single_connection_store(&redis).await;
+    let rule = hot_rule(3);
+    let mut conn = redis.client().await;
+    let _: () =
+        redis::cmd("HSET").arg("rl2:{ann}:hot").arg("c").arg(99).query_async(&mut conn).await.unwrap();
+    let _: () = redis::cmd("SET").arg("rl2:{bob}:hot").arg("short").query_async(&mut conn).await.unwrap();
+    for user in ["ann", "bob"] {
+        let verdict = store.decide(user, rule.counter(), 1, Count::IfFits).await.unwrap();
+        assert!(verdict.admitted && verdict.remaining == 2, "{user}: {verdict:?}");
+        assert_eq!(redis.counter(&format!("rl2:{{{user}}}:hot")).await.unwrap()[1], 1.0, "{user}");
     }
 }
 
@@ -368,9 +425,8 @@ async fn queued_decisions_are_coalesced_into_one_script_call() {
     assert!(verdicts[100..].iter().all(|v| !v.admitted));
     let remaining: Vec<u64> = verdicts[..100].iter().map(|v| v.remaining).collect();
     assert_eq!(remaining, (0..100).rev().collect::<Vec<_>>());
-    let mut conn = redis.client().await;
-    let count: u64 = conn.hget("rl:{ann}:hot", "c").await.unwrap();
-    assert_eq!(count, 100);
+    let [_, count, _, _] = redis.counter("rl2:{ann}:hot").await.unwrap();
+    assert_eq!(count, 100.0);
 }
 
 /// A batch over `redis.max_keys_per_call` is split into calls in order,
@@ -400,10 +456,8 @@ async fn batches_over_the_key_cap_are_split_in_order() {
     assert_eq!(redis.evalsha_calls().await - before, 19, "16 jobs of 4 keys per call");
     let committed: Vec<bool> = outcomes.into_iter().map(|o| o.unwrap().committed).collect();
     assert!(committed[..250].iter().all(|c| *c) && committed[250..].iter().all(|c| !c), "in order");
-    let mut conn = redis.client().await;
-    for key in ["rle:{g}:a", "rle:{g}:d"] {
-        let count: u64 = conn.hget(key, "c").await.unwrap();
-        assert_eq!(count, 250, "{key}");
+    for key in ["rle2:{g}:a", "rle2:{g}:d"] {
+        assert_eq!(redis.counter(key).await.unwrap()[1], 250.0, "{key}");
     }
 }
 
@@ -437,10 +491,8 @@ async fn a_denied_job_in_a_batch_writes_nothing() {
     assert!(first.committed && !denied.committed && third.committed);
     assert!(denied.verdicts[0].admitted && !denied.verdicts[1].admitted);
     assert_eq!([third.verdicts[0].remaining, third.verdicts[1].remaining], [0, 0]);
-    let mut conn = redis.client().await;
-    for key in ["rle:{g}:a", "rle:{g}:b"] {
-        let count: u64 = conn.hget(key, "c").await.unwrap();
-        assert_eq!(count, 10, "{key}");
+    for key in ["rle2:{g}:a", "rle2:{g}:b"] {
+        assert_eq!(redis.counter(key).await.unwrap()[1], 10.0, "{key}");
     }
 }
 

@@ -1,6 +1,7 @@
 //! The Redis counter store: one Lua script (`scripts/decide_batch.lua`),
-//! called by SHA and reloaded on NOSCRIPT; one hash per counter, at
-//! `rl:{<user_id>}:<rule_id>` (Check) or `rle:{<domain>}:<key>` (Envoy).
+//! called by SHA and reloaded on NOSCRIPT; one 32-byte string per counter, at
+//! `rl2:{<user_id>}:<rule_id>` (Check) or `rle2:{<domain>}:<key>` (Envoy):
+//! key-schema version 2, laid out in the script and in ARCHITECTURE.md.
 //!
 //! Decisions are coalesced. Each of `redis.connections` slots has one
 //! dispatcher task that owns a connection: a decision queues a job on a
@@ -68,9 +69,17 @@ const MAX_BATCH: usize = 256;
 /// (`pool_exhausted`) instead of queueing without bound.
 const QUEUE_PER_SLOT: usize = 4_096;
 
-/// One counter's script arguments: window (ticks), capacity, weight, tick
-/// (ms), flags (algorithm code + 4 if shadow + 8 × count code), rate.
-type KeyArgs = [u64; 6];
+/// The parameters a counter shares with every counter of its rule: window
+/// (ticks), capacity, tick (ms), flags (algorithm code + 4 if shadow + 8 ×
+/// count code), rate. A script call sends each distinct spec once.
+type Spec = [u64; 5];
+
+/// One counter's script arguments: its spec and the request's weight.
+#[derive(Debug, Clone, Copy)]
+struct KeyArgs {
+    spec: Spec,
+    weight: u64,
+}
 
 /// The flags argument of a counter: its algorithm's code, plus 4 when
 /// shadow, plus 8 times how it counts ([`Count::code`]).
@@ -373,7 +382,10 @@ impl RedisStore {
         count: Count,
     ) -> Result<Verdict, StoreError> {
         let params = counter.window;
-        let args = [params.window_ms, params.capacity, weight, 1, flags(params, false, count), params.rate];
+        let args = KeyArgs {
+            spec: [params.window_ms, params.capacity, 1, flags(params, false, count), params.rate],
+            weight,
+        };
         let reply = self.run(JobKeys::One([(counter_key(user_id, counter.id), args)])).await?;
         let &[committed, fits, a, b, c] = reply.as_slice() else {
             return Err(script_error(format!("script answered {} values for one key", reply.len())));
@@ -400,14 +412,15 @@ impl RedisStore {
         let keys = items
             .iter()
             .map(|item| {
-                let mut key = String::with_capacity(6 + group.len() + item.key.len());
-                key.push_str("rle:{");
+                let mut key = String::with_capacity(7 + group.len() + item.key.len());
+                key.push_str("rle2:{");
                 push_tag(&mut key, group);
                 key.push_str("}:");
                 key.push_str(&item.key);
                 let p = item.params;
                 let flags = flags(p, item.shadow, item.count);
-                (key, [p.window_ms, p.capacity, item.weight, item.tick_ms, flags, p.rate])
+                let spec = [p.window_ms, p.capacity, item.tick_ms, flags, p.rate];
+                (key, KeyArgs { spec, weight: item.weight })
             })
             .collect();
         let reply = self.run(JobKeys::Many(keys)).await?;
@@ -766,27 +779,69 @@ fn fail_all(batch: &mut Vec<Job>, error: &StoreError) {
     }
 }
 
-/// Sends one batch as one script call.
+/// The distinct specs of one script call, in order of first use: the
+/// script parses each once, and a key names its spec by position (1-based).
+#[derive(Debug, Default)]
+struct Specs {
+    list: Vec<Spec>,
+    /// Position of each spec, once there are too many to search in order
+    /// (a batch spanning many rules).
+    index: Option<std::collections::HashMap<Spec, usize>>,
+}
+
+impl Specs {
+    /// Specs searched in order below this many; a map from there on.
+    const LINEAR: usize = 8;
+
+    /// The 1-based position of `spec`, added when new.
+    fn position(&mut self, spec: Spec) -> usize {
+        if let Some(index) = &mut self.index {
+            let next = self.list.len() + 1;
+            let at = *index.entry(spec).or_insert(next);
+            if at == next {
+                self.list.push(spec);
+            }
+            return at;
+        }
+        if let Some(at) = self.list.iter().position(|s| *s == spec) {
+            return at + 1;
+        }
+        self.list.push(spec);
+        if self.list.len() == Self::LINEAR {
+            self.index = Some(self.list.iter().enumerate().map(|(i, s)| (*s, i + 1)).collect());
+        }
+        self.list.len()
+    }
+}
+
+/// Sends one batch as one script call: every key, then the distinct specs,
+/// then per job its number of keys and per key its spec and weight.
 async fn invoke(
     conn: &mut impl redis::aio::ConnectionLike,
     script: &redis::Script,
     batch: &[Job],
 ) -> Result<Vec<u64>, RedisError> {
     let mut invocation = script.prepare_invoke();
+    let mut specs = Specs::default();
+    let mut jobs = Vec::with_capacity(batch.len() * 3);
     for job in batch {
-        for (key, _) in job.keys.as_slice() {
+        let keys = job.keys.as_slice();
+        jobs.push(keys.len() as u64);
+        for (key, args) in keys {
             invocation.key(key.as_str());
+            jobs.push(specs.position(args.spec) as u64);
+            jobs.push(args.weight);
+        }
+    }
+    invocation.arg(specs.list.len());
+    for spec in &specs.list {
+        for value in spec {
+            invocation.arg(*value);
         }
     }
     invocation.arg(batch.len());
-    for job in batch {
-        let keys = job.keys.as_slice();
-        invocation.arg(keys.len());
-        for (_, args) in keys {
-            for value in args {
-                invocation.arg(*value);
-            }
-        }
+    for value in jobs {
+        invocation.arg(value);
     }
     invocation.invoke_async(conn).await
 }
@@ -817,8 +872,8 @@ fn timeout_error(timeout: Duration) -> StoreError {
 /// `rl:{<user_id>}:<rule_id>`, built in one allocation. The hash tag keeps
 /// all of a user's counters in one Redis Cluster slot.
 pub fn counter_key(user_id: &str, rule_id: &str) -> String {
-    let mut key = String::with_capacity(6 + user_id.len() + rule_id.len());
-    key.push_str("rl:{");
+    let mut key = String::with_capacity(7 + user_id.len() + rule_id.len());
+    key.push_str("rl2:{");
     push_tag(&mut key, user_id);
     key.push_str("}:");
     key.push_str(rule_id);
@@ -869,7 +924,7 @@ mod tests {
 
     #[test]
     fn key_has_the_user_as_hash_tag() {
-        assert_eq!(counter_key("u-1", "playback"), "rl:{u-1}:playback");
+        assert_eq!(counter_key("u-1", "playback"), "rl2:{u-1}:playback");
     }
 
     #[test]
@@ -878,7 +933,7 @@ mod tests {
         assert_eq!(key_slot("foo"), 12_182);
         assert_eq!(key_slot("123456789"), 12_739);
         assert_eq!(key_slot("{user1000}.following"), key_slot("user1000"));
-        assert_eq!(key_slot("rl:{u-1}:a"), key_slot("rle:{u-1}:b"));
+        assert_eq!(key_slot("rl2:{u-1}:a"), key_slot("rle2:{u-1}:b"));
         // A brace in a value cannot cut or empty the tag: every key of one
         // user (or domain) stays in one slot, whatever follows the tag.
         for hostile in ["}evil", "{x}y", "a}b{c", "%7D"] {
@@ -893,9 +948,26 @@ mod tests {
     }
 
     #[test]
+    fn specs_are_numbered_once_in_order_of_first_use() {
+        let mut specs = Specs::default();
+        let spec = |n: u64| [n, 1, 1, 0, 1];
+        assert_eq!([1, 2, 1, 3, 2].map(|n| specs.position(spec(n))), [1, 2, 1, 3, 2]);
+        // Past the linear search, the map keeps every number.
+        for n in 4..=40 {
+            assert_eq!(specs.position(spec(n)), n as usize);
+        }
+        assert!(specs.index.is_some());
+        assert_eq!([1, 7, 40, 8].map(|n| specs.position(spec(n))), [1, 7, 40, 8]);
+        assert_eq!(specs.position(spec(41)), 41);
+        assert_eq!(specs.list.len(), 41);
+        assert_eq!(specs.list[6], spec(7));
+    }
+
+    #[test]
     fn a_call_takes_jobs_while_both_caps_hold_and_always_one() {
-        let job =
-            |keys: usize, len: usize| -> Vec<(String, KeyArgs)> { vec![("k".repeat(len), [0; 6]); keys] };
+        let job = |keys: usize, len: usize| -> Vec<(String, KeyArgs)> {
+            vec![("k".repeat(len), KeyArgs { spec: [0; 5], weight: 1 }); keys]
+        };
         let jobs = [job(4, 10), job(4, 10), job(4, 10), job(100, 10), job(1, 10)];
         let slices = || jobs.iter().map(Vec::as_slice);
         let caps = |keys, key_bytes| CallCaps { keys, key_bytes };

@@ -202,6 +202,22 @@ impl RedisServer {
         redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap()
     }
 
+    /// The counter at `key` as the script stores it (key-schema version 2:
+    /// four little-endian doubles — a window's index, current and previous
+    /// counts, or a bucket's stamp, value and minus its algorithm code —
+    /// then its expiry in Unix ms), or `None` when there is no such key.
+    pub async fn counter(&self, key: &str) -> Option<[f64; 4]> {
+        let mut conn = self.client().await;
+        let value: Option<Vec<u8>> = redis::cmd("GET").arg(key).query_async(&mut conn).await.unwrap();
+        let value = value?;
+        assert_eq!(value.len(), 32, "{key}: a counter is 32 bytes");
+        let mut fields = [0.0; 4];
+        for (field, bytes) in fields.iter_mut().zip(value.chunks_exact(8)) {
+            *field = f64::from_le_bytes(bytes.try_into().unwrap());
+        }
+        Some(fields)
+    }
+
     /// A field of `INFO <section>`, e.g. `("commandstats", "cmdstat_evalsha")`.
     pub async fn info_field(&self, section: &str, field: &str) -> Option<String> {
         let mut conn = self.client().await;

@@ -10,14 +10,17 @@
 -- Jobs run in order, each on top of what the jobs before it committed, so
 -- the result is exactly that of running them one after another.
 --
--- KEYS             every job's counter hashes (fields w, c, p), job after job
--- ARGV[1]          number of jobs J
--- then per job     n (its number of keys), then per key 6 values: window
---                  length W in ticks, capacity, weight, tick length in ms,
---                  flags (algorithm: 0 sliding window, 1 fixed window,
---                  2 token bucket, 3 GCRA; + 4 = shadow; + 8 x count:
---                  0 if it fits, 1 never (a peek), 2 always (a report)),
---                  rate (a bucket's refill per W)
+-- KEYS             every job's counters, job after job
+-- ARGV[1]          number of specs S: the distinct counter parameters of
+--                  the batch (usually one per rule)
+-- then per spec    5 values: window length W in ticks, capacity, tick
+--                  length in ms, flags (algorithm: 0 sliding window,
+--                  1 fixed window, 2 token bucket, 3 GCRA; + 4 = shadow;
+--                  + 8 x count: 0 if it fits, 1 never (a peek), 2 always
+--                  (a report)), rate (a bucket's refill per W)
+-- then             number of jobs J
+-- then per job     n (its number of keys), then per key its spec (1-based)
+--                  and its weight
 --
 -- Returns, per job: committed (0|1), then per key: fits (0|1) and three
 -- values as seen BEFORE this key's own weight — a window's current,
@@ -25,123 +28,173 @@
 -- remaining, retry_after and reset_after with the Rust arithmetic (and
 -- checks the script's answer against it).
 --
--- A bucket's hash keeps its stamp in w (last refill, or the TAT in whole
--- ticks) and its debt (or the TAT's remainder in units) in c; its TTL is
--- the time until it is full again.
+-- Each counter is one string of three little-endian doubles (struct):
+-- a window's (index, current, previous), or a bucket's (stamp, value, 0)
+-- where the stamp is the last refill (token bucket) or the TAT in whole
+-- ticks (GCRA) and the value the debt then, or the TAT's remainder in
+-- units. A window expires when it stops mattering (the end of the next
+-- window), a bucket when it is full again. A value of any other shape (a
+-- key of another type or length) reads as no counter and is overwritten.
 --
 -- A job commits when no non-shadow admission or peek is over; then every
 -- admission that fits is incremented (a shadow key over its limit is not),
 -- and every report is, whatever is left (RedisStore never mixes reports
 -- with admissions in one job). A peek never writes. A job that does not
--- commit writes nothing. Counters are read once per batch (HMGET) and
--- written once per batch (HSET + PEXPIRE 2W) however many jobs touch them.
+-- commit writes nothing. Counters are read once per batch (one MGET) and
+-- each written counter once per batch (one SET with its expiry).
 --
 -- Every product stays under 2^53: rules bound capacity * W by MAXCW
 -- (window.rs MAX_CAPACITY_TIMES_WINDOW, 2^51); a window's counts are
 -- clamped to MAXCW / W and a bucket's debt to MAXCW (bucket.rs MAX_DEBT),
 -- read and write; Lua numbers are doubles.
 local MAXCW = 2251799813685248
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local floor, ceil, tonumber, tostring = math.floor, math.ceil, tonumber, tostring
+local call, pack, decode, unpack = redis.call, struct.pack, struct.unpack, unpack
+local KEYS, ARGV = KEYS, ARGV
+local LAYOUT = '<dddd'
 
--- key -> {window index, current, previous, ttl ms}: the counter as the jobs
--- committed so far leave it.
+local t = call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+
+-- Every key's stored value, read at once (in chunks: unpack is bounded).
+local stored = {}
+do
+  local nkeys = #KEYS
+  local first = 1
+  while first <= nkeys do
+    local last = first + 999
+    if last > nkeys then last = nkeys end
+    local values = call('MGET', unpack(KEYS, first, last))
+    for i = 1, last - first + 1 do
+      stored[first + i - 1] = values[i]
+    end
+    first = last + 1
+  end
+end
+
+-- Per spec, what every key of it shares: the parameters and what follows
+-- from them and `now` alone. Keyed by the index as ARGV spells it, so a
+-- key finds its spec without parsing a number.
+local specs = {}
+local a = 2
+for s = 1, tonumber(ARGV[1]) do
+  local w, cap, tick, flags, rate =
+    tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  a = a + 5
+  local alg = flags % 4
+  local now = floor(now_ms / tick)
+  local idx = floor(now / w)
+  specs[tostring(s)] = {
+    w = w, cap = cap, tick = tick, alg = alg, rate = rate, now = now,
+    shadow = floor(flags / 4) % 2 == 1, mode = floor(flags / 8),
+    -- A window: the current one, how far into it, the largest count, and
+    -- when a counter written now stops mattering (the next window's end).
+    idx = idx, elapsed = now - idx * w, maxc = floor(MAXCW / w),
+    expiry = (idx + 2) * w * tick,
+    -- A bucket: full in units, the ticks that pay back the largest debt
+    -- (no product grows past 2^53 beyond them), and the ms a full refill takes.
+    full = cap * w, payback = ceil(MAXCW / rate), refill = ceil(cap * w / rate) * tick,
+  }
+end
+
+-- key -> the counter as the jobs committed so far leave it: {a, b, c,
+-- expiry it will have, expiry it has}; `dirty` lists the keys written, in
+-- order of first write.
 local state = {}
 local dirty = {}
+local ndirty = 0
 local out = {}
+local o = 0
 local k = 0
-local a = 2
 
--- The counter `key` as committed so far, reading the hash on first use.
-local function stored(key)
+-- The counter at KEYS[i] as committed so far: (a, b, c, expiry), or
+-- (nil, 0, 0, 0) when there is none. `c` tells a window (its previous
+-- count, >= 0) from a bucket (minus its algorithm code): a value of the
+-- other kind, of another length or of another type reads as none.
+local function current(i)
+  local s = state[KEYS[i]]
+  if s then return s[1], s[2], s[3], s[4] end
+  local v = stored[i]
+  if v and #v == 32 then
+    return decode(LAYOUT, v)
+  end
+  return nil, 0, 0, 0
+end
+
+-- Commits a job's write of a counter: (a, b, c), kept until `need` at
+-- least; when its expiry falls short, it becomes `later`.
+local function commit(key, x, y, z, need, later, expiry)
   local s = state[key]
   if s == nil then
-    local fields = redis.call('HMGET', key, 'w', 'c', 'p')
-    s = {tonumber(fields[1]), tonumber(fields[2]) or 0, tonumber(fields[3]) or 0, 0}
+    s = {x, y, z, expiry, expiry}
     state[key] = s
+    ndirty = ndirty + 1
+    dirty[ndirty] = key
+  else
+    s[1], s[2], s[3] = x, y, z
   end
-  return s
+  if s[4] < need then s[4] = later end
 end
 
--- The counts of `key` at window index `idx` as committed so far.
-local function counts(key, idx)
-  local s = stored(key)
-  if s[1] == idx then
-    return s[2], s[3]
-  elseif s[1] == idx - 1 then
-    return 0, s[2]
-  end
-  return 0, 0
-end
-
-local function commit(key, idx, cur, prev, ttl)
-  local s = state[key]
-  if s[4] == 0 then dirty[#dirty + 1] = key end
-  s[1], s[2], s[3], s[4] = idx, cur, prev, ttl
-end
-
-for _ = 1, tonumber(ARGV[1]) do
+local jobs = tonumber(ARGV[a])
+a = a + 1
+for _ = 1, jobs do
   local n = tonumber(ARGV[a])
   a = a + 1
-  local header = #out + 1
+  o = o + 1
+  local header = o
   out[header] = 0
-  -- What this job would add, per key, until it commits (only a job of
+  -- What this job would write, per key, until it commits (only a job of
   -- several keys needs it: the same key may appear twice).
   local pending = nil
   if n > 1 then pending = {} end
   -- A one-key job's write, in locals (no table per job).
-  local s_key, s_idx, s_cur, s_prev, s_ttl = nil, 0, 0, 0, 0
+  local s_key, s_x, s_y, s_z, s_need, s_later, s_exp = nil, 0, 0, 0, 0, 0, 0
   local blocked = false
   for _ = 1, n do
     k = k + 1
     local key = KEYS[k]
-    local w = tonumber(ARGV[a])
-    local cap = tonumber(ARGV[a + 1])
-    local weight = tonumber(ARGV[a + 2])
-    local tick = tonumber(ARGV[a + 3])
-    local flags = tonumber(ARGV[a + 4])
-    local rate = tonumber(ARGV[a + 5])
-    a = a + 6
-    local alg = flags % 4
-    local shadow = math.floor(flags / 4) % 2 == 1
-    local mode = math.floor(flags / 8)
+    local sp = specs[ARGV[a]]
+    local weight = ARGV[a + 1]
+    if weight == '1' then weight = 1 else weight = tonumber(weight) end
+    a = a + 2
+    local w, cap, mode, alg = sp.w, sp.cap, sp.mode, sp.alg
     -- Written: an admission that fits, or a report; never a peek nor a weight of 0.
     local writes = weight > 0 and mode ~= 1
-    local now = math.floor(now_ms / tick)
     local p = pending and pending[key]
+    local x, y, z, e
+    if p then
+      x, y, z, e = p[1], p[2], p[3], p[7]
+    else
+      x, y, z, e = current(k)
+    end
     local fits = 0
     local seen1, seen2, seen3
 
     if alg >= 2 then
       -- A bucket (bucket.rs): its debt at `now`, in units (1 token = w
-      -- units, 1 tick refills `rate`), at most MAXCW.
-      local full = cap * w
-      local stamp, value
-      if p then
-        stamp, value = p[1], p[2]
-      else
-        local s = stored(key)
-        stamp, value = s[1], s[2]
-      end
+      -- units, 1 tick refills `rate`), at most MAXCW. Stored as (last
+      -- refill, debt then) for the token bucket, (TAT in whole ticks, the
+      -- TAT's remainder in units) for GCRA; c = -alg.
+      local rate, now = sp.rate, sp.now
       local debt = 0
-      if stamp ~= nil then
-        -- Ticks beyond these pay back the largest debt: no product grows past 2^53.
-        local payback = math.ceil(MAXCW / rate)
+      if z == -alg then
+        local payback = sp.payback
         if alg == 2 then
-          local el = now - stamp
+          local el = now - x
           if el < 0 then el = 0 end
           if el > payback then el = payback end
-          if value > MAXCW then value = MAXCW end
-          debt = value - el * rate
+          if y > MAXCW then y = MAXCW end
+          debt = y - el * rate
           if debt < 0 then debt = 0 end
-        elseif stamp >= now then
-          local ahead = stamp - now
-          if ahead > payback then debt = MAXCW else debt = ahead * rate + value end
+        elseif x >= now then
+          local ahead = x - now
+          if ahead > payback then debt = MAXCW else debt = ahead * rate + y end
           if debt > MAXCW then debt = MAXCW end
         end
       end
       local need = weight * w
-      if weight <= cap and debt + need <= full then fits = 1 end
+      if weight <= cap and debt + need <= sp.full then fits = 1 end
       if writes and (fits == 1 or mode == 2) then
         local after = debt + need
         if after > MAXCW then after = MAXCW end
@@ -149,34 +202,36 @@ for _ = 1, tonumber(ARGV[1]) do
         if alg == 2 then
           ns, nv = now, after
         else
-          local whole = math.floor(after / rate)
+          local whole = floor(after / rate)
           ns, nv = now + whole, after - whole * rate
         end
-        local ttl = math.ceil(after / rate) * tick
-        if ttl < 1 then ttl = 1 end
+        -- Until it is full again; extended by a full refill when that is
+        -- past its expiry, so most writes keep the expiry it has.
+        local full_at = ceil(after / rate) * sp.tick
+        if full_at < 1 then full_at = 1 end
+        full_at = now_ms + full_at
         if pending then
-          pending[key] = {ns, nv, 0, ttl}
+          pending[key] = {ns, nv, -alg, full_at, full_at + sp.refill, 0, e}
         else
-          s_key, s_idx, s_cur, s_prev, s_ttl = key, ns, nv, 0, ttl
+          s_key, s_x, s_y, s_z, s_need, s_later, s_exp = key, ns, nv, -alg, full_at, full_at + sp.refill, e
         end
       end
       seen1, seen2, seen3 = debt, 0, 0
     else
-      local sliding = alg == 0
-      local idx = math.floor(now / w)
-      local elapsed = now - idx * w
-
-      local cur, prev
-      if p and p[1] == idx then
-        cur, prev = p[2], p[3]
-      else
-        cur, prev = counts(key, idx)
+      -- A window, stored as (index, current, previous).
+      local idx, elapsed, maxc = sp.idx, sp.elapsed, sp.maxc
+      local cur, prev = 0, 0
+      if z >= 0 then
+        if x == idx then
+          cur, prev = y, z
+        elseif x == idx - 1 then
+          prev = y
+        end
       end
-      local maxc = math.floor(MAXCW / w)
       if cur > maxc then cur = maxc end
       if prev > maxc then prev = maxc end
       local counted_prev = prev
-      if not sliding then counted_prev = 0 end
+      if alg == 1 then counted_prev = 0 end
 
       if cur * w + counted_prev * (w - elapsed) + weight * w <= cap * w then fits = 1 end
       -- A peek or a weight of 0 writes nothing: no counter is created or extended.
@@ -184,40 +239,44 @@ for _ = 1, tonumber(ARGV[1]) do
         local next = cur + weight
         if next > maxc then next = maxc end
         if pending then
-          pending[key] = {idx, next, prev, 2 * w * tick}
+          pending[key] = {idx, next, prev, sp.expiry, sp.expiry, 0, e}
         else
-          s_key, s_idx, s_cur, s_prev, s_ttl = key, idx, next, prev, 2 * w * tick
+          s_key, s_x, s_y, s_z, s_need, s_later, s_exp = key, idx, next, prev, sp.expiry, sp.expiry, e
         end
       end
       seen1, seen2, seen3 = cur, prev, elapsed
     end
     -- A report never blocks: it is counted whatever is left.
-    if fits == 0 and mode ~= 2 and not shadow then
+    if fits == 0 and mode ~= 2 and not sp.shadow then
       blocked = true
     end
-    out[#out + 1] = fits
-    out[#out + 1] = seen1
-    out[#out + 1] = seen2
-    out[#out + 1] = seen3
+    out[o + 1] = fits
+    out[o + 2] = seen1
+    out[o + 3] = seen2
+    out[o + 4] = seen3
+    o = o + 4
   end
   if not blocked then
     out[header] = 1
     if s_key then
-      commit(s_key, s_idx, s_cur, s_prev, s_ttl)
+      commit(s_key, s_x, s_y, s_z, s_need, s_later, s_exp)
     elseif pending then
       for key, p in pairs(pending) do
-        commit(key, p[1], p[2], p[3], p[4])
+        commit(key, p[1], p[2], p[3], p[4], p[5], p[7])
       end
     end
   end
 end
 
-for _, key in ipairs(dirty) do
+-- One SET per written counter; its expiry only when it must move.
+for i = 1, ndirty do
+  local key = dirty[i]
   local s = state[key]
-  redis.call('HSET', key,
-    'w', string.format('%d', s[1]),
-    'c', string.format('%d', s[2]),
-    'p', string.format('%d', s[3]))
-  redis.call('PEXPIRE', key, s[4])
+  local v = pack(LAYOUT, s[1], s[2], s[3], s[4])
+  if s[4] > s[5] then
+    call('SET', key, v, 'PXAT', s[4])
+  else
+    call('SET', key, v, 'KEEPTTL')
+  end
 end
 return out
