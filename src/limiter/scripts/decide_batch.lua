@@ -107,22 +107,9 @@ local out = {}
 local o = 0
 local k = 0
 
--- The counter at KEYS[i] as committed so far: (a, b, c, expiry), or
--- (nil, 0, 0, 0) when there is none. `c` tells a window (its previous
--- count, >= 0) from a bucket (minus its algorithm code): a value of the
--- other kind, of another length or of another type reads as none.
-local function current(i)
-  local s = state[KEYS[i]]
-  if s then return s[1], s[2], s[3], s[4] end
-  local v = stored[i]
-  if v and #v == 32 then
-    return decode(LAYOUT, v)
-  end
-  return nil, 0, 0, 0
-end
-
--- Commits a job's write of a counter: (a, b, c), kept until `need` at
--- least; when its expiry falls short, it becomes `later`.
+-- Commits a write of a counter: (a, b, c), kept until `need` at least;
+-- when its expiry falls short, it becomes `later`. `expiry` is what the
+-- stored value ensures (used on the counter's first write).
 local function commit(key, x, y, z, need, later, expiry)
   local s = state[key]
   if s == nil then
@@ -139,17 +126,17 @@ end
 local jobs = tonumber(ARGV[a])
 a = a + 1
 for _ = 1, jobs do
-  local n = tonumber(ARGV[a])
+  local n = ARGV[a]
+  if n == '1' then n = 1 else n = tonumber(n) end
   a = a + 1
   o = o + 1
   local header = o
   out[header] = 0
-  -- What this job would write, per key, until it commits (only a job of
-  -- several keys needs it: the same key may appear twice).
+  -- What a job of several keys would write, per key, until it commits
+  -- (the same key may appear twice). A one-key job commits whatever it
+  -- writes: a write means it fits, or is a report, which never blocks.
   local pending = nil
   if n > 1 then pending = {} end
-  -- A one-key job's write, in locals (no table per job).
-  local s_key, s_x, s_y, s_z, s_need, s_later, s_exp = nil, 0, 0, 0, 0, 0, 0
   local blocked = false
   for _ = 1, n do
     k = k + 1
@@ -159,17 +146,24 @@ for _ = 1, jobs do
     if weight == '1' then weight = 1 else weight = tonumber(weight) end
     a = a + 2
     local w, cap, mode, alg = sp.w, sp.cap, sp.mode, sp.alg
+    -- The counter as committed so far (or as this job would leave it):
+    -- (a, b, c, expiry), or (nil, 0, 0, 0) when there is none. `c` tells a
+    -- window (its previous count, >= 0) from a bucket (minus its
+    -- algorithm code): a value of the other kind, of another length or of
+    -- another type reads as none.
+    local x, y, z, e = nil, 0, 0, 0
+    local s = (pending and pending[key]) or state[key]
+    if s then
+      x, y, z, e = s[1], s[2], s[3], s[4]
+    else
+      local v = stored[k]
+      if v and #v == 32 then x, y, z, e = decode(LAYOUT, v) end
+    end
     -- Written: an admission that fits, or a report; never a peek nor a weight of 0.
     local writes = weight > 0 and mode ~= 1
-    local p = pending and pending[key]
-    local x, y, z, e
-    if p then
-      x, y, z, e = p[1], p[2], p[3], p[7]
-    else
-      x, y, z, e = current(k)
-    end
     local fits = 0
     local seen1, seen2, seen3
+    local nx, ny, nz, need, later
 
     if alg >= 2 then
       -- A bucket (bucket.rs): its debt at `now`, in units (1 token = w
@@ -193,28 +187,24 @@ for _ = 1, jobs do
           if debt > MAXCW then debt = MAXCW end
         end
       end
-      local need = weight * w
-      if weight <= cap and debt + need <= sp.full then fits = 1 end
+      local units = weight * w
+      if weight <= cap and debt + units <= sp.full then fits = 1 end
       if writes and (fits == 1 or mode == 2) then
-        local after = debt + need
+        local after = debt + units
         if after > MAXCW then after = MAXCW end
-        local ns, nv
         if alg == 2 then
-          ns, nv = now, after
+          nx, ny = now, after
         else
           local whole = floor(after / rate)
-          ns, nv = now + whole, after - whole * rate
+          nx, ny = now + whole, after - whole * rate
         end
+        nz = -alg
         -- Until it is full again; extended by a full refill when that is
         -- past its expiry, so most writes keep the expiry it has.
-        local full_at = ceil(after / rate) * sp.tick
-        if full_at < 1 then full_at = 1 end
-        full_at = now_ms + full_at
-        if pending then
-          pending[key] = {ns, nv, -alg, full_at, full_at + sp.refill, 0, e}
-        else
-          s_key, s_x, s_y, s_z, s_need, s_later, s_exp = key, ns, nv, -alg, full_at, full_at + sp.refill, e
-        end
+        local full_in = ceil(after / rate) * sp.tick
+        if full_in < 1 then full_in = 1 end
+        need = now_ms + full_in
+        later = need + sp.refill
       end
       seen1, seen2, seen3 = debt, 0, 0
     else
@@ -238,13 +228,17 @@ for _ = 1, jobs do
       if writes and (fits == 1 or mode == 2) then
         local next = cur + weight
         if next > maxc then next = maxc end
-        if pending then
-          pending[key] = {idx, next, prev, sp.expiry, sp.expiry, 0, e}
-        else
-          s_key, s_x, s_y, s_z, s_need, s_later, s_exp = key, idx, next, prev, sp.expiry, sp.expiry, e
-        end
+        nx, ny, nz, need = idx, next, prev, sp.expiry
+        later = need
       end
       seen1, seen2, seen3 = cur, prev, elapsed
+    end
+    if need then
+      if pending then
+        pending[key] = {nx, ny, nz, e, need, later}
+      else
+        commit(key, nx, ny, nz, need, later, e)
+      end
     end
     -- A report never blocks: it is counted whatever is left.
     if fits == 0 and mode ~= 2 and not sp.shadow then
@@ -258,11 +252,9 @@ for _ = 1, jobs do
   end
   if not blocked then
     out[header] = 1
-    if s_key then
-      commit(s_key, s_x, s_y, s_z, s_need, s_later, s_exp)
-    elseif pending then
+    if pending then
       for key, p in pairs(pending) do
-        commit(key, p[1], p[2], p[3], p[4], p[5], p[7])
+        commit(key, p[1], p[2], p[3], p[5], p[6], p[4])
       end
     end
   end
