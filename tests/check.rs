@@ -36,7 +36,87 @@ for_each_store!(
     hot_reload_sees_configmap_symlink_swap,
     invalid_rule_file_keeps_the_last_good_snapshot,
     report_and_peek_over_grpc,
+    check_batch_decides_in_order_and_answers_each_item,
+    check_stream_answers_every_item_by_id,
 );
+
+fn item(id: u64, user: &str, path: &str) -> ratelimitd::api::pb::CheckItem {
+    ratelimitd::api::pb::CheckItem { id, request: Some(request(user, path)) }
+}
+
+/// `CheckBatch`: items decided as Checks, answered in item order with their ids;
+/// an invalid item is answered with why while the others are decided; a
+/// batch over the item cap is refused by name.
+async fn check_batch_decides_in_order_and_answers_each_item(backend: Backend) {
+    use ratelimitd::api::pb::CheckBatchRequest;
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+    // 7 on a limit of 5 (ids counting down), one invalid, one without a rule.
+    let mut items: Vec<_> = (0..7).map(|i| item(100 - i, "bee", "/limited")).collect();
+    items.push(item(7, "", "/limited"));
+    items.push(item(8, "bee", "/nowhere"));
+    let results = client.check_batch(CheckBatchRequest { items }).await.unwrap().into_inner().results;
+    let ids: Vec<u64> = results.iter().map(|r| r.id).collect();
+    assert_eq!(ids, [100, 99, 98, 97, 96, 95, 94, 7, 8]);
+    // Decided concurrently, like concurrent Checks: exactly 5 admitted,
+    // not necessarily the first 5.
+    let allowed = results[..7].iter().filter(|r| r.response.as_ref().unwrap().allowed).count();
+    assert_eq!(allowed, 5, "limit 5");
+    assert!(results[7].response.is_none());
+    assert!(results[7].invalid_argument.contains("user_id"), "{:?}", results[7]);
+    assert_eq!(reason(results[8].response.as_ref().unwrap()), Reason::NoRule);
+    // The batch counted like Checks: the next Check is denied.
+    assert!(!check(&mut client, request("bee", "/limited")).await.allowed);
+
+    let items = (0..=ratelimitd::api::MAX_BATCH_ITEMS as u64).map(|i| item(i, "cy", "/hot")).collect();
+    let status = client.check_batch(CheckBatchRequest { items }).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().starts_with("items: 1025 items, at most 1024"), "{}", status.message());
+    assert!(check(&mut client, request("cy", "/hot")).await.allowed, "a refused batch counted nothing");
+    server.stop().await.unwrap();
+}
+
+/// `CheckStream`: 1,000 items over one stream (more than are decided at a
+/// time) each get one result with their id; exactly the limit is admitted
+/// among those sharing a counter, whatever the order of the answers.
+async fn check_stream_answers_every_item_by_id(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+    // Users dee-0..dee-9 on /hot (limit 100), 100 items each, of which
+    // dee-9's ids 99, 199, … 999 are invalid (no user id).
+    let items: Vec<_> = (0..1_000u64)
+        .map(
+            |i| if i % 100 == 99 { item(i, "", "/hot") } else { item(i, &format!("dee-{}", i % 10), "/hot") },
+        )
+        .collect();
+    let mut results = client.check_stream(futures_util::stream::iter(items)).await.unwrap().into_inner();
+    let mut seen = vec![false; 1_000];
+    let (mut allowed, mut invalid) = (0, 0);
+    while let Some(result) = results.message().await.unwrap() {
+        let id = usize::try_from(result.id).unwrap();
+        assert!(!std::mem::replace(&mut seen[id], true), "id {id} answered twice");
+        match result.response {
+            Some(response) => allowed += usize::from(response.allowed),
+            None => {
+                assert_eq!(id % 100, 99, "only the invalid items are refused");
+                invalid += 1;
+            }
+        }
+    }
+    assert!(seen.iter().all(|s| *s), "every item answered");
+    assert_eq!((allowed, invalid), (990, 10), "990 valid items, at most 100 per user");
+    // 110 more items for dee-9, who had 90 of 100: exactly 10 fit.
+    let items: Vec<_> = (0..110).map(|i| item(i, "dee-9", "/hot")).collect();
+    let mut results = client.check_stream(futures_util::stream::iter(items)).await.unwrap().into_inner();
+    let mut allowed = 0;
+    while let Some(result) = results.message().await.unwrap() {
+        allowed += usize::from(result.response.unwrap().allowed);
+    }
+    assert_eq!(allowed, 10, "dee-9 had 90 of 100");
+    server.stop().await.unwrap();
+}
 
 /// `Report` counts usage past the limit and answers for the next request;
 /// `peek` checks without counting; `peek` on `Report` is refused by name.
@@ -393,5 +473,30 @@ async fn a_user_id_that_is_not_utf8_is_limited_like_any_other() {
         answers.push(response.allowed);
     }
     assert_eq!(answers, [true, true, true, true, true, false], "limit 5, then denied");
+
+    // The same inside a CheckBatch: the item is decided (and counted against
+    // the same user), not the batch refused.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct RawItem {
+        #[prost(uint64, tag = "1")]
+        id: u64,
+        #[prost(message, optional, tag = "2")]
+        request: Option<RawRequest>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct RawBatch {
+        #[prost(message, repeated, tag = "1")]
+        items: Vec<RawItem>,
+    }
+    grpc.ready().await.unwrap();
+    let request = RawRequest { user_id: b"zed\xff".to_vec(), resource_path: b"/limited".to_vec() };
+    let batch = RawBatch { items: vec![RawItem { id: 9, request: Some(request) }] };
+    let codec: tonic_prost::ProstCodec<RawBatch, ratelimitd::api::pb::CheckBatchResponse> =
+        Default::default();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/ratelimit.v1.RateLimiter/CheckBatch");
+    let response = grpc.unary(tonic::Request::new(batch), path, codec).await.unwrap().into_inner();
+    let result = &response.results[0];
+    assert_eq!(result.id, 9);
+    assert!(!result.response.as_ref().expect("decided").allowed, "the same counter: still denied");
     server.stop().await.unwrap();
 }

@@ -158,9 +158,9 @@ async fn buckets_decide_many_alike_on_both_stores() {
 }
 
 /// A bucket is stored as (stamp, value, minus its algorithm code, expiry);
-/// the key expires when its value says, at least when the bucket is full
-/// again plus one full refill, and a write whose bucket fills before that
-/// keeps the expiry (no PXAT): two decisions, one expiry.
+/// the key expires when its value says, at twice the time until the bucket
+/// is full again, and a write whose bucket fills before that keeps the
+/// expiry (no PXAT): two decisions, one expiry.
 #[tokio::test(flavor = "current_thread")]
 async fn a_bucket_keeps_its_expiry_until_it_must_move() {
     use ratelimitd::limiter::{Algorithm, ManyItem, WindowParams};
@@ -173,21 +173,23 @@ async fn a_bucket_keeps_its_expiry_until_it_must_move() {
             // 10 tokens, refilled at 10 a minute: a full refill takes 60 s.
             params: WindowParams { window_ms: 60_000, capacity: 10, rate: 10, algorithm },
             tick_ms: 1,
-            weight: 2,
+            weight: 4,
             count: Count::IfFits,
             shadow: false,
         };
         let key = format!("rle2:{{g}}:k-{}", algorithm.as_str());
         let mut expiries = Vec::new();
-        for _ in 0..2 {
+        // 4 tokens owed: full again in 24 s, so the key lives 48 s; then 1
+        // more: full in 30 s, within those 48 s.
+        for (weight, full_in) in [(4, 24_000), (1, 30_000)] {
             let before = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+            let item = ManyItem { weight, ..item.clone() };
             assert!(store.decide_many("g", std::slice::from_ref(&item)).await.unwrap().committed);
             let [_, _, kind, expiry] = redis.counter(&key).await.unwrap();
             assert_eq!(kind, code, "{algorithm:?}");
             let at: i64 = redis::cmd("PEXPIRETIME").arg(&key).query_async(&mut conn).await.unwrap();
             assert_eq!(at, expiry as i64, "{algorithm:?}: the key expires when its value says");
-            // Full again 12 s after a debt of 2 tokens, then a full refill.
-            let floor = u64::try_from(before.as_millis()).unwrap() + 12_000 + 60_000;
+            let floor = u64::try_from(before.as_millis()).unwrap() + full_in;
             assert!(expiry as u64 >= floor - 5, "{algorithm:?}: {expiry} < {floor}");
             expiries.push(expiry);
         }

@@ -1,6 +1,11 @@
-//! `ratelimit.v1.RateLimiter/Check` and `/Report`.
+//! `ratelimit.v1.RateLimiter`: `Check` and `Report`, and the many-decision
+//! calls `CheckBatch` (unary) and `CheckStream` (bidirectional), whose
+//! items are decided exactly as `Check` decides them.
 
-use tonic::{Request, Response, Status};
+use std::{pin::Pin, sync::Arc};
+
+use futures_util::{Stream, StreamExt as _};
+use tonic::{Request, Response, Status, Streaming, metadata::MetadataMap};
 use tracing::Instrument as _;
 
 use super::{
@@ -12,6 +17,14 @@ use crate::{
     limiter::Count,
     telemetry::traces::continue_trace,
 };
+
+/// Most items in one `CheckBatch`: a bigger batch is refused
+/// (INVALID_ARGUMENT), so one call's work and memory stay bounded.
+pub const MAX_BATCH_ITEMS: usize = 1_024;
+
+/// Most items of one `CheckStream` decided at a time: the stream is not
+/// read further until one of them is answered.
+pub const STREAM_IN_FLIGHT: usize = 256;
 
 /// The native decision service.
 #[derive(Debug, Clone)]
@@ -80,8 +93,33 @@ impl RateLimiterService {
     }
 }
 
+impl RateLimiterService {
+    /// Decides one item of a batch or a stream as `Check` would, without a
+    /// span of its own (one per item would cost more than the decision);
+    /// an invalid item is answered with why, not with a call error.
+    async fn decide_item(&self, item: pb::CheckItem, metadata: &MetadataMap) -> pb::CheckResult {
+        let id = item.id;
+        let request = item.request.unwrap_or_default();
+        match validate(&request, metadata) {
+            Ok(checked) => {
+                let decision = self.engine.check(&checked).await;
+                pb::CheckResult { id, response: Some(response(decision)), invalid_argument: String::new() }
+            }
+            Err(e) => {
+                self.engine.refused(Api::Check, e.reason);
+                pb::CheckResult { id, response: None, invalid_argument: e.to_string() }
+            }
+        }
+    }
+}
+
+/// The results of a `CheckStream`, in the order they are decided.
+type ResultStream = Pin<Box<dyn Stream<Item = Result<pb::CheckResult, Status>> + Send + 'static>>;
+
 #[tonic::async_trait]
 impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
+    type CheckStreamStream = ResultStream;
+
     async fn check(
         &self,
         request: Request<pb::RateLimitRequest>,
@@ -94,5 +132,44 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         request: Request<pb::RateLimitRequest>,
     ) -> Result<Response<pb::RateLimitResponse>, Status> {
         self.decide(request, true).await
+    }
+
+    async fn check_batch(
+        &self,
+        request: Request<pb::CheckBatchRequest>,
+    ) -> Result<Response<pb::CheckBatchResponse>, Status> {
+        let (metadata, _, batch) = request.into_parts();
+        if batch.items.len() > MAX_BATCH_ITEMS {
+            self.engine.refused(Api::Check, "batch_too_large");
+            return Err(Status::invalid_argument(format!(
+                "items: {} items, at most {MAX_BATCH_ITEMS} in one CheckBatch",
+                batch.items.len()
+            )));
+        }
+        let span =
+            tracing::info_span!("ratelimit.check_batch", otel.kind = "server", items = batch.items.len());
+        continue_trace(&span, &metadata);
+        // Decided together: with the Redis store they queue at once and
+        // share script calls.
+        let decisions = batch.items.into_iter().map(|item| self.decide_item(item, &metadata));
+        let results = futures_util::future::join_all(decisions).instrument(span).await;
+        Ok(Response::new(pb::CheckBatchResponse { results }))
+    }
+
+    async fn check_stream(
+        &self,
+        request: Request<Streaming<pb::CheckItem>>,
+    ) -> Result<Response<Self::CheckStreamStream>, Status> {
+        let (metadata, _, items) = request.into_parts();
+        let (service, metadata) = (self.clone(), Arc::new(metadata));
+        // Up to STREAM_IN_FLIGHT items decided at a time, each answered as
+        // soon as it is; a broken input stream ends the output with its status.
+        let results = items
+            .map(move |item| {
+                let (service, metadata) = (service.clone(), Arc::clone(&metadata));
+                async move { Ok(service.decide_item(item?, &metadata).await) }
+            })
+            .buffer_unordered(STREAM_IN_FLIGHT);
+        Ok(Response::new(Box::pin(results)))
     }
 }

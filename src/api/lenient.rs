@@ -44,16 +44,44 @@ impl Lenient for pb::RateLimitResponse {}
 
 impl Lenient for pb::RateLimitRequest {
     fn decode_lenient(bytes: &[u8]) -> Option<Self> {
-        let raw = RawCheck::decode(bytes).ok()?;
-        Some(pb::RateLimitRequest {
-            user_id: text(raw.user_id),
-            resource_path: text(raw.resource_path),
-            headers: raw.headers.into_iter().map(|e| (text(e.key), text(e.value))).collect(),
-            weight: raw.weight,
-            priority: raw.priority,
-            client_type: text(raw.client_type),
-            peek: raw.peek,
-        })
+        RawCheck::decode(bytes).ok().map(RawCheck::into_request)
+    }
+}
+
+impl RawCheck {
+    fn into_request(self) -> pb::RateLimitRequest {
+        pb::RateLimitRequest {
+            user_id: text(self.user_id),
+            resource_path: text(self.resource_path),
+            headers: self.headers.into_iter().map(|e| (text(e.key), text(e.value))).collect(),
+            weight: self.weight,
+            priority: self.priority,
+            client_type: text(self.client_type),
+            peek: self.peek,
+        }
+    }
+}
+
+impl RawItem {
+    fn into_item(self) -> pb::CheckItem {
+        pb::CheckItem { id: self.id, request: self.request.map(RawCheck::into_request) }
+    }
+}
+
+impl Lenient for pb::CheckResult {}
+
+impl Lenient for pb::CheckBatchResponse {}
+
+impl Lenient for pb::CheckItem {
+    fn decode_lenient(bytes: &[u8]) -> Option<Self> {
+        RawItem::decode(bytes).ok().map(RawItem::into_item)
+    }
+}
+
+impl Lenient for pb::CheckBatchRequest {
+    fn decode_lenient(bytes: &[u8]) -> Option<Self> {
+        let raw = RawBatch::decode(bytes).ok()?;
+        Some(pb::CheckBatchRequest { items: raw.items.into_iter().map(RawItem::into_item).collect() })
     }
 }
 
@@ -110,6 +138,22 @@ struct RawCheck {
     client_type: Vec<u8>,
     #[prost(bool, tag = "7")]
     peek: bool,
+}
+
+/// `ratelimit.v1.CheckItem` over [`RawCheck`].
+#[derive(Clone, PartialEq, Message)]
+struct RawItem {
+    #[prost(uint64, tag = "1")]
+    id: u64,
+    #[prost(message, optional, tag = "2")]
+    request: Option<RawCheck>,
+}
+
+/// `ratelimit.v1.CheckBatchRequest` over [`RawItem`].
+#[derive(Clone, PartialEq, Message)]
+struct RawBatch {
+    #[prost(message, repeated, tag = "1")]
+    items: Vec<RawItem>,
 }
 
 /// `RateLimitRequest` with `bytes` where it has `string`: the same wire format.

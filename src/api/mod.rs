@@ -10,7 +10,7 @@ mod convert;
 mod envoy;
 pub mod lenient;
 
-pub use check::RateLimiterService;
+pub use check::{MAX_BATCH_ITEMS, RateLimiterService, STREAM_IN_FLIGHT};
 
 /// Encoded `FileDescriptorSet`s of the services served (ours and Envoy's),
 /// for server reflection: bytes, so the server wires reflection without

@@ -33,8 +33,9 @@
 -- where the stamp is the last refill (token bucket) or the TAT in whole
 -- ticks (GCRA) and the value the debt then, or the TAT's remainder in
 -- units. A window expires when it stops mattering (the end of the next
--- window), a bucket when it is full again. A value of any other shape (a
--- key of another type or length) reads as no counter and is overwritten.
+-- window), a bucket at twice the time until it is full again, set only
+-- when its expiry falls short. A value of any other shape (a key of
+-- another type or length) reads as no counter and is overwritten.
 --
 -- A job commits when no non-shadow admission or peek is over; then every
 -- admission that fits is incremented (a shadow key over its limit is not),
@@ -91,9 +92,9 @@ for s = 1, tonumber(ARGV[1]) do
     -- when a counter written now stops mattering (the next window's end).
     idx = idx, elapsed = now - idx * w, maxc = floor(MAXCW / w),
     expiry = (idx + 2) * w * tick,
-    -- A bucket: full in units, the ticks that pay back the largest debt
-    -- (no product grows past 2^53 beyond them), and the ms a full refill takes.
-    full = cap * w, payback = ceil(MAXCW / rate), refill = ceil(cap * w / rate) * tick,
+    -- A bucket: full in units, and the ticks that pay back the largest
+    -- debt (no product grows past 2^53 beyond them).
+    full = cap * w, payback = ceil(MAXCW / rate),
   }
 end
 
@@ -199,12 +200,12 @@ for _ = 1, jobs do
           nx, ny = now + whole, after - whole * rate
         end
         nz = -alg
-        -- Until it is full again; extended by a full refill when that is
-        -- past its expiry, so most writes keep the expiry it has.
+        -- Until it is full again; when that is past its expiry, twice as
+        -- long, so the writes that follow keep the expiry it has.
         local full_in = ceil(after / rate) * sp.tick
         if full_in < 1 then full_in = 1 end
         need = now_ms + full_in
-        later = need + sp.refill
+        later = need + full_in
       end
       seen1, seen2, seen3 = debt, 0, 0
     else
