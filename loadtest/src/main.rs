@@ -6,6 +6,11 @@
 //! - Open loop (`--rate R`): requests are started at a fixed rate whatever
 //!   the answers do, and latency is measured from each request's *intended*
 //!   send time, so queueing in the client or the server is not hidden.
+//! - Many decisions per call (closed loop only): `--api batch` sends
+//!   `CheckBatch` calls of `--batch` items; `--api stream` keeps one
+//!   `CheckStream` per caller with `--batch` items in flight, sending the
+//!   next item as each result arrives. Latency is per decision (a batch's
+//!   call time for each of its items; an item's time in the stream).
 //!
 //! Keys: one hot key, uniform over N users, or zipf over N users. Latency
 //! goes into an HDR histogram; the report has p50/p90/p99/p99.9/max,
@@ -49,9 +54,13 @@ struct Args {
     /// Target gRPC address.
     #[arg(long, default_value = "http://127.0.0.1:8081")]
     target: String,
-    /// `check` (ratelimit.v1.RateLimiter/Check) or `envoy` (ShouldRateLimit).
+    /// `check` (ratelimit.v1.RateLimiter/Check), `envoy` (ShouldRateLimit),
+    /// `batch` (CheckBatch) or `stream` (CheckStream).
     #[arg(long, default_value = "check")]
     api: String,
+    /// Items per CheckBatch call, or in flight per CheckStream.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
     /// Closed loop: this many concurrent callers.
     #[arg(long, conflicts_with = "rate")]
     concurrency: Option<usize>,
@@ -114,21 +123,105 @@ struct Plan {
 }
 
 impl Plan {
+    /// A Check request for the next user.
+    fn check_request(&self, rng: &mut Rng) -> pb::RateLimitRequest {
+        pb::RateLimitRequest {
+            user_id: self.keys.pick(rng),
+            resource_path: self.path.clone(),
+            weight: self.weight,
+            priority: pick_priority(&self.priorities, rng),
+            ..Default::default()
+        }
+    }
+
+    /// One CheckBatch of `size` items, each outcome recorded with the call's latency.
+    async fn batch(
+        &self,
+        client: &mut RateLimiterClient<Channel>,
+        size: usize,
+        rng: &mut Rng,
+        tally: &Tally,
+        local: &mut Histogram<u64>,
+    ) {
+        let items =
+            (0..size as u64).map(|id| pb::CheckItem { id, request: Some(self.check_request(rng)) }).collect();
+        let sent = Instant::now();
+        match client.check_batch(pb::CheckBatchRequest { items }).await {
+            Ok(response) => {
+                let latency = sent.elapsed();
+                for result in response.into_inner().results {
+                    tally.record(outcome_of(&result), latency, local);
+                }
+            }
+            Err(status) => tally.record(Err(status.code()), sent.elapsed(), local),
+        }
+    }
+
+    /// One CheckStream with `window` items in flight until `running` stops
+    /// or `duration` has passed since `started`; each result is recorded
+    /// with its item's time in the stream.
+    #[allow(clippy::too_many_arguments)]
+    async fn stream(
+        &self,
+        client: &mut RateLimiterClient<Channel>,
+        window: usize,
+        rng: &mut Rng,
+        tally: &Tally,
+        local: &mut Histogram<u64>,
+        running: &AtomicBool,
+        (started, duration): (Instant, Duration),
+    ) {
+        let window = window.max(1);
+        let (items, receiver) = tokio::sync::mpsc::channel(window);
+        let input = futures_util::stream::unfold(receiver, |mut receiver| async move {
+            receiver.recv().await.map(|item| (item, receiver))
+        });
+        let mut results = match client.check_stream(input).await {
+            Ok(response) => response.into_inner(),
+            Err(status) => return tally.record(Err(status.code()), Duration::ZERO, local),
+        };
+        // An item's id picks its slot (id % window): the answer to id frees
+        // the slot that id + window then takes.
+        let mut sent_at = vec![Instant::now(); window];
+        for id in 0..window as u64 {
+            sent_at[id as usize % window] = Instant::now();
+            let _ = items.send(pb::CheckItem { id, request: Some(self.check_request(rng)) }).await;
+        }
+        let mut open = window;
+        while open > 0 {
+            match results.message().await {
+                Ok(Some(result)) => {
+                    let slot = result.id as usize % window;
+                    tally.record(outcome_of(&result), sent_at[slot].elapsed(), local);
+                    open -= 1;
+                    if running.load(Ordering::Relaxed) && started.elapsed() < duration {
+                        sent_at[slot] = Instant::now();
+                        let next = pb::CheckItem {
+                            id: result.id + window as u64,
+                            request: Some(self.check_request(rng)),
+                        };
+                        if items.send(next).await.is_ok() {
+                            open += 1;
+                        }
+                    }
+                }
+                Ok(None) => break,
+                Err(status) => {
+                    tally.record(Err(status.code()), Duration::ZERO, local);
+                    break;
+                }
+            }
+        }
+    }
+
     async fn call(&self, client: &mut Client, rng: &mut Rng) -> Result<bool, tonic::Code> {
-        let user = self.keys.pick(rng);
         match client {
             Client::Check(c) => {
-                let priority = pick_priority(&self.priorities, rng);
-                let request = pb::RateLimitRequest {
-                    user_id: user,
-                    resource_path: self.path.clone(),
-                    weight: self.weight,
-                    priority,
-                    ..Default::default()
-                };
+                let request = self.check_request(rng);
                 c.check(request).await.map(|r| r.into_inner().allowed).map_err(|s| s.code())
             }
             Client::Envoy(c) => {
+                let user = self.keys.pick(rng);
                 let request = EnvoyRequest {
                     domain: self.domain.clone(),
                     descriptors: vec![RateLimitDescriptor {
@@ -144,6 +237,11 @@ impl Plan {
             }
         }
     }
+}
+
+/// Allowed or not, or INVALID_ARGUMENT for an item the service refused.
+fn outcome_of(result: &pb::CheckResult) -> Result<bool, tonic::Code> {
+    result.response.as_ref().map(|r| r.allowed).ok_or(tonic::Code::InvalidArgument)
 }
 
 fn pick_priority(mix: &[(i32, u32)], rng: &mut Rng) -> i32 {
@@ -236,6 +334,9 @@ fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let keys: KeySpace = args.keys.parse().map_err(anyhow::Error::msg)?;
+    if matches!(args.api.as_str(), "batch" | "stream") && args.rate.is_some() {
+        anyhow::bail!("--api {}: closed loop only (--concurrency), not --rate", args.api);
+    }
     let plan = Arc::new(Plan {
         keys,
         path: args.path.clone(),
@@ -251,9 +352,9 @@ async fn main() -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot connect to {}", args.target))?;
         clients.push(match args.api.as_str() {
-            "check" => Client::Check(RateLimiterClient::new(channel)),
+            "check" | "batch" | "stream" => Client::Check(RateLimiterClient::new(channel)),
             "envoy" => Client::Envoy(RateLimitServiceClient::new(channel)),
-            other => anyhow::bail!("--api {other}: expected check or envoy"),
+            other => anyhow::bail!("--api {other}: expected check, envoy, batch or stream"),
         });
     }
 
@@ -272,12 +373,26 @@ async fn main() -> anyhow::Result<()> {
                 let (plan, tally, running) = (Arc::clone(&plan), Arc::clone(&tally), Arc::clone(&running));
                 let mut client = clients[worker % clients.len()].clone();
                 let mut rng = Rng::new(args.seed ^ (worker as u64 + 1));
+                let (api, size) = (args.api.clone(), args.batch);
                 workers.push(tokio::spawn(async move {
                     let mut local = histogram();
-                    while running.load(Ordering::Relaxed) && started.elapsed() < duration {
-                        let sent = Instant::now();
-                        let outcome = plan.call(&mut client, &mut rng).await;
-                        tally.record(outcome, sent.elapsed(), &mut local);
+                    match (api.as_str(), &mut client) {
+                        ("stream", Client::Check(c)) => {
+                            let window = (started, duration);
+                            plan.stream(c, size, &mut rng, &tally, &mut local, &running, window).await;
+                        }
+                        ("batch", Client::Check(c)) => {
+                            while running.load(Ordering::Relaxed) && started.elapsed() < duration {
+                                plan.batch(c, size, &mut rng, &tally, &mut local).await;
+                            }
+                        }
+                        _ => {
+                            while running.load(Ordering::Relaxed) && started.elapsed() < duration {
+                                let sent = Instant::now();
+                                let outcome = plan.call(&mut client, &mut rng).await;
+                                tally.record(outcome, sent.elapsed(), &mut local);
+                            }
+                        }
                     }
                     tally.merge(&local);
                 }));
