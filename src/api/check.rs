@@ -91,9 +91,7 @@ impl RateLimiterService {
         let decision = self.engine.check(&checked).instrument(span).await;
         Ok(Response::new(response(decision)))
     }
-}
 
-impl RateLimiterService {
     /// Decides one item of a batch or a stream as `Check` would, without a
     /// span of its own (one per item would cost more than the decision);
     /// an invalid item is answered with why, not with a call error.

@@ -869,7 +869,7 @@ fn timeout_error(timeout: Duration) -> StoreError {
     StoreError { kind: FailureKind::Timeout, message: format!("no answer within {} ms", timeout.as_millis()) }
 }
 
-/// `rl:{<user_id>}:<rule_id>`, built in one allocation. The hash tag keeps
+/// `rl2:{<user_id>}:<rule_id>`, built in one allocation. The hash tag keeps
 /// all of a user's counters in one Redis Cluster slot.
 pub fn counter_key(user_id: &str, rule_id: &str) -> String {
     let mut key = String::with_capacity(7 + user_id.len() + rule_id.len());

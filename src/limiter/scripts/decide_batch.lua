@@ -28,14 +28,17 @@
 -- remaining, retry_after and reset_after with the Rust arithmetic (and
 -- checks the script's answer against it).
 --
--- Each counter is one string of three little-endian doubles (struct):
--- a window's (index, current, previous), or a bucket's (stamp, value, 0)
--- where the stamp is the last refill (token bucket) or the TAT in whole
--- ticks (GCRA) and the value the debt then, or the TAT's remainder in
--- units. A window expires when it stops mattering (the end of the next
--- window), a bucket at twice the time until it is full again, set only
--- when its expiry falls short. A value of any other shape (a key of
--- another type or length) reads as no counter and is overwritten.
+-- Each counter is one string of four little-endian doubles (struct, 32
+-- bytes): a window's (index, current, previous, expiry), or a bucket's
+-- (stamp, value, -algorithm code, expiry) where the stamp is the last
+-- refill (token bucket) or the TAT in whole ticks (GCRA) and the value
+-- the debt then, or the TAT's remainder in units. The expiry (Unix ms) is
+-- the key's own, so a write knows whether it must move it. The third
+-- value tells a window (>= 0) from either bucket. A window expires when
+-- it stops mattering (the end of the next window), a bucket at twice the
+-- time until it is full again, set only when its expiry falls short. A
+-- value of any other shape (a key of another type or length, or of
+-- another algorithm) reads as no counter and is overwritten.
 --
 -- A job commits when no non-shadow admission or peek is over; then every
 -- admission that fits is incremented (a shadow key over its limit is not),
