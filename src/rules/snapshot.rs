@@ -177,7 +177,7 @@ fn content_hash(rules: &[Rule]) -> String {
         // Field order is fixed here; `{:?}` of the strings escapes separators.
         let _ = writeln!(
             canonical,
-            "{:?}\t{:?}\t{:?}\t{}\t{}\t{}\t{}\t{}\t{:?}\t{:?}",
+            "{:?}\t{:?}\t{:?}\t{}\t{}\t{}\t{}\t{}\t{}\t{:?}\t{:?}",
             rule.id,
             rule.resource_path,
             rule.client_type,
@@ -186,6 +186,7 @@ fn content_hash(rules: &[Rule]) -> String {
             rule.burst_capacity,
             rule.window.window_ms,
             rule.window.capacity,
+            rule.window.algorithm.as_str(),
             rule.mode,
             rule.failure_policy,
         );
@@ -300,5 +301,8 @@ rules:
         assert_eq!(a.version(), b.version());
         let c = snapshot(&RULES.replacen("limit: 1,", "limit: 2,", 1));
         assert_ne!(a.version(), c.version());
+        // An algorithm change is a change: a reload must swap it in.
+        let d = snapshot(&RULES.replacen("limit: 1,", "limit: 1, algorithm: gcra,", 1));
+        assert_ne!(a.version(), d.version());
     }
 }
