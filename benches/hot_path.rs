@@ -175,6 +175,7 @@ fn benches(c: &mut Criterion) {
         max_user_id_bytes: 256,
         trust_request_priority: true,
         envoy_policy: EnvoyPolicy::default(),
+        capture: None,
     });
     let headers = HashMap::new();
     let check = CheckRequest {

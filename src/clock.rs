@@ -41,6 +41,11 @@ impl ManualClock {
     pub fn advance(&self, ms: u64) {
         self.0.fetch_add(ms, Ordering::SeqCst);
     }
+
+    /// Sets the clock to `ms`.
+    pub fn set(&self, ms: u64) {
+        self.0.store(ms, Ordering::SeqCst);
+    }
 }
 
 impl Clock for ManualClock {

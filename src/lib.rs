@@ -26,6 +26,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod capture;
 pub mod cli;
 pub mod clock;
 pub mod config;
@@ -34,6 +35,8 @@ pub mod dlq;
 pub mod folded;
 pub mod limiter;
 pub mod migrate;
+pub mod replay;
+pub mod rollout;
 pub mod rules;
 pub mod server;
 pub mod shed;

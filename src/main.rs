@@ -32,6 +32,14 @@ fn main() -> ExitCode {
         Command::Serve => serve(cli.config.as_deref()),
         Command::Check(args) => runtime().map_or_else(report, |rt| rt.block_on(cli::check(args))),
         Command::Rules(RulesCommand::Validate { paths, envoy }) => cli::validate_rules(&paths, envoy),
+        Command::Rules(command) => match load_config(cli.config.as_deref()) {
+            Ok(config) => rules(command, &config),
+            Err(code) => code,
+        },
+        Command::Replay(args) => match load_config(cli.config.as_deref()) {
+            Ok(config) => cli::replay(&args, &config),
+            Err(code) => code,
+        },
         Command::Migrate => match load_config(cli.config.as_deref()) {
             Ok(config) => runtime().map_or_else(report, |rt| rt.block_on(cli::migrate(&config))),
             Err(code) => code,
@@ -41,6 +49,21 @@ fn main() -> ExitCode {
             Ok(config) => cli::audit(args, &config),
             Err(code) => code,
         },
+    }
+}
+
+/// The rules topic's commands (`rules validate` needs no configuration).
+fn rules(command: RulesCommand, config: &Config) -> ExitCode {
+    match command {
+        RulesCommand::Validate { paths, envoy } => cli::validate_rules(&paths, envoy),
+        RulesCommand::Publish(args) => {
+            runtime().map_or_else(report, |rt| rt.block_on(cli::publish(args, config)))
+        }
+        RulesCommand::Rollback { version } => {
+            runtime().map_or_else(report, |rt| rt.block_on(cli::rollback(&version, config)))
+        }
+        RulesCommand::History => cli::history(config),
+        RulesCommand::Status => cli::status(config),
     }
 }
 

@@ -126,6 +126,7 @@ impl Harness {
             max_user_id_bytes: 256,
             trust_request_priority: true,
             envoy_policy: policy,
+            capture: None,
         });
         Harness { engine, shedder, failures, clock, memory, redis, _dispatchers: dispatchers, _dir: dir }
     }

@@ -158,15 +158,7 @@ impl KafkaConfig {
         if self.brokers.as_deref().is_some_and(|b| b.trim().is_empty()) {
             return Err(invalid("dlq.kafka.brokers", "must not be empty; leave it unset for the file sink"));
         }
-        if self.topic.is_empty()
-            || self.topic.len() > 249
-            || !self.topic.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-        {
-            return Err(invalid(
-                "dlq.kafka.topic",
-                format!("{:?} is not a valid Kafka topic name", self.topic),
-            ));
-        }
+        super::valid_topic("dlq.kafka.topic", &self.topic)?;
         if self.partitions < 1 {
             return Err(invalid("dlq.kafka.partitions", "must be at least 1"));
         }

@@ -11,6 +11,7 @@
 //! directory: native rules default to the set compiled into the binary, and
 //! the dead-letter file and spool to a state directory ([`state_dir`]).
 
+mod capture;
 mod dlq;
 mod envoy;
 mod grpc;
@@ -31,6 +32,7 @@ use std::{
 
 use serde::Deserialize;
 
+pub use capture::{CaptureConfig, CaptureKafkaConfig};
 pub use dlq::{DlqConfig, KafkaConfig};
 pub use envoy::{EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings};
 pub use grpc::{GrpcConfig, GrpcTlsConfig};
@@ -38,7 +40,7 @@ pub use http::HttpConfig;
 pub use limits::LimitsConfig;
 pub use memory::MemoryConfig;
 pub use redis::{RedisConfig, redact_url};
-pub use rules::RulesConfig;
+pub use rules::{RulesConfig, RulesKafkaConfig, RulesSource};
 pub use shed::ShedConfig;
 pub use telemetry::{LogConfig, LogFormat, TelemetryConfig};
 
@@ -87,6 +89,8 @@ pub struct Config {
     pub shed: ShedConfig,
     /// Where failed decisions are recorded.
     pub dlq: DlqConfig,
+    /// A sample of decided requests, for replay.
+    pub capture: CaptureConfig,
     /// Envoy's `ShouldRateLimit` (active when `rules.envoy_path` is set).
     pub envoy: EnvoySettings,
     /// Logging.
@@ -116,6 +120,7 @@ impl Config {
         let mut builder = config::Config::builder()
             .set_default("dlq.file", path_value(&state.join("dlq.jsonl")))
             .and_then(|b| b.set_default("dlq.spool_dir", path_value(&state.join("spool"))))
+            .and_then(|b| b.set_default("capture.file", path_value(&state.join("capture.jsonl"))))
             .map_err(|e| ConfigError::Load(e.to_string()))?;
         if let Some(file) = file {
             if !file.is_file() {
@@ -149,6 +154,7 @@ impl Config {
         self.limits.validate()?;
         self.shed.validate()?;
         self.dlq.validate()?;
+        self.capture.validate()?;
         self.envoy.validate()?;
         self.log.validate()?;
         self.telemetry.validate()
@@ -169,6 +175,17 @@ impl Config {
     pub fn redis_timeout(&self) -> Duration {
         Duration::from_millis(self.redis.timeout_ms)
     }
+}
+
+/// Checks that `topic` is a valid Kafka topic name; the error names `key`.
+pub(crate) fn valid_topic(key: &'static str, topic: &str) -> Result<(), ConfigError> {
+    if topic.is_empty()
+        || topic.len() > 249
+        || !topic.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+    {
+        return Err(invalid(key, format!("{topic:?} is not a valid Kafka topic name")));
+    }
+    Ok(())
 }
 
 fn path_value(path: &Path) -> String {

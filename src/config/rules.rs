@@ -1,32 +1,112 @@
-//! `rules.*`: where native and Envoy rules come from, and how often they
-//! are checked for changes.
+//! `rules.*`: where native and Envoy rules come from (files, or snapshots
+//! published to a Kafka topic), and how often files are checked for changes.
 
-use std::path::PathBuf;
+use std::{collections::BTreeMap, fmt, path::PathBuf};
 
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
 
+/// `rules.source`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RulesSource {
+    /// `rules.path` and `rules.envoy_path`, reloaded when they change.
+    #[default]
+    Files,
+    /// Snapshots `ratelimitd rules publish` wrote to `rules.kafka.topic`;
+    /// `rules.path` / `rules.envoy_path`, when set, are the fallback.
+    Kafka,
+}
+
 /// `rules.*`
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RulesConfig {
+    /// `files` (default) or `kafka`.
+    pub source: RulesSource,
     /// A native rule YAML file, or a directory whose `*.yaml`/`*.yml` files
     /// together form the rule set. Unset: the example rules compiled into
     /// the binary (`examples/rules`), unless `envoy_path` is set, in which
-    /// case there are no native rules (`Check` answers NO_RULE).
+    /// case there are no native rules (`Check` answers NO_RULE). With
+    /// `source: kafka`: the fallback, used only when no snapshot arrives
+    /// within `rules.kafka.wait_ms`.
     pub path: Option<PathBuf>,
     /// How often `path` is checked for changes (metadata only; a file is read
     /// again only when its identity, size or mtime changed). 0 disables reload.
     pub reload_interval_ms: u64,
     /// envoyproxy/ratelimit-format YAML: a file, or a directory with one
-    /// domain per file. Unset: `ShouldRateLimit` is not served.
+    /// domain per file. Unset: `ShouldRateLimit` is not served (with
+    /// `source: kafka` it always is, from the snapshot).
     pub envoy_path: Option<PathBuf>,
+    /// The rules topic (`source: kafka`, `rules publish`, `rules status`).
+    pub kafka: RulesKafkaConfig,
 }
 
 impl Default for RulesConfig {
     fn default() -> Self {
-        Self { path: None, reload_interval_ms: 1_000, envoy_path: None }
+        Self {
+            source: RulesSource::Files,
+            path: None,
+            reload_interval_ms: 1_000,
+            envoy_path: None,
+            kafka: RulesKafkaConfig::default(),
+        }
+    }
+}
+
+/// `rules.kafka.*`
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RulesKafkaConfig {
+    /// Bootstrap servers, `host:port[,host:port…]`.
+    pub brokers: Option<String>,
+    /// The compacted topic of snapshot records, keyed by version; one
+    /// partition (`ratelimitd migrate` creates it).
+    pub topic: String,
+    /// The compacted topic where every instance reports the version it
+    /// serves, keyed by instance (`ratelimitd rules status` reads it).
+    pub status_topic: String,
+    /// How long `serve` waits for the first snapshot before it falls back
+    /// to `rules.path` / `rules.envoy_path` (when set; otherwise it keeps
+    /// waiting, not ready).
+    pub wait_ms: u64,
+    /// How often an instance reports its version to `status_topic`
+    /// (besides on every swap).
+    pub status_interval_ms: u64,
+    /// Replication factor `ratelimitd migrate` creates both topics with.
+    pub replication_factor: i32,
+    /// Any librdkafka property (`security.protocol`, `sasl.*`, `ssl.*`, …).
+    /// Values are never logged.
+    pub properties: BTreeMap<String, String>,
+}
+
+impl Default for RulesKafkaConfig {
+    fn default() -> Self {
+        Self {
+            brokers: None,
+            topic: "ratelimit.rules".to_owned(),
+            status_topic: "ratelimit.rules.status".to_owned(),
+            wait_ms: 10_000,
+            status_interval_ms: 10_000,
+            replication_factor: 3,
+            properties: BTreeMap::new(),
+        }
+    }
+}
+
+impl fmt::Debug for RulesKafkaConfig {
+    // Properties carry SASL passwords and keys: show their names only.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RulesKafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("status_topic", &self.status_topic)
+            .field("wait_ms", &self.wait_ms)
+            .field("status_interval_ms", &self.status_interval_ms)
+            .field("replication_factor", &self.replication_factor)
+            .field("properties", &self.properties.keys().map(|k| format!("{k}=***")).collect::<Vec<_>>())
+            .finish()
     }
 }
 
@@ -40,6 +120,30 @@ impl RulesConfig {
             return Err(invalid(
                 "rules.envoy_path",
                 "must not be empty; leave it unset to not serve ShouldRateLimit",
+            ));
+        }
+        let kafka = &self.kafka;
+        if kafka.brokers.as_deref().is_some_and(|b| b.trim().is_empty()) {
+            return Err(invalid("rules.kafka.brokers", "must not be empty"));
+        }
+        if self.source == RulesSource::Kafka && kafka.brokers.is_none() {
+            return Err(invalid("rules.kafka.brokers", "must be set when rules.source is kafka"));
+        }
+        super::valid_topic("rules.kafka.topic", &kafka.topic)?;
+        super::valid_topic("rules.kafka.status_topic", &kafka.status_topic)?;
+        if kafka.topic == kafka.status_topic {
+            return Err(invalid("rules.kafka.status_topic", "must differ from rules.kafka.topic"));
+        }
+        if kafka.status_interval_ms < 100 {
+            return Err(invalid("rules.kafka.status_interval_ms", "must be at least 100"));
+        }
+        if kafka.replication_factor < 1 {
+            return Err(invalid("rules.kafka.replication_factor", "must be at least 1"));
+        }
+        if kafka.properties.contains_key("bootstrap.servers") {
+            return Err(invalid(
+                "rules.kafka.properties",
+                "set bootstrap.servers through rules.kafka.brokers",
             ));
         }
         Ok(())

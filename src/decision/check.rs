@@ -109,6 +109,11 @@ impl Engine {
         };
         self.inner.stats.decision(Api::Check, decision.rule.as_ref().map(|r| &r.id), label, allowed);
         self.inner.stats.decision_latency(Api::Check, started.elapsed());
+        if let Some(capture) = &self.inner.capture
+            && capture.wants(request.user_id)
+        {
+            capture.record(request, &decision, self.inner.rules.load().version());
+        }
         decision
     }
 

@@ -117,6 +117,17 @@ pub trait Stats: Send + Sync + fmt::Debug {
     fn refused(&self, api: Api, reason: &'static str);
 }
 
+/// Receives a sample of decided `Check` requests (`capture.*`), for
+/// replay. Called on the hot path: `wants` is a hash and a comparison,
+/// `record` only enqueues.
+pub trait CaptureSink: Send + Sync + fmt::Debug {
+    /// Whether requests of `user_id` are captured (the same answer for every
+    /// request of a user, on every instance).
+    fn wants(&self, user_id: &str) -> bool;
+    /// Captures one decided request, decided under rules `rules_version`.
+    fn record(&self, request: &CheckRequest<'_>, decision: &Decision, rules_version: &str);
+}
+
 /// A [`Stats`] that counts nothing (tools and tests that do not scrape).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NoStats;
@@ -155,6 +166,8 @@ pub struct EngineParts {
     pub trust_request_priority: bool,
     /// How Envoy requests are prioritised, counted and failed.
     pub envoy_policy: EnvoyPolicy,
+    /// Where a sample of decided `Check` requests goes (`capture.*`); `None`: off.
+    pub capture: Option<Arc<dyn CaptureSink>>,
 }
 
 /// Runs the decision path. Cheap to clone: everything inside is shared.

@@ -35,6 +35,7 @@ fn engine_trusting(policy: EnvoyPolicy, trust_request_priority: bool) -> Engine 
         max_user_id_bytes: 256,
         trust_request_priority,
         envoy_policy: policy,
+        capture: None,
     })
 }
 

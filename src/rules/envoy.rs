@@ -16,7 +16,7 @@
 use std::{
     collections::{HashMap, hash_map::Entry},
     fs,
-    path::Path,
+    path::{Path, PathBuf},
     sync::Arc,
 };
 
@@ -338,22 +338,39 @@ pub fn load_fixed(path: &Path) -> Result<EnvoyConfig, RuleErrors> {
 /// Loads every file at `path` (a file or a directory of `*.yaml`/`*.yml`)
 /// with the fixed-window (`sliding = false`) or sliding algorithm.
 pub fn load(path: &Path, sliding: bool) -> Result<EnvoyConfig, RuleErrors> {
+    compile_texts(&read_files(path)?, sliding)
+}
+
+/// The configuration files at `path` (a file or a directory of
+/// `*.yaml`/`*.yml`), read, in load order.
+pub fn read_files(path: &Path) -> Result<Vec<(PathBuf, String)>, RuleErrors> {
     let files = rule_files(path).map_err(|e| RuleErrors(vec![e]))?;
-    let mut domains: HashMap<String, (Level, std::path::PathBuf)> = HashMap::new();
+    let mut texts = Vec::with_capacity(files.len());
+    let mut errors = Vec::new();
+    for file in files {
+        match fs::read_to_string(&file) {
+            Ok(text) => texts.push((file, text)),
+            Err(e) => errors.push(RuleError::io(&file, &e)),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(RuleErrors(errors));
+    }
+    Ok(texts)
+}
+
+/// Compiles configuration files given as (name, text), in order: what
+/// [`load`] does once it has read them, and what an instance does with the
+/// files of a published snapshot. Every problem is reported, by file.
+pub fn compile_texts(files: &[(PathBuf, String)], sliding: bool) -> Result<EnvoyConfig, RuleErrors> {
+    let mut domains: HashMap<String, (Level, PathBuf)> = HashMap::new();
     let mut errors = Vec::new();
     let mut canonical = String::new();
-    for file in files {
-        let text = match fs::read_to_string(&file) {
-            Ok(text) => text,
-            Err(e) => {
-                errors.push(RuleError::io(&file, &e));
-                continue;
-            }
-        };
-        match parse_file(&file, &text) {
+    for (file, text) in files {
+        match parse_file(file, text) {
             Ok((domain, level)) => match domains.entry(domain.clone()) {
                 Entry::Occupied(existing) => errors.push(error(
-                    &file,
+                    file,
                     None,
                     "domain",
                     format!(
@@ -362,7 +379,7 @@ pub fn load(path: &Path, sliding: bool) -> Result<EnvoyConfig, RuleErrors> {
                     ),
                 )),
                 Entry::Vacant(slot) => {
-                    canonical.push_str(&text);
+                    canonical.push_str(text);
                     slot.insert((level, file.clone()));
                 }
             },

@@ -6,6 +6,7 @@
 //! a snapshot is plain data, built whole and never mutated.
 
 mod compile;
+pub mod encoding;
 pub mod envoy;
 pub mod model;
 mod native;
@@ -17,7 +18,7 @@ use std::{fmt, io, path::Path, path::PathBuf};
 pub(crate) use compile::compile;
 pub use model::{FailurePolicy, Mode, Rule};
 pub use snapshot::{Snapshot, canonical_path};
-pub use store::{Hot, RuleStore, Versioned, watch};
+pub use store::{Feed, Hot, Origin, RuleStore, Served, Versioned, watch};
 
 /// Loads and compiles the rule set at `path` (a file or a directory).
 pub fn load(path: &Path) -> Result<Snapshot, RuleErrors> {
@@ -40,6 +41,12 @@ pub fn embedded() -> Result<Snapshot, RuleErrors> {
         rules.extend(native::parse(Path::new(name), text).map_err(|e| RuleErrors(vec![e]))?);
     }
     compile(Path::new(EMBEDDED_SOURCE), rules).map_err(RuleErrors)
+}
+
+/// Compiles one native rule file's `text`, named `name` in messages.
+pub fn from_text(name: &Path, text: &str) -> Result<Snapshot, RuleErrors> {
+    let rules = native::parse(name, text).map_err(|e| RuleErrors(vec![e]))?;
+    compile(name, rules).map_err(RuleErrors)
 }
 
 /// A rule set with no rules (an Envoy-only deployment): every `Check` is NO_RULE.

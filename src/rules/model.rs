@@ -2,7 +2,7 @@
 
 use std::{path::Path, sync::Arc};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{
     limiter::{CounterSpec, window::WindowParams},
@@ -10,7 +10,7 @@ use crate::{
 };
 
 /// Whether a rule's denials are enforced or only reported.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// Over-limit requests are denied.
@@ -22,7 +22,7 @@ pub enum Mode {
 }
 
 /// What answers when the counter store cannot decide.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FailurePolicy {
     /// Allow, with reason FAIL_OPEN.

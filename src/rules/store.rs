@@ -191,3 +191,87 @@ pub async fn watch<T: Versioned>(
         }
     }
 }
+
+/// Where the served rules came from, when they are fed from a topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// A snapshot record at this offset of the rules topic.
+    Topic {
+        /// Its offset.
+        offset: i64,
+    },
+    /// The local fallback files (the topic was empty or unreachable).
+    Fallback,
+}
+
+impl Origin {
+    /// `topic` or `fallback`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Origin::Topic { .. } => "topic",
+            Origin::Fallback => "fallback",
+        }
+    }
+}
+
+/// The rule set an instance serves from a feed, and since when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Served {
+    /// The published version (a snapshot record's), or `fallback:<native version>`.
+    pub version: String,
+    /// Where it came from.
+    pub origin: Origin,
+    /// When it was swapped in, ms since the epoch.
+    pub since_ms: u64,
+}
+
+/// The state of a rules feed (`rules.source: kafka`), shared by the
+/// subscriber that writes it and the health, metrics and status readers.
+/// Before the first snapshot (or fallback) arrives, nothing is served.
+#[derive(Debug, Default)]
+pub struct Feed {
+    served: arc_swap::ArcSwapOption<Served>,
+    /// Records refused (undecodable, a bad hash, rules that do not compile).
+    rejected: AtomicU64,
+    /// Records swapped in.
+    applied: AtomicU64,
+    changed: tokio::sync::Notify,
+}
+
+impl Feed {
+    /// What is served; `None` while waiting for the first rules.
+    pub fn served(&self) -> Option<Arc<Served>> {
+        self.served.load_full()
+    }
+
+    /// Records a swap to `served`.
+    pub fn serve(&self, served: Served) {
+        if matches!(served.origin, Origin::Topic { .. }) {
+            self.applied.fetch_add(1, Ordering::Relaxed);
+        }
+        self.served.store(Some(Arc::new(served)));
+        self.changed.notify_waiters();
+        self.changed.notify_one();
+    }
+
+    /// Counts a refused record.
+    pub fn reject(&self) {
+        self.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records refused since start.
+    pub fn rejected(&self) -> u64 {
+        self.rejected.load(Ordering::Relaxed)
+    }
+
+    /// Records swapped in since start.
+    pub fn applied(&self) -> u64 {
+        self.applied.load(Ordering::Relaxed)
+    }
+
+    /// Resolves after the next [`Feed::serve`] (or at once if one happened
+    /// since the last wait).
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+}

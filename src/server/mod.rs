@@ -26,7 +26,7 @@ use crate::{
     decision::Engine,
     dlq::DlqSink,
     limiter::{Store, redis::RedisSetupError},
-    rules::RuleErrors,
+    rules::{Feed, RuleErrors},
     shed::Shedder,
     telemetry::{
         Metrics,
@@ -112,7 +112,7 @@ pub async fn run_observed(
 ) -> Result<(), ServerError> {
     let mut tasks = Tasks::new();
     let mut dispatchers = JoinSet::new();
-    let rules = parts::rules(&config.rules, &config.envoy, &mut tasks)?;
+    let rules = parts::rules_of(&config, &mut tasks)?;
     // Before anything binds or connects: a TLS file that does not load is fatal.
     let tls = ReloadingAcceptor::new(&config.grpc.tls)?;
     let store = parts::store(&config, &mut tasks, &mut dispatchers).await?;
@@ -126,6 +126,7 @@ pub async fn run_observed(
         dlq: Arc::clone(&dlq),
         rules: Arc::clone(&rules.native),
         envoy: rules.envoy.clone(),
+        feed: rules.feed.clone(),
         memory: match engine.store() {
             Store::Memory(memory) => Some(Arc::clone(memory)),
             Store::Redis(_) => None,
@@ -137,6 +138,15 @@ pub async fn run_observed(
     // From here the services hold the engine (and the store) alone.
     drop(engine);
 
+    // Rules from a topic: nothing is answered before the first snapshot
+    // (or the fallback) is in; /readyz says so meanwhile.
+    let mut shutdown = Box::pin(shutdown);
+    if let Some(feed) = &rules.feed
+        && !wait_for_rules(feed, &mut shutdown).await
+    {
+        stop(tasks, dispatchers, Duration::from_millis(config.grpc.shutdown_grace_ms), &dlq).await;
+        return Ok(());
+    }
     // Everything is built: the service is about to answer.
     observe(Observer { dlq: Arc::clone(&dlq), shedder: Arc::clone(&shedder), metrics: Arc::clone(&metrics) });
     let drain_delay = Duration::from_millis(config.grpc.drain_delay_ms);
@@ -146,6 +156,21 @@ pub async fn run_observed(
     let result = serve_until_stopped(serve, drained, grace, &mut tasks, &mut dispatchers).await;
     stop(tasks, dispatchers, grace, &dlq).await;
     result
+}
+
+/// Waits until `feed` serves rules; false when `shutdown` resolves first.
+async fn wait_for_rules(feed: &Feed, shutdown: &mut (impl Future<Output = ()> + Unpin)) -> bool {
+    while feed.served().is_none() {
+        tokio::select! {
+            () = feed.changed() => {}
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            () = &mut *shutdown => {
+                tracing::info!("stopped while waiting for rules");
+                return false;
+            }
+        }
+    }
+    true
 }
 
 /// The shutdown signal the gRPC server waits for: once `shutdown` resolves,

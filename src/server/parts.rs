@@ -13,12 +13,16 @@ use crate::{
     clock::MonotonicClock,
     config::{
         Config, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, LimitsConfig, RulesConfig,
-        ShedConfig,
+        RulesSource, ShedConfig,
     },
     decision::{Engine, EngineParts, EnvoyPolicy, FailureSink, Stats},
     dlq::{self, DlqSink, RecordBounds},
     limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper, window::Algorithm},
-    rules::{self, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig},
+    rollout::{
+        status,
+        subscribe::{self, Fallback, Subscription},
+    },
+    rules::{self, Feed, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig},
     shed::{Sampler, ShedMode, Shedder, run_sampler},
     telemetry::{
         Metrics,
@@ -75,8 +79,53 @@ pub(crate) struct Rules {
     pub(crate) native: Arc<RuleStore>,
     /// Where they come from, for logs: a path, or the embedded set.
     pub(crate) native_source: String,
-    /// The Envoy configuration, when `rules.envoy_path` is set.
+    /// The Envoy configuration, when `rules.envoy_path` is set (always
+    /// with `rules.source: kafka`).
     pub(crate) envoy: Option<Arc<Hot<EnvoyConfig>>>,
+    /// What the rules topic feeds, with `rules.source: kafka`.
+    pub(crate) feed: Option<Arc<Feed>>,
+}
+
+/// The rules: from files ([`rules`]) or from the rules topic ([`subscribed_rules`]).
+pub(crate) fn rules_of(config: &Config, tasks: &mut Tasks) -> Result<Rules, ServerError> {
+    match config.rules.source {
+        RulesSource::Files => rules(&config.rules, &config.envoy, tasks),
+        RulesSource::Kafka => Ok(subscribed_rules(config, tasks)),
+    }
+}
+
+/// `rules.source: kafka`: empty rule sets until the subscription swaps in
+/// the first snapshot (or the fallback files), its subscriber, and its
+/// status reporter.
+pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
+    let native = Arc::new(RuleStore::new(rules::empty()));
+    let envoy = Arc::new(Hot::new(EnvoyConfig::default()));
+    let feed = Arc::new(Feed::default());
+    let kafka = &config.rules.kafka;
+    tracing::info!(
+        brokers = kafka.brokers.as_deref().unwrap_or_default(),
+        topic = %kafka.topic,
+        "rules come from the rules topic; not ready until the first snapshot"
+    );
+    let subscription = Subscription {
+        kafka: kafka.clone(),
+        sliding: config.envoy.algorithm == EnvoyAlgorithm::SlidingWindow,
+        native: Arc::clone(&native),
+        envoy: Arc::clone(&envoy),
+        feed: Arc::clone(&feed),
+        fallback: Fallback { native: config.rules.path.clone(), envoy: config.rules.envoy_path.clone() },
+    };
+    let stop = tasks.stopper();
+    tasks.spawn(subscribe::run(subscription, stop));
+    let stop = tasks.stopper();
+    let instance = format!("{}@{}", config.dlq.instance(), config.grpc_addr().port());
+    tasks.spawn(status::run_reporter(kafka.clone(), instance, Arc::clone(&feed), Arc::clone(&native), stop));
+    Rules {
+        native,
+        native_source: format!("kafka topic {}", kafka.topic),
+        envoy: Some(envoy),
+        feed: Some(feed),
+    }
 }
 
 /// Loads the native rules (`rules.path`; unset: the embedded set, or none
@@ -117,7 +166,7 @@ pub(crate) fn rules(
             Some(hot)
         }
     };
-    Ok(Rules { native, native_source, envoy })
+    Ok(Rules { native, native_source, envoy, feed: None })
 }
 
 fn watch<T: rules::Versioned>(
@@ -303,6 +352,7 @@ pub(crate) fn engine(
         max_user_id_bytes: config.limits.max_user_id_bytes,
         trust_request_priority: config.shed.trust_request_priority,
         envoy_policy: envoy_policy(&config.envoy),
+        capture: None,
     })
 }
 
@@ -321,6 +371,7 @@ pub(crate) async fn health(
         Arc::clone(&rules.native),
         rules.envoy.as_ref().map(|_| config.envoy.failure_mode),
         engine.store(),
+        rules.feed.clone(),
     ));
     let (reporter, service) = tonic_health::server::health_reporter();
     publish(&reporter, false).await;
@@ -346,7 +397,7 @@ mod tests {
     use super::*;
 
     fn rules_config(path: Option<PathBuf>, envoy_path: Option<PathBuf>) -> RulesConfig {
-        RulesConfig { path, envoy_path, reload_interval_ms: 0 }
+        RulesConfig { path, envoy_path, reload_interval_ms: 0, ..RulesConfig::default() }
     }
 
     #[test]

@@ -29,7 +29,7 @@ use super::Metrics;
 use crate::{
     config::EnvoyFailureMode,
     limiter::{Store, breaker::Breaker},
-    rules::{FailurePolicy, RuleStore},
+    rules::{FailurePolicy, Feed, RuleStore},
 };
 
 /// gRPC service names whose health is reported (besides the overall "").
@@ -49,12 +49,20 @@ pub struct Health {
     store_name: &'static str,
     /// The Redis store's circuit breakers (none for the memory store).
     breakers: Option<Arc<[Breaker]>>,
+    /// The rules topic's feed (`rules.source: kafka`).
+    feed: Option<Arc<Feed>>,
 }
 
 impl Health {
     /// Health of a service deciding with `rules`; `envoy_failure_mode` when
     /// `ShouldRateLimit` is served.
-    pub fn new(rules: Arc<RuleStore>, envoy_failure_mode: Option<EnvoyFailureMode>, store: &Store) -> Self {
+    /// `feed` when rules come from the rules topic.
+    pub fn new(
+        rules: Arc<RuleStore>,
+        envoy_failure_mode: Option<EnvoyFailureMode>,
+        store: &Store,
+        feed: Option<Arc<Feed>>,
+    ) -> Self {
         let breakers = match store {
             Store::Memory(_) => None,
             Store::Redis(redis) => Some(redis.breakers()),
@@ -65,6 +73,7 @@ impl Health {
             envoy_failure_mode,
             store_name: store.name(),
             breakers,
+            feed,
         }
     }
 
@@ -78,8 +87,20 @@ impl Health {
         self.state.store(DRAINING, Ordering::SeqCst);
     }
 
-    /// Ready, and why (or why not).
+    /// Ready, and why (or why not), then the rules version served.
     pub fn readiness(&self) -> (bool, String) {
+        let served = match &self.feed {
+            None => format!("rules {}", self.rules.load().version()),
+            Some(feed) => match feed.served() {
+                None => return (false, "not ready: waiting for rules from the rules topic".to_owned()),
+                Some(served) => format!("rules {} (from {})", served.version, served.origin.as_str()),
+            },
+        };
+        let (ready, why) = self.store_readiness();
+        (ready, format!("{why}; {served}"))
+    }
+
+    fn store_readiness(&self) -> (bool, String) {
         let open = self.open_breakers();
         match self.state.load(Ordering::SeqCst) {
             STARTING => (false, "not ready: starting".to_owned()),

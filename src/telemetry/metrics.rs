@@ -21,7 +21,7 @@ use crate::{
     decision::{Api, Stats},
     dlq::{DlqSink, DropReason},
     limiter::{FailureKind, MemoryStore},
-    rules::{Hot, Snapshot, Versioned, envoy::EnvoyConfig},
+    rules::{Feed, Hot, Snapshot, Versioned, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
 };
 
@@ -119,6 +119,8 @@ pub struct Sources {
     pub rules: Arc<Hot<Snapshot>>,
     /// The Envoy configuration, if served.
     pub envoy: Option<Arc<Hot<EnvoyConfig>>>,
+    /// The rules topic's feed (`rules.source: kafka`).
+    pub feed: Option<Arc<Feed>>,
     /// The in-memory counter store, when it is the store.
     pub memory: Option<Arc<MemoryStore>>,
 }
@@ -354,6 +356,34 @@ fn render_sources(out: &mut String, s: &Sources) {
         let _ =
             writeln!(out, "ratelimitd_rules_reload_failures_total{{kind=\"envoy\"}} {}", e.reload_failures());
     }
+    if let Some(feed) = &s.feed {
+        render_feed(out, feed);
+    }
+}
+
+/// The rules topic's feed: the published version served (an info metric;
+/// the version is a content hash from the topic, never a request value;
+/// one series at a time) and the records applied and refused.
+fn render_feed(out: &mut String, feed: &Feed) {
+    header(
+        out,
+        "ratelimitd_rules_published_info",
+        "gauge",
+        "The published rule set served (value 1), by version and origin (topic | fallback); absent while waiting.",
+    );
+    if let Some(served) = feed.served() {
+        let _ = writeln!(
+            out,
+            "ratelimitd_rules_published_info{{version=\"{}\",origin=\"{}\"}} 1",
+            served.version,
+            served.origin.as_str()
+        );
+    }
+    header(out, "ratelimitd_rules_waiting", "gauge", "1 while no rules have arrived from the rules topic.");
+    let _ = writeln!(out, "ratelimitd_rules_waiting {}", u8::from(feed.served().is_none()));
+    header(out, "ratelimitd_rules_records_total", "counter", "Rules topic records swapped in or refused.");
+    let _ = writeln!(out, "ratelimitd_rules_records_total{{result=\"applied\"}} {}", feed.applied());
+    let _ = writeln!(out, "ratelimitd_rules_records_total{{result=\"refused\"}} {}", feed.rejected());
 }
 
 fn render_memory(out: &mut String, memory: &MemoryStore) {

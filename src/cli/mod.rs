@@ -1,4 +1,5 @@
-//! Command-line interface: `serve`, `check` and `rules validate`.
+//! Command-line interface: `serve`, `check`, `rules …` (`rules.rs`: the
+//! rules topic's commands), `replay`, `migrate`, `audit`, `probe`.
 //!
 //! Exit codes follow sysexits where one fits: 0 success (for `check`: the
 //! request is allowed), 1 denied / invalid rules, 64 usage or configuration
@@ -7,6 +8,10 @@
 use std::{io::Write, path::PathBuf, process::ExitCode};
 
 use clap::{Parser, Subcommand};
+
+mod rules;
+
+pub use rules::{history, publish, rollback, status};
 
 use crate::{
     api::client::{self, CallError, CheckCall},
@@ -47,6 +52,8 @@ pub enum Command {
     Migrate,
     /// Read failed-decision records from the dead-letter topic (or a file), filter and summarise.
     Audit(AuditArgs),
+    /// Replay captured requests through the rules in force and a candidate; gate on CRITICAL denials.
+    Replay(ReplayArgs),
     /// GET a health endpoint of a running service; exit 0 on HTTP 200 (for container HEALTHCHECKs).
     Probe {
         /// host:port of the HTTP listener (http.listen).
@@ -96,6 +103,37 @@ pub enum RulesCommand {
         #[arg(long)]
         envoy: bool,
     },
+    /// Validate, compile and publish a rule set to the rules topic (rules.kafka.*).
+    Publish(PublishArgs),
+    /// Publish an earlier version again (see `rules history`).
+    Rollback {
+        /// The version to put back in force.
+        version: String,
+    },
+    /// List the snapshots on the rules topic, oldest first; the last valid one is in force.
+    History,
+    /// List the version every instance serves (from rules.kafka.status_topic);
+    /// exit 0 when all serve the version in force, 1 otherwise.
+    Status,
+}
+
+/// `ratelimitd rules publish …`
+#[derive(Debug, clap::Args)]
+pub struct PublishArgs {
+    /// Native rules: a YAML file or a directory of them.
+    #[arg(required_unless_present = "envoy")]
+    pub path: Option<PathBuf>,
+    /// envoyproxy/ratelimit configuration: a file or a directory, one domain per file.
+    #[arg(long, value_name = "PATH")]
+    pub envoy: Option<PathBuf>,
+    /// Replay this capture (a JSON-lines file) through the rules in force and
+    /// the candidate first; refuse to publish a candidate that fails the gate.
+    #[arg(long, value_name = "CAPTURE")]
+    pub gate: Option<PathBuf>,
+    /// The gate: the largest share of CRITICAL requests allowed by the rules
+    /// in force that the candidate may deny (0.05 = 5%).
+    #[arg(long, default_value_t = 0.05)]
+    pub max_critical_drop: f64,
 }
 
 /// `ratelimitd check …`
@@ -336,4 +374,173 @@ pub fn probe(addr: &str, path: &str) -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// `ratelimitd replay …`
+#[derive(Debug, clap::Args)]
+pub struct ReplayArgs {
+    /// The candidate native rules: a YAML file or a directory.
+    #[arg(long)]
+    pub rules: PathBuf,
+    /// The capture: a JSON-lines file (capture.file), or `kafka` for capture.kafka.topic.
+    #[arg(long)]
+    pub capture: String,
+    /// The rules in force at capture. Default: the record in force on the
+    /// rules topic (rules.source: kafka), else rules.path, else the embedded rules.
+    #[arg(long)]
+    pub current: Option<PathBuf>,
+    /// Exit 1 when the candidate denies more than this share of the CRITICAL
+    /// requests the rules in force allow (0.05 = 5%).
+    #[arg(long, default_value_t = 0.05)]
+    pub max_critical_drop: f64,
+    /// Also write the report as JSON (per rule, per priority, a timeline, the gate) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// Runs `ratelimitd replay`: 0 the candidate passes the gate, 1 it fails
+/// (or the capture cannot be read), 64 bad arguments.
+pub fn replay(args: &ReplayArgs, config: &Config) -> ExitCode {
+    let candidate = match crate::rules::load(&args.rules) {
+        Ok(snapshot) => snapshot,
+        Err(errors) => return rule_errors("--rules", &errors),
+    };
+    let current = match &args.current {
+        Some(path) => crate::rules::load(path).map_err(|e| rule_errors("--current", &e)),
+        None => current_rules(config, None),
+    };
+    let current = match current {
+        Ok(current) => current,
+        Err(code) => return code,
+    };
+    match run_replay(config, &args.capture, current, candidate, args.max_critical_drop, args.json.as_deref())
+    {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(code) => code,
+    }
+}
+
+fn rule_errors(flag: &str, errors: &crate::rules::RuleErrors) -> ExitCode {
+    for error in &errors.0 {
+        eprintln!("{flag}: {error}");
+    }
+    ExitCode::from(1)
+}
+
+/// The native rules in force: `in_force` (a record from the rules topic),
+/// else, with `rules.source: kafka`, the record in force on the topic, else
+/// `rules.path`, else the embedded rules.
+fn current_rules(
+    config: &Config,
+    in_force: Option<&crate::rules::encoding::SnapshotRecord>,
+) -> Result<crate::rules::Snapshot, ExitCode> {
+    let from_record = |record: &crate::rules::encoding::SnapshotRecord| {
+        record.compile(true).map(|c| c.native).map_err(|e| {
+            eprintln!("the rules in force: {e}");
+            ExitCode::from(1)
+        })
+    };
+    if let Some(record) = in_force {
+        return from_record(record);
+    }
+    if config.rules.source == crate::config::RulesSource::Kafka {
+        let history = crate::rollout::publish::history(&config.rules.kafka).map_err(|e| {
+            eprintln!("the rules in force: {e}");
+            ExitCode::from(1)
+        })?;
+        if let Some(record) = crate::rollout::publish::current(&history) {
+            return from_record(record);
+        }
+    }
+    let loaded = match &config.rules.path {
+        Some(path) => crate::rules::load(path),
+        None => crate::rules::embedded(),
+    };
+    loaded.map_err(|e| rule_errors("the rules in force", &e))
+}
+
+/// Reads the capture, replays, prints the report; Ok(passed).
+fn run_replay(
+    config: &Config,
+    source: &str,
+    current: crate::rules::Snapshot,
+    candidate: crate::rules::Snapshot,
+    max_critical_drop: f64,
+    json: Option<&std::path::Path>,
+) -> Result<bool, ExitCode> {
+    if !(0.0..=1.0).contains(&max_critical_drop) {
+        eprintln!("--max-critical-drop {max_critical_drop}: must be within 0..1");
+        return Err(ExitCode::from(EXIT_USAGE));
+    }
+    let capture = if source == "kafka" {
+        let kafka = &config.capture.kafka;
+        let Some(brokers) = &kafka.brokers else {
+            eprintln!("--capture kafka: capture.kafka.brokers is not set");
+            return Err(ExitCode::from(EXIT_USAGE));
+        };
+        match crate::rollout::topic::read_all(brokers, &kafka.properties, &kafka.topic) {
+            Ok(records) => {
+                let mut capture = crate::replay::Capture::default();
+                records.iter().filter_map(|r| r.payload.as_deref()).for_each(|p| capture.push(p));
+                capture.sort();
+                capture
+            }
+            Err(e) => {
+                eprintln!("--capture kafka: {e}");
+                return Err(ExitCode::from(1));
+            }
+        }
+    } else {
+        crate::replay::Capture::from_file(std::path::Path::new(source)).map_err(|e| {
+            eprintln!("--capture: {e}");
+            ExitCode::from(1)
+        })?
+    };
+    if capture.versions.len() > 1 || capture.versions.keys().any(|v| v != current.version()) {
+        eprintln!(
+            "note: the capture was decided under rules {:?}; replaying against {} as the rules in force",
+            capture.versions,
+            current.version()
+        );
+    }
+    let report = crate::replay::replay(
+        &capture,
+        current,
+        candidate,
+        config.limits.max_user_id_bytes,
+        max_critical_drop,
+    );
+    let _ = std::io::stdout().write_all(report.table().as_bytes());
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+        if let Err(e) = std::fs::write(path, text + "\n") {
+            eprintln!("--json {}: {e}", path.display());
+            return Err(ExitCode::from(1));
+        }
+    }
+    Ok(report.gate.passed)
+}
+
+/// The publish gate: replays `capture` through the rules in force (the
+/// record `in_force`, else the configured rules) and `candidate`; Ok(passed).
+pub(crate) fn gate(
+    config: &Config,
+    in_force: Option<&crate::rules::encoding::SnapshotRecord>,
+    candidate: &crate::rollout::publish::Candidate,
+    capture: &std::path::Path,
+    max_critical_drop: f64,
+) -> Result<bool, ExitCode> {
+    let current = current_rules(config, in_force)?;
+    let record =
+        crate::rollout::publish::record(candidate, None, crate::rules::encoding::Provenance::default());
+    let candidate = record.compile(true).map(|c| c.native).map_err(|e| {
+        eprintln!("the candidate: {e}");
+        ExitCode::from(1)
+    })?;
+    let source = capture.to_str().ok_or_else(|| {
+        eprintln!("--gate {}: not a UTF-8 path", capture.display());
+        ExitCode::from(EXIT_USAGE)
+    })?;
+    run_replay(config, source, current, candidate, max_critical_drop, None)
 }

@@ -1,0 +1,187 @@
+//! Capture: a sample of decided `Check` requests mirrored to a JSON-lines
+//! file or a Kafka topic, for `ratelimitd replay` and the publish gate.
+//!
+//! Users, not requests, are sampled: [`sampled`] hashes the user id with a
+//! fixed function (FNV-1a, then a 64-bit finaliser), the same on every
+//! instance and every run, and captures the user when the hash falls below
+//! `capture.sample_ratio` × 2^64. A captured user's every request is
+//! captured, so replay counts that user's counters exactly.
+//!
+//! The hot path builds the record and `try_send`s it into a bounded queue;
+//! a full queue drops the record and counts it. One writer task appends
+//! batches to the file (never past `capture.file_max_bytes`) or produces
+//! them to the topic. Counters: `enqueued = written + dropped + in flight`.
+//! Losing capture records costs replay accuracy, never a decision, so there
+//! is no spool.
+
+mod record;
+mod writer;
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use tokio::sync::mpsc;
+
+pub use record::{CAPTURE_SCHEMA, CaptureRecord, CountKind};
+pub use writer::{producer, run_file, run_kafka};
+
+use crate::{
+    clock::{Clock, SystemClock},
+    decision::{CaptureSink, CheckRequest, Decision, keys},
+    dlq::record::truncated,
+};
+
+/// Whether `user_id` is sampled at `threshold` (`ratio × 2^64`).
+pub fn sampled(user_id: &str, threshold: u64) -> bool {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in user_id.as_bytes() {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    // splitmix64's finaliser: FNV's low bits alone are poorly mixed.
+    hash ^= hash >> 30;
+    hash = hash.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    hash ^= hash >> 27;
+    hash = hash.wrapping_mul(0x94d0_49bb_1331_11eb);
+    hash ^= hash >> 31;
+    hash < threshold
+}
+
+/// `ratio × 2^64`, saturating (1.0 captures everyone).
+pub fn threshold(ratio: f64) -> u64 {
+    if ratio >= 1.0 {
+        u64::MAX
+    } else {
+        // Within 0..1: the product fits.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let t = (ratio * 18_446_744_073_709_551_616.0) as u64;
+        t
+    }
+}
+
+/// What the capture pipeline did, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct CaptureCounters {
+    /// Records queued by the hot path.
+    pub enqueued: AtomicU64,
+    /// Records written to the file or acknowledged by Kafka.
+    pub written: AtomicU64,
+    /// Dropped: the queue was full.
+    pub dropped_queue_full: AtomicU64,
+    /// Dropped: the file reached `capture.file_max_bytes`.
+    pub dropped_disk_cap: AtomicU64,
+    /// Dropped: the file could not be written or Kafka refused them.
+    pub dropped_error: AtomicU64,
+}
+
+/// Bounds on what a record copies from a request.
+#[derive(Debug, Clone)]
+pub struct Bounds {
+    /// A longer user id is recorded as the digest the engine counts it by.
+    pub user_id_bytes: usize,
+    /// Longer paths and client types are truncated (with a marker).
+    pub resource_path_bytes: usize,
+    /// As above.
+    pub client_type_bytes: usize,
+    /// Each allow-listed header's value is truncated to this.
+    pub header_bytes: usize,
+}
+
+/// The engine's [`CaptureSink`]: samples, builds, enqueues.
+#[derive(Debug)]
+pub struct Capture {
+    threshold: u64,
+    queue: mpsc::Sender<CaptureRecord>,
+    counters: Arc<CaptureCounters>,
+    /// Lower-case header names copied into records.
+    allowlist: Vec<String>,
+    bounds: Bounds,
+    instance: Arc<str>,
+}
+
+impl Capture {
+    /// A sink sampling `ratio` of users into a queue of `capacity` records;
+    /// returns the sink, the queue's receiving end (for a writer) and the counters.
+    pub fn new(
+        ratio: f64,
+        capacity: usize,
+        allowlist: &[String],
+        bounds: Bounds,
+        instance: String,
+    ) -> (Self, mpsc::Receiver<CaptureRecord>, Arc<CaptureCounters>) {
+        let (tx, rx) = mpsc::channel(capacity);
+        let counters = Arc::new(CaptureCounters::default());
+        let capture = Capture {
+            threshold: threshold(ratio),
+            queue: tx,
+            counters: Arc::clone(&counters),
+            allowlist: allowlist.iter().map(|h| h.to_ascii_lowercase()).collect(),
+            bounds,
+            instance: Arc::from(instance),
+        };
+        (capture, rx, counters)
+    }
+}
+
+impl CaptureSink for Capture {
+    fn wants(&self, user_id: &str) -> bool {
+        sampled(user_id, self.threshold)
+    }
+
+    fn record(&self, request: &CheckRequest<'_>, decision: &Decision, rules_version: &str) {
+        let b = &self.bounds;
+        let mut headers = BTreeMap::new();
+        for (name, value) in request.headers {
+            if headers.len() < self.allowlist.len()
+                && self.allowlist.iter().any(|allowed| allowed.eq_ignore_ascii_case(name))
+            {
+                headers.insert(name.to_ascii_lowercase(), truncated(value, b.header_bytes));
+            }
+        }
+        let record = CaptureRecord {
+            schema: CAPTURE_SCHEMA.to_owned(),
+            time_ms: SystemClock.now_ms(),
+            instance: self.instance.to_string(),
+            user_id: keys::bounded(request.user_id, b.user_id_bytes).into_owned(),
+            resource_path: truncated(request.resource_path, b.resource_path_bytes),
+            client_type: request.client_type.map(|c| truncated(c, b.client_type_bytes)),
+            priority: request.priority,
+            weight: request.weight,
+            count: CountKind::of(request.count),
+            headers,
+            rules_version: rules_version.to_owned(),
+            rule_id: decision.rule.as_ref().map(|r| r.id.to_string()),
+            effective_priority: decision.priority,
+            allowed: decision.allowed,
+            reason: decision.reason.as_str().to_owned(),
+        };
+        self.counters.enqueued.fetch_add(1, Ordering::Relaxed);
+        if self.queue.try_send(record).is_err() {
+            self.counters.dropped_queue_full.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn users_are_sampled_in_proportion_and_alike_everywhere() {
+        let t = threshold(0.1);
+        let hits = (0..100_000).filter(|i| sampled(&format!("user-{i}"), t)).count();
+        assert!((9_000..11_000).contains(&hits), "{hits}");
+        assert!((0..1_000).all(|i| sampled(&format!("u{i}"), threshold(1.0))));
+        assert!((0..1_000).all(|i| !sampled(&format!("u{i}"), threshold(0.0))));
+        // A fixed function: the same answer on every instance and every run.
+        assert_eq!(sampled("alice", t), sampled("alice", threshold(0.1)));
+        let fixed: Vec<bool> =
+            ["alice", "bob", "carol", "dave", "erin"].iter().map(|u| sampled(u, threshold(0.5))).collect();
+        assert_eq!(fixed, vec![fixed[0], fixed[1], fixed[2], fixed[3], fixed[4]]);
+    }
+}

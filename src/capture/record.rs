@@ -1,0 +1,78 @@
+//! The capture record: one decided request, one JSON object per line (file)
+//! or message (topic), schema `ratelimitd.capture/1`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{limiter::Count, shed::Priority};
+
+/// The schema this build writes and reads.
+pub const CAPTURE_SCHEMA: &str = "ratelimitd.capture/1";
+
+/// How a captured request counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CountKind {
+    /// A `Check`: counted if it fits.
+    Check,
+    /// A `Check` with `peek`: counts nothing.
+    Peek,
+    /// A `Report`: counted whatever is left.
+    Report,
+}
+
+impl CountKind {
+    /// The kind of `count`.
+    pub fn of(count: Count) -> Self {
+        match count {
+            Count::IfFits => CountKind::Check,
+            Count::Never => CountKind::Peek,
+            Count::Always => CountKind::Report,
+        }
+    }
+
+    /// The engine's `Count`.
+    pub fn count(self) -> Count {
+        match self {
+            CountKind::Check => Count::IfFits,
+            CountKind::Peek => Count::Never,
+            CountKind::Report => Count::Always,
+        }
+    }
+}
+
+/// One captured request and its decision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CaptureRecord {
+    /// [`CAPTURE_SCHEMA`].
+    pub schema: String,
+    /// When it was decided, ms since the epoch.
+    pub time_ms: u64,
+    /// The instance that decided it.
+    pub instance: String,
+    /// The user id as counted (the digest of an over-long one).
+    pub user_id: String,
+    /// The path (truncated past `limits.max_resource_path_bytes`).
+    pub resource_path: String,
+    /// The client type, if the request said.
+    pub client_type: Option<String>,
+    /// The priority the request stated, if any.
+    pub priority: Option<Priority>,
+    /// Its weight (at least 1).
+    pub weight: u32,
+    /// Check, peek or report.
+    pub count: CountKind,
+    /// Allow-listed headers (`dlq.header_allowlist`), lower-case names.
+    pub headers: BTreeMap<String, String>,
+    /// The native rule set's version it was decided under.
+    pub rules_version: String,
+    /// The rule that matched.
+    pub rule_id: Option<String>,
+    /// The priority it was decided with.
+    pub effective_priority: Priority,
+    /// The answer.
+    pub allowed: bool,
+    /// Why (`OK`, `OVER_LIMIT`, `SHED`, …).
+    pub reason: String,
+}

@@ -1,0 +1,207 @@
+//! `rules publish`, `rules rollback`, `rules history` and `rules status`:
+//! the operator's side of the rules topic (`rollout`).
+
+use std::{io::Write as _, process::ExitCode};
+
+use super::{EXIT_USAGE, PublishArgs};
+use crate::{
+    clock::{Clock, SystemClock},
+    config::Config,
+    rollout::{
+        RolloutError,
+        publish::{self, Entry},
+        status,
+    },
+    rules::encoding::SnapshotRecord,
+};
+
+fn failed(what: &str, error: &RolloutError) -> ExitCode {
+    eprintln!("{what}: {error}");
+    match error {
+        RolloutError::Config(_) => ExitCode::from(EXIT_USAGE),
+        RolloutError::Kafka(_) | RolloutError::Unknown(_) => ExitCode::from(1),
+    }
+}
+
+/// Runs `rules publish`: 0 published (or already in force), 1 invalid rules,
+/// a failed gate or Kafka unreachable, 64 bad arguments or configuration.
+pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
+    let kafka = &config.rules.kafka;
+    if kafka.brokers.is_none() {
+        eprintln!("rules publish: rules.kafka.brokers is not set");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    let candidate = match publish::candidate(args.path.as_deref(), args.envoy.as_deref()) {
+        Ok(candidate) => candidate,
+        Err(errors) => {
+            for error in &errors.0 {
+                eprintln!("{error}");
+            }
+            eprintln!("rules publish: {} problem(s); nothing published", errors.0.len());
+            return ExitCode::from(1);
+        }
+    };
+    let history = match blocking(kafka.clone(), |k| publish::history(&k)).await {
+        Ok(history) => history,
+        Err(e) => return failed("rules publish", &e),
+    };
+    let current = publish::current(&history);
+    let version = candidate.version();
+    if current.is_some_and(|c| c.version == version) {
+        let _ = writeln!(std::io::stdout(), "{version}: already in force; nothing published");
+        return ExitCode::SUCCESS;
+    }
+    if let Some(capture) = &args.gate {
+        match super::gate(config, current, &candidate, capture, args.max_critical_drop) {
+            Ok(true) => {}
+            Ok(false) => {
+                eprintln!("rules publish: the candidate fails the gate; nothing published");
+                return ExitCode::from(1);
+            }
+            Err(code) => return code,
+        }
+    }
+    let record = publish::record(&candidate, current, publish::provenance(&candidate.paths));
+    match publish::publish(kafka, &record).await {
+        Ok(offset) => {
+            let _ = writeln!(
+                std::io::stdout(),
+                "published {version} at offset {offset} of {} (previous {}; commit {}{})",
+                kafka.topic,
+                record.previous.as_deref().unwrap_or("none"),
+                record.provenance.git_commit.as_deref().unwrap_or("none"),
+                if record.provenance.git_dirty == Some(true) { ", with uncommitted changes" } else { "" },
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => failed("rules publish", &e),
+    }
+}
+
+/// Runs `rules rollback VERSION`: publishes that earlier record again.
+pub async fn rollback(version: &str, config: &Config) -> ExitCode {
+    let kafka = &config.rules.kafka;
+    let history = match blocking(kafka.clone(), |k| publish::history(&k)).await {
+        Ok(history) => history,
+        Err(e) => return failed("rules rollback", &e),
+    };
+    if publish::current(&history).is_some_and(|c| c.version == version) {
+        let _ = writeln!(std::io::stdout(), "{version}: already in force; nothing published");
+        return ExitCode::SUCCESS;
+    }
+    let record = match publish::rollback(&history, version) {
+        Ok(record) => record,
+        Err(e) => return failed("rules rollback", &e),
+    };
+    match publish::publish(kafka, &record).await {
+        Ok(offset) => {
+            let _ = writeln!(
+                std::io::stdout(),
+                "rolled back to {version} (from {}) at offset {offset} of {}",
+                record.previous.as_deref().unwrap_or("none"),
+                kafka.topic
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => failed("rules rollback", &e),
+    }
+}
+
+/// Runs `rules history`: one line per record, oldest first.
+pub fn history(config: &Config) -> ExitCode {
+    let history = match publish::history(&config.rules.kafka) {
+        Ok(history) => history,
+        Err(e) => return failed("rules history", &e),
+    };
+    let in_force = publish::current(&history).map(|r| r.version.clone());
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "{:>7}  {:<16}  {:<24}  {:<16}  {:<10}  BY",
+        "OFFSET", "VERSION", "PUBLISHED", "PREVIOUS", "COMMIT"
+    );
+    for Entry { offset, record } in &history {
+        match record {
+            Ok(r) => {
+                let mark = if Some(&r.version) == in_force.as_ref() { "  (in force)" } else { "" };
+                let _ = writeln!(
+                    out,
+                    "{offset:>7}  {:<16}  {:<24}  {:<16}  {:<10}  {}{}{mark}",
+                    r.version,
+                    r.published_at,
+                    r.previous.as_deref().unwrap_or("-"),
+                    r.provenance.git_commit.as_deref().map_or("-", |c| &c[..c.len().min(10)]),
+                    r.provenance.git_author.as_deref().unwrap_or(&r.provenance.host),
+                    r.provenance
+                        .rolled_back_from
+                        .as_deref()
+                        .map(|f| format!(", rollback from {f}"))
+                        .unwrap_or_default(),
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(out, "{offset:>7}  (refused: {e})");
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// Runs `rules status`: every instance's report against the version in
+/// force; 0 when every instance reporting within three intervals serves it.
+pub fn status(config: &Config) -> ExitCode {
+    let kafka = &config.rules.kafka;
+    let (history, reports) = match publish::history(kafka).and_then(|h| Ok((h, status::read(kafka)?))) {
+        Ok(both) => both,
+        Err(e) => return failed("rules status", &e),
+    };
+    let in_force: Option<&SnapshotRecord> = publish::current(&history);
+    let now = SystemClock.now_ms();
+    let stale_after = kafka.status_interval_ms.saturating_mul(3);
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "in force: {}", in_force.map_or("nothing published", |r| &r.version));
+    let _ = writeln!(
+        out,
+        "{:<32}  {:<26}  {:<9}  {:>9}  {:>8}  STATE",
+        "INSTANCE", "VERSION", "ORIGIN", "SINCE", "REPORTED"
+    );
+    let mut converged = true;
+    for report in &reports {
+        let stale = now.saturating_sub(report.reported_ms) > stale_after;
+        let state = match (&report.version, in_force) {
+            _ if stale => "stale (no report for 3 intervals)",
+            (None, _) => "waiting for rules",
+            (Some(v), Some(f)) if *v == f.version => "current",
+            (Some(_), _) => "behind",
+        };
+        if !stale && state != "current" {
+            converged = false;
+        }
+        let ago = |ms: Option<u64>| {
+            ms.map_or("-".to_owned(), |ms| format!("{}s ago", now.saturating_sub(ms) / 1_000))
+        };
+        let _ = writeln!(
+            out,
+            "{:<32}  {:<26}  {:<9}  {:>9}  {:>8}  {state}",
+            report.instance,
+            report.version.as_deref().unwrap_or("-"),
+            report.origin.as_deref().unwrap_or("-"),
+            ago(report.since_ms),
+            ago(Some(report.reported_ms)),
+        );
+    }
+    if reports.is_empty() {
+        let _ = writeln!(out, "(no instance reports)");
+    }
+    if converged && in_force.is_some() { ExitCode::SUCCESS } else { ExitCode::from(1) }
+}
+
+/// Runs a blocking Kafka read off the runtime's workers.
+async fn blocking<T: Send + 'static>(
+    kafka: crate::config::RulesKafkaConfig,
+    read: impl FnOnce(crate::config::RulesKafkaConfig) -> Result<T, RolloutError> + Send + 'static,
+) -> Result<T, RolloutError> {
+    tokio::task::spawn_blocking(move || read(kafka))
+        .await
+        .unwrap_or_else(|e| Err(RolloutError::Kafka(format!("reader task failed: {e}"))))
+}

@@ -1,0 +1,199 @@
+//! `rules publish`, `rules rollback` and `rules history`: the write side of
+//! the rules topic. Records are keyed by their version, so the compacted
+//! topic keeps one record per distinct rule set (its latest publication)
+//! and the record with the highest offset is the one in force.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, SystemTime},
+};
+
+use super::{RolloutError, topic};
+use crate::{
+    config::RulesKafkaConfig,
+    rules::{
+        self, RuleErrors,
+        encoding::{self, Provenance, SCHEMA, SnapshotRecord},
+    },
+};
+
+/// A validated candidate: the parts of a record, before it has a place on the topic.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// Native rules.
+    pub native: Option<encoding::NativeRules>,
+    /// Envoy configuration files.
+    pub envoy: Option<encoding::EnvoyRules>,
+    /// The paths it was loaded from.
+    pub paths: Vec<PathBuf>,
+}
+
+impl Candidate {
+    /// The version the record will have.
+    pub fn version(&self) -> String {
+        encoding::record_version(self.native.as_ref(), self.envoy.as_ref())
+    }
+}
+
+/// Loads and compiles the native rules at `native` and the Envoy
+/// configuration at `envoy` with the compilers `serve` uses; every problem
+/// is returned, as `rules validate` reports it.
+pub fn candidate(native: Option<&Path>, envoy: Option<&Path>) -> Result<Candidate, RuleErrors> {
+    let mut errors = Vec::new();
+    let native_rules = match native.map(rules::load) {
+        None => None,
+        Some(Ok(snapshot)) => Some(encoding::encode_native(&snapshot)),
+        Some(Err(e)) => {
+            errors.extend(e.0);
+            None
+        }
+    };
+    let envoy_rules = match envoy.map(rules::envoy::read_files) {
+        None => None,
+        Some(Ok(files)) => match rules::envoy::compile_texts(&files, true) {
+            Ok(_) => Some(encoding::encode_envoy(&files)),
+            Err(e) => {
+                errors.extend(e.0);
+                None
+            }
+        },
+        Some(Err(e)) => {
+            errors.extend(e.0);
+            None
+        }
+    };
+    if !errors.is_empty() {
+        return Err(RuleErrors(errors));
+    }
+    let paths = native.into_iter().chain(envoy).map(Path::to_path_buf).collect();
+    Ok(Candidate { native: native_rules, envoy: envoy_rules, paths })
+}
+
+/// Where the rules come from: the host, the paths and, when they are in a
+/// git work tree, the commit, its author and whether the files differ from it.
+pub fn provenance(paths: &[PathBuf]) -> Provenance {
+    let host =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default();
+    let mut provenance = Provenance {
+        host,
+        paths: paths.iter().map(|p| p.display().to_string()).collect(),
+        publisher: format!("ratelimitd {}", env!("CARGO_PKG_VERSION")),
+        ..Provenance::default()
+    };
+    let Some(first) = paths.first() else { return provenance };
+    let dir = if first.is_dir() {
+        first.clone()
+    } else {
+        first.parent().map(Path::to_path_buf).unwrap_or_default()
+    };
+    let dir = if dir.as_os_str().is_empty() { PathBuf::from(".") } else { dir };
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(&dir)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    provenance.git_commit = git(&["rev-parse", "HEAD"]).filter(|c| !c.is_empty());
+    if provenance.git_commit.is_some() {
+        provenance.git_author = git(&["log", "-1", "--format=%an <%ae>"]);
+        // Paths are relative to the caller's directory, git -C changes it: use absolute ones.
+        let absolute: Vec<String> = paths
+            .iter()
+            .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()).display().to_string())
+            .collect();
+        let mut status = vec!["status", "--porcelain", "--"];
+        status.extend(absolute.iter().map(String::as_str));
+        provenance.git_dirty = git(&status).map(|out| !out.is_empty());
+    }
+    provenance
+}
+
+/// A record for `candidate` following `previous`.
+pub fn record(
+    candidate: &Candidate,
+    previous: Option<&SnapshotRecord>,
+    provenance: Provenance,
+) -> SnapshotRecord {
+    SnapshotRecord {
+        schema: SCHEMA.to_owned(),
+        version: candidate.version(),
+        previous: previous.map(|p| p.version.clone()),
+        published_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
+        provenance,
+        native: candidate.native.clone(),
+        envoy: candidate.envoy.clone(),
+    }
+}
+
+/// One record of the rules topic as `history` lists it.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// Its offset.
+    pub offset: i64,
+    /// The record, or why it cannot be read.
+    pub record: Result<SnapshotRecord, String>,
+}
+
+/// Every record of the rules topic, oldest first.
+pub fn history(kafka: &RulesKafkaConfig) -> Result<Vec<Entry>, RolloutError> {
+    let brokers = brokers(kafka)?;
+    let records = topic::read_all(brokers, &kafka.properties, &kafka.topic)?;
+    Ok(records
+        .into_iter()
+        .filter_map(|r| {
+            let payload = r.payload?;
+            Some(Entry {
+                offset: r.offset,
+                record: SnapshotRecord::parse(&payload)
+                    .and_then(|record| record.compile(true).map(|_| record))
+                    .map_err(|e| e.to_string()),
+            })
+        })
+        .collect())
+}
+
+/// The record in force: the newest one that decodes and compiles.
+pub fn current(history: &[Entry]) -> Option<&SnapshotRecord> {
+    history.iter().rev().find_map(|e| e.record.as_ref().ok())
+}
+
+/// The configured brokers, or an error naming the key.
+pub(crate) fn brokers(kafka: &RulesKafkaConfig) -> Result<&str, RolloutError> {
+    kafka.brokers.as_deref().ok_or_else(|| RolloutError::Config("rules.kafka.brokers is not set".to_owned()))
+}
+
+/// Writes `record` to the rules topic, keyed by its version; returns its offset.
+pub async fn publish(kafka: &RulesKafkaConfig, record: &SnapshotRecord) -> Result<i64, RolloutError> {
+    let brokers = brokers(kafka)?;
+    let producer = topic::producer(brokers, &kafka.properties, Duration::from_secs(30))?;
+    let payload = serde_json::to_vec(record).map_err(|e| RolloutError::Kafka(e.to_string()))?;
+    topic::produce(&producer, &kafka.topic, &record.version, Some(&payload)).await
+}
+
+/// A record that puts `version` (an earlier record on the topic) back in force.
+pub fn rollback(history: &[Entry], version: &str) -> Result<SnapshotRecord, RolloutError> {
+    let current = current(history);
+    let target = history
+        .iter()
+        .rev()
+        .filter_map(|e| e.record.as_ref().ok())
+        .find(|r| r.version == version)
+        .ok_or_else(|| RolloutError::Unknown(version.to_owned()))?;
+    let mut provenance = provenance(&[]);
+    provenance.paths = target.provenance.paths.clone();
+    provenance.git_commit = target.provenance.git_commit.clone();
+    provenance.git_author = target.provenance.git_author.clone();
+    provenance.git_dirty = target.provenance.git_dirty;
+    provenance.rolled_back_from = current.map(|c| c.version.clone());
+    Ok(SnapshotRecord {
+        previous: current.map(|c| c.version.clone()),
+        published_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
+        provenance,
+        ..target.clone()
+    })
+}

@@ -1,0 +1,117 @@
+//! Which instance serves which version: every instance reports to the
+//! compacted `rules.kafka.status_topic` (key: its instance name) on every
+//! swap and every `rules.kafka.status_interval_ms`, and withdraws its
+//! report (a tombstone) when it stops cleanly. `rules status` reads the
+//! topic and compares each report with the record in force.
+
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::{RolloutError, topic};
+use crate::{
+    clock::{Clock, SystemClock},
+    config::RulesKafkaConfig,
+    folded::Folded,
+    rules::{Feed, RuleStore},
+};
+
+/// The schema of a status report.
+pub const STATUS_SCHEMA: &str = "ratelimitd.rules.status/1";
+
+/// One instance's report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// [`STATUS_SCHEMA`].
+    pub schema: String,
+    /// The instance (`dlq.instance_id` or the host name, `@` the gRPC port).
+    pub instance: String,
+    /// The version served; `None` while waiting for rules.
+    pub version: Option<String>,
+    /// `topic` or `fallback`; `None` while waiting.
+    pub origin: Option<String>,
+    /// The topic offset of the record served.
+    pub offset: Option<i64>,
+    /// When the version was swapped in, ms since the epoch.
+    pub since_ms: Option<u64>,
+    /// When this report was made, ms since the epoch.
+    pub reported_ms: u64,
+    /// Native rules served.
+    pub native_rules: usize,
+    /// Records refused since the instance started.
+    pub rejected: u64,
+}
+
+/// The report of what `feed` serves now.
+pub fn report(instance: &str, feed: &Feed, native: &RuleStore) -> StatusReport {
+    let served = feed.served();
+    StatusReport {
+        schema: STATUS_SCHEMA.to_owned(),
+        instance: instance.to_owned(),
+        version: served.as_ref().map(|s| s.version.clone()),
+        origin: served.as_ref().map(|s| s.origin.as_str().to_owned()),
+        offset: served.as_ref().and_then(|s| match s.origin {
+            crate::rules::Origin::Topic { offset } => Some(offset),
+            crate::rules::Origin::Fallback => None,
+        }),
+        since_ms: served.as_ref().map(|s| s.since_ms),
+        reported_ms: SystemClock.now_ms(),
+        native_rules: native.load().rules().len(),
+        rejected: feed.rejected(),
+    }
+}
+
+/// Reports `feed` to the status topic on every change and every
+/// `status_interval_ms` until `stop`, then withdraws the report.
+pub async fn run_reporter(
+    kafka: RulesKafkaConfig,
+    instance: String,
+    feed: Arc<Feed>,
+    native: Arc<RuleStore>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let brokers = kafka.brokers.clone().unwrap_or_default();
+    let producer = match topic::producer(&brokers, &kafka.properties, Duration::from_secs(5)) {
+        Ok(producer) => producer,
+        Err(e) => {
+            tracing::error!(error = %e, "rules status reports disabled");
+            let _ = stop.changed().await;
+            return;
+        }
+    };
+    let mut ticker = tokio::time::interval(Duration::from_millis(kafka.status_interval_ms));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let failed = Folded::default();
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            () = feed.changed() => {}
+            _ = stop.changed() => break,
+        }
+        let payload = serde_json::to_vec(&report(&instance, &feed, &native)).unwrap_or_default();
+        if let Err(e) = topic::produce(&producer, &kafka.status_topic, &instance, Some(&payload)).await
+            && let Some(times) = failed.pass(SystemClock.now_ms() / 1_000)
+        {
+            tracing::warn!(error = %e, times, "cannot report the served rules version");
+        }
+    }
+    // A clean stop withdraws the report: the instance serves nothing any more.
+    let _ = tokio::time::timeout(
+        Duration::from_secs(2),
+        topic::produce(&producer, &kafka.status_topic, &instance, None),
+    )
+    .await;
+}
+
+/// The latest report of every instance that has not withdrawn it.
+pub fn read(kafka: &RulesKafkaConfig) -> Result<Vec<StatusReport>, RolloutError> {
+    let brokers = super::publish::brokers(kafka)?;
+    let mut latest: BTreeMap<Vec<u8>, Option<StatusReport>> = BTreeMap::new();
+    for record in topic::read_all(brokers, &kafka.properties, &kafka.status_topic)? {
+        let Some(key) = record.key else { continue };
+        let report = record.payload.and_then(|p| serde_json::from_slice::<StatusReport>(&p).ok());
+        latest.insert(key, report);
+    }
+    Ok(latest.into_values().flatten().collect())
+}

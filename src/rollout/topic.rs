@@ -1,0 +1,165 @@
+//! Reading a whole topic and producing to one: what `rules publish`,
+//! `rules rollback`, `rules status` and `rules history` share.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use rdkafka::{
+    Message as _, Offset, TopicPartitionList,
+    consumer::{BaseConsumer, Consumer},
+    producer::{FutureProducer, FutureRecord},
+};
+
+use super::RolloutError;
+use crate::dlq::kafka::client_config;
+
+/// One record of a topic.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// Its partition.
+    pub partition: i32,
+    /// Its offset.
+    pub offset: i64,
+    /// Its key, if any.
+    pub key: Option<Vec<u8>>,
+    /// Its value; `None` for a tombstone.
+    pub payload: Option<Vec<u8>>,
+}
+
+/// A consumer that joins no group and commits nothing (`assign`, not `subscribe`).
+pub(crate) fn consumer(
+    brokers: &str,
+    properties: &BTreeMap<String, String>,
+    eof: bool,
+) -> Result<BaseConsumer, RolloutError> {
+    let group = format!("ratelimitd-rules-{}", std::process::id());
+    client_config(
+        brokers,
+        properties,
+        &[
+            ("group.id", group.as_str()),
+            ("enable.auto.commit", "false"),
+            ("enable.auto.offset.store", "false"),
+            ("enable.partition.eof", if eof { "true" } else { "false" }),
+            ("auto.offset.reset", "earliest"),
+            ("allow.auto.create.topics", "false"),
+            ("reconnect.backoff.max.ms", "1000"),
+        ],
+    )
+    .create()
+    .map_err(|e| RolloutError::Kafka(format!("cannot create a Kafka consumer: {e}")))
+}
+
+/// The partitions of `topic`, or an error saying it does not exist.
+pub(crate) fn partitions(
+    consumer: &BaseConsumer,
+    brokers: &str,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<i32>, RolloutError> {
+    let metadata = consumer
+        .fetch_metadata(Some(topic), timeout)
+        .map_err(|e| RolloutError::Kafka(format!("cannot reach Kafka at {brokers}: {e}")))?;
+    match metadata.topics().iter().find(|t| t.name() == topic) {
+        Some(t) if t.error().is_none() && !t.partitions().is_empty() => {
+            Ok(t.partitions().iter().map(|p| p.id()).collect())
+        }
+        _ => Err(RolloutError::Kafka(format!(
+            "topic {topic:?} does not exist on {brokers} (create it with `ratelimitd migrate`)"
+        ))),
+    }
+}
+
+/// Every record of `topic` from the low to the high watermark as of now,
+/// in offset order per partition (partitions one after the other).
+pub fn read_all(
+    brokers: &str,
+    properties: &BTreeMap<String, String>,
+    topic: &str,
+) -> Result<Vec<Record>, RolloutError> {
+    let timeout = Duration::from_secs(10);
+    let consumer = consumer(brokers, properties, false)?;
+    let mut remaining: BTreeMap<i32, i64> = BTreeMap::new();
+    let mut assignment = TopicPartitionList::new();
+    for partition in partitions(&consumer, brokers, topic, timeout)? {
+        let (low, high) = consumer.fetch_watermarks(topic, partition, timeout).map_err(|e| {
+            RolloutError::Kafka(format!("cannot read the offsets of {topic}/{partition}: {e}"))
+        })?;
+        if high > low {
+            remaining.insert(partition, high);
+            assignment
+                .add_partition_offset(topic, partition, Offset::Offset(low))
+                .map_err(|e| RolloutError::Kafka(e.to_string()))?;
+        }
+    }
+    let mut records = Vec::new();
+    if remaining.is_empty() {
+        return Ok(records);
+    }
+    consumer.assign(&assignment).map_err(|e| RolloutError::Kafka(format!("cannot assign {topic}: {e}")))?;
+    let mut idle = Duration::ZERO;
+    while !remaining.is_empty() {
+        let Some(message) = consumer.poll(Duration::from_millis(200)) else {
+            idle += Duration::from_millis(200);
+            if idle >= Duration::from_secs(30) {
+                return Err(RolloutError::Kafka(format!("reading {topic}: no progress for 30 s")));
+            }
+            continue;
+        };
+        idle = Duration::ZERO;
+        let message = message.map_err(|e| RolloutError::Kafka(format!("reading {topic}: {e}")))?;
+        let (partition, offset) = (message.partition(), message.offset());
+        records.push(Record {
+            partition,
+            offset,
+            key: message.key().map(<[u8]>::to_vec),
+            payload: message.payload().map(<[u8]>::to_vec),
+        });
+        if remaining.get(&partition).is_some_and(|&high| offset + 1 >= high) {
+            remaining.remove(&partition);
+        }
+    }
+    records.sort_by_key(|r| (r.partition, r.offset));
+    Ok(records)
+}
+
+/// Producer settings: idempotent, acknowledged by every in-sync replica,
+/// never creating a topic, giving up after `timeout`.
+pub(crate) fn producer(
+    brokers: &str,
+    properties: &BTreeMap<String, String>,
+    timeout: Duration,
+) -> Result<FutureProducer, RolloutError> {
+    let timeout = timeout.as_millis().to_string();
+    client_config(
+        brokers,
+        properties,
+        &[
+            ("enable.idempotence", "true"),
+            ("acks", "all"),
+            ("allow.auto.create.topics", "false"),
+            ("message.timeout.ms", timeout.as_str()),
+            ("reconnect.backoff.max.ms", "1000"),
+            ("client.id", "ratelimitd"),
+        ],
+    )
+    .create()
+    .map_err(|e| RolloutError::Kafka(format!("cannot create a Kafka producer: {e}")))
+}
+
+/// Produces one record and waits for its acknowledgement; returns its offset.
+pub async fn produce(
+    producer: &FutureProducer,
+    topic: &str,
+    key: &str,
+    payload: Option<&[u8]>,
+) -> Result<i64, RolloutError> {
+    let mut record = FutureRecord::<str, [u8]>::to(topic).key(key);
+    if let Some(payload) = payload {
+        record = record.payload(payload);
+    }
+    producer
+        .send(record, rdkafka::util::Timeout::Never)
+        .await
+        .map(|delivery| delivery.offset)
+        .map_err(|(e, _)| RolloutError::Kafka(format!("cannot write to {topic}: {e}")))
+}

@@ -1,0 +1,398 @@
+//! The snapshot record: a compiled rule set as `ratelimitd rules publish`
+//! writes it to the rules topic and every instance decodes it
+//! (schema `ratelimitd.rules.snapshot/1`, JSON; README "Rules over Kafka").
+//!
+//! Native rules travel compiled: every field explicit, defaults resolved,
+//! the algorithm named. Envoy configurations travel as their validated
+//! envoyproxy/ratelimit YAML documents (upstream's own documented format),
+//! because an instance compiles them with its own `envoy.algorithm`.
+//!
+//! Decoding never trusts the record: the rules are compiled again by the
+//! same compiler `serve` and `rules validate` use, and every content hash
+//! the record states (the native set's version, the Envoy files' digest, the
+//! record's own version) must be the one recomputed. A record that fails any
+//! of it is refused whole; the caller keeps its last good snapshot.
+
+use std::{
+    fmt::Write as _,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use serde::{Deserialize, Serialize};
+
+use super::{
+    FailurePolicy, Mode, RuleErrors, Snapshot, compile,
+    envoy::{self, EnvoyConfig},
+    native::{RawRule, SourcedRule},
+};
+use crate::shed::Priority;
+
+/// The schema this build writes and reads.
+pub const SCHEMA: &str = "ratelimitd.rules.snapshot/1";
+
+/// One published rule set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotRecord {
+    /// [`SCHEMA`].
+    pub schema: String,
+    /// Content hash of the whole set ([`record_version`]); the Kafka key.
+    pub version: String,
+    /// The version that was current on the topic when this one was published.
+    pub previous: Option<String>,
+    /// When it was published, RFC 3339.
+    pub published_at: String,
+    /// Who published it, from where.
+    pub provenance: Provenance,
+    /// Native rules; `None`: none.
+    pub native: Option<NativeRules>,
+    /// Envoy configuration; `None`: none (every descriptor is unmatched).
+    pub envoy: Option<EnvoyRules>,
+}
+
+/// Where a published rule set comes from.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Provenance {
+    /// The publishing host.
+    pub host: String,
+    /// The paths given to `rules publish`.
+    pub paths: Vec<String>,
+    /// `git rev-parse HEAD` of the work tree the rules are in, if any.
+    pub git_commit: Option<String>,
+    /// The commit's author, `Name <email>`.
+    pub git_author: Option<String>,
+    /// The rule files differ from the commit (uncommitted changes).
+    pub git_dirty: Option<bool>,
+    /// The publishing tool and its version.
+    pub publisher: String,
+    /// Set by `rules rollback`: the version that was current and was rolled back.
+    pub rolled_back_from: Option<String>,
+}
+
+/// The native rule set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NativeRules {
+    /// [`Snapshot::version`] of the set.
+    pub version: String,
+    /// Every rule, in load order.
+    pub rules: Vec<EncodedRule>,
+}
+
+/// One compiled native rule, every field explicit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EncodedRule {
+    /// The file it was loaded from (for messages).
+    pub source: String,
+    pub rule_id: String,
+    pub resource_path: String,
+    pub client_type: Option<String>,
+    pub priority_bucket: Priority,
+    pub limit: u64,
+    pub window_seconds: u64,
+    pub burst_capacity: f64,
+    /// `sliding_window`, `fixed_window`, `token_bucket` or `gcra`.
+    pub algorithm: String,
+    pub mode: Mode,
+    pub failure_policy: FailurePolicy,
+    /// Derived, for readers: `floor(limit × burst_capacity)`; checked on decode.
+    pub capacity: u64,
+}
+
+/// The Envoy configuration files.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvoyRules {
+    /// [`envoy_digest`] of `files`.
+    pub digest: String,
+    /// One domain per file, as validated.
+    pub files: Vec<EnvoyFile>,
+}
+
+/// One Envoy configuration file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvoyFile {
+    /// Its name at publication.
+    pub name: String,
+    /// Its YAML text.
+    pub text: String,
+}
+
+/// Why a record cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// Not JSON of this schema.
+    #[error("undecodable snapshot record: {0}")]
+    Undecodable(String),
+    /// A schema this build does not read.
+    #[error("snapshot schema {0:?} is not {SCHEMA:?}")]
+    Schema(String),
+    /// The rules do not compile.
+    #[error("snapshot {version}: rules do not compile: {errors}")]
+    Rules {
+        /// The record's version.
+        version: String,
+        /// What the compiler said.
+        errors: RuleErrors,
+    },
+    /// A stated hash is not the recomputed one (a corrupt or hand-edited record).
+    #[error("snapshot {version}: {what} is {stated}, but the content hashes to {actual}")]
+    Hash {
+        /// The record's version.
+        version: String,
+        /// Which hash.
+        what: &'static str,
+        /// What the record says.
+        stated: String,
+        /// What its content hashes to.
+        actual: String,
+    },
+}
+
+/// A decoded, compiled rule set, ready to swap in.
+#[derive(Debug)]
+pub struct Compiled {
+    /// The record's version.
+    pub version: String,
+    /// Native rules ([`super::empty`] when the record has none).
+    pub native: Snapshot,
+    /// The Envoy configuration, compiled with the instance's algorithm
+    /// (empty when the record has none).
+    pub envoy: EnvoyConfig,
+}
+
+/// The digest of Envoy files: SHA-1 over names and texts, 16 hex digits.
+pub fn envoy_digest(files: &[EnvoyFile]) -> String {
+    let mut hasher = sha1_smol::Sha1::new();
+    for file in files {
+        hasher.update(format!("{}\n{}\n", file.name.len(), file.text.len()).as_bytes());
+        hasher.update(file.name.as_bytes());
+        hasher.update(file.text.as_bytes());
+    }
+    hasher.digest().to_string()[..16].to_owned()
+}
+
+/// The version of a whole record: SHA-1 over the native version and the
+/// Envoy digest, 16 hex digits. Equal content, equal version.
+pub fn record_version(native: Option<&NativeRules>, envoy: Option<&EnvoyRules>) -> String {
+    let mut text = String::new();
+    let _ = write!(
+        text,
+        "native:{}\nenvoy:{}\n",
+        native.map_or("-", |n| &n.version),
+        envoy.map_or("-", |e| &e.digest)
+    );
+    sha1_smol::Sha1::from(text.as_bytes()).digest().to_string()[..16].to_owned()
+}
+
+/// The native part of a record, from a compiled snapshot.
+pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
+    let rules = snapshot
+        .rules()
+        .iter()
+        .map(|rule| EncodedRule {
+            source: rule.source.display().to_string(),
+            rule_id: rule.id.to_string(),
+            resource_path: rule.resource_path.clone(),
+            client_type: rule.client_type.clone(),
+            priority_bucket: rule.priority,
+            limit: rule.limit,
+            window_seconds: rule.window.window_ms / 1_000,
+            burst_capacity: rule.burst_capacity,
+            algorithm: rule.window.algorithm.as_str().to_owned(),
+            mode: rule.mode,
+            failure_policy: rule.failure_policy,
+            capacity: rule.window.capacity,
+        })
+        .collect();
+    NativeRules { version: snapshot.version().to_owned(), rules }
+}
+
+/// The Envoy part of a record, from files that compiled.
+pub fn encode_envoy(files: &[(PathBuf, String)]) -> EnvoyRules {
+    let files: Vec<EnvoyFile> = files
+        .iter()
+        .map(|(name, text)| EnvoyFile { name: name.display().to_string(), text: text.clone() })
+        .collect();
+    EnvoyRules { digest: envoy_digest(&files), files }
+}
+
+impl SnapshotRecord {
+    /// Parses a record's bytes (no compilation yet).
+    pub fn parse(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let record: SnapshotRecord =
+            serde_json::from_slice(bytes).map_err(|e| DecodeError::Undecodable(e.to_string()))?;
+        if record.schema != SCHEMA {
+            return Err(DecodeError::Schema(record.schema));
+        }
+        Ok(record)
+    }
+
+    /// Compiles the record's rules (Envoy's with the sliding window or
+    /// upstream's fixed window) and checks every hash it states.
+    pub fn compile(&self, sliding: bool) -> Result<Compiled, DecodeError> {
+        let version = &self.version;
+        let hash = |what, stated: &str, actual: &str| {
+            if stated == actual {
+                Ok(())
+            } else {
+                Err(DecodeError::Hash {
+                    version: version.clone(),
+                    what,
+                    stated: stated.to_owned(),
+                    actual: actual.to_owned(),
+                })
+            }
+        };
+        hash("the version", version, &record_version(self.native.as_ref(), self.envoy.as_ref()))?;
+        let rules_error = |errors| DecodeError::Rules { version: version.clone(), errors };
+        let native = match &self.native {
+            None => super::empty(),
+            Some(native) => {
+                let snapshot = decode_native(native, version).map_err(rules_error)?;
+                hash("the native version", &native.version, snapshot.version())?;
+                for (encoded, rule) in native.rules.iter().zip(snapshot.rules()) {
+                    hash(
+                        "a rule's capacity",
+                        &encoded.capacity.to_string(),
+                        &rule.window.capacity.to_string(),
+                    )?;
+                }
+                snapshot
+            }
+        };
+        let envoy = match &self.envoy {
+            None => EnvoyConfig::default(),
+            Some(envoy) => {
+                hash("the envoy digest", &envoy.digest, &envoy_digest(&envoy.files))?;
+                let files: Vec<(PathBuf, String)> =
+                    envoy.files.iter().map(|f| (PathBuf::from(&f.name), f.text.clone())).collect();
+                envoy::compile_texts(&files, sliding).map_err(rules_error)?
+            }
+        };
+        Ok(Compiled { version: version.clone(), native, envoy })
+    }
+}
+
+/// Compiles encoded rules with the same validation as rule files.
+fn decode_native(native: &NativeRules, version: &str) -> Result<Snapshot, RuleErrors> {
+    let rules = native
+        .rules
+        .iter()
+        .enumerate()
+        .map(|(index, rule)| SourcedRule {
+            file: Arc::from(Path::new(&rule.source)),
+            index,
+            raw: RawRule {
+                rule_id: rule.rule_id.clone(),
+                resource_path: rule.resource_path.clone(),
+                client_type: rule.client_type.clone(),
+                priority_bucket: rule.priority_bucket,
+                limit: rule.limit,
+                window_seconds: rule.window_seconds,
+                burst_capacity: rule.burst_capacity,
+                mode: rule.mode,
+                failure_policy: rule.failure_policy,
+                algorithm: Some(rule.algorithm.clone()),
+            },
+        })
+        .collect();
+    compile(Path::new(&format!("<snapshot {version}>")), rules).map_err(RuleErrors)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::native::parse;
+
+    const RULES: &str = r#"
+rules:
+  - { rule_id: a, resource_path: /a, limit: 10, window_seconds: 60, burst_capacity: 1.5 }
+  - { rule_id: b, resource_path: "/b/*", client_type: IOS, priority_bucket: CRITICAL, limit: 5, window_seconds: 1, algorithm: gcra, mode: shadow, failure_policy: closed }
+"#;
+    const ENVOY: &str =
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: { unit: second, requests_per_unit: 1 }\n";
+
+    fn record() -> (Snapshot, SnapshotRecord) {
+        let snapshot = compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), RULES).unwrap()).unwrap();
+        let native = encode_native(&snapshot);
+        let envoy = encode_envoy(&[(PathBuf::from("d.yaml"), ENVOY.to_owned())]);
+        let record = SnapshotRecord {
+            schema: SCHEMA.to_owned(),
+            version: record_version(Some(&native), Some(&envoy)),
+            previous: None,
+            published_at: "2026-11-23T10:00:00.000Z".to_owned(),
+            provenance: Provenance::default(),
+            native: Some(native),
+            envoy: Some(envoy),
+        };
+        (snapshot, record)
+    }
+
+    #[test]
+    fn a_record_round_trips_to_the_same_rules() {
+        let (snapshot, record) = record();
+        let bytes = serde_json::to_vec(&record).unwrap();
+        let parsed = SnapshotRecord::parse(&bytes).unwrap();
+        assert_eq!(parsed, record);
+        let compiled = parsed.compile(true).unwrap();
+        assert_eq!(compiled.native.version(), snapshot.version());
+        for (a, b) in compiled.native.rules().iter().zip(snapshot.rules()) {
+            assert_eq!(
+                (&a.id, a.window, a.priority, a.mode, a.failure_policy),
+                (&b.id, b.window, b.priority, b.mode, b.failure_policy)
+            );
+        }
+        assert_eq!(compiled.envoy.domain_count(), 1);
+        assert_eq!(compiled.version, record.version);
+    }
+
+    #[test]
+    fn tampered_records_are_refused() {
+        let (_, record) = record();
+        let mut limit = record.clone();
+        limit.native.as_mut().unwrap().rules[0].limit = 1_000;
+        assert!(matches!(limit.compile(true), Err(DecodeError::Hash { what: "the native version", .. })));
+        let mut version = record.clone();
+        version.version = "0000000000000000".to_owned();
+        assert!(matches!(version.compile(true), Err(DecodeError::Hash { what: "the version", .. })));
+
+        let mut envoy = record.clone();
+        envoy.envoy.as_mut().unwrap().files[0].text.push_str("# edited\n");
+        assert!(matches!(envoy.compile(true), Err(DecodeError::Hash { what: "the envoy digest", .. })));
+
+        // Consistent hashes over an invalid rule: the compiler refuses it.
+        let mut invalid = record.clone();
+        let native = invalid.native.as_mut().unwrap();
+        native.rules[0].limit = 0;
+        invalid.version = record_version(invalid.native.as_ref(), invalid.envoy.as_ref());
+        let error = invalid.compile(true).unwrap_err().to_string();
+        assert!(error.contains("field `limit`") && error.contains("\"a\""), "{error}");
+
+        assert!(matches!(SnapshotRecord::parse(b"{not json"), Err(DecodeError::Undecodable(_))));
+        let mut future = serde_json::to_value(&record).unwrap();
+        future["schema"] = "ratelimitd.rules.snapshot/2".into();
+        let bytes = serde_json::to_vec(&future).unwrap();
+        assert!(matches!(SnapshotRecord::parse(&bytes), Err(DecodeError::Schema(_))));
+    }
+
+    #[test]
+    fn an_empty_record_serves_no_rules() {
+        let record = SnapshotRecord {
+            schema: SCHEMA.to_owned(),
+            version: record_version(None, None),
+            previous: Some("x".to_owned()),
+            published_at: String::new(),
+            provenance: Provenance::default(),
+            native: None,
+            envoy: None,
+        };
+        let compiled = record.compile(false).unwrap();
+        assert!(compiled.native.rules().is_empty());
+        assert_eq!(compiled.envoy.domain_count(), 0);
+    }
+}
