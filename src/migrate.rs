@@ -18,10 +18,13 @@ use serde::Deserialize;
 use crate::config::{Config, redact_url};
 
 /// The migration files, in order, as compiled in.
-pub const MIGRATIONS: [(&str, &str); 3] = [
+pub const MIGRATIONS: [(&str, &str); 6] = [
     ("0001_dlq_topic.yaml", include_str!("../migrations/0001_dlq_topic.yaml")),
     ("0002_redis_key_schema.yaml", include_str!("../migrations/0002_redis_key_schema.yaml")),
     ("0003_redis_key_schema_v2.yaml", include_str!("../migrations/0003_redis_key_schema_v2.yaml")),
+    ("0004_rules_topic.yaml", include_str!("../migrations/0004_rules_topic.yaml")),
+    ("0005_rules_status_topic.yaml", include_str!("../migrations/0005_rules_status_topic.yaml")),
+    ("0006_capture_topic.yaml", include_str!("../migrations/0006_capture_topic.yaml")),
 ];
 
 /// The Redis key holding the counter key-schema version.
@@ -47,13 +50,28 @@ struct RawMigration {
     name: String,
     kind: String,
     version: Option<u32>,
+    /// Which topic a `kafka_topic` step creates (default `dlq`).
+    topic: Option<String>,
+}
+
+/// The topics `migrate` creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topic {
+    /// `dlq.kafka.topic`.
+    Dlq,
+    /// `rules.kafka.topic`: one partition, compacted.
+    Rules,
+    /// `rules.kafka.status_topic`: one partition, compacted.
+    RulesStatus,
+    /// `capture.kafka.topic`.
+    Capture,
 }
 
 /// The kinds of steps.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Kind {
-    /// Create `dlq.kafka.topic`.
-    KafkaTopic,
+    /// Create a topic.
+    KafkaTopic(Topic),
     /// Record the Redis key-schema version.
     RedisKeySchema {
         /// The version this build writes.
@@ -88,10 +106,15 @@ pub fn migrations() -> Result<Vec<(&'static str, Migration)>, MigrateError> {
     for (index, (file, text)) in MIGRATIONS.iter().enumerate() {
         let error = |message: String| MigrateError { file: (*file).to_owned(), message };
         let raw: RawMigration = serde_yaml::from_str(text).map_err(|e| error(e.to_string()))?;
-        let kind = match (raw.kind.as_str(), raw.version) {
-            ("kafka_topic", None) => Kind::KafkaTopic,
-            ("redis_key_schema", Some(version)) => Kind::RedisKeySchema { version },
-            (other, _) => return Err(error(format!("unknown kind {other:?} or misplaced version"))),
+        let kind = match (raw.kind.as_str(), raw.version, raw.topic.as_deref()) {
+            ("kafka_topic", None, None | Some("dlq")) => Kind::KafkaTopic(Topic::Dlq),
+            ("kafka_topic", None, Some("rules")) => Kind::KafkaTopic(Topic::Rules),
+            ("kafka_topic", None, Some("rules_status")) => Kind::KafkaTopic(Topic::RulesStatus),
+            ("kafka_topic", None, Some("capture")) => Kind::KafkaTopic(Topic::Capture),
+            ("redis_key_schema", Some(version), None) => Kind::RedisKeySchema { version },
+            (other, _, _) => {
+                return Err(error(format!("unknown kind {other:?}, topic, or misplaced version")));
+            }
         };
         let migration = Migration { id: raw.id, name: raw.name, kind };
         let expected = u32::try_from(index + 1).unwrap_or(u32::MAX);
@@ -113,14 +136,14 @@ pub async fn run(config: &Config) -> Result<Vec<(&'static str, Applied)>, Migrat
         .iter()
         .filter_map(|(_, m)| match m.kind {
             Kind::RedisKeySchema { version } => Some(version),
-            Kind::KafkaTopic => None,
+            Kind::KafkaTopic(_) => None,
         })
         .max()
         .unwrap_or(0);
     let mut results = Vec::new();
     for (file, migration) in migrations {
         let applied = match &migration.kind {
-            Kind::KafkaTopic => kafka_topic(config).await,
+            Kind::KafkaTopic(topic) => kafka_topic(config, *topic).await,
             Kind::RedisKeySchema { version } => redis_key_schema(config, *version, latest).await,
         }
         .map_err(|message| MigrateError { file: file.to_owned(), message })?;
@@ -129,28 +152,94 @@ pub async fn run(config: &Config) -> Result<Vec<(&'static str, Applied)>, Migrat
     Ok(results)
 }
 
-async fn kafka_topic(config: &Config) -> Result<Applied, String> {
-    let kafka = &config.dlq.kafka;
-    let Some(brokers) = &kafka.brokers else {
-        return Ok(Applied::Skipped("dlq.kafka.brokers unset (the file sink needs no topic)".to_owned()));
+/// What `migrate` creates for `topic`, from the configuration: brokers,
+/// properties, name, partitions, replication and topic settings; `Err`
+/// with the reason when it is not configured.
+fn topic_spec(config: &Config, topic: Topic) -> Result<TopicSpec<'_>, String> {
+    let unset = |key: &str, why: &str| format!("{key} unset ({why})");
+    match topic {
+        Topic::Dlq => {
+            let k = &config.dlq.kafka;
+            Ok(TopicSpec {
+                brokers: k
+                    .brokers
+                    .as_deref()
+                    .ok_or_else(|| unset("dlq.kafka.brokers", "the file sink needs no topic"))?,
+                properties: &k.properties,
+                name: &k.topic,
+                partitions: k.partitions,
+                replication: k.replication_factor,
+                settings: vec![("retention.ms", k.retention_ms.to_string())],
+            })
+        }
+        Topic::Rules | Topic::RulesStatus => {
+            let k = &config.rules.kafka;
+            Ok(TopicSpec {
+                brokers: k
+                    .brokers
+                    .as_deref()
+                    .ok_or_else(|| unset("rules.kafka.brokers", "rules come from files"))?,
+                properties: &k.properties,
+                name: if topic == Topic::Rules { &k.topic } else { &k.status_topic },
+                // One partition: the newest record is the one in force.
+                partitions: 1,
+                replication: k.replication_factor,
+                settings: vec![("cleanup.policy", "compact".to_owned())],
+            })
+        }
+        Topic::Capture => {
+            let k = &config.capture.kafka;
+            Ok(TopicSpec {
+                brokers: k
+                    .brokers
+                    .as_deref()
+                    .ok_or_else(|| unset("capture.kafka.brokers", "capture goes to a file or nowhere"))?,
+                properties: &k.properties,
+                name: &k.topic,
+                partitions: k.partitions,
+                replication: k.replication_factor,
+                settings: vec![("retention.ms", k.retention_ms.to_string())],
+            })
+        }
+    }
+}
+
+/// A topic to create.
+struct TopicSpec<'a> {
+    brokers: &'a str,
+    properties: &'a BTreeMap<String, String>,
+    name: &'a str,
+    partitions: i32,
+    replication: i32,
+    settings: Vec<(&'static str, String)>,
+}
+
+async fn kafka_topic(config: &Config, topic: Topic) -> Result<Applied, String> {
+    let spec = match topic_spec(config, topic) {
+        Ok(spec) => spec,
+        Err(why) => return Ok(Applied::Skipped(why)),
     };
     let admin: AdminClient<DefaultClientContext> =
-        crate::dlq::kafka::client_config(brokers, &kafka.properties, &[])
+        crate::dlq::kafka::client_config(spec.brokers, spec.properties, &[])
             .create()
             .map_err(|e| format!("cannot create a Kafka admin client: {e}"))?;
-    let retention = kafka.retention_ms.to_string();
-    let topic =
-        NewTopic::new(&kafka.topic, kafka.partitions, TopicReplication::Fixed(kafka.replication_factor))
-            .set("retention.ms", &retention);
+    let mut new = NewTopic::new(spec.name, spec.partitions, TopicReplication::Fixed(spec.replication));
+    for (key, value) in &spec.settings {
+        new = new.set(key, value);
+    }
     let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let results = tokio::time::timeout(Duration::from_secs(30), admin.create_topics([&topic], &options))
+    let brokers = spec.brokers;
+    let results = tokio::time::timeout(Duration::from_secs(30), admin.create_topics([&new], &options))
         .await
         .map_err(|_| format!("no answer from Kafka at {brokers} within 30 s"))?
-        .map_err(|e| format!("cannot create topic {:?}: {e}", kafka.topic))?;
+        .map_err(|e| format!("cannot create topic {:?}: {e}", spec.name))?;
+    let settings: Vec<String> = spec.settings.iter().map(|(k, v)| format!("{k} {v}")).collect();
     match results.into_iter().next() {
         Some(Ok(name)) => Ok(Applied::Changed(format!(
-            "created topic {name:?} ({} partitions, replication factor {}, retention.ms {})",
-            kafka.partitions, kafka.replication_factor, kafka.retention_ms
+            "created topic {name:?} ({} partitions, replication factor {}, {})",
+            spec.partitions,
+            spec.replication,
+            settings.join(", ")
         ))),
         Some(Err((name, RDKafkaErrorCode::TopicAlreadyExists))) => {
             Ok(Applied::AlreadyApplied(format!("topic {name:?} exists")))
@@ -254,8 +343,11 @@ mod tests {
     #[test]
     fn compiled_in_migrations_parse_in_sequence() {
         let migrations = migrations().unwrap();
-        assert_eq!(migrations.len(), 3);
-        assert_eq!(migrations[0].1.kind, Kind::KafkaTopic);
+        assert_eq!(migrations.len(), 6);
+        assert_eq!(migrations[0].1.kind, Kind::KafkaTopic(Topic::Dlq));
+        assert_eq!(migrations[3].1.kind, Kind::KafkaTopic(Topic::Rules));
+        assert_eq!(migrations[4].1.kind, Kind::KafkaTopic(Topic::RulesStatus));
+        assert_eq!(migrations[5].1.kind, Kind::KafkaTopic(Topic::Capture));
         assert_eq!(migrations[1].1.kind, Kind::RedisKeySchema { version: 1 });
         assert_eq!(migrations[2].1.kind, Kind::RedisKeySchema { version: 2 });
     }

@@ -52,7 +52,16 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if let Some(capture) = &args.gate {
-        match super::gate(config, current, &candidate, capture, args.max_critical_drop) {
+        // Replay runs engines on runtimes of its own: off this one.
+        let (config, current, candidate, capture) =
+            (config.clone(), current.cloned(), candidate.clone(), capture.clone());
+        let max = args.max_critical_drop;
+        let gated = tokio::task::spawn_blocking(move || {
+            super::gate(&config, current.as_ref(), &candidate, &capture, max)
+        })
+        .await
+        .unwrap_or(Err(ExitCode::FAILURE));
+        match gated {
             Ok(true) => {}
             Ok(false) => {
                 eprintln!("rules publish: the candidate fails the gate; nothing published");

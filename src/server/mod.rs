@@ -118,8 +118,9 @@ pub async fn run_observed(
     let store = parts::store(&config, &mut tasks, &mut dispatchers).await?;
     let shedder = parts::shedder(&config.shed, &mut tasks);
     let dlq = parts::dlq(&config.dlq, &config.limits, &mut tasks)?;
+    let captured = parts::capture(&config, &mut tasks)?;
     let metrics = Arc::new(Metrics::new(store.name()));
-    let engine = parts::engine(&config, &rules, store, &shedder, &dlq, &metrics);
+    let engine = parts::engine(&config, &rules, store, &shedder, &dlq, &metrics, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());
     metrics.set_sources(Sources {
         shedder: Arc::clone(&shedder),
@@ -127,6 +128,7 @@ pub async fn run_observed(
         rules: Arc::clone(&rules.native),
         envoy: rules.envoy.clone(),
         feed: rules.feed.clone(),
+        capture: captured.map(|c| c.counters),
         memory: match engine.store() {
             Store::Memory(memory) => Some(Arc::clone(memory)),
             Store::Redis(_) => None,

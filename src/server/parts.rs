@@ -10,12 +10,13 @@ use tonic_health::{pb::health_server::HealthServer, server::HealthReporter};
 
 use super::ServerError;
 use crate::{
+    capture::{self, Capture, CaptureCounters},
     clock::MonotonicClock,
     config::{
         Config, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, LimitsConfig, RulesConfig,
         RulesSource, ShedConfig,
     },
-    decision::{Engine, EngineParts, EnvoyPolicy, FailureSink, Stats},
+    decision::{CaptureSink, Engine, EngineParts, EnvoyPolicy, FailureSink, Stats},
     dlq::{self, DlqSink, RecordBounds},
     limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper, window::Algorithm},
     rollout::{
@@ -312,6 +313,61 @@ pub(crate) fn dlq(
     Ok(Arc::new(sink.with_spool(spool).with_disk_cap(config.spool_max_bytes)))
 }
 
+/// The capture sink and its writer task, when `capture.sample_ratio` > 0.
+pub(crate) fn capture(config: &Config, tasks: &mut Tasks) -> Result<Option<Captured>, ServerError> {
+    let settings = &config.capture;
+    if settings.sample_ratio <= 0.0 {
+        return Ok(None);
+    }
+    let limits = &config.limits;
+    let bounds = capture::Bounds {
+        user_id_bytes: limits.max_user_id_bytes,
+        resource_path_bytes: limits.max_resource_path_bytes,
+        client_type_bytes: limits.max_client_type_bytes,
+        header_bytes: limits.max_header_bytes,
+    };
+    let (sink, queue, counters) = Capture::new(
+        settings.sample_ratio,
+        settings.queue_capacity,
+        &config.dlq.header_allowlist,
+        bounds,
+        config.dlq.instance(),
+    );
+    let stop = tasks.stopper();
+    match &settings.kafka.brokers {
+        Some(brokers) => {
+            let producer = capture::producer(brokers, &settings.kafka.properties)
+                .map_err(|e| ServerError::Kafka(format!("capture.kafka: {e}")))?;
+            tracing::info!(ratio = settings.sample_ratio, topic = %settings.kafka.topic, "capturing a sample of users' requests to Kafka");
+            tasks.spawn(capture::run_kafka(
+                queue,
+                producer,
+                settings.kafka.topic.clone(),
+                Arc::clone(&counters),
+                stop,
+            ));
+        }
+        None => {
+            tracing::info!(ratio = settings.sample_ratio, file = %settings.file.display(), "capturing a sample of users' requests to a file");
+            tasks.spawn(capture::run_file(
+                queue,
+                settings.file.clone(),
+                settings.file_max_bytes,
+                Arc::clone(&counters),
+                stop,
+            ));
+        }
+    }
+    Ok(Some(Captured { sink: Arc::new(sink), counters }))
+}
+
+/// The capture sink the engine writes to and the counters `/metrics` reads.
+#[derive(Debug)]
+pub(crate) struct Captured {
+    pub(crate) sink: Arc<Capture>,
+    pub(crate) counters: Arc<CaptureCounters>,
+}
+
 /// How the engine treats Envoy requests, from `envoy.*`.
 pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
     EnvoyPolicy {
@@ -340,6 +396,7 @@ pub(crate) fn engine(
     shedder: &Arc<Shedder>,
     dlq: &Arc<DlqSink>,
     metrics: &Arc<Metrics>,
+    capture: Option<&Captured>,
 ) -> Engine {
     Engine::new(EngineParts {
         rules: Arc::clone(&rules.native),
@@ -352,7 +409,7 @@ pub(crate) fn engine(
         max_user_id_bytes: config.limits.max_user_id_bytes,
         trust_request_priority: config.shed.trust_request_priority,
         envoy_policy: envoy_policy(&config.envoy),
-        capture: None,
+        capture: capture.map(|c| Arc::clone(&c.sink) as Arc<dyn CaptureSink>),
     })
 }
 

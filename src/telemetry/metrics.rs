@@ -18,6 +18,7 @@ use std::{
 };
 
 use crate::{
+    capture::CaptureCounters,
     decision::{Api, Stats},
     dlq::{DlqSink, DropReason},
     limiter::{FailureKind, MemoryStore},
@@ -121,6 +122,8 @@ pub struct Sources {
     pub envoy: Option<Arc<Hot<EnvoyConfig>>>,
     /// The rules topic's feed (`rules.source: kafka`).
     pub feed: Option<Arc<Feed>>,
+    /// The capture pipeline, when capturing.
+    pub capture: Option<Arc<CaptureCounters>>,
     /// The in-memory counter store, when it is the store.
     pub memory: Option<Arc<MemoryStore>>,
 }
@@ -358,6 +361,24 @@ fn render_sources(out: &mut String, s: &Sources) {
     }
     if let Some(feed) = &s.feed {
         render_feed(out, feed);
+    }
+    if let Some(capture) = &s.capture {
+        render_capture(out, capture);
+    }
+}
+
+/// The capture pipeline: `enqueued = written + dropped (by reason) + in flight`.
+fn render_capture(out: &mut String, c: &CaptureCounters) {
+    use std::sync::atomic::Ordering::Relaxed;
+    header(out, "ratelimitd_capture_records_total", "counter", "Captured requests by what became of them.");
+    for (result, value) in [
+        ("enqueued", c.enqueued.load(Relaxed)),
+        ("written", c.written.load(Relaxed)),
+        ("dropped_queue_full", c.dropped_queue_full.load(Relaxed)),
+        ("dropped_disk_cap", c.dropped_disk_cap.load(Relaxed)),
+        ("dropped_error", c.dropped_error.load(Relaxed)),
+    ] {
+        let _ = writeln!(out, "ratelimitd_capture_records_total{{result=\"{result}\"}} {value}");
     }
 }
 

@@ -573,7 +573,18 @@ pub struct TestServer {
 }
 
 impl TestServer {
-    pub async fn start(mut config: Config) -> Self {
+    pub async fn start(config: Config) -> Self {
+        let server = Self::start_unready(config).await;
+        // The listener accepts TCP before the server has loaded its rules:
+        // wait until it is built, so a test that changes files right away
+        // does not race the initial load.
+        server.ready().await;
+        server
+    }
+
+    /// Starts the server without waiting until it answers (rules from a
+    /// topic may not have arrived yet).
+    pub async fn start_unready(mut config: Config) -> Self {
         // The server's own logs, shown by the test runner when a test fails.
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
@@ -600,7 +611,7 @@ impl TestServer {
             },
             move |o| *slot.lock().unwrap() = Some(o),
         ));
-        let server = TestServer {
+        TestServer {
             addr,
             http_addr,
             dlq_file,
@@ -608,15 +619,11 @@ impl TestServer {
             handle: Some(handle),
             observer,
             _dir: dir,
-        };
-        // The listener accepts TCP before the server has loaded its rules:
-        // wait until it is built, so a test that changes files right away
-        // does not race the initial load.
-        server.ready().await;
-        server
+        }
     }
 
-    async fn ready(&self) {
+    /// Waits until the server has been built and answers.
+    pub async fn ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while self.observer.lock().unwrap().is_none() {
             if self.handle.as_ref().is_some_and(JoinHandle::is_finished) {

@@ -1,0 +1,353 @@
+//! The rules write path end to end against a real Kafka-protocol broker
+//! (tansu): `migrate` creates the topics, `rules publish` writes snapshots,
+//! three instances subscribed with `rules.source: kafka` converge on each
+//! one, refuse corrupt records, survive a broker outage and follow a
+//! rollback; `rules status` and `rules history` show it. Then capture and
+//! replay: a candidate that drops CRITICAL traffic fails the gate, a
+//! harmless one passes and is published.
+
+mod common;
+
+use std::{
+    path::Path,
+    process::{Command, Output},
+    time::{Duration, Instant},
+};
+
+use common::{Broker, TestServer, check, config, eventually, http_get, request};
+use ratelimitd::{config::RulesSource, rollout::topic, shed::Priority};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
+
+/// `limit` requests per hour on /x for every user.
+fn rules(limit: u32) -> String {
+    format!("rules:\n  - {{ rule_id: x, resource_path: /x, limit: {limit}, window_seconds: 3600 }}\n")
+}
+
+fn env(broker: &Broker) -> Vec<(&'static str, String)> {
+    vec![
+        ("RATELIMITD__RULES__KAFKA__BROKERS", broker.brokers()),
+        ("RATELIMITD__RULES__KAFKA__REPLICATION_FACTOR", "1".to_owned()),
+        ("RATELIMITD__RULES__KAFKA__STATUS_INTERVAL_MS", "200".to_owned()),
+    ]
+}
+
+fn run(broker: &Broker, args: &[&str]) -> Output {
+    Command::new(BIN).args(args).envs(env(broker)).output().unwrap()
+}
+
+fn text(output: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
+}
+
+fn migrate(broker: &Broker) {
+    let out = run(broker, &["migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("0004_rules_topic.yaml: applied: created topic \"ratelimit.rules\""),
+        "{}",
+        text(&out)
+    );
+}
+
+/// Publishes `path`; returns the version it printed.
+fn publish(broker: &Broker, path: &Path) -> String {
+    let out = run(broker, &["rules", "publish", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    stdout.split_whitespace().nth(1).expect("published VERSION …").to_owned()
+}
+
+fn subscriber(broker: &Broker, instance: &str) -> ratelimitd::config::Config {
+    let mut cfg = config(Path::new("/unused"), None);
+    cfg.rules.path = None;
+    cfg.rules.source = RulesSource::Kafka;
+    cfg.rules.kafka.brokers = Some(broker.brokers());
+    cfg.rules.kafka.status_interval_ms = 200;
+    cfg.dlq.instance_id = Some(instance.to_owned());
+    cfg
+}
+
+async fn readyz(server: &TestServer) -> (u16, String) {
+    let addr = server.http_addr;
+    tokio::task::spawn_blocking(move || http_get(addr, "/readyz")).await.unwrap()
+}
+
+async fn serves(server: &TestServer, version: &str) -> bool {
+    readyz(server).await.1.contains(&format!("rules {version} (from topic)"))
+}
+
+async fn metric(server: &TestServer, line: &str) -> Option<f64> {
+    let addr = server.http_addr;
+    let body = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.unwrap().1;
+    body.lines().find_map(|l| l.strip_prefix(line)).and_then(|v| v.trim().parse().ok())
+}
+
+/// How many of `n` requests by a fresh `user` on /x pass.
+async fn admitted(server: &TestServer, user: &str, n: usize) -> usize {
+    let mut client = server.client().await;
+    let mut passed = 0;
+    for _ in 0..n {
+        passed += usize::from(check(&mut client, request(user, "/x")).await.allowed);
+    }
+    passed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn published_snapshots_converge_survive_bad_records_and_outages_and_roll_back() {
+    let mut broker = Broker::start();
+    migrate(&broker);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("rules.yaml");
+    // A git work tree: the record names the commit and its author.
+    std::fs::write(&file, rules(1)).unwrap();
+    let git = |args: &[&str]| {
+        let out = Command::new("git").arg("-C").arg(dir.path()).args(args).output().unwrap();
+        assert!(out.status.success(), "git {args:?}: {}", text(&out));
+    };
+    git(&["init", "-q"]);
+    git(&["-c", "user.name=Ann Op", "-c", "user.email=ann@example.com", "add", "rules.yaml"]);
+    git(&["-c", "user.name=Ann Op", "-c", "user.email=ann@example.com", "commit", "-qm", "limit 1"]);
+    let v1 = publish(&broker, &file);
+    let again = run(&broker, &["rules", "publish", file.to_str().unwrap()]);
+    assert!(text(&again).contains("already in force"), "{}", text(&again));
+
+    let servers = [
+        TestServer::start(subscriber(&broker, "i1")).await,
+        TestServer::start(subscriber(&broker, "i2")).await,
+        TestServer::start(subscriber(&broker, "i3")).await,
+    ];
+    for (i, server) in servers.iter().enumerate() {
+        assert!(serves(server, &v1).await, "{}", readyz(server).await.1);
+        assert_eq!(admitted(server, &format!("a{i}"), 3).await, 1, "limit 1 in force");
+        let info = format!("ratelimitd_rules_published_info{{version=\"{v1}\",origin=\"topic\"}}");
+        assert_eq!(metric(server, &info).await, Some(1.0));
+    }
+
+    // Publish → every instance swaps; the time to the last one is measured.
+    std::fs::write(&file, rules(3)).unwrap();
+    let started = Instant::now();
+    let v2 = publish(&broker, &file);
+    let mut converged = [None; 3];
+    while converged.iter().any(Option::is_none) && started.elapsed() < Duration::from_secs(20) {
+        for (slot, server) in converged.iter_mut().zip(&servers) {
+            if slot.is_none() && serves(server, &v2).await {
+                *slot = Some(started.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    eprintln!("publish → instances swapped after {converged:?} (publish command included)");
+    assert!(converged.iter().all(Option::is_some), "not every instance took {v2}");
+    for (i, server) in servers.iter().enumerate() {
+        assert_eq!(admitted(server, &format!("b{i}"), 5).await, 3, "limit 3 in force");
+    }
+
+    // A corrupt record and a tampered one: refused, v2 stays.
+    let producer = tokio::task::spawn_blocking({
+        let brokers = broker.brokers();
+        move || topic::read_all(&brokers, &Default::default(), "ratelimit.rules").unwrap()
+    })
+    .await
+    .unwrap();
+    let good = producer.last().unwrap().payload.clone().unwrap();
+    let mut tampered: serde_json::Value = serde_json::from_slice(&good).unwrap();
+    tampered["native"]["rules"][0]["limit"] = 1_000_000.into();
+    let tampered = serde_json::to_vec(&tampered).unwrap();
+    let kafka =
+        ratelimitd::config::RulesKafkaConfig { brokers: Some(broker.brokers()), ..Default::default() };
+    let p = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", broker.brokers())
+        .create::<rdkafka::producer::FutureProducer>()
+        .unwrap();
+    topic::produce(&p, &kafka.topic, "garbage", Some(b"{not a snapshot")).await.unwrap();
+    topic::produce(&p, &kafka.topic, "tampered", Some(&tampered)).await.unwrap();
+    for server in &servers {
+        let refused = || async {
+            metric(server, "ratelimitd_rules_records_total{result=\"refused\"}").await == Some(2.0)
+        };
+        assert!(eventually(Duration::from_secs(10), refused).await, "both bad records counted");
+        assert!(serves(server, &v2).await, "{}", readyz(server).await.1);
+    }
+
+    // The broker goes away: rules stay; it comes back: the next publish lands.
+    broker.stop();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    for (i, server) in servers.iter().enumerate() {
+        assert!(serves(server, &v2).await, "no rules lost while the broker is down");
+        assert_eq!(admitted(server, &format!("c{i}"), 5).await, 3);
+    }
+    broker.restart();
+    std::fs::write(&file, rules(2)).unwrap();
+    let v3 = publish(&broker, &file);
+    for server in &servers {
+        assert!(
+            eventually(Duration::from_secs(20), || serves(server, &v3)).await,
+            "{}",
+            readyz(server).await.1
+        );
+    }
+
+    // Status: every instance reports v3.
+    let status = || async {
+        let out = tokio::task::spawn_blocking({
+            let env = env(&broker);
+            move || Command::new(BIN).args(["rules", "status"]).envs(env).output().unwrap()
+        })
+        .await
+        .unwrap();
+        (out.status.success(), text(&out))
+    };
+    assert!(eventually(Duration::from_secs(10), || async { status().await.0 }).await, "{}", status().await.1);
+    let shown = status().await.1;
+    for instance in ["i1@", "i2@", "i3@"] {
+        assert!(
+            shown.lines().any(|l| l.starts_with(instance) && l.contains(&v3) && l.ends_with("current")),
+            "{shown}"
+        );
+    }
+
+    // Rollback to v1: every instance follows.
+    let out = run(&broker, &["rules", "rollback", &v1]);
+    assert!(
+        out.status.success() && text(&out).contains(&format!("rolled back to {v1} (from {v3})")),
+        "{}",
+        text(&out)
+    );
+    for (i, server) in servers.iter().enumerate() {
+        assert!(eventually(Duration::from_secs(20), || serves(server, &v1)).await);
+        assert_eq!(admitted(server, &format!("d{i}"), 3).await, 1, "limit 1 again");
+    }
+    let history = text(&run(&broker, &["rules", "history"]));
+    assert!(history.contains("(refused: undecodable") && history.contains("rollback from"), "{history}");
+    assert!(history.contains("Ann Op <ann@example.com>") && history.contains("(in force)"), "{history}");
+
+    for server in servers {
+        server.stop().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn instances_wait_for_rules_or_fall_back() {
+    let broker = Broker::start();
+    migrate(&broker);
+    let dir = tempfile::tempdir().unwrap();
+
+    // An empty topic and no fallback: not ready, "waiting for rules".
+    let waiting = TestServer::start_unready(subscriber(&broker, "w")).await;
+    let readiness = || async { readyz(&waiting).await };
+    assert!(
+        eventually(Duration::from_secs(5), || async { readiness().await.1.contains("waiting for rules") })
+            .await,
+        "{}",
+        readiness().await.1
+    );
+    assert_eq!(readiness().await.0, 503);
+
+    // An empty topic with a fallback file: served at once, from the fallback.
+    let fallback = dir.path().join("fallback.yaml");
+    std::fs::write(&fallback, rules(2)).unwrap();
+    let mut with_fallback = subscriber(&broker, "f");
+    with_fallback.rules.path = Some(fallback.clone());
+    let falling_back = TestServer::start(with_fallback).await;
+    assert!(readyz(&falling_back).await.1.contains("(from fallback)"), "{}", readyz(&falling_back).await.1);
+    assert_eq!(admitted(&falling_back, "f", 3).await, 2);
+
+    // An unreachable broker: the fallback after rules.kafka.wait_ms.
+    let mut unreachable = subscriber(&broker, "u");
+    unreachable.rules.kafka.brokers = Some(format!("127.0.0.1:{}", common::free_port()));
+    unreachable.rules.kafka.wait_ms = 300;
+    unreachable.rules.path = Some(fallback);
+    let isolated = TestServer::start(unreachable).await;
+    assert!(readyz(&isolated).await.1.contains("(from fallback)"));
+
+    // A snapshot arrives: the waiting one becomes ready, the fallback is replaced.
+    let file = dir.path().join("rules.yaml");
+    std::fs::write(&file, rules(4)).unwrap();
+    let version = publish(&broker, &file);
+    waiting.ready().await;
+    assert!(eventually(Duration::from_secs(10), || serves(&waiting, &version)).await);
+    assert!(eventually(Duration::from_secs(10), || serves(&falling_back, &version)).await);
+    assert_eq!(admitted(&waiting, "w", 5).await, 4);
+    for server in [waiting, falling_back, isolated] {
+        server.stop().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn captured_traffic_gates_a_candidate_that_drops_critical_requests() {
+    let broker = Broker::start();
+    migrate(&broker);
+    let dir = tempfile::tempdir().unwrap();
+    let current = dir.path().join("current.yaml");
+    let rules_of = |play: u32, bulk: u32| {
+        format!(
+            "rules:\n  - {{ rule_id: play, resource_path: /play, priority_bucket: CRITICAL, limit: {play}, window_seconds: 60 }}\n  - {{ rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: {bulk}, window_seconds: 60 }}\n"
+        )
+    };
+    std::fs::write(&current, rules_of(10, 10)).unwrap();
+    let capture = dir.path().join("capture.jsonl");
+    let mut cfg = config(&current, None);
+    cfg.capture.sample_ratio = 1.0;
+    cfg.capture.file = capture.clone();
+    let server = TestServer::start(cfg).await;
+    let mut client = server.client().await;
+    for user in ["a", "b", "c"] {
+        for _ in 0..8 {
+            assert!(check(&mut client, request(user, "/play")).await.allowed);
+        }
+    }
+    for _ in 0..8 {
+        let mut bulk = request("a", "/bulk");
+        bulk.priority = ratelimitd::api::pb::PriorityBucket::Bulk as i32;
+        check(&mut client, bulk).await;
+    }
+    server.stop().await.unwrap();
+    let lines = std::fs::read_to_string(&capture).unwrap();
+    assert_eq!(lines.lines().count(), 32, "every request of every sampled user");
+    let record: ratelimitd::capture::CaptureRecord =
+        serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    assert_eq!((record.effective_priority, record.rule_id.as_deref()), (Priority::Critical, Some("play")));
+
+    let tight = dir.path().join("tight.yaml");
+    std::fs::write(&tight, rules_of(5, 10)).unwrap();
+    let harmless = dir.path().join("harmless.yaml");
+    std::fs::write(&harmless, rules_of(10, 2)).unwrap();
+    let replay = |candidate: &Path| {
+        let json = dir.path().join("report.json");
+        let out = Command::new(BIN)
+            .args(["replay", "--rules", candidate.to_str().unwrap(), "--capture", capture.to_str().unwrap()])
+            .args(["--current", current.to_str().unwrap(), "--json", json.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+        (out, report)
+    };
+    let (out, report) = replay(&tight);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("denies 9 of 24 CRITICAL requests"), "{}", text(&out));
+    assert!(text(&out).contains("FAIL") && text(&out).contains("rule play: 9"), "{}", text(&out));
+    assert_eq!(report["rules"]["play"]["newly_denied"], 9);
+    assert_eq!(report["gate"]["passed"], false);
+    let (out, report) = replay(&harmless);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(report["priorities"]["BULK"]["newly_denied"], 6);
+
+    // The gate in front of publish: the rules in force are the configured file.
+    let gate = |candidate: &Path| {
+        Command::new(BIN)
+            .args(["rules", "publish", candidate.to_str().unwrap(), "--gate", capture.to_str().unwrap()])
+            .envs(env(&broker))
+            .env("RATELIMITD__RULES__PATH", &current)
+            .output()
+            .unwrap()
+    };
+    let refused = gate(&tight);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(text(&refused).contains("fails the gate; nothing published"), "{}", text(&refused));
+    let history = text(&run(&broker, &["rules", "history"]));
+    assert!(!history.contains("(in force)"), "nothing was published: {history}");
+    let passed = gate(&harmless);
+    assert!(passed.status.success() && text(&passed).contains("published "), "{}", text(&passed));
+}
