@@ -43,6 +43,9 @@ pub(crate) fn consumer(
             ("auto.offset.reset", "earliest"),
             ("allow.auto.create.topics", "false"),
             ("reconnect.backoff.max.ms", "1000"),
+            // A fetch with nothing new returns after 100 ms (librdkafka's
+            // default is 500): a new record is seen within ~100 ms.
+            ("fetch.wait.max.ms", "100"),
         ],
     )
     .create()
