@@ -29,6 +29,9 @@ fn env(broker: &Broker) -> Vec<(&'static str, String)> {
         ("RATELIMITD__RULES__KAFKA__BROKERS", broker.brokers()),
         ("RATELIMITD__RULES__KAFKA__REPLICATION_FACTOR", "1".to_owned()),
         ("RATELIMITD__RULES__KAFKA__STATUS_INTERVAL_MS", "200".to_owned()),
+        ("RATELIMITD__CAPTURE__KAFKA__BROKERS", broker.brokers()),
+        ("RATELIMITD__CAPTURE__KAFKA__PARTITIONS", "2".to_owned()),
+        ("RATELIMITD__CAPTURE__KAFKA__REPLICATION_FACTOR", "1".to_owned()),
     ]
 }
 
@@ -351,4 +354,29 @@ async fn captured_traffic_gates_a_candidate_that_drops_critical_requests() {
     assert!(!history.contains("(in force)"), "nothing was published: {history}");
     let passed = gate(&harmless);
     assert!(passed.status.success() && text(&passed).contains("published "), "{}", text(&passed));
+
+    // The same traffic captured to the capture topic replays the same way.
+    let mut cfg = config(&current, None);
+    cfg.capture.sample_ratio = 1.0;
+    cfg.capture.kafka.brokers = Some(broker.brokers());
+    let server = TestServer::start(cfg).await;
+    let mut client = server.client().await;
+    for user in ["a", "b", "c"] {
+        for _ in 0..8 {
+            check(&mut client, request(user, "/play")).await;
+        }
+    }
+    server.stop().await.unwrap();
+    let out = Command::new(BIN)
+        .args(["replay", "--rules", tight.to_str().unwrap(), "--capture", "kafka"])
+        .args(["--current", current.to_str().unwrap()])
+        .envs(env(&broker))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("replayed 24 requests") && text(&out).contains("denies 9 of 24"),
+        "{}",
+        text(&out)
+    );
 }

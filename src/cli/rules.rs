@@ -157,7 +157,8 @@ pub fn history(config: &Config) -> ExitCode {
 }
 
 /// Runs `rules status`: every instance's report against the version in
-/// force; 0 when every instance reporting within three intervals serves it.
+/// force; 0 when every instance reporting within three intervals serves it
+/// (and at least one does).
 pub fn status(config: &Config) -> ExitCode {
     let kafka = &config.rules.kafka;
     let (history, reports) = match publish::history(kafka).and_then(|h| Ok((h, status::read(kafka)?))) {
@@ -202,7 +203,8 @@ pub fn status(config: &Config) -> ExitCode {
     if reports.is_empty() {
         let _ = writeln!(out, "(no instance reports)");
     }
-    if converged && in_force.is_some() { ExitCode::SUCCESS } else { ExitCode::from(1) }
+    let current = reports.iter().filter(|r| r.version.as_ref() == in_force.map(|f| &f.version)).count();
+    if converged && current > 0 { ExitCode::SUCCESS } else { ExitCode::from(1) }
 }
 
 /// Runs a blocking Kafka read off the runtime's workers.

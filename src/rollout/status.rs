@@ -90,7 +90,12 @@ pub async fn run_reporter(
             _ = stop.changed() => break,
         }
         let payload = serde_json::to_vec(&report(&instance, &feed, &native)).unwrap_or_default();
-        if let Err(e) = topic::produce(&producer, &kafka.status_topic, &instance, Some(&payload)).await
+        // A broker that is away must not hold up shutdown.
+        let produced = tokio::select! {
+            produced = topic::produce(&producer, &kafka.status_topic, &instance, Some(&payload)) => produced,
+            _ = stop.changed() => break,
+        };
+        if let Err(e) = produced
             && let Some(times) = failed.pass(SystemClock.now_ms() / 1_000)
         {
             tracing::warn!(error = %e, times, "cannot report the served rules version");
