@@ -324,7 +324,9 @@ pub(crate) fn capture(config: &Config, tasks: &mut Tasks) -> Result<Option<Captu
         user_id_bytes: limits.max_user_id_bytes,
         resource_path_bytes: limits.max_resource_path_bytes,
         client_type_bytes: limits.max_client_type_bytes,
-        header_bytes: limits.max_header_bytes,
+        // Replay does not read headers: 256 bytes each bounds the queue
+        // (16,384 records of at most ~3 KB) without losing their gist.
+        header_bytes: limits.max_header_bytes.min(256),
     };
     let (sink, queue, counters) = Capture::new(
         settings.sample_ratio,
