@@ -33,6 +33,7 @@ pub mod config;
 pub mod decision;
 pub mod dlq;
 pub mod folded;
+pub mod kafka;
 pub mod limiter;
 pub mod migrate;
 pub mod replay;

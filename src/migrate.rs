@@ -220,7 +220,7 @@ async fn kafka_topic(config: &Config, topic: Topic) -> Result<Applied, String> {
         Err(why) => return Ok(Applied::Skipped(why)),
     };
     let admin: AdminClient<DefaultClientContext> =
-        crate::dlq::kafka::client_config(spec.brokers, spec.properties, &[])
+        crate::kafka::client_config(spec.brokers, spec.properties, &[])
             .create()
             .map_err(|e| format!("cannot create a Kafka admin client: {e}"))?;
     let mut new = NewTopic::new(spec.name, spec.partitions, TopicReplication::Fixed(spec.replication));

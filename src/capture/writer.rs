@@ -170,7 +170,7 @@ pub fn producer(
     brokers: &str,
     properties: &BTreeMap<String, String>,
 ) -> Result<FutureProducer, rdkafka::error::KafkaError> {
-    crate::dlq::kafka::client_config(
+    crate::kafka::client_config(
         brokers,
         properties,
         &[

@@ -12,12 +12,6 @@ use std::{
     fs::File,
     io::{self, BufRead, BufReader, Write},
     path::Path,
-    time::Duration,
-};
-
-use rdkafka::{
-    Message, Offset, TopicPartitionList,
-    consumer::{BaseConsumer, Consumer},
 };
 
 use super::record::{FailureRecord, parse_time};
@@ -216,80 +210,28 @@ pub fn from_kafka<W: Write>(
     properties: &BTreeMap<String, String>,
     printer: &mut Printer<W>,
 ) -> Result<(), AuditError> {
-    let timeout = Duration::from_secs(10);
     let group = format!("ratelimitd-audit-{}", std::process::id());
-    let consumer: BaseConsumer = super::kafka::client_config(
-        brokers,
-        properties,
-        &[
-            // A group id librdkafka requires, but no group is joined (assign,
-            // not subscribe) and nothing is committed or stored.
-            ("group.id", group.as_str()),
-            ("enable.auto.commit", "false"),
-            ("enable.auto.offset.store", "false"),
-            ("enable.partition.eof", "false"),
-        ],
-    )
-    .create()
-    .map_err(|e| AuditError::Kafka(format!("cannot create a Kafka consumer: {e}")))?;
-    let metadata = consumer
-        .fetch_metadata(Some(topic), timeout)
-        .map_err(|e| AuditError::Kafka(format!("cannot reach Kafka at {brokers}: {e}")))?;
-    let partitions: Vec<i32> = match metadata.topics().iter().find(|t| t.name() == topic) {
-        Some(t) if t.error().is_none() && !t.partitions().is_empty() => {
-            t.partitions().iter().map(|p| p.id()).collect()
-        }
-        _ => {
-            return Err(AuditError::Kafka(format!(
-                "topic {topic:?} does not exist on {brokers} (create it with `ratelimitd migrate`)"
-            )));
-        }
-    };
-    // The end of each partition as of now: later records are not waited for.
-    let mut remaining: BTreeMap<i32, i64> = BTreeMap::new();
-    let mut assignment = TopicPartitionList::new();
-    for partition in partitions {
-        let (low, high) = consumer
-            .fetch_watermarks(topic, partition, timeout)
-            .map_err(|e| AuditError::Kafka(format!("cannot read the offsets of {topic}/{partition}: {e}")))?;
-        if high > low {
-            remaining.insert(partition, high);
-            assignment
-                .add_partition_offset(topic, partition, Offset::Offset(low))
-                .map_err(|e| AuditError::Kafka(e.to_string()))?;
-        }
-    }
-    if remaining.is_empty() {
-        return Ok(());
-    }
-    consumer.assign(&assignment).map_err(|e| AuditError::Kafka(format!("cannot assign {topic}: {e}")))?;
-    let mut idle = Duration::ZERO;
-    while !remaining.is_empty() {
-        let Some(message) = consumer.poll(Duration::from_millis(200)) else {
-            idle += Duration::from_millis(200);
-            if idle >= Duration::from_secs(30) {
-                return Err(AuditError::Kafka(format!(
-                    "no progress for 30 s; still missing partitions {:?}",
-                    remaining.keys().collect::<Vec<_>>()
-                )));
-            }
-            continue;
-        };
-        idle = Duration::ZERO;
-        let message = message.map_err(|e| AuditError::Kafka(format!("reading {topic}: {e}")))?;
-        let (partition, offset) = (message.partition(), message.offset());
-        if let Some(payload) = message.payload() {
-            let text = String::from_utf8_lossy(payload);
-            match serde_json::from_str::<FailureRecord>(&text) {
-                Ok(record) => printer.record(&record, &text)?,
-                Err(_) => printer.summary.unreadable += 1,
+    // An output error (a closed pipe) stops the read and is reported as such.
+    let mut output: Option<io::Error> = None;
+    let read = crate::kafka::read_topic(brokers, properties, topic, &group, |message| {
+        let Some(payload) = message.payload else { return Ok(()) };
+        let text = String::from_utf8_lossy(payload);
+        match serde_json::from_str::<FailureRecord>(&text) {
+            Ok(record) => printer.record(&record, &text).map_err(|e| {
+                output = Some(e);
+                String::new()
+            }),
+            Err(_) => {
+                printer.summary.unreadable += 1;
+                Ok(())
             }
         }
-        if remaining.get(&partition).is_some_and(|&high| offset + 1 >= high) {
-            remaining.remove(&partition);
-        }
+    });
+    match (read, output) {
+        (_, Some(e)) => Err(e.into()),
+        (Err(e), None) => Err(AuditError::Kafka(e)),
+        (Ok(()), None) => Ok(()),
     }
-    Ok(())
 }
 
 #[cfg(test)]

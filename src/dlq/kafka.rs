@@ -16,11 +16,12 @@ use std::{
 };
 
 use rdkafka::{
-    ClientConfig,
     error::{KafkaError, RDKafkaErrorCode},
     producer::{FutureProducer, FutureRecord, Producer},
 };
 use tokio::sync::{Notify, mpsc, watch};
+
+use crate::kafka::client_config;
 
 use super::{
     DlqCounters, DropReason, FailureRecord,
@@ -51,23 +52,6 @@ const ROUND_MAX: usize = 2_000;
 /// over the service's defaults.
 pub fn producer(brokers: &str, properties: &BTreeMap<String, String>) -> Result<FutureProducer, KafkaError> {
     client_config(brokers, properties, &DEFAULTS).create()
-}
-
-/// A librdkafka configuration: `defaults`, then the operator's `properties`.
-pub fn client_config(
-    brokers: &str,
-    properties: &BTreeMap<String, String>,
-    defaults: &[(&str, &str)],
-) -> ClientConfig {
-    let mut config = ClientConfig::new();
-    config.set("bootstrap.servers", brokers);
-    for (key, value) in defaults {
-        config.set(*key, *value);
-    }
-    for (key, value) in properties {
-        config.set(key, value);
-    }
-    config
 }
 
 /// Drains `queue` into the spool until `shutdown`, then spools what is left.

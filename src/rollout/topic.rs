@@ -4,13 +4,12 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use rdkafka::{
-    Message as _, Offset, TopicPartitionList,
-    consumer::{BaseConsumer, Consumer},
+    consumer::BaseConsumer,
     producer::{FutureProducer, FutureRecord},
 };
 
 use super::RolloutError;
-use crate::dlq::kafka::client_config;
+use crate::kafka::client_config;
 
 /// One record of a topic.
 #[derive(Debug, Clone)]
@@ -59,17 +58,7 @@ pub(crate) fn partitions(
     topic: &str,
     timeout: Duration,
 ) -> Result<Vec<i32>, RolloutError> {
-    let metadata = consumer
-        .fetch_metadata(Some(topic), timeout)
-        .map_err(|e| RolloutError::Kafka(format!("cannot reach Kafka at {brokers}: {e}")))?;
-    match metadata.topics().iter().find(|t| t.name() == topic) {
-        Some(t) if t.error().is_none() && !t.partitions().is_empty() => {
-            Ok(t.partitions().iter().map(|p| p.id()).collect())
-        }
-        _ => Err(RolloutError::Kafka(format!(
-            "topic {topic:?} does not exist on {brokers} (create it with `ratelimitd migrate`)"
-        ))),
-    }
+    crate::kafka::partitions(consumer, brokers, topic, timeout).map_err(RolloutError::Kafka)
 }
 
 /// Every record of `topic` from the low to the high watermark as of now,
@@ -79,48 +68,18 @@ pub fn read_all(
     properties: &BTreeMap<String, String>,
     topic: &str,
 ) -> Result<Vec<Record>, RolloutError> {
-    let timeout = Duration::from_secs(10);
-    let consumer = consumer(brokers, properties, false)?;
-    let mut remaining: BTreeMap<i32, i64> = BTreeMap::new();
-    let mut assignment = TopicPartitionList::new();
-    for partition in partitions(&consumer, brokers, topic, timeout)? {
-        let (low, high) = consumer.fetch_watermarks(topic, partition, timeout).map_err(|e| {
-            RolloutError::Kafka(format!("cannot read the offsets of {topic}/{partition}: {e}"))
-        })?;
-        if high > low {
-            remaining.insert(partition, high);
-            assignment
-                .add_partition_offset(topic, partition, Offset::Offset(low))
-                .map_err(|e| RolloutError::Kafka(e.to_string()))?;
-        }
-    }
+    let group = format!("ratelimitd-rules-{}", std::process::id());
     let mut records = Vec::new();
-    if remaining.is_empty() {
-        return Ok(records);
-    }
-    consumer.assign(&assignment).map_err(|e| RolloutError::Kafka(format!("cannot assign {topic}: {e}")))?;
-    let mut idle = Duration::ZERO;
-    while !remaining.is_empty() {
-        let Some(message) = consumer.poll(Duration::from_millis(200)) else {
-            idle += Duration::from_millis(200);
-            if idle >= Duration::from_secs(30) {
-                return Err(RolloutError::Kafka(format!("reading {topic}: no progress for 30 s")));
-            }
-            continue;
-        };
-        idle = Duration::ZERO;
-        let message = message.map_err(|e| RolloutError::Kafka(format!("reading {topic}: {e}")))?;
-        let (partition, offset) = (message.partition(), message.offset());
+    crate::kafka::read_topic(brokers, properties, topic, &group, |m| {
         records.push(Record {
-            partition,
-            offset,
-            key: message.key().map(<[u8]>::to_vec),
-            payload: message.payload().map(<[u8]>::to_vec),
+            partition: m.partition,
+            offset: m.offset,
+            key: m.key.map(<[u8]>::to_vec),
+            payload: m.payload.map(<[u8]>::to_vec),
         });
-        if remaining.get(&partition).is_some_and(|&high| offset + 1 >= high) {
-            remaining.remove(&partition);
-        }
-    }
+        Ok(())
+    })
+    .map_err(RolloutError::Kafka)?;
     records.sort_by_key(|r| (r.partition, r.offset));
     Ok(records)
 }
