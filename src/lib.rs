@@ -9,6 +9,8 @@
 //! - [`rules`]: rule model, YAML loader, compiler, immutable [`rules::Snapshot`],
 //!   hot-swapping [`rules::RuleStore`].
 //! - [`shed`]: utilization sampler and the priority shedding policy.
+//! - [`overload`]: the probabilistic drop in front of exact counting (global
+//!   rates per rule and tenant) and its feed.
 //! - [`decision`]: the one engine both APIs decide through — lookup, priority,
 //!   shedding, store call, failure policy, shadow mode, dead-letter record, metrics.
 //! - [`limiter`]: the sliding-window arithmetic as a pure function and the
@@ -36,6 +38,7 @@ pub mod folded;
 pub mod kafka;
 pub mod limiter;
 pub mod migrate;
+pub mod overload;
 pub mod replay;
 pub mod rollout;
 pub mod rules;

@@ -378,6 +378,7 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
         window: WindowParams::sliding(86_400_000, limit),
         mode: Mode::Enforce,
         failure_policy: FailurePolicy::Open,
+        overload: None,
         source: std::path::Path::new("t.yaml").into(),
     }
 }

@@ -18,6 +18,7 @@ mod grpc;
 mod http;
 mod limits;
 mod memory;
+mod overload;
 mod redis;
 mod rules;
 mod shed;
@@ -39,6 +40,7 @@ pub use grpc::{GrpcConfig, GrpcTlsConfig};
 pub use http::HttpConfig;
 pub use limits::LimitsConfig;
 pub use memory::MemoryConfig;
+pub use overload::{DenialCacheConfig, OverloadConfig, OverloadMode, TenantSource};
 pub use redis::{RedisConfig, redact_url};
 pub use rules::{RulesConfig, RulesKafkaConfig, RulesSource};
 pub use shed::ShedConfig;
@@ -87,6 +89,10 @@ pub struct Config {
     pub limits: LimitsConfig,
     /// Priority load shedding.
     pub shed: ShedConfig,
+    /// The probabilistic drop layer of rules with an `overload` directive.
+    pub overload: OverloadConfig,
+    /// The local cache of exact denials.
+    pub denial_cache: DenialCacheConfig,
     /// Where failed decisions are recorded.
     pub dlq: DlqConfig,
     /// A sample of decided requests, for replay.
@@ -153,6 +159,8 @@ impl Config {
         self.rules.validate()?;
         self.limits.validate()?;
         self.shed.validate()?;
+        self.overload.validate()?;
+        self.denial_cache.validate()?;
         self.dlq.validate()?;
         self.capture.validate()?;
         self.envoy.validate()?;

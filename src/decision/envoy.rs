@@ -369,6 +369,7 @@ impl Engine {
                             replaces: Vec::new(),
                             detailed_metric: false,
                             algorithm: None,
+                            overload: None,
                         }),
                         shared: Vec::new(),
                     }),

@@ -321,6 +321,7 @@ mod tests {
             window: WindowParams::sliding(1_000, 1),
             mode: Mode::Enforce,
             failure_policy: FailurePolicy::Open,
+            overload: None,
             source: Arc::from(Path::new("r.yaml")),
         }
     }

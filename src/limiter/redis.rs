@@ -171,7 +171,7 @@ impl Cluster {
     }
 }
 
-/// A dispatcher's connection.
+/// A dispatcher's connection, or one for calls outside the decision path.
 enum Conn {
     Single(deadpool_redis::Connection),
     Cluster(ClusterConnection),
@@ -344,31 +344,66 @@ impl RedisStore {
     /// the readiness probe to say whether Redis is up; a failure is not fatal.
     pub async fn warm_up(&self, timeout: Duration) -> Result<(), StoreError> {
         let load = async {
-            match &self.backend {
-                Backend::Single(pool) => {
-                    let mut conn = pool.get().await.map_err(|e| classify_pool(&e))?;
-                    let loaded: Result<String, RedisError> = self.script.load_async(&mut *conn).await;
-                    loaded.map(drop).map_err(|e| classify(&e))
-                }
-                Backend::Cluster(cluster) => {
-                    let kept =
-                        cluster.probe.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-                    let mut conn = match kept {
-                        Some(conn) => conn,
-                        None => cluster.connect().await?,
-                    };
-                    // SCRIPT LOAD goes to every primary.
-                    let loaded: Result<String, RedisError> = self.script.load_async(&mut conn).await;
-                    let mut probe = cluster.probe.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                    // A probe that failed starts from the seed nodes next time.
-                    *probe = loaded.is_ok().then_some(conn);
-                    loaded.map(drop).map_err(|e| classify(&e))
-                }
-            }
+            let mut conn = self.side_connection().await?;
+            let loaded: Result<String, RedisError> = match &mut conn {
+                // SCRIPT LOAD goes to every primary of a cluster.
+                Conn::Single(conn) => self.script.load_async(&mut **conn).await,
+                Conn::Cluster(conn) => self.script.load_async(conn).await,
+            };
+            self.keep(conn, loaded.is_ok());
+            loaded.map(drop).map_err(|e| classify(&e))
         };
         match tokio::time::timeout(timeout, load).await {
             Ok(result) => result,
             Err(_) => Err(timeout_error(timeout)),
+        }
+    }
+
+    /// Runs `pipeline` outside the decision path (the overload layer's
+    /// feed) within `timeout`, on the connection the readiness probe uses:
+    /// a pooled one, or the kept cluster connection (then all of the
+    /// pipeline's keys must share one hash slot).
+    pub async fn pipeline<T: redis::FromRedisValue>(
+        &self,
+        pipeline: &redis::Pipeline,
+        timeout: Duration,
+    ) -> Result<T, StoreError> {
+        let run = async {
+            let mut conn = self.side_connection().await?;
+            let answer: Result<T, RedisError> = match &mut conn {
+                Conn::Single(conn) => pipeline.query_async(&mut **conn).await,
+                Conn::Cluster(conn) => pipeline.query_async(conn).await,
+            };
+            self.keep(conn, answer.is_ok());
+            answer.map_err(|e| classify(&e))
+        };
+        match tokio::time::timeout(timeout, run).await {
+            Ok(result) => result,
+            Err(_) => Err(timeout_error(timeout)),
+        }
+    }
+
+    /// A connection for calls outside the decision path.
+    async fn side_connection(&self) -> Result<Conn, StoreError> {
+        match &self.backend {
+            Backend::Single(pool) => pool.get().await.map(Conn::Single).map_err(|e| classify_pool(&e)),
+            Backend::Cluster(cluster) => {
+                let kept = cluster.probe.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+                match kept {
+                    Some(conn) => Ok(Conn::Cluster(conn)),
+                    None => cluster.connect().await.map(Conn::Cluster),
+                }
+            }
+        }
+    }
+
+    /// Keeps a cluster connection that worked for the next side call; one
+    /// that failed is dropped, so the next starts from the seed nodes. (A
+    /// pooled connection goes back to its pool.)
+    fn keep(&self, conn: Conn, worked: bool) {
+        if let (Backend::Cluster(cluster), Conn::Cluster(conn)) = (&self.backend, conn) {
+            let mut probe = cluster.probe.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            *probe = worked.then_some(conn);
         }
     }
 

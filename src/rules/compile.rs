@@ -7,7 +7,7 @@ use std::{collections::HashMap, path::Path, sync::Arc};
 
 use super::{
     RuleError,
-    model::Rule,
+    model::{MAX_OVERLOAD_RATE, Rule},
     native::SourcedRule,
     snapshot::{PathKey, Snapshot},
 };
@@ -140,6 +140,11 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
             ),
         );
     }
+    if let Some(overload) = &raw.overload
+        && !(1..=MAX_OVERLOAD_RATE).contains(&overload.rate_per_second)
+    {
+        return fail("overload.rate_per_second", format!("must be between 1 and {MAX_OVERLOAD_RATE}"));
+    }
     let window_ms = window_ms.unwrap_or(u64::MAX);
     // `capacity` is an integer-valued f64 below 2^53 here: the cast is exact.
     let capacity = capacity as u64;
@@ -154,6 +159,7 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         window: WindowParams { window_ms, capacity, rate: raw.limit, algorithm },
         mode: raw.mode,
         failure_policy: raw.failure_policy,
+        overload: raw.overload,
         source: Arc::clone(&sourced.file),
     })
 }
@@ -214,6 +220,7 @@ mod tests {
             (rule("a", "/a", "    client_type: \"\"\n"), "field `client_type`"),
             (rule("a", "/a", "").replace("limit: 10", "limit: 10000000000000"), "field `limit`"),
             (rule("a", "/a", "    algorithm: leaky_bucket\n"), "field `algorithm`"),
+            (rule("a", "/a", "    overload: {rate_per_second: 0}\n"), "field `overload.rate_per_second`"),
         ];
         for (text, expected) in cases {
             let err = one_error(&format!("rules:\n{text}"));

@@ -22,7 +22,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 
 use super::{
-    FailurePolicy, Mode, RuleErrors, Snapshot, compile,
+    FailurePolicy, Mode, OverloadSpec, RuleErrors, Snapshot, compile,
     envoy::{self, EnvoyConfig},
     native::{RawRule, SourcedRule},
 };
@@ -100,6 +100,9 @@ pub struct EncodedRule {
     pub failure_policy: FailurePolicy,
     /// Derived, for readers: `floor(limit × burst_capacity)`; checked on decode.
     pub capacity: u64,
+    /// The overload directive, when the rule has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overload: Option<OverloadSpec>,
 }
 
 /// The Envoy configuration files.
@@ -207,6 +210,7 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
             mode: rule.mode,
             failure_policy: rule.failure_policy,
             capacity: rule.window.capacity,
+            overload: rule.overload,
         })
         .collect();
     NativeRules { version: snapshot.version().to_owned(), rules }
@@ -298,6 +302,7 @@ fn decode_native(native: &NativeRules, version: &str) -> Result<Snapshot, RuleEr
                 mode: rule.mode,
                 failure_policy: rule.failure_policy,
                 algorithm: Some(rule.algorithm.clone()),
+                overload: rule.overload,
             },
         })
         .collect();

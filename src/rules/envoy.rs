@@ -22,7 +22,11 @@ use std::{
 
 use serde::{Deserialize, Deserializer};
 
-use super::{RuleError, RuleErrors, native::rule_files};
+use super::{
+    RuleError, RuleErrors,
+    model::{MAX_OVERLOAD_RATE, OverloadSpec},
+    native::rule_files,
+};
 use crate::limiter::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams};
 
 /// A rate-limit unit, with upstream's lengths (a month is 30 days).
@@ -130,6 +134,9 @@ pub struct EnvoyLimit {
     /// `rate_limit.algorithm` (ratelimitd's extension); `None`: the
     /// service's `envoy.algorithm`.
     pub algorithm: Option<Algorithm>,
+    /// The descriptor's `overload` (ratelimitd's extension): a global rate
+    /// enforced by probabilistic drop before the exact counter.
+    pub overload: Option<OverloadSpec>,
 }
 
 #[derive(Debug, Default)]
@@ -220,6 +227,25 @@ impl EnvoyConfig {
     pub fn domain_count(&self) -> usize {
         self.domains.len()
     }
+
+    /// Every limit with an `overload` directive: its full key and the directive.
+    pub fn overload_directives(&self) -> impl Iterator<Item = (Arc<str>, OverloadSpec)> + '_ {
+        fn walk(level: &Level, out: &mut Vec<(Arc<str>, OverloadSpec)>) {
+            for node in level.entries.values() {
+                if let Some(limit) = &node.limit
+                    && let Some(spec) = limit.overload
+                {
+                    out.push((Arc::clone(&limit.full_key), spec));
+                }
+                walk(&node.children, out);
+            }
+        }
+        let mut out = Vec::new();
+        for level in self.domains.values() {
+            walk(level, &mut out);
+        }
+        out.into_iter()
+    }
 }
 
 /// Upstream's wildcard match: `*` matches any (possibly empty) run of
@@ -280,6 +306,9 @@ struct YamlDescriptor {
     share_threshold: bool,
     #[serde(default)]
     metadata: Option<serde_yaml::Value>,
+    /// ratelimitd's extension: a global rate enforced by probabilistic drop.
+    #[serde(default)]
+    overload: Option<OverloadSpec>,
 }
 
 #[derive(Deserialize)]
@@ -468,6 +497,18 @@ fn load_level(
             ));
         }
         let _ = d.value_to_metric; // metric naming only
+        if let Some(overload) = &d.overload {
+            let problem = if d.rate_limit.as_ref().is_none_or(|r| r.unlimited) {
+                Some("needs a limited rate_limit beside it".to_owned())
+            } else if !(1..=MAX_OVERLOAD_RATE).contains(&overload.rate_per_second) {
+                Some(format!("rate_per_second must be between 1 and {MAX_OVERLOAD_RATE}"))
+            } else {
+                None
+            };
+            if let Some(problem) = problem {
+                return Err(error(file, Some(&at), "overload", problem));
+            }
+        }
         let limit = match &d.rate_limit {
             None => None,
             Some(r) => {
@@ -607,6 +648,7 @@ fn compile_limit(
         replaces: r.replaces.iter().map(|r| r.name.clone()).collect(),
         detailed_metric: d.detailed_metric,
         algorithm,
+        overload: d.overload,
     })
 }
 

@@ -12,11 +12,12 @@ pub mod model;
 mod native;
 mod snapshot;
 mod store;
+pub mod tenants;
 
 use std::{fmt, io, path::Path, path::PathBuf};
 
 pub(crate) use compile::compile;
-pub use model::{FailurePolicy, Mode, Rule};
+pub use model::{FailurePolicy, MAX_OVERLOAD_RATE, Mode, OverloadScope, OverloadSpec, Rule};
 pub use snapshot::{Snapshot, canonical_path};
 pub use store::{Feed, Hot, Origin, RuleStore, Served, Versioned, watch};
 

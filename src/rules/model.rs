@@ -32,6 +32,43 @@ pub enum FailurePolicy {
     Closed,
 }
 
+/// What an overload directive's global rate is counted per.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OverloadScope {
+    /// One bucket for the rule: tenants share `rate_per_second` by weight.
+    #[default]
+    Rule,
+    /// One bucket per tenant of the tenant table (tenants not in it share
+    /// one more), each with `rate_per_second`.
+    Tenant,
+}
+
+impl OverloadScope {
+    /// The rule-file name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OverloadScope::Rule => "rule",
+            OverloadScope::Tenant => "tenant",
+        }
+    }
+}
+
+/// An overload directive: a global request rate, summed over every
+/// instance, enforced statistically in front of the exact counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OverloadSpec {
+    /// Requests per second admitted past the overload layer, all instances together.
+    pub rate_per_second: u64,
+    /// Counted per rule (default) or per rule and tenant.
+    #[serde(default)]
+    pub per: OverloadScope,
+}
+
+/// Largest accepted `overload.rate_per_second`.
+pub const MAX_OVERLOAD_RATE: u64 = 1_000_000_000;
+
 /// One validated rule. Shared by reference from the [`Snapshot`](super::Snapshot);
 /// the hot path never clones it.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,6 +91,8 @@ pub struct Rule {
     pub mode: Mode,
     /// Answer when the store fails.
     pub failure_policy: FailurePolicy,
+    /// A global rate enforced by probabilistic drop before the exact counter.
+    pub overload: Option<OverloadSpec>,
     /// The file the rule came from, for messages.
     pub source: Arc<Path>,
 }

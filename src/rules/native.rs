@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use super::{
     RuleError,
-    model::{FailurePolicy, Mode},
+    model::{FailurePolicy, Mode, OverloadSpec},
 };
 use crate::shed::Priority;
 
@@ -40,6 +40,9 @@ pub(crate) struct RawRule {
     /// `sliding_window` (default), `fixed_window`, `token_bucket` or `gcra`.
     #[serde(default)]
     pub(crate) algorithm: Option<String>,
+    /// A global rate enforced by probabilistic drop (issue 18).
+    #[serde(default)]
+    pub(crate) overload: Option<OverloadSpec>,
 }
 
 /// A rule together with the file it came from and its position in it.

@@ -190,6 +190,11 @@ fn content_hash(rules: &[Rule]) -> String {
             rule.mode,
             rule.failure_policy,
         );
+        // Only present when set, so the versions of sets without it stay as they were.
+        if let Some(overload) = &rule.overload {
+            let _ =
+                writeln!(canonical, "\toverload\t{}\t{}", overload.rate_per_second, overload.per.as_str());
+        }
     }
     let digest = sha1_smol::Sha1::from(canonical.as_bytes()).digest().to_string();
     digest[..16].to_owned()

@@ -1,0 +1,153 @@
+//! `overload.*`: the probabilistic drop layer in front of exact counting
+//! (rules that declare an `overload` directive), the tenant table it
+//! weighs tenants by, and `denial_cache.*`, the local cache of exact
+//! denials.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::{ConfigError, invalid};
+
+/// What the overload layer does with the drop ratio it computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OverloadMode {
+    /// Requests the coin drops are refused with reason OVERLOAD.
+    #[default]
+    Enforce,
+    /// Requests are counted and the coin is flipped, but nothing is
+    /// refused: a would-be drop is counted (`result="shadow_dropped"`).
+    Shadow,
+    /// Nothing is counted or dropped.
+    Off,
+}
+
+impl OverloadMode {
+    /// The configuration and metric name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OverloadMode::Enforce => "enforce",
+            OverloadMode::Shadow => "shadow",
+            OverloadMode::Off => "off",
+        }
+    }
+
+    /// Parses a configuration name.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "enforce" => Some(OverloadMode::Enforce),
+            "shadow" => Some(OverloadMode::Shadow),
+            "off" => Some(OverloadMode::Off),
+            _ => None,
+        }
+    }
+}
+
+/// Where a request's tenant is read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TenantSource {
+    /// `Check`: the `user_id` up to the first `overload.tenant_separator`
+    /// (`acme:alice` → `acme`); an id without it has no tenant.
+    #[default]
+    UserIdPrefix,
+    /// `Check`: the request header `overload.tenant_header`.
+    Header,
+}
+
+/// `overload.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OverloadConfig {
+    /// `enforce`, `shadow` or `off`, unless the tenant table or the
+    /// cluster-wide switch (`ratelimitd overload mode`) says otherwise.
+    pub mode: OverloadMode,
+    /// How often each instance adds its counts to the global view and
+    /// recomputes its drop ratios.
+    pub report_interval_ms: u64,
+    /// How old the last directive may get (the global view unreachable)
+    /// before it decays; it reaches zero after as long again.
+    pub max_staleness_ms: u64,
+    /// The hot-reloaded tenant table (weights, floors, and an optional
+    /// `mode`); unset: every tenant weighs 1.0 with no floor.
+    pub tenants_path: Option<PathBuf>,
+    /// How often the tenant table's files are checked for changes.
+    pub reload_interval_ms: u64,
+    /// Where `Check` requests take their tenant from.
+    pub tenant_from: TenantSource,
+    /// With `tenant_from: user_id_prefix`: the separator ending the tenant.
+    pub tenant_separator: String,
+    /// With `tenant_from: header`: the header naming the tenant.
+    pub tenant_header: String,
+    /// The descriptor entry key whose value is an Envoy request's tenant.
+    pub tenant_descriptor_key: String,
+}
+
+impl Default for OverloadConfig {
+    fn default() -> Self {
+        Self {
+            mode: OverloadMode::Enforce,
+            report_interval_ms: 500,
+            max_staleness_ms: 30_000,
+            tenants_path: None,
+            reload_interval_ms: 1_000,
+            tenant_from: TenantSource::UserIdPrefix,
+            tenant_separator: ":".to_owned(),
+            tenant_header: "x-tenant".to_owned(),
+            tenant_descriptor_key: "tenant".to_owned(),
+        }
+    }
+}
+
+impl OverloadConfig {
+    /// Checks `overload.*`; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(50..=60_000).contains(&self.report_interval_ms) {
+            return Err(invalid("overload.report_interval_ms", "must be between 50 and 60000"));
+        }
+        if self.max_staleness_ms < self.report_interval_ms {
+            return Err(invalid("overload.max_staleness_ms", "must be at least overload.report_interval_ms"));
+        }
+        if self.reload_interval_ms == 0 {
+            return Err(invalid("overload.reload_interval_ms", "must be at least 1"));
+        }
+        if self.tenant_from == TenantSource::UserIdPrefix && self.tenant_separator.is_empty() {
+            return Err(invalid("overload.tenant_separator", "must not be empty"));
+        }
+        if self.tenant_from == TenantSource::Header && self.tenant_header.is_empty() {
+            return Err(invalid("overload.tenant_header", "must not be empty"));
+        }
+        if self.tenant_header.chars().any(|c| c.is_ascii_uppercase()) {
+            return Err(invalid("overload.tenant_header", "must be lower case (gRPC metadata keys are)"));
+        }
+        Ok(())
+    }
+}
+
+/// `denial_cache.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DenialCacheConfig {
+    /// Answer repeats of an exact denial locally until its `retry_after`
+    /// (Redis store only: the memory store is local already).
+    pub enabled: bool,
+    /// The most denials held at once; past it new denials are not cached.
+    pub max_entries: usize,
+}
+
+impl Default for DenialCacheConfig {
+    fn default() -> Self {
+        Self { enabled: true, max_entries: 100_000 }
+    }
+}
+
+impl DenialCacheConfig {
+    /// Checks `denial_cache.*`; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(1..=10_000_000).contains(&self.max_entries) {
+            return Err(invalid("denial_cache.max_entries", "must be between 1 and 10000000"));
+        }
+        Ok(())
+    }
+}
