@@ -176,6 +176,9 @@ fn benches(c: &mut Criterion) {
         trust_request_priority: true,
         envoy_policy: EnvoyPolicy::default(),
         capture: None,
+        overload: None,
+        tenants: ratelimitd::decision::TenantPolicy::default(),
+        denials: None,
     });
     let headers = HashMap::new();
     let check = CheckRequest {

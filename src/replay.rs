@@ -164,6 +164,9 @@ pub fn run(rules: Snapshot, requests: &[Request], max_user_id_bytes: usize) -> V
         trust_request_priority: true,
         envoy_policy: EnvoyPolicy::default(),
         capture: None,
+        overload: None,
+        tenants: crate::decision::TenantPolicy::default(),
+        denials: None,
     });
     let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a current-thread runtime");
     let headers = HashMap::new();

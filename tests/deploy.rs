@@ -117,6 +117,19 @@ fn compose_ports_and_files_exist() {
     assert!(ports.contains(&format!("{http_port}:{http_port}")), "{ports:?}");
     let prometheus = std::fs::read_to_string(repo("deploy/prometheus.yml")).unwrap();
     assert!(prometheus.contains(&format!("ratelimitd:{http_port}")), "Prometheus scrapes another port");
+    // The alert rules it loads parse, and the staleness alert reads the metric the service serves.
+    assert!(prometheus.contains("/etc/prometheus/alerts.yml"), "{prometheus}");
+    let alerts: Value =
+        serde_yaml::from_str(&std::fs::read_to_string(repo("deploy/alerts.yml")).unwrap()).unwrap();
+    let rules = alerts["groups"][0]["rules"].as_sequence().unwrap();
+    assert!(
+        rules.iter().any(|r| r["expr"]
+            .as_str()
+            .unwrap()
+            .contains("ratelimitd_overload_directive_age_seconds")
+            && r["expr"].as_str().unwrap().contains("> 60")),
+        "{rules:?}"
+    );
     // Every bind mount of the repository exists.
     for service in services.values() {
         for volume in service["volumes"].as_sequence().into_iter().flatten() {

@@ -127,6 +127,9 @@ impl Harness {
             trust_request_priority: true,
             envoy_policy: policy,
             capture: None,
+            overload: None,
+            tenants: ratelimitd::decision::TenantPolicy::default(),
+            denials: None,
         });
         Harness { engine, shedder, failures, clock, memory, redis, _dispatchers: dispatchers, _dir: dir }
     }

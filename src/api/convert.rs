@@ -109,6 +109,7 @@ fn reason(reason: Reason) -> pb::Reason {
         Reason::Ok => pb::Reason::Ok,
         Reason::OverLimit => pb::Reason::OverLimit,
         Reason::Shed => pb::Reason::Shed,
+        Reason::Overload => pb::Reason::Overload,
         Reason::NoRule => pb::Reason::NoRule,
         Reason::FailOpen => pb::Reason::FailOpen,
         Reason::FailClosed => pb::Reason::FailClosed,

@@ -212,9 +212,9 @@ fn response(decision: &RlsDecision, settings: &EnvoySettings) -> Result<RateLimi
     {
         response_headers_to_add = headers(settings, &statuses[index]);
     }
-    if decision.reason == Reason::Shed && !settings.reason_header.is_empty() {
-        // Envoy adds these to its 429: the client sees why.
-        response_headers_to_add.push(header(&settings.reason_header, Reason::Shed.as_str().to_owned()));
+    if matches!(decision.reason, Reason::Shed | Reason::Overload) && !settings.reason_header.is_empty() {
+        // Envoy adds these to its 429: the client sees why (a back-off, not a spent quota).
+        response_headers_to_add.push(header(&settings.reason_header, decision.reason.as_str().to_owned()));
     }
     Ok(RateLimitResponse {
         overall_code: if decision.over_limit { Code::OverLimit } else { Code::Ok } as i32,

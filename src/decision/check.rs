@@ -7,7 +7,9 @@ use tracing::Instrument as _;
 
 use super::{Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, REPORT_LABEL, Reason, clamp_i64, keys};
 use crate::{
+    config::TenantSource,
     limiter::{Count, Verdict},
+    overload::{Kind, OverloadVerdict},
     rules::{FailurePolicy, Mode},
     shed::{Level, Priority, ShedVerdict},
 };
@@ -167,10 +169,42 @@ impl Engine {
             };
         }
 
+        // The overload layer, in front of the exact counter: a drop costs no
+        // store call. Only admissions are counted and dropped (a peek asks,
+        // a report tells what happened).
+        if request.count == Count::IfFits
+            && rule.overload.is_some()
+            && let Some(overload) = &self.inner.overload
+            && let OverloadVerdict::Drop { retry_after_ms } =
+                overload.check(Kind::Native, &rule.id, self.check_tenant(request), shadow)
+        {
+            return Decision {
+                allowed: false,
+                retry_after_ms: clamp_i64(retry_after_ms),
+                shadow_shed,
+                ..Decision::allowed(Reason::Overload, info, priority, level)
+            };
+        }
+
         // An over-long user id is counted by its digest, exactly, never refused.
         let user = keys::bounded(request.user_id, self.inner.max_user_id_bytes);
         if matches!(user, Cow::Owned(_)) {
             self.inner.stats.adjusted(Api::Check, "user_id_digest");
+        }
+        // A denial the store gave for this counter still holds: answered
+        // here, exactly as the store would (only enforced admissions and peeks).
+        let cache = self.inner.denials.as_ref().filter(|_| !shadow && request.count != Count::Always);
+        let version = cache.map(|c| c.version_hash(snapshot.version()));
+        if let (Some(cache), Some(version)) = (cache, version)
+            && let Some(hit) = cache.lookup(version, &rule.id, &user, weight)
+        {
+            return Decision {
+                allowed: false,
+                retry_after_ms: clamp_i64(hit.retry_after_ms),
+                reset_after_ms: hit.reset_after_ms,
+                shadow_shed,
+                ..Decision::allowed(Reason::OverLimit, info, priority, level)
+            };
         }
         let store_started = std::time::Instant::now();
         let decided = self
@@ -180,6 +214,12 @@ impl Engine {
             .instrument(tracing::info_span!("store.decide", store = self.inner.store.name()))
             .await;
         self.inner.stats.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
+        if let (Some(cache), Some(version), Ok(verdict)) = (cache, version, &decided)
+            && !verdict.admitted
+            && let Some(retry_after_ms) = verdict.retry_after_ms
+        {
+            cache.insert(version, &rule.id, &user, weight, retry_after_ms, verdict.reset_after_ms);
+        }
         match decided {
             Ok(verdict) => Decision { shadow_shed, level, ..from_verdict(&verdict, shadow, info, priority) },
             Err(error) => {
@@ -206,6 +246,20 @@ impl Engine {
                     ..Decision::allowed(reason, info, priority, level)
                 }
             }
+        }
+    }
+}
+
+impl Engine {
+    /// The tenant of a `Check` request, for the overload layer: the
+    /// `user_id` up to the separator, or a header (`overload.tenant_from`).
+    fn check_tenant<'r>(&self, request: &CheckRequest<'r>) -> Option<&'r str> {
+        let policy = &self.inner.tenants;
+        match policy.source {
+            TenantSource::UserIdPrefix => {
+                request.user_id.split_once(policy.separator.as_str()).map(|(tenant, _)| tenant)
+            }
+            TenantSource::Header => request.headers.get(&policy.header).map(String::as_str),
         }
     }
 }

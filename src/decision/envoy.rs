@@ -25,6 +25,7 @@ use tracing::Instrument as _;
 use super::{Api, Engine, FailedDecision, REPORT_LABEL, Reason, keys};
 use crate::{
     limiter::{Count, ManyItem, ManyOutcome, StoreError, push_encoded, window::Algorithm},
+    overload::{Kind, OverloadVerdict},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
     shed::{Level, Priority, ShedVerdict},
 };
@@ -179,7 +180,7 @@ enum Plan {
     /// No limit applies (unmatched, or replaced).
     NoLimit,
     /// `unlimited: true`.
-    Unlimited,
+    Unlimited(Arc<EnvoyLimit>),
     /// Counted: the limit and its item's index in the store call.
     Limited(Arc<EnvoyLimit>, usize),
 }
@@ -246,7 +247,8 @@ impl Engine {
             ShedVerdict::Pass => false,
             ShedVerdict::ShadowShed => true,
             ShedVerdict::Shed { retry_after_ms } => {
-                return self.rls_shed(limits, priority, level, retry_after_ms);
+                let limits = limits.into_iter().map(|found| found.map(|m| m.limit));
+                return self.rls_refused(limits, Reason::Shed, priority, level, retry_after_ms);
             }
         };
 
@@ -256,7 +258,7 @@ impl Engine {
             .zip(request.descriptors)
             .map(|(found, descriptor)| match found {
                 None => Plan::NoLimit,
-                Some(found) if found.limit.unlimited => Plan::Unlimited,
+                Some(found) if found.limit.unlimited => Plan::Unlimited(found.limit),
                 Some(found) => {
                     let limit = found.limit;
                     let unit = limit.unit.expect("a limited limit has a unit");
@@ -309,6 +311,16 @@ impl Engine {
         if items.is_empty() {
             return self.rls_answer(&plans, &items, None, base);
         }
+        if let Some(retry_after_ms) = self.rls_overload(request, &plans, &items) {
+            let limits = plans.iter().map(|plan| match plan {
+                Plan::NoLimit => None,
+                Plan::Unlimited(limit) | Plan::Limited(limit, _) => Some(Arc::clone(limit)),
+            });
+            return RlsDecision {
+                shadow_shed,
+                ..self.rls_refused(limits, Reason::Overload, priority, level, retry_after_ms)
+            };
+        }
         let store_started = std::time::Instant::now();
         let decided = self
             .inner
@@ -325,6 +337,39 @@ impl Engine {
             Ok(outcome) => self.rls_answer(&plans, &items, Some(&outcome), base),
             Err(error) => self.rls_failed(request, &plans, &items, error, base),
         }
+    }
+
+    /// The overload layer over every counted admission whose limit has a
+    /// directive: `Some(retry_after_ms)` when one of them is dropped (then
+    /// nothing is counted). A shadow limit's drop is only counted.
+    fn rls_overload<D: Descriptor>(
+        &self,
+        request: &RlsRequest<'_, D>,
+        plans: &[Plan],
+        items: &[ManyItem],
+    ) -> Option<u64> {
+        let overload = self.inner.overload.as_ref()?;
+        let mut tenant = None;
+        for plan in plans {
+            let Plan::Limited(limit, index) = plan else { continue };
+            if limit.overload.is_none() || items[*index].count != Count::IfFits {
+                continue;
+            }
+            let tenant = *tenant.get_or_insert_with(|| self.rls_tenant(request));
+            if let OverloadVerdict::Drop { retry_after_ms } =
+                overload.check(Kind::Envoy, &limit.full_key, tenant, limit.shadow_mode)
+            {
+                return Some(retry_after_ms);
+            }
+        }
+        None
+    }
+
+    /// An Envoy request's tenant: the value of the first descriptor entry
+    /// keyed `overload.tenant_descriptor_key`.
+    fn rls_tenant<'r, D: Descriptor>(&self, request: &RlsRequest<'r, D>) -> Option<&'r str> {
+        let key = self.inner.tenants.descriptor_key.as_str();
+        request.descriptors.iter().flat_map(Descriptor::entries).find(|(k, _)| *k == key).map(|(_, v)| v)
     }
 
     /// Whether `limit` is in quota mode: its own `quota_mode`, or
@@ -398,20 +443,25 @@ impl Engine {
         limits
     }
 
-    /// The answer to a shed request: every descriptor OVER_LIMIT (with its
+    /// The answer to a request refused before any counter (shed, or
+    /// dropped by the overload layer): every descriptor OVER_LIMIT (with its
     /// limit, when one matched), nothing counted.
-    fn rls_shed(
+    fn rls_refused(
         &self,
-        limits: Vec<Option<EnvoyMatch>>,
+        limits: impl Iterator<Item = Option<Arc<EnvoyLimit>>>,
+        reason: Reason,
         priority: Priority,
         level: Level,
         retry_after_ms: u64,
     ) -> RlsDecision {
         let statuses = limits
-            .into_iter()
-            .map(|found| {
-                let limit = found.map(|m| m.limit);
-                self.inner.stats.decision(Api::Envoy, limit.as_ref().map(|l| &l.full_key), "SHED", false);
+            .map(|limit| {
+                self.inner.stats.decision(
+                    Api::Envoy,
+                    limit.as_ref().map(|l| &l.full_key),
+                    reason.as_str(),
+                    false,
+                );
                 DescriptorDecision {
                     over_limit: true,
                     unlimited: limit.as_ref().is_some_and(|l| l.unlimited),
@@ -423,7 +473,7 @@ impl Engine {
             .collect();
         RlsDecision {
             over_limit: true,
-            reason: Reason::Shed,
+            reason,
             statuses,
             tightest: None,
             retry_after_ms,
@@ -451,7 +501,7 @@ impl Engine {
                     self.inner.stats.decision(Api::Envoy, None, "NO_RULE", true);
                     DescriptorDecision::default()
                 }
-                Plan::Unlimited => {
+                Plan::Unlimited(_) => {
                     self.inner.stats.decision(Api::Envoy, None, "UNLIMITED", true);
                     DescriptorDecision {
                         unlimited: true,

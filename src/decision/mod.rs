@@ -18,6 +18,7 @@
 //!   only inside synchronous calls).
 
 mod check;
+pub mod denials;
 mod envoy;
 mod failure;
 pub mod keys;
@@ -32,8 +33,12 @@ pub use envoy::{
 };
 pub use failure::{FailedDecision, FailureSink};
 
+pub use denials::DenialCache;
+
 use crate::{
+    config::TenantSource,
     limiter::{FailureKind, Store},
+    overload::Overload,
     rules::{Hot, RuleStore, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
 };
@@ -63,6 +68,8 @@ pub enum Reason {
     FailClosed,
     /// The weight exceeds the rule's capacity: it can never pass.
     WeightExceedsCapacity,
+    /// Dropped by the overload layer; no counter was touched.
+    Overload,
 }
 
 impl Reason {
@@ -76,6 +83,7 @@ impl Reason {
             Reason::FailOpen => "FAIL_OPEN",
             Reason::FailClosed => "FAIL_CLOSED",
             Reason::WeightExceedsCapacity => "WEIGHT_EXCEEDS_CAPACITY",
+            Reason::Overload => "OVERLOAD",
         }
     }
 }
@@ -168,6 +176,37 @@ pub struct EngineParts {
     pub envoy_policy: EnvoyPolicy,
     /// Where a sample of decided `Check` requests goes (`capture.*`); `None`: off.
     pub capture: Option<Arc<dyn CaptureSink>>,
+    /// The overload layer (`overload.*`); `None`: no request is dropped by it.
+    pub overload: Option<Arc<Overload>>,
+    /// Where a request's tenant is read from, for the overload layer.
+    pub tenants: TenantPolicy,
+    /// The local cache of exact denials (`denial_cache.*`); `None`: off.
+    pub denials: Option<Arc<DenialCache>>,
+}
+
+/// Where a request's tenant comes from (`overload.tenant_*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantPolicy {
+    /// `Check`: a `user_id` prefix or a header.
+    pub source: TenantSource,
+    /// The separator ending a `user_id`'s tenant prefix.
+    pub separator: String,
+    /// The header naming the tenant.
+    pub header: String,
+    /// Envoy: the descriptor entry key whose value is the tenant.
+    pub descriptor_key: String,
+}
+
+impl Default for TenantPolicy {
+    fn default() -> Self {
+        let defaults = crate::config::OverloadConfig::default();
+        TenantPolicy {
+            source: defaults.tenant_from,
+            separator: defaults.tenant_separator,
+            header: defaults.tenant_header,
+            descriptor_key: defaults.tenant_descriptor_key,
+        }
+    }
 }
 
 /// Runs the decision path. Cheap to clone: everything inside is shared.

@@ -36,6 +36,9 @@ fn engine_trusting(policy: EnvoyPolicy, trust_request_priority: bool) -> Engine 
         trust_request_priority,
         envoy_policy: policy,
         capture: None,
+        overload: None,
+        tenants: crate::decision::TenantPolicy::default(),
+        denials: None,
     })
 }
 

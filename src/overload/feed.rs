@@ -243,6 +243,10 @@ pub async fn run(
         }
         let now = clock.now_ms();
         feed.refresh(now);
+        if feed.overload.table().all().next().is_none() {
+            // No directive in force: nothing to count, no call to make.
+            continue;
+        }
         let deltas = feed.collect();
         let outcome = match &exchange {
             Exchange::Local => {

@@ -26,6 +26,7 @@ use crate::{
     decision::Engine,
     dlq::DlqSink,
     limiter::{Store, redis::RedisSetupError},
+    overload::Overload,
     rules::{Feed, RuleErrors},
     shed::Shedder,
     telemetry::{
@@ -88,6 +89,8 @@ pub struct Observer {
     pub shedder: Arc<Shedder>,
     /// The metrics registry.
     pub metrics: Arc<Metrics>,
+    /// The overload layer (its buckets and drop ratios).
+    pub overload: Arc<Overload>,
 }
 
 /// Serves until `shutdown` resolves, then stops accepting, lets in-flight
@@ -119,8 +122,11 @@ pub async fn run_observed(
     let shedder = parts::shedder(&config.shed, &mut tasks);
     let dlq = parts::dlq(&config.dlq, &config.limits, &mut tasks)?;
     let captured = parts::capture(&config, &mut tasks)?;
+    let overload = parts::overload(&config, &rules, &store, &mut tasks)?;
+    let denials = parts::denials(&config, &store);
     let metrics = Arc::new(Metrics::new(store.name()));
-    let engine = parts::engine(&config, &rules, store, &shedder, &dlq, &metrics, captured.as_ref());
+    let layers = parts::Layers { shedder: &shedder, overload: &overload, denials: denials.clone() };
+    let engine = parts::engine(&config, &rules, store, layers, &dlq, &metrics, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());
     metrics.set_sources(Sources {
         shedder: Arc::clone(&shedder),
@@ -129,6 +135,8 @@ pub async fn run_observed(
         envoy: rules.envoy.clone(),
         feed: rules.feed.clone(),
         capture: captured.map(|c| c.counters),
+        overload: Some(Arc::clone(&overload)),
+        denials,
         memory: match engine.store() {
             Store::Memory(memory) => Some(Arc::clone(memory)),
             Store::Redis(_) => None,
@@ -150,7 +158,12 @@ pub async fn run_observed(
         return Ok(());
     }
     // Everything is built: the service is about to answer.
-    observe(Observer { dlq: Arc::clone(&dlq), shedder: Arc::clone(&shedder), metrics: Arc::clone(&metrics) });
+    observe(Observer {
+        dlq: Arc::clone(&dlq),
+        shedder: Arc::clone(&shedder),
+        metrics: Arc::clone(&metrics),
+        overload,
+    });
     let drain_delay = Duration::from_millis(config.grpc.drain_delay_ms);
     let (signal, drained) = drain_on(shutdown, health, reporter, drain_delay);
     let serve = serve_grpc(&config, router, listener, tls, signal, &mut tasks);

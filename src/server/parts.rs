@@ -16,9 +16,12 @@ use crate::{
         Config, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, LimitsConfig, RulesConfig,
         RulesSource, ShedConfig,
     },
-    decision::{CaptureSink, Engine, EngineParts, EnvoyPolicy, FailureSink, Stats},
+    decision::{
+        CaptureSink, DenialCache, Engine, EngineParts, EnvoyPolicy, FailureSink, Stats, TenantPolicy,
+    },
     dlq::{self, DlqSink, RecordBounds},
     limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper, window::Algorithm},
+    overload::{Overload, feed},
     rollout::{
         status,
         subscribe::{self, Fallback, Subscription},
@@ -390,16 +393,91 @@ pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
     }
 }
 
+/// The overload layer, its feed (one task, ticking every
+/// `overload.report_interval_ms`) and the tenant table's reloader.
+pub(crate) fn overload(
+    config: &Config,
+    rules: &Rules,
+    store: &Store,
+    tasks: &mut Tasks,
+) -> Result<Arc<Overload>, ServerError> {
+    let settings = &config.overload;
+    let tenants = match &settings.tenants_path {
+        None => None,
+        Some(path) => {
+            let table = Arc::new(Hot::new(rules::tenants::load(path)?));
+            watch(
+                tasks,
+                &table,
+                path,
+                Duration::from_millis(settings.reload_interval_ms),
+                rules::tenants::load,
+            );
+            Some(table)
+        }
+    };
+    let overload = Arc::new(Overload::new(settings.mode, settings.report_interval_ms));
+    let sources = feed::Sources { rules: Arc::clone(&rules.native), envoy: rules.envoy.clone(), tenants };
+    let exchange = match store {
+        Store::Memory(_) => feed::Exchange::Local,
+        Store::Redis(redis) => feed::Exchange::Redis(Arc::clone(redis)),
+    };
+    let stop = tasks.stopper();
+    tasks.spawn(feed::run(
+        Arc::clone(&overload),
+        sources,
+        exchange,
+        feed::Settings {
+            mode: settings.mode,
+            interval_ms: settings.report_interval_ms,
+            max_staleness_ms: settings.max_staleness_ms,
+        },
+        Arc::new(SystemClock),
+        stop,
+    ));
+    Ok(overload)
+}
+
+/// The local cache of exact denials: with the Redis store, unless
+/// `denial_cache.enabled` is off (the memory store is local already).
+pub(crate) fn denials(config: &Config, store: &Store) -> Option<Arc<DenialCache>> {
+    match store {
+        Store::Redis(_) if config.denial_cache.enabled => Some(Arc::new(DenialCache::new(
+            config.denial_cache.max_entries,
+            Arc::new(MonotonicClock::default()),
+        ))),
+        _ => None,
+    }
+}
+
+/// Where the engine reads a request's tenant from.
+pub(crate) fn tenant_policy(config: &Config) -> TenantPolicy {
+    TenantPolicy {
+        source: config.overload.tenant_from,
+        separator: config.overload.tenant_separator.clone(),
+        header: config.overload.tenant_header.clone(),
+        descriptor_key: config.overload.tenant_descriptor_key.clone(),
+    }
+}
+
+/// What the engine decides with besides the rules and the store.
+pub(crate) struct Layers<'a> {
+    pub(crate) shedder: &'a Arc<Shedder>,
+    pub(crate) overload: &'a Arc<Overload>,
+    pub(crate) denials: Option<Arc<DenialCache>>,
+}
+
 /// The engine both APIs decide through.
 pub(crate) fn engine(
     config: &Config,
     rules: &Rules,
     store: Store,
-    shedder: &Arc<Shedder>,
+    layers: Layers<'_>,
     dlq: &Arc<DlqSink>,
     metrics: &Arc<Metrics>,
     capture: Option<&Captured>,
 ) -> Engine {
+    let shedder = layers.shedder;
     Engine::new(EngineParts {
         rules: Arc::clone(&rules.native),
         envoy: rules.envoy.clone(),
@@ -412,6 +490,9 @@ pub(crate) fn engine(
         trust_request_priority: config.shed.trust_request_priority,
         envoy_policy: envoy_policy(&config.envoy),
         capture: capture.map(|c| Arc::clone(&c.sink) as Arc<dyn CaptureSink>),
+        overload: Some(Arc::clone(layers.overload)),
+        tenants: tenant_policy(config),
+        denials: layers.denials,
     })
 }
 
