@@ -45,6 +45,12 @@ fn main() -> ExitCode {
             Err(code) => code,
         },
         Command::Probe { addr, path } => cli::probe(&addr, &path),
+        Command::Overload { mode } => match load_config(cli.config.as_deref()) {
+            Ok(config) => {
+                runtime().map_or_else(report, |rt| rt.block_on(cli::overload_mode(mode.as_deref(), &config)))
+            }
+            Err(code) => code,
+        },
         Command::Audit(args) => match load_config(cli.config.as_deref()) {
             Ok(config) => cli::audit(args, &config),
             Err(code) => code,

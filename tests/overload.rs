@@ -54,6 +54,17 @@ async fn rate(answers: &Answers, reason: pb::Reason, from: u64, to: u64) -> f64 
     n as f64 * 1_000.0 / (to - from) as f64
 }
 
+/// Runs `ratelimitd <args>` against `redis`; its standard output.
+fn switch(redis: &RedisServer, args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .args(args)
+        .env("RATELIMITD__REDIS__URL", redis.url())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// The share of answers between `from` and `to` ms that are OVERLOAD.
 async fn share(answers: &Answers, from: u64, to: u64) -> f64 {
     let dropped = rate(answers, pb::Reason::Overload, from, to).await;
@@ -169,15 +180,10 @@ async fn the_switch_flips_instances_and_a_cut_feed_keeps_the_ratio() {
     let dropping = share(&answers, 1_500, 2_500).await;
     assert!((0.55..0.8).contains(&dropping), "dropping {dropping} of 900/s against 300/s");
 
-    // `ratelimitd overload mode shadow` sets this key: both instances stop
-    // refusing within one interval (plus the one they read behind).
-    let mut conn = redis.client().await;
-    let _: () = redis::cmd("SET")
-        .arg(ratelimitd::overload::feed::MODE_KEY)
-        .arg("shadow")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    // The switch: both instances stop refusing within one interval (plus
+    // the one they read behind).
+    assert!(switch(&redis, &["overload", "shadow"]).contains("overload mode switch: shadow"));
+    assert!(switch(&redis, &["overload"]).contains("overload mode switch: shadow"));
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     let shadow: Answers = Arc::default();
     let origin = Instant::now();
@@ -186,8 +192,7 @@ async fn the_switch_flips_instances_and_a_cut_feed_keeps_the_ratio() {
         offer(cb.clone(), "t", 450, 1.0, origin, Arc::clone(&shadow)),
     );
     assert_eq!(rate(&shadow, pb::Reason::Overload, 0, 1_000).await, 0.0, "shadow refuses nothing");
-    let _: () =
-        redis::cmd("DEL").arg(ratelimitd::overload::feed::MODE_KEY).query_async(&mut conn).await.unwrap();
+    assert!(switch(&redis, &["overload", "clear"]).contains("unset"));
     tokio::time::sleep(Duration::from_millis(1_100)).await;
 
     // Converged and enforcing again; then the feed is cut for 3 s.
