@@ -31,6 +31,7 @@ use ratelimitd::{
         Count, MemoryStore, Store,
         window::{self, Algorithm, Counts, WindowParams},
     },
+    overload::{Kind, Overload},
     rules::{Hot, RuleStore, envoy::EnvoyConfig},
     shed::{Level, Priority, ShedMode, Shedder},
     telemetry::Metrics,
@@ -104,6 +105,20 @@ fn benches(c: &mut Criterion) {
     c.bench_function("lookup + shedding check, 10k rules", |b| b.iter(|| lookup_and_shed(&mut i)));
     let allocs = allocations_per_call(100_000, || lookup_and_shed(&mut i));
     println!("lookup + shedding check, 10k rules: {allocs} allocations per call");
+
+    // The overload layer's hot path: bucket lookup (rule, tenant), one
+    // atomic add, the coin against a drop ratio of 2/3.
+    let overload = overload_layer();
+    let mut n = 0u64;
+    let tenants = ["acme", "free", "unknown"];
+    let mut overload_check = || {
+        n += 1;
+        let tenant = tenants[(n % 3) as usize];
+        black_box(overload.check(Kind::Native, black_box("hot"), Some(tenant), false));
+    };
+    c.bench_function("overload check (bucket + coin)", |b| b.iter(&mut overload_check));
+    let allocs = allocations_per_call(100_000, &mut overload_check);
+    println!("overload check (bucket + coin): {allocs} allocations per call");
 
     let params = WindowParams::sliding(60_000, 6_000);
     c.bench_function("window arithmetic (decide)", |b| {
@@ -233,6 +248,32 @@ fn benches(c: &mut Criterion) {
     println!(
         "ShouldRateLimit handler, memory store: {allocs} allocations per request (request clone included)"
     );
+}
+
+/// An overload layer with one directive over a tenant table of two,
+/// dropping 2/3 of every bucket.
+fn overload_layer() -> Arc<Overload> {
+    use ratelimitd::{
+        config::OverloadMode,
+        overload::feed::{Feed, Settings, Sources, View},
+        rules::tenants,
+    };
+    let rules = ratelimitd::rules::from_text(
+        std::path::Path::new("bench.yaml"),
+        "rules:\n  - { rule_id: hot, resource_path: /hot, limit: 1000, window_seconds: 1, overload: { rate_per_second: 100 } }\n",
+    )
+    .unwrap();
+    let table =
+        tenants::parse(std::path::Path::new("t.yaml"), "tenants: [{name: acme, weight: 4}, {name: free}]")
+            .unwrap();
+    let overload = Arc::new(Overload::new(OverloadMode::Enforce, 500));
+    let sources =
+        Sources { rules: Arc::new(Hot::new(rules)), envoy: None, tenants: Some(Arc::new(Hot::new(table))) };
+    let settings = Settings { mode: OverloadMode::Enforce, interval_ms: 500, max_staleness_ms: 30_000 };
+    let mut feed = Feed::new(Arc::clone(&overload), sources, settings, 0);
+    let counts = ["native|hot|acme", "native|hot|free", "native|hot|*"].map(|f| (f.to_owned(), 100));
+    feed.apply(1, Ok(View { counts: counts.into_iter().collect(), mode: None }));
+    overload
 }
 
 /// One domain with a nested limit that never fills during the bench.
