@@ -11,7 +11,7 @@ use std::{
 use common::{RedisServer, Rules, TestServer, config, http_get, reason, request};
 use ratelimitd::api::pb;
 use ratelimitd::api::pb::rate_limiter_client::RateLimiterClient;
-use tokio::sync::Mutex;
+use std::sync::Mutex;
 use tonic::transport::Channel;
 
 /// One answer: ms since the load started, and its reason.
@@ -41,7 +41,7 @@ async fn offer(
             tasks.spawn(async move {
                 let r = client.check(request(&format!("{tenant}:u{}", tick * per_tick + i), "/hot")).await;
                 let r = r.expect("Check failed").into_inner();
-                answers.lock().await.push((origin.elapsed().as_millis() as u64, reason(&r)));
+                answers.lock().unwrap().push((origin.elapsed().as_millis() as u64, reason(&r)));
             });
         }
     }
@@ -50,7 +50,7 @@ async fn offer(
 
 /// Answers with `reason` between `from` and `to` ms, per second.
 async fn rate(answers: &Answers, reason: pb::Reason, from: u64, to: u64) -> f64 {
-    let n = answers.lock().await.iter().filter(|(at, r)| (from..to).contains(at) && *r == reason).count();
+    let n = answers.lock().unwrap().iter().filter(|(at, r)| (from..to).contains(at) && *r == reason).count();
     n as f64 * 1_000.0 / (to - from) as f64
 }
 
@@ -68,7 +68,8 @@ fn switch(redis: &RedisServer, args: &[&str]) -> String {
 /// The share of answers between `from` and `to` ms that are OVERLOAD.
 async fn share(answers: &Answers, from: u64, to: u64) -> f64 {
     let dropped = rate(answers, pb::Reason::Overload, from, to).await;
-    let all = answers.lock().await.iter().filter(|(at, _)| (from..to).contains(at)).count() as f64 * 1_000.0
+    let all = answers.lock().unwrap().iter().filter(|(at, _)| (from..to).contains(at)).count() as f64
+        * 1_000.0
         / (to - from) as f64;
     dropped / all.max(1.0)
 }
@@ -99,7 +100,7 @@ async fn three_instances_converge_on_the_global_rate_and_recover() {
     let low = clients.iter().map(|c| offer(c.clone(), "t", 60, 3.0, origin, Arc::clone(&answers)));
     futures_util::future::join_all(low).await;
 
-    let answered = answers.lock().await.clone();
+    let answered = answers.lock().unwrap().clone();
     assert!(
         answered.iter().all(|(_, r)| matches!(r, pb::Reason::Ok | pb::Reason::Overload)),
         "only OK and OVERLOAD"
@@ -259,7 +260,7 @@ async fn the_denial_cache_never_admits_more_than_exact_counting() {
                 let r = client.check(request("hot", "/tight")).await.unwrap().into_inner();
                 assert!(matches!(reason(&r), pb::Reason::Ok | pb::Reason::OverLimit), "{r:?}");
                 if r.allowed {
-                    admitted.lock().await.push((sent, epoch_ms()));
+                    admitted.lock().unwrap().push((sent, epoch_ms()));
                 }
             }
         });
@@ -267,7 +268,7 @@ async fn the_denial_cache_never_admits_more_than_exact_counting() {
     while tasks.join_next().await.is_some() {}
     // Redis counted each decision between its sending and its answer: one
     // whose two stamps fall in the same window was counted in that window.
-    let admitted = admitted.lock().await.clone();
+    let admitted = admitted.lock().unwrap().clone();
     let windows: std::collections::BTreeSet<u128> =
         admitted.iter().flat_map(|(s, a)| [s / 1_000, a / 1_000]).collect();
     for window in &windows {

@@ -347,13 +347,15 @@ pub async fn overload_mode(mode: Option<&str>, config: &Config) -> ExitCode {
     while tasks.join_next().await.is_some() {}
     match answer {
         Ok((Some(mode),)) => {
-            println!(
+            let _ = writeln!(
+                std::io::stdout().lock(),
                 "overload mode switch: {mode} (every instance follows within two overload.report_interval_ms)"
             );
             ExitCode::SUCCESS
         }
         Ok((None,)) => {
-            println!(
+            let _ = writeln!(
+                std::io::stdout().lock(),
                 "overload mode switch: unset (each instance follows its tenant table's mode, else overload.mode)"
             );
             ExitCode::SUCCESS

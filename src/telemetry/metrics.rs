@@ -380,123 +380,110 @@ fn render_sources(out: &mut String, s: &Sources) {
 /// store calls both saved. Buckets are configured directives × tenants of
 /// the table: bounded by configuration, never by requests.
 fn render_saving(out: &mut String, overload: Option<&Overload>, denials: Option<&DenialCache>) {
-    let mut dropped_total = 0;
-    if let Some(overload) = overload {
-        header(
-            out,
-            "ratelimitd_overload_mode",
-            "gauge",
-            "The overload layer's mode in force (1 for the one in force).",
-        );
-        for mode in [OverloadMode::Enforce, OverloadMode::Shadow, OverloadMode::Off] {
-            let on = u8::from(overload.mode() == mode);
-            let _ = writeln!(out, "ratelimitd_overload_mode{{mode=\"{}\"}} {on}", mode.as_str());
-        }
-        let (ok, failed) = overload.feeds();
-        header(
-            out,
-            "ratelimitd_overload_feed_total",
-            "counter",
-            "Exchanges with the global view, by result.",
-        );
-        let _ = writeln!(out, "ratelimitd_overload_feed_total{{result=\"ok\"}} {ok}");
-        let _ = writeln!(out, "ratelimitd_overload_feed_total{{result=\"failed\"}} {failed}");
-        let table = overload.table();
-        let now = SystemClock.now_ms();
-        header(
-            out,
-            "ratelimitd_overload_requests_total",
-            "counter",
-            "Requests the overload layer saw per bucket, and those it dropped (or would have, in shadow).",
-        );
-        for d in table.all() {
-            for slot in &*d.slots {
-                let (offered, dropped, shadow) = slot.counts();
-                dropped_total += dropped;
-                let labels = format!(
-                    "kind=\"{}\",bucket=\"{}\",tenant=\"{}\"",
-                    d.kind.as_str(),
-                    escape(&d.name),
-                    escape(&slot.tenant)
-                );
-                let _ = writeln!(
-                    out,
-                    "ratelimitd_overload_requests_total{{{labels},result=\"offered\"}} {offered}"
-                );
-                let _ = writeln!(
-                    out,
-                    "ratelimitd_overload_requests_total{{{labels},result=\"dropped\"}} {dropped}"
-                );
-                let _ = writeln!(
-                    out,
-                    "ratelimitd_overload_requests_total{{{labels},result=\"shadow_dropped\"}} {shadow}"
-                );
-            }
-        }
-        header(
-            out,
-            "ratelimitd_overload_drop_ratio",
-            "gauge",
-            "The drop probability applied now, per bucket.",
-        );
-        for d in table.all() {
-            for slot in &*d.slots {
-                let _ = writeln!(
-                    out,
-                    "ratelimitd_overload_drop_ratio{{kind=\"{}\",bucket=\"{}\",tenant=\"{}\"}} {}",
-                    d.kind.as_str(),
-                    escape(&d.name),
-                    escape(&slot.tenant),
-                    slot.drop_ratio()
-                );
-            }
-        }
-        header(
-            out,
-            "ratelimitd_overload_directive_age_seconds",
-            "gauge",
-            "Seconds since the directive's drop ratios were computed from a fresh global view.",
-        );
-        for d in table.all() {
-            let _ = writeln!(
-                out,
-                "ratelimitd_overload_directive_age_seconds{{kind=\"{}\",bucket=\"{}\"}} {}",
-                d.kind.as_str(),
-                escape(&d.name),
-                d.age_ms(now) as f64 / 1_000.0
-            );
-        }
-    }
-    let mut hits = 0;
-    if let Some(denials) = denials {
-        let (h, cached, full) = denials.counts();
-        hits = h;
-        header(
-            out,
-            "ratelimitd_denial_cache_hits_total",
-            "counter",
-            "Denials answered from the local cache.",
-        );
-        let _ = writeln!(out, "ratelimitd_denial_cache_hits_total {h}");
-        header(
-            out,
-            "ratelimitd_denial_cache_inserts_total",
-            "counter",
-            "Exact denials cached, or not for want of room.",
-        );
-        let _ = writeln!(out, "ratelimitd_denial_cache_inserts_total{{result=\"cached\"}} {cached}");
-        let _ = writeln!(out, "ratelimitd_denial_cache_inserts_total{{result=\"full\"}} {full}");
-        header(out, "ratelimitd_denial_cache_entries", "gauge", "Denials held by the cache.");
-        let _ = writeln!(out, "ratelimitd_denial_cache_entries {}", denials.len());
-    }
+    let dropped = overload.map_or(0, |o| render_overload(out, o));
+    let hits = denials.map_or(0, |d| render_denials(out, d));
     header(
         out,
         "ratelimitd_store_calls_saved_total",
         "counter",
         "Store calls not made, by the layer that answered.",
     );
-    let _ = writeln!(out, "ratelimitd_store_calls_saved_total{{by=\"overload\"}} {dropped_total}");
+    let _ = writeln!(out, "ratelimitd_store_calls_saved_total{{by=\"overload\"}} {dropped}");
     let _ = writeln!(out, "ratelimitd_store_calls_saved_total{{by=\"denial_cache\"}} {hits}");
+}
+
+/// The overload layer's series; returns the requests it dropped.
+fn render_overload(out: &mut String, overload: &Overload) -> u64 {
+    let mut dropped_total = 0;
+    header(
+        out,
+        "ratelimitd_overload_mode",
+        "gauge",
+        "The overload layer's mode in force (1 for the one in force).",
+    );
+    for mode in [OverloadMode::Enforce, OverloadMode::Shadow, OverloadMode::Off] {
+        let on = u8::from(overload.mode() == mode);
+        let _ = writeln!(out, "ratelimitd_overload_mode{{mode=\"{}\"}} {on}", mode.as_str());
+    }
+    let (ok, failed) = overload.feeds();
+    header(out, "ratelimitd_overload_feed_total", "counter", "Exchanges with the global view, by result.");
+    let _ = writeln!(out, "ratelimitd_overload_feed_total{{result=\"ok\"}} {ok}");
+    let _ = writeln!(out, "ratelimitd_overload_feed_total{{result=\"failed\"}} {failed}");
+    let table = overload.table();
+    let now = SystemClock.now_ms();
+    header(
+        out,
+        "ratelimitd_overload_requests_total",
+        "counter",
+        "Requests the overload layer saw per bucket, and those it dropped (or would have, in shadow).",
+    );
+    for d in table.all() {
+        for slot in &*d.slots {
+            let (offered, dropped, shadow) = slot.counts();
+            dropped_total += dropped;
+            let labels = format!(
+                "kind=\"{}\",bucket=\"{}\",tenant=\"{}\"",
+                d.kind.as_str(),
+                escape(&d.name),
+                escape(&slot.tenant)
+            );
+            let _ =
+                writeln!(out, "ratelimitd_overload_requests_total{{{labels},result=\"offered\"}} {offered}");
+            let _ =
+                writeln!(out, "ratelimitd_overload_requests_total{{{labels},result=\"dropped\"}} {dropped}");
+            let _ = writeln!(
+                out,
+                "ratelimitd_overload_requests_total{{{labels},result=\"shadow_dropped\"}} {shadow}"
+            );
+        }
+    }
+    header(out, "ratelimitd_overload_drop_ratio", "gauge", "The drop probability applied now, per bucket.");
+    for d in table.all() {
+        for slot in &*d.slots {
+            let _ = writeln!(
+                out,
+                "ratelimitd_overload_drop_ratio{{kind=\"{}\",bucket=\"{}\",tenant=\"{}\"}} {}",
+                d.kind.as_str(),
+                escape(&d.name),
+                escape(&slot.tenant),
+                slot.drop_ratio()
+            );
+        }
+    }
+    header(
+        out,
+        "ratelimitd_overload_directive_age_seconds",
+        "gauge",
+        "Seconds since the directive's drop ratios were computed from a fresh global view.",
+    );
+    for d in table.all() {
+        let _ = writeln!(
+            out,
+            "ratelimitd_overload_directive_age_seconds{{kind=\"{}\",bucket=\"{}\"}} {}",
+            d.kind.as_str(),
+            escape(&d.name),
+            d.age_ms(now) as f64 / 1_000.0
+        );
+    }
+    dropped_total
+}
+
+/// The denial cache's series; returns its hits.
+fn render_denials(out: &mut String, denials: &DenialCache) -> u64 {
+    let (hits, cached, full) = denials.counts();
+    header(out, "ratelimitd_denial_cache_hits_total", "counter", "Denials answered from the local cache.");
+    let _ = writeln!(out, "ratelimitd_denial_cache_hits_total {hits}");
+    header(
+        out,
+        "ratelimitd_denial_cache_inserts_total",
+        "counter",
+        "Exact denials cached, or not for want of room.",
+    );
+    let _ = writeln!(out, "ratelimitd_denial_cache_inserts_total{{result=\"cached\"}} {cached}");
+    let _ = writeln!(out, "ratelimitd_denial_cache_inserts_total{{result=\"full\"}} {full}");
+    header(out, "ratelimitd_denial_cache_entries", "gauge", "Denials held by the cache.");
+    let _ = writeln!(out, "ratelimitd_denial_cache_entries {}", denials.len());
+    hits
 }
 
 /// The capture pipeline: `enqueued = written + dropped (by reason) + in flight`.
