@@ -7,7 +7,8 @@
 //! here, without a store call. The cache never admits anything: it only
 //! answers denials the store would have given, so it can never admit more.
 //!
-//! Entries are keyed by (scope, counter) — a native rule id and the user,
+//! Entries are keyed like the memory store's counters
+//! (`limiter::memory::CounterKey`, borrowed for lookups) by (scope, counter) — a native rule id and the user,
 //! or an Envoy domain and the descriptor's counter key — and carry the
 //! version of the rules that decided them: after a reload they no longer
 //! match. Bounded by `denial_cache.max_entries`, in locked shards (held
@@ -16,43 +17,22 @@
 //! denial that still finds no room is not cached.
 
 use std::{
-    hash::{BuildHasher, Hash, Hasher},
+    hash::BuildHasher,
     sync::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicU64, Ordering},
     },
 };
 
-use hashbrown::{Equivalent, HashMap};
+use hashbrown::HashMap;
 
-use crate::clock::Clock;
+use crate::{
+    clock::Clock,
+    limiter::memory::{CounterKey as Key, KeyRef as Borrowed},
+};
 
 const SHARDS: usize = 64;
 const SWEEP_EVERY_MS: u64 = 100;
-
-#[derive(Debug, PartialEq, Eq)]
-struct Key {
-    scope: Arc<str>,
-    counter: Box<str>,
-}
-
-impl Hash for Key {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        Borrowed { scope: &self.scope, counter: &self.counter }.hash(state);
-    }
-}
-
-#[derive(Hash)]
-struct Borrowed<'a> {
-    scope: &'a str,
-    counter: &'a str,
-}
-
-impl Equivalent<Key> for Borrowed<'_> {
-    fn equivalent(&self, key: &Key) -> bool {
-        *self.scope == *key.scope && *self.counter == *key.counter
-    }
-}
 
 #[derive(Debug, Clone, Copy)]
 struct Entry {
@@ -121,7 +101,7 @@ impl DenialCache {
     /// The denial cached for this counter under `version` covering
     /// `weight`, if it still holds.
     pub fn lookup(&self, version: u64, scope: &str, counter: &str, weight: u64) -> Option<CachedDenial> {
-        let key = Borrowed { scope, counter };
+        let key = Borrowed { group: scope, key: counter };
         let now = self.clock.now_ms();
         let mut shard = self.shard(&key).lock().unwrap_or_else(PoisonError::into_inner);
         let entry = *shard.map.get(&key)?;
@@ -162,7 +142,7 @@ impl DenialCache {
             until_ms: now.saturating_add(retry_after_ms),
             reset_at_ms: now.saturating_add(reset_after_ms),
         };
-        let key = Borrowed { scope, counter };
+        let key = Borrowed { group: scope, key: counter };
         let mut shard = self.shard(&key).lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(existing) = shard.map.get_mut(&key) {
             *existing = entry;
@@ -179,7 +159,7 @@ impl DenialCache {
                 return;
             }
         }
-        shard.map.insert(Key { scope: Arc::clone(scope), counter: counter.into() }, entry);
+        shard.map.insert(Key { group: Arc::clone(scope), key: counter.into() }, entry);
         drop(shard);
         self.inserted.fetch_add(1, Ordering::Relaxed);
     }

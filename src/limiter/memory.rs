@@ -58,9 +58,9 @@ struct Entry {
 /// A counter's identity as stored: its group (a native rule id or an Envoy
 /// domain, shared by all of the group's counters) and its key.
 #[derive(Debug, PartialEq, Eq)]
-struct CounterKey {
-    group: Arc<str>,
-    key: Box<str>,
+pub(crate) struct CounterKey {
+    pub(crate) group: Arc<str>,
+    pub(crate) key: Box<str>,
 }
 
 impl Hash for CounterKey {
@@ -71,9 +71,9 @@ impl Hash for CounterKey {
 
 /// A borrowed [`CounterKey`]: hashes the same, so a lookup allocates nothing.
 #[derive(Debug, Hash)]
-struct KeyRef<'a> {
-    group: &'a str,
-    key: &'a str,
+pub(crate) struct KeyRef<'a> {
+    pub(crate) group: &'a str,
+    pub(crate) key: &'a str,
 }
 
 impl Equivalent<CounterKey> for KeyRef<'_> {
