@@ -152,12 +152,19 @@ impl Feed {
     pub fn apply(&mut self, now_ms: u64, outcome: Result<View, StoreError>) {
         let ordering = std::sync::atomic::Ordering::Relaxed;
         let table = self.overload.table();
+        // The view read back is the interval the exchange before this one
+        // wrote: if that exchange failed, this instance's counts (and very
+        // likely every other's) are missing from it, and its low sum would
+        // switch drops off for an interval. Keep the drops until a view
+        // this instance wrote its share of.
+        let mut complete = true;
         let view = match outcome {
             Ok(view) => {
                 self.overload.feeds_ok.fetch_add(1, ordering);
                 if self.failing {
                     tracing::info!("overload feed restored");
                     self.failing = false;
+                    complete = false;
                 }
                 view
             }
@@ -188,6 +195,9 @@ impl Feed {
                 }
             },
         };
+        if !complete {
+            return;
+        }
         let per_second = 1_000.0 / self.settings.interval_ms as f64;
         for directive in table.all() {
             let loads: Vec<solve::TenantLoad> = directive
@@ -336,8 +346,14 @@ mod tests {
         assert!((drop_of(&feed, 0) - 1.0 / 3.0).abs() < 1e-6, "half decayed");
         feed.apply(30_000, failed());
         assert_eq!(drop_of(&feed, 0), 0.0);
-        feed.apply(30_500, Ok(view(&[], None)));
-        assert_eq!(feed.overload.table().all().next().unwrap().age_ms(30_500), 0);
+        // The first view after a failure lacks the counts the failed
+        // exchange could not write: kept as it is (an interval of 300/s
+        // read as 50/s would switch drops off).
+        feed.apply(30_500, Ok(view(&[("native|r|*", 25)], None)));
+        assert_eq!(feed.overload.table().all().next().unwrap().age_ms(30_500), 30_500 - 1_000);
+        feed.apply(31_000, Ok(view(&[("native|r|*", 150)], None)));
+        assert_eq!(feed.overload.table().all().next().unwrap().age_ms(31_000), 0);
+        assert!((drop_of(&feed, 0) - 2.0 / 3.0).abs() < 1e-6);
     }
 
     #[test]
