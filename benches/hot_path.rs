@@ -178,23 +178,30 @@ fn benches(c: &mut Criterion) {
 
     // The whole decision path on the in-memory store (no gRPC).
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let envoy_config = envoy_config();
-    let engine = Engine::new(EngineParts {
-        rules: Arc::new(RuleStore::new(snapshot)),
-        envoy: Some(Arc::new(Hot::new(envoy_config))),
-        store: Store::Memory(Arc::clone(&memory)),
-        shedder: Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
-        failures: Arc::new(LogSink::default()),
-        stats: Arc::new(Metrics::new("memory")),
-        default_priority: Priority::Degraded,
-        max_user_id_bytes: 256,
-        trust_request_priority: true,
-        envoy_policy: EnvoyPolicy::default(),
-        capture: None,
-        overload: None,
-        tenants: ratelimitd::decision::TenantPolicy::default(),
-        denials: None,
-    });
+    let rules = Arc::new(RuleStore::new(snapshot));
+    let envoy = Arc::new(Hot::new(envoy_config()));
+    // As served: with an Envoy configuration, envoyproxy/ratelimit's
+    // families are counted too (`envoy.upstream_metrics`, on by default).
+    let engine_with = |upstream: bool| {
+        let metrics = Metrics::new("memory");
+        Engine::new(EngineParts {
+            rules: Arc::clone(&rules),
+            envoy: Some(Arc::clone(&envoy)),
+            store: Store::Memory(Arc::clone(&memory)),
+            shedder: Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
+            failures: Arc::new(LogSink::default()),
+            stats: Arc::new(if upstream { metrics.with_upstream(10_000) } else { metrics }),
+            default_priority: Priority::Degraded,
+            max_user_id_bytes: 256,
+            trust_request_priority: true,
+            envoy_policy: EnvoyPolicy { upstream_metrics: upstream, ..EnvoyPolicy::default() },
+            capture: None,
+            overload: None,
+            tenants: ratelimitd::decision::TenantPolicy::default(),
+            denials: None,
+        })
+    };
+    let engine = engine_with(true);
     let headers = HashMap::new();
     let check = CheckRequest {
         user_id: "user-2",
@@ -248,6 +255,13 @@ fn benches(c: &mut Criterion) {
     println!(
         "ShouldRateLimit handler, memory store: {allocs} allocations per request (request clone included)"
     );
+    // The same without envoyproxy/ratelimit's families: their cost.
+    let service = EnvoyService::new(engine_with(false), EnvoySettings::default());
+    c.bench_function("ShouldRateLimit handler, memory store, upstream metrics off", |b| {
+        b.iter(|| {
+            runtime.block_on(service.should_rate_limit(tonic::Request::new(black_box(envoy_request.clone()))))
+        })
+    });
 }
 
 /// An overload layer with one directive over a tenant table of two,

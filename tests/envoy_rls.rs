@@ -58,6 +58,9 @@ descriptors:
     quota_mode: true
   - key: fixed
     rate_limit: { unit: second, requests_per_unit: 2 }
+  - key: ip
+    detailed_metric: true
+    rate_limit: { unit: day, requests_per_unit: 10 }
 "#;
 
 fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
@@ -117,6 +120,7 @@ for_each_store!(
     headers_on_off_and_request_overrides,
     sliding_window_by_default_fixed_window_on_request,
     invalid_requests_are_invalid_argument,
+    upstream_metrics_count_as_upstream,
 );
 
 /// A default-key limit counts per runtime value; statuses carry the limit,
@@ -138,6 +142,48 @@ async fn limits_count_down_per_value_with_upstream_fields(backend: Backend) {
     let bob = ask(&mut s.client, request(vec![descriptor(&[("user", "bob")])])).await;
     assert_eq!(bob.statuses[0].limit_remaining, 2, "each value has its own counter");
     assert!(s.redis.is_none() || s.redis.is_some());
+    s.server.stop().await.unwrap();
+}
+
+/// envoyproxy/ratelimit's families on `/metrics`, with the labels its
+/// Prometheus mapping gives: hits, within, near (past 80%), over and shadow
+/// per limit; a `detailed_metric` limit by value, sanitized; malformed
+/// requests as `service_error`. Off, none of them.
+async fn upstream_metrics_count_as_upstream(backend: Backend) {
+    let mut s = start(backend, |_| {}).await;
+    for _ in 0..7 {
+        ask(&mut s.client, request(vec![descriptor(&[("user", "dave")])])).await;
+    }
+    for _ in 0..3 {
+        ask(&mut s.client, request(vec![descriptor(&[("shadow", "s")])])).await;
+    }
+    ask(&mut s.client, request(vec![descriptor(&[("ip", "10.1.2.3")])])).await;
+    ask(&mut s.client, request(vec![descriptor(&[("tenant", "acme"), ("user", "x")])])).await;
+    s.client.should_rate_limit(request(vec![])).await.expect_err("no descriptors");
+    let addr = s.server.http_addr;
+    let (_, scrape) = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
+    for line in [
+        // Limit 3, near from floor(3 × 0.8) = 2: the third hit is near.
+        r#"ratelimit_service_rate_limit_total_hits{domain="edge",key1="user"} 7"#,
+        r#"ratelimit_service_rate_limit_within_limit{domain="edge",key1="user"} 3"#,
+        r#"ratelimit_service_rate_limit_near_limit{domain="edge",key1="user"} 1"#,
+        r#"ratelimit_service_rate_limit_over_limit{domain="edge",key1="user"} 4"#,
+        r#"ratelimit_service_rate_limit_over_limit{domain="edge",key1="shadow"} 2"#,
+        r#"ratelimit_service_rate_limit_shadow_mode{domain="edge",key1="shadow"} 2"#,
+        r#"ratelimit_service_rate_limit_total_hits{domain="edge",key1="ip_10_1_2_3"} 1"#,
+        r#"ratelimit_service_rate_limit_within_limit{domain="edge",key1="tenant_acme",key2="user"} 1"#,
+        r#"ratelimit_service_should_rate_limit_error{err_type="service_error"} 1"#,
+        r#"ratelimit_service_config_load_success 1"#,
+    ] {
+        assert!(scrape.lines().any(|l| l == line), "missing {line}");
+    }
+    s.server.stop().await.unwrap();
+
+    let mut s = start(backend, |c| c.envoy.upstream_metrics = false).await;
+    ask(&mut s.client, request(vec![descriptor(&[("user", "dave")])])).await;
+    let addr = s.server.http_addr;
+    let (_, scrape) = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
+    assert!(!scrape.contains("ratelimit_service_"), "off: no upstream family");
     s.server.stop().await.unwrap();
 }
 
@@ -371,6 +417,15 @@ async fn store_failure_follows_the_failure_mode() {
             EnvoyFailureMode::Unavailable => {
                 assert_eq!(result.unwrap_err().code(), tonic::Code::Unavailable);
             }
+        }
+        let addr = s.server.http_addr;
+        let (_, scrape) =
+            tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
+        for line in [
+            r#"ratelimit_service_should_rate_limit_error{err_type="redis_error"} 1"#,
+            r#"ratelimit_service_rate_limit_total_hits{domain="edge",key1="user"} 1"#,
+        ] {
+            assert!(scrape.lines().any(|l| l == line), "{mode:?}: missing {line}");
         }
         let records = s.server.stop_and_read_dlq().await;
         assert_eq!(records.len(), 1, "{mode:?}: {records:?}");

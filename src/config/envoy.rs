@@ -80,6 +80,18 @@ pub struct EnvoySettings {
     /// limits that passed, merged, under `metadata`, which Envoy stores in
     /// the filter's namespace (`envoy.filters.http.ratelimit`) to route on.
     pub response_dynamic_metadata: bool,
+    /// Also count every descriptor under envoyproxy/ratelimit's metric
+    /// names and labels (`ratelimit_service_rate_limit_*`), so its
+    /// dashboards and alerts carry over.
+    pub upstream_metrics: bool,
+    /// Admitted hits past this share of their limit count as `near_limit`
+    /// (upstream's `NEAR_LIMIT_RATIO`).
+    pub near_limit_ratio: f32,
+    /// Most distinct stat keys the upstream families count; keys holding
+    /// request values (`detailed_metric`, `value_to_metric`, a request's own
+    /// limit) past it are counted only in
+    /// `ratelimitd_upstream_metric_keys_refused_total`.
+    pub upstream_metrics_max_keys: usize,
 }
 
 impl Default for EnvoySettings {
@@ -101,6 +113,9 @@ impl Default for EnvoySettings {
             request_limit_domains: Vec::new(),
             quota_mode: false,
             response_dynamic_metadata: false,
+            upstream_metrics: true,
+            near_limit_ratio: 0.8,
+            upstream_metrics_max_keys: 10_000,
         }
     }
 }
@@ -139,6 +154,15 @@ impl EnvoySettings {
                 "envoy.allow_request_limits",
                 "must be true for envoy.request_limit_domains to take effect",
             ));
+        }
+        if !(self.near_limit_ratio > 0.0 && self.near_limit_ratio <= 1.0) {
+            return Err(invalid(
+                "envoy.near_limit_ratio",
+                format!("{} is not in (0, 1]", self.near_limit_ratio),
+            ));
+        }
+        if !(1..=1_000_000).contains(&self.upstream_metrics_max_keys) {
+            return Err(invalid("envoy.upstream_metrics_max_keys", "must be between 1 and 1000000"));
         }
         if let Some(domain) = self.domain_priority.keys().find(|d| d.is_empty()) {
             return Err(invalid("envoy.domain_priority", format!("{domain:?}: a domain must not be empty")));

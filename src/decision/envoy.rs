@@ -22,7 +22,7 @@ use std::{
 
 use tracing::Instrument as _;
 
-use super::{Api, Engine, FailedDecision, REPORT_LABEL, Reason, keys};
+use super::{Api, Engine, FailedDecision, LimitHits, REPORT_LABEL, Reason, keys};
 use crate::{
     limiter::{Count, ManyItem, ManyOutcome, StoreError, push_encoded, window::Algorithm},
     overload::{Kind, OverloadVerdict},
@@ -35,7 +35,7 @@ use crate::{
 pub(super) const OVERRIDE_LABEL: &str = "override";
 
 /// How the engine treats Envoy requests (from `envoy.*` and `shed.*`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EnvoyPolicy {
     /// How limits without an `algorithm` of their own count, request
     /// overrides included (`envoy.algorithm`: a sliding or a fixed window).
@@ -59,6 +59,12 @@ pub struct EnvoyPolicy {
     /// Every limit is in quota mode (`envoy.quota_mode`, upstream's
     /// `QUOTA_MODE`), as if each descriptor said `quota_mode: true`.
     pub quota_mode: bool,
+    /// Count every descriptor in envoyproxy/ratelimit's terms
+    /// ([`Stats::limit_hits`]; `envoy.upstream_metrics`).
+    pub upstream_metrics: bool,
+    /// Hits past this share of a limit are `near_limit`
+    /// (`envoy.near_limit_ratio`, upstream's `NEAR_LIMIT_RATIO`).
+    pub near_limit_ratio: f32,
 }
 
 impl Default for EnvoyPolicy {
@@ -71,6 +77,8 @@ impl Default for EnvoyPolicy {
             max_value_bytes: 1_024,
             request_limit_domains: HashSet::new(),
             quota_mode: false,
+            upstream_metrics: true,
+            near_limit_ratio: 0.8,
         }
     }
 }
@@ -179,10 +187,31 @@ pub struct DescriptorDecision {
 enum Plan {
     /// No limit applies (unmatched, or replaced).
     NoLimit,
-    /// `unlimited: true`.
-    Unlimited(Arc<EnvoyLimit>),
-    /// Counted: the limit and its item's index in the store call.
-    Limited(Arc<EnvoyLimit>, usize),
+    /// `unlimited: true`, its upstream metric key if not the full key, and
+    /// the descriptor's hits.
+    Unlimited(Arc<EnvoyLimit>, Option<Box<str>>, u64),
+    /// Counted: the limit, its item's index in the store call, and its
+    /// upstream metric key if not the full key.
+    Limited(Arc<EnvoyLimit>, usize, Option<Box<str>>),
+}
+
+/// Upstream's key of a request-supplied limit: `domain.key_value.key…`.
+fn request_stat_key<'a>(domain: &str, entries: impl Iterator<Item = (&'a str, &'a str)>) -> Box<str> {
+    let mut key = domain.to_owned();
+    for (k, v) in entries {
+        key.push('.');
+        key.push_str(k);
+        if !v.is_empty() {
+            key.push('_');
+            key.push_str(v);
+        }
+    }
+    key.into_boxed_str()
+}
+
+/// The key upstream's metrics count a limit under.
+fn stat_key<'a>(limit: &'a EnvoyLimit, key: &'a Option<Box<str>>) -> &'a str {
+    key.as_deref().unwrap_or(&limit.full_key)
 }
 
 impl Engine {
@@ -247,7 +276,10 @@ impl Engine {
             ShedVerdict::Pass => false,
             ShedVerdict::ShadowShed => true,
             ShedVerdict::Shed { retry_after_ms } => {
-                let limits = limits.into_iter().map(|found| found.map(|m| m.limit));
+                let limits = limits
+                    .into_iter()
+                    .zip(request.descriptors)
+                    .map(|(found, descriptor)| found.map(|m| (m.limit, hits(descriptor))));
                 return self.rls_refused(limits, Reason::Shed, priority, level, retry_after_ms);
             }
         };
@@ -258,7 +290,9 @@ impl Engine {
             .zip(request.descriptors)
             .map(|(found, descriptor)| match found {
                 None => Plan::NoLimit,
-                Some(found) if found.limit.unlimited => Plan::Unlimited(found.limit),
+                Some(found) if found.limit.unlimited => {
+                    Plan::Unlimited(found.limit, found.stat_key, hits(descriptor))
+                }
                 Some(found) => {
                     let limit = found.limit;
                     let unit = limit.unit.expect("a limited limit has a unit");
@@ -292,7 +326,7 @@ impl Engine {
                         // a quota descriptor denies only together with all others.
                         shadow: limit.shadow_mode || self.quota(&limit),
                     });
-                    Plan::Limited(limit, items.len() - 1)
+                    Plan::Limited(limit, items.len() - 1, found.stat_key)
                 }
             })
             .collect();
@@ -314,7 +348,11 @@ impl Engine {
         if let Some(retry_after_ms) = self.rls_overload(request, &plans, &items) {
             let limits = plans.iter().map(|plan| match plan {
                 Plan::NoLimit => None,
-                Plan::Unlimited(limit) | Plan::Limited(limit, _) => Some(Arc::clone(limit)),
+                Plan::Unlimited(limit, _, hits) => Some((Arc::clone(limit), *hits)),
+                Plan::Limited(limit, index, _) => {
+                    let item = &items[*index];
+                    Some((Arc::clone(limit), if item.count == Count::Never { 0 } else { item.weight }))
+                }
             });
             return RlsDecision {
                 shadow_shed,
@@ -351,7 +389,7 @@ impl Engine {
         let overload = self.inner.overload.as_ref()?;
         let mut tenant = None;
         for plan in plans {
-            let Plan::Limited(limit, index) = plan else { continue };
+            let Plan::Limited(limit, index, _) = plan else { continue };
             if limit.overload.is_none() || items[*index].count != Count::IfFits {
                 continue;
             }
@@ -417,6 +455,12 @@ impl Engine {
                             overload: None,
                         }),
                         shared: Vec::new(),
+                        // Upstream names a request's own limit by its entries.
+                        stat_key: self
+                            .inner
+                            .envoy_policy
+                            .upstream_metrics
+                            .then(|| request_stat_key(request.domain, d.entries())),
                     }),
                     None => config.as_ref()?.lookup(request.domain, d.entries()),
                 }
@@ -448,20 +492,32 @@ impl Engine {
     /// limit, when one matched), nothing counted.
     fn rls_refused(
         &self,
-        limits: impl Iterator<Item = Option<Arc<EnvoyLimit>>>,
+        limits: impl Iterator<Item = Option<(Arc<EnvoyLimit>, u64)>>,
         reason: Reason,
         priority: Priority,
         level: Level,
         retry_after_ms: u64,
     ) -> RlsDecision {
         let statuses = limits
-            .map(|limit| {
+            .map(|found| {
+                let (limit, hits) = found.unzip();
                 self.inner.stats.decision(
                     Api::Envoy,
                     limit.as_ref().map(|l| &l.full_key),
                     reason.as_str(),
                     false,
                 );
+                if self.inner.envoy_policy.upstream_metrics
+                    && let (Some(limit), Some(total)) = (&limit, hits)
+                {
+                    // Refused before any counter: the hits, all over the
+                    // limit (an unlimited descriptor's only counted), under
+                    // its configured key.
+                    let over = if limit.unlimited { 0 } else { total };
+                    self.inner
+                        .stats
+                        .limit_hits(&limit.full_key, LimitHits { total, over, ..LimitHits::default() });
+                }
                 DescriptorDecision {
                     over_limit: true,
                     unlimited: limit.as_ref().is_some_and(|l| l.unlimited),
@@ -501,17 +557,33 @@ impl Engine {
                     self.inner.stats.decision(Api::Envoy, None, "NO_RULE", true);
                     DescriptorDecision::default()
                 }
-                Plan::Unlimited(_) => {
+                Plan::Unlimited(limit, key, hits) => {
                     self.inner.stats.decision(Api::Envoy, None, "UNLIMITED", true);
+                    if self.inner.envoy_policy.upstream_metrics {
+                        // Upstream counts an unlimited descriptor's hits, nothing else.
+                        let hits = LimitHits { total: *hits, ..LimitHits::default() };
+                        self.inner.stats.limit_hits(stat_key(limit, key), hits);
+                    }
                     DescriptorDecision {
                         unlimited: true,
                         remaining: u32::MAX,
                         ..DescriptorDecision::default()
                     }
                 }
-                Plan::Limited(limit, index) => {
+                Plan::Limited(limit, index, key) => {
                     counted = true;
                     let verdict = outcome.expect("limited descriptors were decided").verdicts[*index];
+                    if self.inner.envoy_policy.upstream_metrics {
+                        let item = &items[*index];
+                        let hits = LimitHits::of(
+                            u64::from(limit.requests_per_unit),
+                            if item.count == Count::Never { 0 } else { item.weight },
+                            &verdict,
+                            limit.shadow_mode,
+                            self.inner.envoy_policy.near_limit_ratio,
+                        );
+                        self.inner.stats.limit_hits(stat_key(limit, key), hits);
+                    }
                     let over = !verdict.admitted;
                     if self.quota(limit) {
                         quota_total += 1;
@@ -570,8 +642,16 @@ impl Engine {
         mut decision: RlsDecision,
     ) -> RlsDecision {
         let reason = if self.inner.envoy_policy.fail_open { Reason::FailOpen } else { Reason::FailClosed };
+        self.inner.stats.envoy_failed();
         for plan in plans {
-            if let Plan::Limited(limit, _) = plan {
+            if let Plan::Limited(limit, index, key) = plan {
+                if self.inner.envoy_policy.upstream_metrics {
+                    // Upstream counts the hits before it asks Redis.
+                    let total = if items[*index].count == Count::Never { 0 } else { items[*index].weight };
+                    self.inner
+                        .stats
+                        .limit_hits(stat_key(limit, key), LimitHits { total, ..LimitHits::default() });
+                }
                 self.inner.stats.decision(
                     Api::Envoy,
                     Some(&limit.full_key),
@@ -582,7 +662,7 @@ impl Engine {
         }
         // One record per request, naming the first counted descriptor.
         if let Some((limit, index)) = plans.iter().find_map(|p| match p {
-            Plan::Limited(l, i) => Some((l, *i)),
+            Plan::Limited(l, i, _) => Some((l, *i)),
             _ => None,
         }) {
             let headers = HashMap::new();

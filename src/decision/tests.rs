@@ -116,3 +116,26 @@ fn the_embedded_rules_compile() {
     assert!(!snapshot.rules().is_empty());
     assert!(snapshot.rules().iter().all(|r| r.source.starts_with(Path::new("examples/rules"))));
 }
+
+fn verdict(admitted: bool, remaining: u64) -> crate::limiter::Verdict {
+    crate::limiter::Verdict { admitted, remaining, retry_after_ms: None, reset_after_ms: 0 }
+}
+
+#[test]
+fn limit_hits_split_near_and_over_as_upstream() {
+    // Limit 10, near at floor(10 × 0.8) = 8.
+    let of = |hits, admitted, remaining, shadow| {
+        LimitHits::of(10, hits, &verdict(admitted, remaining), shadow, 0.8)
+    };
+    // 5 → 6 used: within only.
+    assert_eq!(of(1, true, 4, false), LimitHits { total: 1, within: 1, ..LimitHits::default() });
+    // 7 → 9 used: one of the two hits past 8.
+    assert_eq!(of(2, true, 1, false), LimitHits { total: 2, within: 2, near: 1, ..LimitHits::default() });
+    // 9 → 10 used: all past 8.
+    assert_eq!(of(1, true, 0, false), LimitHits { total: 1, within: 1, near: 1, ..LimitHits::default() });
+    // Refused: every hit over; in shadow mode also shadow.
+    assert_eq!(of(3, false, 0, false), LimitHits { total: 3, over: 3, ..LimitHits::default() });
+    assert_eq!(of(1, false, 0, true), LimitHits { total: 1, over: 1, shadow: 1, ..LimitHits::default() });
+    // A peek counts nothing.
+    assert_eq!(of(0, true, 5, false), LimitHits::default());
+}

@@ -129,7 +129,9 @@ pub struct EnvoyLimit {
     pub name: Option<String>,
     /// Names of limits this one replaces.
     pub replaces: Vec<String>,
-    /// Upstream's per-value metrics flag (kept for fidelity).
+    /// Upstream's `detailed_metric`: its upstream-compatible metrics are
+    /// keyed by the request's own keys and values
+    /// ([`EnvoyMatch::stat_key`]).
     pub detailed_metric: bool,
     /// `rate_limit.algorithm` (ratelimitd's extension); `None`: the
     /// service's `envoy.algorithm`.
@@ -153,6 +155,9 @@ struct Node {
     /// `share_threshold: true` on a wildcard: the pattern's value part
     /// (`files/*` of `key: files, value: files/*`).
     shared_value: Option<Arc<str>>,
+    /// Upstream's `value_to_metric`: the request's value stands in this
+    /// level's part of the metric key.
+    value_to_metric: bool,
     children: Level,
 }
 
@@ -165,6 +170,23 @@ pub struct EnvoyMatch {
     /// the pattern that stands for their value in the counter key, so every
     /// matching value shares one counter. Empty (no allocation) otherwise.
     pub shared: Vec<(usize, Arc<str>)>,
+    /// The key upstream's metrics name this match by when it is not the
+    /// limit's `full_key`: with `detailed_metric` the request's own keys and
+    /// values, with `value_to_metric` its values at the flagged levels
+    /// (upstream's `GetLimit`). Unsanitized. `None` (no allocation) unless
+    /// the configuration uses either flag.
+    pub stat_key: Option<Box<str>>,
+}
+
+/// How one request entry found its node.
+#[derive(Clone, Copy)]
+enum Matched<'a> {
+    /// `key_value` is in the map.
+    Exact,
+    /// Through a wildcard: its composite pattern (`key_files*`).
+    Wildcard(&'a str),
+    /// The key alone (a default).
+    Default,
 }
 
 /// Every domain's compiled descriptor tree.
@@ -172,6 +194,70 @@ pub struct EnvoyMatch {
 pub struct EnvoyConfig {
     domains: HashMap<String, Level>,
     version: String,
+    /// Whether any descriptor sets `detailed_metric` or `value_to_metric`
+    /// (only then does a lookup build metric keys).
+    dynamic_metrics: bool,
+}
+
+/// The three metric keys upstream builds while it walks a request's
+/// entries; built only when the configuration asks for them.
+#[derive(Default)]
+struct MetricKeys {
+    /// Every entry as `key_value` (`detailed_metric`).
+    detailed: String,
+    /// Entries matched through a `share_threshold` wildcard as
+    /// `key_pattern`, the others as `key[_value]` (`detailed_metric` with
+    /// `share_threshold`).
+    thresholded: String,
+    /// `value_to_metric`'s key.
+    enhanced: String,
+}
+
+impl MetricKeys {
+    fn new(domain: &str) -> Self {
+        MetricKeys {
+            detailed: domain.to_owned(),
+            thresholded: domain.to_owned(),
+            enhanced: domain.to_owned(),
+        }
+    }
+
+    /// Adds one entry, matched `how` at `node` (`None`: nothing matched).
+    fn push(&mut self, key: &str, value: &str, how: Option<(Matched<'_>, &Node)>) {
+        let join = |out: &mut String, part: &str| {
+            out.push('_');
+            out.push_str(part);
+        };
+        self.detailed.push('.');
+        self.detailed.push_str(key);
+        join(&mut self.detailed, value);
+        self.thresholded.push('.');
+        self.thresholded.push_str(key);
+        self.enhanced.push('.');
+        self.enhanced.push_str(key);
+        let shared = how.and_then(|(matched, node)| match matched {
+            Matched::Wildcard(_) => node.shared_value.as_deref(),
+            _ => None,
+        });
+        match shared {
+            Some(pattern) => join(&mut self.thresholded, pattern),
+            None if !value.is_empty() => join(&mut self.thresholded, value),
+            None => {}
+        }
+        let part = match how {
+            None => None,
+            Some((Matched::Exact, _)) => Some(value),
+            Some((Matched::Wildcard(pattern), node)) => match &node.shared_value {
+                Some(shared) => Some(&**shared),
+                None if node.value_to_metric => Some(value),
+                None => Some(pattern.strip_prefix(key).and_then(|p| p.strip_prefix('_')).unwrap_or(pattern)),
+            },
+            Some((Matched::Default, node)) => node.value_to_metric.then_some(value),
+        };
+        if let Some(part) = part.filter(|p| !p.is_empty()) {
+            join(&mut self.enhanced, part);
+        }
+    }
 }
 
 impl EnvoyConfig {
@@ -187,6 +273,7 @@ impl EnvoyConfig {
         let mut shared = Vec::new();
         let mut entries = entries.into_iter().enumerate().peekable();
         let mut composite = String::new();
+        let mut metric = self.dynamic_metrics.then(|| MetricKeys::new(domain));
         while let Some((index, (key, value))) = entries.next() {
             composite.clear();
             composite.push_str(key);
@@ -195,15 +282,17 @@ impl EnvoyConfig {
             let node = level
                 .entries
                 .get(&composite)
+                .map(|n| (Matched::Exact, n))
                 .or_else(|| {
-                    level
-                        .wildcards
-                        .iter()
-                        .find(|(_, parts)| wildcard_match(parts, &composite))
-                        .and_then(|(pattern, _)| level.entries.get(pattern))
+                    level.wildcards.iter().find(|(_, parts)| wildcard_match(parts, &composite)).and_then(
+                        |(pattern, _)| level.entries.get(pattern).map(|n| (Matched::Wildcard(pattern), n)),
+                    )
                 })
-                .or_else(|| level.entries.get(key));
-            let Some(node) = node else { break };
+                .or_else(|| level.entries.get(key).map(|n| (Matched::Default, n)));
+            if let Some(metric) = &mut metric {
+                metric.push(key, value, node);
+            }
+            let Some((_, node)) = node else { break };
             if let Some(pattern) = &node.shared_value {
                 shared.push((index, Arc::clone(pattern)));
             }
@@ -215,7 +304,17 @@ impl EnvoyConfig {
             }
             level = &node.children;
         }
-        found.map(|limit| EnvoyMatch { limit, shared })
+        found.map(|limit| {
+            let stat_key = metric.and_then(|m| {
+                let key = match (limit.detailed_metric, shared.is_empty()) {
+                    (true, true) => m.detailed,
+                    (true, false) => m.thresholded,
+                    (false, _) => m.enhanced,
+                };
+                (*key != *limit.full_key).then(|| key.into_boxed_str())
+            });
+            EnvoyMatch { limit, shared, stat_key }
+        })
     }
 
     /// Content hash of the configuration.
@@ -421,7 +520,16 @@ pub fn compile_texts(files: &[(PathBuf, String)], sliding: bool) -> Result<Envoy
     let version = sha1_smol::Sha1::from(format!("{sliding}{canonical}").as_bytes()).digest().to_string()
         [..16]
         .to_owned();
-    Ok(EnvoyConfig { domains: domains.into_iter().map(|(d, (level, _))| (d, level)).collect(), version })
+    fn dynamic(level: &Level) -> bool {
+        level.entries.values().any(|node| {
+            node.value_to_metric
+                || node.limit.as_ref().is_some_and(|l| l.detailed_metric)
+                || dynamic(&node.children)
+        })
+    }
+    let domains: HashMap<String, Level> = domains.into_iter().map(|(d, (level, _))| (d, level)).collect();
+    let dynamic_metrics = domains.values().any(dynamic);
+    Ok(EnvoyConfig { domains, version, dynamic_metrics })
 }
 
 fn error(file: &Path, at: Option<&str>, field: &str, message: String) -> RuleError {
@@ -496,7 +604,6 @@ fn load_level(
                 ),
             ));
         }
-        let _ = d.value_to_metric; // metric naming only
         if let Some(overload) = &d.overload {
             let problem = if d.rate_limit.as_ref().is_none_or(|r| r.unlimited) {
                 Some("needs a limited rate_limit beside it".to_owned())
@@ -523,7 +630,8 @@ fn load_level(
             }
         };
         let shared_value = d.share_threshold.then(|| Arc::from(d.value.as_str()));
-        let mut node = Node { limit, shared_value, children: Level::default() };
+        let mut node =
+            Node { limit, shared_value, value_to_metric: d.value_to_metric, children: Level::default() };
         load_level(file, &mut node.children, &full_key, &format!("{at}.descriptors"), &d.descriptors)?;
         if composite.contains('*') {
             level.wildcards.push((composite.clone(), composite.split('*').map(str::to_owned).collect()));
@@ -860,6 +968,45 @@ descriptors:
             "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n        rate_limit: { unit: eon }\n",
         );
         assert!(nested.contains("descriptors[0].descriptors[0].rate_limit"), "{nested}");
+    }
+
+    /// The stat key of `pairs` in `text`'s domain `d`: `None` when it is the full key.
+    fn stat_key(text: &str, pairs: &[(&str, &str)]) -> Option<String> {
+        let c = config(&[("c.yaml", text)]).unwrap();
+        c.lookup("d", entries(pairs)).expect("a limit").stat_key.map(String::from)
+    }
+
+    #[test]
+    fn metric_keys_follow_value_to_metric_and_detailed_metric_as_upstream() {
+        // Expectations from envoyproxy/ratelimit's config_test.go.
+        let defaults = "domain: d\ndescriptors:\n  - key: route\n    value_to_metric: true\n    descriptors:\n      - key: http_method\n        value_to_metric: true\n        descriptors:\n          - key: subject_id\n            rate_limit: { unit: minute, requests_per_unit: 60 }\n";
+        assert_eq!(
+            stat_key(defaults, &[("route", "draw"), ("http_method", "GET"), ("subject_id", "123")])
+                .as_deref(),
+            Some("d.route_draw.http_method_GET.subject_id")
+        );
+        let wildcard = "domain: d\ndescriptors:\n  - key: user\n    value_to_metric: true\n    descriptors:\n      - key: action\n        value: \"read*\"\n        value_to_metric: true\n        descriptors:\n          - key: resource\n            rate_limit: { unit: minute, requests_per_unit: 100 }\n";
+        assert_eq!(
+            stat_key(wildcard, &[("user", "alice"), ("action", "readfile"), ("resource", "documents")])
+                .as_deref(),
+            Some("d.user_alice.action_readfile.resource")
+        );
+        // A wildcard without the flag keeps its pattern: the full key.
+        let plain = "domain: d\ndescriptors:\n  - key: user\n    value_to_metric: true\n    descriptors:\n      - key: action\n        value: \"read*\"\n        rate_limit: { unit: minute, requests_per_unit: 100 }\n";
+        assert_eq!(
+            stat_key(plain, &[("user", "bob"), ("action", "readx")]).as_deref(),
+            Some("d.user_bob.action_read*")
+        );
+        let detailed = "domain: d\ndescriptors:\n  - key: user\n    detailed_metric: true\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n  - key: files\n    value: \"files/*\"\n    share_threshold: true\n    descriptors:\n      - key: user\n        detailed_metric: true\n        rate_limit: { unit: minute, requests_per_unit: 5 }\n";
+        assert_eq!(stat_key(detailed, &[("user", "alice")]).as_deref(), Some("d.user_alice"));
+        // Detailed, but a shared entry stays its pattern.
+        assert_eq!(
+            stat_key(detailed, &[("files", "files/a"), ("user", "bob")]).as_deref(),
+            Some("d.files_files/*.user_bob")
+        );
+        // No flag anywhere: nothing is built.
+        let none = "domain: d\ndescriptors:\n  - key: user\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n";
+        assert_eq!(stat_key(none, &[("user", "alice")]), None);
     }
 
     #[test]

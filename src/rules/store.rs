@@ -60,6 +60,8 @@ pub struct Hot<T> {
     swapped_at_ms: AtomicU64,
     /// Reloads rejected since start.
     reload_failures: AtomicU64,
+    /// Sets loaded since start, the first included.
+    loads: AtomicU64,
 }
 
 /// The native rule snapshot, hot-swapped.
@@ -72,7 +74,14 @@ impl<T> Hot<T> {
             current: ArcSwap::from_pointee(value),
             swapped_at_ms: AtomicU64::new(SystemClock.now_ms()),
             reload_failures: AtomicU64::new(0),
+            loads: AtomicU64::new(1),
         }
+    }
+
+    /// Sets loaded since start, the first included (upstream's
+    /// `config_load_success`).
+    pub fn loads(&self) -> u64 {
+        self.loads.load(Ordering::Relaxed)
     }
 
     /// When the current rules were swapped in.
@@ -95,6 +104,7 @@ impl<T> Hot<T> {
     pub fn swap(&self, value: T) {
         self.current.store(Arc::new(value));
         self.swapped_at_ms.store(SystemClock.now_ms(), Ordering::Relaxed);
+        self.loads.fetch_add(1, Ordering::Relaxed);
     }
 }
 

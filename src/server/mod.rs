@@ -124,7 +124,12 @@ pub async fn run_observed(
     let captured = parts::capture(&config, &mut tasks)?;
     let overload = parts::overload(&config, &rules, &store, &mut tasks)?;
     let denials = parts::denials(&config, &store);
-    let metrics = Arc::new(Metrics::new(store.name()));
+    let metrics = Metrics::new(store.name());
+    let metrics = Arc::new(if config.envoy.upstream_metrics && rules.envoy.is_some() {
+        metrics.with_upstream(config.envoy.upstream_metrics_max_keys)
+    } else {
+        metrics
+    });
     let layers = parts::Layers { shedder: &shedder, overload: &overload, denials: denials.clone() };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &metrics, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());

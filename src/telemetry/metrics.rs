@@ -21,12 +21,13 @@ use crate::{
     capture::CaptureCounters,
     clock::{Clock as _, SystemClock},
     config::OverloadMode,
-    decision::{Api, DenialCache, Stats},
+    decision::{Api, DenialCache, LimitHits, Stats},
     dlq::{DlqSink, DropReason},
     limiter::{FailureKind, MemoryStore},
     overload::Overload,
     rules::{Feed, Hot, Snapshot, Versioned, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
+    telemetry::upstream::UpstreamMetrics,
 };
 
 /// Latency buckets in seconds: resolve tens of microseconds up to a second.
@@ -110,6 +111,8 @@ pub struct Metrics {
     store_errors: [AtomicU64; FAILURE_KINDS.len()],
     store_name: &'static str,
     sources: RwLock<Option<Sources>>,
+    /// envoyproxy/ratelimit's families; `None` when `envoy.upstream_metrics` is off.
+    upstream: Option<UpstreamMetrics>,
 }
 
 /// Components whose state `/metrics` reads at scrape time.
@@ -147,7 +150,15 @@ impl Metrics {
             store_errors: Default::default(),
             store_name,
             sources: RwLock::new(None),
+            upstream: None,
         }
+    }
+
+    /// Also counts envoyproxy/ratelimit's families, for at most
+    /// `max_keys` distinct stat keys (`envoy.upstream_metrics_max_keys`).
+    pub fn with_upstream(mut self, max_keys: usize) -> Self {
+        self.upstream = Some(UpstreamMetrics::new(max_keys));
+        self
     }
 
     /// Wires the components read at scrape time.
@@ -248,8 +259,12 @@ impl Metrics {
         let _ = writeln!(out, "ratelimitd_log_lines_dropped_total {}", super::traces::log_lines_dropped());
 
         let sources = self.sources.read().unwrap_or_else(|p| p.into_inner()).clone();
-        if let Some(s) = sources {
-            render_sources(&mut out, &s);
+        if let Some(s) = &sources {
+            render_sources(&mut out, s);
+        }
+        if let Some(upstream) = &self.upstream {
+            let envoy = sources.as_ref().and_then(|s| s.envoy.as_ref());
+            upstream.render(&mut out, envoy.map(|e| (e.loads(), e.reload_failures())));
         }
         out
     }
@@ -569,6 +584,23 @@ impl Stats for Metrics {
 
     fn refused(&self, api: Api, reason: &'static str) {
         count(&self.refused, (api, reason));
+        if api == Api::Envoy
+            && let Some(upstream) = &self.upstream
+        {
+            upstream.service_error();
+        }
+    }
+
+    fn limit_hits(&self, key: &str, hits: LimitHits) {
+        if let Some(upstream) = &self.upstream {
+            upstream.add(key, hits);
+        }
+    }
+
+    fn envoy_failed(&self) {
+        if let Some(upstream) = &self.upstream {
+            upstream.store_error();
+        }
     }
 
     /// Counts one decision.
@@ -608,7 +640,7 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
 }
 
 /// Label values: backslash, double quote and newline escaped.
-fn escape(value: &str) -> String {
+pub(super) fn escape(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 

@@ -1,4 +1,5 @@
-//! Observability: Prometheus metrics ([`metrics`]), the HTTP endpoints
+//! Observability: Prometheus metrics ([`metrics`], and envoyproxy/ratelimit's
+//! families in [`upstream`]), the HTTP endpoints
 //! `/metrics`, `/healthz` and `/readyz` and the health monitor that also
 //! drives gRPC health ([`health`]), and logs and OpenTelemetry traces
 //! ([`traces`]).
@@ -6,5 +7,6 @@
 pub mod health;
 pub mod metrics;
 pub mod traces;
+pub mod upstream;
 
 pub use metrics::Metrics;

@@ -1,0 +1,259 @@
+//! envoyproxy/ratelimit's metrics, beside ratelimitd's own, so an
+//! operator's dashboards and alerts carry over: the per-limit
+//! `ratelimit_service_rate_limit_{total_hits,over_limit,near_limit,within_limit,shadow_mode}`
+//! with the labels upstream's Prometheus mapping gives them (`domain`,
+//! `key1`, and `key2` when the key has a third part), and
+//! `ratelimit_service_should_rate_limit_error{err_type}`.
+//!
+//! A limit is counted under upstream's stat key: its configured full key
+//! (`domain.key_value.key…`), or with `detailed_metric`, `value_to_metric`
+//! or a request's own limit a key holding request values. The key is
+//! sanitized as upstream does (`:` and `|` become `_`, and so do the dots of
+//! anything shaped like an IPv4 address) and split on dots into the labels.
+//! Keys are bounded: at most `max_keys` distinct keys are ever counted;
+//! hits of a key past that are counted in
+//! `ratelimitd_upstream_metric_keys_refused_total` instead, so no request
+//! can grow the series without bound.
+
+use std::{
+    borrow::Cow,
+    collections::HashMap,
+    fmt::Write as _,
+    sync::{
+        Arc, LazyLock, RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use crate::decision::LimitHits;
+
+/// The per-limit families, in [`Series::counts`] order.
+const FAMILIES: [(&str, &str); 5] = [
+    ("total_hits", "Hits of descriptors with a limit."),
+    ("over_limit", "Hits over their limit (refused, or let through by shadow mode)."),
+    ("near_limit", "Admitted hits past near_limit_ratio of their limit."),
+    ("within_limit", "Admitted hits."),
+    ("shadow_mode", "Over-limit hits a shadow-mode limit let through."),
+];
+
+/// Anything shaped like an IPv4 address (upstream's `ipv4Regex`).
+static IPV4: LazyLock<regex::Regex> = LazyLock::new(|| {
+    regex::Regex::new(r"[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}").expect("a valid pattern")
+});
+
+/// One stat key's counters and its rendered labels.
+#[derive(Debug)]
+struct Series {
+    labels: String,
+    counts: [AtomicU64; 5],
+}
+
+/// Keys as the engine gives them, and the series their sanitized forms
+/// name (two keys may sanitize to one series, as upstream counts them).
+#[derive(Debug, Default)]
+struct Keys {
+    raw: HashMap<Box<str>, Arc<Series>>,
+    sanitized: HashMap<Box<str>, Arc<Series>>,
+}
+
+/// The upstream-compatible counters. Adding is a read lock, a map lookup
+/// by the key as given and atomic adds; only a key's first hit sanitizes
+/// it and takes the write lock.
+#[derive(Debug)]
+pub struct UpstreamMetrics {
+    max_keys: usize,
+    keys: RwLock<Keys>,
+    refused: AtomicU64,
+    store_errors: AtomicU64,
+    service_errors: AtomicU64,
+}
+
+impl UpstreamMetrics {
+    /// Counters for at most `max_keys` distinct stat keys.
+    pub fn new(max_keys: usize) -> Self {
+        UpstreamMetrics {
+            max_keys,
+            keys: RwLock::new(Keys::default()),
+            refused: AtomicU64::new(0),
+            store_errors: AtomicU64::new(0),
+            service_errors: AtomicU64::new(0),
+        }
+    }
+
+    /// Adds one descriptor's `hits` under stat key `key`.
+    pub fn add(&self, key: &str, hits: LimitHits) {
+        let add = |series: &Series| {
+            let values = [hits.total, hits.over, hits.near, hits.within, hits.shadow];
+            for (counter, value) in series.counts.iter().zip(values) {
+                if value > 0 {
+                    counter.fetch_add(value, Ordering::Relaxed);
+                }
+            }
+        };
+        if let Some(series) = self.keys.read().unwrap_or_else(|p| p.into_inner()).raw.get(key) {
+            add(series);
+            return;
+        }
+        let mut keys = self.keys.write().unwrap_or_else(|p| p.into_inner());
+        let keys = &mut *keys;
+        if let Some(series) = keys.raw.get(key) {
+            add(series);
+            return;
+        }
+        // Both maps are bounded: every sanitized key is some raw key's.
+        if keys.raw.len() >= self.max_keys {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let series =
+            Arc::clone(keys.sanitized.entry(sanitize(key).into_owned().into_boxed_str()).or_insert_with_key(
+                |name| Arc::new(Series { labels: labels(name), counts: Default::default() }),
+            ));
+        add(&series);
+        keys.raw.insert(key.into(), series);
+    }
+
+    /// One `ShouldRateLimit` the store could not decide (upstream's
+    /// `redis_error`).
+    pub fn store_error(&self) {
+        self.store_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One `ShouldRateLimit` refused as malformed (upstream's `service_error`).
+    pub fn service_error(&self) {
+        self.service_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Appends the families in Prometheus text format; `config` is the
+    /// Envoy configuration's (loads, rejected reloads), when it is served.
+    pub fn render(&self, out: &mut String, config: Option<(u64, u64)>) {
+        let keys = self.keys.read().unwrap_or_else(|p| p.into_inner());
+        let mut sorted: Vec<&Series> = keys.sanitized.values().map(|s| &**s).collect();
+        sorted.sort_unstable_by(|a, b| a.labels.cmp(&b.labels));
+        for (i, (family, help)) in FAMILIES.iter().enumerate() {
+            let name = format!("ratelimit_service_rate_limit_{family}");
+            let _ = writeln!(out, "# HELP {name} {help} (envoyproxy/ratelimit's name)");
+            let _ = writeln!(out, "# TYPE {name} counter");
+            for s in &sorted {
+                let _ = writeln!(out, "{name}{{{}}} {}", s.labels, s.counts[i].load(Ordering::Relaxed));
+            }
+        }
+        let name = "ratelimit_service_should_rate_limit_error";
+        let _ =
+            writeln!(out, "# HELP {name} ShouldRateLimit calls that failed (envoyproxy/ratelimit's name).");
+        let _ = writeln!(out, "# TYPE {name} counter");
+        let _ =
+            writeln!(out, "{name}{{err_type=\"redis_error\"}} {}", self.store_errors.load(Ordering::Relaxed));
+        let _ = writeln!(
+            out,
+            "{name}{{err_type=\"service_error\"}} {}",
+            self.service_errors.load(Ordering::Relaxed)
+        );
+        if let Some((loads, failures)) = config {
+            for (name, help, value) in [
+                ("ratelimit_service_config_load_success", "Envoy configurations loaded", loads),
+                ("ratelimit_service_config_load_error", "Envoy configuration reloads rejected", failures),
+            ] {
+                let _ = writeln!(out, "# HELP {name} {help} (envoyproxy/ratelimit's name).");
+                let _ = writeln!(out, "# TYPE {name} counter");
+                let _ = writeln!(out, "{name} {value}");
+            }
+        }
+        let name = "ratelimitd_upstream_metric_keys";
+        let _ =
+            writeln!(out, "# HELP {name} Distinct series of the ratelimit_service_rate_limit_* families.");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        let _ = writeln!(out, "{name} {}", sorted.len());
+        let name = "ratelimitd_upstream_metric_keys_refused_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Descriptor hits not counted in the ratelimit_service_* families: their key would pass envoy.upstream_metrics_max_keys."
+        );
+        let _ = writeln!(out, "# TYPE {name} counter");
+        let _ = writeln!(out, "{name} {}", self.refused.load(Ordering::Relaxed));
+    }
+}
+
+/// Upstream's `SanitizeStatName`: `:` and `|` become `_`, and so do the
+/// dots inside anything shaped like an IPv4 address. Borrowed when nothing
+/// changes.
+pub fn sanitize(key: &str) -> Cow<'_, str> {
+    let key =
+        if key.contains([':', '|']) { Cow::Owned(key.replace([':', '|'], "_")) } else { Cow::Borrowed(key) };
+    match IPV4.replace_all(&key, |c: &regex::Captures<'_>| c[0].replace('.', "_")) {
+        Cow::Borrowed(_) => key,
+        Cow::Owned(changed) => Cow::Owned(changed),
+    }
+}
+
+/// The labels upstream's Prometheus mapping (`default_mapper.yaml`) gives
+/// a sanitized key: its first dot-separated part is `domain`, the next
+/// `key1`, and the third, if any, `key2`; later parts are not labelled.
+fn labels(key: &str) -> String {
+    let mut parts = key.split('.');
+    let mut out = String::new();
+    for (name, part) in ["domain", "key1", "key2"].into_iter().zip(&mut parts) {
+        if !out.is_empty() {
+            out.push(',');
+        }
+        let _ = write!(out, "{name}=\"{}\"", super::metrics::escape(part));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hits(total: u64, over: u64, near: u64, within: u64, shadow: u64) -> LimitHits {
+        LimitHits { total, over, near, within, shadow }
+    }
+
+    #[test]
+    fn sanitizes_as_upstream() {
+        assert!(matches!(sanitize("edge.user_alice"), Cow::Borrowed(_)));
+        assert_eq!(sanitize("edge.remote_address_10.0.0.1"), "edge.remote_address_10_0_0_1");
+        assert_eq!(sanitize("edge.path_/a:b|c"), "edge.path_/a_b_c");
+        // Leftmost first, up to three digits a part, as RE2 finds them.
+        assert_eq!(sanitize("d.k_1234.5.6.7.8"), "d.k_1234_5_6_7.8");
+        assert_eq!(sanitize("d.v_1.2.3"), "d.v_1.2.3");
+    }
+
+    #[test]
+    fn labels_follow_the_default_mapping() {
+        assert_eq!(labels("edge.user"), r#"domain="edge",key1="user""#);
+        assert_eq!(labels("edge.a_1.b_2.c_3"), r#"domain="edge",key1="a_1",key2="b_2""#);
+        assert_eq!(labels(r#"d.k_"x""#), r#"domain="d",key1="k_\"x\"""#);
+    }
+
+    #[test]
+    fn counts_render_and_keys_are_bounded() {
+        let m = UpstreamMetrics::new(3);
+        m.add("edge.user", hits(3, 1, 1, 2, 0));
+        m.add("edge.user", hits(1, 0, 0, 1, 0));
+        m.add("edge.ip_10.0.0.1", hits(1, 1, 0, 0, 1));
+        m.add("edge.ip_10_0_0_1", hits(1, 0, 0, 1, 0));
+        m.add("edge.ip_10.0.0.2", hits(5, 5, 0, 0, 0));
+        m.add("edge.user", hits(1, 0, 0, 1, 0));
+        m.store_error();
+        let mut out = String::new();
+        m.render(&mut out, Some((3, 1)));
+        for line in [
+            r#"ratelimit_service_rate_limit_total_hits{domain="edge",key1="user"} 5"#,
+            r#"ratelimit_service_rate_limit_over_limit{domain="edge",key1="user"} 1"#,
+            r#"ratelimit_service_rate_limit_near_limit{domain="edge",key1="user"} 1"#,
+            r#"ratelimit_service_rate_limit_within_limit{domain="edge",key1="user"} 4"#,
+            r#"ratelimit_service_rate_limit_shadow_mode{domain="edge",key1="ip_10_0_0_1"} 1"#,
+            // Two keys that sanitize alike are one series.
+            r#"ratelimit_service_rate_limit_total_hits{domain="edge",key1="ip_10_0_0_1"} 2"#,
+            r#"ratelimit_service_should_rate_limit_error{err_type="redis_error"} 1"#,
+            "ratelimitd_upstream_metric_keys 2",
+            "ratelimit_service_config_load_success 3",
+            "ratelimit_service_config_load_error 1",
+            "ratelimitd_upstream_metric_keys_refused_total 1",
+        ] {
+            assert!(out.lines().any(|l| l == line), "missing {line} in\n{out}");
+        }
+        assert!(!out.contains("10_0_0_2"), "a key past the bound is not counted:\n{out}");
+    }
+}
