@@ -224,7 +224,26 @@ for_each_store!(
     reports_are_never_shed,
     envoy_report_mode_counts_after_the_fact_and_zero_hits_peek,
     envoy_global_quota_mode_denies_only_when_every_limit_is_over,
+    envoy_global_shadow_mode_never_denies,
 );
+
+/// `envoy.shadow_mode`: every limit is in shadow mode; nothing is refused
+/// (the same requests are refused without it).
+async fn envoy_global_shadow_mode_never_denies(backend: Backend) {
+    let policy = EnvoyPolicy { shadow_mode: true, ..EnvoyPolicy::default() };
+    let h = Harness::new(backend, ShedMode::Enforce, policy).await;
+    for _ in 0..5 {
+        let r = h.rls(&[&[("user", "ivy")]]).await;
+        assert!(!r.over_limit && !r.statuses[0].over_limit, "{r:?}");
+    }
+    let h = Harness::new(backend, ShedMode::Enforce, EnvoyPolicy::default()).await;
+    let over = (0..5).map(|_| h.rls(&[&[("user", "ivy")]]));
+    let mut refused = 0;
+    for r in over {
+        refused += usize::from(r.await.over_limit);
+    }
+    assert!(refused > 0, "without shadow mode some are refused");
+}
 
 /// `envoy.quota_mode`: every limit is a quota; a request passes while any
 /// of its limits has quota left, and the limits with quota are counted.

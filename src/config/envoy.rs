@@ -75,6 +75,9 @@ pub struct EnvoySettings {
     /// Every limit in quota mode (upstream's `QUOTA_MODE`): the overall
     /// code is OVER_LIMIT only when every descriptor with a limit is over.
     pub quota_mode: bool,
+    /// Every limit in shadow mode (upstream's `SHADOW_MODE`): over-limit
+    /// hits are counted and reported but never make a request OVER_LIMIT.
+    pub shadow_mode: bool,
     /// Answer with dynamic metadata (upstream's `RESPONSE_DYNAMIC_METADATA`):
     /// the domain, the request's descriptors, and the `metadata` of the
     /// limits that passed, merged, under `metadata`, which Envoy stores in
@@ -112,6 +115,7 @@ impl Default for EnvoySettings {
             allow_request_limits: false,
             request_limit_domains: Vec::new(),
             quota_mode: false,
+            shadow_mode: false,
             response_dynamic_metadata: false,
             upstream_metrics: true,
             near_limit_ratio: 0.8,

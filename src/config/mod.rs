@@ -3,7 +3,9 @@
 //!
 //! Sources, lowest precedence first: built-in defaults, the YAML file given by
 //! `--config`, then environment variables `RATELIMITD__SECTION__KEY`
-//! (e.g. `RATELIMITD__REDIS__TIMEOUT_MS=5`). Tests pass the environment as a
+//! (e.g. `RATELIMITD__REDIS__TIMEOUT_MS=5`), which with
+//! `RATELIMITD_COMPAT=envoyproxy` also come from envoyproxy/ratelimit's own
+//! variables ([`compat`]). Tests pass the environment as a
 //! map ([`Config::load`]) instead of mutating the process environment.
 //!
 //! One module per section, each with its own `validate()` naming the full
@@ -12,6 +14,7 @@
 //! the dead-letter file and spool to a state directory ([`state_dir`]).
 
 mod capture;
+pub mod compat;
 mod dlq;
 mod envoy;
 mod grpc;
@@ -103,6 +106,10 @@ pub struct Config {
     pub log: LogConfig,
     /// Trace export.
     pub telemetry: TelemetryConfig,
+    /// envoyproxy/ratelimit variables that were set but not carried over
+    /// (`RATELIMITD_COMPAT=envoyproxy`), logged once at start.
+    #[serde(skip)]
+    pub compat: compat::Compat,
 }
 
 /// Where state that must survive a restart (the dead-letter file and spool)
@@ -121,7 +128,8 @@ pub fn state_dir(env: &HashMap<String, String>) -> PathBuf {
 impl Config {
     /// Loads defaults < `file` < `env` and validates the result. `env` is the
     /// process environment in production and a plain map in tests.
-    pub fn load(file: Option<&Path>, env: HashMap<String, String>) -> Result<Self, ConfigError> {
+    pub fn load(file: Option<&Path>, mut env: HashMap<String, String>) -> Result<Self, ConfigError> {
+        let compat = compat::apply(&mut env)?;
         let state = state_dir(&env);
         let mut builder = config::Config::builder()
             .set_default("dlq.file", path_value(&state.join("dlq.jsonl")))
@@ -145,8 +153,9 @@ impl Config {
                 .source(Some(env.into_iter().collect())),
         );
         let raw = builder.build().map_err(|e| ConfigError::Load(e.to_string()))?;
-        let config: Config = raw.try_deserialize().map_err(|e| ConfigError::Load(e.to_string()))?;
+        let mut config: Config = raw.try_deserialize().map_err(|e| ConfigError::Load(e.to_string()))?;
         config.validate()?;
+        config.compat = compat;
         Ok(config)
     }
 

@@ -11,9 +11,10 @@ use super::{ConfigError, invalid};
 #[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisConfig {
-    /// `redis://[:password@]host:port[/db]` (`rediss://` for TLS); unset
-    /// selects the in-memory store. With `cluster`, a comma-separated list
-    /// of seed nodes.
+    /// `redis://[:password@]host:port[/db]` (`rediss://` for TLS, or
+    /// `unix:///path/to/redis.sock` for a Unix socket); unset selects the
+    /// in-memory store. With `cluster`, a comma-separated list of seed
+    /// nodes.
     pub url: Option<String>,
     /// `url` names Redis Cluster seed nodes; the slot map is read from them.
     pub cluster: bool,
@@ -217,10 +218,17 @@ impl RedisConfig {
         let mut seeds = 0;
         for seed in self.seed_urls() {
             seeds += 1;
-            if !(seed.starts_with("redis://") || seed.starts_with("rediss://")) {
+            let unix = seed.starts_with("unix://") || seed.starts_with("redis+unix://");
+            if unix && self.cluster {
                 return Err(invalid(
                     "redis.url",
-                    format!("{:?} must start with redis:// or rediss://", redact_url(seed)),
+                    "a Redis Cluster's seed nodes need redis:// or rediss:// URLs",
+                ));
+            }
+            if !(seed.starts_with("redis://") || seed.starts_with("rediss://") || unix) {
+                return Err(invalid(
+                    "redis.url",
+                    format!("{:?} must start with redis://, rediss:// or unix://", redact_url(seed)),
                 ));
             }
             ::redis::Client::open(seed).map_err(|e| {

@@ -59,6 +59,9 @@ pub struct EnvoyPolicy {
     /// Every limit is in quota mode (`envoy.quota_mode`, upstream's
     /// `QUOTA_MODE`), as if each descriptor said `quota_mode: true`.
     pub quota_mode: bool,
+    /// Every limit is in shadow mode (`envoy.shadow_mode`, upstream's
+    /// `SHADOW_MODE`): over-limit is counted and reported, never enforced.
+    pub shadow_mode: bool,
     /// Count every descriptor in envoyproxy/ratelimit's terms
     /// ([`Stats::limit_hits`]; `envoy.upstream_metrics`).
     pub upstream_metrics: bool,
@@ -77,6 +80,7 @@ impl Default for EnvoyPolicy {
             max_value_bytes: 1_024,
             request_limit_domains: HashSet::new(),
             quota_mode: false,
+            shadow_mode: false,
             upstream_metrics: true,
             near_limit_ratio: 0.8,
         }
@@ -324,7 +328,7 @@ impl Engine {
                         count,
                         // Neither blocks the others: shadow never denies, and
                         // a quota descriptor denies only together with all others.
-                        shadow: limit.shadow_mode || self.quota(&limit),
+                        shadow: self.shadow(&limit) || self.quota(&limit),
                     });
                     Plan::Limited(limit, items.len() - 1, found.stat_key)
                 }
@@ -395,7 +399,7 @@ impl Engine {
             }
             let tenant = *tenant.get_or_insert_with(|| self.rls_tenant(request));
             if let OverloadVerdict::Drop { retry_after_ms } =
-                overload.check(Kind::Envoy, &limit.full_key, tenant, limit.shadow_mode)
+                overload.check(Kind::Envoy, &limit.full_key, tenant, self.shadow(limit))
             {
                 return Some(retry_after_ms);
             }
@@ -408,6 +412,12 @@ impl Engine {
     fn rls_tenant<'r, D: Descriptor>(&self, request: &RlsRequest<'r, D>) -> Option<&'r str> {
         let key = self.inner.tenants.descriptor_key.as_str();
         request.descriptors.iter().flat_map(Descriptor::entries).find(|(k, _)| *k == key).map(|(_, v)| v)
+    }
+
+    /// Whether `limit` is in shadow mode: its own `shadow_mode`, or
+    /// `envoy.shadow_mode` for all.
+    fn shadow(&self, limit: &EnvoyLimit) -> bool {
+        limit.shadow_mode || self.inner.envoy_policy.shadow_mode
     }
 
     /// Whether `limit` is in quota mode: its own `quota_mode`, or
@@ -579,7 +589,7 @@ impl Engine {
                             u64::from(limit.requests_per_unit),
                             if item.count == Count::Never { 0 } else { item.weight },
                             &verdict,
-                            limit.shadow_mode,
+                            self.shadow(limit),
                             self.inner.envoy_policy.near_limit_ratio,
                         );
                         self.inner.stats.limit_hits(stat_key(limit, key), hits);
@@ -588,12 +598,12 @@ impl Engine {
                     if self.quota(limit) {
                         quota_total += 1;
                         quota_over += usize::from(over);
-                    } else if over && !limit.shadow_mode {
+                    } else if over && !self.shadow(limit) {
                         enforced_over = true;
                     }
                     let remaining =
                         if over { 0 } else { u32::try_from(verdict.remaining).unwrap_or(u32::MAX) };
-                    let denied = over && !limit.shadow_mode;
+                    let denied = over && !self.shadow(limit);
                     let report = items[*index].count == Count::Always;
                     let reason = match (report, denied) {
                         (true, _) => REPORT_LABEL,

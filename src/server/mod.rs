@@ -285,6 +285,13 @@ fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, st
             "embedded defaults: in-memory counters (redis.url unset), failed decisions to a local file (dlq.kafka.brokers unset)"
         );
     }
+    for (variable, why) in &config.compat.ignored {
+        tracing::warn!(
+            variable,
+            why,
+            "envoyproxy/ratelimit variable not carried over (RATELIMITD_COMPAT=envoyproxy)"
+        );
+    }
     let snapshot = rules.native.load();
     tracing::info!(
         addr = %local_addr,

@@ -390,6 +390,7 @@ pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
             Default::default()
         },
         quota_mode: settings.quota_mode,
+        shadow_mode: settings.shadow_mode,
         upstream_metrics: settings.upstream_metrics,
         near_limit_ratio: settings.near_limit_ratio,
     }

@@ -163,7 +163,11 @@ impl RedisServer {
                 .arg("--tls-ca-cert-file")
                 .arg(certs.join("ca.pem")),
         };
+        // Also on a Unix socket in its directory ([`RedisServer::unix_url`]).
         let child = command
+            .arg("--unixsocket")
+            .arg(self.socket())
+            .args(["--unixsocketperm", "700"])
             .args(self.password.iter().flat_map(|p| ["--requirepass", p.as_str()]))
             .spawn()
             .expect("spawn redis-server");
@@ -175,6 +179,11 @@ impl RedisServer {
             if protected { std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() } else { ping(port) }
         });
         self.child.is_some()
+    }
+
+    /// The Unix socket it also listens on.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("redis.sock")
     }
 
     /// `redis://127.0.0.1:<port>`.

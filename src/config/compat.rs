@@ -1,0 +1,458 @@
+//! envoyproxy/ratelimit's environment, honoured when
+//! `RATELIMITD_COMPAT=envoyproxy`: an upstream deployment's variables
+//! (`REDIS_URL`, `RUNTIME_ROOT`, `SHADOW_MODE`, …) become the
+//! `RATELIMITD__…` variables they stand for, so its manifests run
+//! unchanged.
+//!
+//! Precedence: an explicit `RATELIMITD__…` variable beats the upstream one
+//! it would come from, and both beat the file. Upstream's defaults apply
+//! where they differ from ours and matter to a client: the Envoy rules
+//! directory (`/srv/runtime_data/current/config`), the Redis address (its
+//! Unix socket), the `RateLimit-*` header names. A value that does not
+//! parse is an error naming the variable; a variable that is set but has
+//! no equivalent is reported once at start, by name, with why
+//! ([`Compat::ignored`]); one whose absence would change decisions
+//! (`BACKEND_TYPE=memcache`, `CONFIG_TYPE=GRPC_XDS_SOTW`,
+//! `REDIS_TYPE=sentinel`) refuses to start.
+
+use std::collections::HashMap;
+
+use super::{ConfigError, ENV_PREFIX, invalid};
+
+/// The variable that turns the translation on.
+pub const COMPAT_VAR: &str = "RATELIMITD_COMPAT";
+
+/// Its one value.
+pub const ENVOYPROXY: &str = "envoyproxy";
+
+/// Upstream variables ratelimitd reads nothing from, and why.
+const IGNORED: &[(&str, &str)] = &[
+    ("DEBUG_HOST", "no debug listener: metrics are on PORT's /metrics"),
+    ("DEBUG_PORT", "no debug listener: metrics are on PORT's /metrics"),
+    ("USE_PROMETHEUS", "metrics are always on PORT's /metrics, under the default mapping's names"),
+    ("PROMETHEUS_ADDR", "metrics are on PORT's /metrics"),
+    ("PROMETHEUS_PATH", "metrics are on PORT's /metrics"),
+    ("PROMETHEUS_MAPPER_YAML", "the default mapping's names are served; a custom mapping is not read"),
+    ("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", "response times are ratelimitd_decision_duration_seconds"),
+    ("STATSD_HOST", "no statsd sink: the same counters are on /metrics"),
+    ("STATSD_PORT", "no statsd sink: the same counters are on /metrics"),
+    ("USE_DOG_STATSD", "no statsd sink: the same counters are on /metrics"),
+    ("USE_DOG_STATSD_MOGRIFIERS", "no statsd sink"),
+    ("EXTRA_TAGS", "no statsd sink"),
+    ("STATS_FLUSH_INTERVAL", "Prometheus scrapes: nothing to flush"),
+    ("GRPC_UDS", "no Unix socket gRPC listener yet: GRPC_HOST/GRPC_PORT serve"),
+    ("GRPC_MAX_CONNECTION_AGE", "connections are not aged out"),
+    ("GRPC_MAX_CONNECTION_AGE_GRACE", "connections are not aged out"),
+    ("GRPC_CLIENT_TLS_SAN", "client certificates are checked against GRPC_CLIENT_TLS_CACERT only"),
+    ("REDIS_POOL_SIZE", "not needed: each connection coalesces its queued decisions (redis.connections)"),
+    ("REDIS_PIPELINE_WINDOW", "not needed: concurrent decisions are always coalesced, with no added wait"),
+    ("REDIS_PIPELINE_LIMIT", "not needed: concurrent decisions are always coalesced"),
+    ("REDIS_CLUSTER_PIPELINE_PARALLELISM", "not needed: concurrent decisions are always coalesced"),
+    ("REDIS_HEALTH_CHECK_ACTIVE_CONNECTION", "the store is always health-checked (/readyz)"),
+    ("REDIS_POOL_ON_EMPTY_BEHAVIOR", "a decision waits for a connection up to REDIS_TIMEOUT"),
+    ("REDIS_STARTUP_INITIAL_INTERVAL", "the service starts without Redis and fails decisions by policy"),
+    ("REDIS_STARTUP_MAX_INTERVAL", "the service starts without Redis and fails decisions by policy"),
+    ("REDIS_STARTUP_MAX_ELAPSED_TIME", "the service starts without Redis and fails decisions by policy"),
+    ("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", "the Redis certificate's name is always verified"),
+    ("REDIS_SENTINEL_AUTH", "no Redis Sentinel support yet"),
+    ("REDIS_PERSECOND", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_SOCKET_TYPE", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_TYPE", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_URL", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_POOL_SIZE", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_AUTH", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_TLS", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_SENTINEL_AUTH", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_PIPELINE_WINDOW", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_PIPELINE_LIMIT", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_CLUSTER_PIPELINE_PARALLELISM", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_TIMEOUT", "per-second limits are counted in the one Redis"),
+    ("REDIS_PERSECOND_POOL_ON_EMPTY_BEHAVIOR", "per-second limits are counted in the one Redis"),
+    ("LOCAL_CACHE_SIZE_IN_BYTES", "no local over-limit cache: every decision is exact"),
+    ("EXPIRATION_JITTER_MAX_SECONDS", "counters expire two windows after their last hit"),
+    ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "always: a refused hit never counts"),
+    ("CACHE_KEY_PREFIX", "no key prefix yet: give each deployment its own Redis database (REDIS_URL .../N)"),
+    ("MERGE_DOMAIN_CONFIG", "not yet: a domain defined in two files is an error"),
+    ("RUNTIME_IGNOREDOTFILES", "dot files are always ignored"),
+    ("RUNTIME_WATCH_ROOT", "the resolved files are always watched (symlink swaps included)"),
+    ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "the service is ready once the store answers (/readyz)"),
+    ("FORCE_START_WITHOUT_INITIAL_CONFIG", "CONFIG_TYPE=FILE always starts"),
+    ("TRACING_ENABLED", "traces go to telemetry.otlp_endpoint (RATELIMITD__TELEMETRY__OTLP_ENDPOINT)"),
+    ("TRACING_SERVICE_NAME", "see telemetry.service_name"),
+    ("TRACING_SERVICE_NAMESPACE", "see telemetry.service_name"),
+    ("TRACING_SERVICE_INSTANCE_ID", "see telemetry.service_name"),
+    ("TRACING_EXPORTER_PROTOCOL", "traces are exported over OTLP/HTTP"),
+    ("TRACING_SAMPLING_RATE", "every traced request is sampled by the caller's decision"),
+    ("MEMCACHE_HOST_PORT", "no memcached backend"),
+    ("MEMCACHE_MAX_IDLE_CONNS", "no memcached backend"),
+    ("MEMCACHE_SRV", "no memcached backend"),
+    ("MEMCACHE_SRV_REFRESH", "no memcached backend"),
+    ("MEMCACHE_TLS", "no memcached backend"),
+    ("MEMCACHE_TLS_CLIENT_CERT", "no memcached backend"),
+    ("MEMCACHE_TLS_CLIENT_KEY", "no memcached backend"),
+    ("MEMCACHE_TLS_CACERT", "no memcached backend"),
+    ("MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION", "no memcached backend"),
+    ("CONFIG_GRPC_XDS_NODE_ID", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("CONFIG_GRPC_XDS_NODE_METADATA", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("CONFIG_GRPC_XDS_SERVER_URL", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("XDS_CLIENT_BACKOFF_JITTER", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+];
+
+/// Upstream's defaults of the variables translated below.
+const RUNTIME_ROOT: &str = "/srv/runtime_data/current";
+const RUNTIME_APPDIRECTORY: &str = "config";
+const REDIS_URL: &str = "/var/run/nutcracker/ratelimit.sock";
+
+/// What the translation did not carry over.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Compat {
+    /// Upstream variables that were set but have no effect, each with why.
+    pub ignored: Vec<(&'static str, &'static str)>,
+}
+
+/// With `RATELIMITD_COMPAT=envoyproxy` in `env`, adds the `RATELIMITD__…`
+/// variables upstream's stand for (never over one already set) and returns
+/// what it ignored; without it, leaves `env` alone. Any other value of
+/// `RATELIMITD_COMPAT` is an error.
+pub fn apply(env: &mut HashMap<String, String>) -> Result<Compat, ConfigError> {
+    match env.get(COMPAT_VAR).map(String::as_str) {
+        None | Some("") => return Ok(Compat::default()),
+        Some(ENVOYPROXY) => {}
+        Some(other) => {
+            return Err(invalid(COMPAT_VAR, format!("{other:?}: the only value is {ENVOYPROXY:?}")));
+        }
+    }
+    let upstream = Upstream { env };
+    let mut out = Vec::new();
+    refuse_unsupported(&upstream)?;
+    listeners(&upstream, &mut out)?;
+    runtime(&upstream, &mut out);
+    redis(&upstream, &mut out)?;
+    grpc_tls(&upstream, &mut out)?;
+    envoy(&upstream, &mut out)?;
+    logging(&upstream, &mut out)?;
+    let mut ignored: Vec<(&'static str, &'static str)> =
+        IGNORED.iter().filter(|(name, _)| upstream.get(name).is_some()).copied().collect();
+    if upstream.flag("USE_STATSD")? == Some(true) {
+        ignored.push(("USE_STATSD", "no statsd sink: the same counters are on /metrics"));
+    }
+    for (key, value) in out {
+        let name = format!("{ENV_PREFIX}__{}", key.replace('.', "__").to_uppercase());
+        env.entry(name).or_insert(value);
+    }
+    Ok(Compat { ignored })
+}
+
+/// Read access to upstream's variables: unset and empty are the same, as
+/// for its `envconfig`.
+struct Upstream<'a> {
+    env: &'a HashMap<String, String>,
+}
+
+impl Upstream<'_> {
+    fn get(&self, name: &str) -> Option<&str> {
+        self.env.get(name).map(String::as_str).filter(|v| !v.is_empty())
+    }
+
+    /// A Go `strconv.ParseBool` value.
+    fn flag(&self, name: &'static str) -> Result<Option<bool>, ConfigError> {
+        self.get(name)
+            .map(|v| match v {
+                "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+                "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
+                _ => Err(invalid(name, format!("{v:?} is not a boolean"))),
+            })
+            .transpose()
+    }
+
+    /// A Go duration (`10s`, `500ms`, `1m30s`) in ms.
+    fn millis(&self, name: &'static str) -> Result<Option<u64>, ConfigError> {
+        self.get(name)
+            .map(|v| {
+                humantime::parse_duration(v)
+                    .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+                    .map_err(|e| invalid(name, format!("{v:?} is not a duration: {e}")))
+            })
+            .transpose()
+    }
+}
+
+type Out = Vec<(&'static str, String)>;
+
+/// What would change decisions if it were silently ignored.
+fn refuse_unsupported(up: &Upstream<'_>) -> Result<(), ConfigError> {
+    if let Some(backend) = up.get("BACKEND_TYPE")
+        && !backend.eq_ignore_ascii_case("redis")
+    {
+        return Err(invalid("BACKEND_TYPE", format!("{backend:?} is not supported: only redis")));
+    }
+    if let Some(kind) = up.get("CONFIG_TYPE")
+        && !kind.eq_ignore_ascii_case("FILE")
+    {
+        return Err(invalid("CONFIG_TYPE", format!("{kind:?} is not supported yet: only FILE")));
+    }
+    if let Some(kind) = up.get("REDIS_TYPE")
+        && !(kind.eq_ignore_ascii_case("single") || kind.eq_ignore_ascii_case("cluster"))
+    {
+        return Err(invalid("REDIS_TYPE", format!("{kind:?} is not supported yet: SINGLE or cluster")));
+    }
+    Ok(())
+}
+
+/// `HOST`/`PORT` (upstream's HTTP listener: health and, here, metrics) and
+/// `GRPC_HOST`/`GRPC_PORT`.
+fn listeners(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    for (host, port, default_port, key) in
+        [("HOST", "PORT", "8080", "http.listen"), ("GRPC_HOST", "GRPC_PORT", "8081", "grpc.listen")]
+    {
+        if up.get(host).is_none() && up.get(port).is_none() {
+            continue;
+        }
+        let number = up.get(port).unwrap_or(default_port);
+        number.parse::<u16>().map_err(|_| invalid(port, format!("{number:?} is not a port")))?;
+        let address = up.get(host).unwrap_or("0.0.0.0");
+        let address = if address.contains(':') { format!("[{address}]") } else { address.to_owned() };
+        out.push((key, format!("{address}:{number}")));
+    }
+    Ok(())
+}
+
+/// `RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY`, upstream's
+/// defaults included: where the Envoy rules are.
+fn runtime(up: &Upstream<'_>, out: &mut Out) {
+    let mut path = std::path::PathBuf::from(up.get("RUNTIME_ROOT").unwrap_or(RUNTIME_ROOT));
+    if let Some(sub) = up.get("RUNTIME_SUBDIRECTORY") {
+        path.push(sub);
+    }
+    path.push(up.get("RUNTIME_APPDIRECTORY").unwrap_or(RUNTIME_APPDIRECTORY));
+    out.push(("rules.envoy_path", path.to_string_lossy().into_owned()));
+}
+
+/// `REDIS_SOCKET_TYPE`, `REDIS_URL`, `REDIS_TYPE`, `REDIS_AUTH`,
+/// `REDIS_TLS*`, `REDIS_TIMEOUT`, upstream's defaults included (a Unix
+/// socket).
+fn redis(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    let cluster = up.get("REDIS_TYPE").is_some_and(|t| t.eq_ignore_ascii_case("cluster"));
+    let tls = up.flag("REDIS_TLS")?.unwrap_or(false);
+    let socket = up.get("REDIS_SOCKET_TYPE").unwrap_or("unix");
+    let raw = up.get("REDIS_URL").unwrap_or(REDIS_URL);
+    let url = match socket {
+        "unix" if cluster => {
+            return Err(invalid("REDIS_SOCKET_TYPE", "a Redis Cluster is reached over tcp"));
+        }
+        "unix" if tls => return Err(invalid("REDIS_TLS", "TLS needs REDIS_SOCKET_TYPE=tcp")),
+        "unix" => format!("unix://{raw}"),
+        "tcp" => {
+            let scheme = if tls { "rediss" } else { "redis" };
+            raw.split(',').map(|node| format!("{scheme}://{}", node.trim())).collect::<Vec<_>>().join(",")
+        }
+        other => return Err(invalid("REDIS_SOCKET_TYPE", format!("{other:?}: expected tcp or unix"))),
+    };
+    out.push(("redis.url", url));
+    if cluster {
+        out.push(("redis.cluster", "true".to_owned()));
+    }
+    if let Some(auth) = up.get("REDIS_AUTH") {
+        // Upstream takes `password` or `user:password`; the user is not
+        // sent (default user).
+        let password = auth.split_once(':').map_or(auth, |(_, p)| p);
+        out.push(("redis.password", password.to_owned()));
+    }
+    for (name, key) in [
+        ("REDIS_TLS_CACERT", "redis.tls_ca_file"),
+        ("REDIS_TLS_CLIENT_CERT", "redis.tls_cert_file"),
+        ("REDIS_TLS_CLIENT_KEY", "redis.tls_key_file"),
+    ] {
+        if let Some(path) = up.get(name) {
+            out.push((key, path.to_owned()));
+        }
+    }
+    if let Some(ms) = up.millis("REDIS_TIMEOUT")? {
+        out.push(("redis.timeout_ms", ms.to_string()));
+    }
+    Ok(())
+}
+
+/// `GRPC_SERVER_USE_TLS` with `GRPC_SERVER_TLS_CERT`/`_KEY`, and
+/// `GRPC_CLIENT_TLS_CACERT` for client certificates.
+fn grpc_tls(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    if up.flag("GRPC_SERVER_USE_TLS")? != Some(true) {
+        return Ok(());
+    }
+    for (name, key) in [
+        ("GRPC_SERVER_TLS_CERT", "grpc.tls.cert_file"),
+        ("GRPC_SERVER_TLS_KEY", "grpc.tls.key_file"),
+        ("GRPC_CLIENT_TLS_CACERT", "grpc.tls.client_ca_file"),
+    ] {
+        if let Some(path) = up.get(name) {
+            out.push((key, path.to_owned()));
+        }
+    }
+    Ok(())
+}
+
+/// The modes, the response headers (upstream's `RateLimit-*` names by
+/// default), the near-limit ratio and the stats switch.
+fn envoy(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    for (name, key) in [
+        ("SHADOW_MODE", "envoy.shadow_mode"),
+        ("QUOTA_MODE", "envoy.quota_mode"),
+        ("RESPONSE_DYNAMIC_METADATA", "envoy.response_dynamic_metadata"),
+        ("LIMIT_RESPONSE_HEADERS_ENABLED", "envoy.response_headers"),
+    ] {
+        if let Some(on) = up.flag(name)? {
+            out.push((key, on.to_string()));
+        }
+    }
+    for (name, key, default) in [
+        ("LIMIT_LIMIT_HEADER", "envoy.limit_header", "RateLimit-Limit"),
+        ("LIMIT_REMAINING_HEADER", "envoy.remaining_header", "RateLimit-Remaining"),
+        ("LIMIT_RESET_HEADER", "envoy.reset_header", "RateLimit-Reset"),
+    ] {
+        out.push((key, up.get(name).unwrap_or(default).to_owned()));
+    }
+    if let Some(ratio) = up.get("NEAR_LIMIT_RATIO") {
+        ratio
+            .parse::<f32>()
+            .map_err(|_| invalid("NEAR_LIMIT_RATIO", format!("{ratio:?} is not a number")))?;
+        out.push(("envoy.near_limit_ratio", ratio.to_owned()));
+    }
+    if up.flag("DISABLE_STATS")? == Some(true) {
+        out.push(("envoy.upstream_metrics", "false".to_owned()));
+    }
+    Ok(())
+}
+
+/// `LOG_LEVEL` (upstream's names, any case) and `LOG_FORMAT` (`text` or `json`).
+fn logging(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    if let Some(level) = up.get("LOG_LEVEL") {
+        let level = match level.to_ascii_lowercase().as_str() {
+            "trace" => "trace",
+            "debug" => "debug",
+            "info" => "info",
+            "warn" | "warning" => "warn",
+            "error" | "fatal" | "panic" => "error",
+            _ => return Err(invalid("LOG_LEVEL", format!("{level:?} is not a log level"))),
+        };
+        out.push(("log.level", level.to_owned()));
+    }
+    if let Some(format) = up.get("LOG_FORMAT") {
+        let format = match format.to_ascii_lowercase().as_str() {
+            "text" => "human",
+            "json" => "json",
+            _ => return Err(invalid("LOG_FORMAT", format!("{format:?}: expected text or json"))),
+        };
+        out.push(("log.format", format.to_owned()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    fn translated(pairs: &[(&str, &str)]) -> (HashMap<String, String>, Compat) {
+        let mut env = env(pairs);
+        let compat = apply(&mut env).unwrap();
+        (env, compat)
+    }
+
+    #[test]
+    fn nothing_happens_without_the_switch() {
+        let (env, compat) = translated(&[("REDIS_URL", "redis:6379"), ("SHADOW_MODE", "true")]);
+        assert_eq!(env.len(), 2);
+        assert_eq!(compat, Compat::default());
+        let mut bad = self::env(&[(COMPAT_VAR, "lyft")]);
+        assert!(apply(&mut bad).unwrap_err().to_string().contains(COMPAT_VAR));
+    }
+
+    #[test]
+    fn an_upstream_deployment_translates() {
+        let (env, compat) = translated(&[
+            (COMPAT_VAR, ENVOYPROXY),
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis.internal:6379"),
+            ("REDIS_AUTH", "user:s3cret"),
+            ("REDIS_TIMEOUT", "150ms"),
+            ("RUNTIME_ROOT", "/data"),
+            ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+            ("PORT", "9080"),
+            ("GRPC_PORT", "9081"),
+            ("SHADOW_MODE", "True"),
+            ("LIMIT_RESPONSE_HEADERS_ENABLED", "1"),
+            ("NEAR_LIMIT_RATIO", "0.9"),
+            ("LOG_LEVEL", "WARN"),
+            ("LOG_FORMAT", "json"),
+            ("USE_STATSD", "false"),
+            ("REDIS_POOL_SIZE", "10"),
+            ("RATELIMITD__GRPC__LISTEN", "127.0.0.1:7000"),
+        ]);
+        let get = |k: &str| env.get(k).map(String::as_str);
+        assert_eq!(get("RATELIMITD__REDIS__URL"), Some("redis://redis.internal:6379"));
+        assert_eq!(get("RATELIMITD__REDIS__PASSWORD"), Some("s3cret"));
+        assert_eq!(get("RATELIMITD__REDIS__TIMEOUT_MS"), Some("150"));
+        assert_eq!(get("RATELIMITD__RULES__ENVOY_PATH"), Some("/data/ratelimit/config"));
+        assert_eq!(get("RATELIMITD__HTTP__LISTEN"), Some("0.0.0.0:9080"));
+        assert_eq!(get("RATELIMITD__GRPC__LISTEN"), Some("127.0.0.1:7000"), "an explicit key wins");
+        assert_eq!(get("RATELIMITD__ENVOY__SHADOW_MODE"), Some("true"));
+        assert_eq!(get("RATELIMITD__ENVOY__RESPONSE_HEADERS"), Some("true"));
+        assert_eq!(get("RATELIMITD__ENVOY__LIMIT_HEADER"), Some("RateLimit-Limit"));
+        assert_eq!(get("RATELIMITD__ENVOY__NEAR_LIMIT_RATIO"), Some("0.9"));
+        assert_eq!(get("RATELIMITD__LOG__LEVEL"), Some("warn"));
+        assert_eq!(get("RATELIMITD__LOG__FORMAT"), Some("json"));
+        assert_eq!(compat.ignored.iter().map(|(n, _)| *n).collect::<Vec<_>>(), ["REDIS_POOL_SIZE"]);
+    }
+
+    #[test]
+    fn upstream_defaults_apply() {
+        let (env, _) = translated(&[(COMPAT_VAR, ENVOYPROXY)]);
+        let get = |k: &str| env.get(k).map(String::as_str);
+        assert_eq!(get("RATELIMITD__REDIS__URL"), Some("unix:///var/run/nutcracker/ratelimit.sock"));
+        assert_eq!(get("RATELIMITD__RULES__ENVOY_PATH"), Some("/srv/runtime_data/current/config"));
+        assert_eq!(get("RATELIMITD__HTTP__LISTEN"), None, "ours is upstream's 0.0.0.0:8080 already");
+        let (env, compat) = translated(&[
+            (COMPAT_VAR, ENVOYPROXY),
+            ("REDIS_TYPE", "cluster"),
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_TLS", "true"),
+            ("REDIS_URL", "a:7000,b:7001"),
+            ("USE_STATSD", "true"),
+        ]);
+        assert_eq!(env["RATELIMITD__REDIS__URL"], "rediss://a:7000,rediss://b:7001");
+        assert_eq!(env["RATELIMITD__REDIS__CLUSTER"], "true");
+        assert_eq!(compat.ignored.iter().map(|(n, _)| *n).collect::<Vec<_>>(), ["USE_STATSD"]);
+    }
+
+    #[test]
+    fn what_would_change_decisions_refuses_to_start_naming_the_variable() {
+        for (name, value) in [
+            ("BACKEND_TYPE", "memcache"),
+            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("REDIS_TYPE", "sentinel"),
+            ("REDIS_TIMEOUT", "soon"),
+            ("SHADOW_MODE", "yes"),
+            ("PORT", "http"),
+            ("REDIS_SOCKET_TYPE", "udp"),
+            ("LOG_LEVEL", "loud"),
+        ] {
+            let mut env = env(&[(COMPAT_VAR, ENVOYPROXY), (name, value)]);
+            let error = apply(&mut env).unwrap_err().to_string();
+            assert!(error.contains(name), "{name}={value}: {error}");
+        }
+    }
+}
