@@ -453,3 +453,70 @@ async fn quota_mode_routes_on_the_returned_dynamic_metadata() {
     assert_eq!(get_path(port, "/multi", &[]).0, 429, "every backend's quota is spent");
     s.server.stop().await.unwrap();
 }
+
+/// An envoyproxy/ratelimit deployment, unchanged: the binary started with
+/// upstream's environment only (`RATELIMITD_COMPAT=envoyproxy`; Redis on a
+/// Unix socket as upstream defaults to; the runtime directory layout; its
+/// ports and header switch), traffic through a real Envoy, and upstream's
+/// metric names on `/metrics`. A variable with no equivalent is reported
+/// by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_upstream_deployment_runs_unchanged() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let config_dir = dir.path().join("runtime/ratelimit/config");
+    std::fs::create_dir_all(&config_dir).unwrap();
+    std::fs::copy(common::repo_path("examples/envoy/ratelimit/edge.yaml"), config_dir.join("edge.yaml"))
+        .unwrap();
+    let (port, grpc_port) = (free_port(), free_port());
+    let log = dir.path().join("stderr.log");
+    let service = Process(
+        Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+            .arg("serve")
+            .env_clear()
+            .env("HOME", dir.path())
+            .env("RATELIMITD_COMPAT", "envoyproxy")
+            .env("REDIS_SOCKET_TYPE", "unix")
+            .env("REDIS_URL", redis.socket())
+            .env("RUNTIME_ROOT", dir.path().join("runtime"))
+            .env("RUNTIME_SUBDIRECTORY", "ratelimit")
+            .env("RUNTIME_WATCH_ROOT", "false")
+            .env("HOST", "127.0.0.1")
+            .env("PORT", port.to_string())
+            .env("GRPC_HOST", "127.0.0.1")
+            .env("GRPC_PORT", grpc_port.to_string())
+            .env("DEBUG_PORT", "6070")
+            .env("USE_STATSD", "false")
+            .env("LOG_LEVEL", "WARN")
+            .env("LIMIT_RESPONSE_HEADERS_ENABLED", "true")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(grpc_port, "ratelimitd");
+    let (_upstream, upstream_port) = upstream(dir.path());
+    let (_envoy, envoy_port) = envoy(dir.path(), grpc_port, upstream_port);
+    let (statuses, scrape) = tokio::task::spawn_blocking(move || {
+        let statuses: Vec<_> = (0..5).map(|_| get(envoy_port, &[("x-user-id", "alice")])).collect();
+        (statuses, common::http_get(([127, 0, 0, 1], port).into(), "/metrics").1)
+    })
+    .await
+    .unwrap();
+    let codes: Vec<u16> = statuses.iter().map(|(code, _)| *code).collect();
+    assert_eq!(codes, [200, 200, 200, 429, 429]);
+    assert_eq!(header(&statuses[0].1, "ratelimit-limit"), Some("3"), "upstream's header names");
+    assert_eq!(header(&statuses[0].1, "ratelimit-remaining"), Some("2"));
+    for line in [
+        r#"ratelimit_service_rate_limit_total_hits{domain="edge",key1="user"} 5"#,
+        r#"ratelimit_service_rate_limit_within_limit{domain="edge",key1="user"} 3"#,
+        r#"ratelimit_service_rate_limit_over_limit{domain="edge",key1="user"} 2"#,
+        "ratelimit_service_config_load_success 1",
+    ] {
+        assert!(scrape.lines().any(|l| l == line), "missing {line}");
+    }
+    drop(service);
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    assert!(stderr.contains("DEBUG_PORT"), "an unsupported variable is reported by name:\n{stderr}");
+    assert!(!stderr.contains("USE_STATSD"), "USE_STATSD=false needs no report:\n{stderr}");
+}
