@@ -50,6 +50,31 @@ async fn counters_are_strings_that_expire_at_the_end_of_the_next_window() {
     server.stop().await.unwrap();
 }
 
+/// `redis.key_prefix` (upstream's `CACHE_KEY_PREFIX`): two deployments on
+/// one Redis count apart, each under its prefix.
+#[tokio::test]
+async fn key_prefixes_keep_deployments_apart() {
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut servers = Vec::new();
+    for prefix in ["a:", "b:"] {
+        let mut cfg = config(&rules.path(), Some(redis.url()));
+        cfg.redis.key_prefix = prefix.to_owned();
+        servers.push(TestServer::start(cfg).await);
+    }
+    for _ in 0..3 {
+        check(&mut servers[0].client().await, request("kim", "/hot")).await;
+    }
+    check(&mut servers[1].client().await, request("kim", "/hot")).await;
+    let [_, a, _, _] = redis.counter("a:rl2:{kim}:hot").await.expect("a's counter");
+    let [_, b, _, _] = redis.counter("b:rl2:{kim}:hot").await.expect("b's counter");
+    assert_eq!((a, b), (3.0, 1.0));
+    assert!(redis.counter("rl2:{kim}:hot").await.is_none(), "nothing unprefixed");
+    for server in servers {
+        server.stop().await.unwrap();
+    }
+}
+
 /// The script is called by SHA; after SCRIPT FLUSH it is reloaded on NOSCRIPT
 /// and decisions stay exact.
 #[tokio::test]

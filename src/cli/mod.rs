@@ -333,7 +333,8 @@ pub async fn overload_mode(mode: Option<&str>, config: &Config) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let key = crate::overload::feed::MODE_KEY;
+    let key = crate::overload::feed::mode_key(store.key_prefix());
+    let key = key.as_str();
     let mut pipeline = redis::pipe();
     match mode {
         None => pipeline.cmd("GET").arg(key),

@@ -71,7 +71,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("LOCAL_CACHE_SIZE_IN_BYTES", "no local over-limit cache: every decision is exact"),
     ("EXPIRATION_JITTER_MAX_SECONDS", "counters expire two windows after their last hit"),
     ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "always: a refused hit never counts"),
-    ("CACHE_KEY_PREFIX", "no key prefix yet: give each deployment its own Redis database (REDIS_URL .../N)"),
     ("MERGE_DOMAIN_CONFIG", "not yet: a domain defined in two files is an error"),
     ("RUNTIME_IGNOREDOTFILES", "dot files are always ignored"),
     ("RUNTIME_WATCH_ROOT", "the resolved files are always watched (symlink swaps included)"),
@@ -278,6 +277,9 @@ fn redis(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
             out.push((key, path.to_owned()));
         }
     }
+    if let Some(prefix) = up.get("CACHE_KEY_PREFIX") {
+        out.push(("redis.key_prefix", prefix.to_owned()));
+    }
     if let Some(ms) = up.millis("REDIS_TIMEOUT")? {
         out.push(("redis.timeout_ms", ms.to_string()));
     }
@@ -389,6 +391,7 @@ mod tests {
             ("REDIS_URL", "redis.internal:6379"),
             ("REDIS_AUTH", "user:s3cret"),
             ("REDIS_TIMEOUT", "150ms"),
+            ("CACHE_KEY_PREFIX", "team-a:"),
             ("RUNTIME_ROOT", "/data"),
             ("RUNTIME_SUBDIRECTORY", "ratelimit"),
             ("PORT", "9080"),
@@ -406,6 +409,7 @@ mod tests {
         assert_eq!(get("RATELIMITD__REDIS__URL"), Some("redis://redis.internal:6379"));
         assert_eq!(get("RATELIMITD__REDIS__PASSWORD"), Some("s3cret"));
         assert_eq!(get("RATELIMITD__REDIS__TIMEOUT_MS"), Some("150"));
+        assert_eq!(get("RATELIMITD__REDIS__KEY_PREFIX"), Some("team-a:"));
         assert_eq!(get("RATELIMITD__RULES__ENVOY_PATH"), Some("/data/ratelimit/config"));
         assert_eq!(get("RATELIMITD__HTTP__LISTEN"), Some("0.0.0.0:9080"));
         assert_eq!(get("RATELIMITD__GRPC__LISTEN"), Some("127.0.0.1:7000"), "an explicit key wins");

@@ -292,6 +292,14 @@ mod tests {
         let err =
             Config::load(None, env(&[("RATELIMITD__GRPC__LISTEN", "nowhere")])).unwrap_err().to_string();
         assert!(err.contains("`grpc.listen`"), "{err}");
+        for prefix in ["{tag}:", "a b", &"x".repeat(65)] {
+            let err = Config::load(None, env(&[("RATELIMITD__REDIS__KEY_PREFIX", prefix)]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("`redis.key_prefix`"), "{prefix}: {err}");
+        }
+        let unix = Config::load(None, env(&[("RATELIMITD__REDIS__URL", "unix:///run/redis.sock")])).unwrap();
+        assert_eq!(unix.redis.url.as_deref(), Some("unix:///run/redis.sock"));
     }
 
     #[test]

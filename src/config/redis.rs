@@ -57,6 +57,9 @@ pub struct RedisConfig {
     pub max_keys_per_call: usize,
     /// The most bytes of counter keys one script call carries; likewise.
     pub max_key_bytes_per_call: usize,
+    /// Put before every key this service writes (upstream's
+    /// `CACHE_KEY_PREFIX`), so deployments sharing one Redis keep apart.
+    pub key_prefix: String,
 }
 
 impl Default for RedisConfig {
@@ -77,6 +80,7 @@ impl Default for RedisConfig {
             breaker_open_ms: 250,
             max_keys_per_call: 1_024,
             max_key_bytes_per_call: 256 << 10,
+            key_prefix: String::new(),
         }
     }
 }
@@ -204,6 +208,19 @@ impl RedisConfig {
         }
         if self.max_key_bytes_per_call < 1_024 {
             return Err(invalid("redis.max_key_bytes_per_call", "must be at least 1024"));
+        }
+        // Braces would become the key's hash tag; control characters and
+        // spaces have no place in a key an operator reads.
+        if self.key_prefix.len() > 64
+            || self.key_prefix.chars().any(|c| c == '{' || c == '}' || c.is_control() || c.is_whitespace())
+        {
+            return Err(invalid(
+                "redis.key_prefix",
+                format!(
+                    "{:?}: at most 64 bytes, without braces, spaces or control characters",
+                    self.key_prefix
+                ),
+            ));
         }
         if self.breaker_failures > 0 && self.breaker_open_ms == 0 {
             return Err(invalid(

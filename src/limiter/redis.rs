@@ -188,6 +188,8 @@ pub struct RedisStore {
     /// against a cluster.
     breakers: Arc<[Breaker]>,
     url_for_logs: String,
+    /// `redis.key_prefix`, before every key (upstream's `CACHE_KEY_PREFIX`).
+    key_prefix: Box<str>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -324,6 +326,7 @@ impl RedisStore {
             timeout,
             breakers,
             url_for_logs: redact_url(url),
+            key_prefix: config.key_prefix.as_str().into(),
         })
     }
 
@@ -357,6 +360,11 @@ impl RedisStore {
             Ok(result) => result,
             Err(_) => Err(timeout_error(timeout)),
         }
+    }
+
+    /// `redis.key_prefix`: what every key this service writes starts with.
+    pub fn key_prefix(&self) -> &str {
+        &self.key_prefix
     }
 
     /// Runs `pipeline` outside the decision path (the overload layer's
@@ -421,7 +429,8 @@ impl RedisStore {
             spec: [params.window_ms, params.capacity, 1, flags(params, false, count), params.rate],
             weight,
         };
-        let reply = self.run(JobKeys::One([(counter_key(user_id, counter.id), args)])).await?;
+        let reply =
+            self.run(JobKeys::One([(counter_key(&self.key_prefix, user_id, counter.id), args)])).await?;
         let &[committed, fits, a, b, c] = reply.as_slice() else {
             return Err(script_error(format!("script answered {} values for one key", reply.len())));
         };
@@ -447,7 +456,8 @@ impl RedisStore {
         let keys = items
             .iter()
             .map(|item| {
-                let mut key = String::with_capacity(7 + group.len() + item.key.len());
+                let mut key = String::with_capacity(self.key_prefix.len() + 7 + group.len() + item.key.len());
+                key.push_str(&self.key_prefix);
                 key.push_str("rle2:{");
                 push_tag(&mut key, group);
                 key.push_str("}:");
@@ -904,10 +914,11 @@ fn timeout_error(timeout: Duration) -> StoreError {
     StoreError { kind: FailureKind::Timeout, message: format!("no answer within {} ms", timeout.as_millis()) }
 }
 
-/// `rl2:{<user_id>}:<rule_id>`, built in one allocation. The hash tag keeps
-/// all of a user's counters in one Redis Cluster slot.
-pub fn counter_key(user_id: &str, rule_id: &str) -> String {
-    let mut key = String::with_capacity(7 + user_id.len() + rule_id.len());
+/// `<prefix>rl2:{<user_id>}:<rule_id>`, built in one allocation. The hash
+/// tag keeps all of a user's counters in one Redis Cluster slot.
+pub fn counter_key(prefix: &str, user_id: &str, rule_id: &str) -> String {
+    let mut key = String::with_capacity(prefix.len() + 7 + user_id.len() + rule_id.len());
+    key.push_str(prefix);
     key.push_str("rl2:{");
     push_tag(&mut key, user_id);
     key.push_str("}:");
@@ -959,7 +970,7 @@ mod tests {
 
     #[test]
     fn key_has_the_user_as_hash_tag() {
-        assert_eq!(counter_key("u-1", "playback"), "rl2:{u-1}:playback");
+        assert_eq!(counter_key("", "u-1", "playback"), "rl2:{u-1}:playback");
     }
 
     #[test]
@@ -972,12 +983,12 @@ mod tests {
         // A brace in a value cannot cut or empty the tag: every key of one
         // user (or domain) stays in one slot, whatever follows the tag.
         for hostile in ["}evil", "{x}y", "a}b{c", "%7D"] {
-            let a = counter_key(hostile, "rule-a");
-            let b = counter_key(hostile, "rule-b");
+            let a = counter_key("", hostile, "rule-a");
+            let b = counter_key("", hostile, "rule-b");
             assert_eq!(key_slot(&a), key_slot(&b), "{a} / {b}");
             assert!(!a.contains("{}"), "{a}");
         }
-        assert_ne!(counter_key("}", "r"), counter_key("%7D", "r"), "the encoding is injective");
+        assert_ne!(counter_key("", "}", "r"), counter_key("", "%7D", "r"), "the encoding is injective");
         // An empty tag hashes the whole key.
         assert_eq!(key_slot("{}x"), crc16::State::<crc16::XMODEM>::calculate(b"{}x") % 16_384);
     }

@@ -28,12 +28,18 @@ use crate::{
     rules::{Hot, OverloadScope, RuleStore, Versioned, envoy::EnvoyConfig, tenants::Tenants},
 };
 
-/// The Redis key of the cluster-wide mode switch (`ratelimitd overload mode`).
+/// The Redis key of the cluster-wide mode switch (`ratelimitd overload`),
+/// after `redis.key_prefix`.
 pub const MODE_KEY: &str = "rlo:{overload}:mode";
 
-/// The hash of one interval's global counts.
-pub fn interval_key(index: u64) -> String {
-    format!("rlo:{{overload}}:{index}")
+/// The switch's key under `prefix` (`redis.key_prefix`).
+pub fn mode_key(prefix: &str) -> String {
+    format!("{prefix}{MODE_KEY}")
+}
+
+/// The hash of one interval's global counts, under `prefix`.
+pub fn interval_key(prefix: &str, index: u64) -> String {
+    format!("{prefix}rlo:{{overload}}:{index}")
 }
 
 /// Where the directives come from.
@@ -281,15 +287,15 @@ async fn exchange_redis(
 ) -> Result<View, StoreError> {
     let mut pipeline = redis::pipe();
     if !deltas.is_empty() {
-        let key = interval_key(ended);
+        let key = interval_key(store.key_prefix(), ended);
         for (field, delta) in deltas {
             pipeline.cmd("HINCRBY").arg(&key).arg(&**field).arg(*delta).ignore();
         }
         // Read one interval later; a few intervals' worth of hashes at most.
         pipeline.cmd("PEXPIRE").arg(&key).arg(interval_ms * 4).ignore();
     }
-    pipeline.cmd("HGETALL").arg(interval_key(ended.saturating_sub(1)));
-    pipeline.cmd("GET").arg(MODE_KEY);
+    pipeline.cmd("HGETALL").arg(interval_key(store.key_prefix(), ended.saturating_sub(1)));
+    pipeline.cmd("GET").arg(mode_key(store.key_prefix()));
     // Well inside the interval, so a slow Redis never stacks exchanges.
     let timeout = Duration::from_millis((interval_ms / 2).clamp(10, 1_000));
     let (counts, mode): (HashMap<String, u64>, Option<String>) = store.pipeline(&pipeline, timeout).await?;
