@@ -27,7 +27,8 @@ pub const MIGRATIONS: [(&str, &str); 6] = [
     ("0006_capture_topic.yaml", include_str!("../migrations/0006_capture_topic.yaml")),
 ];
 
-/// The Redis key holding the counter key-schema version.
+/// The Redis key holding the counter key-schema version (after
+/// `redis.key_prefix`).
 pub const KEY_SCHEMA_KEY: &str = "ratelimitd:key_schema_version";
 
 /// One step.
@@ -263,22 +264,24 @@ async fn redis_key_schema(config: &Config, version: u32, latest: u32) -> Result<
         .await
         .map_err(|_| format!("no answer from Redis at {shown} within 10 s"))?
         .map_err(|e| format!("cannot connect to Redis at {shown}: {e}"))?;
+    let key = format!("{}{KEY_SCHEMA_KEY}", config.redis.key_prefix);
+    let key = key.as_str();
     // SET NX first: concurrent migrations agree on one writer.
     let set: Option<String> = redis::cmd("SET")
-        .arg(KEY_SCHEMA_KEY)
+        .arg(key)
         .arg(version)
         .arg("NX")
         .query_async(&mut conn)
         .await
-        .map_err(|e| format!("cannot write {KEY_SCHEMA_KEY}: {e}"))?;
+        .map_err(|e| format!("cannot write {key}: {e}"))?;
     if set.is_some() {
-        return Ok(Applied::Changed(format!("recorded key-schema version {version} in {KEY_SCHEMA_KEY}")));
+        return Ok(Applied::Changed(format!("recorded key-schema version {version} in {key}")));
     }
     let stored: String = redis::cmd("GET")
-        .arg(KEY_SCHEMA_KEY)
+        .arg(key)
         .query_async(&mut conn)
         .await
-        .map_err(|e| format!("cannot read {KEY_SCHEMA_KEY}: {e}"))?;
+        .map_err(|e| format!("cannot read {key}: {e}"))?;
     match stored.parse::<u32>() {
         Ok(v) if v == version => Ok(Applied::AlreadyApplied(format!("key-schema version {v} recorded"))),
         Ok(v) if v > version && v <= latest => {
@@ -287,11 +290,11 @@ async fn redis_key_schema(config: &Config, version: u32, latest: u32) -> Result<
         Ok(v) if v > version => Err(format!(
             "Redis holds key-schema version {v}, newer than this build's {latest}: upgrade ratelimitd"
         )),
-        Ok(v) if v + 1 == version => upgrade_key_schema(&mut conn, v, version).await,
+        Ok(v) if v + 1 == version => upgrade_key_schema(&mut conn, key, v, version).await,
         Ok(v) => {
             Err(format!("Redis holds key-schema version {v}; this build has no upgrade from it to {version}"))
         }
-        Err(_) => Err(format!("{KEY_SCHEMA_KEY} holds {stored:?}, not a version number")),
+        Err(_) => Err(format!("{key} holds {stored:?}, not a version number")),
     }
 }
 
@@ -301,24 +304,25 @@ async fn redis_key_schema(config: &Config, version: u32, latest: u32) -> Result<
 /// the older counters expire by their own TTL.
 async fn upgrade_key_schema(
     conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
     from: u32,
     to: u32,
 ) -> Result<Applied, String> {
     let swapped: u32 = redis::Script::new(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0",
     )
-    .key(KEY_SCHEMA_KEY)
+    .key(key)
     .arg(from)
     .arg(to)
     .invoke_async(conn)
     .await
-    .map_err(|e| format!("cannot update {KEY_SCHEMA_KEY}: {e}"))?;
+    .map_err(|e| format!("cannot update {key}: {e}"))?;
     if swapped == 1 {
         Ok(Applied::Changed(format!(
             "upgraded key-schema version {from} to {to}; version-{from} counters expire by their own TTL"
         )))
     } else {
-        Err(format!("{KEY_SCHEMA_KEY} changed while this step ran; run migrate again"))
+        Err(format!("{key} changed while this step ran; run migrate again"))
     }
 }
 
