@@ -490,3 +490,39 @@ fn sigterm_under_load_fails_no_in_flight_call() {
     assert!(status.success(), "exit {status:?}\n{log}");
     assert!(log.contains("SIGTERM received") && log.contains("ratelimitd stopped"), "{log}");
 }
+
+/// `grpc.uds`: gRPC also on a Unix socket; a stale socket file from an
+/// earlier run is replaced, the file is gone after a graceful shutdown,
+/// and a path holding another kind of file refuses to start, naming the key.
+#[test]
+fn grpc_on_a_unix_socket_replaces_a_stale_one_and_cleans_up() {
+    let rules = Rules::new(RULES);
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("rl.sock");
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap()); // stale
+    let uds = socket.to_str().unwrap();
+    let serve = Serve::start_with(&rules.path(), None, &[("RATELIMITD__GRPC__UDS", uds)]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline, "nothing on {uds}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, log) = serve.terminate();
+    assert!(status.success(), "{log}");
+    assert!(!socket.exists(), "the socket file is removed at shutdown");
+
+    let file = dir.path().join("not-a-socket");
+    std::fs::write(&file, "keep me").unwrap();
+    let out = ratelimitd(
+        &["serve"],
+        &[
+            ("RATELIMITD__GRPC__UDS", file.to_str().unwrap()),
+            ("RATELIMITD__GRPC__LISTEN", &format!("127.0.0.1:{}", free_port())),
+            ("RATELIMITD__HTTP__LISTEN", &format!("127.0.0.1:{}", free_port())),
+            ("RATELIMITD__DLQ__FILE", dir.path().join("dlq.jsonl").to_str().unwrap()),
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("grpc.uds"), "{}", stderr(&out));
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me", "another file is never removed");
+}

@@ -489,6 +489,7 @@ async fn an_upstream_deployment_runs_unchanged() {
             .env("USE_STATSD", "false")
             .env("LOG_LEVEL", "WARN")
             .env("LIMIT_RESPONSE_HEADERS_ENABLED", "true")
+            .env("GRPC_UDS", dir.path().join("ratelimit.sock"))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -515,6 +516,30 @@ async fn an_upstream_deployment_runs_unchanged() {
     ] {
         assert!(scrape.lines().any(|l| l == line), "missing {line}");
     }
+    // The same service on its Unix socket (GRPC_UDS): alice is spent.
+    let socket = dir.path().join("ratelimit.sock");
+    let answer = tokio::task::spawn_blocking(move || {
+        Command::new(common::grpcurl_path())
+            .args([
+                "-plaintext",
+                "-unix",
+                // grpcurl's default :authority is the socket path, which
+                // is no valid authority: HTTP/2 refuses it.
+                "-authority",
+                "localhost",
+                "-d",
+                r#"{"domain":"edge","descriptors":[{"entries":[{"key":"user","value":"alice"}]}]}"#,
+            ])
+            .arg(&socket)
+            .arg("envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&answer.stdout);
+    assert!(answer.status.success(), "grpcurl: {}", String::from_utf8_lossy(&answer.stderr));
+    assert!(stdout.contains("\"overallCode\": \"OVER_LIMIT\""), "{stdout}");
     drop(service);
     let stderr = std::fs::read_to_string(&log).unwrap();
     assert!(stderr.contains("DEBUG_PORT"), "an unsupported variable is reported by name:\n{stderr}");

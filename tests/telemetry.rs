@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::{path::PathBuf, process::Command, time::Duration};
+use std::{process::Command, time::Duration};
 
 use common::{RedisServer, Rules, TestServer, check, config, eventually, http_get, request};
 use ratelimitd::api::pb::PriorityBucket;
@@ -234,9 +234,7 @@ async fn reflection_lists_every_service_for_grpcurl() {
     let mut cfg = config(&rules.path(), None);
     cfg.rules.envoy_path = Some(envoy.path());
     let server = TestServer::start(cfg).await;
-    let grpcurl = std::env::var_os("RATELIMITD_GRPCURL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| common::tansu_path().parent().unwrap().parent().unwrap().join("venv/bin/grpcurl"));
+    let grpcurl = common::grpcurl_path();
     assert!(grpcurl.exists(), "{} not found: run scripts/install-tools", grpcurl.display());
     let addr = server.addr.to_string();
     let run = move |args: Vec<String>| {

@@ -40,7 +40,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("USE_DOG_STATSD_MOGRIFIERS", "no statsd sink"),
     ("EXTRA_TAGS", "no statsd sink"),
     ("STATS_FLUSH_INTERVAL", "Prometheus scrapes: nothing to flush"),
-    ("GRPC_UDS", "no Unix socket gRPC listener yet: GRPC_HOST/GRPC_PORT serve"),
     ("GRPC_MAX_CONNECTION_AGE", "connections are not aged out"),
     ("GRPC_MAX_CONNECTION_AGE_GRACE", "connections are not aged out"),
     ("GRPC_CLIENT_TLS_SAN", "client certificates are checked against GRPC_CLIENT_TLS_CACERT only"),
@@ -209,9 +208,12 @@ fn refuse_unsupported(up: &Upstream<'_>) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// `HOST`/`PORT` (upstream's HTTP listener: health and, here, metrics) and
-/// `GRPC_HOST`/`GRPC_PORT`.
+/// `HOST`/`PORT` (upstream's HTTP listener: health and, here, metrics),
+/// `GRPC_HOST`/`GRPC_PORT`, and `GRPC_UDS` (served beside the port).
 fn listeners(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    if let Some(path) = up.get("GRPC_UDS") {
+        out.push(("grpc.uds", path.to_owned()));
+    }
     for (host, port, default_port, key) in
         [("HOST", "PORT", "8080", "http.listen"), ("GRPC_HOST", "GRPC_PORT", "8081", "grpc.listen")]
     {

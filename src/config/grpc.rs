@@ -25,6 +25,10 @@ pub struct GrpcConfig {
     pub max_message_bytes: usize,
     /// TLS on the gRPC port; off unless `cert_file` and `key_file` are set.
     pub tls: GrpcTlsConfig,
+    /// Also serve gRPC (plain, never TLS) on this Unix socket, for a proxy
+    /// on the same host (upstream's `GRPC_UDS`). A stale socket file left
+    /// by an earlier run is replaced; the file is removed at shutdown.
+    pub uds: Option<PathBuf>,
 }
 
 /// `grpc.tls.*`
@@ -69,6 +73,7 @@ impl Default for GrpcConfig {
             drain_delay_ms: 0,
             max_message_bytes: 1 << 20,
             tls: GrpcTlsConfig::default(),
+            uds: None,
         }
     }
 }
@@ -79,6 +84,11 @@ impl GrpcConfig {
         self.listen.parse::<SocketAddr>().map_err(|e| {
             invalid("grpc.listen", format!("{:?} is not an ip:port address: {e}", self.listen))
         })?;
+        if let Some(path) = &self.uds
+            && (path.as_os_str().is_empty() || path.as_os_str().len() > 100)
+        {
+            return Err(invalid("grpc.uds", format!("{}: a socket path of 1 to 100 bytes", path.display())));
+        }
         if !(1_024..=64 << 20).contains(&self.max_message_bytes) {
             return Err(invalid("grpc.max_message_bytes", "must be between 1024 and 67108864"));
         }

@@ -58,6 +58,9 @@ pub enum ServerError {
     /// The gRPC server failed.
     #[error("grpc server")]
     Transport(#[from] tonic::transport::Error),
+    /// The Unix socket (`grpc.uds`) cannot be bound.
+    #[error("grpc.uds {0}")]
+    Uds(String),
     /// The gRPC TLS certificate, key or client CA does not load.
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
@@ -171,7 +174,7 @@ pub async fn run_observed(
     });
     let drain_delay = Duration::from_millis(config.grpc.drain_delay_ms);
     let (signal, drained) = drain_on(shutdown, health, reporter, drain_delay);
-    let serve = serve_grpc(&config, router, listener, tls, signal, &mut tasks);
+    let serve = serve_grpc(&config, router, listener, tls, signal, &mut tasks)?;
     let grace = Duration::from_millis(config.grpc.shutdown_grace_ms);
     let result = serve_until_stopped(serve, drained, grace, &mut tasks, &mut dispatchers).await;
     stop(tasks, dispatchers, grace, &dlq).await;
@@ -344,9 +347,11 @@ type Router = tonic::transport::server::Router<
     >,
 >;
 
-/// Serves `router` on `listener` (over TLS when configured) until `signal`.
-/// One boxed future for the server's lifetime: plain TCP and TLS streams
-/// are different types.
+type Serving = std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>>;
+
+/// Serves `router` on `listener` (over TLS when configured), and on the
+/// Unix socket `grpc.uds` when set, until `signal`. One boxed future for
+/// the server's lifetime: plain TCP and TLS streams are different types.
 fn serve_grpc(
     config: &Config,
     router: Router,
@@ -354,7 +359,61 @@ fn serve_grpc(
     tls: Option<ReloadingAcceptor>,
     signal: impl Future<Output = ()> + Send + 'static,
     tasks: &mut Tasks,
-) -> std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> {
+) -> Result<Serving, ServerError> {
+    let Some(path) = &config.grpc.uds else {
+        return Ok(serve_tcp(config, router, listener, tls, signal, tasks));
+    };
+    let unix = bind_uds(path)?;
+    tracing::info!(path = %path.display(), "gRPC also on a Unix socket");
+    // One signal, two servers: a watch both wait on.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let tcp = serve_tcp(config, router.clone(), listener, tls, stopped(stop_rx.clone()), tasks);
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(unix);
+    let uds = router.serve_with_incoming_shutdown(incoming, stopped(stop_rx));
+    let path = path.clone();
+    Ok(Box::pin(async move {
+        // Tells both servers, then waits for them to finish.
+        let forward = async move {
+            signal.await;
+            let _ = stop_tx.send(true);
+            std::future::pending::<std::convert::Infallible>().await
+        };
+        let served = tokio::select! {
+            (tcp, uds) = async { tokio::join!(tcp, uds) } => tcp.and(uds),
+            never = forward => match never {},
+        };
+        let _ = std::fs::remove_file(&path);
+        served
+    }))
+}
+
+/// Binds the Unix socket at `path`, replacing a socket file an earlier run
+/// left (never another kind of file).
+fn bind_uds(path: &std::path::Path) -> Result<tokio::net::UnixListener, ServerError> {
+    use std::os::unix::fs::FileTypeExt as _;
+    let shown = || path.display().to_string();
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(ServerError::Uds(format!("{}: exists and is not a socket", shown())));
+        }
+        std::fs::remove_file(path).map_err(|e| ServerError::Uds(format!("{}: {e}", shown())))?;
+    }
+    tokio::net::UnixListener::bind(path)
+        .map_err(|e| ServerError::Uds(format!("{}: cannot bind: {e}", shown())))
+}
+
+/// Serves `router` on `listener`, over TLS when configured, until `signal`.
+fn serve_tcp(
+    config: &Config,
+    router: Router,
+    listener: TcpListener,
+    tls: Option<ReloadingAcceptor>,
+    signal: impl Future<Output = ()> + Send + 'static,
+    tasks: &mut Tasks,
+) -> Serving {
     match tls {
         None => {
             let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));

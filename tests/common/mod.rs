@@ -873,6 +873,14 @@ pub fn envoy_path() -> PathBuf {
     tansu_path().parent().unwrap().parent().unwrap().join("venv/bin/envoy")
 }
 
+/// grpcurl, from `RATELIMITD_GRPCURL` or the tools cache.
+pub fn grpcurl_path() -> PathBuf {
+    if let Some(path) = std::env::var_os("RATELIMITD_GRPCURL") {
+        return PathBuf::from(path);
+    }
+    tansu_path().parent().unwrap().parent().unwrap().join("venv/bin/grpcurl")
+}
+
 /// Envoy on `config`, one worker, warnings only, output discarded.
 pub fn spawn_envoy(config: &Path) -> Child {
     let envoy = envoy_path();
