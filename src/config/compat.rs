@@ -12,8 +12,8 @@
 //! parse is an error naming the variable; a variable that is set but has
 //! no equivalent is reported once at start, by name, with why
 //! ([`Compat::ignored`]); one whose absence would change decisions
-//! (`BACKEND_TYPE=memcache`, `CONFIG_TYPE=GRPC_XDS_SOTW`,
-//! `REDIS_TYPE=sentinel`) refuses to start.
+//! (`BACKEND_TYPE=memcache`, `CONFIG_TYPE=GRPC_XDS_SOTW`) refuses to
+//! start.
 
 use std::collections::HashMap;
 
@@ -53,7 +53,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("REDIS_STARTUP_MAX_INTERVAL", "the service starts without Redis and fails decisions by policy"),
     ("REDIS_STARTUP_MAX_ELAPSED_TIME", "the service starts without Redis and fails decisions by policy"),
     ("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", "the Redis certificate's name is always verified"),
-    ("REDIS_SENTINEL_AUTH", "no Redis Sentinel support yet"),
     ("REDIS_PERSECOND", "per-second limits are counted in the one Redis"),
     ("REDIS_PERSECOND_SOCKET_TYPE", "per-second limits are counted in the one Redis"),
     ("REDIS_PERSECOND_TYPE", "per-second limits are counted in the one Redis"),
@@ -201,9 +200,9 @@ fn refuse_unsupported(up: &Upstream<'_>) -> Result<(), ConfigError> {
         return Err(invalid("CONFIG_TYPE", format!("{kind:?} is not supported yet: only FILE")));
     }
     if let Some(kind) = up.get("REDIS_TYPE")
-        && !(kind.eq_ignore_ascii_case("single") || kind.eq_ignore_ascii_case("cluster"))
+        && !["single", "cluster", "sentinel"].iter().any(|k| kind.eq_ignore_ascii_case(k))
     {
-        return Err(invalid("REDIS_TYPE", format!("{kind:?} is not supported yet: SINGLE or cluster")));
+        return Err(invalid("REDIS_TYPE", format!("{kind:?}: expected SINGLE, cluster or sentinel")));
     }
     Ok(())
 }
@@ -241,9 +240,54 @@ fn runtime(up: &Upstream<'_>, out: &mut Out) {
 }
 
 /// `REDIS_SOCKET_TYPE`, `REDIS_URL`, `REDIS_TYPE`, `REDIS_AUTH`,
-/// `REDIS_TLS*`, `REDIS_TIMEOUT`, upstream's defaults included (a Unix
-/// socket).
+/// `REDIS_SENTINEL_AUTH`, `REDIS_TLS*`, `REDIS_TIMEOUT`, upstream's
+/// defaults included (a Unix socket).
 fn redis(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    if up.get("REDIS_TYPE").is_some_and(|t| t.eq_ignore_ascii_case("sentinel")) {
+        sentinel(up, out)?;
+    } else {
+        single_or_cluster(up, out)?;
+    }
+    if let Some(auth) = up.get("REDIS_AUTH") {
+        // Upstream takes `password` or `user:password`; the user is not
+        // sent (default user).
+        let password = auth.split_once(':').map_or(auth, |(_, p)| p);
+        out.push(("redis.password", password.to_owned()));
+    }
+    if let Some(prefix) = up.get("CACHE_KEY_PREFIX") {
+        out.push(("redis.key_prefix", prefix.to_owned()));
+    }
+    if let Some(ms) = up.millis("REDIS_TIMEOUT")? {
+        out.push(("redis.timeout_ms", ms.to_string()));
+    }
+    Ok(())
+}
+
+/// `REDIS_TYPE=sentinel`: `REDIS_URL` is the master's name, then the
+/// sentinels (`mymaster,host:26379,host2:26379`).
+fn sentinel(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    let list = up.get("REDIS_URL").unwrap_or_default();
+    let mut parts = list.split(',').map(str::trim).filter(|p| !p.is_empty());
+    let (Some(master), sentinels) = (parts.next(), parts.map(|s| format!("redis://{s}")).collect::<Vec<_>>())
+    else {
+        return Err(invalid("REDIS_URL", "with REDIS_TYPE=sentinel: the master's name, then the sentinels"));
+    };
+    if sentinels.is_empty() {
+        return Err(invalid("REDIS_URL", "with REDIS_TYPE=sentinel: the master's name, then the sentinels"));
+    }
+    if up.flag("REDIS_TLS")? == Some(true) {
+        return Err(invalid("REDIS_TLS", "not supported with REDIS_TYPE=sentinel yet"));
+    }
+    out.push(("redis.sentinel_master", master.to_owned()));
+    out.push(("redis.url", sentinels.join(",")));
+    if let Some(auth) = up.get("REDIS_SENTINEL_AUTH") {
+        out.push(("redis.sentinel_password", auth.to_owned()));
+    }
+    Ok(())
+}
+
+/// One server (tcp or unix) or a cluster's seed nodes.
+fn single_or_cluster(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     let cluster = up.get("REDIS_TYPE").is_some_and(|t| t.eq_ignore_ascii_case("cluster"));
     let tls = up.flag("REDIS_TLS")?.unwrap_or(false);
     let socket = up.get("REDIS_SOCKET_TYPE").unwrap_or("unix");
@@ -264,12 +308,6 @@ fn redis(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     if cluster {
         out.push(("redis.cluster", "true".to_owned()));
     }
-    if let Some(auth) = up.get("REDIS_AUTH") {
-        // Upstream takes `password` or `user:password`; the user is not
-        // sent (default user).
-        let password = auth.split_once(':').map_or(auth, |(_, p)| p);
-        out.push(("redis.password", password.to_owned()));
-    }
     for (name, key) in [
         ("REDIS_TLS_CACERT", "redis.tls_ca_file"),
         ("REDIS_TLS_CLIENT_CERT", "redis.tls_cert_file"),
@@ -278,12 +316,6 @@ fn redis(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
         if let Some(path) = up.get(name) {
             out.push((key, path.to_owned()));
         }
-    }
-    if let Some(prefix) = up.get("CACHE_KEY_PREFIX") {
-        out.push(("redis.key_prefix", prefix.to_owned()));
-    }
-    if let Some(ms) = up.millis("REDIS_TIMEOUT")? {
-        out.push(("redis.timeout_ms", ms.to_string()));
     }
     Ok(())
 }
@@ -366,6 +398,10 @@ fn logging(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
 mod tests {
     use super::*;
 
+    fn env_of(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        env(pairs)
+    }
+
     fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
     }
@@ -442,6 +478,20 @@ mod tests {
         assert_eq!(env["RATELIMITD__REDIS__URL"], "rediss://a:7000,rediss://b:7001");
         assert_eq!(env["RATELIMITD__REDIS__CLUSTER"], "true");
         assert_eq!(compat.ignored.iter().map(|(n, _)| *n).collect::<Vec<_>>(), ["USE_STATSD"]);
+        let (env, _) = translated(&[
+            (COMPAT_VAR, ENVOYPROXY),
+            ("REDIS_TYPE", "sentinel"),
+            ("REDIS_URL", "mymaster,s1:26379,s2:26379"),
+            ("REDIS_SENTINEL_AUTH", "sentinel-secret"),
+            ("REDIS_AUTH", "master-secret"),
+        ]);
+        assert_eq!(env["RATELIMITD__REDIS__SENTINEL_MASTER"], "mymaster");
+        assert_eq!(env["RATELIMITD__REDIS__URL"], "redis://s1:26379,redis://s2:26379");
+        assert_eq!(env["RATELIMITD__REDIS__SENTINEL_PASSWORD"], "sentinel-secret");
+        assert_eq!(env["RATELIMITD__REDIS__PASSWORD"], "master-secret");
+        let mut alone =
+            env_of(&[(COMPAT_VAR, ENVOYPROXY), ("REDIS_TYPE", "sentinel"), ("REDIS_URL", "mymaster")]);
+        assert!(apply(&mut alone).unwrap_err().to_string().contains("REDIS_URL"));
     }
 
     #[test]
@@ -449,7 +499,7 @@ mod tests {
         for (name, value) in [
             ("BACKEND_TYPE", "memcache"),
             ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
-            ("REDIS_TYPE", "sentinel"),
+            ("REDIS_TYPE", "sentinel-ish"),
             ("REDIS_TIMEOUT", "soon"),
             ("SHADOW_MODE", "yes"),
             ("PORT", "http"),

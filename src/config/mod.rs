@@ -303,6 +303,37 @@ mod tests {
     }
 
     #[test]
+    fn sentinel_keys_validate() {
+        let sentinel = |extra: &[(&str, &str)]| {
+            let mut pairs = vec![
+                ("RATELIMITD__REDIS__URL", "redis://s1:26379,redis://s2:26379"),
+                ("RATELIMITD__REDIS__SENTINEL_MASTER", "mymaster"),
+            ];
+            pairs.extend_from_slice(extra);
+            Config::load(None, env(&pairs))
+        };
+        let ok = sentinel(&[]).unwrap();
+        assert_eq!(ok.redis.sentinel_master.as_deref(), Some("mymaster"));
+        let err = sentinel(&[("RATELIMITD__REDIS__CLUSTER", "true")]).unwrap_err().to_string();
+        assert!(err.contains("`redis.sentinel_master`"), "{err}");
+        let err = sentinel(&[("RATELIMITD__REDIS__SENTINEL_MASTER", "my master")]).unwrap_err().to_string();
+        assert!(err.contains("`redis.sentinel_master`"), "{err}");
+        let err = Config::load(
+            None,
+            env(&[
+                ("RATELIMITD__REDIS__URL", "rediss://s1:26379"),
+                ("RATELIMITD__REDIS__SENTINEL_MASTER", "m"),
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("`redis.url`"), "{err}");
+        let shown =
+            format!("{:?}", sentinel(&[("RATELIMITD__REDIS__SENTINEL_PASSWORD", "hush")]).unwrap().redis);
+        assert!(!shown.contains("hush"), "{shown}");
+    }
+
+    #[test]
     fn shed_keys_parse_and_validate() {
         let config = Config::load(
             None,

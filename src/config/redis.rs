@@ -18,6 +18,13 @@ pub struct RedisConfig {
     pub url: Option<String>,
     /// `url` names Redis Cluster seed nodes; the slot map is read from them.
     pub cluster: bool,
+    /// The master's name in Redis Sentinel: `url` then lists the sentinels
+    /// (`redis://host:26379,redis://host2:26379`), which are asked where
+    /// the master is on every new connection, so a failover is followed.
+    pub sentinel_master: Option<String>,
+    /// AUTH password of the sentinels themselves (upstream's
+    /// `REDIS_SENTINEL_AUTH`); `password` is the master's. Never logged.
+    pub sentinel_password: Option<String>,
     /// The AUTH password, instead of one in `url` (best set through
     /// `RATELIMITD__REDIS__PASSWORD`). Never logged.
     pub password: Option<String>,
@@ -67,6 +74,8 @@ impl Default for RedisConfig {
         Self {
             url: None,
             cluster: false,
+            sentinel_master: None,
+            sentinel_password: None,
             password: None,
             password_file: None,
             tls_ca_file: None,
@@ -91,6 +100,8 @@ impl fmt::Debug for RedisConfig {
         f.debug_struct("RedisConfig")
             .field("url", &self.url.as_deref().map(redact_url))
             .field("cluster", &self.cluster)
+            .field("sentinel_master", &self.sentinel_master)
+            .field("sentinel_password", &self.sentinel_password.as_ref().map(|_| "***"))
             .field("password", &self.password.as_ref().map(|_| "***"))
             .field("password_file", &self.password_file)
             .field("tls_ca_file", &self.tls_ca_file)
@@ -104,6 +115,7 @@ impl fmt::Debug for RedisConfig {
             .field("breaker_open_ms", &self.breaker_open_ms)
             .field("max_keys_per_call", &self.max_keys_per_call)
             .field("max_key_bytes_per_call", &self.max_key_bytes_per_call)
+            .field("key_prefix", &self.key_prefix)
             .finish()
     }
 }
@@ -254,6 +266,21 @@ impl RedisConfig {
         }
         if seeds == 0 {
             return Err(invalid("redis.url", "must not be empty; leave it unset for in-memory counters"));
+        }
+        if let Some(master) = &self.sentinel_master {
+            if self.cluster {
+                return Err(invalid(
+                    "redis.sentinel_master",
+                    "Sentinel and redis.cluster exclude each other",
+                ));
+            }
+            if master.is_empty() || master.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(invalid("redis.sentinel_master", format!("{master:?} is not a master name")));
+            }
+            if self.seed_urls().any(|seed| !seed.starts_with("redis://")) {
+                return Err(invalid("redis.url", "with redis.sentinel_master: the sentinels' redis:// URLs"));
+            }
+            return Ok(());
         }
         if seeds > 1 && !self.cluster {
             return Err(invalid(

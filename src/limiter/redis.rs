@@ -37,7 +37,13 @@ use std::{
     time::Duration,
 };
 
-use deadpool_redis::{Pool, PoolError, Runtime};
+use deadpool_redis::{
+    Pool, PoolError, Runtime,
+    sentinel::{
+        Manager as SentinelManager, Pool as SentinelPool, PoolError as SentinelPoolError,
+        SentinelNodeConnectionInfo, SentinelServerType,
+    },
+};
 use redis::{
     AsyncConnectionConfig, ConnectionInfo, IntoConnectionInfo, RedisError, cluster::ClusterClient,
     cluster_async::ClusterConnection,
@@ -141,6 +147,9 @@ impl JobKeys {
 enum Backend {
     /// One server, through a pool.
     Single(Pool),
+    /// The master Redis Sentinel names, through a pool whose every new
+    /// connection asks the sentinels where the master is now.
+    Sentinel(SentinelPool),
     /// A Redis Cluster.
     Cluster(Arc<Cluster>),
 }
@@ -173,8 +182,32 @@ impl Cluster {
 
 /// A dispatcher's connection, or one for calls outside the decision path.
 enum Conn {
-    Single(deadpool_redis::Connection),
+    Single(Pooled),
     Cluster(ClusterConnection),
+}
+
+/// A pooled connection to one server (plain or through Sentinel).
+enum Pooled {
+    Plain(deadpool_redis::Connection),
+    Sentinel(deadpool_redis::sentinel::Connection),
+}
+
+impl Pooled {
+    fn connection(&mut self) -> &mut redis::aio::MultiplexedConnection {
+        match self {
+            Pooled::Plain(conn) => conn,
+            Pooled::Sentinel(conn) => conn,
+        }
+    }
+
+    /// Closes it instead of handing it back: its server no longer takes
+    /// writes (a demoted master), and the pool's PING would pass it on.
+    fn discard(self) {
+        match self {
+            Pooled::Plain(conn) => drop(deadpool_redis::Connection::take(conn)),
+            Pooled::Sentinel(conn) => drop(deadpool_redis::sentinel::Connection::take(conn)),
+        }
+    }
 }
 
 /// Counters in one Redis server or a Redis Cluster.
@@ -197,6 +230,7 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("url", &self.url_for_logs)
             .field("cluster", &matches!(self.backend, Backend::Cluster(_)))
+            .field("sentinel", &matches!(self.backend, Backend::Sentinel(_)))
             .field("slots", &self.queues.len())
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
@@ -231,7 +265,9 @@ impl RedisStore {
             .collect::<Result<Vec<_>, RedisSetupError>>()?;
         let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
         let tls = tls_certificates(config).map_err(setup_error)?;
-        let backend = if config.cluster {
+        let backend = if let Some(master) = &config.sentinel_master {
+            Backend::Sentinel(sentinel_pool(config, master, password, connect_timeout).map_err(setup_error)?)
+        } else if config.cluster {
             let mut builder = ClusterClient::builder(nodes);
             if let Some(certs) = tls {
                 builder = builder.certs(certs);
@@ -289,7 +325,7 @@ impl RedisStore {
         let open = Duration::from_millis(config.breaker_open_ms);
         let min_failing = Duration::from_millis(config.breaker_min_failing_ms);
         let breakers: Arc<[Breaker]> = match backend {
-            Backend::Single(_) => {
+            Backend::Single(_) | Backend::Sentinel(_) => {
                 Arc::new([Breaker::new(config.breaker_failures, min_failing, open, "redis".to_owned())])
             }
             Backend::Cluster(_) => (0..16_384 / SLOTS_PER_BREAKER)
@@ -350,7 +386,7 @@ impl RedisStore {
             let mut conn = self.side_connection().await?;
             let loaded: Result<String, RedisError> = match &mut conn {
                 // SCRIPT LOAD goes to every primary of a cluster.
-                Conn::Single(conn) => self.script.load_async(&mut **conn).await,
+                Conn::Single(conn) => self.script.load_async(conn.connection()).await,
                 Conn::Cluster(conn) => self.script.load_async(conn).await,
             };
             self.keep(conn, loaded.is_ok());
@@ -379,7 +415,7 @@ impl RedisStore {
         let run = async {
             let mut conn = self.side_connection().await?;
             let answer: Result<T, RedisError> = match &mut conn {
-                Conn::Single(conn) => pipeline.query_async(&mut **conn).await,
+                Conn::Single(conn) => pipeline.query_async(conn.connection()).await,
                 Conn::Cluster(conn) => pipeline.query_async(conn).await,
             };
             self.keep(conn, answer.is_ok());
@@ -394,7 +430,7 @@ impl RedisStore {
     /// A connection for calls outside the decision path.
     async fn side_connection(&self) -> Result<Conn, StoreError> {
         match &self.backend {
-            Backend::Single(pool) => pool.get().await.map(Conn::Single).map_err(|e| classify_pool(&e)),
+            Backend::Single(_) | Backend::Sentinel(_) => self.backend.pooled().await.map(Conn::Single),
             Backend::Cluster(cluster) => {
                 let kept = cluster.probe.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
                 match kept {
@@ -494,7 +530,7 @@ impl RedisStore {
     /// future is part of every decision's state machine.
     async fn run(&self, keys: JobKeys) -> Result<Vec<u64>, StoreError> {
         let slot = match self.backend {
-            Backend::Single(_) => 0,
+            Backend::Single(_) | Backend::Sentinel(_) => 0,
             Backend::Cluster(_) => key_slot(keys.as_slice().first().map_or("", |(key, _)| key.as_str())),
         };
         if breaker_of(&self.breakers, slot).admit() == Admission::Reject {
@@ -582,6 +618,9 @@ enum Health {
     TimedOut,
     /// Unreachable, refused, connection lost, cluster down.
     Failed,
+    /// The server answered READONLY: it is no longer the master (a
+    /// Sentinel failover demoted it).
+    Demoted,
 }
 
 impl Dispatcher {
@@ -651,6 +690,15 @@ impl Dispatcher {
                         );
                     }
                 }
+                Health::Demoted => {
+                    timeouts = 0;
+                    if let Some(Conn::Single(pooled)) = conn.take() {
+                        // Closed, not pooled: the next connection asks
+                        // the sentinels for the master.
+                        pooled.discard();
+                        tracing::info!(slot, "redis answered READONLY; dispatcher reconnects to the master");
+                    }
+                }
                 Health::Failed => {
                     timeouts = 0;
                     if matches!(conn, Some(Conn::Single(_))) {
@@ -668,7 +716,7 @@ impl Dispatcher {
 
     async fn connect(&self) -> Result<Conn, StoreError> {
         match &self.backend {
-            Backend::Single(pool) => pool.get().await.map(Conn::Single).map_err(|e| classify_pool(&e)),
+            Backend::Single(_) | Backend::Sentinel(_) => self.backend.pooled().await.map(Conn::Single),
             Backend::Cluster(cluster) => cluster.connect().await.map(Conn::Cluster),
         }
     }
@@ -683,17 +731,17 @@ impl Dispatcher {
                 told |= 1 << index;
                 match health {
                     Health::Answered => self.breakers[index].success(),
-                    Health::TimedOut | Health::Failed => self.breakers[index].failure(),
+                    Health::TimedOut | Health::Failed | Health::Demoted => self.breakers[index].failure(),
                 }
             }
         }
     }
 
     /// One script call for the whole batch, answered within `timeout`.
-    async fn dispatch_single(&self, conn: &mut deadpool_redis::Connection, batch: &mut Vec<Job>) -> Health {
+    async fn dispatch_single(&self, conn: &mut Pooled, batch: &mut Vec<Job>) -> Health {
         // Nobody waits longer than `timeout` for this answer. A late reply
         // on a kept connection is read and discarded by the client.
-        let call = tokio::time::timeout(self.timeout, invoke(&mut **conn, &self.script, batch)).await;
+        let call = tokio::time::timeout(self.timeout, invoke(conn.connection(), &self.script, batch)).await;
         let (health, result) = settle(call, self.timeout);
         self.report(batch, health);
         answer(batch, result);
@@ -743,8 +791,13 @@ fn settle(call: CallResult, timeout: Duration) -> (Health, Result<Vec<u64>, Stor
         Ok(Err(e)) => {
             let error = classify(&e);
             // A script error is an answer: Redis is there.
-            let health =
-                if error.kind == FailureKind::ScriptError { Health::Answered } else { Health::Failed };
+            let health = if matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)) {
+                Health::Demoted
+            } else if error.kind == FailureKind::ScriptError {
+                Health::Answered
+            } else {
+                Health::Failed
+            };
             (health, Err(error))
         }
         Err(_) => (Health::TimedOut, Err(timeout_error(timeout))),
@@ -808,6 +861,37 @@ fn tls_certificates(config: &RedisConfig) -> Result<Option<redis::TlsCertificate
 
 /// Sets the password (from `redis.password` or `redis.password_file`) on
 /// a seed node's connection info; a URL's own password is kept otherwise.
+/// The pool of connections to the master `master` the sentinels in
+/// `redis.url` name; `password` is the master's.
+fn sentinel_pool(
+    config: &RedisConfig,
+    master: &str,
+    password: Option<String>,
+    connect_timeout: Duration,
+) -> Result<SentinelPool, String> {
+    let sentinels = config
+        .seed_urls()
+        .map(|url| {
+            let info = url.into_connection_info().map_err(|e| e.to_string())?;
+            Ok(with_password(info, config.sentinel_password.as_deref()))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let node = SentinelNodeConnectionInfo {
+        tls_mode: None,
+        redis_connection_info: Some(deadpool_redis::RedisConnectionInfo { password, ..Default::default() }),
+    };
+    let manager = SentinelManager::new(sentinels, master.to_owned(), Some(node), SentinelServerType::Master)
+        .map_err(|e| e.to_string())?;
+    deadpool_redis::sentinel::Pool::builder(manager)
+        .max_size(config.connections * 2 + 1)
+        .runtime(Runtime::Tokio1)
+        .create_timeout(Some(connect_timeout))
+        .recycle_timeout(Some(connect_timeout))
+        .wait_timeout(Some(connect_timeout))
+        .build()
+        .map_err(|e| e.to_string())
+}
+
 fn with_password(info: ConnectionInfo, password: Option<&str>) -> ConnectionInfo {
     match password {
         Some(password) => {
@@ -948,12 +1032,41 @@ fn classify(e: &RedisError) -> StoreError {
         FailureKind::ConnectionLost
     } else if e.is_cluster_error() {
         FailureKind::ClusterError
+    } else if matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)) {
+        // A demoted master: not the script's fault.
+        FailureKind::Other
     } else if matches!(e.kind(), redis::ErrorKind::Server(_) | redis::ErrorKind::UnexpectedReturnType) {
         FailureKind::ScriptError
     } else {
         FailureKind::Other
     };
     StoreError { kind, message: e.to_string() }
+}
+
+impl Backend {
+    /// A pooled connection to the one server (the master, through
+    /// Sentinel). A cluster has no pool.
+    async fn pooled(&self) -> Result<Pooled, StoreError> {
+        match self {
+            Backend::Single(pool) => pool.get().await.map(Pooled::Plain).map_err(|e| classify_pool(&e)),
+            Backend::Sentinel(pool) => {
+                pool.get().await.map(Pooled::Sentinel).map_err(|e| classify_sentinel_pool(&e))
+            }
+            Backend::Cluster(_) => {
+                Err(StoreError { kind: FailureKind::Other, message: "no pool".to_owned() })
+            }
+        }
+    }
+}
+
+fn classify_sentinel_pool(e: &SentinelPoolError) -> StoreError {
+    match e {
+        SentinelPoolError::Backend(e) => classify(e),
+        SentinelPoolError::Timeout(_) => {
+            StoreError { kind: FailureKind::PoolExhausted, message: e.to_string() }
+        }
+        _ => StoreError { kind: FailureKind::Other, message: e.to_string() },
+    }
 }
 
 fn classify_pool(e: &PoolError) -> StoreError {

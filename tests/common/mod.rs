@@ -442,6 +442,94 @@ fn redis_server(dir: &Path) -> Command {
 }
 
 /// Kills a child process by PID (SIGKILL), if running, and reaps it.
+/// Redis Sentinel: a master, one replica and one sentinel watching them as
+/// `mymaster` (quorum 1, down after 300 ms), all on free ports; every
+/// process stopped by PID on drop.
+pub struct SentinelSetup {
+    pub master: RedisServer,
+    replica: Option<Child>,
+    pub replica_port: u16,
+    sentinel: Option<Child>,
+    pub sentinel_port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl SentinelSetup {
+    /// Starts all three and waits until the sentinel knows the replica.
+    pub async fn start() -> Self {
+        let master = RedisServer::start();
+        let dir = tempfile::tempdir().unwrap();
+        let replica_port = free_port();
+        let replica_dir = dir.path().join("replica");
+        std::fs::create_dir_all(&replica_dir).unwrap();
+        let child = redis_server(&replica_dir)
+            .args(["--port", &replica_port.to_string(), "--replicaof", "127.0.0.1", &master.port.to_string()])
+            .spawn()
+            .expect("spawn the replica");
+        let replica = wait_ready(child, Duration::from_secs(10), || ping(replica_port));
+        assert!(replica.is_some(), "the replica did not start on {replica_port}");
+        let sentinel_port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {sentinel_port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {} 1\nsentinel down-after-milliseconds mymaster 300\nsentinel failover-timeout mymaster 3000\n",
+                dir.path().display(),
+                master.port
+            ),
+        )
+        .unwrap();
+        let child = Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server --sentinel");
+        let sentinel = wait_ready(child, Duration::from_secs(10), || ping(sentinel_port));
+        assert!(sentinel.is_some(), "the sentinel did not start on {sentinel_port}");
+        let setup = SentinelSetup { master, replica, replica_port, sentinel, sentinel_port, _dir: dir };
+        let client = redis::Client::open(setup.sentinel_url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let replicas: Vec<redis::Value> =
+                redis::cmd("SENTINEL").arg("REPLICAS").arg("mymaster").query_async(&mut conn).await.unwrap();
+            if !replicas.is_empty() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the sentinel never saw the replica");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        setup
+    }
+
+    /// `redis://127.0.0.1:<sentinel port>`.
+    pub fn sentinel_url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.sentinel_port)
+    }
+
+    /// The port of the master the sentinel names now.
+    pub async fn master_port(&self) -> u16 {
+        let client = redis::Client::open(self.sentinel_url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let (_, port): (String, u16) = redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg("mymaster")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        port
+    }
+}
+
+impl Drop for SentinelSetup {
+    fn drop(&mut self) {
+        kill(&mut self.sentinel);
+        kill(&mut self.replica);
+    }
+}
+
 fn kill(child: &mut Option<Child>) {
     if let Some(mut child) = child.take() {
         let _ = child.kill();
