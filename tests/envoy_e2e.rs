@@ -168,6 +168,24 @@ async fn envoy_gets_200_then_429_with_headers_and_shadow_never_429() {
     s.server.stop().await.unwrap();
 }
 
+/// `envoy.response_headers_format: draft03`: through Envoy, the limit
+/// header lists every descriptor's quota policy after the tightest limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn draft03_headers_list_the_quota_policies() {
+    let s = stack(|c| {
+        c.envoy.response_headers = true;
+        c.envoy.response_headers_format = ratelimitd::config::EnvoyHeaderFormat::Draft03;
+    })
+    .await;
+    let port = s.envoy_port;
+    let (status, headers) =
+        tokio::task::spawn_blocking(move || get(port, &[("x-user-id", "dora")])).await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(header(&headers, "x-ratelimit-limit"), Some("3, 3;w=60"), "{headers:?}");
+    assert_eq!(header(&headers, "x-ratelimit-remaining"), Some("2"));
+    s.server.stop().await.unwrap();
+}
+
 /// Without `envoy.response_headers`, no x-ratelimit-* header reaches the client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn envoy_headers_are_off_by_default() {

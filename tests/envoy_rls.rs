@@ -121,7 +121,33 @@ for_each_store!(
     sliding_window_by_default_fixed_window_on_request,
     invalid_requests_are_invalid_argument,
     upstream_metrics_count_as_upstream,
+    dynamic_metadata_says_which_limit_fired,
 );
+
+/// With `envoy.response_dynamic_metadata`, each descriptor of upstream's
+/// metadata also carries its `code` and the `limitName` of its limit.
+async fn dynamic_metadata_says_which_limit_fired(backend: Backend) {
+    use prost_types::value::Kind;
+    let mut s = start(backend, |c| c.envoy.response_dynamic_metadata = true).await;
+    let both = || request(vec![descriptor(&[("user", "zed")]), descriptor(&[("generic", "g")])]);
+    ask(&mut s.client, both()).await;
+    let r = ask(&mut s.client, both()).await;
+    assert_eq!(code(r.overall_code), Code::OverLimit);
+    let metadata = r.dynamic_metadata.expect("dynamic metadata");
+    let Some(Kind::ListValue(list)) = &metadata.fields["descriptors"].kind else { panic!("{metadata:?}") };
+    let field = |i: usize, name: &str| {
+        let Some(Kind::StructValue(d)) = &list.values[i].kind else { panic!("{list:?}") };
+        d.fields.get(name).and_then(|v| match &v.kind {
+            Some(Kind::StringValue(text)) => Some(text.clone()),
+            _ => None,
+        })
+    };
+    assert_eq!(field(0, "code").as_deref(), Some("OK"));
+    assert_eq!(field(0, "limitName"), None, "the user limit has no name");
+    assert_eq!(field(1, "code").as_deref(), Some("OVER_LIMIT"));
+    assert_eq!(field(1, "limitName").as_deref(), Some("generic"));
+    s.server.stop().await.unwrap();
+}
 
 /// A default-key limit counts per runtime value; statuses carry the limit,
 /// what remains and when it resets.

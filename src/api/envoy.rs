@@ -3,7 +3,7 @@
 //! ([`Engine::should_rate_limit`]), and converts the answer back. Every
 //! decision, shedding and failure handling included, is the engine's.
 
-use std::sync::Arc;
+use std::{fmt::Write as _, sync::Arc};
 
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
@@ -20,7 +20,7 @@ use super::envoy_pb::{
     },
 };
 use crate::{
-    config::EnvoySettings,
+    config::{EnvoyHeaderFormat, EnvoySettings},
     decision::{Api, Descriptor, DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsRequest},
     rules::envoy::Unit,
     telemetry::traces::{continue_trace, trace_id_of},
@@ -210,7 +210,7 @@ fn response(decision: &RlsDecision, settings: &EnvoySettings) -> Result<RateLimi
     if settings.response_headers
         && let Some(index) = decision.tightest
     {
-        response_headers_to_add = headers(settings, &statuses[index]);
+        response_headers_to_add = headers(settings, &statuses, index);
     }
     if matches!(decision.reason, Reason::Shed | Reason::Overload) && !settings.reason_header.is_empty() {
         // Envoy adds these to its 429: the client sees why (a back-off, not a spent quota).
@@ -226,7 +226,9 @@ fn response(decision: &RlsDecision, settings: &EnvoySettings) -> Result<RateLimi
 
 /// Upstream's dynamic metadata (`RESPONSE_DYNAMIC_METADATA`): `domain`,
 /// `descriptors` (each as `entries: ["key=value", …]`, with its `limit`
-/// and `hitsAddend` when the request gave them), `hitsAddend` when not 0,
+/// and `hitsAddend` when the request gave them, and — ratelimitd's
+/// addition — its `code` and the `limitName` of the limit that applied),
+/// `hitsAddend` when not 0,
 /// and `metadata`: the `metadata` of every descriptor whose limit passed,
 /// merged in request order (the first value of a key wins; mappings merge
 /// recursively). Envoy stores it under the filter's namespace, so a route
@@ -244,8 +246,15 @@ fn dynamic_metadata(request: &RateLimitRequest, decision: &RlsDecision) -> prost
     let descriptors = request
         .descriptors
         .iter()
-        .map(|d| {
+        .zip(&decision.statuses)
+        .map(|(d, status)| {
             let mut fields = std::collections::BTreeMap::new();
+            // ratelimitd's addition: which limit applied and what it said.
+            let code = if status.over_limit { Code::OverLimit } else { Code::Ok };
+            fields.insert("code".to_owned(), text(code.as_str_name().to_owned()));
+            if let Some(name) = status.limit.as_ref().and_then(|l| l.name.clone()) {
+                fields.insert("limitName".to_owned(), text(name));
+            }
             let entries = d.entries.iter().map(|e| text(format!("{}={}", e.key, e.value))).collect();
             fields.insert("entries".to_owned(), list(entries));
             if let Some(limit) = &d.limit {
@@ -327,6 +336,21 @@ fn status(decision: &DescriptorDecision) -> DescriptorStatus {
     }
 }
 
+/// A unit's window in seconds, as Envoy's draft-03 headers count it (a
+/// month is 30 days, a year 365).
+fn window_seconds(unit: ResponseUnit) -> u64 {
+    match unit {
+        ResponseUnit::Unknown => 0,
+        ResponseUnit::Second => 1,
+        ResponseUnit::Minute => 60,
+        ResponseUnit::Hour => 3_600,
+        ResponseUnit::Day => 86_400,
+        ResponseUnit::Week => 604_800,
+        ResponseUnit::Month => 2_592_000,
+        ResponseUnit::Year => 31_536_000,
+    }
+}
+
 fn header(key: &str, value: String) -> HeaderValue {
     HeaderValue { key: key.to_owned(), value, ..Default::default() }
 }
@@ -338,12 +362,26 @@ fn duration(ms: u64) -> prost_types::Duration {
     }
 }
 
-/// Limit, remaining and reset (whole seconds, rounded up) of `status`.
-fn headers(settings: &EnvoySettings, status: &DescriptorStatus) -> Vec<HeaderValue> {
+/// Limit, remaining and reset (whole seconds, rounded up) of the tightest
+/// status, `statuses[tightest]`. In the `draft03` format the limit is
+/// followed by every descriptor's quota policy, as Envoy's own
+/// `DRAFT_VERSION_03` headers write it: `10, 10;w=60, 1000;w=3600;name="daily"`.
+fn headers(settings: &EnvoySettings, statuses: &[DescriptorStatus], tightest: usize) -> Vec<HeaderValue> {
+    let status = &statuses[tightest];
     let limit = status.current_limit.as_ref().map_or(0, |l| l.requests_per_unit);
     let reset_s = status.duration_until_reset.as_ref().map_or(0, |d| d.seconds + i64::from(d.nanos > 0));
+    let mut limit = limit.to_string();
+    if settings.response_headers_format == EnvoyHeaderFormat::Draft03 {
+        for policy in statuses.iter().filter_map(|s| s.current_limit.as_ref()) {
+            let window = ResponseUnit::try_from(policy.unit).map_or(0, window_seconds);
+            let _ = write!(limit, ", {};w={window}", policy.requests_per_unit);
+            if !policy.name.is_empty() {
+                let _ = write!(limit, ";name=\"{}\"", policy.name.replace(['"', '\\'], ""));
+            }
+        }
+    }
     vec![
-        header(&settings.limit_header, limit.to_string()),
+        header(&settings.limit_header, limit),
         header(&settings.remaining_header, status.limit_remaining.to_string()),
         header(&settings.reset_header, reset_s.to_string()),
     ]
@@ -375,8 +413,35 @@ mod tests {
         assert_eq!((d.seconds, d.nanos), (1, 500_000_000));
         let status =
             DescriptorStatus { duration_until_reset: Some(d), limit_remaining: 3, ..Default::default() };
-        let h = headers(&EnvoySettings::default(), &status);
+        let h = headers(&EnvoySettings::default(), &[status], 0);
         assert_eq!((h[1].value.as_str(), h[2].value.as_str()), ("3", "2"));
+    }
+
+    #[test]
+    fn draft03_lists_every_quota_policy_after_the_tightest_limit() {
+        let limit = |requests_per_unit, unit: ResponseUnit, name: &str| RateLimit {
+            name: name.to_owned(),
+            requests_per_unit,
+            unit: unit as i32,
+        };
+        let statuses = [
+            DescriptorStatus {
+                current_limit: Some(limit(1000, ResponseUnit::Hour, "")),
+                ..Default::default()
+            },
+            DescriptorStatus::default(), // no limit: no policy
+            DescriptorStatus {
+                current_limit: Some(limit(10, ResponseUnit::Minute, "per \"user\"")),
+                limit_remaining: 4,
+                ..Default::default()
+            },
+        ];
+        let draft =
+            EnvoySettings { response_headers_format: EnvoyHeaderFormat::Draft03, ..Default::default() };
+        let h = headers(&draft, &statuses, 2);
+        assert_eq!(h[0].value, r#"10, 1000;w=3600, 10;w=60;name="per user""#);
+        assert_eq!(h[1].value, "4");
+        assert_eq!(headers(&EnvoySettings::default(), &statuses, 2)[0].value, "10", "plain: the number only");
     }
 
     #[test]

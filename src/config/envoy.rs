@@ -19,6 +19,19 @@ pub enum EnvoyAlgorithm {
     FixedWindow,
 }
 
+/// How the rate-limit response headers are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyHeaderFormat {
+    /// The tightest limit's number, as envoyproxy/ratelimit writes it.
+    #[default]
+    Plain,
+    /// draft-ietf-httpapi-ratelimit-headers-03: the tightest limit, then
+    /// every descriptor's quota policy (`10, 10;w=60, 1000;w=3600`), as
+    /// Envoy's own `DRAFT_VERSION_03` headers.
+    Draft03,
+}
+
 /// What `ShouldRateLimit` answers when the counter store cannot decide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -40,6 +53,9 @@ pub struct EnvoySettings {
     pub failure_mode: EnvoyFailureMode,
     /// Add rate-limit headers (of the descriptor closest to its limit) to responses.
     pub response_headers: bool,
+    /// `plain` (the tightest limit's number) or `draft03` (followed by
+    /// every descriptor's quota policy).
+    pub response_headers_format: EnvoyHeaderFormat,
     /// Name of the limit header.
     pub limit_header: String,
     /// Name of the remaining header.
@@ -103,6 +119,7 @@ impl Default for EnvoySettings {
             algorithm: EnvoyAlgorithm::SlidingWindow,
             failure_mode: EnvoyFailureMode::Allow,
             response_headers: false,
+            response_headers_format: EnvoyHeaderFormat::Plain,
             limit_header: "x-ratelimit-limit".to_owned(),
             remaining_header: "x-ratelimit-remaining".to_owned(),
             reset_header: "x-ratelimit-reset".to_owned(),
