@@ -487,6 +487,8 @@ async fn an_upstream_deployment_runs_unchanged() {
     std::fs::copy(common::repo_path("examples/envoy/ratelimit/edge.yaml"), config_dir.join("edge.yaml"))
         .unwrap();
     let (port, grpc_port) = (free_port(), free_port());
+    let statsd = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    statsd.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let log = dir.path().join("stderr.log");
     let service = Process(
         Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
@@ -504,7 +506,9 @@ async fn an_upstream_deployment_runs_unchanged() {
             .env("GRPC_HOST", "127.0.0.1")
             .env("GRPC_PORT", grpc_port.to_string())
             .env("DEBUG_PORT", "6070")
-            .env("USE_STATSD", "false")
+            .env("STATSD_HOST", "127.0.0.1")
+            .env("STATSD_PORT", statsd.local_addr().unwrap().port().to_string())
+            .env("STATS_FLUSH_INTERVAL", "100ms")
             .env("LOG_LEVEL", "WARN")
             .env("LIMIT_RESPONSE_HEADERS_ENABLED", "true")
             .env("GRPC_UDS", dir.path().join("ratelimit.sock"))
@@ -558,8 +562,23 @@ async fn an_upstream_deployment_runs_unchanged() {
     let stdout = String::from_utf8_lossy(&answer.stdout);
     assert!(answer.status.success(), "grpcurl: {}", String::from_utf8_lossy(&answer.stderr));
     assert!(stdout.contains("\"overallCode\": \"OVER_LIMIT\""), "{stdout}");
+    // Upstream's statsd names (USE_STATSD is on by default), deltas per flush.
+    let over_limit = tokio::task::spawn_blocking(move || {
+        let (mut over, mut buf) = (0, [0u8; 4096]);
+        while over < 2 {
+            let n = statsd.recv(&mut buf).expect("statsd datagrams");
+            for line in String::from_utf8_lossy(&buf[..n]).lines() {
+                if let Some(count) = line.strip_prefix("ratelimit.service.rate_limit.edge.user.over_limit:") {
+                    over += count.trim_end_matches("|c").parse::<u64>().unwrap();
+                }
+            }
+        }
+        over
+    })
+    .await
+    .unwrap();
+    assert_eq!(over_limit, 2);
     drop(service);
     let stderr = std::fs::read_to_string(&log).unwrap();
     assert!(stderr.contains("DEBUG_PORT"), "an unsupported variable is reported by name:\n{stderr}");
-    assert!(!stderr.contains("USE_STATSD"), "USE_STATSD=false needs no report:\n{stderr}");
 }

@@ -34,12 +34,9 @@ const IGNORED: &[(&str, &str)] = &[
     ("PROMETHEUS_PATH", "metrics are on PORT's /metrics"),
     ("PROMETHEUS_MAPPER_YAML", "the default mapping's names are served; a custom mapping is not read"),
     ("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", "response times are ratelimitd_decision_duration_seconds"),
-    ("STATSD_HOST", "no statsd sink: the same counters are on /metrics"),
-    ("STATSD_PORT", "no statsd sink: the same counters are on /metrics"),
-    ("USE_DOG_STATSD", "no statsd sink: the same counters are on /metrics"),
-    ("USE_DOG_STATSD_MOGRIFIERS", "no statsd sink"),
-    ("EXTRA_TAGS", "no statsd sink"),
-    ("STATS_FLUSH_INTERVAL", "Prometheus scrapes: nothing to flush"),
+    ("USE_DOG_STATSD", "plain statsd only: the same counters are on /metrics"),
+    ("USE_DOG_STATSD_MOGRIFIERS", "plain statsd only"),
+    ("EXTRA_TAGS", "plain statsd names carry no tags"),
     ("GRPC_MAX_CONNECTION_AGE", "connections are not aged out"),
     ("GRPC_MAX_CONNECTION_AGE_GRACE", "connections are not aged out"),
     ("GRPC_CLIENT_TLS_SAN", "client certificates are checked against GRPC_CLIENT_TLS_CACERT only"),
@@ -139,11 +136,9 @@ pub fn apply(env: &mut HashMap<String, String>) -> Result<Compat, ConfigError> {
     grpc_tls(&upstream, &mut out)?;
     envoy(&upstream, &mut out)?;
     logging(&upstream, &mut out)?;
-    let mut ignored: Vec<(&'static str, &'static str)> =
+    statsd(&upstream, &mut out)?;
+    let ignored: Vec<(&'static str, &'static str)> =
         IGNORED.iter().filter(|(name, _)| upstream.get(name).is_some()).copied().collect();
-    if upstream.flag("USE_STATSD")? == Some(true) {
-        ignored.push(("USE_STATSD", "no statsd sink: the same counters are on /metrics"));
-    }
     for (key, value) in out {
         let name = format!("{ENV_PREFIX}__{}", key.replace('.', "__").to_uppercase());
         env.entry(name).or_insert(value);
@@ -370,6 +365,21 @@ fn envoy(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// `USE_STATSD` (on by default, as upstream), `STATSD_HOST`, `STATSD_PORT`,
+/// `STATS_FLUSH_INTERVAL`; `DISABLE_STATS` turns it off too.
+fn statsd(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    if up.flag("USE_STATSD")? == Some(false) || up.flag("DISABLE_STATS")? == Some(true) {
+        return Ok(());
+    }
+    let port = up.get("STATSD_PORT").unwrap_or("8125");
+    port.parse::<u16>().map_err(|_| invalid("STATSD_PORT", format!("{port:?} is not a port")))?;
+    out.push(("telemetry.statsd_addr", format!("{}:{port}", up.get("STATSD_HOST").unwrap_or("localhost"))));
+    if let Some(ms) = up.millis("STATS_FLUSH_INTERVAL")? {
+        out.push(("telemetry.statsd_flush_interval_ms", ms.to_string()));
+    }
+    Ok(())
+}
+
 /// `LOG_LEVEL` (upstream's names, any case) and `LOG_FORMAT` (`text` or `json`).
 fn logging(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     if let Some(level) = up.get("LOG_LEVEL") {
@@ -467,17 +477,24 @@ mod tests {
         assert_eq!(get("RATELIMITD__REDIS__URL"), Some("unix:///var/run/nutcracker/ratelimit.sock"));
         assert_eq!(get("RATELIMITD__RULES__ENVOY_PATH"), Some("/srv/runtime_data/current/config"));
         assert_eq!(get("RATELIMITD__HTTP__LISTEN"), None, "ours is upstream's 0.0.0.0:8080 already");
+        assert_eq!(
+            get("RATELIMITD__TELEMETRY__STATSD_ADDR"),
+            Some("localhost:8125"),
+            "USE_STATSD is on by default"
+        );
         let (env, compat) = translated(&[
             (COMPAT_VAR, ENVOYPROXY),
             ("REDIS_TYPE", "cluster"),
             ("REDIS_SOCKET_TYPE", "tcp"),
             ("REDIS_TLS", "true"),
             ("REDIS_URL", "a:7000,b:7001"),
-            ("USE_STATSD", "true"),
+            ("STATSD_HOST", "exporter"),
+            ("EXTRA_TAGS", "a:b"),
         ]);
         assert_eq!(env["RATELIMITD__REDIS__URL"], "rediss://a:7000,rediss://b:7001");
         assert_eq!(env["RATELIMITD__REDIS__CLUSTER"], "true");
-        assert_eq!(compat.ignored.iter().map(|(n, _)| *n).collect::<Vec<_>>(), ["USE_STATSD"]);
+        assert_eq!(env["RATELIMITD__TELEMETRY__STATSD_ADDR"], "exporter:8125");
+        assert_eq!(compat.ignored.iter().map(|(n, _)| *n).collect::<Vec<_>>(), ["EXTRA_TAGS"]);
         let (env, _) = translated(&[
             (COMPAT_VAR, ENVOYPROXY),
             ("REDIS_TYPE", "sentinel"),

@@ -40,11 +40,21 @@ pub struct TelemetryConfig {
     pub otlp_endpoint: Option<String>,
     /// `service.name` of exported spans.
     pub service_name: String,
+    /// `host:port` of a statsd server (a statsd-exporter) to send
+    /// envoyproxy/ratelimit's counters to, under its names; unset = none.
+    pub statsd_addr: Option<String>,
+    /// How often the statsd counters are sent.
+    pub statsd_flush_interval_ms: u64,
 }
 
 impl Default for TelemetryConfig {
     fn default() -> Self {
-        Self { otlp_endpoint: None, service_name: "ratelimitd".to_owned() }
+        Self {
+            otlp_endpoint: None,
+            service_name: "ratelimitd".to_owned(),
+            statsd_addr: None,
+            statsd_flush_interval_ms: 10_000,
+        }
     }
 }
 
@@ -67,6 +77,16 @@ impl TelemetryConfig {
                 "telemetry.otlp_endpoint",
                 format!("{endpoint:?} must start with http:// or https://"),
             ));
+        }
+        if let Some(addr) = &self.statsd_addr
+            && addr
+                .rsplit_once(':')
+                .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+        {
+            return Err(invalid("telemetry.statsd_addr", format!("{addr:?} is not host:port")));
+        }
+        if !(100..=3_600_000).contains(&self.statsd_flush_interval_ms) {
+            return Err(invalid("telemetry.statsd_flush_interval_ms", "must be between 100 and 3600000"));
         }
         Ok(())
     }

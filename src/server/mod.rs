@@ -58,6 +58,9 @@ pub enum ServerError {
     /// The gRPC server failed.
     #[error("grpc server")]
     Transport(#[from] tonic::transport::Error),
+    /// The statsd address (`telemetry.statsd_addr`) does not resolve.
+    #[error("telemetry.statsd_addr {0}")]
+    Statsd(String),
     /// The Unix socket (`grpc.uds`) cannot be bound.
     #[error("grpc.uds {0}")]
     Uds(String),
@@ -133,6 +136,12 @@ pub async fn run_observed(
     } else {
         metrics
     });
+    if let Some(addr) = &config.telemetry.statsd_addr {
+        let client = crate::telemetry::statsd::client(addr)
+            .map_err(|e| ServerError::Statsd(format!("{addr}: {e}")))?;
+        let interval = Duration::from_millis(config.telemetry.statsd_flush_interval_ms);
+        tasks.spawn(crate::telemetry::statsd::run(Arc::clone(&metrics), client, interval, tasks.stopper()));
+    }
     let layers = parts::Layers { shedder: &shedder, overload: &overload, denials: denials.clone() };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &metrics, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());

@@ -161,6 +161,19 @@ impl Metrics {
         self
     }
 
+    /// The Envoy configuration's (loads, rejected reloads), when served.
+    fn envoy_loads(&self) -> Option<(u64, u64)> {
+        let sources = self.sources.read().unwrap_or_else(|p| p.into_inner());
+        let envoy = sources.as_ref()?.envoy.as_ref()?;
+        Some((envoy.loads(), envoy.reload_failures()))
+    }
+
+    /// The totals of envoyproxy/ratelimit's counters, for the statsd sink;
+    /// `None` when they are not counted.
+    pub fn upstream_totals(&self) -> Option<super::upstream::Totals> {
+        Some(self.upstream.as_ref()?.totals(self.envoy_loads()))
+    }
+
     /// Wires the components read at scrape time.
     pub fn set_sources(&self, sources: Sources) {
         *self.sources.write().unwrap_or_else(|p| p.into_inner()) = Some(sources);
@@ -263,8 +276,7 @@ impl Metrics {
             render_sources(&mut out, s);
         }
         if let Some(upstream) = &self.upstream {
-            let envoy = sources.as_ref().and_then(|s| s.envoy.as_ref());
-            upstream.render(&mut out, envoy.map(|e| (e.loads(), e.reload_failures())));
+            upstream.render(&mut out, self.envoy_loads());
         }
         out
     }

@@ -1,11 +1,12 @@
 //! Observability: Prometheus metrics ([`metrics`], and envoyproxy/ratelimit's
-//! families in [`upstream`]), the HTTP endpoints
+//! families in [`upstream`], also sent to statsd by [`statsd`]), the HTTP endpoints
 //! `/metrics`, `/healthz` and `/readyz` and the health monitor that also
 //! drives gRPC health ([`health`]), and logs and OpenTelemetry traces
 //! ([`traces`]).
 
 pub mod health;
 pub mod metrics;
+pub mod statsd;
 pub mod traces;
 pub mod upstream;
 

@@ -124,6 +124,23 @@ impl UpstreamMetrics {
         self.service_errors.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Every counter's total now, for the statsd sink; `config` as for
+    /// [`UpstreamMetrics::render`].
+    pub fn totals(&self, config: Option<(u64, u64)>) -> Totals {
+        let keys = self.keys.read().unwrap_or_else(|p| p.into_inner());
+        let series = keys
+            .sanitized
+            .iter()
+            .map(|(name, s)| (name.to_string(), std::array::from_fn(|i| s.counts[i].load(Ordering::Relaxed))))
+            .collect();
+        Totals {
+            series,
+            store_errors: self.store_errors.load(Ordering::Relaxed),
+            service_errors: self.service_errors.load(Ordering::Relaxed),
+            config,
+        }
+    }
+
     /// Appends the families in Prometheus text format; `config` is the
     /// Envoy configuration's (loads, rejected reloads), when it is served.
     pub fn render(&self, out: &mut String, config: Option<(u64, u64)>) {
@@ -171,6 +188,43 @@ impl UpstreamMetrics {
         );
         let _ = writeln!(out, "# TYPE {name} counter");
         let _ = writeln!(out, "{name} {}", self.refused.load(Ordering::Relaxed));
+    }
+}
+
+/// The upstream counters' totals at one moment.
+#[derive(Debug)]
+pub struct Totals {
+    /// Per sanitized stat key, the five per-limit counters in
+    /// `FAMILIES` order.
+    series: Vec<(String, [u64; 5])>,
+    store_errors: u64,
+    service_errors: u64,
+    /// (loads, rejected reloads) of the Envoy configuration, when served.
+    config: Option<(u64, u64)>,
+}
+
+impl Totals {
+    /// Every counter under its statsd name after upstream's `ratelimit.`
+    /// scope: `service.rate_limit.<key>.<stat>`,
+    /// `service.call.should_rate_limit.<error>`, `service.config_load_*`.
+    pub fn counters(&self) -> impl Iterator<Item = (String, u64)> + '_ {
+        let per_limit = self.series.iter().flat_map(|(key, counts)| {
+            FAMILIES
+                .iter()
+                .zip(counts)
+                .map(move |((family, _), n)| (format!("service.rate_limit.{key}.{family}"), *n))
+        });
+        let errors = [
+            ("service.call.should_rate_limit.redis_error".to_owned(), self.store_errors),
+            ("service.call.should_rate_limit.service_error".to_owned(), self.service_errors),
+        ];
+        let config = self.config.into_iter().flat_map(|(loads, failures)| {
+            [
+                ("service.config_load_success".to_owned(), loads),
+                ("service.config_load_error".to_owned(), failures),
+            ]
+        });
+        per_limit.chain(errors).chain(config)
     }
 }
 
