@@ -28,6 +28,16 @@ const ENVOY_PROTOS: &[&str] = &[
     "proto/vendor/xds/core/v3/context_params.proto",
 ];
 
+/// The rate-limit configuration over xDS (`rules.source: xds`): the
+/// aggregated discovery service and envoyproxy/ratelimit's
+/// `RateLimitConfig`. Their imports are the files above, generated there.
+const XDS_PROTOS: &[&str] = &[
+    "proto/vendor/envoy/service/discovery/v3/ads.proto",
+    "proto/vendor/envoy/service/discovery/v3/discovery.proto",
+    "proto/vendor/google/rpc/status.proto",
+    "proto/vendor/ratelimit/config/ratelimit/v3/rls_conf.proto",
+];
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
@@ -55,6 +65,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .codec_path("crate::api::lenient::LenientCodec")
         .file_descriptor_set_path(out_dir.join("envoy_descriptor.bin"))
         .compile_with_config(config, ENVOY_PROTOS, &["proto/vendor", well_known])?;
+
+    // A client of a management server (and, for the tests, a server): the
+    // plain prost codec, and no reflection of a service not served.
+    // Its own directory: it also writes the imported packages, with only
+    // the messages these files use, which must not replace the full ones.
+    let xds_dir = out_dir.join("xds");
+    std::fs::create_dir_all(&xds_dir)?;
+    let mut config = tonic_prost_build::Config::new();
+    config.protoc_executable(&protoc);
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .out_dir(&xds_dir)
+        .compile_with_config(config, XDS_PROTOS, &["proto/vendor", well_known])?;
 
     println!("cargo:rerun-if-changed=proto");
     Ok(())

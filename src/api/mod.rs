@@ -9,6 +9,7 @@ pub mod client;
 mod convert;
 mod envoy;
 pub mod lenient;
+pub mod xds;
 
 pub use check::{MAX_BATCH_ITEMS, RateLimiterService, STREAM_IN_FLIGHT};
 
@@ -37,6 +38,11 @@ pub mod envoy_pb {
             pub mod ratelimit {
                 pub mod v3 {
                     tonic::include_proto!("envoy.service.ratelimit.v3");
+                }
+            }
+            pub mod discovery {
+                pub mod v3 {
+                    include!(concat!(env!("OUT_DIR"), "/xds/envoy.service.discovery.v3.rs"));
                 }
             }
         }
@@ -75,4 +81,28 @@ pub mod envoy_pb {
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("envoy_descriptor");
 
     pub use envoy::service::ratelimit::v3 as rls;
+
+    /// The aggregated discovery service (`rules.source: xds`).
+    pub mod discovery {
+        pub use super::envoy::service::discovery::v3::*;
+    }
+
+    /// envoyproxy/ratelimit's `RateLimitConfig`, the xDS resource.
+    pub use ratelimit::config::ratelimit::v3 as rls_config;
+
+    pub mod google {
+        pub mod rpc {
+            include!(concat!(env!("OUT_DIR"), "/xds/google.rpc.rs"));
+        }
+    }
+
+    pub mod ratelimit {
+        pub mod config {
+            pub mod ratelimit {
+                pub mod v3 {
+                    include!(concat!(env!("OUT_DIR"), "/xds/ratelimit.config.ratelimit.v3.rs"));
+                }
+            }
+        }
+    }
 }

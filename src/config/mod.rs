@@ -45,7 +45,7 @@ pub use limits::LimitsConfig;
 pub use memory::MemoryConfig;
 pub use overload::{DenialCacheConfig, OverloadConfig, OverloadMode, TenantSource};
 pub use redis::{RedisConfig, redact_url};
-pub use rules::{RulesConfig, RulesKafkaConfig, RulesSource};
+pub use rules::{RulesConfig, RulesKafkaConfig, RulesSource, XdsConfig};
 pub use shed::ShedConfig;
 pub use telemetry::{LogConfig, LogFormat, TelemetryConfig};
 

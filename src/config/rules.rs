@@ -17,6 +17,10 @@ pub enum RulesSource {
     /// Snapshots `ratelimitd rules publish` wrote to `rules.kafka.topic`;
     /// `rules.path` / `rules.envoy_path`, when set, are the fallback.
     Kafka,
+    /// Envoy rules from an xDS management server (`rules.xds.*`), as
+    /// envoyproxy/ratelimit's `CONFIG_TYPE=GRPC_XDS_SOTW`; native rules
+    /// from `rules.path` as with `files`.
+    Xds,
 }
 
 /// `rules.*`
@@ -41,6 +45,115 @@ pub struct RulesConfig {
     pub envoy_path: Option<PathBuf>,
     /// The rules topic (`source: kafka`, `rules publish`, `rules status`).
     pub kafka: RulesKafkaConfig,
+    /// The management server (`source: xds`).
+    pub xds: XdsConfig,
+}
+
+/// `rules.xds.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct XdsConfig {
+    /// `http://host:port`, or `https://` for TLS.
+    pub server_url: String,
+    /// The node id announced (upstream's `CONFIG_GRPC_XDS_NODE_ID`).
+    pub node_id: String,
+    /// The node's metadata, strings (`CONFIG_GRPC_XDS_NODE_METADATA`).
+    pub node_metadata: BTreeMap<String, String>,
+    /// gRPC metadata sent with the stream (`CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS`).
+    pub headers: BTreeMap<String, String>,
+    /// With `https://`: PEM CA certificate(s) to trust instead of the system's.
+    pub ca_file: Option<PathBuf>,
+    /// With `https://`: PEM client certificate, for mTLS; with `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// The client certificate's PEM private key.
+    pub key_file: Option<PathBuf>,
+    /// The name the server's certificate must carry, when it differs from
+    /// the URL's host (`CONFIG_GRPC_XDS_SERVER_TLS_SAN`).
+    pub server_name: Option<String>,
+    /// Serve before the first configuration arrives (every Envoy
+    /// descriptor then has no limit) instead of waiting for it
+    /// (`FORCE_START_WITHOUT_INITIAL_CONFIG`).
+    pub force_start: bool,
+    /// Deadline for connecting to the server.
+    pub connect_timeout_ms: u64,
+    /// First wait before reconnecting after a broken stream; it doubles
+    /// up to `retry_max_ms` (jittered).
+    pub retry_initial_ms: u64,
+    /// Longest wait between reconnects.
+    pub retry_max_ms: u64,
+    /// Largest response accepted (`XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES`).
+    pub max_message_bytes: usize,
+}
+
+impl Default for XdsConfig {
+    fn default() -> Self {
+        Self {
+            server_url: "http://localhost:18000".to_owned(),
+            node_id: "default".to_owned(),
+            node_metadata: BTreeMap::new(),
+            headers: BTreeMap::new(),
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            server_name: None,
+            force_start: false,
+            connect_timeout_ms: 3_000,
+            retry_initial_ms: 1_000,
+            retry_max_ms: 30_000,
+            max_message_bytes: 4 << 20,
+        }
+    }
+}
+
+impl XdsConfig {
+    /// Checks `rules.xds.*`; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let https = self.server_url.starts_with("https://");
+        if !(https || self.server_url.starts_with("http://")) {
+            return Err(invalid(
+                "rules.xds.server_url",
+                format!("{:?} must start with http:// or https://", self.server_url),
+            ));
+        }
+        if self.server_url.parse::<tonic::transport::Uri>().is_err() {
+            return Err(invalid("rules.xds.server_url", format!("{:?} is not a URL", self.server_url)));
+        }
+        if !https && (self.ca_file.is_some() || self.cert_file.is_some() || self.server_name.is_some()) {
+            return Err(invalid("rules.xds.server_url", "TLS settings need an https:// URL"));
+        }
+        if self.cert_file.is_some() != self.key_file.is_some() {
+            return Err(invalid(
+                "rules.xds.key_file",
+                "set rules.xds.cert_file and rules.xds.key_file together",
+            ));
+        }
+        if self.node_id.is_empty() {
+            return Err(invalid("rules.xds.node_id", "must not be empty"));
+        }
+        for (name, value) in &self.headers {
+            if tonic::metadata::MetadataKey::<tonic::metadata::Ascii>::from_bytes(name.as_bytes()).is_err()
+                || tonic::metadata::MetadataValue::<tonic::metadata::Ascii>::try_from(value.as_str()).is_err()
+            {
+                return Err(invalid(
+                    "rules.xds.headers",
+                    format!("{name:?}: not a valid gRPC metadata entry"),
+                ));
+            }
+        }
+        if self.connect_timeout_ms == 0
+            || self.retry_initial_ms == 0
+            || self.retry_max_ms < self.retry_initial_ms
+        {
+            return Err(invalid(
+                "rules.xds.retry_max_ms",
+                "connect_timeout_ms and retry_initial_ms must be at least 1, retry_max_ms at least retry_initial_ms",
+            ));
+        }
+        if !(1_024..=256 << 20).contains(&self.max_message_bytes) {
+            return Err(invalid("rules.xds.max_message_bytes", "must be between 1024 and 268435456"));
+        }
+        Ok(())
+    }
 }
 
 impl Default for RulesConfig {
@@ -51,6 +164,7 @@ impl Default for RulesConfig {
             reload_interval_ms: 1_000,
             envoy_path: None,
             kafka: RulesKafkaConfig::default(),
+            xds: XdsConfig::default(),
         }
     }
 }
@@ -125,6 +239,9 @@ impl RulesConfig {
         let kafka = &self.kafka;
         if kafka.brokers.as_deref().is_some_and(|b| b.trim().is_empty()) {
             return Err(invalid("rules.kafka.brokers", "must not be empty"));
+        }
+        if self.source == RulesSource::Xds {
+            self.xds.validate()?;
         }
         if self.source == RulesSource::Kafka && kafka.brokers.is_none() {
             return Err(invalid("rules.kafka.brokers", "must be set when rules.source is kafka"));

@@ -58,6 +58,9 @@ pub enum ServerError {
     /// The gRPC server failed.
     #[error("grpc server")]
     Transport(#[from] tonic::transport::Error),
+    /// The xDS subscription cannot be set up (a TLS file).
+    #[error("{0}")]
+    Xds(String),
     /// The statsd address (`telemetry.statsd_addr`) does not resolve.
     #[error("telemetry.statsd_addr {0}")]
     Statsd(String),
@@ -151,6 +154,7 @@ pub async fn run_observed(
         rules: Arc::clone(&rules.native),
         envoy: rules.envoy.clone(),
         feed: rules.feed.clone(),
+        xds: rules.xds.clone(),
         capture: captured.map(|c| c.counters),
         overload: Some(Arc::clone(&overload)),
         denials,
@@ -173,6 +177,22 @@ pub async fn run_observed(
     {
         stop(tasks, dispatchers, Duration::from_millis(config.grpc.shutdown_grace_ms), &dlq).await;
         return Ok(());
+    }
+    // Rules over xDS: likewise until the first set, unless force_start.
+    if let Some(xds) = &rules.xds
+        && !config.rules.xds.force_start
+    {
+        tracing::info!(
+            "waiting for the first rate-limit configuration over xDS (rules.xds.force_start is off)"
+        );
+        tokio::select! {
+            () = xds.first() => {}
+            () = &mut shutdown => {
+                tracing::info!("stopped while waiting for rules");
+                stop(tasks, dispatchers, Duration::from_millis(config.grpc.shutdown_grace_ms), &dlq).await;
+                return Ok(());
+            }
+        }
     }
     // Everything is built: the service is about to answer.
     observe(Observer {

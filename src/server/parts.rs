@@ -9,6 +9,7 @@ use tokio::{net::TcpListener, sync::watch, task::JoinSet};
 use tonic_health::{pb::health_server::HealthServer, server::HealthReporter};
 
 use super::ServerError;
+use crate::api::xds::XdsState;
 use crate::{
     capture::{self, Capture, CaptureCounters},
     clock::MonotonicClock,
@@ -84,18 +85,56 @@ pub(crate) struct Rules {
     /// Where they come from, for logs: a path, or the embedded set.
     pub(crate) native_source: String,
     /// The Envoy configuration, when `rules.envoy_path` is set (always
-    /// with `rules.source: kafka`).
+    /// with `rules.source: kafka` or `xds`).
     pub(crate) envoy: Option<Arc<Hot<EnvoyConfig>>>,
     /// What the rules topic feeds, with `rules.source: kafka`.
     pub(crate) feed: Option<Arc<Feed>>,
+    /// The xDS subscription, with `rules.source: xds`.
+    pub(crate) xds: Option<Arc<XdsState>>,
 }
 
-/// The rules: from files ([`rules`]) or from the rules topic ([`subscribed_rules`]).
+/// The rules: from files ([`rules`]), from the rules topic
+/// ([`subscribed_rules`]), or native from files and Envoy's over xDS
+/// ([`xds_rules`]).
 pub(crate) fn rules_of(config: &Config, tasks: &mut Tasks) -> Result<Rules, ServerError> {
     match config.rules.source {
         RulesSource::Files => rules(&config.rules, &config.envoy, tasks),
         RulesSource::Kafka => Ok(subscribed_rules(config, tasks)),
+        RulesSource::Xds => xds_rules(config, tasks),
     }
+}
+
+/// `rules.source: xds`: native rules as from files, and an Envoy
+/// configuration with no domain until the subscription swaps in the first.
+pub(crate) fn xds_rules(config: &Config, tasks: &mut Tasks) -> Result<Rules, ServerError> {
+    let files = RulesConfig { envoy_path: None, ..config.rules.clone() };
+    let mut rules = rules(&files, &config.envoy, tasks)?;
+    if config.rules.path.is_none() {
+        rules.native = Arc::new(RuleStore::new(rules::empty()));
+        rules.native_source = "none (rules.path unset, Envoy rules over xDS only)".to_owned();
+    }
+    // Before anything serves: a TLS file that does not load is fatal.
+    crate::api::xds::endpoint(&config.rules.xds).map_err(ServerError::Xds)?;
+    let envoy = Arc::new(Hot::new(EnvoyConfig::default()));
+    let state = Arc::new(XdsState::default());
+    let sliding = config.envoy.algorithm == EnvoyAlgorithm::SlidingWindow;
+    tracing::info!(
+        server = %config.rules.xds.server_url,
+        node = %config.rules.xds.node_id,
+        force_start = config.rules.xds.force_start,
+        "Envoy rules come over xDS"
+    );
+    let stop = tasks.stopper();
+    tasks.spawn(crate::api::xds::run(
+        config.rules.xds.clone(),
+        sliding,
+        Arc::clone(&envoy),
+        Arc::clone(&state),
+        stop,
+    ));
+    rules.envoy = Some(envoy);
+    rules.xds = Some(state);
+    Ok(rules)
 }
 
 /// `rules.source: kafka`: empty rule sets until the subscription swaps in
@@ -129,6 +168,7 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
         native_source: format!("kafka topic {}", kafka.topic),
         envoy: Some(envoy),
         feed: Some(feed),
+        xds: None,
     }
 }
 
@@ -170,7 +210,7 @@ pub(crate) fn rules(
             Some(hot)
         }
     };
-    Ok(Rules { native, native_source, envoy, feed: None })
+    Ok(Rules { native, native_source, envoy, feed: None, xds: None })
 }
 
 fn watch<T: rules::Versioned>(

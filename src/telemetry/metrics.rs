@@ -128,6 +128,8 @@ pub struct Sources {
     pub envoy: Option<Arc<Hot<EnvoyConfig>>>,
     /// The rules topic's feed (`rules.source: kafka`).
     pub feed: Option<Arc<Feed>>,
+    /// The xDS subscription (`rules.source: xds`).
+    pub xds: Option<Arc<crate::api::xds::XdsState>>,
     /// The capture pipeline, when capturing.
     pub capture: Option<Arc<CaptureCounters>>,
     /// The in-memory counter store, when it is the store.
@@ -395,6 +397,17 @@ fn render_sources(out: &mut String, s: &Sources) {
     }
     if let Some(feed) = &s.feed {
         render_feed(out, feed);
+    }
+    if let Some(xds) = &s.xds {
+        let (acks, nacks) = xds.counts();
+        header(
+            out,
+            "ratelimitd_rules_xds_total",
+            "counter",
+            "Envoy rule sets received over xDS, accepted (ACK) or refused (NACK).",
+        );
+        let _ = writeln!(out, "ratelimitd_rules_xds_total{{result=\"ack\"}} {acks}");
+        let _ = writeln!(out, "ratelimitd_rules_xds_total{{result=\"nack\"}} {nacks}");
     }
     if let Some(capture) = &s.capture {
         render_capture(out, capture);

@@ -1,0 +1,319 @@
+//! The Envoy rules over xDS (`rules.source: xds`), as envoyproxy/ratelimit's
+//! `CONFIG_TYPE=GRPC_XDS_SOTW` receives them from a control plane such as
+//! Envoy Gateway: a state-of-the-world subscription, on the aggregated
+//! discovery service, to `type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig`.
+//!
+//! Each response is the whole set. Its resources become upstream's YAML
+//! (one file per resource, named `xds:<name>`), are compiled exactly as
+//! files are, and swap in atomically; the response is then acknowledged
+//! (ACK: its version and nonce). A set that does not compile is refused
+//! (NACK: the last accepted version, the nonce and the errors) and the last
+//! good set keeps serving. A broken stream is reopened after a jittered,
+//! doubling back-off; the rules in force stay in force meanwhile.
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use prost::Message as _;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::{StreamExt as _, wrappers::ReceiverStream};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+use super::envoy_pb::{
+    discovery::{
+        DiscoveryRequest, DiscoveryResponse,
+        aggregated_discovery_service_client::AggregatedDiscoveryServiceClient,
+    },
+    envoy::config::core::v3::Node,
+    google::rpc::Status,
+    rls_config::{RateLimitConfig, RateLimitDescriptor, RateLimitUnit},
+};
+use crate::{
+    config::XdsConfig,
+    rules::{Hot, RuleErrors, envoy::EnvoyConfig},
+};
+
+/// The resource type subscribed to.
+pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
+
+/// What the subscription has done, for readiness, metrics and tests.
+#[derive(Debug, Default)]
+pub struct XdsState {
+    accepted: watch::Sender<Option<String>>,
+    acks: std::sync::atomic::AtomicU64,
+    nacks: std::sync::atomic::AtomicU64,
+}
+
+impl XdsState {
+    /// The version of the set in force; `None` before the first.
+    pub fn version(&self) -> Option<String> {
+        self.accepted.borrow().clone()
+    }
+
+    /// Sets accepted, and refused, since start.
+    pub fn counts(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.acks.load(Relaxed), self.nacks.load(Relaxed))
+    }
+
+    /// Waits until a first set is in force.
+    pub async fn first(&self) {
+        let mut rx = self.accepted.subscribe();
+        let _ = rx.wait_for(Option::is_some).await;
+    }
+}
+
+/// Subscribes until `stop` turns true, swapping every accepted set into `hot`.
+pub async fn run(
+    config: XdsConfig,
+    sliding: bool,
+    hot: Arc<Hot<EnvoyConfig>>,
+    state: Arc<XdsState>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let endpoint = match endpoint(&config) {
+        Ok(endpoint) => endpoint,
+        Err(error) => {
+            // Validated at startup; a file that went away since is logged
+            // and retried like an unreachable server.
+            tracing::error!(%error, "rules.xds: cannot build the connection");
+            let _ = stop.wait_for(|s| *s).await;
+            return;
+        }
+    };
+    let mut backoff = Duration::from_millis(config.retry_initial_ms);
+    loop {
+        let mut answered = false;
+        let subscribed = tokio::select! {
+            result = subscribe(&config, &endpoint, sliding, &hot, &state, &mut answered) => result,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        match subscribed {
+            Ok(()) => tracing::warn!(server = %config.server_url, "xDS stream ended; reconnecting"),
+            Err(error) => {
+                tracing::warn!(server = %config.server_url, %error, "xDS stream failed; reconnecting")
+            }
+        }
+        if answered {
+            // The stream was up: start the back-off afresh.
+            backoff = Duration::from_millis(config.retry_initial_ms);
+        }
+        let jittered = backoff.mul_f64(0.5 + rand_unit() * 0.5);
+        tokio::select! {
+            () = tokio::time::sleep(jittered) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_millis(config.retry_max_ms));
+    }
+}
+
+/// A number in [0, 1) from the clock: enough to spread reconnects.
+fn rand_unit() -> f64 {
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    f64::from(nanos % 1_000) / 1_000.0
+}
+
+/// The channel's endpoint: the URL, timeouts, and TLS (with a client
+/// certificate for mTLS) when configured.
+pub fn endpoint(config: &XdsConfig) -> Result<Endpoint, String> {
+    let mut endpoint = Endpoint::from_shared(config.server_url.clone())
+        .map_err(|e| format!("rules.xds.server_url {:?}: {e}", config.server_url))?
+        .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
+        .http2_keep_alive_interval(Duration::from_secs(30));
+    if config.server_url.starts_with("https://") {
+        let mut tls = ClientTlsConfig::new();
+        if let Some(ca) = &config.ca_file {
+            tls = tls.ca_certificate(Certificate::from_pem(read(ca, "rules.xds.ca_file")?));
+        }
+        if let (Some(cert), Some(key)) = (&config.cert_file, &config.key_file) {
+            tls = tls.identity(Identity::from_pem(
+                read(cert, "rules.xds.cert_file")?,
+                read(key, "rules.xds.key_file")?,
+            ));
+        }
+        if let Some(name) = &config.server_name {
+            tls = tls.domain_name(name.clone());
+        }
+        endpoint = endpoint.tls_config(tls).map_err(|e| format!("rules.xds TLS: {e}"))?;
+    }
+    Ok(endpoint)
+}
+
+fn read(path: &PathBuf, key: &str) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("{key} {}: {e}", path.display()))
+}
+
+/// One stream: the first request, then an ACK or NACK per response, until
+/// the stream ends or fails.
+async fn subscribe(
+    config: &XdsConfig,
+    endpoint: &Endpoint,
+    sliding: bool,
+    hot: &Hot<EnvoyConfig>,
+    state: &XdsState,
+    answered: &mut bool,
+) -> Result<(), String> {
+    let channel: Channel = endpoint.connect().await.map_err(|e| format!("connect: {e}"))?;
+    let mut client = AggregatedDiscoveryServiceClient::new(channel)
+        .max_decoding_message_size(config.max_message_bytes)
+        .max_encoding_message_size(config.max_message_bytes);
+    let (requests, outgoing) = mpsc::channel(4);
+    let node = node(config);
+    let accepted = state.version().unwrap_or_default();
+    let _ = requests.send(request(&node, accepted, String::new(), None)).await;
+    let mut call = tonic::Request::new(ReceiverStream::new(outgoing));
+    for (name, value) in &config.headers {
+        let (Ok(name), Ok(value)) = (
+            tonic::metadata::MetadataKey::from_bytes(name.as_bytes()),
+            tonic::metadata::MetadataValue::try_from(value.as_str()),
+        ) else {
+            continue; // validated at startup
+        };
+        call.metadata_mut().insert(name, value);
+    }
+    let mut responses =
+        client.stream_aggregated_resources(call).await.map_err(|e| format!("open: {e}"))?.into_inner();
+    tracing::info!(server = %config.server_url, node = %config.node_id, "subscribed to rate-limit configuration over xDS");
+    while let Some(response) = responses.next().await {
+        let response = response.map_err(|e| format!("receive: {e}"))?;
+        *answered = true;
+        let answer = match apply(&response, sliding, hot) {
+            Ok(domains) => {
+                state.acks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                state.accepted.send_replace(Some(response.version_info.clone()));
+                tracing::info!(version = %response.version_info, domains, "xDS rate-limit configuration swapped in");
+                request(&node, response.version_info, response.nonce, None)
+            }
+            Err(error) => {
+                state.nacks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(version = %response.version_info, %error, "xDS rate-limit configuration refused; the last good one keeps serving");
+                let accepted = state.version().unwrap_or_default();
+                request(&node, accepted, response.nonce, Some(error))
+            }
+        };
+        if requests.send(answer).await.is_err() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// The node this instance announces: `rules.xds.node_id` and
+/// `rules.xds.node_metadata` (strings).
+fn node(config: &XdsConfig) -> Node {
+    use prost_types::{Struct, Value, value::Kind};
+    let fields = config
+        .node_metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), Value { kind: Some(Kind::StringValue(v.clone())) }))
+        .collect();
+    Node {
+        id: config.node_id.clone(),
+        metadata: Some(Struct { fields }),
+        user_agent_name: "ratelimitd".to_owned(),
+        ..Default::default()
+    }
+}
+
+/// A subscription request: the first (empty version and nonce), an ACK, or
+/// (with `error`) a NACK.
+fn request(
+    node: &Node,
+    version_info: String,
+    response_nonce: String,
+    error: Option<String>,
+) -> DiscoveryRequest {
+    DiscoveryRequest {
+        version_info,
+        node: Some(node.clone()),
+        resource_names: Vec::new(),
+        type_url: TYPE_URL.to_owned(),
+        response_nonce,
+        // INVALID_ARGUMENT, as envoyproxy/ratelimit's client reports it.
+        error_detail: error.map(|message| Status { code: 3, message, details: Vec::new() }),
+        ..Default::default()
+    }
+}
+
+/// Compiles the response's resources and swaps them in; the number of
+/// domains, or every problem found.
+fn apply(response: &DiscoveryResponse, sliding: bool, hot: &Hot<EnvoyConfig>) -> Result<usize, String> {
+    let files = files(response)?;
+    let compiled =
+        crate::rules::envoy::compile_texts(&files, sliding).map_err(|e: RuleErrors| e.to_string())?;
+    let domains = compiled.domain_count();
+    hot.swap(compiled);
+    Ok(domains)
+}
+
+/// Each resource as the upstream YAML it stands for, named `xds:<name>`.
+pub fn files(response: &DiscoveryResponse) -> Result<Vec<(PathBuf, String)>, String> {
+    response
+        .resources
+        .iter()
+        .enumerate()
+        .map(|(i, any)| {
+            if any.type_url != TYPE_URL {
+                return Err(format!("resource {i}: type {:?}, expected {TYPE_URL}", any.type_url));
+            }
+            let config = RateLimitConfig::decode(any.value.as_slice())
+                .map_err(|e| format!("resource {i}: not a RateLimitConfig: {e}"))?;
+            let name = if config.name.is_empty() { format!("resource-{i}") } else { config.name.clone() };
+            let text = serde_yaml::to_string(&yaml(&config)).map_err(|e| format!("resource {name}: {e}"))?;
+            Ok((PathBuf::from(format!("xds:{name}")), text))
+        })
+        .collect()
+}
+
+/// The configuration as upstream's YAML document (what its
+/// `ConfigXdsProtoToYaml` builds).
+fn yaml(config: &RateLimitConfig) -> serde_json::Value {
+    serde_json::json!({ "domain": config.domain, "descriptors": descriptors(&config.descriptors) })
+}
+
+fn descriptors(list: &[RateLimitDescriptor]) -> serde_json::Value {
+    list.iter()
+        .map(|d| {
+            let mut out = serde_json::json!({
+                "key": d.key,
+                "value": d.value,
+                "shadow_mode": d.shadow_mode,
+                "detailed_metric": d.detailed_metric,
+                "quota_mode": d.quota_mode,
+                "descriptors": descriptors(&d.descriptors),
+            });
+            if let Some(policy) = &d.rate_limit {
+                let unit = RateLimitUnit::try_from(policy.unit).map_or("unknown", |u| u.as_str_name());
+                out["rate_limit"] = serde_json::json!({
+                    "unit": unit.to_ascii_lowercase(),
+                    "requests_per_unit": policy.requests_per_unit,
+                    "unlimited": policy.unlimited,
+                    "name": policy.name,
+                    "replaces": policy.replaces.iter().map(|r| serde_json::json!({ "name": r.name })).collect::<Vec<_>>(),
+                });
+            }
+            if let Some(metadata) = &d.metadata {
+                out["metadata"] = struct_json(metadata);
+            }
+            out
+        })
+        .collect()
+}
+
+fn struct_json(s: &prost_types::Struct) -> serde_json::Value {
+    serde_json::Value::Object(s.fields.iter().map(|(k, v)| (k.clone(), value_json(v))).collect())
+}
+
+fn value_json(v: &prost_types::Value) -> serde_json::Value {
+    use prost_types::value::Kind;
+    match &v.kind {
+        None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
+        Some(Kind::NumberValue(n)) => {
+            serde_json::Number::from_f64(*n).map_or(serde_json::Value::Null, Into::into)
+        }
+        Some(Kind::StringValue(s)) => s.clone().into(),
+        Some(Kind::BoolValue(b)) => (*b).into(),
+        Some(Kind::StructValue(s)) => struct_json(s),
+        Some(Kind::ListValue(l)) => l.values.iter().map(value_json).collect(),
+    }
+}

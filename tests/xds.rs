@@ -1,0 +1,259 @@
+//! Envoy rules over xDS, black-box: a small aggregated discovery server
+//! written here (the vendored protos), as Envoy Gateway's control plane
+//! would serve envoyproxy/ratelimit, and ratelimitd subscribed to it with
+//! `rules.source: xds`.
+
+mod common;
+
+use std::{
+    pin::Pin,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use common::{Rules, TestServer, config, free_port};
+use prost::Message as _;
+use ratelimitd::api::envoy_pb::{
+    discovery::{
+        DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+        aggregated_discovery_service_server::{AggregatedDiscoveryService, AggregatedDiscoveryServiceServer},
+    },
+    envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+    rls::{RateLimitRequest, rate_limit_response::Code, rate_limit_service_client::RateLimitServiceClient},
+    rls_config::{self, RateLimitConfig, RateLimitPolicy, RateLimitUnit},
+};
+use ratelimitd::{api::xds::TYPE_URL, config::RulesSource};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::{Stream, StreamExt as _, wrappers::ReceiverStream};
+use tonic::{Request, Response, Status, transport::Channel};
+
+type Set = Option<(String, Vec<prost_types::Any>)>;
+
+/// Serves the current set to every subscriber, again whenever it changes,
+/// and keeps every request it receives.
+#[derive(Clone)]
+struct Ads {
+    current: watch::Receiver<Set>,
+    seen: Arc<Mutex<Vec<DiscoveryRequest>>>,
+}
+
+type Responses = Pin<Box<dyn Stream<Item = Result<DiscoveryResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Ads {
+    type StreamAggregatedResourcesStream = Responses;
+    type DeltaAggregatedResourcesStream =
+        Pin<Box<dyn Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<tonic::Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Responses>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let mut current = self.current.clone();
+        let seen = Arc::clone(&self.seen);
+        tokio::spawn(async move {
+            let mut nonce = 0u64;
+            let mut send = |set: &Set| {
+                set.as_ref().map(|(version, resources)| {
+                    nonce += 1;
+                    DiscoveryResponse {
+                        version_info: version.clone(),
+                        resources: resources.clone(),
+                        type_url: TYPE_URL.to_owned(),
+                        nonce: nonce.to_string(),
+                        ..Default::default()
+                    }
+                })
+            };
+            let mut subscribed = false;
+            loop {
+                let response = tokio::select! {
+                    message = inbound.next() => match message {
+                        Some(Ok(request)) => {
+                            seen.lock().unwrap().push(request);
+                            if subscribed { continue }
+                            subscribed = true;
+                            send(&current.borrow_and_update())
+                        }
+                        _ => return,
+                    },
+                    changed = current.changed() => {
+                        if changed.is_err() { return }
+                        send(&current.borrow_and_update())
+                    }
+                };
+                if let Some(response) = response
+                    && tx.send(Ok(response)).await.is_err()
+                {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        _: Request<tonic::Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        Err(Status::unimplemented("state of the world only"))
+    }
+}
+
+/// A management server on a free port; the sender sets what it serves.
+async fn management_server(initial: Set) -> (watch::Sender<Set>, Arc<Mutex<Vec<DiscoveryRequest>>>, String) {
+    let (set, current) = watch::channel(initial);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let ads = Ads { current, seen: Arc::clone(&seen) };
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(AggregatedDiscoveryServiceServer::new(ads))
+            .serve(addr),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(Instant::now() < deadline, "the management server did not listen");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (set, seen, format!("http://{addr}"))
+}
+
+/// One resource: domain `domain`, descriptor `user` at `per_minute`.
+fn resource(name: &str, domain: &str, per_minute: u32) -> prost_types::Any {
+    let config = RateLimitConfig {
+        name: name.to_owned(),
+        domain: domain.to_owned(),
+        descriptors: vec![rls_config::RateLimitDescriptor {
+            key: "user".to_owned(),
+            rate_limit: Some(RateLimitPolicy {
+                unit: RateLimitUnit::Minute as i32,
+                requests_per_unit: per_minute,
+                name: "per-user".to_owned(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
+    };
+    prost_types::Any { type_url: TYPE_URL.to_owned(), value: config.encode_to_vec() }
+}
+
+async fn subscribed(server_url: &str, force_start: bool) -> (TestServer, Rules) {
+    let native = Rules::new("rules: []\n");
+    let mut cfg = config(&native.path(), None);
+    cfg.rules.source = RulesSource::Xds;
+    cfg.rules.xds.server_url = server_url.to_owned();
+    cfg.rules.xds.node_id = "gateway-ratelimit".to_owned();
+    cfg.rules.xds.node_metadata.insert("zone".to_owned(), "a".to_owned());
+    cfg.rules.xds.force_start = force_start;
+    cfg.rules.xds.retry_initial_ms = 50;
+    (TestServer::start(cfg).await, native)
+}
+
+async fn client(server: &TestServer) -> RateLimitServiceClient<Channel> {
+    RateLimitServiceClient::connect(format!("http://{}", server.addr)).await.unwrap()
+}
+
+/// The limit `user` = `user` answers with in domain `edge` (0: none).
+async fn limit_of(client: &mut RateLimitServiceClient<Channel>, user: &str) -> (Code, u32) {
+    let request = RateLimitRequest {
+        domain: "edge".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry { key: "user".to_owned(), value: user.to_owned() }],
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    };
+    let response = client.should_rate_limit(request).await.unwrap().into_inner();
+    let limit = response.statuses[0].current_limit.as_ref().map_or(0, |l| l.requests_per_unit);
+    (Code::try_from(response.overall_code).unwrap(), limit)
+}
+
+/// Waits until `check` holds, polling.
+async fn eventually<F: std::future::Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !check().await {
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The node announces itself; each set swaps in and is acknowledged with
+/// its version and nonce; a set that does not compile is refused with the
+/// errors while the last good one keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sets_swap_in_are_acknowledged_and_a_bad_one_is_refused() {
+    let (set, seen, url) = management_server(Some(("1".to_owned(), vec![resource("edge", "edge", 2)]))).await;
+    let (server, _rules) = subscribed(&url, false).await;
+    let mut client = client(&server).await;
+    assert_eq!(limit_of(&mut client, "ann").await, (Code::Ok, 2), "served from the first set");
+    let first = seen.lock().unwrap()[0].clone();
+    let node = first.node.expect("the node");
+    assert_eq!(node.id, "gateway-ratelimit");
+    assert_eq!(format!("{:?}", node.metadata.unwrap().fields["zone"].kind), r#"Some(StringValue("a"))"#);
+    assert_eq!((first.type_url.as_str(), first.version_info.as_str()), (TYPE_URL, ""));
+    let acked = |version: &'static str, nonce: &'static str| {
+        let seen = Arc::clone(&seen);
+        move || {
+            let seen = Arc::clone(&seen);
+            async move {
+                seen.lock().unwrap().iter().any(|r| {
+                    r.version_info == version && r.response_nonce == nonce && r.error_detail.is_none()
+                })
+            }
+        }
+    };
+    eventually("v1 acknowledged", acked("1", "1")).await;
+
+    set.send_replace(Some(("2".to_owned(), vec![resource("edge", "edge", 5)])));
+    eventually("v2 in force", || {
+        let mut client = client.clone();
+        async move { limit_of(&mut client, "cy").await == (Code::Ok, 5) }
+    })
+    .await;
+    eventually("v2 acknowledged", acked("2", "2")).await;
+
+    // Two resources for one domain do not compile: refused, v2 stays.
+    set.send_replace(Some(("3".to_owned(), vec![resource("a", "edge", 7), resource("b", "edge", 8)])));
+    let nack = Arc::clone(&seen);
+    eventually("v3 refused", move || {
+        let nack = Arc::clone(&nack);
+        async move {
+            nack.lock().unwrap().iter().any(|r| {
+                r.response_nonce == "3"
+                    && r.version_info == "2"
+                    && r.error_detail.as_ref().is_some_and(|e| e.message.contains("duplicate domain"))
+            })
+        }
+    })
+    .await;
+    assert_eq!(limit_of(&mut client, "di").await, (Code::Ok, 5), "the last good set keeps serving");
+    let addr = server.http_addr;
+    let (_, scrape) = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
+    for line in
+        [r#"ratelimitd_rules_xds_total{result="ack"} 2"#, r#"ratelimitd_rules_xds_total{result="nack"} 1"#]
+    {
+        assert!(scrape.lines().any(|l| l == line), "missing {line}");
+    }
+    server.stop().await.unwrap();
+}
+
+/// `rules.xds.force_start`: without a first set the service serves at
+/// once, every Envoy descriptor unlimited, and takes the set when it comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn force_start_serves_before_the_first_set() {
+    let (set, _seen, url) = management_server(None).await;
+    let (server, _rules) = subscribed(&url, true).await;
+    let mut client = client(&server).await;
+    assert_eq!(limit_of(&mut client, "ed").await, (Code::Ok, 0), "no limit yet");
+    set.send_replace(Some(("1".to_owned(), vec![resource("edge", "edge", 3)])));
+    eventually("the first set in force", || {
+        let mut client = client.clone();
+        async move { limit_of(&mut client, "ed").await == (Code::Ok, 3) }
+    })
+    .await;
+    server.stop().await.unwrap();
+}
