@@ -104,22 +104,36 @@ impl AggregatedDiscoveryService for Ads {
 
 /// A management server on a free port; the sender sets what it serves.
 async fn management_server(initial: Set) -> (watch::Sender<Set>, Arc<Mutex<Vec<DiscoveryRequest>>>, String) {
+    management_server_with(initial, None).await
+}
+
+/// The same, over TLS with `server.pem`/`server.key` from `tls` and client
+/// certificates signed by its `ca.pem` required (mTLS).
+async fn management_server_with(
+    initial: Set,
+    tls: Option<&std::path::Path>,
+) -> (watch::Sender<Set>, Arc<Mutex<Vec<DiscoveryRequest>>>, String) {
     let (set, current) = watch::channel(initial);
     let seen = Arc::new(Mutex::new(Vec::new()));
     let ads = Ads { current, seen: Arc::clone(&seen) };
     let port = free_port();
     let addr = format!("127.0.0.1:{port}").parse().unwrap();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(AggregatedDiscoveryServiceServer::new(ads))
-            .serve(addr),
-    );
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(dir) = tls {
+        let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
+        let config = tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(read("server.pem"), read("server.key")))
+            .client_ca_root(tonic::transport::Certificate::from_pem(read("ca.pem")));
+        builder = builder.tls_config(config).unwrap();
+    }
+    tokio::spawn(builder.add_service(AggregatedDiscoveryServiceServer::new(ads)).serve(addr));
     let deadline = Instant::now() + Duration::from_secs(10);
     while tokio::net::TcpStream::connect(addr).await.is_err() {
         assert!(Instant::now() < deadline, "the management server did not listen");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    (set, seen, format!("http://{addr}"))
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    (set, seen, format!("{scheme}://localhost:{port}"))
 }
 
 /// One resource: domain `domain`, descriptor `user` at `per_minute`.
@@ -142,6 +156,14 @@ fn resource(name: &str, domain: &str, per_minute: u32) -> prost_types::Any {
 }
 
 async fn subscribed(server_url: &str, force_start: bool) -> (TestServer, Rules) {
+    subscribed_with(server_url, force_start, |_| {}).await
+}
+
+async fn subscribed_with(
+    server_url: &str,
+    force_start: bool,
+    tune: impl FnOnce(&mut ratelimitd::config::Config),
+) -> (TestServer, Rules) {
     let native = Rules::new("rules: []\n");
     let mut cfg = config(&native.path(), None);
     cfg.rules.source = RulesSource::Xds;
@@ -150,6 +172,7 @@ async fn subscribed(server_url: &str, force_start: bool) -> (TestServer, Rules) 
     cfg.rules.xds.node_metadata.insert("zone".to_owned(), "a".to_owned());
     cfg.rules.xds.force_start = force_start;
     cfg.rules.xds.retry_initial_ms = 50;
+    tune(&mut cfg);
     (TestServer::start(cfg).await, native)
 }
 
@@ -255,5 +278,36 @@ async fn force_start_serves_before_the_first_set() {
         async move { limit_of(&mut client, "ed").await == (Code::Ok, 3) }
     })
     .await;
+    server.stop().await.unwrap();
+}
+
+/// Over mTLS: with the CA and a client certificate the set arrives; without
+/// a client certificate the server refuses the connection, and nothing is
+/// ever served (force_start, so the service runs meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mutual_tls_to_the_management_server() {
+    let dir = tempfile::tempdir().unwrap();
+    common::make_ca(dir.path(), "ca");
+    common::make_leaf(dir.path(), "ca", "server", "serverAuth");
+    common::make_leaf(dir.path(), "ca", "client", "clientAuth");
+    let initial = Some(("1".to_owned(), vec![resource("edge", "edge", 4)]));
+    let (_set, _seen, url) = management_server_with(initial, Some(dir.path())).await;
+    let path = |name: &str| Some(dir.path().join(name));
+    let (server, _rules) = subscribed_with(&url, false, |c| {
+        c.rules.xds.ca_file = path("ca.pem");
+        c.rules.xds.cert_file = path("client.pem");
+        c.rules.xds.key_file = path("client.key");
+    })
+    .await;
+    assert_eq!(limit_of(&mut client(&server).await, "fay").await, (Code::Ok, 4));
+    server.stop().await.unwrap();
+
+    let (server, _rules) = subscribed_with(&url, true, |c| c.rules.xds.ca_file = path("ca.pem")).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        limit_of(&mut client(&server).await, "fay").await,
+        (Code::Ok, 0),
+        "no client certificate: no set"
+    );
     server.stop().await.unwrap();
 }
