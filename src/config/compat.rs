@@ -70,7 +70,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("RUNTIME_IGNOREDOTFILES", "dot files are always ignored"),
     ("RUNTIME_WATCH_ROOT", "the resolved files are always watched (symlink swaps included)"),
     ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "the service is ready once the store answers (/readyz)"),
-    ("FORCE_START_WITHOUT_INITIAL_CONFIG", "CONFIG_TYPE=FILE always starts"),
     ("TRACING_ENABLED", "traces go to telemetry.otlp_endpoint (RATELIMITD__TELEMETRY__OTLP_ENDPOINT)"),
     ("TRACING_SERVICE_NAME", "see telemetry.service_name"),
     ("TRACING_SERVICE_NAMESPACE", "see telemetry.service_name"),
@@ -86,21 +85,8 @@ const IGNORED: &[(&str, &str)] = &[
     ("MEMCACHE_TLS_CLIENT_KEY", "no memcached backend"),
     ("MEMCACHE_TLS_CACERT", "no memcached backend"),
     ("MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION", "no memcached backend"),
-    ("CONFIG_GRPC_XDS_NODE_ID", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("CONFIG_GRPC_XDS_NODE_METADATA", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("CONFIG_GRPC_XDS_SERVER_URL", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("XDS_CLIENT_BACKOFF_JITTER", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
-    ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "CONFIG_TYPE=GRPC_XDS_SOTW is not supported yet"),
+    ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "the reconnect back-off is jittered by up to half"),
+    ("XDS_CLIENT_BACKOFF_JITTER", "the reconnect back-off is always jittered"),
 ];
 
 /// Upstream's defaults of the variables translated below.
@@ -131,7 +117,11 @@ pub fn apply(env: &mut HashMap<String, String>) -> Result<Compat, ConfigError> {
     let mut out = Vec::new();
     refuse_unsupported(&upstream)?;
     listeners(&upstream, &mut out)?;
-    runtime(&upstream, &mut out);
+    if upstream.get("CONFIG_TYPE").is_some_and(|k| k.eq_ignore_ascii_case("GRPC_XDS_SOTW")) {
+        xds(&upstream, &mut out)?;
+    } else {
+        runtime(&upstream, &mut out);
+    }
     redis(&upstream, &mut out)?;
     grpc_tls(&upstream, &mut out)?;
     envoy(&upstream, &mut out)?;
@@ -191,8 +181,9 @@ fn refuse_unsupported(up: &Upstream<'_>) -> Result<(), ConfigError> {
     }
     if let Some(kind) = up.get("CONFIG_TYPE")
         && !kind.eq_ignore_ascii_case("FILE")
+        && !kind.eq_ignore_ascii_case("GRPC_XDS_SOTW")
     {
-        return Err(invalid("CONFIG_TYPE", format!("{kind:?} is not supported yet: only FILE")));
+        return Err(invalid("CONFIG_TYPE", format!("{kind:?}: expected FILE or GRPC_XDS_SOTW")));
     }
     if let Some(kind) = up.get("REDIS_TYPE")
         && !["single", "cluster", "sentinel"].iter().any(|k| kind.eq_ignore_ascii_case(k))
@@ -221,6 +212,68 @@ fn listeners(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
         out.push((key, format!("{address}:{number}")));
     }
     Ok(())
+}
+
+/// `CONFIG_TYPE=GRPC_XDS_SOTW`: the management server and this node.
+fn xds(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    out.push(("rules.source", "xds".to_owned()));
+    let tls = up.flag("CONFIG_GRPC_XDS_SERVER_USE_TLS")? == Some(true);
+    let server = up.get("CONFIG_GRPC_XDS_SERVER_URL").unwrap_or("localhost:18000");
+    let scheme = if tls { "https" } else { "http" };
+    out.push(("rules.xds.server_url", format!("{scheme}://{server}")));
+    if let Some(id) = up.get("CONFIG_GRPC_XDS_NODE_ID") {
+        out.push(("rules.xds.node_id", id.to_owned()));
+    }
+    if tls {
+        for (name, key) in [
+            ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "rules.xds.ca_file"),
+            ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "rules.xds.cert_file"),
+            ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "rules.xds.key_file"),
+            ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "rules.xds.server_name"),
+        ] {
+            if let Some(value) = up.get(name) {
+                out.push((key, value.to_owned()));
+            }
+        }
+    }
+    if let Some(on) = up.flag("FORCE_START_WITHOUT_INITIAL_CONFIG")? {
+        out.push(("rules.xds.force_start", on.to_string()));
+    }
+    for (name, key) in [
+        ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "rules.xds.retry_initial_ms"),
+        ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "rules.xds.retry_max_ms"),
+        ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "rules.xds.connect_timeout_ms"),
+    ] {
+        if let Some(ms) = up.millis(name)? {
+            out.push((key, ms.to_string()));
+        }
+    }
+    if let Some(bytes) = up.get("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES") {
+        bytes
+            .parse::<usize>()
+            .map_err(|_| invalid("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", format!("{bytes:?} is not a size")))?;
+        out.push(("rules.xds.max_message_bytes", bytes.to_owned()));
+    }
+    // `key=value,key=value` (metadata) and `key:value,key:value` (headers),
+    // as upstream reads them. Keys reach ratelimitd in lower case.
+    for (name, key, separator) in [
+        ("CONFIG_GRPC_XDS_NODE_METADATA", "rules.xds.node_metadata", '='),
+        ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "rules.xds.headers", ':'),
+    ] {
+        for pair in up.get(name).unwrap_or_default().split(',').filter(|p| !p.is_empty()) {
+            let Some((k, v)) = pair.split_once(separator) else {
+                return Err(invalid(name, format!("{pair:?} is not key{separator}value")));
+            };
+            out.push((map_key(key, k.trim()), v.trim().to_owned()));
+        }
+    }
+    Ok(())
+}
+
+/// A map entry's dotted key, `map.entry`: leaked, once per entry at start
+/// (a handful, from the operator's environment).
+fn map_key(map: &str, entry: &str) -> &'static str {
+    Box::leak(format!("{map}.{entry}").into_boxed_str())
 }
 
 /// `RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY`, upstream's
@@ -506,6 +559,25 @@ mod tests {
         assert_eq!(env["RATELIMITD__REDIS__URL"], "redis://s1:26379,redis://s2:26379");
         assert_eq!(env["RATELIMITD__REDIS__SENTINEL_PASSWORD"], "sentinel-secret");
         assert_eq!(env["RATELIMITD__REDIS__PASSWORD"], "master-secret");
+        let (env, _) = translated(&[
+            (COMPAT_VAR, ENVOYPROXY),
+            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
+            ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+            ("CONFIG_GRPC_XDS_NODE_METADATA", "zone=a,team=edge"),
+            ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+            ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "/certs/ca.crt"),
+            ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+        ]);
+        assert_eq!(env["RATELIMITD__RULES__SOURCE"], "xds");
+        assert_eq!(env["RATELIMITD__RULES__XDS__SERVER_URL"], "https://envoy-gateway:18001");
+        assert_eq!(env["RATELIMITD__RULES__XDS__NODE_ID"], "envoy-ratelimit");
+        assert_eq!(env["RATELIMITD__RULES__XDS__NODE_METADATA__ZONE"], "a");
+        assert_eq!(env["RATELIMITD__RULES__XDS__CA_FILE"], "/certs/ca.crt");
+        assert_eq!(env["RATELIMITD__RULES__XDS__FORCE_START"], "true");
+        assert!(!env.contains_key("RATELIMITD__RULES__ENVOY_PATH"), "no runtime directory with xDS");
+        let config = crate::config::Config::load(None, env).unwrap();
+        assert_eq!(config.rules.xds.node_metadata["zone"], "a");
         let mut alone =
             env_of(&[(COMPAT_VAR, ENVOYPROXY), ("REDIS_TYPE", "sentinel"), ("REDIS_URL", "mymaster")]);
         assert!(apply(&mut alone).unwrap_err().to_string().contains("REDIS_URL"));
@@ -515,7 +587,7 @@ mod tests {
     fn what_would_change_decisions_refuses_to_start_naming_the_variable() {
         for (name, value) in [
             ("BACKEND_TYPE", "memcache"),
-            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("CONFIG_TYPE", "REST"),
             ("REDIS_TYPE", "sentinel-ish"),
             ("REDIS_TIMEOUT", "soon"),
             ("SHADOW_MODE", "yes"),
