@@ -29,38 +29,11 @@ use super::envoy_pb::{
 };
 use crate::{
     config::XdsConfig,
-    rules::{Hot, RuleErrors, envoy::EnvoyConfig},
+    rules::{Hot, RuleErrors, XdsState, envoy::EnvoyConfig},
 };
 
 /// The resource type subscribed to.
 pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
-
-/// What the subscription has done, for readiness, metrics and tests.
-#[derive(Debug, Default)]
-pub struct XdsState {
-    accepted: watch::Sender<Option<String>>,
-    acks: std::sync::atomic::AtomicU64,
-    nacks: std::sync::atomic::AtomicU64,
-}
-
-impl XdsState {
-    /// The version of the set in force; `None` before the first.
-    pub fn version(&self) -> Option<String> {
-        self.accepted.borrow().clone()
-    }
-
-    /// Sets accepted, and refused, since start.
-    pub fn counts(&self) -> (u64, u64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        (self.acks.load(Relaxed), self.nacks.load(Relaxed))
-    }
-
-    /// Waits until a first set is in force.
-    pub async fn first(&self) {
-        let mut rx = self.accepted.subscribe();
-        let _ = rx.wait_for(Option::is_some).await;
-    }
-}
 
 /// Subscribes until `stop` turns true, swapping every accepted set into `hot`.
 pub async fn run(
@@ -179,13 +152,12 @@ async fn subscribe(
         *answered = true;
         let answer = match apply(&response, sliding, hot) {
             Ok(domains) => {
-                state.acks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                state.accepted.send_replace(Some(response.version_info.clone()));
+                state.accept(response.version_info.clone());
                 tracing::info!(version = %response.version_info, domains, "xDS rate-limit configuration swapped in");
                 request(&node, response.version_info, response.nonce, None)
             }
             Err(error) => {
-                state.nacks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                state.refuse();
                 tracing::warn!(version = %response.version_info, %error, "xDS rate-limit configuration refused; the last good one keeps serving");
                 let accepted = state.version().unwrap_or_default();
                 request(&node, accepted, response.nonce, Some(error))

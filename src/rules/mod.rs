@@ -19,7 +19,7 @@ use std::{fmt, io, path::Path, path::PathBuf};
 pub(crate) use compile::compile;
 pub use model::{FailurePolicy, MAX_OVERLOAD_RATE, Mode, OverloadScope, OverloadSpec, Rule};
 pub use snapshot::{Snapshot, canonical_path};
-pub use store::{Feed, Hot, Origin, RuleStore, Served, Versioned, watch};
+pub use store::{Feed, Hot, Origin, RuleStore, Served, Versioned, XdsState, watch};
 
 /// Loads and compiles the rule set at `path` (a file or a directory).
 pub fn load(path: &Path) -> Result<Snapshot, RuleErrors> {

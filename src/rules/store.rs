@@ -285,3 +285,41 @@ impl Feed {
         self.changed.notified().await;
     }
 }
+
+/// What the xDS subscription (`rules.source: xds`, `api::xds`) has done,
+/// for readiness, metrics and tests.
+#[derive(Debug, Default)]
+pub struct XdsState {
+    accepted: tokio::sync::watch::Sender<Option<String>>,
+    acks: AtomicU64,
+    nacks: AtomicU64,
+}
+
+impl XdsState {
+    /// The version of the set in force; `None` before the first.
+    pub fn version(&self) -> Option<String> {
+        self.accepted.borrow().clone()
+    }
+
+    /// Sets accepted, and refused, since start.
+    pub fn counts(&self) -> (u64, u64) {
+        (self.acks.load(Ordering::Relaxed), self.nacks.load(Ordering::Relaxed))
+    }
+
+    /// Records a set accepted as `version`.
+    pub fn accept(&self, version: String) {
+        self.acks.fetch_add(1, Ordering::Relaxed);
+        self.accepted.send_replace(Some(version));
+    }
+
+    /// Records a set refused.
+    pub fn refuse(&self) {
+        self.nacks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Waits until a first set is in force.
+    pub async fn first(&self) {
+        let mut rx = self.accepted.subscribe();
+        let _ = rx.wait_for(Option::is_some).await;
+    }
+}

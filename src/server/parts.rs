@@ -9,7 +9,7 @@ use tokio::{net::TcpListener, sync::watch, task::JoinSet};
 use tonic_health::{pb::health_server::HealthServer, server::HealthReporter};
 
 use super::ServerError;
-use crate::api::xds::XdsState;
+use crate::rules::XdsState;
 use crate::{
     capture::{self, Capture, CaptureCounters},
     clock::MonotonicClock,

@@ -129,7 +129,7 @@ pub struct Sources {
     /// The rules topic's feed (`rules.source: kafka`).
     pub feed: Option<Arc<Feed>>,
     /// The xDS subscription (`rules.source: xds`).
-    pub xds: Option<Arc<crate::api::xds::XdsState>>,
+    pub xds: Option<Arc<crate::rules::XdsState>>,
     /// The capture pipeline, when capturing.
     pub capture: Option<Arc<CaptureCounters>>,
     /// The in-memory counter store, when it is the store.
