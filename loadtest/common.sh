@@ -1,7 +1,7 @@
 # Shared by the benchmark scripts (sourced, not run): a work directory
 # removed on exit, the PIDs of what they started (killed on exit), a free
-# loopback port, waiting until something listens on one, and the Envoy
-# configuration the loads run against.
+# loopback port, waiting until something listens on one, running a command
+# on a core set, and the Envoy configuration the loads run against.
 WORK="$(mktemp -d)"
 PIDS=()
 cleanup() {
@@ -22,6 +22,13 @@ free_port() {
     (exec 3<>/dev/tcp/127.0.0.1/"$port") 2>/dev/null || { echo "$port"; return; }
   done
 }
+# pin CORES COMMAND...: exec COMMAND, on the core set CORES (taskset -c)
+# when it is not empty. Run it in a subshell: `(pin "$CPUS" cmd …) &`.
+pin() {
+  local cpus="$1"; shift
+  if [ -n "$cpus" ]; then exec taskset -c "$cpus" "$@"; else exec "$@"; fi
+}
+
 wait_port() { for _ in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "$0: nothing on port $1" >&2; exit 1; }
 
 # Envoy-format rules in directory $1: domain "edge", a counter per user, far

@@ -30,11 +30,6 @@ mkdir -p "$OUT"
 # shellcheck source=loadtest/common.sh
 source "$(dirname "$0")/common.sh"
 
-pin() { # core set, command...: taskset when a core set is given
-  local cpus="$1"; shift
-  if [ -n "$cpus" ]; then exec taskset -c "$cpus" "$@"; else exec "$@"; fi
-}
-
 REDIS_PORT="$(free_port)"
 # shellcheck disable=SC2086
 (pin "${REDIS_CPUS:-}" $REDIS_CMD --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >"$WORK/redis.log" 2>&1) &
