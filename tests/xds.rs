@@ -311,3 +311,27 @@ async fn mutual_tls_to_the_management_server() {
     );
     server.stop().await.unwrap();
 }
+
+/// Without `force_start` nothing is answered before the first set, and
+/// `/readyz` says why; it is ready once the set is in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn not_ready_until_the_first_set() {
+    let (set, _seen, url) = management_server(None).await;
+    let native = Rules::new("rules: []\n");
+    let mut cfg = config(&native.path(), None);
+    cfg.rules.source = RulesSource::Xds;
+    cfg.rules.xds.server_url = url;
+    let server = TestServer::start_unready(cfg).await;
+    let addr = server.http_addr;
+    let readyz = move || async move {
+        tokio::task::spawn_blocking(move || common::http_get(addr, "/readyz")).await.unwrap()
+    };
+    eventually("/readyz answers", || async { readyz().await.0 != 0 }).await;
+    let (status, body) = readyz().await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("waiting for the first rate-limit configuration over xDS"), "{body}");
+    set.send_replace(Some(("1".to_owned(), vec![resource("edge", "edge", 6)])));
+    eventually("ready with the set", || async { readyz().await.0 == 200 }).await;
+    assert_eq!(limit_of(&mut client(&server).await, "gus").await, (Code::Ok, 6));
+    server.stop().await.unwrap();
+}

@@ -550,12 +550,16 @@ pub(crate) async fn health(
     http: Option<TcpListener>,
     tasks: &mut Tasks,
 ) -> (Arc<Health>, HealthReporter, HealthServer<impl tonic_health::pb::health_server::Health>) {
-    let health = Arc::new(Health::new(
+    let health = Health::new(
         Arc::clone(&rules.native),
         rules.envoy.as_ref().map(|_| config.envoy.failure_mode),
         engine.store(),
         rules.feed.clone(),
-    ));
+    );
+    let health = Arc::new(match &rules.xds {
+        Some(xds) => health.with_xds(Arc::clone(xds), config.rules.xds.force_start),
+        None => health,
+    });
     let (reporter, service) = tonic_health::server::health_reporter();
     publish(&reporter, false).await;
     let stop = tasks.stopper();

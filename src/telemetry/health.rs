@@ -29,7 +29,7 @@ use super::Metrics;
 use crate::{
     config::EnvoyFailureMode,
     limiter::{Store, breaker::Breaker},
-    rules::{FailurePolicy, Feed, RuleStore},
+    rules::{FailurePolicy, Feed, RuleStore, XdsState},
 };
 
 /// gRPC service names whose health is reported (besides the overall "").
@@ -51,6 +51,9 @@ pub struct Health {
     breakers: Option<Arc<[Breaker]>>,
     /// The rules topic's feed (`rules.source: kafka`).
     feed: Option<Arc<Feed>>,
+    /// The xDS subscription (`rules.source: xds`), and whether the service
+    /// serves before its first set (`rules.xds.force_start`).
+    xds: Option<(Arc<XdsState>, bool)>,
 }
 
 impl Health {
@@ -74,7 +77,15 @@ impl Health {
             store_name: store.name(),
             breakers,
             feed,
+            xds: None,
         }
+    }
+
+    /// With Envoy rules over xDS: not ready before the first set, unless
+    /// `force_start`.
+    pub fn with_xds(mut self, state: Arc<XdsState>, force_start: bool) -> Self {
+        self.xds = Some((state, force_start));
+        self
     }
 
     /// How many circuit breakers are open.
@@ -94,6 +105,19 @@ impl Health {
             Some(feed) => match feed.served() {
                 None => return (false, "not ready: waiting for rules from the rules topic".to_owned()),
                 Some(served) => format!("rules {} (from {})", served.version, served.origin.as_str()),
+            },
+        };
+        let served = match &self.xds {
+            None => served,
+            Some((xds, force_start)) => match (xds.version(), force_start) {
+                (None, false) => {
+                    return (
+                        false,
+                        "not ready: waiting for the first rate-limit configuration over xDS".to_owned(),
+                    );
+                }
+                (None, true) => format!("{served}; no xDS set yet (rules.xds.force_start)"),
+                (Some(version), _) => format!("{served}; xDS set {version}"),
             },
         };
         let (ready, why) = self.store_readiness();
