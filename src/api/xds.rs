@@ -29,7 +29,10 @@ use super::envoy_pb::{
 };
 use crate::{
     config::XdsConfig,
-    rules::{Hot, RuleErrors, XdsState, envoy::EnvoyConfig},
+    rules::{
+        Hot, RuleErrors, XdsState,
+        envoy::{Compile, EnvoyConfig},
+    },
 };
 
 /// The resource type subscribed to.
@@ -38,7 +41,7 @@ pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.Ra
 /// Subscribes until `stop` turns true, swapping every accepted set into `hot`.
 pub async fn run(
     config: XdsConfig,
-    sliding: bool,
+    how: Compile,
     hot: Arc<Hot<EnvoyConfig>>,
     state: Arc<XdsState>,
     mut stop: watch::Receiver<bool>,
@@ -46,9 +49,11 @@ pub async fn run(
     let endpoint = match endpoint(&config) {
         Ok(endpoint) => endpoint,
         Err(error) => {
-            // Validated at startup; a file that went away since is logged
-            // and retried like an unreachable server.
-            tracing::error!(%error, "rules.xds: cannot build the connection");
+            // `xds_rules` built it once before serving, so only a TLS file
+            // removed in between gets here: logged once, and the service
+            // goes on without a set (it never became ready without one,
+            // unless force_start).
+            tracing::error!(%error, "rules.xds: cannot build the connection; no xDS subscription");
             let _ = stop.wait_for(|s| *s).await;
             return;
         }
@@ -57,7 +62,7 @@ pub async fn run(
     loop {
         let mut answered = false;
         let subscribed = tokio::select! {
-            result = subscribe(&config, &endpoint, sliding, &hot, &state, &mut answered) => result,
+            result = subscribe(&config, &endpoint, how, &hot, &state, &mut answered) => result,
             _ = stop.wait_for(|s| *s) => return,
         };
         match subscribed {
@@ -121,7 +126,7 @@ fn read(path: &PathBuf, key: &str) -> Result<Vec<u8>, String> {
 async fn subscribe(
     config: &XdsConfig,
     endpoint: &Endpoint,
-    sliding: bool,
+    how: Compile,
     hot: &Hot<EnvoyConfig>,
     state: &XdsState,
     answered: &mut bool,
@@ -150,7 +155,7 @@ async fn subscribe(
     while let Some(response) = responses.next().await {
         let response = response.map_err(|e| format!("receive: {e}"))?;
         *answered = true;
-        let answer = match apply(&response, sliding, hot) {
+        let answer = match apply(&response, how, hot) {
             Ok(domains) => {
                 state.accept(response.version_info.clone());
                 tracing::info!(version = %response.version_info, domains, "xDS rate-limit configuration swapped in");
@@ -209,10 +214,9 @@ fn request(
 
 /// Compiles the response's resources and swaps them in; the number of
 /// domains, or every problem found.
-fn apply(response: &DiscoveryResponse, sliding: bool, hot: &Hot<EnvoyConfig>) -> Result<usize, String> {
+fn apply(response: &DiscoveryResponse, how: Compile, hot: &Hot<EnvoyConfig>) -> Result<usize, String> {
     let files = files(response)?;
-    let compiled =
-        crate::rules::envoy::compile_texts(&files, sliding).map_err(|e: RuleErrors| e.to_string())?;
+    let compiled = crate::rules::envoy::compile_texts(&files, how).map_err(|e: RuleErrors| e.to_string())?;
     let domains = compiled.domain_count();
     hot.swap(compiled);
     Ok(domains)

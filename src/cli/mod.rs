@@ -501,7 +501,7 @@ fn current_rules(
     in_force: Option<&crate::rules::encoding::SnapshotRecord>,
 ) -> Result<crate::rules::Snapshot, ExitCode> {
     let from_record = |record: &crate::rules::encoding::SnapshotRecord| {
-        record.compile(true).map(|c| c.native).map_err(|e| {
+        record.compile(config.envoy.compile()).map(|c| c.native).map_err(|e| {
             eprintln!("the rules in force: {e}");
             ExitCode::from(1)
         })
@@ -599,7 +599,7 @@ pub(crate) fn gate(
     let current = current_rules(config, in_force)?;
     let record =
         crate::rollout::publish::record(candidate, None, crate::rules::encoding::Provenance::default());
-    let candidate = record.compile(true).map(|c| c.native).map_err(|e| {
+    let candidate = record.compile(config.envoy.compile()).map(|c| c.native).map_err(|e| {
         eprintln!("the candidate: {e}");
         ExitCode::from(1)
     })?;

@@ -66,7 +66,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("LOCAL_CACHE_SIZE_IN_BYTES", "no local over-limit cache: every decision is exact"),
     ("EXPIRATION_JITTER_MAX_SECONDS", "counters expire two windows after their last hit"),
     ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "always: a refused hit never counts"),
-    ("MERGE_DOMAIN_CONFIG", "not yet: a domain defined in two files is an error"),
     ("RUNTIME_IGNOREDOTFILES", "dot files are always ignored"),
     ("RUNTIME_WATCH_ROOT", "the resolved files are always watched (symlink swaps included)"),
     ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "the service is ready once the store answers (/readyz)"),
@@ -390,6 +389,7 @@ fn grpc_tls(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
 /// default), the near-limit ratio and the stats switch.
 fn envoy(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     for (name, key) in [
+        ("MERGE_DOMAIN_CONFIG", "envoy.merge_domains"),
         ("SHADOW_MODE", "envoy.shadow_mode"),
         ("QUOTA_MODE", "envoy.quota_mode"),
         ("RESPONSE_DYNAMIC_METADATA", "envoy.response_dynamic_metadata"),
@@ -498,6 +498,7 @@ mod tests {
             ("PORT", "9080"),
             ("GRPC_PORT", "9081"),
             ("SHADOW_MODE", "True"),
+            ("MERGE_DOMAIN_CONFIG", "true"),
             ("LIMIT_RESPONSE_HEADERS_ENABLED", "1"),
             ("NEAR_LIMIT_RATIO", "0.9"),
             ("LOG_LEVEL", "WARN"),
@@ -515,6 +516,7 @@ mod tests {
         assert_eq!(get("RATELIMITD__HTTP__LISTEN"), Some("0.0.0.0:9080"));
         assert_eq!(get("RATELIMITD__GRPC__LISTEN"), Some("127.0.0.1:7000"), "an explicit key wins");
         assert_eq!(get("RATELIMITD__ENVOY__SHADOW_MODE"), Some("true"));
+        assert_eq!(get("RATELIMITD__ENVOY__MERGE_DOMAINS"), Some("true"));
         assert_eq!(get("RATELIMITD__ENVOY__RESPONSE_HEADERS"), Some("true"));
         assert_eq!(get("RATELIMITD__ENVOY__LIMIT_HEADER"), Some("RateLimit-Limit"));
         assert_eq!(get("RATELIMITD__ENVOY__NEAR_LIMIT_RATIO"), Some("0.9"));

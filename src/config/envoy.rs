@@ -94,6 +94,10 @@ pub struct EnvoySettings {
     /// Every limit in shadow mode (upstream's `SHADOW_MODE`): over-limit
     /// hits are counted and reported but never make a request OVER_LIMIT.
     pub shadow_mode: bool,
+    /// A domain may be spread over several files, whose descriptors are
+    /// merged (upstream's `MERGE_DOMAIN_CONFIG`); the same descriptor twice
+    /// is still an error.
+    pub merge_domains: bool,
     /// Answer with dynamic metadata (upstream's `RESPONSE_DYNAMIC_METADATA`):
     /// the domain, the request's descriptors, and the `metadata` of the
     /// limits that passed, merged, under `metadata`, which Envoy stores in
@@ -133,6 +137,7 @@ impl Default for EnvoySettings {
             request_limit_domains: Vec::new(),
             quota_mode: false,
             shadow_mode: false,
+            merge_domains: false,
             response_dynamic_metadata: false,
             upstream_metrics: true,
             near_limit_ratio: 0.8,
@@ -142,6 +147,14 @@ impl Default for EnvoySettings {
 }
 
 impl EnvoySettings {
+    /// How Envoy rules compile under these settings.
+    pub fn compile(&self) -> crate::rules::envoy::Compile {
+        crate::rules::envoy::Compile {
+            sliding: self.algorithm == EnvoyAlgorithm::SlidingWindow,
+            merge_domains: self.merge_domains,
+        }
+    }
+
     /// Checks `envoy.*`; every error names its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         for (key, name, may_be_empty) in [

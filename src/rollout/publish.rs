@@ -39,7 +39,11 @@ impl Candidate {
 /// Loads and compiles the native rules at `native` and the Envoy
 /// configuration at `envoy` with the compilers `serve` uses; every problem
 /// is returned, as `rules validate` reports it.
-pub fn candidate(native: Option<&Path>, envoy: Option<&Path>) -> Result<Candidate, RuleErrors> {
+pub fn candidate(
+    native: Option<&Path>,
+    envoy: Option<&Path>,
+    how: rules::envoy::Compile,
+) -> Result<Candidate, RuleErrors> {
     let mut errors = Vec::new();
     let native_rules = match native.map(rules::load) {
         None => None,
@@ -51,7 +55,7 @@ pub fn candidate(native: Option<&Path>, envoy: Option<&Path>) -> Result<Candidat
     };
     let envoy_rules = match envoy.map(rules::envoy::read_files) {
         None => None,
-        Some(Ok(files)) => match rules::envoy::compile_texts(&files, true) {
+        Some(Ok(files)) => match rules::envoy::compile_texts(&files, how) {
             Ok(_) => Some(encoding::encode_envoy(&files)),
             Err(e) => {
                 errors.extend(e.0);
@@ -150,7 +154,11 @@ pub fn history(kafka: &RulesKafkaConfig) -> Result<Vec<Entry>, RolloutError> {
             Some(Entry {
                 offset: r.offset,
                 record: SnapshotRecord::parse(&payload)
-                    .and_then(|record| record.compile(true).map(|_| record))
+                    // Display only: a record any instance could compile is shown as valid.
+                    .and_then(|record| {
+                        let how = rules::envoy::Compile { sliding: true, merge_domains: true };
+                        record.compile(how).map(|_| record)
+                    })
                     .map_err(|e| e.to_string()),
             })
         })

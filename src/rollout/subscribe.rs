@@ -34,6 +34,7 @@ use crate::{
     clock::{Clock, SystemClock},
     config::RulesKafkaConfig,
     folded::Folded,
+    rules::envoy::Compile,
     rules::{
         self, Feed, Hot, Origin, RuleErrors, RuleStore, Served, Snapshot, encoding::SnapshotRecord,
         envoy::EnvoyConfig,
@@ -54,13 +55,13 @@ impl Fallback {
         self.native.is_some() || self.envoy.is_some()
     }
 
-    fn load(&self, sliding: bool) -> Result<(Snapshot, EnvoyConfig), RuleErrors> {
+    fn load(&self, how: Compile) -> Result<(Snapshot, EnvoyConfig), RuleErrors> {
         let native = match &self.native {
             Some(path) => rules::load(path)?,
             None => rules::empty(),
         };
         let envoy = match &self.envoy {
-            Some(path) => rules::envoy::load(path, sliding)?,
+            Some(path) => rules::envoy::load(path, how)?,
             None => EnvoyConfig::default(),
         };
         Ok((native, envoy))
@@ -72,8 +73,8 @@ impl Fallback {
 pub struct Subscription {
     /// Topic, brokers, properties, how long to wait before falling back.
     pub kafka: RulesKafkaConfig,
-    /// Envoy limits count in sliding windows (`envoy.algorithm`).
-    pub sliding: bool,
+    /// How Envoy rules compile (`envoy.algorithm`, `envoy.merge_domains`).
+    pub compile: Compile,
     /// The native rules the engine reads.
     pub native: Arc<RuleStore>,
     /// The Envoy configuration the engine reads.
@@ -169,7 +170,7 @@ impl Subscription {
 
     /// Decodes, compiles and swaps in one record; false when it was refused.
     fn apply(&self, offset: i64, payload: &[u8]) -> bool {
-        let compiled = SnapshotRecord::parse(payload).and_then(|record| record.compile(self.sliding));
+        let compiled = SnapshotRecord::parse(payload).and_then(|record| record.compile(self.compile));
         let compiled = match compiled {
             Ok(compiled) => compiled,
             Err(e) => {
@@ -204,7 +205,7 @@ impl Subscription {
             tracing::warn!(why, "no fallback configured (rules.path, rules.envoy_path): waiting for rules");
             return;
         }
-        match self.fallback.load(self.sliding) {
+        match self.fallback.load(self.compile) {
             Ok((native, envoy)) => {
                 let version = format!("fallback:{}", native.version());
                 tracing::warn!(why, %version, native = ?self.fallback.native, envoy = ?self.fallback.envoy, "serving the fallback rule files until a snapshot arrives");

@@ -236,9 +236,9 @@ impl SnapshotRecord {
         Ok(record)
     }
 
-    /// Compiles the record's rules (Envoy's with the sliding window or
-    /// upstream's fixed window) and checks every hash it states.
-    pub fn compile(&self, sliding: bool) -> Result<Compiled, DecodeError> {
+    /// Compiles the record's rules (Envoy's as `how` says) and checks
+    /// every hash it states.
+    pub fn compile(&self, how: envoy::Compile) -> Result<Compiled, DecodeError> {
         let version = &self.version;
         let hash = |what, stated: &str, actual: &str| {
             if stated == actual {
@@ -275,7 +275,7 @@ impl SnapshotRecord {
                 hash("the envoy digest", &envoy.digest, &envoy_digest(&envoy.files))?;
                 let files: Vec<(PathBuf, String)> =
                     envoy.files.iter().map(|f| (PathBuf::from(&f.name), f.text.clone())).collect();
-                envoy::compile_texts(&files, sliding).map_err(rules_error)?
+                envoy::compile_texts(&files, how).map_err(rules_error)?
             }
         };
         Ok(Compiled { version: version.clone(), native, envoy })
@@ -344,7 +344,7 @@ rules:
         let bytes = serde_json::to_vec(&record).unwrap();
         let parsed = SnapshotRecord::parse(&bytes).unwrap();
         assert_eq!(parsed, record);
-        let compiled = parsed.compile(true).unwrap();
+        let compiled = parsed.compile(envoy::Compile::SLIDING).unwrap();
         assert_eq!(compiled.native.version(), snapshot.version());
         for (a, b) in compiled.native.rules().iter().zip(snapshot.rules()) {
             assert_eq!(
@@ -361,21 +361,30 @@ rules:
         let (_, record) = record();
         let mut limit = record.clone();
         limit.native.as_mut().unwrap().rules[0].limit = 1_000;
-        assert!(matches!(limit.compile(true), Err(DecodeError::Hash { what: "the native version", .. })));
+        assert!(matches!(
+            limit.compile(envoy::Compile::SLIDING),
+            Err(DecodeError::Hash { what: "the native version", .. })
+        ));
         let mut version = record.clone();
         version.version = "0000000000000000".to_owned();
-        assert!(matches!(version.compile(true), Err(DecodeError::Hash { what: "the version", .. })));
+        assert!(matches!(
+            version.compile(envoy::Compile::SLIDING),
+            Err(DecodeError::Hash { what: "the version", .. })
+        ));
 
         let mut envoy = record.clone();
         envoy.envoy.as_mut().unwrap().files[0].text.push_str("# edited\n");
-        assert!(matches!(envoy.compile(true), Err(DecodeError::Hash { what: "the envoy digest", .. })));
+        assert!(matches!(
+            envoy.compile(envoy::Compile::SLIDING),
+            Err(DecodeError::Hash { what: "the envoy digest", .. })
+        ));
 
         // Consistent hashes over an invalid rule: the compiler refuses it.
         let mut invalid = record.clone();
         let native = invalid.native.as_mut().unwrap();
         native.rules[0].limit = 0;
         invalid.version = record_version(invalid.native.as_ref(), invalid.envoy.as_ref());
-        let error = invalid.compile(true).unwrap_err().to_string();
+        let error = invalid.compile(envoy::Compile::SLIDING).unwrap_err().to_string();
         assert!(error.contains("field `limit`") && error.contains("\"a\""), "{error}");
 
         assert!(matches!(SnapshotRecord::parse(b"{not json"), Err(DecodeError::Undecodable(_))));
@@ -396,7 +405,7 @@ rules:
             native: None,
             envoy: None,
         };
-        let compiled = record.compile(false).unwrap();
+        let compiled = record.compile(envoy::Compile::FIXED).unwrap();
         assert!(compiled.native.rules().is_empty());
         assert_eq!(compiled.envoy.domain_count(), 0);
     }

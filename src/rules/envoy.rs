@@ -453,20 +453,39 @@ fn list<'de, D: Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Resu
     Ok(Option::<Vec<T>>::deserialize(deserializer)?.unwrap_or_default())
 }
 
-/// [`load`] with the sliding-window algorithm (a plain `fn` for the reloader).
+/// How Envoy configuration files compile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Compile {
+    /// Limits without an algorithm of their own count in a sliding window
+    /// (else upstream's fixed window): `envoy.algorithm`.
+    pub sliding: bool,
+    /// A domain may be spread over several files, whose descriptors are
+    /// merged (upstream's `MERGE_DOMAIN_CONFIG`, `envoy.merge_domains`); the
+    /// same descriptor twice is still an error.
+    pub merge_domains: bool,
+}
+
+impl Compile {
+    /// The sliding window, one file per domain.
+    pub const SLIDING: Compile = Compile { sliding: true, merge_domains: false };
+    /// Upstream's fixed window, one file per domain.
+    pub const FIXED: Compile = Compile { sliding: false, merge_domains: false };
+}
+
+/// [`load`] with the sliding-window algorithm.
 pub fn load_sliding(path: &Path) -> Result<EnvoyConfig, RuleErrors> {
-    load(path, true)
+    load(path, Compile::SLIDING)
 }
 
 /// [`load`] with upstream's fixed-window algorithm.
 pub fn load_fixed(path: &Path) -> Result<EnvoyConfig, RuleErrors> {
-    load(path, false)
+    load(path, Compile::FIXED)
 }
 
 /// Loads every file at `path` (a file or a directory of `*.yaml`/`*.yml`)
-/// with the fixed-window (`sliding = false`) or sliding algorithm.
-pub fn load(path: &Path, sliding: bool) -> Result<EnvoyConfig, RuleErrors> {
-    compile_texts(&read_files(path)?, sliding)
+/// as `how` says.
+pub fn load(path: &Path, how: Compile) -> Result<EnvoyConfig, RuleErrors> {
+    compile_texts(&read_files(path)?, how)
 }
 
 /// The configuration files at `path` (a file or a directory of
@@ -490,13 +509,19 @@ pub fn read_files(path: &Path) -> Result<Vec<(PathBuf, String)>, RuleErrors> {
 /// Compiles configuration files given as (name, text), in order: what
 /// [`load`] does once it has read them, and what an instance does with the
 /// files of a published snapshot. Every problem is reported, by file.
-pub fn compile_texts(files: &[(PathBuf, String)], sliding: bool) -> Result<EnvoyConfig, RuleErrors> {
+pub fn compile_texts(files: &[(PathBuf, String)], how: Compile) -> Result<EnvoyConfig, RuleErrors> {
     let mut domains: HashMap<String, (Level, PathBuf)> = HashMap::new();
     let mut errors = Vec::new();
     let mut canonical = String::new();
     for (file, text) in files {
         match parse_file(file, text) {
             Ok((domain, level)) => match domains.entry(domain.clone()) {
+                Entry::Occupied(mut existing) if how.merge_domains => {
+                    canonical.push_str(text);
+                    if let Err(e) = merge(&mut existing.get_mut().0, level, file, &domain) {
+                        errors.push(e);
+                    }
+                }
                 Entry::Occupied(existing) => errors.push(error(
                     file,
                     None,
@@ -517,8 +542,11 @@ pub fn compile_texts(files: &[(PathBuf, String)], sliding: bool) -> Result<Envoy
     if !errors.is_empty() {
         return Err(RuleErrors(errors));
     }
-    let version = sha1_smol::Sha1::from(format!("{sliding}{canonical}").as_bytes()).digest().to_string()
-        [..16]
+    // Merging is part of the version only when on: existing versions stay.
+    let merging = if how.merge_domains { "merge" } else { "" };
+    let version = sha1_smol::Sha1::from(format!("{}{merging}{canonical}", how.sliding).as_bytes())
+        .digest()
+        .to_string()[..16]
         .to_owned();
     fn dynamic(level: &Level) -> bool {
         level.entries.values().any(|node| {
@@ -540,6 +568,22 @@ fn error(file: &Path, at: Option<&str>, field: &str, message: String) -> RuleErr
         field: Some(field.to_owned()),
         message,
     }
+}
+
+/// Adds `from`'s top-level descriptors (from `file`) to a domain's `into`,
+/// as upstream's `MERGE_DOMAIN_CONFIG` does: one already there is an error.
+fn merge(into: &mut Level, from: Level, file: &Path, domain: &str) -> Result<(), RuleError> {
+    if let Some(key) = from.entries.keys().find(|k| into.entries.contains_key(*k)) {
+        return Err(error(
+            file,
+            None,
+            "key",
+            format!("duplicate descriptor composite key '{domain}.{key}' in a merged domain"),
+        ));
+    }
+    into.entries.extend(from.entries);
+    into.wildcards.extend(from.wildcards);
+    Ok(())
 }
 
 fn parse_file(file: &Path, text: &str) -> Result<(String, Level), RuleError> {
@@ -769,7 +813,7 @@ mod tests {
         for (name, text) in files {
             fs::write(dir.path().join(name), text).unwrap();
         }
-        load(dir.path(), true)
+        load(dir.path(), Compile::SLIDING)
     }
 
     fn one_error(text: &str) -> String {
@@ -968,6 +1012,30 @@ descriptors:
             "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n        rate_limit: { unit: eon }\n",
         );
         assert!(nested.contains("descriptors[0].descriptors[0].rate_limit"), "{nested}");
+    }
+
+    #[test]
+    fn merge_domains_joins_a_domain_spread_over_files() {
+        let files = |b: &str| {
+            vec![
+                (PathBuf::from("a.yaml"), "domain: d\ndescriptors:\n  - key: user\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n".to_owned()),
+                (PathBuf::from("b.yaml"), format!("domain: d\ndescriptors:\n  - key: {b}\n    rate_limit: {{ unit: second, requests_per_unit: 1 }}\n")),
+            ]
+        };
+        let merged = Compile { sliding: true, merge_domains: true };
+        let c = compile_texts(&files("path"), merged).unwrap();
+        assert_eq!(c.domain_count(), 1);
+        assert_eq!(c.lookup("d", entries(&[("user", "u")])).unwrap().limit.requests_per_unit, 5);
+        assert_eq!(c.lookup("d", entries(&[("path", "/")])).unwrap().limit.requests_per_unit, 1);
+        let twice = compile_texts(&files("user"), merged).unwrap_err().to_string();
+        assert!(twice.contains("b.yaml") && twice.contains("'d.user'"), "{twice}");
+        let off = compile_texts(&files("path"), Compile::SLIDING).unwrap_err().to_string();
+        assert!(off.contains("duplicate domain 'd'"), "{off}");
+        assert_ne!(
+            compile_texts(&files("path")[..1], merged).unwrap().version(),
+            compile_texts(&files("path")[..1], Compile::SLIDING).unwrap().version(),
+            "the version says how it was compiled"
+        );
     }
 
     /// The stat key of `pairs` in `text`'s domain `d`: `None` when it is the full key.

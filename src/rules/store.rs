@@ -132,12 +132,13 @@ pub async fn watch<T: Versioned>(
     store: Arc<Hot<T>>,
     path: PathBuf,
     interval: Duration,
-    load: fn(&Path) -> Result<T, super::RuleErrors>,
+    load: impl Fn(&Path) -> Result<T, super::RuleErrors> + Send + Sync + 'static,
     mut shutdown: tokio_watch::Receiver<bool>,
 ) {
     // No fingerprint yet: the first poll reloads, so a change made between
     // the initial load and this task's start is not missed (an unchanged
     // rule set has the same version and is not swapped).
+    let load = Arc::new(load);
     let mut last: Option<Fingerprint> = None;
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -171,6 +172,7 @@ pub async fn watch<T: Versioned>(
             continue;
         }
         last = Some(now);
+        let load = Arc::clone(&load);
         let loaded = tokio::task::spawn_blocking(move || load(&probe_path)).await;
         match loaded {
             Ok(Ok(snapshot)) => {

@@ -117,7 +117,6 @@ pub(crate) fn xds_rules(config: &Config, tasks: &mut Tasks) -> Result<Rules, Ser
     crate::api::xds::endpoint(&config.rules.xds).map_err(ServerError::Xds)?;
     let envoy = Arc::new(Hot::new(EnvoyConfig::default()));
     let state = Arc::new(XdsState::default());
-    let sliding = config.envoy.algorithm == EnvoyAlgorithm::SlidingWindow;
     tracing::info!(
         server = %config.rules.xds.server_url,
         node = %config.rules.xds.node_id,
@@ -127,7 +126,7 @@ pub(crate) fn xds_rules(config: &Config, tasks: &mut Tasks) -> Result<Rules, Ser
     let stop = tasks.stopper();
     tasks.spawn(crate::api::xds::run(
         config.rules.xds.clone(),
-        sliding,
+        config.envoy.compile(),
         Arc::clone(&envoy),
         Arc::clone(&state),
         stop,
@@ -152,7 +151,7 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
     );
     let subscription = Subscription {
         kafka: kafka.clone(),
-        sliding: config.envoy.algorithm == EnvoyAlgorithm::SlidingWindow,
+        compile: config.envoy.compile(),
         native: Arc::clone(&native),
         envoy: Arc::clone(&envoy),
         feed: Arc::clone(&feed),
@@ -193,10 +192,8 @@ pub(crate) fn rules(
     let envoy = match &config.envoy_path {
         None => None,
         Some(path) => {
-            let load = match envoy.algorithm {
-                EnvoyAlgorithm::SlidingWindow => rules::envoy::load_sliding,
-                EnvoyAlgorithm::FixedWindow => rules::envoy::load_fixed,
-            };
+            let how = envoy.compile();
+            let load = move |path: &std::path::Path| rules::envoy::load(path, how);
             let loaded = load(path)?;
             tracing::info!(
                 path = %path.display(),
@@ -218,7 +215,7 @@ fn watch<T: rules::Versioned>(
     hot: &Arc<Hot<T>>,
     path: &std::path::Path,
     interval: Duration,
-    load: fn(&std::path::Path) -> Result<T, RuleErrors>,
+    load: impl Fn(&std::path::Path) -> Result<T, RuleErrors> + Send + Sync + 'static,
 ) {
     if !interval.is_zero() {
         let stop = tasks.stopper();
