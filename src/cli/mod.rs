@@ -501,7 +501,7 @@ fn current_rules(
     in_force: Option<&crate::rules::encoding::SnapshotRecord>,
 ) -> Result<crate::rules::Snapshot, ExitCode> {
     let from_record = |record: &crate::rules::encoding::SnapshotRecord| {
-        record.compile(config.envoy.compile()).map(|c| c.native).map_err(|e| {
+        record.compile(crate::rules::envoy::Compile::of(&config.envoy)).map(|c| c.native).map_err(|e| {
             eprintln!("the rules in force: {e}");
             ExitCode::from(1)
         })
@@ -599,10 +599,11 @@ pub(crate) fn gate(
     let current = current_rules(config, in_force)?;
     let record =
         crate::rollout::publish::record(candidate, None, crate::rules::encoding::Provenance::default());
-    let candidate = record.compile(config.envoy.compile()).map(|c| c.native).map_err(|e| {
-        eprintln!("the candidate: {e}");
-        ExitCode::from(1)
-    })?;
+    let candidate =
+        record.compile(crate::rules::envoy::Compile::of(&config.envoy)).map(|c| c.native).map_err(|e| {
+            eprintln!("the candidate: {e}");
+            ExitCode::from(1)
+        })?;
     let source = capture.to_str().ok_or_else(|| {
         eprintln!("--gate {}: not a UTF-8 path", capture.display());
         ExitCode::from(EXIT_USAGE)

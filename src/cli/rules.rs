@@ -31,17 +31,20 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
         eprintln!("rules publish: rules.kafka.brokers is not set");
         return ExitCode::from(EXIT_USAGE);
     }
-    let candidate =
-        match publish::candidate(args.path.as_deref(), args.envoy.as_deref(), config.envoy.compile()) {
-            Ok(candidate) => candidate,
-            Err(errors) => {
-                for error in &errors.0 {
-                    eprintln!("{error}");
-                }
-                eprintln!("rules publish: {} problem(s); nothing published", errors.0.len());
-                return ExitCode::from(1);
+    let candidate = match publish::candidate(
+        args.path.as_deref(),
+        args.envoy.as_deref(),
+        crate::rules::envoy::Compile::of(&config.envoy),
+    ) {
+        Ok(candidate) => candidate,
+        Err(errors) => {
+            for error in &errors.0 {
+                eprintln!("{error}");
             }
-        };
+            eprintln!("rules publish: {} problem(s); nothing published", errors.0.len());
+            return ExitCode::from(1);
+        }
+    };
     let history = match blocking(kafka.clone(), |k| publish::history(&k)).await {
         Ok(history) => history,
         Err(e) => return failed("rules publish", &e),

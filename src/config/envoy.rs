@@ -147,14 +147,6 @@ impl Default for EnvoySettings {
 }
 
 impl EnvoySettings {
-    /// How Envoy rules compile under these settings.
-    pub fn compile(&self) -> crate::rules::envoy::Compile {
-        crate::rules::envoy::Compile {
-            sliding: self.algorithm == EnvoyAlgorithm::SlidingWindow,
-            merge_domains: self.merge_domains,
-        }
-    }
-
     /// Checks `envoy.*`; every error names its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         for (key, name, may_be_empty) in [

@@ -126,7 +126,7 @@ pub(crate) fn xds_rules(config: &Config, tasks: &mut Tasks) -> Result<Rules, Ser
     let stop = tasks.stopper();
     tasks.spawn(crate::api::xds::run(
         config.rules.xds.clone(),
-        config.envoy.compile(),
+        crate::rules::envoy::Compile::of(&config.envoy),
         Arc::clone(&envoy),
         Arc::clone(&state),
         stop,
@@ -151,7 +151,7 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
     );
     let subscription = Subscription {
         kafka: kafka.clone(),
-        compile: config.envoy.compile(),
+        compile: crate::rules::envoy::Compile::of(&config.envoy),
         native: Arc::clone(&native),
         envoy: Arc::clone(&envoy),
         feed: Arc::clone(&feed),
@@ -192,7 +192,7 @@ pub(crate) fn rules(
     let envoy = match &config.envoy_path {
         None => None,
         Some(path) => {
-            let how = envoy.compile();
+            let how = crate::rules::envoy::Compile::of(envoy);
             let load = move |path: &std::path::Path| rules::envoy::load(path, how);
             let loaded = load(path)?;
             tracing::info!(
