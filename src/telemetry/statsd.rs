@@ -43,9 +43,13 @@ pub async fn run(
 /// A client sending to `addr` (`host:port`, resolved now) from a
 /// non-blocking UDP socket.
 pub fn client(addr: &str) -> Result<StatsdClient, String> {
-    let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+    use std::net::ToSocketAddrs as _;
+    let target = addr.to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or("resolves to no address")?;
+    // The socket's family must be the target's (`localhost` may be ::1).
+    let local = if target.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" };
+    let socket = UdpSocket::bind(local).map_err(|e| e.to_string())?;
     socket.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let sink = BufferedUdpMetricSink::from(addr, socket).map_err(|e| e.to_string())?;
+    let sink = BufferedUdpMetricSink::from(target, socket).map_err(|e| e.to_string())?;
     Ok(StatsdClient::from_sink("ratelimit", sink))
 }
 
