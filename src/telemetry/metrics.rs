@@ -659,7 +659,8 @@ impl Stats for Metrics {
     }
 }
 
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+/// The `# HELP` and `# TYPE` lines of a family.
+pub(super) fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");
 }

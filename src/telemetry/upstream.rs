@@ -25,6 +25,7 @@ use std::{
     },
 };
 
+use super::metrics::header;
 use crate::decision::LimitHits;
 
 /// The per-limit families, in [`Series::counts`] order.
@@ -149,16 +150,13 @@ impl UpstreamMetrics {
         sorted.sort_unstable_by(|a, b| a.labels.cmp(&b.labels));
         for (i, (family, help)) in FAMILIES.iter().enumerate() {
             let name = format!("ratelimit_service_rate_limit_{family}");
-            let _ = writeln!(out, "# HELP {name} {help} (envoyproxy/ratelimit's name)");
-            let _ = writeln!(out, "# TYPE {name} counter");
+            header(out, &name, "counter", &format!("{help} (envoyproxy/ratelimit's name)"));
             for s in &sorted {
                 let _ = writeln!(out, "{name}{{{}}} {}", s.labels, s.counts[i].load(Ordering::Relaxed));
             }
         }
         let name = "ratelimit_service_should_rate_limit_error";
-        let _ =
-            writeln!(out, "# HELP {name} ShouldRateLimit calls that failed (envoyproxy/ratelimit's name).");
-        let _ = writeln!(out, "# TYPE {name} counter");
+        header(out, name, "counter", "ShouldRateLimit calls that failed (envoyproxy/ratelimit's name).");
         let _ =
             writeln!(out, "{name}{{err_type=\"redis_error\"}} {}", self.store_errors.load(Ordering::Relaxed));
         let _ = writeln!(
@@ -171,22 +169,20 @@ impl UpstreamMetrics {
                 ("ratelimit_service_config_load_success", "Envoy configurations loaded", loads),
                 ("ratelimit_service_config_load_error", "Envoy configuration reloads rejected", failures),
             ] {
-                let _ = writeln!(out, "# HELP {name} {help} (envoyproxy/ratelimit's name).");
-                let _ = writeln!(out, "# TYPE {name} counter");
+                header(out, name, "counter", &format!("{help} (envoyproxy/ratelimit's name)."));
                 let _ = writeln!(out, "{name} {value}");
             }
         }
         let name = "ratelimitd_upstream_metric_keys";
-        let _ =
-            writeln!(out, "# HELP {name} Distinct series of the ratelimit_service_rate_limit_* families.");
-        let _ = writeln!(out, "# TYPE {name} gauge");
+        header(out, name, "gauge", "Distinct series of the ratelimit_service_rate_limit_* families.");
         let _ = writeln!(out, "{name} {}", sorted.len());
         let name = "ratelimitd_upstream_metric_keys_refused_total";
-        let _ = writeln!(
+        header(
             out,
-            "# HELP {name} Descriptor hits not counted in the ratelimit_service_* families: their key would pass envoy.upstream_metrics_max_keys."
+            name,
+            "counter",
+            "Descriptor hits not counted in the ratelimit_service_* families: their key would pass envoy.upstream_metrics_max_keys.",
         );
-        let _ = writeln!(out, "# TYPE {name} counter");
         let _ = writeln!(out, "{name} {}", self.refused.load(Ordering::Relaxed));
     }
 }
