@@ -248,3 +248,126 @@ async fn killed_primary_is_replaced_by_its_promoted_replica() {
     }
     server.stop().await.unwrap();
 }
+
+/// `CheckBatch` of `items` as (user, path), decided concurrently; answers
+/// in item order.
+async fn batch(client: &mut RateLimiterClient<Channel>, items: &[(&str, &str)]) -> Vec<(bool, u32)> {
+    use ratelimitd::api::pb::{CheckBatchRequest, CheckItem};
+    let items = items
+        .iter()
+        .enumerate()
+        .map(|(id, (user, path))| CheckItem { id: id as u64, request: Some(request(user, path)) })
+        .collect();
+    let results = client.check_batch(CheckBatchRequest { items }).await.unwrap().into_inner().results;
+    results
+        .into_iter()
+        .map(|r| {
+            let r = r.response.expect("decided");
+            assert!(matches!(reason(&r), Reason::Ok | Reason::OverLimit), "{r:?}");
+            (r.allowed, r.remaining_tokens)
+        })
+        .collect()
+}
+
+/// Decisions on users all over the slots, queued together, go to Redis
+/// in one script call per node, not one per slot: 600 decisions on 300
+/// users (each on a slot of its own, mostly) cost far fewer than 300
+/// calls, and every user is still counted exactly (limit 1: one of its
+/// two items admitted, the other refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_decisions_go_in_one_call_per_node() {
+    let cluster = RedisCluster::start();
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: one, resource_path: /one, limit: 1, window_seconds: 3600, failure_policy: closed }\n",
+    );
+    let mut config = cluster_config(&rules, &cluster);
+    config.redis.connections = 1;
+    let server = TestServer::start(config).await;
+    let mut client = server.client().await;
+    let users: Vec<String> = (0..300).map(|i| format!("spread-{i}")).collect();
+    let slots: std::collections::HashSet<u16> =
+        users.iter().map(|u| key_slot(&format!("rl2:{{{u}}}:one"))).collect();
+    assert!(slots.len() > 290, "the users spread over the slots: {}", slots.len());
+    let items: Vec<(&str, &str)> = users.iter().chain(&users).map(|u| (u.as_str(), "/one")).collect();
+
+    let before = cluster.script_calls();
+    let answers = batch(&mut client, &items).await;
+    let calls = cluster.script_calls() - before;
+    for (i, user) in users.iter().enumerate() {
+        let (first, second) = (answers[i], answers[i + users.len()]);
+        assert_eq!(
+            u32::from(first.0) + u32::from(second.0),
+            1,
+            "{user}: exactly one of two admitted: {first:?} {second:?}"
+        );
+    }
+    eprintln!("{} decisions on {} slots over 3 primaries: {calls} script calls", items.len(), slots.len());
+    assert!(
+        calls <= 60,
+        "{calls} script calls for {} decisions: batches are not grouped per node",
+        items.len()
+    );
+    server.stop().await.unwrap();
+}
+
+/// A resharding moves a slot (and its counters) to another primary while
+/// the service's slot map still says otherwise: the node refuses the
+/// call before writing anything, the jobs go again per slot, and every
+/// answer stays exact; the map is read again, and calls are per node again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_slot_map_costs_calls_never_a_wrong_answer() {
+    let cluster = RedisCluster::start();
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: cap, resource_path: /cap, limit: 5, window_seconds: 3600, failure_policy: closed }\n",
+    );
+    let mut config = cluster_config(&rules, &cluster);
+    config.redis.connections = 1;
+    // The probe reads the map at start only: it is stale when the batch comes.
+    config.http.health_interval_ms = 600_000;
+    let server = TestServer::start(config).await;
+    let mut client = server.client().await;
+    // `moved` and `stays` on node 0, in different slots; `moved`'s slot
+    // goes to node 1.
+    let on_0 = users_on(&cluster, 0, "node0", 40);
+    let slot_of = |user: &str| key_slot(&format!("rl2:{{{user}}}:cap"));
+    let moved = on_0[0].as_str();
+    let stays: Vec<&str> =
+        on_0[1..].iter().map(String::as_str).filter(|u| slot_of(u) != slot_of(moved)).collect();
+    for _ in 0..3 {
+        assert!(check(&mut client, request(moved, "/cap")).await.allowed);
+    }
+    cluster.move_slot(slot_of(moved), 1);
+    assert_eq!(cluster.keys_on(1), 1, "the counter moved with its slot");
+
+    // One batch: 4 more for `moved` (2 left of 5) and one for each of the
+    // others, grouped on node 0 by the stale map.
+    let mut items: Vec<(&str, &str)> = vec![(moved, "/cap"); 4];
+    items.extend(stays.iter().map(|u| (*u, "/cap")));
+    let before = cluster.script_calls();
+    let answers = batch(&mut client, &items).await;
+    let calls = cluster.script_calls() - before;
+    let slots: std::collections::HashSet<u16> = items.iter().map(|(u, _)| slot_of(u)).collect();
+    eprintln!("stale map: {} decisions on {} slots: {calls} script calls", items.len(), slots.len());
+    assert!(calls > slots.len() as u64, "the refused call, then one per slot: {calls}");
+    let mut remaining: Vec<u32> = answers[..4].iter().filter(|a| a.0).map(|a| a.1).collect();
+    remaining.sort_unstable();
+    assert_eq!(remaining, [0, 1], "exactly 2 of the moved user's 4 admitted: {answers:?}");
+    assert!(answers[4..].iter().all(|a| *a == (true, 4)), "{answers:?}");
+
+    // The dispatcher read the map again: the next batch over node 1's
+    // slots, the moved one among them, is one call again.
+    let on_1 = users_on(&cluster, 1, "node1", 40);
+    let mut items: Vec<(&str, &str)> = on_1.iter().map(|u| (u.as_str(), "/cap")).collect();
+    items.push((moved, "/cap"));
+    let before = cluster.script_calls();
+    let answers = batch(&mut client, &items).await;
+    let calls = cluster.script_calls() - before;
+    assert!(answers[..on_1.len()].iter().all(|a| *a == (true, 4)), "{answers:?}");
+    assert_eq!(answers[on_1.len()], (false, 0), "the moved user is over its limit");
+    assert!(
+        calls <= 3,
+        "{calls} calls for {} decisions on one node after the map was read again",
+        items.len()
+    );
+    server.stop().await.unwrap();
+}

@@ -11,6 +11,7 @@ pub mod breaker;
 pub mod bucket;
 pub mod memory;
 pub mod redis;
+pub mod slots;
 pub mod window;
 
 use std::{

@@ -21,21 +21,31 @@
 //!
 //! Against a Redis Cluster (`redis.cluster`), each dispatcher owns one
 //! multiplexed cluster connection (redis-rs follows MOVED/ASK, refreshes
-//! its slot map and reconnects to nodes that come back). A script call must
-//! keep all its keys in one hash slot, so a dispatcher splits what it took
-//! from its queue by slot (stable: jobs on one counter keep their order)
-//! and sends one call per slot, all at once; every key of a job shares one
-//! hash tag (`{<user_id>}` or `{<domain>}`), so a job never spans slots.
+//! its slot map and reconnects to nodes that come back). Every key of a job
+//! shares one hash tag (`{<user_id>}` or `{<domain>}`), so a job never
+//! spans slots. A dispatcher splits what it took from its queue by node
+//! (by the [`SlotMap`] the readiness probe reads with `CLUSTER SLOTS`),
+//! sorted by slot inside (stable: jobs on one counter keep their order), and
+//! sends one call per node, all at once. A call that carries several slots
+//! passes its keys inline rather than as declared keys (declared keys must
+//! share one slot) and reads them one `MGET` per slot; it goes to the
+//! primary serving its first slot. When the map is stale (a resharding, a
+//! failover), the node refuses the call at its first key it does not serve,
+//! before any write: those jobs are sent again one call per slot (declared
+//! keys, routed and redirected by redis-rs), and the map is read again
+//! (calls go per slot until it is). Without a map, calls are per slot.
 //! The circuit breaker is kept per range of 256 slots: a dead primary opens
 //! the breakers of its ranges, and the other primaries' slots keep deciding.
 
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::Duration,
 };
+
+use arc_swap::ArcSwapOption;
 
 use deadpool_redis::{
     Pool, PoolError, Runtime,
@@ -45,8 +55,10 @@ use deadpool_redis::{
     },
 };
 use redis::{
-    AsyncConnectionConfig, ConnectionInfo, IntoConnectionInfo, RedisError, cluster::ClusterClient,
+    AsyncConnectionConfig, ConnectionInfo, IntoConnectionInfo, RedisError, Value,
+    cluster::ClusterClient,
     cluster_async::ClusterConnection,
+    cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr},
 };
 use tokio::{
     sync::{mpsc, oneshot},
@@ -58,6 +70,7 @@ use super::{
     breaker::{Admission, Breaker},
     bucket::MAX_DEBT,
     many_verdicts,
+    slots::{SlotMap, group_key},
     window::{Counts, Verdict, WindowParams, max_count},
 };
 use crate::config::{RedisConfig, redact_url};
@@ -154,15 +167,41 @@ enum Backend {
     Cluster(Arc<Cluster>),
 }
 
-/// A Redis Cluster: the client (seed nodes, timeouts, credentials) and the
-/// connection the readiness probe reuses between probes.
+/// A Redis Cluster: the client (seed nodes, timeouts, credentials), the
+/// connection the readiness probe reuses between probes, and the slot map
+/// batches are grouped by.
 struct Cluster {
     client: ClusterClient,
     connect_timeout: Duration,
     probe: std::sync::Mutex<Option<ClusterConnection>>,
+    /// Read by the readiness probe (`warm_up`), every probe, and by the
+    /// dispatcher that found it stale.
+    slots: ArcSwapOption<SlotMap>,
+    /// A call met a key its node did not serve: the map is not used until
+    /// it is read again.
+    stale: AtomicBool,
 }
 
 impl Cluster {
+    /// The slot map to group a batch by, unless there is none or it is stale.
+    fn slot_map(&self) -> Option<Arc<SlotMap>> {
+        if self.stale.load(Ordering::Relaxed) { None } else { self.slots.load_full() }
+    }
+
+    /// Reads the slot map again (`CLUSTER SLOTS` on a primary).
+    async fn read_slot_map(&self, conn: &mut ClusterConnection) -> Result<(), StoreError> {
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary);
+        let answer = conn
+            .route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), routing)
+            .await
+            .map_err(|e| classify(&e))?;
+        let map = SlotMap::parse(&answer)
+            .map_err(|e| StoreError { kind: FailureKind::Other, message: e.to_string() })?;
+        self.slots.store(Some(Arc::new(map)));
+        self.stale.store(false, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Connects to the seed nodes and reads the slot map, within
     /// `redis.connect_timeout_ms`.
     async fn connect(&self) -> Result<ClusterConnection, StoreError> {
@@ -287,6 +326,8 @@ impl RedisStore {
                 client,
                 connect_timeout,
                 probe: std::sync::Mutex::new(None),
+                slots: ArcSwapOption::empty(),
+                stale: AtomicBool::new(false),
             }))
         } else {
             let [mut node] = <[ConnectionInfo; 1]>::try_from(nodes)
@@ -379,8 +420,9 @@ impl RedisStore {
     }
 
     /// Checks within `timeout` that Redis answers, and loads the script so
-    /// the first decision does not meet NOSCRIPT. Used at startup and by
-    /// the readiness probe to say whether Redis is up; a failure is not fatal.
+    /// the first decision does not meet NOSCRIPT; in a cluster, also reads
+    /// the slot map. Used at startup and by the readiness probe to say
+    /// whether Redis is up; a failure is not fatal.
     pub async fn warm_up(&self, timeout: Duration) -> Result<(), StoreError> {
         let load = async {
             let mut conn = self.side_connection().await?;
@@ -389,6 +431,13 @@ impl RedisStore {
                 Conn::Single(conn) => self.script.load_async(conn.connection()).await,
                 Conn::Cluster(conn) => self.script.load_async(conn).await,
             };
+            if let (Ok(_), Backend::Cluster(cluster), Conn::Cluster(conn)) =
+                (&loaded, &self.backend, &mut conn)
+                && let Err(error) = cluster.read_slot_map(conn).await
+            {
+                // Calls stay per slot (exact, only more of them) until a probe reads it.
+                tracing::debug!(%error, "redis cluster slot map not read; calls go per slot");
+            }
             self.keep(conn, loaded.is_ok());
             loaded.map(drop).map_err(|e| classify(&e))
         };
@@ -741,44 +790,118 @@ impl Dispatcher {
     async fn dispatch_single(&self, conn: &mut Pooled, batch: &mut Vec<Job>) -> Health {
         // Nobody waits longer than `timeout` for this answer. A late reply
         // on a kept connection is read and discarded by the client.
-        let call = tokio::time::timeout(self.timeout, invoke(conn.connection(), &self.script, batch)).await;
+        let call = tokio::time::timeout(
+            self.timeout,
+            run_script(Target::Server(conn.connection()), &self.script, batch),
+        )
+        .await;
+        self.settle_call(call, batch)
+    }
+
+    /// Settles one call: tells the breakers of its jobs' slots how Redis
+    /// did and hands each job its answer.
+    fn settle_call(&self, call: CallResult, batch: &mut Vec<Job>) -> Health {
         let (health, result) = settle(call, self.timeout);
         self.report(batch, health);
         answer(batch, result);
         health
     }
 
-    /// One script call per hash slot, all in flight together.
+    /// One script call per node (per slot without a usable slot map), all
+    /// in flight together.
     async fn dispatch_cluster(&self, conn: &ClusterConnection, batch: &mut Vec<Job>) -> Health {
-        // Stable: jobs on one counter (hence one slot) keep their order.
-        batch.sort_by_key(|job| job.slot);
-        let mut groups: Vec<Vec<Job>> = Vec::new();
-        for job in batch.drain(..) {
-            match groups.last_mut() {
-                Some(group) if group[0].slot == job.slot => group.push(job),
-                _ => groups.push(vec![job]),
-            }
+        let Backend::Cluster(cluster) = &self.backend else { unreachable!("a cluster connection") };
+        let map = cluster.slot_map();
+        let calls = groups(batch, |slot| group_key(map.as_deref(), slot))
+            .into_iter()
+            .map(|group| self.call_node(cluster, conn.clone(), group));
+        combined(futures_util::future::join_all(calls).await)
+    }
+
+    /// One call for one node's jobs. When the node refuses a key (the map
+    /// was stale), nothing was written: the map is set aside and the jobs
+    /// go again, one call per slot.
+    async fn call_node(&self, cluster: &Cluster, mut conn: ClusterConnection, mut group: Vec<Job>) -> Health {
+        let first = group[0].slot;
+        if group.iter().all(|job| job.slot == first) {
+            return self.call_slot(conn, group).await;
         }
-        let calls = groups.into_iter().map(|mut group| {
-            let mut conn = conn.clone();
-            async move {
-                let call = tokio::time::timeout(self.timeout, invoke(&mut conn, &self.script, &group)).await;
-                let (health, result) = settle(call, self.timeout);
-                self.report(&group, health);
-                answer(&mut group, result);
+        let call = tokio::time::timeout(
+            self.timeout,
+            run_script(Target::Node(&mut conn, first), &self.script, &group),
+        )
+        .await;
+        match call {
+            Ok(Err(e)) if refused_as_not_local(&e) => {
+                // The first call to find the map stale reads it again, once
+                // its jobs are answered; until then, calls go per slot.
+                let first_to_see = !cluster.stale.swap(true, Ordering::Relaxed);
+                tracing::debug!(error = %e, "redis cluster slot map stale; this batch goes per slot");
+                // A caller that gave up meanwhile was answered by its policy.
+                group.retain(|job| !job.reply.is_closed());
+                let calls =
+                    groups(&mut group, u32::from).into_iter().map(|slot| self.call_slot(conn.clone(), slot));
+                let health = combined(futures_util::future::join_all(calls).await);
+                if first_to_see
+                    && let Ok(Err(error)) =
+                        tokio::time::timeout(self.timeout, cluster.read_slot_map(&mut conn)).await
+                {
+                    tracing::debug!(%error, "redis cluster slot map not read; the probe tries again");
+                }
                 health
             }
-        });
-        let healths = futures_util::future::join_all(calls).await;
-        // The connection is fine while any node answers through it.
-        if healths.contains(&Health::Answered) {
-            Health::Answered
-        } else if healths.contains(&Health::Failed) {
-            Health::Failed
-        } else {
-            Health::TimedOut
+            call => self.settle_call(call, &mut group),
         }
     }
+
+    /// One call for one slot's jobs, with declared keys: routed by them,
+    /// redirected by redis-rs (MOVED, ASK) as any keyed command.
+    async fn call_slot(&self, mut conn: ClusterConnection, mut group: Vec<Job>) -> Health {
+        let call =
+            tokio::time::timeout(self.timeout, run_script(Target::Slot(&mut conn), &self.script, &group))
+                .await;
+        self.settle_call(call, &mut group)
+    }
+}
+
+/// Empties `batch` into groups of equal `key(slot)`, each sorted by slot,
+/// in order of key. Stable: jobs on one counter (hence one slot) keep their
+/// order.
+fn groups(batch: &mut Vec<Job>, key: impl Fn(u16) -> u32) -> Vec<Vec<Job>> {
+    batch.sort_by_key(|job| (key(job.slot), job.slot));
+    let mut groups: Vec<Vec<Job>> = Vec::new();
+    let mut last = None;
+    for job in batch.drain(..) {
+        let this = key(job.slot);
+        match groups.last_mut() {
+            Some(group) if last == Some(this) => group.push(job),
+            _ => groups.push(vec![job]),
+        }
+        last = Some(this);
+    }
+    groups
+}
+
+/// How a connection did over several calls: fine while any node answered
+/// through it.
+fn combined(healths: Vec<Health>) -> Health {
+    if healths.contains(&Health::Answered) {
+        Health::Answered
+    } else if healths.contains(&Health::Demoted) {
+        Health::Demoted
+    } else if healths.contains(&Health::Failed) {
+        Health::Failed
+    } else {
+        Health::TimedOut
+    }
+}
+
+/// Whether a cluster node refused a call for a key it does not serve
+/// (Redis 7: "Script attempted to access a non local key in a cluster
+/// node"; Redis 6: "Lua script attempted to ..."): the script reads every
+/// key before it writes any, so nothing was written.
+fn refused_as_not_local(e: &RedisError) -> bool {
+    e.to_string().contains("non local key")
 }
 
 type CallResult = Result<Result<Vec<u64>, RedisError>, tokio::time::error::Elapsed>;
@@ -943,36 +1066,120 @@ impl Specs {
     }
 }
 
-/// Sends one batch as one script call: every key, then the distinct specs,
-/// then per job its number of keys and per key its spec and weight.
-async fn invoke(
-    conn: &mut impl redis::aio::ConnectionLike,
+/// Where one script call goes.
+enum Target<'a> {
+    /// One server (plain or the master Sentinel names).
+    Server(&'a mut redis::aio::MultiplexedConnection),
+    /// A cluster, routed by the call's declared keys (all in one slot).
+    Slot(&'a mut ClusterConnection),
+    /// A cluster: the primary serving `slot`, with the keys of its other
+    /// slots inline.
+    Node(&'a mut ClusterConnection, u16),
+}
+
+impl Target<'_> {
+    async fn query(&mut self, call: redis::Cmd) -> Result<Value, RedisError> {
+        match self {
+            Target::Server(conn) => call.query_async(*conn).await,
+            Target::Slot(conn) => call.query_async(*conn).await,
+            Target::Node(conn, slot) => {
+                let route = Route::new(*slot, SlotAddr::Master);
+                conn.route_command(call, RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)))
+                    .await
+            }
+        }
+    }
+
+    /// SCRIPT LOAD (to every primary of a cluster).
+    async fn load(&mut self, script: &redis::Script) -> Result<String, RedisError> {
+        match self {
+            Target::Server(conn) => script.load_async(*conn).await,
+            Target::Slot(conn) | Target::Node(conn, _) => script.load_async(*conn).await,
+        }
+    }
+}
+
+/// Sends one batch as one script call by its SHA, loading the script once
+/// when the server does not know it (NOSCRIPT: a restart, a new node).
+async fn run_script(
+    mut target: Target<'_>,
     script: &redis::Script,
     batch: &[Job],
 ) -> Result<Vec<u64>, RedisError> {
-    let mut invocation = script.prepare_invoke();
+    let inline = matches!(target, Target::Node(..));
+    let answer = match target.query(script_call(script.get_hash(), batch, inline)).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            target.load(script).await?;
+            target.query(script_call(script.get_hash(), batch, inline)).await?
+        }
+        answer => answer?,
+    };
+    Ok(redis::from_redis_value(answer)?)
+}
+
+/// The EVALSHA of one batch: its keys (declared, or `inline` in ARGV),
+/// how to read them (one run, or one run per slot when inline), the
+/// distinct specs, then per job its number of keys and per key its spec
+/// and weight. The layout is the script's header.
+fn script_call(sha: &str, batch: &[Job], inline: bool) -> redis::Cmd {
+    let keys = || batch.iter().flat_map(|job| job.keys.as_slice().iter().map(|(key, _)| key.as_str()));
+    let nkeys: usize = batch.iter().map(|job| job.keys.as_slice().len()).sum();
+    let mut call = redis::cmd("EVALSHA");
+    call.arg(sha);
+    if inline {
+        call.arg(0);
+        let runs = slot_runs(batch);
+        call.arg(runs.len());
+        for run in &runs {
+            call.arg(*run);
+        }
+        for key in keys() {
+            call.arg(key);
+        }
+    } else {
+        call.arg(nkeys);
+        for key in keys() {
+            call.arg(key);
+        }
+        call.arg(1).arg(nkeys);
+    }
     let mut specs = Specs::default();
-    let mut jobs = Vec::with_capacity(batch.len() * 3);
+    let mut jobs = Vec::with_capacity(batch.len() + 2 * nkeys);
     for job in batch {
         let keys = job.keys.as_slice();
         jobs.push(keys.len() as u64);
-        for (key, args) in keys {
-            invocation.key(key.as_str());
+        for (_, args) in keys {
             jobs.push(specs.position(args.spec) as u64);
             jobs.push(args.weight);
         }
     }
-    invocation.arg(specs.list.len());
+    call.arg(specs.list.len());
     for spec in &specs.list {
         for value in spec {
-            invocation.arg(*value);
+            call.arg(*value);
         }
     }
-    invocation.arg(batch.len());
+    call.arg(batch.len());
     for value in jobs {
-        invocation.arg(value);
+        call.arg(value);
     }
-    invocation.invoke_async(conn).await
+    call
+}
+
+/// The keys of `batch` (sorted by slot) per slot, in order: how many keys
+/// each `MGET` of the script reads.
+fn slot_runs(batch: &[Job]) -> Vec<usize> {
+    let mut runs: Vec<usize> = Vec::new();
+    let mut last = None;
+    for job in batch {
+        let keys = job.keys.as_slice().len();
+        match runs.last_mut() {
+            Some(run) if last == Some(job.slot) => *run += keys,
+            _ => runs.push(keys),
+        }
+        last = Some(job.slot);
+    }
+    runs
 }
 
 /// Hands each job of `batch` its slice of `reply` (committed, then four
@@ -1120,6 +1327,62 @@ mod tests {
         assert_eq!(specs.position(spec(41)), 41);
         assert_eq!(specs.list.len(), 41);
         assert_eq!(specs.list[6], spec(7));
+    }
+
+    fn job(slot: u16, key: &str, keys: usize) -> Job {
+        let args = KeyArgs { spec: [1, 1, 1, 0, 1], weight: 1 };
+        let keys = match keys {
+            1 => JobKeys::One([(key.to_owned(), args)]),
+            n => JobKeys::Many(vec![(key.to_owned(), args); n]),
+        };
+        Job { slot, keys, reply: oneshot::channel().0 }
+    }
+
+    #[test]
+    fn a_batch_groups_by_node_sorted_by_slot_keeping_each_counters_order() {
+        // Slots 1 and 9 on node 0, slot 5 on node 1.
+        let node = |slot: u16| u32::from(slot == 5);
+        let mut batch = vec![
+            job(9, "a1", 1),
+            job(5, "b1", 1),
+            job(1, "c1", 2),
+            job(9, "a2", 1),
+            job(5, "b2", 1),
+            job(1, "c2", 1),
+        ];
+        let grouped = groups(&mut batch, node);
+        assert!(batch.is_empty());
+        let names = |group: &[Job]| group.iter().map(|j| j.keys.as_slice()[0].0.clone()).collect::<Vec<_>>();
+        assert_eq!(grouped.len(), 2);
+        assert_eq!(names(&grouped[0]), ["c1", "c2", "a1", "a2"]);
+        assert_eq!(names(&grouped[1]), ["b1", "b2"]);
+        // Node 0's call reads slot 1's three keys, then slot 9's two.
+        assert_eq!(slot_runs(&grouped[0]), [3, 2]);
+        assert_eq!(slot_runs(&grouped[1]), [2]);
+        // Per slot (no map): one group per slot.
+        let mut again: Vec<Job> = grouped.into_iter().flatten().collect();
+        assert_eq!(groups(&mut again, u32::from).iter().map(Vec::len).collect::<Vec<_>>(), [2, 2, 2]);
+    }
+
+    #[test]
+    fn a_call_passes_its_keys_declared_or_inline_with_their_read_runs() {
+        let batch = [job(1, "x", 2), job(1, "y", 1), job(7, "z", 1)];
+        let args = |inline| {
+            script_call("sha", &batch, inline)
+                .args_iter()
+                .map(|arg| match arg {
+                    redis::Arg::Simple(bytes) => String::from_utf8(bytes.to_vec()).unwrap(),
+                    _ => unreachable!("no cursor"),
+                })
+                .collect::<Vec<_>>()
+        };
+        let tail = ["1", "1", "1", "1", "0", "1", "3", "2", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1"];
+        let declared: Vec<&str> =
+            ["EVALSHA", "sha", "4", "x", "x", "y", "z", "1", "4"].into_iter().chain(tail).collect();
+        assert_eq!(args(false), declared);
+        let inline: Vec<&str> =
+            ["EVALSHA", "sha", "0", "2", "3", "1", "x", "x", "y", "z"].into_iter().chain(tail).collect();
+        assert_eq!(args(true), inline);
     }
 
     #[test]

@@ -382,9 +382,14 @@ impl RedisCluster {
 
     /// Which node serves each slot, from `CLUSTER NODES`; see [`key_slot`].
     pub fn slot_owners(&self) -> Vec<usize> {
-        let mut owners = vec![usize::MAX; 16_384];
         let alive = self.nodes.iter().find(|n| n.child.is_some()).expect("a running node");
-        let nodes = redis_cli(alive.port, &["cluster", "nodes"]);
+        self.owners_seen_by(alive.port)
+    }
+
+    /// Which node serves each slot, as the node on `port` sees it.
+    fn owners_seen_by(&self, port: u16) -> Vec<usize> {
+        let mut owners = vec![usize::MAX; 16_384];
+        let nodes = redis_cli(port, &["cluster", "nodes"]);
         for line in nodes.lines() {
             let fields: Vec<&str> = line.split_whitespace().collect();
             let Some(port) = fields.get(1).and_then(|a| a.split(['@', ':']).nth(1)) else { continue };
@@ -402,6 +407,62 @@ impl RedisCluster {
     /// The index of the node serving `key`'s slot.
     pub fn node_of(&self, key: &str) -> usize {
         self.slot_owners()[usize::from(key_slot(key))]
+    }
+
+    /// Script calls (`EVALSHA`) every running node has served so far.
+    pub fn script_calls(&self) -> u64 {
+        self.nodes
+            .iter()
+            .filter(|n| n.child.is_some())
+            .map(|n| {
+                let stats = redis_cli(n.port, &["info", "commandstats"]);
+                stats
+                    .lines()
+                    .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+                    .and_then(|rest| rest.split(',').next())
+                    .and_then(|calls| calls.parse::<u64>().ok())
+                    .unwrap_or(0)
+            })
+            .sum()
+    }
+
+    /// Moves `slot` and its keys from the node serving it to node `to`, as
+    /// a resharding does (IMPORTING/MIGRATING, MIGRATE, SETSLOT NODE on
+    /// every node), and waits until every node agrees.
+    pub fn move_slot(&self, slot: u16, to: usize) {
+        let from = self.slot_owners()[usize::from(slot)];
+        assert_ne!(from, to, "slot {slot} is already on node {to}");
+        let id = |i: usize| redis_cli(self.nodes[i].port, &["cluster", "myid"]).trim().to_owned();
+        let (from_id, to_id) = (id(from), id(to));
+        let (from_port, to_port) = (self.nodes[from].port, self.nodes[to].port);
+        let slot = slot.to_string();
+        let ok = |port: u16, args: &[&str]| {
+            let out = redis_cli(port, args);
+            assert!(out.trim() == "OK" || out.trim() == "NOKEY", "{args:?} on {port}: {out}");
+        };
+        ok(to_port, &["cluster", "setslot", &slot, "importing", &from_id]);
+        ok(from_port, &["cluster", "setslot", &slot, "migrating", &to_id]);
+        let keys = redis_cli(from_port, &["cluster", "getkeysinslot", &slot, "1000"]);
+        let keys: Vec<&str> = keys.split_whitespace().collect();
+        if !keys.is_empty() {
+            let port = to_port.to_string();
+            let mut args = vec!["migrate", "127.0.0.1", &port, "", "0", "5000", "keys"];
+            args.extend(keys);
+            ok(from_port, &args);
+        }
+        for i in [to, from] {
+            ok(self.nodes[i].port, &["cluster", "setslot", &slot, "node", &to_id]);
+        }
+        for node in self.nodes.iter().filter(|n| n.child.is_some()) {
+            let _ = redis_cli(node.port, &["cluster", "setslot", &slot, "node", &to_id]);
+        }
+        let slot: usize = slot.parse().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.nodes.iter().filter(|n| n.child.is_some()).any(|n| self.owners_seen_by(n.port)[slot] != to)
+        {
+            assert!(Instant::now() < deadline, "the nodes never agreed on slot {slot}'s move");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 

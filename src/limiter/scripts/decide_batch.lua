@@ -10,8 +10,16 @@
 -- Jobs run in order, each on top of what the jobs before it committed, so
 -- the result is exactly that of running them one after another.
 --
--- KEYS             every job's counters, job after job
--- ARGV[1]          number of specs S: the distinct counter parameters of
+-- KEYS             every job's counters, job after job; or none, and
+--                  then the keys are inline in ARGV (below)
+-- ARGV[1]          number of read runs R, then R run lengths: the keys,
+--                  in order, are read run by run (one MGET per run, in
+--                  chunks of 1,000). One server sends one run of all keys.
+--                  A Redis Cluster call that carries several slots of one
+--                  node passes its keys inline (declared keys must share
+--                  one slot) with one run per slot (so must an MGET).
+-- then, inline     every key, when KEYS is empty
+-- then             number of specs S: the distinct counter parameters of
 --                  the batch (usually one per rule)
 -- then per spec    5 values: window length W in ticks, capacity, tick
 --                  length in ms, flags (algorithm: 0 sliding window,
@@ -60,19 +68,35 @@ local LAYOUT = '<dddd'
 local t = call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 
--- Every key's stored value, read at once (in chunks: unpack is bounded).
+-- The keys: KEYS, or inline in ARGV after the run lengths. Key k is
+-- K[kb + k].
+local runs = tonumber(ARGV[1])
+local a = runs + 2
+local K, kb = KEYS, 0
+if #KEYS == 0 then
+  K, kb = ARGV, a - 1
+  for r = 2, runs + 1 do a = a + tonumber(ARGV[r]) end
+end
+
+-- Every key's stored value, read before anything is written, run by run
+-- (in chunks: unpack is bounded). In a cluster, a key this node does not
+-- serve (a stale slot map) fails the call here, before any write.
 local stored = {}
 do
-  local nkeys = #KEYS
-  local first = 1
-  while first <= nkeys do
-    local last = first + 999
-    if last > nkeys then last = nkeys end
-    local values = call('MGET', unpack(KEYS, first, last))
-    for i = 1, last - first + 1 do
-      stored[first + i - 1] = values[i]
+  local k0 = 0
+  for r = 2, runs + 1 do
+    local stop = k0 + tonumber(ARGV[r])
+    local first = k0 + 1
+    while first <= stop do
+      local last = first + 999
+      if last > stop then last = stop end
+      local values = call('MGET', unpack(K, kb + first, kb + last))
+      for i = 1, last - first + 1 do
+        stored[first + i - 1] = values[i]
+      end
+      first = last + 1
     end
-    first = last + 1
+    k0 = stop
   end
 end
 
@@ -80,8 +104,9 @@ end
 -- from them and `now` alone. Keyed by the index as ARGV spells it, so a
 -- key finds its spec without parsing a number.
 local specs = {}
-local a = 2
-for s = 1, tonumber(ARGV[1]) do
+local nspecs = tonumber(ARGV[a])
+a = a + 1
+for s = 1, nspecs do
   local w, cap, tick, flags, rate =
     tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
   a = a + 5
@@ -144,7 +169,7 @@ for _ = 1, jobs do
   local blocked = false
   for _ = 1, n do
     k = k + 1
-    local key = KEYS[k]
+    local key = K[kb + k]
     local sp = specs[ARGV[a]]
     local weight = ARGV[a + 1]
     if weight == '1' then weight = 1 else weight = tonumber(weight) end
