@@ -1,47 +1,192 @@
 #!/usr/bin/env bash
-# Side-by-side benchmark on one machine, one Redis, one load, one key set:
-# ratelimitd (Redis store, in-memory store) and Kuadrant's limitador-server
-# (Redis, memory), both driven through Envoy's ShouldRateLimit by
-# `loadtest`, plus the ceiling of ratelimitd's Redis script alone
-# (redis-benchmark). Prints a markdown table and the ratios.
+# The Performance table, in one go, each part pinned to its own cores:
 #
-#   LIMITADOR_DIR=/path/to/limitador loadtest/bench.sh
+#   scaling    the service on 1, 2, 4, 8 cores (SERVICE_SERIES): the Envoy
+#              API on one hot key, in memory and with one Redis; Check
+#              (unary) and CheckStream in memory
+#   distinct   Check, users uniform over USERS, one Redis: decisions/s and
+#              what Redis spends per decision (script µs from INFO
+#              commandstats, Redis CPU from INFO cpu), per algorithm
+#   cluster    the same load against a 3-primary Redis Cluster, a core per
+#              primary, against the one Redis of `distinct`
+#   latency    open loop, uniform users: Redis at LAT_REDIS_RATE/s, memory
+#              at LAT_MEMORY_RATE/s (latency from each request's intended
+#              send time, so queueing is not hidden)
+#   peer       with LIMITADOR set: Kuadrant's limitador-server, memory and
+#              Redis, the Envoy API on one hot key, on the smallest and the
+#              largest service core set, beside ratelimitd's same rows
 #
-# LIMITADOR_DIR: a checkout of Kuadrant/limitador OUTSIDE this repository,
-# built with `cargo build --release -p limitador-server` (never vendored;
-# it needs libclang and protoc: PROTOC can point at the protoc that this
-# project's build fetched with protoc-bin-vendored).
-# DURATION (s, default 10), CONCURRENCY (default 64), KEYS (default hot),
-# CONNECTIONS (default 4) tune the load.
+#   loadtest/bench.sh OUTDIR
+#
+# Writes OUTDIR/table.md (the machine, the core sets, every figure and each
+# target as met or not) and every run's raw JSON report. Needs bash, awk,
+# taskset; no Python, no network (it runs from a bundled kit, see
+# ../shared/BENCH.md).
+#
+# Binaries: RATELIMITD, LOADTEST (default target/release/…), REDIS_SERVER,
+# REDIS_CLI (default: from PATH), LIMITADOR (optional: a limitador-server
+# built outside this repository, never vendored).
+# Core sets (taskset -c lists): REDIS_CPUS (one Redis; default 0),
+# CLUSTER_CPUS (one per primary, space-separated; default "1 2 3"),
+# SERVICE_SERIES (default "4 4-5 4-7 4-11"), LOAD_CPUS (default 12-15).
+# Load: DURATION (s per run, 8), CONCURRENCY (256), CONNECTIONS (16),
+# BATCH (in flight per stream, 256), USERS (1000000), LAT_REDIS_RATE
+# (100000), LAT_MEMORY_RATE (200000). PARTS: which parts to run (default
+# "scaling distinct cluster latency peer"; cluster runs the sliding window
+# of distinct too, its baseline). ALGORITHMS: those of distinct (default
+# "sliding_window token_bucket gcra").
 set -euo pipefail
-cd "$(dirname "$0")/.."
-
-: "${LIMITADOR_DIR:?set LIMITADOR_DIR to a built Kuadrant/limitador checkout}"
-LIMITADOR="$LIMITADOR_DIR/target/release/limitador-server"
-[ -x "$LIMITADOR" ] || { echo "bench: $LIMITADOR not built (cargo build --release -p limitador-server)" >&2; exit 1; }
-DURATION="${DURATION:-10}"
-CONCURRENCY="${CONCURRENCY:-64}"
-KEYS="${KEYS:-hot}"
-CONNECTIONS="${CONNECTIONS:-4}"
-
-cargo build --release --locked -p ratelimitd -p loadtest >&2
-RATELIMITD="$PWD/target/release/ratelimitd"
-LOADTEST="$PWD/target/release/loadtest"
+OUT="${1:?usage: loadtest/bench.sh OUTDIR}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+RATELIMITD="${RATELIMITD:-$HERE/../target/release/ratelimitd}"
+LOADTEST="${LOADTEST:-$HERE/../target/release/loadtest}"
+REDIS_SERVER="${REDIS_SERVER:-redis-server}"
+REDIS_CLI="${REDIS_CLI:-redis-cli}"
+REDIS_CPUS="${REDIS_CPUS:-0}"
+CLUSTER_CPUS="${CLUSTER_CPUS:-1 2 3}"
+SERVICE_SERIES="${SERVICE_SERIES:-4 4-5 4-7 4-11}"
+LOAD_CPUS="${LOAD_CPUS:-12-15}"
+DURATION="${DURATION:-8}"; CONCURRENCY="${CONCURRENCY:-256}"; CONNECTIONS="${CONNECTIONS:-16}"
+BATCH="${BATCH:-256}"; USERS="${USERS:-1000000}"
+LAT_REDIS_RATE="${LAT_REDIS_RATE:-100000}"; LAT_MEMORY_RATE="${LAT_MEMORY_RATE:-200000}"
+PARTS="${PARTS:-scaling distinct cluster latency peer}"
+ALGORITHMS="${ALGORITHMS:-sliding_window token_bucket gcra}"
 # shellcheck source=loadtest/common.sh
-source loadtest/common.sh  # the script runs from the repository root (cd above)
+source "$HERE/common.sh"
 
-# One Redis for everyone, flushed between runs.
-REDIS_PORT="$(free_port)"
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no --daemonize yes --pidfile "$WORK/redis.pid" >/dev/null
-wait_port "$REDIS_PORT"
-PIDS+=("$(cat "$WORK/redis.pid")")
-REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
+for bin in "$RATELIMITD" "$LOADTEST"; do
+  [ -x "$bin" ] || { echo "bench: $bin not built (cargo build --release --bin ratelimitd -p loadtest)" >&2; exit 1; }
+done
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+SERIES=($SERVICE_SERIES)
+LARGEST="${SERIES[${#SERIES[@]}-1]}"
+# The number of cores in a taskset list ("4-7,9" -> 5).
+cores() { echo "$1" | tr ',' '\n' | awk -F- '{ n += ($2 == "" ? 1 : $2 - $1 + 1) } END { print n }'; }
+# A field of a one-line JSON report (the first occurrence of its name).
+field() { grep -o "\"$2\":[^,}]*" "$1" | head -1 | cut -d: -f2; }
 
-# The same limit for both: domain/namespace "edge", a counter per user, far
-# above what the load reaches (every decision is counted, none denied).
+# Rules: Envoy domain "edge" (a counter per user), and one native rule per
+# algorithm, all far above what the load reaches: every decision is
+# counted, none denied.
 write_edge_config "$WORK/envoy"
-echo "rules: []" > "$WORK/native.yaml"
-cat > "$WORK/limits.yaml" <<'YAML'
+cat > "$WORK/native.yaml" <<'YAML'
+rules:
+  - { rule_id: sliding, resource_path: /sliding_window, limit: 1000000000, window_seconds: 60 }
+  - { rule_id: bucket, resource_path: /token_bucket, limit: 1000000000, window_seconds: 60, algorithm: token_bucket }
+  - { rule_id: gcra, resource_path: /gcra, limit: 1000000000, window_seconds: 60, algorithm: gcra }
+YAML
+
+redis_on() { # cpus, port, extra args...: starts a Redis pinned to cpus
+  local cpus="$1" port="$2"; shift 2
+  (pin "$cpus" "$REDIS_SERVER" --port "$port" --bind 127.0.0.1 --save "" --appendonly no "$@" >"$WORK/redis-$port.log" 2>&1) &
+  PIDS+=("$!")
+  wait_port "$port"
+}
+# "calls usec cpu_ms" of the script summed over the Redis on ports $@.
+redis_stats() {
+  local port
+  for port in "$@"; do
+    "$REDIS_CLI" -p "$port" info commandstats | tr -d '\r' | grep '^cmdstat_evalsha:' | sed 's/.*calls=\([0-9]*\),usec=\([0-9]*\),.*/\1 \2/' || echo "0 0"
+    "$REDIS_CLI" -p "$port" info cpu | tr -d '\r' | awk -F: '/^used_cpu_(sys|user):/ { s += $2 } END { printf "cpu %.0f\n", s * 1000 }'
+  done | awk '/^cpu/ { cpu += $2; next } { calls += $1; usec += $2 } END { print calls + 0, usec + 0, cpu + 0 }'
+}
+
+REDIS_PORT="$(free_port)"
+redis_on "$REDIS_CPUS" "$REDIS_PORT"
+CLUSTER_PORTS=()
+start_cluster() {
+  local cpus port seeds=()
+  for cpus in $CLUSTER_CPUS; do
+    port="$(free_port)"
+    mkdir -p "$WORK/cluster-$port"
+    (cd "$WORK/cluster-$port" && pin "$cpus" "$REDIS_SERVER" --port "$port" --bind 127.0.0.1 --save "" --appendonly no \
+      --cluster-enabled yes --cluster-config-file nodes.conf --cluster-port "$(free_port)" >"$WORK/redis-$port.log" 2>&1) &
+    PIDS+=("$!")
+    wait_port "$port"
+    CLUSTER_PORTS+=("$port"); seeds+=("127.0.0.1:$port")
+  done
+  "$REDIS_CLI" --cluster create "${seeds[@]}" --cluster-replicas 0 --cluster-yes >"$WORK/cluster-create.log" 2>&1
+  for _ in $(seq 200); do
+    local ok=0
+    for port in "${CLUSTER_PORTS[@]}"; do
+      "$REDIS_CLI" -p "$port" cluster info | grep -q 'cluster_state:ok' && ok=$((ok + 1))
+    done
+    [ "$ok" = "${#CLUSTER_PORTS[@]}" ] && return 0
+    sleep 0.05
+  done
+  echo "bench: the cluster never became healthy" >&2; exit 1
+}
+cluster_url() { local p u=""; for p in "${CLUSTER_PORTS[@]}"; do u="$u${u:+,}redis://127.0.0.1:$p"; done; echo "$u"; }
+
+SVC_PID=""; SVC_PORT=""
+service() { # cpus, extra env...: starts ratelimitd, sets SVC_PID and SVC_PORT
+  local cpus="$1"; shift
+  SVC_PORT="$(free_port)"
+  (pin "$cpus" env RATELIMITD__GRPC__LISTEN="127.0.0.1:$SVC_PORT" RATELIMITD__HTTP__LISTEN="127.0.0.1:$(free_port)" \
+    RATELIMITD__RULES__PATH="$WORK/native.yaml" RATELIMITD__RULES__ENVOY_PATH="$WORK/envoy" \
+    RATELIMITD__SHED__MODE=off RATELIMITD__DLQ__FILE="$WORK/dlq.jsonl" RUST_LOG=warn "$@" "$RATELIMITD" serve \
+    >"$WORK/service-$SVC_PORT.log" 2>&1) &
+  SVC_PID=$!
+  PIDS+=("$SVC_PID")
+  wait_port "$SVC_PORT"
+  sleep 0.3
+}
+stop_service() { kill "$SVC_PID" 2>/dev/null || true; wait "$SVC_PID" 2>/dev/null || true; }
+load() { # label, then loadtest arguments; the report goes to OUT/label.json
+  local label="$1"; shift
+  (pin "$LOAD_CPUS" "$LOADTEST" --target "http://127.0.0.1:$SVC_PORT" --domain edge --connections "$CONNECTIONS" \
+    --duration "$DURATION" --target-pid "$SVC_PID" --label "$label" --json "$OUT/$label.json" "$@" >"$OUT/$label.txt" 2>&1)
+}
+closed() { echo --concurrency "$CONCURRENCY"; }
+
+if part scaling; then
+  for cpus in "${SERIES[@]}"; do
+    n="$(cores "$cpus")"
+    service "$cpus"
+    load "scale-$n-memory-envoy" --api envoy --keys hot $(closed)
+    load "scale-$n-memory-check" --api check --path /sliding_window --keys hot $(closed)
+    load "scale-$n-memory-stream" --api stream --batch "$BATCH" --path /sliding_window --keys hot --concurrency "$CONNECTIONS"
+    stop_service
+    service "$cpus" RATELIMITD__REDIS__URL="redis://127.0.0.1:$REDIS_PORT"
+    load "scale-$n-redis-envoy" --api envoy --keys hot $(closed)
+    stop_service
+  done
+fi
+
+if part distinct || part cluster; then
+  service "$LARGEST" RATELIMITD__REDIS__URL="redis://127.0.0.1:$REDIS_PORT"
+  for alg in $ALGORITHMS; do
+    "$REDIS_CLI" -p "$REDIS_PORT" flushall >/dev/null
+    before="$(redis_stats "$REDIS_PORT")"
+    load "distinct-$alg" --api check --path "/$alg" --keys "uniform:$USERS" $(closed)
+    echo "$before $(redis_stats "$REDIS_PORT")" >"$OUT/distinct-$alg.redis"
+  done
+  stop_service
+fi
+
+if part cluster; then
+  start_cluster
+  service "$LARGEST" RATELIMITD__REDIS__URL="$(cluster_url)" RATELIMITD__REDIS__CLUSTER=true
+  before="$(redis_stats "${CLUSTER_PORTS[@]}")"
+  load "cluster-sliding_window" --api check --path /sliding_window --keys "uniform:$USERS" $(closed)
+  echo "$before $(redis_stats "${CLUSTER_PORTS[@]}")" >"$OUT/cluster-sliding_window.redis"
+  stop_service
+fi
+
+if part latency; then
+  "$REDIS_CLI" -p "$REDIS_PORT" flushall >/dev/null
+  service "$LARGEST" RATELIMITD__REDIS__URL="redis://127.0.0.1:$REDIS_PORT"
+  load "latency-redis" --api check --path /sliding_window --keys "uniform:$USERS" --rate "$LAT_REDIS_RATE"
+  stop_service
+  service "$LARGEST"
+  load "latency-memory" --api check --path /sliding_window --keys "uniform:$USERS" --rate "$LAT_MEMORY_RATE"
+  stop_service
+fi
+
+if part peer && [ -n "${LIMITADOR:-}" ]; then
+  cat > "$WORK/limits.yaml" <<'YAML'
 - namespace: edge
   max_value: 1000000000
   seconds: 60
@@ -49,77 +194,85 @@ cat > "$WORK/limits.yaml" <<'YAML'
   variables:
     - descriptors[0]['user']
 YAML
+  for cpus in "${SERIES[0]}" "$LARGEST"; do
+    n="$(cores "$cpus")"
+    for store in memory redis; do
+      SVC_PORT="$(free_port)"
+      args=(--rls-port "$SVC_PORT" --http-port "$(free_port)" "$WORK/limits.yaml")
+      if [ "$store" = redis ]; then args+=(redis "redis://127.0.0.1:$REDIS_PORT"); else args+=(memory); fi
+      (pin "$cpus" "$LIMITADOR" "${args[@]}" >"$WORK/limitador-$SVC_PORT.log" 2>&1) &
+      SVC_PID=$!; PIDS+=("$SVC_PID")
+      wait_port "$SVC_PORT"; sleep 0.5
+      load "peer-$n-$store-envoy" --api envoy --keys hot $(closed)
+      stop_service
+    done
+  done
+fi
 
-run() { # label, then the command starting the target on $PORT
-  local label="$1"; shift
-  redis-cli -p "$REDIS_PORT" FLUSHALL >/dev/null
-  "$@" >"$WORK/$label.log" 2>&1 &
-  local pid=$!
-  PIDS+=("$pid")
-  wait_port "$PORT"
-  sleep 0.5
-  "$LOADTEST" --target "http://127.0.0.1:$PORT" --api envoy --domain edge --keys "$KEYS" \
-    --concurrency "$CONCURRENCY" --connections "$CONNECTIONS" --duration "$DURATION" \
-    --target-pid "$pid" --label "$label" --json "$WORK/$label.json" 2>/dev/null >&2
-  # Then open loop at half the throughput just measured: latency from each
-  # request's intended send time, so queueing is not hidden.
-  local half
-  half="$(python3 -c 'import json,sys; print(int(json.load(open(sys.argv[1]))["decisions_per_second"] / 2))' "$WORK/$label.json")"
-  "$LOADTEST" --target "http://127.0.0.1:$PORT" --api envoy --domain edge --keys "$KEYS" \
-    --rate "$half" --connections "$CONNECTIONS" --duration "$DURATION" \
-    --target-pid "$pid" --label "$label-half" --json "$WORK/$label-half.json" 2>/dev/null >&2
-  kill "$pid"; wait "$pid" 2>/dev/null || true
-}
-
-ratelimitd_env() {
-  # exec: the measured PID must be the service's, not a wrapper's.
-  exec env RATELIMITD__GRPC__LISTEN="127.0.0.1:$PORT" RATELIMITD__HTTP__LISTEN="127.0.0.1:$(free_port)" \
-    RATELIMITD__RULES__PATH="$WORK/native.yaml" RATELIMITD__RULES__ENVOY_PATH="$WORK/envoy" \
-    RATELIMITD__SHED__MODE=off RATELIMITD__DLQ__FILE="$WORK/dlq.jsonl" RUST_LOG=warn "$@"
-}
-
-PORT="$(free_port)"; run ratelimitd-redis ratelimitd_env RATELIMITD__REDIS__URL="$REDIS_URL" "$RATELIMITD" serve
-PORT="$(free_port)"; run ratelimitd-memory ratelimitd_env "$RATELIMITD" serve
-PORT="$(free_port)"; run limitador-redis "$LIMITADOR" --rls-port "$PORT" --http-port "$(free_port)" "$WORK/limits.yaml" redis "$REDIS_URL"
-PORT="$(free_port)"; run limitador-memory "$LIMITADOR" --rls-port "$PORT" --http-port "$(free_port)" "$WORK/limits.yaml" memory
-
-# The ceiling of our script alone: redis-benchmark calling it with one
-# decision per call (one job of one key: the same key, window, limit and
-# flags as the load above), from as many clients as the load has callers.
-# ratelimitd itself sends what queued during the previous call as one call,
-# so it can pass this figure: the ratio shows what coalescing buys.
-SHA="$(redis-cli -p "$REDIS_PORT" SCRIPT LOAD "$(cat src/limiter/scripts/decide_batch.lua)")"
-CEILING="$(redis-benchmark -p "$REDIS_PORT" -c "$CONCURRENCY" -n 500000 -q \
-  EVALSHA "$SHA" 1 'rle2:{edge}:60|user=user-0' 1 60000 1000000000 1 0 1000000000 1 1 1 1 | tr '\r' '\n' | grep -o '[0-9.]* requests per second' | tail -1 | cut -d' ' -f1)"
-
-python3 - "$WORK" "$CEILING" "$DURATION" "$CONCURRENCY" "$KEYS" <<'PY'
-import json, sys
-work, ceiling, duration, concurrency, keys = sys.argv[1], float(sys.argv[2]), *sys.argv[3:]
-r = {l: json.load(open(f"{work}/{l}.json")) for l in ["ratelimitd-redis", "ratelimitd-memory", "limitador-redis", "limitador-memory"]}
-h = {l: json.load(open(f"{work}/{l}-half.json")) for l in r}
-print(f"Load: loadtest, ShouldRateLimit, closed loop, {concurrency} callers, keys {keys}, {duration} s each, then open loop at half that throughput for {duration} s; one Redis; 2 cores shared with the load generator.\n")
-print("| target | decisions/s | target CPU µs/decision | p50 ms | p99 ms | errors | p99 ms at half saturation (rate) |")
-print("|---|---|---|---|---|---|---|")
-for label, x in r.items():
-    lat, half = x["latency"], h[label]
-    errors = sum(x["errors"].values()) + sum(half["errors"].values())
-    print(f"| {label} | {x['decisions_per_second']:.0f} | {x['target_cpu_us_per_decision']:.1f} | {lat['p50_us']/1e3:.2f} | {lat['p99_us']/1e3:.2f} | {errors} | {half['latency']['p99_us']/1e3:.3f} ({half['decisions_per_second']:.0f}/s) |")
-print(f"| redis-benchmark, our script alone (one decision per call) | {ceiling:.0f} | | | | | |\n")
-rr, rm, lr, lm = (r[k] for k in ["ratelimitd-redis", "ratelimitd-memory", "limitador-redis", "limitador-memory"])
-rows = [
-    ("decisions/s, Redis store, vs limitador with Redis", rr["decisions_per_second"] / lr["decisions_per_second"], ">= 4x"),
-    ("CPU per decision, Redis store, vs limitador with Redis", rr["target_cpu_us_per_decision"] / lr["target_cpu_us_per_decision"], "<= 0.25x"),
-    ("decisions/s, in-memory store, vs limitador in memory", rm["decisions_per_second"] / lm["decisions_per_second"], ">= 1.5x"),
-    ("decisions/s, Redis store, vs redis-benchmark running our script", rr["decisions_per_second"] / ceiling, ">= 0.8x"),
-]
-absolute = [
-    ("p99 at half saturation, Redis store", h["ratelimitd-redis"]["latency"]["p99_us"] / 1e3, "<= 1 ms"),
-    ("p99 at half saturation, in-memory store", h["ratelimitd-memory"]["latency"]["p99_us"] / 1e3, "<= 0.25 ms"),
-]
-print("| measure | measured | target |")
-print("|---|---|---|")
-for name, value, target in rows:
-    print(f"| {name} | {value:.2f}x | {target} |")
-for name, value, target in absolute:
-    print(f"| {name} | {value:.3f} ms | {target} |")
-PY
+# The table.
+{
+  echo "Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'). Core sets (taskset -c): Redis $REDIS_CPUS; cluster primaries $CLUSTER_CPUS (one each); service ${SERVICE_SERIES// / | }; load generator $LOAD_CPUS."
+  echo "Load: loadtest, closed loop $CONCURRENCY callers over $CONNECTIONS HTTP/2 connections (a stream: $CONNECTIONS streams × $BATCH in flight), $DURATION s per run; distinct keys: users uniform over $USERS. One run each. Cells: decisions/s (service CPU µs per decision)."
+  echo
+  cell() { [ -f "$OUT/$1.json" ] && awk -v d="$(field "$OUT/$1.json" decisions_per_second)" -v c="$(field "$OUT/$1.json" target_cpu_us_per_decision)" 'BEGIN { printf "%.0fk (%.2f µs)", d / 1000, c }' || echo "not run"; }
+  if part scaling; then
+    echo "| service cores | Envoy API, memory | Envoy API, Redis | Check (unary), memory | CheckStream, memory | limitador, memory | limitador, Redis |"
+    echo "|---|---|---|---|---|---|---|"
+    for cpus in "${SERIES[@]}"; do
+      n="$(cores "$cpus")"
+      echo "| $n ($cpus) | $(cell "scale-$n-memory-envoy") | $(cell "scale-$n-redis-envoy") | $(cell "scale-$n-memory-check") | $(cell "scale-$n-memory-stream") | $(cell "peer-$n-memory-envoy") | $(cell "peer-$n-redis-envoy") |"
+    done
+    echo
+  fi
+  redis_row() { # label: decisions/s, Redis script µs and CPU µs per decision, calls per decision, p99
+    local j="$OUT/$1.json" r="$OUT/$1.redis"
+    [ -f "$j" ] && [ -f "$r" ] || { echo "| $1 | not run | | | | |"; return; }
+    read -r c0 u0 p0 c1 u1 p1 <"$r"
+    awk -v l="$1" -v d="$(field "$j" decisions_per_second)" -v n="$(field "$j" decisions)" -v p99="$(field "$j" p99_us)" \
+      -v calls="$((c1 - c0))" -v usec="$((u1 - u0))" -v cpu="$((p1 - p0))" -v s="$(field "$j" target_cpu_us_per_decision)" \
+      'BEGIN { printf "| %s | %.0fk (%.2f µs) | %.2f | %.2f | %.3f | %.2f |\n", l, d / 1000, s, usec / n, cpu * 1000 / n, calls / n, p99 / 1000 }'
+  }
+  if part distinct || part cluster; then
+    echo "| distinct keys, service on $LARGEST | decisions/s (service CPU) | Redis script µs per decision | Redis CPU µs per decision | script calls per decision | p99 ms |"
+    echo "|---|---|---|---|---|---|"
+    for alg in $ALGORITHMS; do part distinct && redis_row "distinct-$alg"; done
+    part cluster && redis_row "cluster-sliding_window"
+    echo
+  fi
+  if part latency; then
+    echo "| open loop, uniform users | decisions/s | p50 ms | p99 ms | p99.9 ms | errors |"
+    echo "|---|---|---|---|---|---|"
+    for store in redis memory; do
+      j="$OUT/latency-$store.json"
+      [ -f "$j" ] || continue
+      awk -v s="$store" -v d="$(field "$j" decisions_per_second)" -v a="$(field "$j" p50_us)" -v b="$(field "$j" p99_us)" -v c="$(field "$j" p99.9_us)" \
+        -v e="$(grep -o '"errors":{[^}]*}' "$j" | cut -d: -f2-)" 'BEGIN { printf "| %s | %.0f | %.3f | %.3f | %.3f | %s |\n", s, d, a / 1000, b / 1000, c / 1000, e }'
+    done
+    echo
+  fi
+  # Targets (issue 16), each met or not with the figure measured above.
+  echo "| target | measured | met |"
+  echo "|---|---|---|"
+  verdict() { awk -v v="$2" -v t="$3" -v op="$4" -v name="$1" -v unit="$5" 'BEGIN { ok = (op == "<=" ? v <= t : v >= t); printf "| %s %s %s%s | %.2f%s | %s |\n", name, op, t, unit, v, unit, (ok ? "yes" : "no") }'; }
+  j="$OUT/distinct-sliding_window.json"
+  if [ -f "$j" ] && [ -f "$OUT/distinct-sliding_window.redis" ]; then
+    read -r c0 u0 p0 c1 u1 p1 <"$OUT/distinct-sliding_window.redis"
+    n="$(field "$j" decisions)"
+    verdict "Redis script time per distinct-key decision" "$(awk -v u="$((u1 - u0))" -v n="$n" 'BEGIN { print u / n }')" 5 "<=" " µs"
+    verdict "Redis CPU per distinct-key decision" "$(awk -v u="$((p1 - p0))" -v n="$n" 'BEGIN { print u * 1000 / n }')" 5 "<=" " µs"
+  fi
+  if [ -f "$OUT/cluster-sliding_window.json" ] && [ -f "$j" ]; then
+    verdict "3 primaries / 1 Redis, distinct-key decisions/s" "$(awk -v a="$(field "$OUT/cluster-sliding_window.json" decisions_per_second)" -v b="$(field "$j" decisions_per_second)" 'BEGIN { print a / b }')" 2.5 ">=" "×"
+  fi
+  n1="$(cores "${SERIES[0]}")"
+  if [ -f "$OUT/scale-$n1-memory-stream.json" ]; then
+    verdict "CheckStream in memory, decisions/s per service core" "$(awk -v d="$(field "$OUT/scale-$n1-memory-stream.json" decisions_per_second)" -v n="$n1" 'BEGIN { print d / n / 1000 }')" 1000 ">=" "k"
+  fi
+  if [ -f "$OUT/scale-$n1-memory-check.json" ]; then
+    verdict "unary Check CPU per decision on $n1 core" "$(field "$OUT/scale-$n1-memory-check.json" target_cpu_us_per_decision)" 7 "<=" " µs"
+  fi
+  [ -f "$OUT/latency-redis.json" ] && verdict "p99 at $LAT_REDIS_RATE/s, Redis" "$(awk -v v="$(field "$OUT/latency-redis.json" p99_us)" 'BEGIN { print v / 1000 }')" 1 "<=" " ms"
+  [ -f "$OUT/latency-memory.json" ] && verdict "p99 at $LAT_MEMORY_RATE/s, memory" "$(awk -v v="$(field "$OUT/latency-memory.json" p99_us)" 'BEGIN { print v / 1000 }')" 0.25 "<=" " ms"
+  true
+} >"$OUT/table.md"
+cat "$OUT/table.md"

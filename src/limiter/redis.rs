@@ -435,7 +435,8 @@ impl RedisStore {
                 (&loaded, &self.backend, &mut conn)
                 && let Err(error) = cluster.read_slot_map(conn).await
             {
-                // Calls stay per slot (exact, only more of them) until a probe reads it.
+                // The last map read stays in use (per slot if none: exact,
+                // only more calls) until a probe reads it.
                 tracing::debug!(%error, "redis cluster slot map not read; calls go per slot");
             }
             self.keep(conn, loaded.is_ok());
