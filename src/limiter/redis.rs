@@ -842,14 +842,16 @@ impl Dispatcher {
                 group.retain(|job| !job.reply.is_closed());
                 let calls =
                     groups(&mut group, u32::from).into_iter().map(|slot| self.call_slot(conn.clone(), slot));
-                let health = combined(futures_util::future::join_all(calls).await);
+                // Each slot's call told its breakers how it went.
+                futures_util::future::join_all(calls).await;
                 if first_to_see
                     && let Ok(Err(error)) =
                         tokio::time::timeout(self.timeout, cluster.read_slot_map(&mut conn)).await
                 {
                     tracing::debug!(%error, "redis cluster slot map not read; the probe tries again");
                 }
-                health
+                // The node answered (it refused): the connection works.
+                Health::Answered
             }
             call => self.settle_call(call, &mut group),
         }
