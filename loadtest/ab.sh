@@ -35,10 +35,7 @@ STORES=()
 REDIS_URL=""
 if [ -n "${REDIS_CMD:-}" ]; then
   REDIS_PORT="$(free_port)"
-  # shellcheck disable=SC2086
-  taskset -c "$REDIS_CPUS" $REDIS_CMD --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >"$WORK/redis.log" 2>&1 &
-  PIDS+=("$!")
-  wait_port "$REDIS_PORT"
+  start_redis "$REDIS_CPUS" "$REDIS_PORT"
   REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
   STORES+=(redis)
 fi

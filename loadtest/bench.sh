@@ -23,8 +23,8 @@
 # taskset; no Python, no network (it runs from a bundled kit, see
 # ../shared/BENCH.md).
 #
-# Binaries: RATELIMITD, LOADTEST (default target/release/…), REDIS_SERVER,
-# REDIS_CLI (default: from PATH), LIMITADOR (optional: a limitador-server
+# Binaries: RATELIMITD, LOADTEST (default target/release/…), REDIS_CMD,
+# REDIS_CLI (default: redis-server and redis-cli from PATH), LIMITADOR (optional: a limitador-server
 # built outside this repository, never vendored).
 # Core sets (taskset -c lists): REDIS_CPUS (one Redis; default 0),
 # CLUSTER_CPUS (one per primary, space-separated; default "1 2 3"),
@@ -42,7 +42,6 @@ OUT="$(cd "$OUT" && pwd)"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 RATELIMITD="${RATELIMITD:-$HERE/../target/release/ratelimitd}"
 LOADTEST="${LOADTEST:-$HERE/../target/release/loadtest}"
-REDIS_SERVER="${REDIS_SERVER:-redis-server}"
 REDIS_CLI="${REDIS_CLI:-redis-cli}"
 REDIS_CPUS="${REDIS_CPUS:-0}"
 CLUSTER_CPUS="${CLUSTER_CPUS:-1 2 3}"
@@ -78,12 +77,6 @@ rules:
   - { rule_id: gcra, resource_path: /gcra, limit: 1000000000, window_seconds: 60, algorithm: gcra }
 YAML
 
-redis_on() { # cpus, port, extra args...: starts a Redis pinned to cpus
-  local cpus="$1" port="$2"; shift 2
-  (pin "$cpus" "$REDIS_SERVER" --port "$port" --bind 127.0.0.1 --save "" --appendonly no "$@" >"$WORK/redis-$port.log" 2>&1) &
-  PIDS+=("$!")
-  wait_port "$port"
-}
 # "calls usec cpu_ms" of the script summed over the Redis on ports $@.
 redis_stats() {
   local port
@@ -94,17 +87,15 @@ redis_stats() {
 }
 
 REDIS_PORT="$(free_port)"
-redis_on "$REDIS_CPUS" "$REDIS_PORT"
+start_redis "$REDIS_CPUS" "$REDIS_PORT"
 CLUSTER_PORTS=()
 start_cluster() {
   local cpus port seeds=()
   for cpus in $CLUSTER_CPUS; do
     port="$(free_port)"
     mkdir -p "$WORK/cluster-$port"
-    (cd "$WORK/cluster-$port" && pin "$cpus" "$REDIS_SERVER" --port "$port" --bind 127.0.0.1 --save "" --appendonly no \
-      --cluster-enabled yes --cluster-config-file nodes.conf --cluster-port "$(free_port)" >"$WORK/redis-$port.log" 2>&1) &
-    PIDS+=("$!")
-    wait_port "$port"
+    start_redis "$cpus" "$port" --dir "$WORK/cluster-$port" --cluster-enabled yes --cluster-config-file nodes.conf \
+      --cluster-port "$(free_port)"
     CLUSTER_PORTS+=("$port"); seeds+=("127.0.0.1:$port")
   done
   "$REDIS_CLI" --cluster create "${seeds[@]}" --cluster-replicas 0 --cluster-yes >"$WORK/cluster-create.log" 2>&1

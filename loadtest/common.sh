@@ -29,6 +29,19 @@ pin() {
   if [ -n "$cpus" ]; then exec taskset -c "$cpus" "$@"; else exec "$@"; fi
 }
 
+# start_redis CORES PORT [ARGS...]: a redis-server ($REDIS_CMD, default
+# redis-server) on 127.0.0.1:PORT without persistence, on the core set
+# CORES, logged to $WORK/redis-PORT.log; returns once it listens. Its PID
+# is in REDIS_PID (and PIDS).
+start_redis() {
+  local cpus="$1" port="$2"; shift 2
+  # shellcheck disable=SC2086
+  (pin "$cpus" ${REDIS_CMD:-redis-server} --port "$port" --bind 127.0.0.1 --save "" --appendonly no "$@" >"$WORK/redis-$port.log" 2>&1) &
+  REDIS_PID=$!
+  PIDS+=("$REDIS_PID")
+  wait_port "$port"
+}
+
 wait_port() { for _ in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "$0: nothing on port $1" >&2; exit 1; }
 
 # Envoy-format rules in directory $1: domain "edge", a counter per user, far

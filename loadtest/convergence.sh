@@ -34,11 +34,7 @@ mkdir -p "$OUT"
 source "$(dirname "$0")/common.sh"
 
 REDIS_PORT="$(free_port)"
-# shellcheck disable=SC2086
-(pin "${REDIS_CPUS:-}" $REDIS_CMD --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >"$WORK/redis.log" 2>&1) &
-REDIS_PID=$!
-PIDS+=("$REDIS_PID")
-wait_port "$REDIS_PORT"
+start_redis "${REDIS_CPUS:-}" "$REDIS_PORT"
 
 cat > "$WORK/rules.yaml" <<YAML
 rules:

@@ -31,10 +31,7 @@ mkdir -p "$OUT"
 source "$(dirname "$0")/common.sh"
 
 REDIS_PORT="$(free_port)"
-# shellcheck disable=SC2086
-(pin "${REDIS_CPUS:-}" $REDIS_CMD --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >"$WORK/redis.log" 2>&1) &
-PIDS+=("$!")
-wait_port "$REDIS_PORT"
+start_redis "${REDIS_CPUS:-}" "$REDIS_PORT"
 rcli() { redis-cli -p "$REDIS_PORT" "$@" | tr -d '\r'; }
 stat() { rcli info "$1" | awk -F: -v k="$2" '$1 == k { print $2 }'; }
 redis_cpu() { awk -v u="$(stat cpu used_cpu_user)" -v s="$(stat cpu used_cpu_sys)" 'BEGIN { print u + s }'; }
