@@ -18,6 +18,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::{
     Layer, Registry,
     filter::{FilterExt as _, LevelFilter, filter_fn},
+    fmt::MakeWriter,
     layer::SubscriberExt as _,
     util::SubscriberInitExt as _,
 };
@@ -62,11 +63,6 @@ pub struct TelemetryError(String);
 /// Installs the global subscriber. `RUST_LOG`, when set, wins over `log.level`.
 /// Must run inside a tokio runtime when OTLP is configured (batch export).
 pub fn init(log: &LogConfig, telemetry: &TelemetryConfig) -> Result<TracingGuard, TelemetryError> {
-    // One filter per layer (a filter is stateful), from the same spec.
-    let filter = || {
-        tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level))
-    };
     // Colours only for a terminal: log files and collectors get plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let (writer, log_writer) = tracing_appender::non_blocking::NonBlockingBuilder::default()
@@ -75,13 +71,37 @@ pub fn init(log: &LogConfig, telemetry: &TelemetryConfig) -> Result<TracingGuard
         .thread_name("ratelimitd-log")
         .finish(std::io::stderr());
     let _ = LOG_LINES_DROPPED.set(writer.error_counter());
+    let (layers, provider) = layers(log, telemetry, writer, ansi)?;
+    tracing_subscriber::registry().with(layers).init();
+    Ok(TracingGuard { provider, _log_writer: log_writer })
+}
+
+/// One layer of the subscriber.
+type BoxedLayer = Box<dyn Layer<Registry> + Send + Sync>;
+
+/// A subscriber's layers: the log layer writing to `writer`, and the span
+/// exporter when `telemetry.otlp_endpoint` is set (with its provider).
+fn layers<W>(
+    log: &LogConfig,
+    telemetry: &TelemetryConfig,
+    writer: W,
+    ansi: bool,
+) -> Result<(Vec<BoxedLayer>, Option<SdkTracerProvider>), TelemetryError>
+where
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    // One filter per layer (a filter is stateful), from the same spec.
+    let filter = || {
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level))
+    };
     // The log layer takes events only. Its hint keeps the log level's:
     // without one the combined hint is "any level", and every `trace!` in
     // h2 and hyper would be asked about at run time (3× the instructions of
     // a unary decision).
     let events =
         || filter().and(filter_fn(|metadata| metadata.is_event()).with_max_level_hint(LevelFilter::TRACE));
-    let mut layers: Vec<Box<dyn Layer<Registry> + Send + Sync>> = vec![match log.format {
+    let mut layers: Vec<BoxedLayer> = vec![match log.format {
         LogFormat::Human => {
             tracing_subscriber::fmt::layer().with_writer(writer).with_ansi(ansi).with_filter(events()).boxed()
         }
@@ -91,26 +111,22 @@ pub fn init(log: &LogConfig, telemetry: &TelemetryConfig) -> Result<TracingGuard
     }];
     // No layer for a missing exporter: even an empty `Option` layer would
     // make every span callsite wanted.
-    let provider = match &telemetry.otlp_endpoint {
-        None => None,
-        Some(endpoint) => {
-            let exporter = opentelemetry_otlp::SpanExporter::builder()
-                .with_tonic()
-                .with_endpoint(endpoint)
-                .build()
-                .map_err(|e| TelemetryError(e.to_string()))?;
-            let provider = SdkTracerProvider::builder()
-                .with_batch_exporter(exporter)
-                .with_resource(Resource::builder().with_service_name(telemetry.service_name.clone()).build())
-                .build();
-            let tracer = provider.tracer("ratelimitd");
-            opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-            layers.push(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(filter()).boxed());
-            Some(provider)
-        }
+    let Some(endpoint) = &telemetry.otlp_endpoint else {
+        return Ok((layers, None));
     };
-    tracing_subscriber::registry().with(layers).init();
-    Ok(TracingGuard { provider, _log_writer: log_writer })
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .with_endpoint(endpoint)
+        .build()
+        .map_err(|e| TelemetryError(e.to_string()))?;
+    let provider = SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(Resource::builder().with_service_name(telemetry.service_name.clone()).build())
+        .build();
+    let tracer = provider.tracer("ratelimitd");
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    layers.push(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(filter()).boxed());
+    Ok((layers, Some(provider)))
 }
 
 /// Reads W3C trace headers from gRPC metadata.
@@ -156,6 +172,49 @@ pub fn trace_id_of(traceparent: &str) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// A log writer into a shared buffer.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'w> MakeWriter<'w> for Lines {
+        type Writer = Lines;
+        fn make_writer(&'w self) -> Lines {
+            self.clone()
+        }
+    }
+
+    /// Without an exporter a request makes no span at all (the log layer
+    /// wants events only), while events at the level are still written.
+    #[test]
+    fn without_an_exporter_no_span_is_made_and_events_are_logged() {
+        let lines = Lines::default();
+        let log = LogConfig { level: "info".to_owned(), format: LogFormat::Human };
+        let (layers, provider) = layers(&log, &TelemetryConfig::default(), lines.clone(), false).unwrap();
+        assert!(provider.is_none());
+        tracing::subscriber::with_default(tracing_subscriber::registry().with(layers), || {
+            let span = tracing::info_span!("ratelimit.check", otel.kind = "server");
+            assert!(span.is_disabled(), "a span was made");
+            let _in = span.enter();
+            tracing::info!(rule = "r", "an event at the level");
+            tracing::debug!("an event under it");
+        });
+        let written = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        assert!(written.contains("an event at the level rule=\"r\""), "{written}");
+        assert!(!written.contains("under it"), "{written}");
+        assert!(!written.contains("ratelimit.check"), "{written}");
+    }
 
     #[test]
     fn trace_id_from_traceparent() {
