@@ -5,11 +5,11 @@
 use std::{pin::Pin, sync::Arc};
 
 use futures_util::{Stream, StreamExt as _};
-use tonic::{Request, Response, Status, Streaming, metadata::MetadataMap};
+use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument as _;
 
 use super::{
-    convert::{ValidationError, response, validate},
+    convert::{ValidationError, call_traceparent, response, validate},
     pb,
 };
 use crate::{
@@ -61,7 +61,7 @@ impl RateLimiterService {
             self.engine.refused(Api::Check, e.reason);
             Status::invalid_argument(e.to_string())
         };
-        let mut checked = validate(&message, &metadata).map_err(refuse)?;
+        let mut checked = validate(&message, call_traceparent(&metadata)).map_err(refuse)?;
         if report {
             if message.peek {
                 return Err(refuse(ValidationError {
@@ -95,10 +95,10 @@ impl RateLimiterService {
     /// Decides one item of a batch or a stream as `Check` would, without a
     /// span of its own (one per item would cost more than the decision);
     /// an invalid item is answered with why, not with a call error.
-    async fn decide_item(&self, item: pb::CheckItem, metadata: &MetadataMap) -> pb::CheckResult {
+    async fn decide_item(&self, item: pb::CheckItem, traceparent: Option<&str>) -> pb::CheckResult {
         let id = item.id;
         let request = item.request.unwrap_or_default();
-        match validate(&request, metadata) {
+        match validate(&request, traceparent) {
             Ok(checked) => {
                 let decision = self.engine.check(&checked).await;
                 pb::CheckResult { id, response: Some(response(decision)), invalid_argument: String::new() }
@@ -149,7 +149,8 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         continue_trace(&span, &metadata);
         // Decided together: with the Redis store they queue at once and
         // share script calls.
-        let decisions = batch.items.into_iter().map(|item| self.decide_item(item, &metadata));
+        let traceparent = call_traceparent(&metadata);
+        let decisions = batch.items.into_iter().map(|item| self.decide_item(item, traceparent));
         let results = futures_util::future::join_all(decisions).instrument(span).await;
         Ok(Response::new(pb::CheckBatchResponse { results }))
     }
@@ -159,13 +160,15 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         request: Request<Streaming<pb::CheckItem>>,
     ) -> Result<Response<Self::CheckStreamStream>, Status> {
         let (metadata, _, items) = request.into_parts();
-        let (service, metadata) = (self.clone(), Arc::new(metadata));
+        // The call's trace context, read once for all its items.
+        let traceparent: Option<Arc<str>> = call_traceparent(&metadata).map(Arc::from);
+        let service = self.clone();
         // Up to STREAM_IN_FLIGHT items decided at a time, each answered as
         // soon as it is; a broken input stream ends the output with its status.
         let results = items
             .map(move |item| {
-                let (service, metadata) = (service.clone(), Arc::clone(&metadata));
-                async move { Ok(service.decide_item(item?, &metadata).await) }
+                let (service, traceparent) = (service.clone(), traceparent.clone());
+                async move { Ok(service.decide_item(item?, traceparent.as_deref()).await) }
             })
             .buffer_unordered(STREAM_IN_FLIGHT);
         Ok(Response::new(Box::pin(results)))

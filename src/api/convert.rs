@@ -36,9 +36,12 @@ fn invalid(field: &'static str, reason: &'static str, message: String) -> Valida
 /// answer with "allow", so no value is refused for its size. The engine
 /// counts an over-long `user_id` by its digest; long paths and client types
 /// are matched as they are; records keep bounded copies (`limits.*`).
+///
+/// `call_traceparent` is the gRPC call's own `traceparent` ([`call_traceparent`]),
+/// read once per call: a stream's items share it.
 pub fn validate<'a>(
     request: &'a pb::RateLimitRequest,
-    metadata: &'a tonic::metadata::MetadataMap,
+    call_traceparent: Option<&'a str>,
 ) -> Result<CheckRequest<'a>, ValidationError> {
     if request.user_id.is_empty() {
         return Err(invalid("user_id", "empty_user_id", "must not be empty".to_owned()));
@@ -73,12 +76,15 @@ pub fn validate<'a>(
         headers: &request.headers,
         // W3C trace context: the gRPC call's own metadata first, else a
         // `traceparent` the gateway forwarded among the request headers.
-        trace_id: metadata
-            .get("traceparent")
-            .and_then(|v| v.to_str().ok())
+        trace_id: call_traceparent
             .or_else(|| request.headers.get("traceparent").map(String::as_str))
             .and_then(trace_id_of),
     })
+}
+
+/// The W3C `traceparent` of a gRPC call's metadata, if any (and ASCII).
+pub(super) fn call_traceparent(metadata: &tonic::metadata::MetadataMap) -> Option<&str> {
+    metadata.get("traceparent").and_then(|v| v.to_str().ok())
 }
 
 /// Builds the wire response for `decision`.
@@ -141,14 +147,13 @@ mod tests {
     fn error(mutate: impl FnOnce(&mut pb::RateLimitRequest)) -> ValidationError {
         let mut r = request();
         mutate(&mut r);
-        validate(&r, &tonic::metadata::MetadataMap::new()).unwrap_err()
+        validate(&r, None).unwrap_err()
     }
 
     #[test]
     fn valid_request_borrows_and_defaults() {
         let r = request();
-        let metadata = tonic::metadata::MetadataMap::new();
-        let checked = validate(&r, &metadata).unwrap();
+        let checked = validate(&r, None).unwrap();
         assert_eq!(checked.weight, 1, "weight 0 means 1");
         assert_eq!(checked.client_type, None);
         assert_eq!(checked.priority, None);
@@ -161,12 +166,12 @@ mod tests {
         let mut metadata = tonic::metadata::MetadataMap::new();
         metadata.insert("traceparent", traceparent.parse().unwrap());
         let r = request();
-        let checked = validate(&r, &metadata).unwrap();
+        let checked = validate(&r, call_traceparent(&metadata)).unwrap();
         assert_eq!(checked.trace_id, Some("4bf92f3577b34da6a3ce929d0e0e4736"));
         let mut r = request();
         r.headers.insert("traceparent".to_owned(), traceparent.to_owned());
-        let empty = tonic::metadata::MetadataMap::new();
-        assert_eq!(validate(&r, &empty).unwrap().trace_id, Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+        assert_eq!(call_traceparent(&tonic::metadata::MetadataMap::new()), None);
+        assert_eq!(validate(&r, None).unwrap().trace_id, Some("4bf92f3577b34da6a3ce929d0e0e4736"));
     }
 
     #[test]
@@ -182,7 +187,7 @@ mod tests {
         big.resource_path = "/".repeat(10_000);
         big.client_type = "c".repeat(1_000);
         big.headers = (0..500).map(|i| (format!("h{i}"), "v".repeat(9_000))).collect();
-        assert!(validate(&big, &tonic::metadata::MetadataMap::new()).is_ok());
+        assert!(validate(&big, None).is_ok());
     }
 
     mod properties {
@@ -215,7 +220,7 @@ mod tests {
                 let well_formed = !request.user_id.is_empty()
                     && !request.resource_path.is_empty()
                     && (0..=4).contains(&request.priority);
-                match validate(&request, &tonic::metadata::MetadataMap::new()) {
+                match validate(&request, None) {
                     Ok(checked) => {
                         prop_assert!(well_formed, "accepted a broken request: {request:?}");
                         prop_assert_eq!(checked.user_id, request.user_id.as_str());

@@ -8,6 +8,7 @@ use std::{fmt::Write as _, sync::Arc};
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
+use super::convert::call_traceparent;
 use super::envoy_pb::{
     envoy::{
         config::core::v3::HeaderValue, extensions::common::ratelimit::v3::RateLimitDescriptor,
@@ -130,7 +131,7 @@ impl RateLimitService for EnvoyService {
             overall_code = tracing::field::Empty,
         );
         continue_trace(&span, &metadata);
-        let rls = convert(&request, metadata.get("traceparent").and_then(|v| v.to_str().ok()));
+        let rls = convert(&request, call_traceparent(&metadata));
         // The engine fills the span's decision fields (it runs inside it).
         let decision = self.engine.should_rate_limit(&rls).instrument(span).await;
         let mut answer = response(&decision, &self.settings)?;

@@ -206,14 +206,16 @@ impl Engine {
                 ..Decision::allowed(Reason::OverLimit, info, priority, level)
             };
         }
-        let store_started = std::time::Instant::now();
+        let store_started = self.inner.store.is_remote().then(std::time::Instant::now);
         let decided = self
             .inner
             .store
             .decide(&user, rule.counter(), weight, request.count)
             .instrument(tracing::info_span!("store.decide", store = self.inner.store.name()))
             .await;
-        self.inner.stats.store_call(store_started.elapsed(), decided.as_ref().err().map(|e| e.kind));
+        self.inner
+            .stats
+            .store_call(store_started.map(|t| t.elapsed()), decided.as_ref().err().map(|e| e.kind));
         if let (Some(cache), Some(version), Ok(verdict)) = (cache, version, &decided)
             && !verdict.admitted
             && let Some(retry_after_ms) = verdict.retry_after_ms

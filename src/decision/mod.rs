@@ -159,8 +159,10 @@ pub trait Stats: Send + Sync + fmt::Debug {
     fn decision(&self, api: Api, rule: Option<&Arc<str>>, reason: &'static str, allowed: bool);
     /// The whole time of one request through `api`.
     fn decision_latency(&self, api: Api, elapsed: Duration);
-    /// One store call and, if it failed, its kind.
-    fn store_call(&self, elapsed: Duration, failure: Option<FailureKind>);
+    /// One store call, its time when it was timed ([`Store::is_remote`]:
+    /// an in-process call takes less than the two clock reads that would
+    /// time it), and, if it failed, its kind.
+    fn store_call(&self, elapsed: Option<Duration>, failure: Option<FailureKind>);
     /// A request value the engine adjusted instead of refusing: `what` is a
     /// fixed name (`user_id_digest`, `entry_digest`, `override_ignored`).
     fn adjusted(&self, api: Api, what: &'static str);
@@ -194,7 +196,7 @@ pub struct NoStats;
 impl Stats for NoStats {
     fn decision(&self, _: Api, _: Option<&Arc<str>>, _: &'static str, _: bool) {}
     fn decision_latency(&self, _: Api, _: Duration) {}
-    fn store_call(&self, _: Duration, _: Option<FailureKind>) {}
+    fn store_call(&self, _: Option<Duration>, _: Option<FailureKind>) {}
     fn adjusted(&self, _: Api, _: &'static str) {}
     fn refused(&self, _: Api, _: &'static str) {}
     fn limit_hits(&self, _: &str, _: LimitHits) {}

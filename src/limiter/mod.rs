@@ -90,6 +90,11 @@ impl Store {
         }
     }
 
+    /// Whether a call leaves the process (Redis): only those are timed.
+    pub fn is_remote(&self) -> bool {
+        matches!(self, Store::Redis(_))
+    }
+
     /// `memory` or `redis`, for logs.
     pub fn name(&self) -> &'static str {
         match self {

@@ -43,8 +43,24 @@ impl PathKey {
 /// to one, so `//api/v1/search?x=1` is `/api/v1/search`. Borrowed when
 /// already canonical, the usual case.
 pub fn canonical_path(path: &str) -> Cow<'_, str> {
-    let path = path.find(['?', '#']).map_or(path, |end| &path[..end]);
-    if !path.contains("//") {
+    // One pass over the bytes (on every decision): where the path ends, and
+    // whether it repeats a `/` before that. Both are ASCII, so `end` is a
+    // character boundary.
+    let bytes = path.as_bytes();
+    let mut end = bytes.len();
+    let mut repeated = false;
+    for (i, &b) in bytes.iter().enumerate() {
+        match b {
+            b'?' | b'#' => {
+                end = i;
+                break;
+            }
+            b'/' if i > 0 && bytes[i - 1] == b'/' => repeated = true,
+            _ => {}
+        }
+    }
+    let path = &path[..end];
+    if !repeated {
         return Cow::Borrowed(path);
     }
     let mut out = String::with_capacity(path.len());
@@ -252,6 +268,22 @@ rules:
         let clash = "rules:\n  - { rule_id: a, resource_path: /x, limit: 1, window_seconds: 1 }\n  - { rule_id: b, resource_path: /x/, limit: 1, window_seconds: 1 }\n";
         let errors = compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), clash).unwrap()).unwrap_err();
         assert!(errors[0].message.contains("ambiguous"), "{errors:?}");
+    }
+
+    proptest::proptest! {
+        /// The one-pass scan says what cutting at `?`/`#` and then
+        /// collapsing every `//` says, for any path (multi-byte included).
+        #[test]
+        fn canonical_path_cuts_then_collapses(path in "[/?#aé]{0,12}") {
+            let cut = path.find(['?', '#']).map_or(&*path, |end| &path[..end]);
+            let mut collapsed = cut.to_owned();
+            while collapsed.contains("//") {
+                collapsed = collapsed.replace("//", "/");
+            }
+            let got = canonical_path(&path);
+            proptest::prop_assert_eq!(&*got, &*collapsed);
+            proptest::prop_assert_eq!(matches!(got, Cow::Borrowed(_)), !cut.contains("//"));
+        }
     }
 
     #[test]

@@ -86,6 +86,26 @@ struct DecisionKey {
     allowed: bool,
 }
 
+/// A [`DecisionKey`] borrowed, to look one up without touching the rule's
+/// `Arc` (two atomic operations on a line every core shares). Hashes as
+/// the key does: the same fields in the same order, `Arc<str>` as `str`.
+#[derive(Hash)]
+struct DecisionRef<'a> {
+    api: Api,
+    rule: Option<&'a str>,
+    reason: &'static str,
+    allowed: bool,
+}
+
+impl hashbrown::Equivalent<DecisionKey> for DecisionRef<'_> {
+    fn equivalent(&self, key: &DecisionKey) -> bool {
+        self.api == key.api
+            && self.rule == key.rule.as_deref()
+            && self.reason == key.reason
+            && self.allowed == key.allowed
+    }
+}
+
 const FAILURE_KINDS: [FailureKind; 9] = [
     FailureKind::Timeout,
     FailureKind::ConnectionRefused,
@@ -101,7 +121,8 @@ const FAILURE_KINDS: [FailureKind; 9] = [
 /// Everything `/metrics` shows.
 #[derive(Debug)]
 pub struct Metrics {
-    decisions: RwLock<HashMap<DecisionKey, AtomicU64>>,
+    /// hashbrown's foldhash, not std's SipHash: looked up on every decision.
+    decisions: RwLock<hashbrown::HashMap<DecisionKey, AtomicU64>>,
     /// `(api, reason)` of adjusted request values and of refused requests:
     /// fixed names only, so both maps stay a handful of entries.
     adjusted: RwLock<HashMap<(Api, &'static str), AtomicU64>>,
@@ -144,7 +165,7 @@ impl Metrics {
     /// An empty registry for a store named `store_name` (`memory` or `redis`).
     pub fn new(store_name: &'static str) -> Self {
         Metrics {
-            decisions: RwLock::new(HashMap::new()),
+            decisions: RwLock::new(hashbrown::HashMap::new()),
             adjusted: RwLock::new(HashMap::new()),
             refused: RwLock::new(HashMap::new()),
             decision_latency: Default::default(),
@@ -250,7 +271,12 @@ impl Metrics {
                 &format!("api=\"{}\"", api.as_str()),
             );
         }
-        header(&mut out, "ratelimitd_store_duration_seconds", "histogram", "Time of one counter store call.");
+        header(
+            &mut out,
+            "ratelimitd_store_duration_seconds",
+            "histogram",
+            "Time of one Redis store call (in-memory calls are not timed).",
+        );
         self.store_latency.render(
             &mut out,
             "ratelimitd_store_duration_seconds",
@@ -630,11 +656,12 @@ impl Stats for Metrics {
 
     /// Counts one decision.
     fn decision(&self, api: Api, rule: Option<&Arc<str>>, reason: &'static str, allowed: bool) {
-        let key = DecisionKey { api, rule: rule.cloned(), reason, allowed };
-        if let Some(counter) = self.decisions.read().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        let seen = DecisionRef { api, rule: rule.map(|r| &**r), reason, allowed };
+        if let Some(counter) = self.decisions.read().unwrap_or_else(|p| p.into_inner()).get(&seen) {
             counter.fetch_add(1, Ordering::Relaxed);
             return;
         }
+        let key = DecisionKey { api, rule: rule.cloned(), reason, allowed };
         self.decisions
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -649,8 +676,10 @@ impl Stats for Metrics {
     }
 
     /// Records one store call and, if it failed, its kind.
-    fn store_call(&self, elapsed: Duration, failure: Option<FailureKind>) {
-        self.store_latency.observe(elapsed);
+    fn store_call(&self, elapsed: Option<Duration>, failure: Option<FailureKind>) {
+        if let Some(elapsed) = elapsed {
+            self.store_latency.observe(elapsed);
+        }
         if let Some(kind) = failure
             && let Some(i) = FAILURE_KINDS.iter().position(|k| *k == kind)
         {
@@ -674,6 +703,26 @@ pub(super) fn escape(value: &str) -> String {
 mod tests {
     use super::*;
 
+    /// The hot path finds a counter by a borrowed key: it must hash and
+    /// compare as the owned key (a miss would take the write lock every time).
+    #[test]
+    fn a_borrowed_decision_key_finds_its_counter() {
+        let mut map = hashbrown::HashMap::new();
+        for rule in [Some(Arc::<str>::from("search")), None] {
+            for (api, reason, allowed) in [(Api::Check, "OK", true), (Api::Envoy, "OVER_LIMIT", false)] {
+                map.insert(DecisionKey { api, rule: rule.clone(), reason, allowed }, AtomicU64::new(7));
+                let seen = DecisionRef { api, rule: rule.as_deref(), reason, allowed };
+                assert!(map.get(&seen).is_some(), "{api:?} {rule:?} {reason}");
+                let other = DecisionRef { allowed: !allowed, ..seen };
+                assert!(map.get(&other).is_none());
+            }
+        }
+        assert!(
+            map.get(&DecisionRef { api: Api::Check, rule: Some("searc"), reason: "OK", allowed: true })
+                .is_none()
+        );
+    }
+
     #[test]
     fn counts_and_renders_decisions_and_histograms() {
         let m = Metrics::new("memory");
@@ -682,7 +731,7 @@ mod tests {
         m.decision(Api::Check, Some(&rule), "OK", true);
         m.decision(Api::Check, None, "NO_RULE", true);
         m.decision_latency(Api::Check, Duration::from_micros(80));
-        m.store_call(Duration::from_micros(300), Some(FailureKind::Timeout));
+        m.store_call(Some(Duration::from_micros(300)), Some(FailureKind::Timeout));
         let text = m.render();
         assert!(
             text.contains(
