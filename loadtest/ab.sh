@@ -11,13 +11,15 @@
 #
 # SERVICE_CPUS (default 2-5), LOAD_CPUS (6-15), REDIS_CPUS (0): core sets
 # (taskset -c). DURATION (s, 8), ROUNDS (3), CONCURRENCY (256),
-# CONNECTIONS (16), KEYS (hot), APIS ("check envoy"). REDIS_CMD: how to
+# CONNECTIONS (16), KEYS (hot), APIS ("check envoy"; also batch, stream),
+# LOG_LEVEL (the services' RUST_LOG: warn; info is the shipped default). REDIS_CMD: how to
 # start redis-server (unset: memory only); MEMORY=0 skips the memory store.
 set -euo pipefail
 
 A_CMD="$1"; B_CMD="$2"; LOADTEST_CMD="$3"; OUT="$4"
 SERVICE_CPUS="${SERVICE_CPUS:-2-5}"; LOAD_CPUS="${LOAD_CPUS:-6-15}"; REDIS_CPUS="${REDIS_CPUS:-0}"
 DURATION="${DURATION:-8}"; ROUNDS="${ROUNDS:-3}"; CONCURRENCY="${CONCURRENCY:-256}"
+LOG_LEVEL="${LOG_LEVEL:-warn}"
 CONNECTIONS="${CONNECTIONS:-16}"; KEYS="${KEYS:-hot}"; APIS="${APIS:-check envoy}"
 mkdir -p "$OUT"
 # shellcheck source=loadtest/common.sh
@@ -45,7 +47,7 @@ one() { # label, command, api, store
   port="$(free_port)"
   local env=(RATELIMITD__GRPC__LISTEN="127.0.0.1:$port" RATELIMITD__HTTP__LISTEN="127.0.0.1:$(free_port)"
     RATELIMITD__RULES__PATH="$WORK/native.yaml" RATELIMITD__RULES__ENVOY_PATH="$WORK/envoy"
-    RATELIMITD__SHED__MODE=off RATELIMITD__DLQ__FILE="$WORK/dlq.jsonl" RUST_LOG=warn)
+    RATELIMITD__SHED__MODE=off RATELIMITD__DLQ__FILE="$WORK/dlq.jsonl" RUST_LOG="$LOG_LEVEL")
   [ "$store" = redis ] && env+=(RATELIMITD__REDIS__URL="$REDIS_URL")
   # shellcheck disable=SC2086
   env "${env[@]}" taskset -c "$SERVICE_CPUS" $cmd serve >"$WORK/$label.log" 2>&1 &
