@@ -43,23 +43,15 @@ if [ -n "${REDIS_CMD:-}" ]; then
 fi
 
 one() { # label, command, api, store
-  local label="$1" cmd="$2" api="$3" store="$4" port
-  port="$(free_port)"
-  local env=(RATELIMITD__GRPC__LISTEN="127.0.0.1:$port" RATELIMITD__HTTP__LISTEN="127.0.0.1:$(free_port)"
-    RATELIMITD__RULES__PATH="$WORK/native.yaml" RATELIMITD__RULES__ENVOY_PATH="$WORK/envoy"
-    RATELIMITD__SHED__MODE=off RATELIMITD__DLQ__FILE="$WORK/dlq.jsonl" RUST_LOG="$LOG_LEVEL")
-  [ "$store" = redis ] && env+=(RATELIMITD__REDIS__URL="$REDIS_URL")
-  # shellcheck disable=SC2086
-  env "${env[@]}" taskset -c "$SERVICE_CPUS" $cmd serve >"$WORK/$label.log" 2>&1 &
-  local pid=$!
-  PIDS+=("$pid")
-  wait_port "$port"
+  local label="$1" cmd="$2" api="$3" store="$4" extra=()
+  [ "$store" = redis ] && extra+=(RATELIMITD__REDIS__URL="$REDIS_URL")
+  start_service "$SERVICE_CPUS" "$cmd" "${extra[@]}"
   sleep 0.3
   # shellcheck disable=SC2086
-  taskset -c "$LOAD_CPUS" $LOADTEST_CMD --target "http://127.0.0.1:$port" --api "$api" --domain edge \
+  taskset -c "$LOAD_CPUS" $LOADTEST_CMD --target "http://127.0.0.1:$SVC_PORT" --api "$api" --domain edge \
     --keys "$KEYS" --concurrency "$CONCURRENCY" --connections "$CONNECTIONS" --duration "$DURATION" \
-    --target-pid "$pid" --label "$label" --json "$OUT/$label.json" >/dev/null 2>&1
-  kill "$pid"; wait "$pid" 2>/dev/null || true
+    --target-pid "$SVC_PID" --label "$label" --json "$OUT/$label.json" >/dev/null 2>&1
+  stop_service
 }
 
 for round in $(seq "$ROUNDS"); do

@@ -111,20 +111,9 @@ start_cluster() {
 }
 cluster_url() { local p u=""; for p in "${CLUSTER_PORTS[@]}"; do u="$u${u:+,}redis://127.0.0.1:$p"; done; echo "$u"; }
 
-SVC_PID=""; SVC_PORT=""
-service() { # cpus, extra env...: starts ratelimitd, sets SVC_PID and SVC_PORT
-  local cpus="$1"; shift
-  SVC_PORT="$(free_port)"
-  (pin "$cpus" env RATELIMITD__GRPC__LISTEN="127.0.0.1:$SVC_PORT" RATELIMITD__HTTP__LISTEN="127.0.0.1:$(free_port)" \
-    RATELIMITD__RULES__PATH="$WORK/native.yaml" RATELIMITD__RULES__ENVOY_PATH="$WORK/envoy" \
-    RATELIMITD__SHED__MODE=off RATELIMITD__DLQ__FILE="$WORK/dlq.jsonl" RUST_LOG=warn "$@" "$RATELIMITD" serve \
-    >"$WORK/service-$SVC_PORT.log" 2>&1) &
-  SVC_PID=$!
-  PIDS+=("$SVC_PID")
-  wait_port "$SVC_PORT"
-  sleep 0.3
-}
-stop_service() { kill "$SVC_PID" 2>/dev/null || true; wait "$SVC_PID" 2>/dev/null || true; }
+# service CORES [VAR=value...]: ratelimitd on CORES (start_service), given
+# a moment to settle.
+service() { local cpus="$1"; shift; start_service "$cpus" "$RATELIMITD" "$@"; sleep 0.3; }
 load() { # label, then loadtest arguments; the report goes to OUT/label.json
   local label="$1"; shift
   (pin "$LOAD_CPUS" "$LOADTEST" --target "http://127.0.0.1:$SVC_PORT" --domain edge --connections "$CONNECTIONS" \

@@ -42,6 +42,33 @@ start_redis() {
   wait_port "$port"
 }
 
+# start_service CORES CMD [ARGS...]: ratelimitd (CMD, one or more words)
+# serving on free loopback ports, on the core set CORES, with the
+# benchmarks' settings: rules $WORK/native.yaml (and Envoy rules
+# $WORK/envoy when that directory exists), no shedding, its dead-letter
+# file and spool in $WORK, RUST_LOG $LOG_LEVEL (warn). ARGS go to `env`
+# before CMD: VAR=value ones win over these settings, other words run CMD
+# (valgrind …). Sets SVC_PORT (gRPC), SVC_HTTP_PORT and SVC_PID (the
+# service's own: pin and env exec into it; also in PIDS); logs to
+# $WORK/service-$SVC_PORT.log; returns once it listens, else shows the log
+# and exits.
+start_service() {
+  local cpus="$1" cmd="$2"; shift 2
+  SVC_PORT="$(free_port)"; SVC_HTTP_PORT="$(free_port)"
+  local settings=(RATELIMITD__GRPC__LISTEN="127.0.0.1:$SVC_PORT" RATELIMITD__HTTP__LISTEN="127.0.0.1:$SVC_HTTP_PORT"
+    RATELIMITD__RULES__PATH="$WORK/native.yaml" RATELIMITD__SHED__MODE=off
+    RATELIMITD__DLQ__FILE="$WORK/dlq-$SVC_PORT.jsonl" RATELIMITD__DLQ__SPOOL_DIR="$WORK/spool-$SVC_PORT"
+    RUST_LOG="${LOG_LEVEL:-warn}")
+  if [ -d "$WORK/envoy" ]; then settings+=(RATELIMITD__RULES__ENVOY_PATH="$WORK/envoy"); fi
+  # shellcheck disable=SC2086
+  (pin "$cpus" env "${settings[@]}" "$@" $cmd serve >"$WORK/service-$SVC_PORT.log" 2>&1) &
+  SVC_PID=$!
+  PIDS+=("$SVC_PID")
+  (wait_port "$SVC_PORT") || { cat "$WORK/service-$SVC_PORT.log" >&2; exit 1; }
+}
+# stop_service [PID]: stops the service (SVC_PID by default) and waits for it.
+stop_service() { local pid="${1:-$SVC_PID}"; kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; }
+
 wait_port() { for _ in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "$0: nothing on port $1" >&2; exit 1; }
 
 # Envoy-format rules in directory $1: domain "edge", a counter per user, far

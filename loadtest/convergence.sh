@@ -44,16 +44,9 @@ YAML
 
 GRPC=(); HTTP=()
 for i in $(seq "$INSTANCES"); do
-  port="$(free_port)"; http="$(free_port)"
-  (export RATELIMITD__GRPC__LISTEN="127.0.0.1:$port" RATELIMITD__HTTP__LISTEN="127.0.0.1:$http" \
-    RATELIMITD__REDIS__URL="redis://127.0.0.1:$REDIS_PORT" RATELIMITD__RULES__PATH="$WORK/rules.yaml" \
-    RATELIMITD__SHED__MODE=off RATELIMITD__DLQ__FILE="$WORK/dlq-$i.jsonl" \
-    RATELIMITD__DLQ__SPOOL_DIR="$WORK/spool-$i" RUST_LOG=warn
-    # shellcheck disable=SC2086
-    pin "${SERVICE_CPUS:-}" $SERVICE_CMD serve >"$WORK/service-$i.log" 2>&1) &
-  PIDS+=("$!")
-  (wait_port "$port") || { cat "$WORK/service-$i.log" >&2; exit 1; }
-  GRPC+=("$port"); HTTP+=("$http")
+  start_service "${SERVICE_CPUS:-}" "$SERVICE_CMD" RATELIMITD__REDIS__URL="redis://127.0.0.1:$REDIS_PORT" \
+    RATELIMITD__RULES__PATH="$WORK/rules.yaml"
+  GRPC+=("$SVC_PORT"); HTTP+=("$SVC_HTTP_PORT")
 done
 sleep 1.2 # every feed has made its first exchange
 

@@ -30,38 +30,26 @@ rules:
   - { rule_id: playback, resource_path: /api/v1/playback, limit: 1000000000, window_seconds: 60 }
 YAML
 
-# start PREFIX...: the service (under PREFIX, e.g. valgrind) on a free
-# port; sets PORT and SERVICE_PID (the service's own: pin, env and
-# valgrind exec into it), returns once it answers.
-start() {
-  PORT="$(free_port)"
-  # shellcheck disable=SC2086
-  (pin "$SERVICE_CPUS" env RATELIMITD__GRPC__LISTEN="127.0.0.1:$PORT" RATELIMITD__HTTP__LISTEN="127.0.0.1:$(free_port)" \
-    RATELIMITD__RULES__PATH="$WORK/native.yaml" RATELIMITD__SHED__MODE=off RATELIMITD__DLQ__FILE="$WORK/dlq.jsonl" \
-    RUST_LOG="$LOG_LEVEL" ${SERVICE_ENV:-} "$@" $RATELIMITD_CMD serve >"$WORK/service.log" 2>&1) &
-  SERVICE_PID=$!
-  PIDS+=("$SERVICE_PID")
-  wait_port "$PORT"
-}
+# start [PREFIX...]: the service (start_service; under PREFIX, e.g. valgrind).
+# shellcheck disable=SC2086
+start() { start_service "$SERVICE_CPUS" "$RATELIMITD_CMD" ${SERVICE_ENV:-} "$@"; }
 
 # load SECONDS [JSON]: the load against the service; the JSON report.
 load() {
   # shellcheck disable=SC2086
-  (pin "$LOAD_CPUS" $LOADTEST_CMD --target "http://127.0.0.1:$PORT" --duration "$1" --json "${2:-$WORK/warm.json}" \
+  (pin "$LOAD_CPUS" $LOADTEST_CMD --target "http://127.0.0.1:$SVC_PORT" --duration "$1" --json "${2:-$WORK/warm.json}" \
     "${LOAD_ARGS[@]}") \
     >"$WORK/load.log" 2>&1 || { cat "$WORK/load.log" >&2; exit 1; }
 }
 decisions() { grep -o '"decisions":[0-9]*' "$1" | head -1 | cut -d: -f2; }
 
-stop() { kill -INT "$SERVICE_PID" 2>/dev/null || true; wait "$SERVICE_PID" 2>/dev/null || true; }
-
 if [[ " $COUNT " == *" ir "* ]]; then
   start valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$WORK/callgrind.out"
   load 2 # connections and first allocations, not counted
-  callgrind_control -i on "$SERVICE_PID" >/dev/null 2>&1
+  callgrind_control -i on "$SVC_PID" >/dev/null 2>&1
   load "$DURATION" "$WORK/ir.json"
-  callgrind_control -i off "$SERVICE_PID" >/dev/null 2>&1
-  stop
+  callgrind_control -i off "$SVC_PID" >/dev/null 2>&1
+  stop_service
   n="$(decisions "$WORK/ir.json")"
   ir="$(grep -h '^totals:' "$WORK"/callgrind.out* | awk '{ s += $2 } END { print s }')"
   echo "instructions per decision: $((ir / n)) ($ir over $n decisions)"
@@ -73,11 +61,11 @@ if [[ " $COUNT " == *" syscalls "* ]]; then
   load 1
   events="raw_syscalls:sys_enter"
   for s in writev write sendmsg recvfrom read epoll_wait futex; do events+=",syscalls:sys_enter_$s"; done
-  perf stat -x, -e "$events" -p "$SERVICE_PID" -o "$WORK/perf.txt" &
+  perf stat -x, -e "$events" -p "$SVC_PID" -o "$WORK/perf.txt" &
   perf_pid=$!
   load "$DURATION" "$WORK/sys.json"
   kill -INT "$perf_pid"; wait "$perf_pid" || true
-  stop
+  stop_service
   n="$(decisions "$WORK/sys.json")"
   echo "system calls per decision ($n decisions):"
   grep -v '^#' "$WORK/perf.txt" | grep . | awk -F, -v n="$n" '{ sub(/^(raw_)?syscalls:sys_enter_?/, "", $3); printf "  %-12s %.3f\n", ($3 == "" ? "all" : $3), $1 / n }'

@@ -45,19 +45,13 @@ rules() { # variant → the rule file
 
 ROWS="$WORK/rows.tsv"
 one() { # variant, load (open|closed)
-  local variant="$1" load="$2" port http label="$1-$2"
-  port="$(free_port)"; http="$(free_port)"
+  local variant="$1" load="$2" label="$1-$2"
   rules "$variant"
   local cache=true; [ "$variant" = exact ] && cache=false
   rcli flushall >/dev/null; rcli config resetstat >/dev/null
-  (export RATELIMITD__GRPC__LISTEN="127.0.0.1:$port" RATELIMITD__HTTP__LISTEN="127.0.0.1:$http" \
-    RATELIMITD__REDIS__URL="redis://127.0.0.1:$REDIS_PORT" RATELIMITD__RULES__PATH="$WORK/rules-$variant.yaml" \
-    RATELIMITD__DENIAL_CACHE__ENABLED="$cache" RATELIMITD__SHED__MODE=off \
-    RATELIMITD__DLQ__FILE="$WORK/dlq.jsonl" RUST_LOG=warn
-    pin "${SERVICE_CPUS:-}" $SERVICE_CMD serve >"$WORK/$label.log" 2>&1) &
-  local pid=$!
-  PIDS+=("$pid")
-  (wait_port "$port") || { cat "$WORK/$label.log" >&2; exit 1; }
+  start_service "${SERVICE_CPUS:-}" "$SERVICE_CMD" RATELIMITD__REDIS__URL="redis://127.0.0.1:$REDIS_PORT" \
+    RATELIMITD__RULES__PATH="$WORK/rules-$variant.yaml" RATELIMITD__DENIAL_CACHE__ENABLED="$cache"
+  local port="$SVC_PORT" http="$SVC_HTTP_PORT" pid="$SVC_PID"
   sleep 1.2 # the feed's first exchange
   local shape=(--concurrency "$CONCURRENCY")
   [ "$load" = open ] && shape=(--rate "$RATE")
@@ -71,7 +65,7 @@ one() { # variant, load (open|closed)
   local scripts saved
   scripts="$(rcli info commandstats | awk -F'[=,:]' '/^cmdstat_(evalsha|eval|fcall):/ { n += $3 } END { print n + 0 }')"
   saved="$(curl -s "127.0.0.1:$http/metrics" | awk '/^ratelimitd_store_calls_saved_total/ { n += $2 } END { print n + 0 }')"
-  kill "$pid"; wait "$pid" 2>/dev/null || true
+  stop_service
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$label" "$OUT/$label.json" "$((commands1 - commands0))" \
     "$(awk -v a="$cpu1" -v b="$cpu0" 'BEGIN { print a - b }')" "$scripts" "$saved" "$DURATION" >> "$ROWS"
 }
