@@ -11,7 +11,10 @@
 
 use std::marker::PhantomData;
 
-use prost::{Message, bytes::Buf};
+use prost::{
+    Message,
+    bytes::{Buf, BufMut as _},
+};
 use tonic::{
     Status,
     codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
@@ -26,6 +29,7 @@ use super::{
         rls::{RateLimitRequest, RateLimitResponse},
     },
     pb,
+    wire::Encode,
 };
 use crate::decision::keys::digest_bytes;
 
@@ -201,7 +205,7 @@ impl<T, U> Default for LenientCodec<T, U> {
 
 impl<T, U> Codec for LenientCodec<T, U>
 where
-    T: Message + Send + 'static,
+    T: Encode + Send + 'static,
     U: Lenient + Send + 'static,
 {
     type Encode = T;
@@ -218,17 +222,37 @@ where
     }
 }
 
-/// prost's encoding.
+/// The message's [`Encode`] encoding.
 #[derive(Debug, Clone)]
 pub struct LenientEncoder<T>(PhantomData<T>);
 
-impl<T: Message> Encoder for LenientEncoder<T> {
+impl<T: Encode> Encoder for LenientEncoder<T> {
     type Item = T;
     type Error = Status;
 
     fn encode(&mut self, item: T, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        item.encode(buf).map_err(|e| Status::internal(e.to_string()))
+        // Written into a `Vec`, then copied once: `EncodeBuf` has no
+        // `put_u8` of its own, so through it every byte of a varint would
+        // cost a generic `put_slice`. The scratch is the thread's, reused.
+        SCRATCH.with_borrow_mut(|scratch| {
+            scratch.clear();
+            item.encode_to(scratch);
+            buf.put_slice(scratch);
+            if scratch.capacity() > SCRATCH_KEPT {
+                *scratch = Vec::new();
+            }
+        });
+        Ok(())
     }
+}
+
+/// The most scratch a thread keeps between messages: a bigger message
+/// (a large `CheckBatch` answer) is encoded in a buffer of its own.
+const SCRATCH_KEPT: usize = 64 * 1024;
+
+thread_local! {
+    /// Where a message is encoded before it is copied into the call's buffer.
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// prost's decoding, then the lenient one if prost refuses.

@@ -9,6 +9,7 @@ pub mod client;
 mod convert;
 mod envoy;
 pub mod lenient;
+mod wire;
 pub mod xds;
 
 pub use check::{MAX_BATCH_ITEMS, RateLimiterService, STREAM_IN_FLIGHT};
