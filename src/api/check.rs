@@ -2,9 +2,15 @@
 //! calls `CheckBatch` (unary) and `CheckStream` (bidirectional), whose
 //! items are decided exactly as `Check` decides them.
 
-use std::{pin::Pin, sync::Arc};
+use std::{
+    pin::Pin,
+    sync::{Arc, LazyLock},
+};
 
-use futures_util::{Stream, StreamExt as _};
+use futures_util::{
+    Stream, StreamExt as _,
+    future::{Either, ready},
+};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument as _;
 
@@ -91,24 +97,44 @@ impl RateLimiterService {
         let decision = self.engine.check(&checked).instrument(span).await;
         Ok(Response::new(response(decision)))
     }
+}
 
-    /// Decides one item of a batch or a stream as `Check` would, without a
-    /// span of its own (one per item would cost more than the decision);
-    /// an invalid item is answered with why, not with a call error.
-    async fn decide_item(&self, item: pb::CheckItem, traceparent: Option<&str>) -> pb::CheckResult {
-        let id = item.id;
-        let request = item.request.unwrap_or_default();
-        match validate(&request, traceparent) {
-            Ok(checked) => {
-                let decision = self.engine.check(&checked).await;
-                pb::CheckResult { id, response: Some(response(decision)), invalid_argument: String::new() }
-            }
-            Err(e) => {
-                self.engine.refused(Api::Check, e.reason);
-                pb::CheckResult { id, response: None, invalid_argument: e.to_string() }
-            }
+/// Decides one item of a batch or a stream as `Check` would, without a span
+/// of its own (one per item would cost more than the decision); an invalid
+/// item is answered with why, not with a call error. `None`: the item
+/// carried no request (refused as an empty one is).
+///
+/// Borrows everything: a stream allocates a future per item in flight, so
+/// it holds only what the decision needs (a future over 1 KiB leaves the
+/// allocator's fast path).
+async fn decide_item(
+    engine: &Engine,
+    id: u64,
+    request: Option<&pb::RateLimitRequest>,
+    traceparent: Option<&str>,
+) -> pb::CheckResult {
+    let checked = match validate(request.unwrap_or_else(|| &NO_REQUEST), traceparent) {
+        Ok(checked) => checked,
+        Err(e) => {
+            engine.refused(Api::Check, e.reason);
+            return pb::CheckResult { id, response: None, invalid_argument: e.to_string() };
         }
-    }
+    };
+    let decision = engine.check(&checked).await;
+    pb::CheckResult { id, response: Some(response(decision)), invalid_argument: String::new() }
+}
+
+/// What an item without a request is decided as.
+static NO_REQUEST: LazyLock<pb::RateLimitRequest> = LazyLock::new(pb::RateLimitRequest::default);
+
+/// What the items of one `CheckStream` share, made once per stream: each
+/// item's future holds a reference to it alone, counted on the stream's
+/// own count rather than on the engine's (which every core shares).
+#[derive(Debug)]
+struct StreamContext {
+    engine: Engine,
+    /// The call's trace context, read once for all its items.
+    traceparent: Option<Box<str>>,
 }
 
 /// The results of a `CheckStream`, in the order they are decided.
@@ -150,7 +176,10 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         // Decided together: with the Redis store they queue at once and
         // share script calls.
         let traceparent = call_traceparent(&metadata);
-        let decisions = batch.items.into_iter().map(|item| self.decide_item(item, traceparent));
+        let decisions = batch
+            .items
+            .iter()
+            .map(|item| decide_item(&self.engine, item.id, item.request.as_ref(), traceparent));
         let results = futures_util::future::join_all(decisions).instrument(span).await;
         Ok(Response::new(pb::CheckBatchResponse { results }))
     }
@@ -160,15 +189,24 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         request: Request<Streaming<pb::CheckItem>>,
     ) -> Result<Response<Self::CheckStreamStream>, Status> {
         let (metadata, _, items) = request.into_parts();
-        // The call's trace context, read once for all its items.
-        let traceparent: Option<Arc<str>> = call_traceparent(&metadata).map(Arc::from);
-        let service = self.clone();
+        let context = Arc::new(StreamContext {
+            engine: self.engine.clone(),
+            traceparent: call_traceparent(&metadata).map(Box::from),
+        });
         // Up to STREAM_IN_FLIGHT items decided at a time, each answered as
-        // soon as it is; a broken input stream ends the output with its status.
+        // soon as it is; a broken input stream ends the output with its
+        // status. The item is taken apart here, so its future holds the
+        // request alone.
         let results = items
-            .map(move |item| {
-                let (service, traceparent) = (service.clone(), traceparent.clone());
-                async move { Ok(service.decide_item(item?, traceparent.as_deref()).await) }
+            .map(move |item| match item {
+                Ok(pb::CheckItem { id, request }) => {
+                    let context = Arc::clone(&context);
+                    Either::Left(async move {
+                        let StreamContext { engine, traceparent } = &*context;
+                        Ok(decide_item(engine, id, request.as_ref(), traceparent.as_deref()).await)
+                    })
+                }
+                Err(status) => Either::Right(ready(Err(status))),
             })
             .buffer_unordered(STREAM_IN_FLIGHT);
         Ok(Response::new(Box::pin(results)))

@@ -51,7 +51,10 @@ impl Store {
     ) -> Result<Verdict, StoreError> {
         match self {
             Store::Memory(store) => store.decide(user_id, counter, weight, count),
-            Store::Redis(store) => store.decide(user_id, counter, weight, count).await,
+            // Boxed: the Redis call's future (its batch slot, its timeout)
+            // would otherwise size every decision's future, the in-memory
+            // ones too, and a stream allocates one per item in flight.
+            Store::Redis(store) => Box::pin(store.decide(user_id, counter, weight, count)).await,
         }
     }
 
