@@ -10,12 +10,22 @@
 #   e.g. loadtest/count.sh target/release/ratelimitd target/release/loadtest \
 #          --api stream --concurrency 1 --batch 256 --connections 1
 #
-# COUNT (ir syscalls: what to count), DURATION (s, 5), SERVICE_CPUS (0),
-# LOAD_CPUS (1), LOG_LEVEL (the service's RUST_LOG: info, the shipped
-# default), SERVICE_ENV (more VAR=value for the service), KEEP (a directory
-# to keep callgrind's output in, for callgrind_annotate). One rule,
-# /api/v1/playback, far above the load: every decision is counted in memory.
-# Needs valgrind (ir) and perf (syscalls).
+# COUNT (ir syscalls: what to count; redis-ir: Redis' instructions per
+# decision instead, below), DURATION (s, 5), SERVICE_CPUS (0), LOAD_CPUS
+# (1), LOG_LEVEL (the service's RUST_LOG: info, the shipped default),
+# SERVICE_ENV (more VAR=value for the service), KEEP (a directory to keep
+# callgrind's output in, for callgrind_annotate). One rule per algorithm,
+# far above the load, so every decision is counted: /api/v1/playback (the
+# sliding window, loadtest's default path), /token_bucket, /gcra.
+#
+# COUNT=redis-ir runs one redis-server ($REDIS_CMD, default redis-server;
+# REDIS_CPUS, default 0) under callgrind and the service on it, and counts
+# Redis' instructions (the script, the commands, the protocol) per
+# decision while the load runs, with the script calls per decision: the
+# steady measure of the script's cost per key (use --keys uniform:N).
+# Under callgrind Redis is the bottleneck, so its batches are large; compare
+# two scripts under the same load. Needs valgrind (ir, redis-ir) and perf
+# (syscalls).
 set -euo pipefail
 
 RATELIMITD_CMD="$1"; LOADTEST_CMD="$2"; shift 2
@@ -28,6 +38,8 @@ source "$(dirname "$0")/common.sh"
 cat > "$WORK/native.yaml" <<'YAML'
 rules:
   - { rule_id: playback, resource_path: /api/v1/playback, limit: 1000000000, window_seconds: 60 }
+  - { rule_id: bucket, resource_path: /token_bucket, limit: 1000000000, window_seconds: 60, algorithm: token_bucket }
+  - { rule_id: gcra, resource_path: /gcra, limit: 1000000000, window_seconds: 60, algorithm: gcra }
 YAML
 
 # start [PREFIX...]: the service (start_service; under PREFIX, e.g. valgrind).
@@ -69,4 +81,29 @@ if [[ " $COUNT " == *" syscalls "* ]]; then
   n="$(decisions "$WORK/sys.json")"
   echo "system calls per decision ($n decisions):"
   grep -v '^#' "$WORK/perf.txt" | grep . | awk -F, -v n="$n" '{ sub(/^(raw_)?syscalls:sys_enter_?/, "", $3); printf "  %-12s %.3f\n", ($3 == "" ? "all" : $3), $1 / n }'
+fi
+
+if [[ " $COUNT " == *" redis-ir "* ]]; then
+  port="$(free_port)"
+  REDIS_CMD="valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=$WORK/redis.out ${REDIS_CMD:-redis-server}" \
+    start_redis "${REDIS_CPUS:-0}" "$port"
+  redis_pid="$REDIS_PID"
+  # A store call's deadline far past callgrind's pace: every decision is
+  # Redis' (checked below), none a failure policy's.
+  start RATELIMITD__REDIS__URL="redis://127.0.0.1:$port" RATELIMITD__REDIS__TIMEOUT_MS=30000
+  load 2
+  calls() { ${REDIS_CLI:-redis-cli} -p "$port" info commandstats | tr -d '\r' | sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\),.*/\1/p'; }
+  before="$(calls)"
+  callgrind_control -i on "$redis_pid" >/dev/null 2>&1
+  load "$DURATION" "$WORK/redis.json"
+  callgrind_control -i off "$redis_pid" >/dev/null 2>&1
+  after="$(calls)"
+  failed="$(curl -s "http://127.0.0.1:$SVC_HTTP_PORT/metrics" | awk '/^ratelimitd_decisions_total\{.*reason="FAIL_/ { s += $NF } END { print s + 0 }')"
+  stop_service
+  if [ "$failed" != 0 ]; then echo "$0: $failed decisions answered by the failure policy: not Redis' count" >&2; exit 1; fi
+  kill "$redis_pid"; wait "$redis_pid" 2>/dev/null || true
+  n="$(decisions "$WORK/redis.json")"
+  ir="$(grep -h '^totals:' "$WORK"/redis.out* | awk '{ s += $2 } END { print s }')"
+  echo "Redis instructions per decision: $((ir / n)) ($ir over $n decisions; $(awk -v c=$((after - before)) -v n="$n" 'BEGIN { printf "%.4f", c / n }') script calls per decision)"
+  if [ -n "${KEEP:-}" ]; then cp "$WORK"/redis.out* "$KEEP"/; fi
 fi
