@@ -16,7 +16,8 @@
 # SERVICE_ENV (more VAR=value for the service), KEEP (a directory to keep
 # callgrind's output in, for callgrind_annotate). One rule per algorithm,
 # far above the load, so every decision is counted: /api/v1/playback (the
-# sliding window, loadtest's default path), /token_bucket, /gcra.
+# sliding window, loadtest's default path), /token_bucket, /gcra; and the
+# Envoy domain edge (--api envoy).
 #
 # COUNT=redis-ir runs one redis-server ($REDIS_CMD, default redis-server;
 # REDIS_CPUS, default 0) under callgrind and the service on it, and counts
@@ -41,6 +42,7 @@ rules:
   - { rule_id: bucket, resource_path: /token_bucket, limit: 1000000000, window_seconds: 60, algorithm: token_bucket }
   - { rule_id: gcra, resource_path: /gcra, limit: 1000000000, window_seconds: 60, algorithm: gcra }
 YAML
+write_edge_config "$WORK/envoy" # --api envoy: domain edge, a counter per user
 
 # start [PREFIX...]: the service (start_service; under PREFIX, e.g. valgrind).
 # shellcheck disable=SC2086
