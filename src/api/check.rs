@@ -16,6 +16,7 @@ use tracing::Instrument as _;
 
 use super::{
     convert::{ValidationError, call_traceparent, response, validate},
+    eager::eager_unordered,
     pb,
 };
 use crate::{
@@ -197,18 +198,16 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         // soon as it is; a broken input stream ends the output with its
         // status. The item is taken apart here, so its future holds the
         // request alone.
-        let results = items
-            .map(move |item| match item {
-                Ok(pb::CheckItem { id, request }) => {
-                    let context = Arc::clone(&context);
-                    Either::Left(async move {
-                        let StreamContext { engine, traceparent } = &*context;
-                        Ok(decide_item(engine, id, request.as_ref(), traceparent.as_deref()).await)
-                    })
-                }
-                Err(status) => Either::Right(ready(Err(status))),
-            })
-            .buffer_unordered(STREAM_IN_FLIGHT);
-        Ok(Response::new(Box::pin(results)))
+        let items = items.map(move |item| match item {
+            Ok(pb::CheckItem { id, request }) => {
+                let context = Arc::clone(&context);
+                Either::Left(async move {
+                    let StreamContext { engine, traceparent } = &*context;
+                    Ok(decide_item(engine, id, request.as_ref(), traceparent.as_deref()).await)
+                })
+            }
+            Err(status) => Either::Right(ready(Err(status))),
+        });
+        Ok(Response::new(Box::pin(eager_unordered(items, STREAM_IN_FLIGHT))))
     }
 }

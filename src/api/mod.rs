@@ -7,6 +7,7 @@
 mod check;
 pub mod client;
 mod convert;
+mod eager;
 mod envoy;
 pub mod lenient;
 mod wire;
