@@ -206,16 +206,14 @@ impl Engine {
                 ..Decision::allowed(Reason::OverLimit, info, priority, level)
             };
         }
-        let store_started = self.inner.store.is_remote().then(std::time::Instant::now);
+        let store_started = self.store_call_started();
         let decided = self
             .inner
             .store
             .decide(&user, rule.counter(), weight, request.count)
             .instrument(tracing::info_span!("store.decide", store = self.inner.store.name()))
             .await;
-        self.inner
-            .stats
-            .store_call(store_started.map(|t| t.elapsed()), decided.as_ref().err().map(|e| e.kind));
+        self.store_call_done(store_started, &decided);
         if let (Some(cache), Some(version), Ok(verdict)) = (cache, version, &decided)
             && !verdict.admitted
             && let Some(retry_after_ms) = verdict.retry_after_ms

@@ -363,7 +363,7 @@ impl Engine {
                 ..self.rls_refused(limits, Reason::Overload, priority, level, retry_after_ms)
             };
         }
-        let store_started = self.inner.store.is_remote().then(std::time::Instant::now);
+        let store_started = self.store_call_started();
         let decided = self
             .inner
             .store
@@ -374,9 +374,7 @@ impl Engine {
                 keys = items.len()
             ))
             .await;
-        self.inner
-            .stats
-            .store_call(store_started.map(|t| t.elapsed()), decided.as_ref().err().map(|e| e.kind));
+        self.store_call_done(store_started, &decided);
         match decided {
             Ok(outcome) => self.rls_answer(&plans, &items, Some(&outcome), base),
             Err(error) => self.rls_failed(request, &plans, &items, error, base),

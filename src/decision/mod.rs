@@ -37,7 +37,7 @@ pub use denials::DenialCache;
 
 use crate::{
     config::TenantSource,
-    limiter::{FailureKind, Store, window::Verdict},
+    limiter::{FailureKind, Store, StoreError, window::Verdict},
     overload::Overload,
     rules::{Hot, RuleStore, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
@@ -309,6 +309,19 @@ impl Engine {
             Some(stated) if self.inner.trust_request_priority => stated,
             Some(stated) => base.least_important(stated),
         }
+    }
+
+    /// When a store call starts, if it is timed: only a call that leaves
+    /// the process is ([`Store::is_remote`]: an in-process call takes less
+    /// than the two clock reads that would time it).
+    fn store_call_started(&self) -> Option<std::time::Instant> {
+        self.inner.store.is_remote().then(std::time::Instant::now)
+    }
+
+    /// Counts one store call begun at `started` ([`Self::store_call_started`]):
+    /// its time, if timed, and its failure kind.
+    fn store_call_done<T>(&self, started: Option<std::time::Instant>, decided: &Result<T, StoreError>) {
+        self.inner.stats.store_call(started.map(|t| t.elapsed()), decided.as_ref().err().map(|e| e.kind));
     }
 }
 
