@@ -77,15 +77,6 @@ rules:
   - { rule_id: gcra, resource_path: /gcra, limit: 1000000000, window_seconds: 60, algorithm: gcra }
 YAML
 
-# "calls usec cpu_ms" of the script summed over the Redis on ports $@.
-redis_stats() {
-  local port
-  for port in "$@"; do
-    "$REDIS_CLI" -p "$port" info commandstats | tr -d '\r' | grep '^cmdstat_evalsha:' | sed 's/.*calls=\([0-9]*\),usec=\([0-9]*\),.*/\1 \2/' || echo "0 0"
-    "$REDIS_CLI" -p "$port" info cpu | tr -d '\r' | awk -F: '/^used_cpu_(sys|user):/ { s += $2 } END { printf "cpu %.0f\n", s * 1000 }'
-  done | awk '/^cpu/ { cpu += $2; next } { calls += $1; usec += $2 } END { print calls + 0, usec + 0, cpu + 0 }'
-}
-
 REDIS_PORT="$(free_port)"
 start_redis "$REDIS_CPUS" "$REDIS_PORT"
 CLUSTER_PORTS=()

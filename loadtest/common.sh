@@ -1,7 +1,8 @@
 # Shared by the benchmark scripts (sourced, not run): a work directory
 # removed on exit, the PIDs of what they started (killed on exit), a free
 # loopback port, waiting until something listens on one, running a command
-# on a core set, and the Envoy configuration the loads run against.
+# on a core set, starting Redis and reading its script statistics, starting
+# the service, and the Envoy configuration the loads run against.
 WORK="$(mktemp -d)"
 PIDS=()
 cleanup() {
@@ -40,6 +41,16 @@ start_redis() {
   REDIS_PID=$!
   PIDS+=("$REDIS_PID")
   wait_port "$port"
+}
+
+# redis_stats PORT...: "calls usec cpu_ms" of the script (EVALSHA) summed
+# over the Redis on those ports ($REDIS_CLI, default redis-cli).
+redis_stats() {
+  local port
+  for port in "$@"; do
+    "${REDIS_CLI:-redis-cli}" -p "$port" info commandstats | tr -d '\r' | grep '^cmdstat_evalsha:' | sed 's/.*calls=\([0-9]*\),usec=\([0-9]*\),.*/\1 \2/' || echo "0 0"
+    "${REDIS_CLI:-redis-cli}" -p "$port" info cpu | tr -d '\r' | awk -F: '/^used_cpu_(sys|user):/ { s += $2 } END { printf "cpu %.0f\n", s * 1000 }'
+  done | awk '/^cpu/ { cpu += $2; next } { calls += $1; usec += $2 } END { print calls + 0, usec + 0, cpu + 0 }'
 }
 
 # start_service CORES CMD [ARGS...]: ratelimitd (CMD, one or more words)

@@ -94,7 +94,7 @@ if [[ " $COUNT " == *" redis-ir "* ]]; then
   # Redis' (checked below), none a failure policy's.
   start RATELIMITD__REDIS__URL="redis://127.0.0.1:$port" RATELIMITD__REDIS__TIMEOUT_MS=30000
   load 2
-  calls() { ${REDIS_CLI:-redis-cli} -p "$port" info commandstats | tr -d '\r' | sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\),.*/\1/p'; }
+  calls() { redis_stats "$port" | cut -d' ' -f1; }
   before="$(calls)"
   callgrind_control -i on "$redis_pid" >/dev/null 2>&1
   load "$DURATION" "$WORK/redis.json"
