@@ -10,7 +10,7 @@ use std::{
     io::{Read, Write},
     net::TcpStream,
     path::Path,
-    process::{Child, Command, Stdio},
+    process::{Child, Command},
     time::{Duration, Instant},
 };
 
@@ -27,45 +27,29 @@ impl Drop for Process {
     }
 }
 
-fn wait_for_port(port: u16, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "{what} did not listen on {port}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// The upstream: Python's http.server over an empty directory (GET / is 200).
 fn upstream(dir: &Path) -> (Process, u16) {
-    let port = free_port();
-    let child = Command::new("python3")
-        .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let process = Process(child);
-    wait_for_port(port, "upstream");
-    (process, port)
+    let (child, port) = common::start_listening("upstream", &dir.join("upstream.log"), |port| {
+        let mut command = Command::new("python3");
+        command.args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"]).arg(dir);
+        command
+    });
+    (Process(child), port)
 }
 
 /// Envoy on the example config with `ratelimit_port` and `upstream_port`.
 fn envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) {
-    let (listen, admin) = (free_port(), free_port());
     let example = std::fs::read_to_string(common::repo_path("examples/envoy/envoy.yaml")).unwrap();
-    let yaml = example
-        .replace("port_value: 10000", &format!("port_value: {listen}"))
-        .replace("port_value: 8000", &format!("port_value: {upstream_port}"))
-        .replace("port_value: 8081", &format!("port_value: {ratelimit_port}"))
-        .replace("port_value: 9901", &format!("port_value: {admin}"))
-        // Generous for a loaded CI machine; the example keeps Envoy's 20 ms.
-        .replace("timeout: 0.02s", "timeout: 2s");
-    let config = dir.join("envoy.yaml");
-    std::fs::write(&config, yaml).unwrap();
-    let process = Process(common::spawn_envoy(&config));
-    wait_for_port(listen, "envoy");
-    (process, listen)
+    let (child, listen) = common::start_envoy(dir, |listen, admin| {
+        example
+            .replace("port_value: 10000", &format!("port_value: {listen}"))
+            .replace("port_value: 8000", &format!("port_value: {upstream_port}"))
+            .replace("port_value: 8081", &format!("port_value: {ratelimit_port}"))
+            .replace("port_value: 9901", &format!("port_value: {admin}"))
+            // Generous for a loaded CI machine; the example keeps Envoy's 20 ms.
+            .replace("timeout: 0.02s", "timeout: 2s")
+    });
+    (Process(child), listen)
 }
 
 /// One HTTP/1.1 GET / through Envoy; returns the status and the headers.
@@ -334,7 +318,7 @@ async fn a_user_header_that_is_not_utf8_is_limited_like_any_other() {
 
 /// An upstream answering 200 with `x-service: NAME` and `x-tokens-used`
 /// copied from the request's `x-tokens` (the tokens an LLM response used).
-fn reporting_upstream(name: &str) -> (Process, u16) {
+fn reporting_upstream(dir: &Path, name: &str) -> (Process, u16) {
     const SCRIPT: &str = r#"
 import http.server, sys
 name = sys.argv[2]
@@ -349,16 +333,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 "#;
-    let port = free_port();
-    let child = Command::new("python3")
-        .args(["-c", SCRIPT, &port.to_string(), name])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let process = Process(child);
-    wait_for_port(port, name);
-    (process, port)
+    let log = dir.join(format!("{name}.log"));
+    let (child, port) = common::start_listening(name, &log, |port| {
+        let mut command = Command::new("python3");
+        command.args(["-c", SCRIPT, &port.to_string(), name]);
+        command
+    });
+    (Process(child), port)
 }
 
 /// The quota stack: ratelimitd on `examples/envoy/quota` (Redis, dynamic
@@ -379,23 +360,21 @@ async fn quota_stack() -> QuotaStack {
     cfg.envoy.response_dynamic_metadata = true;
     let server = TestServer::start(cfg).await;
     let dir = tempfile::tempdir().unwrap();
-    let (llm, llm_port) = reporting_upstream("llm");
-    let (one, one_port) = reporting_upstream("service_1");
-    let (two, two_port) = reporting_upstream("service_2");
-    let (listen, admin) = (free_port(), free_port());
-    let yaml = std::fs::read_to_string(common::repo_path("examples/envoy/quota.yaml"))
-        .unwrap()
-        .replace("port_value: 10001", &format!("port_value: {listen}"))
-        .replace("port_value: 8001", &format!("port_value: {llm_port}"))
-        .replace("port_value: 8002", &format!("port_value: {one_port}"))
-        .replace("port_value: 8003", &format!("port_value: {two_port}"))
-        .replace("port_value: 8081", &format!("port_value: {}", server.addr.port()))
-        .replace("port_value: 9902", &format!("port_value: {admin}"))
-        .replace("timeout: 0.02s", "timeout: 2s");
-    let path = dir.path().join("quota.yaml");
-    std::fs::write(&path, yaml).unwrap();
-    let envoy = Process(common::spawn_envoy(&path));
-    wait_for_port(listen, "envoy");
+    let (llm, llm_port) = reporting_upstream(dir.path(), "llm");
+    let (one, one_port) = reporting_upstream(dir.path(), "service_1");
+    let (two, two_port) = reporting_upstream(dir.path(), "service_2");
+    let quota = std::fs::read_to_string(common::repo_path("examples/envoy/quota.yaml")).unwrap();
+    let (envoy, listen) = common::start_envoy(dir.path(), |listen, admin| {
+        quota
+            .replace("port_value: 10001", &format!("port_value: {listen}"))
+            .replace("port_value: 8001", &format!("port_value: {llm_port}"))
+            .replace("port_value: 8002", &format!("port_value: {one_port}"))
+            .replace("port_value: 8003", &format!("port_value: {two_port}"))
+            .replace("port_value: 8081", &format!("port_value: {}", server.addr.port()))
+            .replace("port_value: 9902", &format!("port_value: {admin}"))
+            .replace("timeout: 0.02s", "timeout: 2s")
+    });
+    let envoy = Process(envoy);
     QuotaStack {
         server,
         envoy_port: listen,
@@ -494,12 +473,16 @@ async fn an_upstream_deployment_runs_unchanged() {
     std::fs::create_dir_all(&config_dir).unwrap();
     std::fs::copy(common::repo_path("examples/envoy/ratelimit/edge.yaml"), config_dir.join("edge.yaml"))
         .unwrap();
-    let (port, grpc_port) = (free_port(), free_port());
     let statsd = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     statsd.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let statsd_port = statsd.local_addr().unwrap().port();
     let log = dir.path().join("stderr.log");
-    let service = Process(
-        Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+    // The HTTP (metrics) port is picked afresh with each try of the gRPC one.
+    let port = std::cell::Cell::new(0);
+    let (service, grpc_port) = common::start_listening("ratelimitd", &log, |grpc_port| {
+        port.set(free_port());
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+        command
             .arg("serve")
             .env_clear()
             .env("HOME", dir.path())
@@ -510,22 +493,19 @@ async fn an_upstream_deployment_runs_unchanged() {
             .env("RUNTIME_SUBDIRECTORY", "ratelimit")
             .env("RUNTIME_WATCH_ROOT", "false")
             .env("HOST", "127.0.0.1")
-            .env("PORT", port.to_string())
+            .env("PORT", port.get().to_string())
             .env("GRPC_HOST", "127.0.0.1")
             .env("GRPC_PORT", grpc_port.to_string())
             .env("DEBUG_PORT", "6070")
             .env("STATSD_HOST", "127.0.0.1")
-            .env("STATSD_PORT", statsd.local_addr().unwrap().port().to_string())
+            .env("STATSD_PORT", statsd_port.to_string())
             .env("STATS_FLUSH_INTERVAL", "100ms")
             .env("LOG_LEVEL", "WARN")
             .env("LIMIT_RESPONSE_HEADERS_ENABLED", "true")
-            .env("GRPC_UDS", dir.path().join("ratelimit.sock"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(grpc_port, "ratelimitd");
+            .env("GRPC_UDS", dir.path().join("ratelimit.sock"));
+        command
+    });
+    let (service, port) = (Process(service), port.get());
     let (_upstream, upstream_port) = upstream(dir.path());
     let (_envoy, envoy_port) = envoy(dir.path(), grpc_port, upstream_port);
     let (statuses, scrape) = tokio::task::spawn_blocking(move || {

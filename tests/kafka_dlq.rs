@@ -554,9 +554,9 @@ struct TlsProxy {
 impl TlsProxy {
     fn start(certs: &std::path::Path, upstream: u16) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let (port, admin) = (free_port(), free_port());
-        let yaml = format!(
-            r#"
+        let (child, port) = common::start_envoy(dir.path(), |port, admin| {
+            format!(
+                r#"
 admin:
   address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}
 static_resources:
@@ -588,18 +588,11 @@ static_resources:
       - lb_endpoints:
         - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {upstream} }} }} }}
 "#,
-            cert = certs.join("kafka.pem").display(),
-            key = certs.join("kafka.key").display(),
-        );
-        let config = dir.path().join("envoy.yaml");
-        std::fs::write(&config, yaml).unwrap();
-        let proxy = TlsProxy { child: common::spawn_envoy(&config), port, _dir: dir };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "envoy did not listen on {port}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        proxy
+                cert = certs.join("kafka.pem").display(),
+                key = certs.join("kafka.key").display(),
+            )
+        });
+        TlsProxy { child, port, _dir: dir }
     }
 }
 

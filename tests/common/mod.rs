@@ -1030,18 +1030,43 @@ pub fn grpcurl_path() -> PathBuf {
     tansu_path().parent().unwrap().parent().unwrap().join("venv/bin/grpcurl")
 }
 
-/// Envoy on `config`, one worker, warnings only, output discarded.
-pub fn spawn_envoy(config: &Path) -> Child {
+/// Envoy (one worker, warnings only) on the config `render(listen, admin)`
+/// returns, written to `envoy.yaml` in `dir`; its log goes to `envoy.log`
+/// there. Returns the child and `listen` once Envoy accepts connections on it.
+pub fn start_envoy(dir: &Path, render: impl Fn(u16, u16) -> String) -> (Child, u16) {
     let envoy = envoy_path();
     assert!(envoy.exists(), "{} not found: run scripts/install-tools", envoy.display());
-    Command::new(envoy)
-        .arg("-c")
-        .arg(config)
-        .args(["--disable-hot-restart", "--concurrency", "1", "-l", "warning"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn envoy")
+    let (config, log) = (dir.join("envoy.yaml"), dir.join("envoy.log"));
+    start_listening("envoy", &log, |listen| {
+        std::fs::write(&config, render(listen, free_port())).unwrap();
+        let mut command = Command::new(&envoy);
+        command.arg("-c").arg(&config).args(["--disable-hot-restart", "--concurrency", "1", "-l", "warning"]);
+        command
+    })
+}
+
+/// The child `command(port)` spawns, with its stderr in `log`, once it
+/// accepts connections on `port` (a fresh [`free_port`]).
+///
+/// A port found free can be taken before the child binds it (the kernel
+/// hands the same range to outgoing connections, and the suite opens many):
+/// the child then exits. So each try picks a fresh port, and only the fifth
+/// failure panics, with the child's last log.
+pub fn start_listening(what: &str, log: &Path, mut command: impl FnMut(u16) -> Command) -> (Child, u16) {
+    for _ in 0..5 {
+        let port = free_port();
+        let child = command(port)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {what}: {e}"));
+        let listening = || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+        if let Some(child) = wait_ready(child, Duration::from_secs(30), listening) {
+            return (child, port);
+        }
+    }
+    let log = std::fs::read_to_string(log).unwrap_or_default();
+    panic!("{what} did not listen in 5 tries on fresh ports; its last log:\n{log}");
 }
 
 /// A real Kafka-protocol broker (tansu) on a free loopback port, storing in
