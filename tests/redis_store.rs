@@ -524,6 +524,52 @@ async fn a_denied_job_in_a_batch_writes_nothing() {
     }
 }
 
+/// In one script call, a counter that occurs once is written as soon as
+/// its job is decided and one that repeats once at the end; both exactly.
+/// One batch: ten users once each, a hot key five times over a limit of 3,
+/// then a two-counter job whose fresh counter (once in the call) is denied
+/// by the spent hot one, and a token bucket once: the users hold 1, the hot
+/// key 3, the fresh counter does not exist, the bucket owes one token.
+#[tokio::test(flavor = "current_thread")]
+async fn counters_once_in_a_call_and_repeated_ones_are_written_alike() {
+    use ratelimitd::limiter::{Algorithm, ManyItem, WindowParams};
+    let redis = RedisServer::start();
+    let (store, _dispatchers) = single_connection_store(&redis).await;
+    let item = |key: &str, params: WindowParams| ManyItem {
+        key: key.to_owned(),
+        params,
+        tick_ms: 1,
+        weight: 1,
+        count: Count::IfFits,
+        shadow: false,
+    };
+    let window = WindowParams::sliding(60_000, 3);
+    let bucket = WindowParams { window_ms: 60_000, capacity: 3, rate: 3, algorithm: Algorithm::TokenBucket };
+    let mut jobs: Vec<Vec<ManyItem>> = (0..10).map(|i| vec![item(&format!("u{i}"), window)]).collect();
+    jobs.extend((0..5).map(|_| vec![item("hot", window)]));
+    jobs.push(vec![item("fresh", window), item("hot", window)]);
+    jobs.push(vec![item("tb", bucket)]);
+    let before = redis.evalsha_calls().await;
+    let outcomes = futures_util::future::join_all(jobs.iter().map(|job| store.decide_many("g", job))).await;
+    assert_eq!(redis.evalsha_calls().await - before, 1, "one batch");
+    let outcomes: Vec<_> = outcomes.into_iter().map(Result::unwrap).collect();
+    let committed: Vec<bool> = outcomes.iter().map(|o| o.committed).collect();
+    let mut expected = vec![true; 13];
+    expected.extend([false, false, false, true]);
+    assert_eq!(committed, expected);
+    let remaining: Vec<u64> = outcomes[10..13].iter().map(|o| o.verdicts[0].remaining).collect();
+    assert_eq!(remaining, [2, 1, 0]);
+    assert!(outcomes[15].verdicts[0].admitted && !outcomes[15].verdicts[1].admitted);
+    assert_eq!(outcomes[16].verdicts[0].remaining, 2);
+    for i in 0..10 {
+        assert_eq!(redis.counter(&format!("rle2:{{g}}:u{i}")).await.unwrap()[1], 1.0, "u{i}");
+    }
+    assert_eq!(redis.counter("rle2:{g}:hot").await.unwrap()[1], 3.0);
+    assert_eq!(redis.counter("rle2:{g}:fresh").await, None, "a denied job writes nothing");
+    let [_, debt, kind, _] = redis.counter("rle2:{g}:tb").await.unwrap();
+    assert_eq!((debt, kind), (60_000.0, -2.0), "one token owed, in units of W");
+}
+
 /// The circuit breaker: with Redis down, `breaker_failures` failed calls
 /// open it, and from then on decisions fail with `circuit_open` without
 /// being tried (not one connection attempt each); once Redis is back, the

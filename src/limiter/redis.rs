@@ -71,7 +71,7 @@ use super::{
     bucket::MAX_DEBT,
     many_verdicts,
     slots::{SlotMap, group_key},
-    window::{Counts, Verdict, WindowParams, max_count},
+    window::{Algorithm, Counts, Verdict, WindowParams, max_count, position},
 };
 use crate::config::{RedisConfig, redact_url};
 
@@ -106,25 +106,51 @@ fn flags(params: WindowParams, shadow: bool, count: Count) -> u64 {
     params.algorithm.code() | (u64::from(shadow) << 2) | (count.code() << 3)
 }
 
-/// What the script saw of one counter (`a, b, c` of its answer), checked
-/// against the counter's parameters: a window's `current, previous,
-/// elapsed`, or a bucket's `debt, 0, 0`.
-fn seen_of(a: u64, b: u64, c: u64, params: WindowParams) -> Result<Seen, StoreError> {
-    if params.algorithm.is_bucket() {
-        let debt = a;
-        if debt > MAX_DEBT {
-            return Err(script_error(format!("debt {debt} beyond the largest debt {MAX_DEBT}")));
+impl KeyArgs {
+    /// Its algorithm, from the flags ([`flags`]).
+    fn algorithm(&self) -> Algorithm {
+        Algorithm::ALL[(self.spec[3] & 3) as usize]
+    }
+}
+
+/// How many values the script answers for a counter of `algorithm`:
+/// whether it fits, then a bucket's debt or a window's current and
+/// previous counts.
+fn answer_len(algorithm: Algorithm) -> usize {
+    if algorithm.is_bucket() { 2 } else { 3 }
+}
+
+/// What the script answered for one counter (`values`, [`answer_len`] of
+/// them): whether it fits, and what it saw, checked against the
+/// counter's parameters. A window's elapsed ticks follow from Redis' clock
+/// `now_ms` (the script's answer starts with it) and the tick, as the
+/// script derives them.
+fn seen_of(
+    values: &[u64],
+    now_ms: u64,
+    tick_ms: u64,
+    params: WindowParams,
+) -> Result<(bool, Seen), StoreError> {
+    let seen = match (params.algorithm.is_bucket(), values) {
+        (true, &[_, debt]) => {
+            if debt > MAX_DEBT {
+                return Err(script_error(format!("debt {debt} beyond the largest debt {MAX_DEBT}")));
+            }
+            Seen::Bucket { debt }
         }
-        return Ok(Seen::Bucket { debt });
-    }
-    if c >= params.window_ms {
-        return Err(script_error(format!("elapsed {c} outside a window of {}", params.window_ms)));
-    }
-    let max = max_count(params.window_ms);
-    if a > max || b > max {
-        return Err(script_error(format!("counts {a}, {b} beyond the largest count {max}")));
-    }
-    Ok(Seen::Window { counts: Counts { current: a, previous: b }, elapsed: c })
+        (false, &[_, current, previous]) => {
+            let max = max_count(params.window_ms);
+            if current > max || previous > max {
+                return Err(script_error(format!(
+                    "counts {current}, {previous} beyond the largest count {max}"
+                )));
+            }
+            let (_, elapsed) = position(now_ms / tick_ms.max(1), params.window_ms);
+            Seen::Window { counts: Counts { current, previous }, elapsed }
+        }
+        _ => return Err(script_error(format!("script answered {} values for one counter", values.len()))),
+    };
+    Ok((values[0] == 1, seen))
 }
 
 /// Cluster slots per circuit breaker: 64 breakers cover the 16384 slots.
@@ -517,15 +543,15 @@ impl RedisStore {
         };
         let reply =
             self.run(JobKeys::One([(counter_key(&self.key_prefix, user_id, counter.id), args)])).await?;
-        let &[committed, fits, a, b, c] = reply.as_slice() else {
+        let &[now_ms, committed, ref values @ ..] = reply.as_slice() else {
             return Err(script_error(format!("script answered {} values for one key", reply.len())));
         };
-        let seen = seen_of(a, b, c, params)?;
+        let (fits, seen) = seen_of(values, now_ms, 1, params)?;
         let test = seen.verdict(weight, params);
         let admitted = test.admitted;
         // A report always commits; an admission or a peek when it fits.
         let commits = count == Count::Always || admitted;
-        if admitted != (fits == 1) || (committed == 1) != commits {
+        if admitted != fits || (committed == 1) != commits {
             // The script and the Rust arithmetic disagree: a bug, never papered over.
             return Err(script_error(format!(
                 "script answered fits={fits} committed={committed} where the arithmetic says {admitted} (saw {seen:?})"
@@ -555,18 +581,20 @@ impl RedisStore {
             })
             .collect();
         let reply = self.run(JobKeys::Many(keys)).await?;
-        if reply.len() != 1 + 4 * items.len() {
+        let &[now_ms, committed, ref values @ ..] = reply.as_slice() else {
             return Err(script_error(format!(
                 "script answered {} values for {} keys",
                 reply.len(),
                 items.len()
             )));
-        }
-        let committed = reply[0] == 1;
+        };
+        let committed = committed == 1;
+        let mut values: &[u64] = values;
         let mut raw = Vec::with_capacity(items.len());
-        for (item, chunk) in items.iter().zip(reply[1..].chunks_exact(4)) {
-            let fits = chunk[0] == 1;
-            let seen = seen_of(chunk[1], chunk[2], chunk[3], item.params)?;
+        for item in items {
+            let (these, rest) = values.split_at(answer_len(item.params.algorithm).min(values.len()));
+            values = rest;
+            let (fits, seen) = seen_of(these, now_ms, item.tick_ms, item.params)?;
             if seen.verdict(item.weight, item.params).admitted != fits {
                 return Err(script_error(format!("script and the Rust arithmetic disagree on {}", item.key)));
             }
@@ -1123,6 +1151,7 @@ async fn run_script(
 /// The EVALSHA of one batch: its keys (declared, or `inline` in ARGV),
 /// how to read them (one run, or one run per slot when inline), the
 /// distinct specs, then per job its number of keys and per key its spec
+/// (its position, negated when the key occurs more than once in the call)
 /// and weight. The layout is the script's header.
 fn script_call(sha: &str, batch: &[Job], inline: bool) -> redis::Cmd {
     let keys = || batch.iter().flat_map(|job| job.keys.as_slice().iter().map(|(key, _)| key.as_str()));
@@ -1147,15 +1176,8 @@ fn script_call(sha: &str, batch: &[Job], inline: bool) -> redis::Cmd {
         call.arg(1).arg(nkeys);
     }
     let mut specs = Specs::default();
-    let mut jobs = Vec::with_capacity(batch.len() + 2 * nkeys);
-    for job in batch {
-        let keys = job.keys.as_slice();
-        jobs.push(keys.len() as u64);
-        for (_, args) in keys {
-            jobs.push(specs.position(args.spec) as u64);
-            jobs.push(args.weight);
-        }
-    }
+    let positions: Vec<usize> =
+        batch.iter().flat_map(|job| job.keys.as_slice()).map(|(_, args)| specs.position(args.spec)).collect();
     call.arg(specs.list.len());
     for spec in &specs.list {
         for value in spec {
@@ -1163,10 +1185,35 @@ fn script_call(sha: &str, batch: &[Job], inline: bool) -> redis::Cmd {
         }
     }
     call.arg(batch.len());
-    for value in jobs {
-        call.arg(value);
+    let repeated = repeated_keys(keys(), nkeys);
+    let mut positions = positions.into_iter();
+    for job in batch {
+        let keys = job.keys.as_slice();
+        call.arg(keys.len());
+        for ((key, args), position) in keys.iter().zip(&mut positions) {
+            // A position is at most the call's number of keys.
+            let position = position as i64;
+            call.arg(if repeated.contains(key.as_str()) { -position } else { position });
+            call.arg(args.weight);
+        }
     }
     call
+}
+
+/// The keys that occur more than once in a call of `nkeys` keys over
+/// `batch` (none in a call of one key). The script writes any other key as
+/// soon as its job is decided, keeping no state for it.
+fn repeated_keys<'a>(keys: impl Iterator<Item = &'a str>, nkeys: usize) -> hashbrown::HashSet<&'a str> {
+    let mut repeated = hashbrown::HashSet::new();
+    if nkeys > 1 {
+        let mut seen = hashbrown::HashSet::with_capacity(nkeys);
+        for key in keys {
+            if !seen.insert(key) {
+                repeated.insert(key);
+            }
+        }
+    }
+    repeated
 }
 
 /// The keys of `batch` (sorted by slot) per slot, in order: how many keys
@@ -1185,22 +1232,30 @@ fn slot_runs(batch: &[Job]) -> Vec<usize> {
     runs
 }
 
-/// Hands each job of `batch` its slice of `reply` (committed, then four
-/// values per key), emptying `batch`.
+/// Values of the script's answer for `job`: committed, then
+/// [`answer_len`] per key.
+fn job_answer_len(job: &Job) -> usize {
+    1 + job.keys.as_slice().iter().map(|(_, args)| answer_len(args.algorithm())).sum::<usize>()
+}
+
+/// Hands each job of `batch` Redis' clock (the answer's first value) and
+/// its slice of the rest of `reply`, emptying `batch`.
 fn split_reply(batch: &mut Vec<Job>, reply: &[u64]) {
-    let expected: usize = batch.iter().map(|job| 1 + 4 * job.keys.as_slice().len()).sum();
-    if reply.len() != expected {
+    let expected: usize = 1 + batch.iter().map(job_answer_len).sum::<usize>();
+    let Some((&now_ms, mut rest)) = reply.split_first().filter(|_| reply.len() == expected) else {
         fail_all(
             batch,
             &script_error(format!("script answered {} values for a batch needing {expected}", reply.len())),
         );
         return;
-    }
-    let mut at = 0;
+    };
     for job in batch.drain(..) {
-        let len = 1 + 4 * job.keys.as_slice().len();
-        let _ = job.reply.send(Ok(reply[at..at + len].to_vec()));
-        at += len;
+        let (part, after) = rest.split_at(job_answer_len(&job));
+        rest = after;
+        let mut answer = Vec::with_capacity(1 + part.len());
+        answer.push(now_ms);
+        answer.extend_from_slice(part);
+        let _ = job.reply.send(Ok(answer));
     }
 }
 
@@ -1379,7 +1434,9 @@ mod tests {
                 })
                 .collect::<Vec<_>>()
         };
-        let tail = ["1", "1", "1", "1", "0", "1", "3", "2", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1"];
+        // One spec; three jobs: x twice (repeated: spec -1), y, z.
+        let tail =
+            ["1", "1", "1", "1", "0", "1", "3", "2", "-1", "1", "-1", "1", "1", "1", "1", "1", "1", "1"];
         let declared: Vec<&str> =
             ["EVALSHA", "sha", "4", "x", "x", "y", "z", "1", "4"].into_iter().chain(tail).collect();
         assert_eq!(args(false), declared);
