@@ -1150,9 +1150,12 @@ async fn run_script(
 
 /// The EVALSHA of one batch: its keys (declared, or `inline` in ARGV),
 /// how to read them (one run, or one run per slot when inline), the
-/// distinct specs, then per job its number of keys and per key its spec
-/// (its position, negated when the key occurs more than once in the call)
-/// and weight. The layout is the script's header.
+/// distinct specs, then per job (`0, n` first when it has several keys)
+/// per key its entry: its spec's position, plus the number of specs when
+/// its weight (not 1) follows, negated when the key occurs more than once
+/// in the call. The layout is the script's header. Every value is a
+/// command argument Redis parses and Lua interns (~900 instructions per
+/// key for two of them), so the common case (one key, weight 1) is one.
 fn script_call(sha: &str, batch: &[Job], inline: bool) -> redis::Cmd {
     let keys = || batch.iter().flat_map(|job| job.keys.as_slice().iter().map(|(key, _)| key.as_str()));
     let nkeys: usize = batch.iter().map(|job| job.keys.as_slice().len()).sum();
@@ -1186,15 +1189,20 @@ fn script_call(sha: &str, batch: &[Job], inline: bool) -> redis::Cmd {
     }
     call.arg(batch.len());
     let repeated = repeated_keys(keys(), nkeys);
+    let nspecs = specs.list.len();
     let mut positions = positions.into_iter();
     for job in batch {
         let keys = job.keys.as_slice();
-        call.arg(keys.len());
+        if keys.len() > 1 {
+            call.arg(0).arg(keys.len());
+        }
         for ((key, args), position) in keys.iter().zip(&mut positions) {
-            // A position is at most the call's number of keys.
-            let position = position as i64;
-            call.arg(if repeated.contains(key.as_str()) { -position } else { position });
-            call.arg(args.weight);
+            // At most twice the call's number of keys.
+            let entry = if args.weight == 1 { position } else { nspecs + position } as i64;
+            call.arg(if repeated.contains(key.as_str()) { -entry } else { entry });
+            if args.weight != 1 {
+                call.arg(args.weight);
+            }
         }
     }
     call
@@ -1424,7 +1432,10 @@ mod tests {
 
     #[test]
     fn a_call_passes_its_keys_declared_or_inline_with_their_read_runs() {
-        let batch = [job(1, "x", 2), job(1, "y", 1), job(7, "z", 1)];
+        let mut batch = [job(1, "x", 2), job(1, "y", 1), job(7, "z", 1)];
+        if let JobKeys::One([(_, args)]) = &mut batch[1].keys {
+            args.weight = 5;
+        }
         let args = |inline| {
             script_call("sha", &batch, inline)
                 .args_iter()
@@ -1434,9 +1445,9 @@ mod tests {
                 })
                 .collect::<Vec<_>>()
         };
-        // One spec; three jobs: x twice (repeated: spec -1), y, z.
-        let tail =
-            ["1", "1", "1", "1", "0", "1", "3", "2", "-1", "1", "-1", "1", "1", "1", "1", "1", "1", "1"];
+        // One spec; three jobs: x twice (0, 2 keys, each repeated: -1), y
+        // of weight 5 (1 spec + position 1, then its weight), z (1).
+        let tail = ["1", "1", "1", "1", "0", "1", "3", "0", "2", "-1", "-1", "2", "5", "1"];
         let declared: Vec<&str> =
             ["EVALSHA", "sha", "4", "x", "x", "y", "z", "1", "4"].into_iter().chain(tail).collect();
         assert_eq!(args(false), declared);

@@ -27,11 +27,14 @@
 --                  + 8 x count: 0 if it fits, 1 never (a peek), 2 always
 --                  (a report)), rate (a bucket's refill per W)
 -- then             number of jobs J
--- then per job     n (its number of keys), then per key its spec and its
---                  weight. The spec is its 1-based position when the key
---                  occurs once in the call (then nothing else reads or
---                  writes it, so it is written at once, with no state
---                  kept), minus that when it occurs more than once.
+-- then per job     a job of one key: that key's entry; a job of n > 1
+--                  keys: 0, n, then each key's entry
+-- a key's entry    its spec as a number: p (its 1-based position) when
+--                  the weight is 1, S + p when the weight follows as the
+--                  next value; negated when the key occurs more than once
+--                  in the call. A key that occurs once is read and
+--                  written by nothing else, so it is written at once,
+--                  with no state kept.
 --
 -- Returns Redis' clock, now_ms (Unix ms), then per job: committed (0|1),
 -- then per key: fits (0|1) and what it saw BEFORE this key's own weight:
@@ -105,21 +108,20 @@ do
 end
 
 -- Per spec, what every key of it shares: the parameters and what follows
--- from them and `now` alone. Keyed by the index as ARGV spells it, so a
+-- from them and `now` alone. Keyed by the entry as ARGV spells it, so a
 -- key finds its spec without parsing a number: `specs` when the key occurs
--- once in the call, `repeated` (minus the index) when more than once.
+-- once in the call, `repeated` (the entry negated) when more than once;
+-- `weight` is 1, or nil when the key's weight follows its entry.
 local specs = {}
 local repeated = {}
 local nspecs = tonumber(ARGV[a])
 a = a + 1
-for s = 1, nspecs do
-  local w, cap, tick, flags, rate =
-    tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-  a = a + 5
+local function spec_of(w, cap, tick, flags, rate, weight)
   local alg = flags % 4
   local now = floor(now_ms / tick)
   local idx = floor(now / w)
-  local spec = {
+  return {
+    weight = weight,
     w = w, cap = cap, tick = tick, alg = alg, rate = rate, now = now,
     shadow = floor(flags / 4) % 2 == 1, mode = floor(flags / 8),
     -- A window: the current one, how far into it, the largest count, and
@@ -130,8 +132,14 @@ for s = 1, nspecs do
     -- debt (no product grows past 2^53 beyond them).
     full = cap * w, payback = ceil(MAXCW / rate),
   }
-  specs[tostring(s)] = spec
-  repeated[tostring(-s)] = spec
+end
+for s = 1, nspecs do
+  local w, cap, tick, flags, rate =
+    tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  a = a + 5
+  local one, given = spec_of(w, cap, tick, flags, rate, 1), spec_of(w, cap, tick, flags, rate, nil)
+  specs[tostring(s)], repeated[tostring(-s)] = one, one
+  specs[tostring(nspecs + s)], repeated[tostring(-nspecs - s)] = given, given
 end
 
 -- key -> the counter as the jobs committed so far leave it: {a, b, c,
@@ -183,9 +191,11 @@ end
 local jobs = tonumber(ARGV[a])
 a = a + 1
 for _ = 1, jobs do
-  local n = ARGV[a]
-  if n == '1' then n = 1 else n = tonumber(n) end
-  a = a + 1
+  local n = 1
+  if ARGV[a] == '0' then
+    n = tonumber(ARGV[a + 1])
+    a = a + 2
+  end
   o = o + 1
   local header = o
   out[header] = 0
@@ -204,9 +214,12 @@ for _ = 1, jobs do
       sp = repeated[ARGV[a]]
       sole = false
     end
-    local weight = ARGV[a + 1]
-    if weight == '1' then weight = 1 else weight = tonumber(weight) end
-    a = a + 2
+    local weight = sp.weight
+    if weight == nil then
+      weight = tonumber(ARGV[a + 1])
+      a = a + 1
+    end
+    a = a + 1
     local w, cap, mode, alg = sp.w, sp.cap, sp.mode, sp.alg
     -- The counter as committed so far (or as this job would leave it):
     -- (a, b, c, expiry), or (nil, 0, 0, 0) when there is none. `c` tells a
