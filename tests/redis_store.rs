@@ -570,6 +570,43 @@ async fn counters_once_in_a_call_and_repeated_ones_are_written_alike() {
     assert_eq!((debt, kind), (60_000.0, -2.0), "one token owed, in units of W");
 }
 
+/// The script and the Rust arithmetic agree at every point of a window:
+/// every answer is checked against `Seen::verdict` (a disagreement is a
+/// script error), with a window's elapsed ticks derived from the clock the
+/// script returns. Windows of 4 ticks of 25 ms, capacity 6, a decision
+/// every ~4 ms for 0.8 s per algorithm: every position in the window, with
+/// a previous window that is full, partly full or empty, is decided
+/// without error, and some decisions are denied and some admitted after.
+#[tokio::test(flavor = "current_thread")]
+async fn script_and_arithmetic_agree_across_window_edges() {
+    use ratelimitd::limiter::{Algorithm, ManyItem};
+    let redis = RedisServer::start();
+    let (store, _dispatchers) = single_connection_store(&redis).await;
+    for algorithm in Algorithm::ALL {
+        let item = ManyItem {
+            key: format!("edge-{}", algorithm.as_str()),
+            params: ratelimitd::limiter::WindowParams { window_ms: 4, capacity: 6, rate: 6, algorithm },
+            tick_ms: 25,
+            weight: 1,
+            count: Count::IfFits,
+            shadow: false,
+        };
+        let (mut admitted, mut denied) = (0, 0);
+        let until = Instant::now() + Duration::from_millis(800);
+        while Instant::now() < until {
+            let outcome = store.decide_many("g", std::slice::from_ref(&item)).await;
+            let outcome = outcome.unwrap_or_else(|e| panic!("{algorithm:?}: {e:?}"));
+            if outcome.committed {
+                admitted += 1
+            } else {
+                denied += 1
+            }
+            tokio::time::sleep(Duration::from_millis(4)).await;
+        }
+        assert!(admitted > 6 && denied > 6, "{algorithm:?}: {admitted} admitted, {denied} denied");
+    }
+}
+
 /// The circuit breaker: with Redis down, `breaker_failures` failed calls
 /// open it, and from then on decisions fail with `circuit_open` without
 /// being tried (not one connection attempt each); once Redis is back, the

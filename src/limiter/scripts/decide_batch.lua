@@ -124,13 +124,16 @@ local function spec_of(w, cap, tick, flags, rate, weight)
     weight = weight,
     w = w, cap = cap, tick = tick, alg = alg, rate = rate, now = now,
     shadow = floor(flags / 4) % 2 == 1, mode = floor(flags / 8),
-    -- A window: the current one, how far into it, the largest count, and
-    -- when a counter written now stops mattering (the next window's end).
-    idx = idx, elapsed = now - idx * w, maxc = floor(MAXCW / w),
+    -- The capacity in units (capacity * W): a window's bound, a full bucket.
+    capw = cap * w,
+    -- A window: the current one, the largest count, the previous window's
+    -- share of the estimate (W - elapsed; 0 for a fixed window), and when
+    -- a counter written now stops mattering (the next window's end).
+    idx = idx, maxc = floor(MAXCW / w), prevw = (alg == 1) and 0 or (w - (now - idx * w)),
     expiry = (idx + 2) * w * tick,
-    -- A bucket: full in units, and the ticks that pay back the largest
-    -- debt (no product grows past 2^53 beyond them).
-    full = cap * w, payback = ceil(MAXCW / rate),
+    -- A bucket: the ticks that pay back the largest debt (no product
+    -- grows past 2^53 beyond them).
+    payback = ceil(MAXCW / rate),
   }
 end
 for s = 1, nspecs do
@@ -263,7 +266,7 @@ for _ = 1, jobs do
         end
       end
       local units = weight * w
-      if weight <= cap and debt + units <= sp.full then fits = 1 end
+      if weight <= cap and debt + units <= sp.capw then fits = 1 end
       if writes and (fits == 1 or mode == 2) then
         local after = debt + units
         if after > MAXCW then after = MAXCW end
@@ -286,7 +289,7 @@ for _ = 1, jobs do
       o = o + 2
     else
       -- A window, stored as (index, current, previous).
-      local idx, elapsed, maxc = sp.idx, sp.elapsed, sp.maxc
+      local idx, maxc = sp.idx, sp.maxc
       local cur, prev = 0, 0
       if z >= 0 then
         if x == idx then
@@ -297,10 +300,8 @@ for _ = 1, jobs do
       end
       if cur > maxc then cur = maxc end
       if prev > maxc then prev = maxc end
-      local counted_prev = prev
-      if alg == 1 then counted_prev = 0 end
-
-      if cur * w + counted_prev * (w - elapsed) + weight * w <= cap * w then fits = 1 end
+      -- current * W + previous * (W - elapsed) + weight * W <= capacity * W
+      if (cur + weight) * w + prev * sp.prevw <= sp.capw then fits = 1 end
       -- A peek or a weight of 0 writes nothing: no counter is created or extended.
       if writes and (fits == 1 or mode == 2) then
         local next = cur + weight
