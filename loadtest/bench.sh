@@ -6,9 +6,12 @@
 #              (unary) and CheckStream in memory
 #   distinct   Check, users uniform over USERS, one Redis: decisions/s and
 #              what Redis spends per decision (script µs from INFO
-#              commandstats, Redis CPU from INFO cpu), per algorithm
-#   cluster    the same load against a 3-primary Redis Cluster, a core per
-#              primary, against the one Redis of `distinct`
+#              commandstats, Redis CPU from INFO cpu), per algorithm; then
+#              the same users through CheckStream (CONNECTIONS streams x
+#              BATCH in flight), which saturates Redis rather than the
+#              service: what one Redis core decides ("saturated" rows)
+#   cluster    the same two loads against a 3-primary Redis Cluster, a core
+#              per primary, against the one Redis of `distinct`
 #   latency    open loop, uniform users: Redis at LAT_REDIS_RATE/s, memory
 #              at LAT_MEMORY_RATE/s (latency from each request's intended
 #              send time, so queueing is not hidden)
@@ -33,7 +36,10 @@
 # BATCH (in flight per stream, 256), USERS (1000000), LAT_REDIS_RATE
 # (100000), LAT_MEMORY_RATE (200000). PARTS: which parts to run (default
 # "scaling distinct cluster latency peer"; cluster runs the sliding window
-# of distinct too, its baseline). ALGORITHMS: those of distinct (default
+# of distinct too, its baseline). The saturated runs give the store a
+# deadline of SATURATED_TIMEOUT_MS (1000): a saturated Redis queues, and
+# at the shipped 10 ms a share of decisions would be the failure policy's
+# rather than Redis'; the row counts only decisions Redis made. ALGORITHMS: those of distinct (default
 # "sliding_window token_bucket gcra").
 set -euo pipefail
 OUT="${1:?usage: loadtest/bench.sh OUTDIR}"
@@ -50,6 +56,7 @@ LOAD_CPUS="${LOAD_CPUS:-12-15}"
 DURATION="${DURATION:-8}"; CONCURRENCY="${CONCURRENCY:-256}"; CONNECTIONS="${CONNECTIONS:-16}"
 BATCH="${BATCH:-256}"; USERS="${USERS:-1000000}"
 LAT_REDIS_RATE="${LAT_REDIS_RATE:-100000}"; LAT_MEMORY_RATE="${LAT_MEMORY_RATE:-200000}"
+SATURATED_TIMEOUT_MS="${SATURATED_TIMEOUT_MS:-1000}"
 PARTS="${PARTS:-scaling distinct cluster latency peer}"
 ALGORITHMS="${ALGORITHMS:-sliding_window token_bucket gcra}"
 # shellcheck source=loadtest/common.sh
@@ -111,6 +118,16 @@ load() { # label, then loadtest arguments; the report goes to OUT/label.json
     --duration "$DURATION" --target-pid "$SVC_PID" --label "$label" --json "$OUT/$label.json" "$@" >"$OUT/$label.txt" 2>&1)
 }
 closed() { echo --concurrency "$CONCURRENCY"; }
+# saturate LABEL PATH PORTS...: CheckStream over uniform users on the rule
+# at PATH, with Redis' statistics on PORTS around it and the decisions the
+# failure policy answered meanwhile (LABEL.failed: the row says so).
+saturate() {
+  local label="$1" path="$2"; shift 2
+  local before failed; before="$(redis_stats "$@")"; failed="$(failed_decisions "$SVC_HTTP_PORT")"
+  load "$label" --api stream --batch "$BATCH" --concurrency "$CONNECTIONS" --path "$path" --keys "uniform:$USERS"
+  echo "$before $(redis_stats "$@")" >"$OUT/$label.redis"
+  echo $(($(failed_decisions "$SVC_HTTP_PORT") - failed)) >"$OUT/$label.failed"
+}
 
 if part scaling; then
   for cpus in "${SERIES[@]}"; do
@@ -135,6 +152,14 @@ if part distinct || part cluster; then
     echo "$before $(redis_stats "$REDIS_PORT")" >"$OUT/distinct-$alg.redis"
   done
   stop_service
+  service "$LARGEST" RATELIMITD__REDIS__URL="redis://127.0.0.1:$REDIS_PORT" RATELIMITD__REDIS__TIMEOUT_MS="$SATURATED_TIMEOUT_MS"
+  for alg in $ALGORITHMS; do
+    if part distinct || [ "$alg" = sliding_window ]; then
+      "$REDIS_CLI" -p "$REDIS_PORT" flushall >/dev/null
+      saturate "saturated-$alg" "/$alg" "$REDIS_PORT"
+    fi
+  done
+  stop_service
 fi
 
 if part cluster; then
@@ -143,6 +168,10 @@ if part cluster; then
   before="$(redis_stats "${CLUSTER_PORTS[@]}")"
   load "cluster-sliding_window" --api check --path /sliding_window --keys "uniform:$USERS" $(closed)
   echo "$before $(redis_stats "${CLUSTER_PORTS[@]}")" >"$OUT/cluster-sliding_window.redis"
+  stop_service
+  service "$LARGEST" RATELIMITD__REDIS__URL="$(cluster_url)" RATELIMITD__REDIS__CLUSTER=true \
+    RATELIMITD__REDIS__TIMEOUT_MS="$SATURATED_TIMEOUT_MS"
+  saturate "cluster-saturated-sliding_window" /sliding_window "${CLUSTER_PORTS[@]}"
   stop_service
 fi
 
@@ -199,7 +228,10 @@ fi
     local j="$OUT/$1.json" r="$OUT/$1.redis"
     [ -f "$j" ] && [ -f "$r" ] || { echo "| $1 | not run | | | | |"; return; }
     read -r c0 u0 p0 c1 u1 p1 <"$r"
-    awk -v l="$1" -v d="$(field "$j" decisions_per_second)" -v n="$(field "$j" decisions)" -v p99="$(field "$j" p99_us)" \
+    local label="$1" failed=0
+    [ -f "$OUT/$1.failed" ] && failed="$(cat "$OUT/$1.failed")"
+    [ "$failed" != 0 ] && label="$label ($failed by the failure policy)"
+    awk -v l="$label" -v d="$(field "$j" decisions_per_second)" -v n="$(field "$j" decisions)" -v p99="$(field "$j" p99_us)" \
       -v calls="$((c1 - c0))" -v usec="$((u1 - u0))" -v cpu="$((p1 - p0))" -v s="$(field "$j" target_cpu_us_per_decision)" \
       'BEGIN { printf "| %s | %.0fk (%.2f µs) | %.2f | %.2f | %.3f | %.2f |\n", l, d / 1000, s, usec / n, cpu * 1000 / n, calls / n, p99 / 1000 }'
   }
@@ -208,6 +240,8 @@ fi
     echo "|---|---|---|---|---|---|"
     for alg in $ALGORITHMS; do part distinct && redis_row "distinct-$alg"; done
     part cluster && redis_row "cluster-sliding_window"
+    for alg in $ALGORITHMS; do part distinct && redis_row "saturated-$alg"; done
+    part cluster && redis_row "cluster-saturated-sliding_window"
     echo
   fi
   if part latency; then
@@ -234,6 +268,13 @@ fi
   fi
   if [ -f "$OUT/cluster-sliding_window.json" ] && [ -f "$j" ]; then
     verdict "3 primaries / 1 Redis, distinct-key decisions/s" "$(awk -v a="$(field "$OUT/cluster-sliding_window.json" decisions_per_second)" -v b="$(field "$j" decisions_per_second)" 'BEGIN { print a / b }')" 2.5 ">=" "×"
+  fi
+  j="$OUT/saturated-sliding_window.json"
+  if [ -f "$j" ]; then
+    verdict "distinct-key decisions/s of one saturated Redis core" "$(awk -v d="$(field "$j" decisions_per_second)" 'BEGIN { print d / 1000 }')" 200 ">=" "k"
+    if [ -f "$OUT/cluster-saturated-sliding_window.json" ]; then
+      verdict "3 primaries / 1 Redis, saturated" "$(awk -v a="$(field "$OUT/cluster-saturated-sliding_window.json" decisions_per_second)" -v b="$(field "$j" decisions_per_second)" 'BEGIN { print a / b }')" 2.5 ">=" "×"
+    fi
   fi
   n1="$(cores "${SERIES[0]}")"
   if [ -f "$OUT/scale-$n1-memory-stream.json" ]; then

@@ -53,6 +53,17 @@ redis_stats() {
   done | awk '/^cpu/ { cpu += $2; next } { calls += $1; usec += $2 } END { print calls + 0, usec + 0, cpu + 0 }'
 }
 
+# failed_decisions HTTP_PORT: the decisions the service's failure policy
+# has answered so far (its /metrics, read with bash alone: a bare
+# benchmark machine has no curl).
+failed_decisions() {
+  (
+    exec 3<>"/dev/tcp/127.0.0.1/$1"
+    printf 'GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+    awk '/^ratelimitd_decisions_total\{.*reason="FAIL_/ { s += $NF } END { print s + 0 }' <&3
+  )
+}
+
 # start_service CORES CMD [ARGS...]: ratelimitd (CMD, one or more words)
 # serving on free loopback ports, on the core set CORES, with the
 # benchmarks' settings: rules $WORK/native.yaml (and Envoy rules

@@ -100,7 +100,7 @@ if [[ " $COUNT " == *" redis-ir "* ]]; then
   load "$DURATION" "$WORK/redis.json"
   callgrind_control -i off "$redis_pid" >/dev/null 2>&1
   after="$(calls)"
-  failed="$(curl -s "http://127.0.0.1:$SVC_HTTP_PORT/metrics" | awk '/^ratelimitd_decisions_total\{.*reason="FAIL_/ { s += $NF } END { print s + 0 }')"
+  failed="$(failed_decisions "$SVC_HTTP_PORT")"
   stop_service
   if [ "$failed" != 0 ]; then echo "$0: $failed decisions answered by the failure policy: not Redis' count" >&2; exit 1; fi
   kill "$redis_pid"; wait "$redis_pid" 2>/dev/null || true
