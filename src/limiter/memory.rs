@@ -289,10 +289,7 @@ impl MemoryStore {
                 pending.push((item.key.as_str(), next, expires_at_ms));
                 writes.push((shard, item, next, expires_at_ms));
             }
-            // A report never blocks: it is counted whatever is left.
-            if !fits && !item.shadow && item.count != Count::Always {
-                blocked = true;
-            }
+            blocked |= item.blocks(fits);
             raw.push((fits, decided.seen));
         }
         if !blocked {

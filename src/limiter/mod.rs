@@ -153,6 +153,16 @@ pub struct ManyItem {
     pub shadow: bool,
 }
 
+impl ManyItem {
+    /// Whether this item's answer keeps its job from committing: it does
+    /// not fit, and it is enforced (not shadow) and not a report (a report
+    /// is counted whatever is left). Both stores decide a job with this;
+    /// Redis' script is its twin.
+    pub(crate) fn blocks(&self, fits: bool) -> bool {
+        !fits && !self.shadow && self.count != Count::Always
+    }
+}
+
 /// The result of [`Store::decide_many`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ManyOutcome {

@@ -543,18 +543,18 @@ impl RedisStore {
         };
         let reply =
             self.run(JobKeys::One([(counter_key(&self.key_prefix, user_id, counter.id), args)])).await?;
-        let &[now_ms, committed, ref values @ ..] = reply.as_slice() else {
-            return Err(script_error(format!("script answered {} values for one key", reply.len())));
+        // A one-key job's answer does not say whether it committed: it
+        // did exactly when it fits or is a report.
+        let &[now_ms, ref values @ ..] = reply.as_slice() else {
+            return Err(script_error("script answered nothing for one key".to_owned()));
         };
         let (fits, seen) = seen_of(values, now_ms, 1, params)?;
         let test = seen.verdict(weight, params);
         let admitted = test.admitted;
-        // A report always commits; an admission or a peek when it fits.
-        let commits = count == Count::Always || admitted;
-        if admitted != fits || (committed == 1) != commits {
+        if admitted != fits {
             // The script and the Rust arithmetic disagree: a bug, never papered over.
             return Err(script_error(format!(
-                "script answered fits={fits} committed={committed} where the arithmetic says {admitted} (saw {seen:?})"
+                "script answered fits={fits} where the arithmetic says {admitted} (saw {seen:?})"
             )));
         }
         Ok(seen.answer(test, weight, count, params, admitted))
@@ -581,15 +581,16 @@ impl RedisStore {
             })
             .collect();
         let reply = self.run(JobKeys::Many(keys)).await?;
-        let &[now_ms, committed, ref values @ ..] = reply.as_slice() else {
+        // Only a job of several keys says whether it committed.
+        let header = usize::from(items.len() > 1);
+        let Some((&now_ms, answer)) = reply.split_first().filter(|(_, answer)| answer.len() >= header) else {
             return Err(script_error(format!(
                 "script answered {} values for {} keys",
                 reply.len(),
                 items.len()
             )));
         };
-        let committed = committed == 1;
-        let mut values: &[u64] = values;
+        let (said, mut values) = answer.split_at(header);
         let mut raw = Vec::with_capacity(items.len());
         for item in items {
             let (these, rest) = values.split_at(answer_len(item.params.algorithm).min(values.len()));
@@ -600,6 +601,10 @@ impl RedisStore {
             }
             raw.push((fits, seen));
         }
+        let committed = match said {
+            [committed] => *committed == 1,
+            _ => !items.iter().zip(&raw).any(|(item, &(fits, _))| item.blocks(fits)),
+        };
         Ok(ManyOutcome { committed, verdicts: many_verdicts(items, &raw, committed) })
     }
 
@@ -1240,10 +1245,11 @@ fn slot_runs(batch: &[Job]) -> Vec<usize> {
     runs
 }
 
-/// Values of the script's answer for `job`: committed, then
-/// [`answer_len`] per key.
+/// Values of the script's answer for `job`: whether it committed (only a
+/// job of several keys says), then [`answer_len`] per key.
 fn job_answer_len(job: &Job) -> usize {
-    1 + job.keys.as_slice().iter().map(|(_, args)| answer_len(args.algorithm())).sum::<usize>()
+    let keys = job.keys.as_slice();
+    usize::from(keys.len() > 1) + keys.iter().map(|(_, args)| answer_len(args.algorithm())).sum::<usize>()
 }
 
 /// Hands each job of `batch` Redis' clock (the answer's first value) and

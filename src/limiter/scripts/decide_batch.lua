@@ -36,8 +36,10 @@
 --                  written by nothing else, so it is written at once,
 --                  with no state kept.
 --
--- Returns Redis' clock, now_ms (Unix ms), then per job: committed (0|1),
--- then per key: fits (0|1) and what it saw BEFORE this key's own weight:
+-- Returns Redis' clock, now_ms (Unix ms), then per job: for a job of
+-- several keys whether it committed (0|1) (a one-key job commits exactly
+-- when its key fits, is a report or is shadow), then per key: fits (0|1)
+-- and what it saw BEFORE this key's own weight:
 -- a window's current and previous counts (2 values), or a bucket's debt
 -- (1 value). The caller derives elapsed from now_ms and the spec, and
 -- remaining, retry_after and reset_after with the Rust arithmetic (and
@@ -194,19 +196,19 @@ end
 local jobs = tonumber(ARGV[a])
 a = a + 1
 for _ = 1, jobs do
-  local n = 1
+  -- A job of several keys: what it would write, per key, until it commits
+  -- (the same key may appear twice), and where its answer says whether it
+  -- committed. A one-key job commits whatever it writes (a write means it
+  -- fits, or is a report, which never blocks), so its answer need not say.
+  local n, pending, header = 1, nil, nil
   if ARGV[a] == '0' then
     n = tonumber(ARGV[a + 1])
     a = a + 2
+    pending = {}
+    o = o + 1
+    header = o
+    out[header] = 0
   end
-  o = o + 1
-  local header = o
-  out[header] = 0
-  -- What a job of several keys would write, per key, until it commits
-  -- (the same key may appear twice). A one-key job commits whatever it
-  -- writes: a write means it fits, or is a report, which never blocks.
-  local pending = nil
-  if n > 1 then pending = {} end
   local blocked = false
   for _ = 1, n do
     k = k + 1
@@ -340,12 +342,10 @@ for _ = 1, jobs do
       blocked = true
     end
   end
-  if not blocked then
+  if header and not blocked then
     out[header] = 1
-    if pending then
-      for key, p in pairs(pending) do
-        commit(key, p[1], p[2], p[3], p[5], p[6], p[4])
-      end
+    for key, p in pairs(pending) do
+      commit(key, p[1], p[2], p[3], p[5], p[6], p[4])
     end
   end
 end
