@@ -1203,7 +1203,7 @@ fn script_call(sha: &str, batch: &[Job], inline: bool) -> redis::Cmd {
         }
         for ((key, args), position) in keys.iter().zip(&mut positions) {
             // At most twice the call's number of keys.
-            let entry = if args.weight == 1 { position } else { nspecs + position } as i64;
+            let entry = (if args.weight == 1 { position } else { nspecs + position }) as i64;
             call.arg(if repeated.contains(key.as_str()) { -entry } else { entry });
             if args.weight != 1 {
                 call.arg(args.weight);

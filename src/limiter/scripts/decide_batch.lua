@@ -149,7 +149,8 @@ end
 
 -- key -> the counter as the jobs committed so far leave it: {a, b, c,
 -- expiry it will have, expiry it has}; `dirty` lists the keys written, in
--- order of first write.
+-- order of first write. Only keys that occur more than once in the call
+-- are kept here: the others are written as soon as their job is decided.
 local state = {}
 local dirty = {}
 local ndirty = 0
