@@ -24,7 +24,8 @@
 # Redis' instructions (the script, the commands, the protocol) per
 # decision while the load runs, with the script calls per decision: the
 # steady measure of the script's cost per key (use --keys uniform:N).
-# Under callgrind Redis is the bottleneck, so its batches are large; compare
+# Redis is emptied after the warm-up, so every key is new at its first
+# decision. Under callgrind Redis is the bottleneck, so its batches are large; compare
 # two scripts under the same load. Needs valgrind (ir, redis-ir) and perf
 # (syscalls).
 set -euo pipefail
@@ -94,6 +95,10 @@ if [[ " $COUNT " == *" redis-ir "* ]]; then
   # Redis' (checked below), none a failure policy's.
   start RATELIMITD__REDIS__URL="redis://127.0.0.1:$port" RATELIMITD__REDIS__TIMEOUT_MS=30000
   load 2
+  # The measured load replays the warm-up's keys (the generator is seeded):
+  # without this, how many of them already exist would depend on how many
+  # decisions the warm-up made, and so would the count.
+  "${REDIS_CLI:-redis-cli}" -p "$port" flushall >/dev/null
   calls() { redis_stats "$port" | cut -d' ' -f1; }
   before="$(calls)"
   callgrind_control -i on "$redis_pid" >/dev/null 2>&1
