@@ -69,7 +69,7 @@
 -- clamped to MAXCW / W and a bucket's debt to MAXCW (bucket.rs MAX_DEBT),
 -- read and write; Lua numbers are doubles.
 local MAXCW = 2251799813685248
-local floor, ceil, tonumber, tostring, format = math.floor, math.ceil, tonumber, tostring, string.format
+local floor, ceil, tonumber, format, setmetatable = math.floor, math.ceil, tonumber, string.format, setmetatable
 local call, pack, decode, unpack = redis.call, struct.pack, struct.unpack, unpack
 local KEYS, ARGV = KEYS, ARGV
 local LAYOUT = '<dddd'
@@ -113,17 +113,23 @@ end
 -- from them and `now` alone. Keyed by the entry as ARGV spells it, so a
 -- key finds its spec without parsing a number: `specs` when the key occurs
 -- once in the call, `repeated` (the entry negated) when more than once;
--- `weight` is 1, or nil when the key's weight follows its entry.
+-- `weight` is 1, or false when the key's weight follows its entry (that
+-- variant reads everything else from the first through its metatable: one
+-- table of a dozen fields less per spec and call, for the rarer keys).
+-- Entries are spelled with format('%d'): tostring is a costly %.14g.
 local specs = {}
 local repeated = {}
 local nspecs = tonumber(ARGV[a])
 a = a + 1
-local function spec_of(w, cap, tick, flags, rate, weight)
+for s = 1, nspecs do
+  local w, cap, tick, flags, rate =
+    tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  a = a + 5
   local alg = flags % 4
   local now = floor(now_ms / tick)
   local idx = floor(now / w)
-  return {
-    weight = weight,
+  local one = {
+    weight = 1,
     w = w, cap = cap, tick = tick, alg = alg, rate = rate, now = now,
     shadow = floor(flags / 4) % 2 == 1, mode = floor(flags / 8),
     -- The capacity in units (capacity * W): a window's bound, a full bucket.
@@ -137,14 +143,9 @@ local function spec_of(w, cap, tick, flags, rate, weight)
     -- grows past 2^53 beyond them).
     payback = ceil(MAXCW / rate),
   }
-end
-for s = 1, nspecs do
-  local w, cap, tick, flags, rate =
-    tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-  a = a + 5
-  local one, given = spec_of(w, cap, tick, flags, rate, 1), spec_of(w, cap, tick, flags, rate, nil)
-  specs[tostring(s)], repeated[tostring(-s)] = one, one
-  specs[tostring(nspecs + s)], repeated[tostring(-nspecs - s)] = given, given
+  local given = setmetatable({weight = false}, {__index = one})
+  specs[format('%d', s)], repeated[format('%d', -s)] = one, one
+  specs[format('%d', nspecs + s)], repeated[format('%d', -nspecs - s)] = given, given
 end
 
 -- key -> the counter as the jobs committed so far leave it: {a, b, c,
@@ -221,7 +222,7 @@ for _ = 1, jobs do
       sole = false
     end
     local weight = sp.weight
-    if weight == nil then
+    if not weight then
       weight = tonumber(ARGV[a + 1])
       a = a + 1
     end
