@@ -39,8 +39,8 @@
 # of distinct too, its baseline). The saturated runs give the store a
 # deadline of SATURATED_TIMEOUT_MS (1000): a saturated Redis queues, and
 # at the shipped 10 ms a share of decisions would be the failure policy's
-# rather than Redis'; the row counts only decisions Redis made. ALGORITHMS: those of distinct (default
-# "sliding_window token_bucket gcra").
+# rather than Redis'; any that still are is named in the row. ALGORITHMS:
+# those of distinct (default "sliding_window token_bucket gcra").
 set -euo pipefail
 OUT="${1:?usage: loadtest/bench.sh OUTDIR}"
 mkdir -p "$OUT"

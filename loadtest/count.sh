@@ -25,9 +25,9 @@
 # decision while the load runs, with the script calls per decision: the
 # steady measure of the script's cost per key (use --keys uniform:N).
 # Redis is emptied after the warm-up, so every key is new at its first
-# decision. Under callgrind Redis is the bottleneck, so its batches are large; compare
-# two scripts under the same load. Needs valgrind (ir, redis-ir) and perf
-# (syscalls).
+# decision. Under callgrind Redis is the bottleneck, so its batches are
+# large; compare two scripts under the same load. Needs valgrind (ir,
+# redis-ir) and perf (syscalls).
 set -euo pipefail
 
 RATELIMITD_CMD="$1"; LOADTEST_CMD="$2"; shift 2
