@@ -339,8 +339,9 @@ for _ = 1, jobs do
         commit(key, nx, ny, nz, need, later, e)
       end
     end
-    -- A report never blocks: it is counted whatever is left.
-    if fits == 0 and mode ~= 2 and not sp.shadow then
+    -- A report never blocks: it is counted whatever is left. (Only a job
+    -- of several keys asks: a one-key job's write already followed.)
+    if header and fits == 0 and mode ~= 2 and not sp.shadow then
       blocked = true
     end
   end
