@@ -39,8 +39,9 @@
 # of distinct too, its baseline). The saturated runs give the store a
 # deadline of SATURATED_TIMEOUT_MS (1000): a saturated Redis queues, and
 # at the shipped 10 ms a share of decisions would be the failure policy's
-# rather than Redis'; any that still are is named in the row. ALGORITHMS:
-# those of distinct (default "sliding_window token_bucket gcra").
+# rather than Redis'. Every Redis row names the decisions that the failure
+# policy answered during it, if any. ALGORITHMS: those of distinct
+# (default "sliding_window token_bucket gcra").
 set -euo pipefail
 OUT="${1:?usage: loadtest/bench.sh OUTDIR}"
 mkdir -p "$OUT"
@@ -118,16 +119,24 @@ load() { # label, then loadtest arguments; the report goes to OUT/label.json
     --duration "$DURATION" --target-pid "$SVC_PID" --label "$label" --json "$OUT/$label.json" "$@" >"$OUT/$label.txt" 2>&1)
 }
 closed() { echo --concurrency "$CONCURRENCY"; }
-# saturate LABEL PATH PORTS...: CheckStream over uniform users on the rule
-# at PATH, with Redis' statistics on PORTS around it and the decisions the
-# failure policy answered meanwhile (LABEL.failed: the row says so).
-saturate() {
-  local label="$1" path="$2"; shift 2
-  local before failed; before="$(redis_stats "$@")"; failed="$(failed_decisions "$SVC_HTTP_PORT")"
-  load "$label" --api stream --batch "$BATCH" --concurrency "$CONNECTIONS" --path "$path" --keys "uniform:$USERS"
-  echo "$before $(redis_stats "$@")" >"$OUT/$label.redis"
+# on_redis LABEL PORT... -- LOADTEST ARGS: the load against the Redis at
+# the PORTs, emptied first (the generator is seeded, so an earlier run's
+# keys would be met again), with Redis' statistics around it (LABEL.redis)
+# and the decisions the failure policy answered meanwhile (LABEL.failed:
+# the row names them).
+on_redis() {
+  local label="$1" ports=() port before failed; shift
+  while [ "$1" != -- ]; do ports+=("$1"); shift; done; shift
+  for port in "${ports[@]}"; do "$REDIS_CLI" -p "$port" flushall >/dev/null; done
+  before="$(redis_stats "${ports[@]}")"; failed="$(failed_decisions "$SVC_HTTP_PORT")"
+  load "$label" "$@"
+  echo "$before $(redis_stats "${ports[@]}")" >"$OUT/$label.redis"
   echo $(($(failed_decisions "$SVC_HTTP_PORT") - failed)) >"$OUT/$label.failed"
 }
+# uniform PATH: the arguments of a closed loop of uniform users on PATH.
+uniform() { echo --api check --path "$1" --keys "uniform:$USERS" --concurrency "$CONCURRENCY"; }
+# saturated PATH: CheckStream over uniform users on PATH.
+saturated() { echo --api stream --batch "$BATCH" --concurrency "$CONNECTIONS" --path "$1" --keys "uniform:$USERS"; }
 
 if part scaling; then
   for cpus in "${SERIES[@]}"; do
@@ -146,17 +155,13 @@ fi
 if part distinct || part cluster; then
   service "$LARGEST" RATELIMITD__REDIS__URL="redis://127.0.0.1:$REDIS_PORT"
   for alg in $ALGORITHMS; do
-    "$REDIS_CLI" -p "$REDIS_PORT" flushall >/dev/null
-    before="$(redis_stats "$REDIS_PORT")"
-    load "distinct-$alg" --api check --path "/$alg" --keys "uniform:$USERS" $(closed)
-    echo "$before $(redis_stats "$REDIS_PORT")" >"$OUT/distinct-$alg.redis"
+    on_redis "distinct-$alg" "$REDIS_PORT" -- $(uniform "/$alg")
   done
   stop_service
   service "$LARGEST" RATELIMITD__REDIS__URL="redis://127.0.0.1:$REDIS_PORT" RATELIMITD__REDIS__TIMEOUT_MS="$SATURATED_TIMEOUT_MS"
   for alg in $ALGORITHMS; do
     if part distinct || [ "$alg" = sliding_window ]; then
-      "$REDIS_CLI" -p "$REDIS_PORT" flushall >/dev/null
-      saturate "saturated-$alg" "/$alg" "$REDIS_PORT"
+      on_redis "saturated-$alg" "$REDIS_PORT" -- $(saturated "/$alg")
     fi
   done
   stop_service
@@ -165,16 +170,11 @@ fi
 if part cluster; then
   start_cluster
   service "$LARGEST" RATELIMITD__REDIS__URL="$(cluster_url)" RATELIMITD__REDIS__CLUSTER=true
-  before="$(redis_stats "${CLUSTER_PORTS[@]}")"
-  load "cluster-sliding_window" --api check --path /sliding_window --keys "uniform:$USERS" $(closed)
-  echo "$before $(redis_stats "${CLUSTER_PORTS[@]}")" >"$OUT/cluster-sliding_window.redis"
+  on_redis "cluster-sliding_window" "${CLUSTER_PORTS[@]}" -- $(uniform /sliding_window)
   stop_service
-  # Empty, as the one Redis is before its run: the generator is seeded, so
-  # the cluster's keys from the run above would otherwise be met again.
-  for port in "${CLUSTER_PORTS[@]}"; do "$REDIS_CLI" -p "$port" flushall >/dev/null; done
   service "$LARGEST" RATELIMITD__REDIS__URL="$(cluster_url)" RATELIMITD__REDIS__CLUSTER=true \
     RATELIMITD__REDIS__TIMEOUT_MS="$SATURATED_TIMEOUT_MS"
-  saturate "cluster-saturated-sliding_window" /sliding_window "${CLUSTER_PORTS[@]}"
+  on_redis "cluster-saturated-sliding_window" "${CLUSTER_PORTS[@]}" -- $(saturated /sliding_window)
   stop_service
 fi
 
