@@ -223,46 +223,65 @@ async fn an_open_breaker_is_unready_and_closes_without_traffic() {
     probed.stop().await.unwrap();
 }
 
-/// grpcurl, with no proto files, lists both rate-limit services, health and
-/// reflection, and describes the Check method.
+/// grpcurl, with no proto files, lists the rate-limit services served,
+/// health and reflection, and describes the Check method. Envoy's service
+/// is listed, and its health reported, only where Envoy rules make it
+/// served: without them a health check of it is NOT_FOUND, not a SERVING
+/// that would send Envoy to a service answering UNIMPLEMENTED.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn reflection_lists_every_service_for_grpcurl() {
+async fn reflection_and_health_name_only_the_services_served() {
+    const ENVOY: &str = "envoy.service.ratelimit.v3.RateLimitService";
     let rules = Rules::new(RULES);
     let envoy = Rules::new(
         "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: { unit: second, requests_per_unit: 1 }\n",
     );
-    let mut cfg = config(&rules.path(), None);
-    cfg.rules.envoy_path = Some(envoy.path());
-    let server = TestServer::start(cfg).await;
-    let grpcurl = common::grpcurl_path();
-    assert!(grpcurl.exists(), "{} not found: run scripts/install-tools", grpcurl.display());
-    let addr = server.addr.to_string();
-    let run = move |args: Vec<String>| {
-        let output = Command::new(&grpcurl).arg("-plaintext").args(&args).output().unwrap();
-        assert!(output.status.success(), "grpcurl {args:?}: {}", String::from_utf8_lossy(&output.stderr));
-        String::from_utf8(output.stdout).unwrap()
-    };
-    let (list, describe) = tokio::task::spawn_blocking(move || {
-        (
-            run(vec![addr.clone(), "list".into()]),
-            run(vec![addr, "describe".into(), "ratelimit.v1.RateLimiter.Check".into()]),
-        )
-    })
-    .await
-    .unwrap();
-    for service in [
-        "ratelimit.v1.RateLimiter",
-        "envoy.service.ratelimit.v3.RateLimitService",
-        "grpc.health.v1.Health",
-        "grpc.reflection.v1alpha.ServerReflection",
-    ] {
-        assert!(list.lines().any(|l| l.trim() == service), "{service} not in\n{list}");
+    for serve_envoy in [true, false] {
+        let mut cfg = config(&rules.path(), None);
+        cfg.rules.envoy_path = serve_envoy.then(|| envoy.path());
+        let server = TestServer::start(cfg).await;
+        let grpcurl = common::grpcurl_path();
+        assert!(grpcurl.exists(), "{} not found: run scripts/install-tools", grpcurl.display());
+        let addr = server.addr.to_string();
+        let run = move |args: Vec<String>| {
+            let output = Command::new(&grpcurl).arg("-plaintext").args(&args).output().unwrap();
+            assert!(output.status.success(), "grpcurl {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+            String::from_utf8(output.stdout).unwrap()
+        };
+        let (list, describe) = tokio::task::spawn_blocking(move || {
+            (
+                run(vec![addr.clone(), "list".into()]),
+                run(vec![addr, "describe".into(), "ratelimit.v1.RateLimiter.Check".into()]),
+            )
+        })
+        .await
+        .unwrap();
+        for service in
+            ["ratelimit.v1.RateLimiter", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"]
+        {
+            assert!(list.lines().any(|l| l.trim() == service), "{service} not in\n{list}");
+        }
+        assert_eq!(
+            list.lines().any(|l| l.trim() == ENVOY),
+            serve_envoy,
+            "serve_envoy {serve_envoy}:\n{list}"
+        );
+        assert!(
+            describe.contains(
+                "rpc Check ( .ratelimit.v1.RateLimitRequest ) returns ( .ratelimit.v1.RateLimitResponse )"
+            ),
+            "{describe}"
+        );
+
+        let serving =
+            || async { grpc_health(&server, "ratelimit.v1.RateLimiter").await == ServingStatus::Serving };
+        assert!(eventually(Duration::from_secs(10), serving).await, "never SERVING");
+        let mut client = HealthClient::new(channel(&server).await);
+        let envoy_health = client.check(HealthCheckRequest { service: ENVOY.to_owned() }).await;
+        if serve_envoy {
+            assert_eq!(envoy_health.unwrap().into_inner().status, ServingStatus::Serving as i32);
+        } else {
+            assert_eq!(envoy_health.unwrap_err().code(), tonic::Code::NotFound);
+        }
+        server.stop().await.unwrap();
     }
-    assert!(
-        describe.contains(
-            "rpc Check ( .ratelimit.v1.RateLimitRequest ) returns ( .ratelimit.v1.RateLimitResponse )"
-        ),
-        "{describe}"
-    );
-    server.stop().await.unwrap();
 }

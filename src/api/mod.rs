@@ -15,10 +15,12 @@ pub mod xds;
 
 pub use check::{MAX_BATCH_ITEMS, RateLimiterService, STREAM_IN_FLIGHT};
 
-/// Encoded `FileDescriptorSet`s of the services served (ours and Envoy's),
-/// for server reflection: bytes, so the server wires reflection without
-/// naming a generated type.
-pub const DESCRIPTOR_SETS: [&[u8]; 2] = [pb::FILE_DESCRIPTOR_SET, envoy_pb::FILE_DESCRIPTOR_SET];
+/// Encoded `FileDescriptorSet` of the native API, for server reflection:
+/// bytes, so the server wires reflection without naming a generated type.
+pub const CHECK_DESCRIPTOR_SET: &[u8] = pb::FILE_DESCRIPTOR_SET;
+/// Encoded `FileDescriptorSet` of Envoy's rate limit service, for server
+/// reflection when that service is served.
+pub const ENVOY_DESCRIPTOR_SET: &[u8] = envoy_pb::FILE_DESCRIPTOR_SET;
 pub use convert::{ValidationError, validate};
 pub use envoy::EnvoyService;
 

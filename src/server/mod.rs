@@ -239,7 +239,7 @@ fn drain_on(
     let signal = async move {
         shutdown.await;
         health.set_draining();
-        publish(&reporter, false).await;
+        publish(&reporter, &health, false).await;
         tracing::info!(delay_ms = drain_delay.as_millis(), "health NOT_SERVING; draining");
         tokio::time::sleep(drain_delay).await;
         let _ = draining_tx.send(());
@@ -336,7 +336,8 @@ fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, st
 }
 
 /// The gRPC services: `Check`, `ShouldRateLimit` (when Envoy rules are
-/// configured), health and reflection.
+/// configured), health and reflection (of the services served: Envoy's
+/// only with it).
 fn grpc_router(
     config: &Config,
     engine: &Engine,
@@ -346,9 +347,9 @@ fn grpc_router(
     let check = RateLimiterService::new(engine.clone());
     let envoy = serve_envoy.then(|| EnvoyService::new(engine.clone(), config.envoy.clone()));
     let reflection = |builder: tonic_reflection::server::Builder<'static>| {
-        crate::api::DESCRIPTOR_SETS
+        [crate::api::CHECK_DESCRIPTOR_SET, tonic_health::pb::FILE_DESCRIPTOR_SET]
             .into_iter()
-            .chain([tonic_health::pb::FILE_DESCRIPTOR_SET])
+            .chain(serve_envoy.then_some(crate::api::ENVOY_DESCRIPTOR_SET))
             .fold(builder, |builder, set| builder.register_encoded_file_descriptor_set(set))
     };
     let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())

@@ -558,7 +558,7 @@ pub(crate) async fn health(
         None => health,
     });
     let (reporter, service) = tonic_health::server::health_reporter();
-    publish(&reporter, false).await;
+    publish(&reporter, &health, false).await;
     let stop = tasks.stopper();
     tasks.spawn(run_monitor(
         Arc::clone(&health),

@@ -32,8 +32,11 @@ use crate::{
     rules::{FailurePolicy, Feed, RuleStore, XdsState},
 };
 
-/// gRPC service names whose health is reported (besides the overall "").
-pub const SERVICES: [&str; 2] = ["ratelimit.v1.RateLimiter", "envoy.service.ratelimit.v3.RateLimitService"];
+/// The native API's gRPC service, whose health is always reported.
+pub const CHECK_SERVICE: &str = "ratelimit.v1.RateLimiter";
+/// Envoy's rate limit service, whose health is reported only when it is
+/// served (Envoy rules configured); otherwise a check of it is NOT_FOUND.
+pub const ENVOY_SERVICE: &str = "envoy.service.ratelimit.v3.RateLimitService";
 
 const STARTING: u8 = 0;
 const STORE_UP: u8 = 1;
@@ -57,6 +60,12 @@ pub struct Health {
 }
 
 impl Health {
+    /// The gRPC services whose health is reported besides the overall "":
+    /// the native API, and Envoy's when it is served.
+    pub fn services(&self) -> impl Iterator<Item = &'static str> + use<> {
+        [Some(CHECK_SERVICE), self.envoy_failure_mode.map(|_| ENVOY_SERVICE)].into_iter().flatten()
+    }
+
     /// Health of a service deciding with `rules`; `envoy_failure_mode` when
     /// `ShouldRateLimit` is served.
     /// `feed` when rules come from the rules topic.
@@ -208,17 +217,18 @@ pub async fn run_monitor(
         let (ready, why) = health.readiness();
         if last_ready != Some(ready) {
             tracing::info!(ready, %why, "readiness changed");
-            publish(&reporter, ready).await;
+            publish(&reporter, &health, ready).await;
             last_ready = Some(ready);
         }
     }
 }
 
-/// Sets every reported gRPC service (and the overall "") to `serving` or not.
-pub async fn publish(reporter: &HealthReporter, serving: bool) {
+/// Sets every gRPC service `health` reports (and the overall "") to
+/// `serving` or not.
+pub async fn publish(reporter: &HealthReporter, health: &Health, serving: bool) {
     let status =
         if serving { tonic_health::ServingStatus::Serving } else { tonic_health::ServingStatus::NotServing };
-    for service in SERVICES.into_iter().chain([""]) {
+    for service in health.services().chain([""]) {
         reporter.set_service_status(service, status).await;
     }
 }
