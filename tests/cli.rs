@@ -376,10 +376,13 @@ fn check_without_a_server_exits_69() {
 }
 
 /// SIGTERM under sustained load (16 callers on 4 connections, Redis store,
-/// the production default `grpc.drain_delay_ms` of 0): every call that was
-/// sent before the signal is answered with a real decision (zero failed
-/// in-flight calls); calls sent after it are answered, or refused as new
-/// streams on a closing connection; the process exits 0. Prints the counts.
+/// the production default `grpc.drain_delay_ms` of 0): every call is
+/// answered with a real decision or refused unprocessed (`unprocessed`:
+/// a new stream on a closing connection, or no connection at all); none is
+/// cut off in flight; the process exits 0. Prints the counts. Whether a
+/// call went out before the signal is not what decides: a caller's clock
+/// reading precedes its request by a scheduling delay, so on a loaded
+/// machine a call timed "before" can reach a server that already closed.
 #[test]
 fn sigterm_under_load_fails_no_in_flight_call() {
     use std::sync::{
@@ -460,35 +463,40 @@ fn sigterm_under_load_fails_no_in_flight_call() {
         }
     });
     let calls = calls.lock().unwrap();
-    let before: Vec<_> = calls.iter().filter(|(sent, _)| *sent < signalled).collect();
-    let failed_before: Vec<_> = before.iter().filter_map(|(_, outcome)| outcome.as_ref()).collect();
-    let after = calls.len() - before.len();
-    let refused_after: Vec<_> = calls
-        .iter()
-        .filter(|(sent, outcome)| *sent >= signalled && outcome.is_some())
-        .map(|(_, outcome)| outcome.as_ref().unwrap())
-        .collect();
+    let before = calls.iter().filter(|(sent, _)| *sent < signalled).count();
+    let refused = |before_signal: bool| {
+        calls
+            .iter()
+            .filter(|(sent, outcome)| (*sent < signalled) == before_signal && outcome.is_some())
+            .count()
+    };
     eprintln!(
-        "SIGTERM under load: {} calls sent before the signal, {} failed; {after} sent after it, {} answered, {} refused as new streams",
-        before.len(),
-        failed_before.len(),
-        after - refused_after.len(),
-        refused_after.len()
+        "SIGTERM under load: {before} calls timed before the signal, {} refused unprocessed; {} after it, {} refused unprocessed",
+        refused(true),
+        calls.len() - before,
+        refused(false),
     );
-    assert!(failed_before.is_empty(), "in-flight calls failed: {failed_before:?}");
-    // A new stream on a closing connection: refused (UNAVAILABLE), never
-    // sent (CANCELLED, "connection closed") or refused by the server's
-    // graceful GOAWAY (NO_ERROR: the stream was not processed); nothing
-    // cut off mid-call.
-    for status in refused_after {
-        let refused_by_goaway = format!("{status:?}").contains("GoAway(b\"\", NO_ERROR, Remote)");
-        assert!(
-            matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Cancelled) || refused_by_goaway,
-            "{status:?}"
-        );
-    }
+    let cut_off: Vec<_> = calls
+        .iter()
+        .filter_map(|(_, outcome)| outcome.as_ref())
+        .filter(|status| !unprocessed(status))
+        .collect();
+    assert!(cut_off.is_empty(), "calls failed in flight: {cut_off:?}");
     assert!(status.success(), "exit {status:?}\n{log}");
     assert!(log.contains("SIGTERM received") && log.contains("ratelimitd stopped"), "{log}");
+}
+
+/// A call the server never took: a new stream refused by a graceful
+/// GOAWAY (NO_ERROR: not processed) or with REFUSED_STREAM, one never sent
+/// because its connection had closed (CANCELLED, "connection closed"), or
+/// no connection at all (the server no longer listening). Anything else (a
+/// reset, a broken connection mid-call) is a call cut off in flight.
+fn unprocessed(status: &tonic::Status) -> bool {
+    let text = format!("{status:?}");
+    text.contains("GoAway(b\"\", NO_ERROR, Remote)")
+        || text.contains("REFUSED_STREAM")
+        || (status.code() == tonic::Code::Cancelled && text.contains("Canceled, \"connection closed\""))
+        || (status.code() == tonic::Code::Unavailable && text.contains("ConnectionRefused"))
 }
 
 /// `grpc.uds`: gRPC also on a Unix socket; a stale socket file from an
