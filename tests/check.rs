@@ -360,6 +360,120 @@ async fn oversized_message_is_resource_exhausted() {
     server.stop().await.unwrap();
 }
 
+/// What a client speaking raw HTTP/2 sees: the preface and an empty
+/// SETTINGS sent, then nothing more (no SETTINGS ACK, no PING answered);
+/// the server's frames as (type, flags, payload) for up to `wait`, and
+/// whether it closed the connection meanwhile.
+async fn silent_h2_client(addr: std::net::SocketAddr, wait: Duration) -> (Vec<(u8, u8, Vec<u8>)>, bool) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").await.unwrap();
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut frames = Vec::new();
+    loop {
+        let mut head = [0u8; 9];
+        match tokio::time::timeout_at(deadline, socket.read_exact(&mut head)).await {
+            Err(_) => return (frames, false),
+            Ok(Err(_)) => return (frames, true),
+            Ok(Ok(_)) => {}
+        }
+        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let mut payload = vec![0; len];
+        match tokio::time::timeout_at(deadline, socket.read_exact(&mut payload)).await {
+            Err(_) => return (frames, false),
+            Ok(Err(_)) => return (frames, true),
+            Ok(Ok(_)) => frames.push((head[3], head[4], payload)),
+        }
+    }
+}
+
+/// `grpc.max_concurrent_streams` is advertised in the server's first
+/// SETTINGS (SETTINGS_MAX_CONCURRENT_STREAMS, 0x3): what one connection
+/// can hold open is bounded (tonic would advertise no limit at all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_per_connection_are_bounded_by_the_servers_settings() {
+    let rules = Rules::new(RULES);
+    let mut config = common::config(&rules.path(), None);
+    config.grpc.max_concurrent_streams = 7;
+    let server = common::TestServer::start(config).await;
+    let (frames, _) = silent_h2_client(server.addr, Duration::from_millis(300)).await;
+    let (kind, flags, settings) = frames.first().expect("the server sent nothing");
+    assert_eq!((*kind, *flags), (4, 0), "first frame {frames:?}");
+    let advertised: Vec<(u16, u32)> = settings
+        .chunks_exact(6)
+        .map(|s| (u16::from_be_bytes([s[0], s[1]]), u32::from_be_bytes([s[2], s[3], s[4], s[5]])))
+        .collect();
+    assert!(advertised.contains(&(3, 7)), "SETTINGS {advertised:?}");
+    server.stop().await.unwrap();
+}
+
+/// `grpc.keepalive_interval_ms`: a connection whose peer stopped answering
+/// (a vanished host) is pinged, then closed once the PING goes unanswered
+/// for `grpc.keepalive_timeout_ms`; with keepalive off it stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_keepalive_closes_the_connection() {
+    let rules = Rules::new(RULES);
+    for interval_ms in [100, 0] {
+        let mut config = common::config(&rules.path(), None);
+        config.grpc.keepalive_interval_ms = interval_ms;
+        config.grpc.keepalive_timeout_ms = 100;
+        let server = common::TestServer::start(config).await;
+        let (frames, closed) =
+            silent_h2_client(server.addr, Duration::from_secs(if interval_ms > 0 { 10 } else { 1 })).await;
+        let pinged = frames.iter().any(|(kind, flags, _)| *kind == 6 && flags & 1 == 0);
+        assert_eq!(
+            (pinged, closed),
+            (interval_ms > 0, interval_ms > 0),
+            "interval {interval_ms} ms: {frames:?}"
+        );
+        server.stop().await.unwrap();
+    }
+}
+
+/// `grpc.tcp_keepalive_ms`: the server's side of an accepted connection
+/// runs the kernel's keepalive timer (as `ss` shows it), so a peer that
+/// vanished is found without any per-request cost; 0 leaves it off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_connections_keep_tcp_keepalive() {
+    let rules = Rules::new(RULES);
+    for idle_ms in [45_000, 0] {
+        let mut config = common::config(&rules.path(), None);
+        config.grpc.tcp_keepalive_ms = idle_ms;
+        let server = common::TestServer::start(config).await;
+        // An idle connection: the timer `ss` shows is then keepalive's.
+        let client = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+        let filter = format!("( sport = :{} )", server.addr.port());
+        let sockets = |state: &str| {
+            let out = std::process::Command::new("ss").args(["-tnoH", "state", state, &filter]).output();
+            String::from_utf8(out.expect("ss (iproute2) runs").stdout).unwrap()
+        };
+        // The connection is accepted a moment after connect returns.
+        let mut timers = String::new();
+        for _ in 0..100 {
+            timers = sockets("established");
+            if !timers.trim().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(!timers.trim().is_empty(), "ss saw no connection on {filter}");
+        assert_eq!(
+            timers.contains("timer:(keepalive,"),
+            idle_ms > 0,
+            "grpc.tcp_keepalive_ms {idle_ms}: {timers}"
+        );
+        // Closed, and closed by the server too, before the server stops: a
+        // shutdown would otherwise wait out its grace for it.
+        drop(client);
+        assert!(
+            eventually(Duration::from_secs(5), || async { sockets("connected").trim().is_empty() }).await,
+            "the server kept the closed connection: {}",
+            sockets("connected")
+        );
+        server.stop().await.unwrap();
+    }
+}
+
 /// 64 concurrent callers, 256 requests against a limit of 100: exactly 100
 /// are admitted.
 async fn concurrent_callers_admit_exactly_the_limit(backend: Backend) {

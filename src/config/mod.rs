@@ -292,6 +292,20 @@ mod tests {
         let err =
             Config::load(None, env(&[("RATELIMITD__GRPC__LISTEN", "nowhere")])).unwrap_err().to_string();
         assert!(err.contains("`grpc.listen`"), "{err}");
+        let err = Config::load(None, env(&[("RATELIMITD__GRPC__MAX_CONCURRENT_STREAMS", "0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`grpc.max_concurrent_streams`"), "{err}");
+        let keepalive = |interval: &str| {
+            let pairs = [
+                ("RATELIMITD__GRPC__KEEPALIVE_INTERVAL_MS", interval),
+                ("RATELIMITD__GRPC__KEEPALIVE_TIMEOUT_MS", "0"),
+            ];
+            Config::load(None, env(&pairs))
+        };
+        let err = keepalive("1000").unwrap_err().to_string();
+        assert!(err.contains("`grpc.keepalive_timeout_ms`"), "{err}");
+        assert!(keepalive("0").is_ok(), "no timeout is needed with keepalive off");
         for prefix in ["{tag}:", "a b", &"x".repeat(65)] {
             let err = Config::load(None, env(&[("RATELIMITD__REDIS__KEY_PREFIX", prefix)]))
                 .unwrap_err()

@@ -64,6 +64,9 @@ pub enum ServerError {
     /// The statsd address (`telemetry.statsd_addr`) does not resolve.
     #[error("telemetry.statsd_addr {0}")]
     Statsd(String),
+    /// TCP keepalive (`grpc.tcp_keepalive_ms`) cannot be set on the listener.
+    #[error("grpc.tcp_keepalive_ms: {0}")]
+    Keepalive(std::io::Error),
     /// The Unix socket (`grpc.uds`) cannot be bound.
     #[error("grpc.uds {0}")]
     Uds(String),
@@ -360,13 +363,24 @@ fn grpc_router(
         .map_err(|e| ServerError::Reflection(e.to_string()))?;
     let max_message = config.grpc.max_message_bytes;
     let rewrite: fn(Response) -> Response = oversized_is_resource_exhausted;
-    Ok(tonic::transport::Server::builder()
+    Ok(transport(&config.grpc)
         .layer(tower::util::MapResponseLayer::new(rewrite))
         .add_service(check.into_server().max_decoding_message_size(max_message))
         .add_optional_service(envoy.map(|envoy| envoy.into_server().max_decoding_message_size(max_message)))
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha))
+}
+
+/// The HTTP/2 settings of the gRPC server: streams per connection and
+/// keepalive (`grpc.*`); hyper's defaults otherwise.
+fn transport(grpc: &crate::config::GrpcConfig) -> tonic::transport::Server {
+    let keepalive =
+        (grpc.keepalive_interval_ms > 0).then(|| Duration::from_millis(grpc.keepalive_interval_ms));
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(grpc.max_concurrent_streams)
+        .http2_keepalive_interval(keepalive)
+        .http2_keepalive_timeout(Some(Duration::from_millis(grpc.keepalive_timeout_ms)))
 }
 
 type Response = tonic::codegen::http::Response<tonic::body::Body>;
@@ -390,6 +404,7 @@ fn serve_grpc(
     signal: impl Future<Output = ()> + Send + 'static,
     tasks: &mut Tasks,
 ) -> Result<Serving, ServerError> {
+    tcp_keepalive(&listener, config.grpc.tcp_keepalive_ms).map_err(ServerError::Keepalive)?;
     let Some(path) = &config.grpc.uds else {
         return Ok(serve_tcp(config, router, listener, tls, signal, tasks));
     };
@@ -418,6 +433,21 @@ fn serve_grpc(
         let _ = std::fs::remove_file(&path);
         served
     }))
+}
+
+/// TCP keepalive on `listener` (`grpc.tcp_keepalive_ms`; 0 leaves it off):
+/// probes after `idle_ms` idle, every 10 s, the connection closed after 3
+/// unanswered. Set once on the listener: Linux copies it, with its timer,
+/// to every connection accepted (plain or TLS alike).
+fn tcp_keepalive(listener: &TcpListener, idle_ms: u64) -> std::io::Result<()> {
+    if idle_ms == 0 {
+        return Ok(());
+    }
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_millis(idle_ms))
+        .with_interval(Duration::from_secs(10))
+        .with_retries(3);
+    socket2::SockRef::from(listener).set_tcp_keepalive(&keepalive)
 }
 
 /// Binds the Unix socket at `path`, replacing a socket file an earlier run
