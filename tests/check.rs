@@ -470,6 +470,37 @@ async fn accepted_connections_keep_tcp_keepalive() {
     }
 }
 
+/// `grpc.max_connections`: with both places taken a third client's
+/// connection is not taken (no SETTINGS comes back: it waits in the listen
+/// backlog); once one of the first two closes, it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_wait_until_one_closes() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let rules = Rules::new(RULES);
+    let mut config = common::config(&rules.path(), None);
+    config.grpc.max_connections = 2;
+    let server = common::TestServer::start(config).await;
+    let connect = || async {
+        let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+        socket.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").await.unwrap();
+        socket
+    };
+    // Whether the server's first frame (SETTINGS: type 4) came within `wait`.
+    async fn served(socket: &mut tokio::net::TcpStream, wait: Duration) -> bool {
+        let mut head = [0u8; 9];
+        matches!(tokio::time::timeout(wait, socket.read_exact(&mut head)).await, Ok(Ok(_))) && head[3] == 4
+    }
+    let (mut first, mut second) = (connect().await, connect().await);
+    assert!(served(&mut first, Duration::from_secs(5)).await);
+    assert!(served(&mut second, Duration::from_secs(5)).await);
+    let mut third = connect().await;
+    assert!(!served(&mut third, Duration::from_millis(300)).await, "a third connection was served");
+    drop(first);
+    assert!(served(&mut third, Duration::from_secs(5)).await, "the freed place was not taken");
+    drop((second, third));
+    server.stop().await.unwrap();
+}
+
 /// 64 concurrent callers, 256 requests against a limit of 100: exactly 100
 /// are admitted.
 async fn concurrent_callers_admit_exactly_the_limit(backend: Backend) {

@@ -28,6 +28,9 @@ pub struct GrpcConfig {
     /// others finish. With `max_message_bytes` it bounds what one connection
     /// can make the service hold.
     pub max_concurrent_streams: u32,
+    /// Most gRPC connections open at once (TCP and Unix socket together);
+    /// past it new connections wait in the listen backlog until one closes.
+    pub max_connections: usize,
     /// TCP keepalive on gRPC connections: after this long idle the kernel
     /// probes the peer (every 10 s, closed after 3 unanswered), so a client
     /// that vanished without closing (a dead host, a NAT that dropped the
@@ -93,6 +96,7 @@ impl Default for GrpcConfig {
             drain_delay_ms: 0,
             max_message_bytes: 1 << 20,
             max_concurrent_streams: 1_024,
+            max_connections: 10_000,
             tcp_keepalive_ms: 60_000,
             keepalive_interval_ms: 0,
             keepalive_timeout_ms: 20_000,
@@ -118,6 +122,9 @@ impl GrpcConfig {
         }
         if !(1..=1 << 20).contains(&self.max_concurrent_streams) {
             return Err(invalid("grpc.max_concurrent_streams", "must be between 1 and 1048576"));
+        }
+        if !(1..=1 << 20).contains(&self.max_connections) {
+            return Err(invalid("grpc.max_connections", "must be between 1 and 1048576"));
         }
         if self.keepalive_interval_ms > 0 && self.keepalive_timeout_ms == 0 {
             return Err(invalid(

@@ -292,10 +292,11 @@ mod tests {
         let err =
             Config::load(None, env(&[("RATELIMITD__GRPC__LISTEN", "nowhere")])).unwrap_err().to_string();
         assert!(err.contains("`grpc.listen`"), "{err}");
-        let err = Config::load(None, env(&[("RATELIMITD__GRPC__MAX_CONCURRENT_STREAMS", "0")]))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("`grpc.max_concurrent_streams`"), "{err}");
+        for key in ["max_concurrent_streams", "max_connections"] {
+            let var = format!("RATELIMITD__GRPC__{}", key.to_uppercase());
+            let err = Config::load(None, env(&[(&var, "0")])).unwrap_err().to_string();
+            assert!(err.contains(&format!("`grpc.{key}`")), "{err}");
+        }
         let keepalive = |interval: &str| {
             let pairs = [
                 ("RATELIMITD__GRPC__KEEPALIVE_INTERVAL_MS", interval),

@@ -13,6 +13,7 @@
 //! and the Redis dispatchers, which end with the store, are joined.
 
 mod parts;
+mod places;
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -405,8 +406,10 @@ fn serve_grpc(
     tasks: &mut Tasks,
 ) -> Result<Serving, ServerError> {
     tcp_keepalive(&listener, config.grpc.tcp_keepalive_ms).map_err(ServerError::Keepalive)?;
+    // One count of connections for both listeners.
+    let places = Arc::new(tokio::sync::Semaphore::new(config.grpc.max_connections));
     let Some(path) = &config.grpc.uds else {
-        return Ok(serve_tcp(config, router, listener, tls, signal, tasks));
+        return Ok(serve_tcp(config, router, listener, tls, &places, signal, tasks));
     };
     let unix = bind_uds(path)?;
     tracing::info!(path = %path.display(), "gRPC also on a Unix socket");
@@ -415,8 +418,8 @@ fn serve_grpc(
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let tcp = serve_tcp(config, router.clone(), listener, tls, stopped(stop_rx.clone()), tasks);
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(unix);
+    let tcp = serve_tcp(config, router.clone(), listener, tls, &places, stopped(stop_rx.clone()), tasks);
+    let incoming = places::placed(tokio_stream::wrappers::UnixListenerStream::new(unix), places);
     let uds = router.serve_with_incoming_shutdown(incoming, stopped(stop_rx));
     let path = path.clone();
     Ok(Box::pin(async move {
@@ -465,18 +468,21 @@ fn bind_uds(path: &std::path::Path) -> Result<tokio::net::UnixListener, ServerEr
         .map_err(|e| ServerError::Uds(format!("{}: cannot bind: {e}", shown())))
 }
 
-/// Serves `router` on `listener`, over TLS when configured, until `signal`.
+/// Serves `router` on `listener`, over TLS when configured, until `signal`,
+/// each connection holding one of `places` while open.
 fn serve_tcp(
     config: &Config,
     router: Router,
     listener: TcpListener,
     tls: Option<ReloadingAcceptor>,
+    places: &Arc<tokio::sync::Semaphore>,
     signal: impl Future<Output = ()> + Send + 'static,
     tasks: &mut Tasks,
 ) -> Serving {
+    let places = Arc::clone(places);
     match tls {
         None => {
-            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            let incoming = places::placed(TcpIncoming::from(listener).with_nodelay(Some(true)), places);
             Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
         }
         Some(tls) => {
@@ -488,7 +494,7 @@ fn serve_tcp(
             }
             let (streams, accept_loop) = tls.incoming(listener, tasks.stopper());
             tasks.spawn(accept_loop);
-            let incoming = tokio_stream::wrappers::ReceiverStream::new(streams);
+            let incoming = places::placed(tokio_stream::wrappers::ReceiverStream::new(streams), places);
             Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
         }
     }

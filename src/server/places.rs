@@ -1,0 +1,123 @@
+//! `grpc.max_connections`: how many gRPC connections are open at once,
+//! across the TCP port (plain or TLS) and the Unix socket. Each accepted
+//! connection holds a place ([`Placed`]) until tonic drops it; while none is
+//! free the listeners are not polled, so new connections wait in the
+//! kernel's listen backlog (past that their SYNs go unanswered and clients
+//! retry) instead of each taking a descriptor, buffers and streams.
+
+use std::{
+    io::{self, IoSlice},
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use futures_util::{Stream, StreamExt as _};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    sync::{OwnedSemaphorePermit, Semaphore},
+};
+use tonic::transport::server::Connected;
+
+/// A connection holding one of the `grpc.max_connections` places, freed
+/// when it is dropped. Reads and writes go straight to the connection.
+#[derive(Debug)]
+pub(super) struct Placed<T> {
+    io: T,
+    _place: OwnedSemaphorePermit,
+}
+
+/// `incoming`'s connections, each taken only once a place in `places` is
+/// free (the stream is not polled meanwhile); an accept error passes
+/// through and frees its place.
+pub(super) fn placed<S, T, E>(
+    incoming: S,
+    places: Arc<Semaphore>,
+) -> impl Stream<Item = Result<Placed<T>, E>> + Send
+where
+    S: Stream<Item = Result<T, E>> + Unpin + Send,
+    T: Send,
+    E: Send,
+{
+    futures_util::stream::unfold((incoming, places), |(mut incoming, places)| async move {
+        // Never closed: `None` ends the stream only if it were.
+        let place = Arc::clone(&places).acquire_owned().await.ok()?;
+        let next = incoming.next().await?;
+        Some((next.map(|io| Placed { io, _place: place }), (incoming, places)))
+    })
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Placed<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Placed<T> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    /// As the connection's: hyper gathers a response's frames into one
+    /// `writev` only when it is.
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+impl<T: Connected> Connected for Placed<T> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two places: the third connection is taken only once one of the
+    /// first two is dropped; an error passes through without keeping one.
+    #[tokio::test]
+    async fn a_connection_is_taken_only_while_a_place_is_free() {
+        let (send, receive) = tokio::sync::mpsc::unbounded_channel::<Result<u32, &str>>();
+        for item in [Ok(1), Err("accept failed"), Ok(2), Ok(3)] {
+            send.send(item).unwrap();
+        }
+        let places = Arc::new(Semaphore::new(2));
+        let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(receive);
+        let mut connections = Box::pin(placed(incoming, Arc::clone(&places)));
+        let first = connections.next().await.unwrap().unwrap();
+        assert_eq!(connections.next().await.unwrap().unwrap_err(), "accept failed");
+        let second = connections.next().await.unwrap().unwrap();
+        assert_eq!((first.io, second.io), (1, 2));
+        let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), connections.next()).await;
+        assert!(waiting.is_err(), "a third connection was taken with both places held");
+        drop(first);
+        let third = connections.next().await.unwrap().unwrap();
+        assert_eq!((third.io, places.available_permits()), (3, 0));
+        drop((second, third));
+        assert_eq!(places.available_permits(), 2, "closed connections free their places");
+    }
+}
