@@ -3,7 +3,9 @@
 //! connection holds a place ([`Placed`]) until tonic drops it; while none is
 //! free the listeners are not polled, so new connections wait in the
 //! kernel's listen backlog (past that their SYNs go unanswered and clients
-//! retry) instead of each taking a descriptor, buffers and streams.
+//! retry) instead of each taking a descriptor, buffers and streams. Over
+//! TLS the accept loop (`tls.rs`) hands finished handshakes through a
+//! queue of 1,024, which fills first.
 
 use std::{
     io::{self, IoSlice},
