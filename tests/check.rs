@@ -360,6 +360,10 @@ async fn oversized_message_is_resource_exhausted() {
     server.stop().await.unwrap();
 }
 
+/// What an HTTP/2 client sends first: the connection preface and an empty
+/// SETTINGS frame.
+const H2_START: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+
 /// What a client speaking raw HTTP/2 sees: the preface and an empty
 /// SETTINGS sent, then nothing more (no SETTINGS ACK, no PING answered);
 /// the server's frames as (type, flags, payload) for up to `wait`, and
@@ -367,7 +371,7 @@ async fn oversized_message_is_resource_exhausted() {
 async fn silent_h2_client(addr: std::net::SocketAddr, wait: Duration) -> (Vec<(u8, u8, Vec<u8>)>, bool) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
-    socket.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").await.unwrap();
+    socket.write_all(H2_START).await.unwrap();
     let deadline = tokio::time::Instant::now() + wait;
     let mut frames = Vec::new();
     loop {
@@ -482,7 +486,7 @@ async fn connections_past_the_limit_wait_until_one_closes() {
     let server = common::TestServer::start(config).await;
     let connect = || async {
         let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
-        socket.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").await.unwrap();
+        socket.write_all(H2_START).await.unwrap();
         socket
     };
     // Whether the server's first frame (SETTINGS: type 4) came within `wait`.
