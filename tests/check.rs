@@ -434,6 +434,33 @@ async fn an_unanswered_keepalive_closes_the_connection() {
     }
 }
 
+/// `grpc.max_connection_age_ms`: past its age a connection is told to go
+/// (GOAWAY, NO_ERROR), not cut off; with 0 it never is. A gRPC client
+/// then moves on to a new connection and its calls keep being answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aged_connection_is_told_to_go() {
+    let rules = Rules::new(RULES);
+    for age_ms in [200, 0] {
+        let mut config = common::config(&rules.path(), None);
+        config.grpc.max_connection_age_ms = age_ms;
+        let server = common::TestServer::start(config).await;
+        let wait = Duration::from_millis(if age_ms > 0 { 1_000 } else { 500 });
+        let (frames, _) = silent_h2_client(server.addr, wait).await;
+        let goaway = frames.iter().find(|(kind, _, _)| *kind == 7);
+        assert_eq!(goaway.is_some(), age_ms > 0, "age {age_ms} ms: {frames:?}");
+        if let Some((_, _, payload)) = goaway {
+            assert_eq!(payload[4..8], [0, 0, 0, 0], "GOAWAY's error code is NO_ERROR");
+        }
+        let mut client = server.client().await;
+        for _ in 0..3 {
+            assert!(check(&mut client, request("u", "/hot")).await.allowed);
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        drop(client);
+        server.stop().await.unwrap();
+    }
+}
+
 /// `grpc.tcp_keepalive_ms`: the server's side of an accepted connection
 /// runs the kernel's keepalive timer (as `ss` shows it), so a peer that
 /// vanished is found without any per-request cost; 0 leaves it off.

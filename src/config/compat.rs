@@ -37,8 +37,10 @@ const IGNORED: &[(&str, &str)] = &[
     ("USE_DOG_STATSD", "plain statsd only: the same counters are on /metrics"),
     ("USE_DOG_STATSD_MOGRIFIERS", "plain statsd only"),
     ("EXTRA_TAGS", "plain statsd names carry no tags"),
-    ("GRPC_MAX_CONNECTION_AGE", "connections are not aged out"),
-    ("GRPC_MAX_CONNECTION_AGE_GRACE", "connections are not aged out"),
+    (
+        "GRPC_MAX_CONNECTION_AGE_GRACE",
+        "an aged connection gets a GOAWAY and closes once its calls finish: never cut off",
+    ),
     ("GRPC_CLIENT_TLS_SAN", "client certificates are checked against GRPC_CLIENT_TLS_CACERT only"),
     ("REDIS_POOL_SIZE", "not needed: each connection coalesces its queued decisions (redis.connections)"),
     ("REDIS_PIPELINE_WINDOW", "not needed: concurrent decisions are always coalesced, with no added wait"),
@@ -193,10 +195,15 @@ fn refuse_unsupported(up: &Upstream<'_>) -> Result<(), ConfigError> {
 }
 
 /// `HOST`/`PORT` (upstream's HTTP listener: health and, here, metrics),
-/// `GRPC_HOST`/`GRPC_PORT`, and `GRPC_UDS` (served beside the port).
+/// `GRPC_HOST`/`GRPC_PORT`, `GRPC_UDS` (served beside the port), and
+/// `GRPC_MAX_CONNECTION_AGE` when set (upstream's 24 h default is not
+/// carried over: ours is never).
 fn listeners(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     if let Some(path) = up.get("GRPC_UDS") {
         out.push(("grpc.uds", path.to_owned()));
+    }
+    if let Some(ms) = up.millis("GRPC_MAX_CONNECTION_AGE")? {
+        out.push(("grpc.max_connection_age_ms", ms.to_string()));
     }
     for (host, port, default_port, key) in
         [("HOST", "PORT", "8080", "http.listen"), ("GRPC_HOST", "GRPC_PORT", "8081", "grpc.listen")]
@@ -497,6 +504,7 @@ mod tests {
             ("RUNTIME_SUBDIRECTORY", "ratelimit"),
             ("PORT", "9080"),
             ("GRPC_PORT", "9081"),
+            ("GRPC_MAX_CONNECTION_AGE", "1h30m"),
             ("SHADOW_MODE", "True"),
             ("MERGE_DOMAIN_CONFIG", "true"),
             ("LIMIT_RESPONSE_HEADERS_ENABLED", "1"),
@@ -514,6 +522,7 @@ mod tests {
         assert_eq!(get("RATELIMITD__REDIS__KEY_PREFIX"), Some("team-a:"));
         assert_eq!(get("RATELIMITD__RULES__ENVOY_PATH"), Some("/data/ratelimit/config"));
         assert_eq!(get("RATELIMITD__HTTP__LISTEN"), Some("0.0.0.0:9080"));
+        assert_eq!(get("RATELIMITD__GRPC__MAX_CONNECTION_AGE_MS"), Some("5400000"));
         assert_eq!(get("RATELIMITD__GRPC__LISTEN"), Some("127.0.0.1:7000"), "an explicit key wins");
         assert_eq!(get("RATELIMITD__ENVOY__SHADOW_MODE"), Some("true"));
         assert_eq!(get("RATELIMITD__ENVOY__MERGE_DOMAINS"), Some("true"));

@@ -31,6 +31,11 @@ pub struct GrpcConfig {
     /// Most gRPC connections open at once (TCP and Unix socket together);
     /// past it new connections wait in the listen backlog until one closes.
     pub max_connections: usize,
+    /// After this long a connection is told to go (HTTP/2 GOAWAY): its
+    /// calls in flight finish, and the client opens its next connection,
+    /// possibly to another instance, so a fleet scaled out shares the
+    /// clients again. Exact, not jittered; never a forced close. 0 never.
+    pub max_connection_age_ms: u64,
     /// TCP keepalive on gRPC connections: after this long idle the kernel
     /// probes the peer (every 10 s, closed after 3 unanswered), so a client
     /// that vanished without closing (a dead host, a NAT that dropped the
@@ -97,6 +102,7 @@ impl Default for GrpcConfig {
             max_message_bytes: 1 << 20,
             max_concurrent_streams: 1_024,
             max_connections: 10_000,
+            max_connection_age_ms: 0,
             tcp_keepalive_ms: 60_000,
             keepalive_interval_ms: 0,
             keepalive_timeout_ms: 20_000,

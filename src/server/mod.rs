@@ -373,15 +373,21 @@ fn grpc_router(
         .add_service(reflection_v1alpha))
 }
 
-/// The HTTP/2 settings of the gRPC server: streams per connection and
-/// keepalive (`grpc.*`); hyper's defaults otherwise.
+/// The HTTP/2 settings of the gRPC server: streams per connection,
+/// keepalive and connection age (`grpc.*`); hyper's defaults otherwise.
 fn transport(grpc: &crate::config::GrpcConfig) -> tonic::transport::Server {
     let keepalive =
         (grpc.keepalive_interval_ms > 0).then(|| Duration::from_millis(grpc.keepalive_interval_ms));
-    tonic::transport::Server::builder()
+    let server = tonic::transport::Server::builder()
         .max_concurrent_streams(grpc.max_concurrent_streams)
         .http2_keepalive_interval(keepalive)
-        .http2_keepalive_timeout(Some(Duration::from_millis(grpc.keepalive_timeout_ms)))
+        .http2_keepalive_timeout(Some(Duration::from_millis(grpc.keepalive_timeout_ms)));
+    // Without a grace: tonic would then skip the GOAWAY and cut the
+    // connection off at age + grace.
+    match grpc.max_connection_age_ms {
+        0 => server,
+        age => server.max_connection_age(Duration::from_millis(age)),
+    }
 }
 
 type Response = tonic::codegen::http::Response<tonic::body::Body>;
