@@ -338,15 +338,23 @@ async fn invalid_requests_are_rejected_with_the_field(backend: Backend) {
     server.stop().await.unwrap();
 }
 
+/// A server on the in-memory store, its `grpc.*` as `set` leaves them.
+async fn grpc_server(
+    rules: &Rules,
+    set: impl FnOnce(&mut ratelimitd::config::GrpcConfig),
+) -> common::TestServer {
+    let mut config = common::config(&rules.path(), None);
+    set(&mut config.grpc);
+    common::TestServer::start(config).await
+}
+
 /// A request message over `grpc.max_message_bytes` is refused with
 /// RESOURCE_EXHAUSTED (gRPC's code for "larger than the receive limit")
 /// naming both sizes, before it is decoded; the connection keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_message_is_resource_exhausted() {
     let rules = Rules::new(RULES);
-    let mut config = common::config(&rules.path(), None);
-    config.grpc.max_message_bytes = 4_096;
-    let server = common::TestServer::start(config).await;
+    let server = grpc_server(&rules, |grpc| grpc.max_message_bytes = 4_096).await;
     let mut client = server.client().await;
     let mut big = request("u", "/limited");
     // 40 headers of 200 bytes: within limits.max_headers and
@@ -397,9 +405,7 @@ async fn silent_h2_client(addr: std::net::SocketAddr, wait: Duration) -> (Vec<(u
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_per_connection_are_bounded_by_the_servers_settings() {
     let rules = Rules::new(RULES);
-    let mut config = common::config(&rules.path(), None);
-    config.grpc.max_concurrent_streams = 7;
-    let server = common::TestServer::start(config).await;
+    let server = grpc_server(&rules, |grpc| grpc.max_concurrent_streams = 7).await;
     let (frames, _) = silent_h2_client(server.addr, Duration::from_millis(300)).await;
     let (kind, flags, settings) = frames.first().expect("the server sent nothing");
     assert_eq!((*kind, *flags), (4, 0), "first frame {frames:?}");
@@ -418,10 +424,11 @@ async fn streams_per_connection_are_bounded_by_the_servers_settings() {
 async fn an_unanswered_keepalive_closes_the_connection() {
     let rules = Rules::new(RULES);
     for interval_ms in [100, 0] {
-        let mut config = common::config(&rules.path(), None);
-        config.grpc.keepalive_interval_ms = interval_ms;
-        config.grpc.keepalive_timeout_ms = 100;
-        let server = common::TestServer::start(config).await;
+        let server = grpc_server(&rules, |grpc| {
+            grpc.keepalive_interval_ms = interval_ms;
+            grpc.keepalive_timeout_ms = 100;
+        })
+        .await;
         let (frames, closed) =
             silent_h2_client(server.addr, Duration::from_secs(if interval_ms > 0 { 10 } else { 1 })).await;
         let pinged = frames.iter().any(|(kind, flags, _)| *kind == 6 && flags & 1 == 0);
@@ -441,9 +448,7 @@ async fn an_unanswered_keepalive_closes_the_connection() {
 async fn an_aged_connection_is_told_to_go() {
     let rules = Rules::new(RULES);
     for age_ms in [200, 0] {
-        let mut config = common::config(&rules.path(), None);
-        config.grpc.max_connection_age_ms = age_ms;
-        let server = common::TestServer::start(config).await;
+        let server = grpc_server(&rules, |grpc| grpc.max_connection_age_ms = age_ms).await;
         let wait = Duration::from_millis(if age_ms > 0 { 1_000 } else { 500 });
         let (frames, _) = silent_h2_client(server.addr, wait).await;
         let goaway = frames.iter().find(|(kind, _, _)| *kind == 7);
@@ -468,9 +473,7 @@ async fn an_aged_connection_is_told_to_go() {
 async fn accepted_connections_keep_tcp_keepalive() {
     let rules = Rules::new(RULES);
     for idle_ms in [45_000, 0] {
-        let mut config = common::config(&rules.path(), None);
-        config.grpc.tcp_keepalive_ms = idle_ms;
-        let server = common::TestServer::start(config).await;
+        let server = grpc_server(&rules, |grpc| grpc.tcp_keepalive_ms = idle_ms).await;
         // An idle connection: the timer `ss` shows is then keepalive's.
         let client = tokio::net::TcpStream::connect(server.addr).await.unwrap();
         let filter = format!("( sport = :{} )", server.addr.port());
@@ -508,9 +511,7 @@ async fn accepted_connections_keep_tcp_keepalive() {
 async fn connections_past_the_limit_wait_until_one_closes() {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let rules = Rules::new(RULES);
-    let mut config = common::config(&rules.path(), None);
-    config.grpc.max_connections = 2;
-    let server = common::TestServer::start(config).await;
+    let server = grpc_server(&rules, |grpc| grpc.max_connections = 2).await;
     let connect = || async {
         let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
         socket.write_all(H2_START).await.unwrap();
