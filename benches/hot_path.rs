@@ -187,6 +187,10 @@ fn benches(c: &mut Criterion) {
             rules: Arc::clone(&rules),
             envoy: Some(Arc::clone(&envoy)),
             store: Store::Memory(Arc::clone(&memory)),
+            local: Arc::new(ratelimitd::limiter::local::LocalLimiter::new(
+                Default::default(),
+                Arc::new(ratelimitd::limiter::SystemClock),
+            )),
             shedder: Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
             failures: Arc::new(LogSink::default()),
             stats: Arc::new(if upstream { metrics.with_upstream(10_000) } else { metrics }),

@@ -156,6 +156,10 @@ pub fn run(rules: Snapshot, requests: &[Request], max_user_id_bytes: usize) -> V
         rules: Arc::new(RuleStore::new(rules)),
         envoy: None,
         store: Store::Memory(Arc::new(store)),
+        local: Arc::new(crate::limiter::local::LocalLimiter::new(
+            Default::default(),
+            Arc::new(crate::limiter::SystemClock),
+        )),
         shedder: Arc::new(Shedder::new(ShedMode::Off, 0)),
         failures: Arc::new(Discard),
         stats: Arc::new(NoStats),

@@ -99,6 +99,57 @@ async fn each_failed_decision_is_recorded_once_with_every_field() {
     }
 }
 
+/// A flood of failures on one rule (Redis down, 300 calls) is folded: per
+/// interval, rule, failure kind and answer at most `dlq.aggregate_after`
+/// records of their own and one aggregate standing for the rest, the counts
+/// adding up to every failed decision; a failure of another rule in the
+/// flood still has a record of its own; `audit` counts the decisions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_of_failures_is_folded_and_a_real_failure_still_recorded() {
+    let mut redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 200;
+    cfg.dlq.aggregate_after = 3;
+    let dir = tempfile::tempdir().unwrap();
+    cfg.dlq.file = dir.path().join("dlq.jsonl");
+    let server = TestServer::start(cfg).await;
+    let mut client = server.client().await;
+    redis.stop();
+    for i in 0..300 {
+        let response = check(&mut client, request(&format!("flood-{i}"), "/open")).await;
+        assert_eq!(reason(&response), Reason::FailOpen);
+        if i == 150 {
+            assert_eq!(reason(&check(&mut client, request("real", "/closed/x")).await), Reason::FailClosed);
+        }
+    }
+    let file = server.dlq_file.clone();
+    let records = server.stop_and_read_dlq().await;
+    let represented: u64 = records.iter().map(|r| r.count).sum();
+    assert_eq!(represented, 301, "every failed decision is in a record");
+    let aggregates: Vec<_> = records.iter().filter(|r| r.count > 1).collect();
+    assert!(!aggregates.is_empty(), "the flood was not folded: {} records", records.len());
+    assert!(aggregates.iter().all(|r| r.rule_id == "open" && r.last_time.is_some()));
+    assert!(records.len() <= 40, "{} records for a flood of 300", records.len());
+    let real: Vec<_> = records.iter().filter(|r| r.rule_id == "closed").collect();
+    assert_eq!(real.len(), 1);
+    assert_eq!((real[0].request.user_id.as_str(), real[0].count), ("real", 1));
+
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .args(["audit", "--file"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let summary = String::from_utf8(output.stdout).unwrap();
+    assert!(
+        summary.contains(&format!(
+            "{n} of {n} records matched, standing for 301 failed decisions; answered FAIL_OPEN 300, FAIL_CLOSED 1",
+            n = records.len()
+        )),
+        "{summary}"
+    );
+}
+
 /// Decisions that do not fail — allowed, denied, shed or unmatched — write nothing.
 #[tokio::test]
 async fn successful_decisions_write_no_record() {

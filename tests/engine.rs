@@ -16,8 +16,8 @@ use common::{Backend, RedisServer};
 use ratelimitd::{
     config::RedisConfig,
     decision::{
-        CheckRequest, Decision, Engine, EngineParts, EnvoyPolicy, FailedDecision, FailureSink, LimitOverride,
-        NoStats, Reason, RlsDecision, RlsDescriptor, RlsRequest,
+        CheckRequest, Decision, Engine, EngineParts, EnvoyFailure, EnvoyPolicy, FailedDecision, FailureSink,
+        LimitOverride, NoStats, Reason, RlsDecision, RlsDescriptor, RlsRequest,
     },
     limiter::{Algorithm, Count, ManualClock, MemoryStore, RedisStore, Store},
     rules::{self, Hot, RuleStore, envoy::Unit},
@@ -32,6 +32,7 @@ rules:
   - { rule_id: vip, resource_path: /vip, priority_bucket: CRITICAL, limit: 100, window_seconds: 60 }
   - { rule_id: trial, resource_path: /trial, limit: 1, window_seconds: 60, mode: shadow }
   - { rule_id: closed, resource_path: /closed, limit: 5, window_seconds: 60, failure_policy: closed }
+  - { rule_id: open, resource_path: /open, limit: 5, window_seconds: 60, failure_policy: open }
   - { rule_id: llm-sliding_window, resource_path: /llm/sliding_window, priority_bucket: BULK, limit: 100, window_seconds: 60 }
   - { rule_id: llm-fixed_window, resource_path: /llm/fixed_window, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: fixed_window }
   - { rule_id: llm-token_bucket, resource_path: /llm/token_bucket, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: token_bucket }
@@ -119,6 +120,10 @@ impl Harness {
             rules: Arc::new(RuleStore::new(native)),
             envoy: Some(Arc::new(Hot::new(envoy))),
             store,
+            local: Arc::new(ratelimitd::limiter::local::LocalLimiter::new(
+                Default::default(),
+                Arc::new(ratelimitd::limiter::SystemClock),
+            )),
             shedder: Arc::clone(&shedder),
             failures: Arc::clone(&failures) as _,
             stats: Arc::new(NoStats),
@@ -567,37 +572,124 @@ async fn over_long_values_are_counted_by_digest_exactly(backend: Backend) {
     assert!(h.rls(&[&[("files", &path)]]).await.statuses[0].limit.is_some());
 }
 
-/// Redis stops: each entry point answers by its failure policy and reports
-/// exactly one failed decision per request, with the request's priority.
+/// Redis stops: each entry point answers by its failure policy, flags the
+/// answer with the failure kind, and reports exactly one failed decision
+/// per request, with the request's priority. `local` (the default) limits
+/// at this instance's share (here the whole limit: one instance), never
+/// "unlimited".
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn store_failures_follow_the_failure_policy_on_both_entry_points() {
     let mut h = Harness::default(Backend::Redis).await;
     h.redis.as_mut().unwrap().stop();
-    let open = h.check("ann", "/two", 1).await;
+    let mut local = Vec::new();
+    for _ in 0..3 {
+        let decision = h.check("ann", "/two", 1).await;
+        assert!(decision.store_error.is_some(), "flagged: {decision:?}");
+        local.push((decision.allowed, decision.reason));
+    }
+    assert_eq!(
+        local,
+        [(true, Reason::LocalOk), (true, Reason::LocalOk), (false, Reason::LocalOverLimit)],
+        "the rule's limit of 2, counted locally"
+    );
+    let open = h.check("ann", "/open", 1).await;
     assert_eq!((open.allowed, open.reason), (true, Reason::FailOpen));
+    assert!(open.store_error.is_some());
     let closed = h.check("ann", "/closed", 1).await;
     assert_eq!((closed.allowed, closed.reason, closed.retry_after_ms), (false, Reason::FailClosed, 1_000));
-    let envoy = h.rls(&[&[("user", "ann")], &[("priority", "BULK")]]).await;
-    assert_eq!((envoy.over_limit, envoy.reason), (false, Reason::FailOpen));
-    assert!(envoy.statuses.iter().all(|s| !s.over_limit && s.limit.is_none()), "nothing counted");
+    let mut envoy = Vec::new();
+    for _ in 0..3 {
+        let decision = h.rls(&[&[("user", "ann")], &[("priority", "BULK")]]).await;
+        assert!(decision.store_error.is_some() && decision.failure.is_none());
+        envoy.push((decision.over_limit, decision.reason));
+    }
+    assert_eq!(
+        envoy,
+        [(false, Reason::LocalOk), (false, Reason::LocalOk), (true, Reason::LocalOverLimit)],
+        "Envoy's limit of 2 per minute, counted locally"
+    );
     assert!(h.rls(&[&[("nothing", "x")]]).await.reason == Reason::NoRule, "no store call, no failure");
     let recorded = h.failures.0.lock().unwrap().clone();
+    let two = ("two".to_owned(), Reason::LocalOk, Priority::Degraded, "/two".to_owned());
+    let edge = ("edge.user".to_owned(), Reason::LocalOk, Priority::Bulk, "envoy:edge".to_owned());
     assert_eq!(
         recorded,
         [
-            ("two".to_owned(), Reason::FailOpen, Priority::Degraded, "/two".to_owned()),
+            two.clone(),
+            two,
+            ("two".to_owned(), Reason::LocalOverLimit, Priority::Degraded, "/two".to_owned()),
+            ("open".to_owned(), Reason::FailOpen, Priority::Degraded, "/open".to_owned()),
             ("closed".to_owned(), Reason::FailClosed, Priority::Degraded, "/closed".to_owned()),
-            ("edge.user".to_owned(), Reason::FailOpen, Priority::Bulk, "envoy:edge".to_owned()),
+            edge.clone(),
+            edge,
+            ("edge.user".to_owned(), Reason::LocalOverLimit, Priority::Bulk, "envoy:edge".to_owned()),
         ]
     );
 
-    let policy = EnvoyPolicy { fail_open: false, ..EnvoyPolicy::default() };
+    for (failure, over_limit, reason) in [
+        (EnvoyFailure::Open, false, Reason::FailOpen),
+        (EnvoyFailure::Unavailable, false, Reason::FailClosed),
+    ] {
+        let policy = EnvoyPolicy { failure, ..EnvoyPolicy::default() };
+        let mut h = Harness::new(Backend::Redis, ShedMode::Enforce, policy).await;
+        h.redis.as_mut().unwrap().stop();
+        let answer = h.rls(&[&[("user", "ann")]]).await;
+        assert_eq!((answer.over_limit, answer.reason), (over_limit, reason));
+        assert!(answer.statuses.iter().all(|s| !s.over_limit), "nothing counted");
+        assert_eq!(
+            answer.failure.is_some(),
+            failure == EnvoyFailure::Unavailable,
+            "UNAVAILABLE only when asked"
+        );
+        assert_eq!(h.failures.0.lock().unwrap().len(), 1);
+    }
+    // Per domain, over the default.
+    let policy = EnvoyPolicy {
+        domain_failure: [("edge".to_owned(), EnvoyFailure::Open)].into(),
+        ..EnvoyPolicy::default()
+    };
     let mut h = Harness::new(Backend::Redis, ShedMode::Enforce, policy).await;
     h.redis.as_mut().unwrap().stop();
-    let unavailable = h.rls(&[&[("user", "ann")]]).await;
-    assert_eq!(unavailable.reason, Reason::FailClosed);
-    assert!(unavailable.failure.is_some(), "the API answers UNAVAILABLE with the store's error");
-    assert_eq!(h.failures.0.lock().unwrap().len(), 1);
+    assert_eq!(h.rls(&[&[("user", "ann")]]).await.reason, Reason::FailOpen);
+}
+
+/// What the local limiter admitted while Redis was down is written back
+/// once it answers: the shared counter then holds it, and the same user is
+/// limited by what was admitted during the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_admissions_are_written_back_when_the_store_returns() {
+    let mut h = Harness::default(Backend::Redis).await;
+    let redis = h.redis.as_mut().unwrap();
+    redis.stop();
+    assert_eq!(h.check("bob", "/two", 1).await.reason, Reason::LocalOk);
+    assert!(!h.rls(&[&[("user", "bob")]]).await.over_limit);
+    assert!(!h.rls(&[&[("user", "bob")]]).await.over_limit);
+    let local = Arc::clone(h.engine.local());
+    assert_eq!(local.owed_hits(), 3);
+    assert_eq!(local.write_back(h.engine.store()).await, 0, "nothing to write to while down");
+    assert_eq!(local.owed_hits(), 3, "kept owed");
+    h.redis.as_mut().unwrap().restart();
+    let store = h.engine.store().clone();
+    let written = common::eventually(Duration::from_secs(20), || {
+        let (local, store) = (Arc::clone(&local), store.clone());
+        async move {
+            local.write_back(&store).await;
+            local.owed_hits() == 0
+        }
+    })
+    .await;
+    assert!(written, "owed hits never written back");
+    assert_eq!(local.written_back(), 3);
+    // The shared counters hold the outage's admissions: one more for the
+    // native rule (limit 2), none for Envoy's (2 used of 2).
+    let after = common::eventually(Duration::from_secs(10), || {
+        let h = &h;
+        async move { h.check("bob", "/two", 1).await.reason == Reason::Ok }
+    })
+    .await;
+    assert!(after, "the store did not answer again");
+    assert_eq!(h.check("bob", "/two", 1).await.reason, Reason::OverLimit);
+    assert_eq!(h.rls(&[&[("user", "bob")]]).await.reason, Reason::OverLimit);
 }
 
 #[test]

@@ -211,6 +211,53 @@ async fn redis_down_follows_the_configured_policy() {
     }
 }
 
+/// Redis stopped mid-run under the default `envoy.failure_mode: local`:
+/// the limit (3 a minute, one instance) holds locally — requests past it are
+/// 429 — and every answer the store did not make carries
+/// `x-ratelimit-error`, the 200s included. Once Redis is back, the hits
+/// admitted locally are written back: Redis holds them, and the same user
+/// is limited by them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_down_limits_locally_flags_and_writes_back() {
+    let mut s = stack(|c| c.local.reconcile_interval_ms = 100).await;
+    let port = s.envoy_port;
+    let (code, headers) =
+        tokio::task::spawn_blocking(move || get(port, &[("x-user-id", "erin")])).await.unwrap();
+    assert_eq!(code, 200);
+    assert!(header(&headers, "x-ratelimit-error").is_none(), "decided by Redis: {headers:?}");
+    s.redis.stop();
+    let answers = tokio::task::spawn_blocking(move || {
+        (0..5).map(|_| get(port, &[("x-user-id", "erin")])).collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    let codes: Vec<u16> = answers.iter().map(|(code, _)| *code).collect();
+    assert_eq!(codes, [200, 200, 200, 429, 429], "the local share is the limit of 3");
+    for (code, headers) in &answers {
+        let flag = header(headers, "x-ratelimit-error");
+        assert!(flag.is_some_and(|kind| !kind.is_empty()), "{code}: not flagged: {headers:?}");
+    }
+
+    s.redis.restart();
+    let addr = s.server.http_addr;
+    let written = common::eventually(Duration::from_secs(20), || async move {
+        let (_, scrape) =
+            tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
+        scrape.lines().any(|l| l == "ratelimitd_local_written_back_hits_total 3")
+            && scrape.lines().any(|l| l == "ratelimitd_local_owed_hits 0")
+    })
+    .await;
+    assert!(written, "the 3 local admissions were not written back");
+    // Redis restarted empty: it holds exactly the outage's 3 hits.
+    let (code, headers) =
+        tokio::task::spawn_blocking(move || get(port, &[("x-user-id", "erin")])).await.unwrap();
+    assert_eq!(code, 429, "the written-back hits count: {headers:?}");
+    assert!(header(&headers, "x-ratelimit-error").is_none(), "decided by Redis again: {headers:?}");
+    let records = s.server.stop_and_read_dlq().await;
+    let reasons: Vec<&str> = records.iter().map(|r| r.answer.reason.as_str()).collect();
+    assert_eq!(reasons, ["LOCAL_OK", "LOCAL_OK", "LOCAL_OK", "LOCAL_OVER_LIMIT", "LOCAL_OVER_LIMIT"]);
+}
+
 /// The service runs hot (CRITICAL_ONLY, from a synthetic `/proc/stat`):
 /// Envoy's requests without a priority (the default, DEGRADED) or with a
 /// lower one get 429 with `x-ratelimit-reason: SHED`, without a counter
@@ -550,10 +597,12 @@ async fn an_upstream_deployment_runs_unchanged() {
     let stdout = String::from_utf8_lossy(&answer.stdout);
     assert!(answer.status.success(), "grpcurl: {}", String::from_utf8_lossy(&answer.stderr));
     assert!(stdout.contains("\"overallCode\": \"OVER_LIMIT\""), "{stdout}");
-    // Upstream's statsd names (USE_STATSD is on by default), deltas per flush.
+    // Upstream's statsd names (USE_STATSD is on by default), deltas per
+    // flush: Envoy's two 429s and the socket's OVER_LIMIT, in however many
+    // flushes they fell.
     let over_limit = tokio::task::spawn_blocking(move || {
         let (mut over, mut buf) = (0, [0u8; 4096]);
-        while over < 2 {
+        while over < 3 {
             let n = statsd.recv(&mut buf).expect("statsd datagrams");
             for line in String::from_utf8_lossy(&buf[..n]).lines() {
                 if let Some(count) = line.strip_prefix("ratelimit.service.rate_limit.edge.user.over_limit:") {
@@ -565,7 +614,7 @@ async fn an_upstream_deployment_runs_unchanged() {
     })
     .await
     .unwrap();
-    assert_eq!(over_limit, 2);
+    assert_eq!(over_limit, 3);
     drop(service);
     let stderr = std::fs::read_to_string(&log).unwrap();
     assert!(stderr.contains("DEBUG_PORT"), "an unsupported variable is reported by name:\n{stderr}");

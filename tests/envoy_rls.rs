@@ -423,45 +423,63 @@ async fn invalid_requests_are_invalid_argument(backend: Backend) {
     s.server.stop().await.unwrap();
 }
 
-/// Redis down: `allow` answers OK and records the failure; `unavailable`
-/// answers gRPC UNAVAILABLE so Envoy's failure_mode_deny decides.
+/// Redis down: `local` (the default) limits at this instance's share (the
+/// user limit, 3 a day: one instance) and flags every answer with
+/// `x-ratelimit-error`, to the client and to the upstream; `allow` answers
+/// OK, flagged; `unavailable` answers gRPC UNAVAILABLE so Envoy's
+/// failure_mode_deny decides. Each records every failed request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn store_failure_follows_the_failure_mode() {
-    for mode in [EnvoyFailureMode::Allow, EnvoyFailureMode::Unavailable] {
+    for mode in [EnvoyFailureMode::Local, EnvoyFailureMode::Allow, EnvoyFailureMode::Unavailable] {
         let mut s = start(Backend::Redis, |c| {
             c.envoy.failure_mode = mode;
             c.redis.timeout_ms = 200;
         })
         .await;
         s.redis.as_mut().unwrap().stop();
-        let result = s.client.should_rate_limit(request(vec![descriptor(&[("user", "gina")])])).await;
-        match mode {
-            EnvoyFailureMode::Allow => {
-                let r = result.unwrap().into_inner();
-                assert_eq!(code(r.overall_code), Code::Ok);
-            }
-            EnvoyFailureMode::Unavailable => {
+        let calls = if mode == EnvoyFailureMode::Local { 4 } else { 1 };
+        let mut codes = Vec::new();
+        for _ in 0..calls {
+            let result = s.client.should_rate_limit(request(vec![descriptor(&[("user", "gina")])])).await;
+            if mode == EnvoyFailureMode::Unavailable {
                 assert_eq!(result.unwrap_err().code(), tonic::Code::Unavailable);
+                continue;
             }
+            let r = result.unwrap().into_inner();
+            for headers in [&r.response_headers_to_add, &r.request_headers_to_add] {
+                let flag: Vec<_> = headers.iter().filter(|h| h.key == "x-ratelimit-error").collect();
+                assert_eq!(flag.len(), 1, "{mode:?}: flagged once: {headers:?}");
+                assert!(!flag[0].value.is_empty(), "{mode:?}: names the failure kind");
+            }
+            codes.push(code(r.overall_code));
         }
+        let expected: &[Code] = match mode {
+            EnvoyFailureMode::Local => &[Code::Ok, Code::Ok, Code::Ok, Code::OverLimit],
+            EnvoyFailureMode::Allow => &[Code::Ok],
+            EnvoyFailureMode::Unavailable => &[],
+        };
+        assert_eq!(codes, expected, "{mode:?}");
         let addr = s.server.http_addr;
         let (_, scrape) =
             tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
         for line in [
-            r#"ratelimit_service_should_rate_limit_error{err_type="redis_error"} 1"#,
-            r#"ratelimit_service_rate_limit_total_hits{domain="edge",key1="user"} 1"#,
+            format!(r#"ratelimit_service_should_rate_limit_error{{err_type="redis_error"}} {calls}"#),
+            format!(r#"ratelimit_service_rate_limit_total_hits{{domain="edge",key1="user"}} {calls}"#),
         ] {
             assert!(scrape.lines().any(|l| l == line), "{mode:?}: missing {line}");
         }
         let records = s.server.stop_and_read_dlq().await;
-        assert_eq!(records.len(), 1, "{mode:?}: {records:?}");
+        assert_eq!(records.len(), calls, "{mode:?}: {records:?}");
         assert_eq!(records[0].rule_id, "edge.user");
         assert_eq!(records[0].request.resource_path, "envoy:edge");
         assert_eq!(records[0].request.user_id, "86400|user=gina");
-        assert_eq!(
-            records[0].answer.reason,
-            if mode == EnvoyFailureMode::Allow { "FAIL_OPEN" } else { "FAIL_CLOSED" }
-        );
+        let reasons: Vec<&str> = records.iter().map(|r| r.answer.reason.as_str()).collect();
+        let expected: &[&str] = match mode {
+            EnvoyFailureMode::Local => &["LOCAL_OK", "LOCAL_OK", "LOCAL_OK", "LOCAL_OVER_LIMIT"],
+            EnvoyFailureMode::Allow => &["FAIL_OPEN"],
+            EnvoyFailureMode::Unavailable => &["FAIL_CLOSED"],
+        };
+        assert_eq!(reasons, expected, "{mode:?}");
     }
 }
 

@@ -194,6 +194,7 @@ async fn records_spooled_before_kill_9_are_delivered_after_restart() {
             .env("RATELIMITD__SHED__MODE", "off")
             .env("RATELIMITD__DLQ__KAFKA__BROKERS", &brokers)
             .env("RATELIMITD__DLQ__KAFKA__TOPIC", &cfg.dlq.kafka.topic)
+            .env("RATELIMITD__DLQ__AGGREGATE_AFTER", u32::MAX.to_string())
             .env("RATELIMITD__DLQ__SPOOL_DIR", spool.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use common::{Rules, SentinelSetup, TestServer, check, config, reason, request};
 use ratelimitd::api::pb::Reason;
 
-const RULES: &str = "rules:\n  - { rule_id: hot, resource_path: /hot, limit: 10, window_seconds: 86400 }\n";
+// Open: the failover's exactness is the point here, not what answers
+// while no primary is known (tests/engine.rs covers `local`).
+const RULES: &str = "rules:\n  - { rule_id: hot, resource_path: /hot, limit: 10, window_seconds: 86400, failure_policy: open }\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failover_keeps_decisions_exact() {

@@ -107,6 +107,7 @@ pub(crate) fn response(decision: Decision) -> pb::RateLimitResponse {
         window_ms: i64::try_from(window_ms).unwrap_or(i64::MAX),
         shadow_shed: decision.shadow_shed,
         priority: priority(decision.priority) as i32,
+        store_error: decision.store_error.map_or_else(String::new, |kind| kind.as_str().to_owned()),
     }
 }
 
@@ -119,6 +120,8 @@ fn reason(reason: Reason) -> pb::Reason {
         Reason::NoRule => pb::Reason::NoRule,
         Reason::FailOpen => pb::Reason::FailOpen,
         Reason::FailClosed => pb::Reason::FailClosed,
+        Reason::LocalOk => pb::Reason::LocalOk,
+        Reason::LocalOverLimit => pb::Reason::LocalOverLimit,
         Reason::WeightExceedsCapacity => pb::Reason::WeightExceedsCapacity,
     }
 }

@@ -202,9 +202,8 @@ fn response_unit(unit: Unit) -> ResponseUnit {
 /// `envoy.failure_mode: unavailable` is UNAVAILABLE (not UNKNOWN): Envoy
 /// then applies its own `failure_mode_deny`.
 fn response(decision: &RlsDecision, settings: &EnvoySettings) -> Result<RateLimitResponse, Status> {
-    if decision.reason == Reason::FailClosed {
-        let why = decision.failure.as_ref().map_or_else(String::new, ToString::to_string);
-        return Err(Status::unavailable(format!("counter store unavailable: {why}")));
+    if let Some(failure) = &decision.failure {
+        return Err(Status::unavailable(format!("counter store unavailable: {failure}")));
     }
     let statuses: Vec<DescriptorStatus> = decision.statuses.iter().map(status).collect();
     let mut response_headers_to_add = Vec::new();
@@ -217,10 +216,21 @@ fn response(decision: &RlsDecision, settings: &EnvoySettings) -> Result<RateLimi
         // Envoy adds these to its 429: the client sees why (a back-off, not a spent quota).
         response_headers_to_add.push(header(&settings.reason_header, decision.reason.as_str().to_owned()));
     }
+    // Not decided by the shared store: said to the client (on the 429 and
+    // the 200 alike) and to the upstream, so either can tell.
+    let mut request_headers_to_add = Vec::new();
+    if let Some(kind) = decision.store_error
+        && !settings.error_header.is_empty()
+    {
+        let flag = header(&settings.error_header, kind.as_str().to_owned());
+        request_headers_to_add.push(flag.clone());
+        response_headers_to_add.push(flag);
+    }
     Ok(RateLimitResponse {
         overall_code: if decision.over_limit { Code::OverLimit } else { Code::Ok } as i32,
         statuses,
         response_headers_to_add,
+        request_headers_to_add,
         ..Default::default()
     })
 }

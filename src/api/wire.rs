@@ -33,7 +33,9 @@ impl Encode for pb::RateLimitResponse {
     fn encode_to(&self, out: &mut Vec<u8>) {
         // The scalars take at most 11 bytes each; the strings their length
         // and a prefix.
-        out.reserve(13 * 11 + self.cluster_utilization_status.len() + self.rule_id.len());
+        out.reserve(
+            14 * 11 + self.cluster_utilization_status.len() + self.rule_id.len() + self.store_error.len(),
+        );
         boolean(out, 1, self.allowed);
         uint(out, 2, u64::from(self.remaining_tokens));
         int(out, 3, self.retry_after_ms);
@@ -47,6 +49,7 @@ impl Encode for pb::RateLimitResponse {
         int(out, 11, self.window_ms);
         boolean(out, 12, self.shadow_shed);
         int(out, 13, i64::from(self.priority));
+        string(out, 14, &self.store_error);
     }
 }
 
@@ -143,15 +146,16 @@ mod tests {
     }
 
     fn response() -> impl Strategy<Value = pb::RateLimitResponse> {
-        let scalars = (any::<bool>(), any::<u32>(), any::<i64>(), any::<u64>(), any::<i64>(), -3..12i32);
+        let scalars = (any::<bool>(), any::<u32>(), any::<i64>(), any::<u64>(), any::<i64>(), -3..14i32);
         let more =
             (any::<bool>(), any::<u64>(), any::<i64>(), any::<bool>(), prop_oneof![-2..8i32, any::<i32>()]);
-        (scalars, more, text(), text()).prop_map(
+        (scalars, more, text(), text(), text()).prop_map(
             |(
                 (allowed, remaining, retry, limit, reset, reason),
                 (denied, capacity, window, shed, priority),
                 status,
                 rule,
+                store_error,
             )| {
                 pb::RateLimitResponse {
                     allowed,
@@ -167,6 +171,7 @@ mod tests {
                     window_ms: window,
                     shadow_shed: shed,
                     priority,
+                    store_error,
                 }
             },
         )

@@ -41,6 +41,13 @@ pub struct DlqConfig {
     /// take them there are dropped (counted, logged once a minute) until
     /// Kafka has taken enough of them. At least 4 segments.
     pub spool_max_bytes: u64,
+    /// Per rule, failure kind and answer, this many failed decisions of
+    /// each `aggregate_interval_ms` are written as records of their own; the
+    /// rest of the interval become one aggregate record (a sample, a
+    /// `count`), so a flood cannot fill the queue or the disk cap.
+    pub aggregate_after: u32,
+    /// The interval of `aggregate_after`.
+    pub aggregate_interval_ms: u64,
     /// The dead-letter topic; `brokers` unset selects the file sink.
     pub kafka: KafkaConfig,
 }
@@ -57,6 +64,8 @@ impl Default for DlqConfig {
             spool_dir: PathBuf::from(SYSTEM_STATE_DIR).join("spool"),
             spool_segment_bytes: 16 << 20,
             spool_max_bytes: 1 << 30,
+            aggregate_after: 10,
+            aggregate_interval_ms: 1_000,
             kafka: KafkaConfig::default(),
         }
     }
@@ -147,6 +156,9 @@ impl DlqConfig {
         // a newer segment exists: room for a few segments keeps it moving.
         if self.spool_max_bytes < self.spool_segment_bytes.saturating_mul(4) {
             return Err(invalid("dlq.spool_max_bytes", "must be at least 4 x dlq.spool_segment_bytes"));
+        }
+        if !(10..=3_600_000).contains(&self.aggregate_interval_ms) {
+            return Err(invalid("dlq.aggregate_interval_ms", "must be between 10 and 3600000"));
         }
         self.kafka.validate()
     }

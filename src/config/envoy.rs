@@ -36,8 +36,11 @@ pub enum EnvoyHeaderFormat {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EnvoyFailureMode {
-    /// Answer OK (and record the failure like any failed decision).
+    /// Decide locally at this instance's share of each limit (the local
+    /// limiter), flagged with `envoy.error_header`.
     #[default]
+    Local,
+    /// Answer OK (and record the failure like any failed decision).
     Allow,
     /// Answer gRPC UNAVAILABLE, so Envoy's own `failure_mode_deny` decides.
     Unavailable,
@@ -49,8 +52,15 @@ pub enum EnvoyFailureMode {
 pub struct EnvoySettings {
     /// `sliding_window` (default) or `fixed_window`.
     pub algorithm: EnvoyAlgorithm,
-    /// `allow` (default) or `unavailable`.
+    /// `local` (default), `allow` or `unavailable`.
     pub failure_mode: EnvoyFailureMode,
+    /// The failure mode of a domain (`domain: MODE`), over `failure_mode`.
+    pub domain_failure_mode: HashMap<String, EnvoyFailureMode>,
+    /// Header naming the failure kind of a decision the shared store did
+    /// not make (`timeout`, `circuit_open`, ...): Envoy adds it to the
+    /// response (the 200 and the 429) and to the request it forwards
+    /// upstream. Empty: no header.
+    pub error_header: String,
     /// Add rate-limit headers (of the descriptor closest to its limit) to responses.
     pub response_headers: bool,
     /// `plain` (the tightest limit's number) or `draft03` (followed by
@@ -121,7 +131,9 @@ impl Default for EnvoySettings {
     fn default() -> Self {
         Self {
             algorithm: EnvoyAlgorithm::SlidingWindow,
-            failure_mode: EnvoyFailureMode::Allow,
+            failure_mode: EnvoyFailureMode::Local,
+            domain_failure_mode: HashMap::new(),
+            error_header: "x-ratelimit-error".to_owned(),
             response_headers: false,
             response_headers_format: EnvoyHeaderFormat::Plain,
             limit_header: "x-ratelimit-limit".to_owned(),
@@ -154,6 +166,7 @@ impl EnvoySettings {
             ("envoy.remaining_header", &self.remaining_header, false),
             ("envoy.reset_header", &self.reset_header, false),
             ("envoy.reason_header", &self.reason_header, true),
+            ("envoy.error_header", &self.error_header, true),
         ] {
             let valid = name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
             if !valid || (name.is_empty() && !may_be_empty) {
@@ -189,6 +202,12 @@ impl EnvoySettings {
         }
         if !(1..=1_000_000).contains(&self.upstream_metrics_max_keys) {
             return Err(invalid("envoy.upstream_metrics_max_keys", "must be between 1 and 1000000"));
+        }
+        if let Some(domain) = self.domain_failure_mode.keys().find(|d| d.is_empty()) {
+            return Err(invalid(
+                "envoy.domain_failure_mode",
+                format!("{domain:?}: a domain must not be empty"),
+            ));
         }
         if let Some(domain) = self.domain_priority.keys().find(|d| d.is_empty()) {
             return Err(invalid("envoy.domain_priority", format!("{domain:?}: a domain must not be empty")));

@@ -20,6 +20,7 @@ mod envoy;
 mod grpc;
 mod http;
 mod limits;
+mod local;
 mod memory;
 mod overload;
 mod redis;
@@ -42,6 +43,7 @@ pub use envoy::{EnvoyAlgorithm, EnvoyFailureMode, EnvoyHeaderFormat, EnvoySettin
 pub use grpc::{GrpcConfig, GrpcTlsConfig};
 pub use http::HttpConfig;
 pub use limits::LimitsConfig;
+pub use local::LocalConfig;
 pub use memory::MemoryConfig;
 pub use overload::{DenialCacheConfig, OverloadConfig, OverloadMode, TenantSource};
 pub use redis::{RedisConfig, redact_url};
@@ -86,6 +88,8 @@ pub struct Config {
     pub redis: RedisConfig,
     /// The in-memory counter store (used when `redis.url` is unset).
     pub memory: MemoryConfig,
+    /// The local limiter: decides at this instance's share when the store cannot.
+    pub local: LocalConfig,
     /// Where native and Envoy rules come from and how often they are checked for changes.
     pub rules: RulesConfig,
     /// Bounds on request fields, answered with INVALID_ARGUMENT when exceeded.
@@ -165,6 +169,7 @@ impl Config {
         self.http.validate()?;
         self.redis.validate()?;
         self.memory.validate()?;
+        self.local.validate()?;
         self.rules.validate()?;
         self.limits.validate()?;
         self.shed.validate()?;

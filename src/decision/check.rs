@@ -5,12 +5,12 @@ use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
 use tracing::Instrument as _;
 
-use super::{Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, REPORT_LABEL, Reason, clamp_i64, keys};
+use super::{Api, Engine, REPORT_LABEL, Reason, clamp_i64, fallback::Failed, keys};
 use crate::{
     config::TenantSource,
-    limiter::{Count, Verdict},
+    limiter::{Count, FailureKind, Verdict},
     overload::{Kind, OverloadVerdict},
-    rules::{FailurePolicy, Mode},
+    rules::Mode,
     shed::{Level, Priority, ShedVerdict},
 };
 
@@ -73,10 +73,13 @@ pub struct Decision {
     pub level: Level,
     /// Shedding would have refused this request, but `shed.mode` is shadow.
     pub shadow_shed: bool,
+    /// Why the shared store did not decide (the rule's failure policy
+    /// did); `None` when it did.
+    pub store_error: Option<FailureKind>,
 }
 
 impl Decision {
-    fn allowed(reason: Reason, rule: Option<RuleInfo>, priority: Priority, level: Level) -> Self {
+    pub(super) fn allowed(reason: Reason, rule: Option<RuleInfo>, priority: Priority, level: Level) -> Self {
         Decision {
             allowed: true,
             reason,
@@ -88,6 +91,7 @@ impl Decision {
             priority,
             level,
             shadow_shed: false,
+            store_error: None,
         }
     }
 }
@@ -223,28 +227,8 @@ impl Engine {
         match decided {
             Ok(verdict) => Decision { shadow_shed, level, ..from_verdict(&verdict, shadow, info, priority) },
             Err(error) => {
-                let (allowed, reason) = match rule.failure_policy {
-                    FailurePolicy::Open => (true, Reason::FailOpen),
-                    FailurePolicy::Closed => (false, Reason::FailClosed),
-                };
-                // The record names what was counted: the digest of an over-long id.
-                self.inner.failures.record(&FailedDecision {
-                    user_id: &user,
-                    ..FailedDecision::of_check(request, rule, priority, &error, reason)
-                });
-                Decision {
-                    allowed,
-                    // Nothing is known about the counter: when denying, ask
-                    // clients to back off for a second (or one window, if
-                    // shorter) rather than spin against an outage.
-                    retry_after_ms: if allowed {
-                        0
-                    } else {
-                        clamp_i64(rule.window.window_ms.min(FAIL_CLOSED_RETRY_MS))
-                    },
-                    shadow_shed,
-                    ..Decision::allowed(reason, info, priority, level)
-                }
+                let failed = Failed { user: &user, weight, info, priority, level, error };
+                Decision { shadow_shed, ..self.check_failed(request, rule, failed) }
             }
         }
     }
@@ -264,7 +248,12 @@ impl Engine {
     }
 }
 
-fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priority: Priority) -> Decision {
+pub(super) fn from_verdict(
+    verdict: &Verdict,
+    shadow: bool,
+    info: Option<RuleInfo>,
+    priority: Priority,
+) -> Decision {
     let denied = !verdict.admitted;
     let enforce_denial = denied && !shadow;
     Decision {
@@ -278,5 +267,6 @@ fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priorit
         priority,
         level: Level::Normal,
         shadow_shed: false,
+        store_error: None,
     }
 }

@@ -22,9 +22,9 @@ use std::{
 
 use tracing::Instrument as _;
 
-use super::{Api, Engine, FailedDecision, LimitHits, REPORT_LABEL, Reason, keys};
+use super::{Api, Engine, LimitHits, REPORT_LABEL, Reason, keys};
 use crate::{
-    limiter::{Count, ManyItem, ManyOutcome, StoreError, push_encoded, window::Algorithm},
+    limiter::{Count, FailureKind, ManyItem, ManyOutcome, StoreError, push_encoded, window::Algorithm},
     overload::{Kind, OverloadVerdict},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
     shed::{Level, Priority, ShedVerdict},
@@ -40,9 +40,10 @@ pub struct EnvoyPolicy {
     /// How limits without an `algorithm` of their own count, request
     /// overrides included (`envoy.algorithm`: a sliding or a fixed window).
     pub algorithm: Algorithm,
-    /// When the store cannot decide: answer OK (`true`) or let the API
-    /// answer UNAVAILABLE (`envoy.failure_mode`).
-    pub fail_open: bool,
+    /// What answers when the store cannot decide (`envoy.failure_mode`).
+    pub failure: EnvoyFailure,
+    /// The same, per domain (`envoy.domain_failure_mode`), over `failure`.
+    pub domain_failure: HashMap<String, EnvoyFailure>,
     /// A descriptor entry with this key and a priority name as its value
     /// sets the request's priority (`envoy.priority_key`; empty: none).
     pub priority_key: String,
@@ -74,7 +75,8 @@ impl Default for EnvoyPolicy {
     fn default() -> Self {
         EnvoyPolicy {
             algorithm: Algorithm::SlidingWindow,
-            fail_open: true,
+            failure: EnvoyFailure::Local,
+            domain_failure: HashMap::new(),
             priority_key: "priority".to_owned(),
             domain_priority: HashMap::new(),
             max_value_bytes: 1_024,
@@ -85,6 +87,20 @@ impl Default for EnvoyPolicy {
             near_limit_ratio: 0.8,
         }
     }
+}
+
+/// What answers a `ShouldRateLimit` the store could not decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnvoyFailure {
+    /// The local limiter, at this instance's share of each limit (reasons
+    /// LOCAL_OK and LOCAL_OVER_LIMIT); every descriptor OVER_LIMIT when it
+    /// is at its bound.
+    Local,
+    /// OK, nothing counted (FAIL_OPEN).
+    Open,
+    /// The API answers UNAVAILABLE (FAIL_CLOSED), so Envoy's own
+    /// `failure_mode_deny` decides.
+    Unavailable,
 }
 
 /// A validated `ShouldRateLimit` request. It borrows the descriptors as
@@ -167,8 +183,12 @@ pub struct RlsDecision {
     pub level: Level,
     /// Shedding would have refused it, but `shed.mode` is shadow.
     pub shadow_shed: bool,
-    /// `FailClosed`: what the store said.
+    /// Answer UNAVAILABLE with what the store said
+    /// ([`EnvoyFailure::Unavailable`]).
     pub failure: Option<StoreError>,
+    /// Why the shared store did not decide (the failure policy did);
+    /// `None` when it did.
+    pub store_error: Option<FailureKind>,
 }
 
 /// The answer for one descriptor.
@@ -188,7 +208,7 @@ pub struct DescriptorDecision {
 }
 
 /// How one descriptor is decided.
-enum Plan {
+pub(super) enum Plan {
     /// No limit applies (unmatched, or replaced).
     NoLimit,
     /// `unlimited: true`, its upstream metric key if not the full key, and
@@ -214,7 +234,7 @@ fn request_stat_key<'a>(domain: &str, entries: impl Iterator<Item = (&'a str, &'
 }
 
 /// The key upstream's metrics count a limit under.
-fn stat_key<'a>(limit: &'a EnvoyLimit, key: &'a Option<Box<str>>) -> &'a str {
+pub(super) fn stat_key<'a>(limit: &'a EnvoyLimit, key: &'a Option<Box<str>>) -> &'a str {
     key.as_deref().unwrap_or(&limit.full_key)
 }
 
@@ -345,9 +365,10 @@ impl Engine {
             level,
             shadow_shed,
             failure: None,
+            store_error: None,
         };
         if items.is_empty() {
-            return self.rls_answer(&plans, &items, None, base);
+            return self.rls_answer(&plans, &items, None, base, false);
         }
         if let Some(retry_after_ms) = self.rls_overload(request, &plans, &items) {
             let limits = plans.iter().map(|plan| match plan {
@@ -376,7 +397,7 @@ impl Engine {
             .await;
         self.store_call_done(store_started, &decided);
         match decided {
-            Ok(outcome) => self.rls_answer(&plans, &items, Some(&outcome), base),
+            Ok(outcome) => self.rls_answer(&plans, &items, Some(&outcome), base, false),
             Err(error) => self.rls_failed(request, &plans, &items, error, base),
         }
     }
@@ -416,13 +437,13 @@ impl Engine {
 
     /// Whether `limit` is in shadow mode: its own `shadow_mode`, or
     /// `envoy.shadow_mode` for all.
-    fn shadow(&self, limit: &EnvoyLimit) -> bool {
+    pub(super) fn shadow(&self, limit: &EnvoyLimit) -> bool {
         limit.shadow_mode || self.inner.envoy_policy.shadow_mode
     }
 
     /// Whether `limit` is in quota mode: its own `quota_mode`, or
     /// `envoy.quota_mode` for all.
-    fn quota(&self, limit: &EnvoyLimit) -> bool {
+    pub(super) fn quota(&self, limit: &EnvoyLimit) -> bool {
         limit.quota_mode || self.inner.envoy_policy.quota_mode
     }
 
@@ -547,17 +568,19 @@ impl Engine {
             level,
             shadow_shed: false,
             failure: None,
+            store_error: None,
         }
     }
 
     /// Statuses and the overall code from the store's verdicts (`None`:
-    /// nothing was counted).
-    fn rls_answer(
+    /// nothing was counted); `local`: the local limiter's verdicts.
+    pub(super) fn rls_answer(
         &self,
         plans: &[Plan],
         items: &[ManyItem],
         outcome: Option<&ManyOutcome>,
         mut decision: RlsDecision,
+        local: bool,
     ) -> RlsDecision {
         let (mut enforced_over, mut quota_total, mut quota_over, mut counted) = (false, 0, 0, false);
         let mut tightest: Option<(u32, usize)> = None;
@@ -605,10 +628,12 @@ impl Engine {
                         if over { 0 } else { u32::try_from(verdict.remaining).unwrap_or(u32::MAX) };
                     let denied = over && !self.shadow(limit);
                     let report = items[*index].count == Count::Always;
-                    let reason = match (report, denied) {
-                        (true, _) => REPORT_LABEL,
-                        (false, true) => "OVER_LIMIT",
-                        (false, false) => "OK",
+                    let reason = match (report, denied, local) {
+                        (true, _, _) => REPORT_LABEL,
+                        (false, true, false) => "OVER_LIMIT",
+                        (false, false, false) => "OK",
+                        (false, true, true) => "LOCAL_OVER_LIMIT",
+                        (false, false, true) => "LOCAL_OK",
                     };
                     self.inner.stats.decision(Api::Envoy, Some(&limit.full_key), reason, report || !denied);
                     let rank = if denied { 0 } else { remaining };
@@ -638,65 +663,6 @@ impl Engine {
             (false, false) => Reason::NoRule,
         };
         decision.tightest = tightest.map(|(_, index)| index);
-        decision
-    }
-
-    /// The store could not decide: one dead-letter record for the request,
-    /// then the answer `envoy.failure_mode` gives.
-    fn rls_failed<D>(
-        &self,
-        request: &RlsRequest<'_, D>,
-        plans: &[Plan],
-        items: &[ManyItem],
-        error: StoreError,
-        mut decision: RlsDecision,
-    ) -> RlsDecision {
-        let reason = if self.inner.envoy_policy.fail_open { Reason::FailOpen } else { Reason::FailClosed };
-        self.inner.stats.envoy_failed();
-        for plan in plans {
-            if let Plan::Limited(limit, index, key) = plan {
-                if self.inner.envoy_policy.upstream_metrics {
-                    // Upstream counts the hits before it asks Redis.
-                    let total = if items[*index].count == Count::Never { 0 } else { items[*index].weight };
-                    self.inner
-                        .stats
-                        .limit_hits(stat_key(limit, key), LimitHits { total, ..LimitHits::default() });
-                }
-                self.inner.stats.decision(
-                    Api::Envoy,
-                    Some(&limit.full_key),
-                    reason.as_str(),
-                    reason == Reason::FailOpen,
-                );
-            }
-        }
-        // One record per request, naming the first counted descriptor.
-        if let Some((limit, index)) = plans.iter().find_map(|p| match p {
-            Plan::Limited(l, i, _) => Some((l, *i)),
-            _ => None,
-        }) {
-            let headers = HashMap::new();
-            let resource = format!("envoy:{}", request.domain);
-            self.inner.failures.record(&FailedDecision {
-                user_id: &items[index].key,
-                resource_path: &resource,
-                client_type: None,
-                weight: u32::try_from(items[index].weight).unwrap_or(u32::MAX),
-                count: items[index].count,
-                headers: &headers,
-                trace_id: request.trace_id,
-                rule_id: &limit.full_key,
-                priority: decision.priority,
-                error: &error,
-                answer: reason,
-            });
-        }
-        // Fail open: every descriptor OK, nothing counted.
-        decision.statuses = plans.iter().map(|_| DescriptorDecision::default()).collect();
-        decision.reason = reason;
-        if reason == Reason::FailClosed {
-            decision.failure = Some(error);
-        }
         decision
     }
 }

@@ -21,6 +21,7 @@ mod check;
 pub mod denials;
 mod envoy;
 mod failure;
+mod fallback;
 pub mod keys;
 #[cfg(test)]
 mod tests;
@@ -29,7 +30,8 @@ use std::{fmt, sync::Arc, time::Duration};
 
 pub use check::{CheckRequest, Decision, RuleInfo};
 pub use envoy::{
-    Descriptor, DescriptorDecision, EnvoyPolicy, LimitOverride, RlsDecision, RlsDescriptor, RlsRequest,
+    Descriptor, DescriptorDecision, EnvoyFailure, EnvoyPolicy, LimitOverride, RlsDecision, RlsDescriptor,
+    RlsRequest,
 };
 pub use failure::{FailedDecision, FailureSink};
 
@@ -37,7 +39,7 @@ pub use denials::DenialCache;
 
 use crate::{
     config::TenantSource,
-    limiter::{FailureKind, Store, StoreError, window::Verdict},
+    limiter::{FailureKind, Store, StoreError, local::LocalLimiter, window::Verdict},
     overload::Overload,
     rules::{Hot, RuleStore, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
@@ -64,8 +66,14 @@ pub enum Reason {
     NoRule,
     /// The store failed; the rule fails open.
     FailOpen,
-    /// The store failed; the rule fails closed.
+    /// The store failed; the rule fails closed (or the local limiter that
+    /// would have decided is at its bound).
     FailClosed,
+    /// The store failed; admitted by the local limiter at this instance's
+    /// share of the limit (counted locally, written back later).
+    LocalOk,
+    /// The store failed; over this instance's share of the limit.
+    LocalOverLimit,
     /// The weight exceeds the rule's capacity: it can never pass.
     WeightExceedsCapacity,
     /// Dropped by the overload layer; no counter was touched.
@@ -82,6 +90,8 @@ impl Reason {
             Reason::NoRule => "NO_RULE",
             Reason::FailOpen => "FAIL_OPEN",
             Reason::FailClosed => "FAIL_CLOSED",
+            Reason::LocalOk => "LOCAL_OK",
+            Reason::LocalOverLimit => "LOCAL_OVER_LIMIT",
             Reason::WeightExceedsCapacity => "WEIGHT_EXCEEDS_CAPACITY",
             Reason::Overload => "OVERLOAD",
         }
@@ -213,6 +223,9 @@ pub struct EngineParts {
     pub envoy: Option<Arc<Hot<EnvoyConfig>>>,
     /// Where counters live.
     pub store: Store,
+    /// What decides, at this instance's share, when the store cannot
+    /// (failure policy `local`).
+    pub local: Arc<LocalLimiter>,
     /// The current utilization level and shed counters.
     pub shedder: Arc<Shedder>,
     /// Receives decisions the store could not make.
@@ -286,6 +299,11 @@ impl Engine {
     /// The counter store.
     pub fn store(&self) -> &Store {
         &self.inner.store
+    }
+
+    /// The local limiter (failure policy `local`).
+    pub fn local(&self) -> &Arc<LocalLimiter> {
+        &self.inner.local
     }
 
     /// The shedder.

@@ -28,6 +28,10 @@ fn engine_trusting(policy: EnvoyPolicy, trust_request_priority: bool) -> Engine 
         rules: Arc::new(RuleStore::new(rules::empty())),
         envoy: None,
         store: Store::Memory(Arc::new(MemoryStore::new(1, 1_000, Arc::new(ManualClock::new(0))))),
+        local: Arc::new(crate::limiter::local::LocalLimiter::new(
+            Default::default(),
+            Arc::new(ManualClock::new(0)),
+        )),
         shedder: Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
         failures: Arc::new(Discard),
         stats: Arc::new(NoStats),

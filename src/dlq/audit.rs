@@ -75,10 +75,11 @@ pub struct Summary {
     pub by_kind: BTreeMap<String, u64>,
     /// Matched records by rule.
     pub by_rule: BTreeMap<String, u64>,
-    /// Matched records that were allowed (fail-open) / denied (fail-closed).
-    pub allowed: u64,
-    /// See `allowed`.
-    pub denied: u64,
+    /// Failed decisions the matched records stand for (an aggregate
+    /// record stands for its `count`).
+    pub decisions: u64,
+    /// Those decisions by the answer given (FAIL_OPEN, LOCAL_OK, ...).
+    pub by_answer: BTreeMap<String, u64>,
 }
 
 /// Why an audit could not run.
@@ -123,32 +124,31 @@ impl<W: Write> Printer<W> {
         }
         let s = &mut self.summary;
         s.matched += 1;
-        *s.by_kind.entry(record.failure.kind.clone()).or_default() += 1;
-        *s.by_rule.entry(record.rule_id.clone()).or_default() += 1;
-        if record.answer.allowed {
-            s.allowed += 1;
-        } else {
-            s.denied += 1;
-        }
+        let count = record.count.max(1);
+        s.decisions += count;
+        *s.by_kind.entry(record.failure.kind.clone()).or_default() += count;
+        *s.by_rule.entry(record.rule_id.clone()).or_default() += count;
+        *s.by_answer.entry(record.answer.reason.clone()).or_default() += count;
         match self.format {
             Format::Json => writeln!(self.out, "{}", raw.trim_end()),
             Format::Table => {
                 if !self.header_done {
                     writeln!(
                         self.out,
-                        "{:<24}  {:<26}  {:<18}  {:<20}  {:<11}  {:<24}  PATH",
-                        "TIME", "EVENT_ID", "KIND", "RULE", "ANSWER", "USER"
+                        "{:<24}  {:<26}  {:<18}  {:<20}  {:<16}  {:>6}  {:<24}  PATH",
+                        "TIME", "EVENT_ID", "KIND", "RULE", "ANSWER", "COUNT", "USER"
                     )?;
                     self.header_done = true;
                 }
                 writeln!(
                     self.out,
-                    "{:<24}  {:<26}  {:<18}  {:<20}  {:<11}  {:<24}  {}",
+                    "{:<24}  {:<26}  {:<18}  {:<20}  {:<16}  {:>6}  {:<24}  {}",
                     record.time,
                     record.event_id,
                     record.failure.kind,
                     record.rule_id,
                     record.answer.reason,
+                    record.count,
                     record.request.user_id,
                     record.request.resource_path
                 )
@@ -163,7 +163,22 @@ impl<W: Write> Printer<W> {
         if s.unreadable > 0 {
             text += &format!(" ({} unreadable lines skipped)", s.unreadable);
         }
-        text += &format!("; answered FAIL_OPEN {}, FAIL_CLOSED {}\n", s.allowed, s.denied);
+        if s.decisions != s.matched {
+            text += &format!(", standing for {} failed decisions", s.decisions);
+        }
+        // FAIL_OPEN and FAIL_CLOSED always; the local answers when present.
+        let answered = |reason: &str| s.by_answer.get(reason).copied().unwrap_or(0);
+        text += &format!(
+            "; answered FAIL_OPEN {}, FAIL_CLOSED {}",
+            answered("FAIL_OPEN"),
+            answered("FAIL_CLOSED")
+        );
+        for (reason, count) in
+            s.by_answer.iter().filter(|(r, _)| !matches!(r.as_str(), "FAIL_OPEN" | "FAIL_CLOSED"))
+        {
+            text += &format!(", {reason} {count}");
+        }
+        text += "\n";
         for (title, counts) in [("by kind", &s.by_kind), ("by rule", &s.by_rule)] {
             if !counts.is_empty() {
                 text += &format!("{title}:\n");
@@ -261,6 +276,8 @@ mod tests {
                 reason: if allowed { "FAIL_OPEN" } else { "FAIL_CLOSED" }.to_owned(),
             },
             trace_id: None,
+            count: 1,
+            last_time: None,
         }
     }
 

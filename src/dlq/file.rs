@@ -16,7 +16,7 @@ use std::{
 
 use tokio::sync::{mpsc, watch};
 
-use super::{DlqCounters, DropReason, FailureRecord};
+use super::{DlqCounters, DropReason, FailureRecord, fold::Folds};
 use crate::{
     clock::{Clock, SystemClock},
     folded::Folded,
@@ -108,13 +108,43 @@ pub fn append_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// How a writer task takes batches off the queue: until shutdown, whatever
 /// arrives; from shutdown on, what is left (the queue is closed: nothing new
 /// arrives, nothing already in it is lost).
+///
+/// With [`Folds`], it also takes the aggregate records of ended intervals,
+/// every interval, and all that are left once the queue is empty at
+/// shutdown; each is counted as enqueued when taken.
 #[derive(Debug, Default)]
 pub struct Drain {
     /// Shutdown has begun: the queue is closed and being emptied.
     pub stopping: bool,
+    folds: Option<(Arc<Folds>, tokio::time::Interval)>,
+}
+
+/// What woke a drain.
+enum Event {
+    Received(usize),
+    Shutdown,
+    Tick,
 }
 
 impl Drain {
+    /// A drain that also takes `folds`' aggregates every `interval`.
+    pub fn with_folds(folds: Arc<Folds>, interval: Duration) -> Self {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Drain { stopping: false, folds: Some((folds, ticker)) }
+    }
+
+    /// Moves the aggregates ended by now (all of them at shutdown) into
+    /// `batch`, counting them as enqueued.
+    fn take_folds(&self, batch: &mut Vec<FailureRecord>, counters: &DlqCounters, all: bool) {
+        if let Some((folds, _)) = &self.folds {
+            let before = batch.len();
+            let now = if all { u64::MAX } else { SystemClock.now_ms() };
+            folds.take_ended(now, batch);
+            counters.enqueued.fetch_add((batch.len() - before) as u64, Ordering::SeqCst);
+        }
+    }
+
     /// Fills `batch` (up to [`BATCH_MAX`]); false when there is nothing more,
     /// ever: shutdown has emptied the queue, or every sender is gone. What
     /// it takes off the queue leaves the queue's byte count in `counters`.
@@ -127,19 +157,45 @@ impl Drain {
     ) -> bool {
         let received = loop {
             if self.stopping {
-                break queue.recv_many(batch, BATCH_MAX).await;
+                let received = queue.recv_many(batch, BATCH_MAX).await;
+                if received == 0 {
+                    // The queue is empty for good: the last aggregates.
+                    self.take_folds(batch, counters, true);
+                    self.folds = None;
+                }
+                break received;
             }
-            tokio::select! {
-                received = queue.recv_many(batch, BATCH_MAX) => break received,
-                _ = shutdown.changed() => {
+            let event = {
+                let ticker = self.folds.as_mut().map(|(_, ticker)| ticker);
+                let tick = async move {
+                    match ticker {
+                        Some(ticker) => drop(ticker.tick().await),
+                        None => std::future::pending::<()>().await,
+                    }
+                };
+                tokio::select! {
+                    received = queue.recv_many(batch, BATCH_MAX) => Event::Received(received),
+                    _ = shutdown.changed() => Event::Shutdown,
+                    () = tick => Event::Tick,
+                }
+            };
+            match event {
+                Event::Received(received) => break received,
+                Event::Shutdown => {
                     self.stopping = true;
                     queue.close();
+                }
+                Event::Tick => {
+                    self.take_folds(batch, counters, false);
+                    if !batch.is_empty() {
+                        break 0;
+                    }
                 }
             }
         };
         let bytes: u64 = batch[batch.len() - received..].iter().map(FailureRecord::size_bytes).sum();
         counters.queued_bytes.fetch_sub(bytes, Ordering::SeqCst);
-        received > 0
+        !batch.is_empty()
     }
 }
 
@@ -158,11 +214,11 @@ pub async fn run(
     mut queue: mpsc::Receiver<FailureRecord>,
     target: FileTarget,
     counters: Arc<DlqCounters>,
+    mut drain: Drain,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let alarm = CapAlarm::default();
     let mut batch = Vec::with_capacity(BATCH_MAX);
-    let mut drain = Drain::default();
     while drain.next_batch(&mut queue, &mut batch, &counters, &mut shutdown).await {
         counters.in_hand.store(batch.len() as u64, Ordering::SeqCst);
         let lines = Arc::new(Lines::of(&batch));

@@ -63,12 +63,12 @@ pub async fn run_spooler(
     spool: Arc<SpoolState>,
     counters: Arc<DlqCounters>,
     spooled: Arc<Notify>,
+    mut drain: Drain,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let alarm = CapAlarm::default();
     let mut writer = Some(writer);
     let mut batch = Vec::with_capacity(BATCH_MAX);
-    let mut drain = Drain::default();
     while drain.next_batch(&mut queue, &mut batch, &counters, &mut shutdown).await {
         let stopping = drain.stopping;
         counters.in_hand.store(batch.len() as u64, Ordering::SeqCst);

@@ -14,6 +14,7 @@
 
 pub mod audit;
 pub mod file;
+pub mod fold;
 pub mod kafka;
 pub mod record;
 pub mod spool;
@@ -117,6 +118,9 @@ pub struct DlqCounters {
     pub queued_bytes: AtomicU64,
     /// Size of the file sink's file after the last write.
     pub file_bytes: AtomicU64,
+    /// Failed decisions folded into aggregate records ([`fold`]) rather
+    /// than written on their own.
+    pub folded: AtomicU64,
 }
 
 impl DlqCounters {
@@ -171,6 +175,7 @@ pub struct DlqSink {
     spool: Option<Arc<spool::SpoolState>>,
     log: LogSink,
     drops: Folded,
+    folds: Option<Arc<fold::Folds>>,
 }
 
 impl DlqSink {
@@ -199,6 +204,7 @@ impl DlqSink {
             spool: None,
             log: LogSink::default(),
             drops: Folded::default(),
+            folds: None,
         };
         (sink, receiver, counters)
     }
@@ -212,6 +218,18 @@ impl DlqSink {
     /// The queue's and the disk's byte caps.
     pub fn byte_caps(&self) -> (u64, u64) {
         (self.queue_max_bytes, self.disk_max_bytes)
+    }
+
+    /// Folds floods of failures into aggregates (`dlq.aggregate_*`); the
+    /// writer's [`file::Drain`] takes them.
+    pub fn with_folds(mut self, folds: Arc<fold::Folds>) -> Self {
+        self.folds = Some(folds);
+        self
+    }
+
+    /// Failed decisions folded into aggregates.
+    pub fn folded(&self) -> u64 {
+        self.counters.folded.load(Ordering::Relaxed)
     }
 
     /// Counts the spool's records as pending (the Kafka sink).
@@ -266,14 +284,23 @@ impl FailureSink for DlqSink {
     fn record(&self, failure: &FailedDecision<'_>) {
         self.log.record(failure);
         let now = self.clock.now_ms();
-        let record = FailureRecord::new(
-            failure,
-            self.ids.next(now),
-            now,
-            &self.instance,
-            &self.allowlist,
-            &self.bounds,
-        );
+        let build = || {
+            FailureRecord::new(
+                failure,
+                self.ids.next(now),
+                now,
+                &self.instance,
+                &self.allowlist,
+                &self.bounds,
+            )
+        };
+        if let Some(folds) = &self.folds
+            && folds.admit(failure, now, build) == fold::Admit::Folded
+        {
+            self.counters.folded.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let record = build();
         self.counters.enqueued.fetch_add(1, Ordering::SeqCst);
         let size = record.size_bytes();
         let queued = self.counters.queued_bytes.fetch_add(size, Ordering::SeqCst);
@@ -362,7 +389,7 @@ mod tests {
             DlqSink::new(1_000, 1 << 20, "i".to_owned(), Vec::new(), RecordBounds::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let target = file::FileTarget { path: path.clone(), max_bytes: u64::MAX };
-        let writer = tokio::spawn(file::run(queue, target, counters, stopped));
+        let writer = tokio::spawn(file::run(queue, target, counters, file::Drain::default(), stopped));
         fail(&sink, 300);
         stop.send(true).unwrap();
         writer.await.unwrap();
@@ -414,7 +441,7 @@ mod tests {
         let sink = sink.with_disk_cap(cap);
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let target = file::FileTarget { path: path.clone(), max_bytes: cap };
-        let writer = tokio::spawn(file::run(queue, target, counters, stopped));
+        let writer = tokio::spawn(file::run(queue, target, counters, file::Drain::default(), stopped));
         let settled = |sink: &DlqSink| {
             let s = sink.stats();
             s.pending == 0 && s.enqueued == s.delivered + s.dropped

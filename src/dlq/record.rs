@@ -39,6 +39,19 @@ pub struct FailureRecord {
     pub answer: RecordAnswer,
     /// W3C trace id of the request, when it carried a `traceparent`.
     pub trace_id: Option<String>,
+    /// How many failed decisions the record stands for: 1, or for an
+    /// aggregate of a flood (`dlq.aggregate_after`) the number folded into
+    /// it, the record's request being the first of them. Records written
+    /// before the field read as 1.
+    #[serde(default = "one")]
+    pub count: u64,
+    /// An aggregate's last folded failure, RFC 3339 UTC; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_time: Option<String>,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// The request part of a record.
@@ -92,7 +105,7 @@ pub struct RecordFailure {
 pub struct RecordAnswer {
     /// Whether the request was let through.
     pub allowed: bool,
-    /// FAIL_OPEN or FAIL_CLOSED.
+    /// FAIL_OPEN, FAIL_CLOSED, LOCAL_OK or LOCAL_OVER_LIMIT.
     pub reason: String,
 }
 
@@ -171,10 +184,12 @@ impl FailureRecord {
                 message: failure.error.message.clone(),
             },
             answer: RecordAnswer {
-                allowed: failure.answer == Reason::FailOpen,
+                allowed: matches!(failure.answer, Reason::FailOpen | Reason::LocalOk),
                 reason: failure.answer.as_str().to_owned(),
             },
             trace_id: failure.trace_id.map(str::to_owned),
+            count: 1,
+            last_time: None,
         }
     }
 
@@ -194,7 +209,8 @@ impl FailureRecord {
             + self.failure.kind.len()
             + self.failure.message.len()
             + self.answer.reason.len()
-            + self.trace_id.as_ref().map_or(0, String::len);
+            + self.trace_id.as_ref().map_or(0, String::len)
+            + self.last_time.as_ref().map_or(0, String::len);
         (std::mem::size_of::<Self>() + strings) as u64
     }
 

@@ -401,6 +401,8 @@ mod tests {
             failure: RecordFailure { kind: "timeout".to_owned(), message: "slow".to_owned() },
             answer: RecordAnswer { allowed: true, reason: "FAIL_OPEN".to_owned() },
             trace_id: None,
+            count: 1,
+            last_time: None,
         }
     }
 
@@ -610,6 +612,7 @@ mod tests {
             Arc::clone(&state),
             Arc::clone(&counters),
             Arc::new(tokio::sync::Notify::new()),
+            crate::dlq::file::Drain::default(),
             stopped,
         ));
         for i in 100..120 {

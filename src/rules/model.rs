@@ -25,8 +25,13 @@ pub enum Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FailurePolicy {
-    /// Allow, with reason FAIL_OPEN.
+    /// Decide at this instance's share of the limit, counted locally and
+    /// written back to the store when it answers again (reasons LOCAL_OK
+    /// and LOCAL_OVER_LIMIT); denied (FAIL_CLOSED) when the local limiter
+    /// itself is at its bound.
     #[default]
+    Local,
+    /// Allow, with reason FAIL_OPEN.
     Open,
     /// Deny, with reason FAIL_CLOSED.
     Closed,

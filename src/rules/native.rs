@@ -210,7 +210,7 @@ rules:
         let second = &rules[1].raw;
         assert_eq!(second.priority_bucket, Priority::Degraded);
         assert_eq!(second.mode, Mode::Enforce);
-        assert_eq!(second.failure_policy, FailurePolicy::Open);
+        assert_eq!(second.failure_policy, FailurePolicy::Local);
         assert!((second.burst_capacity - 1.0).abs() < f64::EPSILON);
         assert_eq!(rules[1].index, 1);
     }

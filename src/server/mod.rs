@@ -149,7 +149,8 @@ pub async fn run_observed(
         let interval = Duration::from_millis(config.telemetry.statsd_flush_interval_ms);
         tasks.spawn(crate::telemetry::statsd::run(Arc::clone(&metrics), client, interval, tasks.stopper()));
     }
-    let layers = parts::Layers { shedder: &shedder, overload: &overload, denials: denials.clone() };
+    let local = parts::local(&config, &store, &mut tasks);
+    let layers = parts::Layers { shedder: &shedder, overload: &overload, denials: denials.clone(), local };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &metrics, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());
     metrics.set_sources(Sources {
@@ -166,6 +167,7 @@ pub async fn run_observed(
             Store::Memory(memory) => Some(Arc::clone(memory)),
             Store::Redis(_) => None,
         },
+        local: Some(Arc::clone(engine.local())),
     });
     let (health, reporter, health_service) =
         parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await;

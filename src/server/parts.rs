@@ -14,14 +14,20 @@ use crate::{
     capture::{self, Capture, CaptureCounters},
     clock::MonotonicClock,
     config::{
-        Config, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, LimitsConfig, RulesConfig,
-        RulesSource, ShedConfig,
+        Config, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, LimitsConfig, LocalConfig,
+        RulesConfig, RulesSource, ShedConfig,
     },
     decision::{
-        CaptureSink, DenialCache, Engine, EngineParts, EnvoyPolicy, FailureSink, Stats, TenantPolicy,
+        CaptureSink, DenialCache, Engine, EngineParts, EnvoyFailure, EnvoyPolicy, FailureSink, Stats,
+        TenantPolicy,
     },
     dlq::{self, DlqSink, RecordBounds},
-    limiter::{MemoryStore, RedisStore, Store, SystemClock, memory::run_sweeper, window::Algorithm},
+    limiter::{
+        MemoryStore, RedisStore, Store, SystemClock,
+        local::{self, LocalLimiter, run_reconciler},
+        memory::run_sweeper,
+        window::Algorithm,
+    },
     overload::{Overload, feed},
     rollout::{
         status,
@@ -258,6 +264,37 @@ pub(crate) async fn store(
     Ok(Store::Redis(redis))
 }
 
+/// The local limiter (failure policy `local`) and its reconciler, which
+/// writes locally admitted hits back to `store` and, with Redis, keeps the
+/// count of live instances that sets each instance's share. With the memory
+/// store the instance is the whole deployment: its share is the whole limit.
+pub(crate) fn local(config: &Config, store: &Store, tasks: &mut Tasks) -> Arc<LocalLimiter> {
+    let mut settings = local_settings(&config.local);
+    if matches!(store, Store::Memory(_)) {
+        settings.instances = 1;
+    }
+    let local = Arc::new(LocalLimiter::new(settings, Arc::new(SystemClock)));
+    let stop = tasks.stopper();
+    tasks.spawn(run_reconciler(
+        Arc::clone(&local),
+        store.clone(),
+        config.dlq.instance(),
+        settings.reconcile_interval,
+        stop,
+    ));
+    local
+}
+
+/// The local limiter's settings, from `local.*`.
+fn local_settings(config: &LocalConfig) -> local::Settings {
+    local::Settings {
+        max_counters: config.max_counters,
+        shards: config.shards,
+        instances: config.instances,
+        reconcile_interval: Duration::from_millis(config.reconcile_interval_ms),
+    }
+}
+
 /// The shedder, and its utilization sampler unless `shed.mode` is off.
 pub(crate) fn shedder(config: &ShedConfig, tasks: &mut Tasks) -> Arc<Shedder> {
     let shedder = Arc::new(Shedder::new(config.mode, config.retry_after_ms));
@@ -304,13 +341,17 @@ pub(crate) fn dlq(
         config.header_allowlist.clone(),
         bounds,
     );
+    let fold_interval = Duration::from_millis(config.aggregate_interval_ms);
+    let folds = Arc::new(dlq::fold::Folds::new(config.aggregate_interval_ms, config.aggregate_after));
+    let sink = sink.with_folds(Arc::clone(&folds));
+    let drain = || dlq::file::Drain::with_folds(Arc::clone(&folds), fold_interval);
     let Some(brokers) = &config.kafka.brokers else {
         tracing::info!(file = %config.file.display(), "failed decisions go to a JSON-lines file");
         let stop = tasks.stopper();
         let target = dlq::file::FileTarget { path: config.file.clone(), max_bytes: config.file_max_bytes };
         let size = std::fs::metadata(&target.path).map_or(0, |m| m.len());
         counters.file_bytes.store(size, std::sync::atomic::Ordering::SeqCst);
-        tasks.spawn(dlq::file::run(queue, target, counters, stop));
+        tasks.spawn(dlq::file::run(queue, target, counters, drain(), stop));
         return Ok(Arc::new(sink.with_disk_cap(config.file_max_bytes)));
     };
     let spool_dir = &config.spool_dir;
@@ -339,6 +380,7 @@ pub(crate) fn dlq(
         Arc::clone(&spool),
         Arc::clone(&counters),
         Arc::clone(&notify),
+        drain(),
         stop,
     ));
     let shipper = dlq::kafka::Shipper {
@@ -417,7 +459,12 @@ pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
             EnvoyAlgorithm::SlidingWindow => Algorithm::SlidingWindow,
             EnvoyAlgorithm::FixedWindow => Algorithm::FixedWindow,
         },
-        fail_open: settings.failure_mode == EnvoyFailureMode::Allow,
+        failure: envoy_failure(settings.failure_mode),
+        domain_failure: settings
+            .domain_failure_mode
+            .iter()
+            .map(|(domain, mode)| (domain.clone(), envoy_failure(*mode)))
+            .collect(),
         priority_key: settings.priority_key.clone(),
         domain_priority: settings.domain_priority.clone(),
         max_value_bytes: settings.max_entry_bytes,
@@ -430,6 +477,14 @@ pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
         shadow_mode: settings.shadow_mode,
         upstream_metrics: settings.upstream_metrics,
         near_limit_ratio: settings.near_limit_ratio,
+    }
+}
+
+fn envoy_failure(mode: EnvoyFailureMode) -> EnvoyFailure {
+    match mode {
+        EnvoyFailureMode::Local => EnvoyFailure::Local,
+        EnvoyFailureMode::Allow => EnvoyFailure::Open,
+        EnvoyFailureMode::Unavailable => EnvoyFailure::Unavailable,
     }
 }
 
@@ -505,6 +560,7 @@ pub(crate) struct Layers<'a> {
     pub(crate) shedder: &'a Arc<Shedder>,
     pub(crate) overload: &'a Arc<Overload>,
     pub(crate) denials: Option<Arc<DenialCache>>,
+    pub(crate) local: Arc<LocalLimiter>,
 }
 
 /// The engine both APIs decide through.
@@ -522,6 +578,7 @@ pub(crate) fn engine(
         rules: Arc::clone(&rules.native),
         envoy: rules.envoy.clone(),
         store,
+        local: layers.local,
         shedder: Arc::clone(shedder),
         failures: Arc::clone(dlq) as Arc<dyn FailureSink>,
         stats: Arc::clone(metrics) as Arc<dyn Stats>,
@@ -608,6 +665,11 @@ mod tests {
     }
 
     #[test]
+    fn local_defaults_are_the_limiters_own() {
+        assert_eq!(local_settings(&LocalConfig::default()), local::Settings::default());
+    }
+
+    #[test]
     fn envoy_policy_follows_the_settings() {
         let settings = EnvoySettings {
             algorithm: EnvoyAlgorithm::FixedWindow,
@@ -615,7 +677,7 @@ mod tests {
             ..EnvoySettings::default()
         };
         let policy = envoy_policy(&settings);
-        assert!(policy.algorithm == Algorithm::FixedWindow && !policy.fail_open);
+        assert!(policy.algorithm == Algorithm::FixedWindow && policy.failure == EnvoyFailure::Unavailable);
         assert_eq!(policy.priority_key, "priority");
         assert_eq!(envoy_policy(&EnvoySettings::default()), EnvoyPolicy::default());
     }

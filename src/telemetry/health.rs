@@ -160,7 +160,7 @@ impl Health {
                     .collect();
                 let envoy_denies = self.envoy_failure_mode == Some(EnvoyFailureMode::Unavailable);
                 if closed.is_empty() && !envoy_denies {
-                    (true, format!("ready: {down}, every rule fails open by policy"))
+                    (true, format!("ready: {down}, decisions are local or open by policy"))
                 } else {
                     let mut why = format!("not ready: {down}");
                     if !closed.is_empty() {

@@ -23,7 +23,7 @@ use crate::{
     config::OverloadMode,
     decision::{Api, DenialCache, LimitHits, Stats},
     dlq::{DlqSink, DropReason},
-    limiter::{FailureKind, MemoryStore},
+    limiter::{FailureKind, MemoryStore, local::LocalLimiter},
     overload::Overload,
     rules::{Feed, Hot, Snapshot, Versioned, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
@@ -155,6 +155,8 @@ pub struct Sources {
     pub capture: Option<Arc<CaptureCounters>>,
     /// The in-memory counter store, when it is the store.
     pub memory: Option<Arc<MemoryStore>>,
+    /// The local limiter (failure policy `local`).
+    pub local: Option<Arc<LocalLimiter>>,
     /// The overload layer.
     pub overload: Option<Arc<Overload>>,
     /// The denial cache, when on.
@@ -314,6 +316,9 @@ fn render_sources(out: &mut String, s: &Sources) {
     if let Some(memory) = &s.memory {
         render_memory(out, memory);
     }
+    if let Some(local) = &s.local {
+        render_local(out, local);
+    }
     header(
         out,
         "ratelimitd_shed_total",
@@ -356,6 +361,11 @@ fn render_sources(out: &mut String, s: &Sources) {
             dlq.delivered,
         ),
         ("ratelimitd_dlq_recovered_total", "Failure records found in the spool at startup.", dlq.recovered),
+        (
+            "ratelimitd_dlq_folded_total",
+            "Failed decisions folded into aggregate records (dlq.aggregate_after) instead of records of their own.",
+            s.dlq.folded(),
+        ),
     ] {
         header(out, name, "counter", help);
         let _ = writeln!(out, "{name} {value}");
@@ -614,6 +624,45 @@ fn render_memory(out: &mut String, memory: &MemoryStore) {
         "Expired counters evicted to make room for new ones in a full shard.",
     );
     let _ = writeln!(out, "ratelimitd_memory_evictions_total {}", memory.evictions());
+}
+
+fn render_local(out: &mut String, local: &LocalLimiter) {
+    let gauges: [(&str, &str, &str, u64); 5] = [
+        (
+            "ratelimitd_local_instances",
+            "gauge",
+            "Instances each limit is shared by when decided locally (reported alive, else local.instances).",
+            local.instances(),
+        ),
+        (
+            "ratelimitd_local_counters",
+            "gauge",
+            "Counters held by the local limiter (expired ones not yet swept included).",
+            local.counters() as u64,
+        ),
+        (
+            "ratelimitd_local_owed_hits",
+            "gauge",
+            "Hits admitted locally and not yet written back to the shared store.",
+            local.owed_hits(),
+        ),
+        (
+            "ratelimitd_local_written_back_hits_total",
+            "counter",
+            "Locally admitted hits written back to the shared store.",
+            local.written_back(),
+        ),
+        (
+            "ratelimitd_local_write_back_failures_total",
+            "counter",
+            "Write-back rounds the shared store refused (the hits stay owed).",
+            local.write_back_failures(),
+        ),
+    ];
+    for (name, kind, help, value) in gauges {
+        header(out, name, kind, help);
+        let _ = writeln!(out, "{name} {value}");
+    }
 }
 
 fn age(at: SystemTime) -> f64 {

@@ -377,7 +377,12 @@ impl RedisCluster {
 
     /// Keys stored on node `i`.
     pub fn keys_on(&self, i: usize) -> u64 {
-        redis_cli(self.nodes[i].port, &["dbsize"]).trim().parse().unwrap_or(0)
+        // Not the instances' live set (`rli:{instances}`), which the
+        // service keeps on whichever node serves its slot.
+        let keys = redis_cli(self.nodes[i].port, &["--scan"]);
+        keys.lines()
+            .filter(|key| !key.is_empty() && !key.ends_with(ratelimitd::limiter::local::INSTANCES_KEY))
+            .count() as u64
     }
 
     /// Which node serves each slot, from `CLUSTER NODES`; see [`key_slot`].
@@ -1179,6 +1184,9 @@ pub fn kafka_config(config: &mut Config, broker: &Broker, spool: &Path) {
     config.dlq.kafka.replication_factor = 1;
     config.dlq.kafka.flush_timeout_ms = 2_000;
     config.dlq.spool_dir = spool.to_path_buf();
+    // These tests prove delivery one record per failed decision; folding a
+    // flood into aggregates is tested on its own (tests/dlq.rs).
+    config.dlq.aggregate_after = u32::MAX;
 }
 
 /// Every record on the configured topic, read with the audit reader.

@@ -1,0 +1,51 @@
+//! `local.*`: the local limiter that decides when the shared store cannot
+//! (failure policy `local`).
+
+use serde::Deserialize;
+
+use super::{ConfigError, invalid};
+
+/// `local.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LocalConfig {
+    /// The most counters the local limiter holds, and the most counters
+    /// whose locally admitted hits wait to be written back. Past it, a
+    /// decision needing a new one is denied (FAIL_CLOSED), never allowed.
+    pub max_counters: usize,
+    /// Independently locked shards of the local counters.
+    pub shards: usize,
+    /// How many instances share each limit when none report themselves
+    /// (with Redis, every instance reports itself alive each
+    /// `reconcile_interval_ms`, and the reported number wins): each
+    /// instance admits `ceil(limit x burst / instances)` locally.
+    pub instances: u64,
+    /// How often locally admitted hits are written back to the shared
+    /// store (and the instance reports itself alive).
+    pub reconcile_interval_ms: u64,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self { max_counters: 100_000, shards: 16, instances: 1, reconcile_interval_ms: 1_000 }
+    }
+}
+
+impl LocalConfig {
+    /// Checks `local.*`; every error names its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(1..=1 << 32).contains(&self.max_counters) {
+            return Err(invalid("local.max_counters", "must be between 1 and 4294967296"));
+        }
+        if !(1..=4096).contains(&self.shards) {
+            return Err(invalid("local.shards", "must be between 1 and 4096"));
+        }
+        if !(1..=100_000).contains(&self.instances) {
+            return Err(invalid("local.instances", "must be between 1 and 100000"));
+        }
+        if !(10..=60_000).contains(&self.reconcile_interval_ms) {
+            return Err(invalid("local.reconcile_interval_ms", "must be between 10 and 60000"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,466 @@
+//! The local limiter: what decides when the shared store cannot (failure
+//! policy `local`, the default).
+//!
+//! A decision the store could not make (deadline missed, Redis error,
+//! breaker open, memory store full) is decided here instead, by the same
+//! pure arithmetic, on counters of this instance alone, at this instance's
+//! share of the limit: `ceil(capacity / instances)` (and the same share of
+//! a bucket's rate). Repeats are limited, so a limit never turns into
+//! "unlimited" whatever the store does; it turns into a local one, and the
+//! engine flags every such answer.
+//!
+//! Every admission counted here is owed to the shared store: the
+//! reconciler ([`run_reconciler`]) writes the owed hits back as reports
+//! once the store answers again, so nothing admitted during an outage is
+//! forgotten.
+//!
+//! Bounds, whatever callers send:
+//! - the counters are a [`MemoryStore`] of `local.max_counters` (a full one
+//!   makes the decision fail, and the engine then denies: closed, never
+//!   open);
+//! - the owed hits are at most `local.max_counters` entries too (plus at
+//!   most one per thread deciding at the same instant): an admission that
+//!   would need a new entry past the bound is refused the same way.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use tokio::sync::watch;
+
+use super::{
+    Clock, Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, MemoryStore, RedisStore, Store,
+    StoreError, Verdict, WindowParams,
+};
+
+/// How the local limiter runs (from `local.*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settings {
+    /// The most local counters, and the most owed entries.
+    pub max_counters: usize,
+    /// Shards of the local counter map.
+    pub shards: usize,
+    /// How many instances share a limit when no instance report says
+    /// (`local.instances`).
+    pub instances: u64,
+    /// How often owed hits are written back (and, with Redis, this
+    /// instance reports itself alive).
+    pub reconcile_interval: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            max_counters: 100_000,
+            shards: 16,
+            instances: 1,
+            reconcile_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Which counter of the shared store an owed entry is for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum OwedKey {
+    /// A native rule's counter: rule id and user.
+    Counter(Arc<str>, Box<str>),
+    /// An item of a multi-counter decision: group and key.
+    Item(Box<str>, Box<str>),
+}
+
+/// Hits admitted locally and not yet written to the shared store.
+#[derive(Debug, Clone)]
+enum Owed {
+    /// Of a native counter with `window`.
+    Counter { window: WindowParams, hits: u64 },
+    /// Of a multi-counter item (its `weight` is the hits owed).
+    Item(ManyItem),
+}
+
+/// Local counters at this instance's share of each limit, and the hits they
+/// owe the shared store.
+#[derive(Debug)]
+pub struct LocalLimiter {
+    counters: MemoryStore,
+    owed: Mutex<HashMap<OwedKey, Owed>>,
+    max_owed: usize,
+    /// The divisor of every limit: instances reported alive, else the configured number.
+    instances: AtomicU64,
+    configured_instances: u64,
+    /// Hits written back to the shared store.
+    written_back: AtomicU64,
+    /// Write-back rounds that the store refused (the hits stay owed).
+    write_back_failures: AtomicU64,
+}
+
+impl LocalLimiter {
+    /// A limiter of `settings`, reading `clock`.
+    pub fn new(settings: Settings, clock: Arc<dyn Clock>) -> Self {
+        let instances = settings.instances.max(1);
+        LocalLimiter {
+            counters: MemoryStore::new(settings.shards, settings.max_counters, clock),
+            owed: Mutex::new(HashMap::new()),
+            max_owed: settings.max_counters.max(1),
+            instances: AtomicU64::new(instances),
+            configured_instances: instances,
+            written_back: AtomicU64::new(0),
+            write_back_failures: AtomicU64::new(0),
+        }
+    }
+
+    /// The number of instances each limit is shared by now.
+    pub fn instances(&self) -> u64 {
+        self.instances.load(Ordering::Relaxed)
+    }
+
+    /// Sets the number of instances from a report (`None`: no report; the
+    /// configured number applies). Never below 1.
+    pub fn set_instances(&self, reported: Option<u64>) {
+        self.instances.store(reported.unwrap_or(self.configured_instances).max(1), Ordering::Relaxed);
+    }
+
+    /// This instance's share of `params`: capacity and rate divided by the
+    /// instances, rounded up, at least 1.
+    pub fn share(&self, params: WindowParams) -> WindowParams {
+        let n = self.instances();
+        WindowParams {
+            capacity: params.capacity.div_ceil(n).max(1),
+            rate: params.rate.div_ceil(n).max(1),
+            ..params
+        }
+    }
+
+    /// Decides a native counter locally, at this instance's share; an
+    /// admission (or a report) is owed to the shared store. Fails when the
+    /// local counters or the owed entries are at their bound.
+    pub fn decide(
+        &self,
+        user_id: &str,
+        counter: CounterSpec<'_>,
+        weight: u64,
+        count: Count,
+    ) -> Result<Verdict, StoreError> {
+        let key = OwedKey::Counter(Arc::clone(counter.id), user_id.into());
+        let owes = count != Count::Never && weight > 0;
+        if owes && !self.has_room(&key) {
+            return Err(self.full());
+        }
+        let shared = CounterSpec { id: counter.id, window: self.share(counter.window) };
+        let verdict = self.counters.decide(user_id, shared, weight, count)?;
+        if owes && (count == Count::Always || verdict.admitted) {
+            self.owe(key, Owed::Counter { window: counter.window, hits: weight });
+        }
+        Ok(verdict)
+    }
+
+    /// Decides several counters of `group` locally, all or nothing, at this
+    /// instance's share of each; what was counted is owed to the shared store.
+    pub fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
+        let owing = |item: &ManyItem| item.count != Count::Never && item.weight > 0;
+        let keys: Vec<OwedKey> = items
+            .iter()
+            .filter(|i| owing(i))
+            .map(|i| OwedKey::Item(group.into(), i.key.as_str().into()))
+            .collect();
+        if !keys.iter().all(|key| self.has_room(key)) {
+            return Err(self.full());
+        }
+        let shared: Vec<ManyItem> =
+            items.iter().map(|item| ManyItem { params: self.share(item.params), ..item.clone() }).collect();
+        let outcome = self.counters.decide_many(group, &shared)?;
+        let mut keys = keys.into_iter();
+        for (item, verdict) in items.iter().zip(&outcome.verdicts) {
+            if !owing(item) {
+                continue;
+            }
+            let key = keys.next().expect("one key per owing item");
+            let counted = item.count == Count::Always || (outcome.committed && verdict.admitted);
+            if counted {
+                self.owe(key, Owed::Item(ManyItem { count: Count::Always, shadow: false, ..item.clone() }));
+            }
+        }
+        Ok(outcome)
+    }
+
+    fn has_room(&self, key: &OwedKey) -> bool {
+        let owed = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        owed.len() < self.max_owed || owed.contains_key(key)
+    }
+
+    fn owe(&self, key: OwedKey, hits: Owed) {
+        let mut owed = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        merge(&mut owed, key, hits);
+    }
+
+    fn full(&self) -> StoreError {
+        StoreError {
+            kind: FailureKind::StoreFull,
+            message: format!("local limiter full ({} counters or owed entries)", self.max_owed),
+        }
+    }
+
+    /// Hits admitted locally and not yet written back.
+    pub fn owed_hits(&self) -> u64 {
+        let owed = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        owed.values().map(Owed::hits).sum()
+    }
+
+    /// Hits written back to the shared store so far.
+    pub fn written_back(&self) -> u64 {
+        self.written_back.load(Ordering::Relaxed)
+    }
+
+    /// Write-back rounds the store refused.
+    pub fn write_back_failures(&self) -> u64 {
+        self.write_back_failures.load(Ordering::Relaxed)
+    }
+
+    /// Local counters held (expired ones not yet swept included).
+    pub fn counters(&self) -> usize {
+        self.counters.len()
+    }
+
+    /// Writes every owed hit back to `store` as a report (counted whatever
+    /// is left). Stops at the first failure: what is left stays owed, for
+    /// the next round. Returns the hits written.
+    pub async fn write_back(&self, store: &Store) -> u64 {
+        let taken = std::mem::take(&mut *self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let mut written = 0;
+        let mut entries = taken.into_iter();
+        while let Some((key, owed)) = entries.next() {
+            let result = match (&key, &owed) {
+                (OwedKey::Counter(rule, user), Owed::Counter { window, hits }) => store
+                    .decide(user, CounterSpec { id: rule, window: *window }, *hits, Count::Always)
+                    .await
+                    .map(drop),
+                (OwedKey::Item(group, _), Owed::Item(item)) => {
+                    store.decide_many(group, std::slice::from_ref(item)).await.map(drop)
+                }
+                _ => unreachable!("an owed entry's key and value are of one kind"),
+            };
+            match result {
+                Ok(()) => written += owed.hits(),
+                Err(error) => {
+                    self.write_back_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%error, "write-back refused; hits stay owed");
+                    let mut map = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    merge(&mut map, key, owed);
+                    for (key, owed) in entries {
+                        merge(&mut map, key, owed);
+                    }
+                    break;
+                }
+            }
+        }
+        self.written_back.fetch_add(written, Ordering::Relaxed);
+        written
+    }
+
+    /// Removes expired local counters (blocking: off the async workers).
+    pub fn sweep(&self) -> usize {
+        self.counters.sweep()
+    }
+}
+
+impl Owed {
+    fn hits(&self) -> u64 {
+        match self {
+            Owed::Counter { hits, .. } => *hits,
+            Owed::Item(item) => item.weight,
+        }
+    }
+}
+
+/// Adds `hits` to what `owed` holds for `key`.
+fn merge(owed: &mut HashMap<OwedKey, Owed>, key: OwedKey, hits: Owed) {
+    match (owed.get_mut(&key), hits) {
+        (Some(Owed::Counter { hits: sum, .. }), Owed::Counter { hits, .. }) => {
+            *sum = sum.saturating_add(hits)
+        }
+        (Some(Owed::Item(sum)), Owed::Item(item)) => sum.weight = sum.weight.saturating_add(item.weight),
+        (_, hits) => {
+            owed.insert(key, hits);
+        }
+    }
+}
+
+/// The sorted set of live instances, after `redis.key_prefix`.
+pub const INSTANCES_KEY: &str = "rli:{instances}";
+
+/// Every `interval` until `shutdown`: writes owed hits back to `store`,
+/// sweeps the local counters, and with Redis reports this instance
+/// (`instance`) alive and reads how many are, which sets the local share.
+/// At shutdown, one last write-back.
+pub async fn run_reconciler(
+    local: Arc<LocalLimiter>,
+    store: Store,
+    instance: String,
+    interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.changed() => break,
+        }
+        if let Store::Redis(redis) = &store {
+            match report_alive(redis, &instance, interval).await {
+                Ok(alive) => local.set_instances(Some(alive)),
+                // Kept: an outage is exactly when the last count matters.
+                Err(error) => tracing::trace!(%error, "instance report failed"),
+            }
+        }
+        if local.owed_hits() > 0 {
+            let written = local.write_back(&store).await;
+            if written > 0 {
+                tracing::info!(hits = written, "locally admitted hits written back to the shared store");
+            }
+        }
+        let sweeping = Arc::clone(&local);
+        if let Err(error) = tokio::task::spawn_blocking(move || sweeping.sweep()).await {
+            tracing::error!(%error, "local limiter sweep failed");
+        }
+    }
+    if local.owed_hits() > 0 {
+        local.write_back(&store).await;
+        let left = local.owed_hits();
+        if left > 0 {
+            tracing::warn!(
+                hits = left,
+                "shutting down with locally admitted hits the shared store never took (each decision is in the dead-letter records)"
+            );
+        }
+    }
+}
+
+/// Adds this instance to the live set (scored by the time it reported),
+/// drops those silent for five intervals (at least ten seconds), and
+/// counts the rest.
+async fn report_alive(redis: &RedisStore, instance: &str, interval: Duration) -> Result<u64, StoreError> {
+    let now_ms = crate::clock::SystemClock.now_ms();
+    let silent_ms = (interval.as_millis() as u64).saturating_mul(5).max(10_000);
+    let key = format!("{}{INSTANCES_KEY}", redis.key_prefix());
+    let mut pipeline = redis::pipe();
+    pipeline.cmd("ZADD").arg(&key).arg(now_ms).arg(instance).ignore();
+    pipeline.cmd("ZREMRANGEBYSCORE").arg(&key).arg("-inf").arg(now_ms.saturating_sub(silent_ms)).ignore();
+    pipeline.cmd("PEXPIRE").arg(&key).arg(silent_ms).ignore();
+    pipeline.cmd("ZCARD").arg(&key);
+    let timeout = (interval / 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let (alive,): (u64,) = redis.pipeline(&pipeline, timeout).await?;
+    Ok(alive)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::{ManualClock, memory::MemoryStore, window::Algorithm};
+
+    fn limiter(max_counters: usize, instances: u64) -> (LocalLimiter, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let settings = Settings { max_counters, shards: 1, instances, ..Settings::default() };
+        (LocalLimiter::new(settings, clock.clone()), clock)
+    }
+
+    fn spec(id: &Arc<str>, capacity: u64) -> CounterSpec<'_> {
+        CounterSpec { id, window: WindowParams::sliding(60_000, capacity) }
+    }
+
+    #[test]
+    fn admits_the_share_and_owes_what_it_admitted() {
+        let (local, _) = limiter(100, 3);
+        let rule: Arc<str> = Arc::from("r");
+        // ceil(10 / 3) = 4 per instance.
+        let admitted =
+            (0..10).filter(|_| local.decide("u", spec(&rule, 10), 1, Count::IfFits).unwrap().admitted);
+        assert_eq!(admitted.count(), 4);
+        assert_eq!(local.owed_hits(), 4);
+        // A peek is never owed; a report always is.
+        assert!(!local.decide("u", spec(&rule, 10), 1, Count::Never).unwrap().admitted);
+        local.decide("u", spec(&rule, 10), 5, Count::Always).unwrap();
+        assert_eq!(local.owed_hits(), 9);
+    }
+
+    #[test]
+    fn a_share_is_never_zero_and_follows_reports() {
+        let (local, _) = limiter(100, 1);
+        let params = WindowParams { algorithm: Algorithm::TokenBucket, ..WindowParams::sliding(1_000, 5) };
+        assert_eq!(local.share(params).capacity, 5);
+        local.set_instances(Some(10));
+        assert_eq!((local.share(params).capacity, local.share(params).rate), (1, 1));
+        local.set_instances(Some(0));
+        assert_eq!(local.instances(), 1);
+        local.set_instances(None);
+        assert_eq!(local.instances(), 1, "the configured number");
+    }
+
+    #[test]
+    fn full_refuses_new_keys_but_keeps_counting_known_ones() {
+        let (local, _) = limiter(2, 1);
+        let rule: Arc<str> = Arc::from("r");
+        assert!(local.decide("a", spec(&rule, 5), 1, Count::IfFits).is_ok());
+        assert!(local.decide("b", spec(&rule, 5), 1, Count::IfFits).is_ok());
+        let error = local.decide("c", spec(&rule, 5), 1, Count::IfFits).unwrap_err();
+        assert_eq!(error.kind, FailureKind::StoreFull);
+        assert!(local.decide("a", spec(&rule, 5), 1, Count::IfFits).unwrap().admitted);
+    }
+
+    #[test]
+    fn many_owes_only_what_it_committed() {
+        let (local, _) = limiter(100, 1);
+        let item = |key: &str, capacity: u64| ManyItem {
+            key: key.to_owned(),
+            params: WindowParams::sliding(1_000, capacity),
+            tick_ms: 1,
+            weight: 1,
+            count: Count::IfFits,
+            shadow: false,
+        };
+        let items = [item("a", 5), item("b", 1)];
+        assert!(local.decide_many("d", &items).unwrap().committed);
+        assert_eq!(local.owed_hits(), 2);
+        // "b" is over: nothing of the call is counted or owed.
+        assert!(!local.decide_many("d", &items).unwrap().committed);
+        assert_eq!(local.owed_hits(), 2);
+    }
+
+    #[tokio::test]
+    async fn write_back_reports_every_owed_hit_to_the_store() {
+        let (local, _) = limiter(100, 2);
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let shared = Arc::new(MemoryStore::new(1, 100, clock));
+        let store = Store::Memory(Arc::clone(&shared));
+        let rule: Arc<str> = Arc::from("r");
+        for _ in 0..3 {
+            local.decide("u", spec(&rule, 6), 1, Count::IfFits).unwrap();
+        }
+        assert_eq!(local.write_back(&store).await, 3);
+        assert_eq!(local.owed_hits(), 0);
+        // The shared counter now holds the three: three more fit of six.
+        let admitted =
+            (0..6).filter(|_| shared.decide("u", spec(&rule, 6), 1, Count::IfFits).unwrap().admitted).count();
+        assert_eq!(admitted, 3);
+    }
+
+    #[tokio::test]
+    async fn a_refused_write_back_keeps_the_hits_owed() {
+        let (local, _) = limiter(100, 1);
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        // A shared store with room for nothing new: every write-back fails.
+        let full = Arc::new(MemoryStore::new(1, 1, clock));
+        let rule: Arc<str> = Arc::from("r");
+        full.decide("other", spec(&rule, 9), 1, Count::IfFits).unwrap();
+        let store = Store::Memory(full);
+        local.decide("u", spec(&rule, 9), 2, Count::IfFits).unwrap();
+        local.decide("v", spec(&rule, 9), 1, Count::IfFits).unwrap();
+        assert_eq!(local.write_back(&store).await, 0);
+        assert_eq!(local.owed_hits(), 3);
+        assert_eq!(local.write_back_failures(), 1);
+    }
+}
