@@ -314,9 +314,10 @@ pub struct RedisSetupError {
 impl RedisStore {
     /// Builds the pool (or the cluster client) from `redis.url` and spawns
     /// one dispatcher task per connection into `tasks` (so it must be called
-    /// inside a Tokio runtime), whose owner joins them. Does not connect: see
-    /// [`RedisStore::warm_up`]. The dispatchers end once the store is
-    /// dropped and their queued jobs are answered.
+    /// inside a Tokio runtime), whose owner joins them. Does not wait for
+    /// Redis: each dispatcher opens its connection in the background at
+    /// once, and [`RedisStore::warm_up`] loads the script. The dispatchers
+    /// end once the store is dropped and their queued jobs are answered.
     pub fn new(config: &RedisConfig, tasks: &mut JoinSet<()>) -> Result<Self, RedisSetupError> {
         let url = config.url.as_deref().unwrap_or_default();
         let setup_error = |message: String| RedisSetupError { url: redact_url(url), message };
@@ -712,7 +713,11 @@ impl Dispatcher {
         let mut batch = Vec::with_capacity(MAX_BATCH);
         // Jobs past the caps of the last call: the next call's first, in order.
         let mut rest: Vec<Job> = Vec::new();
-        let mut conn: Option<Conn> = None;
+        // Opened at once, so the first decisions do not pay for it: on a
+        // busy machine a connection opened on demand made decisions miss
+        // the deadline in the first instants after start. A failure here is
+        // retried at the first batch.
+        let mut conn: Option<Conn> = self.connect().await.ok();
         let mut timeouts = 0;
         loop {
             if rest.is_empty() {
