@@ -215,6 +215,7 @@ fn benches(c: &mut Criterion) {
         priority: None,
         headers: &headers,
         trace_id: None,
+        share: None,
     };
     c.bench_function("Engine::check, memory store", |b| {
         b.iter(|| runtime.block_on(engine.check(black_box(&check))))

@@ -188,6 +188,7 @@ pub fn run(rules: Snapshot, requests: &[Request], max_user_id_bytes: usize) -> V
                     priority: request.priority,
                     headers: &headers,
                     trace_id: None,
+                    share: None,
                 })
                 .await;
             outcomes.push(Outcome {

@@ -159,6 +159,7 @@ impl Harness {
             priority: None,
             headers: &headers,
             trace_id: None,
+            share: None,
         };
         self.engine.check(&request).await
     }
@@ -177,8 +178,13 @@ impl Harness {
             .iter()
             .map(|entries| RlsDescriptor { entries: entries.to_vec(), limit, hits_addend: None })
             .collect();
-        let request =
-            RlsRequest { domain: "edge", descriptors: &descriptors, hits_addend: hits, trace_id: None };
+        let request = RlsRequest {
+            domain: "edge",
+            descriptors: &descriptors,
+            hits_addend: hits,
+            trace_id: None,
+            share: None,
+        };
         self.engine.should_rate_limit(&request).await
     }
 
@@ -186,8 +192,13 @@ impl Harness {
     async fn hits(&self, key: &str, value: &str, hits: u64) -> RlsDecision {
         let descriptors =
             [RlsDescriptor { entries: vec![(key, value)], limit: None, hits_addend: Some(hits) }];
-        let request =
-            RlsRequest { domain: "edge", descriptors: &descriptors, hits_addend: 0, trace_id: None };
+        let request = RlsRequest {
+            domain: "edge",
+            descriptors: &descriptors,
+            hits_addend: 0,
+            trace_id: None,
+            share: None,
+        };
         self.engine.should_rate_limit(&request).await
     }
 
@@ -369,7 +380,8 @@ async fn envoy_report_mode_counts_after_the_fact_and_zero_hits_peek(backend: Bac
         RlsDescriptor { entries: vec![("tokens", "gil")], limit: None, hits_addend: Some(150) },
         RlsDescriptor { entries: vec![("user", "gil")], limit: None, hits_addend: None },
     ];
-    let request = RlsRequest { domain: "edge", descriptors: &descriptors, hits_addend: 0, trace_id: None };
+    let request =
+        RlsRequest { domain: "edge", descriptors: &descriptors, hits_addend: 0, trace_id: None, share: None };
     let mixed = h.engine.should_rate_limit(&request).await;
     assert!(mixed.over_limit && mixed.statuses[1].over_limit, "{mixed:?}");
     assert!(h.hits("tokens", "gil", 0).await.over_limit, "the report was counted");
@@ -382,7 +394,8 @@ async fn a_peek_counts_nothing_and_creates_no_counter(backend: Backend) {
     let before = h.counters().await;
     let peek = [RlsDescriptor { entries: vec![("user", "peeker")], limit: None, hits_addend: Some(0) }];
     for _ in 0..3 {
-        let request = RlsRequest { domain: "edge", descriptors: &peek, hits_addend: 1, trace_id: None };
+        let request =
+            RlsRequest { domain: "edge", descriptors: &peek, hits_addend: 1, trace_id: None, share: None };
         let r = h.engine.should_rate_limit(&request).await;
         assert_eq!((r.reason, r.statuses[0].remaining), (Reason::Ok, 2), "{r:?}");
     }

@@ -23,6 +23,7 @@
 
 mod keys;
 mod report;
+mod victim;
 
 use std::{
     collections::BTreeMap,
@@ -104,6 +105,14 @@ struct Args {
     /// Seed of the key and priority choices.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Also run a victim (one Check every `--victim-interval-ms`) and an
+    /// attacker (CheckBatch of `--batch` items of its own key) on this
+    /// path, each on a connection of its own, and report what they got.
+    #[arg(long)]
+    victim: Option<String>,
+    /// The victim's interval between Checks.
+    #[arg(long, default_value_t = 10)]
+    victim_interval_ms: u64,
 }
 
 /// Client of one of the two APIs over one channel.
@@ -365,6 +374,10 @@ async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let progress =
         tokio::spawn(report::progress(Arc::clone(&tally), started, duration, Arc::clone(&running)));
+    let victims = args.victim.clone().map(|path| {
+        let interval = Duration::from_millis(args.victim_interval_ms.max(1));
+        tokio::spawn(victim::run(args.target.clone(), path, interval, args.batch, Arc::clone(&running)))
+    });
 
     let mut workers = Vec::new();
     match (args.concurrency, args.rate) {
@@ -460,6 +473,10 @@ async fn main() -> anyhow::Result<()> {
     let elapsed = started.elapsed();
     running.store(false, Ordering::Relaxed);
     progress.await?;
+    let victims = match victims {
+        Some(victims) => Some(victims.await??),
+        None => None,
+    };
     let cpu = match (args.target_pid, cpu_before) {
         (Some(pid), Some(before)) => Some(cpu_seconds(pid)? - before),
         _ => None,
@@ -467,6 +484,9 @@ async fn main() -> anyhow::Result<()> {
     let report =
         report::Report::build(&args.label, &args.api, &tally, elapsed, cpu, args.rate, args.concurrency);
     println!("{}", report.text());
+    if let (Some(victims), Some(path)) = (&victims, &args.victim) {
+        println!("{}", victims.text(path));
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, report.json()).with_context(|| path.display().to_string())?;
     }

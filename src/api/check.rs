@@ -11,6 +11,7 @@ use futures_util::{
     Stream, StreamExt as _,
     future::{Either, ready},
 };
+use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument as _;
 
@@ -19,8 +20,9 @@ use super::{
     eager::eager_unordered,
     pb,
 };
+
 use crate::{
-    decision::{Api, Engine},
+    decision::{Api, CallerShare, CheckRequest, Engine},
     limiter::Count,
     telemetry::traces::continue_trace,
 };
@@ -59,7 +61,7 @@ impl RateLimiterService {
         request: Request<pb::RateLimitRequest>,
         report: bool,
     ) -> Result<Response<pb::RateLimitResponse>, Status> {
-        let (metadata, _, message) = request.into_parts();
+        let (metadata, extensions, message) = request.into_parts();
         // Bad input is the caller's bug: INVALID_ARGUMENT naming field and bound.
         // Store failures never become a gRPC error here: the rule's failure
         // policy answers (FAIL_OPEN / FAIL_CLOSED) so the gateway always gets
@@ -79,6 +81,7 @@ impl RateLimiterService {
             }
             checked.count = Count::Always;
         }
+        checked.share = share_of(&extensions);
         // One field list for both spans: the engine records `rule`, `reason`
         // and `allowed` on whichever it runs in. (A span's name must be a literal.)
         macro_rules! request_span {
@@ -113,9 +116,10 @@ async fn decide_item(
     id: u64,
     request: Option<&pb::RateLimitRequest>,
     traceparent: Option<&str>,
+    share: Option<&Semaphore>,
 ) -> pb::CheckResult {
     let checked = match validate(request.unwrap_or_else(|| &NO_REQUEST), traceparent) {
-        Ok(checked) => checked,
+        Ok(checked) => CheckRequest { share, ..checked },
         Err(e) => {
             engine.refused(Api::Check, e.reason);
             return pb::CheckResult { id, response: None, invalid_argument: e.to_string() };
@@ -123,6 +127,12 @@ async fn decide_item(
     };
     let decision = engine.check(&checked).await;
     pb::CheckResult { id, response: Some(response(decision)), invalid_argument: String::new() }
+}
+
+/// The connection's share of the store's in-flight work, which the
+/// server puts in every request's extensions.
+pub(super) fn share_of(extensions: &tonic::Extensions) -> Option<&Semaphore> {
+    extensions.get::<CallerShare>().map(|share| &*share.0)
 }
 
 /// What an item without a request is decided as.
@@ -136,6 +146,8 @@ struct StreamContext {
     engine: Engine,
     /// The call's trace context, read once for all its items.
     traceparent: Option<Box<str>>,
+    /// The connection's share of the store's in-flight work.
+    share: Option<CallerShare>,
 }
 
 /// The results of a `CheckStream`, in the order they are decided.
@@ -163,7 +175,7 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         &self,
         request: Request<pb::CheckBatchRequest>,
     ) -> Result<Response<pb::CheckBatchResponse>, Status> {
-        let (metadata, _, batch) = request.into_parts();
+        let (metadata, extensions, batch) = request.into_parts();
         if batch.items.len() > MAX_BATCH_ITEMS {
             self.engine.refused(Api::Check, "batch_too_large");
             return Err(Status::invalid_argument(format!(
@@ -176,11 +188,11 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         continue_trace(&span, &metadata);
         // Decided together: with the Redis store they queue at once and
         // share script calls.
-        let traceparent = call_traceparent(&metadata);
+        let (traceparent, share) = (call_traceparent(&metadata), share_of(&extensions));
         let decisions = batch
             .items
             .iter()
-            .map(|item| decide_item(&self.engine, item.id, item.request.as_ref(), traceparent));
+            .map(|item| decide_item(&self.engine, item.id, item.request.as_ref(), traceparent, share));
         let results = futures_util::future::join_all(decisions).instrument(span).await;
         Ok(Response::new(pb::CheckBatchResponse { results }))
     }
@@ -189,10 +201,11 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         &self,
         request: Request<Streaming<pb::CheckItem>>,
     ) -> Result<Response<Self::CheckStreamStream>, Status> {
-        let (metadata, _, items) = request.into_parts();
+        let (metadata, extensions, items) = request.into_parts();
         let context = Arc::new(StreamContext {
             engine: self.engine.clone(),
             traceparent: call_traceparent(&metadata).map(Box::from),
+            share: extensions.get::<CallerShare>().cloned(),
         });
         // Up to STREAM_IN_FLIGHT items decided at a time, each answered as
         // soon as it is; a broken input stream ends the output with its
@@ -202,8 +215,9 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
             Ok(pb::CheckItem { id, request }) => {
                 let context = Arc::clone(&context);
                 Either::Left(async move {
-                    let StreamContext { engine, traceparent } = &*context;
-                    Ok(decide_item(engine, id, request.as_ref(), traceparent.as_deref()).await)
+                    let StreamContext { engine, traceparent, share } = &*context;
+                    let share = share.as_ref().map(|s| &*s.0);
+                    Ok(decide_item(engine, id, request.as_ref(), traceparent.as_deref(), share).await)
                 })
             }
             Err(status) => Either::Right(ready(Err(status))),

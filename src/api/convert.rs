@@ -79,6 +79,7 @@ pub fn validate<'a>(
         trace_id: call_traceparent
             .or_else(|| request.headers.get("traceparent").map(String::as_str))
             .and_then(trace_id_of),
+        share: None,
     })
 }
 

@@ -117,7 +117,7 @@ impl RateLimitService for EnvoyService {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let (metadata, _, request) = request.into_parts();
+        let (metadata, extensions, request) = request.into_parts();
         if let Err((reason, message)) = self.validate(&request) {
             self.engine.refused(Api::Envoy, reason);
             return Err(Status::invalid_argument(message));
@@ -131,7 +131,10 @@ impl RateLimitService for EnvoyService {
             overall_code = tracing::field::Empty,
         );
         continue_trace(&span, &metadata);
-        let rls = convert(&request, call_traceparent(&metadata));
+        let rls = RlsRequest {
+            share: super::check::share_of(&extensions),
+            ..convert(&request, call_traceparent(&metadata))
+        };
         // The engine fills the span's decision fields (it runs inside it).
         let decision = self.engine.should_rate_limit(&rls).instrument(span).await;
         let mut answer = response(&decision, &self.settings)?;
@@ -152,6 +155,7 @@ fn convert<'a>(
         descriptors: &request.descriptors,
         hits_addend: request.hits_addend,
         trace_id: traceparent.and_then(trace_id_of),
+        share: None,
     }
 }
 

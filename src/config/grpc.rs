@@ -31,6 +31,13 @@ pub struct GrpcConfig {
     /// Most gRPC connections open at once (TCP and Unix socket together);
     /// past it new connections wait in the listen backlog until one closes.
     pub max_connections: usize,
+    /// Most store calls (Redis) one connection has in flight: each decision
+    /// of a `Check`, each item of a `CheckBatch` or `CheckStream`, each
+    /// `ShouldRateLimit` holds one while its store call runs; past it the
+    /// connection's next decisions wait for its own calls to finish. So a
+    /// client flooding distinct keys slows itself, not the store's queue
+    /// for everyone else. 0: unbounded.
+    pub max_store_calls_per_connection: usize,
     /// After this long a connection is told to go (HTTP/2 GOAWAY): its
     /// calls in flight finish, and the client opens its next connection,
     /// possibly to another instance, so a fleet scaled out shares the
@@ -102,6 +109,7 @@ impl Default for GrpcConfig {
             max_message_bytes: 1 << 20,
             max_concurrent_streams: 1_024,
             max_connections: 10_000,
+            max_store_calls_per_connection: 256,
             max_connection_age_ms: 0,
             tcp_keepalive_ms: 60_000,
             keepalive_interval_ms: 0,

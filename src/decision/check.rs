@@ -34,6 +34,8 @@ pub struct CheckRequest<'a> {
     pub headers: &'a HashMap<String, String>,
     /// W3C trace id from the call's `traceparent`, if any.
     pub trace_id: Option<&'a str>,
+    /// The caller's share of the store's in-flight work; `None`: unbounded.
+    pub share: Option<&'a tokio::sync::Semaphore>,
 }
 
 /// What the matched rule says about itself in a response.
@@ -210,6 +212,7 @@ impl Engine {
                 ..Decision::allowed(Reason::OverLimit, info, priority, level)
             };
         }
+        let _permit = self.caller_permit(request.share).await;
         let store_started = self.store_call_started();
         let decided = self
             .inner

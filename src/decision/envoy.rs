@@ -116,6 +116,8 @@ pub struct RlsRequest<'a, D> {
     pub hits_addend: u32,
     /// W3C trace id from the call's `traceparent`, if any.
     pub trace_id: Option<&'a str>,
+    /// The caller's share of the store's in-flight work; `None`: unbounded.
+    pub share: Option<&'a tokio::sync::Semaphore>,
 }
 
 /// What the engine reads of one descriptor. `api` implements it for the
@@ -384,6 +386,7 @@ impl Engine {
                 ..self.rls_refused(limits, Reason::Overload, priority, level, retry_after_ms)
             };
         }
+        let _permit = self.caller_permit(request.share).await;
         let store_started = self.store_call_started();
         let decided = self
             .inner

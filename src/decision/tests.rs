@@ -51,7 +51,7 @@ fn descriptors<'a>(entries: &[&[(&'a str, &'a str)]]) -> Vec<RlsDescriptor<'a>> 
 }
 
 fn request<'a>(domain: &'a str, descriptors: &'a [RlsDescriptor<'a>]) -> RlsRequest<'a, RlsDescriptor<'a>> {
-    RlsRequest { domain, descriptors, hits_addend: 1, trace_id: None }
+    RlsRequest { domain, descriptors, hits_addend: 1, trace_id: None, share: None }
 }
 
 #[test]
@@ -107,6 +107,7 @@ async fn an_untrusted_request_priority_only_lowers() {
         priority: Some(priority),
         headers: &headers,
         trace_id: None,
+        share: None,
     };
     assert_eq!(engine.check(&check(Priority::Critical)).await.priority, Priority::Degraded);
     assert_eq!(engine.check(&check(Priority::BestEffort)).await.priority, Priority::BestEffort);

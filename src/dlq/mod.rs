@@ -368,6 +368,7 @@ mod tests {
                 priority: None,
                 headers: &headers,
                 trace_id: None,
+                share: None,
             };
             sink.record(&FailedDecision::of_check(&request, &rule, Priority::Bulk, &error, Reason::FailOpen));
         }

@@ -427,7 +427,8 @@ fn serve_grpc(
         let _ = rx.wait_for(|stop| *stop).await;
     };
     let tcp = serve_tcp(config, router.clone(), listener, tls, &places, stopped(stop_rx.clone()), tasks);
-    let incoming = places::placed(tokio_stream::wrappers::UnixListenerStream::new(unix), places);
+    let store_calls = config.grpc.max_store_calls_per_connection;
+    let incoming = places::placed(tokio_stream::wrappers::UnixListenerStream::new(unix), places, store_calls);
     let uds = router.serve_with_incoming_shutdown(incoming, stopped(stop_rx));
     let path = path.clone();
     Ok(Box::pin(async move {
@@ -490,7 +491,11 @@ fn serve_tcp(
     let places = Arc::clone(places);
     match tls {
         None => {
-            let incoming = places::placed(TcpIncoming::from(listener).with_nodelay(Some(true)), places);
+            let incoming = places::placed(
+                TcpIncoming::from(listener).with_nodelay(Some(true)),
+                places,
+                config.grpc.max_store_calls_per_connection,
+            );
             Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
         }
         Some(tls) => {
@@ -502,7 +507,11 @@ fn serve_tcp(
             }
             let (streams, accept_loop) = tls.incoming(listener, tasks.stopper());
             tasks.spawn(accept_loop);
-            let incoming = places::placed(tokio_stream::wrappers::ReceiverStream::new(streams), places);
+            let incoming = places::placed(
+                tokio_stream::wrappers::ReceiverStream::new(streams),
+                places,
+                config.grpc.max_store_calls_per_connection,
+            );
             Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
         }
     }

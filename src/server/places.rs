@@ -1,4 +1,7 @@
 //! `grpc.max_connections`: how many gRPC connections are open at once,
+//! and `grpc.max_store_calls_per_connection`: each connection's share of
+//! the store's in-flight work ([`CallerShare`], handed to every request of
+//! the connection as its connect info, read by `api/`),
 //! across the TCP port (plain or TLS) and the Unix socket. Each accepted
 //! connection holds a place ([`Placed`]) until tonic drops it; while none is
 //! free the listeners are not polled, so new connections wait in the
@@ -21,31 +24,43 @@ use tokio::{
 };
 use tonic::transport::server::Connected;
 
+use crate::decision::CallerShare;
+
 /// A connection holding one of the `grpc.max_connections` places, freed
-/// when it is dropped. Reads and writes go straight to the connection.
+/// when it is dropped, and its share of the store's in-flight work. Reads
+/// and writes go straight to the connection.
 #[derive(Debug)]
 pub(super) struct Placed<T> {
     io: T,
     _place: OwnedSemaphorePermit,
+    share: CallerShare,
 }
 
 /// `incoming`'s connections, each taken only once a place in `places` is
 /// free (the stream is not polled meanwhile); an accept error passes
 /// through and frees its place.
+/// Each connection gets a share of `store_calls` permits (0: unbounded).
 pub(super) fn placed<S, T, E>(
     incoming: S,
     places: Arc<Semaphore>,
+    store_calls: usize,
 ) -> impl Stream<Item = Result<Placed<T>, E>> + Send
 where
     S: Stream<Item = Result<T, E>> + Unpin + Send,
     T: Send,
     E: Send,
 {
-    futures_util::stream::unfold((incoming, places), |(mut incoming, places)| async move {
+    let store_calls = if store_calls == 0 { Semaphore::MAX_PERMITS } else { store_calls };
+    futures_util::stream::unfold((incoming, places), move |(mut incoming, places)| async move {
         // Never closed: `None` ends the stream only if it were.
         let place = Arc::clone(&places).acquire_owned().await.ok()?;
         let next = incoming.next().await?;
-        Some((next.map(|io| Placed { io, _place: place }), (incoming, places)))
+        let placed = next.map(|io| Placed {
+            io,
+            _place: place,
+            share: CallerShare(Arc::new(Semaphore::new(store_calls))),
+        });
+        Some((placed, (incoming, places)))
     })
 }
 
@@ -87,11 +102,13 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Placed<T> {
     }
 }
 
-impl<T: Connected> Connected for Placed<T> {
-    type ConnectInfo = T::ConnectInfo;
+/// The connect info tonic puts in every request's extensions: the
+/// connection's share (nothing reads the peer's address).
+impl<T> Connected for Placed<T> {
+    type ConnectInfo = CallerShare;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
+        self.share.clone()
     }
 }
 
@@ -109,7 +126,7 @@ mod tests {
         }
         let places = Arc::new(Semaphore::new(2));
         let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(receive);
-        let mut connections = Box::pin(placed(incoming, Arc::clone(&places)));
+        let mut connections = Box::pin(placed(incoming, Arc::clone(&places), 0));
         let first = connections.next().await.unwrap().unwrap();
         assert_eq!(connections.next().await.unwrap().unwrap_err(), "accept failed");
         let second = connections.next().await.unwrap().unwrap();

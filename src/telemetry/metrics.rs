@@ -130,6 +130,7 @@ pub struct Metrics {
     decision_latency: [Histogram; 2],
     store_latency: Histogram,
     store_errors: [AtomicU64; FAILURE_KINDS.len()],
+    caller_waits: AtomicU64,
     store_name: &'static str,
     sources: RwLock<Option<Sources>>,
     /// envoyproxy/ratelimit's families; `None` when `envoy.upstream_metrics` is off.
@@ -173,6 +174,7 @@ impl Metrics {
             decision_latency: Default::default(),
             store_latency: Histogram::default(),
             store_errors: Default::default(),
+            caller_waits: AtomicU64::new(0),
             store_name,
             sources: RwLock::new(None),
             upstream: None,
@@ -292,6 +294,14 @@ impl Metrics {
                 count.load(Ordering::Relaxed)
             );
         }
+        header(
+            &mut out,
+            "ratelimitd_store_call_waits_total",
+            "counter",
+            "Store calls that waited for their connection's share (grpc.max_store_calls_per_connection).",
+        );
+        let _ =
+            writeln!(out, "ratelimitd_store_call_waits_total {}", self.caller_waits.load(Ordering::Relaxed));
 
         header(
             &mut out,
@@ -701,6 +711,10 @@ impl Stats for Metrics {
         if let Some(upstream) = &self.upstream {
             upstream.store_error();
         }
+    }
+
+    fn caller_waited(&self) {
+        self.caller_waits.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts one decision.

@@ -1,0 +1,172 @@
+//! Floods that used to turn limits off: a Redis saturated by batches of
+//! distinct keys (its calls missing the production deadline), and a full
+//! in-memory store. Whatever the store does, a victim and an attacker stay
+//! within the limit plus the documented local share (one instance: the
+//! limit again), and every answer the store did not make is flagged.
+
+mod common;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use common::{RedisServer, Rules, TestServer, check, config, reason, request};
+use ratelimitd::{
+    api::pb::{self, CheckBatchRequest, CheckItem, Reason},
+    config::RedisConfig,
+};
+
+const RULES: &str = r#"
+rules:
+  - { rule_id: flood, resource_path: /flood, limit: 100000000, window_seconds: 3600 }
+  - { rule_id: victim, resource_path: /victim, limit: 2, window_seconds: 60 }
+  - { rule_id: hourly, resource_path: /hourly, limit: 5, window_seconds: 3600 }
+"#;
+
+/// A batch of `n` items on `path`: user `user(i)` each.
+fn batch(n: usize, path: &str, user: impl Fn(usize) -> String) -> CheckBatchRequest {
+    let items = (0..n).map(|i| CheckItem { id: i as u64, request: Some(request(&user(i), path)) }).collect();
+    CheckBatchRequest { items }
+}
+
+fn admitted(results: &[pb::CheckResult]) -> u64 {
+    results.iter().filter(|r| r.response.as_ref().is_some_and(|r| r.allowed)).count() as u64
+}
+
+/// Four clients (a connection each) send CheckBatch calls of 1,024 distinct
+/// 200-byte users on one rule as fast as they can, at the production
+/// deadline; meanwhile a victim calls every 10 ms on a rule of 2 a minute,
+/// and an attacker batches its own key on that rule. Each is admitted at
+/// most 2 by the store plus 2 by the local limiter. Prints the victim's
+/// latency and how many of its answers were local.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_redis_never_lifts_a_limit() {
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = RedisConfig::default().timeout_ms;
+    let server = TestServer::start(cfg).await;
+    let running = Arc::new(AtomicBool::new(true));
+    let flooded = Arc::new(AtomicU64::new(0));
+    let mut flooders = Vec::new();
+    for flooder in 0..4 {
+        let (running, flooded) = (Arc::clone(&running), Arc::clone(&flooded));
+        let mut client = server.client().await;
+        flooders.push(tokio::spawn(async move {
+            let mut round = 0;
+            while running.load(Ordering::Relaxed) {
+                let flood = batch(1_024, "/flood", |i| format!("{flooder}-{round}-{i}-{}", "x".repeat(180)));
+                let results =
+                    client.check_batch(flood).await.expect("a batch is answered").into_inner().results;
+                flooded.fetch_add(results.len() as u64, Ordering::Relaxed);
+                round += 1;
+            }
+        }));
+    }
+    let attacker = {
+        let running = Arc::clone(&running);
+        let mut client = server.client().await;
+        tokio::spawn(async move {
+            let (mut admitted_total, mut local) = (0, 0);
+            while running.load(Ordering::Relaxed) {
+                let own = batch(64, "/victim", |_| "attacker".to_owned());
+                let results =
+                    client.check_batch(own).await.expect("a batch is answered").into_inner().results;
+                admitted_total += admitted(&results);
+                local += results
+                    .iter()
+                    .filter(|r| r.response.as_ref().is_some_and(|r| !r.store_error.is_empty()))
+                    .count();
+            }
+            (admitted_total, local)
+        })
+    };
+
+    let mut victim = server.client().await;
+    let (mut victim_admitted, mut victim_local, mut latencies) = (0, 0, Vec::new());
+    for _ in 0..300 {
+        let started = Instant::now();
+        let answer = check(&mut victim, request("victim", "/victim")).await;
+        latencies.push(started.elapsed());
+        victim_admitted += u64::from(answer.allowed);
+        if !answer.store_error.is_empty() {
+            victim_local += 1;
+            assert!(matches!(reason(&answer), Reason::LocalOk | Reason::LocalOverLimit), "{answer:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    running.store(false, Ordering::Relaxed);
+    for flooder in flooders {
+        flooder.await.unwrap();
+    }
+    let (attacker_admitted, attacker_local) = attacker.await.unwrap();
+    latencies.sort();
+    let p = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+    eprintln!(
+        "flood of {} distinct-key decisions: victim admitted {victim_admitted} of 300 ({victim_local} answered locally), \
+         p50 {:?} p99 {:?} max {:?}; attacker admitted {attacker_admitted} ({attacker_local} local answers)",
+        flooded.load(Ordering::Relaxed),
+        p(0.5),
+        p(0.99),
+        latencies.last().unwrap()
+    );
+    assert!(victim_admitted <= 4, "the victim's limit of 2 a minute admitted {victim_admitted}");
+    assert!(attacker_admitted <= 4, "the attacker's own key admitted {attacker_admitted}");
+    server.stop().await.unwrap();
+}
+
+/// The in-memory store full of counters that still count (one shard of
+/// 2,000): a new user on a rule of 5 an hour is limited by the local
+/// limiter (5, then over, every answer flagged `store_full`); a user counted
+/// before the flood keeps the store's count; once the local limiter is full
+/// too, new users are denied. The failures of the hourly rule have records
+/// of their own, however large the flood's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_memory_store_limits_new_users_and_keeps_existing_counts() {
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), None);
+    cfg.memory.shards = 1;
+    cfg.memory.max_counters = 2_000;
+    cfg.local.max_counters = 3_000;
+    let server = TestServer::start(cfg).await;
+    let mut client = server.client().await;
+    for _ in 0..5 {
+        assert_eq!(reason(&check(&mut client, request("early", "/hourly")).await), Reason::Ok);
+    }
+    let flood = |round: usize| batch(1_024, "/flood", move |i| format!("{round}-{i}"));
+    for round in 0..3 {
+        let results = client.check_batch(flood(round)).await.unwrap().into_inner().results;
+        assert_eq!(admitted(&results), 1_024, "the flood's own keys are limited locally, not refused");
+    }
+
+    let mut late = Vec::new();
+    for _ in 0..8 {
+        let answer = check(&mut client, request("late", "/hourly")).await;
+        assert_eq!(answer.store_error, "store_full", "{answer:?}");
+        late.push(reason(&answer));
+    }
+    assert_eq!(late.iter().filter(|r| **r == Reason::LocalOk).count(), 5, "{late:?}");
+    assert_eq!(late[5..], [Reason::LocalOverLimit; 3]);
+    let early = check(&mut client, request("early", "/hourly")).await;
+    assert_eq!((reason(&early), early.store_error.as_str()), (Reason::OverLimit, ""), "kept by the store");
+
+    // The local limiter full as well: a new user is denied, never allowed.
+    for round in 3..6 {
+        client.check_batch(flood(round)).await.unwrap();
+    }
+    let latest = check(&mut client, request("latest", "/hourly")).await;
+    assert_eq!((latest.allowed, reason(&latest)), (false, Reason::FailClosed), "{latest:?}");
+
+    let records = server.stop_and_read_dlq().await;
+    let hourly: Vec<_> = records.iter().filter(|r| r.rule_id == "hourly").collect();
+    assert_eq!(hourly.len(), 9, "the late and latest users' failures, each its own record");
+    assert!(hourly.iter().all(|r| r.count == 1 && r.failure.kind == "store_full"));
+    let flood_decisions: u64 = records.iter().filter(|r| r.rule_id == "flood").map(|r| r.count).sum();
+    let flood_records = records.iter().filter(|r| r.rule_id == "flood").count();
+    eprintln!("{flood_decisions} flood failures in {flood_records} records");
+    assert!(flood_records < 100, "the flood was not folded: {flood_records} records");
+}
