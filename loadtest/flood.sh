@@ -41,7 +41,7 @@ for share in 256 0; do
   (pin "${LOAD_CPUS:-}" $LOADTEST_CMD --target "http://127.0.0.1:$SVC_PORT" --api batch --batch 1024 \
     --keys distinct:200 --path /flood --concurrency "$FLOODERS" --connections "$FLOODERS" \
     --duration "$DURATION" --target-pid "$SVC_PID" --victim /victim --label "$label" \
-    --json "$OUT/$label.json" >"$OUT/$label.txt" 2>&1)
+    --json "$OUT/$label.json" >"$OUT/$label.txt" 2>&1) || { cat "$OUT/$label.txt" >&2; exit 1; }
   stop_service
   echo "== grpc.max_store_calls_per_connection = $share"
   cat "$OUT/$label.txt"
