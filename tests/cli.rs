@@ -347,6 +347,18 @@ fn serve_check_and_sigterm_with_redis() {
     assert_eq!(invalid.status.code(), Some(64));
     assert!(stderr(&invalid).contains("user_id: must not be empty"), "{}", stderr(&invalid));
 
+    // Redis gone: the rule fails closed, and the answer says the store did not decide.
+    let mut redis = redis;
+    redis.stop();
+    let failed = serve.check(&["--user", "u3", "--path", "/two"]);
+    assert_eq!(failed.status.code(), Some(1));
+    let text = stdout(&failed);
+    assert!(text.contains("reason          FAIL_CLOSED"), "{text}");
+    assert!(text.contains("store_error     "), "{text}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&serve.check(&["--user", "u3", "--path", "/two", "--json"]).stdout).unwrap();
+    assert!(json["store_error"].as_str().is_some_and(|kind| !kind.is_empty()), "{json}");
+
     let (status, log) = serve.terminate();
     assert!(status.success(), "exit {status:?}\n{log}");
     assert!(log.contains("SIGTERM received"), "{log}");

@@ -218,7 +218,8 @@ async fn an_open_breaker_is_unready_and_closes_without_traffic() {
         readyz(&probed).await.1
     );
     let mut client = probed.client().await;
-    assert!(check(&mut client, request("u", "/closed")).await.allowed, "exact again at once");
+    let again = check(&mut client, request("u", "/closed")).await;
+    assert!(again.allowed, "exact again at once: {again:?}");
     unprobed.stop().await.unwrap();
     probed.stop().await.unwrap();
 }

@@ -52,6 +52,9 @@ pub struct CheckAnswer {
     pub shadow_denied: bool,
     /// NORMAL, DEGRADED_MODE or CRITICAL_ONLY.
     pub cluster_utilization_status: String,
+    /// Set when the shared store did not decide: the failure kind.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub store_error: String,
 }
 
 /// Why a call got no answer.
@@ -109,5 +112,6 @@ pub async fn check(addr: &str, timeout: Duration, call: CheckCall) -> Result<Che
         window_ms: r.window_ms,
         shadow_denied: r.shadow_denied,
         cluster_utilization_status: r.cluster_utilization_status,
+        store_error: r.store_error,
     })
 }

@@ -234,7 +234,7 @@ pub async fn check(args: CheckArgs) -> ExitCode {
     let out = if args.json {
         serde_json::to_string(&answer).unwrap_or_default() + "\n"
     } else {
-        format!(
+        let mut text = format!(
             "allowed         {}\nreason          {}\nremaining       {}\nretry_after_ms  {}\nreset_after_ms  {}\nrule_id         {}\nlimit           {} per {} ms (capacity {})\nshadow_denied   {}\nutilization     {}\n",
             answer.allowed,
             answer.reason,
@@ -247,7 +247,11 @@ pub async fn check(args: CheckArgs) -> ExitCode {
             answer.capacity,
             answer.shadow_denied,
             answer.cluster_utilization_status,
-        )
+        );
+        if !answer.store_error.is_empty() {
+            text += &format!("store_error     {} (not decided by the shared store)\n", answer.store_error);
+        }
+        text
     };
     let _ = std::io::stdout().write_all(out.as_bytes());
     if answer.allowed { ExitCode::SUCCESS } else { ExitCode::from(1) }

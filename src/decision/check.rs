@@ -3,15 +3,13 @@
 
 use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
-use tracing::Instrument as _;
-
-use super::{Api, Engine, REPORT_LABEL, Reason, clamp_i64, fallback::Failed, keys};
+use super::{Api, Engine, REPORT_LABEL, Reason, clamp_i64, fallback::Failed, keys, pipeline::Subject};
 use crate::{
     config::TenantSource,
-    limiter::{Count, FailureKind, Verdict},
+    limiter::{Count, FailureKind, StoreError, Verdict},
     overload::{Kind, OverloadVerdict},
-    rules::Mode,
-    shed::{Level, Priority, ShedVerdict},
+    rules::{Mode, Rule},
+    shed::{Level, Priority},
 };
 
 /// A validated request. Borrows from the wire message: no copies.
@@ -129,111 +127,190 @@ impl Engine {
         let snapshot = self.inner.rules.load();
         let rule = snapshot.lookup(request.resource_path, request.client_type);
         let base = rule.map_or(self.inner.default_priority, |r| r.priority);
-        let priority = self.effective_priority(request.priority, base);
-        let info = rule.map(|rule| RuleInfo {
+        let native = Native {
+            request,
+            rule,
+            info: rule.map(RuleInfo::of),
+            priority: self.effective_priority(request.priority, base),
+            level: Level::Normal,
+            shadow_shed: false,
+            user: Cow::Borrowed(request.user_id),
+            cache: None,
+            version: snapshot.version(),
+        };
+        self.run(native).await
+    }
+}
+
+impl RuleInfo {
+    fn of(rule: &Rule) -> Self {
+        RuleInfo {
             id: Arc::clone(&rule.id),
             limit: rule.limit,
             capacity: rule.window.capacity,
             window_ms: rule.window.window_ms,
-        });
+        }
+    }
+}
 
-        // Shedding comes before anything that costs a store call. The level
-        // is read once so the answer and its status agree. A report is never
-        // shed: the usage it reports has happened.
-        let level = self.inner.shedder.level();
-        let verdict = match request.count {
-            Count::Always => ShedVerdict::Pass,
-            Count::IfFits | Count::Never => self.inner.shedder.check(level, priority),
-        };
-        let shadow_shed = match verdict {
-            ShedVerdict::Pass => false,
-            ShedVerdict::ShadowShed => true,
-            ShedVerdict::Shed { retry_after_ms } => {
-                return Decision {
-                    allowed: false,
-                    retry_after_ms: clamp_i64(retry_after_ms),
-                    ..Decision::allowed(Reason::Shed, info, priority, level)
-                };
-            }
-        };
+/// A `Check` (a peek, a `Report`) in the pipeline: one rule, one counter
+/// per user.
+struct Native<'r, 'a> {
+    request: &'r CheckRequest<'a>,
+    rule: Option<&'r Rule>,
+    info: Option<RuleInfo>,
+    priority: Priority,
+    level: Level,
+    shadow_shed: bool,
+    /// The counted user id: the digest of an over-long one.
+    user: Cow<'a, str>,
+    /// The rules' version in the denial cache, where the cache applies.
+    cache: Option<u64>,
+    /// The rules' version.
+    version: &'r str,
+}
 
-        let Some(rule) = rule else {
-            return Decision { shadow_shed, ..Decision::allowed(Reason::NoRule, None, priority, level) };
-        };
-        let weight = u64::from(request.weight);
-        let shadow = rule.mode == Mode::Shadow;
+impl Native<'_, '_> {
+    /// An answer of `reason` from the rule alone, nothing counted.
+    fn uncounted(&self, reason: Reason) -> Decision {
+        Decision {
+            shadow_shed: self.shadow_shed,
+            ..Decision::allowed(reason, self.info.clone(), self.priority, self.level)
+        }
+    }
 
-        // Never admissible: answered from the rule alone, no store call, and a
-        // retry_after of -1 so no client loops waiting for it. A report is
-        // counted whatever its weight.
-        if weight > rule.window.capacity && request.count != Count::Always {
-            let base = Decision { shadow_shed, ..Decision::allowed(Reason::Ok, info, priority, level) };
-            return if shadow {
+    fn rule(&self) -> &Rule {
+        self.rule.expect("settled: a rule matched")
+    }
+
+    fn shadow(&self) -> bool {
+        self.rule.is_some_and(|rule| rule.mode == Mode::Shadow)
+    }
+}
+
+impl Subject for Native<'_, '_> {
+    type Answer = Decision;
+    type Outcome = Verdict;
+
+    fn priority(&self) -> Priority {
+        self.priority
+    }
+
+    fn shed_exempt(&self) -> bool {
+        self.request.count == Count::Always
+    }
+
+    fn refused(self, _: &Engine, reason: Reason, retry_after_ms: u64, level: Level) -> Decision {
+        Decision {
+            allowed: false,
+            retry_after_ms: clamp_i64(retry_after_ms),
+            shadow_shed: self.shadow_shed,
+            ..Decision::allowed(reason, self.info, self.priority, level)
+        }
+    }
+
+    /// No rule: allowed, uncounted. A weight over the rule's capacity can
+    /// never pass: answered from the rule alone with a retry_after of -1,
+    /// so no client loops waiting for it (a report is counted whatever
+    /// its weight).
+    fn settle(mut self, _: &Engine, level: Level, shadow_shed: bool) -> Result<Self, Decision> {
+        (self.level, self.shadow_shed) = (level, shadow_shed);
+        let Some(rule) = self.rule else {
+            return Err(self.uncounted(Reason::NoRule));
+        };
+        let weight = u64::from(self.request.weight);
+        if weight > rule.window.capacity && self.request.count != Count::Always {
+            let base = self.uncounted(Reason::Ok);
+            return Err(if self.shadow() {
                 Decision { shadow_denied: true, ..base }
             } else {
                 Decision { allowed: false, reason: Reason::WeightExceedsCapacity, retry_after_ms: -1, ..base }
-            };
+            });
         }
+        Ok(self)
+    }
 
-        // The overload layer, in front of the exact counter: a drop costs no
-        // store call. Only admissions are counted and dropped (a peek asks,
-        // a report tells what happened).
-        if request.count == Count::IfFits
-            && rule.overload.is_some()
-            && let Some(overload) = &self.inner.overload
-            && let OverloadVerdict::Drop { retry_after_ms } =
-                overload.check(Kind::Native, &rule.id, self.check_tenant(request), shadow)
-        {
-            return Decision {
-                allowed: false,
-                retry_after_ms: clamp_i64(retry_after_ms),
-                shadow_shed,
-                ..Decision::allowed(Reason::Overload, info, priority, level)
-            };
+    /// Only admissions are counted and dropped (a peek asks, a report
+    /// tells what happened).
+    fn overload(&self, engine: &Engine) -> Option<u64> {
+        let rule = self.rule();
+        if self.request.count != Count::IfFits || rule.overload.is_none() {
+            return None;
         }
+        let overload = engine.inner.overload.as_ref()?;
+        match overload.check(Kind::Native, &rule.id, engine.check_tenant(self.request), self.shadow()) {
+            OverloadVerdict::Drop { retry_after_ms } => Some(retry_after_ms),
+            _ => None,
+        }
+    }
 
-        // An over-long user id is counted by its digest, exactly, never refused.
-        let user = keys::bounded(request.user_id, self.inner.max_user_id_bytes);
-        if matches!(user, Cow::Owned(_)) {
-            self.inner.stats.adjusted(Api::Check, "user_id_digest");
+    /// An over-long user id is counted by its digest, exactly, never
+    /// refused. A denial the store gave for this counter still holds:
+    /// answered here, exactly as the store would (only enforced admissions
+    /// and peeks).
+    fn cached(&mut self, engine: &Engine) -> Option<Decision> {
+        self.user = keys::bounded(self.request.user_id, engine.inner.max_user_id_bytes);
+        if matches!(self.user, Cow::Owned(_)) {
+            engine.inner.stats.adjusted(Api::Check, "user_id_digest");
         }
-        // A denial the store gave for this counter still holds: answered
-        // here, exactly as the store would (only enforced admissions and peeks).
-        let cache = self.inner.denials.as_ref().filter(|_| !shadow && request.count != Count::Always);
-        let version = cache.map(|c| c.version_hash(snapshot.version()));
-        if let (Some(cache), Some(version)) = (cache, version)
-            && let Some(hit) = cache.lookup(version, &rule.id, &user, weight)
-        {
-            return Decision {
-                allowed: false,
-                retry_after_ms: clamp_i64(hit.retry_after_ms),
-                reset_after_ms: hit.reset_after_ms,
-                shadow_shed,
-                ..Decision::allowed(Reason::OverLimit, info, priority, level)
-            };
-        }
-        let _permit = self.caller_permit(request.share).await;
-        let store_started = self.store_call_started();
-        let decided = self
+        let cache = engine
+            .inner
+            .denials
+            .as_deref()
+            .filter(|_| !self.shadow() && self.request.count != Count::Always)?;
+        let version = cache.version_hash(self.version);
+        self.cache = Some(version);
+        let hit = cache.lookup(version, &self.rule().id, &self.user, u64::from(self.request.weight))?;
+        Some(Decision {
+            allowed: false,
+            retry_after_ms: clamp_i64(hit.retry_after_ms),
+            reset_after_ms: hit.reset_after_ms,
+            ..self.uncounted(Reason::OverLimit)
+        })
+    }
+
+    fn keys(&self) -> usize {
+        1
+    }
+
+    async fn decide(&self, engine: &Engine) -> Result<Verdict, StoreError> {
+        let weight = u64::from(self.request.weight);
+        engine
             .inner
             .store
-            .decide(&user, rule.counter(), weight, request.count)
-            .instrument(tracing::info_span!("store.decide", store = self.inner.store.name()))
-            .await;
-        self.store_call_done(store_started, &decided);
-        if let (Some(cache), Some(version), Ok(verdict)) = (cache, version, &decided)
+            .decide_in(self.request.share, &self.user, self.rule().counter(), weight, self.request.count)
+            .await
+    }
+
+    fn answer(self, engine: &Engine, verdict: Verdict) -> Decision {
+        if let (Some(version), Some(cache)) = (self.cache, engine.inner.denials.as_deref())
             && !verdict.admitted
             && let Some(retry_after_ms) = verdict.retry_after_ms
         {
-            cache.insert(version, &rule.id, &user, weight, retry_after_ms, verdict.reset_after_ms);
+            let weight = u64::from(self.request.weight);
+            cache.insert(
+                version,
+                &self.rule().id,
+                &self.user,
+                weight,
+                retry_after_ms,
+                verdict.reset_after_ms,
+            );
         }
-        match decided {
-            Ok(verdict) => Decision { shadow_shed, level, ..from_verdict(&verdict, shadow, info, priority) },
-            Err(error) => {
-                let failed = Failed { user: &user, weight, info, priority, level, error };
-                Decision { shadow_shed, ..self.check_failed(request, rule, failed) }
-            }
-        }
+        let decided = from_verdict(&verdict, self.shadow(), self.info, self.priority);
+        Decision { shadow_shed: self.shadow_shed, level: self.level, ..decided }
+    }
+
+    fn failed(self, engine: &Engine, error: StoreError) -> Decision {
+        let failed = Failed {
+            user: &self.user,
+            weight: u64::from(self.request.weight),
+            info: self.info.clone(),
+            priority: self.priority,
+            level: self.level,
+            error,
+        };
+        Decision { shadow_shed: self.shadow_shed, ..engine.check_failed(self.request, self.rule(), failed) }
     }
 }
 

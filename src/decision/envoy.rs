@@ -20,14 +20,14 @@ use std::{
     sync::Arc,
 };
 
-use tracing::Instrument as _;
-
-use super::{Api, Engine, LimitHits, REPORT_LABEL, Reason, keys};
+use super::{Api, Engine, LimitHits, REPORT_LABEL, Reason, keys, pipeline::Subject};
 use crate::{
-    limiter::{Count, FailureKind, ManyItem, ManyOutcome, StoreError, push_encoded, window::Algorithm},
+    limiter::{
+        Count, FailureKind, ManyItem, ManyOutcome, StoreError, Verdict, push_encoded, window::Algorithm,
+    },
     overload::{Kind, OverloadVerdict},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
-    shed::{Level, Priority, ShedVerdict},
+    shed::{Level, Priority},
 };
 
 /// The metric label and dead-letter rule id of a request-supplied limit: a
@@ -275,133 +275,106 @@ impl Engine {
     }
 
     async fn decide_rls<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> RlsDecision {
-        let limits = self.rls_limits(request);
-        let priority = self.rls_priority(request);
-
-        // Shedding comes before anything that costs a store call; the level
-        // is read once so the answer and its status agree. A request whose
-        // every counted limit is a report is never shed: its usage has
-        // happened. (A check of a `report_mode` limit, 0 hits, is shed.)
-        let level = self.inner.shedder.level();
-        let hits = |d: &D| d.hits_addend().unwrap_or_else(|| u64::from(request.hits_addend.max(1)));
-        let (mut reports, mut others) = (0, 0);
-        for (found, descriptor) in limits.iter().zip(request.descriptors) {
-            match found {
-                Some(m) if m.limit.unlimited => {}
-                Some(m) if m.limit.report_mode && hits(descriptor) > 0 => reports += 1,
-                Some(_) => others += 1,
-                None => {}
-            }
-        }
-        let shed = if reports > 0 && others == 0 {
-            ShedVerdict::Pass
-        } else {
-            self.inner.shedder.check(level, priority)
+        let rls = Rls {
+            request,
+            limits: self.rls_limits(request),
+            settled: None,
+            priority: self.rls_priority(request),
+            level: Level::Normal,
+            shadow_shed: false,
         };
-        let shadow_shed = match shed {
-            ShedVerdict::Pass => false,
-            ShedVerdict::ShadowShed => true,
-            ShedVerdict::Shed { retry_after_ms } => {
-                let limits = limits
-                    .into_iter()
-                    .zip(request.descriptors)
-                    .map(|(found, descriptor)| found.map(|m| (m.limit, hits(descriptor))));
-                return self.rls_refused(limits, Reason::Shed, priority, level, retry_after_ms);
-            }
-        };
+        self.run(rls).await
+    }
 
+    /// How each descriptor is decided, and the counters of the one store
+    /// call (`hits`: a descriptor's hits).
+    fn rls_plans<D: Descriptor>(
+        &self,
+        descriptors: &[D],
+        limits: Vec<Option<EnvoyMatch>>,
+        hits: impl Fn(&D) -> u64,
+    ) -> (Vec<Plan>, Vec<ManyItem>) {
         let mut items = Vec::new();
-        let plans: Vec<Plan> = limits
+        let plans = limits
             .into_iter()
-            .zip(request.descriptors)
+            .zip(descriptors)
             .map(|(found, descriptor)| match found {
                 None => Plan::NoLimit,
                 Some(found) if found.limit.unlimited => {
                     Plan::Unlimited(found.limit, found.stat_key, hits(descriptor))
                 }
                 Some(found) => {
-                    let limit = found.limit;
-                    let unit = limit.unit.expect("a limited limit has a unit");
-                    let hits = hits(descriptor);
-                    // `hits_addend: 0` asks whether one more hit fits and counts
-                    // nothing; a `report_mode` limit counts hits whatever is left.
-                    let (weight, count) = match hits {
-                        0 => (1, Count::Never),
-                        hits if limit.report_mode => (hits, Count::Always),
-                        hits => (hits, Count::IfFits),
-                    };
-                    let (key, digested) = counter_key(
-                        unit,
-                        descriptor.entries(),
-                        &found.shared,
-                        self.inner.envoy_policy.max_value_bytes,
-                    );
-                    if digested {
-                        self.inner.stats.adjusted(Api::Envoy, "entry_digest");
-                    }
-                    items.push(ManyItem {
-                        key,
-                        params: unit.params(
-                            limit.requests_per_unit,
-                            limit.algorithm.unwrap_or(self.inner.envoy_policy.algorithm),
-                        ),
-                        tick_ms: unit.tick_ms(),
-                        weight,
-                        count,
-                        // Neither blocks the others: shadow never denies, and
-                        // a quota descriptor denies only together with all others.
-                        shadow: self.shadow(&limit) || self.quota(&limit),
-                    });
-                    Plan::Limited(limit, items.len() - 1, found.stat_key)
+                    items.push(self.rls_item(&found, descriptor, hits(descriptor)));
+                    Plan::Limited(found.limit, items.len() - 1, found.stat_key)
                 }
             })
             .collect();
+        (plans, items)
+    }
 
-        let base = RlsDecision {
-            over_limit: false,
-            reason: Reason::NoRule,
-            statuses: Vec::with_capacity(plans.len()),
-            tightest: None,
-            retry_after_ms: 0,
-            priority,
-            level,
-            shadow_shed,
-            failure: None,
-            store_error: None,
+    /// The counter of a descriptor with a limit (`found`) and `hits`.
+    fn rls_item<D: Descriptor>(&self, found: &EnvoyMatch, descriptor: &D, hits: u64) -> ManyItem {
+        let limit = &found.limit;
+        let unit = limit.unit.expect("a limited limit has a unit");
+        // `hits_addend: 0` asks whether one more hit fits and counts
+        // nothing; a `report_mode` limit counts hits whatever is left.
+        let (weight, count) = match hits {
+            0 => (1, Count::Never),
+            hits if limit.report_mode => (hits, Count::Always),
+            hits => (hits, Count::IfFits),
         };
-        if items.is_empty() {
-            return self.rls_answer(&plans, &items, None, base, false);
+        let policy = &self.inner.envoy_policy;
+        let (key, digested) = counter_key(unit, descriptor.entries(), &found.shared, policy.max_value_bytes);
+        if digested {
+            self.inner.stats.adjusted(Api::Envoy, "entry_digest");
         }
-        if let Some(retry_after_ms) = self.rls_overload(request, &plans, &items) {
-            let limits = plans.iter().map(|plan| match plan {
-                Plan::NoLimit => None,
-                Plan::Unlimited(limit, _, hits) => Some((Arc::clone(limit), *hits)),
-                Plan::Limited(limit, index, _) => {
-                    let item = &items[*index];
-                    Some((Arc::clone(limit), if item.count == Count::Never { 0 } else { item.weight }))
-                }
-            });
-            return RlsDecision {
-                shadow_shed,
-                ..self.rls_refused(limits, Reason::Overload, priority, level, retry_after_ms)
-            };
+        ManyItem {
+            key,
+            params: unit.params(limit.requests_per_unit, limit.algorithm.unwrap_or(policy.algorithm)),
+            tick_ms: unit.tick_ms(),
+            weight,
+            count,
+            // Neither blocks the others: shadow never denies, and a quota
+            // descriptor denies only together with all others.
+            shadow: self.shadow(limit) || self.quota(limit),
         }
-        let _permit = self.caller_permit(request.share).await;
-        let store_started = self.store_call_started();
-        let decided = self
-            .inner
-            .store
-            .decide_many(request.domain, &items)
-            .instrument(tracing::info_span!(
-                "store.decide_many",
-                store = self.inner.store.name(),
-                keys = items.len()
-            ))
-            .await;
-        self.store_call_done(store_started, &decided);
-        match decided {
-            Ok(outcome) => self.rls_answer(&plans, &items, Some(&outcome), base, false),
-            Err(error) => self.rls_failed(request, &plans, &items, error, base),
+    }
+
+    /// One counted descriptor's status from its `verdict`, counted in the
+    /// metrics (`local`: the local limiter's verdict).
+    fn rls_status(
+        &self,
+        limit: &Arc<EnvoyLimit>,
+        key: &Option<Box<str>>,
+        item: &ManyItem,
+        verdict: &Verdict,
+        local: bool,
+    ) -> DescriptorDecision {
+        let shadow = self.shadow(limit);
+        if self.inner.envoy_policy.upstream_metrics {
+            let hits = if item.count == Count::Never { 0 } else { item.weight };
+            let near = self.inner.envoy_policy.near_limit_ratio;
+            let counted = LimitHits::of(u64::from(limit.requests_per_unit), hits, verdict, shadow, near);
+            self.inner.stats.limit_hits(stat_key(limit, key), counted);
+        }
+        let over = !verdict.admitted;
+        let denied = over && !shadow;
+        let report = item.count == Count::Always;
+        let reason = match (report, denied, local) {
+            (true, _, _) => REPORT_LABEL,
+            (false, true, false) => "OVER_LIMIT",
+            (false, false, false) => "OK",
+            (false, true, true) => "LOCAL_OVER_LIMIT",
+            (false, false, true) => "LOCAL_OK",
+        };
+        self.inner.stats.decision(Api::Envoy, Some(&limit.full_key), reason, report || !denied);
+        DescriptorDecision {
+            over_limit: denied,
+            limit: Some(Arc::clone(limit)),
+            unlimited: false,
+            remaining: if over { 0 } else { u32::try_from(verdict.remaining).unwrap_or(u32::MAX) },
+            // Over: exactly when the same hit would pass. Under: when the quota is whole again.
+            until_reset_ms: if over { verdict.retry_after_ms.unwrap_or(0) } else { verdict.reset_after_ms },
         }
     }
 
@@ -609,52 +582,19 @@ impl Engine {
                 Plan::Limited(limit, index, key) => {
                     counted = true;
                     let verdict = outcome.expect("limited descriptors were decided").verdicts[*index];
-                    if self.inner.envoy_policy.upstream_metrics {
-                        let item = &items[*index];
-                        let hits = LimitHits::of(
-                            u64::from(limit.requests_per_unit),
-                            if item.count == Count::Never { 0 } else { item.weight },
-                            &verdict,
-                            self.shadow(limit),
-                            self.inner.envoy_policy.near_limit_ratio,
-                        );
-                        self.inner.stats.limit_hits(stat_key(limit, key), hits);
-                    }
+                    let status = self.rls_status(limit, key, &items[*index], &verdict, local);
                     let over = !verdict.admitted;
                     if self.quota(limit) {
                         quota_total += 1;
                         quota_over += usize::from(over);
-                    } else if over && !self.shadow(limit) {
+                    } else if status.over_limit {
                         enforced_over = true;
                     }
-                    let remaining =
-                        if over { 0 } else { u32::try_from(verdict.remaining).unwrap_or(u32::MAX) };
-                    let denied = over && !self.shadow(limit);
-                    let report = items[*index].count == Count::Always;
-                    let reason = match (report, denied, local) {
-                        (true, _, _) => REPORT_LABEL,
-                        (false, true, false) => "OVER_LIMIT",
-                        (false, false, false) => "OK",
-                        (false, true, true) => "LOCAL_OVER_LIMIT",
-                        (false, false, true) => "LOCAL_OK",
-                    };
-                    self.inner.stats.decision(Api::Envoy, Some(&limit.full_key), reason, report || !denied);
-                    let rank = if denied { 0 } else { remaining };
+                    let rank = if status.over_limit { 0 } else { status.remaining };
                     if tightest.is_none_or(|(r, _)| rank < r) {
                         tightest = Some((rank, decision.statuses.len()));
                     }
-                    DescriptorDecision {
-                        over_limit: denied,
-                        limit: Some(Arc::clone(limit)),
-                        unlimited: false,
-                        remaining,
-                        // Over: exactly when the same hit would pass. Under: when the quota is whole again.
-                        until_reset_ms: if over {
-                            verdict.retry_after_ms.unwrap_or(0)
-                        } else {
-                            verdict.reset_after_ms
-                        },
-                    }
+                    status
                 }
             };
             decision.statuses.push(status);
@@ -667,6 +607,143 @@ impl Engine {
         };
         decision.tightest = tightest.map(|(_, index)| index);
         decision
+    }
+}
+
+/// A descriptor's hits: its own, else the request's (0 means 1).
+fn hits_of<D: Descriptor>(request: &RlsRequest<'_, D>, descriptor: &D) -> u64 {
+    descriptor.hits_addend().unwrap_or_else(|| u64::from(request.hits_addend.max(1)))
+}
+
+/// A `ShouldRateLimit` in the pipeline: each descriptor's limit, then
+/// (settled) how each is decided and the counters of one all-or-nothing
+/// store call.
+struct Rls<'r, 'a, D> {
+    request: &'r RlsRequest<'a, D>,
+    /// Each descriptor's limit, until settled.
+    limits: Vec<Option<EnvoyMatch>>,
+    /// Settled: each descriptor's plan, and the store call's counters.
+    settled: Option<(Vec<Plan>, Vec<ManyItem>)>,
+    priority: Priority,
+    level: Level,
+    shadow_shed: bool,
+}
+
+impl<D: Descriptor> Rls<'_, '_, D> {
+    fn hits(&self, descriptor: &D) -> u64 {
+        hits_of(self.request, descriptor)
+    }
+
+    /// The answer before any descriptor is decided.
+    fn base(&self, plans: usize) -> RlsDecision {
+        RlsDecision {
+            over_limit: false,
+            reason: Reason::NoRule,
+            statuses: Vec::with_capacity(plans),
+            tightest: None,
+            retry_after_ms: 0,
+            priority: self.priority,
+            level: self.level,
+            shadow_shed: self.shadow_shed,
+            failure: None,
+            store_error: None,
+        }
+    }
+
+    fn settled(&self) -> (&[Plan], &[ManyItem]) {
+        let (plans, items) = self.settled.as_ref().expect("settled");
+        (plans, items)
+    }
+}
+
+impl<D: Descriptor> Subject for Rls<'_, '_, D> {
+    type Answer = RlsDecision;
+    type Outcome = ManyOutcome;
+
+    fn priority(&self) -> Priority {
+        self.priority
+    }
+
+    /// A request whose every counted limit is a report (with hits): its
+    /// usage has happened. (A check of a `report_mode` limit, 0 hits, is
+    /// shed.)
+    fn shed_exempt(&self) -> bool {
+        let (mut reports, mut others) = (0, 0);
+        for (found, descriptor) in self.limits.iter().zip(self.request.descriptors) {
+            match found {
+                Some(m) if m.limit.unlimited => {}
+                Some(m) if m.limit.report_mode && self.hits(descriptor) > 0 => reports += 1,
+                Some(_) => others += 1,
+                None => {}
+            }
+        }
+        reports > 0 && others == 0
+    }
+
+    fn refused(self, engine: &Engine, reason: Reason, retry_after_ms: u64, level: Level) -> RlsDecision {
+        let (priority, shadow_shed) = (self.priority, self.shadow_shed);
+        let refused = match &self.settled {
+            None => {
+                let request = self.request;
+                let limits = self.limits.into_iter().zip(request.descriptors);
+                let limits =
+                    limits.map(|(found, descriptor)| found.map(|m| (m.limit, hits_of(request, descriptor))));
+                engine.rls_refused(limits, reason, priority, level, retry_after_ms)
+            }
+            Some((plans, items)) => {
+                let limits = plans.iter().map(|plan| match plan {
+                    Plan::NoLimit => None,
+                    Plan::Unlimited(limit, _, hits) => Some((Arc::clone(limit), *hits)),
+                    Plan::Limited(limit, index, _) => {
+                        let item = &items[*index];
+                        Some((Arc::clone(limit), if item.count == Count::Never { 0 } else { item.weight }))
+                    }
+                });
+                engine.rls_refused(limits, reason, priority, level, retry_after_ms)
+            }
+        };
+        RlsDecision { shadow_shed, ..refused }
+    }
+
+    /// Nothing to count (no limit matched, or only unlimited ones):
+    /// answered without a store call.
+    fn settle(mut self, engine: &Engine, level: Level, shadow_shed: bool) -> Result<Self, RlsDecision> {
+        (self.level, self.shadow_shed) = (level, shadow_shed);
+        let limits = std::mem::take(&mut self.limits);
+        let (plans, items) = engine.rls_plans(self.request.descriptors, limits, |d| self.hits(d));
+        if items.is_empty() {
+            return Err(engine.rls_answer(&plans, &items, None, self.base(plans.len()), false));
+        }
+        self.settled = Some((plans, items));
+        Ok(self)
+    }
+
+    fn overload(&self, engine: &Engine) -> Option<u64> {
+        let (plans, items) = self.settled();
+        engine.rls_overload(self.request, plans, items)
+    }
+
+    fn cached(&mut self, _: &Engine) -> Option<RlsDecision> {
+        None
+    }
+
+    fn keys(&self) -> usize {
+        self.settled().1.len()
+    }
+
+    async fn decide(&self, engine: &Engine) -> Result<ManyOutcome, StoreError> {
+        let items = self.settled().1;
+        engine.inner.store.decide_many_in(self.request.share, self.request.domain, items).await
+    }
+
+    fn answer(self, engine: &Engine, outcome: ManyOutcome) -> RlsDecision {
+        let (plans, items) = self.settled();
+        engine.rls_answer(plans, items, Some(&outcome), self.base(plans.len()), false)
+    }
+
+    fn failed(self, engine: &Engine, error: StoreError) -> RlsDecision {
+        let (plans, items) = self.settled();
+        engine.rls_failed(self.request, plans, items, error, self.base(plans.len()))
     }
 }
 

@@ -23,6 +23,7 @@ mod envoy;
 mod failure;
 mod fallback;
 pub mod keys;
+mod pipeline;
 #[cfg(test)]
 mod tests;
 
@@ -194,8 +195,6 @@ pub trait Stats: Send + Sync + fmt::Debug {
     fn limit_hits(&self, key: &str, hits: LimitHits);
     /// One `ShouldRateLimit` the store could not decide.
     fn envoy_failed(&self);
-    /// A store call waited for its caller's share ([`CallerShare`]).
-    fn caller_waited(&self) {}
 }
 
 /// Receives a sample of decided `Check` requests (`capture.*`), for
@@ -344,24 +343,6 @@ impl Engine {
     /// than the two clock reads that would time it).
     fn store_call_started(&self) -> Option<std::time::Instant> {
         self.inner.store.is_remote().then(std::time::Instant::now)
-    }
-
-    /// A permit of the caller's share for one call to a remote store, once
-    /// one is free (no permit when the store is in process or the caller
-    /// has no share). The wait is boxed: it is the rare path, and its future
-    /// would otherwise size every decision's.
-    async fn caller_permit<'s>(
-        &self,
-        share: Option<&'s tokio::sync::Semaphore>,
-    ) -> Option<tokio::sync::SemaphorePermit<'s>> {
-        let share = share.filter(|_| self.inner.store.is_remote())?;
-        match share.try_acquire() {
-            Ok(permit) => Some(permit),
-            Err(_) => {
-                self.inner.stats.caller_waited();
-                Box::pin(share.acquire()).await.ok()
-            }
-        }
     }
 
     /// Counts one store call begun at `started` ([`Self::store_call_started`]):

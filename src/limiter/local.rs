@@ -226,35 +226,39 @@ impl LocalLimiter {
     }
 
     /// Writes every owed hit back to `store` as a report (counted whatever
-    /// is left). Stops at the first failure: what is left stays owed, for
-    /// the next round. Returns the hits written.
+    /// is left), [`WRITE_BACK_CHUNK`] calls at a time. Stops after the first
+    /// chunk with a failure: what was refused, and what is left, stays owed
+    /// for the next round. Returns the hits written.
     pub async fn write_back(&self, store: &Store) -> u64 {
         let taken = std::mem::take(&mut *self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         let mut written = 0;
         let mut entries = taken.into_iter();
-        while let Some((key, owed)) = entries.next() {
-            let result = match (&key, &owed) {
-                (OwedKey::Counter(rule, user), Owed::Counter { window, hits }) => store
-                    .decide(user, CounterSpec { id: rule, window: *window }, *hits, Count::Always)
-                    .await
-                    .map(drop),
-                (OwedKey::Item(group, _), Owed::Item(item)) => {
-                    store.decide_many(group, std::slice::from_ref(item)).await.map(drop)
+        loop {
+            let chunk: Vec<(OwedKey, Owed)> = entries.by_ref().take(WRITE_BACK_CHUNK).collect();
+            if chunk.is_empty() {
+                break;
+            }
+            let results =
+                futures_util::future::join_all(chunk.iter().map(|(key, owed)| write_one(store, key, owed)))
+                    .await;
+            let mut refused = Vec::new();
+            for ((key, owed), result) in chunk.into_iter().zip(results) {
+                match result {
+                    Ok(()) => written += owed.hits(),
+                    Err(error) => refused.push((key, owed, error)),
                 }
-                _ => unreachable!("an owed entry's key and value are of one kind"),
-            };
-            match result {
-                Ok(()) => written += owed.hits(),
-                Err(error) => {
-                    self.write_back_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%error, "write-back refused; hits stay owed");
-                    let mut map = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            if let Some((_, _, error)) = refused.first() {
+                self.write_back_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%error, "write-back refused; hits stay owed");
+                let mut map = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                for (key, owed, _) in refused {
                     merge(&mut map, key, owed);
-                    for (key, owed) in entries {
-                        merge(&mut map, key, owed);
-                    }
-                    break;
                 }
+                for (key, owed) in entries {
+                    merge(&mut map, key, owed);
+                }
+                break;
             }
         }
         self.written_back.fetch_add(written, Ordering::Relaxed);
@@ -273,6 +277,24 @@ impl Owed {
             Owed::Counter { hits, .. } => *hits,
             Owed::Item(item) => item.weight,
         }
+    }
+}
+
+/// Owed entries written back at a time: a recovering store gets a
+/// bounded burst, and a long outage's debt is still paid in a few rounds.
+pub const WRITE_BACK_CHUNK: usize = 64;
+
+/// Writes one owed entry back as a report.
+async fn write_one(store: &Store, key: &OwedKey, owed: &Owed) -> Result<(), StoreError> {
+    match (key, owed) {
+        (OwedKey::Counter(rule, user), Owed::Counter { window, hits }) => store
+            .decide(user, CounterSpec { id: rule, window: *window }, *hits, Count::Always)
+            .await
+            .map(drop),
+        (OwedKey::Item(group, _), Owed::Item(item)) => {
+            store.decide_many(group, std::slice::from_ref(item)).await.map(drop)
+        }
+        _ => unreachable!("an owed entry's key and value are of one kind"),
     }
 }
 

@@ -22,6 +22,7 @@ use std::{
 
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
+use tokio::sync::Semaphore;
 use window::StoredCounter;
 pub use window::{Algorithm, Count, Verdict, WindowParams};
 
@@ -50,12 +51,33 @@ impl Store {
         weight: u64,
         count: Count,
     ) -> Result<Verdict, StoreError> {
+        self.decide_in(None, user_id, counter, weight, count).await
+    }
+
+    /// [`Store::decide`] for a caller with a `share` of a remote store's
+    /// in-flight calls: a Redis call holds one of its permits while it runs
+    /// (waiting for one if none is free); an in-process call needs none.
+    pub async fn decide_in(
+        &self,
+        share: Option<&Semaphore>,
+        user_id: &str,
+        counter: CounterSpec<'_>,
+        weight: u64,
+        count: Count,
+    ) -> Result<Verdict, StoreError> {
         match self {
             Store::Memory(store) => store.decide(user_id, counter, weight, count),
-            // Boxed: the Redis call's future (its batch slot, its timeout)
-            // would otherwise size every decision's future, the in-memory
-            // ones too, and a stream allocates one per item in flight.
-            Store::Redis(store) => Box::pin(store.decide(user_id, counter, weight, count)).await,
+            // Boxed: the Redis call's future (its batch slot, its timeout,
+            // the wait for a permit) would otherwise size every decision's
+            // future, the in-memory ones too, and a stream allocates one
+            // per item in flight.
+            Store::Redis(store) => {
+                Box::pin(async move {
+                    let _permit = store.permit(share).await;
+                    store.decide(user_id, counter, weight, count).await
+                })
+                .await
+            }
         }
     }
 
@@ -66,6 +88,22 @@ impl Store {
     /// others decide: mixed with admissions, they go to the store as a job
     /// of their own.
     pub async fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
+        self.decide_many_in(None, group, items).await
+    }
+
+    /// [`Store::decide_many`] for a caller with a `share` of a remote
+    /// store's in-flight calls (see [`Store::decide_in`]): one permit for
+    /// the whole call.
+    pub async fn decide_many_in(
+        &self,
+        share: Option<&Semaphore>,
+        group: &str,
+        items: &[ManyItem],
+    ) -> Result<ManyOutcome, StoreError> {
+        let _permit = match self {
+            Store::Redis(store) => store.permit(share).await,
+            Store::Memory(_) => None,
+        };
         let reports = items.iter().filter(|i| i.count == Count::Always).count();
         if reports == 0 || reports == items.len() {
             return self.decide_job(group, items).await;

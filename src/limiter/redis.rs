@@ -40,7 +40,7 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -61,7 +61,7 @@ use redis::{
     cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr},
 };
 use tokio::{
-    sync::{mpsc, oneshot},
+    sync::{Semaphore, SemaphorePermit, mpsc, oneshot},
     task::JoinSet,
 };
 
@@ -288,6 +288,8 @@ pub struct RedisStore {
     url_for_logs: String,
     /// `redis.key_prefix`, before every key (upstream's `CACHE_KEY_PREFIX`).
     key_prefix: Box<str>,
+    /// Calls that waited for their caller's share ([`RedisStore::permit`]).
+    share_waits: AtomicU64,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -314,10 +316,9 @@ pub struct RedisSetupError {
 impl RedisStore {
     /// Builds the pool (or the cluster client) from `redis.url` and spawns
     /// one dispatcher task per connection into `tasks` (so it must be called
-    /// inside a Tokio runtime), whose owner joins them. Does not wait for
-    /// Redis: each dispatcher opens its connection in the background at
-    /// once, and [`RedisStore::warm_up`] loads the script. The dispatchers
-    /// end once the store is dropped and their queued jobs are answered.
+    /// inside a Tokio runtime), whose owner joins them. Does not connect: see
+    /// [`RedisStore::warm_up`]. The dispatchers end once the store is
+    /// dropped and their queued jobs are answered.
     pub fn new(config: &RedisConfig, tasks: &mut JoinSet<()>) -> Result<Self, RedisSetupError> {
         let url = config.url.as_deref().unwrap_or_default();
         let setup_error = |message: String| RedisSetupError { url: redact_url(url), message };
@@ -431,6 +432,7 @@ impl RedisStore {
             breakers,
             url_for_logs: redact_url(url),
             key_prefix: config.key_prefix.as_str().into(),
+            share_waits: AtomicU64::new(0),
         })
     }
 
@@ -473,6 +475,25 @@ impl RedisStore {
             Ok(result) => result,
             Err(_) => Err(timeout_error(timeout)),
         }
+    }
+
+    /// A permit of a caller's `share` of the in-flight calls, once one is
+    /// free (counted in [`RedisStore::share_waits`] when it had to wait);
+    /// none without a share. The wait is the rare path.
+    pub async fn permit<'s>(&self, share: Option<&'s Semaphore>) -> Option<SemaphorePermit<'s>> {
+        let share = share?;
+        match share.try_acquire() {
+            Ok(permit) => Some(permit),
+            Err(_) => {
+                self.share_waits.fetch_add(1, Ordering::Relaxed);
+                share.acquire().await.ok()
+            }
+        }
+    }
+
+    /// Calls that waited for their caller's share of the in-flight calls.
+    pub fn share_waits(&self) -> u64 {
+        self.share_waits.load(Ordering::Relaxed)
     }
 
     /// `redis.key_prefix`: what every key this service writes starts with.
@@ -713,11 +734,7 @@ impl Dispatcher {
         let mut batch = Vec::with_capacity(MAX_BATCH);
         // Jobs past the caps of the last call: the next call's first, in order.
         let mut rest: Vec<Job> = Vec::new();
-        // Opened at once, so the first decisions do not pay for it: on a
-        // busy machine a connection opened on demand made decisions miss
-        // the deadline in the first instants after start. A failure here is
-        // retried at the first batch.
-        let mut conn: Option<Conn> = self.connect().await.ok();
+        let mut conn: Option<Conn> = None;
         let mut timeouts = 0;
         loop {
             if rest.is_empty() {

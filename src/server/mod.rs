@@ -168,6 +168,10 @@ pub async fn run_observed(
             Store::Redis(_) => None,
         },
         local: Some(Arc::clone(engine.local())),
+        redis: match engine.store() {
+            Store::Redis(redis) => Some(Arc::clone(redis)),
+            Store::Memory(_) => None,
+        },
     });
     let (health, reporter, health_service) =
         parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await;

@@ -23,7 +23,7 @@ use crate::{
     config::OverloadMode,
     decision::{Api, DenialCache, LimitHits, Stats},
     dlq::{DlqSink, DropReason},
-    limiter::{FailureKind, MemoryStore, local::LocalLimiter},
+    limiter::{FailureKind, MemoryStore, RedisStore, local::LocalLimiter},
     overload::Overload,
     rules::{Feed, Hot, Snapshot, Versioned, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
@@ -130,7 +130,6 @@ pub struct Metrics {
     decision_latency: [Histogram; 2],
     store_latency: Histogram,
     store_errors: [AtomicU64; FAILURE_KINDS.len()],
-    caller_waits: AtomicU64,
     store_name: &'static str,
     sources: RwLock<Option<Sources>>,
     /// envoyproxy/ratelimit's families; `None` when `envoy.upstream_metrics` is off.
@@ -158,6 +157,8 @@ pub struct Sources {
     pub memory: Option<Arc<MemoryStore>>,
     /// The local limiter (failure policy `local`).
     pub local: Option<Arc<LocalLimiter>>,
+    /// The Redis store, when it is the store.
+    pub redis: Option<Arc<RedisStore>>,
     /// The overload layer.
     pub overload: Option<Arc<Overload>>,
     /// The denial cache, when on.
@@ -174,7 +175,6 @@ impl Metrics {
             decision_latency: Default::default(),
             store_latency: Histogram::default(),
             store_errors: Default::default(),
-            caller_waits: AtomicU64::new(0),
             store_name,
             sources: RwLock::new(None),
             upstream: None,
@@ -294,14 +294,6 @@ impl Metrics {
                 count.load(Ordering::Relaxed)
             );
         }
-        header(
-            &mut out,
-            "ratelimitd_store_call_waits_total",
-            "counter",
-            "Store calls that waited for their connection's share (grpc.max_store_calls_per_connection).",
-        );
-        let _ =
-            writeln!(out, "ratelimitd_store_call_waits_total {}", self.caller_waits.load(Ordering::Relaxed));
 
         header(
             &mut out,
@@ -329,6 +321,14 @@ fn render_sources(out: &mut String, s: &Sources) {
     if let Some(local) = &s.local {
         render_local(out, local);
     }
+    header(
+        out,
+        "ratelimitd_store_call_waits_total",
+        "counter",
+        "Store calls that waited for their connection's share (grpc.max_store_calls_per_connection).",
+    );
+    let waits = s.redis.as_ref().map_or(0, |redis| redis.share_waits());
+    let _ = writeln!(out, "ratelimitd_store_call_waits_total {waits}");
     header(
         out,
         "ratelimitd_shed_total",
@@ -711,10 +711,6 @@ impl Stats for Metrics {
         if let Some(upstream) = &self.upstream {
             upstream.store_error();
         }
-    }
-
-    fn caller_waited(&self) {
-        self.caller_waits.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts one decision.
