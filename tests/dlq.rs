@@ -106,16 +106,8 @@ async fn each_failed_decision_is_recorded_once_with_every_field() {
 /// flood still has a record of its own; `audit` counts the decisions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_flood_of_failures_is_folded_and_a_real_failure_still_recorded() {
-    let mut redis = RedisServer::start();
-    let rules = Rules::new(RULES);
-    let mut cfg = config(&rules.path(), Some(redis.url()));
-    cfg.redis.timeout_ms = 200;
-    cfg.dlq.aggregate_after = 3;
-    let dir = tempfile::tempdir().unwrap();
-    cfg.dlq.file = dir.path().join("dlq.jsonl");
-    let server = TestServer::start(cfg).await;
+    let Failing { server, _redis, _rules, _dir } = failing(|cfg| cfg.dlq.aggregate_after = 3).await;
     let mut client = server.client().await;
-    redis.stop();
     for i in 0..300 {
         let response = check(&mut client, request(&format!("flood-{i}"), "/open")).await;
         assert_eq!(reason(&response), Reason::FailOpen);
@@ -150,6 +142,29 @@ async fn a_flood_of_failures_is_folded_and_a_real_failure_still_recorded() {
     );
 }
 
+/// A server on [`RULES`] whose Redis is stopped (every decision fails), its
+/// dead-letter file in a directory that outlives it (the default one goes
+/// with the server), `tune`d.
+struct Failing {
+    server: TestServer,
+    _redis: RedisServer,
+    _rules: Rules,
+    _dir: tempfile::TempDir,
+}
+
+async fn failing(tune: impl FnOnce(&mut ratelimitd::config::Config)) -> Failing {
+    let mut redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 200;
+    let dir = tempfile::tempdir().unwrap();
+    cfg.dlq.file = dir.path().join("dlq.jsonl");
+    tune(&mut cfg);
+    let server = TestServer::start(cfg).await;
+    redis.stop();
+    Failing { server, _redis: redis, _rules: rules, _dir: dir }
+}
+
 /// Decisions that do not fail — allowed, denied, shed or unmatched — write nothing.
 #[tokio::test]
 async fn successful_decisions_write_no_record() {
@@ -172,16 +187,8 @@ fn now_ms() -> u64 {
 /// `ratelimitd audit --file` reads the file sink's records, filters and summarises.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn audit_reads_the_file_sink() {
-    let mut redis = RedisServer::start();
-    let rules = Rules::new(RULES);
-    let mut cfg = config(&rules.path(), Some(redis.url()));
-    cfg.redis.timeout_ms = 200;
-    // A file that outlives the server (the default one goes with it).
-    let dir = tempfile::tempdir().unwrap();
-    cfg.dlq.file = dir.path().join("dlq.jsonl");
-    let server = TestServer::start(cfg).await;
+    let Failing { server, _redis, _rules, _dir } = failing(|_| {}).await;
     let mut client = server.client().await;
-    redis.stop();
     for i in 0..4 {
         check(&mut client, request(&format!("f{i}"), if i < 3 { "/open" } else { "/closed/x" })).await;
     }
