@@ -130,7 +130,6 @@ impl Engine {
         let native = Native {
             request,
             rule,
-            info: rule.map(RuleInfo::of),
             priority: self.effective_priority(request.priority, base),
             level: Level::Normal,
             shadow_shed: false,
@@ -158,7 +157,6 @@ impl RuleInfo {
 struct Native<'r, 'a> {
     request: &'r CheckRequest<'a>,
     rule: Option<&'r Rule>,
-    info: Option<RuleInfo>,
     priority: Priority,
     level: Level,
     shadow_shed: bool,
@@ -175,8 +173,13 @@ impl Native<'_, '_> {
     fn uncounted(&self, reason: Reason) -> Decision {
         Decision {
             shadow_shed: self.shadow_shed,
-            ..Decision::allowed(reason, self.info.clone(), self.priority, self.level)
+            ..Decision::allowed(reason, self.info(), self.priority, self.level)
         }
+    }
+
+    /// What the answer says of the matched rule.
+    fn info(&self) -> Option<RuleInfo> {
+        self.rule.map(RuleInfo::of)
     }
 
     fn rule(&self) -> &Rule {
@@ -192,20 +195,23 @@ impl Subject for Native<'_, '_> {
     type Answer = Decision;
     type Outcome = Verdict;
 
+    #[inline]
     fn priority(&self) -> Priority {
         self.priority
     }
 
+    #[inline]
     fn shed_exempt(&self) -> bool {
         self.request.count == Count::Always
     }
 
+    #[inline]
     fn refused(self, _: &Engine, reason: Reason, retry_after_ms: u64, level: Level) -> Decision {
         Decision {
             allowed: false,
             retry_after_ms: clamp_i64(retry_after_ms),
             shadow_shed: self.shadow_shed,
-            ..Decision::allowed(reason, self.info, self.priority, level)
+            ..Decision::allowed(reason, self.info(), self.priority, level)
         }
     }
 
@@ -213,25 +219,27 @@ impl Subject for Native<'_, '_> {
     /// never pass: answered from the rule alone with a retry_after of -1,
     /// so no client loops waiting for it (a report is counted whatever
     /// its weight).
-    fn settle(mut self, _: &Engine, level: Level, shadow_shed: bool) -> Result<Self, Decision> {
+    #[inline]
+    fn settle(&mut self, _: &Engine, level: Level, shadow_shed: bool) -> Option<Decision> {
         (self.level, self.shadow_shed) = (level, shadow_shed);
         let Some(rule) = self.rule else {
-            return Err(self.uncounted(Reason::NoRule));
+            return Some(self.uncounted(Reason::NoRule));
         };
         let weight = u64::from(self.request.weight);
         if weight > rule.window.capacity && self.request.count != Count::Always {
             let base = self.uncounted(Reason::Ok);
-            return Err(if self.shadow() {
+            return Some(if self.shadow() {
                 Decision { shadow_denied: true, ..base }
             } else {
                 Decision { allowed: false, reason: Reason::WeightExceedsCapacity, retry_after_ms: -1, ..base }
             });
         }
-        Ok(self)
+        None
     }
 
     /// Only admissions are counted and dropped (a peek asks, a report
     /// tells what happened).
+    #[inline]
     fn overload(&self, engine: &Engine) -> Option<u64> {
         let rule = self.rule();
         if self.request.count != Count::IfFits || rule.overload.is_none() {
@@ -248,6 +256,7 @@ impl Subject for Native<'_, '_> {
     /// refused. A denial the store gave for this counter still holds:
     /// answered here, exactly as the store would (only enforced admissions
     /// and peeks).
+    #[inline]
     fn cached(&mut self, engine: &Engine) -> Option<Decision> {
         self.user = keys::bounded(self.request.user_id, engine.inner.max_user_id_bytes);
         if matches!(self.user, Cow::Owned(_)) {
@@ -269,10 +278,12 @@ impl Subject for Native<'_, '_> {
         })
     }
 
+    #[inline]
     fn keys(&self) -> usize {
         1
     }
 
+    #[inline]
     async fn decide(&self, engine: &Engine) -> Result<Verdict, StoreError> {
         let weight = u64::from(self.request.weight);
         engine
@@ -282,6 +293,7 @@ impl Subject for Native<'_, '_> {
             .await
     }
 
+    #[inline]
     fn answer(self, engine: &Engine, verdict: Verdict) -> Decision {
         if let (Some(version), Some(cache)) = (self.cache, engine.inner.denials.as_deref())
             && !verdict.admitted
@@ -297,15 +309,16 @@ impl Subject for Native<'_, '_> {
                 verdict.reset_after_ms,
             );
         }
-        let decided = from_verdict(&verdict, self.shadow(), self.info, self.priority);
+        let decided = from_verdict(&verdict, self.shadow(), self.info(), self.priority);
         Decision { shadow_shed: self.shadow_shed, level: self.level, ..decided }
     }
 
+    #[inline]
     fn failed(self, engine: &Engine, error: StoreError) -> Decision {
         let failed = Failed {
             user: &self.user,
             weight: u64::from(self.request.weight),
-            info: self.info.clone(),
+            info: self.info(),
             priority: self.priority,
             level: self.level,
             error,

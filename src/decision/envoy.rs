@@ -660,6 +660,7 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
     type Answer = RlsDecision;
     type Outcome = ManyOutcome;
 
+    #[inline]
     fn priority(&self) -> Priority {
         self.priority
     }
@@ -667,6 +668,7 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
     /// A request whose every counted limit is a report (with hits): its
     /// usage has happened. (A check of a `report_mode` limit, 0 hits, is
     /// shed.)
+    #[inline]
     fn shed_exempt(&self) -> bool {
         let (mut reports, mut others) = (0, 0);
         for (found, descriptor) in self.limits.iter().zip(self.request.descriptors) {
@@ -680,6 +682,7 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
         reports > 0 && others == 0
     }
 
+    #[inline]
     fn refused(self, engine: &Engine, reason: Reason, retry_after_ms: u64, level: Level) -> RlsDecision {
         let (priority, shadow_shed) = (self.priority, self.shadow_shed);
         let refused = match &self.settled {
@@ -707,40 +710,47 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
 
     /// Nothing to count (no limit matched, or only unlimited ones):
     /// answered without a store call.
-    fn settle(mut self, engine: &Engine, level: Level, shadow_shed: bool) -> Result<Self, RlsDecision> {
+    #[inline]
+    fn settle(&mut self, engine: &Engine, level: Level, shadow_shed: bool) -> Option<RlsDecision> {
         (self.level, self.shadow_shed) = (level, shadow_shed);
         let limits = std::mem::take(&mut self.limits);
         let (plans, items) = engine.rls_plans(self.request.descriptors, limits, |d| self.hits(d));
         if items.is_empty() {
-            return Err(engine.rls_answer(&plans, &items, None, self.base(plans.len()), false));
+            return Some(engine.rls_answer(&plans, &items, None, self.base(plans.len()), false));
         }
         self.settled = Some((plans, items));
-        Ok(self)
+        None
     }
 
+    #[inline]
     fn overload(&self, engine: &Engine) -> Option<u64> {
         let (plans, items) = self.settled();
         engine.rls_overload(self.request, plans, items)
     }
 
+    #[inline]
     fn cached(&mut self, _: &Engine) -> Option<RlsDecision> {
         None
     }
 
+    #[inline]
     fn keys(&self) -> usize {
         self.settled().1.len()
     }
 
+    #[inline]
     async fn decide(&self, engine: &Engine) -> Result<ManyOutcome, StoreError> {
         let items = self.settled().1;
         engine.inner.store.decide_many_in(self.request.share, self.request.domain, items).await
     }
 
+    #[inline]
     fn answer(self, engine: &Engine, outcome: ManyOutcome) -> RlsDecision {
         let (plans, items) = self.settled();
         engine.rls_answer(plans, items, Some(&outcome), self.base(plans.len()), false)
     }
 
+    #[inline]
     fn failed(self, engine: &Engine, error: StoreError) -> RlsDecision {
         let (plans, items) = self.settled();
         engine.rls_failed(self.request, plans, items, error, self.base(plans.len()))

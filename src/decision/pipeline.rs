@@ -43,8 +43,8 @@ pub(super) trait Subject: Sized {
     fn refused(self, engine: &Engine, reason: Reason, retry_after_ms: u64, level: Level) -> Self::Answer;
     /// Past shedding, at `level` (`shadow_shed`: shedding would have
     /// refused it in enforce mode): the answer when there is nothing to
-    /// count, else the subject ready for the store.
-    fn settle(self, engine: &Engine, level: Level, shadow_shed: bool) -> Result<Self, Self::Answer>;
+    /// count; else `None`, the subject ready for the store.
+    fn settle(&mut self, engine: &Engine, level: Level, shadow_shed: bool) -> Option<Self::Answer>;
     /// The overload layer: `Some(retry_after_ms)` when it drops the request.
     fn overload(&self, engine: &Engine) -> Option<u64>;
     /// A denial the cache still holds for it.
@@ -75,10 +75,10 @@ impl Engine {
                 return subject.refused(self, Reason::Shed, retry_after_ms, level);
             }
         };
-        let mut subject = match subject.settle(self, level, shadow_shed) {
-            Ok(subject) => subject,
-            Err(answer) => return answer,
-        };
+        let mut subject = subject;
+        if let Some(answer) = subject.settle(self, level, shadow_shed) {
+            return answer;
+        }
         if let Some(retry_after_ms) = subject.overload(self) {
             return subject.refused(self, Reason::Overload, retry_after_ms, level);
         }
