@@ -364,6 +364,9 @@ fn serve_check_and_sigterm_with_redis() {
     assert!(log.contains("SIGTERM received"), "{log}");
     assert!(log.contains("ratelimitd stopped"), "{log}");
     assert!(!log.contains("embedded defaults"), "{log}");
+    // Nothing keeps the Redis store alive past the engine: its dispatchers
+    // end at once, not at the grace period.
+    assert!(!log.contains("after the grace period"), "{log}");
 }
 
 /// With no configuration at all, `serve` runs on the embedded defaults and

@@ -169,7 +169,7 @@ pub async fn run_observed(
         },
         local: Some(Arc::clone(engine.local())),
         redis: match engine.store() {
-            Store::Redis(redis) => Some(Arc::clone(redis)),
+            Store::Redis(redis) => Some(Arc::downgrade(redis)),
             Store::Memory(_) => None,
         },
     });

@@ -11,7 +11,7 @@ use std::{
     collections::HashMap,
     fmt::Write as _,
     sync::{
-        Arc, RwLock,
+        Arc, RwLock, Weak,
         atomic::{AtomicU64, Ordering},
     },
     time::{Duration, SystemTime},
@@ -157,8 +157,10 @@ pub struct Sources {
     pub memory: Option<Arc<MemoryStore>>,
     /// The local limiter (failure policy `local`).
     pub local: Option<Arc<LocalLimiter>>,
-    /// The Redis store, when it is the store.
-    pub redis: Option<Arc<RedisStore>>,
+    /// The Redis store, when it is the store. Weak: its dispatchers end
+    /// only once the store is dropped, at shutdown, while metrics may
+    /// still be scraped.
+    pub redis: Option<Weak<RedisStore>>,
     /// The overload layer.
     pub overload: Option<Arc<Overload>>,
     /// The denial cache, when on.
@@ -327,7 +329,7 @@ fn render_sources(out: &mut String, s: &Sources) {
         "counter",
         "Store calls that waited for their connection's share (grpc.max_store_calls_per_connection).",
     );
-    let waits = s.redis.as_ref().map_or(0, |redis| redis.share_waits());
+    let waits = s.redis.as_ref().and_then(Weak::upgrade).map_or(0, |redis| redis.share_waits());
     let _ = writeln!(out, "ratelimitd_store_call_waits_total {waits}");
     header(
         out,
