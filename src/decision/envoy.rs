@@ -445,30 +445,7 @@ impl Engine {
                     None => None,
                 };
                 match requested {
-                    Some(o) => Some(EnvoyMatch {
-                        limit: Arc::new(EnvoyLimit {
-                            full_key: Arc::clone(&self.override_label),
-                            requests_per_unit: o.requests_per_unit,
-                            unit: Some(o.unit),
-                            unlimited: false,
-                            shadow_mode: false,
-                            quota_mode: false,
-                            report_mode: false,
-                            metadata: None,
-                            name: None,
-                            replaces: Vec::new(),
-                            detailed_metric: false,
-                            algorithm: None,
-                            overload: None,
-                        }),
-                        shared: Vec::new(),
-                        // Upstream names a request's own limit by its entries.
-                        stat_key: self
-                            .inner
-                            .envoy_policy
-                            .upstream_metrics
-                            .then(|| request_stat_key(request.domain, d.entries())),
-                    }),
+                    Some(requested) => Some(self.requested_limit(request.domain, d, requested)),
                     None => config.as_ref()?.lookup(request.domain, d.entries()),
                 }
             })
@@ -492,6 +469,31 @@ impl Engine {
             }
         }
         limits
+    }
+
+    /// A limit the request supplies for descriptor `d` of `domain`, under
+    /// the fixed label (no request can mint a metric series) or, for
+    /// upstream's metrics, the key upstream names it by (its entries).
+    fn requested_limit<D: Descriptor>(&self, domain: &str, d: &D, requested: LimitOverride) -> EnvoyMatch {
+        EnvoyMatch {
+            limit: Arc::new(EnvoyLimit {
+                full_key: Arc::clone(&self.override_label),
+                requests_per_unit: requested.requests_per_unit,
+                unit: Some(requested.unit),
+                unlimited: false,
+                shadow_mode: false,
+                quota_mode: false,
+                report_mode: false,
+                metadata: None,
+                name: None,
+                replaces: Vec::new(),
+                detailed_metric: false,
+                algorithm: None,
+                overload: None,
+            }),
+            shared: Vec::new(),
+            stat_key: self.inner.envoy_policy.upstream_metrics.then(|| request_stat_key(domain, d.entries())),
+        }
     }
 
     /// The answer to a request refused before any counter (shed, or
