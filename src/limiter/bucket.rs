@@ -1,4 +1,4 @@
-//! The token bucket and GCRA (issue 15) as pure integer arithmetic.
+//! The token bucket and GCRA as pure integer arithmetic.
 //!
 //! Both admit the same requests: a bucket of `capacity` tokens (the burst,
 //! `floor(limit * burst_capacity)`) refilled at `rate` tokens (the rule's

@@ -69,7 +69,7 @@ impl Algorithm {
     }
 }
 
-/// What a decision does with its weight (issue 15).
+/// What a decision does with its weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Count {
     /// Count it if it fits (admission: `Check`, `ShouldRateLimit`).

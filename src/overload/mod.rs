@@ -1,4 +1,4 @@
-//! The overload layer (issue 18): a statistical drop in front of exact
+//! The overload layer: a statistical drop in front of exact
 //! counting, so that when traffic spikes Redis sees less load, not more.
 //!
 //! A rule (native `overload:`, or an Envoy descriptor's) declares a global

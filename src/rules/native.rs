@@ -40,7 +40,7 @@ pub(crate) struct RawRule {
     /// `sliding_window` (default), `fixed_window`, `token_bucket` or `gcra`.
     #[serde(default)]
     pub(crate) algorithm: Option<String>,
-    /// A global rate enforced by probabilistic drop (issue 18).
+    /// A global rate enforced by probabilistic drop (the overload layer).
     #[serde(default)]
     pub(crate) overload: Option<OverloadSpec>,
 }
