@@ -142,7 +142,7 @@ impl Engine {
 }
 
 impl RuleInfo {
-    fn of(rule: &Rule) -> Self {
+    pub(super) fn of(rule: &Rule) -> Self {
         RuleInfo {
             id: Arc::clone(&rule.id),
             limit: rule.limit,
@@ -315,14 +315,7 @@ impl Subject for Native<'_, '_> {
 
     #[inline]
     fn failed(self, engine: &Engine, error: StoreError) -> Decision {
-        let failed = Failed {
-            user: &self.user,
-            weight: u64::from(self.request.weight),
-            info: self.info(),
-            priority: self.priority,
-            level: self.level,
-            error,
-        };
+        let failed = Failed { user: &self.user, priority: self.priority, level: self.level, error };
         Decision { shadow_shed: self.shadow_shed, ..engine.check_failed(self.request, self.rule(), failed) }
     }
 }

@@ -352,7 +352,7 @@ impl Engine {
     ) -> DescriptorDecision {
         let shadow = self.shadow(limit);
         if self.inner.envoy_policy.upstream_metrics {
-            let hits = if item.count == Count::Never { 0 } else { item.weight };
+            let hits = item_hits(item);
             let near = self.inner.envoy_policy.near_limit_ratio;
             let counted = LimitHits::of(u64::from(limit.requests_per_unit), hits, verdict, shadow, near);
             self.inner.stats.limit_hits(stat_key(limit, key), counted);
@@ -612,6 +612,12 @@ impl Engine {
     }
 }
 
+/// The hits a descriptor's counter item carries: its weight, but none for
+/// a peek (`hits_addend: 0`, asked as a weight of 1).
+pub(super) fn item_hits(item: &ManyItem) -> u64 {
+    if item.count == Count::Never { 0 } else { item.weight }
+}
+
 /// A descriptor's hits: its own, else the request's (0 means 1).
 fn hits_of<D: Descriptor>(request: &RlsRequest<'_, D>, descriptor: &D) -> u64 {
     descriptor.hits_addend().unwrap_or_else(|| u64::from(request.hits_addend.max(1)))
@@ -701,7 +707,7 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
                     Plan::Unlimited(limit, _, hits) => Some((Arc::clone(limit), *hits)),
                     Plan::Limited(limit, index, _) => {
                         let item = &items[*index];
-                        Some((Arc::clone(limit), if item.count == Count::Never { 0 } else { item.weight }))
+                        Some((Arc::clone(limit), item_hits(item)))
                     }
                 });
                 engine.rls_refused(limits, reason, priority, level, retry_after_ms)

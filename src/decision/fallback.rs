@@ -19,20 +19,19 @@ use super::{
     RlsDecision, RlsRequest, RuleInfo,
     check::from_verdict,
     clamp_i64,
-    envoy::{DescriptorDecision, EnvoyFailure, Plan, stat_key},
+    envoy::{DescriptorDecision, EnvoyFailure, Plan, item_hits, stat_key},
 };
 use crate::{
-    limiter::{Count, ManyItem, StoreError},
+    limiter::{ManyItem, StoreError},
     rules::{FailurePolicy, Mode, Rule},
     shed::{Level, Priority},
 };
 
-/// What a failed native decision is answered from.
+/// What a failed native decision is answered from, beyond its request and
+/// rule.
 pub(super) struct Failed<'a> {
     /// The counted user id (the digest of an over-long one).
     pub(super) user: &'a str,
-    pub(super) weight: u64,
-    pub(super) info: Option<RuleInfo>,
     pub(super) priority: Priority,
     pub(super) level: Level,
     pub(super) error: StoreError,
@@ -47,7 +46,8 @@ impl Engine {
         rule: &Rule,
         failed: Failed<'_>,
     ) -> Decision {
-        let Failed { user, weight, info, priority, level, error } = failed;
+        let Failed { user, priority, level, error } = failed;
+        let (weight, info) = (u64::from(request.weight), Some(RuleInfo::of(rule)));
         let local = match rule.failure_policy {
             FailurePolicy::Local => {
                 Some(self.inner.local.decide(user, rule.counter(), weight, request.count))
@@ -137,8 +137,7 @@ impl Engine {
             if let Plan::Limited(limit, index, key) = plan {
                 if self.inner.envoy_policy.upstream_metrics {
                     // Upstream counts the hits before it asks Redis.
-                    let item = &items[*index];
-                    let total = if item.count == Count::Never { 0 } else { item.weight };
+                    let total = item_hits(&items[*index]);
                     let over = if over { total } else { 0 };
                     self.inner
                         .stats
