@@ -202,6 +202,7 @@ fn benches(c: &mut Criterion) {
             overload: None,
             tenants: ratelimitd::decision::TenantPolicy::default(),
             denials: None,
+            tenant_shares: None,
         })
     };
     let engine = engine_with(true);

@@ -171,6 +171,7 @@ pub fn run(rules: Snapshot, requests: &[Request], max_user_id_bytes: usize) -> V
         overload: None,
         tenants: crate::decision::TenantPolicy::default(),
         denials: None,
+        tenant_shares: None,
     });
     let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a current-thread runtime");
     let headers = HashMap::new();

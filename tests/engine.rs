@@ -135,6 +135,7 @@ impl Harness {
             overload: None,
             tenants: ratelimitd::decision::TenantPolicy::default(),
             denials: None,
+            tenant_shares: None,
         });
         Harness { engine, shedder, failures, clock, memory, redis, _dispatchers: dispatchers, _dir: dir }
     }

@@ -507,3 +507,51 @@ async fn envoy_config_hot_reloads_and_keeps_last_good() {
     assert!(reloaded);
     s.server.stop().await.unwrap();
 }
+
+/// Behind Envoy one connection carries every tenant's requests, so the
+/// tenant's share is what keeps one tenant from queueing the others: with
+/// Redis paused (every script call held), twelve requests of tenants the
+/// table does not name wait for their shared share of 4 (8 wait), and
+/// acme's four, on the same connection, find acme's share free. All are
+/// decided by the store once it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_envoy_connection_still_shares_the_store_by_tenant() {
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.yaml");
+    std::fs::write(&tenants, "tenants:\n  - { name: acme }\n").unwrap();
+    let s = start(Backend::Redis, |c| {
+        c.redis.timeout_ms = 10_000;
+        c.grpc.max_store_calls_per_tenant = 4;
+        c.overload.tenants_path = Some(tenants.clone());
+    })
+    .await;
+    // One call first: the dispatchers' connections are open before the pause.
+    let warm = request(vec![descriptor(&[("user", "warm")])]);
+    assert_eq!(code(ask(&mut s.client.clone(), warm).await.overall_code), Code::Ok);
+    let mut admin = s.redis.as_ref().unwrap().client().await;
+    let () =
+        ::redis::cmd("CLIENT").arg("PAUSE").arg(2_000).arg("WRITE").query_async(&mut admin).await.unwrap();
+    let calls: Vec<_> = (0..16)
+        .map(|i| {
+            let tenant = if i < 4 { "acme".to_owned() } else { format!("tenant{i}") };
+            let user = format!("user{i}");
+            let asked = request(vec![descriptor(&[("tenant", &tenant)]), descriptor(&[("user", &user)])]);
+            let mut client = s.client.clone();
+            tokio::spawn(async move { ask(&mut client, asked).await })
+        })
+        .collect();
+    for call in calls {
+        let answer = call.await.unwrap();
+        assert_eq!(code(answer.overall_code), Code::Ok, "{answer:?}");
+        assert!(answer.response_headers_to_add.iter().all(|h| h.key != "x-ratelimit-error"), "{answer:?}");
+    }
+    let addr = s.server.http_addr;
+    let (_, scrape) = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
+    for line in [
+        r#"ratelimitd_store_call_waits_total{share="tenant"} 8"#,
+        r#"ratelimitd_store_call_waits_total{share="connection"} 0"#,
+    ] {
+        assert!(scrape.lines().any(|l| l == line), "missing {line}");
+    }
+    s.server.stop().await.unwrap();
+}

@@ -170,3 +170,54 @@ async fn a_full_memory_store_limits_new_users_and_keeps_existing_counts() {
     eprintln!("{flood_decisions} flood failures in {flood_records} records");
     assert!(flood_records < 100, "the flood was not folded: {flood_records} records");
 }
+
+/// Each tenant's share of the store's in-flight calls, with the store held
+/// still: Redis paused (`CLIENT PAUSE ... WRITE` holds every script call),
+/// twelve calls of tenants the table does not name, on two connections,
+/// find the shared share of 4 (8 of them wait), while acme's four calls, on
+/// the same connections, find acme's own share free (none waits). When
+/// Redis answers again every call is decided by the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_waits_for_its_own_share_of_the_store() {
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.yaml");
+    std::fs::write(&tenants, "tenants:\n  - { name: acme }\n").unwrap();
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 10_000;
+    cfg.grpc.max_store_calls_per_tenant = 4;
+    cfg.overload.tenants_path = Some(tenants);
+    let server = TestServer::start(cfg).await;
+    let clients = [server.client().await, server.client().await];
+    // One call first: the dispatchers' connections are open before the pause.
+    assert_eq!(check(&mut clients[0].clone(), request("warm", "/flood")).await.store_error, "");
+
+    let mut admin = redis.client().await;
+    let () = redis::cmd("CLIENT").arg("PAUSE").arg(2_000).arg("WRITE").query_async(&mut admin).await.unwrap();
+    let mut calls = Vec::new();
+    for i in 0..16 {
+        // acme:0..3, then 12 of other tenants (one claiming no tenant).
+        let user = match i {
+            0..4 => format!("acme:{i}"),
+            4 => "no-tenant".to_owned(),
+            _ => format!("tenant{i}:user"),
+        };
+        let mut client = clients[i % 2].clone();
+        calls.push(tokio::spawn(async move { check(&mut client, request(&user, "/flood")).await }));
+    }
+    for call in calls {
+        let answer = call.await.unwrap();
+        assert_eq!((reason(&answer), answer.store_error.as_str()), (Reason::Ok, ""), "{answer:?}");
+    }
+    let addr = server.http_addr;
+    let (_, metrics) = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
+    let waits = |share: &str| {
+        let series = format!("ratelimitd_store_call_waits_total{{share=\"{share}\"}} ");
+        let line = metrics.lines().find(|l| l.starts_with(&series)).unwrap_or_else(|| panic!("{series}"));
+        line[series.len()..].parse::<u64>().unwrap()
+    };
+    assert_eq!(waits("tenant"), 8, "12 calls of the others on a share of 4; acme's 4 never wait");
+    assert_eq!(waits("connection"), 0);
+    server.stop().await.unwrap();
+}

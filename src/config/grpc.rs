@@ -38,6 +38,14 @@ pub struct GrpcConfig {
     /// client flooding distinct keys slows itself, not the store's queue
     /// for everyone else. 0: unbounded.
     pub max_store_calls_per_connection: usize,
+    /// Most store calls one tenant has in flight, all its connections
+    /// together, where a tenant table is configured (`overload.tenants_path`;
+    /// the tenant is read as `overload.tenant_from` says): each tenant the
+    /// table names has this many, every other tenant and requests without
+    /// one share another this many. Behind Envoy, whose few connections
+    /// carry every tenant's requests, it is what keeps one tenant's flood
+    /// from queueing the others. 0: unbounded.
+    pub max_store_calls_per_tenant: usize,
     /// After this long a connection is told to go (HTTP/2 GOAWAY): its
     /// calls in flight finish, and the client opens its next connection,
     /// possibly to another instance, so a fleet scaled out shares the
@@ -110,6 +118,7 @@ impl Default for GrpcConfig {
             max_concurrent_streams: 1_024,
             max_connections: 10_000,
             max_store_calls_per_connection: 256,
+            max_store_calls_per_tenant: 1_024,
             max_connection_age_ms: 0,
             tcp_keepalive_ms: 60_000,
             keepalive_interval_ms: 0,
@@ -139,6 +148,15 @@ impl GrpcConfig {
         }
         if !(1..=1 << 20).contains(&self.max_connections) {
             return Err(invalid("grpc.max_connections", "must be between 1 and 1048576"));
+        }
+        // A semaphore's size: tokio's limit is far above, and panics past it.
+        for (key, calls) in [
+            ("grpc.max_store_calls_per_connection", self.max_store_calls_per_connection),
+            ("grpc.max_store_calls_per_tenant", self.max_store_calls_per_tenant),
+        ] {
+            if calls > 1 << 20 {
+                return Err(invalid(key, "must be between 0 (unbounded) and 1048576"));
+            }
         }
         if self.keepalive_interval_ms > 0 && self.keepalive_timeout_ms == 0 {
             return Err(invalid(

@@ -302,6 +302,12 @@ mod tests {
             let err = Config::load(None, env(&[(&var, "0")])).unwrap_err().to_string();
             assert!(err.contains(&format!("`grpc.{key}`")), "{err}");
         }
+        for key in ["max_store_calls_per_connection", "max_store_calls_per_tenant"] {
+            let var = format!("RATELIMITD__GRPC__{}", key.to_uppercase());
+            let err = Config::load(None, env(&[(&var, "1048577")])).unwrap_err().to_string();
+            assert!(err.contains(&format!("`grpc.{key}`")), "{err}");
+            assert!(Config::load(None, env(&[(&var, "0")])).is_ok(), "{key}: 0 is unbounded");
+        }
         let keepalive = |interval: &str| {
             let pairs = [
                 ("RATELIMITD__GRPC__KEEPALIVE_INTERVAL_MS", interval),

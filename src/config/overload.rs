@@ -70,7 +70,8 @@ pub struct OverloadConfig {
     /// before it decays; it reaches zero after as long again.
     pub max_staleness_ms: u64,
     /// The hot-reloaded tenant table (weights, floors, and an optional
-    /// `mode`); unset: every tenant weighs 1.0 with no floor.
+    /// `mode`); unset: every tenant weighs 1.0 with no floor. Its tenants
+    /// also get their shares of the store (`grpc.max_store_calls_per_tenant`).
     pub tenants_path: Option<PathBuf>,
     /// How often the tenant table's files are checked for changes.
     pub reload_interval_ms: u64,

@@ -6,7 +6,7 @@ use std::{borrow::Cow, collections::HashMap, sync::Arc};
 use super::{Api, Engine, REPORT_LABEL, Reason, clamp_i64, fallback::Failed, keys, pipeline::Subject};
 use crate::{
     config::TenantSource,
-    limiter::{Count, FailureKind, StoreError, Verdict},
+    limiter::{Count, FailureKind, Shares, StoreError, Verdict},
     overload::{Kind, OverloadVerdict},
     rules::{Mode, Rule},
     shed::{Level, Priority},
@@ -286,10 +286,12 @@ impl Subject for Native<'_, '_> {
     #[inline]
     async fn decide(&self, engine: &Engine) -> Result<Verdict, StoreError> {
         let weight = u64::from(self.request.weight);
+        let tenant = engine.tenant_share(|| engine.check_tenant(self.request));
+        let shares = Shares { connection: self.request.share, tenant: tenant.as_deref() };
         engine
             .inner
             .store
-            .decide_in(self.request.share, &self.user, self.rule().counter(), weight, self.request.count)
+            .decide_in(shares, &self.user, self.rule().counter(), weight, self.request.count)
             .await
     }
 
@@ -321,8 +323,9 @@ impl Subject for Native<'_, '_> {
 }
 
 impl Engine {
-    /// The tenant of a `Check` request, for the overload layer: the
-    /// `user_id` up to the separator, or a header (`overload.tenant_from`).
+    /// The tenant of a `Check` request, for the overload layer and the
+    /// tenants' shares of the store: the `user_id` up to the separator, or
+    /// a header (`overload.tenant_from`).
     fn check_tenant<'r>(&self, request: &CheckRequest<'r>) -> Option<&'r str> {
         let policy = &self.inner.tenants;
         match policy.source {

@@ -23,7 +23,8 @@ use std::{
 use super::{Api, Engine, LimitHits, REPORT_LABEL, Reason, keys, pipeline::Subject};
 use crate::{
     limiter::{
-        Count, FailureKind, ManyItem, ManyOutcome, StoreError, Verdict, push_encoded, window::Algorithm,
+        Count, FailureKind, ManyItem, ManyOutcome, Shares, StoreError, Verdict, push_encoded,
+        window::Algorithm,
     },
     overload::{Kind, OverloadVerdict},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
@@ -404,8 +405,9 @@ impl Engine {
         None
     }
 
-    /// An Envoy request's tenant: the value of the first descriptor entry
-    /// keyed `overload.tenant_descriptor_key`.
+    /// An Envoy request's tenant (for the overload layer and the tenants'
+    /// shares of the store): the value of the first descriptor entry keyed
+    /// `overload.tenant_descriptor_key`.
     fn rls_tenant<'r, D: Descriptor>(&self, request: &RlsRequest<'r, D>) -> Option<&'r str> {
         let key = self.inner.tenants.descriptor_key.as_str();
         request.descriptors.iter().flat_map(Descriptor::entries).find(|(k, _)| *k == key).map(|(_, v)| v)
@@ -749,7 +751,9 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
     #[inline]
     async fn decide(&self, engine: &Engine) -> Result<ManyOutcome, StoreError> {
         let items = self.settled().1;
-        engine.inner.store.decide_many_in(self.request.share, self.request.domain, items).await
+        let tenant = engine.tenant_share(|| engine.rls_tenant(self.request));
+        let shares = Shares { connection: self.request.share, tenant: tenant.as_deref() };
+        engine.inner.store.decide_many_in(shares, self.request.domain, items).await
     }
 
     #[inline]

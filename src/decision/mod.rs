@@ -24,6 +24,7 @@ mod failure;
 mod fallback;
 pub mod keys;
 mod pipeline;
+pub mod shares;
 #[cfg(test)]
 mod tests;
 
@@ -37,12 +38,14 @@ pub use envoy::{
 pub use failure::{FailedDecision, FailureSink};
 
 pub use denials::DenialCache;
+pub use shares::TenantShares;
 
-/// One caller's share of the store's in-flight work: each of its store
+/// One connection's share of the store's in-flight work: each of its store
 /// calls holds a permit while it runs (`grpc.max_store_calls_per_connection`
 /// per connection), so a caller flooding distinct keys waits for its own
 /// permits and the store's queue stays open to every other caller. Items of
-/// `CheckBatch` and `CheckStream` count one each.
+/// `CheckBatch` and `CheckStream` count one each. Tenants have theirs too
+/// ([`TenantShares`]).
 #[derive(Debug, Clone)]
 pub struct CallerShare(pub Arc<tokio::sync::Semaphore>);
 
@@ -255,8 +258,13 @@ pub struct EngineParts {
     pub capture: Option<Arc<dyn CaptureSink>>,
     /// The overload layer (`overload.*`); `None`: no request is dropped by it.
     pub overload: Option<Arc<Overload>>,
-    /// Where a request's tenant is read from, for the overload layer.
+    /// Where a request's tenant is read from, for the overload layer and
+    /// the tenants' shares of the store.
     pub tenants: TenantPolicy,
+    /// Each tenant's share of the store's in-flight calls
+    /// (`grpc.max_store_calls_per_tenant`); `None`: no tenant table, the
+    /// memory store, or unbounded.
+    pub tenant_shares: Option<Arc<TenantShares>>,
     /// The local cache of exact denials (`denial_cache.*`); `None`: off.
     pub denials: Option<Arc<DenialCache>>,
 }
@@ -323,6 +331,15 @@ impl Engine {
     /// Counts a request the API refused as malformed, under a fixed reason.
     pub fn refused(&self, api: Api, reason: &'static str) {
         self.inner.stats.refused(api, reason);
+    }
+
+    /// The share of the store a request of `tenant` draws on, when tenants
+    /// have shares (the tenant is then read; otherwise not).
+    fn tenant_share<'r>(
+        &self,
+        tenant: impl FnOnce() -> Option<&'r str>,
+    ) -> Option<Arc<tokio::sync::Semaphore>> {
+        self.inner.tenant_shares.as_ref().map(|shares| shares.of(tenant()))
     }
 }
 

@@ -43,6 +43,7 @@ fn engine_trusting(policy: EnvoyPolicy, trust_request_priority: bool) -> Engine 
         overload: None,
         tenants: crate::decision::TenantPolicy::default(),
         denials: None,
+        tenant_shares: None,
     })
 }
 

@@ -28,6 +28,18 @@ pub use window::{Algorithm, Count, Verdict, WindowParams};
 
 pub use crate::clock::{Clock, ManualClock, SystemClock};
 
+/// The shares of the store's in-flight work one call draws on: a Redis
+/// call holds a permit of each it is given while it runs, its tenant's
+/// first, then its connection's (one order for every call, so no two wait
+/// on each other). `Shares::default()`: unbounded.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Shares<'a> {
+    /// The caller's connection's (`grpc.max_store_calls_per_connection`).
+    pub connection: Option<&'a Semaphore>,
+    /// The caller's tenant's (`grpc.max_store_calls_per_tenant`).
+    pub tenant: Option<&'a Semaphore>,
+}
+
 /// Where counters live. An enum rather than a trait object: static dispatch,
 /// and no boxed future per decision.
 #[derive(Debug, Clone)]
@@ -51,15 +63,15 @@ impl Store {
         weight: u64,
         count: Count,
     ) -> Result<Verdict, StoreError> {
-        self.decide_in(None, user_id, counter, weight, count).await
+        self.decide_in(Shares::default(), user_id, counter, weight, count).await
     }
 
-    /// [`Store::decide`] for a caller with a `share` of a remote store's
-    /// in-flight calls: a Redis call holds one of its permits while it runs
+    /// [`Store::decide`] for a caller with `shares` of a remote store's
+    /// in-flight calls: a Redis call holds one permit of each while it runs
     /// (waiting for one if none is free); an in-process call needs none.
     pub async fn decide_in(
         &self,
-        share: Option<&Semaphore>,
+        shares: Shares<'_>,
         user_id: &str,
         counter: CounterSpec<'_>,
         weight: u64,
@@ -73,7 +85,7 @@ impl Store {
             // per item in flight.
             Store::Redis(store) => {
                 Box::pin(async move {
-                    let _permit = store.permit(share).await;
+                    let _permits = store.permits(shares).await;
                     store.decide(user_id, counter, weight, count).await
                 })
                 .await
@@ -88,20 +100,20 @@ impl Store {
     /// others decide: mixed with admissions, they go to the store as a job
     /// of their own.
     pub async fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
-        self.decide_many_in(None, group, items).await
+        self.decide_many_in(Shares::default(), group, items).await
     }
 
-    /// [`Store::decide_many`] for a caller with a `share` of a remote
-    /// store's in-flight calls (see [`Store::decide_in`]): one permit for
-    /// the whole call.
+    /// [`Store::decide_many`] for a caller with `shares` of a remote
+    /// store's in-flight calls (see [`Store::decide_in`]): one permit of
+    /// each for the whole call.
     pub async fn decide_many_in(
         &self,
-        share: Option<&Semaphore>,
+        shares: Shares<'_>,
         group: &str,
         items: &[ManyItem],
     ) -> Result<ManyOutcome, StoreError> {
-        let _permit = match self {
-            Store::Redis(store) => store.permit(share).await,
+        let _permits = match self {
+            Store::Redis(store) => Some(store.permits(shares).await),
             Store::Memory(_) => None,
         };
         let reports = items.iter().filter(|i| i.count == Count::Always).count();

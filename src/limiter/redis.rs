@@ -66,7 +66,7 @@ use tokio::{
 };
 
 use super::{
-    Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, Seen, StoreError,
+    Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, Seen, Shares, StoreError,
     breaker::{Admission, Breaker},
     bucket::MAX_DEBT,
     many_verdicts,
@@ -288,8 +288,32 @@ pub struct RedisStore {
     url_for_logs: String,
     /// `redis.key_prefix`, before every key (upstream's `CACHE_KEY_PREFIX`).
     key_prefix: Box<str>,
-    /// Calls that waited for their caller's share ([`RedisStore::permit`]).
-    share_waits: AtomicU64,
+    /// Calls that waited for their connection's share ([`RedisStore::permits`]).
+    connection_waits: AtomicU64,
+    /// Calls that waited for their tenant's share.
+    tenant_waits: AtomicU64,
+}
+
+/// Calls that waited for a share of the in-flight calls, by share.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShareWaits {
+    /// For their connection's (`grpc.max_store_calls_per_connection`).
+    pub connection: u64,
+    /// For their tenant's (`grpc.max_store_calls_per_tenant`).
+    pub tenant: u64,
+}
+
+/// A permit of `share` once one is free (a wait counted in `waits`); none
+/// without a share.
+async fn permit<'s>(share: Option<&'s Semaphore>, waits: &AtomicU64) -> Option<SemaphorePermit<'s>> {
+    let share = share?;
+    match share.try_acquire() {
+        Ok(permit) => Some(permit),
+        Err(_) => {
+            waits.fetch_add(1, Ordering::Relaxed);
+            share.acquire().await.ok()
+        }
+    }
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -432,7 +456,8 @@ impl RedisStore {
             breakers,
             url_for_logs: redact_url(url),
             key_prefix: config.key_prefix.as_str().into(),
-            share_waits: AtomicU64::new(0),
+            connection_waits: AtomicU64::new(0),
+            tenant_waits: AtomicU64::new(0),
         })
     }
 
@@ -477,23 +502,24 @@ impl RedisStore {
         }
     }
 
-    /// A permit of a caller's `share` of the in-flight calls, once one is
-    /// free (counted in [`RedisStore::share_waits`] when it had to wait);
-    /// none without a share. The wait is the rare path.
-    pub async fn permit<'s>(&self, share: Option<&'s Semaphore>) -> Option<SemaphorePermit<'s>> {
-        let share = share?;
-        match share.try_acquire() {
-            Ok(permit) => Some(permit),
-            Err(_) => {
-                self.share_waits.fetch_add(1, Ordering::Relaxed);
-                share.acquire().await.ok()
-            }
-        }
+    /// A permit of each of a caller's `shares` of the in-flight calls,
+    /// once one is free: the tenant's first, then the connection's (every
+    /// call takes them in this order, so none holds one while another
+    /// waits for it the other way round). A wait is counted
+    /// ([`RedisStore::share_waits`]) and is the rare path.
+    pub async fn permits<'s>(&self, shares: Shares<'s>) -> [Option<SemaphorePermit<'s>>; 2] {
+        let tenant = permit(shares.tenant, &self.tenant_waits).await;
+        let connection = permit(shares.connection, &self.connection_waits).await;
+        [tenant, connection]
     }
 
-    /// Calls that waited for their caller's share of the in-flight calls.
-    pub fn share_waits(&self) -> u64 {
-        self.share_waits.load(Ordering::Relaxed)
+    /// Calls that waited for their connection's and their tenant's share
+    /// of the in-flight calls.
+    pub fn share_waits(&self) -> ShareWaits {
+        ShareWaits {
+            connection: self.connection_waits.load(Ordering::Relaxed),
+            tenant: self.tenant_waits.load(Ordering::Relaxed),
+        }
     }
 
     /// `redis.key_prefix`: what every key this service writes starts with.

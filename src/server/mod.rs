@@ -135,7 +135,9 @@ pub async fn run_observed(
     let shedder = parts::shedder(&config.shed, &mut tasks);
     let dlq = parts::dlq(&config.dlq, &config.limits, &mut tasks)?;
     let captured = parts::capture(&config, &mut tasks)?;
-    let overload = parts::overload(&config, &rules, &store, &mut tasks)?;
+    let tenants = parts::tenants(&config, &mut tasks)?;
+    let tenant_shares = parts::tenant_shares(&config, tenants.as_ref(), &store);
+    let overload = parts::overload(&config, &rules, tenants, &store, &mut tasks)?;
     let denials = parts::denials(&config, &store);
     let metrics = Metrics::new(store.name());
     let metrics = Arc::new(if config.envoy.upstream_metrics && rules.envoy.is_some() {
@@ -150,7 +152,13 @@ pub async fn run_observed(
         tasks.spawn(crate::telemetry::statsd::run(Arc::clone(&metrics), client, interval, tasks.stopper()));
     }
     let local = parts::local(&config, &store, &mut tasks);
-    let layers = parts::Layers { shedder: &shedder, overload: &overload, denials: denials.clone(), local };
+    let layers = parts::Layers {
+        shedder: &shedder,
+        overload: &overload,
+        denials: denials.clone(),
+        local,
+        tenant_shares,
+    };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &metrics, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());
     metrics.set_sources(Sources {

@@ -19,7 +19,7 @@ use crate::{
     },
     decision::{
         CaptureSink, DenialCache, Engine, EngineParts, EnvoyFailure, EnvoyPolicy, FailureSink, Stats,
-        TenantPolicy,
+        TenantPolicy, TenantShares,
     },
     dlq::{self, DlqSink, RecordBounds},
     limiter::{
@@ -33,7 +33,7 @@ use crate::{
         status,
         subscribe::{self, Fallback, Subscription},
     },
-    rules::{self, Feed, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig},
+    rules::{self, Feed, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig, tenants::Tenants},
     shed::{Sampler, ShedMode, Shedder, run_sampler},
     telemetry::{
         Metrics,
@@ -488,29 +488,26 @@ fn envoy_failure(mode: EnvoyFailureMode) -> EnvoyFailure {
     }
 }
 
-/// The overload layer, its feed (one task, ticking every
-/// `overload.report_interval_ms`) and the tenant table's reloader.
+/// The tenant table (`overload.tenants_path`), hot-reloaded; `None`: not
+/// configured.
+pub(crate) fn tenants(config: &Config, tasks: &mut Tasks) -> Result<Option<Arc<Hot<Tenants>>>, ServerError> {
+    let settings = &config.overload;
+    let Some(path) = &settings.tenants_path else { return Ok(None) };
+    let table = Arc::new(Hot::new(rules::tenants::load(path)?));
+    watch(tasks, &table, path, Duration::from_millis(settings.reload_interval_ms), rules::tenants::load);
+    Ok(Some(table))
+}
+
+/// The overload layer over the tenant table `tenants`, and its feed (one
+/// task, ticking every `overload.report_interval_ms`).
 pub(crate) fn overload(
     config: &Config,
     rules: &Rules,
+    tenants: Option<Arc<Hot<Tenants>>>,
     store: &Store,
     tasks: &mut Tasks,
 ) -> Result<Arc<Overload>, ServerError> {
     let settings = &config.overload;
-    let tenants = match &settings.tenants_path {
-        None => None,
-        Some(path) => {
-            let table = Arc::new(Hot::new(rules::tenants::load(path)?));
-            watch(
-                tasks,
-                &table,
-                path,
-                Duration::from_millis(settings.reload_interval_ms),
-                rules::tenants::load,
-            );
-            Some(table)
-        }
-    };
     let overload = Arc::new(Overload::new(settings.mode, settings.report_interval_ms));
     let sources = feed::Sources { rules: Arc::clone(&rules.native), envoy: rules.envoy.clone(), tenants };
     let exchange = match store {
@@ -545,6 +542,23 @@ pub(crate) fn denials(config: &Config, store: &Store) -> Option<Arc<DenialCache>
     }
 }
 
+/// Each tenant's share of the Redis store's in-flight calls: with a tenant
+/// table, unless `grpc.max_store_calls_per_tenant` is 0 (the memory store's
+/// calls do not queue).
+pub(crate) fn tenant_shares(
+    config: &Config,
+    tenants: Option<&Arc<Hot<Tenants>>>,
+    store: &Store,
+) -> Option<Arc<TenantShares>> {
+    let permits = config.grpc.max_store_calls_per_tenant;
+    match (tenants, store) {
+        (Some(table), Store::Redis(_)) if permits > 0 => {
+            Some(Arc::new(TenantShares::new(Arc::clone(table), permits)))
+        }
+        _ => None,
+    }
+}
+
 /// Where the engine reads a request's tenant from.
 pub(crate) fn tenant_policy(config: &Config) -> TenantPolicy {
     TenantPolicy {
@@ -561,6 +575,7 @@ pub(crate) struct Layers<'a> {
     pub(crate) overload: &'a Arc<Overload>,
     pub(crate) denials: Option<Arc<DenialCache>>,
     pub(crate) local: Arc<LocalLimiter>,
+    pub(crate) tenant_shares: Option<Arc<TenantShares>>,
 }
 
 /// The engine both APIs decide through.
@@ -590,6 +605,7 @@ pub(crate) fn engine(
         overload: Some(Arc::clone(layers.overload)),
         tenants: tenant_policy(config),
         denials: layers.denials,
+        tenant_shares: layers.tenant_shares,
     })
 }
 

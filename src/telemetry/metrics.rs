@@ -327,10 +327,11 @@ fn render_sources(out: &mut String, s: &Sources) {
         out,
         "ratelimitd_store_call_waits_total",
         "counter",
-        "Store calls that waited for their connection's share (grpc.max_store_calls_per_connection).",
+        "Store calls that waited for their connection's or their tenant's share (grpc.max_store_calls_per_*).",
     );
-    let waits = s.redis.as_ref().and_then(Weak::upgrade).map_or(0, |redis| redis.share_waits());
-    let _ = writeln!(out, "ratelimitd_store_call_waits_total {waits}");
+    let waits = s.redis.as_ref().and_then(Weak::upgrade).map(|redis| redis.share_waits()).unwrap_or_default();
+    let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"connection\"}} {}", waits.connection);
+    let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"tenant\"}} {}", waits.tenant);
     header(
         out,
         "ratelimitd_shed_total",
