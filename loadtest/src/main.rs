@@ -113,6 +113,11 @@ struct Args {
     /// The victim's interval between Checks.
     #[arg(long, default_value_t = 10)]
     victim_interval_ms: u64,
+    /// The load's tenant: every `Check` user id becomes `NAME:<user>` (the
+    /// service's default `overload.tenant_from: user_id_prefix`). The
+    /// victim and the attacker keep theirs, without a tenant.
+    #[arg(long)]
+    tenant: Option<String>,
 }
 
 /// Client of one of the two APIs over one channel.
@@ -125,6 +130,7 @@ enum Client {
 /// What every call needs to build its request.
 struct Plan {
     keys: KeySpace,
+    tenant: Option<String>,
     path: String,
     domain: String,
     weight: u32,
@@ -135,7 +141,10 @@ impl Plan {
     /// A Check request for the next user.
     fn check_request(&self, rng: &mut Rng) -> pb::RateLimitRequest {
         pb::RateLimitRequest {
-            user_id: self.keys.pick(rng),
+            user_id: match &self.tenant {
+                Some(tenant) => format!("{tenant}:{}", self.keys.pick(rng)),
+                None => self.keys.pick(rng),
+            },
             resource_path: self.path.clone(),
             weight: self.weight,
             priority: pick_priority(&self.priorities, rng),
@@ -348,6 +357,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let plan = Arc::new(Plan {
         keys,
+        tenant: args.tenant.clone(),
         path: args.path.clone(),
         domain: args.domain.clone(),
         weight: args.weight,
