@@ -66,7 +66,7 @@ fn snapshot() -> ratelimitd::rules::Snapshot {
     }
     let file = dir.join("rules.yaml");
     std::fs::write(&file, yaml).unwrap();
-    let snapshot = ratelimitd::rules::load(&file).unwrap();
+    let snapshot = ratelimitd::rules::load(&file, ratelimitd::rules::PathForm::default()).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(snapshot.rules().len(), RULES);
     snapshot
@@ -280,6 +280,7 @@ fn overload_layer() -> Arc<Overload> {
     let rules = ratelimitd::rules::from_text(
         std::path::Path::new("bench.yaml"),
         "rules:\n  - { rule_id: hot, resource_path: /hot, limit: 1000, window_seconds: 1, overload: { rate_per_second: 100 } }\n",
+        ratelimitd::rules::PathForm::default(),
     )
     .unwrap();
     let table =

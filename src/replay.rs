@@ -426,7 +426,7 @@ mod tests {
     use super::*;
 
     fn snapshot(text: &str) -> Snapshot {
-        crate::rules::from_text(Path::new("r.yaml"), text).unwrap()
+        crate::rules::from_text(Path::new("r.yaml"), text, crate::rules::PathForm::default()).unwrap()
     }
 
     fn request(t: u64, user: &str, path: &str) -> Request {

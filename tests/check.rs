@@ -673,3 +673,33 @@ async fn a_user_id_that_is_not_utf8_is_limited_like_any_other() {
     assert!(!result.response.as_ref().expect("decided").allowed, "the same counter: still denied");
     server.stop().await.unwrap();
 }
+
+/// Every variant of a path that servers serve as that path is counted on
+/// its rule (2 a minute): dot segments, escapes of unreserved characters,
+/// `;` parameters; with `rules.path_matching` on, case and `%2F` too. Off,
+/// those two are other resources (no rule).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn path_variants_are_counted_as_the_path() {
+    let rules = Rules::new("rules:\n  - { rule_id: t, resource_path: /t, limit: 2, window_seconds: 60 }\n");
+    for matching in [false, true] {
+        let mut cfg = common::config(&rules.path(), None);
+        cfg.rules.path_matching.ignore_case = matching;
+        cfg.rules.path_matching.decode_slashes = matching;
+        let server = common::TestServer::start(cfg).await;
+        let mut client = server.client().await;
+        let mut reasons = Vec::new();
+        for path in ["/t", "/./t", "/x/../t", "/%74", "/t;jsessionid=1", "/t/.", "/%2e%2E/t"] {
+            let answer = check(&mut client, request("mallory", path)).await;
+            reasons.push((path, reason(&answer), answer.rule_id));
+        }
+        let over: Vec<_> =
+            reasons.iter().skip(2).filter(|(_, r, id)| id == "t" && *r == Reason::OverLimit).collect();
+        assert_eq!(over.len(), 5, "{reasons:?}");
+        for path in ["/T", "/t%2F"] {
+            let answer = check(&mut client, request("mallory", path)).await;
+            let expected = if matching { Reason::OverLimit } else { Reason::NoRule };
+            assert_eq!(reason(&answer), expected, "{path}, path_matching {matching}");
+        }
+        server.stop().await.unwrap();
+    }
+}

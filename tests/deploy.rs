@@ -70,7 +70,8 @@ fn compose_environment_is_real_configuration() {
         let config = Config::load(None, env.clone()).unwrap_or_else(|e| panic!("service {name:?}: {e}"));
         if let Some(path) = env.get("RATELIMITD__RULES__PATH") {
             assert_eq!(config.rules.path.as_deref(), Some(Path::new(path)));
-            ratelimitd::rules::load(&image_path_to_repo(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+            ratelimitd::rules::load(&image_path_to_repo(path), Default::default())
+                .unwrap_or_else(|e| panic!("{path}: {e}"));
         }
         if let Some(path) = env.get("RATELIMITD__RULES__ENVOY_PATH") {
             ratelimitd::rules::envoy::load_sliding(&image_path_to_repo(path))
@@ -163,7 +164,8 @@ fn dockerfile_matches_the_service() {
         .collect();
     assert!(env.len() >= 3);
     let config = Config::load(None, env.clone()).unwrap();
-    ratelimitd::rules::load(&image_path_to_repo(env["RATELIMITD__RULES__PATH"].as_str())).unwrap();
+    ratelimitd::rules::load(&image_path_to_repo(env["RATELIMITD__RULES__PATH"].as_str()), Default::default())
+        .unwrap();
     assert!(
         config.dlq.file.starts_with("/var/lib/ratelimitd")
             && config.dlq.spool_dir.starts_with("/var/lib/ratelimitd")

@@ -92,7 +92,7 @@ impl Harness {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("native.yaml"), NATIVE).unwrap();
         std::fs::write(dir.path().join("edge.yaml"), ENVOY).unwrap();
-        let native = rules::load(&dir.path().join("native.yaml")).unwrap();
+        let native = rules::load(&dir.path().join("native.yaml"), rules::PathForm::default()).unwrap();
         let envoy = rules::envoy::load_sliding(&dir.path().join("edge.yaml")).unwrap();
         let clock = Arc::new(ManualClock::new(1_000_000));
         let mut dispatchers = JoinSet::new();
@@ -708,8 +708,8 @@ async fn local_admissions_are_written_back_when_the_store_returns() {
 
 #[test]
 fn embedded_rules_are_the_repositorys_examples() {
-    let embedded = rules::embedded().unwrap();
-    let examples = rules::load(&common::repo_path("examples/rules")).unwrap();
+    let embedded = rules::embedded(rules::PathForm::default()).unwrap();
+    let examples = rules::load(&common::repo_path("examples/rules"), rules::PathForm::default()).unwrap();
     let ids = |s: &rules::Snapshot| s.rules().iter().map(|r| (r.id.to_string(), r.limit)).collect::<Vec<_>>();
     assert_eq!(ids(&embedded), ids(&examples), "every example file is compiled in");
     assert!(Path::new(&common::repo_path("examples/rules/api.yaml")).is_file());

@@ -258,6 +258,8 @@ pub async fn check(args: CheckArgs) -> ExitCode {
 }
 
 /// Runs `ratelimitd rules validate`: 0 when every path loads, 1 otherwise.
+/// It reads no configuration, so paths are compared in the default form
+/// (`rules.path_matching` off); `serve` checks again in its own.
 pub fn validate_rules(paths: &[PathBuf], envoy: bool) -> ExitCode {
     let mut ok = true;
     let mut out = std::io::stdout().lock();
@@ -266,7 +268,8 @@ pub fn validate_rules(paths: &[PathBuf], envoy: bool) -> ExitCode {
             crate::rules::envoy::load_sliding(path)
                 .map(|c| format!("{} domains, version {}", c.domain_count(), c.version()))
         } else {
-            crate::rules::load(path).map(|s| format!("{} rules, version {}", s.rules().len(), s.version()))
+            crate::rules::load(path, crate::rules::PathForm::default())
+                .map(|s| format!("{} rules, version {}", s.rules().len(), s.version()))
         };
         match loaded {
             Ok(summary) => {
@@ -470,12 +473,13 @@ pub struct ReplayArgs {
 /// Runs `ratelimitd replay`: 0 the candidate passes the gate, 1 it fails
 /// (or the capture cannot be read), 64 bad arguments.
 pub fn replay(args: &ReplayArgs, config: &Config) -> ExitCode {
-    let candidate = match crate::rules::load(&args.rules) {
+    let form = crate::rules::PathForm::of(&config.rules.path_matching);
+    let candidate = match crate::rules::load(&args.rules, form) {
         Ok(snapshot) => snapshot,
         Err(errors) => return rule_errors("--rules", &errors),
     };
     let current = match &args.current {
-        Some(path) => crate::rules::load(path).map_err(|e| rule_errors("--current", &e)),
+        Some(path) => crate::rules::load(path, form).map_err(|e| rule_errors("--current", &e)),
         None => current_rules(config, None),
     };
     let current = match current {
@@ -505,10 +509,16 @@ fn current_rules(
     in_force: Option<&crate::rules::encoding::SnapshotRecord>,
 ) -> Result<crate::rules::Snapshot, ExitCode> {
     let from_record = |record: &crate::rules::encoding::SnapshotRecord| {
-        record.compile(crate::rules::envoy::Compile::of(&config.envoy)).map(|c| c.native).map_err(|e| {
-            eprintln!("the rules in force: {e}");
-            ExitCode::from(1)
-        })
+        record
+            .compile(
+                crate::rules::envoy::Compile::of(&config.envoy),
+                crate::rules::PathForm::of(&config.rules.path_matching),
+            )
+            .map(|c| c.native)
+            .map_err(|e| {
+                eprintln!("the rules in force: {e}");
+                ExitCode::from(1)
+            })
     };
     if let Some(record) = in_force {
         return from_record(record);
@@ -523,8 +533,8 @@ fn current_rules(
         }
     }
     let loaded = match &config.rules.path {
-        Some(path) => crate::rules::load(path),
-        None => crate::rules::embedded(),
+        Some(path) => crate::rules::load(path, crate::rules::PathForm::of(&config.rules.path_matching)),
+        None => crate::rules::embedded(crate::rules::PathForm::of(&config.rules.path_matching)),
     };
     loaded.map_err(|e| rule_errors("the rules in force", &e))
 }
@@ -603,8 +613,13 @@ pub(crate) fn gate(
     let current = current_rules(config, in_force)?;
     let record =
         crate::rollout::publish::record(candidate, None, crate::rules::encoding::Provenance::default());
-    let candidate =
-        record.compile(crate::rules::envoy::Compile::of(&config.envoy)).map(|c| c.native).map_err(|e| {
+    let candidate = record
+        .compile(
+            crate::rules::envoy::Compile::of(&config.envoy),
+            crate::rules::PathForm::of(&config.rules.path_matching),
+        )
+        .map(|c| c.native)
+        .map_err(|e| {
             eprintln!("the candidate: {e}");
             ExitCode::from(1)
         })?;

@@ -35,6 +35,7 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
         args.path.as_deref(),
         args.envoy.as_deref(),
         crate::rules::envoy::Compile::of(&config.envoy),
+        crate::rules::PathForm::of(&config.rules.path_matching),
     ) {
         Ok(candidate) => candidate,
         Err(errors) => {

@@ -47,7 +47,7 @@ pub use local::LocalConfig;
 pub use memory::MemoryConfig;
 pub use overload::{DenialCacheConfig, OverloadConfig, OverloadMode, TenantSource};
 pub use redis::{RedisConfig, redact_url};
-pub use rules::{RulesConfig, RulesKafkaConfig, RulesSource, XdsConfig};
+pub use rules::{PathMatchingConfig, RulesConfig, RulesKafkaConfig, RulesSource, XdsConfig};
 pub use shed::ShedConfig;
 pub use telemetry::{LogConfig, LogFormat, TelemetryConfig};
 

@@ -43,6 +43,9 @@ pub struct RulesConfig {
     /// domain per file. Unset: `ShouldRateLimit` is not served (with
     /// `source: kafka` it always is, from the snapshot).
     pub envoy_path: Option<PathBuf>,
+    /// How native rules' paths and the paths of `Check` requests are
+    /// compared. Every instance of a fleet, and `rules publish`, must agree.
+    pub path_matching: PathMatchingConfig,
     /// The rules topic (`source: kafka`, `rules publish`, `rules status`).
     pub kafka: RulesKafkaConfig,
     /// The management server (`source: xds`).
@@ -163,10 +166,25 @@ impl Default for RulesConfig {
             path: None,
             reload_interval_ms: 1_000,
             envoy_path: None,
+            path_matching: PathMatchingConfig::default(),
             kafka: RulesKafkaConfig::default(),
             xds: XdsConfig::default(),
         }
     }
+}
+
+/// `rules.path_matching.*`: what the canonical form of a path (always dot
+/// segments removed, unreserved escapes decoded, `;` parameters cut, `//`
+/// collapsed, query cut) does beyond that. Both off by default, as most
+/// servers behave; turn one on where the backends behind do the same, so
+/// that a variant they serve as one resource is counted as one.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PathMatchingConfig {
+    /// `%2F` separates segments like `/`.
+    pub decode_slashes: bool,
+    /// ASCII letters compare without case.
+    pub ignore_case: bool,
 }
 
 /// `rules.kafka.*`

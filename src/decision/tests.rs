@@ -118,7 +118,7 @@ async fn an_untrusted_request_priority_only_lowers() {
 
 #[test]
 fn the_embedded_rules_compile() {
-    let snapshot = rules::embedded().unwrap();
+    let snapshot = rules::embedded(rules::PathForm::default()).unwrap();
     assert!(!snapshot.rules().is_empty());
     assert!(snapshot.rules().iter().all(|r| r.source.starts_with(Path::new("examples/rules"))));
 }

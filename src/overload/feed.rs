@@ -312,7 +312,7 @@ mod tests {
     const RULES: &str = "rules:\n  - { rule_id: r, resource_path: /r, limit: 1000000, window_seconds: 1, overload: { rate_per_second: 100 } }\n";
 
     fn feed(tenants: Option<&str>) -> Feed {
-        let rules = rules::from_text(Path::new("r.yaml"), RULES).unwrap();
+        let rules = rules::from_text(Path::new("r.yaml"), RULES, rules::PathForm::default()).unwrap();
         let sources = Sources {
             rules: Arc::new(Hot::new(rules)),
             envoy: None,

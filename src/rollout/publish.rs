@@ -43,9 +43,10 @@ pub fn candidate(
     native: Option<&Path>,
     envoy: Option<&Path>,
     how: rules::envoy::Compile,
+    paths: rules::PathForm,
 ) -> Result<Candidate, RuleErrors> {
     let mut errors = Vec::new();
-    let native_rules = match native.map(rules::load) {
+    let native_rules = match native.map(|path| rules::load(path, paths)) {
         None => None,
         Some(Ok(snapshot)) => Some(encoding::encode_native(&snapshot)),
         Some(Err(e)) => {
@@ -157,7 +158,7 @@ pub fn history(kafka: &RulesKafkaConfig) -> Result<Vec<Entry>, RolloutError> {
                     // Display only: a record any instance could compile is shown as valid.
                     .and_then(|record| {
                         let how = rules::envoy::Compile { sliding: true, merge_domains: true };
-                        record.compile(how).map(|_| record)
+                        record.compile(how, rules::PathForm::default()).map(|_| record)
                     })
                     .map_err(|e| e.to_string()),
             })

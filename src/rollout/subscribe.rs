@@ -36,7 +36,7 @@ use crate::{
     folded::Folded,
     rules::envoy::Compile,
     rules::{
-        self, Feed, Hot, Origin, RuleErrors, RuleStore, Served, Snapshot, encoding::SnapshotRecord,
+        self, Feed, Hot, Origin, PathForm, RuleErrors, RuleStore, Served, Snapshot, encoding::SnapshotRecord,
         envoy::EnvoyConfig,
     },
 };
@@ -55,9 +55,9 @@ impl Fallback {
         self.native.is_some() || self.envoy.is_some()
     }
 
-    fn load(&self, how: Compile) -> Result<(Snapshot, EnvoyConfig), RuleErrors> {
+    fn load(&self, how: Compile, paths: PathForm) -> Result<(Snapshot, EnvoyConfig), RuleErrors> {
         let native = match &self.native {
-            Some(path) => rules::load(path)?,
+            Some(path) => rules::load(path, paths)?,
             None => rules::empty(),
         };
         let envoy = match &self.envoy {
@@ -75,6 +75,8 @@ pub struct Subscription {
     pub kafka: RulesKafkaConfig,
     /// How Envoy rules compile (`envoy.algorithm`, `envoy.merge_domains`).
     pub compile: Compile,
+    /// How native rules' paths are compared (`rules.path_matching`).
+    pub paths: PathForm,
     /// The native rules the engine reads.
     pub native: Arc<RuleStore>,
     /// The Envoy configuration the engine reads.
@@ -170,7 +172,8 @@ impl Subscription {
 
     /// Decodes, compiles and swaps in one record; false when it was refused.
     fn apply(&self, offset: i64, payload: &[u8]) -> bool {
-        let compiled = SnapshotRecord::parse(payload).and_then(|record| record.compile(self.compile));
+        let compiled =
+            SnapshotRecord::parse(payload).and_then(|record| record.compile(self.compile, self.paths));
         let compiled = match compiled {
             Ok(compiled) => compiled,
             Err(e) => {
@@ -205,7 +208,7 @@ impl Subscription {
             tracing::warn!(why, "no fallback configured (rules.path, rules.envoy_path): waiting for rules");
             return;
         }
-        match self.fallback.load(self.compile) {
+        match self.fallback.load(self.compile, self.paths) {
             Ok((native, envoy)) => {
                 let version = format!("fallback:{}", native.version());
                 tracing::warn!(why, %version, native = ?self.fallback.native, envoy = ?self.fallback.envoy, "serving the fallback rule files until a snapshot arrives");

@@ -9,15 +9,20 @@ use super::{
     RuleError,
     model::{MAX_OVERLOAD_RATE, Rule},
     native::SourcedRule,
-    snapshot::{PathKey, Snapshot},
+    snapshot::{PathForm, PathKey, Snapshot},
 };
 use crate::limiter::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams};
 
 /// Longest accepted rule id; ids are part of Redis keys and metric labels.
 pub(crate) const MAX_RULE_ID_BYTES: usize = 128;
 
-/// Validates `rules` (loaded from `source`) and builds the snapshot.
-pub(crate) fn compile(source: &Path, rules: Vec<SourcedRule>) -> Result<Snapshot, Vec<RuleError>> {
+/// Validates `rules` (loaded from `source`) and builds the snapshot,
+/// matching paths in `form`.
+pub(crate) fn compile(
+    source: &Path,
+    rules: Vec<SourcedRule>,
+    form: PathForm,
+) -> Result<Snapshot, Vec<RuleError>> {
     let mut errors = Vec::new();
     let mut compiled = Vec::with_capacity(rules.len());
     let mut ids: HashMap<Arc<str>, (Arc<Path>, usize)> = HashMap::with_capacity(rules.len());
@@ -39,7 +44,7 @@ pub(crate) fn compile(source: &Path, rules: Vec<SourcedRule>) -> Result<Snapshot
             ));
             continue;
         }
-        let key = (PathKey::of(&rule.resource_path), rule.client_type.clone());
+        let key = (PathKey::of(&rule.resource_path, form), rule.client_type.clone());
         if let Some(&other) = keys.get(&key) {
             let other: &Rule = &compiled[other];
             errors.push(error(
@@ -59,7 +64,7 @@ pub(crate) fn compile(source: &Path, rules: Vec<SourcedRule>) -> Result<Snapshot
         keys.insert(key, compiled.len());
         compiled.push(rule);
     }
-    if errors.is_empty() { Ok(Snapshot::build(source, compiled)) } else { Err(errors) }
+    if errors.is_empty() { Ok(Snapshot::build(source, compiled, form)) } else { Err(errors) }
 }
 
 fn error(sourced: &SourcedRule, field: &str, message: String) -> RuleError {
@@ -171,7 +176,7 @@ mod tests {
 
     fn compile_text(text: &str) -> Result<Snapshot, Vec<RuleError>> {
         let rules = parse(Path::new("r.yaml"), text).unwrap();
-        compile(Path::new("r.yaml"), rules)
+        compile(Path::new("r.yaml"), rules, PathForm::default())
     }
 
     fn one_error(text: &str) -> String {

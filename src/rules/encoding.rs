@@ -22,7 +22,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 
 use super::{
-    FailurePolicy, Mode, OverloadSpec, RuleErrors, Snapshot, compile,
+    FailurePolicy, Mode, OverloadSpec, PathForm, RuleErrors, Snapshot, compile,
     envoy::{self, EnvoyConfig},
     native::{RawRule, SourcedRule},
 };
@@ -236,9 +236,9 @@ impl SnapshotRecord {
         Ok(record)
     }
 
-    /// Compiles the record's rules (Envoy's as `how` says) and checks
-    /// every hash it states.
-    pub fn compile(&self, how: envoy::Compile) -> Result<Compiled, DecodeError> {
+    /// Compiles the record's rules (Envoy's as `how` says, native paths
+    /// compared in `paths`) and checks every hash it states.
+    pub fn compile(&self, how: envoy::Compile, paths: PathForm) -> Result<Compiled, DecodeError> {
         let version = &self.version;
         let hash = |what, stated: &str, actual: &str| {
             if stated == actual {
@@ -257,7 +257,7 @@ impl SnapshotRecord {
         let native = match &self.native {
             None => super::empty(),
             Some(native) => {
-                let snapshot = decode_native(native, version).map_err(rules_error)?;
+                let snapshot = decode_native(native, version, paths).map_err(rules_error)?;
                 hash("the native version", &native.version, snapshot.version())?;
                 for (encoded, rule) in native.rules.iter().zip(snapshot.rules()) {
                     hash(
@@ -283,7 +283,7 @@ impl SnapshotRecord {
 }
 
 /// Compiles encoded rules with the same validation as rule files.
-fn decode_native(native: &NativeRules, version: &str) -> Result<Snapshot, RuleErrors> {
+fn decode_native(native: &NativeRules, version: &str, paths: PathForm) -> Result<Snapshot, RuleErrors> {
     let rules = native
         .rules
         .iter()
@@ -306,7 +306,7 @@ fn decode_native(native: &NativeRules, version: &str) -> Result<Snapshot, RuleEr
             },
         })
         .collect();
-    compile(Path::new(&format!("<snapshot {version}>")), rules).map_err(RuleErrors)
+    compile(Path::new(&format!("<snapshot {version}>")), rules, paths).map_err(RuleErrors)
 }
 
 #[cfg(test)]
@@ -323,7 +323,9 @@ rules:
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: { unit: second, requests_per_unit: 1 }\n";
 
     fn record() -> (Snapshot, SnapshotRecord) {
-        let snapshot = compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), RULES).unwrap()).unwrap();
+        let snapshot =
+            compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), RULES).unwrap(), PathForm::default())
+                .unwrap();
         let native = encode_native(&snapshot);
         let envoy = encode_envoy(&[(PathBuf::from("d.yaml"), ENVOY.to_owned())]);
         let record = SnapshotRecord {
@@ -344,7 +346,7 @@ rules:
         let bytes = serde_json::to_vec(&record).unwrap();
         let parsed = SnapshotRecord::parse(&bytes).unwrap();
         assert_eq!(parsed, record);
-        let compiled = parsed.compile(envoy::Compile::SLIDING).unwrap();
+        let compiled = parsed.compile(envoy::Compile::SLIDING, PathForm::default()).unwrap();
         assert_eq!(compiled.native.version(), snapshot.version());
         for (a, b) in compiled.native.rules().iter().zip(snapshot.rules()) {
             assert_eq!(
@@ -362,20 +364,20 @@ rules:
         let mut limit = record.clone();
         limit.native.as_mut().unwrap().rules[0].limit = 1_000;
         assert!(matches!(
-            limit.compile(envoy::Compile::SLIDING),
+            limit.compile(envoy::Compile::SLIDING, PathForm::default()),
             Err(DecodeError::Hash { what: "the native version", .. })
         ));
         let mut version = record.clone();
         version.version = "0000000000000000".to_owned();
         assert!(matches!(
-            version.compile(envoy::Compile::SLIDING),
+            version.compile(envoy::Compile::SLIDING, PathForm::default()),
             Err(DecodeError::Hash { what: "the version", .. })
         ));
 
         let mut envoy = record.clone();
         envoy.envoy.as_mut().unwrap().files[0].text.push_str("# edited\n");
         assert!(matches!(
-            envoy.compile(envoy::Compile::SLIDING),
+            envoy.compile(envoy::Compile::SLIDING, PathForm::default()),
             Err(DecodeError::Hash { what: "the envoy digest", .. })
         ));
 
@@ -384,7 +386,7 @@ rules:
         let native = invalid.native.as_mut().unwrap();
         native.rules[0].limit = 0;
         invalid.version = record_version(invalid.native.as_ref(), invalid.envoy.as_ref());
-        let error = invalid.compile(envoy::Compile::SLIDING).unwrap_err().to_string();
+        let error = invalid.compile(envoy::Compile::SLIDING, PathForm::default()).unwrap_err().to_string();
         assert!(error.contains("field `limit`") && error.contains("\"a\""), "{error}");
 
         assert!(matches!(SnapshotRecord::parse(b"{not json"), Err(DecodeError::Undecodable(_))));
@@ -405,7 +407,7 @@ rules:
             native: None,
             envoy: None,
         };
-        let compiled = record.compile(envoy::Compile::FIXED).unwrap();
+        let compiled = record.compile(envoy::Compile::FIXED, PathForm::default()).unwrap();
         assert!(compiled.native.rules().is_empty());
         assert_eq!(compiled.envoy.domain_count(), 0);
     }

@@ -18,13 +18,14 @@ use std::{fmt, io, path::Path, path::PathBuf};
 
 pub(crate) use compile::compile;
 pub use model::{FailurePolicy, MAX_OVERLOAD_RATE, Mode, OverloadScope, OverloadSpec, Rule};
-pub use snapshot::{Snapshot, canonical_path};
+pub use snapshot::{PathForm, Snapshot, canonical_path};
 pub use store::{Feed, Hot, Origin, RuleStore, Served, Versioned, XdsState, watch};
 
-/// Loads and compiles the rule set at `path` (a file or a directory).
-pub fn load(path: &Path) -> Result<Snapshot, RuleErrors> {
+/// Loads and compiles the rule set at `path` (a file or a directory),
+/// matching paths in `form`.
+pub fn load(path: &Path, form: PathForm) -> Result<Snapshot, RuleErrors> {
     let rules = native::load(path).map_err(RuleErrors)?;
-    compile(path, rules).map_err(RuleErrors)
+    compile(path, rules, form).map_err(RuleErrors)
 }
 
 /// The example rule files compiled into the binary: what `serve` decides
@@ -36,23 +37,23 @@ const EMBEDDED: &[(&str, &str)] =
 pub const EMBEDDED_SOURCE: &str = "<embedded examples/rules>";
 
 /// The rule set compiled into the binary (the repository's `examples/rules`).
-pub fn embedded() -> Result<Snapshot, RuleErrors> {
+pub fn embedded(form: PathForm) -> Result<Snapshot, RuleErrors> {
     let mut rules = Vec::new();
     for (name, text) in EMBEDDED {
         rules.extend(native::parse(Path::new(name), text).map_err(|e| RuleErrors(vec![e]))?);
     }
-    compile(Path::new(EMBEDDED_SOURCE), rules).map_err(RuleErrors)
+    compile(Path::new(EMBEDDED_SOURCE), rules, form).map_err(RuleErrors)
 }
 
 /// Compiles one native rule file's `text`, named `name` in messages.
-pub fn from_text(name: &Path, text: &str) -> Result<Snapshot, RuleErrors> {
+pub fn from_text(name: &Path, text: &str, form: PathForm) -> Result<Snapshot, RuleErrors> {
     let rules = native::parse(name, text).map_err(|e| RuleErrors(vec![e]))?;
-    compile(name, rules).map_err(RuleErrors)
+    compile(name, rules, form).map_err(RuleErrors)
 }
 
 /// A rule set with no rules (an Envoy-only deployment): every `Check` is NO_RULE.
 pub fn empty() -> Snapshot {
-    Snapshot::build(Path::new("<no native rules>"), Vec::new())
+    Snapshot::build(Path::new("<no native rules>"), Vec::new(), PathForm::default())
 }
 
 /// A rule problem: always the file, and where known the line, the rule and the field.

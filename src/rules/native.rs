@@ -312,7 +312,7 @@ rules:
             fn any_text_parses_or_names_the_file(text in "(?s).{0,300}") {
                 match parse(Path::new("any.yaml"), &text) {
                     Ok(rules) => {
-                        if let Err(errors) = crate::rules::compile(Path::new("any.yaml"), rules) {
+                        if let Err(errors) = crate::rules::compile(Path::new("any.yaml"), rules, crate::rules::PathForm::default()) {
                             prop_assert!(errors.iter().all(|e| e.to_string().starts_with("any.yaml")));
                         }
                     }
@@ -335,7 +335,7 @@ rules:
                 let text = text.replace('"', "");
                 let result = parse(Path::new("f.yaml"), &text)
                     .map_err(|e| vec![e])
-                    .and_then(|rules| crate::rules::compile(Path::new("f.yaml"), rules));
+                    .and_then(|rules| crate::rules::compile(Path::new("f.yaml"), rules, crate::rules::PathForm::default()));
                 match result {
                     Ok(snapshot) => {
                         for rule in snapshot.rules() {

@@ -20,6 +20,26 @@ use std::{
 use hashbrown::HashMap;
 
 use super::model::Rule;
+use crate::config::PathMatchingConfig;
+
+/// How request paths and rule patterns are put in one form before they
+/// are compared (`rules.path_matching.*`); the rest of the form is fixed
+/// ([`canonical_path`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PathForm {
+    /// `%2F` is a `/` (a segment boundary); off, it stays an encoded byte
+    /// of its segment, as most servers and proxies treat it.
+    pub decode_slashes: bool,
+    /// ASCII letters compare without case (`/API` is `/api`).
+    pub ignore_case: bool,
+}
+
+impl PathForm {
+    /// The form `rules.path_matching` asks for.
+    pub fn of(config: &PathMatchingConfig) -> Self {
+        PathForm { decode_slashes: config.decode_slashes, ignore_case: config.ignore_case }
+    }
+}
 
 /// A `resource_path` as a matching key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -30,46 +50,138 @@ pub(crate) enum PathKey {
 }
 
 impl PathKey {
-    pub(crate) fn of(resource_path: &str) -> Self {
+    pub(crate) fn of(resource_path: &str, form: PathForm) -> Self {
         match resource_path.strip_suffix('*') {
-            Some(prefix) => PathKey::Prefix(canonical_path(prefix).into_owned()),
-            None => PathKey::Exact(exact_form(&canonical_path(resource_path)).to_owned()),
+            Some(prefix) => PathKey::Prefix(canonical_path(prefix, form).into_owned()),
+            None => PathKey::Exact(exact_form(&canonical_path(resource_path, form)).to_owned()),
         }
     }
 }
 
-/// A path as rules match it: cut at the first `?` or `#` (a query string
-/// or fragment is not part of the resource) and every run of `/` collapsed
-/// to one, so `//api/v1/search?x=1` is `/api/v1/search`. Borrowed when
-/// already canonical, the usual case.
-pub fn canonical_path(path: &str) -> Cow<'_, str> {
-    // One pass over the bytes (on every decision): where the path ends, and
-    // whether it repeats a `/` before that. Both are ASCII, so `end` is a
-    // character boundary.
+/// A path as rules match it, the same form for a request and a rule's
+/// pattern, so that no variant a server would serve as the same resource
+/// escapes the resource's rule:
+/// - cut at the first `?` or `#` (a query string or fragment is not part
+///   of the resource);
+/// - percent-encoded unreserved characters (`A-Z a-z 0-9 - . _ ~`) decoded
+///   (`/%74` is `/t`), and `%2F` too with `decode_slashes`; every other
+///   escape kept, its hex digits in upper case (`%c3` is `%C3`); never
+///   decoded twice (`%2574` is `%2574`);
+/// - a segment's `;` parameters cut (`/t;jsessionid=1` is `/t`,
+///   `/..;x/t` is `/../t`);
+/// - dot segments removed as RFC 3986 (5.2.4) says (`/x/../t`, `/./t`
+///   are `/t`; `/t/.` is `/t/`; `/a//..` is `/a/`), never above the root;
+/// - then every run of `/` collapsed to one, and a leading `/` added;
+/// - ASCII letters in lower case with `ignore_case`.
+///
+/// Borrowed when already canonical, the usual case: one pass over the
+/// bytes. An empty path stays empty.
+pub fn canonical_path(path: &str, form: PathForm) -> Cow<'_, str> {
+    // Where the path ends, and whether anything in it needs rewriting.
+    // Every byte looked at is ASCII, so `end` is a character boundary.
     let bytes = path.as_bytes();
     let mut end = bytes.len();
-    let mut repeated = false;
+    let mut plain = bytes.first().is_none_or(|&b| b == b'/');
     for (i, &b) in bytes.iter().enumerate() {
         match b {
             b'?' | b'#' => {
                 end = i;
                 break;
             }
-            b'/' if i > 0 && bytes[i - 1] == b'/' => repeated = true,
+            b'%' | b';' => plain = false,
+            // A repeated `/`, or a segment starting with `.` (perhaps a
+            // dot segment: checked on the slow path).
+            b'/' | b'.' if i > 0 && bytes[i - 1] == b'/' => plain = false,
+            b'A'..=b'Z' if form.ignore_case => plain = false,
             _ => {}
         }
     }
     let path = &path[..end];
-    if !repeated {
+    if plain || path.is_empty() {
         return Cow::Borrowed(path);
     }
-    let mut out = String::with_capacity(path.len());
-    for c in path.chars() {
-        if !(c == '/' && out.ends_with('/')) {
-            out.push(c);
+    Cow::Owned(rewrite(path, form))
+}
+
+/// [`canonical_path`]'s slow path, on a path without query or fragment.
+fn rewrite(path: &str, form: PathForm) -> String {
+    let decoded = decode_unreserved(path, form.decode_slashes);
+    let mut parts = decoded.split('/');
+    if decoded.starts_with('/') {
+        parts.next(); // the root
+    }
+    // RFC 3986's segments: an empty one (of `//`) is a segment too, so
+    // `/a//..` is `/a/` as a standard normaliser says; runs of `/` are
+    // collapsed after.
+    let mut segments: Vec<&str> = Vec::new();
+    // Whether the path ends in `/` after a dot segment.
+    let mut open = false;
+    for segment in parts {
+        let segment = segment.split_once(';').map_or(segment, |(name, _)| name);
+        match segment {
+            "." => open = true,
+            ".." => {
+                segments.pop();
+                open = true;
+            }
+            name => {
+                segments.push(name);
+                open = false;
+            }
         }
     }
-    Cow::Owned(out)
+    let mut out = String::with_capacity(decoded.len() + 1);
+    for segment in segments.iter().filter(|s| !s.is_empty()) {
+        out.push('/');
+        out.push_str(segment);
+    }
+    if open || out.is_empty() || segments.last().is_some_and(|s| s.is_empty()) {
+        out.push('/');
+    }
+    if form.ignore_case {
+        out.make_ascii_lowercase();
+    }
+    out
+}
+
+/// `path` with its escapes of unreserved characters (and of `/` with
+/// `slashes`) decoded and every other escape's hex in upper case. Only
+/// ASCII is decoded, so the result is valid UTF-8.
+fn decode_unreserved(path: &str, slashes: bool) -> String {
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = match bytes.get(i..i + 3) {
+            Some([b'%', hi, lo]) => hex(*hi).zip(hex(*lo)).map(|(hi, lo)| hi << 4 | lo),
+            _ => None,
+        };
+        match escaped {
+            Some(byte)
+                if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) || (slashes && byte == b'/') =>
+            {
+                out.push(char::from(byte));
+                i += 3;
+            }
+            Some(_) => {
+                out.push('%');
+                out.push(char::from(bytes[i + 1].to_ascii_uppercase()));
+                out.push(char::from(bytes[i + 2].to_ascii_uppercase()));
+                i += 3;
+            }
+            None => {
+                // Copy up to the next `%` (a character boundary: ASCII).
+                let next = bytes[i + 1..].iter().position(|&b| b == b'%').map_or(bytes.len(), |p| i + 1 + p);
+                out.push_str(&path[i..next]);
+                i = next;
+            }
+        }
+    }
+    out
+}
+
+fn hex(digit: u8) -> Option<u8> {
+    char::from(digit).to_digit(16).map(|d| d as u8)
 }
 
 /// An exact path without its trailing `/` (but `/` itself): `/a/` and `/a`
@@ -106,15 +218,16 @@ pub struct Snapshot {
     version: String,
     source: PathBuf,
     loaded_at: SystemTime,
+    form: PathForm,
 }
 
 impl Snapshot {
     /// Indexes already validated rules (see [`compile`](super::compile)).
-    pub(crate) fn build(source: &Path, rules: Vec<Rule>) -> Self {
+    pub(crate) fn build(source: &Path, rules: Vec<Rule>, form: PathForm) -> Self {
         let mut exact: HashMap<Box<str>, Candidates> = HashMap::new();
         let mut prefixes: HashMap<Box<str>, Candidates> = HashMap::new();
         for (index, rule) in rules.iter().enumerate() {
-            let candidates = match PathKey::of(&rule.resource_path) {
+            let candidates = match PathKey::of(&rule.resource_path, form) {
                 PathKey::Exact(path) => exact.entry(path.into_boxed_str()).or_default(),
                 PathKey::Prefix(prefix) => prefixes.entry(prefix.into_boxed_str()).or_default(),
             };
@@ -137,16 +250,17 @@ impl Snapshot {
             version,
             source: source.to_path_buf(),
             loaded_at: SystemTime::now(),
+            form,
         }
     }
 
     /// The rule that governs `resource_path` for `client_type`, if any.
     ///
-    /// The path is matched in its canonical form ([`canonical_path`]): no
-    /// query string, no repeated `/`, and for exact paths no trailing `/`,
-    /// so a variant of a path cannot escape its rule.
+    /// The path is matched in its canonical form ([`canonical_path`], as
+    /// the snapshot's [`PathForm`] says; for exact paths without a
+    /// trailing `/`), so a variant of a path cannot escape its rule.
     pub fn lookup(&self, resource_path: &str, client_type: Option<&str>) -> Option<&Rule> {
-        let canonical = canonical_path(resource_path);
+        let canonical = canonical_path(resource_path, self.form);
         let resource_path = canonical.as_ref();
         if let Some(index) = self.exact.get(exact_form(resource_path)).and_then(|c| c.pick(client_type)) {
             return Some(&self.rules[index]);
@@ -159,6 +273,11 @@ impl Snapshot {
             }
         }
         None
+    }
+
+    /// How its patterns and the paths looked up are put in one form.
+    pub fn path_form(&self) -> PathForm {
+        self.form
     }
 
     /// All rules, in load order.
@@ -222,7 +341,15 @@ mod tests {
     use crate::rules::{compile, native::parse};
 
     fn snapshot(text: &str) -> Snapshot {
-        compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), text).unwrap()).unwrap()
+        snapshot_in(text, PathForm::default())
+    }
+
+    fn snapshot_in(text: &str, form: PathForm) -> Snapshot {
+        compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), text).unwrap(), form).unwrap()
+    }
+
+    fn canonical(path: &str) -> Cow<'_, str> {
+        canonical_path(path, PathForm::default())
     }
 
     const RULES: &str = r#"
@@ -256,8 +383,8 @@ rules:
             assert_eq!(id(&s, variant, Some("ANDROID")), Some("exact-android"), "{variant}");
         }
         assert_eq!(id(&s, "/api//v2/x?y", None), Some("api-any"), "prefixes see the canonical path");
-        assert_eq!(canonical_path("/a/b"), Cow::Borrowed("/a/b"));
-        assert_eq!(canonical_path("/"), "/");
+        assert_eq!(canonical("/a/b"), Cow::Borrowed("/a/b"));
+        assert_eq!(canonical("/"), "/");
         assert_eq!(exact_form("/"), "/");
         let prefixed = snapshot(
             "rules:\n  - { rule_id: s, resource_path: \"/static/*\", limit: 1, window_seconds: 1 }\n",
@@ -266,13 +393,76 @@ rules:
         assert_eq!(id(&prefixed, "//static//x.css", None), Some("s"));
         // Two rules for one canonical path are ambiguous.
         let clash = "rules:\n  - { rule_id: a, resource_path: /x, limit: 1, window_seconds: 1 }\n  - { rule_id: b, resource_path: /x/, limit: 1, window_seconds: 1 }\n";
-        let errors = compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), clash).unwrap()).unwrap_err();
+        let errors =
+            compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), clash).unwrap(), PathForm::default())
+                .unwrap_err();
         assert!(errors[0].message.contains("ambiguous"), "{errors:?}");
     }
 
+    /// What servers serve as `/t` is limited as `/t`: dot segments (also
+    /// encoded, also with parameters), escapes of unreserved characters,
+    /// `;` parameters, a trailing dot segment; `%2F` and case only where
+    /// configured. Rule patterns are read the same way.
+    #[test]
+    fn variants_a_server_serves_as_the_path_are_the_path() {
+        let rules = "rules:\n  - { rule_id: t, resource_path: /t, limit: 2, window_seconds: 60 }\n  \
+                     - { rule_id: s, resource_path: \"/static/*\", limit: 1, window_seconds: 1 }\n";
+        let s = snapshot(rules);
+        for variant in [
+            "/./t",
+            "/x/../t",
+            "/%74",
+            "/t;jsessionid=1",
+            "/t/.",
+            "/a/b/../../t",
+            "/../t",
+            "/..;x/t",
+            "/%2e/t",
+            "/%2E%2E/t",
+            "/x/%2e%2e/t",
+            "t",
+            "./t",
+            "/t;a=1;b=2?x",
+            "/%2574/../t",
+        ] {
+            assert_eq!(id(&s, variant, None), Some("t"), "{variant}");
+        }
+        for other in ["/T", "/t%2F", "/tt", "/t.", "/%2574", "/t%2Fx/..", "/..t"] {
+            assert_eq!(id(&s, other, None), None, "{other} is another resource by default");
+        }
+        assert_eq!(id(&s, "/static/../t", None), Some("t"), "a prefix rule is left by `..`");
+        assert_eq!(id(&s, "/x/../static/a.css", None), Some("s"));
+        assert_eq!(id(&s, "/static/%2e%2e/static/a", None), Some("s"));
+
+        let everything = PathForm { decode_slashes: true, ignore_case: true };
+        let s = snapshot_in(&rules.replace("/t,", "/T,"), everything);
+        for variant in ["/t", "/T", "/t%2F", "/t%2f", "/x%2F..%2Ft", "/STATIC/../T"] {
+            assert_eq!(id(&s, variant, None), Some("t"), "{variant}");
+        }
+        assert_eq!(id(&s, "/Static/A.css", None), Some("s"));
+        let clash = "rules:\n  - { rule_id: a, resource_path: /x, limit: 1, window_seconds: 1 }\n  \
+                     - { rule_id: b, resource_path: /X, limit: 1, window_seconds: 1 }\n";
+        let errors =
+            compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), clash).unwrap(), everything).unwrap_err();
+        assert!(errors[0].message.contains("ambiguous"), "{errors:?}");
+    }
+
+    #[test]
+    fn escapes_keep_their_meaning() {
+        assert_eq!(canonical("/a%2fb"), "/a%2Fb", "hex in upper case, the slash kept encoded");
+        assert_eq!(canonical("/%C3%a9"), "/%C3%A9");
+        assert_eq!(canonical("/%7e%5F%2D"), "/~_-");
+        assert_eq!(canonical("/100%"), "/100%", "a broken escape is kept");
+        assert_eq!(canonical("/%zz%4"), "/%zz%4");
+        assert_eq!(canonical("/é/./x"), "/é/x");
+        assert_eq!(canonical(""), "");
+        assert_eq!(canonical("/.well-known/x"), "/.well-known/x");
+    }
+
     proptest::proptest! {
-        /// The one-pass scan says what cutting at `?`/`#` and then
-        /// collapsing every `//` says, for any path (multi-byte included).
+        /// Without dots, escapes or parameters the form cuts at `?`/`#`,
+        /// collapses every `//` and starts with `/`, for any path
+        /// (multi-byte included); borrowed when that changes nothing.
         #[test]
         fn canonical_path_cuts_then_collapses(path in "[/?#aé]{0,12}") {
             let cut = path.find(['?', '#']).map_or(&*path, |end| &path[..end]);
@@ -280,9 +470,41 @@ rules:
             while collapsed.contains("//") {
                 collapsed = collapsed.replace("//", "/");
             }
-            let got = canonical_path(&path);
+            if !collapsed.is_empty() && !collapsed.starts_with('/') {
+                collapsed.insert(0, '/');
+            }
+            let got = canonical(&path);
             proptest::prop_assert_eq!(&*got, &*collapsed);
-            proptest::prop_assert_eq!(matches!(got, Cow::Borrowed(_)), !cut.contains("//"));
+            proptest::prop_assert_eq!(matches!(got, Cow::Borrowed(_)), *cut == *collapsed);
+        }
+
+        /// Whatever a standard URL normaliser (the WHATWG parser of the
+        /// `url` crate) makes of a path, the form makes the same of it,
+        /// and the form of a form is itself. (Not for a dot segment with
+        /// parameters, `..;x`: the WHATWG parser keeps it as a name, where
+        /// Tomcat, Jetty and Spring serve it as `..`, as the form does.)
+        #[test]
+        fn a_normalised_variant_is_the_same_path(
+            segments in proptest::collection::vec(
+                proptest::sample::select(vec![
+                    "a", "B", ".", "..", "%2e", "%2E%2e", "%61", "%7E", "x;p=1", "%2F", "%c3%A9", "", "%",
+                ]),
+                0..8,
+            ),
+            query in proptest::option::of("[a-z=&/.]{0,6}"),
+        ) {
+            let mut path = format!("/{}", segments.join("/"));
+            if let Some(query) = query {
+                path = format!("{path}?{query}");
+            }
+            let normalised = url::Url::parse(&format!("http://h{path}")).unwrap();
+            let form = canonical(&path);
+            proptest::prop_assert_eq!(&*canonical(normalised.path()), &*form, "{} -> {}", path, normalised.path());
+            proptest::prop_assert_eq!(&*canonical(&form), &*form);
+            for form_of in [PathForm { decode_slashes: true, ignore_case: true }, PathForm { decode_slashes: true, ignore_case: false }] {
+                let once = canonical_path(&path, form_of);
+                proptest::prop_assert_eq!(&*canonical_path(&once, form_of), &*once);
+            }
         }
     }
 

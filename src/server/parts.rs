@@ -158,6 +158,7 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
     let subscription = Subscription {
         kafka: kafka.clone(),
         compile: crate::rules::envoy::Compile::of(&config.envoy),
+        paths: crate::rules::PathForm::of(&config.rules.path_matching),
         native: Arc::clone(&native),
         envoy: Arc::clone(&envoy),
         feed: Arc::clone(&feed),
@@ -185,15 +186,16 @@ pub(crate) fn rules(
     envoy: &EnvoySettings,
     tasks: &mut Tasks,
 ) -> Result<Rules, ServerError> {
+    let form = crate::rules::PathForm::of(&config.path_matching);
     let (native, native_source) = match (&config.path, &config.envoy_path) {
-        (Some(path), _) => (rules::load(path)?, path.display().to_string()),
-        (None, None) => (rules::embedded()?, rules::EMBEDDED_SOURCE.to_owned()),
+        (Some(path), _) => (rules::load(path, form)?, path.display().to_string()),
+        (None, None) => (rules::embedded(form)?, rules::EMBEDDED_SOURCE.to_owned()),
         (None, Some(_)) => (rules::empty(), "none (rules.path unset, Envoy rules only)".to_owned()),
     };
     let native = Arc::new(RuleStore::new(native));
     let interval = Duration::from_millis(config.reload_interval_ms);
     if let Some(path) = &config.path {
-        watch(tasks, &native, path, interval, rules::load);
+        watch(tasks, &native, path, interval, move |path| rules::load(path, form));
     }
     let envoy = match &config.envoy_path {
         None => None,
