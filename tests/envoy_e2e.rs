@@ -259,13 +259,19 @@ async fn redis_down_limits_locally_flags_and_writes_back() {
 }
 
 /// The service runs hot (CRITICAL_ONLY, from a synthetic `/proc/stat`):
-/// Envoy's requests without a priority (the default, DEGRADED) or with a
-/// lower one get 429 with `x-ratelimit-reason: SHED`, without a counter
-/// being touched; `x-priority: CRITICAL` passes and is counted.
+/// Envoy's requests without a priority (the default, DEGRADED) get 429
+/// with `x-ratelimit-reason: SHED`, without a counter being touched, and so
+/// do those whose client claims `x-priority: CRITICAL` (the example takes
+/// no priority from a client); the example's `/checkout` route is CRITICAL
+/// (trusted: it comes from the route), passes and is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hot_service_sheds_envoy_traffic_by_priority() {
     let cpu = SyntheticCpu::new(0.95);
-    let s = stack(|c| cpu.configure(c, ShedMode::Enforce)).await;
+    let s = stack(|c| {
+        cpu.configure(c, ShedMode::Enforce);
+        c.shed.trust_request_priority = true;
+    })
+    .await;
     let client = s.server.client().await;
     let hot = common::eventually(Duration::from_secs(10), || {
         let mut client = client.clone();
@@ -281,8 +287,8 @@ async fn a_hot_service_sheds_envoy_traffic_by_priority() {
     let answers = tokio::task::spawn_blocking(move || {
         [
             get(port, &[("x-user-id", "erin")]),
-            get(port, &[("x-user-id", "erin"), ("x-priority", "BULK")]),
-            get(port, &[("x-user-id", "erin"), ("x-priority", "DEGRADED")]),
+            get(port, &[("x-user-id", "erin"), ("x-priority", "CRITICAL")]),
+            get_path(port, "/other", &[("x-user-id", "erin"), ("x-priority", "CRITICAL")]),
         ]
     })
     .await
@@ -292,8 +298,9 @@ async fn a_hot_service_sheds_envoy_traffic_by_priority() {
         assert_eq!(header(headers, "x-ratelimit-reason"), Some("SHED"), "{headers:?}");
     }
     assert_eq!(s.redis.evalsha_calls().await, before, "shed requests cost no Redis call");
+    std::fs::write(s._dirs.1.path().join("checkout"), "ok").unwrap();
     let critical: Vec<u16> = tokio::task::spawn_blocking(move || {
-        (0..4).map(|_| get(port, &[("x-user-id", "erin"), ("x-priority", "CRITICAL")]).0).collect()
+        (0..4).map(|_| get_path(port, "/checkout", &[("x-user-id", "erin")]).0).collect()
     })
     .await
     .unwrap();

@@ -117,15 +117,17 @@ async fn status_and_shedding_follow_the_level_both_ways(backend: Backend) {
         assert!(before.is_some_and(|calls| calls > 0), "the Redis store was not in use");
     }
 
-    // The request's own priority overrides the rule's; unmatched requests
-    // use shed.default_priority (DEGRADED).
+    // The request's own priority may lower the rule's, never raise it
+    // (shed.trust_request_priority is off); unmatched requests use
+    // shed.default_priority (DEGRADED).
     let mut override_down = request("user", "/critical");
     override_down.priority = PriorityBucket::Bulk as i32;
     let r = check(&mut client, override_down).await;
     assert_eq!((reason(&r), r.priority), (Reason::Shed, PriorityBucket::Bulk as i32));
-    let mut override_up = request("user", "/bulk");
-    override_up.priority = PriorityBucket::Critical as i32;
-    assert_eq!(reason(&check(&mut client, override_up).await), Reason::Ok);
+    let mut claims_critical = request("user", "/bulk");
+    claims_critical.priority = PriorityBucket::Critical as i32;
+    let r = check(&mut client, claims_critical).await;
+    assert_eq!((reason(&r), r.priority), (Reason::Shed, PriorityBucket::Bulk as i32));
     let unmatched = check(&mut client, request("user", "/nowhere")).await;
     assert_eq!((reason(&unmatched), unmatched.priority), (Reason::NoRule, PriorityBucket::Degraded as i32));
 
@@ -204,6 +206,8 @@ async fn envoy_requests_are_shed_by_priority_like_check(backend: Backend) {
     let mut cfg = config(&rules.path(), redis.as_ref().map(RedisServer::url));
     cfg.rules.envoy_path = Some(envoy_dir.path().to_path_buf());
     cpu.configure(&mut cfg, ShedMode::Enforce);
+    // Envoy sets the priority entry from the route here, not from a client.
+    cfg.shed.trust_request_priority = true;
     let server = TestServer::start(cfg).await;
     let client = server.client().await;
     wait_for_status(&client, "DEGRADED_MODE").await;

@@ -16,7 +16,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument as _;
 
 use super::{
-    convert::{ValidationError, call_traceparent, response, validate},
+    convert::{ValidationError, call_traceparent, response, unknown_priority, validate},
     eager::eager_unordered,
     pb,
 };
@@ -71,6 +71,9 @@ impl RateLimiterService {
             Status::invalid_argument(e.to_string())
         };
         let mut checked = validate(&message, call_traceparent(&metadata)).map_err(refuse)?;
+        if unknown_priority(&message) {
+            self.engine.adjusted(Api::Check, "unknown_priority");
+        }
         if report {
             if message.peek {
                 return Err(refuse(ValidationError {
@@ -118,8 +121,14 @@ async fn decide_item(
     traceparent: Option<&str>,
     share: Option<&Semaphore>,
 ) -> pb::CheckResult {
-    let checked = match validate(request.unwrap_or_else(|| &NO_REQUEST), traceparent) {
-        Ok(checked) => CheckRequest { share, ..checked },
+    let request = request.unwrap_or_else(|| &NO_REQUEST);
+    let checked = match validate(request, traceparent) {
+        Ok(checked) => {
+            if unknown_priority(request) {
+                engine.adjusted(Api::Check, "unknown_priority");
+            }
+            CheckRequest { share, ..checked }
+        }
         Err(e) => {
             engine.refused(Api::Check, e.reason);
             return pb::CheckResult { id, response: None, invalid_argument: e.to_string() };

@@ -29,11 +29,19 @@ fn invalid(field: &'static str, reason: &'static str, message: String) -> Valida
     ValidationError { field, message, reason }
 }
 
+/// Whether `request` states a priority this service does not know (a
+/// newer client's, or a forged one): it is read as none stated, and the
+/// API counts it (`ratelimitd_request_values_adjusted_total`).
+pub(super) fn unknown_priority(request: &pb::RateLimitRequest) -> bool {
+    pb::PriorityBucket::try_from(request.priority).is_err()
+}
+
 /// Validates a `RateLimitRequest` and borrows it as a [`CheckRequest`].
 ///
 /// Only a structurally broken request is refused (empty `user_id` or
-/// `resource_path`, an unknown priority): a refusal is an error a proxy may
-/// answer with "allow", so no value is refused for its size. The engine
+/// `resource_path`): a refusal is an error a proxy may answer with
+/// "allow", so no value is refused for its size, and a priority this
+/// service does not know reads as none stated ([`unknown_priority`]). The engine
 /// counts an over-long `user_id` by its digest; long paths and client types
 /// are matched as they are; records keep bounded copies (`limits.*`).
 ///
@@ -55,16 +63,7 @@ pub fn validate<'a>(
         Ok(pb::PriorityBucket::Degraded) => Some(Priority::Degraded),
         Ok(pb::PriorityBucket::BestEffort) => Some(Priority::BestEffort),
         Ok(pb::PriorityBucket::Bulk) => Some(Priority::Bulk),
-        Err(_) => {
-            return Err(invalid(
-                "priority",
-                "unknown_priority",
-                format!(
-                    "unknown value {}; expected 0 (PRIORITY_BUCKET_UNSPECIFIED), 1 (CRITICAL), 2 (DEGRADED), 3 (BEST_EFFORT) or 4 (BULK)",
-                    request.priority
-                ),
-            ));
-        }
+        Err(_) => None,
     };
     Ok(CheckRequest {
         user_id: &request.user_id,
@@ -183,8 +182,13 @@ mod tests {
         let e = error(|r| r.user_id.clear());
         assert_eq!((e.to_string().as_str(), e.reason), ("user_id: must not be empty", "empty_user_id"));
         assert_eq!(error(|r| r.resource_path.clear()).reason, "empty_resource_path");
-        assert!(error(|r| r.priority = 9).to_string().starts_with("priority: unknown value 9"));
-        assert_eq!(error(|r| r.priority = -1).reason, "unknown_priority");
+        for unknown in [9, -1, i32::MAX] {
+            let mut r = request();
+            r.priority = unknown;
+            assert_eq!(validate(&r, None).unwrap().priority, None, "{unknown} reads as none stated");
+            assert!(unknown_priority(&r));
+        }
+        assert!(!unknown_priority(&request()));
         // Sizes are never a reason to refuse.
         let mut big = request();
         big.user_id = "x".repeat(10_000);
@@ -221,15 +225,14 @@ mod tests {
                 let request = pb::RateLimitRequest {
                     user_id, resource_path, client_type, headers, priority, weight, peek: false
                 };
-                let well_formed = !request.user_id.is_empty()
-                    && !request.resource_path.is_empty()
-                    && (0..=4).contains(&request.priority);
+                let well_formed = !request.user_id.is_empty() && !request.resource_path.is_empty();
                 match validate(&request, None) {
                     Ok(checked) => {
                         prop_assert!(well_formed, "accepted a broken request: {request:?}");
                         prop_assert_eq!(checked.user_id, request.user_id.as_str());
                         prop_assert_eq!(checked.weight, request.weight.max(1));
                         prop_assert_eq!(checked.client_type.is_none(), request.client_type.is_empty());
+                        prop_assert_eq!(checked.priority.is_none(), !(1..=4).contains(&request.priority));
                     }
                     Err(error) => {
                         prop_assert!(!well_formed, "refused a well-formed request: {error}");

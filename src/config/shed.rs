@@ -59,7 +59,7 @@ impl Default for ShedConfig {
             sample_interval_ms: 250,
             smoothing: 0.3,
             default_priority: Priority::Degraded,
-            trust_request_priority: true,
+            trust_request_priority: false,
             retry_after_ms: 1_000,
             report_interval_ms: 10_000,
         }

@@ -333,6 +333,12 @@ impl Engine {
         self.inner.stats.refused(api, reason);
     }
 
+    /// Counts a request value the API adjusted instead of refusing, under
+    /// a fixed name.
+    pub fn adjusted(&self, api: Api, what: &'static str) {
+        self.inner.stats.adjusted(api, what);
+    }
+
     /// The share of the store a request of `tenant` draws on, when tenants
     /// have shares (the tenant is then read; otherwise not).
     fn tenant_share<'r>(
