@@ -601,6 +601,11 @@ async fn invalid_rule_file_keeps_the_last_good_snapshot(backend: Backend) {
     std::fs::write(rules.dir.path().join("rules.yaml"), "rules: [ {").unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(check(&mut client, request("j", "/limited")).await.limit, 5);
+    // A set with no rules would lift every limit: refused too
+    // (rules.allow_empty is off).
+    rules.rename_over("rules: []\n");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(check(&mut client, request("j", "/limited")).await.limit, 5);
 
     rules.rename_over(&RULES.replace("limit: 5,", "limit: 6,"));
     let recovered = eventually(Duration::from_secs(10), || {
@@ -669,6 +674,28 @@ async fn a_user_id_that_is_not_utf8_is_limited_like_any_other() {
     let result = &response.results[0];
     assert_eq!(result.id, 9);
     assert!(!result.response.as_ref().expect("decided").allowed, "the same counter: still denied");
+    server.stop().await.unwrap();
+}
+
+/// A rule set with no rules does not start the service (it would serve no
+/// limit at all) unless `rules.allow_empty` says so; the error names
+/// `rules.path` and the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_rule_set_does_not_start_unless_allowed() {
+    let rules = Rules::new("rules: []\n");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let error = ratelimitd::server::run(common::config(&rules.path(), None), listener, None, async {})
+        .await
+        .expect_err("an empty rule set is refused");
+    let ratelimitd::server::ServerError::Rules(errors) = error else { panic!("{error:?}") };
+    let errors = errors.to_string();
+    let path = rules.path().display().to_string();
+    assert!(errors.starts_with(&path) && errors.contains("rules.allow_empty"), "{errors}");
+    let mut allowed = common::config(&rules.path(), None);
+    allowed.rules.allow_empty = true;
+    let server = common::TestServer::start(allowed).await;
+    let mut client = server.client().await;
+    assert_eq!(reason(&check(&mut client, request("u", "/anything")).await), Reason::NoRule);
     server.stop().await.unwrap();
 }
 

@@ -8,7 +8,7 @@ mod common;
 
 use std::{collections::HashMap, path::Path, process::Command};
 
-use common::{Rules, TestServer, config, http_get};
+use common::{TestServer, default_rules_config, http_get};
 use ratelimitd::config::Config;
 use serde_yaml::Value;
 
@@ -185,8 +185,8 @@ fn dockerfile_matches_the_service() {
 /// The probe subcommand the HEALTHCHECK uses works against a real server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probe_reports_health() {
-    let rules = Rules::new("rules: []\n");
-    let server = TestServer::start(config(&rules.path(), None)).await;
+    // The embedded example rules.
+    let server = TestServer::start(default_rules_config(None)).await;
     let addr = server.http_addr.to_string();
     let probe = |path: &str| {
         Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
@@ -213,8 +213,8 @@ async fn dashboard_covers_every_metric_family() {
         .iter()
         .flat_map(|p| p["targets"].as_array().unwrap().iter().map(|t| t["expr"].as_str().unwrap().to_owned()))
         .collect();
-    let rules = Rules::new("rules: []\n");
-    let server = TestServer::start(config(&rules.path(), None)).await;
+    // The embedded example rules.
+    let server = TestServer::start(default_rules_config(None)).await;
     let addr = server.http_addr;
     let (_, scrape) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.unwrap();
     server.stop().await.unwrap();

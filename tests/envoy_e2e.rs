@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{RedisServer, Rules, SyntheticCpu, TestServer, config, free_port};
+use common::{RedisServer, SyntheticCpu, TestServer, default_rules_config, free_port};
 use ratelimitd::{config::EnvoyFailureMode, shed::ShedMode};
 
 /// A child process killed (by PID) on drop.
@@ -102,13 +102,12 @@ struct Stack {
     envoy_port: u16,
     _envoy: Process,
     _upstream: Process,
-    _dirs: (Rules, tempfile::TempDir),
+    dir: tempfile::TempDir,
 }
 
 async fn stack(tune: impl FnOnce(&mut ratelimitd::config::Config)) -> Stack {
     let redis = RedisServer::start();
-    let native = Rules::new("rules: []\n");
-    let mut cfg = config(&native.path(), Some(redis.url()));
+    let mut cfg = default_rules_config(Some(redis.url()));
     cfg.rules.envoy_path = Some(common::repo_path("examples/envoy/ratelimit"));
     cfg.redis.timeout_ms = 200;
     tune(&mut cfg);
@@ -116,7 +115,7 @@ async fn stack(tune: impl FnOnce(&mut ratelimitd::config::Config)) -> Stack {
     let dir = tempfile::tempdir().unwrap();
     let (upstream, upstream_port) = upstream(dir.path());
     let (envoy, envoy_port) = envoy(dir.path(), server.addr.port(), upstream_port);
-    Stack { server, redis, envoy_port, _envoy: envoy, _upstream: upstream, _dirs: (native, dir) }
+    Stack { server, redis, envoy_port, _envoy: envoy, _upstream: upstream, dir }
 }
 
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
@@ -298,7 +297,7 @@ async fn a_hot_service_sheds_envoy_traffic_by_priority() {
         assert_eq!(header(headers, "x-ratelimit-reason"), Some("SHED"), "{headers:?}");
     }
     assert_eq!(s.redis.evalsha_calls().await, before, "shed requests cost no Redis call");
-    std::fs::write(s._dirs.1.path().join("checkout"), "ok").unwrap();
+    std::fs::write(s.dir.path().join("checkout"), "ok").unwrap();
     let critical: Vec<u16> = tokio::task::spawn_blocking(move || {
         (0..4).map(|_| get_path(port, "/checkout", &[("x-user-id", "erin")]).0).collect()
     })
@@ -313,7 +312,7 @@ async fn a_hot_service_sheds_envoy_traffic_by_priority() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn share_threshold_shares_one_limit_across_matching_paths() {
     let s = stack(|_| {}).await;
-    let files = s._dirs.1.path().join("files");
+    let files = s.dir.path().join("files");
     std::fs::create_dir_all(&files).unwrap();
     for i in 0..12 {
         std::fs::write(files.join(format!("f{i}.txt")), "x").unwrap();
@@ -403,13 +402,12 @@ struct QuotaStack {
     envoy_port: u16,
     _redis: RedisServer,
     _processes: Vec<Process>,
-    _dirs: (Rules, tempfile::TempDir),
+    _dir: tempfile::TempDir,
 }
 
 async fn quota_stack() -> QuotaStack {
     let redis = RedisServer::start();
-    let native = Rules::new("rules: []\n");
-    let mut cfg = config(&native.path(), Some(redis.url()));
+    let mut cfg = default_rules_config(Some(redis.url()));
     cfg.rules.envoy_path = Some(common::repo_path("examples/envoy/quota"));
     cfg.envoy.response_dynamic_metadata = true;
     let server = TestServer::start(cfg).await;
@@ -434,7 +432,7 @@ async fn quota_stack() -> QuotaStack {
         envoy_port: listen,
         _redis: redis,
         _processes: vec![envoy, llm, one, two],
-        _dirs: (native, dir),
+        _dir: dir,
     }
 }
 

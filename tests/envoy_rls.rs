@@ -5,7 +5,7 @@ mod common;
 
 use std::{path::Path, time::Duration};
 
-use common::{Backend, RedisServer, Rules, TestServer, config, eventually};
+use common::{Backend, RedisServer, Rules, TestServer, default_rules_config, eventually};
 use ratelimitd::{
     api::envoy_pb::{
         envoy::extensions::common::ratelimit::v3::{
@@ -89,14 +89,13 @@ struct Setup {
     server: TestServer,
     client: RateLimitServiceClient<Channel>,
     redis: Option<RedisServer>,
-    _rules: (Rules, Rules),
+    envoy_rules: Rules,
 }
 
 async fn start(backend: Backend, tune: impl FnOnce(&mut ratelimitd::config::Config)) -> Setup {
-    let native = Rules::new("rules: []\n");
     let envoy = Rules::new(CONFIG);
     let redis = (backend == Backend::Redis).then(RedisServer::start);
-    let mut cfg = config(&native.path(), redis.as_ref().map(RedisServer::url));
+    let mut cfg = default_rules_config(redis.as_ref().map(RedisServer::url));
     cfg.rules.envoy_path = Some(envoy.path());
     tune(&mut cfg);
     let server = TestServer::start(cfg).await;
@@ -107,7 +106,7 @@ async fn start(backend: Backend, tune: impl FnOnce(&mut ratelimitd::config::Conf
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    Setup { server, client, redis, _rules: (native, envoy) }
+    Setup { server, client, redis, envoy_rules: envoy }
 }
 
 for_each_store!(
@@ -489,13 +488,13 @@ async fn store_failure_follows_the_failure_mode() {
 async fn envoy_config_hot_reloads_and_keeps_last_good() {
     let mut s = start(Backend::Memory, |_| {}).await;
     let limit_of = |r: RateLimitResponse| r.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit);
-    let dir: &Path = s._rules.1.dir.path();
+    let dir: &Path = s.envoy_rules.dir.path();
     let broken = CONFIG.replace("requests_per_unit: 3 }", "requests_per_unit: 3, unit_typo: 1 }");
     std::fs::write(dir.join(".tmp"), broken).unwrap();
     std::fs::rename(dir.join(".tmp"), dir.join("rules.yaml")).unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(limit_of(ask(&mut s.client, request(vec![descriptor(&[("user", "h")])])).await), Some(3));
-    s._rules.1.rename_over(&CONFIG.replace("requests_per_unit: 3 }", "requests_per_unit: 30 }"));
+    s.envoy_rules.rename_over(&CONFIG.replace("requests_per_unit: 3 }", "requests_per_unit: 30 }"));
     let reloaded =
         eventually(Duration::from_secs(10), || {
             let mut client = s.client.clone();

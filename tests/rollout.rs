@@ -77,7 +77,7 @@ async fn readyz(server: &TestServer) -> (u16, String) {
 }
 
 async fn serves(server: &TestServer, version: &str) -> bool {
-    readyz(server).await.1.contains(&format!("rules {version} (from topic)"))
+    readyz(server).await.1.contains(&format!("rules {version} (from topic,"))
 }
 
 async fn metric(server: &TestServer, line: &str) -> Option<f64> {
@@ -254,7 +254,7 @@ async fn instances_wait_for_rules_or_fall_back() {
     let mut with_fallback = subscriber(&broker, "f");
     with_fallback.rules.path = Some(fallback.clone());
     let falling_back = TestServer::start(with_fallback).await;
-    assert!(readyz(&falling_back).await.1.contains("(from fallback)"), "{}", readyz(&falling_back).await.1);
+    assert!(readyz(&falling_back).await.1.contains("(from fallback,"), "{}", readyz(&falling_back).await.1);
     assert_eq!(admitted(&falling_back, "f", 3).await, 2);
 
     // An unreachable broker: the fallback after rules.kafka.wait_ms.
@@ -263,7 +263,7 @@ async fn instances_wait_for_rules_or_fall_back() {
     unreachable.rules.kafka.wait_ms = 300;
     unreachable.rules.path = Some(fallback);
     let isolated = TestServer::start(unreachable).await;
-    assert!(readyz(&isolated).await.1.contains("(from fallback)"));
+    assert!(readyz(&isolated).await.1.contains("(from fallback,"));
 
     // A snapshot arrives: the waiting one becomes ready, the fallback is replaced.
     let file = dir.path().join("rules.yaml");

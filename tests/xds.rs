@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{Rules, TestServer, config, free_port};
+use common::{TestServer, default_rules_config, free_port};
 use prost::Message as _;
 use ratelimitd::api::envoy_pb::{
     discovery::{
@@ -155,7 +155,7 @@ fn resource(name: &str, domain: &str, per_minute: u32) -> prost_types::Any {
     prost_types::Any { type_url: TYPE_URL.to_owned(), value: config.encode_to_vec() }
 }
 
-async fn subscribed(server_url: &str, force_start: bool) -> (TestServer, Rules) {
+async fn subscribed(server_url: &str, force_start: bool) -> TestServer {
     subscribed_with(server_url, force_start, |_| {}).await
 }
 
@@ -163,9 +163,8 @@ async fn subscribed_with(
     server_url: &str,
     force_start: bool,
     tune: impl FnOnce(&mut ratelimitd::config::Config),
-) -> (TestServer, Rules) {
-    let native = Rules::new("rules: []\n");
-    let mut cfg = config(&native.path(), None);
+) -> TestServer {
+    let mut cfg = default_rules_config(None);
     cfg.rules.source = RulesSource::Xds;
     cfg.rules.xds.server_url = server_url.to_owned();
     cfg.rules.xds.node_id = "gateway-ratelimit".to_owned();
@@ -173,7 +172,7 @@ async fn subscribed_with(
     cfg.rules.xds.force_start = force_start;
     cfg.rules.xds.retry_initial_ms = 50;
     tune(&mut cfg);
-    (TestServer::start(cfg).await, native)
+    TestServer::start(cfg).await
 }
 
 async fn client(server: &TestServer) -> RateLimitServiceClient<Channel> {
@@ -205,12 +204,12 @@ async fn eventually<F: std::future::Future<Output = bool>>(what: &str, mut check
 }
 
 /// The node announces itself; each set swaps in and is acknowledged with
-/// its version and nonce; a set that does not compile is refused with the
-/// errors while the last good one keeps serving.
+/// its version and nonce; a set that does not compile, or an empty one, is
+/// refused with the errors while the last good one keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sets_swap_in_are_acknowledged_and_a_bad_one_is_refused() {
     let (set, seen, url) = management_server(Some(("1".to_owned(), vec![resource("edge", "edge", 2)]))).await;
-    let (server, _rules) = subscribed(&url, false).await;
+    let server = subscribed(&url, false).await;
     let mut client = client(&server).await;
     assert_eq!(limit_of(&mut client, "ann").await, (Code::Ok, 2), "served from the first set");
     let first = seen.lock().unwrap()[0].clone();
@@ -254,10 +253,26 @@ async fn sets_swap_in_are_acknowledged_and_a_bad_one_is_refused() {
     })
     .await;
     assert_eq!(limit_of(&mut client, "di").await, (Code::Ok, 5), "the last good set keeps serving");
+
+    // An empty set would lift every limit: refused too (rules.allow_empty off).
+    set.send_replace(Some(("4".to_owned(), vec![])));
+    let nack = Arc::clone(&seen);
+    eventually("the empty v4 refused", move || {
+        let nack = Arc::clone(&nack);
+        async move {
+            nack.lock().unwrap().iter().any(|r| {
+                r.response_nonce == "4"
+                    && r.version_info == "2"
+                    && r.error_detail.as_ref().is_some_and(|e| e.message.contains("no rules"))
+            })
+        }
+    })
+    .await;
+    assert_eq!(limit_of(&mut client, "ed").await, (Code::Ok, 5), "the last good set keeps serving");
     let addr = server.http_addr;
     let (_, scrape) = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
     for line in
-        [r#"ratelimitd_rules_xds_total{result="ack"} 2"#, r#"ratelimitd_rules_xds_total{result="nack"} 1"#]
+        [r#"ratelimitd_rules_xds_total{result="ack"} 2"#, r#"ratelimitd_rules_xds_total{result="nack"} 2"#]
     {
         assert!(scrape.lines().any(|l| l == line), "missing {line}");
     }
@@ -269,7 +284,7 @@ async fn sets_swap_in_are_acknowledged_and_a_bad_one_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn force_start_serves_before_the_first_set() {
     let (set, _seen, url) = management_server(None).await;
-    let (server, _rules) = subscribed(&url, true).await;
+    let server = subscribed(&url, true).await;
     let mut client = client(&server).await;
     assert_eq!(limit_of(&mut client, "ed").await, (Code::Ok, 0), "no limit yet");
     set.send_replace(Some(("1".to_owned(), vec![resource("edge", "edge", 3)])));
@@ -293,7 +308,7 @@ async fn mutual_tls_to_the_management_server() {
     let initial = Some(("1".to_owned(), vec![resource("edge", "edge", 4)]));
     let (_set, _seen, url) = management_server_with(initial, Some(dir.path())).await;
     let path = |name: &str| Some(dir.path().join(name));
-    let (server, _rules) = subscribed_with(&url, false, |c| {
+    let server = subscribed_with(&url, false, |c| {
         c.rules.xds.ca_file = path("ca.pem");
         c.rules.xds.cert_file = path("client.pem");
         c.rules.xds.key_file = path("client.key");
@@ -302,7 +317,7 @@ async fn mutual_tls_to_the_management_server() {
     assert_eq!(limit_of(&mut client(&server).await, "fay").await, (Code::Ok, 4));
     server.stop().await.unwrap();
 
-    let (server, _rules) = subscribed_with(&url, true, |c| c.rules.xds.ca_file = path("ca.pem")).await;
+    let server = subscribed_with(&url, true, |c| c.rules.xds.ca_file = path("ca.pem")).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
         limit_of(&mut client(&server).await, "fay").await,
@@ -317,8 +332,7 @@ async fn mutual_tls_to_the_management_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn not_ready_until_the_first_set() {
     let (set, _seen, url) = management_server(None).await;
-    let native = Rules::new("rules: []\n");
-    let mut cfg = config(&native.path(), None);
+    let mut cfg = default_rules_config(None);
     cfg.rules.source = RulesSource::Xds;
     cfg.rules.xds.server_url = url;
     let server = TestServer::start_unready(cfg).await;

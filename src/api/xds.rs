@@ -6,12 +6,16 @@
 //! Each response is the whole set. Its resources become upstream's YAML
 //! (one file per resource, named `xds:<name>`), are compiled exactly as
 //! files are, and swap in atomically; the response is then acknowledged
-//! (ACK: its version and nonce). A set that does not compile is refused
+//! (ACK: its version and nonce). A set that does not compile, or has no domain (unless `rules.allow_empty`), is refused
 //! (NACK: the last accepted version, the nonce and the errors) and the last
 //! good set keeps serving. A broken stream is reopened after a jittered,
 //! doubling back-off; the rules in force stay in force meanwhile.
 
-use std::{path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
 
 use prost::Message as _;
 use tokio::sync::{mpsc, watch};
@@ -32,16 +36,27 @@ use crate::{
     rules::{
         Hot, RuleErrors, XdsState,
         envoy::{Compile, EnvoyConfig},
+        non_empty,
     },
 };
 
 /// The resource type subscribed to.
 pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
 
+/// What a set must be to be accepted.
+#[derive(Debug, Clone, Copy)]
+pub struct Accept {
+    /// How its resources compile (`envoy.algorithm`, `envoy.merge_domains`).
+    pub how: Compile,
+    /// A set without a domain is accepted (`rules.allow_empty`); off, it is
+    /// refused (NACK) and the last good set keeps serving.
+    pub allow_empty: bool,
+}
+
 /// Subscribes until `stop` turns true, swapping every accepted set into `hot`.
 pub async fn run(
     config: XdsConfig,
-    how: Compile,
+    how: Accept,
     hot: Arc<Hot<EnvoyConfig>>,
     state: Arc<XdsState>,
     mut stop: watch::Receiver<bool>,
@@ -126,7 +141,7 @@ fn read(path: &PathBuf, key: &str) -> Result<Vec<u8>, String> {
 async fn subscribe(
     config: &XdsConfig,
     endpoint: &Endpoint,
-    how: Compile,
+    how: Accept,
     hot: &Hot<EnvoyConfig>,
     state: &XdsState,
     answered: &mut bool,
@@ -213,10 +228,13 @@ fn request(
 }
 
 /// Compiles the response's resources and swaps them in; the number of
-/// domains, or every problem found.
-fn apply(response: &DiscoveryResponse, how: Compile, hot: &Hot<EnvoyConfig>) -> Result<usize, String> {
+/// domains, or every problem found (a set without a domain is one, unless
+/// empty sets are accepted).
+fn apply(response: &DiscoveryResponse, accept: Accept, hot: &Hot<EnvoyConfig>) -> Result<usize, String> {
     let files = files(response)?;
-    let compiled = crate::rules::envoy::compile_texts(&files, how).map_err(|e: RuleErrors| e.to_string())?;
+    let compiled = crate::rules::envoy::compile_texts(&files, accept.how)
+        .and_then(|set| non_empty(set, Path::new("xds"), accept.allow_empty))
+        .map_err(|e: RuleErrors| e.to_string())?;
     let domains = compiled.domain_count();
     hot.swap(compiled);
     Ok(domains)

@@ -36,6 +36,7 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
         args.envoy.as_deref(),
         crate::rules::envoy::Compile::of(&config.envoy),
         crate::rules::PathForm::of(&config.rules.path_matching),
+        config.rules.allow_empty,
     ) {
         Ok(candidate) => candidate,
         Err(errors) => {

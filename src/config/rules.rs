@@ -43,6 +43,11 @@ pub struct RulesConfig {
     /// domain per file. Unset: `ShouldRateLimit` is not served (with
     /// `source: kafka` it always is, from the snapshot).
     pub envoy_path: Option<PathBuf>,
+    /// Accept a rule set with no rules (no native rule, no Envoy domain)
+    /// from a file, the rules topic or xDS. Off: such a set is refused like
+    /// one that does not compile (the last good set keeps serving; at start
+    /// the service does not start), since it would lift every limit at once.
+    pub allow_empty: bool,
     /// How native rules' paths and the paths of `Check` requests are
     /// compared. Every instance of a fleet, and `rules publish`, must agree.
     pub path_matching: PathMatchingConfig,
@@ -166,6 +171,7 @@ impl Default for RulesConfig {
             path: None,
             reload_interval_ms: 1_000,
             envoy_path: None,
+            allow_empty: false,
             path_matching: PathMatchingConfig::default(),
             kafka: RulesKafkaConfig::default(),
             xds: XdsConfig::default(),

@@ -38,15 +38,19 @@ impl Candidate {
 
 /// Loads and compiles the native rules at `native` and the Envoy
 /// configuration at `envoy` with the compilers `serve` uses; every problem
-/// is returned, as `rules validate` reports it.
+/// is returned, as `rules validate` reports it. A set without rules is one
+/// unless `allow_empty` (`rules.allow_empty`): instances would refuse it.
 pub fn candidate(
     native: Option<&Path>,
     envoy: Option<&Path>,
     how: rules::envoy::Compile,
     paths: rules::PathForm,
+    allow_empty: bool,
 ) -> Result<Candidate, RuleErrors> {
     let mut errors = Vec::new();
-    let native_rules = match native.map(|path| rules::load(path, paths)) {
+    let native_rules = match native
+        .map(|path| rules::load(path, paths).and_then(|s| rules::non_empty(s, path, allow_empty)))
+    {
         None => None,
         Some(Ok(snapshot)) => Some(encoding::encode_native(&snapshot)),
         Some(Err(e)) => {
@@ -56,7 +60,9 @@ pub fn candidate(
     };
     let envoy_rules = match envoy.map(rules::envoy::read_files) {
         None => None,
-        Some(Ok(files)) => match rules::envoy::compile_texts(&files, how) {
+        Some(Ok(files)) => match rules::envoy::compile_texts(&files, how)
+            .and_then(|set| rules::non_empty(set, envoy.unwrap_or(Path::new("envoy")), allow_empty))
+        {
             Ok(_) => Some(encoding::encode_envoy(&files)),
             Err(e) => {
                 errors.extend(e.0);

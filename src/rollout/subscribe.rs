@@ -36,7 +36,8 @@ use crate::{
     folded::Folded,
     rules::envoy::Compile,
     rules::{
-        self, Feed, Hot, Origin, PathForm, RuleErrors, RuleStore, Served, Snapshot, encoding::SnapshotRecord,
+        self, Feed, Hot, Origin, PathForm, RuleErrors, RuleStore, Served, Snapshot, Versioned,
+        encoding::{Compiled, DecodeError, SnapshotRecord},
         envoy::EnvoyConfig,
     },
 };
@@ -55,13 +56,18 @@ impl Fallback {
         self.native.is_some() || self.envoy.is_some()
     }
 
-    fn load(&self, how: Compile, paths: PathForm) -> Result<(Snapshot, EnvoyConfig), RuleErrors> {
+    fn load(
+        &self,
+        how: Compile,
+        paths: PathForm,
+        allow_empty: bool,
+    ) -> Result<(Snapshot, EnvoyConfig), RuleErrors> {
         let native = match &self.native {
-            Some(path) => rules::load(path, paths)?,
+            Some(path) => rules::non_empty(rules::load(path, paths)?, path, allow_empty)?,
             None => rules::empty(),
         };
         let envoy = match &self.envoy {
-            Some(path) => rules::envoy::load(path, how)?,
+            Some(path) => rules::non_empty(rules::envoy::load(path, how)?, path, allow_empty)?,
             None => EnvoyConfig::default(),
         };
         Ok((native, envoy))
@@ -77,6 +83,8 @@ pub struct Subscription {
     pub compile: Compile,
     /// How native rules' paths are compared (`rules.path_matching`).
     pub paths: PathForm,
+    /// Accept a record, or fallback files, with no rules (`rules.allow_empty`).
+    pub allow_empty: bool,
     /// The native rules the engine reads.
     pub native: Arc<RuleStore>,
     /// The Envoy configuration the engine reads.
@@ -160,6 +168,22 @@ impl Subscription {
         }
     }
 
+    /// `compiled`, unless `record` would lift every limit of a kind it
+    /// carries (a part with no rules, or no rules at all) and empty sets
+    /// are not accepted (`rules.allow_empty`).
+    fn non_empty(&self, record: &SnapshotRecord, compiled: Compiled) -> Result<Compiled, DecodeError> {
+        let native = (record.native.is_some() || record.envoy.is_none()) && compiled.native.size() == 0;
+        let envoy = (record.envoy.is_some() || record.native.is_none()) && compiled.envoy.size() == 0;
+        if self.allow_empty || !(native || envoy) {
+            return Ok(compiled);
+        }
+        let part = if native { "the record's native rules" } else { "the record's Envoy rules" };
+        Err(DecodeError::Rules {
+            version: compiled.version,
+            errors: rules::empty_set(std::path::Path::new(part)),
+        })
+    }
+
     /// Swaps in the newest record of `backlog` that decodes and compiles.
     fn apply_newest(&self, backlog: &mut Vec<(i64, Vec<u8>)>) {
         while let Some((offset, payload)) = backlog.pop() {
@@ -172,8 +196,10 @@ impl Subscription {
 
     /// Decodes, compiles and swaps in one record; false when it was refused.
     fn apply(&self, offset: i64, payload: &[u8]) -> bool {
-        let compiled =
-            SnapshotRecord::parse(payload).and_then(|record| record.compile(self.compile, self.paths));
+        let compiled = SnapshotRecord::parse(payload).and_then(|record| {
+            let compiled = record.compile(self.compile, self.paths)?;
+            self.non_empty(&record, compiled)
+        });
         let compiled = match compiled {
             Ok(compiled) => compiled,
             Err(e) => {
@@ -208,7 +234,7 @@ impl Subscription {
             tracing::warn!(why, "no fallback configured (rules.path, rules.envoy_path): waiting for rules");
             return;
         }
-        match self.fallback.load(self.compile, self.paths) {
+        match self.fallback.load(self.compile, self.paths, self.allow_empty) {
             Ok((native, envoy)) => {
                 let version = format!("fallback:{}", native.version());
                 tracing::warn!(why, %version, native = ?self.fallback.native, envoy = ?self.fallback.envoy, "serving the fallback rule files until a snapshot arrives");

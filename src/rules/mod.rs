@@ -71,6 +71,28 @@ pub struct RuleError {
     pub message: String,
 }
 
+/// `set`, unless it holds no rules (no native rule, no Envoy domain) and
+/// `allow_empty` is off (`rules.allow_empty`): an emptied file, an empty
+/// xDS response or an empty published set would lift every limit at once,
+/// so it is refused like a set that does not compile and the last good one
+/// keeps serving. `source` names it in the error.
+pub fn non_empty<T: Versioned>(set: T, source: &Path, allow_empty: bool) -> Result<T, RuleErrors> {
+    if set.size() > 0 || allow_empty { Ok(set) } else { Err(empty_set(source)) }
+}
+
+/// The error of a set from `source` refused for holding no rules.
+pub fn empty_set(source: &Path) -> RuleErrors {
+    RuleErrors(vec![RuleError {
+        file: source.to_path_buf(),
+        line: None,
+        rule: None,
+        field: None,
+        message: "no rules: an empty set would lift every limit; refused (set rules.allow_empty: true if no \
+                  limits is meant)"
+            .to_owned(),
+    }])
+}
+
 impl RuleError {
     pub(crate) fn io(path: &Path, error: &io::Error) -> Self {
         RuleError {

@@ -63,7 +63,8 @@ fn default_burst() -> f64 {
 
 /// A rule file. `rules` is required: an empty file is far more often a
 /// half-written one (an in-place save caught mid-way) than an intent to
-/// remove every rule, which is said explicitly with `rules: []`.
+/// remove every rule, which is said explicitly with `rules: []` (and
+/// `rules.allow_empty`).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawFile {
@@ -123,7 +124,7 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<Vec<SourcedRule>, RuleErr
             line: None,
             rule: None,
             field: Some("rules".to_owned()),
-            message: "the file is empty (a partial write?); write `rules: []` to declare no rules".to_owned(),
+            message: "the file is empty (a partial write?); write `rules: []` (and set rules.allow_empty) to declare no rules".to_owned(),
         });
     }
     let deserializer = serde_yaml::Deserializer::from_str(text);

@@ -132,7 +132,10 @@ pub(crate) fn xds_rules(config: &Config, tasks: &mut Tasks) -> Result<Rules, Ser
     let stop = tasks.stopper();
     tasks.spawn(crate::api::xds::run(
         config.rules.xds.clone(),
-        crate::rules::envoy::Compile::of(&config.envoy),
+        crate::api::xds::Accept {
+            how: crate::rules::envoy::Compile::of(&config.envoy),
+            allow_empty: config.rules.allow_empty,
+        },
         Arc::clone(&envoy),
         Arc::clone(&state),
         stop,
@@ -159,6 +162,7 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
         kafka: kafka.clone(),
         compile: crate::rules::envoy::Compile::of(&config.envoy),
         paths: crate::rules::PathForm::of(&config.rules.path_matching),
+        allow_empty: config.rules.allow_empty,
         native: Arc::clone(&native),
         envoy: Arc::clone(&envoy),
         feed: Arc::clone(&feed),
@@ -187,21 +191,29 @@ pub(crate) fn rules(
     tasks: &mut Tasks,
 ) -> Result<Rules, ServerError> {
     let form = crate::rules::PathForm::of(&config.path_matching);
+    let allow_empty = config.allow_empty;
+    // One function loads at start and on every change: an emptied file is
+    // refused either way (`rules.allow_empty`).
+    let load_native = move |path: &std::path::Path| {
+        rules::load(path, form).and_then(|set| rules::non_empty(set, path, allow_empty))
+    };
     let (native, native_source) = match (&config.path, &config.envoy_path) {
-        (Some(path), _) => (rules::load(path, form)?, path.display().to_string()),
+        (Some(path), _) => (load_native(path)?, path.display().to_string()),
         (None, None) => (rules::embedded(form)?, rules::EMBEDDED_SOURCE.to_owned()),
         (None, Some(_)) => (rules::empty(), "none (rules.path unset, Envoy rules only)".to_owned()),
     };
     let native = Arc::new(RuleStore::new(native));
     let interval = Duration::from_millis(config.reload_interval_ms);
     if let Some(path) = &config.path {
-        watch(tasks, &native, path, interval, move |path| rules::load(path, form));
+        watch(tasks, &native, path, interval, load_native);
     }
     let envoy = match &config.envoy_path {
         None => None,
         Some(path) => {
             let how = crate::rules::envoy::Compile::of(envoy);
-            let load = move |path: &std::path::Path| rules::envoy::load(path, how);
+            let load = move |path: &std::path::Path| {
+                rules::envoy::load(path, how).and_then(|set| rules::non_empty(set, path, allow_empty))
+            };
             let loaded = load(path)?;
             tracing::info!(
                 path = %path.display(),

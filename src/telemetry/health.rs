@@ -109,11 +109,17 @@ impl Health {
 
     /// Ready, and why (or why not), then the rules version served.
     pub fn readiness(&self) -> (bool, String) {
+        let native = self.rules.load();
         let served = match &self.feed {
-            None => format!("rules {}", self.rules.load().version()),
+            None => format!("rules {} ({} native rules)", native.version(), native.rules().len()),
             Some(feed) => match feed.served() {
                 None => return (false, "not ready: waiting for rules from the rules topic".to_owned()),
-                Some(served) => format!("rules {} (from {})", served.version, served.origin.as_str()),
+                Some(served) => format!(
+                    "rules {} (from {}, {} native rules)",
+                    served.version,
+                    served.origin.as_str(),
+                    native.rules().len()
+                ),
             },
         };
         let served = match &self.xds {

@@ -720,6 +720,15 @@ pub fn config(rules: &Path, redis_url: Option<String>) -> Config {
     config
 }
 
+/// [`config`] with `rules.path` unset: no native rules where Envoy rules
+/// are configured (a service answering `ShouldRateLimit` only), else the
+/// embedded example rules.
+pub fn default_rules_config(redis_url: Option<String>) -> Config {
+    let mut config = config(Path::new(""), redis_url);
+    config.rules.path = None;
+    config
+}
+
 /// The real server, on a loopback port, stopped by [`TestServer::stop`].
 #[derive(Debug)]
 pub struct TestServer {
