@@ -174,6 +174,27 @@ async fn published_snapshots_converge_survive_bad_records_and_outages_and_roll_b
         assert!(serves(server, &v2).await, "{}", readyz(server).await.1);
     }
 
+    // An empty set: `rules publish` refuses it; published anyway (a
+    // publisher allowing empty sets), every instance refuses it.
+    let empty = dir.path().join("empty.yaml");
+    std::fs::write(&empty, "rules: []\n").unwrap();
+    let refused = run(&broker, &["rules", "publish", empty.to_str().unwrap()]);
+    assert!(!refused.status.success() && text(&refused).contains("no rules"), "{}", text(&refused));
+    let forced = Command::new(BIN)
+        .args(["rules", "publish", empty.to_str().unwrap()])
+        .envs(env(&broker))
+        .env("RATELIMITD__RULES__ALLOW_EMPTY", "true")
+        .output()
+        .unwrap();
+    assert!(forced.status.success(), "{}", text(&forced));
+    for server in &servers {
+        let refused = || async {
+            metric(server, "ratelimitd_rules_records_total{result=\"refused\"}").await == Some(3.0)
+        };
+        assert!(eventually(Duration::from_secs(10), refused).await, "the empty record refused");
+        assert!(serves(server, &v2).await, "{}", readyz(server).await.1);
+    }
+
     // The broker goes away: rules stay; it comes back: the next publish lands.
     broker.stop();
     tokio::time::sleep(Duration::from_millis(1_500)).await;
