@@ -674,6 +674,20 @@ async fn a_user_id_that_is_not_utf8_is_limited_like_any_other() {
     let result = &response.results[0];
     assert_eq!(result.id, 9);
     assert!(!result.response.as_ref().expect("decided").allowed, "the same counter: still denied");
+
+    // Not protobuf at all (a varint where a string belongs): the caller's
+    // bug, INVALID_ARGUMENT (never INTERNAL, a server fault).
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Malformed {
+        #[prost(uint64, tag = "1")]
+        user_id: u64,
+    }
+    grpc.ready().await.unwrap();
+    let codec: tonic_prost::ProstCodec<Malformed, ratelimitd::api::pb::RateLimitResponse> =
+        Default::default();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/ratelimit.v1.RateLimiter/Check");
+    let status = grpc.unary(tonic::Request::new(Malformed { user_id: 7 }), path, codec).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     server.stop().await.unwrap();
 }
 

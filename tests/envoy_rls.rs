@@ -381,20 +381,18 @@ async fn sliding_window_by_default_fixed_window_on_request(backend: Backend) {
     }
 }
 
-/// Empty domain, no descriptors, empty keys and unknown override units are
-/// INVALID_ARGUMENT with the field named.
+/// Empty domain, no descriptors and empty keys are INVALID_ARGUMENT with
+/// the field named; a request limit of an unknown unit is ignored, never
+/// an error a proxy may answer with "allow".
 async fn invalid_requests_are_invalid_argument(backend: Backend) {
     let mut s = start(backend, |_| {}).await;
     let mut no_domain = request(vec![descriptor(&[("user", "x")])]);
     no_domain.domain.clear();
-    let mut bad_unit = descriptor(&[("user", "x")]);
-    bad_unit.limit = Some(RateLimitOverride { requests_per_unit: 1, unit: 0 });
     let cases = [
         (no_domain, "domain: must not be empty"),
         (request(vec![]), "descriptors: must not be empty"),
         (request(vec![descriptor(&[])]), "descriptors[0].entries: must not be empty"),
         (request(vec![descriptor(&[("", "v")])]), "descriptors[0].entries[0].key: must not be empty"),
-        (request(vec![bad_unit]), "descriptors[0].limit.unit: unknown unit 0"),
         (
             request((0..65).map(|_| descriptor(&[("k", "v")])).collect()),
             "descriptors: 65 exceed the maximum of 64",
@@ -404,6 +402,13 @@ async fn invalid_requests_are_invalid_argument(backend: Backend) {
         let status = s.client.should_rate_limit(bad).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument);
         assert!(status.message().starts_with(expected), "{:?} vs {expected:?}", status.message());
+    }
+    for unit in [0, 99] {
+        let mut bad_unit = descriptor(&[("user", "unit")]);
+        bad_unit.limit = Some(RateLimitOverride { requests_per_unit: 1_000, unit });
+        let r = ask(&mut s.client, request(vec![bad_unit])).await;
+        let limit = r.statuses[0].current_limit.as_ref().expect("the configured limit");
+        assert_eq!((code(r.overall_code), limit.requests_per_unit), (Code::Ok, 3), "unit {unit}: configured");
     }
     // An entry's size is not structure: a 1,100-byte value is counted, by
     // its digest, exactly like a short one (the user limit is 3 a day).

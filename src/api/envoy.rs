@@ -46,10 +46,13 @@ impl EnvoyService {
     }
 
     /// Refuses only broken structure (empty domain, no descriptors, an
-    /// empty entry list or key, an unknown override unit) and the counts
-    /// Envoy's own configuration bounds (domain length, descriptors,
-    /// entries). An entry's size never refuses: the engine counts a long
-    /// one by its digest. Returns the refusal's fixed reason and message.
+    /// empty entry list or key) and the counts Envoy's own configuration
+    /// bounds (domain length, descriptors, entries). An entry's size never
+    /// refuses: the engine counts a long one by its digest. A request limit
+    /// with a unit this service does not know is ignored, as if none were
+    /// sent (the configured limit applies; counted as `override_ignored`):
+    /// a refusal is an error a proxy may answer with "allow". Returns the
+    /// refusal's fixed reason and message.
     fn validate(&self, request: &RateLimitRequest) -> Result<(), (&'static str, String)> {
         let settings = &self.settings;
         if request.domain.is_empty() {
@@ -95,16 +98,8 @@ impl EnvoyService {
             if let Some(j) = d.entries.iter().position(|e| e.key.is_empty()) {
                 return Err(("empty_key", format!("descriptors[{i}].entries[{j}].key: must not be empty")));
             }
-            if let Some(limit) = &d.limit
-                && override_unit(limit.unit).is_none()
-            {
-                return Err((
-                    "unknown_unit",
-                    format!(
-                        "descriptors[{i}].limit.unit: unknown unit {}; expected 1 (SECOND) to 6 (YEAR)",
-                        limit.unit
-                    ),
-                ));
+            if d.limit.as_ref().is_some_and(|limit| override_unit(limit.unit).is_none()) {
+                self.engine.adjusted(Api::Envoy, "override_ignored");
             }
         }
         Ok(())

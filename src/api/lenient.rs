@@ -277,7 +277,10 @@ impl<U: Lenient> Decoder for LenientDecoder<U> {
         let decoded = match U::decode(bytes) {
             Ok(message) => Ok(Some(message)),
             Err(error) => {
-                U::decode_lenient(bytes).map(Some).ok_or_else(|| Status::internal(error.to_string()))
+                // Not the message at all: the caller's bug, never a server fault.
+                U::decode_lenient(bytes)
+                    .map(Some)
+                    .ok_or_else(|| Status::invalid_argument(format!("malformed request: {error}")))
             }
         };
         if buf.remaining() >= length {

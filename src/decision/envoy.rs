@@ -126,8 +126,8 @@ pub struct RlsRequest<'a, D> {
 pub trait Descriptor {
     /// `(key, value)` entries, in order.
     fn entries(&self) -> impl Iterator<Item = (&str, &str)> + Clone;
-    /// A limit the request supplies for this descriptor (a valid one: the
-    /// API refuses unknown units before the engine).
+    /// A limit the request supplies for this descriptor (a valid one: one
+    /// with a unit this service does not know reads as none).
     fn limit(&self) -> Option<LimitOverride>;
     /// This descriptor's own hits, overriding the request's.
     fn hits_addend(&self) -> Option<u64>;
