@@ -10,10 +10,14 @@
 //! or a request's own limit a key holding request values. The key is
 //! sanitized as upstream does (`:` and `|` become `_`, and so do the dots of
 //! anything shaped like an IPv4 address) and split on dots into the labels.
-//! Keys are bounded: at most `max_keys` distinct keys are ever counted;
-//! hits of a key past that are counted in
-//! `ratelimitd_upstream_metric_keys_refused_total` instead, so no request
-//! can grow the series without bound.
+//! Keys are bounded in number and in size: at most `max_keys` distinct keys
+//! are ever counted (hits of a key past that are counted in
+//! `ratelimitd_upstream_metric_keys_refused_total` instead), and a key over
+//! [`MAX_STAT_KEY_BYTES`] (request values of any length, with
+//! `detailed_metric`) is counted as its first bytes and the digest of the
+//! whole, so distinct values stay distinct series of bounded size. No
+//! request can grow the series, or a scrape, without bound: at most
+//! `max_keys` series of at most 512-byte keys.
 
 use std::{
     borrow::Cow,
@@ -26,7 +30,25 @@ use std::{
 };
 
 use super::metrics::header;
-use crate::decision::LimitHits;
+use crate::decision::{LimitHits, keys::digest_bytes};
+
+/// The longest stat key counted as it is (the bound of a counter key).
+pub const MAX_STAT_KEY_BYTES: usize = crate::decision::keys::MAX_COUNTER_KEY_BYTES;
+
+/// `key` itself when at most [`MAX_STAT_KEY_BYTES`] long; otherwise its
+/// first bytes (whole characters), `_` and the digest of the whole key,
+/// [`MAX_STAT_KEY_BYTES`] at most.
+fn bounded_key(key: &str) -> Cow<'_, str> {
+    if key.len() <= MAX_STAT_KEY_BYTES {
+        return Cow::Borrowed(key);
+    }
+    let digest = digest_bytes(key.as_bytes());
+    let mut cut = MAX_STAT_KEY_BYTES - digest.len() - 1;
+    while !key.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    Cow::Owned(format!("{}_{digest}", &key[..cut]))
+}
 
 /// The per-limit families, in [`Series::counts`] order.
 const FAMILIES: [(&str, &str); 5] = [
@@ -81,8 +103,10 @@ impl UpstreamMetrics {
         }
     }
 
-    /// Adds one descriptor's `hits` under stat key `key`.
+    /// Adds one descriptor's `hits` under stat key `key` (bounded in size:
+    /// [`MAX_STAT_KEY_BYTES`]).
     pub fn add(&self, key: &str, hits: LimitHits) {
+        let key = &*bounded_key(key);
         let add = |series: &Series| {
             let values = [hits.total, hits.over, hits.near, hits.within, hits.shadow];
             for (counter, value) in series.counts.iter().zip(values) {
@@ -305,5 +329,33 @@ mod tests {
             assert!(out.lines().any(|l| l == line), "missing {line} in\n{out}");
         }
         assert!(!out.contains("10_0_0_2"), "a key past the bound is not counted:\n{out}");
+    }
+
+    /// 200 detailed-metric keys carrying 64 KiB values each (any size
+    /// alike; 900 KiB values held 900 MB in a scrape): every series key is
+    /// at most 512 bytes, distinct values stay distinct series, and the
+    /// scrape stays small.
+    #[test]
+    fn long_request_values_are_bounded_series() {
+        let m = UpstreamMetrics::new(10_000);
+        let value = "v".repeat(64 * 1024);
+        for i in 0..200 {
+            m.add(&format!("edge.user_{i}{value}"), hits(1, 0, 0, 1, 0));
+            m.add(&format!("edge.user_{i}{value}"), hits(1, 0, 0, 1, 0));
+        }
+        let keys = m.keys.read().unwrap();
+        assert_eq!((keys.raw.len(), keys.sanitized.len()), (200, 200));
+        assert!(keys.raw.keys().chain(keys.sanitized.keys()).all(|k| k.len() <= MAX_STAT_KEY_BYTES));
+        drop(keys);
+        let mut out = String::new();
+        m.render(&mut out, None);
+        assert!(out.len() < 200 * 5 * 700 + 10_000, "{} bytes", out.len());
+        assert!(
+            out.lines()
+                .filter(|l| l.starts_with("ratelimit_service_rate_limit_total_hits{"))
+                .all(|l| l.ends_with(" 2"))
+        );
+        let multibyte = format!("edge.user_{}", "é".repeat(400));
+        assert!(bounded_key(&multibyte).len() <= MAX_STAT_KEY_BYTES);
     }
 }
