@@ -90,6 +90,7 @@ fn serve(config_file: Option<&std::path::Path>) -> ExitCode {
     let result = runtime().and_then(|rt| {
         // Inside the runtime: the OTLP batch exporter runs on it.
         let tracing = rt.block_on(async { telemetry::traces::init(&config.log, &config.telemetry) })?;
+        raise_descriptor_limit();
         let served = rt.block_on(async {
             let addr = config.grpc_addr();
             let listener = tokio::net::TcpListener::bind(addr)
@@ -107,6 +108,18 @@ fn serve(config_file: Option<&std::path::Path>) -> ExitCode {
         served
     });
     result.map_or_else(report, |()| ExitCode::SUCCESS)
+}
+
+/// Raises the soft limit on open descriptors to the hard one: a service
+/// holding thousands of connections must not run out at a distribution's
+/// default soft limit (often 1,024) while the system allows more. Logged
+/// either way; the connection bounds (`grpc.max_connections`,
+/// `http.max_connections`) still apply.
+fn raise_descriptor_limit() {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => tracing::info!(limit, "open descriptor limit"),
+        Err(error) => tracing::warn!(%error, "open descriptor limit not raised"),
+    }
 }
 
 /// The multi-threaded runtime, without its LIFO slot where the build

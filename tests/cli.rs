@@ -51,9 +51,14 @@ impl Serve {
     }
 
     fn start_with(rules: &Path, redis_url: Option<&str>, env: &[(&str, &str)]) -> Self {
+        Self::spawn(Command::new(BIN), rules, redis_url, env)
+    }
+
+    /// `ratelimitd serve` run by `command` (the binary, or a shell that
+    /// execs it).
+    fn spawn(mut command: Command, rules: &Path, redis_url: Option<&str>, env: &[(&str, &str)]) -> Self {
         let (port, http) = (free_port(), free_port());
         let dir = tempfile::tempdir().unwrap();
-        let mut command = Command::new(BIN);
         command
             .arg("serve")
             .env("RATELIMITD__DLQ__FILE", dir.path().join("dlq.jsonl"))
@@ -197,6 +202,45 @@ async fn a_stalled_stderr_never_stalls_decisions() {
         .parse()
         .unwrap();
     assert!(dropped > 0, "the pipe was full, yet no line was dropped");
+}
+
+/// 300 idle connections to the HTTP port of a service allowed 256
+/// descriptors: only `http.max_connections` (64) are accepted, the rest
+/// wait in the backlog holding no descriptor, so gRPC still accepts and
+/// `Check` answers within its deadline (each used to take a descriptor,
+/// until accepts failed with EMFILE and the accept loop spun).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_http_connections_cannot_starve_grpc_of_descriptors() {
+    use ratelimitd::api::pb::rate_limiter_client::RateLimiterClient;
+    let rules =
+        common::Rules::new("rules:\n  - { rule_id: r, resource_path: /r, limit: 5, window_seconds: 60 }\n");
+    let mut limited = Command::new("sh");
+    limited.args(["-c", "ulimit -n 256 && exec \"$0\" \"$@\"", BIN]);
+    let serve = Serve::spawn(limited, &rules.path(), None, &[]);
+    // All at once; past the backlog the kernel drops SYNs (the client
+    // would retry for seconds), so each connect gets one second.
+    let connects = (0..300).map(|_| {
+        tokio::time::timeout(
+            Duration::from_secs(1),
+            tokio::net::TcpStream::connect(("127.0.0.1", serve.http)),
+        )
+    });
+    let idle: Vec<_> =
+        futures_util::future::join_all(connects).await.into_iter().filter_map(|c| c.ok()?.ok()).collect();
+    assert!(idle.len() >= 150, "only {} connected", idle.len());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..5 {
+        let answered = tokio::time::timeout(Duration::from_secs(2), async {
+            let mut client = RateLimiterClient::connect(serve.addr.clone()).await.expect("gRPC accepts");
+            client.check(common::request(&format!("u{i}"), "/r")).await.expect("decided").into_inner()
+        })
+        .await
+        .expect("answered within 2 s");
+        assert!(answered.allowed);
+    }
+    drop(idle);
+    let (status, log) = serve.terminate();
+    assert!(status.success(), "{log}");
 }
 
 /// `GET /metrics` over plain HTTP/1.1.

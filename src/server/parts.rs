@@ -658,7 +658,12 @@ pub(crate) async fn health(
     if let Some(http) = http {
         tracing::info!(addr = ?http.local_addr().ok(), "serving /metrics, /healthz, /readyz");
         let stop = tasks.stopper();
-        tasks.spawn(serve_http(http, Arc::clone(&health), Arc::clone(metrics), stop));
+        let limits = crate::telemetry::conns::Limits {
+            max_connections: config.http.max_connections,
+            idle_timeout: Duration::from_millis(config.http.idle_timeout_ms),
+            max_age: Duration::from_millis(config.http.max_connection_age_ms),
+        };
+        tasks.spawn(serve_http(http, limits, Arc::clone(&health), Arc::clone(metrics), stop));
     }
     (health, reporter, service)
 }

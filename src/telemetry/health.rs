@@ -245,9 +245,11 @@ struct HttpState {
     metrics: Arc<Metrics>,
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until `shutdown`.
+/// Serves `/metrics`, `/healthz` and `/readyz` on `listener`, its
+/// connections bounded by `limits`, until `shutdown`.
 pub async fn serve_http(
     listener: TcpListener,
+    limits: super::conns::Limits,
     health: Arc<Health>,
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
@@ -260,6 +262,7 @@ pub async fn serve_http(
     let stopped = async move {
         let _ = shutdown.changed().await;
     };
+    let listener = super::conns::Capped::new(listener, limits);
     if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(stopped).await {
         tracing::error!(error = %e, "http server failed");
     }

@@ -4,6 +4,7 @@
 //! drives gRPC health ([`health`]), and logs and OpenTelemetry traces
 //! ([`traces`]).
 
+pub mod conns;
 pub mod health;
 pub mod metrics;
 pub mod statsd;

@@ -1,0 +1,222 @@
+//! The HTTP port's connections, bounded (`http.max_connections`,
+//! `http.idle_timeout_ms`, `http.max_connection_age_ms`): each accepted
+//! connection holds one of a fixed number of places until it closes, and
+//! while none is free the listener is not polled, so further connections
+//! wait in the kernel's backlog without taking a descriptor. A connection
+//! that sends nothing for the idle timeout, or that reaches its age (a
+//! request trickled in byte by byte, a client that never reads the
+//! answer), is closed. So idle or slow clients of `/metrics` can hold
+//! neither the descriptors nor the memory gRPC needs. Accept errors (no
+//! descriptor left) are retried after a pause by axum's own listener.
+
+use std::{
+    future::Future,
+    io,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use axum::serve::Listener;
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    sync::{OwnedSemaphorePermit, Semaphore},
+    time::{Instant, Sleep},
+};
+
+/// How the connections of a listener are bounded.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Connections open at once.
+    pub max_connections: usize,
+    /// Closed after this long without a byte received.
+    pub idle_timeout: Duration,
+    /// Closed this long after being accepted.
+    pub max_age: Duration,
+}
+
+/// A listener whose connections are [`Bounded`].
+#[derive(Debug)]
+pub struct Capped<L> {
+    inner: L,
+    places: Arc<Semaphore>,
+    limits: Limits,
+}
+
+impl<L> Capped<L> {
+    /// `inner`'s connections, bounded by `limits`.
+    pub fn new(inner: L, limits: Limits) -> Self {
+        Capped { inner, places: Arc::new(Semaphore::new(limits.max_connections)), limits }
+    }
+}
+
+impl<L: Listener> Listener for Capped<L> {
+    type Io = Bounded<L::Io>;
+    type Addr = L::Addr;
+
+    fn accept(&mut self) -> impl Future<Output = (Self::Io, Self::Addr)> + Send {
+        let places = Arc::clone(&self.places);
+        let limits = self.limits;
+        let inner = &mut self.inner;
+        async move {
+            // Never closed: the semaphore lives as long as the listener.
+            let place = places.acquire_owned().await.expect("the places are never closed");
+            let (io, addr) = inner.accept().await;
+            (Bounded::new(io, place, limits), addr)
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}
+
+/// A connection holding a place, closed (an I/O error to hyper) when idle
+/// or old.
+#[derive(Debug)]
+pub struct Bounded<T> {
+    io: T,
+    _place: OwnedSemaphorePermit,
+    idle_timeout: Duration,
+    idle: Pin<Box<Sleep>>,
+    age: Pin<Box<Sleep>>,
+}
+
+impl<T> Bounded<T> {
+    fn new(io: T, place: OwnedSemaphorePermit, limits: Limits) -> Self {
+        let now = Instant::now();
+        Bounded {
+            io,
+            _place: place,
+            idle_timeout: limits.idle_timeout,
+            idle: Box::pin(tokio::time::sleep_until(now + limits.idle_timeout)),
+            age: Box::pin(tokio::time::sleep_until(now + limits.max_age)),
+        }
+    }
+
+    /// The error that closes a connection past its age.
+    fn aged(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
+        self.age
+            .as_mut()
+            .poll(cx)
+            .is_ready()
+            .then(|| io::Error::new(io::ErrorKind::TimedOut, "http.max_connection_age_ms reached"))
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Bounded<T> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(error) = this.aged(cx) {
+            return Poll::Ready(Err(error));
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.io).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before {
+                    let next = Instant::now() + this.idle_timeout;
+                    this.idle.as_mut().reset(next);
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending if this.idle.as_mut().poll(cx).is_ready() => {
+                Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "http.idle_timeout_ms reached")))
+            }
+            other => other,
+        }
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Bounded<T> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.io).poll_write(cx, buf) {
+            // A client that does not read: the write waits, until the age.
+            Poll::Pending => this.aged(cx).map_or(Poll::Pending, |error| Poll::Ready(Err(error))),
+            other => other,
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::{
+        io::{AsyncReadExt as _, AsyncWriteExt as _},
+        net::{TcpListener, TcpStream},
+    };
+
+    use super::*;
+
+    async fn capped(limits: Limits) -> (Capped<TcpListener>, std::net::SocketAddr) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        (Capped::new(listener, limits), addr)
+    }
+
+    const LIMITS: Limits = Limits {
+        max_connections: 2,
+        idle_timeout: Duration::from_millis(300),
+        max_age: Duration::from_secs(3_600),
+    };
+
+    /// Two places: a third connection is not accepted until one closes.
+    #[tokio::test]
+    async fn connections_past_the_bound_wait_for_a_place() {
+        let (mut listener, addr) = capped(LIMITS).await;
+        let _clients = [TcpStream::connect(addr).await.unwrap(), TcpStream::connect(addr).await.unwrap()];
+        let (first, _) = listener.accept().await;
+        let (_second, _) = listener.accept().await;
+        let _third = TcpStream::connect(addr).await.unwrap();
+        let waiting = tokio::time::timeout(Duration::from_millis(200), listener.accept()).await;
+        assert!(waiting.is_err(), "a third connection was accepted");
+        drop(first);
+        tokio::time::timeout(Duration::from_secs(5), listener.accept())
+            .await
+            .expect("accepted once a place freed");
+    }
+
+    /// An idle connection is closed after the idle timeout; bytes keep it
+    /// open; a connection past its age is closed whatever it sends.
+    #[tokio::test]
+    async fn idle_and_old_connections_are_closed() {
+        let (mut listener, addr) = capped(LIMITS).await;
+        let _client = TcpStream::connect(addr).await.unwrap();
+        let (mut server, _) = listener.accept().await;
+        let started = Instant::now();
+        let error = server.read(&mut [0; 8]).await.expect_err("closed when idle");
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+        assert!(started.elapsed() >= Duration::from_millis(250));
+
+        let old = Limits { max_age: Duration::from_millis(400), ..LIMITS };
+        let (mut listener, addr) = capped(old).await;
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        let (mut server, _) = listener.accept().await;
+        let trickle = tokio::spawn(async move {
+            for _ in 0..20 {
+                if client.write_all(b"G").await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        let mut read = 0;
+        let error = loop {
+            match server.read(&mut [0; 8]).await {
+                Ok(n) => read += n,
+                Err(error) => break error,
+            }
+        };
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+        assert!((2..=6).contains(&read), "a trickle keeps it from idling, not from ageing: {read}");
+        trickle.abort();
+    }
+}
