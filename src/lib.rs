@@ -28,6 +28,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod budget;
 pub mod capture;
 pub mod cli;
 pub mod clock;

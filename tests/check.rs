@@ -742,3 +742,105 @@ async fn path_variants_are_counted_as_the_path() {
         server.stop().await.unwrap();
     }
 }
+
+/// HPACK of a gRPC request's headers on `path` (literal fields, no
+/// Huffman, nothing indexed but the static `:method POST`, `:scheme http`).
+fn grpc_headers(path: &str) -> Vec<u8> {
+    let mut block = vec![0x83, 0x86];
+    for (name, value) in
+        [(":path", path), (":authority", "t"), ("content-type", "application/grpc"), ("te", "trailers")]
+    {
+        block.push(0x00);
+        block.push(name.len() as u8);
+        block.extend_from_slice(name.as_bytes());
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    block
+}
+
+/// One HTTP/2 frame.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut frame = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// Streams that announce a 1 MiB message and send only its first 16 KiB,
+/// 3 connections × 60 of them: the service holds at most
+/// `grpc.max_request_bytes_in_flight` (1 MiB here) of them, fails the rest
+/// with RESOURCE_EXHAUSTED, and frees what it held when the calls pass
+/// `grpc.request_timeout_ms`, the connections still open; then `Check`
+/// answers again. (Each stream used to hold its bytes as long as the
+/// connection lived: 3 connections × 1,000 streams held 3.5 GB.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_requests_hold_at_most_the_byte_budget() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let rules = Rules::new(RULES);
+    let server = grpc_server(&rules, |grpc| {
+        grpc.max_request_bytes_in_flight = 1 << 20;
+        grpc.request_timeout_ms = 1_000;
+    })
+    .await;
+    let metric = |name: &'static str| {
+        let addr = server.http_addr;
+        async move {
+            let (_, body) =
+                tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
+            let line = body.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name}"));
+            line[name.len()..].trim().parse::<u64>().unwrap()
+        }
+    };
+    let mut prefix = vec![0u8];
+    prefix.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    let mut chunk = prefix;
+    chunk.resize(16 * 1024, 7);
+    let mut connections = Vec::new();
+    for _ in 0..3 {
+        let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+        socket.write_all(H2_START).await.unwrap();
+        socket.write_all(&h2_frame(4, 0x1, 0, &[])).await.unwrap(); // SETTINGS ACK
+        // The server's connection window update (to 1 MiB) before any data.
+        loop {
+            let mut head = [0u8; 9];
+            socket.read_exact(&mut head).await.unwrap();
+            let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+            socket.read_exact(&mut vec![0; len]).await.unwrap();
+            if head[3] == 8 {
+                break;
+            }
+        }
+        for i in 0..60u32 {
+            let stream = 2 * i + 1;
+            let headers = grpc_headers("/ratelimit.v1.RateLimiter/Check");
+            socket.write_all(&h2_frame(1, 0x4, stream, &headers)).await.unwrap(); // END_HEADERS
+            socket.write_all(&h2_frame(0, 0, stream, &chunk)).await.unwrap();
+        }
+        // Drain what the server says, so its writes never block.
+        connections.push(tokio::spawn(async move {
+            let mut sink = vec![0; 64 * 1024];
+            while matches!(socket.read(&mut sink).await, Ok(n) if n > 0) {}
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let held = metric("ratelimitd_grpc_request_bytes_in_flight ").await;
+    assert!(held <= 1 << 20, "held {held} bytes");
+    assert!(held > 0, "the attack was not seen");
+    assert!(
+        metric("ratelimitd_grpc_requests_over_budget_total ").await >= 100,
+        "180 streams × 16 KiB on 1 MiB"
+    );
+    let freed = eventually(Duration::from_secs(10), || async {
+        metric("ratelimitd_grpc_request_bytes_in_flight ").await == 0
+    })
+    .await;
+    assert!(freed, "the timed-out calls kept their bytes");
+    let mut client = server.client().await;
+    assert!(check(&mut client, request("after", "/limited")).await.allowed);
+    for connection in connections {
+        connection.abort();
+    }
+    server.stop().await.unwrap();
+}

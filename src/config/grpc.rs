@@ -28,6 +28,18 @@ pub struct GrpcConfig {
     /// others finish. With `max_message_bytes` it bounds what one connection
     /// can make the service hold.
     pub max_concurrent_streams: u32,
+    /// Most bytes of request messages received but not yet whole, over
+    /// every connection and stream together (a message is buffered until
+    /// its last byte arrives). A request frame past it fails its request
+    /// with RESOURCE_EXHAUSTED (`ratelimitd_grpc_requests_over_budget_total`),
+    /// so clients announcing large messages they never finish cannot make
+    /// the service hold `connections × streams × max_message_bytes`.
+    pub max_request_bytes_in_flight: usize,
+    /// How long a unary call may take, its request read included; past it
+    /// the call is cancelled (CANCELLED) and its buffer freed. A client's
+    /// shorter `grpc-timeout` wins. Streams (`CheckStream`) are not bound
+    /// by it. 0: none.
+    pub request_timeout_ms: u64,
     /// Most gRPC connections open at once (TCP and Unix socket together);
     /// past it new connections wait in the listen backlog until one closes.
     pub max_connections: usize,
@@ -117,6 +129,8 @@ impl Default for GrpcConfig {
             max_message_bytes: 1 << 20,
             max_concurrent_streams: 1_024,
             max_connections: 10_000,
+            max_request_bytes_in_flight: 256 << 20,
+            request_timeout_ms: 10_000,
             max_store_calls_per_connection: 256,
             max_store_calls_per_tenant: 1_024,
             max_connection_age_ms: 0,
@@ -145,6 +159,12 @@ impl GrpcConfig {
         }
         if !(1..=1 << 20).contains(&self.max_concurrent_streams) {
             return Err(invalid("grpc.max_concurrent_streams", "must be between 1 and 1048576"));
+        }
+        if self.max_request_bytes_in_flight < self.max_message_bytes {
+            return Err(invalid(
+                "grpc.max_request_bytes_in_flight",
+                format!("must be at least grpc.max_message_bytes ({})", self.max_message_bytes),
+            ));
         }
         if !(1..=1 << 20).contains(&self.max_connections) {
             return Err(invalid("grpc.max_connections", "must be between 1 and 1048576"));

@@ -23,6 +23,7 @@ use tonic::transport::server::TcpIncoming;
 use self::parts::Tasks;
 use crate::{
     api::{EnvoyService, RateLimiterService},
+    budget::{Budget, BudgetLayer},
     config::Config,
     decision::Engine,
     dlq::DlqSink,
@@ -161,6 +162,7 @@ pub async fn run_observed(
     };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &metrics, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());
+    let budget = Arc::new(Budget::new(config.grpc.max_request_bytes_in_flight));
     metrics.set_sources(Sources {
         shedder: Arc::clone(&shedder),
         dlq: Arc::clone(&dlq),
@@ -180,10 +182,11 @@ pub async fn run_observed(
             Store::Redis(redis) => Some(Arc::downgrade(redis)),
             Store::Memory(_) => None,
         },
+        budget: Some(Arc::clone(&budget)),
     });
     let (health, reporter, health_service) =
         parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await;
-    let router = grpc_router(&config, &engine, rules.envoy.is_some(), health_service)?;
+    let router = grpc_router(&config, &engine, rules.envoy.is_some(), health_service, &budget)?;
     // From here the services hold the engine (and the store) alone.
     drop(engine);
 
@@ -361,6 +364,7 @@ fn grpc_router(
     engine: &Engine,
     serve_envoy: bool,
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+    budget: &Arc<Budget>,
 ) -> Result<Router, ServerError> {
     let check = RateLimiterService::new(engine.clone());
     let envoy = serve_envoy.then(|| EnvoyService::new(engine.clone(), config.envoy.clone()));
@@ -380,6 +384,7 @@ fn grpc_router(
     let rewrite: fn(Response) -> Response = oversized_is_resource_exhausted;
     Ok(transport(&config.grpc)
         .layer(tower::util::MapResponseLayer::new(rewrite))
+        .layer(BudgetLayer(Arc::clone(budget)))
         .add_service(check.into_server().max_decoding_message_size(max_message))
         .add_optional_service(envoy.map(|envoy| envoy.into_server().max_decoding_message_size(max_message)))
         .add_service(health)
@@ -392,10 +397,13 @@ fn grpc_router(
 fn transport(grpc: &crate::config::GrpcConfig) -> tonic::transport::Server {
     let keepalive =
         (grpc.keepalive_interval_ms > 0).then(|| Duration::from_millis(grpc.keepalive_interval_ms));
-    let server = tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder()
         .max_concurrent_streams(grpc.max_concurrent_streams)
         .http2_keepalive_interval(keepalive)
         .http2_keepalive_timeout(Some(Duration::from_millis(grpc.keepalive_timeout_ms)));
+    if grpc.request_timeout_ms > 0 {
+        server = server.timeout(Duration::from_millis(grpc.request_timeout_ms));
+    }
     // Without a grace: tonic would then skip the GOAWAY and cut the
     // connection off at age + grace.
     match grpc.max_connection_age_ms {
@@ -407,8 +415,11 @@ fn transport(grpc: &crate::config::GrpcConfig) -> tonic::transport::Server {
 type Response = tonic::codegen::http::Response<tonic::body::Body>;
 type Router = tonic::transport::server::Router<
     tower::layer::util::Stack<
-        tower::util::MapResponseLayer<fn(Response) -> Response>,
-        tower::layer::util::Identity,
+        BudgetLayer,
+        tower::layer::util::Stack<
+            tower::util::MapResponseLayer<fn(Response) -> Response>,
+            tower::layer::util::Identity,
+        >,
     >,
 >;
 

@@ -165,6 +165,8 @@ pub struct Sources {
     pub overload: Option<Arc<Overload>>,
     /// The denial cache, when on.
     pub denials: Option<Arc<DenialCache>>,
+    /// The gRPC request byte budget (`grpc.max_request_bytes_in_flight`).
+    pub budget: Option<Arc<crate::budget::Budget>>,
 }
 
 impl Metrics {
@@ -332,6 +334,22 @@ fn render_sources(out: &mut String, s: &Sources) {
     let waits = s.redis.as_ref().and_then(Weak::upgrade).map(|redis| redis.share_waits()).unwrap_or_default();
     let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"connection\"}} {}", waits.connection);
     let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"tenant\"}} {}", waits.tenant);
+    if let Some(budget) = &s.budget {
+        header(
+            out,
+            "ratelimitd_grpc_request_bytes_in_flight",
+            "gauge",
+            "Bytes of gRPC request messages received but not yet whole (grpc.max_request_bytes_in_flight).",
+        );
+        let _ = writeln!(out, "ratelimitd_grpc_request_bytes_in_flight {}", budget.held());
+        header(
+            out,
+            "ratelimitd_grpc_requests_over_budget_total",
+            "counter",
+            "Requests failed with RESOURCE_EXHAUSTED: their bytes would pass grpc.max_request_bytes_in_flight.",
+        );
+        let _ = writeln!(out, "ratelimitd_grpc_requests_over_budget_total {}", budget.refused());
+    }
     header(
         out,
         "ratelimitd_shed_total",
