@@ -688,6 +688,40 @@ async fn auth_password_from_a_file_and_never_in_errors() {
     assert!(!text.contains("wrong-pw-value") && !text.contains("s3cret"), "{text}");
 }
 
+/// An ACL user (`redis.username`, as upstream's `REDIS_AUTH=user:password`
+/// sets it): decisions are exact; the same password without the user (the
+/// `default` user, which is off here) fails AUTH and the policy answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acl_user_authenticates_with_its_name() {
+    let redis = RedisServer::start();
+    let mut admin = redis.client().await;
+    for command in [
+        vec!["ACL", "SETUSER", "limiter", "on", ">acl-pw", "~*", "&*", "+@all"],
+        vec!["ACL", "SETUSER", "default", "off"],
+    ] {
+        let () = redis::cmd(command[0]).arg(&command[1..]).query_async(&mut admin).await.unwrap();
+    }
+    let rules = Rules::new(RULES);
+    let mut user = config(&rules.path(), Some(redis.url()));
+    user.redis.username = Some("limiter".to_owned());
+    user.redis.password = Some("acl-pw".to_owned());
+    let server = TestServer::start(user).await;
+    let mut client = server.client().await;
+    for expected in (97..100).rev() {
+        let r = check(&mut client, request("ace", "/hot")).await;
+        assert_eq!((reason(&r), r.remaining_tokens), (Reason::Ok, expected), "{r:?}");
+    }
+    server.stop().await.unwrap();
+
+    let mut no_user = config(&rules.path(), Some(redis.url()));
+    no_user.redis.password = Some("acl-pw".to_owned());
+    let server = TestServer::start(no_user).await;
+    let mut client = server.client().await;
+    let r = check(&mut client, request("ace", "/closed")).await;
+    assert_eq!(reason(&r), Reason::FailClosed, "{r:?}");
+    server.stop().await.unwrap();
+}
+
 /// `rediss://` to a Redis that serves TLS only and requires AUTH, trusting
 /// a private CA through `redis.tls_ca_file`: decisions are exact. Without
 /// that CA the server's certificate is not trusted: decisions are answered

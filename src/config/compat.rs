@@ -303,10 +303,15 @@ fn redis(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
         single_or_cluster(up, out)?;
     }
     if let Some(auth) = up.get("REDIS_AUTH") {
-        // Upstream takes `password` or `user:password`; the user is not
-        // sent (default user).
-        let password = auth.split_once(':').map_or(auth, |(_, p)| p);
-        out.push(("redis.password", password.to_owned()));
+        // Upstream takes `password` or `user:password` (an ACL user): both
+        // are sent, or AUTH fails against an ACL Redis.
+        match auth.split_once(':') {
+            Some((user, password)) => {
+                out.push(("redis.username", user.to_owned()));
+                out.push(("redis.password", password.to_owned()));
+            }
+            None => out.push(("redis.password", auth.to_owned())),
+        }
     }
     if let Some(prefix) = up.get("CACHE_KEY_PREFIX") {
         out.push(("redis.key_prefix", prefix.to_owned()));
@@ -518,6 +523,7 @@ mod tests {
         let get = |k: &str| env.get(k).map(String::as_str);
         assert_eq!(get("RATELIMITD__REDIS__URL"), Some("redis://redis.internal:6379"));
         assert_eq!(get("RATELIMITD__REDIS__PASSWORD"), Some("s3cret"));
+        assert_eq!(get("RATELIMITD__REDIS__USERNAME"), Some("user"), "an ACL user is sent too");
         assert_eq!(get("RATELIMITD__REDIS__TIMEOUT_MS"), Some("150"));
         assert_eq!(get("RATELIMITD__REDIS__KEY_PREFIX"), Some("team-a:"));
         assert_eq!(get("RATELIMITD__RULES__ENVOY_PATH"), Some("/data/ratelimit/config"));

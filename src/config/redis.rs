@@ -28,6 +28,9 @@ pub struct RedisConfig {
     /// The AUTH password, instead of one in `url` (best set through
     /// `RATELIMITD__REDIS__PASSWORD`). Never logged.
     pub password: Option<String>,
+    /// The ACL user the password is for (`AUTH user password`), instead of
+    /// one in `url`; unset: Redis' `default` user.
+    pub username: Option<String>,
     /// A file whose content (trailing newline removed) is the AUTH
     /// password, e.g. a mounted Kubernetes secret. Read at startup.
     pub password_file: Option<PathBuf>,
@@ -77,6 +80,7 @@ impl Default for RedisConfig {
             sentinel_master: None,
             sentinel_password: None,
             password: None,
+            username: None,
             password_file: None,
             tls_ca_file: None,
             tls_cert_file: None,

@@ -351,7 +351,7 @@ impl RedisStore {
             .seed_urls()
             .map(|node| {
                 let info = node.into_connection_info().map_err(|e| setup_error(e.to_string()))?;
-                Ok(with_password(info, password.as_deref()))
+                Ok(with_auth(info, config.username.as_deref(), password.as_deref()))
             })
             .collect::<Result<Vec<_>, RedisSetupError>>()?;
         let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
@@ -1066,8 +1066,6 @@ fn tls_certificates(config: &RedisConfig) -> Result<Option<redis::TlsCertificate
         .then_some(redis::TlsCertificates { client_tls, root_cert }))
 }
 
-/// Sets the password (from `redis.password` or `redis.password_file`) on
-/// a seed node's connection info; a URL's own password is kept otherwise.
 /// The pool of connections to the master `master` the sentinels in
 /// `redis.url` name; `password` is the master's.
 fn sentinel_pool(
@@ -1080,12 +1078,16 @@ fn sentinel_pool(
         .seed_urls()
         .map(|url| {
             let info = url.into_connection_info().map_err(|e| e.to_string())?;
-            Ok(with_password(info, config.sentinel_password.as_deref()))
+            Ok(with_auth(info, None, config.sentinel_password.as_deref()))
         })
         .collect::<Result<Vec<_>, String>>()?;
     let node = SentinelNodeConnectionInfo {
         tls_mode: None,
-        redis_connection_info: Some(deadpool_redis::RedisConnectionInfo { password, ..Default::default() }),
+        redis_connection_info: Some(deadpool_redis::RedisConnectionInfo {
+            username: config.username.clone(),
+            password,
+            ..Default::default()
+        }),
     };
     let manager = SentinelManager::new(sentinels, master.to_owned(), Some(node), SentinelServerType::Master)
         .map_err(|e| e.to_string())?;
@@ -1099,14 +1101,18 @@ fn sentinel_pool(
         .map_err(|e| e.to_string())
 }
 
-fn with_password(info: ConnectionInfo, password: Option<&str>) -> ConnectionInfo {
-    match password {
-        Some(password) => {
-            let settings = info.redis_settings().clone().set_password(password);
-            info.set_redis_settings(settings)
-        }
-        None => info,
+/// Sets the AUTH user and password given (`redis.username`,
+/// `redis.password` or `redis.password_file`) on a node's connection
+/// info; the URL's own are kept otherwise.
+fn with_auth(info: ConnectionInfo, username: Option<&str>, password: Option<&str>) -> ConnectionInfo {
+    let mut settings = info.redis_settings().clone();
+    if let Some(username) = username {
+        settings = settings.set_username(username);
     }
+    if let Some(password) = password {
+        settings = settings.set_password(password);
+    }
+    info.set_redis_settings(settings)
 }
 
 fn fail_all(batch: &mut Vec<Job>, error: &StoreError) {
