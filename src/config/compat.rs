@@ -385,6 +385,16 @@ fn grpc_tls(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     if up.flag("GRPC_SERVER_USE_TLS")? != Some(true) {
         return Ok(());
     }
+    // TLS asked for but without its files would serve plaintext: refused,
+    // as upstream refuses to start.
+    for name in ["GRPC_SERVER_TLS_CERT", "GRPC_SERVER_TLS_KEY"] {
+        if up.get(name).is_none_or(str::is_empty) {
+            return Err(invalid(
+                name,
+                "must be set with GRPC_SERVER_USE_TLS=true (else gRPC would be plaintext)",
+            ));
+        }
+    }
     for (name, key) in [
         ("GRPC_SERVER_TLS_CERT", "grpc.tls.cert_file"),
         ("GRPC_SERVER_TLS_KEY", "grpc.tls.key_file"),
@@ -479,6 +489,31 @@ mod tests {
 
     fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    /// TLS asked for with a certificate variable misspelt (or unset) does
+    /// not serve plaintext: the start is refused, naming the variable.
+    #[test]
+    fn tls_asked_for_without_its_files_is_refused() {
+        for (missing, set) in
+            [("GRPC_SERVER_TLS_CERT", "GRPC_SERVER_TLS_KEY"), ("GRPC_SERVER_TLS_KEY", "GRPC_SERVER_TLS_CERT")]
+        {
+            let mut bad = env(&[
+                (COMPAT_VAR, ENVOYPROXY),
+                ("GRPC_SERVER_USE_TLS", "true"),
+                (set, "/tls/file.pem"),
+                ("GRPC_SERVER_TLS_CRT", "/tls/misspelt.pem"),
+            ]);
+            let error = apply(&mut bad).unwrap_err().to_string();
+            assert!(error.contains(missing), "{error}");
+        }
+        let (env, _) = translated(&[
+            (COMPAT_VAR, ENVOYPROXY),
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/tls/cert.pem"),
+            ("GRPC_SERVER_TLS_KEY", "/tls/key.pem"),
+        ]);
+        assert_eq!(env.get("RATELIMITD__GRPC__TLS__CERT_FILE").map(String::as_str), Some("/tls/cert.pem"));
     }
 
     fn translated(pairs: &[(&str, &str)]) -> (HashMap<String, String>, Compat) {
