@@ -173,12 +173,12 @@ async fn subscribe(
         let answer = match apply(&response, how, hot) {
             Ok(domains) => {
                 state.accept(response.version_info.clone());
-                tracing::info!(version = %response.version_info, domains, "xDS rate-limit configuration swapped in");
+                tracing::info!(version = ?response.version_info, domains, "xDS rate-limit configuration swapped in");
                 request(&node, response.version_info, response.nonce, None)
             }
             Err(error) => {
                 state.refuse();
-                tracing::warn!(version = %response.version_info, %error, "xDS rate-limit configuration refused; the last good one keeps serving");
+                tracing::warn!(version = ?response.version_info, %error, "xDS rate-limit configuration refused; the last good one keeps serving");
                 let accepted = state.version().unwrap_or_default();
                 request(&node, accepted, response.nonce, Some(error))
             }

@@ -21,7 +21,10 @@ use rdkafka::{
 };
 use tokio::sync::{Notify, mpsc, watch};
 
-use crate::kafka::client_config;
+use crate::{
+    clock::{Clock as _, SystemClock},
+    kafka::client_config,
+};
 
 use super::{
     DlqCounters, DropReason, FailureRecord,
@@ -138,6 +141,11 @@ pub struct Shipper {
     pub topic: String,
     /// Where records Kafka refuses for good (too large, invalid) are kept.
     pub undeliverable: PathBuf,
+    /// The most bytes `undeliverable` grows to (`dlq.spool_max_bytes`);
+    /// past it a refused record is dropped, counted as `disk_cap`.
+    pub undeliverable_max_bytes: u64,
+    /// Logs of set-aside records, at most one a second.
+    pub set_aside_logs: crate::folded::Folded,
     /// Pipeline counters.
     pub counters: Arc<DlqCounters>,
     /// How long shutdown waits for outstanding deliveries.
@@ -347,11 +355,25 @@ fn classify(e: &KafkaError, record: &FailureRecord) -> Outcome {
 fn set_aside(shipper: &Shipper, line: &str, why: &str) {
     let mut bytes = line.as_bytes().to_vec();
     bytes.push(b'\n');
-    if let Err(e) = append_durably(&shipper.undeliverable, &bytes) {
-        tracing::error!(error = %e, "cannot keep an undeliverable record aside; it is lost");
+    let size = std::fs::metadata(&shipper.undeliverable).map_or(0, |m| m.len());
+    if size + bytes.len() as u64 > shipper.undeliverable_max_bytes {
+        // Bounded like the spool: a flood of refusals cannot fill the disk.
+        shipper.counters.lose(DropReason::DiskCap, 1);
+    } else {
+        if let Err(e) = append_durably(&shipper.undeliverable, &bytes) {
+            tracing::error!(error = %e, "cannot keep an undeliverable record aside; it is lost");
+        }
+        shipper.counters.lose(DropReason::Undeliverable, 1);
     }
-    shipper.counters.lose(DropReason::Undeliverable, 1);
-    tracing::error!(file = %shipper.undeliverable.display(), reason = why, "Kafka refused a failure record for good; kept aside, not on the topic");
+    if let Some(folded) = shipper.set_aside_logs.pass(SystemClock.now_ms() / 1_000) {
+        tracing::error!(
+            file = %shipper.undeliverable.display(),
+            reason = why,
+            also_refused = folded,
+            cap = shipper.undeliverable_max_bytes,
+            "Kafka refused a failure record for good; kept aside (within the cap), not on the topic"
+        );
+    }
 }
 
 /// Checks that `topic` exists on the cluster, saying clearly what to run if

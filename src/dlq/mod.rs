@@ -66,8 +66,8 @@ pub enum DropReason {
     QueueBytes,
     /// The writer task had stopped.
     WriterStopped,
-    /// The file (`dlq.file_max_bytes`) or the spool (`dlq.spool_max_bytes`)
-    /// reached its byte cap.
+    /// The file (`dlq.file_max_bytes`), the spool or its file of records
+    /// Kafka refused for good (`dlq.spool_max_bytes`) reached its byte cap.
     DiskCap,
     /// Shutdown met a disk that kept refusing the write.
     DiskError,

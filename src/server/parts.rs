@@ -401,6 +401,8 @@ pub(crate) fn dlq(
         producer,
         topic: kafka.topic.clone(),
         undeliverable: spool_dir.join("undeliverable.jsonl"),
+        undeliverable_max_bytes: config.spool_max_bytes,
+        set_aside_logs: crate::folded::Folded::default(),
         counters,
         flush_timeout: Duration::from_millis(kafka.flush_timeout_ms),
     };

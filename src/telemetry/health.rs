@@ -132,7 +132,7 @@ impl Health {
                     );
                 }
                 (None, true) => format!("{served}; no xDS set yet (rules.xds.force_start)"),
-                (Some(version), _) => format!("{served}; xDS set {version}"),
+                (Some(version), _) => format!("{served}; xDS set {}", version.escape_debug()),
             },
         };
         let (ready, why) = self.store_readiness();
