@@ -3,12 +3,13 @@
 //! A message is buffered until its last byte arrives, so a client opening
 //! streams that announce large messages and never finish them made the
 //! service hold `connections × streams × grpc.max_message_bytes` (3
-//! connections × 1,000 streams took 3.5 GB). Each request body is counted
-//! as it arrives, frame by frame, following the gRPC length prefixes: the
-//! bytes of a message are held against the budget until the message is
-//! whole (then tonic decodes and frees it) or the request ends. A frame
-//! that would pass the budget fails its request with RESOURCE_EXHAUSTED
-//! (counted), never the whole process.
+//! connections × 1,000 streams took 3.3 GB). Each request body is followed
+//! as it arrives, frame by frame, through the gRPC length prefixes: when a
+//! message's prefix has been read, its announced length (what tonic
+//! reserves for it) is taken from the budget, and it is given back when
+//! the message is whole (then tonic decodes and frees it) or the request
+//! ends. A message that would pass the budget fails its request with
+//! RESOURCE_EXHAUSTED (counted), never the whole process.
 
 use std::{
     pin::Pin,
@@ -103,7 +104,7 @@ impl<S: tower::Service<http::Request<Body>>> tower::Service<http::Request<Body>>
 struct Counted {
     inner: Body,
     budget: Arc<Budget>,
-    /// Bytes taken for the message not yet whole (with its prefix).
+    /// Bytes taken for the message not yet whole: its announced length.
     held: usize,
     /// The gRPC prefix (flag, 4-byte length) being read.
     prefix: [u8; 5],
@@ -117,15 +118,11 @@ impl Counted {
         Counted { inner, budget, held: 0, prefix: [0; 5], prefix_len: 0, left: 0 }
     }
 
-    /// Takes `chunk` from the budget, then gives back every message it
-    /// completes.
+    /// Follows `chunk` through the gRPC framing: each message's announced
+    /// length (what tonic reserves for it once it reads the prefix) is
+    /// taken from the budget when its prefix is read, and given back when
+    /// its last byte has passed.
     fn count(&mut self, chunk: &[u8]) -> Result<(), Status> {
-        if !self.budget.take(chunk.len()) {
-            return Err(Status::resource_exhausted(
-                "the service holds grpc.max_request_bytes_in_flight of unfinished requests",
-            ));
-        }
-        self.held += chunk.len();
         let mut at = 0;
         while at < chunk.len() {
             if self.prefix_len < 5 {
@@ -138,16 +135,20 @@ impl Counted {
                 }
                 let [_, a, b, c, d] = self.prefix;
                 self.left = u32::from_be_bytes([a, b, c, d]) as usize;
+                if !self.budget.take(self.left) {
+                    return Err(Status::resource_exhausted(
+                        "the service holds grpc.max_request_bytes_in_flight of unfinished requests",
+                    ));
+                }
+                self.held = self.left;
             } else {
                 let take = self.left.min(chunk.len() - at);
                 self.left -= take;
                 at += take;
             }
-            if self.prefix_len == 5 && self.left == 0 {
-                // Whole: what is left of the chunk is the next message's.
-                let next = chunk.len() - at;
-                self.budget.give(self.held - next);
-                self.held = next;
+            if self.left == 0 {
+                self.budget.give(self.held);
+                self.held = 0;
                 self.prefix_len = 0;
             }
         }
@@ -204,43 +205,51 @@ mod tests {
         Counted::new(Body::empty(), Arc::clone(budget))
     }
 
-    /// A message is held until whole, however it is cut into frames; the
-    /// next message's first bytes stay held; the end of the request gives
+    /// A message's announced length is held from its prefix until it is
+    /// whole, however it is cut into frames; the end of the request gives
     /// everything back.
     #[test]
     fn unfinished_messages_are_held_until_whole() {
-        let budget = Arc::new(Budget::new(1_000));
-        let mut stream = body(&budget);
         let mut bytes = message(100);
         bytes.extend(message(0));
         bytes.extend(message(50));
         for cut in [3, 40, 65, 105, 112, 130] {
-            // Every split point, one frame after another.
             let budget = Arc::new(Budget::new(1_000));
             let mut b = body(&budget);
             b.count(&bytes[..cut]).unwrap();
+            // 0..105 the first message (held once its prefix is read), 105..110
+            // the empty second, 110..165 the third (announcing 50).
+            let expected = match cut {
+                5..105 => 100,
+                115.. => 50,
+                _ => 0,
+            };
+            assert_eq!(budget.held(), expected, "cut at {cut}: what has been announced and not finished");
             b.count(&bytes[cut..140]).unwrap();
-            assert_eq!(budget.held(), 140 - 110, "cut at {cut}: the third message's first 30 bytes");
+            assert_eq!(budget.held(), 50, "cut at {cut}: the third message announced");
             b.count(&bytes[140..]).unwrap();
             assert_eq!(budget.held(), 0, "cut at {cut}");
         }
+        let budget = Arc::new(Budget::new(1_000));
+        let mut stream = body(&budget);
         stream.count(&bytes[..60]).unwrap();
-        assert_eq!(budget.held(), 60);
+        assert_eq!(budget.held(), 100);
         drop(stream);
         assert_eq!(budget.held(), 0, "an ended request gives its bytes back");
     }
 
-    /// Past the budget a frame fails its request; others go on.
+    /// Past the budget a message fails its request; others go on.
     #[test]
-    fn a_frame_past_the_budget_fails_its_request() {
-        let budget = Arc::new(Budget::new(150));
+    fn a_message_past_the_budget_fails_its_request() {
+        let budget = Arc::new(Budget::new(1_500));
         let (mut a, mut b) = (body(&budget), body(&budget));
         a.count(&message(1_000)[..100]).unwrap();
         let error = b.count(&message(1_000)[..100]).unwrap_err();
         assert_eq!(error.code(), tonic::Code::ResourceExhausted);
-        assert_eq!((budget.held(), budget.refused()), (100, 1));
+        assert_eq!((budget.held(), budget.refused()), (1_000, 1));
         drop(a);
-        b.count(&message(10)).unwrap();
+        let mut c = body(&budget);
+        c.count(&message(10)).unwrap();
         assert_eq!(budget.held(), 0);
     }
 }

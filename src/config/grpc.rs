@@ -28,9 +28,10 @@ pub struct GrpcConfig {
     /// others finish. With `max_message_bytes` it bounds what one connection
     /// can make the service hold.
     pub max_concurrent_streams: u32,
-    /// Most bytes of request messages received but not yet whole, over
-    /// every connection and stream together (a message is buffered until
-    /// its last byte arrives). A request frame past it fails its request
+    /// Most bytes of request messages announced (their gRPC length prefix:
+    /// what is reserved for them) but not yet whole, over every connection
+    /// and stream together (a message is buffered until its last byte
+    /// arrives). A message that would pass it fails its request
     /// with RESOURCE_EXHAUSTED (`ratelimitd_grpc_requests_over_budget_total`),
     /// so clients announcing large messages they never finish cannot make
     /// the service hold `connections × streams × max_message_bytes`.
@@ -129,7 +130,7 @@ impl Default for GrpcConfig {
             max_message_bytes: 1 << 20,
             max_concurrent_streams: 1_024,
             max_connections: 10_000,
-            max_request_bytes_in_flight: 256 << 20,
+            max_request_bytes_in_flight: 128 << 20,
             request_timeout_ms: 10_000,
             max_store_calls_per_connection: 256,
             max_store_calls_per_tenant: 1_024,

@@ -339,7 +339,7 @@ fn render_sources(out: &mut String, s: &Sources) {
             out,
             "ratelimitd_grpc_request_bytes_in_flight",
             "gauge",
-            "Bytes of gRPC request messages received but not yet whole (grpc.max_request_bytes_in_flight).",
+            "Bytes of gRPC request messages announced but not yet whole (grpc.max_request_bytes_in_flight).",
         );
         let _ = writeln!(out, "ratelimitd_grpc_request_bytes_in_flight {}", budget.held());
         header(
