@@ -501,6 +501,25 @@ fn rule_errors(flag: &str, errors: &crate::rules::RuleErrors) -> ExitCode {
     ExitCode::from(1)
 }
 
+/// The native rules of `record`, compiled as this configuration compiles
+/// them; an error says it of `what`.
+fn native_of(
+    config: &Config,
+    record: &crate::rules::encoding::SnapshotRecord,
+    what: &str,
+) -> Result<crate::rules::Snapshot, ExitCode> {
+    record
+        .compile(
+            crate::rules::envoy::Compile::of(&config.envoy),
+            crate::rules::PathForm::of(&config.rules.path_matching),
+        )
+        .map(|c| c.native)
+        .map_err(|e| {
+            eprintln!("{what}: {e}");
+            ExitCode::from(1)
+        })
+}
+
 /// The native rules in force: `in_force` (a record from the rules topic),
 /// else, with `rules.source: kafka`, the record in force on the topic, else
 /// `rules.path`, else the embedded rules.
@@ -508,18 +527,8 @@ fn current_rules(
     config: &Config,
     in_force: Option<&crate::rules::encoding::SnapshotRecord>,
 ) -> Result<crate::rules::Snapshot, ExitCode> {
-    let from_record = |record: &crate::rules::encoding::SnapshotRecord| {
-        record
-            .compile(
-                crate::rules::envoy::Compile::of(&config.envoy),
-                crate::rules::PathForm::of(&config.rules.path_matching),
-            )
-            .map(|c| c.native)
-            .map_err(|e| {
-                eprintln!("the rules in force: {e}");
-                ExitCode::from(1)
-            })
-    };
+    let from_record =
+        |record: &crate::rules::encoding::SnapshotRecord| native_of(config, record, "the rules in force");
     if let Some(record) = in_force {
         return from_record(record);
     }
@@ -613,16 +622,7 @@ pub(crate) fn gate(
     let current = current_rules(config, in_force)?;
     let record =
         crate::rollout::publish::record(candidate, None, crate::rules::encoding::Provenance::default());
-    let candidate = record
-        .compile(
-            crate::rules::envoy::Compile::of(&config.envoy),
-            crate::rules::PathForm::of(&config.rules.path_matching),
-        )
-        .map(|c| c.native)
-        .map_err(|e| {
-            eprintln!("the candidate: {e}");
-            ExitCode::from(1)
-        })?;
+    let candidate = native_of(config, &record, "the candidate")?;
     let source = capture.to_str().ok_or_else(|| {
         eprintln!("--gate {}: not a UTF-8 path", capture.display());
         ExitCode::from(EXIT_USAGE)
