@@ -31,9 +31,14 @@ use tokio::{
 use tokio_rustls::{
     TlsAcceptor,
     rustls::{
-        self, RootCertStore, ServerConfig,
-        pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject},
-        server::WebPkiClientVerifier,
+        self, CertificateError, DigitallySignedStruct, DistinguishedName, RootCertStore, ServerConfig,
+        SignatureScheme,
+        client::danger::HandshakeSignatureValid,
+        pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime, pem::PemObject},
+        server::{
+            WebPkiClientVerifier,
+            danger::{ClientCertVerified, ClientCertVerifier},
+        },
     },
     server::TlsStream,
 };
@@ -65,6 +70,8 @@ struct Files {
     cert: PathBuf,
     key: PathBuf,
     client_ca: Option<PathBuf>,
+    /// The name every client certificate must carry (`grpc.tls.client_san`).
+    client_san: Option<String>,
 }
 
 impl Files {
@@ -73,6 +80,7 @@ impl Files {
             cert: config.cert_file.clone()?,
             key: config.key_file.clone()?,
             client_ca: config.client_ca_file.clone(),
+            client_san: config.client_san.clone(),
         })
     }
 
@@ -120,7 +128,19 @@ impl Files {
                 let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                     .build()
                     .map_err(|e| TlsError::new("grpc.tls.client_ca_file", ca_file, e.to_string()))?;
-                builder.with_client_cert_verifier(verifier)
+                match &self.client_san {
+                    None => builder.with_client_cert_verifier(verifier),
+                    Some(san) => {
+                        let name = ServerName::try_from(san.clone()).map_err(|e| {
+                            TlsError::new(
+                                "grpc.tls.client_ca_file",
+                                ca_file,
+                                format!("grpc.tls.client_san: {e}"),
+                            )
+                        })?;
+                        builder.with_client_cert_verifier(Arc::new(NamedClients { inner: verifier, name }))
+                    }
+                }
             }
         };
         let mut config = builder
@@ -129,6 +149,65 @@ impl Files {
         // gRPC is HTTP/2 only.
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(config)
+    }
+}
+
+/// The CA's verdict on a client certificate, and then its name: the
+/// certificate must carry `name` among its subject alternative names
+/// (`grpc.tls.client_san`), as upstream's `GRPC_CLIENT_TLS_SAN` asks.
+#[derive(Debug)]
+struct NamedClients {
+    inner: Arc<dyn ClientCertVerifier>,
+    name: ServerName<'static>,
+}
+
+impl ClientCertVerifier for NamedClients {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        let cert = webpki::EndEntityCert::try_from(end_entity)
+            .map_err(|_| rustls::Error::InvalidCertificate(CertificateError::BadEncoding))?;
+        cert.verify_is_valid_for_subject_name(&self.name)
+            .map_err(|_| rustls::Error::InvalidCertificate(CertificateError::NotValidForName))?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
     }
 }
 

@@ -99,6 +99,30 @@ async fn mtls_refuses_clients_without_a_valid_certificate() {
     server.stop().await.unwrap();
 }
 
+/// `grpc.tls.client_san` (upstream's `GRPC_CLIENT_TLS_SAN`): a client
+/// certificate the CA signed is accepted only when it carries the name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_with_a_client_san_accepts_only_that_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    make_ca(d, "ca");
+    make_leaf(d, "ca", "server", "serverAuth");
+    common::make_leaf_for(d, "ca", "gateway", "clientAuth", "DNS:gateway.internal");
+    common::make_leaf_for(d, "ca", "other", "clientAuth", "DNS:other.internal");
+    let (cert, key) = server_files(d);
+    install_server_cert(d, "server", &cert, &key);
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), None);
+    cfg.grpc.tls.cert_file = Some(cert);
+    cfg.grpc.tls.key_file = Some(key);
+    cfg.grpc.tls.client_ca_file = Some(d.join("ca.pem"));
+    cfg.grpc.tls.client_san = Some("gateway.internal".to_owned());
+    let server = TestServer::start(cfg).await;
+    assert!(served(server.addr, d, "ca", Some("gateway")).await, "the named client is served");
+    assert!(!served(server.addr, d, "ca", Some("other")).await, "the same CA, another name: refused");
+    server.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rotated_certificate_is_used_without_a_restart() {
     let dir = tempfile::tempdir().unwrap();

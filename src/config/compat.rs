@@ -41,7 +41,6 @@ const IGNORED: &[(&str, &str)] = &[
         "GRPC_MAX_CONNECTION_AGE_GRACE",
         "an aged connection gets a GOAWAY and closes once its calls finish: never cut off",
     ),
-    ("GRPC_CLIENT_TLS_SAN", "client certificates are checked against GRPC_CLIENT_TLS_CACERT only"),
     ("REDIS_POOL_SIZE", "not needed: each connection coalesces its queued decisions (redis.connections)"),
     ("REDIS_PIPELINE_WINDOW", "not needed: concurrent decisions are always coalesced, with no added wait"),
     ("REDIS_PIPELINE_LIMIT", "not needed: concurrent decisions are always coalesced"),
@@ -380,7 +379,8 @@ fn single_or_cluster(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError
 }
 
 /// `GRPC_SERVER_USE_TLS` with `GRPC_SERVER_TLS_CERT`/`_KEY`, and
-/// `GRPC_CLIENT_TLS_CACERT` for client certificates.
+/// `GRPC_CLIENT_TLS_CACERT` (and `GRPC_CLIENT_TLS_SAN`, the name they must
+/// carry) for client certificates.
 fn grpc_tls(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     if up.flag("GRPC_SERVER_USE_TLS")? != Some(true) {
         return Ok(());
@@ -399,6 +399,7 @@ fn grpc_tls(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
         ("GRPC_SERVER_TLS_CERT", "grpc.tls.cert_file"),
         ("GRPC_SERVER_TLS_KEY", "grpc.tls.key_file"),
         ("GRPC_CLIENT_TLS_CACERT", "grpc.tls.client_ca_file"),
+        ("GRPC_CLIENT_TLS_SAN", "grpc.tls.client_san"),
     ] {
         if let Some(path) = up.get(name) {
             out.push((key, path.to_owned()));
@@ -514,6 +515,18 @@ mod tests {
             ("GRPC_SERVER_TLS_KEY", "/tls/key.pem"),
         ]);
         assert_eq!(env.get("RATELIMITD__GRPC__TLS__CERT_FILE").map(String::as_str), Some("/tls/cert.pem"));
+        let (env, _) = translated(&[
+            (COMPAT_VAR, ENVOYPROXY),
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/tls/cert.pem"),
+            ("GRPC_SERVER_TLS_KEY", "/tls/key.pem"),
+            ("GRPC_CLIENT_TLS_CACERT", "/tls/ca.pem"),
+            ("GRPC_CLIENT_TLS_SAN", "gateway.internal"),
+        ]);
+        assert_eq!(
+            env.get("RATELIMITD__GRPC__TLS__CLIENT_SAN").map(String::as_str),
+            Some("gateway.internal")
+        );
     }
 
     fn translated(pairs: &[(&str, &str)]) -> (HashMap<String, String>, Compat) {

@@ -98,6 +98,10 @@ pub struct GrpcTlsConfig {
     /// PEM CA certificate(s): when set, every client must present a
     /// certificate they signed (mTLS).
     pub client_ca_file: Option<PathBuf>,
+    /// With `client_ca_file`: a name (DNS name or IP address) every client
+    /// certificate must carry among its subject alternative names, beyond
+    /// being signed by that CA (upstream's `GRPC_CLIENT_TLS_SAN`).
+    pub client_san: Option<String>,
     /// How often the files are checked for changes (size, mtime); a change
     /// is loaded for new connections without a restart. 0 disables reload.
     pub reload_interval_ms: u64,
@@ -114,6 +118,7 @@ impl Default for GrpcTlsConfig {
             cert_file: None,
             key_file: None,
             client_ca_file: None,
+            client_san: None,
             reload_interval_ms: 10_000,
             handshake_timeout_ms: 10_000,
             max_handshakes: 1_024,
@@ -206,6 +211,20 @@ impl GrpcTlsConfig {
                 ));
             }
             _ => {}
+        }
+        if let Some(san) = &self.client_san {
+            if self.client_ca_file.is_none() {
+                return Err(invalid(
+                    "grpc.tls.client_san",
+                    "needs grpc.tls.client_ca_file (it checks client certificates)",
+                ));
+            }
+            if rustls_pki_types::ServerName::try_from(san.as_str()).is_err() {
+                return Err(invalid(
+                    "grpc.tls.client_san",
+                    format!("{san:?} is not a DNS name or an IP address"),
+                ));
+            }
         }
         if self.handshake_timeout_ms == 0 {
             return Err(invalid("grpc.tls.handshake_timeout_ms", "must be at least 1"));

@@ -1250,6 +1250,11 @@ const NEW_EC_KEY: [&str; 5] = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P
 /// A leaf certificate `<name>.pem` / `<name>.key` signed by CA `ca`, for
 /// `usage` (`serverAuth` or `clientAuth`).
 pub fn make_leaf(dir: &Path, ca: &str, name: &str, usage: &str) {
+    make_leaf_for(dir, ca, name, usage, "DNS:localhost,IP:127.0.0.1");
+}
+
+/// [`make_leaf`] with the subject alternative names `san` (openssl's form).
+pub fn make_leaf_for(dir: &Path, ca: &str, name: &str, usage: &str, san: &str) {
     let (key, csr, subject) = (format!("{name}.key"), format!("{name}.csr"), format!("/CN={name}"));
     let mut args = vec!["req"];
     args.extend(NEW_EC_KEY);
@@ -1258,9 +1263,7 @@ pub fn make_leaf(dir: &Path, ca: &str, name: &str, usage: &str) {
     let ext = dir.join(format!("{name}.ext"));
     std::fs::write(
         &ext,
-        format!(
-            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n"
-        ),
+        format!("subjectAltName={san}\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n"),
     )
     .unwrap();
     openssl(
