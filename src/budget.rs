@@ -32,13 +32,17 @@ use tonic::{
 pub struct Budget {
     held: AtomicUsize,
     limit: usize,
+    /// A longer message is refused by tonic as soon as its prefix is read
+    /// (`grpc.max_message_bytes`, named in its error): nothing to hold.
+    max_message: usize,
     refused: AtomicU64,
 }
 
 impl Budget {
-    /// At most `limit` bytes of unfinished messages at once.
-    pub fn new(limit: usize) -> Self {
-        Budget { held: AtomicUsize::new(0), limit, refused: AtomicU64::new(0) }
+    /// At most `limit` bytes of unfinished messages at once, each at most
+    /// `max_message` long.
+    pub fn new(limit: usize, max_message: usize) -> Self {
+        Budget { held: AtomicUsize::new(0), limit, max_message, refused: AtomicU64::new(0) }
     }
 
     /// Bytes of unfinished messages now.
@@ -135,12 +139,13 @@ impl Counted {
                 }
                 let [_, a, b, c, d] = self.prefix;
                 self.left = u32::from_be_bytes([a, b, c, d]) as usize;
-                if !self.budget.take(self.left) {
+                let announced = if self.left > self.budget.max_message { 0 } else { self.left };
+                if !self.budget.take(announced) {
                     return Err(Status::resource_exhausted(
                         "the service holds grpc.max_request_bytes_in_flight of unfinished requests",
                     ));
                 }
-                self.held = self.left;
+                self.held = announced;
             } else {
                 let take = self.left.min(chunk.len() - at);
                 self.left -= take;
@@ -214,7 +219,7 @@ mod tests {
         bytes.extend(message(0));
         bytes.extend(message(50));
         for cut in [3, 40, 65, 105, 112, 130] {
-            let budget = Arc::new(Budget::new(1_000));
+            let budget = Arc::new(Budget::new(1_000, 1_000));
             let mut b = body(&budget);
             b.count(&bytes[..cut]).unwrap();
             // 0..105 the first message (held once its prefix is read), 105..110
@@ -230,7 +235,7 @@ mod tests {
             b.count(&bytes[140..]).unwrap();
             assert_eq!(budget.held(), 0, "cut at {cut}");
         }
-        let budget = Arc::new(Budget::new(1_000));
+        let budget = Arc::new(Budget::new(1_000, 1_000));
         let mut stream = body(&budget);
         stream.count(&bytes[..60]).unwrap();
         assert_eq!(budget.held(), 100);
@@ -241,7 +246,7 @@ mod tests {
     /// Past the budget a message fails its request; others go on.
     #[test]
     fn a_message_past_the_budget_fails_its_request() {
-        let budget = Arc::new(Budget::new(1_500));
+        let budget = Arc::new(Budget::new(1_500, 1_000));
         let (mut a, mut b) = (body(&budget), body(&budget));
         a.count(&message(1_000)[..100]).unwrap();
         let error = b.count(&message(1_000)[..100]).unwrap_err();
@@ -250,6 +255,10 @@ mod tests {
         drop(a);
         let mut c = body(&budget);
         c.count(&message(10)).unwrap();
+        assert_eq!(budget.held(), 0);
+        // Over grpc.max_message_bytes: tonic refuses it, naming that bound.
+        let mut huge = body(&budget);
+        huge.count(&message(1_001)[..20]).unwrap();
         assert_eq!(budget.held(), 0);
     }
 }

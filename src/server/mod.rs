@@ -162,7 +162,8 @@ pub async fn run_observed(
     };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &metrics, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());
-    let budget = Arc::new(Budget::new(config.grpc.max_request_bytes_in_flight));
+    let budget =
+        Arc::new(Budget::new(config.grpc.max_request_bytes_in_flight, config.grpc.max_message_bytes));
     metrics.set_sources(Sources {
         shedder: Arc::clone(&shedder),
         dlq: Arc::clone(&dlq),
