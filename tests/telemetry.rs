@@ -117,7 +117,9 @@ async fn readyz(server: &TestServer) -> (u16, String) {
 
 /// Redis down: a rule fails closed, so not ready (the body names it) and
 /// gRPC health NOT_SERVING; Redis back: ready and SERVING again; shutdown:
-/// NOT_SERVING while draining. `/healthz` stays 200 throughout.
+/// NOT_SERVING while draining. `/healthz` stays 200 throughout;
+/// `/healthcheck` (envoyproxy/ratelimit's probe) follows readiness with
+/// upstream's answers: 200 `OK`, else 500.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn readiness_and_grpc_health_follow_redis_and_shutdown() {
     let mut redis = RedisServer::start();
@@ -136,6 +138,11 @@ async fn readiness_and_grpc_health_follow_redis_and_shutdown() {
     };
     assert!(eventually(Duration::from_secs(10), ready(200)).await);
     assert!(readyz(&server).await.1.starts_with("ready: redis store reachable"));
+    let healthcheck = || {
+        let addr = server.http_addr;
+        async move { tokio::task::spawn_blocking(move || http_get(addr, "/healthcheck")).await.unwrap() }
+    };
+    assert_eq!(healthcheck().await, (200, "OK".to_owned()));
     assert_eq!(grpc_health(&server, service).await, ServingStatus::Serving);
     assert_eq!(grpc_health(&server, "").await, ServingStatus::Serving);
 
@@ -146,6 +153,7 @@ async fn readiness_and_grpc_health_follow_redis_and_shutdown() {
     assert_eq!(grpc_health(&server, service).await, ServingStatus::NotServing);
     let addr = server.http_addr;
     assert_eq!(tokio::task::spawn_blocking(move || http_get(addr, "/healthz")).await.unwrap().0, 200);
+    assert_eq!(healthcheck().await.0, 500);
 
     redis.restart();
     assert!(eventually(Duration::from_secs(10), ready(200)).await);
@@ -172,6 +180,8 @@ async fn readiness_and_grpc_health_follow_redis_and_shutdown() {
     let (code, body) = tokio::task::spawn_blocking(move || http_get(http_addr, "/readyz")).await.unwrap();
     assert_eq!(code, 503);
     assert!(body.starts_with("not ready: draining for shutdown; rules "), "{body}");
+    let drained = tokio::task::spawn_blocking(move || http_get(http_addr, "/healthcheck")).await.unwrap();
+    assert_eq!(drained.0, 500, "upstream's probe fails from SIGTERM on");
     assert!(client.check(request("u", "/two")).await.is_ok(), "still answering during the drain delay");
     stopping.await.unwrap().unwrap();
 }

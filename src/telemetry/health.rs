@@ -8,6 +8,8 @@
 //! would deny by policy; not ready while draining on shutdown. The body
 //! says which. `/readyz` reads the breakers when asked; gRPC health is
 //! published by the monitor, every `http.health_interval_ms`.
+//! `/healthcheck` is envoyproxy/ratelimit's probe: the same verdict, with
+//! upstream's answers (200 `OK`, else 500).
 //!
 //! The monitor probes the store whatever the traffic, and a probe that
 //! finds Redis answering closes its breakers: an instance made unready by
@@ -245,7 +247,7 @@ struct HttpState {
     metrics: Arc<Metrics>,
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` on `listener`, its
+/// Serves `/metrics`, `/healthz`, `/readyz` and `/healthcheck` on `listener`, its
 /// connections bounded by `limits`, until `shutdown`.
 pub async fn serve_http(
     listener: TcpListener,
@@ -258,6 +260,7 @@ pub async fn serve_http(
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_handler))
+        .route("/healthcheck", get(healthcheck_handler))
         .with_state(HttpState { health, metrics });
     let stopped = async move {
         let _ = shutdown.changed().await;
@@ -270,6 +273,17 @@ pub async fn serve_http(
 
 async fn metrics_handler(State(state): State<HttpState>) -> impl IntoResponse {
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.metrics.render())
+}
+
+/// envoyproxy/ratelimit's `/healthcheck`, which its manifests and Envoy
+/// Gateway probe: readiness with upstream's answers, `OK` (200) or an empty
+/// 500.
+async fn healthcheck_handler(State(state): State<HttpState>) -> axum::response::Response {
+    if state.health.readiness().0 {
+        "OK".into_response()
+    } else {
+        StatusCode::INTERNAL_SERVER_ERROR.into_response()
+    }
 }
 
 async fn ready_handler(State(state): State<HttpState>) -> impl IntoResponse {
