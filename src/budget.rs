@@ -1,9 +1,9 @@
 //! `grpc.max_request_bytes_in_flight`: the bytes of gRPC request messages
-//! received but not yet whole, over every connection and stream together.
+//! announced but not yet whole, over every connection and stream together.
 //! A message is buffered until its last byte arrives, so a client opening
 //! streams that announce large messages and never finish them made the
 //! service hold `connections × streams × grpc.max_message_bytes` (3
-//! connections × 1,000 streams took 3.3 GB). Each request body is followed
+//! connections × 1,000 streams took over 3 GB). Each request body is followed
 //! as it arrives, frame by frame, through the gRPC length prefixes: when a
 //! message's prefix has been read, its announced length (what tonic
 //! reserves for it) is taken from the budget, and it is given back when

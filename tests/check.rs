@@ -774,7 +774,7 @@ fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
 /// with RESOURCE_EXHAUSTED, and frees what it held when the calls pass
 /// `grpc.request_timeout_ms`, the connections still open; then `Check`
 /// answers again. (Each stream used to hold its bytes as long as the
-/// connection lived: 3 connections × 1,000 streams held 3.5 GB.)
+/// connection lived: 3 connections × 1,000 streams held over 3 GB.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unfinished_requests_hold_at_most_the_byte_budget() {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
