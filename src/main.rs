@@ -15,7 +15,7 @@ use ratelimitd::{
 
 /// mimalloc instead of glibc's malloc: the gRPC stack allocates and frees
 /// per request across worker threads, where glibc's arenas contend (see
-/// README, Performance).
+/// docs/performance.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -128,7 +128,7 @@ fn raise_descriptor_limit() {
 /// response costs a `writev` of its own; without it the responses of one
 /// scheduler pass go out together (per unary decision, five alternating
 /// rounds on 2 cores: 0.79–0.95 -> 0.19–0.21 `writev`, and CPU 20.2 ->
-/// 17.3 µs, medians; README "Trimming the stream and unary paths").
+/// 17.3 µs, medians; docs/performance.md, "Trimming the stream and unary paths").
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();

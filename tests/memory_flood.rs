@@ -2,7 +2,7 @@
 //! defaults (`memory.*` unset): 10 million distinct worst-case user ids
 //! (`limits.max_user_id_bytes` long) keep the counter count at
 //! `memory.max_counters` and the process's resident memory under the bound
-//! README documents (`MEMORY_BOUND_BYTES_PER_COUNTER` per counter over the
+//! docs/operations.md documents (`MEMORY_BOUND_BYTES_PER_COUNTER` per counter over the
 //! base). Its own test binary, so the RSS read is this flood's alone.
 
 use std::{sync::Arc, time::Instant};
@@ -12,7 +12,7 @@ use ratelimitd::{
     limiter::{Count, CounterSpec, FailureKind, MemoryStore, SystemClock, WindowParams},
 };
 
-/// What README promises per counter at the longest user id, allocator
+/// What docs/operations.md promises per counter at the longest user id, allocator
 /// overhead and map growth included.
 const MEMORY_BOUND_BYTES_PER_COUNTER: u64 = 512;
 

@@ -1,6 +1,6 @@
 //! The dead-letter record: one JSON object per failed decision, the same
-//! schema in the Kafka topic and in the file sink (see README "Dead-letter
-//! records"). Bump [`SCHEMA_VERSION`] on any incompatible change.
+//! schema in the Kafka topic and in the file sink (see
+//! docs/dead-letters.md). Bump [`SCHEMA_VERSION`] on any incompatible change.
 
 use std::{
     collections::BTreeMap,

@@ -1,6 +1,6 @@
 //! The snapshot record: a compiled rule set as `ratelimitd rules publish`
 //! writes it to the rules topic and every instance decodes it
-//! (schema `ratelimitd.rules.snapshot/1`, JSON; README "Rules over Kafka").
+//! (schema `ratelimitd.rules.snapshot/1`, JSON; docs/rules.md, "Rules over Kafka").
 //!
 //! Native rules travel compiled: every field explicit, defaults resolved,
 //! the algorithm named. Envoy configurations travel as their validated
