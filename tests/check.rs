@@ -784,14 +784,9 @@ async fn unfinished_requests_hold_at_most_the_byte_budget() {
         grpc.request_timeout_ms = 1_000;
     })
     .await;
-    let metric = |name: &'static str| {
-        let addr = server.http_addr;
-        async move {
-            let (_, body) =
-                tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
-            let line = body.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name}"));
-            line[name.len()..].trim().parse::<u64>().unwrap()
-        }
+    let metric = |series: &'static str| {
+        let server = &server;
+        async move { common::metric(server, series).await.unwrap_or_else(|| panic!("no {series}")) }
     };
     let mut prefix = vec![0u8];
     prefix.extend_from_slice(&(1u32 << 20).to_be_bytes());
@@ -826,14 +821,14 @@ async fn unfinished_requests_hold_at_most_the_byte_budget() {
     }
     tokio::time::sleep(Duration::from_millis(400)).await;
     let held = metric("ratelimitd_grpc_request_bytes_in_flight ").await;
-    assert!(held <= 1 << 20, "held {held} bytes");
-    assert!(held > 0, "the attack was not seen");
+    assert!(held <= f64::from(1 << 20), "held {held} bytes");
+    assert!(held > 0.0, "the attack was not seen");
     assert!(
-        metric("ratelimitd_grpc_requests_over_budget_total ").await >= 100,
+        metric("ratelimitd_grpc_requests_over_budget_total ").await >= 100.0,
         "180 streams × 16 KiB on 1 MiB"
     );
     let freed = eventually(Duration::from_secs(10), || async {
-        metric("ratelimitd_grpc_request_bytes_in_flight ").await == 0
+        metric("ratelimitd_grpc_request_bytes_in_flight ").await == 0.0
     })
     .await;
     assert!(freed, "the timed-out calls kept their bytes");

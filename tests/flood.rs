@@ -210,14 +210,16 @@ async fn a_tenant_waits_for_its_own_share_of_the_store() {
         let answer = call.await.unwrap();
         assert_eq!((reason(&answer), answer.store_error.as_str()), (Reason::Ok, ""), "{answer:?}");
     }
-    let addr = server.http_addr;
-    let (_, metrics) = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
-    let waits = |share: &str| {
+    let waits = |share: &'static str| {
         let series = format!("ratelimitd_store_call_waits_total{{share=\"{share}\"}} ");
-        let line = metrics.lines().find(|l| l.starts_with(&series)).unwrap_or_else(|| panic!("{series}"));
-        line[series.len()..].parse::<u64>().unwrap()
+        let server = &server;
+        async move { common::metric(server, &series).await }
     };
-    assert_eq!(waits("tenant"), 8, "12 calls of the others on a share of 4; acme's 4 never wait");
-    assert_eq!(waits("connection"), 0);
+    assert_eq!(
+        waits("tenant").await,
+        Some(8.0),
+        "12 calls of the others on a share of 4; acme's 4 never wait"
+    );
+    assert_eq!(waits("connection").await, Some(0.0));
     server.stop().await.unwrap();
 }

@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{Broker, TestServer, check, config, eventually, http_get, request};
+use common::{Broker, TestServer, check, config, eventually, http_get, metric, request};
 use ratelimitd::{config::RulesSource, rollout::topic, shed::Priority};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
@@ -78,12 +78,6 @@ async fn readyz(server: &TestServer) -> (u16, String) {
 
 async fn serves(server: &TestServer, version: &str) -> bool {
     readyz(server).await.1.contains(&format!("rules {version} (from topic,"))
-}
-
-async fn metric(server: &TestServer, line: &str) -> Option<f64> {
-    let addr = server.http_addr;
-    let body = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.unwrap().1;
-    body.lines().find_map(|l| l.strip_prefix(line)).and_then(|v| v.trim().parse().ok())
 }
 
 /// How many of `n` requests by a fresh `user` on /x pass.

@@ -729,6 +729,14 @@ pub fn default_rules_config(redis_url: Option<String>) -> Config {
     config
 }
 
+/// The value of the series `series` (name and labels, as scraped) on the
+/// server's `/metrics`; `None` when it is not there.
+pub async fn metric(server: &TestServer, series: &str) -> Option<f64> {
+    let addr = server.http_addr;
+    let body = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.unwrap().1;
+    body.lines().find_map(|l| l.strip_prefix(series)).and_then(|v| v.trim().parse().ok())
+}
+
 /// The real server, on a loopback port, stopped by [`TestServer::stop`].
 #[derive(Debug)]
 pub struct TestServer {
