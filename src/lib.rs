@@ -27,6 +27,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod accept;
 pub mod api;
 pub mod budget;
 pub mod capture;

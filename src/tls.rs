@@ -43,11 +43,7 @@ use tokio_rustls::{
     server::TlsStream,
 };
 
-use crate::{
-    clock::{Clock, SystemClock},
-    config::GrpcTlsConfig,
-    folded::Folded,
-};
+use crate::{accept::AcceptBackoff, config::GrpcTlsConfig};
 
 /// A TLS setting that cannot be used; names the key and the file.
 #[derive(Debug, thiserror::Error)]
@@ -295,7 +291,7 @@ impl ReloadingAcceptor {
         let accept_loop = async move {
             let permits = Arc::new(Semaphore::new(acceptor.max_handshakes));
             let mut handshakes = JoinSet::new();
-            let failures = Folded::default();
+            let mut backoff = AcceptBackoff::default();
             loop {
                 // Reap finished handshakes, then wait for room for one more.
                 while handshakes.try_join_next().is_some() {}
@@ -312,14 +308,13 @@ impl ReloadingAcceptor {
                     () = sender.closed() => break,
                 };
                 let stream = match accepted {
-                    Ok((stream, _)) => stream,
+                    Ok((stream, _)) => {
+                        backoff.reset();
+                        stream
+                    }
                     Err(e) => {
-                        // Out of file descriptors and the like: back off
-                        // briefly, and say so at most once a second.
-                        if let Some(folded) = failures.pass(SystemClock.now_ms() / 1_000) {
-                            tracing::warn!(error = %e, also_failed = folded, "accepting a gRPC connection failed");
-                        }
-                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        // Out of file descriptors and the like.
+                        backoff.pause(&e.to_string()).await;
                         continue;
                     }
                 };

@@ -15,7 +15,6 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
-    time::Duration,
 };
 
 use futures_util::{Stream, StreamExt as _};
@@ -25,11 +24,7 @@ use tokio::{
 };
 use tonic::transport::server::Connected;
 
-use crate::{
-    clock::{Clock as _, SystemClock},
-    decision::CallerShare,
-    folded::Folded,
-};
+use crate::{accept::AcceptBackoff, decision::CallerShare};
 
 /// A connection holding one of the `grpc.max_connections` places, freed
 /// when it is dropped, and its share of the store's in-flight work. Reads
@@ -43,7 +38,7 @@ pub(super) struct Placed<T> {
 
 /// `incoming`'s connections, each taken only once a place in `places` is
 /// free (the stream is not polled meanwhile); an accept error passes
-/// through and frees its place, after a pause ([`Backoff`]: tonic retries
+/// through and frees its place, after a pause ([`AcceptBackoff`]: tonic retries
 /// at once, which spun a core while no descriptor was left).
 /// Each connection gets a share of `store_calls` permits (0: unbounded).
 pub(super) fn placed<S, T, E>(
@@ -57,7 +52,7 @@ where
     E: Send + std::fmt::Display,
 {
     let store_calls = if store_calls == 0 { Semaphore::MAX_PERMITS } else { store_calls };
-    let state = (incoming, places, Backoff::default());
+    let state = (incoming, places, AcceptBackoff::default());
     futures_util::stream::unfold(state, move |(mut incoming, places, mut backoff)| async move {
         // Never closed: `None` ends the stream only if it were.
         let place = Arc::clone(&places).acquire_owned().await.ok()?;
@@ -76,38 +71,6 @@ where
         });
         Some((placed, (incoming, places, backoff)))
     })
-}
-
-/// The pause after a failed accept: 10 ms, doubling to 1 s while accepts
-/// keep failing (out of descriptors, out of memory), back to 10 ms after
-/// one succeeds; the failure logged at most once a second.
-#[derive(Debug)]
-struct Backoff {
-    pause: Duration,
-    failures: Folded,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff { pause: Backoff::FIRST, failures: Folded::default() }
-    }
-}
-
-impl Backoff {
-    const FIRST: Duration = Duration::from_millis(10);
-    const MOST: Duration = Duration::from_secs(1);
-
-    fn reset(&mut self) {
-        self.pause = Backoff::FIRST;
-    }
-
-    async fn pause(&mut self, error: &str) {
-        if let Some(folded) = self.failures.pass(SystemClock.now_ms() / 1_000) {
-            tracing::warn!(%error, also_failed = folded, pause = ?self.pause, "accepting a gRPC connection failed");
-        }
-        tokio::time::sleep(self.pause).await;
-        self.pause = (self.pause * 2).min(Backoff::MOST);
-    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Placed<T> {
