@@ -1,3 +1,5 @@
+//! The bytes a gRPC request may make the service hold.
+//!
 //! `grpc.max_request_bytes_in_flight`: the bytes of gRPC request messages
 //! announced but not yet whole, over every connection and stream together.
 //! A message is buffered until its last byte arrives, so a client opening
@@ -10,8 +12,17 @@
 //! the message is whole (then tonic decodes and frees it) or the request
 //! ends. A message that would pass the budget fails its request with
 //! RESOURCE_EXHAUSTED (counted), never the whole process.
+//!
+//! `grpc.max_message_bytes` bounds one message; `CheckBatch` has its own,
+//! larger bound (`grpc.max_batch_message_bytes`). A single-decision call
+//! (`Check`, `Report`, `ShouldRateLimit`) whose message is over its bound
+//! is answered with a denial, never an error: a proxy that fails open
+//! would allow on an error, and the size of an Envoy request follows the
+//! size of the headers its client sent. The length prefix is read before
+//! the call is handed on, so the oversized message is never buffered.
 
 use std::{
+    collections::VecDeque,
     pin::Pin,
     sync::{
         Arc,
@@ -20,6 +31,7 @@ use std::{
     task::{Context, Poll},
 };
 
+use futures_util::future::{BoxFuture, Either};
 use http_body::{Frame, SizeHint};
 use tonic::{
     Status,
@@ -32,17 +44,14 @@ use tonic::{
 pub struct Budget {
     held: AtomicUsize,
     limit: usize,
-    /// A longer message is refused by tonic as soon as its prefix is read
-    /// (`grpc.max_message_bytes`, named in its error): nothing to hold.
-    max_message: usize,
     refused: AtomicU64,
+    oversized: AtomicU64,
 }
 
 impl Budget {
-    /// At most `limit` bytes of unfinished messages at once, each at most
-    /// `max_message` long.
-    pub fn new(limit: usize, max_message: usize) -> Self {
-        Budget { held: AtomicUsize::new(0), limit, max_message, refused: AtomicU64::new(0) }
+    /// At most `limit` bytes of unfinished messages at once.
+    pub fn new(limit: usize) -> Self {
+        Budget { held: AtomicUsize::new(0), limit, refused: AtomicU64::new(0), oversized: AtomicU64::new(0) }
     }
 
     /// Bytes of unfinished messages now.
@@ -53,6 +62,12 @@ impl Budget {
     /// Requests failed for the budget since start.
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Requests whose message was over its size bound, since start
+    /// (denied, or failed where the method has no denial).
+    pub fn oversized(&self) -> u64 {
+        self.oversized.load(Ordering::Relaxed)
     }
 
     fn take(&self, bytes: usize) -> bool {
@@ -70,15 +85,62 @@ impl Budget {
     }
 }
 
-/// Counts every request's body against the budget (a tower layer).
+/// Encodes the response message that denies an oversized request, at the
+/// time it is answered.
+pub type Denial = Arc<dyn Fn() -> Bytes + Send + Sync>;
+
+/// The size bounds of one message, by method.
+#[derive(Clone)]
+pub struct MessageBounds {
+    /// Any message but a batch's (`grpc.max_message_bytes`).
+    pub message: usize,
+    /// A `CheckBatch` request (`grpc.max_batch_message_bytes`).
+    pub batch: usize,
+    /// The path of the batch method.
+    pub batch_path: &'static str,
+    /// Single-decision methods, by path, with what denies an oversized
+    /// request.
+    pub denials: Vec<(&'static str, Denial)>,
+}
+
+impl std::fmt::Debug for MessageBounds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let denied: Vec<_> = self.denials.iter().map(|(path, _)| path).collect();
+        f.debug_struct("MessageBounds")
+            .field("message", &self.message)
+            .field("batch", &self.batch)
+            .field("batch_path", &self.batch_path)
+            .field("denied", &denied)
+            .finish()
+    }
+}
+
+impl MessageBounds {
+    fn of(&self, path: &str) -> usize {
+        if path == self.batch_path { self.batch } else { self.message }
+    }
+}
+
+/// Counts every request's body against the budget and its message bound
+/// (a tower layer).
 #[derive(Debug, Clone)]
-pub struct BudgetLayer(pub Arc<Budget>);
+pub struct BudgetLayer {
+    budget: Arc<Budget>,
+    bounds: Arc<MessageBounds>,
+}
+
+impl BudgetLayer {
+    /// Requests held against `budget`, each message within `bounds`.
+    pub fn new(budget: Arc<Budget>, bounds: MessageBounds) -> Self {
+        BudgetLayer { budget, bounds: Arc::new(bounds) }
+    }
+}
 
 impl<S> tower::Layer<S> for BudgetLayer {
     type Service = Budgeted<S>;
 
     fn layer(&self, inner: S) -> Budgeted<S> {
-        Budgeted { inner, budget: Arc::clone(&self.0) }
+        Budgeted { inner, budget: Arc::clone(&self.budget), bounds: Arc::clone(&self.bounds) }
     }
 }
 
@@ -87,20 +149,111 @@ impl<S> tower::Layer<S> for BudgetLayer {
 pub struct Budgeted<S> {
     inner: S,
     budget: Arc<Budget>,
+    bounds: Arc<MessageBounds>,
 }
 
-impl<S: tower::Service<http::Request<Body>>> tower::Service<http::Request<Body>> for Budgeted<S> {
-    type Response = S::Response;
+type Response = http::Response<Body>;
+
+impl<S> tower::Service<http::Request<Body>> for Budgeted<S>
+where
+    S: tower::Service<http::Request<Body>, Response = Response> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
     type Error = S::Error;
-    type Future = S::Future;
+    type Future = Either<S::Future, BoxFuture<'static, Result<Response, S::Error>>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let path = request.uri().path();
+        let bound = self.bounds.of(path);
+        let denial =
+            self.bounds.denials.iter().find(|(p, _)| *p == path).map(|(_, denial)| Arc::clone(denial));
         let budget = Arc::clone(&self.budget);
-        self.inner.call(request.map(|body| Body::new(Counted::new(body, budget))))
+        let Some(denial) = denial else {
+            return Either::Left(
+                self.inner.call(request.map(|body| Body::new(Counted::new(body, budget, bound)))),
+            );
+        };
+        // The service that was made ready answers; a fresh clone waits for
+        // the next request (tower's rule for services called from a future).
+        let ready = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, ready);
+        Either::Right(Box::pin(single(inner, request, budget, bound, denial)))
+    }
+}
+
+/// A single-decision call: its message's length prefix is read first; over
+/// `bound`, the call is answered with `denial` and the message never read.
+async fn single<S>(
+    mut inner: S,
+    request: http::Request<Body>,
+    budget: Arc<Budget>,
+    bound: usize,
+    denial: Denial,
+) -> Result<Response, S::Error>
+where
+    S: tower::Service<http::Request<Body>, Response = Response>,
+{
+    let (parts, body) = request.into_parts();
+    let mut body = Counted::new(body, budget, bound);
+    let mut read = VecDeque::new();
+    while !body.prefix_read() {
+        match std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut body), cx)).await {
+            None => break,
+            Some(Ok(frame)) => read.push_back(frame),
+            Some(Err(_)) if body.oversized => return Ok(answer(denial())),
+            Some(Err(status)) => return Ok(status.into_http()),
+        }
+    }
+    let body = Body::new(Queued { frames: read, rest: Some(body) });
+    inner.call(http::Request::from_parts(parts, body)).await
+}
+
+/// A gRPC answer of one message (`message`, encoded) and status OK.
+fn answer(message: Bytes) -> Response {
+    let mut framed = Vec::with_capacity(5 + message.len());
+    framed.push(0);
+    framed.extend_from_slice(&u32::try_from(message.len()).unwrap_or(u32::MAX).to_be_bytes());
+    framed.extend_from_slice(&message);
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    let frames = VecDeque::from([Frame::data(Bytes::from(framed)), Frame::trailers(trailers)]);
+    let mut response = http::Response::new(Body::new(Queued { frames, rest: None }));
+    response
+        .headers_mut()
+        .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/grpc"));
+    response
+}
+
+/// Frames known ahead (a request's read ahead, or a whole answer), then
+/// the rest of the body, if any.
+struct Queued {
+    frames: VecDeque<Frame<Bytes>>,
+    rest: Option<Counted>,
+}
+
+impl http_body::Body for Queued {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        match (this.frames.pop_front(), &mut this.rest) {
+            (Some(frame), _) => Poll::Ready(Some(Ok(frame))),
+            (None, Some(rest)) => http_body::Body::poll_frame(Pin::new(rest), cx),
+            (None, None) => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.frames.is_empty() && self.rest.as_ref().is_none_or(http_body::Body::is_end_stream)
     }
 }
 
@@ -108,6 +261,8 @@ impl<S: tower::Service<http::Request<Body>>> tower::Service<http::Request<Body>>
 struct Counted {
     inner: Body,
     budget: Arc<Budget>,
+    /// The longest message this method takes.
+    bound: usize,
     /// Bytes taken for the message not yet whole: its announced length.
     held: usize,
     /// The gRPC prefix (flag, 4-byte length) being read.
@@ -115,11 +270,30 @@ struct Counted {
     prefix_len: usize,
     /// Bytes of the current message still to come.
     left: usize,
+    /// Messages whose prefix has been read.
+    prefixes: usize,
+    /// A message announced more than `bound`: the request failed.
+    oversized: bool,
 }
 
 impl Counted {
-    fn new(inner: Body, budget: Arc<Budget>) -> Self {
-        Counted { inner, budget, held: 0, prefix: [0; 5], prefix_len: 0, left: 0 }
+    fn new(inner: Body, budget: Arc<Budget>, bound: usize) -> Self {
+        Counted {
+            inner,
+            budget,
+            bound,
+            held: 0,
+            prefix: [0; 5],
+            prefix_len: 0,
+            left: 0,
+            prefixes: 0,
+            oversized: false,
+        }
+    }
+
+    /// Whether the first message's length prefix has been read.
+    fn prefix_read(&self) -> bool {
+        self.prefixes > 0
     }
 
     /// Follows `chunk` through the gRPC framing: each message's announced
@@ -139,13 +313,22 @@ impl Counted {
                 }
                 let [_, a, b, c, d] = self.prefix;
                 self.left = u32::from_be_bytes([a, b, c, d]) as usize;
-                let announced = if self.left > self.budget.max_message { 0 } else { self.left };
-                if !self.budget.take(announced) {
+                self.prefixes += 1;
+                if self.left > self.bound {
+                    self.oversized = true;
+                    self.budget.oversized.fetch_add(1, Ordering::Relaxed);
+                    return Err(Status::resource_exhausted(format!(
+                        "a request message of {} bytes; the limit is {} (grpc.max_message_bytes, \
+                         grpc.max_batch_message_bytes for CheckBatch)",
+                        self.left, self.bound
+                    )));
+                }
+                if !self.budget.take(self.left) {
                     return Err(Status::resource_exhausted(
                         "the service holds grpc.max_request_bytes_in_flight of unfinished requests",
                     ));
                 }
-                self.held = announced;
+                self.held = self.left;
             } else {
                 let take = self.left.min(chunk.len() - at);
                 self.left -= take;
@@ -207,7 +390,7 @@ mod tests {
     }
 
     fn body(budget: &Arc<Budget>) -> Counted {
-        Counted::new(Body::empty(), Arc::clone(budget))
+        Counted::new(Body::empty(), Arc::clone(budget), 1_000)
     }
 
     /// A message's announced length is held from its prefix until it is
@@ -219,7 +402,7 @@ mod tests {
         bytes.extend(message(0));
         bytes.extend(message(50));
         for cut in [3, 40, 65, 105, 112, 130] {
-            let budget = Arc::new(Budget::new(1_000, 1_000));
+            let budget = Arc::new(Budget::new(1_000));
             let mut b = body(&budget);
             b.count(&bytes[..cut]).unwrap();
             // 0..105 the first message (held once its prefix is read), 105..110
@@ -235,7 +418,7 @@ mod tests {
             b.count(&bytes[140..]).unwrap();
             assert_eq!(budget.held(), 0, "cut at {cut}");
         }
-        let budget = Arc::new(Budget::new(1_000, 1_000));
+        let budget = Arc::new(Budget::new(1_000));
         let mut stream = body(&budget);
         stream.count(&bytes[..60]).unwrap();
         assert_eq!(budget.held(), 100);
@@ -246,7 +429,7 @@ mod tests {
     /// Past the budget a message fails its request; others go on.
     #[test]
     fn a_message_past_the_budget_fails_its_request() {
-        let budget = Arc::new(Budget::new(1_500, 1_000));
+        let budget = Arc::new(Budget::new(1_500));
         let (mut a, mut b) = (body(&budget), body(&budget));
         a.count(&message(1_000)[..100]).unwrap();
         let error = b.count(&message(1_000)[..100]).unwrap_err();
@@ -256,9 +439,76 @@ mod tests {
         let mut c = body(&budget);
         c.count(&message(10)).unwrap();
         assert_eq!(budget.held(), 0);
-        // Over grpc.max_message_bytes: tonic refuses it, naming that bound.
+        // Over the method's bound: refused from its prefix, nothing held.
         let mut huge = body(&budget);
-        huge.count(&message(1_001)[..20]).unwrap();
-        assert_eq!(budget.held(), 0);
+        let error = huge.count(&message(1_001)[..20]).unwrap_err();
+        assert!(error.message().contains("grpc.max_message_bytes"), "{error:?}");
+        assert_eq!((budget.held(), budget.oversized(), huge.oversized), (0, 1, true));
+    }
+
+    fn request(path: &str, bytes: Vec<u8>, cut: usize) -> http::Request<Body> {
+        let (first, second) = bytes.split_at(cut);
+        let frames = [Bytes::copy_from_slice(first), Bytes::copy_from_slice(second)]
+            .map(|data| Ok::<_, Status>(Frame::data(data)));
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+        let mut request = http::Request::new(Body::new(body));
+        *request.uri_mut() = path.parse().unwrap();
+        request
+    }
+
+    /// Answers with the bytes of the request body it read.
+    fn echo() -> impl tower::Service<
+        http::Request<Body>,
+        Response = Response,
+        Error = std::convert::Infallible,
+        Future = BoxFuture<'static, Result<Response, std::convert::Infallible>>,
+    > + Clone {
+        tower::service_fn(|request: http::Request<Body>| -> BoxFuture<'static, _> {
+            Box::pin(async move {
+                let bytes = http_body_util::BodyExt::collect(request.into_body()).await.unwrap().to_bytes();
+                Ok(http::Response::new(Body::new(http_body_util::Full::new(bytes))))
+            })
+        })
+    }
+
+    async fn call(layer: &BudgetLayer, request: http::Request<Body>) -> (Option<String>, Bytes) {
+        use tower::{Layer, ServiceExt};
+        let response = layer.layer(echo()).oneshot(request).await.unwrap();
+        let content_type = response.headers().get("content-type").map(|v| v.to_str().unwrap().to_owned());
+        let collected = http_body_util::BodyExt::collect(response.into_body()).await.unwrap();
+        let trailers =
+            collected.trailers().map(|t| t.get("grpc-status").unwrap().to_str().unwrap().to_owned());
+        assert!(
+            content_type.is_none() || trailers.as_deref() == Some("0"),
+            "a denial ends with grpc-status 0"
+        );
+        (content_type, collected.to_bytes())
+    }
+
+    /// A single-decision call over its bound is answered with its denial,
+    /// its message never read; within it, the call sees every byte however
+    /// the prefix was cut; a batch has its own bound.
+    #[tokio::test]
+    async fn an_oversized_single_decision_is_denied_and_others_pass_whole() {
+        let budget = Arc::new(Budget::new(10_000));
+        let layer = BudgetLayer::new(
+            Arc::clone(&budget),
+            MessageBounds {
+                message: 100,
+                batch: 1_000,
+                batch_path: "/s/Batch",
+                denials: vec![("/s/Check", Arc::new(|| Bytes::from_static(b"no")))],
+            },
+        );
+        for cut in [0, 2, 5, 50] {
+            let (grpc, body) = call(&layer, request("/s/Check", message(100), cut)).await;
+            assert_eq!((grpc, body.len()), (None, 105), "cut at {cut}: handed on whole");
+            let (grpc, body) = call(&layer, request("/s/Check", message(101), cut)).await;
+            assert_eq!(grpc.as_deref(), Some("application/grpc"), "cut at {cut}");
+            assert_eq!(&body[..], b"\0\0\0\0\x02no", "cut at {cut}: the denial, framed");
+        }
+        let (grpc, body) = call(&layer, request("/s/Batch", message(1_000), 3)).await;
+        assert_eq!((grpc, body.len()), (None, 1_005));
+        assert_eq!((budget.held(), budget.oversized()), (0, 4));
     }
 }

@@ -346,22 +346,46 @@ async fn grpc_server(
     common::TestServer::start(config).await
 }
 
-/// A request message over `grpc.max_message_bytes` is refused with
-/// RESOURCE_EXHAUSTED (gRPC's code for "larger than the receive limit")
-/// naming both sizes, before it is decoded; the connection keeps serving.
+/// A `Check` or `Report` over `grpc.max_message_bytes` is denied, never
+/// failed (a fail-open proxy would allow on an error), before it is read;
+/// a `CheckStream` item over it fails its stream with RESOURCE_EXHAUSTED;
+/// `CheckBatch` has its own, larger bound. The connection keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oversized_message_is_resource_exhausted() {
+async fn oversized_single_decisions_are_denied_and_batches_bounded_apart() {
+    use ratelimitd::api::pb::{CheckBatchRequest, CheckItem};
     let rules = Rules::new(RULES);
-    let server = grpc_server(&rules, |grpc| grpc.max_message_bytes = 4_096).await;
+    let server = grpc_server(&rules, |grpc| {
+        grpc.max_message_bytes = 4_096;
+        grpc.max_batch_message_bytes = 16_384;
+    })
+    .await;
     let mut client = server.client().await;
     let mut big = request("u", "/limited");
     // 40 headers of 200 bytes: within limits.max_headers and
     // limits.max_header_bytes, but over 4 KiB as a whole.
     big.headers = (0..40).map(|i| (format!("h{i}"), "v".repeat(200))).collect();
-    let status = client.check(big).await.unwrap_err();
+    for answer in
+        [check(&mut client, big.clone()).await, client.report(big.clone()).await.unwrap().into_inner()]
+    {
+        assert!(!answer.allowed, "{answer:?}");
+        assert_eq!((reason(&answer), answer.retry_after_ms), (Reason::RequestTooLarge, -1), "{answer:?}");
+        assert_eq!(answer.cluster_utilization_status, "NORMAL");
+    }
+    // Nothing was counted: 5 of 5 left.
+    assert_eq!(check(&mut client, request("u", "/limited")).await.remaining_tokens, 4);
+    let item = |request| CheckItem { id: 1, request: Some(request) };
+    let mut stream =
+        client.check_stream(futures_util::stream::iter([item(big.clone())])).await.unwrap().into_inner();
+    let status = futures_util::StreamExt::next(&mut stream).await.unwrap().unwrap_err();
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
-    assert!(status.message().contains("the limit is: 4096 bytes"), "{:?}", status.message());
-    // The same connection still answers a normal request.
+    assert!(status.message().contains("grpc.max_message_bytes"), "{:?}", status.message());
+    // A batch of the same item is within its bound; four times over it is not.
+    let batch = client.check_batch(CheckBatchRequest { items: vec![item(big.clone())] }).await.unwrap();
+    assert!(batch.into_inner().results[0].response.as_ref().unwrap().allowed, "decided: 4 left");
+    let status = client.check_batch(CheckBatchRequest { items: vec![item(big); 4] }).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("16384"), "{:?}", status.message());
+    assert_eq!(common::metric(&server, "ratelimitd_grpc_requests_oversized_total").await, Some(4.0));
     assert!(check(&mut client, request("u", "/limited")).await.allowed);
     server.stop().await.unwrap();
 }
@@ -768,9 +792,9 @@ fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     frame
 }
 
-/// Streams that announce a 1 MiB message and send only its first 16 KiB,
-/// 3 connections × 60 of them: the service holds at most
-/// `grpc.max_request_bytes_in_flight` (1 MiB here) of them, fails the rest
+/// Streams that announce a 256 KiB message (`grpc.max_message_bytes`) and
+/// send only its first 16 KiB, 3 connections × 60 of them: the service
+/// holds at most `grpc.max_request_bytes_in_flight` (1 MiB here) of them, fails the rest
 /// with RESOURCE_EXHAUSTED, and frees what it held when the calls pass
 /// `grpc.request_timeout_ms`, the connections still open; then `Check`
 /// answers again. (Each stream used to hold its bytes as long as the
@@ -781,6 +805,7 @@ async fn unfinished_requests_hold_at_most_the_byte_budget() {
     let rules = Rules::new(RULES);
     let server = grpc_server(&rules, |grpc| {
         grpc.max_request_bytes_in_flight = 1 << 20;
+        grpc.max_batch_message_bytes = 1 << 20;
         grpc.request_timeout_ms = 1_000;
     })
     .await;
@@ -789,7 +814,7 @@ async fn unfinished_requests_hold_at_most_the_byte_budget() {
         async move { common::metric(server, series).await.unwrap_or_else(|| panic!("no {series}")) }
     };
     let mut prefix = vec![0u8];
-    prefix.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    prefix.extend_from_slice(&(256u32 << 10).to_be_bytes());
     let mut chunk = prefix;
     chunk.resize(16 * 1024, 7);
     let mut connections = Vec::new();

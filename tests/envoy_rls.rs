@@ -382,8 +382,8 @@ async fn sliding_window_by_default_fixed_window_on_request(backend: Backend) {
 }
 
 /// Empty domain, no descriptors and empty keys are INVALID_ARGUMENT with
-/// the field named; a request limit of an unknown unit is ignored, never
-/// an error a proxy may answer with "allow".
+/// the field named; a request limit of an unknown unit is ignored and an
+/// oversized request denied, never an error a proxy may answer with "allow".
 async fn invalid_requests_are_invalid_argument(backend: Backend) {
     let mut s = start(backend, |_| {}).await;
     let mut no_domain = request(vec![descriptor(&[("user", "x")])]);
@@ -424,6 +424,12 @@ async fn invalid_requests_are_invalid_argument(backend: Backend) {
         answers.iter().map(|c| code(*c)).collect::<Vec<_>>(),
         [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit]
     );
+    // Nor is the request's size: one over grpc.max_message_bytes (the
+    // client's headers copied into many descriptors) is denied unread.
+    let huge = "y".repeat(8_000);
+    let oversized = request((0..40).map(|_| descriptor(&[("user", &huge)])).collect());
+    let r = ask(&mut s.client, oversized).await;
+    assert_eq!((code(r.overall_code), r.statuses.len()), (Code::OverLimit, 0), "{r:?}");
     s.server.stop().await.unwrap();
 }
 

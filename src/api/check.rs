@@ -12,7 +12,7 @@ use futures_util::{
     future::{Either, ready},
 };
 use tokio::sync::Semaphore;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status, Streaming, codegen::Bytes};
 use tracing::Instrument as _;
 
 use super::{
@@ -50,6 +50,20 @@ impl RateLimiterService {
     /// The tonic server wrapper.
     pub fn into_server(self) -> pb::rate_limiter_server::RateLimiterServer<Self> {
         pb::rate_limiter_server::RateLimiterServer::new(self)
+    }
+
+    /// The answer to a `Check` or `Report` whose message is over
+    /// `grpc.max_message_bytes` (never read): denied, never to pass,
+    /// encoded.
+    pub fn too_large(&self) -> Bytes {
+        let answer = pb::RateLimitResponse {
+            allowed: false,
+            retry_after_ms: -1,
+            cluster_utilization_status: self.engine.shedder().level().as_str().to_owned(),
+            reason: pb::Reason::RequestTooLarge as i32,
+            ..Default::default()
+        };
+        Bytes::from(prost::Message::encode_to_vec(&answer))
     }
 }
 

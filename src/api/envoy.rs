@@ -45,6 +45,14 @@ impl EnvoyService {
         RateLimitServiceServer::new(self)
     }
 
+    /// The answer to a `ShouldRateLimit` whose message is over
+    /// `grpc.max_message_bytes` (never read): `OVER_LIMIT`, encoded. Envoy
+    /// answers its client 429 whatever its `failure_mode_deny`.
+    pub fn too_large(&self) -> tonic::codegen::Bytes {
+        let answer = RateLimitResponse { overall_code: Code::OverLimit as i32, ..Default::default() };
+        tonic::codegen::Bytes::from(prost::Message::encode_to_vec(&answer))
+    }
+
     /// Refuses only broken structure (empty domain, no descriptors, an
     /// empty entry list or key) and the counts Envoy's own configuration
     /// bounds (domain length, descriptors, entries). An entry's size never

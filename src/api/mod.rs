@@ -13,6 +13,19 @@ pub mod lenient;
 mod wire;
 pub mod xds;
 
+/// gRPC paths of the calls whose request size is bounded apart: the
+/// single-decision calls (denied when oversized) and the batch.
+pub mod paths {
+    /// `ratelimit.v1.RateLimiter/Check`.
+    pub const CHECK: &str = "/ratelimit.v1.RateLimiter/Check";
+    /// `ratelimit.v1.RateLimiter/Report`.
+    pub const REPORT: &str = "/ratelimit.v1.RateLimiter/Report";
+    /// `ratelimit.v1.RateLimiter/CheckBatch`.
+    pub const CHECK_BATCH: &str = "/ratelimit.v1.RateLimiter/CheckBatch";
+    /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
+    pub const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+}
+
 pub use check::{MAX_BATCH_ITEMS, RateLimiterService, STREAM_IN_FLIGHT};
 
 /// Encoded `FileDescriptorSet` of the native API, for server reflection:

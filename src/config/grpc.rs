@@ -19,10 +19,19 @@ pub struct GrpcConfig {
     /// NOT_SERVING (and `/readyz` 503), so load balancers stop sending before
     /// the listener closes. Behind Kubernetes or Envoy a few seconds is usual.
     pub drain_delay_ms: u64,
-    /// Largest accepted request message, in bytes; a larger one is refused
-    /// with RESOURCE_EXHAUSTED before it is decoded. The default is above
-    /// what the field bounds (`limits.*`, `envoy.max_*`) allow.
+    /// Largest request message, in bytes, of every method but `CheckBatch`;
+    /// read from the message's length prefix, before it is buffered. A
+    /// larger `Check`, `Report` or `ShouldRateLimit` is denied (reason
+    /// `REQUEST_TOO_LARGE`, Envoy `OVER_LIMIT`), never failed: a proxy that
+    /// fails open would allow on an error, and an Envoy request grows with
+    /// the headers its client sends. A larger `CheckStream` item fails the
+    /// stream with RESOURCE_EXHAUSTED. Real requests are a few hundred
+    /// bytes; the default takes Envoy's default header limit (60 KiB)
+    /// copied into four descriptors.
     pub max_message_bytes: usize,
+    /// Largest `CheckBatch` request message, in bytes; a larger one is
+    /// refused with RESOURCE_EXHAUSTED before it is buffered.
+    pub max_batch_message_bytes: usize,
     /// Most requests (HTTP/2 streams) open at once on one connection,
     /// advertised in the server's SETTINGS; a client opens more only as
     /// others finish. With `max_message_bytes` it bounds what one connection
@@ -132,7 +141,8 @@ impl Default for GrpcConfig {
             listen: "0.0.0.0:8081".to_owned(),
             shutdown_grace_ms: 10_000,
             drain_delay_ms: 0,
-            max_message_bytes: 1 << 20,
+            max_message_bytes: 256 << 10,
+            max_batch_message_bytes: 4 << 20,
             max_concurrent_streams: 1_024,
             max_connections: 10_000,
             max_request_bytes_in_flight: 128 << 20,
@@ -166,10 +176,16 @@ impl GrpcConfig {
         if !(1..=1 << 20).contains(&self.max_concurrent_streams) {
             return Err(invalid("grpc.max_concurrent_streams", "must be between 1 and 1048576"));
         }
-        if self.max_request_bytes_in_flight < self.max_message_bytes {
+        if !(self.max_message_bytes..=64 << 20).contains(&self.max_batch_message_bytes) {
+            return Err(invalid(
+                "grpc.max_batch_message_bytes",
+                format!("must be between grpc.max_message_bytes ({}) and 67108864", self.max_message_bytes),
+            ));
+        }
+        if self.max_request_bytes_in_flight < self.max_batch_message_bytes {
             return Err(invalid(
                 "grpc.max_request_bytes_in_flight",
-                format!("must be at least grpc.max_message_bytes ({})", self.max_message_bytes),
+                format!("must be at least grpc.max_batch_message_bytes ({})", self.max_batch_message_bytes),
             ));
         }
         if !(1..=1 << 20).contains(&self.max_connections) {

@@ -19,9 +19,12 @@ pub struct HttpConfig {
     /// probes need a few; the bound keeps idle connections from taking the
     /// descriptors gRPC needs.
     pub max_connections: usize,
-    /// A connection that sends nothing for this long is closed (a request
-    /// trickled in byte by byte is closed at `max_connection_age_ms`).
+    /// A connection that sends nothing for this long is closed.
     pub idle_timeout_ms: u64,
+    /// A request's head (request line and headers) must be whole this long
+    /// after its first byte, or the connection is closed: a request
+    /// trickled in byte by byte cannot hold a place.
+    pub header_read_timeout_ms: u64,
     /// A connection is closed this long after it opened, whatever it does
     /// (a scraper reconnects: keep-alive still saves the handshakes in
     /// between).
@@ -35,6 +38,7 @@ impl Default for HttpConfig {
             health_interval_ms: 1_000,
             max_connections: 64,
             idle_timeout_ms: 10_000,
+            header_read_timeout_ms: 5_000,
             max_connection_age_ms: 60_000,
         }
     }
@@ -54,6 +58,7 @@ impl HttpConfig {
         }
         for (key, ms) in [
             ("http.idle_timeout_ms", self.idle_timeout_ms),
+            ("http.header_read_timeout_ms", self.header_read_timeout_ms),
             ("http.max_connection_age_ms", self.max_connection_age_ms),
         ] {
             if !(100..=3_600_000).contains(&ms) {

@@ -23,7 +23,7 @@ use tonic::transport::server::TcpIncoming;
 use self::parts::Tasks;
 use crate::{
     api::{EnvoyService, RateLimiterService},
-    budget::{Budget, BudgetLayer},
+    budget::{Budget, BudgetLayer, Denial, MessageBounds},
     config::Config,
     decision::Engine,
     dlq::DlqSink,
@@ -162,8 +162,7 @@ pub async fn run_observed(
     };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &metrics, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());
-    let budget =
-        Arc::new(Budget::new(config.grpc.max_request_bytes_in_flight, config.grpc.max_message_bytes));
+    let budget = Arc::new(Budget::new(config.grpc.max_request_bytes_in_flight));
     metrics.set_sources(Sources {
         shedder: Arc::clone(&shedder),
         dlq: Arc::clone(&dlq),
@@ -381,16 +380,43 @@ fn grpc_router(
     let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
         .build_v1alpha()
         .map_err(|e| ServerError::Reflection(e.to_string()))?;
-    let max_message = config.grpc.max_message_bytes;
+    let bounds = message_bounds(&config.grpc, &check, envoy.as_ref());
+    // The layer bounds each method; tonic's bound is the largest of them.
+    let max_message = bounds.batch;
     let rewrite: fn(Response) -> Response = oversized_is_resource_exhausted;
     Ok(transport(&config.grpc)
         .layer(tower::util::MapResponseLayer::new(rewrite))
-        .layer(BudgetLayer(Arc::clone(budget)))
+        .layer(BudgetLayer::new(Arc::clone(budget), bounds))
         .add_service(check.into_server().max_decoding_message_size(max_message))
         .add_optional_service(envoy.map(|envoy| envoy.into_server().max_decoding_message_size(max_message)))
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha))
+}
+
+/// Each method's message bound (`grpc.max_message_bytes`, the batch's
+/// `grpc.max_batch_message_bytes`), and the denials of oversized
+/// single-decision calls.
+fn message_bounds(
+    grpc: &crate::config::GrpcConfig,
+    check: &RateLimiterService,
+    envoy: Option<&EnvoyService>,
+) -> MessageBounds {
+    use crate::api::paths;
+    let native: Denial = Arc::new({
+        let check = check.clone();
+        move || check.too_large()
+    });
+    let mut denials = vec![(paths::CHECK, Arc::clone(&native)), (paths::REPORT, native)];
+    if let Some(envoy) = envoy.cloned() {
+        denials.push((paths::SHOULD_RATE_LIMIT, Arc::new(move || envoy.too_large())));
+    }
+    MessageBounds {
+        message: grpc.max_message_bytes,
+        batch: grpc.max_batch_message_bytes,
+        batch_path: paths::CHECK_BATCH,
+        denials,
+    }
 }
 
 /// The HTTP/2 settings of the gRPC server: streams per connection,

@@ -664,6 +664,7 @@ pub(crate) async fn health(
             max_connections: config.http.max_connections,
             idle_timeout: Duration::from_millis(config.http.idle_timeout_ms),
             max_age: Duration::from_millis(config.http.max_connection_age_ms),
+            header_read_timeout: Duration::from_millis(config.http.header_read_timeout_ms),
         };
         tasks.spawn(serve_http(http, limits, Arc::clone(&health), Arc::clone(metrics), stop));
     }

@@ -4,8 +4,9 @@
 //! while none is free the listener is not polled, so further connections
 //! wait in the kernel's backlog without taking a descriptor. A connection
 //! that sends nothing for the idle timeout, or that reaches its age (a
-//! request trickled in byte by byte, a client that never reads the
-//! answer), is closed. So idle or slow clients of `/metrics` can hold
+//! client that never reads the answer), is closed; a request head trickled
+//! in byte by byte is cut by the server's header-read deadline
+//! (`http.header_read_timeout_ms`, [`super::health`]). So idle or slow clients of `/metrics` can hold
 //! neither the descriptors nor the memory gRPC needs. Accept errors (no
 //! descriptor left) are retried after a pause by axum's own listener.
 
@@ -34,6 +35,8 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// Closed this long after being accepted.
     pub max_age: Duration,
+    /// A request's head must be whole this long after its first byte.
+    pub header_read_timeout: Duration,
 }
 
 /// A listener whose connections are [`Bounded`].
@@ -166,6 +169,7 @@ mod tests {
         max_connections: 2,
         idle_timeout: Duration::from_millis(300),
         max_age: Duration::from_secs(3_600),
+        header_read_timeout: Duration::from_secs(3_600),
     };
 
     /// Two places: a third connection is not accepted until one closes.

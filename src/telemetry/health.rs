@@ -254,7 +254,7 @@ pub async fn serve_http(
     limits: super::conns::Limits,
     health: Arc<Health>,
     metrics: Arc<Metrics>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
     let app = Router::new()
         .route("/metrics", get(metrics_handler))
@@ -262,13 +262,45 @@ pub async fn serve_http(
         .route("/readyz", get(ready_handler))
         .route("/healthcheck", get(healthcheck_handler))
         .with_state(HttpState { health, metrics });
-    let stopped = async move {
-        let _ = shutdown.changed().await;
-    };
-    let listener = super::conns::Capped::new(listener, limits);
-    if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(stopped).await {
-        tracing::error!(error = %e, "http server failed");
+    serve_bounded(super::conns::Capped::new(listener, limits), app, limits.header_read_timeout, shutdown)
+        .await;
+}
+
+/// HTTP/1.1 on `listener` until `shutdown`: each connection must send a
+/// request's whole head within `header_read_timeout` of its first byte
+/// (hyper's deadline, which axum's own server leaves off), then closes
+/// gracefully at shutdown; returns when every connection is closed.
+async fn serve_bounded(
+    mut listener: super::conns::Capped<TcpListener>,
+    app: Router,
+    header_read_timeout: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    use axum::serve::Listener as _;
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let io = tokio::select! {
+            (io, _) = listener.accept() => io,
+            _ = shutdown.changed() => break,
+        };
+        while connections.try_join_next().is_some() {}
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let mut stop = shutdown.clone();
+        connections.spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(header_read_timeout);
+            let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+            tokio::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                _ = stop.changed() => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = connection.await;
+                }
+            }
+        });
     }
+    while connections.join_next().await.is_some() {}
 }
 
 async fn metrics_handler(State(state): State<HttpState>) -> impl IntoResponse {
@@ -289,4 +321,63 @@ async fn healthcheck_handler(State(state): State<HttpState>) -> axum::response::
 async fn ready_handler(State(state): State<HttpState>) -> impl IntoResponse {
     let (ready, why) = state.health.readiness();
     (if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, why + "\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::{
+        io::{AsyncReadExt as _, AsyncWriteExt as _},
+        net::{TcpListener, TcpStream},
+        sync::watch,
+    };
+
+    use super::*;
+
+    /// A request head trickled in a byte at a time, each byte well within
+    /// the idle timeout, is cut at the header-read deadline; a prompt
+    /// request on the next connection is answered; shutdown returns.
+    #[tokio::test]
+    async fn a_trickled_request_head_is_cut_at_its_deadline() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = super::super::conns::Limits {
+            max_connections: 1,
+            idle_timeout: Duration::from_secs(10),
+            max_age: Duration::from_secs(60),
+            header_read_timeout: Duration::from_millis(300),
+        };
+        let app = Router::new().route("/healthz", get(|| async { "ok\n" }));
+        let (stop, stopped) = watch::channel(false);
+        let server = tokio::spawn(serve_bounded(
+            super::super::conns::Capped::new(listener, limits),
+            app,
+            limits.header_read_timeout,
+            stopped,
+        ));
+        let mut slow = TcpStream::connect(addr).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let mut cut = None;
+        for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa" {
+            if slow.write_all(&[*byte]).await.is_err() {
+                cut = Some(started.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), slow.read_to_end(&mut rest)).await;
+        let cut = cut.unwrap_or_else(|| started.elapsed());
+        assert!(read.is_ok(), "the connection is closed");
+        assert!(cut < Duration::from_secs(3), "closed after {cut:?}, the head still incomplete");
+        // Its place is free again (max_connections 1): a prompt request is answered.
+        let mut prompt = TcpStream::connect(addr).await.unwrap();
+        prompt.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut answer = String::new();
+        prompt.read_to_string(&mut answer).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("ok\n"), "{answer}");
+        stop.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server).await.unwrap().unwrap();
+    }
 }

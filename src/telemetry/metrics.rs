@@ -349,6 +349,13 @@ fn render_sources(out: &mut String, s: &Sources) {
             "Requests failed with RESOURCE_EXHAUSTED: their bytes would pass grpc.max_request_bytes_in_flight.",
         );
         let _ = writeln!(out, "ratelimitd_grpc_requests_over_budget_total {}", budget.refused());
+        header(
+            out,
+            "ratelimitd_grpc_requests_oversized_total",
+            "counter",
+            "Requests whose message was over grpc.max_message_bytes (grpc.max_batch_message_bytes for CheckBatch): a Check, Report or ShouldRateLimit denied unread, others failed with RESOURCE_EXHAUSTED.",
+        );
+        let _ = writeln!(out, "ratelimitd_grpc_requests_oversized_total {}", budget.oversized());
     }
     header(
         out,
