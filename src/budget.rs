@@ -200,17 +200,19 @@ where
 {
     let (parts, body) = request.into_parts();
     let mut body = Counted::new(body, budget, bound);
-    let mut read = VecDeque::new();
+    // Usually one frame holds the prefix: `first` spares an allocation.
+    let (mut first, mut more) = (None, VecDeque::new());
     while !body.prefix_read() {
         match std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut body), cx)).await {
             None => break,
-            Some(Ok(frame)) => read.push_back(frame),
+            Some(Ok(frame)) if first.is_none() => first = Some(frame),
+            Some(Ok(frame)) => more.push_back(frame),
             Some(Err(_)) if body.oversized => return Ok(answer(denial())),
             Some(Err(status)) => return Ok(status.into_http()),
         }
     }
-    let body = Body::new(Queued { frames: read, rest: Some(body) });
-    inner.call(http::Request::from_parts(parts, body)).await
+    (body.first, body.more) = (first, more);
+    inner.call(http::Request::from_parts(parts, Body::new(body))).await
 }
 
 /// A gRPC answer of one message (`message`, encoded) and status OK.
@@ -221,39 +223,38 @@ fn answer(message: Bytes) -> Response {
     framed.extend_from_slice(&message);
     let mut trailers = http::HeaderMap::new();
     trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-    let frames = VecDeque::from([Frame::data(Bytes::from(framed)), Frame::trailers(trailers)]);
-    let mut response = http::Response::new(Body::new(Queued { frames, rest: None }));
+    let mut response =
+        http::Response::new(Body::new(Answer { data: Some(Bytes::from(framed)), trailers: Some(trailers) }));
     response
         .headers_mut()
         .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/grpc"));
     response
 }
 
-/// Frames known ahead (a request's read ahead, or a whole answer), then
-/// the rest of the body, if any.
-struct Queued {
-    frames: VecDeque<Frame<Bytes>>,
-    rest: Option<Counted>,
+/// The body of [`answer`]: one data frame, then the trailers.
+struct Answer {
+    data: Option<Bytes>,
+    trailers: Option<http::HeaderMap>,
 }
 
-impl http_body::Body for Queued {
+impl http_body::Body for Answer {
     type Data = Bytes;
     type Error = Status;
 
     fn poll_frame(
         self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
+        _: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.get_mut();
-        match (this.frames.pop_front(), &mut this.rest) {
-            (Some(frame), _) => Poll::Ready(Some(Ok(frame))),
-            (None, Some(rest)) => http_body::Body::poll_frame(Pin::new(rest), cx),
-            (None, None) => Poll::Ready(None),
-        }
+        let frame = match this.data.take() {
+            Some(data) => Some(Frame::data(data)),
+            None => this.trailers.take().map(Frame::trailers),
+        };
+        Poll::Ready(frame.map(Ok))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.frames.is_empty() && self.rest.as_ref().is_none_or(http_body::Body::is_end_stream)
+        self.data.is_none() && self.trailers.is_none()
     }
 }
 
@@ -274,6 +275,10 @@ struct Counted {
     prefixes: usize,
     /// A message announced more than `bound`: the request failed.
     oversized: bool,
+    /// Frames read (and counted) ahead, handed on first: `first`, then
+    /// `more` (only when the prefix came in pieces).
+    first: Option<Frame<Bytes>>,
+    more: VecDeque<Frame<Bytes>>,
 }
 
 impl Counted {
@@ -288,6 +293,8 @@ impl Counted {
             left: 0,
             prefixes: 0,
             oversized: false,
+            first: None,
+            more: VecDeque::new(),
         }
     }
 
@@ -353,6 +360,9 @@ impl http_body::Body for Counted {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.get_mut();
+        if let Some(frame) = this.first.take().or_else(|| this.more.pop_front()) {
+            return Poll::Ready(Some(Ok(frame)));
+        }
         let frame = match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => frame,
             other => return other,
@@ -364,7 +374,7 @@ impl http_body::Body for Counted {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.first.is_none() && self.more.is_empty() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
