@@ -76,7 +76,7 @@ fn rules(command: RulesCommand, config: &Config) -> ExitCode {
 /// Loads and validates the configuration; on error prints it and returns exit 64.
 fn load_config(config_file: Option<&std::path::Path>) -> Result<Config, ExitCode> {
     Config::load(config_file, std::env::vars().collect()).map_err(|e| {
-        eprintln!("ratelimitd: {e}");
+        fatal(&e.to_string());
         ExitCode::from(cli::EXIT_USAGE)
     })
 }
@@ -91,7 +91,7 @@ fn serve(config_file: Option<&std::path::Path>) -> ExitCode {
         // Inside the runtime: the OTLP batch exporter runs on it.
         let tracing = rt.block_on(async { telemetry::traces::init(&config.log, &config.telemetry) })?;
         raise_descriptor_limit();
-        let served = rt.block_on(async {
+        let served: anyhow::Result<()> = rt.block_on(async {
             let addr = config.grpc_addr();
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
@@ -103,11 +103,19 @@ fn serve(config_file: Option<&std::path::Path>) -> ExitCode {
             server::run(config, listener, Some(http), signal::shutdown()).await?;
             Ok(())
         });
+        // In the log's format, before the log's writer is flushed and closed.
+        if let Err(error) = &served {
+            tracing::error!("ratelimitd failed: {error:#}");
+        }
         // Flushes spans still buffered, while the runtime still runs.
         drop(tracing);
-        served
+        Ok(served.is_ok())
     });
-    result.map_or_else(report, |()| ExitCode::SUCCESS)
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(error) => report(error),
+    }
 }
 
 /// Raises the soft limit on open descriptors to the hard one: a service
@@ -137,8 +145,30 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     builder.build().context("cannot start the tokio runtime")
 }
 
+/// A command's failure, or the service's before its log started.
 fn report(error: anyhow::Error) -> ExitCode {
-    tracing::error!(error = format!("{error:#}"), "ratelimitd failed");
-    eprintln!("ratelimitd: {error:#}");
+    fatal(&format!("{error:#}"));
     ExitCode::FAILURE
+}
+
+/// Writes a failure that happened where no log runs (the configuration
+/// does not load, the log cannot start) to stderr: one JSON object like
+/// the log's own lines when the environment asks for JSON logs
+/// (`RATELIMITD__LOG__FORMAT=json`, or upstream's `LOG_FORMAT=json` in
+/// compat mode), so a log collector parsing JSON keeps it; plain text
+/// otherwise.
+fn fatal(message: &str) {
+    let env = |name: &str| std::env::var(name).is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    let compat = std::env::var(ratelimitd::config::compat::COMPAT_VAR).is_ok_and(|v| !v.is_empty());
+    if env("RATELIMITD__LOG__FORMAT") || (compat && env("LOG_FORMAT")) {
+        let line = serde_json::json!({
+            "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+            "level": "ERROR",
+            "fields": { "message": format!("ratelimitd failed: {message}") },
+            "target": "ratelimitd",
+        });
+        eprintln!("{line}");
+    } else {
+        eprintln!("ratelimitd: {message}");
+    }
 }

@@ -269,17 +269,38 @@ fn serve_from_root_with_only_envoy_rules() {
     assert!(log.contains("serving envoy.service.ratelimit.v3.RateLimitService"), "{log}");
 }
 
-/// A rule path that cannot be read fails startup with its cause said once.
+/// A rule path that cannot be read fails startup with its cause said once,
+/// in the log; with JSON logs as one JSON line, and so is an invalid
+/// configuration (before the log starts).
 #[test]
 fn a_missing_rule_path_says_its_cause_once() {
+    let cause =
+        "ratelimitd failed: rules: /nonexistent/rules: cannot read: No such file or directory (os error 2)";
     let out = ratelimitd(&["serve"], &[("RATELIMITD__RULES__PATH", "/nonexistent/rules")]);
     assert_eq!(out.status.code(), Some(1));
     let text = stderr(&out);
-    let line = text.lines().find(|l| l.starts_with("ratelimitd: ")).unwrap_or_default();
+    assert_eq!(text.lines().filter(|l| l.contains("ratelimitd failed")).count(), 1, "{text}");
+    assert!(text.lines().any(|l| l.contains(" ERROR ") && l.ends_with(cause)), "{text}");
+
+    let json = [("RATELIMITD__RULES__PATH", "/nonexistent/rules"), ("RATELIMITD__LOG__FORMAT", "json")];
+    let out = ratelimitd(&["serve"], &json);
+    assert_eq!(out.status.code(), Some(1));
+    let failed: Vec<serde_json::Value> = stderr(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .filter(|l: &serde_json::Value| l["fields"]["message"].as_str().is_some_and(|m| m.contains("failed")))
+        .collect();
+    assert_eq!(failed.len(), 1, "{failed:?}");
     assert_eq!(
-        line,
-        "ratelimitd: rules: /nonexistent/rules: cannot read: No such file or directory (os error 2)"
+        (failed[0]["level"].as_str(), failed[0]["fields"]["message"].as_str()),
+        (Some("ERROR"), Some(cause))
     );
+
+    let out = ratelimitd(&["serve"], &[("RATELIMITD__REDIS__TIMEOUT_MS", "soon"), json[1]]);
+    assert_eq!(out.status.code(), Some(64));
+    let line: serde_json::Value = serde_json::from_str(stderr(&out).trim()).expect("one JSON line");
+    assert_eq!(line["level"], "ERROR");
+    assert!(line["fields"]["message"].as_str().unwrap().contains("redis.timeout_ms"), "{line}");
 }
 
 #[test]

@@ -173,7 +173,8 @@ async fn limits_count_down_per_value_with_upstream_fields(backend: Backend) {
 /// envoyproxy/ratelimit's families on `/metrics`, with the labels its
 /// Prometheus mapping gives: hits, within, near (past 80%), over and shadow
 /// per limit; a `detailed_metric` limit by value, sanitized; malformed
-/// requests as `service_error`. Off, none of them.
+/// requests as `service_error`; every call in `total_requests` and the
+/// decided ones in `response_time_seconds`. Off, none of them.
 async fn upstream_metrics_count_as_upstream(backend: Backend) {
     let mut s = start(backend, |_| {}).await;
     for _ in 0..7 {
@@ -199,8 +200,14 @@ async fn upstream_metrics_count_as_upstream(backend: Backend) {
         r#"ratelimit_service_rate_limit_within_limit{domain="edge",key1="tenant_acme",key2="user"} 1"#,
         r#"ratelimit_service_should_rate_limit_error{err_type="service_error"} 1"#,
         r#"ratelimit_service_config_load_success 1"#,
+        // Its server families: 13 calls, 12 decided and one refused.
+        r#"ratelimit_service_total_requests{grpc_method="ShouldRateLimit"} 13"#,
+        r#"ratelimit_service_response_time_seconds_count{grpc_method="ShouldRateLimit"} 12"#,
+        r#"ratelimit_service_response_time_seconds_bucket{grpc_method="ShouldRateLimit",le="+Inf"} 12"#,
     ] {
-        assert!(scrape.lines().any(|l| l == line), "missing {line}");
+        let family = line.split(['{', ' ']).next().unwrap();
+        let seen: Vec<&str> = scrape.lines().filter(|l| l.starts_with(family)).collect();
+        assert!(scrape.lines().any(|l| l == line), "missing {line}; {family}: {seen:?}");
     }
     s.server.stop().await.unwrap();
 
@@ -563,5 +570,43 @@ async fn one_envoy_connection_still_shares_the_store_by_tenant() {
     ] {
         assert!(scrape.lines().any(|l| l == line), "missing {line}");
     }
+    s.server.stop().await.unwrap();
+}
+
+/// `telemetry.statsd_addr`: upstream's counters arrive over UDP under
+/// upstream's names; an address that does not resolve (a statsd pod not
+/// yet up) is tried again, never fatal: the service starts and decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statsd_gets_upstream_counters_and_an_unresolved_host_is_not_fatal() {
+    let receiver = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    receiver.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let addr = receiver.local_addr().unwrap().to_string();
+    let mut s = start(Backend::Memory, |c| {
+        c.telemetry.statsd_addr = Some(addr);
+        c.telemetry.statsd_flush_interval_ms = 100;
+    })
+    .await;
+    ask(&mut s.client, request(vec![descriptor(&[("user", "statsd")])])).await;
+    let expected = "ratelimit.service.rate_limit.edge.user.total_hits:1|c";
+    let lines = tokio::task::spawn_blocking(move || {
+        let (mut buf, mut lines) = ([0u8; 4096], Vec::<String>::new());
+        while !lines.iter().any(|l| l == expected) {
+            let n = receiver.recv(&mut buf).expect("a datagram within 5 s");
+            lines.extend(String::from_utf8_lossy(&buf[..n]).lines().map(str::to_owned));
+        }
+        lines
+    })
+    .await;
+    assert!(lines.is_ok(), "{expected} received");
+    s.server.stop().await.unwrap();
+
+    let mut s = start(Backend::Memory, |c| {
+        c.telemetry.statsd_addr = Some("statsd.invalid:8125".to_owned());
+        c.telemetry.statsd_flush_interval_ms = 100;
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let answer = ask(&mut s.client, request(vec![descriptor(&[("user", "x")])])).await;
+    assert_eq!(code(answer.overall_code), Code::Ok);
     s.server.stop().await.unwrap();
 }

@@ -16,6 +16,7 @@
 mod capture;
 pub mod compat;
 mod dlq;
+mod environment;
 mod envoy;
 mod grpc;
 mod http;
@@ -114,6 +115,11 @@ pub struct Config {
     /// (`RATELIMITD_COMPAT=envoyproxy`), logged once at start.
     #[serde(skip)]
     pub compat: compat::Compat,
+    /// What the environment set that is not honoured as written (a
+    /// misspelt `RATELIMITD_…` name, an OpenTelemetry protocol other than
+    /// gRPC), logged once at start.
+    #[serde(skip)]
+    pub notes: Vec<String>,
 }
 
 /// Where state that must survive a restart (the dead-letter file and spool)
@@ -134,6 +140,8 @@ impl Config {
     /// process environment in production and a plain map in tests.
     pub fn load(file: Option<&Path>, mut env: HashMap<String, String>) -> Result<Self, ConfigError> {
         let compat = compat::apply(&mut env)?;
+        let mut notes = environment::unread(&env);
+        notes.extend(environment::otel(&mut env));
         let state = state_dir(&env);
         let mut builder = config::Config::builder()
             .set_default("dlq.file", path_value(&state.join("dlq.jsonl")))
@@ -160,6 +168,7 @@ impl Config {
         let mut config: Config = raw.try_deserialize().map_err(|e| ConfigError::Load(e.to_string()))?;
         config.validate()?;
         config.compat = compat;
+        config.notes = notes;
         Ok(config)
     }
 

@@ -63,9 +63,6 @@ pub enum ServerError {
     /// The xDS subscription cannot be set up (a TLS file).
     #[error("{0}")]
     Xds(String),
-    /// The statsd address (`telemetry.statsd_addr`) does not resolve.
-    #[error("telemetry.statsd_addr {0}")]
-    Statsd(String),
     /// TCP keepalive (`grpc.tcp_keepalive_ms`) cannot be set on the listener.
     #[error("grpc.tcp_keepalive_ms: {0}")]
     Keepalive(std::io::Error),
@@ -147,10 +144,13 @@ pub async fn run_observed(
         metrics
     });
     if let Some(addr) = &config.telemetry.statsd_addr {
-        let client = crate::telemetry::statsd::client(addr)
-            .map_err(|e| ServerError::Statsd(format!("{addr}: {e}")))?;
         let interval = Duration::from_millis(config.telemetry.statsd_flush_interval_ms);
-        tasks.spawn(crate::telemetry::statsd::run(Arc::clone(&metrics), client, interval, tasks.stopper()));
+        tasks.spawn(crate::telemetry::statsd::run(
+            Arc::clone(&metrics),
+            addr.clone(),
+            interval,
+            tasks.stopper(),
+        ));
     }
     let local = parts::local(&config, &store, &mut tasks);
     let layers = parts::Layers {
@@ -337,6 +337,9 @@ fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, st
             dlq = %config.dlq.file.display(),
             "embedded defaults: in-memory counters (redis.url unset), failed decisions to a local file (dlq.kafka.brokers unset)"
         );
+    }
+    for note in &config.notes {
+        tracing::warn!("{note}");
     }
     for (variable, why) in &config.compat.ignored {
         tracing::warn!(

@@ -313,8 +313,35 @@ impl Metrics {
         }
         if let Some(upstream) = &self.upstream {
             upstream.render(&mut out, self.envoy_loads());
+            self.render_upstream_server(&mut out);
         }
         out
+    }
+
+    /// envoyproxy/ratelimit's server families (its statsd exporter mapping
+    /// of `ratelimit_server.ShouldRateLimit.*`): every `ShouldRateLimit`
+    /// call, decided or refused, and the time to decide, in seconds.
+    fn render_upstream_server(&self, out: &mut String) {
+        let latency = &self.decision_latency[Api::Envoy as usize];
+        let refused: u64 = self
+            .refused
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|((api, _), _)| *api == Api::Envoy)
+            .map(|(_, count)| count.load(Ordering::Relaxed))
+            .sum();
+        let name = "ratelimit_service_total_requests";
+        header(out, name, "counter", "ShouldRateLimit calls (envoyproxy/ratelimit's name).");
+        let _ = writeln!(out, "{name}{{grpc_method=\"ShouldRateLimit\"}} {}", latency.count() + refused);
+        let name = "ratelimit_service_response_time_seconds";
+        header(
+            out,
+            name,
+            "histogram",
+            "Time to decide one ShouldRateLimit (envoyproxy/ratelimit's name; this service's buckets).",
+        );
+        latency.render(out, name, "grpc_method=\"ShouldRateLimit\"");
     }
 }
 

@@ -8,7 +8,9 @@
 //! `ratelimit.service.config_load_success`, …), so a statsd-exporter fed
 //! by upstream keeps its mapping. Sending is UDP through cadence's
 //! buffered sink, off the decision path; a lost datagram loses that
-//! interval's deltas, as with upstream.
+//! interval's deltas, as with upstream. An address that does not resolve
+//! (a statsd pod not yet up) is tried again at every flush, warned about
+//! once, and never stops the service; its deltas wait for the first send.
 
 use std::{collections::HashMap, net::UdpSocket, sync::Arc, time::Duration};
 
@@ -17,22 +19,34 @@ use tokio::sync::watch;
 
 use super::{Metrics, upstream::Totals};
 
-/// Sends the deltas of `metrics`' upstream counters through `client`
+/// Sends the deltas of `metrics`' upstream counters to `addr` (`host:port`)
 /// every `interval` until `stop` turns true (one last flush then).
-pub async fn run(
-    metrics: Arc<Metrics>,
-    client: StatsdClient,
-    interval: Duration,
-    mut stop: watch::Receiver<bool>,
-) {
+pub async fn run(metrics: Arc<Metrics>, addr: String, interval: Duration, mut stop: watch::Receiver<bool>) {
     let mut sent = HashMap::new();
+    let mut client = None;
+    let mut warned = false;
     loop {
         tokio::select! {
             () = tokio::time::sleep(interval) => {}
             _ = stop.changed() => {}
         }
-        if let Some(totals) = metrics.upstream_totals() {
-            flush(&client, &totals, &mut sent);
+        if client.is_none() {
+            match self::client(&addr).await {
+                Ok(ready) => {
+                    if warned {
+                        tracing::info!(addr, "statsd: sending");
+                    }
+                    client = Some(ready);
+                }
+                Err(error) if !warned => {
+                    warned = true;
+                    tracing::warn!(addr, error, "statsd: cannot send; tried again at every flush");
+                }
+                Err(_) => {}
+            }
+        }
+        if let (Some(client), Some(totals)) = (&client, metrics.upstream_totals()) {
+            flush(client, &totals, &mut sent);
         }
         if *stop.borrow() {
             return;
@@ -42,9 +56,9 @@ pub async fn run(
 
 /// A client sending to `addr` (`host:port`, resolved now) from a
 /// non-blocking UDP socket.
-pub fn client(addr: &str) -> Result<StatsdClient, String> {
-    use std::net::ToSocketAddrs as _;
-    let target = addr.to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or("resolves to no address")?;
+pub async fn client(addr: &str) -> Result<StatsdClient, String> {
+    let mut targets = tokio::net::lookup_host(addr).await.map_err(|e| e.to_string())?;
+    let target = targets.next().ok_or("resolves to no address")?;
     // The socket's family must be the target's (`localhost` may be ::1).
     let local = if target.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" };
     let socket = UdpSocket::bind(local).map_err(|e| e.to_string())?;
@@ -77,7 +91,7 @@ mod tests {
     async fn sends_upstream_names_and_only_what_changed() {
         let receiver = UdpSocket::bind("127.0.0.1:0").unwrap();
         receiver.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let client = client(&receiver.local_addr().unwrap().to_string()).unwrap();
+        let client = client(&receiver.local_addr().unwrap().to_string()).await.unwrap();
         let metrics = Metrics::new("memory").with_upstream(10);
         let hits = LimitHits { total: 3, over: 1, within: 2, ..LimitHits::default() };
         metrics.limit_hits("edge.user", hits);
