@@ -306,6 +306,7 @@ impl Metrics {
             "Log lines dropped because stderr could not keep up (logging never blocks a worker).",
         );
         let _ = writeln!(out, "ratelimitd_log_lines_dropped_total {}", super::traces::log_lines_dropped());
+        super::process::render(&mut out);
 
         let sources = self.sources.read().unwrap_or_else(|p| p.into_inner()).clone();
         if let Some(s) = &sources {
