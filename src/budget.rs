@@ -18,11 +18,11 @@
 //! (`Check`, `Report`, `ShouldRateLimit`) whose message is over its bound
 //! is answered with a denial, never an error: a proxy that fails open
 //! would allow on an error, and the size of an Envoy request follows the
-//! size of the headers its client sent. The length prefix is read before
-//! the call is handed on, so the oversized message is never buffered.
+//! size of the headers its client sent. The length prefix is checked as it
+//! arrives: over the bound the body fails (nothing buffered) and the
+//! call's answer is replaced by the denial.
 
 use std::{
-    collections::VecDeque,
     pin::Pin,
     sync::{
         Arc,
@@ -31,7 +31,6 @@ use std::{
     task::{Context, Poll},
 };
 
-use futures_util::future::{BoxFuture, Either};
 use http_body::{Frame, SizeHint};
 use tonic::{
     Status,
@@ -156,12 +155,11 @@ type Response = http::Response<Body>;
 
 impl<S> tower::Service<http::Request<Body>> for Budgeted<S>
 where
-    S: tower::Service<http::Request<Body>, Response = Response> + Clone + Send + 'static,
-    S::Future: Send + 'static,
+    S: tower::Service<http::Request<Body>, Response = Response>,
 {
     type Response = Response;
     type Error = S::Error;
-    type Future = Either<S::Future, BoxFuture<'static, Result<Response, S::Error>>>;
+    type Future = Answered<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -170,49 +168,41 @@ where
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
         let path = request.uri().path();
         let bound = self.bounds.of(path);
-        let denial =
-            self.bounds.denials.iter().find(|(p, _)| *p == path).map(|(_, denial)| Arc::clone(denial));
+        let denied = self.bounds.denials.iter().position(|(p, _)| *p == path);
         let budget = Arc::clone(&self.budget);
-        let Some(denial) = denial else {
-            return Either::Left(
-                self.inner.call(request.map(|body| Body::new(Counted::new(body, budget, bound)))),
-            );
-        };
-        // The service that was made ready answers; a fresh clone waits for
-        // the next request (tower's rule for services called from a future).
-        let ready = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, ready);
-        Either::Right(Box::pin(single(inner, request, budget, bound, denial)))
+        let counted = |body| Body::new(Counted::new(body, budget, bound, denied.is_some()));
+        let future = self.inner.call(request.map(counted));
+        Answered { future, denial: denied.map(|at| (Arc::clone(&self.bounds), at)) }
     }
 }
 
-/// A single-decision call: its message's length prefix is read first; over
-/// `bound`, the call is answered with `denial` and the message never read.
-async fn single<S>(
-    mut inner: S,
-    request: http::Request<Body>,
-    budget: Arc<Budget>,
-    bound: usize,
-    denial: Denial,
-) -> Result<Response, S::Error>
-where
-    S: tower::Service<http::Request<Body>, Response = Response>,
-{
-    let (parts, body) = request.into_parts();
-    let mut body = Counted::new(body, budget, bound);
-    // Usually one frame holds the prefix: `first` spares an allocation.
-    let (mut first, mut more) = (None, VecDeque::new());
-    while !body.prefix_read() {
-        match std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut body), cx)).await {
-            None => break,
-            Some(Ok(frame)) if first.is_none() => first = Some(frame),
-            Some(Ok(frame)) => more.push_back(frame),
-            Some(Err(_)) if body.oversized => return Ok(answer(denial())),
-            Some(Err(status)) => return Ok(status.into_http()),
-        }
+pin_project_lite::pin_project! {
+    /// A call's answer; a single-decision call refused for its size (by
+    /// its counted body, with OUT_OF_RANGE: tonic answers the body's
+    /// error as a trailers-only response) is answered with its method's
+    /// denial instead.
+    pub struct Answered<F> {
+        #[pin]
+        future: F,
+        denial: Option<(Arc<MessageBounds>, usize)>,
     }
-    (body.first, body.more) = (first, more);
-    inner.call(http::Request::from_parts(parts, Body::new(body))).await
+}
+
+impl<F, E> std::future::Future for Answered<F>
+where
+    F: std::future::Future<Output = Result<Response, E>>,
+{
+    type Output = Result<Response, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let response = std::task::ready!(this.future.poll(cx))?;
+        let oversized = response.headers().get("grpc-status").is_some_and(|code| code.as_bytes() == b"11");
+        Poll::Ready(Ok(match this.denial.take() {
+            Some((bounds, at)) if oversized => answer((bounds.denials[at].1)()),
+            _ => response,
+        }))
+    }
 }
 
 /// A gRPC answer of one message (`message`, encoded) and status OK.
@@ -271,18 +261,16 @@ struct Counted {
     prefix_len: usize,
     /// Bytes of the current message still to come.
     left: usize,
-    /// Messages whose prefix has been read.
-    prefixes: usize,
     /// A message announced more than `bound`: the request failed.
     oversized: bool,
-    /// Frames read (and counted) ahead, handed on first: `first`, then
-    /// `more` (only when the prefix came in pieces).
-    first: Option<Frame<Bytes>>,
-    more: VecDeque<Frame<Bytes>>,
+    /// A single-decision call: an oversized message is refused with
+    /// OUT_OF_RANGE, which [`Answered`] turns into the denial; others
+    /// with RESOURCE_EXHAUSTED.
+    deny: bool,
 }
 
 impl Counted {
-    fn new(inner: Body, budget: Arc<Budget>, bound: usize) -> Self {
+    fn new(inner: Body, budget: Arc<Budget>, bound: usize, deny: bool) -> Self {
         Counted {
             inner,
             budget,
@@ -291,16 +279,9 @@ impl Counted {
             prefix: [0; 5],
             prefix_len: 0,
             left: 0,
-            prefixes: 0,
             oversized: false,
-            first: None,
-            more: VecDeque::new(),
+            deny,
         }
-    }
-
-    /// Whether the first message's length prefix has been read.
-    fn prefix_read(&self) -> bool {
-        self.prefixes > 0
     }
 
     /// Follows `chunk` through the gRPC framing: each message's announced
@@ -320,15 +301,17 @@ impl Counted {
                 }
                 let [_, a, b, c, d] = self.prefix;
                 self.left = u32::from_be_bytes([a, b, c, d]) as usize;
-                self.prefixes += 1;
                 if self.left > self.bound {
                     self.oversized = true;
                     self.budget.oversized.fetch_add(1, Ordering::Relaxed);
-                    return Err(Status::resource_exhausted(format!(
+                    let message = format!(
                         "a request message of {} bytes; the limit is {} (grpc.max_message_bytes, \
                          grpc.max_batch_message_bytes for CheckBatch)",
                         self.left, self.bound
-                    )));
+                    );
+                    let code =
+                        if self.deny { tonic::Code::OutOfRange } else { tonic::Code::ResourceExhausted };
+                    return Err(Status::new(code, message));
                 }
                 if !self.budget.take(self.left) {
                     return Err(Status::resource_exhausted(
@@ -360,9 +343,6 @@ impl http_body::Body for Counted {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.get_mut();
-        if let Some(frame) = this.first.take().or_else(|| this.more.pop_front()) {
-            return Poll::Ready(Some(Ok(frame)));
-        }
         let frame = match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => frame,
             other => return other,
@@ -374,7 +354,7 @@ impl http_body::Body for Counted {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.first.is_none() && self.more.is_empty() && self.inner.is_end_stream()
+        self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -390,6 +370,8 @@ impl Drop for Counted {
 
 #[cfg(test)]
 mod tests {
+    use futures_util::future::BoxFuture;
+
     use super::*;
 
     fn message(len: usize) -> Vec<u8> {
@@ -400,7 +382,7 @@ mod tests {
     }
 
     fn body(budget: &Arc<Budget>) -> Counted {
-        Counted::new(Body::empty(), Arc::clone(budget), 1_000)
+        Counted::new(Body::empty(), Arc::clone(budget), 1_000, false)
     }
 
     /// A message's announced length is held from its prefix until it is
@@ -475,8 +457,11 @@ mod tests {
     > + Clone {
         tower::service_fn(|request: http::Request<Body>| -> BoxFuture<'static, _> {
             Box::pin(async move {
-                let bytes = http_body_util::BodyExt::collect(request.into_body()).await.unwrap().to_bytes();
-                Ok(http::Response::new(Body::new(http_body_util::Full::new(bytes))))
+                // As tonic does: a body's error is the call's status.
+                Ok(match http_body_util::BodyExt::collect(request.into_body()).await {
+                    Ok(bytes) => http::Response::new(Body::new(http_body_util::Full::new(bytes.to_bytes()))),
+                    Err(status) => status.into_http(),
+                })
             })
         })
     }
