@@ -106,7 +106,7 @@ pub fn migrations() -> Result<Vec<(&'static str, Migration)>, MigrateError> {
     let mut out = Vec::with_capacity(MIGRATIONS.len());
     for (index, (file, text)) in MIGRATIONS.iter().enumerate() {
         let error = |message: String| MigrateError { file: (*file).to_owned(), message };
-        let raw: RawMigration = serde_yaml::from_str(text).map_err(|e| error(e.to_string()))?;
+        let raw: RawMigration = yaml_serde::from_str(text).map_err(|e| error(e.to_string()))?;
         let kind = match (raw.kind.as_str(), raw.version, raw.topic.as_deref()) {
             ("kafka_topic", None, None | Some("dlq")) => Kind::KafkaTopic(Topic::Dlq),
             ("kafka_topic", None, Some("rules")) => Kind::KafkaTopic(Topic::Rules),

@@ -10,14 +10,14 @@ use std::{collections::HashMap, path::Path, process::Command};
 
 use common::{TestServer, default_rules_config, http_get};
 use ratelimitd::config::Config;
-use serde_yaml::Value;
+use yaml_serde::Value;
 
 fn repo(path: &str) -> std::path::PathBuf {
     common::repo_path(path)
 }
 
 fn compose() -> Value {
-    serde_yaml::from_str(&std::fs::read_to_string(repo("docker-compose.yml")).unwrap()).unwrap()
+    yaml_serde::from_str(&std::fs::read_to_string(repo("docker-compose.yml")).unwrap()).unwrap()
 }
 
 fn dockerfile() -> String {
@@ -121,7 +121,7 @@ fn compose_ports_and_files_exist() {
     // The alert rules it loads parse, and the staleness alert reads the metric the service serves.
     assert!(prometheus.contains("/etc/prometheus/alerts.yml"), "{prometheus}");
     let alerts: Value =
-        serde_yaml::from_str(&std::fs::read_to_string(repo("deploy/alerts.yml")).unwrap()).unwrap();
+        yaml_serde::from_str(&std::fs::read_to_string(repo("deploy/alerts.yml")).unwrap()).unwrap();
     let rules = alerts["groups"][0]["rules"].as_sequence().unwrap();
     assert!(
         rules.iter().any(|r| r["expr"]

@@ -253,7 +253,7 @@ pub fn files(response: &DiscoveryResponse) -> Result<Vec<(PathBuf, String)>, Str
             let config = RateLimitConfig::decode(any.value.as_slice())
                 .map_err(|e| format!("resource {i}: not a RateLimitConfig: {e}"))?;
             let name = if config.name.is_empty() { format!("resource-{i}") } else { config.name.clone() };
-            let text = serde_yaml::to_string(&yaml(&config)).map_err(|e| format!("resource {name}: {e}"))?;
+            let text = yaml_serde::to_string(&yaml(&config)).map_err(|e| format!("resource {name}: {e}"))?;
             Ok((PathBuf::from(format!("xds:{name}")), text))
         })
         .collect()

@@ -28,6 +28,7 @@ mod redis;
 mod rules;
 mod shed;
 mod telemetry;
+mod yaml;
 
 use std::{
     collections::HashMap,
@@ -152,7 +153,9 @@ impl Config {
             if !file.is_file() {
                 return Err(ConfigError::Load(format!("--config {}: no such file", file.display())));
             }
-            builder = builder.add_source(config::File::from(file).format(config::FileFormat::Yaml));
+            let text = std::fs::read_to_string(file)
+                .map_err(|e| ConfigError::Load(format!("--config {}: {e}", file.display())))?;
+            builder = builder.add_source(yaml::YamlFile { origin: file.display().to_string(), text });
         }
         builder = builder.add_source(
             config::Environment::with_prefix(ENV_PREFIX)

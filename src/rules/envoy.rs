@@ -404,7 +404,7 @@ struct YamlDescriptor {
     #[serde(default)]
     share_threshold: bool,
     #[serde(default)]
-    metadata: Option<serde_yaml::Value>,
+    metadata: Option<yaml_serde::Value>,
     /// ratelimitd's extension: a global rate enforced by probabilistic drop.
     #[serde(default)]
     overload: Option<OverloadSpec>,
@@ -439,11 +439,11 @@ struct YamlReplaces {
 /// A string, or a number or boolean written where upstream expects a string
 /// (`value: 123`); null is empty.
 fn scalar<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
-    Ok(match serde_yaml::Value::deserialize(deserializer)? {
-        serde_yaml::Value::Null => String::new(),
-        serde_yaml::Value::String(s) => s,
-        serde_yaml::Value::Number(n) => n.to_string(),
-        serde_yaml::Value::Bool(b) => b.to_string(),
+    Ok(match yaml_serde::Value::deserialize(deserializer)? {
+        yaml_serde::Value::Null => String::new(),
+        yaml_serde::Value::String(s) => s,
+        yaml_serde::Value::Number(n) => n.to_string(),
+        yaml_serde::Value::Bool(b) => b.to_string(),
         other => return Err(serde::de::Error::custom(format!("expected a string, found {other:?}"))),
     })
 }
@@ -596,13 +596,13 @@ fn merge(into: &mut Level, from: Level, file: &Path, domain: &str) -> Result<(),
 
 fn parse_file(file: &Path, text: &str) -> Result<(String, Level), RuleError> {
     let root: YamlRoot =
-        serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(text)).map_err(|e| {
+        serde_path_to_error::deserialize(yaml_serde::Deserializer::from_str(text)).map_err(|e| {
             let inner = e.inner();
             let mut message = inner.to_string();
             if let Some(cut) = message.find(" at line ") {
                 message.truncate(cut);
             }
-            // serde_yaml prefixes its own path; the path is shown once, below.
+            // yaml_serde prefixes its own path; the path is shown once, below.
             if let Some((prefix, rest)) = message.split_once(": ")
                 && !prefix.contains(' ')
             {
@@ -673,7 +673,7 @@ fn load_level(
             Some(r) => {
                 // Upstream reads it on any descriptor; only a limit returns it.
                 let metadata = match &d.metadata {
-                    None | Some(serde_yaml::Value::Null) => None,
+                    None | Some(yaml_serde::Value::Null) => None,
                     Some(yaml) => {
                         Some(Arc::new(metadata(yaml).map_err(|e| error(file, Some(&at), "metadata", e))?))
                     }
@@ -695,10 +695,10 @@ fn load_level(
 
 /// A descriptor's `metadata` as JSON: a mapping whose keys are strings,
 /// holding any plain YAML (upstream reads it into a protobuf `Struct`).
-fn metadata(yaml: &serde_yaml::Value) -> Result<serde_json::Map<String, serde_json::Value>, String> {
-    fn json(yaml: &serde_yaml::Value, at: &str) -> Result<serde_json::Value, String> {
+fn metadata(yaml: &yaml_serde::Value) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    fn json(yaml: &yaml_serde::Value, at: &str) -> Result<serde_json::Value, String> {
         use serde_json::Value as J;
-        use serde_yaml::Value as Y;
+        use yaml_serde::Value as Y;
         Ok(match yaml {
             Y::Null => J::Null,
             Y::Bool(b) => J::Bool(*b),
@@ -718,12 +718,12 @@ fn metadata(yaml: &serde_yaml::Value) -> Result<serde_json::Map<String, serde_js
         })
     }
     fn object(
-        map: &serde_yaml::Mapping,
+        map: &yaml_serde::Mapping,
         at: &str,
     ) -> Result<serde_json::Map<String, serde_json::Value>, String> {
         map.iter()
             .map(|(k, v)| {
-                let serde_yaml::Value::String(key) = k else {
+                let yaml_serde::Value::String(key) = k else {
                     let message = format!("keys must be strings, found {k:?}");
                     return Err(if at.is_empty() { message } else { format!("{at}: {message}") });
                 };
@@ -733,7 +733,7 @@ fn metadata(yaml: &serde_yaml::Value) -> Result<serde_json::Map<String, serde_js
             .collect()
     }
     match yaml {
-        serde_yaml::Value::Mapping(map) => object(map, ""),
+        yaml_serde::Value::Mapping(map) => object(map, ""),
         other => Err(format!("must be a mapping, found {other:?}")),
     }
 }

@@ -127,7 +127,7 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<Vec<SourcedRule>, RuleErr
             message: "the file is empty (a partial write?); write `rules: []` (and set rules.allow_empty) to declare no rules".to_owned(),
         });
     }
-    let deserializer = serde_yaml::Deserializer::from_str(text);
+    let deserializer = yaml_serde::Deserializer::from_str(text);
     let parsed: RawFile =
         serde_path_to_error::deserialize(deserializer).map_err(|e| parse_error(&file, text, &e))?;
     Ok(parsed
@@ -140,10 +140,10 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<Vec<SourcedRule>, RuleErr
 
 /// Turns a serde error at a path like `rules[3].limit` into a message naming
 /// the file, the line, the rule (by id when the file says it) and the field.
-fn parse_error(file: &Path, text: &str, error: &serde_path_to_error::Error<serde_yaml::Error>) -> RuleError {
+fn parse_error(file: &Path, text: &str, error: &serde_path_to_error::Error<yaml_serde::Error>) -> RuleError {
     let inner = error.inner();
     let line = inner.location().map(|l| (l.line(), l.column()));
-    // serde_yaml appends " at line L column C"; the location is shown separately.
+    // yaml_serde appends " at line L column C"; the location is shown separately.
     let mut message = inner.to_string();
     if let Some(cut) = message.find(" at line ") {
         message.truncate(cut);
@@ -170,7 +170,7 @@ fn parse_error(file: &Path, text: &str, error: &serde_path_to_error::Error<serde
 /// `"<rule_id>" (rules[i])` when the i-th entry has a readable `rule_id`,
 /// else `rules[i]`. Only used to word an error, so a second lenient parse is fine.
 fn rule_label(text: &str, index: usize) -> String {
-    let id = serde_yaml::from_str::<serde_yaml::Value>(text)
+    let id = yaml_serde::from_str::<yaml_serde::Value>(text)
         .ok()
         .and_then(|doc| doc.get("rules")?.get(index)?.get("rule_id")?.as_str().map(str::to_owned));
     match id {

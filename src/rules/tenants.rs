@@ -126,7 +126,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Tenants, RuleErrors> {
         field: field.map(str::to_owned),
         message,
     };
-    let raw: RawTable = serde_yaml::from_str(text).map_err(|e| {
+    let raw: RawTable = yaml_serde::from_str(text).map_err(|e| {
         RuleErrors(vec![RuleError {
             line: e.location().map(|l| (l.line(), l.column())),
             ..error(None, None, e.to_string())
