@@ -37,6 +37,7 @@ pub mod config;
 pub mod decision;
 pub mod dlq;
 pub mod folded;
+#[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod limiter;
 pub mod migrate;

@@ -8,11 +8,6 @@
 
 use std::{collections::BTreeMap, time::Duration};
 
-use rdkafka::{
-    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
-    client::DefaultClientContext,
-    types::RDKafkaErrorCode,
-};
 use serde::Deserialize;
 
 use crate::config::{Config, redact_url};
@@ -206,6 +201,8 @@ fn topic_spec(config: &Config, topic: Topic) -> Result<TopicSpec<'_>, String> {
 }
 
 /// A topic to create.
+// Without Kafka only the name is read (the build creates no topic).
+#[cfg_attr(not(feature = "kafka"), allow(dead_code))]
 struct TopicSpec<'a> {
     brokers: &'a str,
     properties: &'a BTreeMap<String, String>,
@@ -216,9 +213,25 @@ struct TopicSpec<'a> {
 }
 
 async fn kafka_topic(config: &Config, topic: Topic) -> Result<Applied, String> {
-    let spec = match topic_spec(config, topic) {
-        Ok(spec) => spec,
-        Err(why) => return Ok(Applied::Skipped(why)),
+    match topic_spec(config, topic) {
+        Ok(spec) => create_topic(&spec).await,
+        Err(why) => Ok(Applied::Skipped(why)),
+    }
+}
+
+/// Without Kafka support no topic is configured (the configuration refuses
+/// Kafka settings), so this is never reached.
+#[cfg(not(feature = "kafka"))]
+async fn create_topic(spec: &TopicSpec<'_>) -> Result<Applied, String> {
+    Ok(Applied::Skipped(format!("{}: this build has no Kafka (cargo feature `kafka`)", spec.name)))
+}
+
+#[cfg(feature = "kafka")]
+async fn create_topic(spec: &TopicSpec<'_>) -> Result<Applied, String> {
+    use rdkafka::{
+        admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+        client::DefaultClientContext,
+        types::RDKafkaErrorCode,
     };
     let admin: AdminClient<DefaultClientContext> =
         crate::kafka::client_config(spec.brokers, spec.properties, &[])

@@ -2,6 +2,8 @@
 //! broker (tansu) and a real redis-server: migrate, records on the topic,
 //! a broker outage, `kill -9` with a spool, and `audit`.
 
+#![cfg(feature = "kafka")]
+
 mod common;
 
 use std::{

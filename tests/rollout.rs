@@ -6,6 +6,8 @@
 //! replay: a candidate that drops CRITICAL traffic fails the gate, a
 //! harmless one passes and is published.
 
+#![cfg(feature = "kafka")]
+
 mod common;
 
 use std::{

@@ -14,6 +14,8 @@
 //! Losing capture records costs replay accuracy, never a decision, so there
 //! is no spool.
 
+#[cfg(feature = "kafka")]
+mod kafka;
 mod record;
 mod writer;
 
@@ -27,8 +29,10 @@ use std::{
 
 use tokio::sync::mpsc;
 
+#[cfg(feature = "kafka")]
+pub use kafka::{producer, run_kafka};
 pub use record::{CAPTURE_SCHEMA, CaptureRecord, CountKind};
-pub use writer::{producer, run_file, run_kafka};
+pub use writer::run_file;
 
 use crate::{
     clock::{Clock, SystemClock},

@@ -191,7 +191,29 @@ impl Config {
         self.capture.validate()?;
         self.envoy.validate()?;
         self.log.validate()?;
-        self.telemetry.validate()
+        self.telemetry.validate()?;
+        self.kafka_built()
+    }
+
+    /// A Kafka setting in a build without Kafka (cargo feature `kafka`)
+    /// fails closed, naming its key: failed decisions would otherwise go
+    /// to a file the operator does not read, and rules never arrive.
+    fn kafka_built(&self) -> Result<(), ConfigError> {
+        if cfg!(feature = "kafka") {
+            return Ok(());
+        }
+        let set = [
+            ("dlq.kafka.brokers", self.dlq.kafka.brokers.is_some()),
+            ("capture.kafka.brokers", self.capture.kafka.brokers.is_some()),
+            ("rules.kafka.brokers", self.rules.kafka.brokers.is_some()),
+            ("rules.source", self.rules.source == RulesSource::Kafka),
+        ];
+        match set.into_iter().find(|(_, set)| *set) {
+            Some((key, _)) => {
+                Err(invalid(key, "this build has no Kafka support (built without the cargo feature `kafka`)"))
+            }
+            None => Ok(()),
+        }
     }
 
     /// The validated gRPC listen address.
@@ -230,6 +252,30 @@ fn path_value(path: &Path) -> String {
 mod tests {
     use super::*;
     use crate::shed::{Priority, ShedMode};
+
+    /// Built without Kafka, every Kafka setting is refused by its key; built
+    /// with it, each is taken.
+    #[test]
+    fn kafka_settings_need_a_build_with_kafka() {
+        for (key, value) in [
+            ("RATELIMITD__DLQ__KAFKA__BROKERS", "k:9092"),
+            ("RATELIMITD__CAPTURE__KAFKA__BROKERS", "k:9092"),
+            ("RATELIMITD__RULES__KAFKA__BROKERS", "k:9092"),
+        ] {
+            let env = HashMap::from([(key.to_owned(), value.to_owned())]);
+            let loaded = Config::load(None, env);
+            if cfg!(feature = "kafka") {
+                assert!(loaded.is_ok(), "{key}: {loaded:?}");
+            } else {
+                let error = loaded.unwrap_err().to_string();
+                assert!(
+                    error.contains("no Kafka support")
+                        && error.contains(&key[12..].to_lowercase().replace("__", ".")),
+                    "{error}"
+                );
+            }
+        }
+    }
 
     fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()

@@ -218,7 +218,19 @@ pub fn from_file<W: Write>(path: &Path, printer: &mut Printer<W>) -> Result<(), 
     Ok(())
 }
 
+/// Fails: this build has no Kafka (cargo feature `kafka`).
+#[cfg(not(feature = "kafka"))]
+pub fn from_kafka<W: Write>(
+    _brokers: &str,
+    _topic: &str,
+    _properties: &BTreeMap<String, String>,
+    _printer: &mut Printer<W>,
+) -> Result<(), AuditError> {
+    Err(AuditError::Kafka("this build has no Kafka support (cargo feature `kafka`)".to_owned()))
+}
+
 /// Audits `topic`: every partition from its low to its high watermark as of now.
+#[cfg(feature = "kafka")]
 pub fn from_kafka<W: Write>(
     brokers: &str,
     topic: &str,

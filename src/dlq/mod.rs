@@ -15,6 +15,7 @@
 pub mod audit;
 pub mod file;
 pub mod fold;
+#[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod record;
 pub mod spool;

@@ -593,6 +593,7 @@ mod tests {
         assert_eq!(reopened.bytes(), on_disk(dir.path()), "counted again at startup");
     }
 
+    #[cfg(feature = "kafka")]
     #[tokio::test]
     async fn the_spool_never_grows_past_its_cap() {
         use std::sync::atomic::Ordering;

@@ -12,7 +12,9 @@
 
 pub mod publish;
 pub mod status;
+#[cfg(feature = "kafka")]
 pub mod subscribe;
+#[cfg_attr(not(feature = "kafka"), path = "topic_absent.rs")]
 pub mod topic;
 
 /// Why a rollout command failed.

@@ -29,10 +29,6 @@ use crate::{
         window::Algorithm,
     },
     overload::{Overload, feed},
-    rollout::{
-        status,
-        subscribe::{self, Fallback, Subscription},
-    },
     rules::{self, Feed, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig, tenants::Tenants},
     shed::{Sampler, ShedMode, Shedder, run_sampler},
     telemetry::{
@@ -105,7 +101,11 @@ pub(crate) struct Rules {
 pub(crate) fn rules_of(config: &Config, tasks: &mut Tasks) -> Result<Rules, ServerError> {
     match config.rules.source {
         RulesSource::Files => rules(&config.rules, &config.envoy, tasks),
+        #[cfg(feature = "kafka")]
         RulesSource::Kafka => Ok(subscribed_rules(config, tasks)),
+        // The configuration refuses it in a build without Kafka.
+        #[cfg(not(feature = "kafka"))]
+        RulesSource::Kafka => Err(ServerError::Kafka(NO_KAFKA.to_owned())),
         RulesSource::Xds => xds_rules(config, tasks),
     }
 }
@@ -148,7 +148,12 @@ pub(crate) fn xds_rules(config: &Config, tasks: &mut Tasks) -> Result<Rules, Ser
 /// `rules.source: kafka`: empty rule sets until the subscription swaps in
 /// the first snapshot (or the fallback files), its subscriber, and its
 /// status reporter.
+#[cfg(feature = "kafka")]
 pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
+    use crate::rollout::{
+        status,
+        subscribe::{self, Fallback, Subscription},
+    };
     let native = Arc::new(RuleStore::new(rules::empty()));
     let envoy = Arc::new(Hot::new(EnvoyConfig::default()));
     let feed = Arc::new(Feed::default());
@@ -368,6 +373,38 @@ pub(crate) fn dlq(
         tasks.spawn(dlq::file::run(queue, target, counters, drain(), stop));
         return Ok(Arc::new(sink.with_disk_cap(config.file_max_bytes)));
     };
+    dlq_to_kafka(config, brokers, (sink, queue, counters), drain(), tasks)
+}
+
+/// Why a Kafka setting cannot be served: the configuration refuses them all
+/// in a build without Kafka, so this is only a guard.
+#[cfg(not(feature = "kafka"))]
+const NO_KAFKA: &str = "this build has no Kafka support (cargo feature `kafka`)";
+
+#[cfg(not(feature = "kafka"))]
+fn dlq_to_kafka(
+    _config: &DlqConfig,
+    _brokers: &str,
+    _sink: (DlqSink, tokio::sync::mpsc::Receiver<dlq::FailureRecord>, Arc<dlq::DlqCounters>),
+    _drain: dlq::file::Drain,
+    _tasks: &mut Tasks,
+) -> Result<Arc<DlqSink>, ServerError> {
+    Err(ServerError::Kafka(NO_KAFKA.to_owned()))
+}
+
+/// Failed decisions to the dead-letter topic, through the spool.
+#[cfg(feature = "kafka")]
+fn dlq_to_kafka(
+    config: &DlqConfig,
+    brokers: &str,
+    (sink, queue, counters): (
+        DlqSink,
+        tokio::sync::mpsc::Receiver<dlq::FailureRecord>,
+        Arc<dlq::DlqCounters>,
+    ),
+    drain: dlq::file::Drain,
+    tasks: &mut Tasks,
+) -> Result<Arc<DlqSink>, ServerError> {
     let spool_dir = &config.spool_dir;
     let (writer, reader, spool) = dlq::spool::open(
         spool_dir,
@@ -394,7 +431,7 @@ pub(crate) fn dlq(
         Arc::clone(&spool),
         Arc::clone(&counters),
         Arc::clone(&notify),
-        drain(),
+        drain,
         stop,
     ));
     let shipper = dlq::kafka::Shipper {
@@ -435,6 +472,7 @@ pub(crate) fn capture(config: &Config, tasks: &mut Tasks) -> Result<Option<Captu
     );
     let stop = tasks.stopper();
     match &settings.kafka.brokers {
+        #[cfg(feature = "kafka")]
         Some(brokers) => {
             let producer = capture::producer(brokers, &settings.kafka.properties)
                 .map_err(|e| ServerError::Kafka(format!("capture.kafka: {e}")))?;
@@ -447,6 +485,8 @@ pub(crate) fn capture(config: &Config, tasks: &mut Tasks) -> Result<Option<Captu
                 stop,
             ));
         }
+        #[cfg(not(feature = "kafka"))]
+        Some(_) => return Err(ServerError::Kafka(NO_KAFKA.to_owned())),
         None => {
             tracing::info!(ratio = settings.sample_ratio, file = %settings.file.display(), "capturing a sample of users' requests to a file");
             tasks.spawn(capture::run_file(
