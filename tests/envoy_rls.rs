@@ -17,7 +17,7 @@ use ratelimitd::{
             rate_limit_service_client::RateLimitServiceClient,
         },
     },
-    config::{EnvoyAlgorithm, EnvoyFailureMode},
+    config::{EnvoyAlgorithm, EnvoyFailureMode, EnvoyZeroHits},
 };
 use tonic::transport::Channel;
 
@@ -289,7 +289,9 @@ async fn one_descriptor_over_consumes_nothing_from_the_others(backend: Backend) 
     s.server.stop().await.unwrap();
 }
 
-/// hits_addend: the request's (0 means 1), overridden per descriptor (0 = check only).
+/// hits_addend: the request's (0 means 1), overridden per descriptor (0 =
+/// check only: whether one more hit fits, or as upstream whether the count
+/// is within the limit).
 async fn hits_addend_request_and_descriptor_level(backend: Backend) {
     let mut s = start(backend, |_| {}).await;
     let mut r = request(vec![descriptor(&[("user", "dave")])]);
@@ -298,13 +300,28 @@ async fn hits_addend_request_and_descriptor_level(backend: Backend) {
     assert_eq!(code(ask(&mut s.client, r).await.overall_code), Code::OverLimit, "1 left < 2 hits");
     let mut check_only = descriptor(&[("user", "dave")]);
     check_only.hits_addend = Some(0);
-    let peek = ask(&mut s.client, request(vec![check_only])).await;
+    let peek = ask(&mut s.client, request(vec![check_only.clone()])).await;
     assert_eq!((code(peek.overall_code), peek.statuses[0].limit_remaining), (Code::Ok, 1));
     let mut one = descriptor(&[("user", "dave")]);
     one.hits_addend = Some(1);
     let mut req = request(vec![one]);
     req.hits_addend = 50; // the descriptor's own wins
     assert_eq!(ask(&mut s.client, req).await.statuses[0].limit_remaining, 0);
+    // At the limit, a 0-hit check says what the next hit would get.
+    let peek = ask(&mut s.client, request(vec![check_only.clone()])).await;
+    assert_eq!(code(peek.overall_code), Code::OverLimit, "next_hit: no hit fits any more");
+    s.server.stop().await.unwrap();
+
+    // envoy.zero_hits: within_limit (upstream's answer): OK while the count
+    // is within the limit, so at it; a hit is still refused there.
+    let mut s = start(backend, |c| c.envoy.zero_hits = EnvoyZeroHits::WithinLimit).await;
+    for _ in 0..3 {
+        ask(&mut s.client, request(vec![descriptor(&[("user", "dave")])])).await;
+    }
+    let peek = ask(&mut s.client, request(vec![check_only])).await;
+    assert_eq!((code(peek.overall_code), peek.statuses[0].limit_remaining), (Code::Ok, 0));
+    let hit = ask(&mut s.client, request(vec![descriptor(&[("user", "dave")])])).await;
+    assert_eq!(code(hit.overall_code), Code::OverLimit);
     s.server.stop().await.unwrap();
 }
 

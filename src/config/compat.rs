@@ -414,6 +414,12 @@ fn grpc_tls(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
 /// The modes, the response headers (upstream's `RateLimit-*` names by
 /// default), the near-limit ratio and the stats switch.
 fn envoy(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    // Upstream's decisions: a fixed window (a new minute starts afresh, and
+    // a reset is never more than the unit away), and a 0-hit check admitted
+    // while the count is within the limit (its token-quota flow checks with
+    // 0 hits and debits afterwards).
+    out.push(("envoy.algorithm", "fixed_window".to_owned()));
+    out.push(("envoy.zero_hits", "within_limit".to_owned()));
     for (name, key) in [
         ("MERGE_DOMAIN_CONFIG", "envoy.merge_domains"),
         ("SHADOW_MODE", "envoy.shadow_mode"),
@@ -603,6 +609,12 @@ mod tests {
             Some("localhost:8125"),
             "USE_STATSD is on by default"
         );
+        // Upstream's decisions by default; ours one variable away.
+        assert_eq!(get("RATELIMITD__ENVOY__ALGORITHM"), Some("fixed_window"));
+        assert_eq!(get("RATELIMITD__ENVOY__ZERO_HITS"), Some("within_limit"));
+        let (env, _) =
+            translated(&[(COMPAT_VAR, ENVOYPROXY), ("RATELIMITD__ENVOY__ALGORITHM", "sliding_window")]);
+        assert_eq!(env["RATELIMITD__ENVOY__ALGORITHM"], "sliding_window");
         let (env, compat) = translated(&[
             (COMPAT_VAR, ENVOYPROXY),
             ("REDIS_TYPE", "cluster"),

@@ -19,6 +19,21 @@ pub enum EnvoyAlgorithm {
     FixedWindow,
 }
 
+/// What a descriptor with no hits (`hits_addend: 0`, a check that counts
+/// nothing) asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyZeroHits {
+    /// Whether one more hit would fit: OVER_LIMIT once the count reaches
+    /// the limit, so a check says what the next request would get.
+    #[default]
+    NextHit,
+    /// Whether the count is still within the limit: OVER_LIMIT only past
+    /// it (envoyproxy/ratelimit's answer, on which its token-quota flow
+    /// relies: check with 0 hits, debit after the response).
+    WithinLimit,
+}
+
 /// How the rate-limit response headers are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -52,6 +67,8 @@ pub enum EnvoyFailureMode {
 pub struct EnvoySettings {
     /// `sliding_window` (default) or `fixed_window`.
     pub algorithm: EnvoyAlgorithm,
+    /// `next_hit` (default) or `within_limit`: what a 0-hit check asks.
+    pub zero_hits: EnvoyZeroHits,
     /// `local` (default), `allow` or `unavailable`.
     pub failure_mode: EnvoyFailureMode,
     /// The failure mode of a domain (`domain: MODE`), over `failure_mode`.
@@ -131,6 +148,7 @@ impl Default for EnvoySettings {
     fn default() -> Self {
         Self {
             algorithm: EnvoyAlgorithm::SlidingWindow,
+            zero_hits: EnvoyZeroHits::NextHit,
             failure_mode: EnvoyFailureMode::Local,
             domain_failure_mode: HashMap::new(),
             error_header: "x-ratelimit-error".to_owned(),

@@ -70,6 +70,10 @@ pub struct EnvoyPolicy {
     /// Hits past this share of a limit are `near_limit`
     /// (`envoy.near_limit_ratio`, upstream's `NEAR_LIMIT_RATIO`).
     pub near_limit_ratio: f32,
+    /// A 0-hit check passes while the count is within the limit (weight 0)
+    /// rather than while one more hit fits (weight 1)
+    /// (`envoy.zero_hits: within_limit`).
+    pub zero_hits_within_limit: bool,
 }
 
 impl Default for EnvoyPolicy {
@@ -86,6 +90,7 @@ impl Default for EnvoyPolicy {
             shadow_mode: false,
             upstream_metrics: true,
             near_limit_ratio: 0.8,
+            zero_hits_within_limit: false,
         }
     }
 }
@@ -317,14 +322,15 @@ impl Engine {
     fn rls_item<D: Descriptor>(&self, found: &EnvoyMatch, descriptor: &D, hits: u64) -> ManyItem {
         let limit = &found.limit;
         let unit = limit.unit.expect("a limited limit has a unit");
-        // `hits_addend: 0` asks whether one more hit fits and counts
+        // `hits_addend: 0` asks whether one more hit fits (or, as
+        // upstream, whether the count is within the limit) and counts
         // nothing; a `report_mode` limit counts hits whatever is left.
+        let policy = &self.inner.envoy_policy;
         let (weight, count) = match hits {
-            0 => (1, Count::Never),
+            0 => (u64::from(!policy.zero_hits_within_limit), Count::Never),
             hits if limit.report_mode => (hits, Count::Always),
             hits => (hits, Count::IfFits),
         };
-        let policy = &self.inner.envoy_policy;
         let (key, digested) = counter_key(unit, descriptor.entries(), &found.shared, policy.max_value_bytes);
         if digested {
             self.inner.stats.adjusted(Api::Envoy, "entry_digest");

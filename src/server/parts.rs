@@ -533,6 +533,7 @@ pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
         shadow_mode: settings.shadow_mode,
         upstream_metrics: settings.upstream_metrics,
         near_limit_ratio: settings.near_limit_ratio,
+        zero_hits_within_limit: settings.zero_hits == crate::config::EnvoyZeroHits::WithinLimit,
     }
 }
 
