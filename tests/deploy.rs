@@ -1,8 +1,11 @@
-//! The compose stack and the image cannot be started on these machines, so
-//! their files are checked against the service itself: every `RATELIMITD__*`
-//! variable is a configuration key with a valid value, every port and path
-//! exists, the HEALTHCHECK runs a real subcommand, and the Grafana dashboard
-//! is valid JSON with a panel for every metric family the service exports.
+//! The compose stack, the image and the Kubernetes manifests cannot be
+//! started on these machines, so their files are checked against the
+//! service itself: every `RATELIMITD__*` variable is a configuration key with
+//! a valid value, every port and path exists, the HEALTHCHECK runs a real
+//! subcommand, the manifests validate against Kubernetes' schemas (vendored
+//! in `deploy/kubernetes/schemas`) and agree with each other, and the
+//! Grafana dashboard is valid JSON with a panel for every metric family the
+//! service exports.
 
 mod common;
 
@@ -232,4 +235,153 @@ async fn dashboard_covers_every_metric_family() {
     for family in families {
         assert!(exprs.iter().any(|e| e.contains(family)), "no dashboard panel shows {family}");
     }
+}
+
+/// `check-jsonschema`, from `RATELIMITD_CHECK_JSONSCHEMA` or the tools cache.
+fn check_jsonschema() -> std::path::PathBuf {
+    std::env::var_os("RATELIMITD_CHECK_JSONSCHEMA")
+        .map_or_else(|| common::envoy_path().with_file_name("check-jsonschema"), std::path::PathBuf::from)
+}
+
+/// Every object of `deploy/kubernetes`, by file name.
+fn manifests() -> Vec<(String, Value)> {
+    let mut out: Vec<(String, Value)> = std::fs::read_dir(repo("deploy/kubernetes"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "yaml"))
+        .map(|path| {
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let object = yaml_serde::from_str(&std::fs::read_to_string(&path).unwrap())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            (name, object)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Each manifest validates against its kind's schema (strict: an unknown
+/// or misspelt field fails), offline; a ServiceMonitor (a CRD, no schema
+/// here) is checked by what it must agree with below.
+#[test]
+fn kubernetes_manifests_validate_against_the_schemas() {
+    let schemas = repo("deploy/kubernetes/schemas");
+    let mut validated = 0;
+    for (name, object) in manifests() {
+        let schema = match (object["apiVersion"].as_str(), object["kind"].as_str()) {
+            (Some("apps/v1"), Some("Deployment")) => "deployment-apps-v1.json",
+            (Some("v1"), Some("Service")) => "service-v1.json",
+            (Some("v1"), Some("ConfigMap")) => "configmap-v1.json",
+            (Some("policy/v1"), Some("PodDisruptionBudget")) => "poddisruptionbudget-policy-v1.json",
+            (Some("monitoring.coreos.com/v1"), Some("ServiceMonitor")) => continue,
+            other => panic!("{name}: no schema for {other:?}"),
+        };
+        let output = Command::new(check_jsonschema())
+            .arg("--schemafile")
+            .arg(schemas.join(schema))
+            .arg(repo(&format!("deploy/kubernetes/{name}")))
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("check-jsonschema ({}): {e}; run scripts/install-tools", check_jsonschema().display())
+            });
+        assert!(
+            output.status.success(),
+            "{name}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        validated += 1;
+    }
+    assert!(validated >= 6, "only {validated} manifests validated");
+}
+
+/// The manifests agree with each other and with the service: the
+/// Deployment's environment is a valid configuration whose rules file is
+/// the ConfigMap's (and compiles), its probes are the service's endpoints
+/// on its HTTP port, its user is the image's; the Service, the
+/// PodDisruptionBudget and the ServiceMonitor select its pods and name its
+/// ports; the grace period outlasts drain and shutdown.
+#[test]
+fn kubernetes_manifests_agree_with_the_service_and_each_other() {
+    let all = manifests();
+    let object = |file: &str| all.iter().find(|(name, _)| name == file).map(|(_, o)| o.clone()).unwrap();
+    let (deployment, service, pdb, monitor, configmap) = (
+        object("deployment.yaml"),
+        object("service.yaml"),
+        object("pdb.yaml"),
+        object("servicemonitor.yaml"),
+        object("configmap.yaml"),
+    );
+    let pod = &deployment["spec"]["template"];
+    let labels = &pod["metadata"]["labels"];
+    assert_eq!(&deployment["spec"]["selector"]["matchLabels"], labels);
+    assert_eq!(&pdb["spec"]["selector"]["matchLabels"], labels);
+    assert_eq!(&service["spec"]["selector"], labels);
+    assert_eq!(&monitor["spec"]["selector"]["matchLabels"], &service["metadata"]["labels"]);
+
+    let container = &pod["spec"]["containers"][0];
+    let port_of = |name: &str| {
+        container["ports"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .map(|p| p["containerPort"].as_u64().unwrap())
+    };
+    let service_ports = service["spec"]["ports"].as_sequence().unwrap();
+    for port in service_ports {
+        assert!(port_of(port["targetPort"].as_str().unwrap()).is_some(), "{port:?} names no container port");
+    }
+    let monitored = monitor["spec"]["endpoints"][0]["port"].as_str().unwrap();
+    assert!(
+        service_ports.iter().any(|p| p["name"] == monitored),
+        "the ServiceMonitor scrapes no Service port"
+    );
+    assert_eq!(monitor["spec"]["endpoints"][0]["path"], "/metrics");
+
+    let env: HashMap<String, String> = container["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|e| (e["name"].as_str().unwrap().to_owned(), e["value"].as_str().unwrap().to_owned()))
+        .collect();
+    let config =
+        Config::load(None, env.clone()).unwrap_or_else(|e| panic!("deployment.yaml's environment: {e}"));
+    assert_eq!(config.grpc_addr().port(), port_of("grpc").unwrap() as u16);
+    assert_eq!(config.http_addr().port(), port_of("http").unwrap() as u16);
+    for (probe, path) in
+        [("readinessProbe", "/readyz"), ("livenessProbe", "/healthz"), ("startupProbe", "/healthz")]
+    {
+        assert_eq!(container[probe]["httpGet"]["path"], path, "{probe}");
+        assert_eq!(container[probe]["httpGet"]["port"], "http", "{probe}");
+    }
+    let grace_ms = pod["spec"]["terminationGracePeriodSeconds"].as_u64().unwrap() * 1_000;
+    assert!(grace_ms > config.grpc.drain_delay_ms + config.grpc.shutdown_grace_ms, "killed while draining");
+    assert!(
+        dockerfile()
+            .contains(&format!("--uid {}", pod["spec"]["securityContext"]["runAsUser"].as_u64().unwrap())),
+        "the pod runs as another user than the image's"
+    );
+
+    // The rules file is the ConfigMap's, mounted where the path points.
+    let rules_path = config.rules.path.clone().unwrap();
+    let mount = container["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| rules_path.starts_with(m["mountPath"].as_str().unwrap()))
+        .expect("the rules path is under a mount");
+    let volume =
+        pod["spec"]["volumes"].as_sequence().unwrap().iter().find(|v| v["name"] == mount["name"]).unwrap();
+    assert_eq!(volume["configMap"]["name"], configmap["metadata"]["name"]);
+    let file = rules_path.file_name().unwrap().to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join(file),
+        configmap["data"][file].as_str().expect("the ConfigMap holds the file"),
+    )
+    .unwrap();
+    let rules =
+        ratelimitd::rules::load(&dir.path().join(file), Default::default()).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!rules.rules().is_empty());
 }
