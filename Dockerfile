@@ -8,11 +8,18 @@
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked --bin ratelimitd
+# The registry and the target dir are BuildKit cache mounts: a rebuild after
+# a source change recompiles this crate only, not librdkafka, OpenSSL and
+# the other dependencies. (The cached target dir is not in the layer, so
+# the binary is copied out of it.)
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked --bin ratelimitd \
+    && cp target/release/ratelimitd /usr/local/bin/ratelimitd
 
 FROM debian:bookworm-slim
 RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/ratelimitd ratelimitd
-COPY --from=build /src/target/release/ratelimitd /usr/local/bin/ratelimitd
+COPY --from=build /usr/local/bin/ratelimitd /usr/local/bin/ratelimitd
 COPY examples /etc/ratelimitd/examples
 WORKDIR /var/lib/ratelimitd
 ENV RATELIMITD__RULES__PATH=/etc/ratelimitd/examples/rules \
