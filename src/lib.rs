@@ -2,7 +2,7 @@
 //!
 //! # Layout
 //!
-//! The modules follow the decision path (DESIGN §3):
+//! The modules follow the decision path (docs/design.md §3):
 //!
 //! - [`api`]: protobuf ↔ domain conversion, validation, the gRPC services.
 //!   The only module that sees generated types.

@@ -1,4 +1,4 @@
-//! `shed.*`: priority load shedding (DESIGN §7).
+//! `shed.*`: priority load shedding (docs/design.md §7).
 
 use std::path::PathBuf;
 
@@ -7,7 +7,7 @@ use serde::Deserialize;
 use super::{ConfigError, invalid};
 use crate::shed::{Priority, ShedMode, Source, Thresholds};
 
-/// `shed.*`: priority load shedding (DESIGN §7).
+/// `shed.*`: priority load shedding (docs/design.md §7).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ShedConfig {

@@ -1,4 +1,4 @@
-//! The decision engine (DESIGN §3): the one place that decides, for every
+//! The decision engine (docs/design.md §3): the one place that decides, for every
 //! API. `api/` validates and converts; `Check` enters at
 //! [`Engine::check`], Envoy's `ShouldRateLimit` at
 //! [`Engine::should_rate_limit`]. Both go through the same steps in the same

@@ -1,4 +1,4 @@
-//! Failed decisions (DESIGN §8): every decision the store could not make
+//! Failed decisions (docs/design.md §8): every decision the store could not make
 //! becomes exactly one [`FailureRecord`], written to a JSON-lines file (the
 //! embedded default) or a Kafka topic, and never lost on the way.
 //!

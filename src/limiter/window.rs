@@ -1,4 +1,4 @@
-//! The sliding-window counter as pure integer arithmetic (DESIGN §6).
+//! The sliding-window counter as pure integer arithmetic (docs/design.md §6).
 //!
 //! Time is split into aligned windows of `W` ms. A counter keeps the count of
 //! the current window and of the previous one; the previous count is weighted

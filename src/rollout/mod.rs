@@ -1,4 +1,4 @@
-//! The rules write path (DESIGN §5): snapshots published to a compacted
+//! The rules write path (docs/design.md §5): snapshots published to a compacted
 //! Kafka topic, instances that subscribe to it, and the status topic on
 //! which every instance says which version it serves.
 //!

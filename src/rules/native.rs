@@ -1,4 +1,4 @@
-//! Loader of the native YAML rule format (DESIGN §5): a file, or a directory
+//! Loader of the native YAML rule format (docs/design.md §5): a file, or a directory
 //! whose `*.yaml` / `*.yml` files together form one rule set.
 //!
 //! Directory entries are read in name order and hidden entries are skipped, so

@@ -1,4 +1,4 @@
-//! Priority load shedding (DESIGN §7): when the service's host or container
+//! Priority load shedding (docs/design.md §7): when the service's host or container
 //! runs hot, BULK and BEST_EFFORT requests (and, hotter still, DEGRADED ones)
 //! are refused before they cost a store call, so CRITICAL traffic keeps its
 //! latency.

@@ -1,6 +1,6 @@
 //! The shedding policy as pure functions: which utilization level the
 //! service is in (with hysteresis, so it does not flap around a threshold)
-//! and which priorities each level sheds (DESIGN §7).
+//! and which priorities each level sheds (docs/design.md §7).
 
 use std::fmt;
 

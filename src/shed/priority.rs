@@ -1,12 +1,12 @@
 //! Request priority: which traffic is shed first when the service runs hot
-//! (DESIGN §7). Defined here, with the policy that reads it; rules, the
+//! (docs/design.md §7). Defined here, with the policy that reads it; rules, the
 //! engine and the configuration all name it from `shed`.
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// How important a request is when the service sheds load (DESIGN §7).
+/// How important a request is when the service sheds load (docs/design.md §7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Priority {
