@@ -14,8 +14,14 @@ use super::{ENV_PREFIX, compat::COMPAT_VAR};
 
 /// Variables with this service's prefix that the project's scripts and
 /// test suite read, not the service.
-const TOOLS: [&str; 5] =
-    ["RATELIMITD_TOOLS_DIR", "RATELIMITD_TANSU", "RATELIMITD_ENVOY", "RATELIMITD_GRPCURL", "RATELIMITD_CMD"];
+const TOOLS: [&str; 6] = [
+    "RATELIMITD_TOOLS_DIR",
+    "RATELIMITD_TANSU",
+    "RATELIMITD_ENVOY",
+    "RATELIMITD_GRPCURL",
+    "RATELIMITD_CHECK_JSONSCHEMA",
+    "RATELIMITD_CMD",
+];
 
 /// The configuration's sections, the first part of every key.
 const SECTIONS: [&str; 15] = [
