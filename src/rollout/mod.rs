@@ -17,6 +17,19 @@ pub mod subscribe;
 #[cfg_attr(not(feature = "kafka"), path = "topic_absent.rs")]
 pub mod topic;
 
+/// One record of a topic (`topic::read_all`).
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// Its partition.
+    pub partition: i32,
+    /// Its offset.
+    pub offset: i64,
+    /// Its key, if any.
+    pub key: Option<Vec<u8>>,
+    /// Its value; `None` for a tombstone.
+    pub payload: Option<Vec<u8>>,
+}
+
 /// Why a rollout command failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RolloutError {

@@ -11,18 +11,7 @@ use rdkafka::{
 use super::RolloutError;
 use crate::kafka::client_config;
 
-/// One record of a topic.
-#[derive(Debug, Clone)]
-pub struct Record {
-    /// Its partition.
-    pub partition: i32,
-    /// Its offset.
-    pub offset: i64,
-    /// Its key, if any.
-    pub key: Option<Vec<u8>>,
-    /// Its value; `None` for a tombstone.
-    pub payload: Option<Vec<u8>>,
-}
+pub use super::Record;
 
 /// A consumer that joins no group and commits nothing (`assign`, not `subscribe`).
 pub(crate) fn consumer(

@@ -7,18 +7,7 @@ use std::{collections::BTreeMap, time::Duration};
 
 use super::RolloutError;
 
-/// One record of a topic.
-#[derive(Debug, Clone)]
-pub struct Record {
-    /// Its partition.
-    pub partition: i32,
-    /// Its offset.
-    pub offset: i64,
-    /// Its key, if any.
-    pub key: Option<Vec<u8>>,
-    /// Its value; `None` for a tombstone.
-    pub payload: Option<Vec<u8>>,
-}
+pub use super::Record;
 
 /// A producer: none can exist in this build.
 #[derive(Debug)]
