@@ -11,7 +11,11 @@
 // The allocation counts are this bench's report, printed beside criterion's.
 #![allow(clippy::print_stdout)]
 
-use std::{alloc::System, collections::HashMap, hint::black_box, sync::Arc, time::Duration};
+mod common;
+
+use common::allocations_per_call;
+
+use std::{collections::HashMap, hint::black_box, sync::Arc, time::Duration};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use ratelimitd::{
@@ -36,10 +40,6 @@ use ratelimitd::{
     shed::{Level, Priority, ShedMode, Shedder},
     telemetry::Metrics,
 };
-use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
-
-#[global_allocator]
-static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
 const RULES: usize = 10_000;
 
@@ -70,15 +70,6 @@ fn snapshot() -> ratelimitd::rules::Snapshot {
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(snapshot.rules().len(), RULES);
     snapshot
-}
-
-/// Runs `f` `n` times and returns the heap allocations per call.
-fn allocations_per_call(n: usize, mut f: impl FnMut()) -> f64 {
-    let region = Region::new(GLOBAL);
-    for _ in 0..n {
-        f();
-    }
-    region.change().allocations as f64 / n as f64
 }
 
 fn benches(c: &mut Criterion) {

@@ -10,7 +10,11 @@
 // The allocation counts are this bench's report, printed beside criterion's.
 #![allow(clippy::print_stdout)]
 
-use std::{alloc::System, fmt::Write as _, hint::black_box, sync::Arc, time::Duration};
+mod common;
+
+use common::allocations_per_call;
+
+use std::{fmt::Write as _, hint::black_box, sync::Arc, time::Duration};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use prometheus_client::{
@@ -22,10 +26,6 @@ use ratelimitd::{
     decision::{Api, Stats as _},
     telemetry::Metrics,
 };
-use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
-
-#[global_allocator]
-static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
 /// A rule id as a label value: the decision's `Arc<str>`, shared.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -44,15 +44,6 @@ struct Decision {
     rule: Rule,
     reason: &'static str,
     allowed: bool,
-}
-
-/// Runs `f` `n` times and returns the heap allocations per call.
-fn allocations_per_call(n: usize, mut f: impl FnMut()) -> f64 {
-    let region = Region::new(GLOBAL);
-    for _ in 0..n {
-        f();
-    }
-    region.change().allocations as f64 / n as f64
 }
 
 fn benches(c: &mut Criterion) {
