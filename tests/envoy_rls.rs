@@ -17,7 +17,7 @@ use ratelimitd::{
             rate_limit_service_client::RateLimitServiceClient,
         },
     },
-    config::{EnvoyAlgorithm, EnvoyFailureMode, EnvoyZeroHits},
+    config::{EnvoyAlgorithm, EnvoyFailureMode, EnvoyHitsCounted, EnvoyZeroHits},
 };
 use tonic::transport::Channel;
 
@@ -270,7 +270,9 @@ async fn unlimited_shadow_and_replaces(backend: Backend) {
     s.server.stop().await.unwrap();
 }
 
-/// Better than upstream: when one descriptor is over, the others are not consumed.
+/// Better than upstream: when one descriptor is over, the others are not
+/// consumed (`envoy.hits_counted: if_admitted`, the default); `always`
+/// counts as upstream.
 async fn one_descriptor_over_consumes_nothing_from_the_others(backend: Backend) {
     let mut s = start(backend, |_| {}).await;
     let both = || {
@@ -286,6 +288,40 @@ async fn one_descriptor_over_consumes_nothing_from_the_others(backend: Backend) 
     }
     let user_only = ask(&mut s.client, request(vec![descriptor(&[("user", "carol")])])).await;
     assert_eq!(user_only.statuses[0].limit_remaining, 1, "only the first request counted");
+    s.server.stop().await.unwrap();
+
+    // envoy.hits_counted: always (upstream's INCRBY): every hit counts, each
+    // descriptor on its own, over the limit too.
+    let mut s = start(backend, |c| c.envoy.hits_counted = EnvoyHitsCounted::Always).await;
+    let answers: Vec<Code> = {
+        let mut out = Vec::new();
+        for _ in 0..3 {
+            out.push(code(ask(&mut s.client, both()).await.overall_code));
+        }
+        out
+    };
+    assert_eq!(answers, [Code::Ok, Code::OverLimit, Code::OverLimit]);
+    let user_only = ask(&mut s.client, request(vec![descriptor(&[("user", "carol")])])).await;
+    assert_eq!(code(user_only.overall_code), Code::OverLimit, "the denied requests spent user's 3");
+    s.server.stop().await.unwrap();
+    let mut check_only = descriptor(&[("user", "erin")]);
+    check_only.hits_addend = Some(0);
+    let mut s = start(backend, |c| {
+        c.envoy.hits_counted = EnvoyHitsCounted::Always;
+        c.envoy.zero_hits = EnvoyZeroHits::WithinLimit;
+    })
+    .await;
+    // With upstream's 0-hit answer: a denied hit still counts, so a check
+    // at the limit passes and one past it (4 hits against 3) does not.
+    for _ in 0..3 {
+        ask(&mut s.client, request(vec![descriptor(&[("user", "erin")])])).await;
+    }
+    let at = ask(&mut s.client, request(vec![check_only.clone()])).await;
+    assert_eq!(code(at.overall_code), Code::Ok, "at the limit");
+    let over = ask(&mut s.client, request(vec![descriptor(&[("user", "erin")])])).await;
+    assert_eq!(code(over.overall_code), Code::OverLimit);
+    let past = ask(&mut s.client, request(vec![check_only])).await;
+    assert_eq!(code(past.overall_code), Code::OverLimit, "the denied hit was counted");
     s.server.stop().await.unwrap();
 }
 

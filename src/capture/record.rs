@@ -20,6 +20,10 @@ pub enum CountKind {
     Peek,
     /// A `Report`: counted whatever is left.
     Report,
+    /// An admission counted whether or not it fits (Envoy
+    /// `envoy.hits_counted: always`).
+    #[serde(rename = "check_anyway")]
+    CheckAnyway,
 }
 
 impl CountKind {
@@ -29,6 +33,7 @@ impl CountKind {
             Count::IfFits => CountKind::Check,
             Count::Never => CountKind::Peek,
             Count::Always => CountKind::Report,
+            Count::Anyway => CountKind::CheckAnyway,
         }
     }
 
@@ -38,6 +43,7 @@ impl CountKind {
             CountKind::Check => Count::IfFits,
             CountKind::Peek => Count::Never,
             CountKind::Report => Count::Always,
+            CountKind::CheckAnyway => Count::Anyway,
         }
     }
 }

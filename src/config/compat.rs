@@ -415,11 +415,13 @@ fn grpc_tls(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
 /// default), the near-limit ratio and the stats switch.
 fn envoy(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     // Upstream's decisions: a fixed window (a new minute starts afresh, and
-    // a reset is never more than the unit away), and a 0-hit check admitted
-    // while the count is within the limit (its token-quota flow checks with
-    // 0 hits and debits afterwards).
+    // a reset is never more than the unit away), a 0-hit check admitted
+    // while the count is within the limit, and every hit counted (its
+    // token-quota flow checks with 0 hits and debits afterwards, whatever
+    // is left).
     out.push(("envoy.algorithm", "fixed_window".to_owned()));
     out.push(("envoy.zero_hits", "within_limit".to_owned()));
+    out.push(("envoy.hits_counted", "always".to_owned()));
     for (name, key) in [
         ("MERGE_DOMAIN_CONFIG", "envoy.merge_domains"),
         ("SHADOW_MODE", "envoy.shadow_mode"),
@@ -465,12 +467,15 @@ fn statsd(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// `LOG_LEVEL` (upstream's names, any case) and `LOG_FORMAT` (`text` or `json`).
+/// `LOG_LEVEL` (upstream's names, any case) and `LOG_FORMAT` (`text` or
+/// `json`). Upstream's level is its own logger's: `debug` and `trace` are
+/// ratelimitd's own, the libraries beneath (h2, hyper: a line per frame)
+/// stay at `info`.
 fn logging(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     if let Some(level) = up.get("LOG_LEVEL") {
         let level = match level.to_ascii_lowercase().as_str() {
-            "trace" => "trace",
-            "debug" => "debug",
+            "trace" => "ratelimitd=trace,info",
+            "debug" => "ratelimitd=debug,info",
             "info" => "info",
             "warn" | "warning" => "warn",
             "error" | "fatal" | "panic" => "error",
@@ -612,6 +617,7 @@ mod tests {
         // Upstream's decisions by default; ours one variable away.
         assert_eq!(get("RATELIMITD__ENVOY__ALGORITHM"), Some("fixed_window"));
         assert_eq!(get("RATELIMITD__ENVOY__ZERO_HITS"), Some("within_limit"));
+        assert_eq!(get("RATELIMITD__ENVOY__HITS_COUNTED"), Some("always"));
         let (env, _) =
             translated(&[(COMPAT_VAR, ENVOYPROXY), ("RATELIMITD__ENVOY__ALGORITHM", "sliding_window")]);
         assert_eq!(env["RATELIMITD__ENVOY__ALGORITHM"], "sliding_window");

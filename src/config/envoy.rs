@@ -34,6 +34,21 @@ pub enum EnvoyZeroHits {
     WithinLimit,
 }
 
+/// Which hits a descriptor's counter takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyHitsCounted {
+    /// The hits of an admitted request only, all or nothing: a request one
+    /// enforced descriptor denies consumes nothing, from any descriptor.
+    #[default]
+    IfAdmitted,
+    /// Every hit, each descriptor on its own, over the limit too
+    /// (envoyproxy/ratelimit's INCRBY, on which its token-quota flow
+    /// relies: a usage report after the response is counted even when it
+    /// overdraws). A denied request still consumes.
+    Always,
+}
+
 /// How the rate-limit response headers are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -69,6 +84,8 @@ pub struct EnvoySettings {
     pub algorithm: EnvoyAlgorithm,
     /// `next_hit` (default) or `within_limit`: what a 0-hit check asks.
     pub zero_hits: EnvoyZeroHits,
+    /// `if_admitted` (default) or `always`: which hits are counted.
+    pub hits_counted: EnvoyHitsCounted,
     /// `local` (default), `allow` or `unavailable`.
     pub failure_mode: EnvoyFailureMode,
     /// The failure mode of a domain (`domain: MODE`), over `failure_mode`.
@@ -149,6 +166,7 @@ impl Default for EnvoySettings {
         Self {
             algorithm: EnvoyAlgorithm::SlidingWindow,
             zero_hits: EnvoyZeroHits::NextHit,
+            hits_counted: EnvoyHitsCounted::IfAdmitted,
             failure_mode: EnvoyFailureMode::Local,
             domain_failure_mode: HashMap::new(),
             error_header: "x-ratelimit-error".to_owned(),

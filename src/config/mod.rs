@@ -41,7 +41,9 @@ use serde::Deserialize;
 
 pub use capture::{CaptureConfig, CaptureKafkaConfig};
 pub use dlq::{DlqConfig, KafkaConfig};
-pub use envoy::{EnvoyAlgorithm, EnvoyFailureMode, EnvoyHeaderFormat, EnvoySettings, EnvoyZeroHits};
+pub use envoy::{
+    EnvoyAlgorithm, EnvoyFailureMode, EnvoyHeaderFormat, EnvoyHitsCounted, EnvoySettings, EnvoyZeroHits,
+};
 pub use grpc::{GrpcConfig, GrpcTlsConfig};
 pub use http::HttpConfig;
 pub use limits::LimitsConfig;

@@ -74,6 +74,9 @@ pub struct EnvoyPolicy {
     /// rather than while one more hit fits (weight 1)
     /// (`envoy.zero_hits: within_limit`).
     pub zero_hits_within_limit: bool,
+    /// Every hit is counted, each descriptor on its own, over the limit
+    /// too (`envoy.hits_counted: always`).
+    pub count_every_hit: bool,
 }
 
 impl Default for EnvoyPolicy {
@@ -91,6 +94,7 @@ impl Default for EnvoyPolicy {
             upstream_metrics: true,
             near_limit_ratio: 0.8,
             zero_hits_within_limit: false,
+            count_every_hit: false,
         }
     }
 }
@@ -324,11 +328,13 @@ impl Engine {
         let unit = limit.unit.expect("a limited limit has a unit");
         // `hits_addend: 0` asks whether one more hit fits (or, as
         // upstream, whether the count is within the limit) and counts
-        // nothing; a `report_mode` limit counts hits whatever is left.
+        // nothing; a `report_mode` limit counts hits whatever is left, and
+        // with `count_every_hit` an admission is counted even when denied.
         let policy = &self.inner.envoy_policy;
         let (weight, count) = match hits {
             0 => (u64::from(!policy.zero_hits_within_limit), Count::Never),
             hits if limit.report_mode => (hits, Count::Always),
+            hits if policy.count_every_hit => (hits, Count::Anyway),
             hits => (hits, Count::IfFits),
         };
         let (key, digested) = counter_key(unit, descriptor.entries(), &found.shared, policy.max_value_bytes);
@@ -398,7 +404,8 @@ impl Engine {
         let mut tenant = None;
         for plan in plans {
             let Plan::Limited(limit, index, _) = plan else { continue };
-            if limit.overload.is_none() || items[*index].count != Count::IfFits {
+            // Admissions only: not a 0-hit check, not a usage report.
+            if limit.overload.is_none() || matches!(items[*index].count, Count::Never | Count::Always) {
                 continue;
             }
             let tenant = *tenant.get_or_insert_with(|| self.rls_tenant(request));

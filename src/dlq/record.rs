@@ -87,6 +87,7 @@ pub fn counting_name(count: Count) -> &'static str {
         Count::IfFits => "admission",
         Count::Never => "peek",
         Count::Always => "report",
+        Count::Anyway => "admission_anyway",
     }
 }
 

@@ -152,7 +152,7 @@ impl LocalLimiter {
         }
         let shared = CounterSpec { id: counter.id, window: self.share(counter.window) };
         let verdict = self.counters.decide(user_id, shared, weight, count)?;
-        if owes && (count == Count::Always || verdict.admitted) {
+        if owes && (count.whatever_is_left() || verdict.admitted) {
             self.owe(key, Owed::Counter { window: counter.window, hits: weight });
         }
         Ok(verdict)
@@ -179,7 +179,7 @@ impl LocalLimiter {
                 continue;
             }
             let key = keys.next().expect("one key per owing item");
-            let counted = item.count == Count::Always || (outcome.committed && verdict.admitted);
+            let counted = item.count.whatever_is_left() || (outcome.committed && verdict.admitted);
             if counted {
                 self.owe(key, Owed::Item(ManyItem { count: Count::Always, shadow: false, ..item.clone() }));
             }

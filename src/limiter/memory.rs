@@ -461,6 +461,22 @@ mod tests {
         assert!(store.is_empty());
     }
 
+    /// `Count::Anyway` (upstream's INCRBY): answered as an admission, but
+    /// counted when it does not fit, so a denial pushes the count on.
+    #[test]
+    fn an_admission_counted_anyway_answers_for_itself_and_counts_when_denied() {
+        let clock = Arc::new(ManualClock::new(0));
+        let store = MemoryStore::new(1, 1_000, clock);
+        let r = Counter { id: Arc::from("a"), window: WindowParams::window(1_000, 2, false) };
+        let hit = || store.decide("u", r.counter(), 1, Count::Anyway).unwrap();
+        let (first, second, third) = (hit(), hit(), hit());
+        assert!(first.admitted && first.remaining == 1, "{first:?}");
+        assert!(second.admitted && second.remaining == 0, "at the limit, as an admission: {second:?}");
+        assert!(!third.admitted && third.retry_after_ms.is_some(), "{third:?}");
+        // Three counted against two: even a weight of 0 is past the limit.
+        assert!(!store.decide("u", r.counter(), 0, Count::Never).unwrap().admitted);
+    }
+
     #[test]
     fn denied_requests_allocate_nothing() {
         let clock = Arc::new(ManualClock::new(0));

@@ -116,13 +116,13 @@ impl Store {
             Store::Redis(store) => Some(store.permits(shares).await),
             Store::Memory(_) => None,
         };
-        let reports = items.iter().filter(|i| i.count == Count::Always).count();
+        let reports = items.iter().filter(|i| i.count.whatever_is_left()).count();
         if reports == 0 || reports == items.len() {
             return self.decide_job(group, items).await;
         }
         // Rare (one request carrying both reports and admissions): clones.
         let (reported, decided): (Vec<ManyItem>, Vec<ManyItem>) =
-            items.iter().cloned().partition(|i| i.count == Count::Always);
+            items.iter().cloned().partition(|i| i.count.whatever_is_left());
         let (reported, decided) =
             tokio::join!(self.decide_job(group, &reported), self.decide_job(group, &decided));
         let (mut reported, mut decided) = (reported?.verdicts.into_iter(), decided?);
@@ -130,7 +130,7 @@ impl Store {
         let mut admissions = std::mem::take(&mut decided.verdicts).into_iter();
         let verdicts = items
             .iter()
-            .map(|i| if i.count == Count::Always { reported.next() } else { admissions.next() })
+            .map(|i| if i.count.whatever_is_left() { reported.next() } else { admissions.next() })
             .collect::<Option<Vec<Verdict>>>()
             .expect("one verdict per item");
         Ok(ManyOutcome { committed, verdicts })
@@ -210,7 +210,7 @@ impl ManyItem {
     /// is counted whatever is left). Both stores decide a job with this;
     /// Redis' script is its twin.
     pub(crate) fn blocks(&self, fits: bool) -> bool {
-        !fits && !self.shadow && self.count != Count::Always
+        !fits && !self.shadow && !self.count.whatever_is_left()
     }
 }
 
@@ -305,7 +305,9 @@ impl Seen {
     /// has already computed); `counted`: an admission's weight was written. An admission answers
     /// for itself; a peek (or an admission not counted) answers without
     /// its weight; a report answers for the *next* request: whether one of
-    /// weight 1 would pass now that the report is counted, and when.
+    /// weight 1 would pass now that the report is counted, and when. An
+    /// admission counted anyway answers for itself; when it did not fit,
+    /// with when the same weight would pass now that it is counted.
     pub(crate) fn answer(
         self,
         test: Verdict,
@@ -319,6 +321,11 @@ impl Seen {
             Count::Always => {
                 let after = self.after(weight, params);
                 after.uncounted(after.verdict(1, params), params)
+            }
+            Count::Anyway if test.admitted => test,
+            Count::Anyway => {
+                let after = self.after(weight, params);
+                after.uncounted(after.verdict(weight, params), params)
             }
             Count::IfFits | Count::Never => self.uncounted(test, params),
         }
@@ -352,7 +359,7 @@ pub(crate) fn evaluate(
     let (seen, index) = Seen::at(stored, now, params);
     let test = seen.verdict(weight, params);
     let fits = test.admitted;
-    let writes = weight > 0 && (count == Count::Always || (count == Count::IfFits && fits));
+    let writes = weight > 0 && (count.whatever_is_left() || (count == Count::IfFits && fits));
     // An admission that does not fit is its own test: the answer is `test` either way.
     let verdict = seen.answer(test, weight, count, params, fits);
     let write = writes.then(|| match seen.after(weight, params) {

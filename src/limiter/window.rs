@@ -82,16 +82,28 @@ pub enum Count {
     /// `Report`, Envoy `report_mode`). The counter may go past its capacity,
     /// up to [`max_count`] (windows) or `bucket::MAX_DEBT` (buckets).
     Always,
+    /// An admission counted whether or not it fits, answering for itself
+    /// (envoyproxy/ratelimit's INCRBY: Envoy `envoy.hits_counted: always`).
+    /// Like a report, it may push the counter past its capacity and never
+    /// keeps another counter of its request from being counted.
+    Anyway,
 }
 
 impl Count {
-    /// Its number in the Redis script's flags (0 to 2), times 8.
+    /// Its number in the Redis script's flags (0 to 2), times 8. The
+    /// script writes `Always` and `Anyway` alike; they differ only in the
+    /// answer, which is made here from what the script returns.
     pub fn code(self) -> u64 {
         match self {
             Count::IfFits => 0,
             Count::Never => 1,
-            Count::Always => 2,
+            Count::Always | Count::Anyway => 2,
         }
+    }
+
+    /// Whether its weight is written whatever is left (`Always`, `Anyway`).
+    pub fn whatever_is_left(self) -> bool {
+        matches!(self, Count::Always | Count::Anyway)
     }
 }
 

@@ -534,6 +534,7 @@ pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
         upstream_metrics: settings.upstream_metrics,
         near_limit_ratio: settings.near_limit_ratio,
         zero_hits_within_limit: settings.zero_hits == crate::config::EnvoyZeroHits::WithinLimit,
+        count_every_hit: settings.hits_counted == crate::config::EnvoyHitsCounted::Always,
     }
 }
 
