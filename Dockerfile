@@ -5,7 +5,17 @@
 # the binary needs no libssl at run time; gRPC and Redis TLS are rustls),
 # ship only the binary and the example rules on a slim Debian, as a non-root
 # user.
-FROM rust:1.95-bookworm AS build
+#
+# Both bases are build arguments so a release pins them by digest, resolved
+# where a registry is reachable:
+#   docker build \
+#     --build-arg BUILD_IMAGE=rust:1.95-bookworm@sha256:<digest> \
+#     --build-arg RUNTIME_IMAGE=debian:bookworm-slim@sha256:<digest> .
+# (`docker buildx imagetools inspect debian:bookworm-slim` prints the digest.)
+ARG BUILD_IMAGE=rust:1.95-bookworm
+ARG RUNTIME_IMAGE=debian:bookworm-slim
+
+FROM ${BUILD_IMAGE} AS build
 WORKDIR /src
 COPY . .
 # The registry and the target dir are BuildKit cache mounts: a rebuild after
@@ -17,7 +27,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     cargo build --release --locked --bin ratelimitd \
     && cp target/release/ratelimitd /usr/local/bin/ratelimitd
 
-FROM debian:bookworm-slim
+FROM ${RUNTIME_IMAGE}
 RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/ratelimitd ratelimitd
 COPY --from=build /usr/local/bin/ratelimitd /usr/local/bin/ratelimitd
 COPY examples /etc/ratelimitd/examples
