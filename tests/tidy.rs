@@ -6,6 +6,9 @@
 //! - Generated protobuf types (`api::pb`, `api::envoy_pb`) are named only
 //!   under `src/api/`.
 //! - Every module file starts with a `//!` doc.
+//! - Settings flow one way: each part owns its settings types and no part
+//!   imports `config`, which composes, layers, validates and translates
+//!   them for the entry points above (`server`, `cli`, `migrate`).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -153,6 +156,39 @@ fn the_module_graph_has_no_cycle() {
     // The graph is not trivially empty: the parser sees the real edges.
     assert!(edges.get("api").is_some_and(|to| to.contains("decision")), "{edges:#?}");
     assert!(edges.get("dlq").is_some_and(|to| to.contains("decision")), "{edges:#?}");
+}
+
+/// The modules above the parts: they compose the configuration and wire
+/// the parts (`config` itself, the server, the command line, `migrate`).
+const ENTRY_POINTS: [&str; 6] = ["config", "server", "cli", "migrate", "main", "lib"];
+
+/// The `use crate::` edges between top-level modules, per source file.
+fn module_edges() -> Vec<(String, String, String)> {
+    let files = source_files();
+    let modules: BTreeSet<String> = files.iter().map(|f| module_of(f)).collect();
+    let mut out = Vec::new();
+    for file in &files {
+        let from = module_of(file);
+        for to in crate_references(&code(&fs::read_to_string(file).unwrap())) {
+            if to != from && modules.contains(&to) {
+                out.push((relative(file), from.clone(), to));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn no_part_imports_config() {
+    let offenders: Vec<String> = module_edges()
+        .into_iter()
+        .filter(|(_, from, to)| to == "config" && !ENTRY_POINTS.contains(&from.as_str()))
+        .map(|(file, _, _)| format!("src/{file}"))
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "parts import config (a part owns its settings; config composes them): {offenders:?}"
+    );
 }
 
 #[test]

@@ -20,8 +20,8 @@ use super::envoy_pb::{
         rate_limit_service_server::{RateLimitService, RateLimitServiceServer},
     },
 };
+use super::envoy_settings::{EnvoyHeaderFormat, EnvoySettings};
 use crate::{
-    config::{EnvoyHeaderFormat, EnvoySettings},
     decision::{Api, Descriptor, DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsRequest},
     rules::envoy::Unit,
     telemetry::traces::{continue_trace, trace_id_of},

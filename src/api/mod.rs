@@ -9,6 +9,7 @@ pub mod client;
 mod convert;
 mod eager;
 mod envoy;
+pub mod envoy_settings;
 pub mod lenient;
 mod wire;
 pub mod xds;

@@ -12,12 +12,14 @@
 //! doubling back-off; the rules in force stay in force meanwhile.
 
 use std::{
+    collections::BTreeMap,
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
 };
 
 use prost::Message as _;
+use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::{StreamExt as _, wrappers::ReceiverStream};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
@@ -31,14 +33,67 @@ use super::envoy_pb::{
     google::rpc::Status,
     rls_config::{RateLimitConfig, RateLimitDescriptor, RateLimitUnit},
 };
-use crate::{
-    config::XdsConfig,
-    rules::{
-        Hot, RuleErrors, XdsState,
-        envoy::{Compile, EnvoyConfig},
-        non_empty,
-    },
+use crate::rules::{
+    Hot, RuleErrors, XdsState,
+    envoy::{Compile, EnvoyConfig},
+    non_empty,
 };
+
+/// `rules.xds.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct XdsConfig {
+    /// `http://host:port`, or `https://` for TLS.
+    pub server_url: String,
+    /// The node id announced (upstream's `CONFIG_GRPC_XDS_NODE_ID`).
+    pub node_id: String,
+    /// The node's metadata, strings (`CONFIG_GRPC_XDS_NODE_METADATA`).
+    pub node_metadata: BTreeMap<String, String>,
+    /// gRPC metadata sent with the stream (`CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS`).
+    pub headers: BTreeMap<String, String>,
+    /// With `https://`: PEM CA certificate(s) to trust instead of the system's.
+    pub ca_file: Option<PathBuf>,
+    /// With `https://`: PEM client certificate, for mTLS; with `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// The client certificate's PEM private key.
+    pub key_file: Option<PathBuf>,
+    /// The name the server's certificate must carry, when it differs from
+    /// the URL's host (`CONFIG_GRPC_XDS_SERVER_TLS_SAN`).
+    pub server_name: Option<String>,
+    /// Serve before the first configuration arrives (every Envoy
+    /// descriptor then has no limit) instead of waiting for it
+    /// (`FORCE_START_WITHOUT_INITIAL_CONFIG`).
+    pub force_start: bool,
+    /// Deadline for connecting to the server.
+    pub connect_timeout_ms: u64,
+    /// First wait before reconnecting after a broken stream; it doubles
+    /// up to `retry_max_ms` (jittered).
+    pub retry_initial_ms: u64,
+    /// Longest wait between reconnects.
+    pub retry_max_ms: u64,
+    /// Largest response accepted (`XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES`).
+    pub max_message_bytes: usize,
+}
+
+impl Default for XdsConfig {
+    fn default() -> Self {
+        Self {
+            server_url: "http://localhost:18000".to_owned(),
+            node_id: "default".to_owned(),
+            node_metadata: BTreeMap::new(),
+            headers: BTreeMap::new(),
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            server_name: None,
+            force_start: false,
+            connect_timeout_ms: 3_000,
+            retry_initial_ms: 1_000,
+            retry_max_ms: 30_000,
+            max_message_bytes: 4 << 20,
+        }
+    }
+}
 
 /// The resource type subscribed to.
 pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";

@@ -473,7 +473,7 @@ pub struct ReplayArgs {
 /// Runs `ratelimitd replay`: 0 the candidate passes the gate, 1 it fails
 /// (or the capture cannot be read), 64 bad arguments.
 pub fn replay(args: &ReplayArgs, config: &Config) -> ExitCode {
-    let form = crate::rules::PathForm::of(&config.rules.path_matching);
+    let form = config.rules.path_matching;
     let candidate = match crate::rules::load(&args.rules, form) {
         Ok(snapshot) => snapshot,
         Err(errors) => return rule_errors("--rules", &errors),
@@ -508,16 +508,10 @@ fn native_of(
     record: &crate::rules::encoding::SnapshotRecord,
     what: &str,
 ) -> Result<crate::rules::Snapshot, ExitCode> {
-    record
-        .compile(
-            crate::rules::envoy::Compile::of(&config.envoy),
-            crate::rules::PathForm::of(&config.rules.path_matching),
-        )
-        .map(|c| c.native)
-        .map_err(|e| {
-            eprintln!("{what}: {e}");
-            ExitCode::from(1)
-        })
+    record.compile(config.envoy.compile(), config.rules.path_matching).map(|c| c.native).map_err(|e| {
+        eprintln!("{what}: {e}");
+        ExitCode::from(1)
+    })
 }
 
 /// The native rules in force: `in_force` (a record from the rules topic),
@@ -542,8 +536,8 @@ fn current_rules(
         }
     }
     let loaded = match &config.rules.path {
-        Some(path) => crate::rules::load(path, crate::rules::PathForm::of(&config.rules.path_matching)),
-        None => crate::rules::embedded(crate::rules::PathForm::of(&config.rules.path_matching)),
+        Some(path) => crate::rules::load(path, config.rules.path_matching),
+        None => crate::rules::embedded(config.rules.path_matching),
     };
     loaded.map_err(|e| rule_errors("the rules in force", &e))
 }

@@ -34,8 +34,8 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
     let candidate = match publish::candidate(
         args.path.as_deref(),
         args.envoy.as_deref(),
-        crate::rules::envoy::Compile::of(&config.envoy),
-        crate::rules::PathForm::of(&config.rules.path_matching),
+        config.envoy.compile(),
+        config.rules.path_matching,
         config.rules.allow_empty,
     ) {
         Ok(candidate) => candidate,

@@ -5,6 +5,7 @@ use std::{net::SocketAddr, path::PathBuf};
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
+use crate::tls::GrpcTlsConfig;
 
 /// `grpc.*`
 #[derive(Debug, Clone, Deserialize)]
@@ -94,45 +95,6 @@ pub struct GrpcConfig {
     /// on the same host (upstream's `GRPC_UDS`). A stale socket file left
     /// by an earlier run is replaced; the file is removed at shutdown.
     pub uds: Option<PathBuf>,
-}
-
-/// `grpc.tls.*`
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct GrpcTlsConfig {
-    /// PEM certificate chain (leaf first). With `key_file`, turns TLS on.
-    pub cert_file: Option<PathBuf>,
-    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of the certificate.
-    pub key_file: Option<PathBuf>,
-    /// PEM CA certificate(s): when set, every client must present a
-    /// certificate they signed (mTLS).
-    pub client_ca_file: Option<PathBuf>,
-    /// With `client_ca_file`: a name (DNS name or IP address) every client
-    /// certificate must carry among its subject alternative names, beyond
-    /// being signed by that CA (upstream's `GRPC_CLIENT_TLS_SAN`).
-    pub client_san: Option<String>,
-    /// How often the files are checked for changes (size, mtime); a change
-    /// is loaded for new connections without a restart. 0 disables reload.
-    pub reload_interval_ms: u64,
-    /// A connection whose TLS handshake takes longer is closed.
-    pub handshake_timeout_ms: u64,
-    /// Most TLS handshakes in progress at once; past it, new connections
-    /// wait in the listen backlog until one finishes.
-    pub max_handshakes: usize,
-}
-
-impl Default for GrpcTlsConfig {
-    fn default() -> Self {
-        Self {
-            cert_file: None,
-            key_file: None,
-            client_ca_file: None,
-            client_san: None,
-            reload_interval_ms: 10_000,
-            handshake_timeout_ms: 10_000,
-            max_handshakes: 1_024,
-        }
-    }
 }
 
 impl Default for GrpcConfig {

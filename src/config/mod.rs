@@ -41,19 +41,28 @@ use serde::Deserialize;
 
 pub use capture::{CaptureConfig, CaptureKafkaConfig};
 pub use dlq::{DlqConfig, KafkaConfig};
-pub use envoy::{
-    EnvoyAlgorithm, EnvoyFailureMode, EnvoyHeaderFormat, EnvoyHitsCounted, EnvoySettings, EnvoyZeroHits,
-};
-pub use grpc::{GrpcConfig, GrpcTlsConfig};
+pub use grpc::GrpcConfig;
 pub use http::HttpConfig;
 pub use limits::LimitsConfig;
 pub use local::LocalConfig;
 pub use memory::MemoryConfig;
-pub use overload::{DenialCacheConfig, OverloadConfig, OverloadMode, TenantSource};
-pub use redis::{RedisConfig, redact_url};
-pub use rules::{PathMatchingConfig, RulesConfig, RulesKafkaConfig, RulesSource, XdsConfig};
+pub use overload::{DenialCacheConfig, OverloadConfig};
+pub use rules::{RulesConfig, RulesSource};
 pub use shed::ShedConfig;
-pub use telemetry::{LogConfig, LogFormat, TelemetryConfig};
+
+// Settings owned by the parts they configure, composed here.
+pub use crate::{
+    api::envoy_settings::{
+        EnvoyAlgorithm, EnvoyFailureMode, EnvoyHeaderFormat, EnvoyHitsCounted, EnvoySettings, EnvoyZeroHits,
+    },
+    api::xds::XdsConfig,
+    decision::TenantSource,
+    limiter::settings::{RedisConfig, redact_url},
+    rollout::RulesKafkaConfig,
+    rules::{OverloadMode, PathForm},
+    telemetry::settings::{LogConfig, LogFormat, TelemetryConfig},
+    tls::GrpcTlsConfig,
+};
 
 /// Prefix of configuration environment variables.
 pub const ENV_PREFIX: &str = "RATELIMITD";

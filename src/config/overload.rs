@@ -5,56 +5,13 @@
 
 use std::path::PathBuf;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use super::{ConfigError, invalid};
-
-/// What the overload layer does with the drop ratio it computes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OverloadMode {
-    /// Requests the coin drops are refused with reason OVERLOAD.
-    #[default]
-    Enforce,
-    /// Requests are counted and the coin is flipped, but nothing is
-    /// refused: a would-be drop is counted (`result="shadow_dropped"`).
-    Shadow,
-    /// Nothing is counted or dropped.
-    Off,
-}
-
-impl OverloadMode {
-    /// The configuration and metric name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OverloadMode::Enforce => "enforce",
-            OverloadMode::Shadow => "shadow",
-            OverloadMode::Off => "off",
-        }
-    }
-
-    /// Parses a configuration name.
-    pub fn parse(name: &str) -> Option<Self> {
-        match name {
-            "enforce" => Some(OverloadMode::Enforce),
-            "shadow" => Some(OverloadMode::Shadow),
-            "off" => Some(OverloadMode::Off),
-            _ => None,
-        }
-    }
-}
-
-/// Where a request's tenant is read from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TenantSource {
-    /// `Check`: the `user_id` up to the first `overload.tenant_separator`
-    /// (`acme:alice` → `acme`); an id without it has no tenant.
-    #[default]
-    UserIdPrefix,
-    /// `Check`: the request header `overload.tenant_header`.
-    Header,
-}
+use crate::{
+    decision::{TenantPolicy, TenantSource},
+    rules::OverloadMode,
+};
 
 /// `overload.*`
 #[derive(Debug, Clone, Deserialize)]
@@ -87,16 +44,17 @@ pub struct OverloadConfig {
 
 impl Default for OverloadConfig {
     fn default() -> Self {
+        let tenant = TenantPolicy::default();
         Self {
             mode: OverloadMode::Enforce,
             report_interval_ms: 500,
             max_staleness_ms: 30_000,
             tenants_path: None,
             reload_interval_ms: 1_000,
-            tenant_from: TenantSource::UserIdPrefix,
-            tenant_separator: ":".to_owned(),
-            tenant_header: "x-tenant".to_owned(),
-            tenant_descriptor_key: "tenant".to_owned(),
+            tenant_from: tenant.source,
+            tenant_separator: tenant.separator,
+            tenant_header: tenant.header,
+            tenant_descriptor_key: tenant.descriptor_key,
         }
     }
 }

@@ -1,11 +1,12 @@
 //! `rules.*`: where native and Envoy rules come from (files, or snapshots
 //! published to a Kafka topic), and how often files are checked for changes.
 
-use std::{collections::BTreeMap, fmt, path::PathBuf};
+use std::path::PathBuf;
 
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
+use crate::{api::xds::XdsConfig, rollout::RulesKafkaConfig, rules::PathForm};
 
 /// `rules.source`
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -50,67 +51,11 @@ pub struct RulesConfig {
     pub allow_empty: bool,
     /// How native rules' paths and the paths of `Check` requests are
     /// compared. Every instance of a fleet, and `rules publish`, must agree.
-    pub path_matching: PathMatchingConfig,
+    pub path_matching: PathForm,
     /// The rules topic (`source: kafka`, `rules publish`, `rules status`).
     pub kafka: RulesKafkaConfig,
     /// The management server (`source: xds`).
     pub xds: XdsConfig,
-}
-
-/// `rules.xds.*`
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct XdsConfig {
-    /// `http://host:port`, or `https://` for TLS.
-    pub server_url: String,
-    /// The node id announced (upstream's `CONFIG_GRPC_XDS_NODE_ID`).
-    pub node_id: String,
-    /// The node's metadata, strings (`CONFIG_GRPC_XDS_NODE_METADATA`).
-    pub node_metadata: BTreeMap<String, String>,
-    /// gRPC metadata sent with the stream (`CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS`).
-    pub headers: BTreeMap<String, String>,
-    /// With `https://`: PEM CA certificate(s) to trust instead of the system's.
-    pub ca_file: Option<PathBuf>,
-    /// With `https://`: PEM client certificate, for mTLS; with `key_file`.
-    pub cert_file: Option<PathBuf>,
-    /// The client certificate's PEM private key.
-    pub key_file: Option<PathBuf>,
-    /// The name the server's certificate must carry, when it differs from
-    /// the URL's host (`CONFIG_GRPC_XDS_SERVER_TLS_SAN`).
-    pub server_name: Option<String>,
-    /// Serve before the first configuration arrives (every Envoy
-    /// descriptor then has no limit) instead of waiting for it
-    /// (`FORCE_START_WITHOUT_INITIAL_CONFIG`).
-    pub force_start: bool,
-    /// Deadline for connecting to the server.
-    pub connect_timeout_ms: u64,
-    /// First wait before reconnecting after a broken stream; it doubles
-    /// up to `retry_max_ms` (jittered).
-    pub retry_initial_ms: u64,
-    /// Longest wait between reconnects.
-    pub retry_max_ms: u64,
-    /// Largest response accepted (`XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES`).
-    pub max_message_bytes: usize,
-}
-
-impl Default for XdsConfig {
-    fn default() -> Self {
-        Self {
-            server_url: "http://localhost:18000".to_owned(),
-            node_id: "default".to_owned(),
-            node_metadata: BTreeMap::new(),
-            headers: BTreeMap::new(),
-            ca_file: None,
-            cert_file: None,
-            key_file: None,
-            server_name: None,
-            force_start: false,
-            connect_timeout_ms: 3_000,
-            retry_initial_ms: 1_000,
-            retry_max_ms: 30_000,
-            max_message_bytes: 4 << 20,
-        }
-    }
 }
 
 impl XdsConfig {
@@ -172,79 +117,10 @@ impl Default for RulesConfig {
             reload_interval_ms: 1_000,
             envoy_path: None,
             allow_empty: false,
-            path_matching: PathMatchingConfig::default(),
+            path_matching: PathForm::default(),
             kafka: RulesKafkaConfig::default(),
             xds: XdsConfig::default(),
         }
-    }
-}
-
-/// `rules.path_matching.*`: what the canonical form of a path (always dot
-/// segments removed, unreserved escapes decoded, `;` parameters cut, `//`
-/// collapsed, query cut) does beyond that. Both off by default, as most
-/// servers behave; turn one on where the backends behind do the same, so
-/// that a variant they serve as one resource is counted as one.
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PathMatchingConfig {
-    /// `%2F` separates segments like `/`.
-    pub decode_slashes: bool,
-    /// ASCII letters compare without case.
-    pub ignore_case: bool,
-}
-
-/// `rules.kafka.*`
-#[derive(Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RulesKafkaConfig {
-    /// Bootstrap servers, `host:port[,host:port…]`.
-    pub brokers: Option<String>,
-    /// The compacted topic of snapshot records, keyed by version; one
-    /// partition (`ratelimitd migrate` creates it).
-    pub topic: String,
-    /// The compacted topic where every instance reports the version it
-    /// serves, keyed by instance (`ratelimitd rules status` reads it).
-    pub status_topic: String,
-    /// How long `serve` waits for the first snapshot before it falls back
-    /// to `rules.path` / `rules.envoy_path` (when set; otherwise it keeps
-    /// waiting, not ready).
-    pub wait_ms: u64,
-    /// How often an instance reports its version to `status_topic`
-    /// (besides on every swap).
-    pub status_interval_ms: u64,
-    /// Replication factor `ratelimitd migrate` creates both topics with.
-    pub replication_factor: i32,
-    /// Any librdkafka property (`security.protocol`, `sasl.*`, `ssl.*`, …).
-    /// Values are never logged.
-    pub properties: BTreeMap<String, String>,
-}
-
-impl Default for RulesKafkaConfig {
-    fn default() -> Self {
-        Self {
-            brokers: None,
-            topic: "ratelimit.rules".to_owned(),
-            status_topic: "ratelimit.rules.status".to_owned(),
-            wait_ms: 10_000,
-            status_interval_ms: 10_000,
-            replication_factor: 3,
-            properties: BTreeMap::new(),
-        }
-    }
-}
-
-impl fmt::Debug for RulesKafkaConfig {
-    // Properties carry SASL passwords and keys: show their names only.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RulesKafkaConfig")
-            .field("brokers", &self.brokers)
-            .field("topic", &self.topic)
-            .field("status_topic", &self.status_topic)
-            .field("wait_ms", &self.wait_ms)
-            .field("status_interval_ms", &self.status_interval_ms)
-            .field("replication_factor", &self.replication_factor)
-            .field("properties", &self.properties.keys().map(|k| format!("{k}=***")).collect::<Vec<_>>())
-            .finish()
     }
 }
 

@@ -1,62 +1,9 @@
-//! `log.*` and `telemetry.*`: log lines and trace export.
-
-use serde::Deserialize;
+//! `log.*` and `telemetry.*` checked: the settings ([`LogConfig`],
+//! [`TelemetryConfig`], owned by `telemetry::settings`) validated with
+//! errors naming their key.
 
 use super::{ConfigError, invalid};
-
-/// Log line format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    /// Readable text (coloured on a terminal).
-    #[default]
-    Human,
-    /// One JSON object per line, for log collectors.
-    Json,
-}
-
-/// `log.*`
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct LogConfig {
-    /// A `tracing` filter directive such as `info` or `ratelimitd=debug,info`.
-    /// `RUST_LOG`, when set, wins.
-    pub level: String,
-    /// `human` or `json`.
-    pub format: LogFormat,
-}
-
-impl Default for LogConfig {
-    fn default() -> Self {
-        Self { level: "info".to_owned(), format: LogFormat::Human }
-    }
-}
-
-/// `telemetry.*`
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TelemetryConfig {
-    /// OTLP/gRPC collector, e.g. `http://otel-collector:4317`; unset = no span export.
-    pub otlp_endpoint: Option<String>,
-    /// `service.name` of exported spans.
-    pub service_name: String,
-    /// `host:port` of a statsd server (a statsd-exporter) to send
-    /// envoyproxy/ratelimit's counters to, under its names; unset = none.
-    pub statsd_addr: Option<String>,
-    /// How often the statsd counters are sent.
-    pub statsd_flush_interval_ms: u64,
-}
-
-impl Default for TelemetryConfig {
-    fn default() -> Self {
-        Self {
-            otlp_endpoint: None,
-            service_name: "ratelimitd".to_owned(),
-            statsd_addr: None,
-            statsd_flush_interval_ms: 10_000,
-        }
-    }
-}
+use crate::telemetry::settings::{LogConfig, TelemetryConfig};
 
 impl LogConfig {
     /// Checks `log.*`: the level is a valid filter directive.

@@ -3,9 +3,10 @@
 
 use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
-use super::{Api, Engine, REPORT_LABEL, Reason, clamp_i64, fallback::Failed, keys, pipeline::Subject};
+use super::{
+    Api, Engine, REPORT_LABEL, Reason, TenantSource, clamp_i64, fallback::Failed, keys, pipeline::Subject,
+};
 use crate::{
-    config::TenantSource,
     limiter::{Count, FailureKind, Shares, StoreError, Verdict},
     overload::{Kind, OverloadVerdict},
     rules::{Mode, Rule},

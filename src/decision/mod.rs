@@ -50,7 +50,6 @@ pub use shares::TenantShares;
 pub struct CallerShare(pub Arc<tokio::sync::Semaphore>);
 
 use crate::{
-    config::TenantSource,
     limiter::{FailureKind, Store, StoreError, local::LocalLimiter, window::Verdict},
     overload::Overload,
     rules::{Hot, RuleStore, envoy::EnvoyConfig},
@@ -269,6 +268,18 @@ pub struct EngineParts {
     pub denials: Option<Arc<DenialCache>>,
 }
 
+/// Where a request's tenant is read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TenantSource {
+    /// `Check`: the `user_id` up to the first `overload.tenant_separator`
+    /// (`acme:alice` → `acme`); an id without it has no tenant.
+    #[default]
+    UserIdPrefix,
+    /// `Check`: the request header `overload.tenant_header`.
+    Header,
+}
+
 /// Where a request's tenant comes from (`overload.tenant_*`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TenantPolicy {
@@ -284,12 +295,11 @@ pub struct TenantPolicy {
 
 impl Default for TenantPolicy {
     fn default() -> Self {
-        let defaults = crate::config::OverloadConfig::default();
         TenantPolicy {
-            source: defaults.tenant_from,
-            separator: defaults.tenant_separator,
-            header: defaults.tenant_header,
-            descriptor_key: defaults.tenant_descriptor_key,
+            source: TenantSource::UserIdPrefix,
+            separator: ":".to_owned(),
+            header: "x-tenant".to_owned(),
+            descriptor_key: "tenant".to_owned(),
         }
     }
 }

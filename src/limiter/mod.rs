@@ -12,6 +12,7 @@ pub mod bucket;
 pub mod local;
 pub mod memory;
 pub mod redis;
+pub mod settings;
 pub mod slots;
 pub mod window;
 

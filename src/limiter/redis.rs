@@ -65,6 +65,7 @@ use tokio::{
     task::JoinSet,
 };
 
+use super::settings::{RedisConfig, redact_url};
 use super::{
     Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, Seen, Shares, StoreError,
     breaker::{Admission, Breaker},
@@ -73,7 +74,6 @@ use super::{
     slots::{SlotMap, group_key},
     window::{Algorithm, Counts, Verdict, WindowParams, max_count, position},
 };
-use crate::config::{RedisConfig, redact_url};
 
 const DECIDE_BATCH_LUA: &str = include_str!("scripts/decide_batch.lua");
 

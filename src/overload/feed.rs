@@ -23,9 +23,8 @@ use tokio::sync::watch;
 use super::{Kind, Overload, Table, solve};
 use crate::{
     clock::Clock,
-    config::OverloadMode,
     limiter::{RedisStore, StoreError},
-    rules::{Hot, OverloadScope, RuleStore, Versioned, envoy::EnvoyConfig, tenants::Tenants},
+    rules::{Hot, OverloadMode, OverloadScope, RuleStore, Versioned, envoy::EnvoyConfig, tenants::Tenants},
 };
 
 /// The Redis key of the cluster-wide mode switch (`ratelimitd overload`),

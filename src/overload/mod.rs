@@ -35,10 +35,7 @@ use std::{
 
 use arc_swap::ArcSwap;
 
-use crate::{
-    config::OverloadMode,
-    rules::{OverloadScope, OverloadSpec, tenants::Tenants},
-};
+use crate::rules::{OverloadMode, OverloadScope, OverloadSpec, tenants::Tenants};
 
 /// The label of the bucket of tenants not in the table (and of requests
 /// that name no tenant): not a valid tenant name, so never a real one.

@@ -17,6 +17,65 @@ pub mod subscribe;
 #[cfg_attr(not(feature = "kafka"), path = "topic_absent.rs")]
 pub mod topic;
 
+use std::{collections::BTreeMap, fmt};
+
+use serde::Deserialize;
+
+/// `rules.kafka.*`
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RulesKafkaConfig {
+    /// Bootstrap servers, `host:port[,host:port…]`.
+    pub brokers: Option<String>,
+    /// The compacted topic of snapshot records, keyed by version; one
+    /// partition (`ratelimitd migrate` creates it).
+    pub topic: String,
+    /// The compacted topic where every instance reports the version it
+    /// serves, keyed by instance (`ratelimitd rules status` reads it).
+    pub status_topic: String,
+    /// How long `serve` waits for the first snapshot before it falls back
+    /// to `rules.path` / `rules.envoy_path` (when set; otherwise it keeps
+    /// waiting, not ready).
+    pub wait_ms: u64,
+    /// How often an instance reports its version to `status_topic`
+    /// (besides on every swap).
+    pub status_interval_ms: u64,
+    /// Replication factor `ratelimitd migrate` creates both topics with.
+    pub replication_factor: i32,
+    /// Any librdkafka property (`security.protocol`, `sasl.*`, `ssl.*`, …).
+    /// Values are never logged.
+    pub properties: BTreeMap<String, String>,
+}
+
+impl Default for RulesKafkaConfig {
+    fn default() -> Self {
+        Self {
+            brokers: None,
+            topic: "ratelimit.rules".to_owned(),
+            status_topic: "ratelimit.rules.status".to_owned(),
+            wait_ms: 10_000,
+            status_interval_ms: 10_000,
+            replication_factor: 3,
+            properties: BTreeMap::new(),
+        }
+    }
+}
+
+impl fmt::Debug for RulesKafkaConfig {
+    // Properties carry SASL passwords and keys: show their names only.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RulesKafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("status_topic", &self.status_topic)
+            .field("wait_ms", &self.wait_ms)
+            .field("status_interval_ms", &self.status_interval_ms)
+            .field("replication_factor", &self.replication_factor)
+            .field("properties", &self.properties.keys().map(|k| format!("{k}=***")).collect::<Vec<_>>())
+            .finish()
+    }
+}
+
 /// One record of a topic (`topic::read_all`).
 #[derive(Debug, Clone)]
 pub struct Record {

@@ -9,13 +9,11 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+use super::RulesKafkaConfig;
 use super::{RolloutError, topic};
-use crate::{
-    config::RulesKafkaConfig,
-    rules::{
-        self, RuleErrors,
-        encoding::{self, Provenance, SCHEMA, SnapshotRecord},
-    },
+use crate::rules::{
+    self, RuleErrors,
+    encoding::{self, Provenance, SCHEMA, SnapshotRecord},
 };
 
 /// A validated candidate: the parts of a record, before it has a place on the topic.

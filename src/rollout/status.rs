@@ -9,10 +9,10 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use super::RulesKafkaConfig;
 use super::{RolloutError, topic};
 use crate::{
     clock::{Clock, SystemClock},
-    config::RulesKafkaConfig,
     folded::Folded,
     rules::{Feed, RuleStore},
 };

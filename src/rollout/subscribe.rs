@@ -29,10 +29,10 @@ use rdkafka::{
 };
 use tokio::sync::watch;
 
+use super::RulesKafkaConfig;
 use super::topic;
 use crate::{
     clock::{Clock, SystemClock},
-    config::RulesKafkaConfig,
     folded::Folded,
     rules::envoy::Compile,
     rules::{

@@ -470,14 +470,6 @@ impl Compile {
     pub const SLIDING: Compile = Compile { sliding: true, merge_domains: false };
     /// Upstream's fixed window, one file per domain.
     pub const FIXED: Compile = Compile { sliding: false, merge_domains: false };
-
-    /// How `envoy.*` says Envoy rules compile.
-    pub fn of(settings: &crate::config::EnvoySettings) -> Self {
-        Compile {
-            sliding: settings.algorithm == crate::config::EnvoyAlgorithm::SlidingWindow,
-            merge_domains: settings.merge_domains,
-        }
-    }
 }
 
 /// [`load`] with the sliding-window algorithm.

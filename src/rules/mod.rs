@@ -20,6 +20,7 @@ pub(crate) use compile::compile;
 pub use model::{FailurePolicy, MAX_OVERLOAD_RATE, Mode, OverloadScope, OverloadSpec, Rule};
 pub use snapshot::{PathForm, Snapshot, canonical_path};
 pub use store::{Feed, Hot, Origin, RuleStore, Served, Versioned, XdsState, watch};
+pub use tenants::OverloadMode;
 
 /// Loads and compiles the rule set at `path` (a file or a directory),
 /// matching paths in `form`.

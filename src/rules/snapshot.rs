@@ -20,25 +20,21 @@ use std::{
 use hashbrown::HashMap;
 
 use super::model::Rule;
-use crate::config::PathMatchingConfig;
 
-/// How request paths and rule patterns are put in one form before they
-/// are compared (`rules.path_matching.*`); the rest of the form is fixed
-/// ([`canonical_path`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// `rules.path_matching.*`: how request paths and rule patterns are put
+/// in one form before they are compared, beyond the fixed canonical form
+/// ([`canonical_path`]: dot segments removed, unreserved escapes decoded,
+/// `;` parameters cut, `//` collapsed, query cut). Both off by default, as
+/// most servers behave; turn one on where the backends behind do the same,
+/// so that a variant they serve as one resource is counted as one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct PathForm {
     /// `%2F` is a `/` (a segment boundary); off, it stays an encoded byte
     /// of its segment, as most servers and proxies treat it.
     pub decode_slashes: bool,
     /// ASCII letters compare without case (`/API` is `/api`).
     pub ignore_case: bool,
-}
-
-impl PathForm {
-    /// The form `rules.path_matching` asks for.
-    pub fn of(config: &PathMatchingConfig) -> Self {
-        PathForm { decode_slashes: config.decode_slashes, ignore_case: config.ignore_case }
-    }
 }
 
 /// A `resource_path` as a matching key.

@@ -16,7 +16,41 @@ use std::{collections::HashSet, fmt::Write as _, fs, path::Path};
 use serde::Deserialize;
 
 use super::{RuleError, RuleErrors, store::Versioned};
-use crate::config::OverloadMode;
+
+/// What the overload layer does with the drop ratio it computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OverloadMode {
+    /// Requests the coin drops are refused with reason OVERLOAD.
+    #[default]
+    Enforce,
+    /// Requests are counted and the coin is flipped, but nothing is
+    /// refused: a would-be drop is counted (`result="shadow_dropped"`).
+    Shadow,
+    /// Nothing is counted or dropped.
+    Off,
+}
+
+impl OverloadMode {
+    /// The configuration and metric name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OverloadMode::Enforce => "enforce",
+            OverloadMode::Shadow => "shadow",
+            OverloadMode::Off => "off",
+        }
+    }
+
+    /// Parses a configuration name.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "enforce" => Some(OverloadMode::Enforce),
+            "shadow" => Some(OverloadMode::Shadow),
+            "off" => Some(OverloadMode::Off),
+            _ => None,
+        }
+    }
+}
 
 /// The most tenants a table may name: each is a bucket (and a metric
 /// series) per overload directive.

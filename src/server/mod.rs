@@ -12,6 +12,8 @@
 //! (the dead-letter writers drain their queues); then the engine is dropped
 //! and the Redis dispatchers, which end with the store, are joined.
 
+pub mod conns;
+pub mod health;
 mod parts;
 mod places;
 
@@ -20,6 +22,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 use tokio::{net::TcpListener, sync::oneshot, task::JoinSet};
 use tonic::transport::server::TcpIncoming;
 
+use self::health::{Health, publish};
 use self::parts::Tasks;
 use crate::{
     api::{EnvoyService, RateLimiterService},
@@ -31,11 +34,7 @@ use crate::{
     overload::Overload,
     rules::{Feed, RuleErrors},
     shed::Shedder,
-    telemetry::{
-        Metrics,
-        health::{Health, publish},
-        metrics::Sources,
-    },
+    telemetry::{Metrics, metrics::Sources},
     tls::ReloadingAcceptor,
 };
 

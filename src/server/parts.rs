@@ -9,6 +9,7 @@ use tokio::{net::TcpListener, sync::watch, task::JoinSet};
 use tonic_health::{pb::health_server::HealthServer, server::HealthReporter};
 
 use super::ServerError;
+use super::health::{Health, publish, run_monitor, serve_http};
 use crate::rules::XdsState;
 use crate::{
     capture::{self, Capture, CaptureCounters},
@@ -31,10 +32,7 @@ use crate::{
     overload::{Overload, feed},
     rules::{self, Feed, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig, tenants::Tenants},
     shed::{Sampler, ShedMode, Shedder, run_sampler},
-    telemetry::{
-        Metrics,
-        health::{Health, publish, run_monitor, serve_http},
-    },
+    telemetry::Metrics,
 };
 
 /// Background tasks and the signal that stops them. Each returns once the
@@ -132,10 +130,7 @@ pub(crate) fn xds_rules(config: &Config, tasks: &mut Tasks) -> Result<Rules, Ser
     let stop = tasks.stopper();
     tasks.spawn(crate::api::xds::run(
         config.rules.xds.clone(),
-        crate::api::xds::Accept {
-            how: crate::rules::envoy::Compile::of(&config.envoy),
-            allow_empty: config.rules.allow_empty,
-        },
+        crate::api::xds::Accept { how: config.envoy.compile(), allow_empty: config.rules.allow_empty },
         Arc::clone(&envoy),
         Arc::clone(&state),
         stop,
@@ -165,8 +160,8 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
     );
     let subscription = Subscription {
         kafka: kafka.clone(),
-        compile: crate::rules::envoy::Compile::of(&config.envoy),
-        paths: crate::rules::PathForm::of(&config.rules.path_matching),
+        compile: config.envoy.compile(),
+        paths: config.rules.path_matching,
         allow_empty: config.rules.allow_empty,
         native: Arc::clone(&native),
         envoy: Arc::clone(&envoy),
@@ -195,7 +190,7 @@ pub(crate) fn rules(
     envoy: &EnvoySettings,
     tasks: &mut Tasks,
 ) -> Result<Rules, ServerError> {
-    let form = crate::rules::PathForm::of(&config.path_matching);
+    let form = config.path_matching;
     let allow_empty = config.allow_empty;
     // One function loads at start and on every change: an emptied file is
     // refused either way (`rules.allow_empty`).
@@ -215,7 +210,7 @@ pub(crate) fn rules(
     let envoy = match &config.envoy_path {
         None => None,
         Some(path) => {
-            let how = crate::rules::envoy::Compile::of(envoy);
+            let how = envoy.compile();
             let load = move |path: &std::path::Path| {
                 rules::envoy::load(path, how).and_then(|set| rules::non_empty(set, path, allow_empty))
             };
@@ -702,7 +697,7 @@ pub(crate) async fn health(
     if let Some(http) = http {
         tracing::info!(addr = ?http.local_addr().ok(), "serving /metrics, /healthz, /readyz");
         let stop = tasks.stopper();
-        let limits = crate::telemetry::conns::Limits {
+        let limits = super::conns::Limits {
             max_connections: config.http.max_connections,
             idle_timeout: Duration::from_millis(config.http.idle_timeout_ms),
             max_age: Duration::from_millis(config.http.max_connection_age_ms),

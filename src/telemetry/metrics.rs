@@ -20,12 +20,11 @@ use std::{
 use crate::{
     capture::CaptureCounters,
     clock::{Clock as _, SystemClock},
-    config::OverloadMode,
     decision::{Api, DenialCache, LimitHits, Stats},
     dlq::{DlqSink, DropReason},
     limiter::{FailureKind, MemoryStore, RedisStore, local::LocalLimiter},
     overload::Overload,
-    rules::{Feed, Hot, Snapshot, Versioned, envoy::EnvoyConfig},
+    rules::{Feed, Hot, OverloadMode, Snapshot, Versioned, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
     telemetry::upstream::UpstreamMetrics,
 };

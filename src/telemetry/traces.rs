@@ -23,7 +23,7 @@ use tracing_subscriber::{
     util::SubscriberInitExt as _,
 };
 
-use crate::config::{LogConfig, LogFormat, TelemetryConfig};
+use super::settings::{LogConfig, LogFormat, TelemetryConfig};
 
 /// Log lines the writer thread may have waiting; past it lines are dropped.
 const LOG_BUFFER_LINES: usize = 65_536;

@@ -27,7 +27,7 @@ use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, rou
 use tokio::{net::TcpListener, sync::watch};
 use tonic_health::server::HealthReporter;
 
-use super::Metrics;
+use crate::telemetry::Metrics;
 use crate::{
     config::EnvoyFailureMode,
     limiter::{Store, breaker::Breaker},

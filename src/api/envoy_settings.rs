@@ -1,0 +1,195 @@
+//! `envoy.*`: how `ShouldRateLimit` counts, fails, prioritises, bounds and
+//! answers Envoy requests; the settings this API owns (validated by
+//! `config`, which composes them).
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+
+use crate::shed::Priority;
+
+/// Counting algorithm of Envoy descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyAlgorithm {
+    /// Sliding window: no client gets twice the limit across a window edge.
+    #[default]
+    SlidingWindow,
+    /// envoyproxy/ratelimit's fixed window, for exact parity.
+    FixedWindow,
+}
+
+/// What a descriptor with no hits (`hits_addend: 0`, a check that counts
+/// nothing) asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyZeroHits {
+    /// Whether one more hit would fit: OVER_LIMIT once the count reaches
+    /// the limit, so a check says what the next request would get.
+    #[default]
+    NextHit,
+    /// Whether the count is still within the limit: OVER_LIMIT only past
+    /// it (envoyproxy/ratelimit's answer, on which its token-quota flow
+    /// relies: check with 0 hits, debit after the response).
+    WithinLimit,
+}
+
+/// Which hits a descriptor's counter takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyHitsCounted {
+    /// The hits of an admitted request only, all or nothing: a request one
+    /// enforced descriptor denies consumes nothing, from any descriptor.
+    #[default]
+    IfAdmitted,
+    /// Every hit, each descriptor on its own, over the limit too
+    /// (envoyproxy/ratelimit's INCRBY, on which its token-quota flow
+    /// relies: a usage report after the response is counted even when it
+    /// overdraws). A denied request still consumes.
+    Always,
+}
+
+/// How the rate-limit response headers are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyHeaderFormat {
+    /// The tightest limit's number, as envoyproxy/ratelimit writes it.
+    #[default]
+    Plain,
+    /// draft-ietf-httpapi-ratelimit-headers-03: the tightest limit, then
+    /// every descriptor's quota policy (`10, 10;w=60, 1000;w=3600`), as
+    /// Envoy's own `DRAFT_VERSION_03` headers.
+    Draft03,
+}
+
+/// What `ShouldRateLimit` answers when the counter store cannot decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvoyFailureMode {
+    /// Decide locally at this instance's share of each limit (the local
+    /// limiter), flagged with `envoy.error_header`.
+    #[default]
+    Local,
+    /// Answer OK (and record the failure like any failed decision).
+    Allow,
+    /// Answer gRPC UNAVAILABLE, so Envoy's own `failure_mode_deny` decides.
+    Unavailable,
+}
+
+/// `envoy.*`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EnvoySettings {
+    /// `sliding_window` (default) or `fixed_window`.
+    pub algorithm: EnvoyAlgorithm,
+    /// `next_hit` (default) or `within_limit`: what a 0-hit check asks.
+    pub zero_hits: EnvoyZeroHits,
+    /// `if_admitted` (default) or `always`: which hits are counted.
+    pub hits_counted: EnvoyHitsCounted,
+    /// `local` (default), `allow` or `unavailable`.
+    pub failure_mode: EnvoyFailureMode,
+    /// The failure mode of a domain (`domain: MODE`), over `failure_mode`.
+    pub domain_failure_mode: HashMap<String, EnvoyFailureMode>,
+    /// Header naming the failure kind of a decision the shared store did
+    /// not make (`timeout`, `circuit_open`, ...): Envoy adds it to the
+    /// response (the 200 and the 429) and to the request it forwards
+    /// upstream. Empty: no header.
+    pub error_header: String,
+    /// Add rate-limit headers (of the descriptor closest to its limit) to responses.
+    pub response_headers: bool,
+    /// `plain` (the tightest limit's number) or `draft03` (followed by
+    /// every descriptor's quota policy).
+    pub response_headers_format: EnvoyHeaderFormat,
+    /// Name of the limit header.
+    pub limit_header: String,
+    /// Name of the remaining header.
+    pub remaining_header: String,
+    /// Name of the reset header (seconds).
+    pub reset_header: String,
+    /// Most descriptors in one request.
+    pub max_descriptors: usize,
+    /// Most entries in one descriptor.
+    pub max_entries: usize,
+    /// Longest domain, in bytes (a longer one is refused: domains come
+    /// from Envoy's configuration, not from clients); and the longest entry
+    /// key or value counted as it is: a longer one is counted by its SHA-256
+    /// digest, exactly, never refused.
+    pub max_entry_bytes: usize,
+    /// A descriptor entry with this key and a priority name as its value
+    /// (`CRITICAL`, `DEGRADED`, `BEST_EFFORT`, `BULK`, any case) sets the
+    /// request's priority for load shedding; the entry still takes part in
+    /// matching like any other. Empty: requests never state a priority.
+    pub priority_key: String,
+    /// Priority of requests to a domain (`domain: PRIORITY`) whose
+    /// descriptors state none; other domains get `shed.default_priority`.
+    pub domain_priority: HashMap<String, Priority>,
+    /// Response header naming why a request was refused when it was shed
+    /// (value `SHED`); Envoy adds it to its 429. Empty: no header.
+    pub reason_header: String,
+    /// Honour a request's own limit (`RateLimitDescriptor.limit`), for the
+    /// domains in `request_limit_domains` only. Off: the configured limit
+    /// applies as if the request had sent none.
+    pub allow_request_limits: bool,
+    /// The domains whose requests may supply their own limit.
+    pub request_limit_domains: Vec<String>,
+    /// Every limit in quota mode (upstream's `QUOTA_MODE`): the overall
+    /// code is OVER_LIMIT only when every descriptor with a limit is over.
+    pub quota_mode: bool,
+    /// Every limit in shadow mode (upstream's `SHADOW_MODE`): over-limit
+    /// hits are counted and reported but never make a request OVER_LIMIT.
+    pub shadow_mode: bool,
+    /// A domain may be spread over several files, whose descriptors are
+    /// merged (upstream's `MERGE_DOMAIN_CONFIG`); the same descriptor twice
+    /// is still an error.
+    pub merge_domains: bool,
+    /// Answer with dynamic metadata (upstream's `RESPONSE_DYNAMIC_METADATA`):
+    /// the domain, the request's descriptors, and the `metadata` of the
+    /// limits that passed, merged, under `metadata`, which Envoy stores in
+    /// the filter's namespace (`envoy.filters.http.ratelimit`) to route on.
+    pub response_dynamic_metadata: bool,
+    /// Also count every descriptor under envoyproxy/ratelimit's metric
+    /// names and labels (`ratelimit_service_rate_limit_*`), so its
+    /// dashboards and alerts carry over.
+    pub upstream_metrics: bool,
+    /// Admitted hits past this share of their limit count as `near_limit`
+    /// (upstream's `NEAR_LIMIT_RATIO`).
+    pub near_limit_ratio: f32,
+    /// Most distinct stat keys the upstream families count; keys holding
+    /// request values (`detailed_metric`, `value_to_metric`, a request's own
+    /// limit) past it are counted only in
+    /// `ratelimitd_upstream_metric_keys_refused_total`.
+    pub upstream_metrics_max_keys: usize,
+}
+
+impl Default for EnvoySettings {
+    fn default() -> Self {
+        Self {
+            algorithm: EnvoyAlgorithm::SlidingWindow,
+            zero_hits: EnvoyZeroHits::NextHit,
+            hits_counted: EnvoyHitsCounted::IfAdmitted,
+            failure_mode: EnvoyFailureMode::Local,
+            domain_failure_mode: HashMap::new(),
+            error_header: "x-ratelimit-error".to_owned(),
+            response_headers: false,
+            response_headers_format: EnvoyHeaderFormat::Plain,
+            limit_header: "x-ratelimit-limit".to_owned(),
+            remaining_header: "x-ratelimit-remaining".to_owned(),
+            reset_header: "x-ratelimit-reset".to_owned(),
+            max_descriptors: 64,
+            max_entries: 32,
+            max_entry_bytes: 1_024,
+            priority_key: "priority".to_owned(),
+            domain_priority: HashMap::new(),
+            reason_header: "x-ratelimit-reason".to_owned(),
+            allow_request_limits: false,
+            request_limit_domains: Vec::new(),
+            quota_mode: false,
+            shadow_mode: false,
+            merge_domains: false,
+            response_dynamic_metadata: false,
+            upstream_metrics: true,
+            near_limit_ratio: 0.8,
+            upstream_metrics_max_keys: 10_000,
+        }
+    }
+}
