@@ -29,7 +29,7 @@ use ratelimitd::{
     },
     clock::SystemClock,
     config::EnvoySettings,
-    decision::{CheckRequest, Engine, EngineParts, EnvoyPolicy},
+    decision::{CheckRequest, DecisionMetrics, Engine, EngineParts, EnvoyPolicy},
     dlq::LogSink,
     limiter::{
         Count, MemoryStore, Store,
@@ -38,7 +38,6 @@ use ratelimitd::{
     overload::{Kind, Overload},
     rules::{Hot, RuleStore, envoy::EnvoyConfig},
     shed::{Level, Priority, ShedMode, Shedder},
-    telemetry::Metrics,
 };
 
 const RULES: usize = 10_000;
@@ -173,7 +172,7 @@ fn benches(c: &mut Criterion) {
     // As served: with an Envoy configuration, envoyproxy/ratelimit's
     // families are counted too (`envoy.upstream_metrics`, on by default).
     let engine_with = |upstream: bool| {
-        let metrics = Metrics::new("memory");
+        let metrics = DecisionMetrics::new("memory");
         Engine::new(EngineParts {
             rules: Arc::clone(&rules),
             envoy: Some(Arc::clone(&envoy)),
@@ -184,7 +183,11 @@ fn benches(c: &mut Criterion) {
             )),
             shedder: Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
             failures: Arc::new(LogSink::default()),
-            stats: Arc::new(if upstream { metrics.with_upstream(10_000) } else { metrics }),
+            stats: Arc::new(if upstream {
+                metrics.with_upstream(10_000, Some(Arc::clone(&envoy)))
+            } else {
+                metrics
+            }),
             default_priority: Priority::Degraded,
             max_user_id_bytes: 256,
             trust_request_priority: true,

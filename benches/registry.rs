@@ -1,4 +1,4 @@
-//! Counting one decision in this service's registry (`Metrics::decision`: a
+//! Counting one decision in this service's registry (`DecisionMetrics::decision`: a
 //! borrowed key looked up in a foldhash map behind a read lock, then one
 //! atomic add) against the well-kept `prometheus-client` crate (a `Family`
 //! of counters keyed by an owned label set, which a decision must build from
@@ -22,10 +22,7 @@ use prometheus_client::{
     metrics::{counter::Counter, family::Family},
     registry::Registry,
 };
-use ratelimitd::{
-    decision::{Api, Stats as _},
-    telemetry::Metrics,
-};
+use ratelimitd::decision::{Api, DecisionMetrics, Stats as _};
 
 /// A rule id as a label value: the decision's `Arc<str>`, shared.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -49,7 +46,7 @@ struct Decision {
 fn benches(c: &mut Criterion) {
     let rules: Vec<Arc<str>> = (0..100).map(|i| Arc::from(format!("rule-{i}"))).collect();
 
-    let ours = Metrics::new("memory");
+    let ours = DecisionMetrics::new("memory");
     let mut i = 0;
     let mut count_ours = || {
         i = (i + 1) % rules.len();

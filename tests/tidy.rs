@@ -6,6 +6,11 @@
 //! - Generated protobuf types (`api::pb`, `api::envoy_pb`) are named only
 //!   under `src/api/`.
 //! - Every module file starts with a `//!` doc.
+//! - Telemetry imports no part: parts expose their figures through one
+//!   trait (`telemetry::Figures`) the registry reads.
+//! - No cycle between the files of one folder either (`super::x` and
+//!   `crate::folder::x` references between siblings; `mod.rs` is the
+//!   folder's interface and not a node).
 //! - Settings flow one way: each part owns its settings types and no part
 //!   imports `config`, which composes, layers, validates and translates
 //!   them for the entry points above (`server`, `cli`, `migrate`).
@@ -189,6 +194,141 @@ fn no_part_imports_config() {
         offenders.is_empty(),
         "parts import config (a part owns its settings; config composes them): {offenders:?}"
     );
+}
+
+#[test]
+fn telemetry_imports_no_part() {
+    let offenders: Vec<String> = module_edges()
+        .into_iter()
+        .filter(|(_, from, _)| from == "telemetry")
+        .map(|(file, _, to)| format!("src/{file} -> {to}"))
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "telemetry reaches into parts (they register Figures instead): {offenders:?}"
+    );
+}
+
+/// The first segments of the paths after `prefix` in `code` that go on
+/// (`super::window::Verdict`, `super::{fallback::Failed, keys}` → `window`,
+/// `fallback`): a module named, not an item (`crate::rules::compile(…)`
+/// calls a function that shares its module's name).
+fn modules_after(code: &str, prefix: &str) -> BTreeSet<String> {
+    let ident_at = |from: usize| -> String {
+        code[from..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
+    };
+    let mut out = BTreeSet::new();
+    let mut at = 0;
+    while let Some(found) = code[at..].find(prefix) {
+        let start = at + found + prefix.len();
+        at = start;
+        let boundary = code[..at - prefix.len()]
+            .chars()
+            .next_back()
+            .is_none_or(|c| !c.is_ascii_alphanumeric() && c != '_' && c != ':');
+        if !boundary {
+            continue;
+        }
+        if code[start..].starts_with('{') {
+            let (mut depth, mut item_start, mut i) = (0, true, start);
+            let bytes = code.as_bytes();
+            while i < bytes.len() {
+                match bytes[i] {
+                    b'{' => depth += 1,
+                    b'}' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            break;
+                        }
+                    }
+                    b',' if depth == 1 => item_start = true,
+                    c if depth == 1 && item_start && (c.is_ascii_alphabetic() || c == b'_') => {
+                        let name = ident_at(i);
+                        i += name.len();
+                        if code[i..].starts_with("::") {
+                            out.insert(name);
+                        }
+                        item_start = false;
+                        continue;
+                    }
+                    _ => {}
+                }
+                i += 1;
+            }
+        } else {
+            let name = ident_at(start);
+            if code[start + name.len()..].starts_with("::") {
+                out.insert(name);
+            }
+        }
+    }
+    out
+}
+
+/// Within each folder, the edges between sibling files: `super::x` or
+/// `crate::folder::x` naming sibling `x` (a file `x.rs` or folder `x/`).
+fn sibling_edges() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
+    let mut folders: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    for file in source_files() {
+        let rel = relative(&file);
+        let Some((folder, name)) = rel.rsplit_once('/') else { continue };
+        if name == "mod.rs" || folder.contains('/') {
+            continue;
+        }
+        let siblings: BTreeSet<String> = fs::read_dir(file.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().trim_end_matches(".rs").to_owned())
+            .filter(|n| n != "mod")
+            .collect();
+        let me = name.trim_end_matches(".rs").to_owned();
+        let text = code(&fs::read_to_string(&file).unwrap());
+        let mut named = modules_after(&text, "super::");
+        named.extend(modules_after(&text, &format!("crate::{folder}::")));
+        let edges = folders.entry(folder.to_owned()).or_default().entry(me.clone()).or_default();
+        edges.extend(named.into_iter().filter(|n| *n != me && siblings.contains(n)));
+    }
+    folders
+}
+
+#[test]
+fn no_cycle_inside_a_folder() {
+    let mut cycles = Vec::new();
+    for (folder, edges) in sibling_edges() {
+        for (from, tos) in &edges {
+            for to in tos {
+                if edges.get(to).is_some_and(|back| back.contains(from)) && from < to {
+                    cycles.push(format!("{folder}/{from}.rs <-> {folder}/{to}.rs"));
+                }
+            }
+        }
+        // Longer cycles: a file that reaches itself.
+        for start in edges.keys() {
+            let mut seen = BTreeSet::new();
+            let mut stack: Vec<&String> = edges[start].iter().collect();
+            while let Some(node) = stack.pop() {
+                if node == start {
+                    cycles.push(format!("{folder}/{start}.rs reaches itself"));
+                    break;
+                }
+                if seen.insert(node.clone()) {
+                    stack.extend(edges.get(node).into_iter().flatten());
+                }
+            }
+        }
+    }
+    cycles.sort();
+    cycles.dedup();
+    assert!(cycles.is_empty(), "cycles between the files of a folder: {cycles:#?}");
+    // The parser sees real sibling edges.
+    let edges = sibling_edges();
+    assert!(edges["limiter"]["redis"].contains("window"), "{:#?}", edges["limiter"]);
+}
+
+#[test]
+fn modules_after_see_paths_that_go_on_only() {
+    let text = "use super::{a::X, b, c::{d, e}};\nfn f() { super::g::h(); crate::rules::compile(x); }\n";
+    assert_eq!(modules_after(text, "super::"), ["a", "c", "g"].map(str::to_owned).into());
+    assert!(modules_after(text, "crate::rules::").is_empty(), "a function call names no module");
 }
 
 #[test]

@@ -171,6 +171,32 @@ impl CaptureSink for Capture {
     }
 }
 
+/// The capture pipeline: `enqueued = written + dropped (by reason) + in flight`.
+impl crate::telemetry::Figures for CaptureCounters {
+    fn render(&self, out: &mut String) {
+        use std::fmt::Write as _;
+
+        use crate::telemetry::exposition::header;
+
+        use std::sync::atomic::Ordering::Relaxed;
+        header(
+            out,
+            "ratelimitd_capture_records_total",
+            "counter",
+            "Captured requests by what became of them.",
+        );
+        for (result, value) in [
+            ("enqueued", self.enqueued.load(Relaxed)),
+            ("written", self.written.load(Relaxed)),
+            ("dropped_queue_full", self.dropped_queue_full.load(Relaxed)),
+            ("dropped_disk_cap", self.dropped_disk_cap.load(Relaxed)),
+            ("dropped_error", self.dropped_error.load(Relaxed)),
+        ] {
+            let _ = writeln!(out, "ratelimitd_capture_records_total{{result=\"{result}\"}} {value}");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,9 +3,7 @@
 
 use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
-use super::{
-    Api, Engine, REPORT_LABEL, Reason, TenantSource, clamp_i64, fallback::Failed, keys, pipeline::Subject,
-};
+use super::{Api, Engine, REPORT_LABEL, Reason, TenantSource, clamp_i64, keys, pipeline::Subject};
 use crate::{
     limiter::{Count, FailureKind, Shares, StoreError, Verdict},
     overload::{Kind, OverloadVerdict},
@@ -336,6 +334,16 @@ impl Engine {
             TenantSource::Header => request.headers.get(&policy.header).map(String::as_str),
         }
     }
+}
+
+/// What a failed native decision is answered from, beyond its request and
+/// rule.
+pub(super) struct Failed<'a> {
+    /// The counted user id (the digest of an over-long one).
+    pub(super) user: &'a str,
+    pub(super) priority: Priority,
+    pub(super) level: Level,
+    pub(super) error: StoreError,
 }
 
 pub(super) fn from_verdict(

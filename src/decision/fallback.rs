@@ -17,25 +17,14 @@ use std::{collections::HashMap, sync::Arc};
 use super::{
     Api, CheckRequest, Decision, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, LimitHits, Reason,
     RlsDecision, RlsRequest, RuleInfo,
-    check::from_verdict,
+    check::{Failed, from_verdict},
     clamp_i64,
     envoy::{DescriptorDecision, EnvoyFailure, Plan, item_hits, stat_key},
 };
 use crate::{
     limiter::{ManyItem, StoreError},
     rules::{FailurePolicy, Mode, Rule},
-    shed::{Level, Priority},
 };
-
-/// What a failed native decision is answered from, beyond its request and
-/// rule.
-pub(super) struct Failed<'a> {
-    /// The counted user id (the digest of an over-long one).
-    pub(super) user: &'a str,
-    pub(super) priority: Priority,
-    pub(super) level: Level,
-    pub(super) error: StoreError,
-}
 
 impl Engine {
     /// A `Check` the store could not decide, answered by `rule`'s failure

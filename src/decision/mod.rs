@@ -23,10 +23,12 @@ mod envoy;
 mod failure;
 mod fallback;
 pub mod keys;
+pub mod metrics;
 mod pipeline;
 pub mod shares;
 #[cfg(test)]
 mod tests;
+pub mod upstream_metrics;
 
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -38,6 +40,7 @@ pub use envoy::{
 pub use failure::{FailedDecision, FailureSink};
 
 pub use denials::DenialCache;
+pub use metrics::{DecisionMetrics, Saved};
 pub use shares::TenantShares;
 
 /// One connection's share of the store's in-flight work: each of its store

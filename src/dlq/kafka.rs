@@ -390,3 +390,46 @@ pub fn check_topic(producer: &FutureProducer, topic: &str, timeout: Duration) ->
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dlq::{
+        DlqCounters, DropReason,
+        file::to_json_lines,
+        spool::{self, tests::record},
+    };
+
+    #[tokio::test]
+    async fn the_spool_never_grows_past_its_cap() {
+        use std::sync::atomic::Ordering;
+
+        let dir = tempfile::tempdir().unwrap();
+        let line = to_json_lines(&[record(100)]).len() as u64;
+        let cap = line * 8 + line / 2;
+        let (writer, _reader, state) =
+            spool::open(dir.path(), spool::SpoolSizes { segment_bytes: line * 2, max_bytes: cap }).unwrap();
+        let counters = Arc::new(DlqCounters::default());
+        let (queue, receiver) = tokio::sync::mpsc::channel(100);
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let spooler = tokio::spawn(run_spooler(
+            receiver,
+            writer,
+            Arc::clone(&state),
+            Arc::clone(&counters),
+            Arc::new(tokio::sync::Notify::new()),
+            crate::dlq::file::Drain::default(),
+            stopped,
+        ));
+        for i in 100..120 {
+            let record = record(i);
+            counters.queued_bytes.fetch_add(record.size_bytes(), Ordering::SeqCst);
+            queue.send(record).await.unwrap();
+        }
+        stop.send(true).unwrap();
+        spooler.await.unwrap();
+        assert_eq!((state.pending(), counters.dropped_by(DropReason::DiskCap)), (8, 12));
+        assert!(state.bytes() <= cap, "{} of {cap}", state.bytes());
+        assert_eq!(counters.queued_bytes.load(Ordering::SeqCst), 0);
+    }
+}

@@ -13,6 +13,7 @@
 //! the line stands for.
 
 pub mod audit;
+mod figures;
 pub mod file;
 pub mod fold;
 #[cfg(feature = "kafka")]

@@ -374,7 +374,7 @@ fn repair(path: &Path) -> io::Result<u64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::dlq::{file::to_json_lines, record::*};
 
@@ -382,7 +382,8 @@ mod tests {
         SpoolSizes { segment_bytes, max_bytes: u64::MAX }
     }
 
-    fn record(i: u64) -> FailureRecord {
+    /// A record of about 200 bytes, numbered `i`.
+    pub(crate) fn record(i: u64) -> FailureRecord {
         FailureRecord {
             schema_version: SCHEMA_VERSION,
             event_id: format!("{i:026}"),
@@ -591,40 +592,5 @@ mod tests {
         drop((writer, reader));
         let (_, _, reopened) = open(dir.path(), sizes(600)).unwrap();
         assert_eq!(reopened.bytes(), on_disk(dir.path()), "counted again at startup");
-    }
-
-    #[cfg(feature = "kafka")]
-    #[tokio::test]
-    async fn the_spool_never_grows_past_its_cap() {
-        use std::sync::atomic::Ordering;
-
-        use crate::dlq::{DlqCounters, DropReason, kafka::run_spooler};
-        let dir = tempfile::tempdir().unwrap();
-        let line = to_json_lines(&[record(100)]).len() as u64;
-        let cap = line * 8 + line / 2;
-        let (writer, _reader, state) =
-            open(dir.path(), SpoolSizes { segment_bytes: line * 2, max_bytes: cap }).unwrap();
-        let counters = Arc::new(DlqCounters::default());
-        let (queue, receiver) = tokio::sync::mpsc::channel(100);
-        let (stop, stopped) = tokio::sync::watch::channel(false);
-        let spooler = tokio::spawn(run_spooler(
-            receiver,
-            writer,
-            Arc::clone(&state),
-            Arc::clone(&counters),
-            Arc::new(tokio::sync::Notify::new()),
-            crate::dlq::file::Drain::default(),
-            stopped,
-        ));
-        for i in 100..120 {
-            let record = record(i);
-            counters.queued_bytes.fetch_add(record.size_bytes(), Ordering::SeqCst);
-            queue.send(record).await.unwrap();
-        }
-        stop.send(true).unwrap();
-        spooler.await.unwrap();
-        assert_eq!((state.pending(), counters.dropped_by(DropReason::DiskCap)), (8, 12));
-        assert!(state.bytes() <= cap, "{} of {cap}", state.bytes());
-        assert_eq!(counters.queued_bytes.load(Ordering::SeqCst), 0);
     }
 }

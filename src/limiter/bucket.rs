@@ -25,7 +25,7 @@
 //! In any interval of `t` ms the weight admitted is at most
 //! `capacity + rate * t / window_ms` (the property tests check it).
 
-use super::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, Verdict};
+use super::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, Verdict, WindowParams};
 
 /// The most debt a bucket carries, in units: reports past a full bucket are
 /// clamped here (2^51, like a rule's largest full bucket).
@@ -40,6 +40,13 @@ pub struct BucketParams {
     pub rate: u64,
     /// Tokens the bucket holds when full (the burst), at least 1.
     pub capacity: u64,
+}
+
+impl WindowParams {
+    /// The bucket view of these parameters.
+    pub fn bucket(self) -> BucketParams {
+        BucketParams { window_ms: self.window_ms, rate: self.rate.max(1), capacity: self.capacity }
+    }
 }
 
 impl BucketParams {

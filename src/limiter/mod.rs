@@ -9,6 +9,7 @@
 
 pub mod breaker;
 pub mod bucket;
+pub mod figures;
 pub mod local;
 pub mod memory;
 pub mod redis;

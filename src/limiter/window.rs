@@ -140,15 +140,6 @@ impl WindowParams {
         let algorithm = if sliding { Algorithm::SlidingWindow } else { Algorithm::FixedWindow };
         WindowParams { window_ms, capacity, rate: capacity, algorithm }
     }
-
-    /// The bucket view of these parameters.
-    pub fn bucket(self) -> super::bucket::BucketParams {
-        super::bucket::BucketParams {
-            window_ms: self.window_ms,
-            rate: self.rate.max(1),
-            capacity: self.capacity,
-        }
-    }
 }
 
 /// A counter as stored: the index of the window its `current` belongs to.

@@ -22,6 +22,7 @@
 //!   or fail-closed because of the feed.
 
 pub mod feed;
+mod figures;
 pub mod solve;
 
 use std::{

@@ -8,6 +8,7 @@
 mod compile;
 pub mod encoding;
 pub mod envoy;
+mod figures;
 pub mod model;
 mod native;
 mod snapshot;
@@ -17,6 +18,7 @@ pub mod tenants;
 use std::{fmt, io, path::Path, path::PathBuf};
 
 pub(crate) use compile::compile;
+pub use figures::RuleSets;
 pub use model::{FailurePolicy, MAX_OVERLOAD_RATE, Mode, OverloadScope, OverloadSpec, Rule};
 pub use snapshot::{PathForm, Snapshot, canonical_path};
 pub use store::{Feed, Hot, Origin, RuleStore, Served, Versioned, XdsState, watch};

@@ -28,13 +28,13 @@ use crate::{
     api::{EnvoyService, RateLimiterService},
     budget::{Budget, BudgetLayer, Denial, MessageBounds},
     config::Config,
-    decision::Engine,
+    decision::{DecisionMetrics, Engine},
     dlq::DlqSink,
-    limiter::{Store, redis::RedisSetupError},
+    limiter::redis::RedisSetupError,
     overload::Overload,
     rules::{Feed, RuleErrors},
     shed::Shedder,
-    telemetry::{Metrics, metrics::Sources},
+    telemetry::Metrics,
     tls::ReloadingAcceptor,
 };
 
@@ -136,12 +136,13 @@ pub async fn run_observed(
     let tenant_shares = parts::tenant_shares(&config, tenants.as_ref(), &store);
     let overload = parts::overload(&config, &rules, tenants, &store, &mut tasks)?;
     let denials = parts::denials(&config, &store);
-    let metrics = Metrics::new(store.name());
-    let metrics = Arc::new(if config.envoy.upstream_metrics && rules.envoy.is_some() {
-        metrics.with_upstream(config.envoy.upstream_metrics_max_keys)
+    let stats = DecisionMetrics::new(store.name());
+    let stats = Arc::new(if config.envoy.upstream_metrics && rules.envoy.is_some() {
+        stats.with_upstream(config.envoy.upstream_metrics_max_keys, rules.envoy.clone())
     } else {
-        metrics
+        stats
     });
+    let metrics = Arc::new(Metrics::new());
     if let Some(addr) = &config.telemetry.statsd_addr {
         let interval = Duration::from_millis(config.telemetry.statsd_flush_interval_ms);
         tasks.spawn(crate::telemetry::statsd::run(
@@ -159,30 +160,18 @@ pub async fn run_observed(
         local,
         tenant_shares,
     };
-    let engine = parts::engine(&config, &rules, store, layers, &dlq, &metrics, captured.as_ref());
-    log_serving(&config, &listener, &rules, engine.store().name());
-    let budget = Arc::new(Budget::new(config.grpc.max_request_bytes_in_flight));
-    metrics.set_sources(Sources {
+    let figures = parts::Figures {
+        stats: Arc::clone(&stats),
         shedder: Arc::clone(&shedder),
         dlq: Arc::clone(&dlq),
-        rules: Arc::clone(&rules.native),
-        envoy: rules.envoy.clone(),
-        feed: rules.feed.clone(),
-        xds: rules.xds.clone(),
-        capture: captured.map(|c| c.counters),
-        overload: Some(Arc::clone(&overload)),
-        denials,
-        memory: match engine.store() {
-            Store::Memory(memory) => Some(Arc::clone(memory)),
-            Store::Redis(_) => None,
-        },
-        local: Some(Arc::clone(engine.local())),
-        redis: match engine.store() {
-            Store::Redis(redis) => Some(Arc::downgrade(redis)),
-            Store::Memory(_) => None,
-        },
-        budget: Some(Arc::clone(&budget)),
-    });
+        capture: captured.as_ref().map(|c| Arc::clone(&c.counters)),
+        overload: Arc::clone(&overload),
+        denials: denials.clone(),
+    };
+    let engine = parts::engine(&config, &rules, store, layers, &dlq, &stats, captured.as_ref());
+    log_serving(&config, &listener, &rules, engine.store().name());
+    let budget = Arc::new(Budget::new(config.grpc.max_request_bytes_in_flight));
+    parts::register_figures(&metrics, figures, &rules, &engine, &budget);
     let (health, reporter, health_service) =
         parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await;
     let router = grpc_router(&config, &engine, rules.envoy.is_some(), health_service, &budget)?;

@@ -12,6 +12,7 @@ use super::ServerError;
 use super::health::{Health, publish, run_monitor, serve_http};
 use crate::rules::XdsState;
 use crate::{
+    budget::Budget,
     capture::{self, Capture, CaptureCounters},
     clock::MonotonicClock,
     config::{
@@ -19,20 +20,21 @@ use crate::{
         RulesConfig, RulesSource, ShedConfig,
     },
     decision::{
-        CaptureSink, DenialCache, Engine, EngineParts, EnvoyFailure, EnvoyPolicy, FailureSink, Stats,
-        TenantPolicy, TenantShares,
+        CaptureSink, DecisionMetrics, DenialCache, Engine, EngineParts, EnvoyFailure, EnvoyPolicy,
+        FailureSink, Saved, Stats, TenantPolicy, TenantShares,
     },
     dlq::{self, DlqSink, RecordBounds},
     limiter::{
         MemoryStore, RedisStore, Store, SystemClock,
+        figures::ShareWaits,
         local::{self, LocalLimiter, run_reconciler},
         memory::run_sweeper,
         window::Algorithm,
     },
     overload::{Overload, feed},
-    rules::{self, Feed, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig, tenants::Tenants},
+    rules::{self, Feed, Hot, RuleErrors, RuleSets, RuleStore, envoy::EnvoyConfig, tenants::Tenants},
     shed::{Sampler, ShedMode, Shedder, run_sampler},
-    telemetry::Metrics,
+    telemetry::{self, Metrics},
 };
 
 /// Background tasks and the signal that stops them. Each returns once the
@@ -638,7 +640,7 @@ pub(crate) fn engine(
     store: Store,
     layers: Layers<'_>,
     dlq: &Arc<DlqSink>,
-    metrics: &Arc<Metrics>,
+    stats: &Arc<DecisionMetrics>,
     capture: Option<&Captured>,
 ) -> Engine {
     let shedder = layers.shedder;
@@ -649,7 +651,7 @@ pub(crate) fn engine(
         local: layers.local,
         shedder: Arc::clone(shedder),
         failures: Arc::clone(dlq) as Arc<dyn FailureSink>,
-        stats: Arc::clone(metrics) as Arc<dyn Stats>,
+        stats: Arc::clone(stats) as Arc<dyn Stats>,
         default_priority: config.shed.default_priority,
         max_user_id_bytes: config.limits.max_user_id_bytes,
         trust_request_priority: config.shed.trust_request_priority,
@@ -660,6 +662,51 @@ pub(crate) fn engine(
         denials: layers.denials,
         tenant_shares: layers.tenant_shares,
     })
+}
+
+/// The parts whose figures `/metrics` reads, beside the rules and the
+/// engine's stores.
+pub(crate) struct Figures {
+    pub(crate) stats: Arc<DecisionMetrics>,
+    pub(crate) shedder: Arc<Shedder>,
+    pub(crate) dlq: Arc<DlqSink>,
+    pub(crate) capture: Option<Arc<CaptureCounters>>,
+    pub(crate) overload: Arc<Overload>,
+    pub(crate) denials: Option<Arc<DenialCache>>,
+}
+
+/// Registers every part's figures with `metrics`, in `/metrics`' order:
+/// the decision path, the stores, the request byte budget, shedding, the
+/// dead-letter pipeline, the rule sets and their feeds, capture, and the
+/// store calls saved.
+pub(crate) fn register_figures(
+    metrics: &Metrics,
+    parts: Figures,
+    rules: &Rules,
+    engine: &Engine,
+    budget: &Arc<Budget>,
+) {
+    metrics.register(parts.stats);
+    if let Store::Memory(memory) = engine.store() {
+        metrics.register(Arc::clone(memory) as Arc<dyn telemetry::Figures>);
+    }
+    metrics.register(Arc::clone(engine.local()) as Arc<dyn telemetry::Figures>);
+    metrics.register(ShareWaits::of(engine.store()));
+    metrics.register(Arc::clone(budget) as Arc<dyn telemetry::Figures>);
+    metrics.register(parts.shedder);
+    metrics.register(parts.dlq);
+    metrics.register(Arc::new(RuleSets { native: Arc::clone(&rules.native), envoy: rules.envoy.clone() }));
+    if let Some(feed) = &rules.feed {
+        metrics.register(Arc::clone(feed) as Arc<dyn telemetry::Figures>);
+    }
+    if let Some(xds) = &rules.xds {
+        metrics.register(Arc::clone(xds) as Arc<dyn telemetry::Figures>);
+    }
+    if let Some(capture) = parts.capture {
+        metrics.register(capture);
+    }
+    metrics.register(Arc::clone(&parts.overload) as Arc<dyn telemetry::Figures>);
+    metrics.register(Arc::new(Saved { overload: Some(parts.overload), denials: parts.denials }));
 }
 
 /// Readiness and gRPC health: the state behind `/readyz` and

@@ -8,6 +8,7 @@
 //!
 //! Architecture invariant: no gRPC and no store access here.
 
+mod figures;
 pub mod policy;
 mod priority;
 pub mod sampler;

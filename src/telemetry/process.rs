@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 
-use super::metrics::{escape, header};
+use super::exposition::{escape, header};
 
 /// Appends the process families and the build info to `out`.
 pub fn render(out: &mut String) {

@@ -1,7 +1,8 @@
 //! The statsd sink of envoyproxy/ratelimit's counters
 //! (`telemetry.statsd_addr`; upstream's `USE_STATSD`, `STATSD_HOST`,
 //! `STATSD_PORT`, `STATS_FLUSH_INTERVAL`): every flush interval, what each
-//! counter of [`UpstreamMetrics`](super::upstream::UpstreamMetrics) gained
+//! counter the registered parts report ([`Figures::statsd_counters`]:
+//! envoyproxy/ratelimit's families, counted by the decision path) gained
 //! since the last flush, as statsd counters under upstream's names
 //! (`ratelimit.service.rate_limit.<key>.total_hits`,
 //! `ratelimit.service.call.should_rate_limit.redis_error`,
@@ -17,7 +18,9 @@ use std::{collections::HashMap, net::UdpSocket, sync::Arc, time::Duration};
 use cadence::{BufferedUdpMetricSink, Counted as _, StatsdClient};
 use tokio::sync::watch;
 
-use super::{Metrics, upstream::Totals};
+use super::Metrics;
+#[cfg(doc)]
+use super::exposition::Figures;
 
 /// Sends the deltas of `metrics`' upstream counters to `addr` (`host:port`)
 /// every `interval` until `stop` turns true (one last flush then).
@@ -45,8 +48,8 @@ pub async fn run(metrics: Arc<Metrics>, addr: String, interval: Duration, mut st
                 Err(_) => {}
             }
         }
-        if let (Some(client), Some(totals)) = (&client, metrics.upstream_totals()) {
-            flush(client, &totals, &mut sent);
+        if let Some(client) = &client {
+            flush(client, &metrics.statsd_counters(), &mut sent);
         }
         if *stop.borrow() {
             return;
@@ -68,14 +71,14 @@ pub async fn client(addr: &str) -> Result<StatsdClient, String> {
 }
 
 /// Sends every counter's gain since `sent` recorded it, and records the new totals.
-fn flush(client: &StatsdClient, totals: &Totals, sent: &mut HashMap<String, u64>) {
-    for (name, total) in totals.counters() {
+fn flush(client: &StatsdClient, totals: &[(String, u64)], sent: &mut HashMap<String, u64>) {
+    for (name, total) in totals {
         let last = sent.entry(name.clone()).or_insert(0);
-        if total > *last {
+        if *total > *last {
             let delta = i64::try_from(total - *last).unwrap_or(i64::MAX);
             // A full or unreachable sink drops the datagram; nothing to do.
-            let _ = client.count(&name, delta);
-            *last = total;
+            let _ = client.count(name, delta);
+            *last = *total;
         }
     }
     let _ = client.flush();
@@ -83,38 +86,55 @@ fn flush(client: &StatsdClient, totals: &Totals, sent: &mut HashMap<String, u64>
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::decision::{LimitHits, Stats as _};
+    use std::sync::Mutex;
 
-    /// Upstream's names and the deltas, read off a real UDP socket.
+    use super::*;
+    use crate::telemetry::Figures;
+
+    /// Counters whose totals the test sets.
+    #[derive(Debug, Default)]
+    struct Totals(Mutex<Vec<(String, u64)>>);
+
+    impl Figures for Totals {
+        fn render(&self, _: &mut String) {}
+
+        fn statsd_counters(&self, out: &mut Vec<(String, u64)>) {
+            out.extend(self.0.lock().unwrap().iter().cloned());
+        }
+    }
+
+    /// The names as given and the deltas, read off a real UDP socket.
     #[tokio::test]
-    async fn sends_upstream_names_and_only_what_changed() {
+    async fn sends_each_counters_gain_and_only_what_changed() {
         let receiver = UdpSocket::bind("127.0.0.1:0").unwrap();
         receiver.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let client = client(&receiver.local_addr().unwrap().to_string()).await.unwrap();
-        let metrics = Metrics::new("memory").with_upstream(10);
-        let hits = LimitHits { total: 3, over: 1, within: 2, ..LimitHits::default() };
-        metrics.limit_hits("edge.user", hits);
-        metrics.envoy_failed();
+        let totals = Arc::new(Totals::default());
+        let metrics = Metrics::new();
+        metrics.register(Arc::clone(&totals) as Arc<dyn Figures>);
+        let set = |pairs: &[(&str, u64)]| {
+            *totals.0.lock().unwrap() = pairs.iter().map(|(n, v)| ((*n).to_owned(), *v)).collect();
+        };
+        set(&[("service.a.total_hits", 3), ("service.a.near_limit", 0), ("service.error", 1)]);
         let mut sent = HashMap::new();
-        flush(&client, &metrics.upstream_totals().unwrap(), &mut sent);
-        metrics.limit_hits("edge.user", LimitHits { total: 1, within: 1, ..LimitHits::default() });
-        flush(&client, &metrics.upstream_totals().unwrap(), &mut sent);
+        flush(&client, &metrics.statsd_counters(), &mut sent);
+        set(&[("service.a.total_hits", 4), ("service.a.near_limit", 0), ("service.error", 1)]);
+        flush(&client, &metrics.statsd_counters(), &mut sent);
         let mut lines = Vec::new();
         let mut buf = [0u8; 2048];
-        while lines.len() < 5 {
+        while lines.len() < 3 {
             let n = receiver.recv(&mut buf).expect("a datagram");
             lines.extend(String::from_utf8_lossy(&buf[..n]).lines().map(str::to_owned));
         }
-        for line in [
-            "ratelimit.service.rate_limit.edge.user.total_hits:3|c",
-            "ratelimit.service.rate_limit.edge.user.over_limit:1|c",
-            "ratelimit.service.rate_limit.edge.user.within_limit:2|c",
-            "ratelimit.service.call.should_rate_limit.redis_error:1|c",
-            "ratelimit.service.rate_limit.edge.user.total_hits:1|c",
-        ] {
-            assert!(lines.iter().any(|l| l == line), "missing {line} in {lines:?}");
-        }
-        assert!(!lines.iter().any(|l| l.contains("near_limit")), "nothing unchanged is sent: {lines:?}");
+        assert_eq!(
+            lines,
+            [
+                "ratelimit.service.a.total_hits:3|c",
+                "ratelimit.service.error:1|c",
+                "ratelimit.service.a.total_hits:1|c"
+            ]
+        );
+        receiver.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        assert!(receiver.recv(&mut buf).is_err(), "nothing unchanged is sent");
     }
 }

@@ -29,11 +29,11 @@ use std::{
     },
 };
 
-use super::metrics::header;
-use crate::decision::{LimitHits, keys::digest_bytes};
+use super::{LimitHits, keys::digest_bytes};
+use crate::telemetry::exposition::{escape, header};
 
 /// The longest stat key counted as it is (the bound of a counter key).
-pub const MAX_STAT_KEY_BYTES: usize = crate::decision::keys::MAX_COUNTER_KEY_BYTES;
+pub const MAX_STAT_KEY_BYTES: usize = super::keys::MAX_COUNTER_KEY_BYTES;
 
 /// `key` itself when at most [`MAX_STAT_KEY_BYTES`] long; otherwise its
 /// first bytes (whole characters), `_` and the digest of the whole key,
@@ -270,7 +270,7 @@ fn labels(key: &str) -> String {
         if !out.is_empty() {
             out.push(',');
         }
-        let _ = write!(out, "{name}=\"{}\"", super::metrics::escape(part));
+        let _ = write!(out, "{name}=\"{}\"", escape(part));
     }
     out
 }

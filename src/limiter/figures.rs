@@ -1,0 +1,115 @@
+//! The stores' figures for `/metrics` (`telemetry::Figures`): the
+//! in-memory store's counters and evictions, the local limiter's share
+//! and write-back, and the store calls that waited for their share.
+
+use std::{
+    fmt::Write as _,
+    sync::{Arc, Weak},
+};
+
+use super::{MemoryStore, RedisStore, Store, local::LocalLimiter};
+use crate::telemetry::exposition::{Figures, header};
+
+impl Figures for MemoryStore {
+    fn render(&self, out: &mut String) {
+        header(
+            out,
+            "ratelimitd_memory_counters",
+            "gauge",
+            "Counters held by the in-memory store (expired ones not yet swept included).",
+        );
+        let _ = writeln!(out, "ratelimitd_memory_counters {}", self.len());
+        header(
+            out,
+            "ratelimitd_memory_counters_max",
+            "gauge",
+            "The most counters the in-memory store holds (self.max_counters, rounded up to the shards).",
+        );
+        let _ = writeln!(out, "ratelimitd_memory_counters_max {}", self.max_counters());
+        header(
+            out,
+            "ratelimitd_memory_evictions_total",
+            "counter",
+            "Expired counters evicted to make room for new ones in a full shard.",
+        );
+        let _ = writeln!(out, "ratelimitd_memory_evictions_total {}", self.evictions());
+    }
+}
+
+impl Figures for LocalLimiter {
+    fn render(&self, out: &mut String) {
+        let gauges: [(&str, &str, &str, u64); 5] = [
+            (
+                "ratelimitd_local_instances",
+                "gauge",
+                "Instances each limit is shared by when decided locally (reported alive, else self.instances).",
+                self.instances(),
+            ),
+            (
+                "ratelimitd_local_counters",
+                "gauge",
+                "Counters held by the local limiter (expired ones not yet swept included).",
+                self.counters() as u64,
+            ),
+            (
+                "ratelimitd_local_owed_hits",
+                "gauge",
+                "Hits admitted locally and not yet written back to the shared store.",
+                self.owed_hits(),
+            ),
+            (
+                "ratelimitd_local_written_back_hits_total",
+                "counter",
+                "Locally admitted hits written back to the shared store.",
+                self.written_back(),
+            ),
+            (
+                "ratelimitd_local_write_back_failures_total",
+                "counter",
+                "Write-back rounds the shared store refused (the hits stay owed).",
+                self.write_back_failures(),
+            ),
+        ];
+        for (name, kind, help, value) in gauges {
+            header(out, name, kind, help);
+            let _ = writeln!(out, "{name} {value}");
+        }
+    }
+}
+
+/// The store calls that waited for their connection's or their tenant's
+/// share (`grpc.max_store_calls_per_*`): Redis only, 0 otherwise.
+#[derive(Debug)]
+pub struct ShareWaits {
+    /// Weak: the store's dispatchers end only once it is dropped, at
+    /// shutdown, while metrics may still be scraped.
+    redis: Option<Weak<RedisStore>>,
+}
+
+impl ShareWaits {
+    /// The waits of `store`'s calls.
+    pub fn of(store: &Store) -> Arc<Self> {
+        Arc::new(ShareWaits {
+            redis: match store {
+                Store::Redis(redis) => Some(Arc::downgrade(redis)),
+                Store::Memory(_) => None,
+            },
+        })
+    }
+}
+
+impl Figures for ShareWaits {
+    fn render(&self, out: &mut String) {
+        header(
+            out,
+            "ratelimitd_store_call_waits_total",
+            "counter",
+            "Store calls that waited for their connection's or their tenant's share (grpc.max_store_calls_per_*).",
+        );
+        let waits =
+            self.redis.as_ref().and_then(Weak::upgrade).map(|redis| redis.share_waits()).unwrap_or_default();
+        let _ =
+            writeln!(out, "ratelimitd_store_call_waits_total{{share=\"connection\"}} {}", waits.connection);
+        let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"tenant\"}} {}", waits.tenant);
+    }
+}
