@@ -128,14 +128,15 @@ pub async fn run_observed(
     let rules = parts::rules_of(&config, &mut tasks)?;
     // Before anything binds or connects: a TLS file that does not load is fatal.
     let tls = ReloadingAcceptor::new(&config.grpc.tls)?;
-    let store = parts::store(&config, &mut tasks, &mut dispatchers).await?;
+    let store = parts::store(&config.redis, &config.memory, &mut tasks, &mut dispatchers).await?;
     let shedder = parts::shedder(&config.shed, &mut tasks);
     let dlq = parts::dlq(&config.dlq, &config.limits, &mut tasks)?;
     let captured = parts::capture(&config, &mut tasks)?;
-    let tenants = parts::tenants(&config, &mut tasks)?;
-    let tenant_shares = parts::tenant_shares(&config, tenants.as_ref(), &store);
-    let overload = parts::overload(&config, &rules, tenants, &store, &mut tasks)?;
-    let denials = parts::denials(&config, &store);
+    let tenants = parts::tenants(&config.overload, &mut tasks)?;
+    let tenant_shares =
+        parts::tenant_shares(config.grpc.max_store_calls_per_tenant, tenants.as_ref(), &store);
+    let overload = parts::overload(&config.overload, &rules, tenants, &store, &mut tasks)?;
+    let denials = parts::denials(&config.denial_cache, &store);
     let stats = DecisionMetrics::new(store.name());
     let stats = Arc::new(if config.envoy.upstream_metrics && rules.envoy.is_some() {
         stats.with_upstream(config.envoy.upstream_metrics_max_keys, rules.envoy.clone())
@@ -152,7 +153,7 @@ pub async fn run_observed(
             tasks.stopper(),
         ));
     }
-    let local = parts::local(&config, &store, &mut tasks);
+    let local = parts::local(&config.local, config.dlq.instance(), &store, &mut tasks);
     let layers = parts::Layers {
         shedder: &shedder,
         overload: &overload,

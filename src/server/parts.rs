@@ -16,8 +16,8 @@ use crate::{
     capture::{self, Capture, CaptureCounters},
     clock::MonotonicClock,
     config::{
-        Config, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, LimitsConfig, LocalConfig,
-        RulesConfig, RulesSource, ShedConfig,
+        Config, DenialCacheConfig, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, LimitsConfig,
+        LocalConfig, MemoryConfig, OverloadConfig, RedisConfig, RulesConfig, RulesSource, ShedConfig,
     },
     decision::{
         CaptureSink, DecisionMetrics, DenialCache, Engine, EngineParts, EnvoyFailure, EnvoyPolicy,
@@ -249,27 +249,21 @@ fn watch<T: rules::Versioned>(
 /// (its dispatchers in `dispatchers`, joined only after the engine is
 /// dropped, since they end when the store does).
 pub(crate) async fn store(
-    config: &Config,
+    redis: &RedisConfig,
+    memory: &MemoryConfig,
     tasks: &mut Tasks,
     dispatchers: &mut JoinSet<()>,
 ) -> Result<Store, ServerError> {
-    if config.redis.url.is_none() {
-        let memory = Arc::new(MemoryStore::new(
-            config.memory.shards,
-            config.memory.max_counters,
-            Arc::new(SystemClock),
-        ));
+    if redis.url.is_none() {
+        let store = Arc::new(MemoryStore::new(memory.shards, memory.max_counters, Arc::new(SystemClock)));
         let stop = tasks.stopper();
-        tasks.spawn(run_sweeper(
-            Arc::clone(&memory),
-            Duration::from_millis(config.memory.sweep_interval_ms),
-            stop,
-        ));
-        return Ok(Store::Memory(memory));
+        tasks.spawn(run_sweeper(Arc::clone(&store), Duration::from_millis(memory.sweep_interval_ms), stop));
+        return Ok(Store::Memory(store));
     }
-    let redis = Arc::new(RedisStore::new(&config.redis, dispatchers)?);
+    let connect_timeout = Duration::from_millis(redis.connect_timeout_ms);
+    let redis = Arc::new(RedisStore::new(redis, dispatchers)?);
     // Not fatal: until Redis answers, rules answer by failure policy.
-    match redis.warm_up(Duration::from_millis(config.redis.connect_timeout_ms)).await {
+    match redis.warm_up(connect_timeout).await {
         Ok(()) => tracing::info!(url = redis.url_for_logs(), "redis reachable"),
         Err(e) => tracing::warn!(
             url = redis.url_for_logs(),
@@ -284,8 +278,13 @@ pub(crate) async fn store(
 /// writes locally admitted hits back to `store` and, with Redis, keeps the
 /// count of live instances that sets each instance's share. With the memory
 /// store the instance is the whole deployment: its share is the whole limit.
-pub(crate) fn local(config: &Config, store: &Store, tasks: &mut Tasks) -> Arc<LocalLimiter> {
-    let mut settings = local_settings(&config.local);
+pub(crate) fn local(
+    config: &LocalConfig,
+    instance: String,
+    store: &Store,
+    tasks: &mut Tasks,
+) -> Arc<LocalLimiter> {
+    let mut settings = local_settings(config);
     if matches!(store, Store::Memory(_)) {
         settings.instances = 1;
     }
@@ -294,7 +293,7 @@ pub(crate) fn local(config: &Config, store: &Store, tasks: &mut Tasks) -> Arc<Lo
     tasks.spawn(run_reconciler(
         Arc::clone(&local),
         store.clone(),
-        config.dlq.instance(),
+        instance,
         settings.reconcile_interval,
         stop,
     ));
@@ -545,8 +544,10 @@ fn envoy_failure(mode: EnvoyFailureMode) -> EnvoyFailure {
 
 /// The tenant table (`overload.tenants_path`), hot-reloaded; `None`: not
 /// configured.
-pub(crate) fn tenants(config: &Config, tasks: &mut Tasks) -> Result<Option<Arc<Hot<Tenants>>>, ServerError> {
-    let settings = &config.overload;
+pub(crate) fn tenants(
+    settings: &OverloadConfig,
+    tasks: &mut Tasks,
+) -> Result<Option<Arc<Hot<Tenants>>>, ServerError> {
     let Some(path) = &settings.tenants_path else { return Ok(None) };
     let table = Arc::new(Hot::new(rules::tenants::load(path)?));
     watch(tasks, &table, path, Duration::from_millis(settings.reload_interval_ms), rules::tenants::load);
@@ -556,13 +557,12 @@ pub(crate) fn tenants(config: &Config, tasks: &mut Tasks) -> Result<Option<Arc<H
 /// The overload layer over the tenant table `tenants`, and its feed (one
 /// task, ticking every `overload.report_interval_ms`).
 pub(crate) fn overload(
-    config: &Config,
+    settings: &OverloadConfig,
     rules: &Rules,
     tenants: Option<Arc<Hot<Tenants>>>,
     store: &Store,
     tasks: &mut Tasks,
 ) -> Result<Arc<Overload>, ServerError> {
-    let settings = &config.overload;
     let overload = Arc::new(Overload::new(settings.mode, settings.report_interval_ms));
     let sources = feed::Sources { rules: Arc::clone(&rules.native), envoy: rules.envoy.clone(), tenants };
     let exchange = match store {
@@ -587,12 +587,11 @@ pub(crate) fn overload(
 
 /// The local cache of exact denials: with the Redis store, unless
 /// `denial_cache.enabled` is off (the memory store is local already).
-pub(crate) fn denials(config: &Config, store: &Store) -> Option<Arc<DenialCache>> {
+pub(crate) fn denials(config: &DenialCacheConfig, store: &Store) -> Option<Arc<DenialCache>> {
     match store {
-        Store::Redis(_) if config.denial_cache.enabled => Some(Arc::new(DenialCache::new(
-            config.denial_cache.max_entries,
-            Arc::new(MonotonicClock::default()),
-        ))),
+        Store::Redis(_) if config.enabled => {
+            Some(Arc::new(DenialCache::new(config.max_entries, Arc::new(MonotonicClock::default()))))
+        }
         _ => None,
     }
 }
@@ -601,11 +600,10 @@ pub(crate) fn denials(config: &Config, store: &Store) -> Option<Arc<DenialCache>
 /// table, unless `grpc.max_store_calls_per_tenant` is 0 (the memory store's
 /// calls do not queue).
 pub(crate) fn tenant_shares(
-    config: &Config,
+    permits: usize,
     tenants: Option<&Arc<Hot<Tenants>>>,
     store: &Store,
 ) -> Option<Arc<TenantShares>> {
-    let permits = config.grpc.max_store_calls_per_tenant;
     match (tenants, store) {
         (Some(table), Store::Redis(_)) if permits > 0 => {
             Some(Arc::new(TenantShares::new(Arc::clone(table), permits)))
@@ -615,12 +613,12 @@ pub(crate) fn tenant_shares(
 }
 
 /// Where the engine reads a request's tenant from.
-pub(crate) fn tenant_policy(config: &Config) -> TenantPolicy {
+pub(crate) fn tenant_policy(config: &OverloadConfig) -> TenantPolicy {
     TenantPolicy {
-        source: config.overload.tenant_from,
-        separator: config.overload.tenant_separator.clone(),
-        header: config.overload.tenant_header.clone(),
-        descriptor_key: config.overload.tenant_descriptor_key.clone(),
+        source: config.tenant_from,
+        separator: config.tenant_separator.clone(),
+        header: config.tenant_header.clone(),
+        descriptor_key: config.tenant_descriptor_key.clone(),
     }
 }
 
@@ -658,7 +656,7 @@ pub(crate) fn engine(
         envoy_policy: envoy_policy(&config.envoy),
         capture: capture.map(|c| Arc::clone(&c.sink) as Arc<dyn CaptureSink>),
         overload: Some(Arc::clone(layers.overload)),
-        tenants: tenant_policy(config),
+        tenants: tenant_policy(&config.overload),
         denials: layers.denials,
         tenant_shares: layers.tenant_shares,
     })
