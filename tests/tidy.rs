@@ -11,6 +11,8 @@
 //! - No cycle between the files of one folder either (`super::x` and
 //!   `crate::folder::x` references between siblings; `mod.rs` is the
 //!   folder's interface and not a node).
+//! - No function in `src/` (tests aside) is over 60 lines, but the few
+//!   named in `LONG_FUNCTIONS` with why.
 //! - Settings flow one way: each part owns its settings types and no part
 //!   imports `config`, which composes, layers, validates and translates
 //!   them for the entry points above (`server`, `cli`, `migrate`).
@@ -329,6 +331,107 @@ fn modules_after_see_paths_that_go_on_only() {
     let text = "use super::{a::X, b, c::{d, e}};\nfn f() { super::g::h(); crate::rules::compile(x); }\n";
     assert_eq!(modules_after(text, "super::"), ["a", "c", "g"].map(str::to_owned).into());
     assert!(modules_after(text, "crate::rules::").is_empty(), "a function call names no module");
+}
+
+/// The most lines a function of `src/` spans, signature to closing brace.
+const MAX_FUNCTION_LINES: usize = 60;
+
+/// Functions allowed past [`MAX_FUNCTION_LINES`], as `file::name`, each
+/// with why it reads better whole.
+const LONG_FUNCTIONS: &[(&str, &str)] = &[
+    ("src/server/mod.rs::run_observed", "the start sequence: one line per part, in dependency order"),
+    (
+        "src/limiter/redis.rs::run",
+        "the per-decision future: one await per step, kept flat so its state machine stays small",
+    ),
+    ("src/rules/compile.rs::validate", "one check per rule field, each naming its field: a list"),
+    ("src/rules/envoy.rs::load_level", "upstream's checks of one YAML level, in upstream's order"),
+    ("src/rules/envoy.rs::compile_limit", "upstream's checks of one rate_limit, in upstream's order"),
+    ("src/rules/store.rs::watch", "the poll loop and its once-per-change logging state"),
+    (
+        "src/overload/feed.rs::apply",
+        "one exchange's outcome: fresh view, decay or keep, sharing the failure state",
+    ),
+    ("src/rollout/subscribe.rs::follow", "the blocking consumer loop and its fallback deadline"),
+    ("src/kafka.rs::read_topic", "the blocking consumer loop over assign/poll and its progress deadline"),
+    ("src/shed/mod.rs::run_sampler", "the sampling loop and its transition logging state"),
+    ("src/tls.rs::incoming", "the accept loop: one select over accepts, handshakes and stop"),
+    ("src/cli/mod.rs::check", "one command, read top to bottom: arguments, call, answer, exit code"),
+    ("src/cli/rules.rs::publish", "one command's steps and their exit codes, in order"),
+    ("src/replay.rs::compare", "one pass over both replays' outcomes into every table of the report"),
+];
+
+/// Every function of `src/` outside test modules: (`file::name`, lines).
+fn function_lengths() -> Vec<(String, usize)> {
+    let mut out = Vec::new();
+    for file in source_files() {
+        let text = fs::read_to_string(&file).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        // Test modules close the file: stop at the first.
+        let end = lines.iter().position(|l| l.trim() == "#[cfg(test)]").unwrap_or(lines.len());
+        let mut i = 0;
+        while i < end {
+            let line = lines[i];
+            let trimmed = line.trim_start();
+            let after_vis = trimmed
+                .strip_prefix("pub(crate) ")
+                .or_else(|| trimmed.strip_prefix("pub(super) "))
+                .or_else(|| trimmed.strip_prefix("pub "))
+                .unwrap_or(trimmed);
+            let after_kw = after_vis.strip_prefix("const ").unwrap_or(after_vis);
+            let after_kw = after_kw.strip_prefix("async ").unwrap_or(after_kw);
+            let Some(rest) = after_kw.strip_prefix("fn ") else {
+                i += 1;
+                continue;
+            };
+            let name: String = rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            let indent = line.len() - trimmed.len();
+            // The body opens where the signature ends; a `;` first is a declaration.
+            let mut open = i;
+            while open < end
+                && !lines[open].trim_end().ends_with('{')
+                && !lines[open].trim_end().ends_with(';')
+            {
+                open += 1;
+            }
+            if open >= end || lines[open].trim_end().ends_with(';') {
+                i += 1;
+                continue;
+            }
+            let close = (open + 1..end)
+                .find(|&k| {
+                    let l = lines[k];
+                    l.len() - l.trim_start().len() == indent && l.trim_start().starts_with('}')
+                })
+                .unwrap_or(end);
+            out.push((format!("src/{}::{name}", relative(&file)), close - i + 1));
+            i += 1;
+        }
+    }
+    out
+}
+
+#[test]
+fn no_function_is_over_sixty_lines() {
+    let lengths = function_lengths();
+    let over: Vec<String> = lengths
+        .iter()
+        .filter(|(name, n)| {
+            *n > MAX_FUNCTION_LINES && !LONG_FUNCTIONS.iter().any(|(allowed, _)| allowed == name)
+        })
+        .map(|(name, n)| format!("{name}: {n} lines"))
+        .collect();
+    assert!(over.is_empty(), "functions over {MAX_FUNCTION_LINES} lines (split them by part): {over:#?}");
+    // The allow-list names only functions that exist and are still long.
+    for (name, why) in LONG_FUNCTIONS {
+        assert!(!why.is_empty(), "{name}: say why");
+        assert!(
+            lengths.iter().any(|(n, len)| n == name && *len > MAX_FUNCTION_LINES),
+            "{name} is allowed but no longer over {MAX_FUNCTION_LINES} lines: remove it from LONG_FUNCTIONS"
+        );
+    }
+    // The scanner sees real functions.
+    assert!(lengths.iter().any(|(n, _)| n == "src/limiter/mod.rs::evaluate"), "{lengths:?}");
 }
 
 #[test]

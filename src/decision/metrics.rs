@@ -118,6 +118,17 @@ impl DecisionMetrics {
 
     /// Appends every family of the decision path.
     fn render_families(&self, out: &mut String) {
+        self.render_decisions(out);
+        self.render_request_values(out);
+        self.render_latencies(out);
+        if let Some((upstream, _)) = &self.upstream {
+            upstream.render(out, self.envoy_loads());
+            self.render_upstream_server(out);
+        }
+    }
+
+    /// `ratelimitd_decisions_total`, sorted by its labels.
+    fn render_decisions(&self, out: &mut String) {
         header(
             out,
             "ratelimitd_decisions_total",
@@ -144,6 +155,10 @@ impl DecisionMetrics {
         for (labels, value) in decisions {
             let _ = writeln!(out, "ratelimitd_decisions_total{{{labels}}} {value}");
         }
+    }
+
+    /// Request values adjusted, and requests refused, by API and reason.
+    fn render_request_values(&self, out: &mut String) {
         for (name, help, map) in [
             (
                 "ratelimitd_request_values_adjusted_total",
@@ -170,7 +185,10 @@ impl DecisionMetrics {
                 let _ = writeln!(out, "{name}{{{labels}}} {value}");
             }
         }
+    }
 
+    /// The decision and store latencies, and the store's errors by kind.
+    fn render_latencies(&self, out: &mut String) {
         header(
             out,
             "ratelimitd_decision_duration_seconds",
@@ -202,11 +220,6 @@ impl DecisionMetrics {
                 "ratelimitd_store_errors_total{{kind=\"{kind}\"}} {}",
                 count.load(Ordering::Relaxed)
             );
-        }
-
-        if let Some((upstream, _)) = &self.upstream {
-            upstream.render(out, self.envoy_loads());
-            self.render_upstream_server(out);
         }
     }
 

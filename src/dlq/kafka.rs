@@ -88,48 +88,62 @@ pub async fn run_spooler(
                 w.dir(),
             );
         }
-        let lines = Arc::new(lines);
-        let mut backoff = Duration::from_millis(50);
-        for attempt in 1.. {
-            if count == 0 {
-                break;
-            }
-            let mut w = writer.take().expect("the writer is returned after every append");
-            let bytes = Arc::clone(&lines);
-            let (w, result) = tokio::task::spawn_blocking(move || {
-                let result = w.append(bytes.prefix(count));
-                (w, result)
-            })
-            .await
-            .expect("spool append does not panic");
-            writer = Some(w);
-            match result {
-                Ok(()) => {
-                    // Out of the writer's hands, into the spool: adjacent
-                    // stores, so a stats read rarely sees the batch twice.
-                    counters.in_hand.store(0, Ordering::SeqCst);
-                    spool.publish(count as u64);
-                    break;
-                }
-                Err(e) => {
-                    // Every time: a failing spool disk is a way records get lost.
-                    tracing::error!(records = count, error = %e, attempt, "cannot append failure records to the spool");
-                    if stopping && attempt >= 5 {
-                        counters.lose(DropReason::DiskError, count as u64);
-                        tracing::error!(
-                            records = count,
-                            "shutting down with an unwritable spool: failure records DROPPED"
-                        );
-                        break;
-                    }
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                }
-            }
-        }
+        append(&mut writer, Arc::new(lines), count, stopping, &spool, &counters).await;
         counters.in_hand.store(0, Ordering::SeqCst);
         spooled.notify_one();
         batch.clear();
+    }
+}
+
+/// Appends the first `count` of `lines` to the spool durably, retrying a
+/// failed write with a growing pause; when `stopping`, after five tries
+/// the records are counted lost (`DiskError`). The writer is lent to a
+/// blocking task and given back.
+async fn append(
+    writer: &mut Option<SpoolWriter>,
+    lines: Arc<Lines>,
+    count: usize,
+    stopping: bool,
+    spool: &SpoolState,
+    counters: &DlqCounters,
+) {
+    let mut backoff = Duration::from_millis(50);
+    for attempt in 1.. {
+        if count == 0 {
+            break;
+        }
+        let mut w = writer.take().expect("the writer is returned after every append");
+        let bytes = Arc::clone(&lines);
+        let (w, result) = tokio::task::spawn_blocking(move || {
+            let result = w.append(bytes.prefix(count));
+            (w, result)
+        })
+        .await
+        .expect("spool append does not panic");
+        *writer = Some(w);
+        match result {
+            Ok(()) => {
+                // Out of the writer's hands, into the spool: adjacent
+                // stores, so a stats read rarely sees the batch twice.
+                counters.in_hand.store(0, Ordering::SeqCst);
+                spool.publish(count as u64);
+                break;
+            }
+            Err(e) => {
+                // Every time: a failing spool disk is a way records get lost.
+                tracing::error!(records = count, error = %e, attempt, "cannot append failure records to the spool");
+                if stopping && attempt >= 5 {
+                    counters.lose(DropReason::DiskError, count as u64);
+                    tracing::error!(
+                        records = count,
+                        "shutting down with an unwritable spool: failure records DROPPED"
+                    );
+                    break;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
     }
 }
 
@@ -162,19 +176,12 @@ pub async fn run_shipper(
     spooled: Arc<Notify>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    // Say clearly, once, when the topic is missing: never rely on auto-creation.
-    let (producer, topic) = (shipper.producer.clone(), shipper.topic.clone());
-    match tokio::task::spawn_blocking(move || check_topic(&producer, &topic, Duration::from_secs(5))).await {
-        Ok(Ok(())) => tracing::info!(topic = %shipper.topic, "dead-letter topic found"),
-        Ok(Err(message)) => tracing::error!("{message}"),
-        Err(e) => tracing::error!(error = %e, "topic check failed"),
-    }
+    announce_topic(&shipper).await;
     let mut reader = Some(reader);
     // Records Kafka confirmed beyond a failed one: skipped when the failed
     // one is produced again, so a retry never duplicates them.
     let mut delivered_ahead: BTreeSet<u64> = BTreeSet::new();
-    let mut backoff = Duration::from_millis(100);
-    let mut outage_logged = false;
+    let mut outage = Outage::default();
     loop {
         let from = state.acked.load(Ordering::SeqCst);
         if from >= state.durable.load(Ordering::SeqCst) {
@@ -185,15 +192,7 @@ pub async fn run_shipper(
                 _ = shutdown.changed() => return,
             }
         }
-        let mut r = reader.take().expect("the reader is returned after every read");
-        let (r, read) = tokio::task::spawn_blocking(move || {
-            let read = r.read(from, ROUND_MAX);
-            (r, read)
-        })
-        .await
-        .expect("spool read does not panic");
-        reader = Some(r);
-        let records = match read {
+        let records = match read_round(&mut reader, from).await {
             Ok(records) => records,
             Err(e) => {
                 tracing::error!(error = %e, "cannot read the spool; retrying");
@@ -201,124 +200,219 @@ pub async fn run_shipper(
                 continue;
             }
         };
-
-        // Produce the round.
-        let mut in_flight = Vec::with_capacity(records.len());
-        let mut settled: Vec<(u64, Outcome)> = Vec::with_capacity(records.len());
-        for (seq, record) in records {
-            if delivered_ahead.contains(&seq) {
-                settled.push((seq, Outcome::Delivered));
-                continue;
-            }
-            let record = match record {
-                Ok(record) => record,
-                Err(line) => {
-                    settled.push((seq, Outcome::Undeliverable(line, "unreadable spool line".to_owned())));
-                    continue;
-                }
-            };
-            let payload = serde_json::to_vec(&record).expect("records serialise");
-            let message =
-                FutureRecord::to(&shipper.topic).key(record.request.user_id.as_str()).payload(&payload);
-            match shipper.producer.send_result(message) {
-                Ok(delivery) => in_flight.push((seq, record, delivery)),
-                // librdkafka's own queue is full: settle what is in flight first.
-                Err((e, _)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) => break,
-                Err((e, _)) => settled.push((seq, classify(&e, &record))),
-            }
-        }
-
-        // Await the round, or shutdown.
-        let mut stopping = false;
-        for (seq, record, mut delivery) in in_flight {
-            let result = if stopping {
-                tokio::time::timeout(Duration::from_millis(1), &mut delivery).await.ok()
-            } else {
-                tokio::select! {
-                    result = &mut delivery => Some(result),
-                    _ = shutdown.changed() => {
-                        stopping = true;
-                        let producer = shipper.producer.clone();
-                        let timeout = shipper.flush_timeout;
-                        // Give outstanding deliveries a last chance, then keep what is confirmed.
-                        let _ = tokio::task::spawn_blocking(move || producer.flush(timeout)).await;
-                        tokio::time::timeout(Duration::from_millis(1), &mut delivery).await.ok()
-                    }
-                }
-            };
-            let outcome = match result {
-                Some(Ok(Ok(_))) => Outcome::Delivered,
-                Some(Ok(Err((e, _)))) => classify(&e, &record),
-                Some(Err(_)) | None => Outcome::Retry("not confirmed before shutdown".to_owned()),
-            };
-            settled.push((seq, outcome));
-        }
-        settled.sort_by_key(|(seq, _)| *seq);
-
-        // Acknowledge the confirmed prefix; remember confirmations past a gap.
-        let mut upto = from;
-        let mut newly_delivered = 0;
-        let mut retry_reason = None;
-        for (seq, outcome) in settled {
-            match outcome {
-                // Counted delivered when acknowledged, so a record is either
-                // delivered or pending, never both.
-                Outcome::Delivered => {
-                    if retry_reason.is_none() && seq == upto {
-                        upto += 1;
-                        delivered_ahead.remove(&seq);
-                        newly_delivered += 1;
-                    } else {
-                        delivered_ahead.insert(seq);
-                    }
-                }
-                Outcome::Undeliverable(line, why) if retry_reason.is_none() && seq == upto => {
-                    set_aside(&shipper, &line, &why);
-                    upto += 1;
-                }
-                Outcome::Undeliverable(_, why) | Outcome::Retry(why) => {
-                    retry_reason.get_or_insert(why);
-                }
-            }
-        }
-        if upto > from {
-            let mut r = reader.take().expect("reader");
-            let (r, acked) = tokio::task::spawn_blocking(move || {
-                let acked = r.acknowledge(upto);
-                (r, acked)
-            })
-            .await
-            .expect("spool acknowledge does not panic");
-            reader = Some(r);
-            if let Err(e) = acked {
-                tracing::error!(error = %e, "cannot record delivery in the spool; records may be sent again after a restart");
-            }
+        let (in_flight, mut settled) = produce_round(&shipper, records, &delivered_ahead);
+        let stopping = await_round(&shipper, in_flight, &mut settled, &mut shutdown).await;
+        let round = settle(&shipper, settled, from, &mut delivered_ahead);
+        if round.upto > from {
+            acknowledge(&mut reader, round.upto).await;
             // Counted after the spool let go of them: never both delivered and pending.
-            shipper.counters.delivered.fetch_add(newly_delivered, Ordering::SeqCst);
+            shipper.counters.delivered.fetch_add(round.newly_delivered, Ordering::SeqCst);
         }
         if stopping {
             return;
         }
-        match retry_reason {
-            None => {
-                if outage_logged {
-                    tracing::info!("dead-letter topic reachable again; spool draining");
-                    outage_logged = false;
-                }
-                backoff = Duration::from_millis(100);
-            }
+        match round.retry_reason {
+            None => outage.over(),
             Some(why) => {
-                if !outage_logged {
-                    tracing::error!(topic = %shipper.topic, reason = %why, pending = state.pending(), "cannot deliver failure records; they stay in the spool and are retried");
-                    outage_logged = true;
-                }
+                outage.log(&shipper.topic, &why, state.pending());
                 tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tokio::time::sleep(outage.backoff) => {}
                     _ = shutdown.changed() => return,
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(30));
+                outage.backoff = (outage.backoff * 2).min(Duration::from_secs(30));
             }
         }
+    }
+}
+
+/// Says clearly, once, whether the topic exists: never rely on auto-creation.
+async fn announce_topic(shipper: &Shipper) {
+    let (producer, topic) = (shipper.producer.clone(), shipper.topic.clone());
+    match tokio::task::spawn_blocking(move || check_topic(&producer, &topic, Duration::from_secs(5))).await {
+        Ok(Ok(())) => tracing::info!(topic = %shipper.topic, "dead-letter topic found"),
+        Ok(Err(message)) => tracing::error!("{message}"),
+        Err(e) => tracing::error!(error = %e, "topic check failed"),
+    }
+}
+
+/// An outage of the topic: the retry backoff and whether it was logged.
+#[derive(Debug)]
+struct Outage {
+    backoff: Duration,
+    logged: bool,
+}
+
+impl Default for Outage {
+    fn default() -> Self {
+        Outage { backoff: Duration::from_millis(100), logged: false }
+    }
+}
+
+impl Outage {
+    /// A round delivered everything: the outage, if any, is over.
+    fn over(&mut self) {
+        if self.logged {
+            tracing::info!("dead-letter topic reachable again; spool draining");
+            self.logged = false;
+        }
+        self.backoff = Duration::from_millis(100);
+    }
+
+    /// Logs the outage once.
+    fn log(&mut self, topic: &str, why: &str, pending: u64) {
+        if !self.logged {
+            tracing::error!(topic, reason = %why, pending, "cannot deliver failure records; they stay in the spool and are retried");
+            self.logged = true;
+        }
+    }
+}
+
+/// A round of spooled records from `from` on (the reader is lent to a
+/// blocking task and given back).
+async fn read_round(
+    reader: &mut Option<SpoolReader>,
+    from: u64,
+) -> std::io::Result<Vec<(u64, Result<FailureRecord, String>)>> {
+    let mut r = reader.take().expect("the reader is returned after every read");
+    let (r, read) = tokio::task::spawn_blocking(move || {
+        let read = r.read(from, ROUND_MAX);
+        (r, read)
+    })
+    .await
+    .expect("spool read does not panic");
+    *reader = Some(r);
+    read
+}
+
+/// A record handed to the producer, awaiting its delivery report.
+type InFlight = (u64, FailureRecord, rdkafka::producer::DeliveryFuture);
+
+/// Produces a round: what is in flight, and what is settled already
+/// (confirmed before, unreadable, or refused by the producer).
+fn produce_round(
+    shipper: &Shipper,
+    records: Vec<(u64, Result<FailureRecord, String>)>,
+    delivered_ahead: &BTreeSet<u64>,
+) -> (Vec<InFlight>, Vec<(u64, Outcome)>) {
+    let mut in_flight = Vec::with_capacity(records.len());
+    let mut settled: Vec<(u64, Outcome)> = Vec::with_capacity(records.len());
+    for (seq, record) in records {
+        if delivered_ahead.contains(&seq) {
+            settled.push((seq, Outcome::Delivered));
+            continue;
+        }
+        let record = match record {
+            Ok(record) => record,
+            Err(line) => {
+                settled.push((seq, Outcome::Undeliverable(line, "unreadable spool line".to_owned())));
+                continue;
+            }
+        };
+        let payload = serde_json::to_vec(&record).expect("records serialise");
+        let message = FutureRecord::to(&shipper.topic).key(record.request.user_id.as_str()).payload(&payload);
+        match shipper.producer.send_result(message) {
+            Ok(delivery) => in_flight.push((seq, record, delivery)),
+            // librdkafka's own queue is full: settle what is in flight first.
+            Err((e, _)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) => break,
+            Err((e, _)) => settled.push((seq, classify(&e, &record))),
+        }
+    }
+    (in_flight, settled)
+}
+
+/// Awaits the round's deliveries into `settled` (sorted by sequence
+/// number), or shutdown: then outstanding deliveries get one last flush and
+/// what is not confirmed stays spooled. Returns whether it is stopping.
+async fn await_round(
+    shipper: &Shipper,
+    in_flight: Vec<InFlight>,
+    settled: &mut Vec<(u64, Outcome)>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> bool {
+    let mut stopping = false;
+    for (seq, record, mut delivery) in in_flight {
+        let result = if stopping {
+            tokio::time::timeout(Duration::from_millis(1), &mut delivery).await.ok()
+        } else {
+            tokio::select! {
+                result = &mut delivery => Some(result),
+                _ = shutdown.changed() => {
+                    stopping = true;
+                    let producer = shipper.producer.clone();
+                    let timeout = shipper.flush_timeout;
+                    // Give outstanding deliveries a last chance, then keep what is confirmed.
+                    let _ = tokio::task::spawn_blocking(move || producer.flush(timeout)).await;
+                    tokio::time::timeout(Duration::from_millis(1), &mut delivery).await.ok()
+                }
+            }
+        };
+        let outcome = match result {
+            Some(Ok(Ok(_))) => Outcome::Delivered,
+            Some(Ok(Err((e, _)))) => classify(&e, &record),
+            Some(Err(_)) | None => Outcome::Retry("not confirmed before shutdown".to_owned()),
+        };
+        settled.push((seq, outcome));
+    }
+    settled.sort_by_key(|(seq, _)| *seq);
+    stopping
+}
+
+/// What a round settled: the spool may let go of everything before
+/// `upto`, of which `newly_delivered` were confirmed now; `retry_reason`
+/// when something must be tried again.
+struct Round {
+    upto: u64,
+    newly_delivered: u64,
+    retry_reason: Option<String>,
+}
+
+/// Acknowledges the confirmed prefix of `settled` (sorted), from `from`;
+/// remembers confirmations past a gap in `delivered_ahead`, and sets
+/// undeliverable records at the front aside.
+fn settle(
+    shipper: &Shipper,
+    settled: Vec<(u64, Outcome)>,
+    from: u64,
+    delivered_ahead: &mut BTreeSet<u64>,
+) -> Round {
+    let mut round = Round { upto: from, newly_delivered: 0, retry_reason: None };
+    for (seq, outcome) in settled {
+        match outcome {
+            // Counted delivered when acknowledged, so a record is either
+            // delivered or pending, never both.
+            Outcome::Delivered => {
+                if round.retry_reason.is_none() && seq == round.upto {
+                    round.upto += 1;
+                    delivered_ahead.remove(&seq);
+                    round.newly_delivered += 1;
+                } else {
+                    delivered_ahead.insert(seq);
+                }
+            }
+            Outcome::Undeliverable(line, why) if round.retry_reason.is_none() && seq == round.upto => {
+                set_aside(shipper, &line, &why);
+                round.upto += 1;
+            }
+            Outcome::Undeliverable(_, why) | Outcome::Retry(why) => {
+                round.retry_reason.get_or_insert(why);
+            }
+        }
+    }
+    round
+}
+
+/// Records in the spool that everything before `upto` is delivered.
+async fn acknowledge(reader: &mut Option<SpoolReader>, upto: u64) {
+    let mut r = reader.take().expect("reader");
+    let (r, acked) = tokio::task::spawn_blocking(move || {
+        let acked = r.acknowledge(upto);
+        (r, acked)
+    })
+    .await
+    .expect("spool acknowledge does not panic");
+    *reader = Some(r);
+    if let Err(e) = acked {
+        tracing::error!(error = %e, "cannot record delivery in the spool; records may be sent again after a restart");
     }
 }
 

@@ -346,89 +346,10 @@ impl RedisStore {
     pub fn new(config: &RedisConfig, tasks: &mut JoinSet<()>) -> Result<Self, RedisSetupError> {
         let url = config.url.as_deref().unwrap_or_default();
         let setup_error = |message: String| RedisSetupError { url: redact_url(url), message };
-        let password = config.password().map_err(|e| setup_error(e.to_string()))?;
-        let nodes = config
-            .seed_urls()
-            .map(|node| {
-                let info = node.into_connection_info().map_err(|e| setup_error(e.to_string()))?;
-                Ok(with_auth(info, config.username.as_deref(), password.as_deref()))
-            })
-            .collect::<Result<Vec<_>, RedisSetupError>>()?;
-        let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
-        let tls = tls_certificates(config).map_err(setup_error)?;
-        let backend = if let Some(master) = &config.sentinel_master {
-            Backend::Sentinel(sentinel_pool(config, master, password, connect_timeout).map_err(setup_error)?)
-        } else if config.cluster {
-            let mut builder = ClusterClient::builder(nodes);
-            if let Some(certs) = tls {
-                builder = builder.certs(certs);
-            }
-            let client = builder
-                .connection_timeout(connect_timeout)
-                // Bounds one attempt inside the client; callers stop
-                // waiting at `timeout_ms` either way.
-                .response_timeout(connect_timeout)
-                // A redirect (MOVED/ASK, a failover) is a retry: a few, fast.
-                .retries(3)
-                .min_retry_wait(1)
-                .max_retry_wait(50)
-                .build()
-                .map_err(|e| setup_error(e.to_string()))?;
-            Backend::Cluster(Arc::new(Cluster {
-                client,
-                connect_timeout,
-                probe: std::sync::Mutex::new(None),
-                slots: ArcSwapOption::empty(),
-                stale: AtomicBool::new(false),
-            }))
-        } else {
-            let [mut node] = <[ConnectionInfo; 1]>::try_from(nodes)
-                .map_err(|_| setup_error("several seed nodes need redis.cluster: true".to_owned()))?;
-            if let Some(certs) = tls {
-                // The TLS parameters become part of the connection info the
-                // pool's manager connects with.
-                node = redis::Client::build_with_tls(node, certs)
-                    .map_err(|e| setup_error(e.to_string()))?
-                    .get_connection_info()
-                    .clone();
-            }
-            // The per-call deadline is ours (`timeout_ms`); the client's own
-            // response timeout would only race it.
-            let connection_config = AsyncConnectionConfig::new()
-                .set_connection_timeout(Some(connect_timeout))
-                .set_response_timeout(None);
-            let manager = deadpool_redis::Manager::new_with_config(node, connection_config)
-                .map_err(|e| setup_error(e.to_string()))?;
-            // One connection per dispatcher, one for `warm_up` (the readiness
-            // probe), and room for a replacement while a broken one is dropped.
-            let pool = Pool::builder(manager)
-                .max_size(config.connections * 2 + 1)
-                .runtime(Runtime::Tokio1)
-                .create_timeout(Some(connect_timeout))
-                // Handing out a returned connection PINGs it first; a peer that
-                // stopped answering must not hang a dispatcher in that PING.
-                .recycle_timeout(Some(connect_timeout))
-                .wait_timeout(Some(connect_timeout))
-                .build()
-                .map_err(|e| setup_error(e.to_string()))?;
-            Backend::Single(pool)
-        };
+        let backend = backend(config).map_err(setup_error)?;
         let script = Arc::new(redis::Script::new(DECIDE_BATCH_LUA));
         let timeout = Duration::from_millis(config.timeout_ms);
-        let open = Duration::from_millis(config.breaker_open_ms);
-        let min_failing = Duration::from_millis(config.breaker_min_failing_ms);
-        let breakers: Arc<[Breaker]> = match backend {
-            Backend::Single(_) | Backend::Sentinel(_) => {
-                Arc::new([Breaker::new(config.breaker_failures, min_failing, open, "redis".to_owned())])
-            }
-            Backend::Cluster(_) => (0..16_384 / SLOTS_PER_BREAKER)
-                .map(|range| {
-                    let first = range * SLOTS_PER_BREAKER;
-                    let scope = format!("redis cluster slots {first}-{}", first + SLOTS_PER_BREAKER - 1);
-                    Breaker::new(config.breaker_failures, min_failing, open, scope)
-                })
-                .collect(),
-        };
+        let breakers = breakers(config, &backend);
         let queues = (0..config.connections)
             .map(|slot| {
                 let (sender, receiver) = mpsc::channel(QUEUE_PER_SLOT);
@@ -1044,6 +965,115 @@ pub fn key_slot(key: &str) -> u16 {
         })
         .unwrap_or(bytes);
     crc16::State::<crc16::XMODEM>::calculate(hashed) % 16_384
+}
+
+/// The connections `redis.*` asks for: a Sentinel-discovered master, a
+/// Redis Cluster client, or a pool to one server. Errors are the message
+/// of a [`RedisSetupError`].
+fn backend(config: &RedisConfig) -> Result<Backend, String> {
+    let password = config.password().map_err(|e| e.to_string())?;
+    let nodes = config
+        .seed_urls()
+        .map(|node| {
+            let info = node.into_connection_info().map_err(|e| e.to_string())?;
+            Ok(with_auth(info, config.username.as_deref(), password.as_deref()))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
+    let tls = tls_certificates(config)?;
+    if let Some(master) = &config.sentinel_master {
+        Ok(Backend::Sentinel(sentinel_pool(config, master, password, connect_timeout)?))
+    } else if config.cluster {
+        cluster_backend(nodes, tls, connect_timeout)
+    } else {
+        single_backend(config, nodes, tls, connect_timeout)
+    }
+}
+
+/// A Redis Cluster client over the seed `nodes`.
+fn cluster_backend(
+    nodes: Vec<ConnectionInfo>,
+    tls: Option<redis::TlsCertificates>,
+    connect_timeout: Duration,
+) -> Result<Backend, String> {
+    let mut builder = ClusterClient::builder(nodes);
+    if let Some(certs) = tls {
+        builder = builder.certs(certs);
+    }
+    let client = builder
+        .connection_timeout(connect_timeout)
+        // Bounds one attempt inside the client; callers stop
+        // waiting at `timeout_ms` either way.
+        .response_timeout(connect_timeout)
+        // A redirect (MOVED/ASK, a failover) is a retry: a few, fast.
+        .retries(3)
+        .min_retry_wait(1)
+        .max_retry_wait(50)
+        .build()
+        .map_err(|e| e.to_string())?;
+    Ok(Backend::Cluster(Arc::new(Cluster {
+        client,
+        connect_timeout,
+        probe: std::sync::Mutex::new(None),
+        slots: ArcSwapOption::empty(),
+        stale: AtomicBool::new(false),
+    })))
+}
+
+/// A pool of connections to the one server in `nodes`.
+fn single_backend(
+    config: &RedisConfig,
+    nodes: Vec<ConnectionInfo>,
+    tls: Option<redis::TlsCertificates>,
+    connect_timeout: Duration,
+) -> Result<Backend, String> {
+    let [mut node] = <[ConnectionInfo; 1]>::try_from(nodes)
+        .map_err(|_| "several seed nodes need redis.cluster: true".to_owned())?;
+    if let Some(certs) = tls {
+        // The TLS parameters become part of the connection info the
+        // pool's manager connects with.
+        node = redis::Client::build_with_tls(node, certs)
+            .map_err(|e| e.to_string())?
+            .get_connection_info()
+            .clone();
+    }
+    // The per-call deadline is ours (`timeout_ms`); the client's own
+    // response timeout would only race it.
+    let connection_config =
+        AsyncConnectionConfig::new().set_connection_timeout(Some(connect_timeout)).set_response_timeout(None);
+    let manager =
+        deadpool_redis::Manager::new_with_config(node, connection_config).map_err(|e| e.to_string())?;
+    // One connection per dispatcher, one for `warm_up` (the readiness
+    // probe), and room for a replacement while a broken one is dropped.
+    let pool = Pool::builder(manager)
+        .max_size(config.connections * 2 + 1)
+        .runtime(Runtime::Tokio1)
+        .create_timeout(Some(connect_timeout))
+        // Handing out a returned connection PINGs it first; a peer that
+        // stopped answering must not hang a dispatcher in that PING.
+        .recycle_timeout(Some(connect_timeout))
+        .wait_timeout(Some(connect_timeout))
+        .build()
+        .map_err(|e| e.to_string())?;
+    Ok(Backend::Single(pool))
+}
+
+/// The circuit breakers: one for a server, one per range of slots for a cluster.
+fn breakers(config: &RedisConfig, backend: &Backend) -> Arc<[Breaker]> {
+    let open = Duration::from_millis(config.breaker_open_ms);
+    let min_failing = Duration::from_millis(config.breaker_min_failing_ms);
+    match backend {
+        Backend::Single(_) | Backend::Sentinel(_) => {
+            Arc::new([Breaker::new(config.breaker_failures, min_failing, open, "redis".to_owned())])
+        }
+        Backend::Cluster(_) => (0..16_384 / SLOTS_PER_BREAKER)
+            .map(|range| {
+                let first = range * SLOTS_PER_BREAKER;
+                let scope = format!("redis cluster slots {first}-{}", first + SLOTS_PER_BREAKER - 1);
+                Breaker::new(config.breaker_failures, min_failing, open, scope)
+            })
+            .collect(),
+    }
 }
 
 /// The private CA and client certificate of `redis.tls_*`, if any is set.

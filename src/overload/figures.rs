@@ -6,7 +6,7 @@
 
 use std::fmt::Write as _;
 
-use super::Overload;
+use super::{Overload, Table};
 use crate::{
     clock::{Clock as _, SystemClock},
     rules::OverloadMode,
@@ -23,6 +23,14 @@ impl Overload {
 
 impl Figures for Overload {
     fn render(&self, out: &mut String) {
+        self.render_state(out);
+        self.render_buckets(out);
+    }
+}
+
+impl Overload {
+    /// The mode in force and the exchanges with the global view.
+    fn render_state(&self, out: &mut String) {
         header(
             out,
             "ratelimitd_overload_mode",
@@ -42,8 +50,12 @@ impl Figures for Overload {
         );
         let _ = writeln!(out, "ratelimitd_overload_feed_total{{result=\"ok\"}} {ok}");
         let _ = writeln!(out, "ratelimitd_overload_feed_total{{result=\"failed\"}} {failed}");
+    }
+
+    /// Per bucket: requests offered and dropped, the drop ratio applied,
+    /// the directive's age.
+    fn render_buckets(&self, out: &mut String) {
         let table = self.table();
-        let now = SystemClock.now_ms();
         header(
             out,
             "ratelimitd_overload_requests_total",
@@ -73,6 +85,12 @@ impl Figures for Overload {
                 );
             }
         }
+        self.render_directives(out, &table);
+    }
+
+    /// Per bucket the drop ratio applied now; per directive its age.
+    fn render_directives(&self, out: &mut String, table: &Table) {
+        let now = SystemClock.now_ms();
         header(
             out,
             "ratelimitd_overload_drop_ratio",

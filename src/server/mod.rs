@@ -28,7 +28,7 @@ use crate::{
     api::{EnvoyService, RateLimiterService},
     budget::{Budget, BudgetLayer, Denial, MessageBounds},
     config::Config,
-    decision::{DecisionMetrics, Engine},
+    decision::Engine,
     dlq::DlqSink,
     limiter::redis::RedisSetupError,
     overload::Overload,
@@ -137,22 +137,8 @@ pub async fn run_observed(
         parts::tenant_shares(config.grpc.max_store_calls_per_tenant, tenants.as_ref(), &store);
     let overload = parts::overload(&config.overload, &rules, tenants, &store, &mut tasks)?;
     let denials = parts::denials(&config.denial_cache, &store);
-    let stats = DecisionMetrics::new(store.name());
-    let stats = Arc::new(if config.envoy.upstream_metrics && rules.envoy.is_some() {
-        stats.with_upstream(config.envoy.upstream_metrics_max_keys, rules.envoy.clone())
-    } else {
-        stats
-    });
-    let metrics = Arc::new(Metrics::new());
-    if let Some(addr) = &config.telemetry.statsd_addr {
-        let interval = Duration::from_millis(config.telemetry.statsd_flush_interval_ms);
-        tasks.spawn(crate::telemetry::statsd::run(
-            Arc::clone(&metrics),
-            addr.clone(),
-            interval,
-            tasks.stopper(),
-        ));
-    }
+    let stats = parts::stats(&config.envoy, &rules, &store);
+    let metrics = parts::metrics(&config.telemetry, &mut tasks);
     let local = parts::local(&config.local, config.dlq.instance(), &store, &mut tasks);
     let layers = parts::Layers {
         shedder: &shedder,
@@ -182,27 +168,9 @@ pub async fn run_observed(
     // Rules from a topic: nothing is answered before the first snapshot
     // (or the fallback) is in; /readyz says so meanwhile.
     let mut shutdown = Box::pin(shutdown);
-    if let Some(feed) = &rules.feed
-        && !wait_for_rules(feed, &mut shutdown).await
-    {
+    if !first_rules(&rules, config.rules.xds.force_start, &mut shutdown).await {
         stop(tasks, dispatchers, Duration::from_millis(config.grpc.shutdown_grace_ms), &dlq).await;
         return Ok(());
-    }
-    // Rules over xDS: likewise until the first set, unless force_start.
-    if let Some(xds) = &rules.xds
-        && !config.rules.xds.force_start
-    {
-        tracing::info!(
-            "waiting for the first rate-limit configuration over xDS (rules.xds.force_start is off)"
-        );
-        tokio::select! {
-            () = xds.first() => {}
-            () = &mut shutdown => {
-                tracing::info!("stopped while waiting for rules");
-                stop(tasks, dispatchers, Duration::from_millis(config.grpc.shutdown_grace_ms), &dlq).await;
-                return Ok(());
-            }
-        }
     }
     // Everything is built: the service is about to answer.
     observe(Observer {
@@ -218,6 +186,35 @@ pub async fn run_observed(
     let result = serve_until_stopped(serve, drained, grace, &mut tasks, &mut dispatchers).await;
     stop(tasks, dispatchers, grace, &dlq).await;
     result
+}
+
+/// Waits for the first rules from a topic (`feed`) or over xDS (unless
+/// `force_start`); false when `shutdown` resolves first.
+async fn first_rules(
+    rules: &parts::Rules,
+    force_start: bool,
+    shutdown: &mut (impl Future<Output = ()> + Unpin),
+) -> bool {
+    if let Some(feed) = &rules.feed
+        && !wait_for_rules(feed, shutdown).await
+    {
+        return false;
+    }
+    if let Some(xds) = &rules.xds
+        && !force_start
+    {
+        tracing::info!(
+            "waiting for the first rate-limit configuration over xDS (rules.xds.force_start is off)"
+        );
+        tokio::select! {
+            () = xds.first() => {}
+            () = shutdown => {
+                tracing::info!("stopped while waiting for rules");
+                return false;
+            }
+        }
+    }
+    true
 }
 
 /// Waits until `feed` serves rules; false when `shutdown` resolves first.

@@ -18,6 +18,7 @@ use crate::{
     config::{
         Config, DenialCacheConfig, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, LimitsConfig,
         LocalConfig, MemoryConfig, OverloadConfig, RedisConfig, RulesConfig, RulesSource, ShedConfig,
+        TelemetryConfig,
     },
     decision::{
         CaptureSink, DecisionMetrics, DenialCache, Engine, EngineParts, EnvoyFailure, EnvoyPolicy,
@@ -660,6 +661,29 @@ pub(crate) fn engine(
         denials: layers.denials,
         tenant_shares: layers.tenant_shares,
     })
+}
+
+/// The decision path's counters (with envoyproxy/ratelimit's families
+/// when `envoy.upstream_metrics` is on and Envoy rules are served).
+pub(crate) fn stats(envoy: &EnvoySettings, rules: &Rules, store: &Store) -> Arc<DecisionMetrics> {
+    let stats = DecisionMetrics::new(store.name());
+    Arc::new(if envoy.upstream_metrics && rules.envoy.is_some() {
+        stats.with_upstream(envoy.upstream_metrics_max_keys, rules.envoy.clone())
+    } else {
+        stats
+    })
+}
+
+/// The `/metrics` registry, and the statsd sink reading it when
+/// `telemetry.statsd_addr` is set.
+pub(crate) fn metrics(telemetry: &TelemetryConfig, tasks: &mut Tasks) -> Arc<Metrics> {
+    let metrics = Arc::new(Metrics::new());
+    if let Some(addr) = &telemetry.statsd_addr {
+        let interval = Duration::from_millis(telemetry.statsd_flush_interval_ms);
+        let stop = tasks.stopper();
+        tasks.spawn(crate::telemetry::statsd::run(Arc::clone(&metrics), addr.clone(), interval, stop));
+    }
+    metrics
 }
 
 /// The parts whose figures `/metrics` reads, beside the rules and the
