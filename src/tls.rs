@@ -47,27 +47,30 @@ use tokio_rustls::{
 use crate::accept::AcceptBackoff;
 
 /// `grpc.tls.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GrpcTlsConfig {
-    /// PEM certificate chain (leaf first). With `key_file`, turns TLS on.
+    /// PEM certificate chain and private key: both set turns TLS on for the gRPC port (rustls; ALPN
+    /// h2; TLS 1.2 and 1.3).
     pub cert_file: Option<PathBuf>,
-    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of the certificate.
+    /// PEM certificate chain and private key: both set turns TLS on for the gRPC port (rustls; ALPN
+    /// h2; TLS 1.2 and 1.3).
     pub key_file: Option<PathBuf>,
-    /// PEM CA certificate(s): when set, every client must present a
-    /// certificate they signed (mTLS).
+    /// PEM CA certificate(s): every client must present a certificate one of them signed (mTLS);
+    /// others fail the handshake.
     pub client_ca_file: Option<PathBuf>,
     /// With `client_ca_file`: a name (DNS name or IP address) every client
     /// certificate must carry among its subject alternative names, beyond
     /// being signed by that CA (upstream's `GRPC_CLIENT_TLS_SAN`).
     pub client_san: Option<String>,
-    /// How often the files are checked for changes (size, mtime); a change
-    /// is loaded for new connections without a restart. 0 disables reload.
+    /// How often the three files are checked (size, mtime); a change is loaded for new connections
+    /// without a restart; a file that does not load leaves the previous certificate in use
+    /// (logged); `0` disables.
     pub reload_interval_ms: u64,
     /// A connection whose TLS handshake takes longer is closed.
     pub handshake_timeout_ms: u64,
-    /// Most TLS handshakes in progress at once; past it, new connections
-    /// wait in the listen backlog until one finishes.
+    /// TLS handshakes in progress at once; past it new connections wait in the listen backlog (a
+    /// flood of slow handshakes cannot grow memory).
     pub max_handshakes: usize,
 }
 

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use crate::shed::Priority;
 
 /// Counting algorithm of Envoy descriptors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EnvoyAlgorithm {
     /// Sliding window: no client gets twice the limit across a window edge.
@@ -21,7 +21,7 @@ pub enum EnvoyAlgorithm {
 
 /// What a descriptor with no hits (`hits_addend: 0`, a check that counts
 /// nothing) asks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EnvoyZeroHits {
     /// Whether one more hit would fit: OVER_LIMIT once the count reaches
@@ -35,7 +35,7 @@ pub enum EnvoyZeroHits {
 }
 
 /// Which hits a descriptor's counter takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EnvoyHitsCounted {
     /// The hits of an admitted request only, all or nothing: a request one
@@ -50,7 +50,7 @@ pub enum EnvoyHitsCounted {
 }
 
 /// How the rate-limit response headers are written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EnvoyHeaderFormat {
     /// The tightest limit's number, as envoyproxy/ratelimit writes it.
@@ -63,7 +63,7 @@ pub enum EnvoyHeaderFormat {
 }
 
 /// What `ShouldRateLimit` answers when the counter store cannot decide.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EnvoyFailureMode {
     /// Decide locally at this instance's share of each limit (the local
@@ -77,16 +77,31 @@ pub enum EnvoyFailureMode {
 }
 
 /// `envoy.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EnvoySettings {
-    /// `sliding_window` (default) or `fixed_window`.
+    /// `sliding_window` or `fixed_window`: how limits without a `rate_limit.algorithm` of their own
+    /// count.
+    ///
+    /// Default: `sliding_window` (`fixed_window` with `RATELIMITD_COMPAT=envoyproxy`)
     pub algorithm: EnvoyAlgorithm,
-    /// `next_hit` (default) or `within_limit`: what a 0-hit check asks.
+    /// What a descriptor with no hits (`hits_addend: 0`) asks: `next_hit`, whether one more hit
+    /// fits (OVER_LIMIT once the count reaches the limit), or `within_limit`, whether the count is
+    /// within the limit (OVER_LIMIT only past it: envoyproxy/ratelimit's answer, on which its
+    /// token-quota flow relies).
+    ///
+    /// Default: `next_hit` (`within_limit` with `RATELIMITD_COMPAT=envoyproxy`)
     pub zero_hits: EnvoyZeroHits,
-    /// `if_admitted` (default) or `always`: which hits are counted.
+    /// Which hits a descriptor's counter takes: `if_admitted`, those of admitted requests only, all
+    /// or nothing (a request one enforced descriptor denies consumes nothing from any), or
+    /// `always`, every hit, each descriptor on its own, over the limit too (envoyproxy/ratelimit's
+    /// INCRBY, on which its token-quota flow relies: a usage report after the response counts even
+    /// when it overdraws).
+    ///
+    /// Default: `if_admitted` (`always` with `RATELIMITD_COMPAT=envoyproxy`)
     pub hits_counted: EnvoyHitsCounted,
-    /// `local` (default), `allow` or `unavailable`.
+    /// When the store cannot decide: `local` (this instance's share, flagged), `allow` (OK,
+    /// recorded) or `unavailable` (gRPC UNAVAILABLE).
     pub failure_mode: EnvoyFailureMode,
     /// The failure mode of a domain (`domain: MODE`), over `failure_mode`.
     pub domain_failure_mode: HashMap<String, EnvoyFailureMode>,
@@ -97,8 +112,8 @@ pub struct EnvoySettings {
     pub error_header: String,
     /// Add rate-limit headers (of the descriptor closest to its limit) to responses.
     pub response_headers: bool,
-    /// `plain` (the tightest limit's number) or `draft03` (followed by
-    /// every descriptor's quota policy).
+    /// `plain` (the tightest limit's number, as envoyproxy/ratelimit) or `draft03` (followed by
+    /// every descriptor's quota policy, `10, 10;w=60, 1000;w=3600;name="daily"`).
     pub response_headers_format: EnvoyHeaderFormat,
     /// Name of the limit header.
     pub limit_header: String,
@@ -106,9 +121,9 @@ pub struct EnvoySettings {
     pub remaining_header: String,
     /// Name of the reset header (seconds).
     pub reset_header: String,
-    /// Most descriptors in one request.
+    /// Bounds per request / per descriptor (INVALID_ARGUMENT beyond).
     pub max_descriptors: usize,
-    /// Most entries in one descriptor.
+    /// Bounds per request / per descriptor (INVALID_ARGUMENT beyond).
     pub max_entries: usize,
     /// Longest domain, in bytes (a longer one is refused: domains come
     /// from Envoy's configuration, not from clients); and the longest entry
@@ -122,6 +137,8 @@ pub struct EnvoySettings {
     pub priority_key: String,
     /// Priority of requests to a domain (`domain: PRIORITY`) whose
     /// descriptors state none; other domains get `shed.default_priority`.
+    ///
+    /// Default: none (`shed.default_priority` applies)
     pub domain_priority: HashMap<String, Priority>,
     /// Response header naming why a request was refused when it was shed
     /// (value `SHED`); Envoy adds it to its 429. Empty: no header.
@@ -130,17 +147,17 @@ pub struct EnvoySettings {
     /// domains in `request_limit_domains` only. Off: the configured limit
     /// applies as if the request had sent none.
     pub allow_request_limits: bool,
-    /// The domains whose requests may supply their own limit.
+    /// Those domains (comma-separated in the environment); required when allowed.
     pub request_limit_domains: Vec<String>,
     /// Every limit in quota mode (upstream's `QUOTA_MODE`): the overall
     /// code is OVER_LIMIT only when every descriptor with a limit is over.
     pub quota_mode: bool,
-    /// Every limit in shadow mode (upstream's `SHADOW_MODE`): over-limit
-    /// hits are counted and reported but never make a request OVER_LIMIT.
+    /// Every limit in shadow mode (upstream's `SHADOW_MODE`): over-limit hits are counted and
+    /// reported (`ratelimit_service_rate_limit_shadow_mode`), never refused.
     pub shadow_mode: bool,
-    /// A domain may be spread over several files, whose descriptors are
-    /// merged (upstream's `MERGE_DOMAIN_CONFIG`); the same descriptor twice
-    /// is still an error.
+    /// A domain may be spread over several files (or xDS resources, or snapshot files), whose
+    /// top-level descriptors are merged (upstream's `MERGE_DOMAIN_CONFIG`); the same descriptor
+    /// twice is still an error. Off: a domain in two files is an error.
     pub merge_domains: bool,
     /// Answer with dynamic metadata (upstream's `RESPONSE_DYNAMIC_METADATA`):
     /// the domain, the request's descriptors, and the `metadata` of the
@@ -154,10 +171,11 @@ pub struct EnvoySettings {
     /// Admitted hits past this share of their limit count as `near_limit`
     /// (upstream's `NEAR_LIMIT_RATIO`).
     pub near_limit_ratio: f32,
-    /// Most distinct stat keys the upstream families count; keys holding
-    /// request values (`detailed_metric`, `value_to_metric`, a request's own
-    /// limit) past it are counted only in
-    /// `ratelimitd_upstream_metric_keys_refused_total`.
+    /// Most distinct stat keys the upstream families count (keys from `detailed_metric`,
+    /// `value_to_metric` and request limits come from requests); hits past it count in
+    /// `ratelimitd_upstream_metric_keys_refused_total`. A key over 512 bytes (long request values)
+    /// is counted as its first bytes and the digest of the whole, so the series hold at most this
+    /// many × 512 bytes of keys.
     pub upstream_metrics_max_keys: usize,
 }
 

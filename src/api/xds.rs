@@ -40,22 +40,30 @@ use crate::rules::{
 };
 
 /// `rules.xds.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct XdsConfig {
-    /// `http://host:port`, or `https://` for TLS.
+    /// The management server, `http://host:port` or `https://` for TLS (upstream's
+    /// `CONFIG_GRPC_XDS_SERVER_URL`).
     pub server_url: String,
     /// The node id announced (upstream's `CONFIG_GRPC_XDS_NODE_ID`).
     pub node_id: String,
-    /// The node's metadata, strings (`CONFIG_GRPC_XDS_NODE_METADATA`).
+    /// The node's metadata, strings (`CONFIG_GRPC_XDS_NODE_METADATA`; from the environment the keys
+    /// arrive in lower case).
     pub node_metadata: BTreeMap<String, String>,
     /// gRPC metadata sent with the stream (`CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS`).
+    // Secrets (passwords, SASL and TLS properties, auth headers) are
+    // never serialized: not even into the generated reference.
+    #[serde(skip_serializing)]
     pub headers: BTreeMap<String, String>,
-    /// With `https://`: PEM CA certificate(s) to trust instead of the system's.
+    /// With `https://`: the CA to trust, a client certificate and key for mTLS, the name the
+    /// server's certificate must carry.
     pub ca_file: Option<PathBuf>,
-    /// With `https://`: PEM client certificate, for mTLS; with `key_file`.
+    /// With `https://`: the CA to trust, a client certificate and key for mTLS, the name the
+    /// server's certificate must carry.
     pub cert_file: Option<PathBuf>,
-    /// The client certificate's PEM private key.
+    /// With `https://`: the CA to trust, a client certificate and key for mTLS, the name the
+    /// server's certificate must carry.
     pub key_file: Option<PathBuf>,
     /// The name the server's certificate must carry, when it differs from
     /// the URL's host (`CONFIG_GRPC_XDS_SERVER_TLS_SAN`).
@@ -64,12 +72,12 @@ pub struct XdsConfig {
     /// descriptor then has no limit) instead of waiting for it
     /// (`FORCE_START_WITHOUT_INITIAL_CONFIG`).
     pub force_start: bool,
-    /// Deadline for connecting to the server.
+    /// Connecting, and the jittered, doubling wait before reconnecting a broken stream.
     pub connect_timeout_ms: u64,
     /// First wait before reconnecting after a broken stream; it doubles
     /// up to `retry_max_ms` (jittered).
     pub retry_initial_ms: u64,
-    /// Longest wait between reconnects.
+    /// Connecting, and the jittered, doubling wait before reconnecting a broken stream.
     pub retry_max_ms: u64,
     /// Largest response accepted (`XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES`).
     pub max_message_bytes: usize,

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use super::{ConfigError, invalid};
 
 /// `capture.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CaptureConfig {
     /// The share of users whose requests are captured, 0 to 1 (0: off, the
@@ -17,7 +17,9 @@ pub struct CaptureConfig {
     /// are all captured and replay counts them exactly.
     pub sample_ratio: f64,
     /// The JSON-lines file records are appended to when `capture.kafka.brokers`
-    /// is unset. Default: `capture.jsonl` in the state directory.
+    /// is unset.
+    ///
+    /// Default: `capture.jsonl` in the state directory
     pub file: PathBuf,
     /// The file never grows past this; records that would take it there are
     /// dropped (counted).
@@ -42,7 +44,7 @@ impl Default for CaptureConfig {
 }
 
 /// `capture.kafka.*`
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CaptureKafkaConfig {
     /// Bootstrap servers; unset: the file.
@@ -56,6 +58,9 @@ pub struct CaptureKafkaConfig {
     /// `retention.ms` of the topic `migrate` creates.
     pub retention_ms: i64,
     /// Any librdkafka property; values are never logged.
+    // Secrets (passwords, SASL and TLS properties, auth headers) are
+    // never serialized: not even into the generated reference.
+    #[serde(skip_serializing)]
     pub properties: BTreeMap<String, String>,
 }
 

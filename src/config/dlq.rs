@@ -12,11 +12,15 @@ use super::{ConfigError, invalid};
 pub(super) const SYSTEM_STATE_DIR: &str = "/var/lib/ratelimitd";
 
 /// `dlq.*`: the record of decisions the store could not make.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DlqConfig {
     /// The JSON-lines file records are appended to when no Kafka brokers are
-    /// set. Default: `dlq.jsonl` in the state directory.
+    /// set.
+    ///
+    /// Default: `dlq.jsonl` in the state directory: `$STATE_DIRECTORY`, else
+    /// `$XDG_STATE_HOME/ratelimitd`, else `$HOME/.local/state/ratelimitd`, else
+    /// `/var/lib/ratelimitd` (never the working directory)
     pub file: PathBuf,
     /// Records waiting between the decision path and the writer, at most.
     /// Past it a record is dropped (counted, logged): size it for bursts.
@@ -28,12 +32,16 @@ pub struct DlqConfig {
     /// it there are dropped (counted, logged once a minute) until it is
     /// rotated away or emptied.
     pub file_max_bytes: u64,
-    /// Request headers copied into records (case-insensitive names).
+    /// Request headers copied into records (comma-separated in the environment).
     pub header_allowlist: Vec<String>,
     /// This instance's name in records; default: the host name.
+    ///
+    /// Default: the host name
     pub instance_id: Option<String>,
     /// Where records wait, durably, until Kafka acknowledges them. Default:
     /// `spool/` in the state directory.
+    ///
+    /// Default: `spool/` in the state directory
     pub spool_dir: PathBuf,
     /// A spool segment is closed and a new one started past this size.
     pub spool_segment_bytes: u64,
@@ -72,10 +80,12 @@ impl Default for DlqConfig {
 }
 
 /// `dlq.kafka.*`
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KafkaConfig {
-    /// Bootstrap servers, `host:port[,host:port…]`; unset = file sink.
+    /// Bootstrap servers; unset = file sink. Every Kafka key (this one, `capture.kafka.brokers`,
+    /// `rules.kafka.brokers`, `rules.source: kafka`) needs a build with the cargo feature `kafka`
+    /// (the default); a build without it refuses them by key.
     pub brokers: Option<String>,
     /// The dead-letter topic.
     pub topic: String,
@@ -87,8 +97,13 @@ pub struct KafkaConfig {
     pub retention_ms: i64,
     /// How long shutdown waits for outstanding deliveries before leaving them in the spool.
     pub flush_timeout_ms: u64,
-    /// Any librdkafka property (`security.protocol`, `sasl.*`, `ssl.*`, …),
-    /// applied over the service's defaults. Values are never logged.
+    /// Any librdkafka property (YAML map in the config file), over the defaults
+    /// `enable.idempotence=true`, `allow.auto.create.topics=false`, `acks=all`,
+    /// `compression.type=lz4`, `linger.ms=5`, `message.timeout.ms=0`,
+    /// `reconnect.backoff.max.ms=1000`.
+    // Secrets (passwords, SASL and TLS properties, auth headers) are
+    // never serialized: not even into the generated reference.
+    #[serde(skip_serializing)]
     pub properties: BTreeMap<String, String>,
 }
 

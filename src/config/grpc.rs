@@ -8,7 +8,7 @@ use super::{ConfigError, invalid};
 use crate::tls::GrpcTlsConfig;
 
 /// `grpc.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GrpcConfig {
     /// Address the gRPC server binds (`grpc.listen`).
@@ -30,13 +30,14 @@ pub struct GrpcConfig {
     /// bytes; the default takes Envoy's default header limit (60 KiB)
     /// copied into four descriptors.
     pub max_message_bytes: usize,
-    /// Largest `CheckBatch` request message, in bytes; a larger one is
-    /// refused with RESOURCE_EXHAUSTED before it is buffered.
+    /// Largest `CheckBatch` request message (up to 1,024 items); a larger one is refused with
+    /// RESOURCE_EXHAUSTED before it is buffered. At least `grpc.max_message_bytes`.
     pub max_batch_message_bytes: usize,
-    /// Most requests (HTTP/2 streams) open at once on one connection,
-    /// advertised in the server's SETTINGS; a client opens more only as
-    /// others finish. With `max_message_bytes` it bounds what one connection
-    /// can make the service hold.
+    /// Most requests (HTTP/2 streams) open at once on one connection, advertised in the server's
+    /// SETTINGS; clients queue or open another connection past it. What one connection can make the
+    /// service hold is at most this × `grpc.max_message_bytes` (256 MiB at the defaults;
+    /// `grpc.max_request_bytes_in_flight` bounds all connections together). gRPC over tonic alone
+    /// advertises no limit.
     pub max_concurrent_streams: u32,
     /// Most bytes of request messages announced (their gRPC length prefix:
     /// what is reserved for them) but not yet whole, over every connection
@@ -51,8 +52,11 @@ pub struct GrpcConfig {
     /// shorter `grpc-timeout` wins. Streams (`CheckStream`) are not bound
     /// by it. 0: none.
     pub request_timeout_ms: u64,
-    /// Most gRPC connections open at once (TCP and Unix socket together);
-    /// past it new connections wait in the listen backlog until one closes.
+    /// Most gRPC connections open at once (the TCP port and `grpc.uds` together); past it the
+    /// listeners are not polled and new connections wait in the kernel's listen backlog until one
+    /// closes (over TLS, the accept loop first completes up to 1,024 handshakes more and holds them
+    /// in its queue). With the two limits above this bounds what clients can make the service hold;
+    /// keep it under the process's open-file limit (`ulimit -n`), or accepting fails there instead.
     pub max_connections: usize,
     /// Most store calls (Redis) one connection has in flight: each decision
     /// of a `Check`, each item of a `CheckBatch` or `CheckStream`, each
@@ -69,31 +73,33 @@ pub struct GrpcConfig {
     /// carry every tenant's requests, it is what keeps one tenant's flood
     /// from queueing the others. 0: unbounded.
     pub max_store_calls_per_tenant: usize,
-    /// After this long a connection is told to go (HTTP/2 GOAWAY): its
-    /// calls in flight finish, and the client opens its next connection,
-    /// possibly to another instance, so a fleet scaled out shares the
-    /// clients again. Exact, not jittered; never a forced close. 0 never.
+    /// After this long a connection is told to go (HTTP/2 GOAWAY): its calls in flight finish and
+    /// the client opens its next connection, possibly to another instance, so clients spread again
+    /// over a fleet that scaled out. Exact (tonic applies no jitter: connections opened together
+    /// age out together); never a forced close, so an open `CheckStream` keeps its connection until
+    /// it ends; ~45 instructions (0.1 %) per unary decision, counted; `0` never.
     pub max_connection_age_ms: u64,
-    /// TCP keepalive on gRPC connections: after this long idle the kernel
-    /// probes the peer (every 10 s, closed after 3 unanswered), so a client
-    /// that vanished without closing (a dead host, a NAT that dropped the
-    /// flow) does not keep its connection and buffers. Free per request.
-    /// 0 disables.
+    /// TCP keepalive on gRPC connections: after this long idle the kernel probes the peer every 10
+    /// s and closes the connection after 3 unanswered probes, so a client that vanished without
+    /// closing (a dead host, a NAT that dropped the flow) does not keep its connection and buffers.
+    /// Set on the listener, inherited by every accepted connection; costs nothing per request; `0`
+    /// disables.
     pub tcp_keepalive_ms: u64,
-    /// HTTP/2 PING keepalive: an idle connection is pinged this often and
-    /// closed when a PING goes unanswered for `keepalive_timeout_ms`; it
-    /// also finds a peer whose kernel answers but whose process hangs. Off
-    /// (0) by default: hyper then takes a lock and reads the clock for every
-    /// frame received (+1.5 % CPU per unary decision, counted).
+    /// HTTP/2 PING keepalive: an idle connection is pinged this often and closed when a PING goes
+    /// unanswered for `grpc.keepalive_timeout_ms`; unlike TCP keepalive it also finds a peer whose
+    /// host answers but whose process hangs. Off by default: with it hyper takes a lock and reads
+    /// the clock for every frame received, +750 instructions (+1.5 %) per unary decision, counted
+    /// with `loadtest/count.sh`; `0` disables.
     pub keepalive_interval_ms: u64,
     /// How long a keepalive PING may go unanswered before the connection is
     /// closed.
     pub keepalive_timeout_ms: u64,
     /// TLS on the gRPC port; off unless `cert_file` and `key_file` are set.
     pub tls: GrpcTlsConfig,
-    /// Also serve gRPC (plain, never TLS) on this Unix socket, for a proxy
-    /// on the same host (upstream's `GRPC_UDS`). A stale socket file left
-    /// by an earlier run is replaced; the file is removed at shutdown.
+    /// Also serve gRPC (plain) on this Unix socket, for a proxy on the same host (upstream's
+    /// `GRPC_UDS`); a stale socket file is replaced, another kind of file refuses to start, the
+    /// file is removed at shutdown. Clients must send a valid `:authority` (`grpcurl -unix
+    /// -authority localhost …`): HTTP/2 refuses a socket path there.
     pub uds: Option<PathBuf>,
 }
 

@@ -7,7 +7,7 @@ use serde::Deserialize;
 use super::{ConfigError, invalid};
 
 /// `http.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HttpConfig {
     /// Address of `/metrics`, `/healthz` and `/readyz` (`http.listen`).

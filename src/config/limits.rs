@@ -5,12 +5,14 @@ use serde::Deserialize;
 use super::{ConfigError, invalid};
 
 /// `limits.*`: bounds on request fields.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LimitsConfig {
-    /// Longest accepted `user_id`, in bytes.
+    /// Longest `user_id` counted as it is; a longer one is counted by its SHA-256 digest (never
+    /// refused).
     pub max_user_id_bytes: usize,
-    /// Longest accepted `resource_path`, in bytes.
+    /// Longest `resource_path` a dead-letter record keeps (matching sees it whole); longer is cut,
+    /// marked `…[truncated]`.
     pub max_resource_path_bytes: usize,
     /// Longest accepted `client_type`, in bytes.
     pub max_client_type_bytes: usize,

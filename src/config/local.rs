@@ -6,7 +6,7 @@ use serde::Deserialize;
 use super::{ConfigError, invalid};
 
 /// `local.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LocalConfig {
     /// The most counters the local limiter holds, and the most counters

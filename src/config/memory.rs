@@ -5,15 +5,15 @@ use serde::Deserialize;
 use super::{ConfigError, invalid};
 
 /// `memory.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MemoryConfig {
     /// How often idle (expired) counters are removed, so memory stays bounded.
     pub sweep_interval_ms: u64,
     /// Number of independently locked shards of the counter map.
     pub shards: usize,
-    /// The most counters held at once (rounded up to a multiple of
-    /// `shards`); see the memory store for what happens when full.
+    /// The most counters the in-memory store holds (rounded up to a multiple of `memory.shards`);
+    /// see **Memory** in [operations](operations.md) for the policy when full.
     pub max_counters: usize,
 }
 

@@ -90,7 +90,7 @@ pub(crate) fn invalid(key: &'static str, message: impl Into<String>) -> ConfigEr
 }
 
 /// The whole configuration of `ratelimitd serve`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// The gRPC listener.

@@ -14,14 +14,14 @@ use crate::{
 };
 
 /// `overload.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OverloadConfig {
-    /// `enforce`, `shadow` or `off`, unless the tenant table or the
-    /// cluster-wide switch (`ratelimitd overload mode`) says otherwise.
+    /// The overload layer: `enforce`, `shadow` (count and flip, refuse nothing) or `off`; the
+    /// tenant table's `mode` and the cluster-wide switch (`ratelimitd overload`) override it.
     pub mode: OverloadMode,
-    /// How often each instance adds its counts to the global view and
-    /// recomputes its drop ratios.
+    /// How often each instance exchanges its counts with the global view and recomputes its drop
+    /// ratios (50–60000).
     pub report_interval_ms: u64,
     /// How old the last directive may get (the global view unreachable)
     /// before it decays; it reaches zero after as long again.
@@ -32,13 +32,13 @@ pub struct OverloadConfig {
     pub tenants_path: Option<PathBuf>,
     /// How often the tenant table's files are checked for changes.
     pub reload_interval_ms: u64,
-    /// Where `Check` requests take their tenant from.
+    /// `user_id_prefix` or `header`: where a `Check` request's tenant is read.
     pub tenant_from: TenantSource,
-    /// With `tenant_from: user_id_prefix`: the separator ending the tenant.
+    /// The `user_id` separator, the header, the Envoy descriptor entry key naming the tenant.
     pub tenant_separator: String,
-    /// With `tenant_from: header`: the header naming the tenant.
+    /// The `user_id` separator, the header, the Envoy descriptor entry key naming the tenant.
     pub tenant_header: String,
-    /// The descriptor entry key whose value is an Envoy request's tenant.
+    /// The `user_id` separator, the header, the Envoy descriptor entry key naming the tenant.
     pub tenant_descriptor_key: String,
 }
 
@@ -85,7 +85,7 @@ impl OverloadConfig {
 }
 
 /// `denial_cache.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DenialCacheConfig {
     /// Answer repeats of an exact denial locally until its `retry_after`

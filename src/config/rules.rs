@@ -9,7 +9,7 @@ use super::{ConfigError, invalid};
 use crate::{api::xds::XdsConfig, rollout::RulesKafkaConfig, rules::PathForm};
 
 /// `rules.source`
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RulesSource {
     /// `rules.path` and `rules.envoy_path`, reloaded when they change.
@@ -25,10 +25,12 @@ pub enum RulesSource {
 }
 
 /// `rules.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RulesConfig {
-    /// `files` (default) or `kafka`.
+    /// `files` (`rules.path`, `rules.envoy_path`), `kafka` (snapshots on `rules.kafka.topic`; the
+    /// files, when set, are the fallback) or `xds` (Envoy rules from a management server,
+    /// `rules.xds.*`; native rules from `rules.path`).
     pub source: RulesSource,
     /// A native rule YAML file, or a directory whose `*.yaml`/`*.yml` files
     /// together form the rule set. Unset: the example rules compiled into
@@ -44,10 +46,11 @@ pub struct RulesConfig {
     /// domain per file. Unset: `ShouldRateLimit` is not served (with
     /// `source: kafka` it always is, from the snapshot).
     pub envoy_path: Option<PathBuf>,
-    /// Accept a rule set with no rules (no native rule, no Envoy domain)
-    /// from a file, the rules topic or xDS. Off: such a set is refused like
-    /// one that does not compile (the last good set keeps serving; at start
-    /// the service does not start), since it would lift every limit at once.
+    /// Accept a rule set with no rules (no native rule, no Envoy domain) from a file, a reload, the
+    /// rules topic or xDS; off, such a set is refused like one that does not compile (counted, the
+    /// last good set keeps serving; at start the service does not start; over xDS a NACK), since it
+    /// would lift every limit at once. Turn it on where a control plane legitimately removes every
+    /// limit.
     pub allow_empty: bool,
     /// How native rules' paths and the paths of `Check` requests are
     /// compared. Every instance of a fleet, and `rules publish`, must agree.

@@ -8,7 +8,7 @@ use super::{ConfigError, invalid};
 use crate::shed::{Priority, ShedMode, Source, Thresholds};
 
 /// `shed.*`: priority load shedding (docs/design.md §7).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ShedConfig {
     /// `enforce` refuses shed requests (reason SHED); `shadow` decides them
@@ -35,10 +35,10 @@ pub struct ShedConfig {
     pub smoothing: f64,
     /// Priority of requests that state none and match no rule.
     pub default_priority: Priority,
-    /// Whether a priority the request states (Check's `priority`, Envoy's
-    /// `envoy.priority_key` entry) is believed. Off: it may only lower the
-    /// rule's, domain's or default priority, so a caller that forwards a
-    /// client's value cannot let that client declare itself CRITICAL.
+    /// Believe a priority the request states (Check's `priority`, Envoy's `envoy.priority_key`
+    /// entry); `false`: it may only lower the rule's, domain's or default priority, so a gateway
+    /// forwarding a client's value cannot let the client declare itself CRITICAL. Turn it on only
+    /// where every caller sets the priority itself (from the route, never from a client's header).
     pub trust_request_priority: bool,
     /// Centre of the jittered `retry_after_ms` of shed requests (spread over ±50%).
     pub retry_after_ms: u64,

@@ -272,7 +272,7 @@ pub struct EngineParts {
 }
 
 /// Where a request's tenant is read from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TenantSource {
     /// `Check`: the `user_id` up to the first `overload.tenant_separator`

@@ -7,31 +7,40 @@ use std::{fmt, path::PathBuf};
 use serde::Deserialize;
 
 /// `redis.*`
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisConfig {
-    /// `redis://[:password@]host:port[/db]` (`rediss://` for TLS, or
-    /// `unix:///path/to/redis.sock` for a Unix socket); unset selects the
-    /// in-memory store. With `cluster`, a comma-separated list of seed
-    /// nodes.
+    /// `redis://[:password@]host:port[/db]` (`rediss://` for TLS, `unix:///path/redis.sock` for a
+    /// Unix socket); unset = in-memory store. With `redis.cluster`, a comma-separated list of seed
+    /// nodes (`redis://10.0.0.1:7000,redis://10.0.0.2:7000`). Passwords in it are masked in every
+    /// log and error.
     pub url: Option<String>,
-    /// `url` names Redis Cluster seed nodes; the slot map is read from them.
+    /// `redis.url` names Redis Cluster seed nodes: the slot map is read from them, MOVED/ASK and
+    /// failovers are followed by the client, and each batch is split into one script call per hash
+    /// slot.
     pub cluster: bool,
-    /// The master's name in Redis Sentinel: `url` then lists the sentinels
-    /// (`redis://host:26379,redis://host2:26379`), which are asked where
-    /// the master is on every new connection, so a failover is followed.
+    /// The master's name in Redis Sentinel: `redis.url` then lists the sentinels
+    /// (`redis://host:26379,redis://host2:26379`), asked where the master is on every new
+    /// connection, so a failover is followed (counts are what the replica had). `redis.password` is
+    /// the master's. Not with `redis.cluster` or `rediss://`.
     pub sentinel_master: Option<String>,
     /// AUTH password of the sentinels themselves (upstream's
     /// `REDIS_SENTINEL_AUTH`); `password` is the master's. Never logged.
+    // Secrets (passwords, SASL and TLS properties, auth headers) are
+    // never serialized: not even into the generated reference.
+    #[serde(skip_serializing)]
     pub sentinel_password: Option<String>,
     /// The AUTH password, instead of one in `url` (best set through
     /// `RATELIMITD__REDIS__PASSWORD`). Never logged.
+    // Secrets (passwords, SASL and TLS properties, auth headers) are
+    // never serialized: not even into the generated reference.
+    #[serde(skip_serializing)]
     pub password: Option<String>,
     /// The ACL user the password is for (`AUTH user password`), instead of
     /// one in `url`; unset: Redis' `default` user.
     pub username: Option<String>,
-    /// A file whose content (trailing newline removed) is the AUTH
-    /// password, e.g. a mounted Kubernetes secret. Read at startup.
+    /// A file holding the AUTH password (trailing newline ignored), e.g. a mounted secret; read at
+    /// startup; mutually exclusive with `redis.password`.
     pub password_file: Option<PathBuf>,
     /// With `rediss://`: PEM CA certificate(s) to trust instead of the
     /// system's roots (a private CA).
@@ -39,7 +48,8 @@ pub struct RedisConfig {
     /// With `rediss://`: PEM client certificate, for a Redis that requires
     /// client certificates (`tls-auth-clients yes`); with `tls_key_file`.
     pub tls_cert_file: Option<PathBuf>,
-    /// The client certificate's PEM private key.
+    /// With `rediss://` URLs: a client certificate and key, for a Redis with `tls-auth-clients
+    /// yes`.
     pub tls_key_file: Option<PathBuf>,
     /// Deadline of one store call, connection acquisition included. Past it the
     /// rule's failure policy answers. Well inside Envoy's 20 ms default budget.
@@ -52,22 +62,26 @@ pub struct RedisConfig {
     /// couple serve thousands of in-flight decisions (fewer connections,
     /// bigger batches, less Redis CPU per decision).
     pub connections: usize,
-    /// Consecutive failed script calls (unreachable, connection lost,
-    /// deadline missed) that open the circuit breaker; 0 disables it.
+    /// Consecutive failed script calls (unreachable, connection lost, deadline missed) that open
+    /// the circuit breaker, if they also span `redis.breaker_min_failing_ms`; `0` disables it.
+    /// Against a cluster there is one breaker per 256 slots, so a dead primary opens only its own.
     pub breaker_failures: u32,
-    /// ...and the least time those failures must span, from the first: a
-    /// shorter pause (a BGSAVE fork) opens no breaker.
+    /// The least time those failures must span, from the first: a shorter pause (a fork for BGSAVE)
+    /// fails only the decisions it delays and opens no breaker, so instances sharing a Redis do not
+    /// all switch to fail-fast at once.
     pub breaker_min_failing_ms: u64,
-    /// How long an open breaker fails decisions fast before letting one
-    /// probe decision through.
+    /// An open breaker answers decisions by their failure policy at once (kind `circuit_open`, not
+    /// tried) for this long, then lets one probe decision through; its success closes the breaker
+    /// (so does the readiness probe's, traffic or not).
     pub breaker_open_ms: u64,
     /// The most counters one script call carries; a bigger batch is split
     /// into calls (a job never is).
     pub max_keys_per_call: usize,
     /// The most bytes of counter keys one script call carries; likewise.
     pub max_key_bytes_per_call: usize,
-    /// Put before every key this service writes (upstream's
-    /// `CACHE_KEY_PREFIX`), so deployments sharing one Redis keep apart.
+    /// Put before every key this service writes (counters, the overload feed and its switch), so
+    /// deployments sharing one Redis keep apart (upstream's `CACHE_KEY_PREFIX`); at most 64 bytes,
+    /// no braces, spaces or control characters.
     pub key_prefix: String,
 }
 

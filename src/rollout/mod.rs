@@ -22,10 +22,11 @@ use std::{collections::BTreeMap, fmt};
 use serde::Deserialize;
 
 /// `rules.kafka.*`
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RulesKafkaConfig {
-    /// Bootstrap servers, `host:port[,host:port…]`.
+    /// Bootstrap servers of the rules topic (`source: kafka`, `rules
+    /// publish/rollback/history/status`).
     pub brokers: Option<String>,
     /// The compacted topic of snapshot records, keyed by version; one
     /// partition (`ratelimitd migrate` creates it).
@@ -44,6 +45,9 @@ pub struct RulesKafkaConfig {
     pub replication_factor: i32,
     /// Any librdkafka property (`security.protocol`, `sasl.*`, `ssl.*`, …).
     /// Values are never logged.
+    // Secrets (passwords, SASL and TLS properties, auth headers) are
+    // never serialized: not even into the generated reference.
+    #[serde(skip_serializing)]
     pub properties: BTreeMap<String, String>,
 }
 

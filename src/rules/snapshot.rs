@@ -27,13 +27,14 @@ use super::model::Rule;
 /// `;` parameters cut, `//` collapsed, query cut). Both off by default, as
 /// most servers behave; turn one on where the backends behind do the same,
 /// so that a variant they serve as one resource is counted as one.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PathForm {
     /// `%2F` is a `/` (a segment boundary); off, it stays an encoded byte
     /// of its segment, as most servers and proxies treat it.
     pub decode_slashes: bool,
-    /// ASCII letters compare without case (`/API` is `/api`).
+    /// Native paths compare without ASCII case (`/API` is `/api`), rules and requests alike; every
+    /// instance and `rules publish` must agree ([paths](paths.md)).
     pub ignore_case: bool,
 }
 

@@ -29,7 +29,7 @@ pub use sampler::{Sampler, Source};
 use tokio::sync::watch;
 
 /// Whether shedding refuses requests or only reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ShedMode {
     /// Shed requests are refused with reason SHED.

@@ -34,7 +34,7 @@ pub struct SampleError {
 }
 
 /// What utilization measures (`shed.source`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Source {
     /// The service's own CPU use: its cgroup against the quota when there

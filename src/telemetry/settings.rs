@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 /// Log line format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     /// Readable text (coloured on a terminal).
@@ -15,7 +15,7 @@ pub enum LogFormat {
 }
 
 /// `log.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LogConfig {
     /// A `tracing` filter directive such as `info` or `ratelimitd=debug,info`.
@@ -32,17 +32,19 @@ impl Default for LogConfig {
 }
 
 /// `telemetry.*`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TelemetryConfig {
     /// OTLP/gRPC collector, e.g. `http://otel-collector:4317`; unset = no span export.
     pub otlp_endpoint: Option<String>,
     /// `service.name` of exported spans.
     pub service_name: String,
-    /// `host:port` of a statsd server (a statsd-exporter) to send
-    /// envoyproxy/ratelimit's counters to, under its names; unset = none.
+    /// `host:port` of a statsd server (a statsd-exporter): envoyproxy/ratelimit's counters are sent
+    /// there under its names (`ratelimit.service.rate_limit.<key>.total_hits`, …; see "Upstream
+    /// metrics"); a host that does not resolve is tried again at every flush (warned once), never
+    /// fatal; unset = none.
     pub statsd_addr: Option<String>,
-    /// How often the statsd counters are sent.
+    /// How often the statsd counters (each one's gain since the last flush) are sent.
     pub statsd_flush_interval_ms: u64,
 }
 
