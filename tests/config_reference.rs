@@ -11,9 +11,10 @@ use std::{collections::HashMap, fs, path::PathBuf};
 
 use ratelimitd::config::Config;
 
+mod common;
+
 fn repo() -> PathBuf {
-    std::env::var_os("CARGO_MANIFEST_DIR")
-        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+    common::repo_path("")
 }
 
 /// One field of a settings struct: its name, doc comment and type, and
@@ -30,16 +31,8 @@ struct Field {
 /// Every `pub struct` of `src/` with named fields, by name.
 fn structs() -> HashMap<String, Vec<Field>> {
     let mut out = HashMap::new();
-    let mut stack = vec![repo().join("src")];
-    while let Some(dir) = stack.pop() {
-        for entry in fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                parse(&fs::read_to_string(&path).unwrap(), &mut out);
-            }
-        }
+    for path in common::rust_sources() {
+        parse(&fs::read_to_string(&path).unwrap(), &mut out);
     }
     out
 }

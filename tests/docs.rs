@@ -9,9 +9,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
+mod common;
+
 fn repo() -> PathBuf {
-    std::env::var_os("CARGO_MANIFEST_DIR")
-        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+    common::repo_path("")
 }
 
 /// README.md, ARCHITECTURE.md and every `docs/*.md`.
@@ -123,27 +124,19 @@ fn every_design_section_the_code_cites_exists() {
         .collect();
     let mut missing = Vec::new();
     let mut cited = 0;
-    let mut stack = vec![repo().join("src")];
-    while let Some(dir) = stack.pop() {
-        for entry in fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                stack.push(path);
-                continue;
+    for path in common::rust_sources() {
+        let text = fs::read_to_string(&path).unwrap_or_default();
+        for (at, _) in text.match_indices("docs/design.md §") {
+            let number: String = text[at + "docs/design.md §".len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect();
+            cited += 1;
+            if !sections.contains(&number) {
+                missing.push(format!("{}: §{number}", relative(&path)));
             }
-            let text = fs::read_to_string(&path).unwrap_or_default();
-            for (at, _) in text.match_indices("docs/design.md §") {
-                let number: String = text[at + "docs/design.md §".len()..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric())
-                    .collect();
-                cited += 1;
-                if !sections.contains(&number) {
-                    missing.push(format!("{}: §{number}", relative(&path)));
-                }
-            }
-            assert!(!text.contains("DESIGN §"), "{}: cite docs/design.md §N", relative(&path));
         }
+        assert!(!text.contains("DESIGN §"), "{}: cite docs/design.md §N", relative(&path));
     }
     assert!(missing.is_empty(), "sections cited but not in docs/design.md: {missing:?}");
     assert!(cited > 5, "the scanner sees the citations ({cited})");

@@ -7,14 +7,12 @@
 mod common;
 
 use std::{
-    io::{Read, Write},
-    net::TcpStream,
     path::Path,
     process::{Child, Command},
     time::{Duration, Instant},
 };
 
-use common::{RedisServer, SyntheticCpu, TestServer, default_rules_config, free_port};
+use common::{RedisServer, SyntheticCpu, TestServer, default_rules_config};
 use ratelimitd::{config::EnvoyFailureMode, shed::ShedMode};
 
 /// A child process killed (by PID) on drop.
@@ -65,35 +63,8 @@ fn get_path(port: u16, path: &str, headers: &[(&str, &str)]) -> (u16, Vec<(Strin
 
 /// One HTTP/1.1 GET with header values as raw bytes (not necessarily UTF-8).
 fn get_raw(port: u16, path: &str, headers: &[(&str, &[u8])]) -> (u16, Vec<(String, String)>) {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n").into_bytes();
-    for (name, value) in headers {
-        request.extend_from_slice(format!("{name}: ").as_bytes());
-        request.extend_from_slice(value);
-        request.extend_from_slice(b"\r\n");
-    }
-    request.extend_from_slice(b"\r\n");
-    stream.write_all(&request).unwrap();
-    let mut response = Vec::new();
-    if let Err(e) = stream.read_to_end(&mut response) {
-        // Envoy may reset a `Connection: close` socket once it has written
-        // its answer (seen once in CI); the answer is what counts.
-        assert!(
-            e.kind() == std::io::ErrorKind::ConnectionReset && response.windows(4).any(|w| w == b"\r\n\r\n"),
-            "{e} after {:?}",
-            String::from_utf8_lossy(&response)
-        );
-    }
-    let text = String::from_utf8_lossy(&response);
-    let head = text.split("\r\n\r\n").next().unwrap();
-    let mut lines = head.lines();
-    let status = lines.next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    (status, headers)
+    let reply = common::http_get_raw(port, path, headers);
+    (reply.status, reply.headers)
 }
 
 struct Stack {
@@ -529,35 +500,22 @@ async fn an_upstream_deployment_runs_unchanged() {
     statsd.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let statsd_port = statsd.local_addr().unwrap().port();
     let log = dir.path().join("stderr.log");
-    // The HTTP (metrics) port is picked afresh with each try of the gRPC one.
-    let port = std::cell::Cell::new(0);
-    let (service, grpc_port) = common::start_listening("ratelimitd", &log, |grpc_port| {
-        port.set(free_port());
-        let mut command = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-        command
-            .arg("serve")
-            .env_clear()
-            .env("HOME", dir.path())
-            .env("RATELIMITD_COMPAT", "envoyproxy")
-            .env("REDIS_SOCKET_TYPE", "unix")
-            .env("REDIS_URL", redis.socket())
-            .env("RUNTIME_ROOT", dir.path().join("runtime"))
-            .env("RUNTIME_SUBDIRECTORY", "ratelimit")
-            .env("RUNTIME_WATCH_ROOT", "false")
-            .env("HOST", "127.0.0.1")
-            .env("PORT", port.get().to_string())
-            .env("GRPC_HOST", "127.0.0.1")
-            .env("GRPC_PORT", grpc_port.to_string())
-            .env("DEBUG_PORT", "6070")
-            .env("STATSD_HOST", "127.0.0.1")
-            .env("STATSD_PORT", statsd_port.to_string())
-            .env("STATS_FLUSH_INTERVAL", "100ms")
-            .env("LOG_LEVEL", "WARN")
-            .env("LIMIT_RESPONSE_HEADERS_ENABLED", "true")
-            .env("GRPC_UDS", dir.path().join("ratelimit.sock"));
-        command
-    });
-    let (service, port) = (Process(service), port.get());
+    let env = [
+        ("REDIS_SOCKET_TYPE", "unix".to_owned()),
+        ("REDIS_URL", redis.socket().display().to_string()),
+        ("RUNTIME_ROOT", dir.path().join("runtime").display().to_string()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
+        ("RUNTIME_WATCH_ROOT", "false".to_owned()),
+        ("DEBUG_PORT", "6070".to_owned()),
+        ("STATSD_HOST", "127.0.0.1".to_owned()),
+        ("STATSD_PORT", statsd_port.to_string()),
+        ("STATS_FLUSH_INTERVAL", "100ms".to_owned()),
+        ("LOG_LEVEL", "WARN".to_owned()),
+        ("LIMIT_RESPONSE_HEADERS_ENABLED", "true".to_owned()),
+        ("GRPC_UDS", dir.path().join("ratelimit.sock").display().to_string()),
+    ];
+    let (service, grpc_port, port) = common::start_compat(dir.path(), &log, &env);
+    let service = Process(service);
     let (_upstream, upstream_port) = upstream(dir.path());
     let (_envoy, envoy_port) = envoy(dir.path(), grpc_port, upstream_port);
     let (statuses, scrape) = tokio::task::spawn_blocking(move || {

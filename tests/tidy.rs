@@ -72,24 +72,39 @@ fn code(text: &str) -> String {
 /// Top-level modules named after `crate::`, including every root of a
 /// `use crate::{a::x, b::{y, z}}` group.
 fn crate_references(code: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let bytes = code.as_bytes();
-    let ident = |from: usize| -> String {
+    names_after(code, "crate::", false)
+}
+
+/// The first segments of the paths after `prefix` in `code`, each root of
+/// a `prefix{…}` group included; with `paths_only`, only those the path
+/// goes on from (`super::window::Verdict`, `super::{fallback::Failed, keys}`
+/// → `window`, `fallback`): a module named, not an item
+/// (`crate::rules::compile(…)` calls a function that shares its module's
+/// name).
+fn names_after(code: &str, prefix: &str, paths_only: bool) -> BTreeSet<String> {
+    let ident_at = |from: usize| -> String {
         code[from..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
     };
+    let goes_on = |end: usize| !paths_only || code[end..].starts_with("::");
+    let mut out = BTreeSet::new();
     let mut at = 0;
-    while let Some(found) = code[at..].find("crate::") {
-        let start = at + found + "crate::".len();
+    while let Some(found) = code[at..].find(prefix) {
+        let start = at + found + prefix.len();
         at = start;
-        if bytes.get(start) != Some(&b'{') {
-            let name = ident(start);
-            if !name.is_empty() {
+        // `xsuper::` or `a::super::` is not this prefix.
+        let before = code[..start - prefix.len()].chars().next_back();
+        if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':') {
+            continue;
+        }
+        if !code[start..].starts_with('{') {
+            let name = ident_at(start);
+            if !name.is_empty() && goes_on(start + name.len()) {
                 out.insert(name);
             }
             continue;
         }
-        let (mut depth, mut item_start) = (0, true);
-        let mut i = start;
+        let bytes = code.as_bytes();
+        let (mut depth, mut item_start, mut i) = (0, true, start);
         while i < bytes.len() {
             match bytes[i] {
                 b'{' => depth += 1,
@@ -101,9 +116,11 @@ fn crate_references(code: &str) -> BTreeSet<String> {
                 }
                 b',' if depth == 1 => item_start = true,
                 c if depth == 1 && item_start && (c.is_ascii_alphabetic() || c == b'_') => {
-                    let name = ident(i);
+                    let name = ident_at(i);
                     i += name.len();
-                    out.insert(name);
+                    if goes_on(i) {
+                        out.insert(name);
+                    }
                     item_start = false;
                     continue;
                 }
@@ -213,62 +230,6 @@ fn telemetry_imports_no_part() {
     );
 }
 
-/// The first segments of the paths after `prefix` in `code` that go on
-/// (`super::window::Verdict`, `super::{fallback::Failed, keys}` → `window`,
-/// `fallback`): a module named, not an item (`crate::rules::compile(…)`
-/// calls a function that shares its module's name).
-fn modules_after(code: &str, prefix: &str) -> BTreeSet<String> {
-    let ident_at = |from: usize| -> String {
-        code[from..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
-    };
-    let mut out = BTreeSet::new();
-    let mut at = 0;
-    while let Some(found) = code[at..].find(prefix) {
-        let start = at + found + prefix.len();
-        at = start;
-        let boundary = code[..at - prefix.len()]
-            .chars()
-            .next_back()
-            .is_none_or(|c| !c.is_ascii_alphanumeric() && c != '_' && c != ':');
-        if !boundary {
-            continue;
-        }
-        if code[start..].starts_with('{') {
-            let (mut depth, mut item_start, mut i) = (0, true, start);
-            let bytes = code.as_bytes();
-            while i < bytes.len() {
-                match bytes[i] {
-                    b'{' => depth += 1,
-                    b'}' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            break;
-                        }
-                    }
-                    b',' if depth == 1 => item_start = true,
-                    c if depth == 1 && item_start && (c.is_ascii_alphabetic() || c == b'_') => {
-                        let name = ident_at(i);
-                        i += name.len();
-                        if code[i..].starts_with("::") {
-                            out.insert(name);
-                        }
-                        item_start = false;
-                        continue;
-                    }
-                    _ => {}
-                }
-                i += 1;
-            }
-        } else {
-            let name = ident_at(start);
-            if code[start + name.len()..].starts_with("::") {
-                out.insert(name);
-            }
-        }
-    }
-    out
-}
-
 /// Within each folder, the edges between sibling files: `super::x` or
 /// `crate::folder::x` naming sibling `x` (a file `x.rs` or folder `x/`).
 fn sibling_edges() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
@@ -286,8 +247,8 @@ fn sibling_edges() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
             .collect();
         let me = name.trim_end_matches(".rs").to_owned();
         let text = code(&fs::read_to_string(&file).unwrap());
-        let mut named = modules_after(&text, "super::");
-        named.extend(modules_after(&text, &format!("crate::{folder}::")));
+        let mut named = names_after(&text, "super::", true);
+        named.extend(names_after(&text, &format!("crate::{folder}::"), true));
         let edges = folders.entry(folder.to_owned()).or_default().entry(me.clone()).or_default();
         edges.extend(named.into_iter().filter(|n| *n != me && siblings.contains(n)));
     }
@@ -329,10 +290,10 @@ fn no_cycle_inside_a_folder() {
 }
 
 #[test]
-fn modules_after_see_paths_that_go_on_only() {
+fn names_after_see_paths_that_go_on_only() {
     let text = "use super::{a::X, b, c::{d, e}};\nfn f() { super::g::h(); crate::rules::compile(x); }\n";
-    assert_eq!(modules_after(text, "super::"), ["a", "c", "g"].map(str::to_owned).into());
-    assert!(modules_after(text, "crate::rules::").is_empty(), "a function call names no module");
+    assert_eq!(names_after(text, "super::", true), ["a", "c", "g"].map(str::to_owned).into());
+    assert!(names_after(text, "crate::rules::", true).is_empty(), "a function call names no module");
 }
 
 /// The most lines a function of `src/` spans, signature to closing brace.

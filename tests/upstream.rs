@@ -29,13 +29,12 @@
 mod common;
 
 use std::{
-    io::{Read, Write},
     net::{TcpStream, UdpSocket},
     process::{Child, Command},
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use common::{RedisServer, free_port};
+use common::{RedisServer, Reply, free_port};
 
 /// A child process killed (by PID) on drop.
 struct Process(Child);
@@ -47,21 +46,10 @@ impl Drop for Process {
     }
 }
 
-/// One HTTP answer through the proxy.
-struct Reply {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: String,
-}
-
 impl Reply {
     /// What `curl -f` calls success.
     fn ok(&self) -> bool {
         self.status < 400
-    }
-
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
     }
 }
 
@@ -99,36 +87,22 @@ impl Suite {
         statsd.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let statsd_port = statsd.local_addr().unwrap().port();
         let log = dir.path().join("ratelimitd.log");
-        let http_port = std::cell::Cell::new(0);
-        let (service, grpc_port) = common::start_listening("ratelimitd", &log, |grpc_port| {
-            http_port.set(free_port());
-            let mut command = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-            command
-                .arg("serve")
-                .env_clear()
-                .env("HOME", dir.path())
-                .env("RATELIMITD_COMPAT", "envoyproxy")
-                // docker-compose-integration-test.yml's environment.
-                .env("USE_STATSD", "true")
-                .env("STATSD_HOST", "127.0.0.1")
-                .env("STATSD_PORT", statsd_port.to_string())
-                .env("LOG_LEVEL", "debug")
-                .env("REDIS_SOCKET_TYPE", "tcp")
-                .env("REDIS_URL", format!("127.0.0.1:{}", redis.port))
-                .env("RUNTIME_ROOT", dir.path().join("data"))
-                .env("RUNTIME_SUBDIRECTORY", "ratelimit")
-                .env("RUNTIME_WATCH_ROOT", "false")
-                .env("RESPONSE_DYNAMIC_METADATA", "true")
-                // Its ports (8080, 8081), moved to free ones.
-                .env("HOST", "127.0.0.1")
-                .env("PORT", http_port.get().to_string())
-                .env("GRPC_HOST", "127.0.0.1")
-                .env("GRPC_PORT", grpc_port.to_string())
-                .env("STATS_FLUSH_INTERVAL", "100ms");
-            command
-        });
+        // docker-compose-integration-test.yml's environment.
+        let env = [
+            ("USE_STATSD", "true".to_owned()),
+            ("STATSD_HOST", "127.0.0.1".to_owned()),
+            ("STATSD_PORT", statsd_port.to_string()),
+            ("LOG_LEVEL", "debug".to_owned()),
+            ("REDIS_SOCKET_TYPE", "tcp".to_owned()),
+            ("REDIS_URL", format!("127.0.0.1:{}", redis.port)),
+            ("RUNTIME_ROOT", dir.path().join("data").display().to_string()),
+            ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
+            ("RUNTIME_WATCH_ROOT", "false".to_owned()),
+            ("RESPONSE_DYNAMIC_METADATA", "true".to_owned()),
+            ("STATS_FLUSH_INTERVAL", "100ms".to_owned()),
+        ];
+        let (service, grpc_port, http_port) = common::start_compat(dir.path(), &log, &env);
         let service = Process(service);
-        let http_port = http_port.get();
         let mock_dir = dir.path().join("mock");
         std::fs::create_dir_all(&mock_dir).unwrap();
         let mock_2 = std::cell::Cell::new(0);
@@ -168,29 +142,7 @@ impl Suite {
 
     /// One GET through the proxy, as the scripts' curl does it.
     fn curl(&self, path: &str, headers: &[(&str, &str)]) -> Reply {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.proxy_port)).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut request = format!("GET {path} HTTP/1.1\r\nHost: envoy-proxy\r\nConnection: close\r\n");
-        for (name, value) in headers {
-            request.push_str(&format!("{name}: {value}\r\n"));
-        }
-        request.push_str("\r\n");
-        stream.write_all(request.as_bytes()).unwrap();
-        let mut response = Vec::new();
-        if let Err(e) = stream.read_to_end(&mut response) {
-            // Envoy may reset a `Connection: close` socket once it has
-            // written its answer; the answer is what counts.
-            assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
-        }
-        let text = String::from_utf8_lossy(&response);
-        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        let mut lines = head.lines();
-        let status = lines.next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
-        let headers = lines
-            .filter_map(|l| l.split_once(':'))
-            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-            .collect();
-        Reply { status, headers, body: body.to_owned() }
+        common::http_get_text(self.proxy_port, path, headers)
     }
 
     /// `curl` on a route whose hits are reported when the stream is done:

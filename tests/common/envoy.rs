@@ -33,3 +33,84 @@ pub fn start_envoy(dir: &Path, render: impl Fn(u16, u16) -> String) -> (Child, u
         command
     })
 }
+
+/// One HTTP answer: status, headers (names lower-cased) and body.
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Reply {
+    /// The first value of header `name` (lower case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// One HTTP/1.1 GET of `path` on `127.0.0.1:port` (Envoy), with header
+/// values as raw bytes (not necessarily UTF-8).
+pub fn http_get_raw(port: u16, path: &str, headers: &[(&str, &[u8])]) -> Reply {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n").into_bytes();
+    for (name, value) in headers {
+        request.extend_from_slice(format!("{name}: ").as_bytes());
+        request.extend_from_slice(value);
+        request.extend_from_slice(b"\r\n");
+    }
+    request.extend_from_slice(b"\r\n");
+    stream.write_all(&request).unwrap();
+    let mut response = Vec::new();
+    if let Err(e) = stream.read_to_end(&mut response) {
+        // Envoy may reset a `Connection: close` socket once it has written
+        // its answer (seen once in CI); the answer is what counts.
+        assert!(
+            e.kind() == std::io::ErrorKind::ConnectionReset && response.windows(4).any(|w| w == b"\r\n\r\n"),
+            "{e} after {:?}",
+            String::from_utf8_lossy(&response)
+        );
+    }
+    let text = String::from_utf8_lossy(&response);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status = lines.next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Reply { status, headers, body: body.to_owned() }
+}
+
+/// [`http_get_raw`] with text header values.
+pub fn http_get_text(port: u16, path: &str, headers: &[(&str, &str)]) -> Reply {
+    let headers: Vec<(&str, &[u8])> = headers.iter().map(|(n, v)| (*n, v.as_bytes())).collect();
+    http_get_raw(port, path, &headers)
+}
+
+/// The ratelimitd binary started as an envoyproxy/ratelimit deployment:
+/// `RATELIMITD_COMPAT=envoyproxy`, upstream's variables `env`, and its
+/// listeners (`HOST`/`PORT`, `GRPC_HOST`/`GRPC_PORT`) on free loopback
+/// ports; nothing else from this process' environment. Its stderr goes to
+/// `log`. Returns the child and (gRPC port, HTTP port).
+pub fn start_compat(home: &Path, log: &Path, env: &[(&str, String)]) -> (Child, u16, u16) {
+    // The HTTP port is picked afresh with each try of the gRPC one.
+    let http = std::cell::Cell::new(0);
+    let (child, grpc) = start_listening("ratelimitd", log, |grpc| {
+        http.set(free_port());
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+        command
+            .arg("serve")
+            .env_clear()
+            .env("HOME", home)
+            .env("RATELIMITD_COMPAT", "envoyproxy")
+            .env("HOST", "127.0.0.1")
+            .env("PORT", http.get().to_string())
+            .env("GRPC_HOST", "127.0.0.1")
+            .env("GRPC_PORT", grpc.to_string())
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())));
+        command
+    });
+    (child, grpc, http.get())
+}

@@ -147,3 +147,21 @@ pub fn start_listening(what: &str, log: &Path, mut command: impl FnMut(u16) -> C
     let log = std::fs::read_to_string(log).unwrap_or_default();
     panic!("{what} did not listen in 5 tries on fresh ports; its last log:\n{log}");
 }
+
+/// Every `.rs` file under the repository's `src/`, sorted.
+pub fn rust_sources() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![repo_path("src")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    out
+}
