@@ -32,6 +32,7 @@ fn main() -> ExitCode {
         Command::Serve => serve(cli.config.as_deref()),
         Command::Check(args) => runtime().map_or_else(report, |rt| rt.block_on(cli::check(args))),
         Command::Rules(RulesCommand::Validate { paths, envoy }) => cli::validate_rules(&paths, envoy),
+        Command::Rules(RulesCommand::Keygen { out }) => cli::keygen(&out),
         Command::Rules(command) => match load_config(cli.config.as_deref()) {
             Ok(config) => rules(command, &config),
             Err(code) => code,
@@ -58,15 +59,16 @@ fn main() -> ExitCode {
     }
 }
 
-/// The rules topic's commands (`rules validate` needs no configuration).
+/// The rules topic's commands (`rules validate` and `rules keygen` need no configuration).
 fn rules(command: RulesCommand, config: &Config) -> ExitCode {
     match command {
         RulesCommand::Validate { paths, envoy } => cli::validate_rules(&paths, envoy),
+        RulesCommand::Keygen { out } => cli::keygen(&out),
         RulesCommand::Publish(args) => {
             runtime().map_or_else(report, |rt| rt.block_on(cli::publish(args, config)))
         }
-        RulesCommand::Rollback { version } => {
-            runtime().map_or_else(report, |rt| rt.block_on(cli::rollback(&version, config)))
+        RulesCommand::Rollback { version, signing } => {
+            runtime().map_or_else(report, |rt| rt.block_on(cli::rollback(&version, &signing, config)))
         }
         RulesCommand::History => cli::history(config),
         RulesCommand::Status => cli::status(config),

@@ -17,7 +17,36 @@ use std::{
 };
 
 use common::{Broker, TestServer, check, config, eventually, http_get, metric, request};
-use ratelimitd::{config::RulesSource, rollout::topic, shed::Priority};
+use ratelimitd::{config::RulesSource, rollout::topic, rules::signing::Signer, shed::Priority};
+
+/// A publisher's key pair: the private key in a file, the public key.
+struct Key {
+    file: std::path::PathBuf,
+    public: String,
+}
+
+/// Two publishers' keys (`a` signs by default, `b` for rotations), made by
+/// `rules keygen` once for the whole binary.
+struct Keys {
+    _dir: tempfile::TempDir,
+    a: Key,
+    b: Key,
+}
+
+static KEYS: std::sync::LazyLock<Keys> = std::sync::LazyLock::new(|| {
+    let dir = tempfile::tempdir().unwrap();
+    let key = |name: &str| {
+        let file = dir.path().join(name);
+        let out = Command::new(BIN).args(["rules", "keygen", "--out"]).arg(&file).output().unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let public = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+        let written = Signer::from_text(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        assert_eq!(written.public_key(), public, "the file holds the printed key's pair");
+        Key { file, public }
+    };
+    let (a, b) = (key("a.key"), key("b.key"));
+    Keys { _dir: dir, a, b }
+});
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
 
@@ -31,6 +60,7 @@ fn env(broker: &Broker) -> Vec<(&'static str, String)> {
         ("RATELIMITD__RULES__KAFKA__BROKERS", broker.brokers()),
         ("RATELIMITD__RULES__KAFKA__REPLICATION_FACTOR", "1".to_owned()),
         ("RATELIMITD__RULES__KAFKA__STATUS_INTERVAL_MS", "200".to_owned()),
+        ("RATELIMITD__RULES__KAFKA__SIGNING_KEY_FILE", KEYS.a.file.display().to_string()),
         ("RATELIMITD__CAPTURE__KAFKA__BROKERS", broker.brokers()),
         ("RATELIMITD__CAPTURE__KAFKA__PARTITIONS", "2".to_owned()),
         ("RATELIMITD__CAPTURE__KAFKA__REPLICATION_FACTOR", "1".to_owned()),
@@ -69,6 +99,7 @@ fn subscriber(broker: &Broker, instance: &str) -> ratelimitd::config::Config {
     cfg.rules.source = RulesSource::Kafka;
     cfg.rules.kafka.brokers = Some(broker.brokers());
     cfg.rules.kafka.status_interval_ms = 200;
+    cfg.rules.kafka.verify_keys = vec![KEYS.a.public.clone()];
     cfg.dlq.instance_id = Some(instance.to_owned());
     cfg
 }
@@ -150,10 +181,13 @@ async fn published_snapshots_converge_survive_bad_records_and_outages_and_roll_b
     })
     .await
     .unwrap();
+    // Signed: the limit raised inside the signed record breaks the signature.
     let good = producer.last().unwrap().payload.clone().unwrap();
-    let mut tampered: serde_json::Value = serde_json::from_slice(&good).unwrap();
-    tampered["native"]["rules"][0]["limit"] = 1_000_000.into();
-    let tampered = serde_json::to_vec(&tampered).unwrap();
+    let mut envelope: serde_json::Value = serde_json::from_slice(&good).unwrap();
+    let mut record: serde_json::Value = serde_json::from_str(envelope["record"].as_str().unwrap()).unwrap();
+    record["native"]["rules"][0]["limit"] = 1_000_000.into();
+    envelope["record"] = serde_json::to_string(&record).unwrap().into();
+    let tampered = serde_json::to_vec(&envelope).unwrap();
     let kafka =
         ratelimitd::config::RulesKafkaConfig { brokers: Some(broker.brokers()), ..Default::default() };
     let p = rdkafka::ClientConfig::new()
@@ -244,6 +278,96 @@ async fn published_snapshots_converge_survive_bad_records_and_outages_and_roll_b
     assert!(history.contains("Ann Op <ann@example.com>") && history.contains("(in force)"), "{history}");
 
     for server in servers {
+        server.stop().await.unwrap();
+    }
+}
+
+/// Publishes `path` with extra `args` (`--unsigned`, `--signing-key F`);
+/// returns the version it printed.
+fn publish_with(broker: &Broker, path: &Path, args: &[&str]) -> String {
+    let mut all = vec!["rules", "publish"];
+    all.extend_from_slice(args);
+    all.push(path.to_str().unwrap());
+    let out = run(broker, &all);
+    assert!(out.status.success(), "{}", text(&out));
+    String::from_utf8_lossy(&out.stdout).split_whitespace().nth(1).expect("published VERSION …").to_owned()
+}
+
+/// Who may change the limits. Three instances trusting key A keep serving
+/// A's record when an unsigned record and one signed by an unknown key B
+/// arrive: each is refused, counted and shown by `rules status`. A
+/// rotation: an instance trusting A and B takes records of both, in turn,
+/// never waiting between them; one trusting only B refuses A's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn only_records_signed_by_a_trusted_key_are_served() {
+    let broker = Broker::start();
+    migrate(&broker);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("rules.yaml");
+    std::fs::write(&file, rules(2)).unwrap();
+    let v1 = publish(&broker, &file);
+    let servers = [
+        TestServer::start(subscriber(&broker, "i1")).await,
+        TestServer::start(subscriber(&broker, "i2")).await,
+        TestServer::start(subscriber(&broker, "i3")).await,
+    ];
+    for server in &servers {
+        assert!(
+            eventually(Duration::from_secs(20), || serves(server, &v1)).await,
+            "{}",
+            readyz(server).await.1
+        );
+    }
+
+    // Unsigned, then signed by a key no instance trusts: both published, both refused.
+    std::fs::write(&file, rules(7)).unwrap();
+    publish_with(&broker, &file, &["--unsigned"]);
+    std::fs::write(&file, rules(9)).unwrap();
+    let b_key = KEYS.b.file.to_str().unwrap();
+    let by_b = publish_with(&broker, &file, &["--signing-key", b_key]);
+    for (i, server) in servers.iter().enumerate() {
+        let refused = || async {
+            metric(server, "ratelimitd_rules_records_total{result=\"refused\"}").await == Some(2.0)
+        };
+        assert!(eventually(Duration::from_secs(10), refused).await, "both records refused");
+        assert!(serves(server, &v1).await, "{}", readyz(server).await.1);
+        assert_eq!(admitted(server, &format!("a{i}"), 4).await, 2, "A's limit of 2 still in force");
+    }
+    let status = text(&run(&broker, &["rules", "status"]));
+    let unknown = format!("the last: signed by {}, which is not in rules.kafka.verify_keys", KEYS.b.public);
+    assert_eq!(status.lines().filter(|l| l.contains(&unknown)).count(), 3, "{status}");
+    let history = text(&run(&broker, &["rules", "history"]));
+    assert!(history.contains("(refused: unsigned record"), "{history}");
+    assert!(history.contains(&format!("(refused: signed by {}", KEYS.b.public)), "{history}");
+
+    // Rotation: trusting A and B, the newest record (B's) is served; A's
+    // next one follows; readiness never drops in between.
+    let mut both = subscriber(&broker, "i4");
+    both.rules.kafka.verify_keys = vec![KEYS.a.public.clone(), KEYS.b.public.clone()];
+    let rotating = TestServer::start(both).await;
+    assert!(
+        eventually(Duration::from_secs(20), || serves(&rotating, &by_b)).await,
+        "{}",
+        readyz(&rotating).await.1
+    );
+    std::fs::write(&file, rules(4)).unwrap();
+    let by_a = publish(&broker, &file);
+    let started = Instant::now();
+    while !serves(&rotating, &by_a).await {
+        assert_eq!(readyz(&rotating).await.0, 200, "no gap while the next key's record arrives");
+        assert!(started.elapsed() < Duration::from_secs(20), "{}", readyz(&rotating).await.1);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // After the rotation: trusting only B, A's newer record is refused.
+    let mut only_b = subscriber(&broker, "i5");
+    only_b.rules.kafka.verify_keys = vec![KEYS.b.public.clone()];
+    let rotated = TestServer::start(only_b).await;
+    assert!(
+        eventually(Duration::from_secs(20), || serves(&rotated, &by_b)).await,
+        "{}",
+        readyz(&rotated).await.1
+    );
+    for server in servers.into_iter().chain([rotating, rotated]) {
         server.stop().await.unwrap();
     }
 }

@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 
 mod rules;
 
-pub use rules::{history, publish, rollback, status};
+pub use rules::{history, keygen, publish, rollback, status};
 
 use crate::{
     api::client::{self, CallError, CheckCall},
@@ -118,6 +118,15 @@ pub enum RulesCommand {
     Rollback {
         /// The version to put back in force.
         version: String,
+        #[command(flatten)]
+        signing: SigningArgs,
+    },
+    /// Make a publisher's Ed25519 key pair: the private key goes to a new
+    /// file (mode 0600), the public key (for rules.kafka.verify_keys) to stdout.
+    Keygen {
+        /// The private key's file; it must not exist.
+        #[arg(long, value_name = "FILE")]
+        out: PathBuf,
     },
     /// List the snapshots on the rules topic, oldest first; the last valid one is in force.
     History,
@@ -143,6 +152,21 @@ pub struct PublishArgs {
     /// in force that the candidate may deny (0.05 = 5%).
     #[arg(long, default_value_t = 0.05)]
     pub max_critical_drop: f64,
+    #[command(flatten)]
+    pub signing: SigningArgs,
+}
+
+/// How a published record is signed.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SigningArgs {
+    /// The publisher's private key file (`rules keygen`); default
+    /// rules.kafka.signing_key_file.
+    #[arg(long, value_name = "FILE", conflicts_with = "unsigned")]
+    pub signing_key: Option<PathBuf>,
+    /// Publish without a signature: only instances with
+    /// rules.kafka.allow_unsigned serve it.
+    #[arg(long)]
+    pub unsigned: bool,
 }
 
 /// `ratelimitd check …`
@@ -527,10 +551,11 @@ fn current_rules(
         return from_record(record);
     }
     if config.rules.source == crate::config::RulesSource::Kafka {
-        let history = crate::rollout::publish::history(&config.rules.kafka).map_err(|e| {
-            eprintln!("the rules in force: {e}");
-            ExitCode::from(1)
-        })?;
+        let history = crate::rollout::publish::history(&config.rules.kafka, &rules::trust(config, None))
+            .map_err(|e| {
+                eprintln!("the rules in force: {e}");
+                ExitCode::from(1)
+            })?;
         if let Some(record) = crate::rollout::publish::current(&history) {
             return from_record(record);
         }

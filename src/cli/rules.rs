@@ -3,7 +3,7 @@
 
 use std::{io::Write as _, process::ExitCode};
 
-use super::{EXIT_USAGE, PublishArgs};
+use super::{EXIT_USAGE, PublishArgs, SigningArgs};
 use crate::{
     clock::{Clock, SystemClock},
     config::Config,
@@ -12,8 +12,77 @@ use crate::{
         publish::{self, Entry},
         status,
     },
-    rules::encoding::SnapshotRecord,
+    rules::{
+        encoding::SnapshotRecord,
+        signing::{Signer, Trust},
+    },
 };
+
+/// Runs `rules keygen --out FILE`: 0 written, 1 the file exists or cannot
+/// be written.
+pub fn keygen(out: &std::path::Path) -> ExitCode {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let signer = match Signer::generate() {
+        Ok(signer) => signer,
+        Err(e) => {
+            eprintln!("rules keygen: no randomness: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(out)
+        .and_then(|mut file| writeln!(file, "{}", signer.to_text()));
+    if let Err(e) = written {
+        eprintln!("rules keygen: {}: {e}", out.display());
+        return ExitCode::from(1);
+    }
+    let _ = writeln!(std::io::stdout(), "{}", signer.public_key());
+    ExitCode::SUCCESS
+}
+
+/// The key `rules publish` and `rules rollback` sign with: `--signing-key`,
+/// else `rules.kafka.signing_key_file`; `None` with `--unsigned`.
+fn signer(what: &str, args: &SigningArgs, config: &Config) -> Result<Option<Signer>, ExitCode> {
+    if args.unsigned {
+        return Ok(None);
+    }
+    let Some(path) = args.signing_key.as_ref().or(config.rules.kafka.signing_key_file.as_ref()) else {
+        eprintln!(
+            "{what}: no signing key: pass --signing-key FILE or set rules.kafka.signing_key_file \
+             (--unsigned only for instances with rules.kafka.allow_unsigned)"
+        );
+        return Err(ExitCode::from(EXIT_USAGE));
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        eprintln!("{what}: {}: {e}", path.display());
+        ExitCode::from(EXIT_USAGE)
+    })?;
+    Signer::from_text(&text).map(Some).map_err(|e| {
+        eprintln!("{what}: {}: {e}", path.display());
+        ExitCode::from(EXIT_USAGE)
+    })
+}
+
+/// Whose records count as published: those instances take
+/// (`rules.kafka.verify_keys`, `allow_unsigned`), and the publisher's own:
+/// `signer`, else the key of `rules.kafka.signing_key_file` when it loads.
+pub(super) fn trust(config: &Config, signer: Option<&Signer>) -> Trust {
+    let kafka = &config.rules.kafka;
+    // Validated with the configuration.
+    let mut trust = Trust::of(&kafka.verify_keys, kafka.allow_unsigned).unwrap_or_default();
+    let configured = || {
+        let text = std::fs::read_to_string(kafka.signing_key_file.as_ref()?).ok()?;
+        Signer::from_text(&text).ok()
+    };
+    let own = signer.cloned().or_else(configured);
+    if let Some(key) = own.and_then(|s| crate::rules::signing::public_key(&s.public_key()).ok()) {
+        trust.keys.push(key);
+    }
+    trust
+}
 
 fn failed(what: &str, error: &RolloutError) -> ExitCode {
     eprintln!("{what}: {error}");
@@ -31,6 +100,11 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
         eprintln!("rules publish: rules.kafka.brokers is not set");
         return ExitCode::from(EXIT_USAGE);
     }
+    let signer = match signer("rules publish", &args.signing, config) {
+        Ok(signer) => signer,
+        Err(code) => return code,
+    };
+    let trust = trust(config, signer.as_ref());
     let candidate = match publish::candidate(
         args.path.as_deref(),
         args.envoy.as_deref(),
@@ -47,7 +121,7 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let history = match blocking(kafka.clone(), |k| publish::history(&k)).await {
+    let history = match blocking(kafka.clone(), move |k| publish::history(&k, &trust)).await {
         Ok(history) => history,
         Err(e) => return failed("rules publish", &e),
     };
@@ -77,7 +151,7 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
         }
     }
     let record = publish::record(&candidate, current, publish::provenance(&candidate.paths));
-    match publish::publish(kafka, &record).await {
+    match publish::publish(kafka, &record, signer.as_ref()).await {
         Ok(offset) => {
             let _ = writeln!(
                 std::io::stdout(),
@@ -94,9 +168,14 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
 }
 
 /// Runs `rules rollback VERSION`: publishes that earlier record again.
-pub async fn rollback(version: &str, config: &Config) -> ExitCode {
+pub async fn rollback(version: &str, signing: &SigningArgs, config: &Config) -> ExitCode {
     let kafka = &config.rules.kafka;
-    let history = match blocking(kafka.clone(), |k| publish::history(&k)).await {
+    let signer = match signer("rules rollback", signing, config) {
+        Ok(signer) => signer,
+        Err(code) => return code,
+    };
+    let trust = trust(config, signer.as_ref());
+    let history = match blocking(kafka.clone(), move |k| publish::history(&k, &trust)).await {
         Ok(history) => history,
         Err(e) => return failed("rules rollback", &e),
     };
@@ -108,7 +187,7 @@ pub async fn rollback(version: &str, config: &Config) -> ExitCode {
         Ok(record) => record,
         Err(e) => return failed("rules rollback", &e),
     };
-    match publish::publish(kafka, &record).await {
+    match publish::publish(kafka, &record, signer.as_ref()).await {
         Ok(offset) => {
             let _ = writeln!(
                 std::io::stdout(),
@@ -124,7 +203,7 @@ pub async fn rollback(version: &str, config: &Config) -> ExitCode {
 
 /// Runs `rules history`: one line per record, oldest first.
 pub fn history(config: &Config) -> ExitCode {
-    let history = match publish::history(&config.rules.kafka) {
+    let history = match publish::history(&config.rules.kafka, &trust(config, None)) {
         Ok(history) => history,
         Err(e) => return failed("rules history", &e),
     };
@@ -135,13 +214,14 @@ pub fn history(config: &Config) -> ExitCode {
         "{:>7}  {:<16}  {:<24}  {:<16}  {:<10}  BY",
         "OFFSET", "VERSION", "PUBLISHED", "PREVIOUS", "COMMIT"
     );
-    for Entry { offset, record } in &history {
+    for Entry { offset, record, signer } in &history {
+        let signer = signer.as_deref().map_or_else(|| "unsigned".to_owned(), |k| format!("signed by {k}"));
         match record {
             Ok(r) => {
                 let mark = if Some(&r.version) == in_force.as_ref() { "  (in force)" } else { "" };
                 let _ = writeln!(
                     out,
-                    "{offset:>7}  {:<16}  {:<24}  {:<16}  {:<10}  {}{}{mark}",
+                    "{offset:>7}  {:<16}  {:<24}  {:<16}  {:<10}  {}{}, {signer}{mark}",
                     r.version,
                     r.published_at,
                     r.previous.as_deref().unwrap_or("-"),
@@ -167,7 +247,9 @@ pub fn history(config: &Config) -> ExitCode {
 /// (and at least one does).
 pub fn status(config: &Config) -> ExitCode {
     let kafka = &config.rules.kafka;
-    let (history, reports) = match publish::history(kafka).and_then(|h| Ok((h, status::read(kafka)?))) {
+    let trust = trust(config, None);
+    let (history, reports) = match publish::history(kafka, &trust).and_then(|h| Ok((h, status::read(kafka)?)))
+    {
         Ok(both) => both,
         Err(e) => return failed("rules status", &e),
     };
@@ -205,6 +287,9 @@ pub fn status(config: &Config) -> ExitCode {
             ago(report.since_ms),
             ago(Some(report.reported_ms)),
         );
+        if let Some(why) = &report.last_refusal {
+            let _ = writeln!(out, "{:<32}  refused {} record(s); the last: {why}", "", report.rejected);
+        }
     }
     if reports.is_empty() {
         let _ = writeln!(out, "(no instance reports)");

@@ -149,6 +149,18 @@ impl RulesConfig {
         if self.source == RulesSource::Kafka && kafka.brokers.is_none() {
             return Err(invalid("rules.kafka.brokers", "must be set when rules.source is kafka"));
         }
+        // Fails closed: without the publishers' keys anyone who can write
+        // to the topic would set every instance's limits.
+        if self.source == RulesSource::Kafka && kafka.verify_keys.is_empty() && !kafka.allow_unsigned {
+            return Err(invalid(
+                "rules.kafka.verify_keys",
+                "list the publishers' public keys (ratelimitd rules keygen), or set rules.kafka.allow_unsigned: true",
+            ));
+        }
+        if let Err((key, error)) = crate::rules::signing::Trust::of(&kafka.verify_keys, kafka.allow_unsigned)
+        {
+            return Err(invalid("rules.kafka.verify_keys", format!("{key:?}: {error}")));
+        }
         super::valid_topic("rules.kafka.topic", &kafka.topic)?;
         super::valid_topic("rules.kafka.status_topic", &kafka.status_topic)?;
         if kafka.topic == kafka.status_topic {

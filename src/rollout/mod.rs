@@ -43,6 +43,19 @@ pub struct RulesKafkaConfig {
     pub status_interval_ms: u64,
     /// Replication factor `ratelimitd migrate` creates both topics with.
     pub replication_factor: i32,
+    /// The publishers' Ed25519 public keys (base64, as `rules keygen`
+    /// prints them): an instance serves a record only when one of them
+    /// signed it. List the old and the new key together to rotate without a
+    /// gap. Required with `rules.source: kafka` unless `allow_unsigned`.
+    pub verify_keys: Vec<String>,
+    /// Serve unsigned records too. Anyone who can produce to the topic then
+    /// sets every instance's limits: for a topic only trusted producers can
+    /// write to.
+    pub allow_unsigned: bool,
+    /// The file holding this publisher's Ed25519 private key (`rules
+    /// keygen` writes it), with which `rules publish` and `rules rollback`
+    /// sign; `--signing-key` overrides it.
+    pub signing_key_file: Option<std::path::PathBuf>,
     /// Any librdkafka property (`security.protocol`, `sasl.*`, `ssl.*`, …).
     /// Values are never logged.
     // Secrets (passwords, SASL and TLS properties, auth headers) are
@@ -60,6 +73,9 @@ impl Default for RulesKafkaConfig {
             wait_ms: 10_000,
             status_interval_ms: 10_000,
             replication_factor: 3,
+            verify_keys: Vec::new(),
+            allow_unsigned: false,
+            signing_key_file: None,
             properties: BTreeMap::new(),
         }
     }
@@ -75,6 +91,9 @@ impl fmt::Debug for RulesKafkaConfig {
             .field("wait_ms", &self.wait_ms)
             .field("status_interval_ms", &self.status_interval_ms)
             .field("replication_factor", &self.replication_factor)
+            .field("verify_keys", &self.verify_keys)
+            .field("allow_unsigned", &self.allow_unsigned)
+            .field("signing_key_file", &self.signing_key_file)
             .field("properties", &self.properties.keys().map(|k| format!("{k}=***")).collect::<Vec<_>>())
             .finish()
     }

@@ -14,6 +14,7 @@ use super::{RolloutError, topic};
 use crate::rules::{
     self, RuleErrors,
     encoding::{self, Provenance, SCHEMA, SnapshotRecord},
+    signing::{self, Signer, Trust},
 };
 
 /// A validated candidate: the parts of a record, before it has a place on the topic.
@@ -146,10 +147,15 @@ pub struct Entry {
     pub offset: i64,
     /// The record, or why it cannot be read.
     pub record: Result<SnapshotRecord, String>,
+    /// The public key it is signed with, as it claims (unverified when
+    /// `record` is an error).
+    pub signer: Option<String>,
 }
 
-/// Every record of the rules topic, oldest first.
-pub fn history(kafka: &RulesKafkaConfig) -> Result<Vec<Entry>, RolloutError> {
+/// Every record of the rules topic, oldest first; a record `trust` does
+/// not take (unsigned, or signed by another key) is listed as refused, as
+/// instances with that trust refuse it.
+pub fn history(kafka: &RulesKafkaConfig, trust: &Trust) -> Result<Vec<Entry>, RolloutError> {
     let brokers = brokers(kafka)?;
     let records = topic::read_all(brokers, &kafka.properties, &kafka.topic)?;
     Ok(records
@@ -158,7 +164,9 @@ pub fn history(kafka: &RulesKafkaConfig) -> Result<Vec<Entry>, RolloutError> {
             let payload = r.payload?;
             Some(Entry {
                 offset: r.offset,
-                record: SnapshotRecord::parse(&payload)
+                signer: signing::signer_of(&payload),
+                record: trust
+                    .open(&payload)
                     // Display only: a record any instance could compile is shown as valid.
                     .and_then(|record| {
                         let how = rules::envoy::Compile { sliding: true, merge_domains: true };
@@ -180,11 +188,19 @@ pub(crate) fn brokers(kafka: &RulesKafkaConfig) -> Result<&str, RolloutError> {
     kafka.brokers.as_deref().ok_or_else(|| RolloutError::Config("rules.kafka.brokers is not set".to_owned()))
 }
 
-/// Writes `record` to the rules topic, keyed by its version; returns its offset.
-pub async fn publish(kafka: &RulesKafkaConfig, record: &SnapshotRecord) -> Result<i64, RolloutError> {
+/// Writes `record` to the rules topic, keyed by its version, signed by
+/// `signer` (unsigned without one); returns its offset.
+pub async fn publish(
+    kafka: &RulesKafkaConfig,
+    record: &SnapshotRecord,
+    signer: Option<&Signer>,
+) -> Result<i64, RolloutError> {
     let brokers = brokers(kafka)?;
     let producer = topic::producer(brokers, &kafka.properties, Duration::from_secs(30))?;
-    let payload = serde_json::to_vec(record).map_err(|e| RolloutError::Kafka(e.to_string()))?;
+    let payload = match signer {
+        Some(signer) => signer.sign(record),
+        None => serde_json::to_vec(record).map_err(|e| RolloutError::Kafka(e.to_string()))?,
+    };
     topic::produce(&producer, &kafka.topic, &record.version, Some(&payload)).await
 }
 

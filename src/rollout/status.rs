@@ -41,6 +41,10 @@ pub struct StatusReport {
     pub native_rules: usize,
     /// Records refused since the instance started.
     pub rejected: u64,
+    /// Why the last refused record was refused (unsigned, an unknown key,
+    /// a signature that does not verify, rules that do not compile).
+    #[serde(default)]
+    pub last_refusal: Option<String>,
 }
 
 /// The report of what `feed` serves now.
@@ -59,6 +63,7 @@ pub fn report(instance: &str, feed: &Feed, native: &RuleStore) -> StatusReport {
         reported_ms: SystemClock.now_ms(),
         native_rules: native.load().rules().len(),
         rejected: feed.rejected(),
+        last_refusal: feed.last_refusal().map(|why| why.to_string()),
     }
 }
 

@@ -39,6 +39,7 @@ use crate::{
         self, Feed, Hot, Origin, PathForm, RuleErrors, RuleStore, Served, Snapshot, Versioned,
         encoding::{Compiled, DecodeError, SnapshotRecord},
         envoy::EnvoyConfig,
+        signing::Trust,
     },
 };
 
@@ -85,6 +86,8 @@ pub struct Subscription {
     pub paths: PathForm,
     /// Accept a record, or fallback files, with no rules (`rules.allow_empty`).
     pub allow_empty: bool,
+    /// Whose records are served (`rules.kafka.verify_keys`, `allow_unsigned`).
+    pub trust: Trust,
     /// The native rules the engine reads.
     pub native: Arc<RuleStore>,
     /// The Envoy configuration the engine reads.
@@ -196,14 +199,14 @@ impl Subscription {
 
     /// Decodes, compiles and swaps in one record; false when it was refused.
     fn apply(&self, offset: i64, payload: &[u8]) -> bool {
-        let compiled = SnapshotRecord::parse(payload).and_then(|record| {
+        let compiled = self.trust.open(payload).and_then(|record| {
             let compiled = record.compile(self.compile, self.paths)?;
             self.non_empty(&record, compiled)
         });
         let compiled = match compiled {
             Ok(compiled) => compiled,
             Err(e) => {
-                self.feed.reject();
+                self.feed.reject(e.to_string());
                 let serving =
                     self.feed.served().map_or_else(|| "nothing yet".to_owned(), |s| s.version.clone());
                 tracing::error!(offset, error = %e, %serving, "rules record refused; keeping the last good snapshot");

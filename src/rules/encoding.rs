@@ -128,6 +128,16 @@ pub struct EnvoyFile {
 /// Why a record cannot be served.
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
+    /// Not signed, and unsigned records are not allowed (`rules.kafka.allow_unsigned`).
+    #[error("unsigned record (rules.kafka.allow_unsigned is off)")]
+    Unsigned,
+    /// Signed by a key not in `rules.kafka.verify_keys`.
+    #[error("signed by {0}, which is not in rules.kafka.verify_keys")]
+    UnknownKey(String),
+    /// The signature does not verify: the record changed after signing, or
+    /// the envelope claims a key it was not signed with.
+    #[error("the signature by {0} does not verify")]
+    BadSignature(String),
     /// Not JSON of this schema.
     #[error("undecodable snapshot record: {0}")]
     Undecodable(String),

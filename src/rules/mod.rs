@@ -11,6 +11,7 @@ pub mod envoy;
 mod figures;
 pub mod model;
 mod native;
+pub mod signing;
 mod snapshot;
 mod store;
 pub mod tenants;

@@ -247,6 +247,8 @@ pub struct Feed {
     rejected: AtomicU64,
     /// Records swapped in.
     applied: AtomicU64,
+    /// Why the last refused record was refused.
+    last_refusal: arc_swap::ArcSwapOption<String>,
     changed: tokio::sync::Notify,
 }
 
@@ -266,9 +268,15 @@ impl Feed {
         self.changed.notify_one();
     }
 
-    /// Counts a refused record.
-    pub fn reject(&self) {
+    /// Counts a refused record, and why it was refused.
+    pub fn reject(&self, why: String) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
+        self.last_refusal.store(Some(Arc::new(why)));
+    }
+
+    /// Why the last refused record was refused, if any was.
+    pub fn last_refusal(&self) -> Option<Arc<String>> {
+        self.last_refusal.load_full()
     }
 
     /// Records refused since start.
