@@ -434,6 +434,7 @@ async fn captured_traffic_gates_a_candidate_that_drops_critical_requests() {
     let capture = dir.path().join("capture.jsonl");
     let mut cfg = config(&current, None);
     cfg.capture.sample_ratio = 1.0;
+    cfg.capture.salt = Some("a secret shared by the fleet".to_owned());
     cfg.capture.file = capture.clone();
     let server = TestServer::start(cfg).await;
     let mut client = server.client().await;
@@ -499,6 +500,7 @@ async fn captured_traffic_gates_a_candidate_that_drops_critical_requests() {
     // The same traffic captured to the capture topic replays the same way.
     let mut cfg = config(&current, None);
     cfg.capture.sample_ratio = 1.0;
+    cfg.capture.salt = Some("a secret shared by the fleet".to_owned());
     cfg.capture.kafka.brokers = Some(broker.brokers());
     let server = TestServer::start(cfg).await;
     let mut client = server.client().await;

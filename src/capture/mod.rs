@@ -1,11 +1,13 @@
 //! Capture: a sample of decided `Check` requests mirrored to a JSON-lines
 //! file or a Kafka topic, for `ratelimitd replay` and the publish gate.
 //!
-//! Users, not requests, are sampled: [`sampled`] hashes the user id with a
-//! fixed function (FNV-1a, then a 64-bit finaliser), the same on every
-//! instance and every run, and captures the user when the hash falls below
-//! `capture.sample_ratio` × 2^64. A captured user's every request is
-//! captured, so replay counts that user's counters exactly.
+//! Users, not requests, are sampled: [`sampled`] hashes the user id keyed by
+//! `capture.salt` (SHA-256 of the salt and the id), the same on every
+//! instance that shares the salt, and captures the user when the hash
+//! falls below `capture.sample_ratio` × 2^64. A captured user's every
+//! request is captured, so replay counts that user's counters exactly. The
+//! salt is a secret: without it a client cannot tell which ids are
+//! sampled, so it cannot choose to be (to pass or poison the publish gate).
 //!
 //! The hot path builds the record and `try_send`s it into a bounded queue;
 //! a full queue drops the record and counts it. One writer task appends
@@ -40,19 +42,17 @@ use crate::{
     dlq::record::truncated,
 };
 
-/// Whether `user_id` is sampled at `threshold` (`ratio × 2^64`).
-pub fn sampled(user_id: &str, threshold: u64) -> bool {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in user_id.as_bytes() {
-        hash ^= u64::from(*byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    // splitmix64's finaliser: FNV's low bits alone are poorly mixed.
-    hash ^= hash >> 30;
-    hash = hash.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    hash ^= hash >> 27;
-    hash = hash.wrapping_mul(0x94d0_49bb_1331_11eb);
-    hash ^= hash >> 31;
+/// Whether `user_id` is sampled at `threshold` (`ratio × 2^64`) under
+/// `salt`: the first 8 bytes of SHA-256(salt length, salt, id), below the
+/// threshold.
+pub fn sampled(salt: &[u8], user_id: &str, threshold: u64) -> bool {
+    use sha2::{Digest as _, Sha256};
+    let digest = Sha256::new()
+        .chain_update((salt.len() as u64).to_le_bytes())
+        .chain_update(salt)
+        .chain_update(user_id.as_bytes())
+        .finalize();
+    let hash = u64::from_le_bytes(digest[..8].try_into().expect("a SHA-256 digest has 32 bytes"));
     hash < threshold
 }
 
@@ -96,10 +96,21 @@ pub struct Bounds {
     pub header_bytes: usize,
 }
 
+/// The sampling secret.
+struct Salt(Box<[u8]>);
+
+impl std::fmt::Debug for Salt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
 /// The engine's [`CaptureSink`]: samples, builds, enqueues.
 #[derive(Debug)]
 pub struct Capture {
     threshold: u64,
+    /// `capture.salt`: never printed.
+    salt: Salt,
     queue: mpsc::Sender<CaptureRecord>,
     counters: Arc<CaptureCounters>,
     /// Lower-case header names copied into records.
@@ -113,6 +124,7 @@ impl Capture {
     /// returns the sink, the queue's receiving end (for a writer) and the counters.
     pub fn new(
         ratio: f64,
+        salt: &str,
         capacity: usize,
         allowlist: &[String],
         bounds: Bounds,
@@ -122,6 +134,7 @@ impl Capture {
         let counters = Arc::new(CaptureCounters::default());
         let capture = Capture {
             threshold: threshold(ratio),
+            salt: Salt(salt.as_bytes().into()),
             queue: tx,
             counters: Arc::clone(&counters),
             allowlist: allowlist.iter().map(|h| h.to_ascii_lowercase()).collect(),
@@ -134,7 +147,7 @@ impl Capture {
 
 impl CaptureSink for Capture {
     fn wants(&self, user_id: &str) -> bool {
-        sampled(user_id, self.threshold)
+        sampled(&self.salt.0, user_id, self.threshold)
     }
 
     fn record(&self, request: &CheckRequest<'_>, decision: &Decision, rules_version: &str) {
@@ -202,16 +215,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn users_are_sampled_in_proportion_and_alike_everywhere() {
+    fn users_are_sampled_in_proportion_and_alike_where_the_salt_is_shared() {
+        let salt = b"a secret every instance shares";
         let t = threshold(0.1);
-        let hits = (0..100_000).filter(|i| sampled(&format!("user-{i}"), t)).count();
+        let hits = (0..100_000).filter(|i| sampled(salt, &format!("user-{i}"), t)).count();
         assert!((9_000..11_000).contains(&hits), "{hits}");
-        assert!((0..1_000).all(|i| sampled(&format!("u{i}"), threshold(1.0))));
-        assert!((0..1_000).all(|i| !sampled(&format!("u{i}"), threshold(0.0))));
-        // A fixed function: the same answer on every instance and every run.
-        assert_eq!(sampled("alice", t), sampled("alice", threshold(0.1)));
-        let fixed: Vec<bool> =
-            ["alice", "bob", "carol", "dave", "erin"].iter().map(|u| sampled(u, threshold(0.5))).collect();
-        assert_eq!(fixed, vec![fixed[0], fixed[1], fixed[2], fixed[3], fixed[4]]);
+        assert!((0..1_000).all(|i| sampled(salt, &format!("u{i}"), threshold(1.0))));
+        assert!((0..1_000).all(|i| !sampled(salt, &format!("u{i}"), threshold(0.0))));
+        // Another salt samples other users: which ids are in is the salt's
+        // secret, not a property of the id a client picks.
+        let half = threshold(0.5);
+        let agree = (0..10_000)
+            .filter(|i| {
+                let id = format!("u{i}");
+                sampled(salt, &id, half) == sampled(b"another secret", &id, half)
+            })
+            .count();
+        assert!((4_500..5_500).contains(&agree), "{agree} of 10000 agree: independent");
+        let again = (0..10_000).all(|i| {
+            let id = format!("u{i}");
+            sampled(salt, &id, half) == sampled(&salt[..], &id, half)
+        });
+        assert!(again, "the same salt gives the same answer on every instance");
     }
 }

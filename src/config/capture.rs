@@ -8,14 +8,22 @@ use serde::Deserialize;
 use super::{ConfigError, invalid};
 
 /// `capture.*`
-#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+#[derive(Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CaptureConfig {
     /// The share of users whose requests are captured, 0 to 1 (0: off, the
-    /// default). Users, not requests, are sampled (by a fixed hash of the
-    /// user id, the same on every instance), so a sampled user's requests
-    /// are all captured and replay counts them exactly.
+    /// default). Users, not requests, are sampled (by a hash of the user id
+    /// keyed by `capture.salt`, the same on every instance), so a sampled
+    /// user's requests are all captured and replay counts them exactly.
     pub sample_ratio: f64,
+    /// The secret that keys the sampling hash, at least 16 bytes, the same
+    /// on every instance (set it as `RATELIMITD__CAPTURE__SALT` from a
+    /// secret). Without it a client cannot tell which user ids are sampled,
+    /// so it cannot choose to be captured and sway the publish gate.
+    /// Required when `sample_ratio` is above 0. Never logged.
+    // Secrets are never serialized: not even into the generated reference.
+    #[serde(skip_serializing)]
+    pub salt: Option<String>,
     /// The JSON-lines file records are appended to when `capture.kafka.brokers`
     /// is unset.
     ///
@@ -35,6 +43,7 @@ impl Default for CaptureConfig {
     fn default() -> Self {
         Self {
             sample_ratio: 0.0,
+            salt: None,
             file: PathBuf::from(super::dlq::SYSTEM_STATE_DIR).join("capture.jsonl"),
             file_max_bytes: 1 << 30,
             queue_capacity: 16_384,
@@ -91,6 +100,20 @@ impl fmt::Debug for CaptureKafkaConfig {
     }
 }
 
+impl fmt::Debug for CaptureConfig {
+    // The salt is a secret: never printed.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CaptureConfig")
+            .field("sample_ratio", &self.sample_ratio)
+            .field("salt", &self.salt.as_ref().map(|_| "***"))
+            .field("file", &self.file)
+            .field("file_max_bytes", &self.file_max_bytes)
+            .field("queue_capacity", &self.queue_capacity)
+            .field("kafka", &self.kafka)
+            .finish()
+    }
+}
+
 impl CaptureConfig {
     /// Checks `capture.*`; every error names its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -99,6 +122,20 @@ impl CaptureConfig {
                 "capture.sample_ratio",
                 format!("must be within 0..1, got {}", self.sample_ratio),
             ));
+        }
+        // Fails closed: an unkeyed (public) hash lets a client pick ids
+        // that are sampled, and flood the capture the gate judges by.
+        match &self.salt {
+            None if self.sample_ratio > 0.0 => {
+                return Err(invalid(
+                    "capture.salt",
+                    "required when capture.sample_ratio is above 0: a secret of at least 16 bytes, the same on every instance",
+                ));
+            }
+            Some(salt) if salt.len() < 16 => {
+                return Err(invalid("capture.salt", "must be at least 16 bytes"));
+            }
+            _ => {}
         }
         if self.file.as_os_str().is_empty() {
             return Err(invalid("capture.file", "must not be empty"));

@@ -465,6 +465,8 @@ pub(crate) fn capture(config: &Config, tasks: &mut Tasks) -> Result<Option<Captu
     };
     let (sink, queue, counters) = Capture::new(
         settings.sample_ratio,
+        // Required with a ratio above 0 (validated).
+        settings.salt.as_deref().unwrap_or_default(),
         settings.queue_capacity,
         &config.dlq.header_allowlist,
         bounds,
