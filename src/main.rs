@@ -64,6 +64,7 @@ fn rules(command: RulesCommand, config: &Config) -> ExitCode {
     match command {
         RulesCommand::Validate { paths, envoy } => cli::validate_rules(&paths, envoy),
         RulesCommand::Keygen { out } => cli::keygen(&out),
+        RulesCommand::Diff(args) => cli::diff(&args, config),
         RulesCommand::Publish(args) => {
             runtime().map_or_else(report, |rt| rt.block_on(cli::publish(args, config)))
         }

@@ -121,6 +121,10 @@ pub enum RulesCommand {
         #[command(flatten)]
         signing: SigningArgs,
     },
+    /// What a candidate native rule set changes against the rules in force
+    /// (or `--from`): rules added, removed and each changed field, and with
+    /// `--capture` how many captured requests each change touches.
+    Diff(DiffArgs),
     /// Make a publisher's Ed25519 key pair: the private key goes to a new
     /// file (mode 0600), the public key (for rules.kafka.verify_keys) to stdout.
     Keygen {
@@ -154,6 +158,21 @@ pub struct PublishArgs {
     pub max_critical_drop: f64,
     #[command(flatten)]
     pub signing: SigningArgs,
+}
+
+/// `ratelimitd rules diff …`
+#[derive(Debug, clap::Args)]
+pub struct DiffArgs {
+    /// The candidate native rules: a YAML file or a directory.
+    pub rules: PathBuf,
+    /// The rules to compare with. Default: the record in force on the rules
+    /// topic (rules.source: kafka), else rules.path, else the embedded rules.
+    #[arg(long, value_name = "PATH")]
+    pub from: Option<PathBuf>,
+    /// A capture (a JSON-lines file, capture.file): count the requests each
+    /// change touches.
+    #[arg(long, value_name = "FILE")]
+    pub capture: Option<PathBuf>,
 }
 
 /// How a published record is signed.
@@ -565,6 +584,68 @@ fn current_rules(
         None => crate::rules::embedded(config.rules.path_matching),
     };
     loaded.map_err(|e| rule_errors("the rules in force", &e))
+}
+
+/// Runs `rules diff`: 0 printed (changes or none), 1 rules or the capture
+/// cannot be read.
+pub fn diff(args: &DiffArgs, config: &Config) -> ExitCode {
+    use crate::rules::diff::{self, Change};
+    let form = config.rules.path_matching;
+    let candidate = match crate::rules::load(&args.rules, form) {
+        Ok(snapshot) => snapshot,
+        Err(errors) => return rule_errors("rules diff", &errors),
+    };
+    let old = match &args.from {
+        Some(path) => crate::rules::load(path, form).map_err(|e| rule_errors("--from", &e)),
+        None => current_rules(config, None),
+    };
+    let old = match old {
+        Ok(old) => old,
+        Err(code) => return code,
+    };
+    let changes = diff::diff(&old, &candidate);
+    let touched = match &args.capture {
+        None => None,
+        Some(path) => match crate::replay::Capture::from_file(path) {
+            Ok(capture) => {
+                let requests = capture.requests.iter().map(|r| (&*r.resource_path, r.client_type.as_deref()));
+                Some((diff::touched(&old, &candidate, &changes, requests), capture.requests.len()))
+            }
+            Err(e) => {
+                eprintln!("rules diff: {e}");
+                return ExitCode::from(1);
+            }
+        },
+    };
+    let mut out = std::io::stdout().lock();
+    let count = |f: fn(&Change) -> bool| changes.iter().filter(|c| f(c)).count();
+    let _ = writeln!(
+        out,
+        "{} -> {}: {} added, {} removed, {} changed",
+        old.version(),
+        candidate.version(),
+        count(|c| matches!(c, Change::Added(_))),
+        count(|c| matches!(c, Change::Removed(_))),
+        count(|c| matches!(c, Change::Changed(..))),
+    );
+    let rule =
+        |s: &crate::rules::Snapshot, id: &str| s.rules().iter().find(|r| &*r.id == id).map(diff::describe);
+    for change in &changes {
+        let what = match change {
+            Change::Added(id) => format!("added    {id}: {}", rule(&candidate, id).unwrap_or_default()),
+            Change::Removed(id) => format!("removed  {id}: {}", rule(&old, id).unwrap_or_default()),
+            Change::Changed(id, fields) => {
+                let fields: Vec<String> = fields.iter().map(|(f, a, b)| format!("{f} {a} -> {b}")).collect();
+                format!("changed  {id}: {}", fields.join("; "))
+            }
+        };
+        let touches = touched
+            .as_ref()
+            .map(|(t, total)| format!("  (touches {} of {total} captured requests)", t[change.rule_id()]))
+            .unwrap_or_default();
+        let _ = writeln!(out, "{what}{touches}");
+    }
+    ExitCode::SUCCESS
 }
 
 /// Reads the capture, replays, prints the report; Ok(passed).

@@ -6,6 +6,7 @@
 //! a snapshot is plain data, built whole and never mutated.
 
 mod compile;
+pub mod diff;
 pub mod encoding;
 pub mod envoy;
 mod figures;
