@@ -370,30 +370,28 @@ impl Drop for Counted {
 
 impl crate::telemetry::Figures for Budget {
     fn render(&self, out: &mut String) {
-        use std::fmt::Write as _;
-
-        use crate::telemetry::exposition::header;
-        header(
+        use crate::telemetry::exposition::single;
+        single(
             out,
             "ratelimitd_grpc_request_bytes_in_flight",
             "gauge",
             "Bytes of gRPC request messages announced but not yet whole (grpc.max_request_bytes_in_flight).",
+            self.held(),
         );
-        let _ = writeln!(out, "ratelimitd_grpc_request_bytes_in_flight {}", self.held());
-        header(
+        single(
             out,
             "ratelimitd_grpc_requests_over_budget_total",
             "counter",
             "Requests failed with RESOURCE_EXHAUSTED: their bytes would pass grpc.max_request_bytes_in_flight.",
+            self.refused(),
         );
-        let _ = writeln!(out, "ratelimitd_grpc_requests_over_budget_total {}", self.refused());
-        header(
+        single(
             out,
             "ratelimitd_grpc_requests_oversized_total",
             "counter",
             "Requests whose message was over grpc.max_message_bytes (grpc.max_batch_message_bytes for CheckBatch): a Check, Report or ShouldRateLimit denied unread, others failed with RESOURCE_EXHAUSTED.",
+            self.oversized(),
         );
-        let _ = writeln!(out, "ratelimitd_grpc_requests_oversized_total {}", self.oversized());
     }
 }
 

@@ -25,7 +25,7 @@ use crate::{
     limiter::FailureKind,
     overload::Overload,
     rules::{Hot, envoy::EnvoyConfig},
-    telemetry::exposition::{Figures, Histogram, escape, header},
+    telemetry::exposition::{Figures, Histogram, escape, header, labelled, single},
 };
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -345,32 +345,36 @@ impl Figures for Saved {
     fn render(&self, out: &mut String) {
         let dropped = self.overload.as_deref().map_or(0, Overload::dropped);
         let hits = self.denials.as_deref().map_or(0, |d| render_denials(out, d));
-        header(
+        labelled(
             out,
             "ratelimitd_store_calls_saved_total",
             "counter",
             "Store calls not made, by the layer that answered.",
+            "by",
+            &[("overload", dropped), ("denial_cache", hits)],
         );
-        let _ = writeln!(out, "ratelimitd_store_calls_saved_total{{by=\"overload\"}} {dropped}");
-        let _ = writeln!(out, "ratelimitd_store_calls_saved_total{{by=\"denial_cache\"}} {hits}");
     }
 }
 
 /// The denial cache's series; returns its hits.
 fn render_denials(out: &mut String, denials: &DenialCache) -> u64 {
     let (hits, cached, full) = denials.counts();
-    header(out, "ratelimitd_denial_cache_hits_total", "counter", "Denials answered from the local cache.");
-    let _ = writeln!(out, "ratelimitd_denial_cache_hits_total {hits}");
-    header(
+    single(
+        out,
+        "ratelimitd_denial_cache_hits_total",
+        "counter",
+        "Denials answered from the local cache.",
+        hits,
+    );
+    labelled(
         out,
         "ratelimitd_denial_cache_inserts_total",
         "counter",
         "Exact denials cached, or not for want of room.",
+        "result",
+        &[("cached", cached), ("full", full)],
     );
-    let _ = writeln!(out, "ratelimitd_denial_cache_inserts_total{{result=\"cached\"}} {cached}");
-    let _ = writeln!(out, "ratelimitd_denial_cache_inserts_total{{result=\"full\"}} {full}");
-    header(out, "ratelimitd_denial_cache_entries", "gauge", "Denials held by the cache.");
-    let _ = writeln!(out, "ratelimitd_denial_cache_entries {}", denials.len());
+    single(out, "ratelimitd_denial_cache_entries", "gauge", "Denials held by the cache.", denials.len());
     hits
 }
 

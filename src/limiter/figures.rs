@@ -8,31 +8,31 @@ use std::{
 };
 
 use super::{MemoryStore, RedisStore, Store, local::LocalLimiter};
-use crate::telemetry::exposition::{Figures, header};
+use crate::telemetry::exposition::{Figures, header, single};
 
 impl Figures for MemoryStore {
     fn render(&self, out: &mut String) {
-        header(
+        single(
             out,
             "ratelimitd_memory_counters",
             "gauge",
             "Counters held by the in-memory store (expired ones not yet swept included).",
+            self.len(),
         );
-        let _ = writeln!(out, "ratelimitd_memory_counters {}", self.len());
-        header(
+        single(
             out,
             "ratelimitd_memory_counters_max",
             "gauge",
-            "The most counters the in-memory store holds (self.max_counters, rounded up to the shards).",
+            "The most counters the in-memory store holds (memory.max_counters, rounded up to the shards).",
+            self.max_counters(),
         );
-        let _ = writeln!(out, "ratelimitd_memory_counters_max {}", self.max_counters());
-        header(
+        single(
             out,
             "ratelimitd_memory_evictions_total",
             "counter",
             "Expired counters evicted to make room for new ones in a full shard.",
+            self.evictions(),
         );
-        let _ = writeln!(out, "ratelimitd_memory_evictions_total {}", self.evictions());
     }
 }
 
@@ -42,7 +42,7 @@ impl Figures for LocalLimiter {
             (
                 "ratelimitd_local_instances",
                 "gauge",
-                "Instances each limit is shared by when decided locally (reported alive, else self.instances).",
+                "Instances each limit is shared by when decided locally (reported alive, else local.instances).",
                 self.instances(),
             ),
             (

@@ -10,7 +10,7 @@ use super::{Overload, Table};
 use crate::{
     clock::{Clock as _, SystemClock},
     rules::OverloadMode,
-    telemetry::exposition::{Figures, escape, header},
+    telemetry::exposition::{Figures, escape, header, labelled},
 };
 
 impl Overload {
@@ -42,14 +42,14 @@ impl Overload {
             let _ = writeln!(out, "ratelimitd_overload_mode{{mode=\"{}\"}} {on}", mode.as_str());
         }
         let (ok, failed) = self.feeds();
-        header(
+        labelled(
             out,
             "ratelimitd_overload_feed_total",
             "counter",
             "Exchanges with the global view, by result.",
+            "result",
+            &[("ok", ok), ("failed", failed)],
         );
-        let _ = writeln!(out, "ratelimitd_overload_feed_total{{result=\"ok\"}} {ok}");
-        let _ = writeln!(out, "ratelimitd_overload_feed_total{{result=\"failed\"}} {failed}");
     }
 
     /// Per bucket: requests offered and dropped, the drop ratio applied,

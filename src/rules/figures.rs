@@ -5,7 +5,7 @@
 use std::{fmt::Write as _, sync::Arc, time::SystemTime};
 
 use super::{Feed, Hot, Snapshot, Versioned, XdsState, envoy::EnvoyConfig};
-use crate::telemetry::exposition::{Figures, header};
+use crate::telemetry::exposition::{Figures, header, labelled, single};
 
 /// The native rule set and, when served, the Envoy configuration.
 #[derive(Debug)]
@@ -85,35 +85,35 @@ impl Figures for Feed {
                 served.origin.as_str()
             );
         }
-        header(
+        single(
             out,
             "ratelimitd_rules_waiting",
             "gauge",
             "1 while no rules have arrived from the rules topic.",
+            u8::from(self.served().is_none()),
         );
-        let _ = writeln!(out, "ratelimitd_rules_waiting {}", u8::from(self.served().is_none()));
-        header(
+        labelled(
             out,
             "ratelimitd_rules_records_total",
             "counter",
             "Rules topic records swapped in or refused.",
+            "result",
+            &[("applied", self.applied()), ("refused", self.rejected())],
         );
-        let _ = writeln!(out, "ratelimitd_rules_records_total{{result=\"applied\"}} {}", self.applied());
-        let _ = writeln!(out, "ratelimitd_rules_records_total{{result=\"refused\"}} {}", self.rejected());
     }
 }
 
 impl Figures for XdsState {
     fn render(&self, out: &mut String) {
         let (acks, nacks) = self.counts();
-        header(
+        labelled(
             out,
             "ratelimitd_rules_xds_total",
             "counter",
             "Envoy rule sets received over xDS, accepted (ACK) or refused (NACK).",
+            "result",
+            &[("ack", acks), ("nack", nacks)],
         );
-        let _ = writeln!(out, "ratelimitd_rules_xds_total{{result=\"ack\"}} {acks}");
-        let _ = writeln!(out, "ratelimitd_rules_xds_total{{result=\"nack\"}} {nacks}");
     }
 }
 

@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 
 use super::{Priority, Shedder};
-use crate::telemetry::exposition::{Figures, header};
+use crate::telemetry::exposition::{Figures, header, single};
 
 impl Figures for Shedder {
     fn render(&self, out: &mut String) {
@@ -27,19 +27,19 @@ impl Figures for Shedder {
                 self.shadow_shed_count(p)
             );
         }
-        header(
+        single(
             out,
             "ratelimitd_utilization_level",
             "gauge",
             "Shedding level: 0 NORMAL, 1 DEGRADED_MODE, 2 CRITICAL_ONLY.",
+            self.level().to_u8(),
         );
-        let _ = writeln!(out, "ratelimitd_utilization_level {}", self.level().to_u8());
-        header(
+        single(
             out,
             "ratelimitd_utilization_ratio",
             "gauge",
             "Smoothed CPU utilization (0..1) the level is decided on.",
+            self.utilization().unwrap_or(0.0),
         );
-        let _ = writeln!(out, "ratelimitd_utilization_ratio {}", self.utilization().unwrap_or(0.0));
     }
 }

@@ -82,6 +82,16 @@ pub fn single(out: &mut String, name: &str, kind: &str, help: &str, value: impl 
     let _ = writeln!(out, "{name} {value}");
 }
 
+/// Appends one family whose samples one label tells apart:
+/// `name{label="value"} n` for each `(value, n)` of `samples`. The values
+/// are fixed names (results, layers), never escaped.
+pub fn labelled(out: &mut String, name: &str, kind: &str, help: &str, label: &str, samples: &[(&str, u64)]) {
+    header(out, name, kind, help);
+    for (value, n) in samples {
+        let _ = writeln!(out, "{name}{{{label}=\"{value}\"}} {n}");
+    }
+}
+
 /// Label values: backslash, double quote and newline escaped.
 pub fn escape(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
