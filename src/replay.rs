@@ -6,9 +6,9 @@
 //! Each pass is a fresh engine: `MemoryStore` on a `ManualClock` set to
 //! each request's time, shedding off (utilization is not replayed), no
 //! failure sink (the memory store cannot fail). The two passes run on two
-//! threads. Requests are classed by the priority they were decided with
-//! under the rules in force; the gate fails when the candidate denies more
-//! than `max_critical_drop` of the CRITICAL requests those rules allow.
+//! threads. The gate ([`crate::rules::gate`]) judges requests by the
+//! priority and rule they were captured with, never by what either rule
+//! set or the request itself says now: globally, per rule and per path.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -19,6 +19,7 @@ use std::{
 
 use serde::Serialize;
 
+pub use crate::rules::gate::Row;
 use crate::{
     capture::{CaptureRecord, CountKind},
     clock::ManualClock,
@@ -26,7 +27,10 @@ use crate::{
         CheckRequest, Engine, EngineParts, EnvoyPolicy, FailedDecision, FailureSink, NoStats, Reason,
     },
     limiter::{MemoryStore, Store},
-    rules::{RuleStore, Snapshot},
+    rules::{
+        RuleStore, Snapshot,
+        gate::{Gate, GateReport, GateThresholds},
+    },
     shed::{Priority, ShedMode, Shedder},
 };
 
@@ -55,11 +59,18 @@ pub struct Request {
     pub weight: u32,
     /// Check, peek or report.
     pub count: CountKind,
+    /// The priority it was decided with when captured: what the gate
+    /// judges it by.
+    pub captured_priority: Priority,
+    /// The rule it matched when captured.
+    pub captured_rule: Option<Box<str>>,
 }
 
 impl From<CaptureRecord> for Request {
     fn from(r: CaptureRecord) -> Self {
         Request {
+            captured_priority: r.effective_priority,
+            captured_rule: r.rule_id.map(Into::into),
             time_ms: r.time_ms,
             user_id: r.user_id.into(),
             resource_path: r.resource_path.into(),
@@ -80,6 +91,8 @@ pub struct Capture {
     pub unreadable: u64,
     /// Requests per rules version they were decided under.
     pub versions: BTreeMap<String, u64>,
+    /// SHA-256 of each record read, in no order ([`Capture::digest`]).
+    hashes: Vec<[u8; 32]>,
 }
 
 impl Capture {
@@ -87,6 +100,8 @@ impl Capture {
     pub fn push(&mut self, bytes: &[u8]) {
         match serde_json::from_slice::<CaptureRecord>(bytes) {
             Ok(record) => {
+                use sha2::{Digest as _, Sha256};
+                self.hashes.push(Sha256::digest(bytes.trim_ascii()).into());
                 if let Some(n) = self.versions.get_mut(&record.rules_version) {
                     *n += 1;
                 } else {
@@ -101,6 +116,19 @@ impl Capture {
     /// Orders the requests by time.
     pub fn sort(&mut self) {
         self.requests.sort_by_key(|r| r.time_ms);
+    }
+
+    /// SHA-256 (hex) over the records read, independent of the order they
+    /// were read in (a topic's partitions interleave differently each time).
+    pub fn digest(&self) -> String {
+        use sha2::{Digest as _, Sha256};
+        let mut hashes = self.hashes.clone();
+        hashes.sort_unstable();
+        let mut all = Sha256::new();
+        for hash in &hashes {
+            all.update(hash);
+        }
+        all.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 
     /// Reads a JSON-lines capture file.
@@ -133,8 +161,6 @@ impl Capture {
 pub struct Outcome {
     /// The rule that matched.
     pub rule: Option<Arc<str>>,
-    /// The priority it was decided with.
-    pub priority: Priority,
     /// Denied (over the limit, or a weight that never fits); a shadow
     /// rule's denial is not one.
     pub denied: bool,
@@ -195,36 +221,10 @@ pub fn run(rules: Snapshot, requests: &[Request], max_user_id_bytes: usize) -> V
             outcomes.push(Outcome {
                 denied: matches!(decision.reason, Reason::OverLimit | Reason::WeightExceedsCapacity),
                 rule: decision.rule.map(|r| r.id),
-                priority: decision.priority,
             });
         }
         outcomes
     })
-}
-
-/// Requests and denials of one rule or one priority.
-#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
-pub struct Row {
-    /// Requests.
-    pub requests: u64,
-    /// Denied under the rules in force.
-    pub denied_current: u64,
-    /// Denied under the candidate.
-    pub denied_candidate: u64,
-    /// Allowed under the rules in force, denied under the candidate.
-    pub newly_denied: u64,
-    /// Denied under the rules in force, allowed under the candidate.
-    pub newly_allowed: u64,
-}
-
-impl Row {
-    fn add(&mut self, current: bool, candidate: bool) {
-        self.requests += 1;
-        self.denied_current += u64::from(current);
-        self.denied_candidate += u64::from(candidate);
-        self.newly_denied += u64::from(candidate && !current);
-        self.newly_allowed += u64::from(current && !candidate);
-    }
 }
 
 /// The comparison, and the gate's verdict.
@@ -234,13 +234,15 @@ pub struct Report {
     pub requests: u64,
     /// Capture lines that were not records.
     pub unreadable: u64,
+    /// [`Capture::digest`].
+    pub capture_digest: String,
     /// Version of the rules in force, and of the candidate.
     pub current_version: String,
     /// The candidate's native version.
     pub candidate_version: String,
     /// Per rule (under the candidate; `-` for no rule).
     pub rules: BTreeMap<String, Row>,
-    /// Per priority (decided under the rules in force).
+    /// Per priority the requests were captured with.
     pub priorities: BTreeMap<&'static str, Row>,
     /// Denials over time, for plotting.
     pub timeline: Timeline,
@@ -263,45 +265,57 @@ pub struct Timeline {
     pub denied_candidate: Vec<u64>,
 }
 
-/// The gate's verdict on CRITICAL traffic.
-#[derive(Debug, Clone, Serialize)]
-pub struct Gate {
-    /// CRITICAL requests the rules in force allow.
-    pub critical_allowed_current: u64,
-    /// Of those, how many the candidate denies.
-    pub critical_newly_denied: u64,
-    /// Their share (0 when there is no CRITICAL traffic).
-    pub critical_drop: f64,
-    /// The largest share allowed.
-    pub max_critical_drop: f64,
-    /// `critical_drop <= max_critical_drop`.
-    pub passed: bool,
-    /// The rules newly denying CRITICAL requests, most first.
-    pub offenders: Vec<(String, u64)>,
+impl Timeline {
+    /// Empty buckets spanning `start..=end`.
+    fn spanning(start: u64, end: u64) -> Self {
+        let bucket_ms = (end.saturating_sub(start) / 1_000 + 1).max(1_000);
+        let buckets = usize::try_from((end - start) / bucket_ms + 1).unwrap_or(1);
+        Timeline {
+            bucket_ms,
+            start_ms: start,
+            requests: vec![0; buckets],
+            denied_current: vec![0; buckets],
+            denied_candidate: vec![0; buckets],
+        }
+    }
+
+    fn add(&mut self, time_ms: u64, current: bool, candidate: bool) {
+        let last = self.requests.len() - 1;
+        let bucket = usize::try_from((time_ms - self.start_ms) / self.bucket_ms).unwrap_or(0).min(last);
+        self.requests[bucket] += 1;
+        self.denied_current[bucket] += u64::from(current);
+        self.denied_candidate[bucket] += u64::from(candidate);
+    }
 }
 
-/// Compares the two passes over `capture`.
+/// CRITICAL requests allowed by the rules in force and newly denied by the
+/// candidate, per group name.
+type Counts = BTreeMap<String, (u64, u64)>;
+
+fn count(groups: &mut Counts, name: &str, newly_denied: bool) {
+    let counts = match groups.get_mut(name) {
+        Some(counts) => counts,
+        None => groups.entry(name.to_owned()).or_default(),
+    };
+    counts.0 += 1;
+    counts.1 += u64::from(newly_denied);
+}
+
+/// Compares the two passes over `capture`, judging by `thresholds`.
 pub fn compare(
     capture: &Capture,
     current: (&str, &[Outcome]),
     candidate: (&str, &[Outcome]),
-    max_critical_drop: f64,
+    thresholds: GateThresholds,
 ) -> Report {
     let requests = &capture.requests;
     let mut rules: BTreeMap<String, Row> = BTreeMap::new();
     let mut priorities: BTreeMap<&'static str, Row> = BTreeMap::new();
-    let mut offenders: BTreeMap<String, u64> = BTreeMap::new();
-    let (start, end) = (requests.first().map_or(0, |r| r.time_ms), requests.last().map_or(0, |r| r.time_ms));
-    let bucket_ms = (end.saturating_sub(start) / 1_000 + 1).max(1_000);
-    let buckets = usize::try_from((end - start) / bucket_ms + 1).unwrap_or(1);
-    let mut timeline = Timeline {
-        bucket_ms,
-        start_ms: start,
-        requests: vec![0; buckets],
-        denied_current: vec![0; buckets],
-        denied_candidate: vec![0; buckets],
-    };
-    let (mut critical_allowed, mut critical_newly_denied) = (0u64, 0u64);
+    let mut timeline = Timeline::spanning(
+        requests.first().map_or(0, |r| r.time_ms),
+        requests.last().map_or(0, |r| r.time_ms),
+    );
+    let (mut all, mut by_rule, mut by_path) = ((0u64, 0u64), Counts::new(), Counts::new());
     for ((request, now), next) in requests.iter().zip(current.1).zip(candidate.1) {
         let rule = next.rule.as_deref().unwrap_or("-");
         if let Some(row) = rules.get_mut(rule) {
@@ -309,40 +323,26 @@ pub fn compare(
         } else {
             rules.entry(rule.to_owned()).or_default().add(now.denied, next.denied);
         }
-        priorities.entry(now.priority.as_str()).or_default().add(now.denied, next.denied);
-        let bucket = usize::try_from((request.time_ms - start) / bucket_ms).unwrap_or(0).min(buckets - 1);
-        timeline.requests[bucket] += 1;
-        timeline.denied_current[bucket] += u64::from(now.denied);
-        timeline.denied_candidate[bucket] += u64::from(next.denied);
-        if now.priority == Priority::Critical && !now.denied {
-            critical_allowed += 1;
-            if next.denied {
-                critical_newly_denied += 1;
-                *offenders.entry(rule.to_owned()).or_default() += 1;
-            }
+        priorities.entry(request.captured_priority.as_str()).or_default().add(now.denied, next.denied);
+        timeline.add(request.time_ms, now.denied, next.denied);
+        if request.captured_priority == Priority::Critical && !now.denied {
+            let newly_denied = next.denied;
+            all.0 += 1;
+            all.1 += u64::from(newly_denied);
+            count(&mut by_rule, request.captured_rule.as_deref().unwrap_or("-"), newly_denied);
+            count(&mut by_path, &request.resource_path, newly_denied);
         }
     }
-    #[allow(clippy::cast_precision_loss)]
-    let critical_drop =
-        if critical_allowed == 0 { 0.0 } else { critical_newly_denied as f64 / critical_allowed as f64 };
-    let mut offenders: Vec<(String, u64)> = offenders.into_iter().collect();
-    offenders.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     Report {
         requests: requests.len() as u64,
         unreadable: capture.unreadable,
+        capture_digest: capture.digest(),
         current_version: current.0.to_owned(),
         candidate_version: candidate.0.to_owned(),
         rules,
         priorities,
         timeline,
-        gate: Gate {
-            critical_allowed_current: critical_allowed,
-            critical_newly_denied,
-            critical_drop,
-            max_critical_drop,
-            passed: critical_drop <= max_critical_drop,
-            offenders,
-        },
+        gate: Gate::judge(thresholds, all, &by_rule, &by_path),
     }
 }
 
@@ -352,7 +352,7 @@ pub fn replay(
     current: Snapshot,
     candidate: Snapshot,
     max_user_id_bytes: usize,
-    max_critical_drop: f64,
+    thresholds: GateThresholds,
 ) -> Report {
     let (current_version, candidate_version) = (current.version().to_owned(), candidate.version().to_owned());
     let (now, next) = std::thread::scope(|scope| {
@@ -360,10 +360,23 @@ pub fn replay(
         let next = run(candidate, &capture.requests, max_user_id_bytes);
         (now.join().expect("the replay thread does not panic"), next)
     });
-    compare(capture, (&current_version, &now), (&candidate_version, &next), max_critical_drop)
+    compare(capture, (&current_version, &now), (&candidate_version, &next), thresholds)
 }
 
 impl Report {
+    /// The gate's report as the record of version `record_version` carries it.
+    pub fn gate_report(&self, record_version: &str, gated_at: String) -> GateReport {
+        GateReport {
+            capture_digest: self.capture_digest.clone(),
+            capture_requests: self.requests,
+            baseline_version: self.current_version.clone(),
+            candidate_version: record_version.to_owned(),
+            priorities: self.priorities.iter().map(|(p, row)| ((*p).to_owned(), row.clone())).collect(),
+            gate: self.gate.clone(),
+            gated_at,
+        }
+    }
+
     /// The human-readable report.
     pub fn table(&self) -> String {
         use std::fmt::Write as _;
@@ -402,22 +415,41 @@ impl Report {
                 row(&mut out, priority.as_str(), r);
             }
         }
+        self.gate_table(&mut out);
+        out
+    }
+
+    /// The gate's lines of [`Self::table`].
+    fn gate_table(&self, out: &mut String) {
+        use std::fmt::Write as _;
         let g = &self.gate;
         let _ = writeln!(
             out,
-            "\ngate: the candidate denies {} of {} CRITICAL requests the rules in force allow ({:.2}%; at most {:.2}%): {}",
-            g.critical_newly_denied,
-            g.critical_allowed_current,
-            g.critical_drop * 100.0,
-            g.max_critical_drop * 100.0,
+            "\ngate: the candidate denies {} of {} CRITICAL requests the rules in force allow ({:.2}%; at most {:.2}%); worst: {} {} at {:.2}%: {}",
+            g.all.critical_newly_denied,
+            g.all.critical_allowed,
+            g.all.drop * 100.0,
+            g.all.max_drop * 100.0,
+            g.worst.kind.as_str(),
+            g.worst.name,
+            g.worst.drop * 100.0,
             if g.passed { "PASS" } else { "FAIL" }
         );
-        if !g.passed {
-            for (rule, n) in &g.offenders {
-                let _ = writeln!(out, "  rule {rule}: {n} CRITICAL requests newly denied");
-            }
+        for group in &g.failed {
+            let _ = writeln!(
+                out,
+                "  {} {}: {} of {} CRITICAL requests newly denied ({:.2}%; at most {:.2}%)",
+                group.kind.as_str(),
+                group.name,
+                group.critical_newly_denied,
+                group.critical_allowed,
+                group.drop * 100.0,
+                group.max_drop * 100.0
+            );
         }
-        out
+        if g.failed_groups > g.failed.len() as u64 {
+            let _ = writeln!(out, "  … {} more", g.failed_groups - g.failed.len() as u64);
+        }
     }
 }
 
@@ -429,7 +461,11 @@ mod tests {
         crate::rules::from_text(Path::new("r.yaml"), text, crate::rules::PathForm::default()).unwrap()
     }
 
+    /// A request captured as CRITICAL under rule `play` on /play, as BULK
+    /// under `bulk` elsewhere.
     fn request(t: u64, user: &str, path: &str) -> Request {
+        let (captured_priority, rule) =
+            if path == "/play" { (Priority::Critical, "play") } else { (Priority::Bulk, "bulk") };
         Request {
             time_ms: t,
             user_id: user.into(),
@@ -438,18 +474,15 @@ mod tests {
             priority: None,
             weight: 1,
             count: CountKind::Check,
+            captured_priority,
+            captured_rule: Some(rule.into()),
         }
     }
 
-    #[test]
-    fn a_tighter_critical_rule_fails_the_gate_and_a_harmless_one_passes() {
-        let current = "rules:\n  - { rule_id: play, resource_path: /play, priority_bucket: CRITICAL, limit: 10, window_seconds: 1 }\n  - { rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: 10, window_seconds: 1 }\n";
-        let tight = current.replacen("limit: 10", "limit: 5", 1);
-        let harmless = current.replace(
-            "rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: 10",
-            "rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: 2",
-        );
-        // 3 users × 8 requests to /play within one second, 8 to /bulk.
+    const PLAY: &str = "rules:\n  - { rule_id: play, resource_path: /play, priority_bucket: CRITICAL, limit: 10, window_seconds: 1 }\n  - { rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: 10, window_seconds: 1 }\n";
+
+    /// 3 users × 8 requests to /play within one second, 8 to /bulk.
+    fn play_capture() -> Capture {
         let mut capture = Capture::default();
         for i in 0..8u64 {
             for user in ["a", "b", "c"] {
@@ -458,20 +491,70 @@ mod tests {
             capture.requests.push(request(1_000_000 + i * 10, "a", "/bulk"));
         }
         capture.sort();
-        let fail = replay(&capture, snapshot(current), snapshot(&tight), 256, 0.05);
+        capture
+    }
+
+    #[test]
+    fn a_tighter_critical_rule_fails_the_gate_and_a_harmless_one_passes() {
+        let tight = PLAY.replacen("limit: 10", "limit: 5", 1);
+        let harmless = PLAY.replace(
+            "rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: 10",
+            "rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: 2",
+        );
+        let capture = play_capture();
+        let t = GateThresholds::default();
+        let fail = replay(&capture, snapshot(PLAY), snapshot(&tight), 256, t);
         assert!(!fail.gate.passed);
-        assert_eq!((fail.gate.critical_allowed_current, fail.gate.critical_newly_denied), (24, 9));
-        assert_eq!(fail.gate.offenders, vec![("play".to_owned(), 9)]);
+        assert_eq!((fail.gate.all.critical_allowed, fail.gate.all.critical_newly_denied), (24, 9));
+        let failed: Vec<(&str, &str)> =
+            fail.gate.failed.iter().map(|g| (g.kind.as_str(), &*g.name)).collect();
+        assert_eq!(failed, vec![("all", "*"), ("rule", "play"), ("path", "/play")]);
         assert_eq!(
             fail.rules["play"],
             Row { requests: 24, denied_current: 0, denied_candidate: 9, newly_denied: 9, newly_allowed: 0 }
         );
-        assert!(fail.table().contains("FAIL") && fail.table().contains("rule play: 9"));
+        let table = fail.table();
+        assert!(table.contains("FAIL") && table.contains("rule play: 9 of 24 CRITICAL"), "{table}");
 
-        let pass = replay(&capture, snapshot(current), snapshot(&harmless), 256, 0.05);
+        let pass = replay(&capture, snapshot(PLAY), snapshot(&harmless), 256, t);
         assert!(pass.gate.passed, "{}", pass.table());
         assert_eq!(pass.priorities["BULK"].newly_denied, 6, "BULK may be denied: not gated");
-        assert_eq!(pass.gate.critical_newly_denied, 0);
+        assert_eq!(pass.gate.all.critical_newly_denied, 0);
+        let report = pass.gate_report("v2", "now".to_owned());
+        assert_eq!((report.candidate_version.as_str(), report.capture_requests), ("v2", 32));
+        assert_eq!(report.capture_digest, pass.capture_digest);
+    }
+
+    /// The rules in force at replay no longer call /play CRITICAL (nor does
+    /// the request); it was captured as CRITICAL, so a candidate denying
+    /// 37.5% of it fails.
+    #[test]
+    fn critical_is_what_the_request_was_when_captured() {
+        let plain = PLAY.replace("priority_bucket: CRITICAL, ", "");
+        let tight = PLAY.replacen("limit: 10", "limit: 5", 1);
+        let report =
+            replay(&play_capture(), snapshot(&plain), snapshot(&tight), 256, GateThresholds::default());
+        assert!(!report.gate.passed, "{}", report.table());
+        assert!((report.gate.all.drop - 0.375).abs() < 1e-9, "{}", report.gate.all.drop);
+    }
+
+    /// 1,000 client-made CRITICAL requests on an unruled path dilute the
+    /// global share under its threshold; rule play's own share still fails.
+    #[test]
+    fn client_made_critical_traffic_does_not_dilute_a_rule() {
+        let mut capture = play_capture();
+        for i in 0..1_000u64 {
+            let mut junk = request(1_000_000 + i, &format!("bot{i}"), "/junk");
+            (junk.captured_priority, junk.captured_rule) = (Priority::Critical, None);
+            capture.requests.push(junk);
+        }
+        capture.sort();
+        let tightest = PLAY.replacen("limit: 10", "limit: 3", 1);
+        let report = replay(&capture, snapshot(PLAY), snapshot(&tightest), 256, GateThresholds::default());
+        assert!(report.gate.all.drop < 0.05, "diluted: {}", report.gate.all.drop);
+        assert!(!report.gate.passed, "{}", report.table());
+        assert_eq!((report.gate.worst.kind.as_str(), &*report.gate.worst.name), ("rule", "play"));
+        assert!(report.gate.rules.iter().any(|g| g.name == "-" && g.passed), "{:?}", report.gate.rules);
     }
 
     #[test]

@@ -523,3 +523,130 @@ async fn captured_traffic_gates_a_candidate_that_drops_critical_requests() {
         text(&out)
     );
 }
+
+/// The gate judges what traffic was when captured and travels with the
+/// record. The capture is taken under rules where /play is CRITICAL; the
+/// rules in force on the topic no longer say so. A candidate denying 37.5%
+/// of /play fails; one denying 62.5% of it fails though 1,000 client-made
+/// CRITICAL requests on an unruled path dilute the global share to 1.5%.
+/// An instance with `rules.kafka.require_gate` refuses ungated records,
+/// records gated by laxer thresholds and serves a passing one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_gate_judges_captured_priorities_and_travels_with_the_record() {
+    let broker = Broker::start();
+    migrate(&broker);
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: String| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let play = |priority: &str, limit: u32| {
+        format!(
+            "rules:\n  - {{ rule_id: play, resource_path: /play, {priority}limit: {limit}, window_seconds: 60 }}\n"
+        )
+    };
+    let captured_under = write("captured.yaml", play("priority_bucket: CRITICAL, ", 10));
+    let capture = dir.path().join("capture.jsonl");
+    let mut cfg = config(&captured_under, None);
+    cfg.capture.sample_ratio = 1.0;
+    cfg.capture.salt = Some("a secret shared by the fleet".to_owned());
+    cfg.capture.file = capture.clone();
+    cfg.shed.trust_request_priority = true;
+    let server = TestServer::start(cfg).await;
+    let mut client = server.client().await;
+    for user in ["a", "b", "c"] {
+        for _ in 0..8 {
+            assert!(check(&mut client, request(user, "/play")).await.allowed);
+        }
+    }
+    let undiluted = dir.path().join("undiluted.jsonl");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            std::fs::read_to_string(&capture).unwrap_or_default().lines().count() == 24
+        })
+        .await
+    );
+    std::fs::copy(&capture, &undiluted).unwrap();
+    for i in 0..1_000 {
+        let mut junk = request(&format!("bot{i}"), "/junk");
+        junk.priority = ratelimitd::api::pb::PriorityBucket::Critical as i32;
+        check(&mut client, junk).await;
+    }
+    server.stop().await.unwrap();
+
+    let in_force = publish(&broker, &write("plain.yaml", play("", 10)));
+    let publish_gated = |candidate: &Path, capture: &Path, extra: &[&str]| {
+        let mut args =
+            vec!["rules", "publish", candidate.to_str().unwrap(), "--gate", capture.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        run(&broker, &args)
+    };
+    let tight = write("tight.yaml", play("priority_bucket: CRITICAL, ", 5));
+    let out = publish_gated(&tight, &undiluted, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("denies 9 of 24 CRITICAL requests"), "{}", text(&out));
+    let tightest = write("tightest.yaml", play("priority_bucket: CRITICAL, ", 3));
+    let out = publish_gated(&tightest, &capture, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("denies 15 of 1024 CRITICAL requests the rules in force allow (1.46%"),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("worst: rule play at 62.50%: FAIL"), "{}", text(&out));
+
+    // An instance that requires the gate refuses the ungated record in force.
+    let mut strict = subscriber(&broker, "g1");
+    strict.rules.kafka.require_gate = true;
+    let gated = TestServer::start_unready(strict).await;
+    let refused = |n: f64| {
+        let gated = &gated;
+        move || async move { metric(gated, "ratelimitd_rules_records_total{result=\"refused\"}").await == Some(n) }
+    };
+    assert!(eventually(Duration::from_secs(20), refused(1.0)).await, "{}", readyz(&gated).await.1);
+    assert!(readyz(&gated).await.1.contains("waiting for rules"), "{}", readyz(&gated).await.1);
+    // A passing report by thresholds laxer than the instance's: refused too.
+    let lax = [
+        "--max-critical-drop",
+        "1",
+        "--max-critical-drop-per-rule",
+        "1",
+        "--max-critical-drop-per-path",
+        "1",
+    ];
+    let out = publish_gated(&tight, &capture, &lax);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(eventually(Duration::from_secs(20), refused(2.0)).await);
+    let status = text(&run(&broker, &["rules", "status"]));
+    assert!(
+        status.contains("its gate's max_critical_drop is laxer than this instance's gate.max_critical_drop"),
+        "{status}"
+    );
+    // A passing candidate, gated: served.
+    let same = write("same.yaml", play("priority_bucket: CRITICAL, ", 12));
+    let out = publish_gated(&same, &capture, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let published = stdout.lines().find(|l| l.starts_with("published ")).expect("published VERSION …");
+    let version = published.split_whitespace().nth(1).unwrap().to_owned();
+    gated.ready().await;
+    assert!(
+        eventually(Duration::from_secs(20), || serves(&gated, &version)).await,
+        "{}",
+        readyz(&gated).await.1
+    );
+    let history = text(&run(&broker, &["rules", "history"]));
+    assert!(history.contains("gated (1024 requests, worst all * 0.00%)"), "{history}");
+    assert!(history.lines().any(|l| l.contains(&in_force) && l.contains("ungated")), "{history}");
+    // A publisher configured like the instance cannot skip the gate.
+    let out = Command::new(BIN)
+        .args(["rules", "publish", tight.to_str().unwrap()])
+        .envs(env(&broker))
+        .env("RATELIMITD__RULES__KAFKA__REQUIRE_GATE", "true")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out));
+    assert!(text(&out).contains("pass --gate CAPTURE"), "{}", text(&out));
+    gated.stop().await.unwrap();
+}

@@ -321,7 +321,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("src/tls.rs::incoming", "the accept loop: one select over accepts, handshakes and stop"),
     ("src/cli/mod.rs::check", "one command, read top to bottom: arguments, call, answer, exit code"),
     ("src/cli/rules.rs::publish", "one command's steps and their exit codes, in order"),
-    ("src/replay.rs::compare", "one pass over both replays' outcomes into every table of the report"),
 ];
 
 /// Every function of `src/` outside test modules: (`file::name`, lines).

@@ -152,12 +152,55 @@ pub struct PublishArgs {
     /// the candidate first; refuse to publish a candidate that fails the gate.
     #[arg(long, value_name = "CAPTURE")]
     pub gate: Option<PathBuf>,
-    /// The gate: the largest share of CRITICAL requests allowed by the rules
-    /// in force that the candidate may deny (0.05 = 5%).
-    #[arg(long, default_value_t = 0.05)]
-    pub max_critical_drop: f64,
+    #[command(flatten)]
+    pub thresholds: GateArgs,
     #[command(flatten)]
     pub signing: SigningArgs,
+}
+
+/// The gate's thresholds, each overriding its `gate.*` setting.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GateArgs {
+    /// The largest share of the CRITICAL requests allowed by the rules in
+    /// force that the candidate may deny (0.05 = 5%); default gate.max_critical_drop.
+    #[arg(long, value_name = "SHARE")]
+    pub max_critical_drop: Option<f64>,
+    /// The same within one rule; default gate.max_critical_drop_per_rule.
+    #[arg(long, value_name = "SHARE")]
+    pub max_critical_drop_per_rule: Option<f64>,
+    /// The same within one path; default gate.max_critical_drop_per_path.
+    #[arg(long, value_name = "SHARE")]
+    pub max_critical_drop_per_path: Option<f64>,
+    /// Judge a rule or path from this many CRITICAL requests; default gate.min_group_requests.
+    #[arg(long, value_name = "N")]
+    pub min_group_requests: Option<u64>,
+}
+
+impl GateArgs {
+    /// `configured` with these overrides; an error names the flag.
+    fn thresholds(
+        &self,
+        configured: crate::rules::gate::GateThresholds,
+    ) -> Result<crate::rules::gate::GateThresholds, ExitCode> {
+        let t = crate::rules::gate::GateThresholds {
+            max_critical_drop: self.max_critical_drop.unwrap_or(configured.max_critical_drop),
+            max_critical_drop_per_rule: self
+                .max_critical_drop_per_rule
+                .unwrap_or(configured.max_critical_drop_per_rule),
+            max_critical_drop_per_path: self
+                .max_critical_drop_per_path
+                .unwrap_or(configured.max_critical_drop_per_path),
+            min_group_requests: self.min_group_requests.unwrap_or(configured.min_group_requests),
+        };
+        match t.invalid() {
+            None => Ok(t),
+            Some((key, why)) => {
+                let flag = key.trim_start_matches("gate.").replace('_', "-");
+                eprintln!("--{flag}: {why}");
+                Err(ExitCode::from(EXIT_USAGE))
+            }
+        }
+    }
 }
 
 /// `ratelimitd rules diff …`
@@ -504,10 +547,9 @@ pub struct ReplayArgs {
     /// rules topic (rules.source: kafka), else rules.path, else the embedded rules.
     #[arg(long)]
     pub current: Option<PathBuf>,
-    /// Exit 1 when the candidate denies more than this share of the CRITICAL
-    /// requests the rules in force allow (0.05 = 5%).
-    #[arg(long, default_value_t = 0.05)]
-    pub max_critical_drop: f64,
+    /// Exit 1 when the candidate fails the gate by these thresholds.
+    #[command(flatten)]
+    pub thresholds: GateArgs,
     /// Also write the report as JSON (per rule, per priority, a timeline, the gate) to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -529,10 +571,13 @@ pub fn replay(args: &ReplayArgs, config: &Config) -> ExitCode {
         Ok(current) => current,
         Err(code) => return code,
     };
-    match run_replay(config, &args.capture, current, candidate, args.max_critical_drop, args.json.as_deref())
-    {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
+    let thresholds = match args.thresholds.thresholds(config.gate) {
+        Ok(thresholds) => thresholds,
+        Err(code) => return code,
+    };
+    match run_replay(config, &args.capture, current, candidate, thresholds, args.json.as_deref()) {
+        Ok(report) if report.gate.passed => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(1),
         Err(code) => code,
     }
 }
@@ -648,19 +693,15 @@ pub fn diff(args: &DiffArgs, config: &Config) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Reads the capture, replays, prints the report; Ok(passed).
+/// Reads the capture, replays, prints the report and returns it.
 fn run_replay(
     config: &Config,
     source: &str,
     current: crate::rules::Snapshot,
     candidate: crate::rules::Snapshot,
-    max_critical_drop: f64,
+    thresholds: crate::rules::gate::GateThresholds,
     json: Option<&std::path::Path>,
-) -> Result<bool, ExitCode> {
-    if !(0.0..=1.0).contains(&max_critical_drop) {
-        eprintln!("--max-critical-drop {max_critical_drop}: must be within 0..1");
-        return Err(ExitCode::from(EXIT_USAGE));
-    }
+) -> Result<crate::replay::Report, ExitCode> {
     let capture = if source == "kafka" {
         let kafka = &config.capture.kafka;
         let Some(brokers) = &kafka.brokers else {
@@ -692,13 +733,8 @@ fn run_replay(
             current.version()
         );
     }
-    let report = crate::replay::replay(
-        &capture,
-        current,
-        candidate,
-        config.limits.max_user_id_bytes,
-        max_critical_drop,
-    );
+    let report =
+        crate::replay::replay(&capture, current, candidate, config.limits.max_user_id_bytes, thresholds);
     let _ = std::io::stdout().write_all(report.table().as_bytes());
     if let Some(path) = json {
         let text = serde_json::to_string_pretty(&report).unwrap_or_default();
@@ -707,18 +743,18 @@ fn run_replay(
             return Err(ExitCode::from(1));
         }
     }
-    Ok(report.gate.passed)
+    Ok(report)
 }
 
 /// The publish gate: replays `capture` through the rules in force (the
-/// record `in_force`, else the configured rules) and `candidate`; Ok(passed).
+/// record `in_force`, else the configured rules) and `candidate`.
 pub(crate) fn gate(
     config: &Config,
     in_force: Option<&crate::rules::encoding::SnapshotRecord>,
     candidate: &crate::rollout::publish::Candidate,
     capture: &std::path::Path,
-    max_critical_drop: f64,
-) -> Result<bool, ExitCode> {
+    thresholds: crate::rules::gate::GateThresholds,
+) -> Result<crate::replay::Report, ExitCode> {
     let current = current_rules(config, in_force)?;
     let record =
         crate::rollout::publish::record(candidate, None, crate::rules::encoding::Provenance::default());
@@ -727,5 +763,5 @@ pub(crate) fn gate(
         eprintln!("--gate {}: not a UTF-8 path", capture.display());
         ExitCode::from(EXIT_USAGE)
     })?;
-    run_replay(config, source, current, candidate, max_critical_drop, None)
+    run_replay(config, source, current, candidate, thresholds, None)
 }

@@ -71,8 +71,7 @@ fn signer(what: &str, args: &SigningArgs, config: &Config) -> Result<Option<Sign
 /// `signer`, else the key of `rules.kafka.signing_key_file` when it loads.
 pub(super) fn trust(config: &Config, signer: Option<&Signer>) -> Trust {
     let kafka = &config.rules.kafka;
-    // Validated with the configuration.
-    let mut trust = Trust::of(&kafka.verify_keys, kafka.allow_unsigned).unwrap_or_default();
+    let mut trust = config.rules_trust();
     let configured = || {
         let text = std::fs::read_to_string(kafka.signing_key_file.as_ref()?).ok()?;
         Signer::from_text(&text).ok()
@@ -104,6 +103,16 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
         Ok(signer) => signer,
         Err(code) => return code,
     };
+    if kafka.require_gate && args.gate.is_none() {
+        eprintln!(
+            "rules publish: rules.kafka.require_gate is on: instances serve only gated records; pass --gate CAPTURE"
+        );
+        return ExitCode::from(EXIT_USAGE);
+    }
+    let thresholds = match args.thresholds.thresholds(config.gate) {
+        Ok(thresholds) => thresholds,
+        Err(code) => return code,
+    };
     let trust = trust(config, signer.as_ref());
     let candidate = match publish::candidate(
         args.path.as_deref(),
@@ -131,26 +140,28 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
         let _ = writeln!(std::io::stdout(), "{version}: already in force; nothing published");
         return ExitCode::SUCCESS;
     }
+    let mut record = publish::record(&candidate, current, publish::provenance(&candidate.paths));
     if let Some(capture) = &args.gate {
         // Replay runs engines on runtimes of its own: off this one.
         let (config, current, candidate, capture) =
             (config.clone(), current.cloned(), candidate.clone(), capture.clone());
-        let max = args.max_critical_drop;
         let gated = tokio::task::spawn_blocking(move || {
-            super::gate(&config, current.as_ref(), &candidate, &capture, max)
+            super::gate(&config, current.as_ref(), &candidate, &capture, thresholds)
         })
         .await
         .unwrap_or(Err(ExitCode::FAILURE));
         match gated {
-            Ok(true) => {}
-            Ok(false) => {
+            Ok(report) if report.gate.passed => {
+                let at = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
+                record.gate = Some(report.gate_report(&version, at));
+            }
+            Ok(_) => {
                 eprintln!("rules publish: the candidate fails the gate; nothing published");
                 return ExitCode::from(1);
             }
             Err(code) => return code,
         }
     }
-    let record = publish::record(&candidate, current, publish::provenance(&candidate.paths));
     match publish::publish(kafka, &record, signer.as_ref()).await {
         Ok(offset) => {
             let _ = writeln!(
@@ -219,9 +230,21 @@ pub fn history(config: &Config) -> ExitCode {
         match record {
             Ok(r) => {
                 let mark = if Some(&r.version) == in_force.as_ref() { "  (in force)" } else { "" };
+                let gate = r.gate.as_ref().map_or_else(
+                    || ", ungated".to_owned(),
+                    |g| {
+                        format!(
+                            ", gated ({} requests, worst {} {} {:.2}%)",
+                            g.capture_requests,
+                            g.gate.worst.kind.as_str(),
+                            g.gate.worst.name,
+                            g.gate.worst.drop * 100.0
+                        )
+                    },
+                );
                 let _ = writeln!(
                     out,
-                    "{offset:>7}  {:<16}  {:<24}  {:<16}  {:<10}  {}{}, {signer}{mark}",
+                    "{offset:>7}  {:<16}  {:<24}  {:<16}  {:<10}  {}{}, {signer}{gate}{mark}",
                     r.version,
                     r.published_at,
                     r.previous.as_deref().unwrap_or("-"),

@@ -59,7 +59,7 @@ pub use crate::{
     decision::TenantSource,
     limiter::settings::{RedisConfig, redact_url},
     rollout::RulesKafkaConfig,
-    rules::{OverloadMode, PathForm},
+    rules::{OverloadMode, PathForm, gate::GateThresholds},
     telemetry::settings::{LogConfig, LogFormat, TelemetryConfig},
     tls::GrpcTlsConfig,
 };
@@ -117,6 +117,8 @@ pub struct Config {
     pub dlq: DlqConfig,
     /// A sample of decided requests, for replay.
     pub capture: CaptureConfig,
+    /// The publish gate: how much CRITICAL traffic a candidate may newly deny.
+    pub gate: GateThresholds,
     /// Envoy's `ShouldRateLimit` (active when `rules.envoy_path` is set).
     pub envoy: EnvoySettings,
     /// Logging.
@@ -200,10 +202,24 @@ impl Config {
         self.denial_cache.validate()?;
         self.dlq.validate()?;
         self.capture.validate()?;
+        if let Some((key, message)) = self.gate.invalid() {
+            return Err(invalid(key, message));
+        }
         self.envoy.validate()?;
         self.log.validate()?;
         self.telemetry.validate()?;
         self.kafka_built()
+    }
+
+    /// Whose rules records an instance of this configuration serves:
+    /// `rules.kafka.verify_keys` (validated; were they not, nothing would be
+    /// trusted: fail closed), `allow_unsigned`, and with `require_gate` the
+    /// thresholds of `gate.*`.
+    pub fn rules_trust(&self) -> crate::rules::signing::Trust {
+        let kafka = &self.rules.kafka;
+        crate::rules::signing::Trust::of(&kafka.verify_keys, kafka.allow_unsigned)
+            .unwrap_or_default()
+            .requiring_gate(kafka.require_gate.then_some(self.gate))
     }
 
     /// A Kafka setting in a build without Kafka (cargo feature `kafka`)

@@ -56,6 +56,11 @@ pub struct RulesKafkaConfig {
     /// keygen` writes it), with which `rules publish` and `rules rollback`
     /// sign; `--signing-key` overrides it.
     pub signing_key_file: Option<std::path::PathBuf>,
+    /// Serve only records that carry a passing gate report (`rules publish
+    /// --gate`) for their own version, judged by thresholds at least as
+    /// strict as this instance's `gate.*`; `rules publish` then refuses to
+    /// publish without `--gate`.
+    pub require_gate: bool,
     /// Any librdkafka property (`security.protocol`, `sasl.*`, `ssl.*`, …).
     /// Values are never logged.
     // Secrets (passwords, SASL and TLS properties, auth headers) are
@@ -76,6 +81,7 @@ impl Default for RulesKafkaConfig {
             verify_keys: Vec::new(),
             allow_unsigned: false,
             signing_key_file: None,
+            require_gate: false,
             properties: BTreeMap::new(),
         }
     }
@@ -94,6 +100,7 @@ impl fmt::Debug for RulesKafkaConfig {
             .field("verify_keys", &self.verify_keys)
             .field("allow_unsigned", &self.allow_unsigned)
             .field("signing_key_file", &self.signing_key_file)
+            .field("require_gate", &self.require_gate)
             .field("properties", &self.properties.keys().map(|k| format!("{k}=***")).collect::<Vec<_>>())
             .finish()
     }

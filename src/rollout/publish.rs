@@ -137,6 +137,7 @@ pub fn record(
         provenance,
         native: candidate.native.clone(),
         envoy: candidate.envoy.clone(),
+        gate: None,
     }
 }
 

@@ -121,7 +121,8 @@ impl Subscription {
         let mut assigned = false;
         let mut caught_up = false;
         let mut backlog: Vec<(i64, Vec<u8>)> = Vec::new();
-        while !*stop.borrow() {
+        // Stopped, or the server that would stop it is gone (its sender dropped).
+        while !*stop.borrow() && stop.has_changed().is_ok() {
             if !fallback_tried && self.feed.served().is_none() && started.elapsed() >= wait {
                 fallback_tried = true;
                 self.serve_fallback(&format!("no snapshot from topic {topic:?} within rules.kafka.wait_ms"));

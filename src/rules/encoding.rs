@@ -49,6 +49,10 @@ pub struct SnapshotRecord {
     pub native: Option<NativeRules>,
     /// Envoy configuration; `None`: none (every descriptor is unmatched).
     pub envoy: Option<EnvoyRules>,
+    /// The publish gate's report on this version (`rules publish --gate`);
+    /// instances with `rules.kafka.require_gate` serve only a passing one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gate: Option<super::gate::GateReport>,
 }
 
 /// Where a published rule set comes from.
@@ -138,6 +142,15 @@ pub enum DecodeError {
     /// the envelope claims a key it was not signed with.
     #[error("the signature by {0} does not verify")]
     BadSignature(String),
+    /// `rules.kafka.require_gate` is on and the record has no passing gate
+    /// report for its version by thresholds at least as strict as `gate.*`.
+    #[error("snapshot {version}: {why}")]
+    Ungated {
+        /// The record's version.
+        version: String,
+        /// What is wrong with its gate report.
+        why: String,
+    },
     /// Not JSON of this schema.
     #[error("undecodable snapshot record: {0}")]
     Undecodable(String),
@@ -346,6 +359,7 @@ rules:
             provenance: Provenance::default(),
             native: Some(native),
             envoy: Some(envoy),
+            gate: None,
         };
         (snapshot, record)
     }
@@ -416,6 +430,7 @@ rules:
             provenance: Provenance::default(),
             native: None,
             envoy: None,
+            gate: None,
         };
         let compiled = record.compile(envoy::Compile::FIXED, PathForm::default()).unwrap();
         assert!(compiled.native.rules().is_empty());

@@ -10,6 +10,7 @@ pub mod diff;
 pub mod encoding;
 pub mod envoy;
 mod figures;
+pub mod gate;
 pub mod model;
 mod native;
 pub mod signing;

@@ -110,6 +110,9 @@ pub struct Trust {
     pub keys: Vec<VerifyingKey>,
     /// Unsigned records are taken too (`rules.kafka.allow_unsigned`).
     pub allow_unsigned: bool,
+    /// Only records carrying a passing gate report judged by thresholds at
+    /// least this strict (`rules.kafka.require_gate`, `gate.*`).
+    pub require_gate: Option<super::gate::GateThresholds>,
 }
 
 impl Trust {
@@ -120,13 +123,30 @@ impl Trust {
             .iter()
             .map(|k| public_key(k).map_err(|e| (k.clone(), e)))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Trust { keys, allow_unsigned })
+        Ok(Trust { keys, allow_unsigned, require_gate: None })
+    }
+
+    /// This trust, taking only gated records when `required` is set.
+    #[must_use]
+    pub fn requiring_gate(self, required: Option<super::gate::GateThresholds>) -> Self {
+        Trust { require_gate: required, ..self }
     }
 
     /// The snapshot record `payload` carries, if this trust takes it: signed
-    /// by a known key with a valid signature, or unsigned where allowed.
-    /// Nothing else about the record is checked here ([`SnapshotRecord::compile`]).
+    /// by a known key with a valid signature (or unsigned where allowed),
+    /// with a passing gate report where one is required. Nothing else about
+    /// the record is checked here ([`SnapshotRecord::compile`]).
     pub fn open(&self, payload: &[u8]) -> Result<SnapshotRecord, DecodeError> {
+        let record = self.open_signed(payload)?;
+        if let Some(required) = &self.require_gate
+            && let Some(why) = super::gate::refusal(record.gate.as_ref(), &record.version, required)
+        {
+            return Err(DecodeError::Ungated { version: record.version, why });
+        }
+        Ok(record)
+    }
+
+    fn open_signed(&self, payload: &[u8]) -> Result<SnapshotRecord, DecodeError> {
         let Ok(envelope) = serde_json::from_slice::<Envelope>(payload) else {
             // Not signed: a record that does not even decode says so first.
             let record = SnapshotRecord::parse(payload)?;
@@ -170,6 +190,7 @@ mod tests {
             provenance: Provenance::default(),
             native: None,
             envoy: None,
+            gate: None,
         }
     }
 
@@ -206,6 +227,40 @@ mod tests {
         assert!(matches!(strict.open(&forged), Err(DecodeError::BadSignature(_))));
         // Unsigned records only where allowed explicitly.
         assert_eq!(trust(&[], true).open(&unsigned).unwrap(), record());
+    }
+
+    #[test]
+    fn a_trust_requiring_the_gate_opens_only_gated_records() {
+        use crate::rules::gate::{Gate, GateReport, GateThresholds};
+        let signer = Signer::generate().unwrap();
+        let t = GateThresholds::default();
+        let gated = trust(&[&signer], false).requiring_gate(Some(t));
+        let ungated = gated.open(&signer.sign(&record())).unwrap_err();
+        assert!(
+            matches!(&ungated, DecodeError::Ungated { why, .. } if why.contains("no gate report")),
+            "{ungated}"
+        );
+        let report = GateReport {
+            capture_digest: String::new(),
+            capture_requests: 10,
+            baseline_version: "v0".to_owned(),
+            candidate_version: "v1".to_owned(),
+            priorities: Default::default(),
+            gate: Gate::judge(t, (10, 0), &Default::default(), &Default::default()),
+            gated_at: String::new(),
+        };
+        let with_report = SnapshotRecord { gate: Some(report), ..record() };
+        assert_eq!(gated.open(&signer.sign(&with_report)).unwrap(), with_report);
+        // The report is signed with the record: editing it breaks the signature.
+        let envelope: serde_json::Value = serde_json::from_slice(&signer.sign(&with_report)).unwrap();
+        let edited = envelope["record"]
+            .as_str()
+            .unwrap()
+            .replace("\"capture_requests\":10", "\"capture_requests\":11");
+        let mut tampered = envelope.clone();
+        tampered["record"] = serde_json::Value::String(edited);
+        let tampered = serde_json::to_vec(&tampered).unwrap();
+        assert!(matches!(gated.open(&tampered), Err(DecodeError::BadSignature(_))));
     }
 
     #[test]

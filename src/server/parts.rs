@@ -166,9 +166,7 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
         compile: config.envoy.compile(),
         paths: config.rules.path_matching,
         allow_empty: config.rules.allow_empty,
-        // Validated with the configuration; were it not, no record would
-        // be trusted (fail closed).
-        trust: crate::rules::signing::Trust::of(&kafka.verify_keys, kafka.allow_unsigned).unwrap_or_default(),
+        trust: config.rules_trust(),
         native: Arc::clone(&native),
         envoy: Arc::clone(&envoy),
         feed: Arc::clone(&feed),
