@@ -24,11 +24,13 @@ use crate::{
     capture::{CaptureRecord, CountKind},
     clock::ManualClock,
     decision::{
-        CheckRequest, Engine, EngineParts, EnvoyPolicy, FailedDecision, FailureSink, NoStats, Reason,
+        CheckRequest, Engine, EngineParts, EnvoyCall, EnvoyPolicy, FailedDecision, FailureSink, NoStats,
+        Reason,
     },
     limiter::{MemoryStore, Store},
     rules::{
-        RuleStore, Snapshot,
+        Hot, RuleStore, Snapshot,
+        envoy::EnvoyConfig,
         gate::{Gate, GateReport, GateThresholds},
     },
     shed::{Priority, ShedMode, Shedder},
@@ -64,16 +66,37 @@ pub struct Request {
     pub captured_priority: Priority,
     /// The rule it matched when captured.
     pub captured_rule: Option<Box<str>>,
+    /// A `ShouldRateLimit` request; `resource_path` is then its domain and
+    /// first descriptor (`domain: key=value, …`), the path it is judged by.
+    pub envoy: Option<Box<EnvoyCall>>,
+}
+
+/// The path an Envoy request is judged by: its domain and first descriptor.
+fn envoy_path(call: &EnvoyCall) -> String {
+    let mut path = call.domain.clone();
+    path.push(':');
+    for (i, (key, value)) in call.descriptors.first().map_or(&[][..], |d| &d.entries).iter().enumerate() {
+        path.push_str(if i == 0 { " " } else { ", " });
+        path.push_str(key);
+        path.push('=');
+        path.push_str(value);
+    }
+    path
 }
 
 impl From<CaptureRecord> for Request {
     fn from(r: CaptureRecord) -> Self {
+        let resource_path = match &r.envoy {
+            Some(call) => envoy_path(call),
+            None => r.resource_path,
+        };
         Request {
             captured_priority: r.effective_priority,
             captured_rule: r.rule_id.map(Into::into),
+            envoy: r.envoy.map(Box::new),
             time_ms: r.time_ms,
             user_id: r.user_id.into(),
-            resource_path: r.resource_path.into(),
+            resource_path: resource_path.into(),
             client_type: r.client_type.map(Into::into),
             priority: r.priority,
             weight: r.weight.max(1),
@@ -173,14 +196,60 @@ impl FailureSink for Discard {
     fn record(&self, _: &FailedDecision<'_>) {}
 }
 
+/// A rule set replay decides by.
+#[derive(Debug)]
+pub struct Rules {
+    /// Native rules (`Check`).
+    pub native: Snapshot,
+    /// The Envoy configuration (`ShouldRateLimit`); `None`: every
+    /// descriptor is unmatched.
+    pub envoy: Option<EnvoyConfig>,
+}
+
+impl Rules {
+    /// Native rules only.
+    pub fn native(native: Snapshot) -> Self {
+        Rules { native, envoy: None }
+    }
+
+    /// The native version, and the Envoy one after a `+` when there is one.
+    pub fn version(&self) -> String {
+        match &self.envoy {
+            Some(envoy) => format!("{}+{}", self.native.version(), envoy.version()),
+            None => self.native.version().to_owned(),
+        }
+    }
+}
+
+/// What replay decides with besides the rules: the instances' settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// `limits.max_user_id_bytes`.
+    pub max_user_id_bytes: usize,
+    /// How instances treat Envoy requests (`envoy.*`).
+    pub envoy: EnvoyPolicy,
+    /// The gate's thresholds.
+    pub thresholds: GateThresholds,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            max_user_id_bytes: 256,
+            envoy: EnvoyPolicy::default(),
+            thresholds: GateThresholds::default(),
+        }
+    }
+}
+
 /// Replays `requests` through `rules` on a virtual clock; one outcome per request.
-pub fn run(rules: Snapshot, requests: &[Request], max_user_id_bytes: usize) -> Vec<Outcome> {
+pub fn run(rules: Rules, requests: &[Request], settings: &Settings) -> Vec<Outcome> {
     let clock = Arc::new(ManualClock::new(requests.first().map_or(0, |r| r.time_ms)));
     let capacity = requests.len().max(1_000);
     let store = MemoryStore::new(16, capacity, Arc::clone(&clock) as Arc<dyn crate::clock::Clock>);
     let engine = Engine::new(EngineParts {
-        rules: Arc::new(RuleStore::new(rules)),
-        envoy: None,
+        rules: Arc::new(RuleStore::new(rules.native)),
+        envoy: rules.envoy.map(|envoy| Arc::new(Hot::new(envoy))),
         store: Store::Memory(Arc::new(store)),
         local: Arc::new(crate::limiter::local::LocalLimiter::new(
             Default::default(),
@@ -190,9 +259,9 @@ pub fn run(rules: Snapshot, requests: &[Request], max_user_id_bytes: usize) -> V
         failures: Arc::new(Discard),
         stats: Arc::new(NoStats),
         default_priority: Priority::Degraded,
-        max_user_id_bytes,
+        max_user_id_bytes: settings.max_user_id_bytes,
         trust_request_priority: true,
-        envoy_policy: EnvoyPolicy::default(),
+        envoy_policy: settings.envoy.clone(),
         capture: None,
         overload: None,
         tenants: crate::decision::TenantPolicy::default(),
@@ -200,31 +269,46 @@ pub fn run(rules: Snapshot, requests: &[Request], max_user_id_bytes: usize) -> V
         tenant_shares: None,
     });
     let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a current-thread runtime");
-    let headers = HashMap::new();
     runtime.block_on(async {
         let mut outcomes = Vec::with_capacity(requests.len());
         for request in requests {
             clock.set(request.time_ms);
-            let decision = engine
-                .check(&CheckRequest {
-                    user_id: &request.user_id,
-                    resource_path: &request.resource_path,
-                    client_type: request.client_type.as_deref(),
-                    weight: request.weight,
-                    count: request.count.count(),
-                    priority: request.priority,
-                    headers: &headers,
-                    trace_id: None,
-                    share: None,
-                })
-                .await;
-            outcomes.push(Outcome {
-                denied: matches!(decision.reason, Reason::OverLimit | Reason::WeightExceedsCapacity),
-                rule: decision.rule.map(|r| r.id),
-            });
+            outcomes.push(decide(&engine, request).await);
         }
         outcomes
     })
+}
+
+/// One request through `engine`.
+async fn decide(engine: &Engine, request: &Request) -> Outcome {
+    if let Some(call) = &request.envoy {
+        let decision = engine.should_rate_limit(&call.request()).await;
+        let statuses = &decision.statuses;
+        let bound = decision
+            .tightest
+            .and_then(|i| statuses.get(i))
+            .and_then(|s| s.limit.as_ref())
+            .or_else(|| statuses.iter().find_map(|s| s.limit.as_ref()));
+        return Outcome { denied: decision.over_limit, rule: bound.map(|limit| Arc::clone(&limit.full_key)) };
+    }
+    let headers = HashMap::new();
+    let decision = engine
+        .check(&CheckRequest {
+            user_id: &request.user_id,
+            resource_path: &request.resource_path,
+            client_type: request.client_type.as_deref(),
+            weight: request.weight,
+            count: request.count.count(),
+            priority: request.priority,
+            headers: &headers,
+            trace_id: None,
+            share: None,
+        })
+        .await;
+    Outcome {
+        denied: matches!(decision.reason, Reason::OverLimit | Reason::WeightExceedsCapacity),
+        rule: decision.rule.map(|r| r.id),
+    }
 }
 
 /// The comparison, and the gate's verdict.
@@ -347,20 +431,14 @@ pub fn compare(
 }
 
 /// Replays `capture` under `current` and `candidate` (two threads) and compares.
-pub fn replay(
-    capture: &Capture,
-    current: Snapshot,
-    candidate: Snapshot,
-    max_user_id_bytes: usize,
-    thresholds: GateThresholds,
-) -> Report {
-    let (current_version, candidate_version) = (current.version().to_owned(), candidate.version().to_owned());
+pub fn replay(capture: &Capture, current: Rules, candidate: Rules, settings: &Settings) -> Report {
+    let (current_version, candidate_version) = (current.version(), candidate.version());
     let (now, next) = std::thread::scope(|scope| {
-        let now = scope.spawn(|| run(current, &capture.requests, max_user_id_bytes));
-        let next = run(candidate, &capture.requests, max_user_id_bytes);
+        let now = scope.spawn(|| run(current, &capture.requests, settings));
+        let next = run(candidate, &capture.requests, settings);
         (now.join().expect("the replay thread does not panic"), next)
     });
-    compare(capture, (&current_version, &now), (&candidate_version, &next), thresholds)
+    compare(capture, (&current_version, &now), (&candidate_version, &next), settings.thresholds)
 }
 
 impl Report {
@@ -457,8 +535,10 @@ impl Report {
 mod tests {
     use super::*;
 
-    fn snapshot(text: &str) -> Snapshot {
-        crate::rules::from_text(Path::new("r.yaml"), text, crate::rules::PathForm::default()).unwrap()
+    fn snapshot(text: &str) -> Rules {
+        Rules::native(
+            crate::rules::from_text(Path::new("r.yaml"), text, crate::rules::PathForm::default()).unwrap(),
+        )
     }
 
     /// A request captured as CRITICAL under rule `play` on /play, as BULK
@@ -476,6 +556,7 @@ mod tests {
             count: CountKind::Check,
             captured_priority,
             captured_rule: Some(rule.into()),
+            envoy: None,
         }
     }
 
@@ -502,8 +583,7 @@ mod tests {
             "rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: 2",
         );
         let capture = play_capture();
-        let t = GateThresholds::default();
-        let fail = replay(&capture, snapshot(PLAY), snapshot(&tight), 256, t);
+        let fail = replay(&capture, snapshot(PLAY), snapshot(&tight), &Settings::default());
         assert!(!fail.gate.passed);
         assert_eq!((fail.gate.all.critical_allowed, fail.gate.all.critical_newly_denied), (24, 9));
         let failed: Vec<(&str, &str)> =
@@ -516,7 +596,7 @@ mod tests {
         let table = fail.table();
         assert!(table.contains("FAIL") && table.contains("rule play: 9 of 24 CRITICAL"), "{table}");
 
-        let pass = replay(&capture, snapshot(PLAY), snapshot(&harmless), 256, t);
+        let pass = replay(&capture, snapshot(PLAY), snapshot(&harmless), &Settings::default());
         assert!(pass.gate.passed, "{}", pass.table());
         assert_eq!(pass.priorities["BULK"].newly_denied, 6, "BULK may be denied: not gated");
         assert_eq!(pass.gate.all.critical_newly_denied, 0);
@@ -532,8 +612,7 @@ mod tests {
     fn critical_is_what_the_request_was_when_captured() {
         let plain = PLAY.replace("priority_bucket: CRITICAL, ", "");
         let tight = PLAY.replacen("limit: 10", "limit: 5", 1);
-        let report =
-            replay(&play_capture(), snapshot(&plain), snapshot(&tight), 256, GateThresholds::default());
+        let report = replay(&play_capture(), snapshot(&plain), snapshot(&tight), &Settings::default());
         assert!(!report.gate.passed, "{}", report.table());
         assert!((report.gate.all.drop - 0.375).abs() < 1e-9, "{}", report.gate.all.drop);
     }
@@ -550,7 +629,7 @@ mod tests {
         }
         capture.sort();
         let tightest = PLAY.replacen("limit: 10", "limit: 3", 1);
-        let report = replay(&capture, snapshot(PLAY), snapshot(&tightest), 256, GateThresholds::default());
+        let report = replay(&capture, snapshot(PLAY), snapshot(&tightest), &Settings::default());
         assert!(report.gate.all.drop < 0.05, "diluted: {}", report.gate.all.drop);
         assert!(!report.gate.passed, "{}", report.table());
         assert_eq!((report.gate.worst.kind.as_str(), &*report.gate.worst.name), ("rule", "play"));
@@ -569,7 +648,7 @@ mod tests {
             request(5_002, "u", "/r"),
             request(6_000, "u", "/r"),
         ];
-        let outcomes = run(rules, &requests, 256);
+        let outcomes = run(rules, &requests, &Settings::default());
         let denied: Vec<bool> = outcomes.iter().map(|o| o.denied).collect();
         assert_eq!(denied, vec![false, false, true, false]);
     }

@@ -650,3 +650,99 @@ async fn the_gate_judges_captured_priorities_and_travels_with_the_record() {
     assert!(text(&out).contains("pass --gate CAPTURE"), "{}", text(&out));
     gated.stop().await.unwrap();
 }
+
+/// Envoy traffic is captured (domain, descriptors, hits; the priority and
+/// the limit that bound) and gates an Envoy candidate the same way: a
+/// tighter limit on the CRITICAL domain fails, in `replay` and in front of
+/// `rules publish --envoy`; a looser one passes and is published gated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_envoy_capture_gates_an_envoy_candidate() {
+    use ratelimitd::api::envoy_pb::{
+        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+        rls::{RateLimitRequest, rate_limit_service_client::RateLimitServiceClient},
+    };
+    let broker = Broker::start();
+    migrate(&broker);
+    let dir = tempfile::tempdir().unwrap();
+    let envoy = |name: &str, limit: u32| {
+        let path = dir.path().join(name);
+        let text = format!(
+            "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {{ unit: minute, requests_per_unit: {limit} }}\n"
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let current = envoy("current.yaml", 10);
+    let capture = dir.path().join("capture.jsonl");
+    let mut cfg = config(&dir.path().join("absent.yaml"), None);
+    cfg.rules.path = None;
+    cfg.rules.envoy_path = Some(current.clone());
+    cfg.envoy.domain_priority = [("edge".to_owned(), Priority::Critical)].into();
+    cfg.capture.sample_ratio = 1.0;
+    cfg.capture.salt = Some("a secret shared by the fleet".to_owned());
+    cfg.capture.file = capture.clone();
+    let server = TestServer::start(cfg).await;
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", server.addr)).await.unwrap();
+    for user in ["a", "b", "c"] {
+        for _ in 0..8 {
+            let entries = vec![Entry { key: "user".to_owned(), value: user.to_owned() }];
+            let descriptors = vec![RateLimitDescriptor { entries, ..Default::default() }];
+            let request = RateLimitRequest { domain: "edge".to_owned(), descriptors, hits_addend: 0 };
+            assert_eq!(client.should_rate_limit(request).await.unwrap().into_inner().overall_code, 1, "OK");
+        }
+    }
+    server.stop().await.unwrap();
+    let lines = std::fs::read_to_string(&capture).unwrap();
+    assert_eq!(lines.lines().count(), 24, "every request of every sampled descriptor");
+    let record: ratelimitd::capture::CaptureRecord =
+        serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    assert_eq!(
+        (record.effective_priority, record.rule_id.as_deref()),
+        (Priority::Critical, Some("edge.user"))
+    );
+    let call = record.envoy.expect("an Envoy record");
+    assert_eq!((call.domain.as_str(), call.descriptors[0].entries[0].0.as_str()), ("edge", "user"));
+
+    let tight = envoy("tight.yaml", 5);
+    let replay = |candidate: &Path| {
+        Command::new(BIN)
+            .args(["replay", "--envoy", candidate.to_str().unwrap(), "--capture", capture.to_str().unwrap()])
+            .args(["--current-envoy", current.to_str().unwrap(), "--min-group-requests", "8"])
+            .output()
+            .unwrap()
+    };
+    let out = replay(&tight);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("denies 9 of 24 CRITICAL requests"), "{}", text(&out));
+    assert!(text(&out).contains("rule edge.user: 9 of 24"), "{}", text(&out));
+    assert!(
+        text(&out).contains("path edge: user=a"),
+        "per path: domain and first descriptor: {}",
+        text(&out)
+    );
+    let looser = envoy("looser.yaml", 20);
+    assert_eq!(replay(&looser).status.code(), Some(0));
+
+    let publish = |candidate: &Path| {
+        Command::new(BIN)
+            .args([
+                "rules",
+                "publish",
+                "--envoy",
+                candidate.to_str().unwrap(),
+                "--gate",
+                capture.to_str().unwrap(),
+            ])
+            .envs(env(&broker))
+            .env("RATELIMITD__RULES__ENVOY_PATH", &current)
+            .output()
+            .unwrap()
+    };
+    let refused = publish(&tight);
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused));
+    assert!(text(&refused).contains("fails the gate; nothing published"), "{}", text(&refused));
+    let published = publish(&looser);
+    assert!(published.status.success(), "{}", text(&published));
+    let history = text(&run(&broker, &["rules", "history"]));
+    assert!(history.contains("gated (24 requests, worst all * 0.00%)"), "{history}");
+}

@@ -6,7 +6,11 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 
-use crate::shed::Priority;
+use crate::{
+    decision::{EnvoyFailure, EnvoyPolicy},
+    limiter::window::Algorithm,
+    shed::Priority,
+};
 
 /// Counting algorithm of Envoy descriptors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
@@ -209,5 +213,64 @@ impl Default for EnvoySettings {
             near_limit_ratio: 0.8,
             upstream_metrics_max_keys: 10_000,
         }
+    }
+}
+
+impl EnvoySettings {
+    /// How the engine treats Envoy requests under these settings.
+    pub fn policy(&self) -> EnvoyPolicy {
+        let settings = self;
+        EnvoyPolicy {
+            algorithm: match settings.algorithm {
+                EnvoyAlgorithm::SlidingWindow => Algorithm::SlidingWindow,
+                EnvoyAlgorithm::FixedWindow => Algorithm::FixedWindow,
+            },
+            failure: envoy_failure(settings.failure_mode),
+            domain_failure: settings
+                .domain_failure_mode
+                .iter()
+                .map(|(domain, mode)| (domain.clone(), envoy_failure(*mode)))
+                .collect(),
+            priority_key: settings.priority_key.clone(),
+            domain_priority: settings.domain_priority.clone(),
+            max_value_bytes: settings.max_entry_bytes,
+            request_limit_domains: if settings.allow_request_limits {
+                settings.request_limit_domains.iter().cloned().collect()
+            } else {
+                Default::default()
+            },
+            quota_mode: settings.quota_mode,
+            shadow_mode: settings.shadow_mode,
+            upstream_metrics: settings.upstream_metrics,
+            near_limit_ratio: settings.near_limit_ratio,
+            zero_hits_within_limit: settings.zero_hits == EnvoyZeroHits::WithinLimit,
+            count_every_hit: settings.hits_counted == EnvoyHitsCounted::Always,
+        }
+    }
+}
+
+fn envoy_failure(mode: EnvoyFailureMode) -> EnvoyFailure {
+    match mode {
+        EnvoyFailureMode::Local => EnvoyFailure::Local,
+        EnvoyFailureMode::Allow => EnvoyFailure::Open,
+        EnvoyFailureMode::Unavailable => EnvoyFailure::Unavailable,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envoy_policy_follows_the_settings() {
+        let settings = EnvoySettings {
+            algorithm: EnvoyAlgorithm::FixedWindow,
+            failure_mode: EnvoyFailureMode::Unavailable,
+            ..EnvoySettings::default()
+        };
+        let policy = settings.policy();
+        assert!(policy.algorithm == Algorithm::FixedWindow && policy.failure == EnvoyFailure::Unavailable);
+        assert_eq!(policy.priority_key, "priority");
+        assert_eq!(EnvoySettings::default().policy(), EnvoyPolicy::default());
     }
 }

@@ -1,13 +1,18 @@
-//! Capture: a sample of decided `Check` requests mirrored to a JSON-lines
-//! file or a Kafka topic, for `ratelimitd replay` and the publish gate.
+//! Capture: a sample of decided `Check` and `ShouldRateLimit` requests
+//! mirrored to a JSON-lines file or a Kafka topic, for `ratelimitd replay`
+//! and the publish gate.
 //!
 //! Users, not requests, are sampled: [`sampled`] hashes the user id keyed by
 //! `capture.salt` (SHA-256 of the salt and the id), the same on every
 //! instance that shares the salt, and captures the user when the hash
 //! falls below `capture.sample_ratio` × 2^64. A captured user's every
-//! request is captured, so replay counts that user's counters exactly. The
-//! salt is a secret: without it a client cannot tell which ids are
-//! sampled, so it cannot choose to be (to pass or poison the publish gate).
+//! request is captured, so replay counts that user's counters exactly. An
+//! Envoy request is sampled the same way by its domain and its first
+//! descriptor's entries, so the counter of a first descriptor is replayed
+//! exactly (those of later descriptors, shared with unsampled requests,
+//! approximately). The salt is a secret: without it a client cannot tell
+//! which ids are sampled, so it cannot choose to be (to pass or poison the
+//! publish gate).
 //!
 //! The hot path builds the record and `try_send`s it into a bounded queue;
 //! a full queue drops the record and counts it. One writer task appends
@@ -36,9 +41,11 @@ pub use kafka::{producer, run_kafka};
 pub use record::{CAPTURE_SCHEMA, CaptureRecord, CountKind};
 pub use writer::run_file;
 
+use sha2::{Digest as _, Sha256};
+
 use crate::{
     clock::{Clock, SystemClock},
-    decision::{CaptureSink, CheckRequest, Decision, keys},
+    decision::{CaptureSink, CheckRequest, Decision, EnvoyCall, RlsDecision, keys},
     dlq::record::truncated,
 };
 
@@ -46,14 +53,35 @@ use crate::{
 /// `salt`: the first 8 bytes of SHA-256(salt length, salt, id), below the
 /// threshold.
 pub fn sampled(salt: &[u8], user_id: &str, threshold: u64) -> bool {
-    use sha2::{Digest as _, Sha256};
-    let digest = Sha256::new()
-        .chain_update((salt.len() as u64).to_le_bytes())
-        .chain_update(salt)
-        .chain_update(user_id.as_bytes())
-        .finalize();
-    let hash = u64::from_le_bytes(digest[..8].try_into().expect("a SHA-256 digest has 32 bytes"));
-    hash < threshold
+    below(salted(salt).chain_update(user_id.as_bytes()), threshold)
+}
+
+/// Whether Envoy requests of `domain` whose first descriptor has `entries`
+/// are sampled: as [`sampled`], over a tag, the domain and each entry's
+/// key and value, each prefixed by its length.
+pub fn envoy_sampled(
+    salt: &[u8],
+    domain: &str,
+    entries: &mut dyn Iterator<Item = (&str, &str)>,
+    threshold: u64,
+) -> bool {
+    let field = |hash: Sha256, bytes: &[u8]| {
+        hash.chain_update((bytes.len() as u64).to_le_bytes()).chain_update(bytes)
+    };
+    let mut hash = field(salted(salt).chain_update(b"envoy\0"), domain.as_bytes());
+    for (key, value) in entries {
+        hash = field(field(hash, key.as_bytes()), value.as_bytes());
+    }
+    below(hash, threshold)
+}
+
+fn salted(salt: &[u8]) -> Sha256 {
+    Sha256::new().chain_update((salt.len() as u64).to_le_bytes()).chain_update(salt)
+}
+
+fn below(hash: Sha256, threshold: u64) -> bool {
+    let digest = hash.finalize();
+    u64::from_le_bytes(digest[..8].try_into().expect("a SHA-256 digest has 32 bytes")) < threshold
 }
 
 /// `ratio × 2^64`, saturating (1.0 captures everyone).
@@ -176,7 +204,46 @@ impl CaptureSink for Capture {
             effective_priority: decision.priority,
             allowed: decision.allowed,
             reason: decision.reason.as_str().to_owned(),
+            envoy: None,
         };
+        self.enqueue(record);
+    }
+
+    fn wants_envoy(&self, domain: &str, first_entries: &mut dyn Iterator<Item = (&str, &str)>) -> bool {
+        envoy_sampled(&self.salt.0, domain, first_entries, self.threshold)
+    }
+
+    fn record_envoy(&self, call: EnvoyCall, decision: &RlsDecision, envoy_version: &str) {
+        let statuses = &decision.statuses;
+        let bound = decision
+            .tightest
+            .and_then(|i| statuses.get(i))
+            .and_then(|s| s.limit.as_ref())
+            .or_else(|| statuses.iter().find_map(|s| s.limit.as_ref()));
+        let record = CaptureRecord {
+            schema: CAPTURE_SCHEMA.to_owned(),
+            time_ms: SystemClock.now_ms(),
+            instance: self.instance.to_string(),
+            user_id: String::new(),
+            resource_path: String::new(),
+            client_type: None,
+            priority: None,
+            weight: call.hits_addend.max(1),
+            count: CountKind::Check,
+            headers: BTreeMap::new(),
+            rules_version: envoy_version.to_owned(),
+            rule_id: bound.map(|limit| limit.full_key.to_string()),
+            effective_priority: decision.priority,
+            allowed: !decision.over_limit,
+            reason: decision.reason.as_str().to_owned(),
+            envoy: Some(call),
+        };
+        self.enqueue(record);
+    }
+}
+
+impl Capture {
+    fn enqueue(&self, record: CaptureRecord) {
         self.counters.enqueued.fetch_add(1, Ordering::Relaxed);
         if self.queue.try_send(record).is_err() {
             self.counters.dropped_queue_full.fetch_add(1, Ordering::Relaxed);
@@ -237,5 +304,26 @@ mod tests {
             sampled(salt, &id, half) == sampled(&salt[..], &id, half)
         });
         assert!(again, "the same salt gives the same answer on every instance");
+    }
+
+    #[test]
+    fn envoy_requests_are_sampled_by_domain_and_first_descriptor() {
+        let salt = b"a secret every instance shares";
+        let t = threshold(0.1);
+        let sample = |domain: &str, entries: &[(&str, &str)]| {
+            envoy_sampled(salt, domain, &mut entries.iter().copied(), t)
+        };
+        let hits = (0..100_000).filter(|i| sample("edge", &[("user", &format!("u{i}"))])).count();
+        assert!((9_000..11_000).contains(&hits), "{hits}");
+        // Length prefixes: moving a byte between key and value, or between
+        // the domain and an entry, is another request.
+        let moved = (0..10_000)
+            .filter(|i| {
+                let v = format!("{i}");
+                sample("edge", &[("user", &v)]) != sample("edge", &[("use", &format!("r{v}"))])
+            })
+            .count();
+        assert!((1_000..2_000).contains(&moved), "independent: {moved}");
+        assert!((0..1_000).all(|i| !envoy_sampled(salt, "d", &mut [("k", &*format!("{i}"))].into_iter(), 0)));
     }
 }

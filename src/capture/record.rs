@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{limiter::Count, shed::Priority};
+use crate::{decision::EnvoyCall, limiter::Count, shed::Priority};
 
 /// The schema this build writes and reads.
 pub const CAPTURE_SCHEMA: &str = "ratelimitd.capture/1";
@@ -57,9 +57,13 @@ pub struct CaptureRecord {
     pub time_ms: u64,
     /// The instance that decided it.
     pub instance: String,
-    /// The user id as counted (the digest of an over-long one).
+    /// The user id as counted (the digest of an over-long one); empty for
+    /// an Envoy request.
+    #[serde(default)]
     pub user_id: String,
-    /// The path (truncated past `limits.max_resource_path_bytes`).
+    /// The path (truncated past `limits.max_resource_path_bytes`); empty
+    /// for an Envoy request.
+    #[serde(default)]
     pub resource_path: String,
     /// The client type, if the request said.
     pub client_type: Option<String>,
@@ -71,9 +75,11 @@ pub struct CaptureRecord {
     pub count: CountKind,
     /// Allow-listed headers (`dlq.header_allowlist`), lower-case names.
     pub headers: BTreeMap<String, String>,
-    /// The native rule set's version it was decided under.
+    /// The version of the rules it was decided under: the native rule
+    /// set's, or for an Envoy request the Envoy configuration's.
     pub rules_version: String,
-    /// The rule that matched.
+    /// The rule that matched; for an Envoy request the full key of the
+    /// limit that bound (the tightest).
     pub rule_id: Option<String>,
     /// The priority it was decided with.
     pub effective_priority: Priority,
@@ -81,4 +87,8 @@ pub struct CaptureRecord {
     pub allowed: bool,
     /// Why (`OK`, `OVER_LIMIT`, `SHED`, …).
     pub reason: String,
+    /// A `ShouldRateLimit` request: its domain, descriptors and hits
+    /// (`user_id` and `resource_path` are then empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envoy: Option<EnvoyCall>,
 }

@@ -537,16 +537,25 @@ pub fn probe(addr: &str, path: &str) -> ExitCode {
 /// `ratelimitd replay …`
 #[derive(Debug, clap::Args)]
 pub struct ReplayArgs {
-    /// The candidate native rules: a YAML file or a directory.
-    #[arg(long)]
-    pub rules: PathBuf,
+    /// The candidate native rules: a YAML file or a directory. Default: the
+    /// native rules in force.
+    #[arg(long, required_unless_present = "envoy")]
+    pub rules: Option<PathBuf>,
+    /// The candidate envoyproxy/ratelimit configuration: a file or a
+    /// directory. Default: the Envoy configuration in force.
+    #[arg(long, value_name = "PATH")]
+    pub envoy: Option<PathBuf>,
     /// The capture: a JSON-lines file (capture.file), or `kafka` for capture.kafka.topic.
     #[arg(long)]
     pub capture: String,
-    /// The rules in force at capture. Default: the record in force on the
+    /// The native rules in force. Default: the record in force on the
     /// rules topic (rules.source: kafka), else rules.path, else the embedded rules.
     #[arg(long)]
     pub current: Option<PathBuf>,
+    /// The Envoy configuration in force. Default: the record in force on
+    /// the rules topic (rules.source: kafka), else rules.envoy_path.
+    #[arg(long, value_name = "PATH")]
+    pub current_envoy: Option<PathBuf>,
     /// Exit 1 when the candidate fails the gate by these thresholds.
     #[command(flatten)]
     pub thresholds: GateArgs,
@@ -558,17 +567,15 @@ pub struct ReplayArgs {
 /// Runs `ratelimitd replay`: 0 the candidate passes the gate, 1 it fails
 /// (or the capture cannot be read), 64 bad arguments.
 pub fn replay(args: &ReplayArgs, config: &Config) -> ExitCode {
-    let form = config.rules.path_matching;
-    let candidate = match crate::rules::load(&args.rules, form) {
-        Ok(snapshot) => snapshot,
-        Err(errors) => return rule_errors("--rules", &errors),
+    let rules = |native: &Option<PathBuf>, envoy: &Option<PathBuf>, flags: (&str, &str)| {
+        rules_with(config, native.as_deref(), envoy.as_deref(), flags)
     };
-    let current = match &args.current {
-        Some(path) => crate::rules::load(path, form).map_err(|e| rule_errors("--current", &e)),
-        None => current_rules(config, None),
-    };
-    let current = match current {
+    let current = match rules(&args.current, &args.current_envoy, ("--current", "--current-envoy")) {
         Ok(current) => current,
+        Err(code) => return code,
+    };
+    let candidate = match rules(&args.rules, &args.envoy, ("--rules", "--envoy")) {
+        Ok(candidate) => candidate,
         Err(code) => return code,
     };
     let thresholds = match args.thresholds.thresholds(config.gate) {
@@ -582,6 +589,29 @@ pub fn replay(args: &ReplayArgs, config: &Config) -> ExitCode {
     }
 }
 
+/// The rules in force with the parts given replaced: native rules from
+/// `native`, the Envoy configuration from `envoy` (errors name `flags`).
+fn rules_with(
+    config: &Config,
+    native: Option<&std::path::Path>,
+    envoy: Option<&std::path::Path>,
+    flags: (&str, &str),
+) -> Result<crate::replay::Rules, ExitCode> {
+    let mut rules = match (native, envoy) {
+        (Some(_), Some(_)) => crate::replay::Rules::native(crate::rules::empty()),
+        _ => current_rules(config, None)?,
+    };
+    if let Some(path) = native {
+        rules.native =
+            crate::rules::load(path, config.rules.path_matching).map_err(|e| rule_errors(flags.0, &e))?;
+    }
+    if let Some(path) = envoy {
+        let compiled = crate::rules::envoy::load(path, config.envoy.compile());
+        rules.envoy = Some(compiled.map_err(|e| rule_errors(flags.1, &e))?);
+    }
+    Ok(rules)
+}
+
 fn rule_errors(flag: &str, errors: &crate::rules::RuleErrors) -> ExitCode {
     for error in &errors.0 {
         eprintln!("{flag}: {error}");
@@ -589,28 +619,32 @@ fn rule_errors(flag: &str, errors: &crate::rules::RuleErrors) -> ExitCode {
     ExitCode::from(1)
 }
 
-/// The native rules of `record`, compiled as this configuration compiles
-/// them; an error says it of `what`.
-fn native_of(
+/// The rules of `record`, compiled as this configuration compiles them
+/// (no Envoy configuration when it has none); an error says it of `what`.
+fn rules_of(
     config: &Config,
     record: &crate::rules::encoding::SnapshotRecord,
     what: &str,
-) -> Result<crate::rules::Snapshot, ExitCode> {
-    record.compile(config.envoy.compile(), config.rules.path_matching).map(|c| c.native).map_err(|e| {
+) -> Result<crate::replay::Rules, ExitCode> {
+    let compiled = record.compile(config.envoy.compile(), config.rules.path_matching).map_err(|e| {
         eprintln!("{what}: {e}");
         ExitCode::from(1)
+    })?;
+    Ok(crate::replay::Rules {
+        native: compiled.native,
+        envoy: record.envoy.is_some().then_some(compiled.envoy),
     })
 }
 
-/// The native rules in force: `in_force` (a record from the rules topic),
-/// else, with `rules.source: kafka`, the record in force on the topic, else
-/// `rules.path`, else the embedded rules.
+/// The rules in force: `in_force` (a record from the rules topic), else,
+/// with `rules.source: kafka`, the record in force on the topic, else
+/// `rules.path` (or the embedded rules) and `rules.envoy_path`.
 fn current_rules(
     config: &Config,
     in_force: Option<&crate::rules::encoding::SnapshotRecord>,
-) -> Result<crate::rules::Snapshot, ExitCode> {
+) -> Result<crate::replay::Rules, ExitCode> {
     let from_record =
-        |record: &crate::rules::encoding::SnapshotRecord| native_of(config, record, "the rules in force");
+        |record: &crate::rules::encoding::SnapshotRecord| rules_of(config, record, "the rules in force");
     if let Some(record) = in_force {
         return from_record(record);
     }
@@ -628,7 +662,15 @@ fn current_rules(
         Some(path) => crate::rules::load(path, config.rules.path_matching),
         None => crate::rules::embedded(config.rules.path_matching),
     };
-    loaded.map_err(|e| rule_errors("the rules in force", &e))
+    let native = loaded.map_err(|e| rule_errors("the rules in force", &e))?;
+    let envoy = match &config.rules.envoy_path {
+        Some(path) => Some(
+            crate::rules::envoy::load(path, config.envoy.compile())
+                .map_err(|e| rule_errors("the Envoy configuration in force", &e))?,
+        ),
+        None => None,
+    };
+    Ok(crate::replay::Rules { native, envoy })
 }
 
 /// Runs `rules diff`: 0 printed (changes or none), 1 rules or the capture
@@ -642,7 +684,7 @@ pub fn diff(args: &DiffArgs, config: &Config) -> ExitCode {
     };
     let old = match &args.from {
         Some(path) => crate::rules::load(path, form).map_err(|e| rule_errors("--from", &e)),
-        None => current_rules(config, None),
+        None => current_rules(config, None).map(|rules| rules.native),
     };
     let old = match old {
         Ok(old) => old,
@@ -697,8 +739,8 @@ pub fn diff(args: &DiffArgs, config: &Config) -> ExitCode {
 fn run_replay(
     config: &Config,
     source: &str,
-    current: crate::rules::Snapshot,
-    candidate: crate::rules::Snapshot,
+    current: crate::replay::Rules,
+    candidate: crate::replay::Rules,
     thresholds: crate::rules::gate::GateThresholds,
     json: Option<&std::path::Path>,
 ) -> Result<crate::replay::Report, ExitCode> {
@@ -726,15 +768,24 @@ fn run_replay(
             ExitCode::from(1)
         })?
     };
-    if capture.versions.len() > 1 || capture.versions.keys().any(|v| v != current.version()) {
+    let in_force = [Some(current.native.version()), current.envoy.as_ref().map(|e| e.version())];
+    if capture.versions.keys().any(|v| !in_force.contains(&Some(v.as_str()))) {
         eprintln!(
             "note: the capture was decided under rules {:?}; replaying against {} as the rules in force",
             capture.versions,
             current.version()
         );
     }
-    let report =
-        crate::replay::replay(&capture, current, candidate, config.limits.max_user_id_bytes, thresholds);
+    let report = crate::replay::replay(
+        &capture,
+        current,
+        candidate,
+        &crate::replay::Settings {
+            max_user_id_bytes: config.limits.max_user_id_bytes,
+            envoy: config.envoy.policy(),
+            thresholds,
+        },
+    );
     let _ = std::io::stdout().write_all(report.table().as_bytes());
     if let Some(path) = json {
         let text = serde_json::to_string_pretty(&report).unwrap_or_default();
@@ -758,7 +809,7 @@ pub(crate) fn gate(
     let current = current_rules(config, in_force)?;
     let record =
         crate::rollout::publish::record(candidate, None, crate::rules::encoding::Provenance::default());
-    let candidate = native_of(config, &record, "the candidate")?;
+    let candidate = rules_of(config, &record, "the candidate")?;
     let source = capture.to_str().ok_or_else(|| {
         eprintln!("--gate {}: not a UTF-8 path", capture.display());
         ExitCode::from(EXIT_USAGE)

@@ -15,6 +15,7 @@ pub struct CaptureConfig {
     /// default). Users, not requests, are sampled (by a hash of the user id
     /// keyed by `capture.salt`, the same on every instance), so a sampled
     /// user's requests are all captured and replay counts them exactly.
+    /// Envoy requests are sampled by their domain and first descriptor.
     pub sample_ratio: f64,
     /// The secret that keys the sampling hash, at least 16 bytes, the same
     /// on every instance (set it as `RATELIMITD__CAPTURE__SALT` from a

@@ -113,6 +113,31 @@ pub enum EnvoyFailure {
     Unavailable,
 }
 
+/// A `ShouldRateLimit` request that owns its parts (capture, replay).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvoyCall {
+    /// The configuration domain.
+    pub domain: String,
+    /// The descriptors, in request order.
+    pub descriptors: Vec<OwnedDescriptor>,
+    /// Hits of descriptors that state none (0 means 1).
+    pub hits_addend: u32,
+}
+
+impl EnvoyCall {
+    /// The request as the engine takes it.
+    pub fn request(&self) -> RlsRequest<'_, OwnedDescriptor> {
+        RlsRequest {
+            domain: &self.domain,
+            descriptors: &self.descriptors,
+            hits_addend: self.hits_addend,
+            trace_id: None,
+            share: None,
+        }
+    }
+}
+
 /// A validated `ShouldRateLimit` request. It borrows the descriptors as
 /// they are (any [`Descriptor`], the wire message's included), so handing
 /// a request to the engine copies and allocates nothing.
@@ -165,8 +190,47 @@ impl Descriptor for RlsDescriptor<'_> {
     }
 }
 
+/// A descriptor that owns its entries: what capture records and replay
+/// decides again.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OwnedDescriptor {
+    /// `[key, value]` entries, in order.
+    pub entries: Vec<(String, String)>,
+    /// A limit the request supplied for this descriptor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<LimitOverride>,
+    /// This descriptor's own hits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hits_addend: Option<u64>,
+}
+
+impl OwnedDescriptor {
+    /// A copy of `descriptor`.
+    pub fn of<D: Descriptor>(descriptor: &D) -> Self {
+        OwnedDescriptor {
+            entries: descriptor.entries().map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
+            limit: descriptor.limit(),
+            hits_addend: descriptor.hits_addend(),
+        }
+    }
+}
+
+impl Descriptor for OwnedDescriptor {
+    fn entries(&self) -> impl Iterator<Item = (&str, &str)> + Clone {
+        self.entries.iter().map(|(k, v)| (k.as_str(), v.as_str()))
+    }
+    fn limit(&self) -> Option<LimitOverride> {
+        self.limit
+    }
+    fn hits_addend(&self) -> Option<u64> {
+        self.hits_addend
+    }
+}
+
 /// A request-supplied limit (`RateLimitDescriptor.limit`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LimitOverride {
     /// Requests per unit.
     pub requests_per_unit: u32,
@@ -256,11 +320,26 @@ impl Engine {
     pub async fn should_rate_limit<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> RlsDecision {
         let started = std::time::Instant::now();
         let decision = self.decide_rls(request).await;
+        self.capture_rls(request, &decision);
         let span = tracing::Span::current();
         span.record("reason", decision.reason.as_str());
         span.record("overall_code", if decision.over_limit { "OVER_LIMIT" } else { "OK" });
         self.inner.stats.decision_latency(Api::Envoy, started.elapsed());
         decision
+    }
+
+    /// Hands a sampled request and its decision to the capture sink.
+    fn capture_rls<D: Descriptor>(&self, request: &RlsRequest<'_, D>, decision: &RlsDecision) {
+        let Some(capture) = &self.inner.capture else { return };
+        let mut first = request.descriptors.first().into_iter().flat_map(Descriptor::entries);
+        if !capture.wants_envoy(request.domain, &mut first) {
+            return;
+        }
+        let descriptors: Vec<OwnedDescriptor> = request.descriptors.iter().map(OwnedDescriptor::of).collect();
+        let version = self.inner.envoy.as_ref().map(|e| e.load().version().to_owned()).unwrap_or_default();
+        let call =
+            EnvoyCall { domain: request.domain.to_owned(), descriptors, hits_addend: request.hits_addend };
+        capture.record_envoy(call, decision, &version);
     }
 
     /// The request's priority: a descriptor entry named

@@ -34,8 +34,8 @@ use std::{fmt, sync::Arc, time::Duration};
 
 pub use check::{CheckRequest, Decision, RuleInfo};
 pub use envoy::{
-    Descriptor, DescriptorDecision, EnvoyFailure, EnvoyPolicy, LimitOverride, RlsDecision, RlsDescriptor,
-    RlsRequest,
+    Descriptor, DescriptorDecision, EnvoyCall, EnvoyFailure, EnvoyPolicy, LimitOverride, OwnedDescriptor,
+    RlsDecision, RlsDescriptor, RlsRequest,
 };
 pub use failure::{FailedDecision, FailureSink};
 
@@ -202,15 +202,21 @@ pub trait Stats: Send + Sync + fmt::Debug {
     fn envoy_failed(&self);
 }
 
-/// Receives a sample of decided `Check` requests (`capture.*`), for
-/// replay. Called on the hot path: `wants` is a hash and a comparison,
-/// `record` only enqueues.
+/// Receives a sample of decided `Check` and `ShouldRateLimit` requests
+/// (`capture.*`), for replay. Called on the hot path: `wants` is a hash
+/// and a comparison, `record` only enqueues.
 pub trait CaptureSink: Send + Sync + fmt::Debug {
     /// Whether requests of `user_id` are captured (the same answer for every
     /// request of a user, on every instance).
     fn wants(&self, user_id: &str) -> bool;
     /// Captures one decided request, decided under rules `rules_version`.
     fn record(&self, request: &CheckRequest<'_>, decision: &Decision, rules_version: &str);
+    /// Whether an Envoy request of `domain` whose first descriptor has
+    /// `first_entries` is captured (the same answer for every such request).
+    fn wants_envoy(&self, domain: &str, first_entries: &mut dyn Iterator<Item = (&str, &str)>) -> bool;
+    /// Captures one decided Envoy request, decided under the Envoy
+    /// configuration `envoy_version`.
+    fn record_envoy(&self, call: EnvoyCall, decision: &RlsDecision, envoy_version: &str);
 }
 
 /// A [`Stats`] that counts nothing (tools and tests that do not scrape).

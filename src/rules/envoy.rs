@@ -30,7 +30,8 @@ use super::{
 use crate::limiter::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams};
 
 /// A rate-limit unit, with upstream's lengths (a month is 30 days).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
 pub enum Unit {
     /// 1 s.
     Second,

@@ -16,13 +16,12 @@ use crate::{
     capture::{self, Capture, CaptureCounters},
     clock::MonotonicClock,
     config::{
-        Config, DenialCacheConfig, DlqConfig, EnvoyAlgorithm, EnvoyFailureMode, EnvoySettings, LimitsConfig,
-        LocalConfig, MemoryConfig, OverloadConfig, RedisConfig, RulesConfig, RulesSource, ShedConfig,
-        TelemetryConfig,
+        Config, DenialCacheConfig, DlqConfig, EnvoySettings, LimitsConfig, LocalConfig, MemoryConfig,
+        OverloadConfig, RedisConfig, RulesConfig, RulesSource, ShedConfig, TelemetryConfig,
     },
     decision::{
-        CaptureSink, DecisionMetrics, DenialCache, Engine, EngineParts, EnvoyFailure, EnvoyPolicy,
-        FailureSink, Saved, Stats, TenantPolicy, TenantShares,
+        CaptureSink, DecisionMetrics, DenialCache, Engine, EngineParts, FailureSink, Saved, Stats,
+        TenantPolicy, TenantShares,
     },
     dlq::{self, DlqSink, RecordBounds},
     limiter::{
@@ -30,7 +29,6 @@ use crate::{
         figures::ShareWaits,
         local::{self, LocalLimiter, run_reconciler},
         memory::run_sweeper,
-        window::Algorithm,
     },
     overload::{Overload, feed},
     rules::{self, Feed, Hot, RuleErrors, RuleSets, RuleStore, envoy::EnvoyConfig, tenants::Tenants},
@@ -508,44 +506,6 @@ pub(crate) struct Captured {
     pub(crate) counters: Arc<CaptureCounters>,
 }
 
-/// How the engine treats Envoy requests, from `envoy.*`.
-pub(crate) fn envoy_policy(settings: &EnvoySettings) -> EnvoyPolicy {
-    EnvoyPolicy {
-        algorithm: match settings.algorithm {
-            EnvoyAlgorithm::SlidingWindow => Algorithm::SlidingWindow,
-            EnvoyAlgorithm::FixedWindow => Algorithm::FixedWindow,
-        },
-        failure: envoy_failure(settings.failure_mode),
-        domain_failure: settings
-            .domain_failure_mode
-            .iter()
-            .map(|(domain, mode)| (domain.clone(), envoy_failure(*mode)))
-            .collect(),
-        priority_key: settings.priority_key.clone(),
-        domain_priority: settings.domain_priority.clone(),
-        max_value_bytes: settings.max_entry_bytes,
-        request_limit_domains: if settings.allow_request_limits {
-            settings.request_limit_domains.iter().cloned().collect()
-        } else {
-            Default::default()
-        },
-        quota_mode: settings.quota_mode,
-        shadow_mode: settings.shadow_mode,
-        upstream_metrics: settings.upstream_metrics,
-        near_limit_ratio: settings.near_limit_ratio,
-        zero_hits_within_limit: settings.zero_hits == crate::config::EnvoyZeroHits::WithinLimit,
-        count_every_hit: settings.hits_counted == crate::config::EnvoyHitsCounted::Always,
-    }
-}
-
-fn envoy_failure(mode: EnvoyFailureMode) -> EnvoyFailure {
-    match mode {
-        EnvoyFailureMode::Local => EnvoyFailure::Local,
-        EnvoyFailureMode::Allow => EnvoyFailure::Open,
-        EnvoyFailureMode::Unavailable => EnvoyFailure::Unavailable,
-    }
-}
-
 /// The tenant table (`overload.tenants_path`), hot-reloaded; `None`: not
 /// configured.
 pub(crate) fn tenants(
@@ -657,7 +617,7 @@ pub(crate) fn engine(
         default_priority: config.shed.default_priority,
         max_user_id_bytes: config.limits.max_user_id_bytes,
         trust_request_priority: config.shed.trust_request_priority,
-        envoy_policy: envoy_policy(&config.envoy),
+        envoy_policy: config.envoy.policy(),
         capture: capture.map(|c| Arc::clone(&c.sink) as Arc<dyn CaptureSink>),
         overload: Some(Arc::clone(layers.overload)),
         tenants: tenant_policy(&config.overload),
@@ -814,19 +774,6 @@ mod tests {
     #[test]
     fn local_defaults_are_the_limiters_own() {
         assert_eq!(local_settings(&LocalConfig::default()), local::Settings::default());
-    }
-
-    #[test]
-    fn envoy_policy_follows_the_settings() {
-        let settings = EnvoySettings {
-            algorithm: EnvoyAlgorithm::FixedWindow,
-            failure_mode: EnvoyFailureMode::Unavailable,
-            ..EnvoySettings::default()
-        };
-        let policy = envoy_policy(&settings);
-        assert!(policy.algorithm == Algorithm::FixedWindow && policy.failure == EnvoyFailure::Unavailable);
-        assert_eq!(policy.priority_key, "priority");
-        assert_eq!(envoy_policy(&EnvoySettings::default()), EnvoyPolicy::default());
     }
 
     #[tokio::test]
