@@ -647,3 +647,44 @@ fn rules_diff_says_what_a_candidate_changes() {
     let out = ratelimitd(&["rules", "diff", new.to_str().unwrap()], &[]);
     assert!(!out.status.success() && stderr(&out).contains("new.yaml"), "{}", stderr(&out));
 }
+
+/// `rules diff --envoy` does the same for Envoy limits, by full key, and
+/// counts the captured Envoy requests each change touches.
+#[test]
+fn rules_diff_says_what_an_envoy_candidate_changes_and_touches() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let old = write(
+        "old.yaml",
+        "domain: edge\ndescriptors:\n  - { key: user, rate_limit: { unit: minute, requests_per_unit: 10 } }\n  - { key: path, value: /a, rate_limit: { unit: minute, requests_per_unit: 5 } }\n",
+    );
+    let new = write(
+        "new.yaml",
+        "domain: edge\ndescriptors:\n  - { key: user, rate_limit: { unit: minute, requests_per_unit: 5 } }\n  - { key: path, value: /b, rate_limit: { unit: hour, requests_per_unit: 3 } }\n",
+    );
+    let record = |key: &str, value: &str| {
+        format!(
+            r#"{{"schema":"ratelimitd.capture/1","time_ms":1,"instance":"i","client_type":null,"priority":null,"weight":1,"count":"check","headers":{{}},"rules_version":"v","rule_id":null,"effective_priority":"CRITICAL","allowed":true,"reason":"OK","envoy":{{"domain":"edge","descriptors":[{{"entries":[["{key}","{value}"]]}}],"hits_addend":1}}}}"#
+        )
+    };
+    let capture =
+        write("capture.jsonl", &[record("user", "a"), record("path", "/a"), record("path", "/c")].join("\n"));
+    let args = ["rules", "diff", "--envoy", new.to_str().unwrap(), "--from-envoy", old.to_str().unwrap()];
+    let out = ratelimitd(&[&args[..], &["--capture", capture.to_str().unwrap()]].concat(), &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.lines().next().unwrap().ends_with(": 1 added, 1 removed, 1 changed"), "{text}");
+    assert!(
+        text.contains("removed  edge.path_/a: 5 PER MINUTE  (touches 1 of 3 captured requests)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("changed  edge.user: limit 10 PER MINUTE -> 5 PER MINUTE  (touches 1 of 3"),
+        "{text}"
+    );
+    assert!(text.contains("added    edge.path_/b: 3 PER HOUR  (touches 0 of 3"), "{text}");
+}

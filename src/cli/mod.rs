@@ -121,9 +121,10 @@ pub enum RulesCommand {
         #[command(flatten)]
         signing: SigningArgs,
     },
-    /// What a candidate native rule set changes against the rules in force
-    /// (or `--from`): rules added, removed and each changed field, and with
-    /// `--capture` how many captured requests each change touches.
+    /// What a candidate rule set (native, `--envoy`, or both) changes
+    /// against the rules in force (or `--from`, `--from-envoy`): rules and
+    /// limits added, removed and each changed field, and with `--capture`
+    /// how many captured requests each change touches.
     Diff(DiffArgs),
     /// Make a publisher's Ed25519 key pair: the private key goes to a new
     /// file (mode 0600), the public key (for rules.kafka.verify_keys) to stdout.
@@ -207,11 +208,20 @@ impl GateArgs {
 #[derive(Debug, clap::Args)]
 pub struct DiffArgs {
     /// The candidate native rules: a YAML file or a directory.
-    pub rules: PathBuf,
-    /// The rules to compare with. Default: the record in force on the rules
-    /// topic (rules.source: kafka), else rules.path, else the embedded rules.
+    #[arg(required_unless_present = "envoy")]
+    pub rules: Option<PathBuf>,
+    /// The candidate envoyproxy/ratelimit configuration: a file or a directory.
+    #[arg(long, value_name = "PATH")]
+    pub envoy: Option<PathBuf>,
+    /// The native rules to compare with. Default: the record in force on
+    /// the rules topic (rules.source: kafka), else rules.path, else the
+    /// embedded rules.
     #[arg(long, value_name = "PATH")]
     pub from: Option<PathBuf>,
+    /// The Envoy configuration to compare with. Default: the record in force
+    /// on the rules topic (rules.source: kafka), else rules.envoy_path, else none.
+    #[arg(long, value_name = "PATH")]
+    pub from_envoy: Option<PathBuf>,
     /// A capture (a JSON-lines file, capture.file): count the requests each
     /// change touches.
     #[arg(long, value_name = "FILE")]
@@ -676,63 +686,121 @@ fn current_rules(
 /// Runs `rules diff`: 0 printed (changes or none), 1 rules or the capture
 /// cannot be read.
 pub fn diff(args: &DiffArgs, config: &Config) -> ExitCode {
-    use crate::rules::diff::{self, Change};
-    let form = config.rules.path_matching;
-    let candidate = match crate::rules::load(&args.rules, form) {
-        Ok(snapshot) => snapshot,
-        Err(errors) => return rule_errors("rules diff", &errors),
-    };
-    let old = match &args.from {
-        Some(path) => crate::rules::load(path, form).map_err(|e| rule_errors("--from", &e)),
-        None => current_rules(config, None).map(|rules| rules.native),
-    };
-    let old = match old {
-        Ok(old) => old,
+    let sides =
+        rules_with(config, args.from.as_deref(), args.from_envoy.as_deref(), ("--from", "--from-envoy"))
+            .and_then(|old| {
+                let new = rules_with(
+                    config,
+                    args.rules.as_deref(),
+                    args.envoy.as_deref(),
+                    ("rules diff", "--envoy"),
+                )?;
+                Ok((old, new))
+            });
+    let (old, new) = match sides {
+        Ok(sides) => sides,
         Err(code) => return code,
     };
-    let changes = diff::diff(&old, &candidate);
-    let touched = match &args.capture {
-        None => None,
-        Some(path) => match crate::replay::Capture::from_file(path) {
-            Ok(capture) => {
-                let requests = capture.requests.iter().map(|r| (&*r.resource_path, r.client_type.as_deref()));
-                Some((diff::touched(&old, &candidate, &changes, requests), capture.requests.len()))
-            }
-            Err(e) => {
-                eprintln!("rules diff: {e}");
-                return ExitCode::from(1);
-            }
-        },
+    let capture = match args.capture.as_deref().map(crate::replay::Capture::from_file).transpose() {
+        Ok(capture) => capture,
+        Err(e) => {
+            eprintln!("rules diff: {e}");
+            return ExitCode::from(1);
+        }
     };
     let mut out = std::io::stdout().lock();
+    if args.rules.is_some() {
+        print_native_diff(&mut out, &old.native, &new.native, capture.as_ref());
+    }
+    if args.envoy.is_some() {
+        let none = crate::rules::envoy::EnvoyConfig::default();
+        let old_envoy = old.envoy.as_ref().unwrap_or(&none);
+        print_envoy_diff(&mut out, old_envoy, new.envoy.as_ref().unwrap_or(&none), capture.as_ref());
+    }
+    ExitCode::SUCCESS
+}
+
+/// `rules diff`'s lines for native rules.
+fn print_native_diff(
+    out: &mut impl Write,
+    old: &crate::rules::Snapshot,
+    new: &crate::rules::Snapshot,
+    capture: Option<&crate::replay::Capture>,
+) {
+    use crate::rules::diff;
+    let changes = diff::diff(old, new);
+    let touched = capture.map(|capture| {
+        let native = capture.requests.iter().filter(|r| r.envoy.is_none());
+        let requests = native.clone().map(|r| (&*r.resource_path, r.client_type.as_deref()));
+        (diff::touched(old, new, &changes, requests), native.count())
+    });
+    let rule =
+        |s: &crate::rules::Snapshot, id: &str| s.rules().iter().find(|r| &*r.id == id).map(diff::describe);
+    let versions = (old.version(), new.version());
+    print_changes(out, versions, &changes, touched.as_ref(), |id, candidate| {
+        rule(if candidate { new } else { old }, id).unwrap_or_default()
+    });
+}
+
+/// `rules diff`'s lines for Envoy limits.
+fn print_envoy_diff(
+    out: &mut impl Write,
+    old: &crate::rules::envoy::EnvoyConfig,
+    new: &crate::rules::envoy::EnvoyConfig,
+    capture: Option<&crate::replay::Capture>,
+) {
+    use crate::rules::diff;
+    let changes = diff::envoy_diff(old, new);
+    let touched = capture.map(|capture| {
+        let calls = capture.requests.iter().filter_map(|r| r.envoy.as_deref());
+        let requests = calls.clone().map(|call| {
+            let entries =
+                call.descriptors.iter().map(|d| d.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            (call.domain.as_str(), entries)
+        });
+        (diff::envoy_touched(old, new, &changes, requests), calls.count())
+    });
+    let limits = |c: &crate::rules::envoy::EnvoyConfig, key: &str| {
+        c.limits().iter().find(|l| &*l.full_key == key).map(|l| diff::describe_envoy(l)).unwrap_or_default()
+    };
+    let versions = (old.version(), new.version());
+    print_changes(out, versions, &changes, touched.as_ref(), |key, candidate| {
+        limits(if candidate { new } else { old }, key)
+    });
+}
+
+/// A summary line, then one line per change (with the captured requests it
+/// touches); `describe(key, in_candidate)` says what a rule or limit is.
+fn print_changes(
+    out: &mut impl Write,
+    (old, new): (&str, &str),
+    changes: &[crate::rules::diff::Change],
+    touched: Option<&(std::collections::BTreeMap<String, u64>, usize)>,
+    describe: impl Fn(&str, bool) -> String,
+) {
+    use crate::rules::diff::Change;
     let count = |f: fn(&Change) -> bool| changes.iter().filter(|c| f(c)).count();
     let _ = writeln!(
         out,
-        "{} -> {}: {} added, {} removed, {} changed",
-        old.version(),
-        candidate.version(),
+        "{old} -> {new}: {} added, {} removed, {} changed",
         count(|c| matches!(c, Change::Added(_))),
         count(|c| matches!(c, Change::Removed(_))),
         count(|c| matches!(c, Change::Changed(..))),
     );
-    let rule =
-        |s: &crate::rules::Snapshot, id: &str| s.rules().iter().find(|r| &*r.id == id).map(diff::describe);
-    for change in &changes {
+    for change in changes {
         let what = match change {
-            Change::Added(id) => format!("added    {id}: {}", rule(&candidate, id).unwrap_or_default()),
-            Change::Removed(id) => format!("removed  {id}: {}", rule(&old, id).unwrap_or_default()),
+            Change::Added(id) => format!("added    {id}: {}", describe(id, true)),
+            Change::Removed(id) => format!("removed  {id}: {}", describe(id, false)),
             Change::Changed(id, fields) => {
                 let fields: Vec<String> = fields.iter().map(|(f, a, b)| format!("{f} {a} -> {b}")).collect();
                 format!("changed  {id}: {}", fields.join("; "))
             }
         };
         let touches = touched
-            .as_ref()
             .map(|(t, total)| format!("  (touches {} of {total} captured requests)", t[change.rule_id()]))
             .unwrap_or_default();
         let _ = writeln!(out, "{what}{touches}");
     }
-    ExitCode::SUCCESS
 }
 
 /// Reads the capture, replays, prints the report and returns it.

@@ -1,12 +1,16 @@
-//! `rules diff`: what a candidate native rule set changes against another
-//! (the rules in force, by default), in words a reviewer reads: rules
-//! added, removed, and each changed field from and to; and, given captured
-//! traffic, how many requests each change touches (a request whose rule is
-//! another one under the candidate, or whose rule changed).
+//! `rules diff`: what a candidate rule set changes against another (the
+//! rules in force, by default), in words a reviewer reads: native rules (by
+//! rule id) and Envoy limits (by full key) added, removed, and each changed
+//! field from and to; and, given captured traffic, how many requests each
+//! change touches (a request whose rule or limit is another one under the
+//! candidate, or whose rule or limit changed).
 
 use std::collections::BTreeMap;
 
-use super::{Rule, Snapshot};
+use super::{
+    Rule, Snapshot,
+    envoy::{EnvoyConfig, EnvoyLimit},
+};
 
 /// One change between two rule sets, by rule id.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,10 +65,53 @@ pub fn diff(old: &Snapshot, new: &Snapshot) -> Vec<Change> {
     let by_id = |s: &Snapshot| -> BTreeMap<String, Rule> {
         s.rules().iter().map(|r| (r.id.to_string(), r.clone())).collect()
     };
-    let (old, new) = (by_id(old), by_id(new));
+    changes(&by_id(old), &by_id(new), |rule| {
+        let mut fields = fields(rule).to_vec();
+        fields.push(("overload", format!("{:?}", rule.overload)));
+        fields
+    })
+}
+
+/// An Envoy limit's fields as a reviewer reads them, in a fixed order.
+fn envoy_fields(limit: &EnvoyLimit) -> Vec<(&'static str, String)> {
+    vec![
+        ("limit", describe_envoy(limit)),
+        ("algorithm", limit.algorithm.map_or_else(|| "envoy.algorithm".to_owned(), |a| format!("{a:?}"))),
+        ("shadow_mode", limit.shadow_mode.to_string()),
+        ("quota_mode", limit.quota_mode.to_string()),
+        ("report_mode", limit.report_mode.to_string()),
+        ("name", limit.name.clone().unwrap_or_else(|| "-".to_owned())),
+        ("replaces", limit.replaces.join(",")),
+        ("overload", format!("{:?}", limit.overload)),
+    ]
+}
+
+/// An Envoy limit in a few words: `10 per MINUTE`, `unlimited`.
+pub fn describe_envoy(limit: &EnvoyLimit) -> String {
+    match limit.unit {
+        Some(unit) if !limit.unlimited => format!("{} per {unit:?}", limit.requests_per_unit).to_uppercase(),
+        _ => "unlimited".to_owned(),
+    }
+}
+
+/// The changes from `old` to `new` Envoy configurations, by full key, in
+/// the order of [`diff`].
+pub fn envoy_diff(old: &EnvoyConfig, new: &EnvoyConfig) -> Vec<Change> {
+    let by_key = |c: &EnvoyConfig| -> BTreeMap<String, std::sync::Arc<EnvoyLimit>> {
+        c.limits().into_iter().map(|l| (l.full_key.to_string(), l)).collect()
+    };
+    changes(&by_key(old), &by_key(new), |limit| envoy_fields(limit))
+}
+
+/// Removed, changed (the fields that differ), added: by key, in key order.
+fn changes<T>(
+    old: &BTreeMap<String, T>,
+    new: &BTreeMap<String, T>,
+    fields: impl Fn(&T) -> Vec<(&'static str, String)>,
+) -> Vec<Change> {
     let mut out: Vec<Change> =
         old.keys().filter(|id| !new.contains_key(*id)).cloned().map(Change::Removed).collect();
-    for (id, before) in &old {
+    for (id, before) in old {
         let Some(after) = new.get(id) else { continue };
         let changed: Vec<(&'static str, String, String)> = fields(before)
             .into_iter()
@@ -72,11 +119,6 @@ pub fn diff(old: &Snapshot, new: &Snapshot) -> Vec<Change> {
             .filter(|((_, a), (_, b))| a != b)
             .map(|((field, a), (_, b))| (field, a, b))
             .collect();
-        let overload = (format!("{:?}", before.overload), format!("{:?}", after.overload));
-        let mut changed = changed;
-        if overload.0 != overload.1 {
-            changed.push(("overload", overload.0, overload.1));
-        }
         if !changed.is_empty() {
             out.push(Change::Changed(id.clone(), changed));
         }
@@ -95,23 +137,66 @@ pub fn touched<'a>(
     changes: &[Change],
     requests: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
 ) -> BTreeMap<String, u64> {
+    touched_by(
+        changes,
+        requests.into_iter().map(|(path, client_type)| {
+            let rule = |s: &Snapshot| s.lookup(path, client_type).map(|r| std::sync::Arc::clone(&r.id));
+            [(rule(old), rule(new))]
+        }),
+    )
+}
+
+/// As [`touched`], for Envoy requests given as (domain, each descriptor's
+/// entries): a request counts once for each changed limit any of its
+/// descriptors had or gets.
+pub fn envoy_touched<'a, D, E>(
+    old: &EnvoyConfig,
+    new: &EnvoyConfig,
+    changes: &[Change],
+    requests: impl IntoIterator<Item = (&'a str, D)>,
+) -> BTreeMap<String, u64>
+where
+    D: IntoIterator<Item = E>,
+    E: IntoIterator<Item = (&'a str, &'a str)> + Clone,
+{
+    touched_by(
+        changes,
+        requests.into_iter().map(|(domain, descriptors)| {
+            let limit = |c: &EnvoyConfig, entries: E| {
+                c.lookup(domain, entries).map(|m| std::sync::Arc::clone(&m.limit.full_key))
+            };
+            descriptors
+                .into_iter()
+                .map(|entries| (limit(old, entries.clone()), limit(new, entries)))
+                .collect::<Vec<_>>()
+        }),
+    )
+}
+
+/// Counts, per changed key, the items with a (before, after) pair that
+/// touches it: the key changed, or the pair moved to or from it.
+fn touched_by<P>(changes: &[Change], items: impl IntoIterator<Item = P>) -> BTreeMap<String, u64>
+where
+    P: IntoIterator<Item = (Option<std::sync::Arc<str>>, Option<std::sync::Arc<str>>)>,
+{
     let changed: BTreeMap<&str, ()> = changes.iter().map(|c| (c.rule_id(), ())).collect();
     let mut out: BTreeMap<String, u64> = changes.iter().map(|c| (c.rule_id().to_owned(), 0)).collect();
-    for (path, client_type) in requests {
-        let before = old.lookup(path, client_type).map(|r| &*r.id);
-        let after = new.lookup(path, client_type).map(|r| &*r.id);
-        let moved = before != after;
-        let mut count = |id: Option<&str>| {
-            if let Some(id) = id
-                && (moved || changed.contains_key(id))
-                && let Some(n) = out.get_mut(id)
-            {
+    let mut hit: Vec<String> = Vec::new();
+    for pairs in items {
+        hit.clear();
+        for (before, after) in pairs {
+            let moved = before != after;
+            for id in [before.as_deref(), after.as_deref()].into_iter().flatten() {
+                if (moved || changed.contains_key(id)) && out.contains_key(id) && !hit.iter().any(|h| h == id)
+                {
+                    hit.push(id.to_owned());
+                }
+            }
+        }
+        for id in &hit {
+            if let Some(n) = out.get_mut(id) {
                 *n += 1;
             }
-        };
-        count(before);
-        if after != before {
-            count(after);
         }
     }
     out

@@ -328,15 +328,11 @@ impl EnvoyConfig {
         self.domains.len()
     }
 
-    /// Every limit with an `overload` directive: its full key and the directive.
-    pub fn overload_directives(&self) -> impl Iterator<Item = (Arc<str>, OverloadSpec)> + '_ {
-        fn walk(level: &Level, out: &mut Vec<(Arc<str>, OverloadSpec)>) {
+    /// Every limit of every domain.
+    pub fn limits(&self) -> Vec<Arc<EnvoyLimit>> {
+        fn walk(level: &Level, out: &mut Vec<Arc<EnvoyLimit>>) {
             for node in level.entries.values() {
-                if let Some(limit) = &node.limit
-                    && let Some(spec) = limit.overload
-                {
-                    out.push((Arc::clone(&limit.full_key), spec));
-                }
+                out.extend(node.limit.iter().cloned());
                 walk(&node.children, out);
             }
         }
@@ -344,7 +340,14 @@ impl EnvoyConfig {
         for level in self.domains.values() {
             walk(level, &mut out);
         }
-        out.into_iter()
+        out
+    }
+
+    /// Every limit with an `overload` directive: its full key and the directive.
+    pub fn overload_directives(&self) -> impl Iterator<Item = (Arc<str>, OverloadSpec)> + '_ {
+        self.limits()
+            .into_iter()
+            .filter_map(|limit| limit.overload.map(|spec| (Arc::clone(&limit.full_key), spec)))
     }
 }
 
