@@ -648,6 +648,20 @@ async fn the_gate_judges_captured_priorities_and_travels_with_the_record() {
         .unwrap();
     assert_eq!(out.status.code(), Some(64), "{}", text(&out));
     assert!(text(&out).contains("pass --gate CAPTURE"), "{}", text(&out));
+    // Nor loosen it.
+    let out = Command::new(BIN)
+        .args(["rules", "publish", tight.to_str().unwrap(), "--gate", capture.to_str().unwrap()])
+        .args(["--max-critical-drop", "0.5"])
+        .envs(env(&broker))
+        .env("RATELIMITD__RULES__KAFKA__REQUIRE_GATE", "true")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out));
+    assert!(
+        text(&out).contains("--max-critical-drop is laxer than gate.max_critical_drop"),
+        "{}",
+        text(&out)
+    );
     gated.stop().await.unwrap();
 }
 

@@ -91,6 +91,31 @@ fn failed(what: &str, error: &RolloutError) -> ExitCode {
     }
 }
 
+/// The thresholds `rules publish --gate` judges by: `gate.*` with the
+/// flags over them. With `rules.kafka.require_gate` (instances configured
+/// alike refuse anything else) a gate is required and may not be laxer.
+fn gate_thresholds(
+    args: &PublishArgs,
+    config: &Config,
+) -> Result<crate::rules::gate::GateThresholds, ExitCode> {
+    let require = config.rules.kafka.require_gate;
+    if require && args.gate.is_none() {
+        eprintln!(
+            "rules publish: rules.kafka.require_gate is on: instances serve only gated records; pass --gate CAPTURE"
+        );
+        return Err(ExitCode::from(EXIT_USAGE));
+    }
+    let thresholds = args.thresholds.thresholds(config.gate)?;
+    if require && let Some(key) = thresholds.laxer_than(&config.gate) {
+        eprintln!(
+            "rules publish: --{} is laxer than gate.{key}: instances with rules.kafka.require_gate would refuse the record",
+            key.replace('_', "-")
+        );
+        return Err(ExitCode::from(EXIT_USAGE));
+    }
+    Ok(thresholds)
+}
+
 /// Runs `rules publish`: 0 published (or already in force), 1 invalid rules,
 /// a failed gate or Kafka unreachable, 64 bad arguments or configuration.
 pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
@@ -103,13 +128,7 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
         Ok(signer) => signer,
         Err(code) => return code,
     };
-    if kafka.require_gate && args.gate.is_none() {
-        eprintln!(
-            "rules publish: rules.kafka.require_gate is on: instances serve only gated records; pass --gate CAPTURE"
-        );
-        return ExitCode::from(EXIT_USAGE);
-    }
-    let thresholds = match args.thresholds.thresholds(config.gate) {
+    let thresholds = match gate_thresholds(&args, config) {
         Ok(thresholds) => thresholds,
         Err(code) => return code,
     };
