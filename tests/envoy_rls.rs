@@ -61,6 +61,8 @@ descriptors:
   - key: ip
     detailed_metric: true
     rate_limit: { unit: day, requests_per_unit: 10 }
+  - key: ninety
+    rate_limit: { unit: second, unit_multiplier: 90, requests_per_unit: 2 }
 "#;
 
 fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
@@ -121,7 +123,35 @@ for_each_store!(
     invalid_requests_are_invalid_argument,
     upstream_metrics_count_as_upstream,
     dynamic_metadata_says_which_limit_fired,
+    a_window_of_any_length,
 );
+
+/// `unit_multiplier` (ratelimitd's extension): 2 per 90 seconds. The wire's
+/// unit stays SECOND (it has no multiplier); the draft-03 header says the
+/// window, `w=90`; the counter outlives a second.
+async fn a_window_of_any_length(backend: Backend) {
+    let mut s = start(backend, |c| {
+        c.envoy.response_headers = true;
+        c.envoy.response_headers_format = ratelimitd::config::EnvoyHeaderFormat::Draft03;
+    })
+    .await;
+    let ask_once = |s: &mut Setup| {
+        let mut client = s.client.clone();
+        async move { ask(&mut client, request(vec![descriptor(&[("ninety", "n")])])).await }
+    };
+    for _ in 0..2 {
+        assert_eq!(code(ask_once(&mut s).await.overall_code), Code::Ok);
+    }
+    let denied = ask_once(&mut s).await;
+    assert_eq!(code(denied.overall_code), Code::OverLimit);
+    let limit = denied.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!((limit.requests_per_unit, limit.unit), (2, 1), "2 per SECOND on the wire");
+    let header = &denied.response_headers_to_add[0];
+    assert_eq!((header.key.as_str(), header.value.as_str()), ("x-ratelimit-limit", "2, 2;w=90"));
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(code(ask_once(&mut s).await.overall_code), Code::OverLimit, "still counted after a second");
+    s.server.stop().await.unwrap();
+}
 
 /// With `envoy.response_dynamic_metadata`, each descriptor of upstream's
 /// metadata also carries its `code` and the `limitName` of its limit.

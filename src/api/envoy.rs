@@ -217,7 +217,9 @@ fn response(decision: &RlsDecision, settings: &EnvoySettings) -> Result<RateLimi
     if settings.response_headers
         && let Some(index) = decision.tightest
     {
-        response_headers_to_add = headers(settings, &statuses, index);
+        let window =
+            |i: usize| decision.statuses[i].limit.as_ref().and_then(|l| l.window_seconds()).unwrap_or(0);
+        response_headers_to_add = headers(settings, &statuses, window, index);
     }
     if matches!(decision.reason, Reason::Shed | Reason::Overload) && !settings.reason_header.is_empty() {
         // Envoy adds these to its 429: the client sees why (a back-off, not a spent quota).
@@ -354,21 +356,6 @@ fn status(decision: &DescriptorDecision) -> DescriptorStatus {
     }
 }
 
-/// A unit's window in seconds, as Envoy's draft-03 headers count it (a
-/// month is 30 days, a year 365).
-fn window_seconds(unit: ResponseUnit) -> u64 {
-    match unit {
-        ResponseUnit::Unknown => 0,
-        ResponseUnit::Second => 1,
-        ResponseUnit::Minute => 60,
-        ResponseUnit::Hour => 3_600,
-        ResponseUnit::Day => 86_400,
-        ResponseUnit::Week => 604_800,
-        ResponseUnit::Month => 2_592_000,
-        ResponseUnit::Year => 31_536_000,
-    }
-}
-
 fn header(key: &str, value: String) -> HeaderValue {
     HeaderValue { key: key.to_owned(), value, ..Default::default() }
 }
@@ -383,16 +370,24 @@ fn duration(ms: u64) -> prost_types::Duration {
 /// Limit, remaining and reset (whole seconds, rounded up) of the tightest
 /// status, `statuses[tightest]`. In the `draft03` format the limit is
 /// followed by every descriptor's quota policy, as Envoy's own
-/// `DRAFT_VERSION_03` headers write it: `10, 10;w=60, 1000;w=3600;name="daily"`.
-fn headers(settings: &EnvoySettings, statuses: &[DescriptorStatus], tightest: usize) -> Vec<HeaderValue> {
+/// `DRAFT_VERSION_03` headers write it: `10, 10;w=60, 1000;w=3600;name="daily"`,
+/// with `window(i)` the window in seconds of status `i`'s limit (its unit
+/// times its `unit_multiplier`, which the wire's unit cannot say).
+fn headers(
+    settings: &EnvoySettings,
+    statuses: &[DescriptorStatus],
+    window: impl Fn(usize) -> u64,
+    tightest: usize,
+) -> Vec<HeaderValue> {
     let status = &statuses[tightest];
     let limit = status.current_limit.as_ref().map_or(0, |l| l.requests_per_unit);
     let reset_s = status.duration_until_reset.as_ref().map_or(0, |d| d.seconds + i64::from(d.nanos > 0));
     let mut limit = limit.to_string();
     if settings.response_headers_format == EnvoyHeaderFormat::Draft03 {
-        for policy in statuses.iter().filter_map(|s| s.current_limit.as_ref()) {
-            let window = ResponseUnit::try_from(policy.unit).map_or(0, window_seconds);
-            let _ = write!(limit, ", {};w={window}", policy.requests_per_unit);
+        for (i, policy) in
+            statuses.iter().enumerate().filter_map(|(i, s)| Some((i, s.current_limit.as_ref()?)))
+        {
+            let _ = write!(limit, ", {};w={}", policy.requests_per_unit, window(i));
             if !policy.name.is_empty() {
                 let _ = write!(limit, ";name=\"{}\"", policy.name.replace(['"', '\\'], ""));
             }
@@ -425,13 +420,38 @@ mod tests {
         assert_eq!(s.fields["tier"].kind, Some(prost_types::value::Kind::StringValue("gold".to_owned())));
     }
 
+    /// A unit's window in seconds, as Envoy's draft-03 headers count it (a
+    /// month is 30 days, a year 365).
+    fn window_seconds(unit: ResponseUnit) -> u64 {
+        match unit {
+            ResponseUnit::Unknown => 0,
+            ResponseUnit::Second => 1,
+            ResponseUnit::Minute => 60,
+            ResponseUnit::Hour => 3_600,
+            ResponseUnit::Day => 86_400,
+            ResponseUnit::Week => 604_800,
+            ResponseUnit::Month => 2_592_000,
+            ResponseUnit::Year => 31_536_000,
+        }
+    }
+
+    /// The window of `statuses[i]`'s unit.
+    fn unit_window(statuses: &[DescriptorStatus]) -> impl Fn(usize) -> u64 + '_ {
+        |i| {
+            statuses[i]
+                .current_limit
+                .as_ref()
+                .map_or(0, |l| ResponseUnit::try_from(l.unit).map_or(0, window_seconds))
+        }
+    }
+
     #[test]
     fn durations_and_reset_header_round_up() {
         let d = duration(1_500);
         assert_eq!((d.seconds, d.nanos), (1, 500_000_000));
         let status =
             DescriptorStatus { duration_until_reset: Some(d), limit_remaining: 3, ..Default::default() };
-        let h = headers(&EnvoySettings::default(), &[status], 0);
+        let h = headers(&EnvoySettings::default(), &[status], |_| 0, 0);
         assert_eq!((h[1].value.as_str(), h[2].value.as_str()), ("3", "2"));
     }
 
@@ -456,10 +476,11 @@ mod tests {
         ];
         let draft =
             EnvoySettings { response_headers_format: EnvoyHeaderFormat::Draft03, ..Default::default() };
-        let h = headers(&draft, &statuses, 2);
+        let h = headers(&draft, &statuses, unit_window(&statuses), 2);
         assert_eq!(h[0].value, r#"10, 1000;w=3600, 10;w=60;name="per user""#);
         assert_eq!(h[1].value, "4");
-        assert_eq!(headers(&EnvoySettings::default(), &statuses, 2)[0].value, "10", "plain: the number only");
+        let plain = headers(&EnvoySettings::default(), &statuses, unit_window(&statuses), 2);
+        assert_eq!(plain[0].value, "10", "plain: the number only");
     }
 
     #[test]

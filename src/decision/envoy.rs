@@ -27,7 +27,7 @@ use crate::{
         window::Algorithm,
     },
     overload::{Kind, OverloadVerdict},
-    rules::envoy::{EnvoyLimit, EnvoyMatch, Unit},
+    rules::envoy::{EnvoyLimit, EnvoyMatch, Unit, params, tick_ms},
     shed::{Level, Priority},
 };
 
@@ -404,7 +404,7 @@ impl Engine {
     /// The counter of a descriptor with a limit (`found`) and `hits`.
     fn rls_item<D: Descriptor>(&self, found: &EnvoyMatch, descriptor: &D, hits: u64) -> ManyItem {
         let limit = &found.limit;
-        let unit = limit.unit.expect("a limited limit has a unit");
+        let seconds = limit.window_seconds().expect("a limited limit has a unit");
         // `hits_addend: 0` asks whether one more hit fits (or, as
         // upstream, whether the count is within the limit) and counts
         // nothing; a `report_mode` limit counts hits whatever is left, and
@@ -416,14 +416,15 @@ impl Engine {
             hits if policy.count_every_hit => (hits, Count::Anyway),
             hits => (hits, Count::IfFits),
         };
-        let (key, digested) = counter_key(unit, descriptor.entries(), &found.shared, policy.max_value_bytes);
+        let (key, digested) =
+            counter_key(seconds, descriptor.entries(), &found.shared, policy.max_value_bytes);
         if digested {
             self.inner.stats.adjusted(Api::Envoy, "entry_digest");
         }
         ManyItem {
             key,
-            params: unit.params(limit.requests_per_unit, limit.algorithm.unwrap_or(policy.algorithm)),
-            tick_ms: unit.tick_ms(),
+            params: params(seconds, limit.requests_per_unit, limit.algorithm.unwrap_or(policy.algorithm)),
+            tick_ms: tick_ms(seconds),
             weight,
             count,
             // Neither blocks the others: shadow never denies, and a quota
@@ -574,6 +575,7 @@ impl Engine {
                 full_key: Arc::clone(&self.override_label),
                 requests_per_unit: requested.requests_per_unit,
                 unit: Some(requested.unit),
+                unit_multiplier: 1,
                 unlimited: false,
                 shadow_mode: false,
                 quota_mode: false,
@@ -861,7 +863,7 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
     }
 }
 
-/// The counter of one descriptor: its unit and its entries, each as
+/// The counter of one descriptor: its window in seconds and its entries, each as
 /// `key=value` with `%`, `=`, `|` and `*` percent-encoded so distinct entry
 /// lists never share a counter. An entry matched through a `share_threshold`
 /// wildcard contributes the pattern instead of its value (`shared`), so all
@@ -869,7 +871,7 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
 /// counted by its digest ([`keys::bounded`]), and so is a whole key over
 /// [`keys::MAX_COUNTER_KEY_BYTES`]; the flag says a digest was taken.
 pub(crate) fn counter_key<'a>(
-    unit: Unit,
+    window_seconds: u64,
     entries: impl Iterator<Item = (&'a str, &'a str)> + Clone,
     shared: &[(usize, Arc<str>)],
     max_bytes: usize,
@@ -879,7 +881,7 @@ pub(crate) fn counter_key<'a>(
         16 + entries.clone().map(|(k, v)| k.len().min(72) + v.len().min(72) + 2).sum::<usize>(),
     );
     let mut digested = false;
-    let _ = write!(key, "{}", unit.seconds());
+    let _ = write!(key, "{window_seconds}");
     for (index, (name, value)) in entries.enumerate() {
         key.push('|');
         let name = bound(name);
@@ -919,29 +921,29 @@ mod tests {
 
     #[test]
     fn counter_keys_never_collide() {
-        let a = counter_key(Unit::Second, [("a", "b|c=d")].into_iter(), &[], 1_024).0;
-        let b = counter_key(Unit::Second, [("a", "b"), ("c", "d")].into_iter(), &[], 1_024).0;
+        let a = counter_key(Unit::Second.seconds(), [("a", "b|c=d")].into_iter(), &[], 1_024).0;
+        let b = counter_key(Unit::Second.seconds(), [("a", "b"), ("c", "d")].into_iter(), &[], 1_024).0;
         assert_ne!(a, b);
         assert_eq!(b, "1|a=b|c=d");
         assert_ne!(
-            counter_key(Unit::Second, [("a", "b")].into_iter(), &[], 1_024).0,
-            counter_key(Unit::Minute, [("a", "b")].into_iter(), &[], 1_024).0
+            counter_key(Unit::Second.seconds(), [("a", "b")].into_iter(), &[], 1_024).0,
+            counter_key(Unit::Minute.seconds(), [("a", "b")].into_iter(), &[], 1_024).0
         );
     }
 
     #[test]
     fn shared_entries_key_by_pattern_and_never_meet_a_value() {
         let shared = [(0, Arc::from("files/*"))];
-        let a = counter_key(Unit::Minute, [("files", "files/a.pdf")].into_iter(), &shared, 1_024).0;
-        let b = counter_key(Unit::Minute, [("files", "files/b.csv")].into_iter(), &shared, 1_024).0;
+        let a = counter_key(Unit::Minute.seconds(), [("files", "files/a.pdf")].into_iter(), &shared, 1_024).0;
+        let b = counter_key(Unit::Minute.seconds(), [("files", "files/b.csv")].into_iter(), &shared, 1_024).0;
         assert_eq!(a, b);
         assert_eq!(a, "60|files=*files/%2A");
         // The literal value "files/*" (or "*files/*") counted without sharing is another counter.
-        assert_ne!(a, counter_key(Unit::Minute, [("files", "files/*")].into_iter(), &[], 1_024).0);
-        assert_ne!(a, counter_key(Unit::Minute, [("files", "*files/*")].into_iter(), &[], 1_024).0);
+        assert_ne!(a, counter_key(Unit::Minute.seconds(), [("files", "files/*")].into_iter(), &[], 1_024).0);
+        assert_ne!(a, counter_key(Unit::Minute.seconds(), [("files", "*files/*")].into_iter(), &[], 1_024).0);
         // Only the shared entry is replaced.
         let nested = counter_key(
-            Unit::Second,
+            Unit::Second.seconds(),
             [("user", "u1"), ("path", "/x")].into_iter(),
             &[(0, Arc::from("u*"))],
             1_024,
@@ -953,12 +955,14 @@ mod tests {
     #[test]
     fn long_keys_are_stored_by_a_digest_of_the_whole_key() {
         let long = "v".repeat(400);
-        let (a, digested) = counter_key(Unit::Second, [("a", &*long), ("b", &*long)].into_iter(), &[], 1_024);
+        let (a, digested) =
+            counter_key(Unit::Second.seconds(), [("a", &*long), ("b", &*long)].into_iter(), &[], 1_024);
         assert!(digested);
         assert_eq!(a.len(), 72);
-        let (b, _) = counter_key(Unit::Second, [("a", &*long), ("b", "w")].into_iter(), &[], 1_024);
+        let (b, _) = counter_key(Unit::Second.seconds(), [("a", &*long), ("b", "w")].into_iter(), &[], 1_024);
         assert_eq!(b.len(), 2 + 2 + 400 + 4, "under the bound: kept as it is");
-        let (c, _) = counter_key(Unit::Minute, [("a", &*long), ("b", &*long)].into_iter(), &[], 1_024);
+        let (c, _) =
+            counter_key(Unit::Minute.seconds(), [("a", &*long), ("b", &*long)].into_iter(), &[], 1_024);
         assert_ne!(a, c, "the unit is part of what is digested");
     }
 }

@@ -89,6 +89,9 @@ fn envoy_fields(limit: &EnvoyLimit) -> Vec<(&'static str, String)> {
 /// An Envoy limit in a few words: `10 per MINUTE`, `unlimited`.
 pub fn describe_envoy(limit: &EnvoyLimit) -> String {
     match limit.unit {
+        Some(unit) if !limit.unlimited && limit.unit_multiplier > 1 => {
+            format!("{} per {} × {unit:?}", limit.requests_per_unit, limit.unit_multiplier).to_uppercase()
+        }
         Some(unit) if !limit.unlimited => format!("{} per {unit:?}", limit.requests_per_unit).to_uppercase(),
         _ => "unlimited".to_owned(),
     }

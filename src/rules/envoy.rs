@@ -76,32 +76,47 @@ impl Unit {
         }
     }
 
-    /// The clock resolution counters of this unit use: ms up to a minute,
-    /// seconds up to a day, minutes for weeks and months, hours for a year.
-    /// Coarser ticks for long windows keep `requests_per_unit × window`
-    /// exact in Redis' double-precision Lua for any `u32` limit.
+    /// The clock resolution counters of this unit use ([`tick_ms`]).
     pub fn tick_ms(self) -> u64 {
-        match self {
-            Unit::Second | Unit::Minute => 1,
-            Unit::Hour | Unit::Day => 1_000,
-            Unit::Week | Unit::Month => 60_000,
-            Unit::Year => 3_600_000,
-        }
+        tick_ms(self.seconds())
     }
 
     /// Counting parameters for `requests_per_unit` in ticks of
     /// [`Unit::tick_ms`]: a window of one unit, or a bucket of
     /// `requests_per_unit` tokens refilled at that rate per unit.
     pub fn params(self, requests_per_unit: u32, algorithm: Algorithm) -> WindowParams {
-        let per_unit = u64::from(requests_per_unit);
-        WindowParams {
-            window_ms: self.seconds() * 1_000 / self.tick_ms(),
-            capacity: per_unit,
-            rate: per_unit,
-            algorithm,
-        }
+        params(self.seconds(), requests_per_unit, algorithm)
     }
 }
+
+/// The clock resolution counters of a window of `seconds` use: ms up to a
+/// minute, seconds up to a day, minutes up to 30 days, hours beyond. Coarser
+/// ticks for long windows keep `requests_per_unit × window` exact in Redis'
+/// double-precision Lua for any `u32` limit.
+pub fn tick_ms(seconds: u64) -> u64 {
+    match seconds {
+        0..=60 => 1,
+        61..=86_400 => 1_000,
+        86_401..=2_592_000 => 60_000,
+        _ => 3_600_000,
+    }
+}
+
+/// Counting parameters for `requests_per_unit` over a window of `seconds`,
+/// in ticks of [`tick_ms`]: a window of that length, or a bucket of
+/// `requests_per_unit` tokens refilled at that rate per window.
+pub fn params(seconds: u64, requests_per_unit: u32, algorithm: Algorithm) -> WindowParams {
+    let per_unit = u64::from(requests_per_unit);
+    WindowParams {
+        window_ms: seconds * 1_000 / tick_ms(seconds),
+        capacity: per_unit,
+        rate: per_unit,
+        algorithm,
+    }
+}
+
+/// The longest window `unit_multiplier` may make: a year.
+pub const MAX_WINDOW_SECONDS: u64 = 365 * 86_400;
 
 /// A limit from the configuration (or a request's override).
 #[derive(Debug, Clone, PartialEq)]
@@ -112,6 +127,9 @@ pub struct EnvoyLimit {
     pub requests_per_unit: u32,
     /// The unit; `None` only when unlimited.
     pub unit: Option<Unit>,
+    /// The window is this many units (ratelimitd's extension
+    /// `unit_multiplier`; 1 for upstream's files and request overrides).
+    pub unit_multiplier: u32,
     /// Never limited.
     pub unlimited: bool,
     /// Over-limit is reported but never makes the overall code OVER_LIMIT.
@@ -140,6 +158,13 @@ pub struct EnvoyLimit {
     /// The descriptor's `overload` (ratelimitd's extension): a global rate
     /// enforced by probabilistic drop before the exact counter.
     pub overload: Option<OverloadSpec>,
+}
+
+impl EnvoyLimit {
+    /// The window in seconds (`unit × unit_multiplier`); `None` when unlimited.
+    pub fn window_seconds(&self) -> Option<u64> {
+        self.unit.map(|unit| unit.seconds() * u64::from(self.unit_multiplier))
+    }
 }
 
 #[derive(Debug, Default)]
@@ -431,6 +456,10 @@ struct YamlRateLimit {
     /// `token_bucket` or `gcra`; unset, `envoy.algorithm` decides.
     #[serde(default, deserialize_with = "scalar")]
     algorithm: String,
+    /// ratelimitd's extension: the window is this many units (90 seconds:
+    /// `unit: second, unit_multiplier: 90`).
+    #[serde(default)]
+    unit_multiplier: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -734,6 +763,24 @@ fn metadata(yaml: &yaml_serde::Value) -> Result<serde_json::Map<String, serde_js
     }
 }
 
+/// `unit_multiplier`, checked: at least 1, not beside `unlimited`, and a
+/// window of at most [`MAX_WINDOW_SECONDS`].
+fn multiplier(file: &Path, at: &str, r: &YamlRateLimit, unit: Option<Unit>) -> Result<u32, RuleError> {
+    let Some(multiplier) = r.unit_multiplier else { return Ok(1) };
+    let problem = match unit {
+        None => Some("should not specify a unit_multiplier when unlimited".to_owned()),
+        _ if multiplier == 0 => Some("must be at least 1".to_owned()),
+        Some(unit) if unit.seconds() * u64::from(multiplier) > MAX_WINDOW_SECONDS => Some(format!(
+            "a window of {multiplier} × {unit:?} is longer than a year ({MAX_WINDOW_SECONDS} s)"
+        )),
+        Some(_) => None,
+    };
+    match problem {
+        Some(message) => Err(error(file, Some(at), "unit_multiplier", message)),
+        None => Ok(multiplier),
+    }
+}
+
 fn compile_limit(
     file: &Path,
     at: &str,
@@ -784,9 +831,11 @@ fn compile_limit(
             )
         })?),
     };
+    let unit_multiplier = multiplier(file, &at, r, unit)?;
     if let Some(unit) = unit {
-        let window = unit.params(r.requests_per_unit, Algorithm::SlidingWindow);
-        // Holds for every u32 with the ticks chosen per unit; checked anyway.
+        let seconds = unit.seconds() * u64::from(unit_multiplier);
+        let window = params(seconds, r.requests_per_unit, Algorithm::SlidingWindow);
+        // Holds for every u32 with the ticks chosen per window; checked anyway.
         if window.capacity.saturating_mul(window.window_ms) > MAX_CAPACITY_TIMES_WINDOW {
             return Err(error(file, Some(&at), "requests_per_unit", "too large to count exactly".to_owned()));
         }
@@ -795,6 +844,7 @@ fn compile_limit(
         full_key: Arc::from(full_key),
         requests_per_unit: r.requests_per_unit,
         unit,
+        unit_multiplier,
         unlimited: r.unlimited,
         shadow_mode: d.shadow_mode,
         quota_mode: d.quota_mode,
@@ -972,6 +1022,18 @@ descriptors:
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true, unit: second }\n",
                 "should not specify rate limit unit when unlimited",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true, unit_multiplier: 2 }\n",
+                "should not specify a unit_multiplier when unlimited",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, unit_multiplier: 0 }\n",
+                "must be at least 1",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: day, requests_per_unit: 1, unit_multiplier: 366 }\n",
+                "a window of 366 × Day is longer than a year (31536000 s)",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, replaces: [ {} ] }\n",
@@ -1161,6 +1223,32 @@ descriptors:
                     prop_assert!(e.to_string().starts_with("e.yaml"), "{e}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn unit_multiplier_makes_a_window_of_any_length() {
+        let c = compile_texts(
+            &[(
+                PathBuf::from("m.yaml"),
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, unit_multiplier: 90, requests_per_unit: 30 }\n  - key: b\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n".to_owned(),
+            )],
+            Compile::FIXED,
+        )
+        .unwrap();
+        let a = c.lookup("d", [("a", "x")]).unwrap().limit;
+        assert_eq!((a.window_seconds(), a.unit, a.unit_multiplier), (Some(90), Some(Unit::Second), 90));
+        assert_eq!(c.lookup("d", [("b", "x")]).unwrap().limit.window_seconds(), Some(60));
+        // 90 s counts in whole seconds; every existing unit keeps its tick.
+        assert_eq!((tick_ms(90), params(90, 30, Algorithm::SlidingWindow).window_ms), (1_000, 90));
+        for unit in [Unit::Second, Unit::Minute, Unit::Hour, Unit::Day, Unit::Week, Unit::Month, Unit::Year] {
+            let expected = match unit {
+                Unit::Second | Unit::Minute => 1,
+                Unit::Hour | Unit::Day => 1_000,
+                Unit::Week | Unit::Month => 60_000,
+                Unit::Year => 3_600_000,
+            };
+            assert_eq!(unit.tick_ms(), expected, "{unit:?}");
         }
     }
 }
