@@ -37,6 +37,7 @@ rules:
   - { rule_id: llm-fixed_window, resource_path: /llm/fixed_window, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: fixed_window }
   - { rule_id: llm-token_bucket, resource_path: /llm/token_bucket, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: token_bucket }
   - { rule_id: llm-gcra, resource_path: /llm/gcra, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: gcra }
+  - { rule_id: both, resource_path: /both, limit: 10, window_seconds: 1, algorithm: fixed_window, also: [ { limit: 30, window_seconds: 60 } ] }
 "#;
 
 const ENVOY: &str = r#"
@@ -242,7 +243,54 @@ for_each_store!(
     envoy_report_mode_counts_after_the_fact_and_zero_hits_peek,
     envoy_global_quota_mode_denies_only_when_every_limit_is_over,
     envoy_global_shadow_mode_never_denies,
+    several_limits_count_all_or_nothing,
 );
+
+impl Harness {
+    /// Waits for (Redis: sleeps until; memory: advances the clock to) the
+    /// start of the next second, and makes sure the minute has 5 s left:
+    /// fixed windows are then crisp on either store.
+    async fn next_second(&self) {
+        use ratelimitd::clock::Clock as _;
+        if self.memory.is_some() {
+            self.clock.advance(1_000 - self.clock.now_ms() % 1_000);
+            return;
+        }
+        let now = || u64::try_from(std::time::UNIX_EPOCH.elapsed().unwrap().as_millis()).unwrap();
+        let into_minute = now() % 60_000;
+        let wait = if into_minute > 55_000 { 60_000 - into_minute } else { 1_000 - now() % 1_000 };
+        tokio::time::sleep(Duration::from_millis(wait + 20)).await;
+    }
+}
+
+/// "10 per second and 30 per minute" on one rule (`also`): bursts of 10
+/// pass, the 11th in a second is denied by the per-second limit and counts
+/// nowhere, so a third second's 10 still pass; the 31st in the minute is
+/// denied by the per-minute limit, which the answer names.
+async fn several_limits_count_all_or_nothing(backend: Backend) {
+    let h = Harness::default(backend).await;
+    h.next_second().await;
+    for second in 0..3 {
+        for i in 0..10u64 {
+            let d = h.check("kim", "/both", 1).await;
+            assert!(d.allowed, "second {second}, request {i}: {d:?}");
+            assert_eq!(d.remaining, (9 - i).min(30 - 10 * second - i - 1), "the least left of both");
+        }
+        let over = h.check("kim", "/both", 1).await;
+        assert_eq!((over.allowed, over.reason), (false, Reason::OverLimit), "{over:?}");
+        let rule = over.rule.as_ref().unwrap();
+        if second < 2 {
+            assert_eq!((&*rule.id, rule.limit, rule.window_ms), ("both", 10, 1_000), "per second binds");
+            assert!(over.retry_after_ms > 0 && over.retry_after_ms <= 1_000, "{over:?}");
+        } else {
+            assert_eq!((rule.limit, rule.window_ms), (30, 60_000), "per minute binds: {over:?}");
+            assert!(over.retry_after_ms > 1_000, "{over:?}");
+        }
+        h.next_second().await;
+    }
+    assert!(!h.check("kim", "/both", 1).await.allowed, "the minute's 30 are spent");
+    assert!(h.check("lee", "/both", 1).await.allowed, "users are independent");
+}
 
 /// `envoy.shadow_mode`: every limit is in shadow mode; nothing is refused
 /// (the same requests are refused without it).

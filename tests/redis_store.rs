@@ -404,6 +404,7 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
         mode: Mode::Enforce,
         failure_policy: FailurePolicy::Open,
         overload: None,
+        also: Vec::new(),
         source: std::path::Path::new("t.yaml").into(),
     }
 }

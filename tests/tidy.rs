@@ -307,7 +307,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
         "src/limiter/redis.rs::run",
         "the per-decision future: one await per step, kept flat so its state machine stays small",
     ),
-    ("src/rules/compile.rs::validate", "one check per rule field, each naming its field: a list"),
     ("src/rules/envoy.rs::load_level", "upstream's checks of one YAML level, in upstream's order"),
     ("src/rules/envoy.rs::compile_limit", "upstream's checks of one rate_limit, in upstream's order"),
     ("src/rules/store.rs::watch", "the poll loop and its once-per-change logging state"),

@@ -1,5 +1,6 @@
 //! The native entry point, [`Engine::check`]: one request, one rule, one
-//! counter per user.
+//! counter per user, or with the rule's `also` limits one all-or-nothing
+//! job of a counter per limit.
 
 use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
@@ -141,18 +142,20 @@ impl Engine {
 }
 
 impl RuleInfo {
+    /// The rule's first limit.
     pub(super) fn of(rule: &Rule) -> Self {
-        RuleInfo {
-            id: Arc::clone(&rule.id),
-            limit: rule.limit,
-            capacity: rule.window.capacity,
-            window_ms: rule.window.window_ms,
-        }
+        Self::of_limit(rule, 0)
+    }
+
+    /// The rule's limit `index` (0 the first, then `also`'s): the one that bound.
+    pub(super) fn of_limit(rule: &Rule, index: usize) -> Self {
+        let (limit, window) = rule.limit_at(index);
+        RuleInfo { id: Arc::clone(&rule.id), limit, capacity: window.capacity, window_ms: window.window_ms }
     }
 }
 
-/// A `Check` (a peek, a `Report`) in the pipeline: one rule, one counter
-/// per user.
+/// A `Check` (a peek, a `Report`) in the pipeline: one rule, its counters
+/// of one user.
 struct Native<'r, 'a> {
     request: &'r CheckRequest<'a>,
     rule: Option<&'r Rule>,
@@ -192,7 +195,8 @@ impl Native<'_, '_> {
 
 impl Subject for Native<'_, '_> {
     type Answer = Decision;
-    type Outcome = Verdict;
+    /// The verdict, and which of the rule's limits bound (0 the first).
+    type Outcome = (Verdict, usize);
 
     #[inline]
     fn priority(&self) -> Priority {
@@ -225,7 +229,7 @@ impl Subject for Native<'_, '_> {
             return Some(self.uncounted(Reason::NoRule));
         };
         let weight = u64::from(self.request.weight);
-        if weight > rule.window.capacity && self.request.count != Count::Always {
+        if weight > rule.min_capacity() && self.request.count != Count::Always {
             let base = self.uncounted(Reason::Ok);
             return Some(if self.shadow() {
                 Decision { shadow_denied: true, ..base }
@@ -279,23 +283,29 @@ impl Subject for Native<'_, '_> {
 
     #[inline]
     fn keys(&self) -> usize {
-        1
+        1 + self.rule.map_or(0, |rule| rule.also.len())
     }
 
+    /// One counter, or with `also` limits one all-or-nothing job of them
+    /// all in the user's group.
     #[inline]
-    async fn decide(&self, engine: &Engine) -> Result<Verdict, StoreError> {
+    async fn decide(&self, engine: &Engine) -> Result<(Verdict, usize), StoreError> {
         let weight = u64::from(self.request.weight);
         let tenant = engine.tenant_share(|| engine.check_tenant(self.request));
         let shares = Shares { connection: self.request.share, tenant: tenant.as_deref() };
-        engine
-            .inner
-            .store
-            .decide_in(shares, &self.user, self.rule().counter(), weight, self.request.count)
-            .await
+        let (rule, store) = (self.rule(), &engine.inner.store);
+        if rule.also.is_empty() {
+            let verdict =
+                store.decide_in(shares, &self.user, rule.counter(), weight, self.request.count).await?;
+            return Ok((verdict, 0));
+        }
+        let outcome =
+            store.decide_many_in(shares, &self.user, &rule.items(weight, self.request.count)).await?;
+        Ok(outcome.binding())
     }
 
     #[inline]
-    fn answer(self, engine: &Engine, verdict: Verdict) -> Decision {
+    fn answer(self, engine: &Engine, (verdict, bound): (Verdict, usize)) -> Decision {
         if let (Some(version), Some(cache)) = (self.cache, engine.inner.denials.as_deref())
             && !verdict.admitted
             && let Some(retry_after_ms) = verdict.retry_after_ms
@@ -310,7 +320,8 @@ impl Subject for Native<'_, '_> {
                 verdict.reset_after_ms,
             );
         }
-        let decided = from_verdict(&verdict, self.shadow(), self.info(), self.priority);
+        let info = self.rule.map(|rule| RuleInfo::of_limit(rule, bound));
+        let decided = from_verdict(&verdict, self.shadow(), info, self.priority);
         Decision { shadow_shed: self.shadow_shed, level: self.level, ..decided }
     }
 

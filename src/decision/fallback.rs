@@ -38,13 +38,18 @@ impl Engine {
         let Failed { user, priority, level, error } = failed;
         let (weight, info) = (u64::from(request.weight), Some(RuleInfo::of(rule)));
         let local = match rule.failure_policy {
-            FailurePolicy::Local => {
-                Some(self.inner.local.decide(user, rule.counter(), weight, request.count))
+            FailurePolicy::Local if rule.also.is_empty() => {
+                Some(self.inner.local.decide(user, rule.counter(), weight, request.count).map(|v| (v, 0)))
             }
+            // Every limit locally too: an outage never lifts the daily one.
+            FailurePolicy::Local => Some(
+                self.inner.local.decide_many(user, &rule.items(weight, request.count)).map(|o| o.binding()),
+            ),
             FailurePolicy::Open | FailurePolicy::Closed => None,
         };
         let decision = match (rule.failure_policy, local) {
-            (_, Some(Ok(verdict))) => {
+            (_, Some(Ok((verdict, bound)))) => {
+                let info = Some(RuleInfo::of_limit(rule, bound));
                 let decided = from_verdict(&verdict, rule.mode == Mode::Shadow, info, priority);
                 let reason = if decided.reason == Reason::OverLimit {
                     Reason::LocalOverLimit

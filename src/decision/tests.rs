@@ -24,7 +24,12 @@ fn engine(policy: EnvoyPolicy) -> Engine {
 }
 
 fn engine_trusting(policy: EnvoyPolicy, trust_request_priority: bool) -> Engine {
-    Engine::new(EngineParts {
+    Engine::new(EngineParts { trust_request_priority, ..parts(policy) })
+}
+
+/// An engine's parts on no rules, the memory store and the manual clock at 0.
+fn parts(policy: EnvoyPolicy) -> EngineParts {
+    EngineParts {
         rules: Arc::new(RuleStore::new(rules::empty())),
         envoy: None,
         store: Store::Memory(Arc::new(MemoryStore::new(1, 1_000, Arc::new(ManualClock::new(0))))),
@@ -37,14 +42,14 @@ fn engine_trusting(policy: EnvoyPolicy, trust_request_priority: bool) -> Engine 
         stats: Arc::new(NoStats),
         default_priority: Priority::Degraded,
         max_user_id_bytes: 256,
-        trust_request_priority,
+        trust_request_priority: true,
         envoy_policy: policy,
         capture: None,
         overload: None,
         tenants: crate::decision::TenantPolicy::default(),
         denials: None,
         tenant_shares: None,
-    })
+    }
 }
 
 fn descriptors<'a>(entries: &[&[(&'a str, &'a str)]]) -> Vec<RlsDescriptor<'a>> {
@@ -144,4 +149,73 @@ fn limit_hits_split_near_and_over_as_upstream() {
     assert_eq!(of(1, false, 0, true), LimitHits { total: 1, over: 1, shadow: 1, ..LimitHits::default() });
     // A peek counts nothing.
     assert_eq!(of(0, true, 5, false), LimitHits::default());
+}
+
+/// A rule with `also` limits against a model of its two fixed windows: a
+/// request is admitted only when it fits both, and a denied one consumes
+/// nothing from either ("10 per second and 30 per minute").
+mod several_limits {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::{clock::Clock as _, limiter::Count};
+
+    const RULE: &str = "rules:\n  - { rule_id: both, resource_path: /x, limit: 10, window_seconds: 1, algorithm: fixed_window, also: [ { limit: 30, window_seconds: 60 } ] }\n";
+
+    /// Fixed windows of `window_ms` holding `capacity`.
+    #[derive(Default)]
+    struct Window {
+        start: u64,
+        count: u64,
+    }
+
+    fn fits(w: &mut Window, now: u64, window_ms: u64, capacity: u64, weight: u64) -> bool {
+        let start = now - now % window_ms;
+        if w.start != start {
+            (w.start, w.count) = (start, 0);
+        }
+        w.count + weight <= capacity
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        #[test]
+        fn admitted_only_within_every_limit_and_denials_consume_nothing(
+            steps in proptest::collection::vec((0u64..700, 1u32..4), 1..150)
+        ) {
+            let clock = Arc::new(ManualClock::new(6_000_000));
+            let rules = rules::from_text(Path::new("r.yaml"), RULE, rules::PathForm::default()).unwrap();
+            let engine = Engine::new(EngineParts {
+                rules: Arc::new(RuleStore::new(rules)),
+                store: Store::Memory(Arc::new(MemoryStore::new(1, 1_000, Arc::clone(&clock) as _))),
+                ..parts(EnvoyPolicy::default())
+            });
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let (mut second, mut minute) = (Window::default(), Window::default());
+            let headers = HashMap::new();
+            for (advance, weight) in steps {
+                clock.advance(advance);
+                let now = clock.now_ms();
+                let w = u64::from(weight);
+                // Both windows are rolled before either is judged.
+                let in_second = fits(&mut second, now, 1_000, 10, w);
+                let in_minute = fits(&mut minute, now, 60_000, 30, w);
+                let expected = in_second && in_minute;
+                let request = CheckRequest {
+                    user_id: "u", resource_path: "/x", client_type: None, weight, count: Count::IfFits,
+                    priority: None, headers: &headers, trace_id: None, share: None,
+                };
+                let decision = runtime.block_on(engine.check(&request));
+                prop_assert_eq!(decision.allowed, expected, "at {} weight {}: {:?}", now, w, decision);
+                if expected {
+                    second.count += w;
+                    minute.count += w;
+                } else if in_second != in_minute {
+                    // One limit is over: it is the one that binds.
+                    let bound = decision.rule.as_ref().map(|r| r.window_ms);
+                    prop_assert_eq!(bound, Some(if in_second { 60_000 } else { 1_000 }), "{:?}", decision);
+                }
+            }
+        }
+    }
 }

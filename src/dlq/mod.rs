@@ -351,6 +351,7 @@ mod tests {
             mode: Mode::Enforce,
             failure_policy: FailurePolicy::Open,
             overload: None,
+            also: Vec::new(),
             source: Arc::from(Path::new("r.yaml")),
         }
     }

@@ -7,8 +7,8 @@ use std::{collections::HashMap, path::Path, sync::Arc};
 
 use super::{
     RuleError,
-    model::{MAX_OVERLOAD_RATE, Rule},
-    native::SourcedRule,
+    model::{AlsoLimit, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, Rule},
+    native::{RawLimit, RawRule, SourcedRule},
     snapshot::{PathForm, PathKey, Snapshot},
 };
 use crate::limiter::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams};
@@ -109,51 +109,24 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
     if raw.client_type.as_deref() == Some("") {
         return fail("client_type", "must not be empty; omit it to match any client".to_owned());
     }
-    if raw.limit == 0 {
-        return fail("limit", "must be at least 1".to_owned());
-    }
-    if raw.window_seconds == 0 {
-        return fail("window_seconds", "must be at least 1".to_owned());
-    }
-    if !raw.burst_capacity.is_finite() || raw.burst_capacity < 1.0 {
-        return fail("burst_capacity", format!("must be a number >= 1, got {}", raw.burst_capacity));
-    }
     let algorithm = match raw.algorithm.as_deref() {
         None => Algorithm::SlidingWindow,
-        Some(name) => match Algorithm::parse(name) {
-            Some(algorithm) => algorithm,
-            None => {
-                return fail(
-                    "algorithm",
-                    format!(
-                        "unknown algorithm {name:?} (sliding_window, fixed_window, token_bucket or gcra)"
-                    ),
-                );
-            }
-        },
+        Some(name) => parse_algorithm(name).map_err(|message| error(sourced, "algorithm", message))?,
     };
-    let window_ms = raw.window_seconds.checked_mul(1_000);
-    // limit * burst in f64 is exact for the magnitudes the bound below admits.
-    let capacity = (raw.limit as f64 * raw.burst_capacity).floor();
-    let within_bound = window_ms.is_some_and(|w| capacity <= (MAX_CAPACITY_TIMES_WINDOW / w) as f64);
-    if !within_bound {
-        return fail(
-            "limit",
-            format!(
-                "limit x burst_capacity x window_seconds x 1000 must not exceed {MAX_CAPACITY_TIMES_WINDOW} \
-                 (the counters are exact to the request and the ms): use a shorter window or a smaller limit"
-            ),
-        );
-    }
+    let first = RawLimit {
+        limit: raw.limit,
+        window_seconds: raw.window_seconds,
+        burst_capacity: raw.burst_capacity,
+        algorithm: None,
+    };
+    let (capacity, window_ms) =
+        limit_window(&first).map_err(|(field, message)| error(sourced, field, message))?;
+    let also = also_limits(raw, algorithm).map_err(|(field, message)| error(sourced, &field, message))?;
     if let Some(overload) = &raw.overload
         && !(1..=MAX_OVERLOAD_RATE).contains(&overload.rate_per_second)
     {
         return fail("overload.rate_per_second", format!("must be between 1 and {MAX_OVERLOAD_RATE}"));
     }
-    let window_ms = window_ms.unwrap_or(u64::MAX);
-    // `capacity` is an integer-valued f64 below 2^53 here: the cast is exact.
-    let capacity = capacity as u64;
-
     Ok(Rule {
         id: Arc::from(raw.rule_id.as_str()),
         resource_path: raw.resource_path.clone(),
@@ -165,8 +138,68 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         mode: raw.mode,
         failure_policy: raw.failure_policy,
         overload: raw.overload,
+        also,
         source: Arc::clone(&sourced.file),
     })
+}
+
+fn parse_algorithm(name: &str) -> Result<Algorithm, String> {
+    Algorithm::parse(name).ok_or_else(|| {
+        format!("unknown algorithm {name:?} (sliding_window, fixed_window, token_bucket or gcra)")
+    })
+}
+
+/// A limit's capacity (`floor(limit × burst)`) and window in ms, checked;
+/// an error names the field (relative to the limit).
+fn limit_window(raw: &RawLimit) -> Result<(u64, u64), (&'static str, String)> {
+    if raw.limit == 0 {
+        return Err(("limit", "must be at least 1".to_owned()));
+    }
+    if raw.window_seconds == 0 {
+        return Err(("window_seconds", "must be at least 1".to_owned()));
+    }
+    if !raw.burst_capacity.is_finite() || raw.burst_capacity < 1.0 {
+        return Err(("burst_capacity", format!("must be a number >= 1, got {}", raw.burst_capacity)));
+    }
+    let window_ms = raw.window_seconds.checked_mul(1_000);
+    // limit * burst in f64 is exact for the magnitudes the bound below admits.
+    let capacity = (raw.limit as f64 * raw.burst_capacity).floor();
+    let within_bound = window_ms.is_some_and(|w| capacity <= (MAX_CAPACITY_TIMES_WINDOW / w) as f64);
+    if !within_bound {
+        return Err((
+            "limit",
+            format!(
+                "limit x burst_capacity x window_seconds x 1000 must not exceed {MAX_CAPACITY_TIMES_WINDOW} \
+                 (the counters are exact to the request and the ms): use a shorter window or a smaller limit"
+            ),
+        ));
+    }
+    // `capacity` is an integer-valued f64 below 2^53 here: the cast is exact.
+    Ok((capacity as u64, window_ms.unwrap_or(u64::MAX)))
+}
+
+/// The rule's `also` limits, checked; an error names the field
+/// (`also[1].window_seconds`). Each takes the rule's algorithm unless it
+/// names its own.
+fn also_limits(raw: &RawRule, algorithm: Algorithm) -> Result<Vec<AlsoLimit>, (String, String)> {
+    if raw.also.len() > MAX_ALSO_LIMITS {
+        return Err(("also".to_owned(), format!("at most {MAX_ALSO_LIMITS} further limits")));
+    }
+    raw.also
+        .iter()
+        .enumerate()
+        .map(|(i, also)| {
+            let at = |field: &str| format!("also[{i}].{field}");
+            let (capacity, window_ms) =
+                limit_window(also).map_err(|(field, message)| (at(field), message))?;
+            let algorithm = match also.algorithm.as_deref() {
+                None => algorithm,
+                Some(name) => parse_algorithm(name).map_err(|message| (at("algorithm"), message))?,
+            };
+            let window = WindowParams { window_ms, capacity, rate: also.limit, algorithm };
+            Ok(AlsoLimit { limit: also.limit, burst_capacity: also.burst_capacity, window })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -263,5 +296,44 @@ mod tests {
         ))
         .unwrap_err();
         assert_eq!(errors.len(), 2, "{errors:?}");
+    }
+
+    #[test]
+    fn also_limits_compile_with_the_rules_algorithm_unless_their_own() {
+        let snapshot = compile_text(&format!(
+            "rules:\n{}",
+            rule(
+                "a",
+                "/a",
+                "    algorithm: fixed_window\n    also:\n      - { limit: 1000, window_seconds: 86400 }\n      - { limit: 50, window_seconds: 60, burst_capacity: 1.5, algorithm: gcra }\n"
+            )
+        ))
+        .unwrap();
+        let rule = snapshot.lookup("/a", None).unwrap();
+        assert_eq!(rule.also.len(), 2);
+        assert_eq!(rule.also[0].window, WindowParams::window(86_400_000, 1000, false));
+        assert_eq!((rule.also[1].window.capacity, rule.also[1].window.algorithm), (75, Algorithm::Gcra));
+        assert_eq!(rule.min_capacity(), 10);
+        assert_eq!(rule.limit_at(2), (50, rule.also[1].window));
+        let keys: Vec<String> =
+            rule.items(1, crate::limiter::Count::IfFits).into_iter().map(|i| i.key).collect();
+        assert_eq!(keys, ["#a/0", "#a/1", "#a/2"]);
+    }
+
+    #[test]
+    fn also_limits_are_checked_field_by_field() {
+        let with =
+            |also: &str| one_error(&format!("rules:\n{}", rule("a", "/a", &format!("    also: {also}\n"))));
+        let e = with("[ { limit: 5, window_seconds: 0 } ]");
+        assert!(e.contains("also[0].window_seconds") && e.contains("must be at least 1"), "{e}");
+        let e =
+            with("[ { limit: 5, window_seconds: 1 }, { limit: 5, window_seconds: 1, algorithm: leaky } ]");
+        assert!(e.contains("also[1].algorithm") && e.contains("unknown algorithm"), "{e}");
+        let nine = ["{ limit: 5, window_seconds: 1 }"; 9].join(", ");
+        let e = with(&format!("[ {nine} ]"));
+        assert!(e.contains("also") && e.contains("at most 8"), "{e}");
+        let text = format!("rules:\n{}", rule("a", "/a", "    also: [ { limit: 5 } ]\n"));
+        let e = parse(Path::new("r.yaml"), &text).unwrap_err().to_string();
+        assert!(e.contains("also") && e.contains("missing field `window_seconds`"), "{e}");
     }
 }

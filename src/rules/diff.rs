@@ -68,6 +68,12 @@ pub fn diff(old: &Snapshot, new: &Snapshot) -> Vec<Change> {
     changes(&by_id(old), &by_id(new), |rule| {
         let mut fields = fields(rule).to_vec();
         fields.push(("overload", format!("{:?}", rule.overload)));
+        let also: Vec<String> = rule
+            .also
+            .iter()
+            .map(|a| format!("{} per {} ms ({:?})", a.limit, a.window.window_ms, a.window.algorithm))
+            .collect();
+        fields.push(("also", format!("[{}]", also.join(", "))));
         fields
     })
 }

@@ -107,6 +107,9 @@ pub struct EncodedRule {
     /// The overload directive, when the rule has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overload: Option<OverloadSpec>,
+    /// Further limits, each with its algorithm explicit.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub also: Vec<super::RawLimit>,
 }
 
 /// The Envoy configuration files.
@@ -234,6 +237,16 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
             failure_policy: rule.failure_policy,
             capacity: rule.window.capacity,
             overload: rule.overload,
+            also: rule
+                .also
+                .iter()
+                .map(|also| super::RawLimit {
+                    limit: also.limit,
+                    window_seconds: also.window.window_ms / 1_000,
+                    burst_capacity: also.burst_capacity,
+                    algorithm: Some(also.window.algorithm.as_str().to_owned()),
+                })
+                .collect(),
         })
         .collect();
     NativeRules { version: snapshot.version().to_owned(), rules }
@@ -326,6 +339,7 @@ fn decode_native(native: &NativeRules, version: &str, paths: PathForm) -> Result
                 failure_policy: rule.failure_policy,
                 algorithm: Some(rule.algorithm.clone()),
                 overload: rule.overload,
+                also: rule.also.clone(),
             },
         })
         .collect();
@@ -339,7 +353,7 @@ mod tests {
 
     const RULES: &str = r#"
 rules:
-  - { rule_id: a, resource_path: /a, limit: 10, window_seconds: 60, burst_capacity: 1.5 }
+  - { rule_id: a, resource_path: /a, limit: 10, window_seconds: 60, burst_capacity: 1.5, also: [ { limit: 100, window_seconds: 3600 } ] }
   - { rule_id: b, resource_path: "/b/*", client_type: IOS, priority_bucket: CRITICAL, limit: 5, window_seconds: 1, algorithm: gcra, mode: shadow, failure_policy: closed }
 "#;
     const ENVOY: &str =

@@ -22,7 +22,10 @@ use std::{fmt, io, path::Path, path::PathBuf};
 
 pub(crate) use compile::compile;
 pub use figures::RuleSets;
-pub use model::{FailurePolicy, MAX_OVERLOAD_RATE, Mode, OverloadScope, OverloadSpec, Rule};
+pub use model::{
+    AlsoLimit, FailurePolicy, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, Mode, OverloadScope, OverloadSpec, Rule,
+};
+pub use native::RawLimit;
 pub use snapshot::{PathForm, Snapshot, canonical_path};
 pub use store::{Feed, Hot, Origin, RuleStore, Served, Versioned, XdsState, watch};
 pub use tenants::OverloadMode;

@@ -5,7 +5,7 @@ use std::{path::Path, sync::Arc};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    limiter::{CounterSpec, window::WindowParams},
+    limiter::{Count, CounterSpec, ManyItem, window::WindowParams},
     shed::Priority,
 };
 
@@ -74,6 +74,22 @@ pub struct OverloadSpec {
 /// Largest accepted `overload.rate_per_second`.
 pub const MAX_OVERLOAD_RATE: u64 = 1_000_000_000;
 
+/// Most limits a rule may add with `also:` (each is one more counter per
+/// decision).
+pub const MAX_ALSO_LIMITS: usize = 8;
+
+/// A limit a rule adds to its first (`also:`): counted with it, all or
+/// nothing, on the same user.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AlsoLimit {
+    /// Requests per window, before burst.
+    pub limit: u64,
+    /// Burst multiplier (>= 1).
+    pub burst_capacity: f64,
+    /// Window length and capacity.
+    pub window: WindowParams,
+}
+
 /// One validated rule. Shared by reference from the [`Snapshot`](super::Snapshot);
 /// the hot path never clones it.
 #[derive(Debug, Clone, PartialEq)]
@@ -98,6 +114,9 @@ pub struct Rule {
     pub failure_policy: FailurePolicy,
     /// A global rate enforced by probabilistic drop before the exact counter.
     pub overload: Option<OverloadSpec>,
+    /// Further limits (`also:`), counted with the first all or nothing:
+    /// "10 per second and 1,000 per day". Empty for most rules.
+    pub also: Vec<AlsoLimit>,
     /// The file the rule came from, for messages.
     pub source: Arc<Path>,
 }
@@ -106,5 +125,34 @@ impl Rule {
     /// The counter this rule keeps per user, as the store takes it.
     pub fn counter(&self) -> CounterSpec<'_> {
         CounterSpec { id: &self.id, window: self.window }
+    }
+
+    /// Limit `index`: 0 the first, then `also`'s, as (limit, window).
+    pub fn limit_at(&self, index: usize) -> (u64, WindowParams) {
+        match index.checked_sub(1).and_then(|i| self.also.get(i)) {
+            Some(also) => (also.limit, also.window),
+            None => (self.limit, self.window),
+        }
+    }
+
+    /// The smallest capacity of its limits: a weight above it never fits.
+    pub fn min_capacity(&self) -> u64 {
+        self.also.iter().map(|a| a.window.capacity).fold(self.window.capacity, u64::min)
+    }
+
+    /// The counters of a rule with `also` limits for one decision, one per
+    /// limit, keyed `#<rule id>/<index>` within the user's group (a key no
+    /// Envoy counter has: theirs start with a digit).
+    pub fn items(&self, weight: u64, count: Count) -> Vec<ManyItem> {
+        (0..=self.also.len())
+            .map(|index| ManyItem {
+                key: format!("#{}/{index}", self.id),
+                params: self.limit_at(index).1,
+                tick_ms: 1,
+                weight,
+                count,
+                shadow: false,
+            })
+            .collect()
     }
 }

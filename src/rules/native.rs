@@ -43,6 +43,25 @@ pub(crate) struct RawRule {
     /// A global rate enforced by probabilistic drop (the overload layer).
     #[serde(default)]
     pub(crate) overload: Option<OverloadSpec>,
+    /// Further limits counted with the first, all or nothing.
+    #[serde(default)]
+    pub(crate) also: Vec<RawLimit>,
+}
+
+/// A further limit of a rule (`also:`), as written.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimit {
+    /// Requests per window, before burst.
+    pub limit: u64,
+    /// The window.
+    pub window_seconds: u64,
+    /// Burst multiplier (default 1).
+    #[serde(default = "default_burst")]
+    pub burst_capacity: f64,
+    /// Default: the rule's `algorithm`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub algorithm: Option<String>,
 }
 
 /// A rule together with the file it came from and its position in it.

@@ -327,6 +327,18 @@ fn content_hash(rules: &[Rule]) -> String {
             let _ =
                 writeln!(canonical, "\toverload\t{}\t{}", overload.rate_per_second, overload.per.as_str());
         }
+        for also in &rule.also {
+            let w = &also.window;
+            let _ = writeln!(
+                canonical,
+                "\talso\t{}\t{}\t{}\t{}\t{}",
+                also.limit,
+                also.burst_capacity,
+                w.window_ms,
+                w.capacity,
+                w.algorithm.as_str()
+            );
+        }
     }
     let digest = sha1_smol::Sha1::from(canonical.as_bytes()).digest().to_string();
     digest[..16].to_owned()
