@@ -60,6 +60,9 @@ descriptors:
   - key: tokens
     report_mode: true
     rate_limit: { unit: minute, requests_per_unit: 100 }
+  - key: both
+    rate_limit: { unit: second, requests_per_unit: 10, algorithm: fixed_window }
+    also: [ { unit: minute, requests_per_unit: 30 } ]
 "#;
 
 /// The failed decisions the engine reported.
@@ -244,6 +247,7 @@ for_each_store!(
     envoy_global_quota_mode_denies_only_when_every_limit_is_over,
     envoy_global_shadow_mode_never_denies,
     several_limits_count_all_or_nothing,
+    envoy_several_limits_count_all_or_nothing,
 );
 
 impl Harness {
@@ -761,4 +765,36 @@ fn embedded_rules_are_the_repositorys_examples() {
     let ids = |s: &rules::Snapshot| s.rules().iter().map(|r| (r.id.to_string(), r.limit)).collect::<Vec<_>>();
     assert_eq!(ids(&embedded), ids(&examples), "every example file is compiled in");
     assert!(Path::new(&common::repo_path("examples/rules/api.yaml")).is_file());
+}
+
+/// The same on one Envoy descriptor (`also` beside `rate_limit`): the
+/// status names the limit that binds, per second then per minute.
+async fn envoy_several_limits_count_all_or_nothing(backend: Backend) {
+    let h = Harness::default(backend).await;
+    h.next_second().await;
+    for second in 0..3u32 {
+        for i in 0..10u32 {
+            let r = h.rls(&[&[("both", "kim")]]).await;
+            assert!(!r.over_limit, "second {second}, request {i}: {r:?}");
+            assert_eq!(
+                r.statuses[0].remaining,
+                (9 - i).min(30 - 10 * second - i - 1),
+                "the least left of both"
+            );
+        }
+        let over = h.rls(&[&[("both", "kim")]]).await;
+        assert!(over.over_limit, "{over:?}");
+        let status = &over.statuses[0];
+        let bound = status.limit.as_ref().unwrap().limit_at(status.bound);
+        if second < 2 {
+            assert_eq!((bound.requests_per_unit, bound.unit), (10, Some(Unit::Second)), "per second binds");
+            assert!(status.until_reset_ms <= 1_000, "{over:?}");
+        } else {
+            assert_eq!((bound.requests_per_unit, bound.unit), (30, Some(Unit::Minute)), "per minute binds");
+            assert!(status.until_reset_ms > 1_000, "{over:?}");
+        }
+        h.next_second().await;
+    }
+    assert!(h.rls(&[&[("both", "kim")]]).await.over_limit, "the minute's 30 are spent");
+    assert!(!h.rls(&[&[("both", "lee")]]).await.over_limit, "values are independent");
 }

@@ -582,3 +582,55 @@ async fn an_upstream_deployment_runs_unchanged() {
     let stderr = std::fs::read_to_string(&log).unwrap();
     assert!(stderr.contains("DEBUG_PORT"), "an unsupported variable is reported by name:\n{stderr}");
 }
+
+/// Several limits on one descriptor through a real Envoy (`also` beside
+/// `rate_limit`): 10 per second and 30 per minute per user. Each second's
+/// burst of 10 passes and its 11th is 429 (consuming nothing); the third
+/// second's 10 still pass, then the minute's limit holds. The draft-03
+/// header lists both policies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ten_a_second_and_thirty_a_minute_on_one_descriptor() {
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(
+        rules.path().join("edge.yaml"),
+        "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: { unit: second, requests_per_unit: 10, algorithm: fixed_window }\n    also: [ { unit: minute, requests_per_unit: 30, algorithm: fixed_window } ]\n",
+    )
+    .unwrap();
+    let path = rules.path().to_path_buf();
+    let s = stack(move |c| {
+        c.rules.envoy_path = Some(path);
+        c.envoy.response_headers = true;
+        c.envoy.response_headers_format = ratelimitd::config::EnvoyHeaderFormat::Draft03;
+    })
+    .await;
+    let port = s.envoy_port;
+    let (codes, last) = tokio::task::spawn_blocking(move || {
+        let now = || std::time::UNIX_EPOCH.elapsed().unwrap().as_millis();
+        // Fixed windows: start a burst just after a second begins, and never
+        // with less than 8 s of the minute left.
+        let next_second = || {
+            let into_minute = now() % 60_000;
+            let wait = if into_minute > 52_000 { 60_000 - into_minute } else { 1_000 - now() % 1_000 };
+            std::thread::sleep(Duration::from_millis(u64::try_from(wait).unwrap() + 20));
+        };
+        let mut codes = Vec::new();
+        let mut last = Vec::new();
+        for _ in 0..3 {
+            next_second();
+            let burst: Vec<(u16, Vec<(String, String)>)> =
+                (0..11).map(|_| get(port, &[("x-user-id", "maya")])).collect();
+            codes.push(burst.iter().map(|(code, _)| *code).collect::<Vec<u16>>());
+            last = burst.into_iter().next().unwrap().1;
+        }
+        next_second();
+        codes.push(vec![get(port, &[("x-user-id", "maya")]).0]);
+        (codes, last)
+    })
+    .await
+    .unwrap();
+    let burst: Vec<u16> = [vec![200; 10], vec![429]].concat();
+    assert_eq!(codes[..3], [burst.clone(), burst.clone(), burst], "{codes:?}");
+    assert_eq!(codes[3], [429], "30 in the minute: the per-minute limit holds");
+    assert_eq!(header(&last, "x-ratelimit-limit"), Some("10, 10;w=1, 30;w=60"), "{last:?}");
+    s.server.stop().await.unwrap();
+}

@@ -217,9 +217,15 @@ fn response(decision: &RlsDecision, settings: &EnvoySettings) -> Result<RateLimi
     if settings.response_headers
         && let Some(index) = decision.tightest
     {
-        let window =
-            |i: usize| decision.statuses[i].limit.as_ref().and_then(|l| l.window_seconds()).unwrap_or(0);
-        response_headers_to_add = headers(settings, &statuses, window, index);
+        let policies = |i: usize, out: &mut String| {
+            if let Some(limit) = &decision.statuses[i].limit {
+                for limit in std::iter::once(&**limit).chain(limit.also.iter().map(|a| &**a)) {
+                    let name = limit.name.as_deref().unwrap_or_default();
+                    policy(out, limit.requests_per_unit, limit.window_seconds().unwrap_or(0), name);
+                }
+            }
+        };
+        response_headers_to_add = headers(settings, &statuses, policies, index);
     }
     if matches!(decision.reason, Reason::Shed | Reason::Overload) && !settings.reason_header.is_empty() {
         // Envoy adds these to its 429: the client sees why (a back-off, not a spent quota).
@@ -345,10 +351,13 @@ fn to_value(json: &serde_json::Value) -> prost_types::Value {
 fn status(decision: &DescriptorDecision) -> DescriptorStatus {
     DescriptorStatus {
         code: if decision.over_limit { Code::OverLimit } else { Code::Ok } as i32,
-        current_limit: decision.limit.as_ref().map(|limit| RateLimit {
-            name: limit.name.clone().unwrap_or_default(),
-            requests_per_unit: limit.requests_per_unit,
-            unit: limit.unit.map_or(ResponseUnit::Unknown, response_unit) as i32,
+        // The limit that binds, of the descriptor's `also` limits too.
+        current_limit: decision.limit.as_ref().map(|limit| limit.limit_at(decision.bound)).map(|limit| {
+            RateLimit {
+                name: limit.name.clone().unwrap_or_default(),
+                requests_per_unit: limit.requests_per_unit,
+                unit: limit.unit.map_or(ResponseUnit::Unknown, response_unit) as i32,
+            }
         }),
         limit_remaining: decision.remaining,
         duration_until_reset: decision.limit.as_ref().map(|_| duration(decision.until_reset_ms)),
@@ -367,16 +376,25 @@ fn duration(ms: u64) -> prost_types::Duration {
     }
 }
 
+/// One quota policy of a draft-03 limit header: `, 10;w=60;name="daily"`.
+fn policy(out: &mut String, requests_per_unit: u32, window_seconds: u64, name: &str) {
+    let _ = write!(out, ", {requests_per_unit};w={window_seconds}");
+    if !name.is_empty() {
+        let _ = write!(out, ";name=\"{}\"", name.replace(['"', '\\'], ""));
+    }
+}
+
 /// Limit, remaining and reset (whole seconds, rounded up) of the tightest
 /// status, `statuses[tightest]`. In the `draft03` format the limit is
-/// followed by every descriptor's quota policy, as Envoy's own
-/// `DRAFT_VERSION_03` headers write it: `10, 10;w=60, 1000;w=3600;name="daily"`,
-/// with `window(i)` the window in seconds of status `i`'s limit (its unit
-/// times its `unit_multiplier`, which the wire's unit cannot say).
+/// followed by every descriptor's quota policies, as Envoy's own
+/// `DRAFT_VERSION_03` headers write them: `10, 10;w=60, 1000;w=3600;name="daily"`;
+/// `policies(i, out)` writes status `i`'s ([`policy`]): each of its limits,
+/// `also` limits included, with its real window (the unit times its
+/// `unit_multiplier`, which the wire's unit cannot say).
 fn headers(
     settings: &EnvoySettings,
     statuses: &[DescriptorStatus],
-    window: impl Fn(usize) -> u64,
+    policies: impl Fn(usize, &mut String),
     tightest: usize,
 ) -> Vec<HeaderValue> {
     let status = &statuses[tightest];
@@ -384,13 +402,8 @@ fn headers(
     let reset_s = status.duration_until_reset.as_ref().map_or(0, |d| d.seconds + i64::from(d.nanos > 0));
     let mut limit = limit.to_string();
     if settings.response_headers_format == EnvoyHeaderFormat::Draft03 {
-        for (i, policy) in
-            statuses.iter().enumerate().filter_map(|(i, s)| Some((i, s.current_limit.as_ref()?)))
-        {
-            let _ = write!(limit, ", {};w={}", policy.requests_per_unit, window(i));
-            if !policy.name.is_empty() {
-                let _ = write!(limit, ";name=\"{}\"", policy.name.replace(['"', '\\'], ""));
-            }
+        for i in 0..statuses.len() {
+            policies(i, &mut limit);
         }
     }
     vec![
@@ -435,13 +448,13 @@ mod tests {
         }
     }
 
-    /// The window of `statuses[i]`'s unit.
-    fn unit_window(statuses: &[DescriptorStatus]) -> impl Fn(usize) -> u64 + '_ {
-        |i| {
-            statuses[i]
-                .current_limit
-                .as_ref()
-                .map_or(0, |l| ResponseUnit::try_from(l.unit).map_or(0, window_seconds))
+    /// The policy of `statuses[i]`'s limit, by its unit.
+    fn unit_policies(statuses: &[DescriptorStatus]) -> impl Fn(usize, &mut String) + '_ {
+        |i, out| {
+            if let Some(l) = &statuses[i].current_limit {
+                let window = ResponseUnit::try_from(l.unit).map_or(0, window_seconds);
+                policy(out, l.requests_per_unit, window, &l.name);
+            }
         }
     }
 
@@ -451,7 +464,7 @@ mod tests {
         assert_eq!((d.seconds, d.nanos), (1, 500_000_000));
         let status =
             DescriptorStatus { duration_until_reset: Some(d), limit_remaining: 3, ..Default::default() };
-        let h = headers(&EnvoySettings::default(), &[status], |_| 0, 0);
+        let h = headers(&EnvoySettings::default(), &[status], |_, _| {}, 0);
         assert_eq!((h[1].value.as_str(), h[2].value.as_str()), ("3", "2"));
     }
 
@@ -476,10 +489,10 @@ mod tests {
         ];
         let draft =
             EnvoySettings { response_headers_format: EnvoyHeaderFormat::Draft03, ..Default::default() };
-        let h = headers(&draft, &statuses, unit_window(&statuses), 2);
+        let h = headers(&draft, &statuses, unit_policies(&statuses), 2);
         assert_eq!(h[0].value, r#"10, 1000;w=3600, 10;w=60;name="per user""#);
         assert_eq!(h[1].value, "4");
-        let plain = headers(&EnvoySettings::default(), &statuses, unit_window(&statuses), 2);
+        let plain = headers(&EnvoySettings::default(), &statuses, unit_policies(&statuses), 2);
         assert_eq!(plain[0].value, "10", "plain: the number only");
     }
 

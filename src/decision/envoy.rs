@@ -23,7 +23,7 @@ use std::{
 use super::{Api, Engine, LimitHits, REPORT_LABEL, Reason, keys, pipeline::Subject};
 use crate::{
     limiter::{
-        Count, FailureKind, ManyItem, ManyOutcome, Shares, StoreError, Verdict, push_encoded,
+        Count, FailureKind, ManyItem, ManyOutcome, Shares, StoreError, Verdict, binding, push_encoded,
         window::Algorithm,
     },
     overload::{Kind, OverloadVerdict},
@@ -273,8 +273,10 @@ pub struct DescriptorDecision {
     /// This descriptor's code is OVER_LIMIT.
     pub over_limit: bool,
     /// The limit that was applied (`None`: unmatched, replaced, unlimited,
-    /// or not counted because the store failed).
+    /// or not counted because the store failed), with its `also` limits.
     pub limit: Option<Arc<EnvoyLimit>>,
+    /// Which of `limit`'s limits binds ([`EnvoyLimit::limit_at`]: 0 itself).
+    pub bound: usize,
     /// `unlimited: true` matched.
     pub unlimited: bool,
     /// Hits left.
@@ -393,17 +395,27 @@ impl Engine {
                     Plan::Unlimited(found.limit, found.stat_key, hits(descriptor))
                 }
                 Some(found) => {
-                    items.push(self.rls_item(&found, descriptor, hits(descriptor)));
-                    Plan::Limited(found.limit, items.len() - 1, found.stat_key)
+                    let first = items.len();
+                    for slot in 0..=found.limit.also.len() {
+                        items.push(self.rls_item(&found, slot, descriptor, hits(descriptor)));
+                    }
+                    Plan::Limited(found.limit, first, found.stat_key)
                 }
             })
             .collect();
         (plans, items)
     }
 
-    /// The counter of a descriptor with a limit (`found`) and `hits`.
-    fn rls_item<D: Descriptor>(&self, found: &EnvoyMatch, descriptor: &D, hits: u64) -> ManyItem {
-        let limit = &found.limit;
+    /// The counter of a descriptor with a limit (`found`), its limit
+    /// `slot` (0 the limit, then its `also`), and `hits`.
+    fn rls_item<D: Descriptor>(
+        &self,
+        found: &EnvoyMatch,
+        slot: usize,
+        descriptor: &D,
+        hits: u64,
+    ) -> ManyItem {
+        let (first, limit) = (&found.limit, found.limit.limit_at(slot));
         let seconds = limit.window_seconds().expect("a limited limit has a unit");
         // `hits_addend: 0` asks whether one more hit fits (or, as
         // upstream, whether the count is within the limit) and counts
@@ -429,20 +441,23 @@ impl Engine {
             count,
             // Neither blocks the others: shadow never denies, and a quota
             // descriptor denies only together with all others.
-            shadow: self.shadow(limit) || self.quota(limit),
+            shadow: self.shadow(first) || self.quota(first),
         }
     }
 
-    /// One counted descriptor's status from its `verdict`, counted in the
-    /// metrics (`local`: the local limiter's verdict).
+    /// One counted descriptor's status from the `verdicts` of its limits
+    /// (the one that binds), counted in the metrics (`local`: the local
+    /// limiter's verdicts); and whether it was over.
     fn rls_status(
         &self,
         limit: &Arc<EnvoyLimit>,
         key: &Option<Box<str>>,
         item: &ManyItem,
-        verdict: &Verdict,
+        verdicts: &[Verdict],
         local: bool,
-    ) -> DescriptorDecision {
+    ) -> (DescriptorDecision, bool) {
+        let (verdict, bound) = binding(verdicts);
+        let verdict = &verdict;
         let shadow = self.shadow(limit);
         if self.inner.envoy_policy.upstream_metrics {
             let hits = item_hits(item);
@@ -461,14 +476,16 @@ impl Engine {
             (false, false, true) => "LOCAL_OK",
         };
         self.inner.stats.decision(Api::Envoy, Some(&limit.full_key), reason, report || !denied);
-        DescriptorDecision {
+        let status = DescriptorDecision {
             over_limit: denied,
             limit: Some(Arc::clone(limit)),
             unlimited: false,
             remaining: if over { 0 } else { u32::try_from(verdict.remaining).unwrap_or(u32::MAX) },
             // Over: exactly when the same hit would pass. Under: when the quota is whole again.
             until_reset_ms: if over { verdict.retry_after_ms.unwrap_or(0) } else { verdict.reset_after_ms },
-        }
+            bound,
+        };
+        (status, over)
     }
 
     /// The overload layer over every counted admission whose limit has a
@@ -586,6 +603,7 @@ impl Engine {
                 detailed_metric: false,
                 algorithm: None,
                 overload: None,
+                also: Vec::new(),
             }),
             shared: Vec::new(),
             stat_key: self.inner.envoy_policy.upstream_metrics.then(|| request_stat_key(domain, d.entries())),
@@ -629,6 +647,7 @@ impl Engine {
                     limit: limit.filter(|l| !l.unlimited),
                     remaining: 0,
                     until_reset_ms: retry_after_ms,
+                    bound: 0,
                 }
             })
             .collect();
@@ -679,9 +698,9 @@ impl Engine {
                 }
                 Plan::Limited(limit, index, key) => {
                     counted = true;
-                    let verdict = outcome.expect("limited descriptors were decided").verdicts[*index];
-                    let status = self.rls_status(limit, key, &items[*index], &verdict, local);
-                    let over = !verdict.admitted;
+                    let verdicts = &outcome.expect("limited descriptors were decided").verdicts;
+                    let mine = &verdicts[*index..=*index + limit.also.len()];
+                    let (status, over) = self.rls_status(limit, key, &items[*index], mine, local);
                     if self.quota(limit) {
                         quota_total += 1;
                         quota_over += usize::from(over);

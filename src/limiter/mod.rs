@@ -228,35 +228,26 @@ pub struct ManyOutcome {
 }
 
 impl ManyOutcome {
-    /// One verdict for a job whose items are one subject's limits (a native
-    /// rule's `also`), and the index of the item that binds. Denied: the
-    /// denying item that frees last (one that never fits first), with the
-    /// least remaining and the latest reset of all. Admitted: the item with
-    /// the least remaining.
+    /// [`binding`] over the whole job.
     pub fn binding(&self) -> (Verdict, usize) {
-        let verdicts = &self.verdicts;
-        let remaining = verdicts.iter().map(|v| v.remaining).min().unwrap_or(0);
-        let reset_after_ms = verdicts.iter().map(|v| v.reset_after_ms).max().unwrap_or(0);
-        let frees = |v: &Verdict| v.retry_after_ms.unwrap_or(u64::MAX);
-        let denied = verdicts.iter().enumerate().filter(|(_, v)| !v.admitted).max_by_key(|(_, v)| frees(v));
-        let (index, binding) = match denied {
-            Some((index, verdict)) => (index, verdict),
-            None => match verdicts.iter().enumerate().min_by_key(|(_, v)| v.remaining) {
-                Some(found) => found,
-                None => {
-                    return (
-                        Verdict {
-                            admitted: self.committed,
-                            remaining,
-                            retry_after_ms: Some(0),
-                            reset_after_ms,
-                        },
-                        0,
-                    );
-                }
-            },
-        };
-        (Verdict { remaining, reset_after_ms, ..*binding }, index)
+        binding(&self.verdicts)
+    }
+}
+
+/// One verdict for the items of one subject's limits (a native rule's, an
+/// Envoy descriptor's `also`), and the index of the item that binds.
+/// Denied (any item did not fit): the denying item that frees last (one
+/// that never fits first). Admitted: the item with the least remaining.
+/// Either way with the least remaining and the latest reset of all.
+pub fn binding(verdicts: &[Verdict]) -> (Verdict, usize) {
+    let remaining = verdicts.iter().map(|v| v.remaining).min().unwrap_or(0);
+    let reset_after_ms = verdicts.iter().map(|v| v.reset_after_ms).max().unwrap_or(0);
+    let frees = |v: &Verdict| v.retry_after_ms.unwrap_or(u64::MAX);
+    let denied = verdicts.iter().enumerate().filter(|(_, v)| !v.admitted).max_by_key(|(_, v)| frees(v));
+    let found = denied.or_else(|| verdicts.iter().enumerate().min_by_key(|(_, v)| v.remaining));
+    match found {
+        Some((index, verdict)) => (Verdict { remaining, reset_after_ms, ..*verdict }, index),
+        None => (Verdict { admitted: true, remaining, retry_after_ms: Some(0), reset_after_ms }, 0),
     }
 }
 

@@ -89,6 +89,10 @@ fn envoy_fields(limit: &EnvoyLimit) -> Vec<(&'static str, String)> {
         ("name", limit.name.clone().unwrap_or_else(|| "-".to_owned())),
         ("replaces", limit.replaces.join(",")),
         ("overload", format!("{:?}", limit.overload)),
+        (
+            "also",
+            format!("[{}]", limit.also.iter().map(|a| describe_envoy(a)).collect::<Vec<_>>().join(", ")),
+        ),
     ]
 }
 

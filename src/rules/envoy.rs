@@ -158,12 +158,21 @@ pub struct EnvoyLimit {
     /// The descriptor's `overload` (ratelimitd's extension): a global rate
     /// enforced by probabilistic drop before the exact counter.
     pub overload: Option<OverloadSpec>,
+    /// Further limits of the descriptor (ratelimitd's extension `also`),
+    /// counted with this one all or nothing; each has this one's key, modes
+    /// and metadata, no name and no `also` of its own.
+    pub also: Vec<Arc<EnvoyLimit>>,
 }
 
 impl EnvoyLimit {
     /// The window in seconds (`unit × unit_multiplier`); `None` when unlimited.
     pub fn window_seconds(&self) -> Option<u64> {
         self.unit.map(|unit| unit.seconds() * u64::from(self.unit_multiplier))
+    }
+
+    /// Limit `index` of the descriptor: 0 this one, then `also`'s.
+    pub fn limit_at(&self, index: usize) -> &EnvoyLimit {
+        index.checked_sub(1).and_then(|i| self.also.get(i)).map_or(self, |also| also)
     }
 }
 
@@ -437,6 +446,10 @@ struct YamlDescriptor {
     /// ratelimitd's extension: a global rate enforced by probabilistic drop.
     #[serde(default)]
     overload: Option<OverloadSpec>,
+    /// ratelimitd's extension: further limits beside `rate_limit`, counted
+    /// with it all or nothing.
+    #[serde(default, deserialize_with = "list")]
+    also: Vec<YamlRateLimit>,
 }
 
 #[derive(Deserialize)]
@@ -703,9 +716,14 @@ fn load_level(
                         Some(Arc::new(metadata(yaml).map_err(|e| error(file, Some(&at), "metadata", e))?))
                     }
                 };
-                Some(Arc::new(compile_limit(file, &at, r, d, &full_key, metadata)?))
+                let mut limit = compile_limit(file, &at, r, d, &full_key, metadata)?;
+                limit.also = also_limits(file, &at, d, &limit)?;
+                Some(Arc::new(limit))
             }
         };
+        if d.rate_limit.is_none() && !d.also.is_empty() {
+            return Err(error(file, Some(&at), "also", "needs a rate_limit beside it".to_owned()));
+        }
         let shared_value = d.share_threshold.then(|| Arc::from(d.value.as_str()));
         let mut node =
             Node { limit, shared_value, value_to_metric: d.value_to_metric, children: Level::default() };
@@ -855,7 +873,55 @@ fn compile_limit(
         detailed_metric: d.detailed_metric,
         algorithm,
         overload: d.overload,
+        also: Vec::new(),
     })
+}
+
+/// Most limits `also` may add to a descriptor.
+pub const MAX_ALSO_LIMITS: usize = 8;
+
+/// A descriptor's `also` limits, each compiled like `rate_limit` (errors at
+/// `also[i]`): limited, unnamed, replacing nothing, beside a limited
+/// `rate_limit`.
+fn also_limits(
+    file: &Path,
+    at: &str,
+    d: &YamlDescriptor,
+    first: &EnvoyLimit,
+) -> Result<Vec<Arc<EnvoyLimit>>, RuleError> {
+    if d.also.is_empty() {
+        return Ok(Vec::new());
+    }
+    if first.unlimited {
+        return Err(error(file, Some(at), "also", "needs a limited rate_limit beside it".to_owned()));
+    }
+    if d.also.len() > MAX_ALSO_LIMITS {
+        return Err(error(file, Some(at), "also", format!("at most {MAX_ALSO_LIMITS} further limits")));
+    }
+    d.also
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let here = format!("{at}.also[{i}]");
+            let problem = if r.unlimited {
+                Some(("unlimited", "an also limit is a limit"))
+            } else if !r.name.is_empty() || !r.replaces.is_empty() {
+                Some((
+                    "name",
+                    "an also limit has no name and replaces nothing (the rate_limit beside it does)",
+                ))
+            } else {
+                None
+            };
+            if let Some((field, message)) = problem {
+                return Err(error(file, Some(&here), field, message.to_owned()));
+            }
+            // Compiled as a rate_limit, reported under `also[i]`.
+            let limit = compile_limit(file, &here, r, d, &first.full_key, first.metadata.clone())
+                .map_err(|e| RuleError { rule: Some(here.clone()), ..e })?;
+            Ok(Arc::new(limit))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -1026,6 +1092,22 @@ descriptors:
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true, unit_multiplier: 2 }\n",
                 "should not specify a unit_multiplier when unlimited",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    also: [ { unit: minute, requests_per_unit: 5 } ]\n",
+                "needs a rate_limit beside it",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true }\n    also: [ { unit: minute, requests_per_unit: 5 } ]\n",
+                "needs a limited rate_limit beside it",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1 }\n    also: [ { unlimited: true } ]\n",
+                "an also limit is a limit",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1 }\n    also: [ { name: x, unit: minute, requests_per_unit: 5 } ]\n",
+                "an also limit has no name",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, unit_multiplier: 0 }\n",
@@ -1250,5 +1332,43 @@ descriptors:
             };
             assert_eq!(unit.tick_ms(), expected, "{unit:?}");
         }
+    }
+
+    #[test]
+    fn also_limits_sit_beside_the_rate_limit() {
+        let c = compile_texts(
+            &[(
+                PathBuf::from("a.yaml"),
+                "domain: d\ndescriptors:\n  - key: a\n    shadow_mode: true\n    rate_limit: { name: n, unit: second, requests_per_unit: 10 }\n    also:\n      - { unit: minute, requests_per_unit: 30, algorithm: gcra }\n      - { unit: day, unit_multiplier: 2, requests_per_unit: 500 }\n".to_owned(),
+            )],
+            Compile::FIXED,
+        )
+        .unwrap();
+        let limit = c.lookup("d", [("a", "x")]).unwrap().limit;
+        assert_eq!(limit.also.len(), 2);
+        let (minute, days) = (limit.limit_at(1), limit.limit_at(2));
+        assert_eq!(
+            (minute.requests_per_unit, minute.unit, minute.algorithm),
+            (30, Some(Unit::Minute), Some(Algorithm::Gcra))
+        );
+        assert_eq!(
+            (days.window_seconds(), days.full_key.as_ref(), days.shadow_mode),
+            (Some(172_800), "d.a", true)
+        );
+        assert_eq!((days.name.as_deref(), limit.limit_at(0).name.as_deref()), (None, Some("n")));
+        assert_eq!(c.limits().len(), 1, "also limits are the descriptor's, not limits of their own");
+        let bad = compile_texts(
+            &[(
+                PathBuf::from("b.yaml"),
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1 }\n    also: [ { unit: eon, requests_per_unit: 5 } ]\n".to_owned(),
+            )],
+            Compile::FIXED,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            bad.contains("descriptors[0].also[0]") && bad.contains("invalid rate limit unit 'eon'"),
+            "{bad}"
+        );
     }
 }
