@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
-use crate::shed::{Priority, ShedMode, Source, Thresholds};
+use crate::shed::{Priority, ShedMode, ShedSignal, Source, Thresholds};
 
 /// `shed.*`: priority load shedding (docs/design.md §7).
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
@@ -14,6 +14,14 @@ pub struct ShedConfig {
     /// `enforce` refuses shed requests (reason SHED); `shadow` decides them
     /// normally and flags `shadow_shed`; `off` neither samples nor sheds.
     pub mode: ShedMode,
+    /// What the level is decided on: `cpu` (utilization, `shed.source`),
+    /// `latency` (the store calls' p90 against its own unloaded baseline:
+    /// `1 − (baseline + latency_tolerance_ms) / p90`, read against the same
+    /// thresholds; a remote store's calls only), or `both` (the higher).
+    pub signal: ShedSignal,
+    /// Latency within this many ms of the baseline p90 is no pressure
+    /// (`shed.signal: latency | both`).
+    pub latency_tolerance_ms: f64,
     /// What utilization measures: `process` (the service's own CPU use:
     /// its cgroup against the quota when one is set, else the process
     /// against the CPUs its affinity mask allows), or `host` (the whole
@@ -50,6 +58,8 @@ impl Default for ShedConfig {
     fn default() -> Self {
         Self {
             mode: ShedMode::Enforce,
+            signal: ShedSignal::Cpu,
+            latency_tolerance_ms: 1.0,
             source: Source::Process,
             procfs_root: PathBuf::from("/proc"),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
@@ -80,6 +90,12 @@ impl ShedConfig {
 impl ShedConfig {
     /// Checks `shed.*`: thresholds in order, smoothing and intervals in range.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(0.0..=60_000.0).contains(&self.latency_tolerance_ms) {
+            return Err(invalid(
+                "shed.latency_tolerance_ms",
+                format!("must be within 0..60000, got {}", self.latency_tolerance_ms),
+            ));
+        }
         if !(self.degraded_at > 0.0 && self.degraded_at <= 1.0) {
             return Err(invalid("shed.degraded_at", format!("must be in (0, 1], got {}", self.degraded_at)));
         }

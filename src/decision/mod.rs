@@ -390,7 +390,11 @@ impl Engine {
     /// Counts one store call begun at `started` ([`Self::store_call_started`]):
     /// its time, if timed, and its failure kind.
     fn store_call_done<T>(&self, started: Option<std::time::Instant>, decided: &Result<T, StoreError>) {
-        self.inner.stats.store_call(started.map(|t| t.elapsed()), decided.as_ref().err().map(|e| e.kind));
+        let elapsed = started.map(|t| t.elapsed());
+        if let Some(elapsed) = elapsed {
+            self.inner.shedder.record_latency(elapsed);
+        }
+        self.inner.stats.store_call(elapsed, decided.as_ref().err().map(|e| e.kind));
     }
 }
 

@@ -32,7 +32,7 @@ use crate::{
     },
     overload::{Overload, feed},
     rules::{self, Feed, Hot, RuleErrors, RuleSets, RuleStore, envoy::EnvoyConfig, tenants::Tenants},
-    shed::{Sampler, ShedMode, Shedder, run_sampler},
+    shed::{LatencySignal, Sampler, ShedMode, ShedSignal, Shedder, Signal, run_sampler},
     telemetry::{self, Metrics},
 };
 
@@ -312,21 +312,27 @@ fn local_settings(config: &LocalConfig) -> local::Settings {
 
 /// The shedder, and its utilization sampler unless `shed.mode` is off.
 pub(crate) fn shedder(config: &ShedConfig, tasks: &mut Tasks) -> Arc<Shedder> {
-    let shedder = Arc::new(Shedder::new(config.mode, config.retry_after_ms));
+    let shedder = Shedder::new(config.mode, config.retry_after_ms);
     if config.mode == ShedMode::Off {
         tracing::info!("load shedding off (shed.mode = off)");
-        return shedder;
+        return Arc::new(shedder);
     }
-    let sampler = Sampler::new(
-        config.source,
-        &config.procfs_root,
-        &config.cgroup_root,
-        config.smoothing,
-        Arc::new(MonotonicClock::default()),
-    );
+    let cpu = (config.signal != ShedSignal::Latency).then(|| {
+        Sampler::new(
+            config.source,
+            &config.procfs_root,
+            &config.cgroup_root,
+            config.smoothing,
+            Arc::new(MonotonicClock::default()),
+        )
+    });
+    let latency = (config.signal != ShedSignal::Cpu).then(|| {
+        LatencySignal::new(Duration::from_secs_f64(config.latency_tolerance_ms / 1_000.0), config.smoothing)
+    });
+    let shedder = Arc::new(if latency.is_some() { shedder.measuring_latency() } else { shedder });
     let stop = tasks.stopper();
     tasks.spawn(run_sampler(
-        sampler,
+        Signal::new(cpu, latency),
         Arc::clone(&shedder),
         config.thresholds(),
         Duration::from_millis(config.sample_interval_ms),

@@ -9,6 +9,7 @@
 //! Architecture invariant: no gRPC and no store access here.
 
 mod figures;
+pub mod latency;
 pub mod policy;
 mod priority;
 pub mod sampler;
@@ -23,6 +24,7 @@ use std::{
     time::Duration,
 };
 
+pub use latency::{LatencyMeter, LatencySignal};
 pub use policy::{Level, Thresholds};
 pub use priority::Priority;
 pub use sampler::{Sampler, Source};
@@ -39,6 +41,57 @@ pub enum ShedMode {
     Shadow,
     /// No sampling, no shedding; the status stays NORMAL.
     Off,
+}
+
+/// What the shedding level is decided on (`shed.signal`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShedSignal {
+    /// CPU utilization (`shed.source`).
+    #[default]
+    Cpu,
+    /// The store calls' tail latency against its baseline ([`latency`]).
+    Latency,
+    /// The higher of the two.
+    Both,
+}
+
+/// A sampler of what the level is decided on: CPU utilization, latency
+/// pressure, or the higher of both.
+#[derive(Debug)]
+pub struct Signal {
+    cpu: Option<Sampler>,
+    latency: Option<LatencySignal>,
+}
+
+impl Signal {
+    /// A signal from `cpu`, `latency`, or both (at least one).
+    pub fn new(cpu: Option<Sampler>, latency: Option<LatencySignal>) -> Self {
+        Signal { cpu, latency }
+    }
+
+    /// One reading: the higher of CPU utilization and latency pressure
+    /// (the latency's p90 taken from `shedder`'s meter). `Ok(None)`: no
+    /// reading yet; an error reading the CPU keeps the last level.
+    fn sample(&mut self, shedder: &Shedder) -> Result<Option<f64>, sampler::SampleError> {
+        let cpu = match &mut self.cpu {
+            Some(sampler) => sampler.sample()?,
+            None => None,
+        };
+        let latency = self.latency.as_mut().map(|signal| {
+            let p90 = shedder.latency.take_p90_micros();
+            let pressure = signal.update(p90);
+            shedder.latency_pressure.store(pressure.to_bits(), Ordering::Relaxed);
+            if let Some(p90) = p90 {
+                shedder.latency_p90_micros.store(p90, Ordering::Relaxed);
+            }
+            pressure
+        });
+        Ok(match (cpu, latency) {
+            (Some(c), Some(l)) => Some(c.max(l)),
+            (c, l) => c.or(l),
+        })
+    }
 }
 
 /// What shedding says about one request.
@@ -78,6 +131,12 @@ pub struct Shedder {
     retry_after_ms: u64,
     shed: [AtomicU64; 4],
     shadow_shed: [AtomicU64; 4],
+    /// Store call latencies, counted when the level reads latency.
+    latency: LatencyMeter,
+    measure_latency: bool,
+    /// The last interval's store call p90 (µs) and the latency pressure (`f64` bits).
+    latency_p90_micros: AtomicU64,
+    latency_pressure: AtomicU64,
 }
 
 impl Shedder {
@@ -91,7 +150,33 @@ impl Shedder {
             retry_after_ms,
             shed: Default::default(),
             shadow_shed: Default::default(),
+            latency: LatencyMeter::default(),
+            measure_latency: false,
+            latency_p90_micros: AtomicU64::new(0),
+            latency_pressure: AtomicU64::new(0f64.to_bits()),
         }
+    }
+
+    /// This shedder, counting store call latencies (`shed.signal` reads them).
+    #[must_use]
+    pub fn measuring_latency(self) -> Self {
+        Shedder { measure_latency: true, ..self }
+    }
+
+    /// Counts one timed store call, when the level reads latency.
+    #[inline]
+    pub fn record_latency(&self, elapsed: Duration) {
+        if self.measure_latency {
+            self.latency.record(elapsed);
+        }
+    }
+
+    /// The last latency pressure (0..1) and store call p90 (µs).
+    pub fn latency(&self) -> (f64, u64) {
+        (
+            f64::from_bits(self.latency_pressure.load(Ordering::Relaxed)),
+            self.latency_p90_micros.load(Ordering::Relaxed),
+        )
     }
 
     /// The current level.
@@ -177,7 +262,7 @@ fn next_random() -> u64 {
 /// Samples every `interval`, moves the level and logs transitions and, at
 /// most every `report_every`, the shed counts. Returns when `shutdown` turns true.
 pub async fn run_sampler(
-    mut sampler: Sampler,
+    mut signal: Signal,
     shedder: Arc<Shedder>,
     thresholds: Thresholds,
     interval: Duration,
@@ -194,7 +279,7 @@ pub async fn run_sampler(
             _ = ticker.tick() => {}
             _ = shutdown.changed() => return,
         }
-        match sampler.sample() {
+        match signal.sample(&shedder) {
             Ok(Some(utilization)) => {
                 if failing {
                     tracing::info!("utilization readable again");
