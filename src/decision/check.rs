@@ -299,8 +299,10 @@ impl Subject for Native<'_, '_> {
                 store.decide_in(shares, &self.user, rule.counter(), weight, self.request.count).await?;
             return Ok((verdict, 0));
         }
-        let outcome =
-            store.decide_many_in(shares, &self.user, &rule.items(weight, self.request.count)).await?;
+        // Boxed: the job's future would otherwise size every decision's,
+        // the single-limit ones' too.
+        let items = rule.items(weight, self.request.count);
+        let outcome = Box::pin(store.decide_many_in(shares, &self.user, &items)).await?;
         Ok(outcome.binding())
     }
 
