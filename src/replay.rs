@@ -283,12 +283,7 @@ pub fn run(rules: Rules, requests: &[Request], settings: &Settings) -> Vec<Outco
 async fn decide(engine: &Engine, request: &Request) -> Outcome {
     if let Some(call) = &request.envoy {
         let decision = engine.should_rate_limit(&call.request()).await;
-        let statuses = &decision.statuses;
-        let bound = decision
-            .tightest
-            .and_then(|i| statuses.get(i))
-            .and_then(|s| s.limit.as_ref())
-            .or_else(|| statuses.iter().find_map(|s| s.limit.as_ref()));
+        let bound = decision.bound_limit();
         return Outcome { denied: decision.over_limit, rule: bound.map(|limit| Arc::clone(&limit.full_key)) };
     }
     let headers = HashMap::new();

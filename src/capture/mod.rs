@@ -214,12 +214,7 @@ impl CaptureSink for Capture {
     }
 
     fn record_envoy(&self, call: EnvoyCall, decision: &RlsDecision, envoy_version: &str) {
-        let statuses = &decision.statuses;
-        let bound = decision
-            .tightest
-            .and_then(|i| statuses.get(i))
-            .and_then(|s| s.limit.as_ref())
-            .or_else(|| statuses.iter().find_map(|s| s.limit.as_ref()));
+        let bound = decision.bound_limit();
         let record = CaptureRecord {
             schema: CAPTURE_SCHEMA.to_owned(),
             time_ms: SystemClock.now_ms(),

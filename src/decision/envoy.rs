@@ -267,6 +267,18 @@ pub struct RlsDecision {
     pub store_error: Option<FailureKind>,
 }
 
+impl RlsDecision {
+    /// The limit that bound the request: the tightest descriptor's, else
+    /// the first counted one's (capture and replay name a request by it).
+    pub fn bound_limit(&self) -> Option<&Arc<EnvoyLimit>> {
+        let statuses = &self.statuses;
+        self.tightest
+            .and_then(|i| statuses.get(i))
+            .and_then(|s| s.limit.as_ref())
+            .or_else(|| statuses.iter().find_map(|s| s.limit.as_ref()))
+    }
+}
+
 /// The answer for one descriptor.
 #[derive(Debug, Clone, Default)]
 pub struct DescriptorDecision {
