@@ -2,9 +2,13 @@
 //! (tansu): `migrate` creates the topics, `rules publish` writes snapshots,
 //! three instances subscribed with `rules.source: kafka` converge on each
 //! one, refuse corrupt records, survive a broker outage and follow a
-//! rollback; `rules status` and `rules history` show it. Then capture and
-//! replay: a candidate that drops CRITICAL traffic fails the gate, a
-//! harmless one passes and is published.
+//! rollback; `rules status` and `rules history` show it. Only records
+//! signed by a trusted key are served (rotation without a gap). Then capture
+//! and replay: a candidate that drops CRITICAL traffic fails the gate, a
+//! harmless one passes and is published; the gate judges what traffic was
+//! when captured, per rule and per path, travels signed in the record, and
+//! `require_gate` instances serve nothing else; Envoy traffic gates an
+//! Envoy candidate the same way.
 
 #![cfg(feature = "kafka")]
 
