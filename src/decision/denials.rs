@@ -101,7 +101,7 @@ impl DenialCache {
     /// The denial cached for this counter under `version` covering
     /// `weight`, if it still holds.
     pub fn lookup(&self, version: u64, scope: &str, counter: &str, weight: u64) -> Option<CachedDenial> {
-        let key = Borrowed { group: scope, key: counter };
+        let key = Borrowed { many: false, group: scope, key: counter };
         let now = self.clock.now_ms();
         let mut shard = self.shard(&key).lock().unwrap_or_else(PoisonError::into_inner);
         let entry = *shard.map.get(&key)?;
@@ -142,7 +142,7 @@ impl DenialCache {
             until_ms: now.saturating_add(retry_after_ms),
             reset_at_ms: now.saturating_add(reset_after_ms),
         };
-        let key = Borrowed { group: scope, key: counter };
+        let key = Borrowed { many: false, group: scope, key: counter };
         let mut shard = self.shard(&key).lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(existing) = shard.map.get_mut(&key) {
             *existing = entry;
@@ -159,7 +159,7 @@ impl DenialCache {
                 return;
             }
         }
-        shard.map.insert(Key { group: Arc::clone(scope), key: counter.into() }, entry);
+        shard.map.insert(Key { many: false, group: Arc::clone(scope), key: counter.into() }, entry);
         drop(shard);
         self.inserted.fetch_add(1, Ordering::Relaxed);
     }

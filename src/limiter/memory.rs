@@ -1,7 +1,7 @@
 //! The in-memory counter store: the embedded default when `redis.url` is unset.
 //!
 //! Counters live in a fixed number of shards, each a `std::sync::Mutex` over
-//! one map `(rule id or group, user id or key) -> counter`. A lock is held
+//! one map `(kind, rule id or group, user id or key) -> counter`. A lock is held
 //! only for the few arithmetic operations of one decision and never across an
 //! `.await`. Lookups borrow `&str` keys (`KeyRef`), so a known counter costs
 //! no allocation.
@@ -55,30 +55,36 @@ struct Entry {
     expires_at_ms: u64,
 }
 
-/// A counter's identity as stored: its group (a native rule id or an Envoy
-/// domain, shared by all of the group's counters) and its key.
+/// A counter's identity as stored: which kind of decision keeps it
+/// (`many`: a job of [`MemoryStore::decide_many`]), its group (a native
+/// rule id; a job's Envoy domain or native user, shared by all of the
+/// group's counters) and its key (a user id; a job's item key). The kind
+/// keeps the two spaces apart as Redis' `rl2:`/`rle2:` prefixes do: a
+/// client's user id never names another decision's counter.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct CounterKey {
+    pub(crate) many: bool,
     pub(crate) group: Arc<str>,
     pub(crate) key: Box<str>,
 }
 
 impl Hash for CounterKey {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        KeyRef { group: &self.group, key: &self.key }.hash(state);
+        KeyRef { many: self.many, group: &self.group, key: &self.key }.hash(state);
     }
 }
 
 /// A borrowed [`CounterKey`]: hashes the same, so a lookup allocates nothing.
 #[derive(Debug, Hash)]
 pub(crate) struct KeyRef<'a> {
+    pub(crate) many: bool,
     pub(crate) group: &'a str,
     pub(crate) key: &'a str,
 }
 
 impl Equivalent<CounterKey> for KeyRef<'_> {
     fn equivalent(&self, stored: &CounterKey) -> bool {
-        *stored.group == *self.group && *stored.key == *self.key
+        stored.many == self.many && *stored.group == *self.group && *stored.key == *self.key
     }
 }
 
@@ -93,17 +99,18 @@ struct Shard {
 }
 
 impl Shard {
+    /// A job's counter (`many`), if held and live.
     fn get(&self, group: &str, key: &str, now_ms: u64) -> Option<StoredCounter> {
         self.counters
-            .get(&KeyRef { group, key })
+            .get(&KeyRef { many: true, group, key })
             .filter(|entry| entry.expires_at_ms > now_ms)
             .map(|entry| entry.counter)
     }
 
-    /// Where a counter sits, if held, and its state at `now_ms` (none when
+    /// Where a single decision's counter sits, if held, and its state at `now_ms` (none when
     /// expired): one hash lookup for a whole decision.
     fn find(&self, group: &str, key: &str, now_ms: u64) -> (Option<usize>, Option<StoredCounter>) {
-        match self.counters.get_full(&KeyRef { group, key }) {
+        match self.counters.get_full(&KeyRef { many: false, group, key }) {
             Some((index, _, entry)) => (Some(index), (entry.expires_at_ms > now_ms).then_some(entry.counter)),
             None => (None, None),
         }
@@ -112,15 +119,15 @@ impl Shard {
     /// Updates an existing counter in place, or inserts it (the caller made
     /// room with [`make_room`](Self::make_room)).
     fn put(&mut self, group: &str, key: &str, entry: Entry) {
-        if let Some(existing) = self.counters.get_mut(&KeyRef { group, key }) {
+        if let Some(existing) = self.counters.get_mut(&KeyRef { many: true, group, key }) {
             *existing = entry;
             return;
         }
-        self.insert(group, key, entry);
+        self.insert(true, group, key, entry);
     }
 
     /// Inserts a counter known not to be held (room made).
-    fn insert(&mut self, group: &str, key: &str, entry: Entry) {
+    fn insert(&mut self, many: bool, group: &str, key: &str, entry: Entry) {
         let group = match self.groups.get(group) {
             Some(interned) => Arc::clone(interned),
             None => {
@@ -129,7 +136,7 @@ impl Shard {
                 interned
             }
         };
-        self.counters.insert(CounterKey { group, key: key.into() }, entry);
+        self.counters.insert(CounterKey { many, group, key: key.into() }, entry);
     }
 
     /// Makes room for `needed` new counters under `capacity`, evicting
@@ -249,7 +256,7 @@ impl MemoryStore {
                         drop(shard);
                         return Err(self.full());
                     }
-                    shard.insert(counter.id, user_id, entry);
+                    shard.insert(false, counter.id, user_id, entry);
                 }
             }
         }
@@ -510,6 +517,19 @@ mod tests {
         assert_eq!(second.verdicts[0].remaining, 4, "a is reported unconsumed");
         let a_alone = store.decide_many(&group, &[item("a", 5, 1, false)]).unwrap();
         assert_eq!(a_alone.verdicts[0].remaining, 3, "only the first call counted on a");
+    }
+
+    /// A native rule `edge` and an Envoy domain `edge`: a client whose user
+    /// id spells the domain's counter key (`60|user=a`) counts on its own
+    /// counter, never on the Envoy descriptor's (Redis: `rl2:` vs `rle2:`).
+    #[test]
+    fn single_and_job_counters_never_share_a_key() {
+        let store = MemoryStore::new(4, 1_000, Arc::new(ManualClock::new(1_000_000)));
+        let native = rule("edge", 60_000, 1);
+        assert!(store.decide("60|user=a", native.counter(), 1, Count::IfFits).unwrap().admitted);
+        let envoy = store.decide_many("edge", &[item("60|user=a", 1, 1, false)]).unwrap();
+        assert!(envoy.committed, "the Envoy counter is untouched by the native one");
+        assert_eq!(store.len(), 2);
     }
 
     #[test]
