@@ -64,8 +64,8 @@ pub struct Request {
     /// The priority it was decided with when captured: what the gate
     /// judges it by.
     pub captured_priority: Priority,
-    /// The rule it matched when captured.
-    pub captured_rule: Option<Box<str>>,
+    /// The rule it matched when captured (one allocation per rule id).
+    pub captured_rule: Option<Arc<str>>,
     /// A `ShouldRateLimit` request; `resource_path` is then its domain and
     /// first descriptor (`domain: key=value, …`), the path it is judged by.
     pub envoy: Option<Box<EnvoyCall>>,
@@ -92,7 +92,7 @@ impl From<CaptureRecord> for Request {
         };
         Request {
             captured_priority: r.effective_priority,
-            captured_rule: r.rule_id.map(Into::into),
+            captured_rule: r.rule_id.as_deref().map(Arc::from),
             envoy: r.envoy.map(Box::new),
             time_ms: r.time_ms,
             user_id: r.user_id.into(),
@@ -114,15 +114,17 @@ pub struct Capture {
     pub unreadable: u64,
     /// Requests per rules version they were decided under.
     pub versions: BTreeMap<String, u64>,
-    /// SHA-256 of each record read, in no order ([`Capture::digest`]).
+    /// SHA-256 of each record read, sorted by [`Capture::sort`] ([`Capture::digest`]).
     hashes: Vec<[u8; 32]>,
+    /// The captured rule ids, each allocated once.
+    rule_ids: std::collections::HashSet<Arc<str>>,
 }
 
 impl Capture {
     /// Adds one record (JSON); counts it unreadable when it is not one.
     pub fn push(&mut self, bytes: &[u8]) {
         match serde_json::from_slice::<CaptureRecord>(bytes) {
-            Ok(record) => {
+            Ok(mut record) => {
                 use sha2::{Digest as _, Sha256};
                 self.hashes.push(Sha256::digest(bytes.trim_ascii()).into());
                 if let Some(n) = self.versions.get_mut(&record.rules_version) {
@@ -130,25 +132,38 @@ impl Capture {
                 } else {
                     self.versions.insert(record.rules_version.clone(), 1);
                 }
-                self.requests.push(record.into());
+                let rule = record.rule_id.take().map(|id| match self.rule_ids.get(id.as_str()) {
+                    Some(interned) => Arc::clone(interned),
+                    None => {
+                        let interned: Arc<str> = Arc::from(id);
+                        self.rule_ids.insert(Arc::clone(&interned));
+                        interned
+                    }
+                });
+                let mut request = Request::from(record);
+                request.captured_rule = rule;
+                self.requests.push(request);
             }
             Err(_) => self.unreadable += 1,
         }
     }
 
-    /// Orders the requests by time.
+    /// Orders the requests by time (and the records' hashes for the digest).
     pub fn sort(&mut self) {
         self.requests.sort_by_key(|r| r.time_ms);
+        self.hashes.sort_unstable();
     }
 
     /// SHA-256 (hex) over the records read, independent of the order they
     /// were read in (a topic's partitions interleave differently each time).
     pub fn digest(&self) -> String {
         use sha2::{Digest as _, Sha256};
-        let mut hashes = self.hashes.clone();
-        hashes.sort_unstable();
+        let mut hashes = std::borrow::Cow::Borrowed(&self.hashes[..]);
+        if !hashes.is_sorted() {
+            hashes.to_mut().sort_unstable();
+        }
         let mut all = Sha256::new();
-        for hash in &hashes {
+        for hash in hashes.iter() {
             all.update(hash);
         }
         all.finalize().iter().map(|b| format!("{b:02x}")).collect()
