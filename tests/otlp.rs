@@ -66,7 +66,7 @@ async fn a_decision_span_carries_the_incoming_trace_id() {
         .env("RATELIMITD__TELEMETRY__OTLP_ENDPOINT", format!("http://127.0.0.1:{otlp_port}"))
         .env("RATELIMITD__LOG__FORMAT", "json")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("serve.log")).unwrap())
         .spawn()
         .unwrap();
 
@@ -104,10 +104,10 @@ async fn a_decision_span_carries_the_incoming_trace_id() {
         .collect();
     let expected =
         (0..16).map(|i| u8::from_str_radix(&trace_id[2 * i..2 * i + 2], 16).unwrap()).collect::<Vec<_>>();
-    let check = spans
-        .iter()
-        .find(|s| s.name == "ratelimit.check")
-        .unwrap_or_else(|| panic!("no decision span in {spans:#?}"));
+    let check = spans.iter().find(|s| s.name == "ratelimit.check").unwrap_or_else(|| {
+        let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap_or_default();
+        panic!("no decision span in {spans:#?}; the service's log:\n{log}")
+    });
     assert_eq!(check.trace_id, expected, "the decision span continues the caller's trace");
     let parent = (0..8)
         .map(|i| u8::from_str_radix(&"00f067aa0ba902b7"[2 * i..2 * i + 2], 16).unwrap())
