@@ -408,9 +408,7 @@ impl Engine {
                 }
                 Some(found) => {
                     let first = items.len();
-                    for slot in 0..=found.limit.also.len() {
-                        items.push(self.rls_item(&found, slot, descriptor, hits(descriptor)));
-                    }
+                    self.rls_items(&found, descriptor, hits(descriptor), &mut items);
                     Plan::Limited(found.limit, first, found.stat_key)
                 }
             })
@@ -418,42 +416,57 @@ impl Engine {
         (plans, items)
     }
 
-    /// The counter of a descriptor with a limit (`found`), its limit
-    /// `slot` (0 the limit, then its `also`), and `hits`.
-    fn rls_item<D: Descriptor>(
+    /// The counters of a descriptor with a limit (`found`) and `hits`: one
+    /// per limit, the limit's then its `also` limits' (their keys are
+    /// `<seconds>+<slot>|…`, never a first limit's `<seconds>|…`), pushed onto
+    /// `items`. The entries are encoded once, and a digested entry counted
+    /// once per descriptor.
+    fn rls_items<D: Descriptor>(
         &self,
         found: &EnvoyMatch,
-        slot: usize,
         descriptor: &D,
         hits: u64,
-    ) -> ManyItem {
-        let (first, limit) = (&found.limit, found.limit.limit_at(slot));
-        let seconds = limit.window_seconds().expect("a limited limit has a unit");
-        // `hits_addend: 0` asks whether one more hit fits (or, as
-        // upstream, whether the count is within the limit) and counts
-        // nothing; a `report_mode` limit counts hits whatever is left, and
-        // with `count_every_hit` an admission is counted even when denied.
+        items: &mut Vec<ManyItem>,
+    ) {
+        let first = &found.limit;
         let policy = &self.inner.envoy_policy;
-        let (weight, count) = match hits {
-            0 => (u64::from(!policy.zero_hits_within_limit), Count::Never),
-            hits if limit.report_mode => (hits, Count::Always),
-            hits if policy.count_every_hit => (hits, Count::Anyway),
-            hits => (hits, Count::IfFits),
-        };
-        let (key, digested) =
-            counter_key(seconds, descriptor.entries(), &found.shared, policy.max_value_bytes);
-        if digested {
+        let seconds = |limit: &EnvoyLimit| limit.window_seconds().expect("a limited limit has a unit");
+        let (raw, mut digested) =
+            raw_counter_key(seconds(first), descriptor.entries(), &found.shared, policy.max_value_bytes);
+        let entries_at = raw.find('|').unwrap_or(raw.len());
+        let mut keys = Vec::with_capacity(first.also.len() + 1);
+        for (slot, also) in first.also.iter().enumerate() {
+            let (key, whole) = bounded_key(format!("{}+{}{}", seconds(also), slot + 1, &raw[entries_at..]));
+            digested |= whole;
+            keys.push(key);
+        }
+        let (key, whole) = bounded_key(raw);
+        if digested || whole {
             self.inner.stats.adjusted(Api::Envoy, "entry_digest");
         }
-        ManyItem {
-            key,
-            params: params(seconds, limit.requests_per_unit, limit.algorithm.unwrap_or(policy.algorithm)),
-            tick_ms: tick_ms(seconds),
-            weight,
-            count,
-            // Neither blocks the others: shadow never denies, and a quota
-            // descriptor denies only together with all others.
-            shadow: self.shadow(first) || self.quota(first),
+        for (slot, key) in std::iter::once(key).chain(keys).enumerate() {
+            let limit = first.limit_at(slot);
+            let seconds = seconds(limit);
+            // `hits_addend: 0` asks whether one more hit fits (or, as
+            // upstream, whether the count is within the limit) and counts
+            // nothing; a `report_mode` limit counts hits whatever is left, and
+            // with `count_every_hit` an admission is counted even when denied.
+            let (weight, count) = match hits {
+                0 => (u64::from(!policy.zero_hits_within_limit), Count::Never),
+                hits if limit.report_mode => (hits, Count::Always),
+                hits if policy.count_every_hit => (hits, Count::Anyway),
+                hits => (hits, Count::IfFits),
+            };
+            items.push(ManyItem {
+                key,
+                params: params(seconds, limit.requests_per_unit, limit.algorithm.unwrap_or(policy.algorithm)),
+                tick_ms: tick_ms(seconds),
+                weight,
+                count,
+                // Neither blocks the others: shadow never denies, and a quota
+                // descriptor denies only together with all others.
+                shadow: self.shadow(first) || self.quota(first),
+            });
         }
     }
 
@@ -899,9 +912,10 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
 /// lists never share a counter. An entry matched through a `share_threshold`
 /// wildcard contributes the pattern instead of its value (`shared`), so all
 /// of its values share the counter. A key or value over `max_bytes` is
-/// counted by its digest ([`keys::bounded`]), and so is a whole key over
-/// [`keys::MAX_COUNTER_KEY_BYTES`]; the flag says a digest was taken.
-pub(crate) fn counter_key<'a>(
+/// counted by its digest ([`keys::bounded`]), and a whole key over
+/// [`keys::MAX_COUNTER_KEY_BYTES`] is digested by [`bounded_key`]; the flag
+/// says an entry was.
+fn raw_counter_key<'a>(
     window_seconds: u64,
     entries: impl Iterator<Item = (&'a str, &'a str)> + Clone,
     shared: &[(usize, Arc<str>)],
@@ -932,11 +946,17 @@ pub(crate) fn counter_key<'a>(
             }
         }
     }
-    // Never equal to a short key: those start with the unit's digits.
+    (key, digested)
+}
+
+/// `key`, or its digest when it is over [`keys::MAX_COUNTER_KEY_BYTES`]
+/// (never equal to a short key: those start with the window's digits); the
+/// flag says the digest was taken.
+fn bounded_key(key: String) -> (String, bool) {
     if key.len() > keys::MAX_COUNTER_KEY_BYTES {
         return (keys::digest_bytes(key.as_bytes()), true);
     }
-    (key, digested)
+    (key, false)
 }
 
 /// Separators of the counter key format, encoded inside names and values.
@@ -949,6 +969,18 @@ fn escape_into(out: &mut String, text: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A descriptor's first counter key, as [`Engine::rls_items`] makes it.
+    fn counter_key<'a>(
+        window_seconds: u64,
+        entries: impl Iterator<Item = (&'a str, &'a str)> + Clone,
+        shared: &[(usize, Arc<str>)],
+        max_bytes: usize,
+    ) -> (String, bool) {
+        let (raw, digested) = raw_counter_key(window_seconds, entries, shared, max_bytes);
+        let (key, whole) = bounded_key(raw);
+        (key, digested || whole)
+    }
 
     #[test]
     fn counter_keys_never_collide() {
