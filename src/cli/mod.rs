@@ -760,12 +760,14 @@ fn print_envoy_diff(
         });
         (diff::envoy_touched(old, new, &changes, requests), calls.count())
     });
-    let limits = |c: &crate::rules::envoy::EnvoyConfig, key: &str| {
-        c.limits().iter().find(|l| &*l.full_key == key).map(|l| diff::describe_envoy(l)).unwrap_or_default()
+    // Each configuration's limits walked once, not once per change.
+    let (old_limits, new_limits) = (old.limits(), new.limits());
+    let describe = |limits: &[std::sync::Arc<crate::rules::envoy::EnvoyLimit>], key: &str| {
+        limits.iter().find(|l| &*l.full_key == key).map(|l| diff::describe_envoy(l)).unwrap_or_default()
     };
     let versions = (old.version(), new.version());
     print_changes(out, versions, &changes, touched.as_ref(), |key, candidate| {
-        limits(if candidate { new } else { old }, key)
+        describe(if candidate { &new_limits } else { &old_limits }, key)
     });
 }
 

@@ -482,12 +482,11 @@ impl Engine {
         local: bool,
     ) -> (DescriptorDecision, bool) {
         let (verdict, bound) = binding(verdicts);
-        let verdict = &verdict;
         let shadow = self.shadow(limit);
         if self.inner.envoy_policy.upstream_metrics {
             let hits = item_hits(item);
             let near = self.inner.envoy_policy.near_limit_ratio;
-            let counted = LimitHits::of(u64::from(limit.requests_per_unit), hits, verdict, shadow, near);
+            let counted = LimitHits::of(u64::from(limit.requests_per_unit), hits, &verdict, shadow, near);
             self.inner.stats.limit_hits(stat_key(limit, key), counted);
         }
         let over = !verdict.admitted;
