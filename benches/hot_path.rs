@@ -129,7 +129,7 @@ fn benches(c: &mut Criterion) {
         weight: 1,
         priority: 2,
         headers: HashMap::from([("x-request-id".to_owned(), "r-1".to_owned())]),
-        peek: false,
+        ..Default::default()
     };
     c.bench_function("request validation", |b| {
         b.iter(|| black_box(validate(black_box(&request), None)).is_ok())
@@ -211,6 +211,7 @@ fn benches(c: &mut Criterion) {
         headers: &headers,
         trace_id: None,
         share: None,
+        outcome: None,
     };
     c.bench_function("Engine::check, memory store", |b| {
         b.iter(|| runtime.block_on(engine.check(black_box(&check))))

@@ -9,6 +9,8 @@
 //! - [`rules`]: rule model, YAML loader, compiler, immutable [`rules::Snapshot`],
 //!   hot-swapping [`rules::RuleStore`].
 //! - [`shed`]: utilization sampler and the priority shedding policy.
+//! - [`adaptive`]: the exchange that moves adaptive limits from reported
+//!   outcomes, shared by every instance through the store.
 //! - [`overload`]: the probabilistic drop in front of exact counting (global
 //!   rates per rule and tenant) and its feed.
 //! - [`decision`]: the one engine both APIs decide through — lookup, priority,
@@ -28,6 +30,7 @@
 #![forbid(unsafe_code)]
 
 pub mod accept;
+pub mod adaptive;
 pub mod api;
 pub mod budget;
 pub mod capture;

@@ -313,6 +313,7 @@ async fn decide(engine: &Engine, request: &Request) -> Outcome {
             headers: &headers,
             trace_id: None,
             share: None,
+            outcome: None,
         })
         .await;
     Outcome {

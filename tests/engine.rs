@@ -165,6 +165,7 @@ impl Harness {
             headers: &headers,
             trace_id: None,
             share: None,
+            outcome: None,
         };
         self.engine.check(&request).await
     }

@@ -610,7 +610,8 @@ async fn ten_a_second_and_thirty_a_minute_on_one_descriptor() {
         // first with at least 8 s of the minute left, so all run in one minute.
         let next_second = |room_ms: u128| {
             let into_minute = now() % 60_000;
-            let wait = if into_minute + room_ms > 60_000 { 60_000 - into_minute } else { 1_000 - now() % 1_000 };
+            let wait =
+                if into_minute + room_ms > 60_000 { 60_000 - into_minute } else { 1_000 - now() % 1_000 };
             std::thread::sleep(Duration::from_millis(u64::try_from(wait).unwrap() + 20));
         };
         let mut codes = Vec::new();

@@ -405,6 +405,7 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
         failure_policy: FailurePolicy::Open,
         overload: None,
         also: Vec::new(),
+        adaptive: None,
         source: std::path::Path::new("t.yaml").into(),
     }
 }

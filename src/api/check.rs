@@ -16,7 +16,7 @@ use tonic::{Request, Response, Status, Streaming, codegen::Bytes};
 use tracing::Instrument as _;
 
 use super::{
-    convert::{ValidationError, call_traceparent, response, unknown_priority, validate},
+    convert::{ValidationError, call_traceparent, reported, response, unknown_priority, validate},
     eager::eager_unordered,
     pb,
 };
@@ -97,6 +97,7 @@ impl RateLimiterService {
                 }));
             }
             checked.count = Count::Always;
+            checked.outcome = reported(&message).map_err(refuse)?;
         }
         checked.share = share_of(&extensions);
         // One field list for both spans: the engine records `rule`, `reason`

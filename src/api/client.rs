@@ -88,6 +88,7 @@ pub async fn check(addr: &str, timeout: Duration, call: CheckCall) -> Result<Che
         priority: call.priority.map_or(pb::PriorityBucket::Unspecified, super::convert::priority) as i32,
         headers: call.headers,
         peek: call.peek,
+        ..Default::default()
     };
     let mut client = pb::rate_limiter_client::RateLimiterClient::new(channel);
     let answer = if call.report { client.report(request).await } else { client.check(request).await };

@@ -5,7 +5,10 @@
 
 use crate::{
     decision::{CheckRequest, Decision, Reason},
-    limiter::Count,
+    limiter::{
+        Count,
+        adaptive::{Outcome, Reported},
+    },
     shed::Priority,
     telemetry::traces::trace_id_of,
 };
@@ -79,7 +82,31 @@ pub fn validate<'a>(
             .or_else(|| request.headers.get("traceparent").map(String::as_str))
             .and_then(trace_id_of),
         share: None,
+        outcome: None,
     })
+}
+
+/// The outcome a `Report` carries, if any. A value this service does not
+/// know is refused: read as none, the report would count usage instead.
+pub(super) fn reported(request: &pb::RateLimitRequest) -> Result<Option<Reported>, ValidationError> {
+    let outcome = match pb::Outcome::try_from(request.outcome) {
+        Ok(pb::Outcome::Unspecified) => return Ok(None),
+        Ok(pb::Outcome::Success) => Outcome::Success,
+        Ok(pb::Outcome::Failure) => Outcome::Failure,
+        Ok(pb::Outcome::Overload) => Outcome::Overload,
+        Err(_) => {
+            return Err(invalid(
+                "outcome",
+                "unknown_outcome",
+                format!(
+                    "{} is not an outcome (OUTCOME_SUCCESS, OUTCOME_FAILURE or OUTCOME_OVERLOAD)",
+                    request.outcome
+                ),
+            ));
+        }
+    };
+    let latency_ms = (request.latency_ms > 0).then_some(u64::from(request.latency_ms));
+    Ok(Some(Reported { outcome, latency_ms }))
 }
 
 /// The W3C `traceparent` of a gRPC call's metadata, if any (and ASCII).
@@ -223,7 +250,7 @@ mod tests {
                     headers.insert("traceparent".to_owned(), traceparent);
                 }
                 let request = pb::RateLimitRequest {
-                    user_id, resource_path, client_type, headers, priority, weight, peek: false
+                    user_id, resource_path, client_type, headers, priority, weight, ..Default::default()
                 };
                 let well_formed = !request.user_id.is_empty() && !request.resource_path.is_empty();
                 match validate(&request, None) {

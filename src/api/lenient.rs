@@ -62,6 +62,8 @@ impl RawCheck {
             priority: self.priority,
             client_type: text(self.client_type),
             peek: self.peek,
+            outcome: self.outcome,
+            latency_ms: self.latency_ms,
         }
     }
 }
@@ -142,6 +144,10 @@ struct RawCheck {
     client_type: Vec<u8>,
     #[prost(bool, tag = "7")]
     peek: bool,
+    #[prost(int32, tag = "8")]
+    outcome: i32,
+    #[prost(uint32, tag = "9")]
+    latency_ms: u32,
 }
 
 /// `ratelimit.v1.CheckItem` over [`RawCheck`].
@@ -332,11 +338,14 @@ mod tests {
             priority: 4,
             client_type: Vec::new(),
             peek: true,
+            outcome: 2,
+            latency_ms: 7,
         }
         .encode_to_vec();
         assert!(pb::RateLimitRequest::decode(raw.as_slice()).is_err(), "prost refuses it");
         let request = pb::RateLimitRequest::decode_lenient(&raw).unwrap();
         assert!(request.user_id.starts_with("eve\u{fffd}#sha256:"), "{}", request.user_id);
+        assert_eq!((request.outcome, request.latency_ms), (2, 7), "every field carried over");
         assert!(request.resource_path.starts_with("/api/v1/search\u{fffd}"));
         assert_eq!((request.weight, request.priority, request.client_type.as_str()), (2, 4, ""));
         assert!(request.peek, "the peek flag survives the lenient decoding");

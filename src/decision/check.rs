@@ -6,7 +6,7 @@ use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
 use super::{Api, Engine, REPORT_LABEL, Reason, TenantSource, clamp_i64, keys, pipeline::Subject};
 use crate::{
-    limiter::{Count, FailureKind, Shares, StoreError, Verdict},
+    limiter::{Count, FailureKind, Shares, StoreError, Verdict, adaptive::Reported},
     overload::{Kind, OverloadVerdict},
     rules::{Mode, Rule},
     shed::{Level, Priority},
@@ -34,6 +34,9 @@ pub struct CheckRequest<'a> {
     pub trace_id: Option<&'a str>,
     /// The caller's share of the store's in-flight work; `None`: unbounded.
     pub share: Option<&'a tokio::sync::Semaphore>,
+    /// A `Report` of how `weight` checked requests went downstream: fed to
+    /// the rule's adaptive limit, nothing counted, no store call.
+    pub outcome: Option<Reported>,
 }
 
 /// What the matched rule says about itself in a response.
@@ -126,6 +129,11 @@ impl Engine {
     async fn decide(&self, request: &CheckRequest<'_>) -> Decision {
         let snapshot = self.inner.rules.load();
         let rule = snapshot.lookup(request.resource_path, request.client_type);
+        if let Some(reported) = request.outcome
+            && let Some(adaptive) = rule.and_then(|r| r.adaptive.as_deref())
+        {
+            adaptive.record(reported.outcome, reported.latency_ms, u64::from(request.weight));
+        }
         let base = rule.map_or(self.inner.default_priority, |r| r.priority);
         let native = Native {
             request,
@@ -205,7 +213,7 @@ impl Subject for Native<'_, '_> {
 
     #[inline]
     fn shed_exempt(&self) -> bool {
-        self.request.count == Count::Always
+        self.request.count == Count::Always || self.request.outcome.is_some()
     }
 
     #[inline]
@@ -218,7 +226,8 @@ impl Subject for Native<'_, '_> {
         }
     }
 
-    /// No rule: allowed, uncounted. A weight over the rule's capacity can
+    /// No rule: allowed, uncounted. An outcome report has been recorded:
+    /// answered from the rule. A weight over the rule's capacity can
     /// never pass: answered from the rule alone with a retry_after of -1,
     /// so no client loops waiting for it (a report is counted whatever
     /// its weight).
@@ -228,6 +237,9 @@ impl Subject for Native<'_, '_> {
         let Some(rule) = self.rule else {
             return Some(self.uncounted(Reason::NoRule));
         };
+        if self.request.outcome.is_some() {
+            return Some(self.uncounted(Reason::Ok));
+        }
         let weight = u64::from(self.request.weight);
         if weight > rule.min_capacity() && self.request.count != Count::Always {
             let base = self.uncounted(Reason::Ok);

@@ -114,6 +114,7 @@ async fn an_untrusted_request_priority_only_lowers() {
         headers: &headers,
         trace_id: None,
         share: None,
+        outcome: None,
     };
     assert_eq!(engine.check(&check(Priority::Critical)).await.priority, Priority::Degraded);
     assert_eq!(engine.check(&check(Priority::BestEffort)).await.priority, Priority::BestEffort);
@@ -203,7 +204,7 @@ mod several_limits {
                 let expected = in_second && in_minute;
                 let request = CheckRequest {
                     user_id: "u", resource_path: "/x", client_type: None, weight, count: Count::IfFits,
-                    priority: None, headers: &headers, trace_id: None, share: None,
+                    priority: None, headers: &headers, trace_id: None, share: None, outcome: None,
                 };
                 let decision = runtime.block_on(engine.check(&request));
                 prop_assert_eq!(decision.allowed, expected, "at {} weight {}: {:?}", now, w, decision);

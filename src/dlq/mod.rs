@@ -352,6 +352,7 @@ mod tests {
             failure_policy: FailurePolicy::Open,
             overload: None,
             also: Vec::new(),
+            adaptive: None,
             source: Arc::from(Path::new("r.yaml")),
         }
     }
@@ -372,6 +373,7 @@ mod tests {
                 headers: &headers,
                 trace_id: None,
                 share: None,
+                outcome: None,
             };
             sink.record(&FailedDecision::of_check(&request, &rule, Priority::Bulk, &error, Reason::FailOpen));
         }

@@ -1,12 +1,14 @@
 //! Counting: the window arithmetic ([`window`]), the token bucket and GCRA
 //! ([`bucket`]), `evaluate` which picks by a rule's [`Algorithm`], and the
 //! two stores that apply it atomically — [`redis`] (a Lua script) and
-//! [`memory`] (sharded maps) — behind one [`Store`].
+//! [`memory`] (sharded maps) — behind one [`Store`]; and [`adaptive`], the
+//! arithmetic of limits that follow reported outcomes.
 //!
 //! Architecture invariant: no gRPC here, and both stores answer through
 //! `Seen::verdict` (the memory store through `evaluate`, the Lua script
 //! as its twin), so the embedded default behaves exactly like Redis.
 
+pub mod adaptive;
 pub mod breaker;
 pub mod bucket;
 pub mod figures;

@@ -7,11 +7,14 @@ use std::{collections::HashMap, path::Path, sync::Arc};
 
 use super::{
     RuleError,
-    model::{AlsoLimit, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, Rule},
+    model::{ADAPTIVE_INTERVAL_MS, AdaptiveSpec, AlsoLimit, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, Rule},
     native::{RawLimit, RawRule, SourcedRule},
     snapshot::{PathForm, PathKey, Snapshot},
 };
-use crate::limiter::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams};
+use crate::limiter::{
+    adaptive::{AdaptiveLimit, AimdParams},
+    window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams},
+};
 
 /// Longest accepted rule id; ids are part of Redis keys and metric labels.
 pub(crate) const MAX_RULE_ID_BYTES: usize = 128;
@@ -113,20 +116,17 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         None => Algorithm::SlidingWindow,
         Some(name) => parse_algorithm(name).map_err(|message| error(sourced, "algorithm", message))?,
     };
-    let first = RawLimit {
-        limit: raw.limit,
-        window_seconds: raw.window_seconds,
-        burst_capacity: raw.burst_capacity,
-        algorithm: None,
-    };
     let (capacity, window_ms) =
-        limit_window(&first).map_err(|(field, message)| error(sourced, field, message))?;
+        limit_window(&raw_first(raw)).map_err(|(field, message)| error(sourced, field, message))?;
     let also = also_limits(raw, algorithm).map_err(|(field, message)| error(sourced, &field, message))?;
     if let Some(overload) = &raw.overload
         && !(1..=MAX_OVERLOAD_RATE).contains(&overload.rate_per_second)
     {
         return fail("overload.rate_per_second", format!("must be between 1 and {MAX_OVERLOAD_RATE}"));
     }
+    let adaptive = (raw.adaptive.as_ref().map(|spec| adaptive_params(raw, spec)).transpose())
+        .map_err(|(field, message)| error(sourced, &field, message))?
+        .map(|params| Arc::new(AdaptiveLimit::new(params, raw.limit)));
     Ok(Rule {
         id: Arc::from(raw.rule_id.as_str()),
         resource_path: raw.resource_path.clone(),
@@ -139,8 +139,74 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         failure_policy: raw.failure_policy,
         overload: raw.overload,
         also,
+        adaptive,
         source: Arc::clone(&sourced.file),
     })
+}
+
+/// A rule's `adaptive:` checked against its first limit; an error names
+/// the field (`adaptive.max`, or `limit` when it is not between `min` and
+/// `max`).
+fn adaptive_params(raw: &RawRule, spec: &AdaptiveSpec) -> Result<AimdParams, (String, String)> {
+    let at = |field: &str| format!("adaptive.{field}");
+    if spec.min == 0 {
+        return Err((at("min"), "must be at least 1".to_owned()));
+    }
+    if spec.max < spec.min {
+        return Err((at("max"), format!("must be at least adaptive.min ({})", spec.min)));
+    }
+    // The highest limit must fit the counters' bound as a fixed one must.
+    let highest = RawLimit { limit: spec.max, ..raw_first(raw) };
+    limit_window(&highest).map_err(|(_, message)| (at("max"), message))?;
+    if !(spec.min..=spec.max).contains(&raw.limit) {
+        return Err((
+            "limit".to_owned(),
+            format!(
+                "an adaptive limit starts at `limit`: it must be between adaptive.min ({}) and adaptive.max ({})",
+                spec.min, spec.max
+            ),
+        ));
+    }
+    if spec.increase == Some(0) {
+        return Err((at("increase"), "must be at least 1".to_owned()));
+    }
+    if !(spec.decrease > 0.0 && spec.decrease < 1.0) {
+        return Err((at("decrease"), format!("must be between 0 and 1 (exclusive), got {}", spec.decrease)));
+    }
+    if !ADAPTIVE_INTERVAL_MS.contains(&spec.interval_ms) {
+        return Err((
+            at("interval_ms"),
+            format!("must be between {} and {}", ADAPTIVE_INTERVAL_MS.start(), ADAPTIVE_INTERVAL_MS.end()),
+        ));
+    }
+    if !(spec.max_failure_ratio >= 0.0 && spec.max_failure_ratio < 1.0) {
+        return Err((
+            at("max_failure_ratio"),
+            format!("must be at least 0 and below 1, got {}", spec.max_failure_ratio),
+        ));
+    }
+    if spec.latency_ms == Some(0) {
+        return Err((at("latency_ms"), "must be at least 1".to_owned()));
+    }
+    Ok(AimdParams {
+        min: spec.min,
+        max: spec.max,
+        increase: spec.increase(),
+        decrease: spec.decrease,
+        interval_ms: spec.interval_ms,
+        max_failure_ratio: spec.max_failure_ratio,
+        latency_ms: spec.latency_ms,
+    })
+}
+
+/// The rule's first limit as a [`RawLimit`].
+fn raw_first(raw: &RawRule) -> RawLimit {
+    RawLimit {
+        limit: raw.limit,
+        window_seconds: raw.window_seconds,
+        burst_capacity: raw.burst_capacity,
+        algorithm: None,
+    }
 }
 
 fn parse_algorithm(name: &str) -> Result<Algorithm, String> {

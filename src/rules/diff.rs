@@ -74,6 +74,8 @@ pub fn diff(old: &Snapshot, new: &Snapshot) -> Vec<Change> {
             .map(|a| format!("{} per {} ms ({:?})", a.limit, a.window.window_ms, a.window.algorithm))
             .collect();
         fields.push(("also", format!("[{}]", also.join(", "))));
+        let adaptive = rule.adaptive.as_deref().map(|a| a.params);
+        fields.push(("adaptive", adaptive.map_or_else(|| "-".to_owned(), |a| format!("{a:?}"))));
         fields
     })
 }

@@ -110,6 +110,9 @@ pub struct EncodedRule {
     /// Further limits, each with its algorithm explicit.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub also: Vec<super::RawLimit>,
+    /// The adaptive limit, `increase` explicit, when the rule has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<super::AdaptiveSpec>,
 }
 
 /// The Envoy configuration files.
@@ -247,6 +250,7 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
                     algorithm: Some(also.window.algorithm.as_str().to_owned()),
                 })
                 .collect(),
+            adaptive: rule.adaptive.as_deref().map(|a| super::AdaptiveSpec::of(&a.params)),
         })
         .collect();
     NativeRules { version: snapshot.version().to_owned(), rules }
@@ -340,6 +344,7 @@ fn decode_native(native: &NativeRules, version: &str, paths: PathForm) -> Result
                 algorithm: Some(rule.algorithm.clone()),
                 overload: rule.overload,
                 also: rule.also.clone(),
+                adaptive: rule.adaptive,
             },
         })
         .collect();

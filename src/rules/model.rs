@@ -5,7 +5,11 @@ use std::{path::Path, sync::Arc};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    limiter::{Count, CounterSpec, ManyItem, window::WindowParams},
+    limiter::{
+        Count, CounterSpec, ManyItem,
+        adaptive::{AdaptiveLimit, AimdParams},
+        window::WindowParams,
+    },
     shed::Priority,
 };
 
@@ -78,6 +82,69 @@ pub const MAX_OVERLOAD_RATE: u64 = 1_000_000_000;
 /// decision).
 pub const MAX_ALSO_LIMITS: usize = 8;
 
+/// A rule's `adaptive:` as written, and as a record carries it (there with
+/// `increase` resolved): its first limit moves between `min` and `max` by
+/// AIMD from reported outcomes, starting at the rule's `limit`.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveSpec {
+    /// The lowest the limit goes.
+    pub min: u64,
+    /// The highest the limit goes.
+    pub max: u64,
+    /// Added per good interval; default 1% of `max` (at least 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub increase: Option<u64>,
+    /// Multiplied per bad interval (between 0 and 1, exclusive).
+    #[serde(default = "default_decrease")]
+    pub decrease: f64,
+    /// One interval in ms: the limit changes at most once per interval.
+    #[serde(default = "default_adaptive_interval")]
+    pub interval_ms: u64,
+    /// An interval is bad when more than this share of the outcomes
+    /// reported in it are failures or overloads.
+    #[serde(default = "default_max_failure_ratio")]
+    pub max_failure_ratio: f64,
+    /// A success reported slower than this (ms) counts as an overload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_ms: Option<u64>,
+}
+
+fn default_decrease() -> f64 {
+    0.9
+}
+
+fn default_adaptive_interval() -> u64 {
+    1_000
+}
+
+fn default_max_failure_ratio() -> f64 {
+    0.02
+}
+
+impl AdaptiveSpec {
+    /// `increase`, or its default: 1% of `max`, at least 1.
+    pub fn increase(&self) -> u64 {
+        self.increase.unwrap_or_else(|| self.max.div_ceil(100).max(1))
+    }
+
+    /// The spec of compiled `params`, every field explicit.
+    pub fn of(params: &AimdParams) -> Self {
+        AdaptiveSpec {
+            min: params.min,
+            max: params.max,
+            increase: Some(params.increase),
+            decrease: params.decrease,
+            interval_ms: params.interval_ms,
+            max_failure_ratio: params.max_failure_ratio,
+            latency_ms: params.latency_ms,
+        }
+    }
+}
+
+/// Shortest and longest `adaptive.interval_ms`.
+pub const ADAPTIVE_INTERVAL_MS: std::ops::RangeInclusive<u64> = 100..=60_000;
+
 /// A limit a rule adds to its first (`also:`): counted with it, all or
 /// nothing, on the same user.
 #[derive(Debug, Clone, PartialEq)]
@@ -117,27 +184,52 @@ pub struct Rule {
     /// Further limits (`also:`), counted with the first all or nothing:
     /// "10 per second and 1,000 per day". Empty for most rules.
     pub also: Vec<AlsoLimit>,
+    /// Set when the first limit is adaptive (`adaptive:`): then `limit`
+    /// and `window` are where it starts, and the limit in force is its
+    /// [`AdaptiveLimit::current`].
+    pub adaptive: Option<Arc<AdaptiveLimit>>,
     /// The file the rule came from, for messages.
     pub source: Arc<Path>,
 }
 
 impl Rule {
     /// The counter this rule keeps per user, as the store takes it.
+    #[inline]
     pub fn counter(&self) -> CounterSpec<'_> {
-        CounterSpec { id: &self.id, window: self.window }
+        CounterSpec { id: &self.id, window: self.first().1 }
+    }
+
+    /// The first limit in force, as (limit, window): the adaptive limit's
+    /// current value when the rule has one.
+    #[inline]
+    fn first(&self) -> (u64, WindowParams) {
+        match &self.adaptive {
+            None => (self.limit, self.window),
+            Some(adaptive) => {
+                let limit = adaptive.current();
+                (
+                    limit,
+                    WindowParams {
+                        capacity: capacity(limit, self.burst_capacity),
+                        rate: limit,
+                        ..self.window
+                    },
+                )
+            }
+        }
     }
 
     /// Limit `index`: 0 the first, then `also`'s, as (limit, window).
     pub fn limit_at(&self, index: usize) -> (u64, WindowParams) {
         match index.checked_sub(1).and_then(|i| self.also.get(i)) {
             Some(also) => (also.limit, also.window),
-            None => (self.limit, self.window),
+            None => self.first(),
         }
     }
 
     /// The smallest capacity of its limits: a weight above it never fits.
     pub fn min_capacity(&self) -> u64 {
-        self.also.iter().map(|a| a.window.capacity).fold(self.window.capacity, u64::min)
+        self.also.iter().map(|a| a.window.capacity).fold(self.first().1.capacity, u64::min)
     }
 
     /// The counters of a rule with `also` limits for one decision, one per
@@ -155,4 +247,10 @@ impl Rule {
             })
             .collect()
     }
+}
+
+/// `floor(limit × burst)`, at least 1: what one window admits.
+pub fn capacity(limit: u64, burst_capacity: f64) -> u64 {
+    // Exact in f64 for every limit the compiler admits (below 2^53).
+    ((limit as f64 * burst_capacity).floor() as u64).max(1)
 }

@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use super::{
     RuleError,
-    model::{FailurePolicy, Mode, OverloadSpec},
+    model::{AdaptiveSpec, FailurePolicy, Mode, OverloadSpec},
 };
 use crate::shed::Priority;
 
@@ -46,6 +46,9 @@ pub(crate) struct RawRule {
     /// Further limits counted with the first, all or nothing.
     #[serde(default)]
     pub(crate) also: Vec<RawLimit>,
+    /// The first limit moves by AIMD from reported outcomes.
+    #[serde(default)]
+    pub(crate) adaptive: Option<AdaptiveSpec>,
 }
 
 /// A further limit of a rule (`also:`), as written.

@@ -212,6 +212,8 @@ pub struct Snapshot {
     prefixes: HashMap<Box<str>, Candidates>,
     /// Distinct prefix lengths in bytes, longest first.
     prefix_lens: Vec<usize>,
+    /// Indexes of the rules with an adaptive limit.
+    adaptive: Vec<usize>,
     version: String,
     source: PathBuf,
     loaded_at: SystemTime,
@@ -239,11 +241,13 @@ impl Snapshot {
         prefix_lens.sort_unstable_by(|a, b| b.cmp(a));
         prefix_lens.dedup();
         let version = content_hash(&rules);
+        let adaptive = (0..rules.len()).filter(|&i| rules[i].adaptive.is_some()).collect();
         Snapshot {
             rules,
             exact,
             prefixes,
             prefix_lens,
+            adaptive,
             version,
             source: source.to_path_buf(),
             loaded_at: SystemTime::now(),
@@ -280,6 +284,11 @@ impl Snapshot {
     /// All rules, in load order.
     pub fn rules(&self) -> &[Rule] {
         &self.rules
+    }
+
+    /// The rules with an adaptive limit, in load order.
+    pub fn adaptive_rules(&self) -> impl Iterator<Item = &Rule> {
+        self.adaptive.iter().map(|&i| &self.rules[i])
     }
 
     /// Hash of the rule set's content (16 hex digits): equal on every instance
@@ -326,6 +335,13 @@ fn content_hash(rules: &[Rule]) -> String {
         if let Some(overload) = &rule.overload {
             let _ =
                 writeln!(canonical, "\toverload\t{}\t{}", overload.rate_per_second, overload.per.as_str());
+        }
+        if let Some(a) = rule.adaptive.as_deref().map(|a| a.params) {
+            let _ = writeln!(
+                canonical,
+                "\tadaptive\t{}\t{}\t{}\t{}\t{}\t{}\t{:?}",
+                a.min, a.max, a.increase, a.decrease, a.interval_ms, a.max_failure_ratio, a.latency_ms
+            );
         }
         for also in &rule.also {
             let w = &also.window;

@@ -32,6 +32,9 @@ pub trait Versioned: Send + Sync + 'static {
     fn version(&self) -> &str;
     /// A short description for logs (how many rules or domains).
     fn size(&self) -> usize;
+    /// Takes over the moving state of `previous`, the set it replaces
+    /// (adaptive limits), before it is swapped in. Nothing by default.
+    fn carry_over(&self, _previous: &Self) {}
 }
 
 impl Versioned for Snapshot {
@@ -40,6 +43,17 @@ impl Versioned for Snapshot {
     }
     fn size(&self) -> usize {
         self.rules().len()
+    }
+    /// Each adaptive rule keeps the limit its namesake had reached and the
+    /// outcomes not yet exchanged.
+    fn carry_over(&self, previous: &Self) {
+        let old: std::collections::HashMap<&str, &crate::limiter::adaptive::AdaptiveLimit> =
+            previous.adaptive_rules().filter_map(|r| Some((&*r.id, r.adaptive.as_deref()?))).collect();
+        for rule in self.adaptive_rules() {
+            if let (Some(old), Some(new)) = (old.get(&*rule.id), rule.adaptive.as_deref()) {
+                new.adopt(old);
+            }
+        }
     }
 }
 
@@ -67,7 +81,7 @@ pub struct Hot<T> {
 /// The native rule snapshot, hot-swapped.
 pub type RuleStore = Hot<Snapshot>;
 
-impl<T> Hot<T> {
+impl<T: Versioned> Hot<T> {
     /// A store serving `value`.
     pub fn new(value: T) -> Self {
         Hot {
@@ -102,6 +116,7 @@ impl<T> Hot<T> {
 
     /// Replaces the rules for all later `load`s.
     pub fn swap(&self, value: T) {
+        value.carry_over(&self.current.load());
         self.current.store(Arc::new(value));
         self.swapped_at_ms.store(SystemClock.now_ms(), Ordering::Relaxed);
         self.loads.fetch_add(1, Ordering::Relaxed);

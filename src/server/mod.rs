@@ -136,6 +136,7 @@ pub async fn run_observed(
     let tenant_shares =
         parts::tenant_shares(config.grpc.max_store_calls_per_tenant, tenants.as_ref(), &store);
     let overload = parts::overload(&config.overload, &rules, tenants, &store, &mut tasks)?;
+    let adapter = parts::adaptive(&rules, &store, &mut tasks);
     let denials = parts::denials(&config.denial_cache, &store);
     let stats = parts::stats(&config.envoy, &rules, &store);
     let metrics = parts::metrics(&config.telemetry, &mut tasks);
@@ -154,6 +155,7 @@ pub async fn run_observed(
         capture: captured.as_ref().map(|c| Arc::clone(&c.counters)),
         overload: Arc::clone(&overload),
         denials: denials.clone(),
+        adapter,
     };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &stats, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());

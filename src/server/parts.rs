@@ -12,6 +12,7 @@ use super::ServerError;
 use super::health::{Health, publish, run_monitor, serve_http};
 use crate::rules::XdsState;
 use crate::{
+    adaptive::{self, Adapter},
     budget::Budget,
     capture::{self, Capture, CaptureCounters},
     clock::MonotonicClock,
@@ -555,6 +556,19 @@ pub(crate) fn overload(
     Ok(overload)
 }
 
+/// The exchange of the adaptive limits (one task, each rule once per its
+/// `adaptive.interval_ms`): through Redis, or in-process with the memory store.
+pub(crate) fn adaptive(rules: &Rules, store: &Store, tasks: &mut Tasks) -> Arc<Adapter> {
+    let exchange = match store {
+        Store::Memory(_) => adaptive::Exchange::Local(std::sync::Mutex::default()),
+        Store::Redis(redis) => adaptive::Exchange::Redis(Arc::clone(redis)),
+    };
+    let adapter = Arc::new(Adapter::new(Arc::clone(&rules.native), exchange));
+    let stop = tasks.stopper();
+    tasks.spawn(adaptive::run(Arc::clone(&adapter), Arc::new(SystemClock), stop));
+    adapter
+}
+
 /// The local cache of exact denials: with the Redis store, unless
 /// `denial_cache.enabled` is off (the memory store is local already).
 pub(crate) fn denials(config: &DenialCacheConfig, store: &Store) -> Option<Arc<DenialCache>> {
@@ -664,6 +678,7 @@ pub(crate) struct Figures {
     pub(crate) capture: Option<Arc<CaptureCounters>>,
     pub(crate) overload: Arc<Overload>,
     pub(crate) denials: Option<Arc<DenialCache>>,
+    pub(crate) adapter: Arc<Adapter>,
 }
 
 /// Registers every part's figures with `metrics`, in `/metrics`' order:
@@ -697,6 +712,7 @@ pub(crate) fn register_figures(
         metrics.register(capture);
     }
     metrics.register(Arc::clone(&parts.overload) as Arc<dyn telemetry::Figures>);
+    metrics.register(parts.adapter);
     metrics.register(Arc::new(Saved { overload: Some(parts.overload), denials: parts.denials }));
 }
 
