@@ -47,11 +47,12 @@ pub enum Exchange {
     Local(Mutex<HashMap<Arc<str>, Shared>>),
 }
 
-/// The exchange task's state, and the figures `/metrics` reads.
+/// The adaptive rules the exchange task serves, and the figures
+/// `/metrics` reads. (The store is the task's alone: the figures outlive
+/// it, and must not keep the store's connections open.)
 #[derive(Debug)]
 pub struct Adapter {
     rules: Arc<RuleStore>,
-    exchange: Exchange,
     /// Exchanges that failed since start.
     failures: AtomicU64,
 }
@@ -65,9 +66,9 @@ struct Due<'r> {
 }
 
 impl Adapter {
-    /// An adapter for the adaptive rules of `rules`, exchanging through `exchange`.
-    pub fn new(rules: Arc<RuleStore>, exchange: Exchange) -> Self {
-        Adapter { rules, exchange, failures: AtomicU64::new(0) }
+    /// An adapter for the adaptive rules of `rules`.
+    pub fn new(rules: Arc<RuleStore>) -> Self {
+        Adapter { rules, failures: AtomicU64::new(0) }
     }
 
     /// Exchanges every adaptive rule due at `now_ms` that `done` (rule →
@@ -76,6 +77,7 @@ impl Adapter {
     /// when there is no adaptive rule. `Err` when the exchange failed.
     pub async fn tick(
         &self,
+        exchange: &Exchange,
         now_ms: u64,
         done: &mut HashMap<Arc<str>, u64>,
     ) -> (Option<u64>, Result<(), StoreError>) {
@@ -100,7 +102,7 @@ impl Adapter {
         if due.is_empty() {
             return (next, Ok(()));
         }
-        let result = match &self.exchange {
+        let result = match exchange {
             Exchange::Redis(store) => exchange_redis(store, &due).await,
             Exchange::Local(states) => Ok(exchange_local(states, &due)),
         };
@@ -166,12 +168,17 @@ fn exchange_local(states: &Mutex<HashMap<Arc<str>, Shared>>, due: &[Due<'_>]) ->
 }
 
 /// Runs the exchange until `stop` turns true.
-pub async fn run(adapter: Arc<Adapter>, clock: Arc<dyn Clock>, mut stop: watch::Receiver<bool>) {
+pub async fn run(
+    adapter: Arc<Adapter>,
+    exchange: Exchange,
+    clock: Arc<dyn Clock>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut done = HashMap::new();
     let mut failing = false;
     loop {
         let now = clock.now_ms();
-        let (next, result) = adapter.tick(now, &mut done).await;
+        let (next, result) = adapter.tick(&exchange, now, &mut done).await;
         match (&result, failing) {
             (Err(e), false) => {
                 tracing::warn!(error = %e, "cannot exchange adaptive limits: the limits in force hold")
@@ -180,7 +187,7 @@ pub async fn run(adapter: Arc<Adapter>, clock: Arc<dyn Clock>, mut stop: watch::
             _ => {}
         }
         failing = result.is_err();
-        if let Exchange::Local(states) = &adapter.exchange {
+        if let Exchange::Local(states) = &exchange {
             let rules = adapter.rules.load();
             let mut states = states.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             states.retain(|id, _| rules.adaptive_rules().any(|r| &r.id == id));
@@ -250,7 +257,7 @@ mod tests {
 
     fn adapter() -> Adapter {
         let rules = rules::from_text(Path::new("r.yaml"), RULES, rules::PathForm::default()).unwrap();
-        Adapter::new(Arc::new(Hot::new(rules)), Exchange::Local(Mutex::default()))
+        Adapter::new(Arc::new(Hot::new(rules)))
     }
 
     fn limit(adapter: &Adapter) -> u64 {
@@ -264,24 +271,25 @@ mod tests {
     #[tokio::test]
     async fn each_interval_exchanges_once_in_its_middle_and_steps_from_the_last() {
         let adapter = adapter();
+        let local = Exchange::Local(Mutex::default());
         let mut done = HashMap::new();
-        let (next, result) = adapter.tick(10_100, &mut done).await;
+        let (next, result) = adapter.tick(&local, 10_100, &mut done).await;
         assert!(result.is_ok());
         assert_eq!(next, Some(10_500), "not yet: the middle of the interval");
         report(&adapter, Outcome::Success, 50);
-        assert_eq!(adapter.tick(10_500, &mut done).await.0, Some(11_500));
+        assert_eq!(adapter.tick(&local, 10_500, &mut done).await.0, Some(11_500));
         assert_eq!(limit(&adapter), 100, "the first exchange of a state starts it");
         report(&adapter, Outcome::Success, 50);
-        assert_eq!(adapter.tick(10_900, &mut done).await.0, Some(11_500), "once per interval");
-        assert_eq!(adapter.tick(11_500, &mut done).await.0, Some(12_500));
+        assert_eq!(adapter.tick(&local, 10_900, &mut done).await.0, Some(11_500), "once per interval");
+        assert_eq!(adapter.tick(&local, 11_500, &mut done).await.0, Some(12_500));
         assert_eq!(limit(&adapter), 110, "interval 10 was good");
         report(&adapter, Outcome::Failure, 10);
         report(&adapter, Outcome::Success, 40);
-        adapter.tick(12_600, &mut done).await.1.unwrap();
+        adapter.tick(&local, 12_600, &mut done).await.1.unwrap();
         assert_eq!(limit(&adapter), 120, "interval 11 (50 successes) was good");
-        adapter.tick(13_600, &mut done).await.1.unwrap();
+        adapter.tick(&local, 13_600, &mut done).await.1.unwrap();
         assert_eq!(limit(&adapter), 108, "interval 12: 10 of 50 failed");
-        adapter.tick(14_600, &mut done).await.1.unwrap();
+        adapter.tick(&local, 14_600, &mut done).await.1.unwrap();
         assert_eq!(limit(&adapter), 108, "interval 13: nothing reported, the limit holds");
         let mut text = String::new();
         adapter.render(&mut text);

@@ -10,7 +10,10 @@
 //! ([`step`]) from the previous interval's tally of every instance, so the
 //! limit changes at most once per interval, by one function of one set of
 //! figures, whichever instance gets there first. An interval with no
-//! outcome reported holds the limit.
+//! outcome reported holds the limit. After a decrease the limit holds for
+//! one step: the interval then tallied was mostly decided under the old
+//! limit, and is no evidence against the new one (one decrease per round
+//! of evidence, as TCP backs off once per round trip).
 //!
 //! Architecture invariant: the limit is always within `[min, max]`; the
 //! decision path only reads it ([`AdaptiveLimit::current`], one atomic load).
@@ -132,12 +135,15 @@ pub struct Shared {
     pub index: u64,
     /// Outcomes added during interval `index`.
     pub tally: Tally,
+    /// The last step decreased the limit: the next one holds it.
+    pub cooling: bool,
 }
 
 /// One instance's exchange in interval `index`: the state as `stored`
 /// (`None`: never written, or expired) with `tally` added. The first
 /// exchange of an interval steps the limit from the previous interval's
-/// tally (an older tally is no evidence of now: dropped). A limit out of
+/// tally (an older tally is no evidence of now: dropped), unless the step
+/// before decreased it (then it holds once). A limit out of
 /// `[min, max]` (the rule changed) is brought inside; a new state starts
 /// at `initial`. `scripts/adapt.lua` is its twin in Redis.
 pub fn exchange(
@@ -147,18 +153,19 @@ pub fn exchange(
     params: &AimdParams,
     tally: Tally,
 ) -> Shared {
-    let (limit, index, pending) = match stored {
-        None => (initial, index, Tally::default()),
+    let (limit, index, pending, cooling) = match stored {
+        None => (initial, index, Tally::default(), false),
         // A later interval: the one that ended decides, once.
         Some(s) if s.index < index => {
-            let limit = if s.index + 1 == index { step(s.limit, s.tally, params) } else { s.limit };
-            (limit, index, Tally::default())
+            let limit = s.limit.clamp(params.min, params.max);
+            let next = if s.index + 1 == index && !s.cooling { step(limit, s.tally, params) } else { limit };
+            (next, index, Tally::default(), next < limit)
         }
         // This interval (or a later one, seen by an instance whose clock
         // runs ahead): add to it.
-        Some(s) => (s.limit, s.index, s.tally),
+        Some(s) => (s.limit, s.index, s.tally, s.cooling),
     };
-    Shared { limit: limit.clamp(params.min, params.max), index, tally: pending.plus(tally) }
+    Shared { limit: limit.clamp(params.min, params.max), index, tally: pending.plus(tally), cooling }
 }
 
 /// A rule's adaptive limit on one instance: the limit decisions read, and
@@ -290,14 +297,20 @@ mod tests {
     #[test]
     fn the_first_exchange_of_an_interval_steps_once() {
         let first = exchange(None, 7, 100, &PARAMS, tally(5, 0, 0));
-        assert_eq!(first, Shared { limit: 100, index: 7, tally: tally(5, 0, 0) });
+        assert_eq!(first, Shared { limit: 100, index: 7, tally: tally(5, 0, 0), cooling: false });
         let second = exchange(Some(first), 7, 100, &PARAMS, tally(0, 1, 0));
         assert_eq!(second.tally, tally(5, 1, 0), "same interval: added, not stepped");
         let next = exchange(Some(second), 8, 100, &PARAMS, tally(3, 0, 0));
-        assert_eq!(next, Shared { limit: 90, index: 8, tally: tally(3, 0, 0) }, "1 of 6 failed");
-        let again = exchange(Some(next), 8, 100, &PARAMS, Tally::default());
+        assert_eq!(
+            next,
+            Shared { limit: 90, index: 8, tally: tally(3, 0, 0), cooling: true },
+            "1 of 6 failed"
+        );
+        let again = exchange(Some(next), 8, 100, &PARAMS, tally(0, 5, 0));
         assert_eq!(again.limit, 90, "stepped once per interval");
-        let after_a_gap = exchange(Some(again), 11, 100, &PARAMS, Tally::default());
+        let cooled = exchange(Some(again), 9, 100, &PARAMS, Tally::default());
+        assert_eq!((cooled.limit, cooled.cooling), (90, false), "after a decrease, one step holds");
+        let after_a_gap = exchange(Some(cooled), 11, 100, &PARAMS, Tally::default());
         assert_eq!(after_a_gap.limit, 90, "a tally from long ago is no evidence");
         let behind = exchange(Some(after_a_gap), 10, 100, &PARAMS, tally(1, 0, 0));
         assert_eq!((behind.index, behind.tally), (11, tally(1, 0, 0)), "a clock behind adds to the latest");
