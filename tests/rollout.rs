@@ -56,7 +56,9 @@ const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
 
 /// `limit` requests per hour on /x for every user.
 fn rules(limit: u32) -> String {
-    format!("rules:\n  - {{ rule_id: x, resource_path: /x, limit: {limit}, window_seconds: 3600 }}\n")
+    format!(
+        "rules:\n  - {{ rule_id: x, resource_path: /x, limit: {limit}, window_seconds: 3600 }}\n  - {{ rule_id: grow, resource_path: /grow, limit: 50, window_seconds: 1, adaptive: {{ min: 10, max: 100 }} }}\n"
+    )
 }
 
 fn env(broker: &Broker) -> Vec<(&'static str, String)> {
@@ -265,6 +267,7 @@ async fn published_snapshots_converge_survive_bad_records_and_outages_and_roll_b
             "{shown}"
         );
     }
+    assert_eq!(shown.matches("adaptive limits: grow=50").count(), 3, "{shown}");
 
     // Rollback to v1: every instance follows.
     let out = run(&broker, &["rules", "rollback", &v1]);

@@ -332,6 +332,11 @@ pub fn status(config: &Config) -> ExitCode {
         if let Some(why) = &report.last_refusal {
             let _ = writeln!(out, "{:<32}  refused {} record(s); the last: {why}", "", report.rejected);
         }
+        if !report.adaptive.is_empty() {
+            let limits: Vec<String> =
+                report.adaptive.iter().map(|(rule, limit)| format!("{rule}={limit}")).collect();
+            let _ = writeln!(out, "{:<32}  adaptive limits: {}", "", limits.join(", "));
+        }
     }
     if reports.is_empty() {
         let _ = writeln!(out, "(no instance reports)");

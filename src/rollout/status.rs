@@ -2,7 +2,8 @@
 //! compacted `rules.kafka.status_topic` (key: its instance name) on every
 //! swap and every `rules.kafka.status_interval_ms`, and withdraws its
 //! report (a tombstone) when it stops cleanly. `rules status` reads the
-//! topic and compares each report with the record in force.
+//! topic and compares each report with the record in force, and shows
+//! each instance's adaptive limits.
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
@@ -45,11 +46,20 @@ pub struct StatusReport {
     /// a signature that does not verify, rules that do not compile).
     #[serde(default)]
     pub last_refusal: Option<String>,
+    /// The limit in force of each adaptive rule, by rule id (the same on
+    /// every instance sharing a store, give or take an interval).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub adaptive: BTreeMap<String, u64>,
 }
 
 /// The report of what `feed` serves now.
 pub fn report(instance: &str, feed: &Feed, native: &RuleStore) -> StatusReport {
     let served = feed.served();
+    let native = native.load();
+    let adaptive = native
+        .adaptive_rules()
+        .filter_map(|r| Some((r.id.to_string(), r.adaptive.as_deref()?.current())))
+        .collect();
     StatusReport {
         schema: STATUS_SCHEMA.to_owned(),
         instance: instance.to_owned(),
@@ -61,9 +71,10 @@ pub fn report(instance: &str, feed: &Feed, native: &RuleStore) -> StatusReport {
         }),
         since_ms: served.as_ref().map(|s| s.since_ms),
         reported_ms: SystemClock.now_ms(),
-        native_rules: native.load().rules().len(),
+        native_rules: native.rules().len(),
         rejected: feed.rejected(),
         last_refusal: feed.last_refusal().map(|why| why.to_string()),
+        adaptive,
     }
 }
 
