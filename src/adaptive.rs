@@ -34,8 +34,8 @@ use crate::{
         RedisStore, StoreError,
         adaptive::{ADAPT_LUA, AdaptiveLimit, STATE_TTL_SECONDS, Shared, Tally, exchange, state_key},
     },
-    rules::RuleStore,
-    telemetry::exposition::{Figures, header},
+    rules::{Hot, RuleStore, Snapshot, envoy::EnvoyConfig},
+    telemetry::exposition::{Figures, escape, header},
 };
 
 /// Where the shared state lives.
@@ -53,22 +53,24 @@ pub enum Exchange {
 #[derive(Debug)]
 pub struct Adapter {
     rules: Arc<RuleStore>,
+    envoy: Option<Arc<Hot<EnvoyConfig>>>,
     /// Exchanges that failed since start.
     failures: AtomicU64,
 }
 
 /// One rule due for an exchange: its interval index and its outcomes.
 struct Due<'r> {
-    id: &'r Arc<str>,
+    id: Arc<str>,
     limit: &'r AdaptiveLimit,
     index: u64,
     tally: Tally,
 }
 
 impl Adapter {
-    /// An adapter for the adaptive rules of `rules`.
-    pub fn new(rules: Arc<RuleStore>) -> Self {
-        Adapter { rules, failures: AtomicU64::new(0) }
+    /// An adapter for the adaptive rules of `rules` and the adaptive
+    /// limits of the Envoy configuration `envoy`, when served.
+    pub fn new(rules: Arc<RuleStore>, envoy: Option<Arc<Hot<EnvoyConfig>>>) -> Self {
+        Adapter { rules, envoy, failures: AtomicU64::new(0) }
     }
 
     /// Exchanges every adaptive rule due at `now_ms` that `done` (rule →
@@ -81,24 +83,25 @@ impl Adapter {
         now_ms: u64,
         done: &mut HashMap<Arc<str>, u64>,
     ) -> (Option<u64>, Result<(), StoreError>) {
-        let snapshot = self.rules.load();
+        // The rule sets stay loaded while their limits are exchanged.
+        let (native, envoy) = (self.rules.load(), self.envoy.as_ref().map(|e| e.load()));
+        let served = named(&native, envoy.as_deref());
         let mut due = Vec::new();
         let mut next: Option<u64> = None;
-        for rule in snapshot.adaptive_rules() {
-            let Some(adaptive) = rule.adaptive.as_deref() else { continue };
-            let interval = adaptive.params.interval_ms;
+        for (id, limit) in &served {
+            let interval = limit.params.interval_ms;
             let (index, middle) = (now_ms / interval, now_ms / interval * interval + interval / 2);
-            let at = if done.get(&rule.id) == Some(&index) {
+            let at = if done.get(id) == Some(&index) {
                 middle + interval
             } else if now_ms >= middle {
-                due.push(Due { id: &rule.id, limit: adaptive, index, tally: adaptive.drain() });
+                due.push(Due { id: Arc::clone(id), limit, index, tally: limit.drain() });
                 middle + interval
             } else {
                 middle
             };
             next = Some(next.map_or(at, |n| n.min(at)));
         }
-        done.retain(|id, _| snapshot.adaptive_rules().any(|r| &r.id == id));
+        done.retain(|id, _| served.iter().any(|(name, _)| name == id));
         if due.is_empty() {
             return (next, Ok(()));
         }
@@ -109,18 +112,33 @@ impl Adapter {
         let result = result.map(|limits| {
             for (d, limit) in due.iter().zip(limits) {
                 d.limit.set(limit);
-                done.insert(Arc::clone(d.id), d.index);
+                done.insert(Arc::clone(&d.id), d.index);
             }
         });
         if result.is_err() {
             self.failures.fetch_add(1, Ordering::Relaxed);
             // Tried once per interval: the next attempt is the next interval's.
             for d in &due {
-                done.insert(Arc::clone(d.id), d.index);
+                done.insert(Arc::clone(&d.id), d.index);
             }
         }
         (next, result)
     }
+}
+
+/// The prefix of an Envoy limit's name among the adaptive limits (no rule
+/// id has a `:`, so no name is both).
+pub const ENVOY_PREFIX: &str = "envoy:";
+
+/// Every adaptive limit served, by name: a native rule's id, or
+/// [`ENVOY_PREFIX`] and an Envoy limit's full key.
+fn named<'a>(native: &'a Snapshot, envoy: Option<&'a EnvoyConfig>) -> Vec<(Arc<str>, &'a AdaptiveLimit)> {
+    let rules = native.adaptive_rules().filter_map(|r| Some((Arc::clone(&r.id), r.adaptive.as_deref()?)));
+    let limits = envoy
+        .into_iter()
+        .flat_map(EnvoyConfig::adaptive_limits)
+        .filter_map(|l| Some((Arc::from(format!("{ENVOY_PREFIX}{}", l.full_key)), l.adaptive.as_deref()?)));
+    rules.chain(limits).collect()
 }
 
 /// One script call for every rule due (their keys share a hash slot),
@@ -129,7 +147,7 @@ async fn exchange_redis(store: &RedisStore, due: &[Due<'_>]) -> Result<Vec<u64>,
     let mut call = redis::cmd("EVAL");
     call.arg(ADAPT_LUA).arg(due.len());
     for d in due {
-        call.arg(state_key(store.key_prefix(), d.id));
+        call.arg(state_key(store.key_prefix(), &d.id));
     }
     let mut shortest = u64::MAX;
     for d in due {
@@ -159,9 +177,9 @@ fn exchange_local(states: &Mutex<HashMap<Arc<str>, Shared>>, due: &[Due<'_>]) ->
     let mut states = states.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     due.iter()
         .map(|d| {
-            let stored = states.get(d.id).copied();
+            let stored = states.get(&d.id).copied();
             let next = exchange(stored, d.index, d.limit.initial, &d.limit.params, d.tally);
-            states.insert(Arc::clone(d.id), next);
+            states.insert(Arc::clone(&d.id), next);
             next.limit
         })
         .collect()
@@ -188,9 +206,8 @@ pub async fn run(
         }
         failing = result.is_err();
         if let Exchange::Local(states) = &exchange {
-            let rules = adapter.rules.load();
             let mut states = states.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            states.retain(|id, _| rules.adaptive_rules().any(|r| &r.id == id));
+            states.retain(|id, _| done.contains_key(id));
         }
         // At least once a second, so a rule set swapped in meanwhile starts soon.
         let wait = next.map_or(1_000, |at| at.saturating_sub(clock.now_ms()).clamp(1, 1_000));
@@ -206,27 +223,32 @@ pub async fn run(
 
 impl Figures for Adapter {
     fn render(&self, out: &mut String) {
-        let rules = self.rules.load();
-        header(out, "ratelimitd_adaptive_limit", "gauge", "The limit in force of each adaptive rule.");
-        for rule in rules.adaptive_rules() {
-            if let Some(a) = rule.adaptive.as_deref() {
-                let _ = writeln!(out, "ratelimitd_adaptive_limit{{rule=\"{}\"}} {}", rule.id, a.current());
-            }
+        let (native, envoy) = (self.rules.load(), self.envoy.as_ref().map(|e| e.load()));
+        let served = named(&native, envoy.as_deref());
+        let labels = |name: &str| match name.strip_prefix(ENVOY_PREFIX) {
+            Some(key) => format!("kind=\"envoy\",rule=\"{}\"", escape(key)),
+            None => format!("kind=\"native\",rule=\"{name}\""),
+        };
+        header(
+            out,
+            "ratelimitd_adaptive_limit",
+            "gauge",
+            "The limit in force of each adaptive limit: a native rule, or an Envoy limit by its full key.",
+        );
+        for (name, limit) in &served {
+            let _ = writeln!(out, "ratelimitd_adaptive_limit{{{}}} {}", labels(name), limit.current());
         }
         header(
             out,
             "ratelimitd_adaptive_outcomes_total",
             "counter",
-            "Outcomes reported for each adaptive rule and exchanged, by outcome (a success slower than adaptive.latency_ms counts as overload).",
+            "Outcomes reported for each adaptive limit and exchanged, by outcome (a success slower than adaptive.latency_ms counts as overload).",
         );
-        for rule in rules.adaptive_rules() {
-            for (outcome, n) in rule.adaptive.as_deref().map(|a| a.reported()).into_iter().flatten() {
-                let _ = writeln!(
-                    out,
-                    "ratelimitd_adaptive_outcomes_total{{rule=\"{}\",outcome=\"{}\"}} {n}",
-                    rule.id,
-                    outcome.as_str()
-                );
+        for (name, limit) in &served {
+            for (outcome, n) in limit.reported() {
+                let (labels, outcome) = (labels(name), outcome.as_str());
+                let _ =
+                    writeln!(out, "ratelimitd_adaptive_outcomes_total{{{labels},outcome=\"{outcome}\"}} {n}");
             }
         }
         header(
@@ -257,7 +279,7 @@ mod tests {
 
     fn adapter() -> Adapter {
         let rules = rules::from_text(Path::new("r.yaml"), RULES, rules::PathForm::default()).unwrap();
-        Adapter::new(Arc::new(Hot::new(rules)))
+        Adapter::new(Arc::new(Hot::new(rules)), None)
     }
 
     fn limit(adapter: &Adapter) -> u64 {
@@ -293,9 +315,11 @@ mod tests {
         assert_eq!(limit(&adapter), 108, "interval 13: nothing reported, the limit holds");
         let mut text = String::new();
         adapter.render(&mut text);
-        assert!(text.contains("ratelimitd_adaptive_limit{rule=\"a\"} 108"), "{text}");
+        assert!(text.contains("ratelimitd_adaptive_limit{kind=\"native\",rule=\"a\"} 108"), "{text}");
         assert!(
-            text.contains("ratelimitd_adaptive_outcomes_total{rule=\"a\",outcome=\"failure\"} 10"),
+            text.contains(
+                "ratelimitd_adaptive_outcomes_total{kind=\"native\",rule=\"a\",outcome=\"failure\"} 10"
+            ),
             "{text}"
         );
         assert!(!text.contains("rule=\"f\""), "fixed rules have no adaptive figures");

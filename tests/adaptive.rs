@@ -116,7 +116,9 @@ async fn offer(
 
 /// The limit in force on `server`, as its `/metrics` says.
 async fn limit_of(server: &TestServer) -> f64 {
-    metric(server, "ratelimitd_adaptive_limit{rule=\"backend\"}").await.expect("the adaptive limit's gauge")
+    metric(server, "ratelimitd_adaptive_limit{kind=\"native\",rule=\"backend\"}")
+        .await
+        .expect("the adaptive limit's gauge")
 }
 
 /// C = 200/s offered 500/s through two instances: what reaches the
@@ -171,10 +173,12 @@ async fn two_instances_follow_a_downstreams_capacity() {
     assert!(highest <= MAX, "an answer named limit {highest}, above max {MAX}");
     assert!((limits[0] - limits[1]).abs() <= 10.0, "the instances agree within one step: {limits:?}");
     assert_eq!(held, [stopped, stopped], "no reports: the limit holds ({stopped} then {held:?})");
-    let outcomes =
-        metric(&servers[0], "ratelimitd_adaptive_outcomes_total{rule=\"backend\",outcome=\"failure\"}")
-            .await
-            .unwrap_or(0.0);
+    let outcomes = metric(
+        &servers[0],
+        "ratelimitd_adaptive_outcomes_total{kind=\"native\",rule=\"backend\",outcome=\"failure\"}",
+    )
+    .await
+    .unwrap_or(0.0);
     assert!(outcomes > 0.0, "failures were reported and counted");
     for server in servers {
         server.stop().await.unwrap();

@@ -63,6 +63,11 @@ descriptors:
     rate_limit: { unit: day, requests_per_unit: 10 }
   - key: ninety
     rate_limit: { unit: second, unit_multiplier: 90, requests_per_unit: 2 }
+  - key: backend
+    rate_limit:
+      unit: day
+      requests_per_unit: 10
+      adaptive: { min: 2, max: 20, increase: 5, decrease: 0.5, interval_ms: 100 }
 "#;
 
 fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
@@ -124,7 +129,74 @@ for_each_store!(
     upstream_metrics_count_as_upstream,
     dynamic_metadata_says_which_limit_fired,
     a_window_of_any_length,
+    an_adaptive_limit_follows_outcome_descriptors,
 );
+
+/// `adaptive` on a `rate_limit` (ratelimitd's extension): a descriptor
+/// whose last entry is `ratelimitd.outcome` reports, for the limit its
+/// other entries find, how many requests (its hits) went that way; it
+/// counts nothing. Failures halve the limit (down to `min`), successes
+/// raise it (up to `max`); answers and `/metrics` name the limit in force.
+async fn an_adaptive_limit_follows_outcome_descriptors(backend: Backend) {
+    let mut s = start(backend, |_| {}).await;
+    let series = "ratelimitd_adaptive_limit{kind=\"envoy\",rule=\"edge.backend\"}";
+    let report = |outcome: &'static str| {
+        let mut client = s.client.clone();
+        async move {
+            let d = descriptor(&[("backend", "b"), ("ratelimitd.outcome", outcome)]);
+            let answer = ask(&mut client, RateLimitRequest { hits_addend: 5, ..request(vec![d]) }).await;
+            assert_eq!(code(answer.overall_code), Code::Ok, "an outcome report is never denied");
+            assert!(answer.statuses[0].current_limit.is_none(), "nothing counted: {answer:?}");
+        }
+    };
+    for _ in 0..3 {
+        report("failure").await;
+    }
+    let lowered = || async { common::metric(&s.server, series).await.is_some_and(|l| l < 10.0) };
+    assert!(eventually(Duration::from_secs(5), lowered).await, "failures lowered the limit");
+    // Keep failing until it rests at min: 2 admitted, the third denied, none
+    // of the 15 reported hits counted.
+    let at_min = || async {
+        report("failure").await;
+        common::metric(&s.server, series).await == Some(2.0)
+    };
+    assert!(eventually(Duration::from_secs(5), at_min).await, "floored at min");
+    let check = |s: &Setup| {
+        let mut client = s.client.clone();
+        async move {
+            ask(
+                &mut client,
+                RateLimitRequest { hits_addend: 1, ..request(vec![descriptor(&[("backend", "b")])]) },
+            )
+            .await
+        }
+    };
+    for _ in 0..2 {
+        let ok = check(&s).await;
+        assert_eq!(code(ok.overall_code), Code::Ok, "{ok:?}");
+        assert_eq!(ok.statuses[0].current_limit.as_ref().unwrap().requests_per_unit, 2);
+    }
+    assert_eq!(code(check(&s).await.overall_code), Code::OverLimit, "the limit in force is 2");
+    let raised = || async {
+        report("success").await;
+        common::metric(&s.server, series).await == Some(20.0)
+    };
+    assert!(eventually(Duration::from_secs(5), raised).await, "successes raise it, capped at max");
+    let unknown = ask(
+        &mut s.client.clone(),
+        request(vec![descriptor(&[("backend", "c"), ("ratelimitd.outcome", "fine")])]),
+    )
+    .await;
+    // An ordinary descriptor of two entries: `backend` has no nested
+    // descriptors, so, as upstream, it matches no limit, and reports nothing.
+    assert_eq!(code(unknown.overall_code), Code::Ok, "{unknown:?}");
+    let failures =
+        "ratelimitd_adaptive_outcomes_total{kind=\"envoy\",rule=\"edge.backend\",outcome=\"failure\"}";
+    let before = common::metric(&s.server, failures).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(common::metric(&s.server, failures).await, before);
+    s.server.stop().await.unwrap();
+}
 
 /// `unit_multiplier` (ratelimitd's extension): 2 per 90 seconds. The wire's
 /// unit stays SECOND (it has no multiplier); the draft-03 header says the

@@ -221,7 +221,7 @@ fn response(decision: &RlsDecision, settings: &EnvoySettings) -> Result<RateLimi
             if let Some(limit) = &decision.statuses[i].limit {
                 for limit in std::iter::once(&**limit).chain(limit.also.iter().map(|a| &**a)) {
                     let name = limit.name.as_deref().unwrap_or_default();
-                    policy(out, limit.requests_per_unit, limit.window_seconds().unwrap_or(0), name);
+                    policy(out, limit.per_unit(), limit.window_seconds().unwrap_or(0), name);
                 }
             }
         };
@@ -355,7 +355,7 @@ fn status(decision: &DescriptorDecision) -> DescriptorStatus {
         current_limit: decision.limit.as_ref().map(|limit| limit.limit_at(decision.bound)).map(|limit| {
             RateLimit {
                 name: limit.name.clone().unwrap_or_default(),
-                requests_per_unit: limit.requests_per_unit,
+                requests_per_unit: limit.per_unit(),
                 unit: limit.unit.map_or(ResponseUnit::Unknown, response_unit) as i32,
             }
         }),

@@ -23,8 +23,8 @@ use std::{
 use super::{Api, Engine, LimitHits, REPORT_LABEL, Reason, keys, pipeline::Subject};
 use crate::{
     limiter::{
-        Count, FailureKind, ManyItem, ManyOutcome, Shares, StoreError, Verdict, binding, push_encoded,
-        window::Algorithm,
+        Count, FailureKind, ManyItem, ManyOutcome, Shares, StoreError, Verdict, adaptive::Outcome, binding,
+        push_encoded, window::Algorithm,
     },
     overload::{Kind, OverloadVerdict},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit, params, tick_ms},
@@ -165,6 +165,23 @@ pub trait Descriptor {
     fn limit(&self) -> Option<LimitOverride>;
     /// This descriptor's own hits, overriding the request's.
     fn hits_addend(&self) -> Option<u64>;
+}
+
+/// The descriptor entry key that makes a descriptor an outcome report: its
+/// last entry `ratelimitd.outcome: success | failure | overload` tells how
+/// requests matched by its other entries went downstream (the Envoy
+/// twin of a native `Report` with an outcome).
+pub(super) const OUTCOME_KEY: &str = "ratelimitd.outcome";
+
+/// The outcome `d` reports, and its number of entries: `None` unless its
+/// last entry is [`OUTCOME_KEY`] with a known outcome (any other value
+/// leaves the descriptor an ordinary one, counted as it is).
+fn reported<D: Descriptor>(d: &D) -> Option<(Outcome, usize)> {
+    let (count, last) = d.entries().fold((0, None), |(n, _), entry| (n + 1, Some(entry)));
+    match last? {
+        (OUTCOME_KEY, value) if count > 1 => Some((Outcome::parse(value)?, count)),
+        _ => None,
+    }
 }
 
 /// A descriptor as plain data.
@@ -459,7 +476,7 @@ impl Engine {
             };
             items.push(ManyItem {
                 key,
-                params: params(seconds, limit.requests_per_unit, limit.algorithm.unwrap_or(policy.algorithm)),
+                params: params(seconds, limit.per_unit(), limit.algorithm.unwrap_or(policy.algorithm)),
                 tick_ms: tick_ms(seconds),
                 weight,
                 count,
@@ -486,7 +503,7 @@ impl Engine {
         if self.inner.envoy_policy.upstream_metrics {
             let hits = item_hits(item);
             let near = self.inner.envoy_policy.near_limit_ratio;
-            let counted = LimitHits::of(u64::from(limit.requests_per_unit), hits, &verdict, shadow, near);
+            let counted = LimitHits::of(u64::from(limit.per_unit()), hits, &verdict, shadow, near);
             self.inner.stats.limit_hits(stat_key(limit, key), counted);
         }
         let over = !verdict.admitted;
@@ -580,6 +597,18 @@ impl Engine {
                     }
                     None => None,
                 };
+                if let Some((outcome, n)) = reported(d) {
+                    // Reported to the limit its other entries find; nothing counted.
+                    let found = config.as_ref()?.lookup(request.domain, d.entries().take(n - 1));
+                    if let Some(limit) = found.as_ref().and_then(|f| f.limit.adaptive.as_deref()) {
+                        limit.record(
+                            outcome,
+                            None,
+                            d.hits_addend().unwrap_or(u64::from(request.hits_addend)).max(1),
+                        );
+                    }
+                    return None;
+                }
                 match requested {
                     Some(requested) => Some(self.requested_limit(request.domain, d, requested)),
                     None => config.as_ref()?.lookup(request.domain, d.entries()),
@@ -628,6 +657,7 @@ impl Engine {
                 algorithm: None,
                 overload: None,
                 also: Vec::new(),
+                adaptive: None,
             }),
             shared: Vec::new(),
             stat_key: self.inner.envoy_policy.upstream_metrics.then(|| request_stat_key(domain, d.entries())),

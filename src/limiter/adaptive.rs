@@ -44,6 +44,11 @@ impl Outcome {
         }
     }
 
+    /// The outcome named `name` (as [`Outcome::as_str`] writes it).
+    pub fn parse(name: &str) -> Option<Outcome> {
+        Outcome::ALL.into_iter().find(|o| o.as_str() == name)
+    }
+
     fn index(self) -> usize {
         self as usize
     }
@@ -248,6 +253,18 @@ impl AdaptiveLimit {
             let n = previous.pending[i].swap(0, Ordering::Relaxed);
             self.pending[i].fetch_add(n, Ordering::Relaxed);
             self.reported[i].fetch_add(previous.reported[i].load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+}
+
+/// Each limit of `next` (a rule set being swapped in) adopts
+/// ([`AdaptiveLimit::adopt`]) the limit of `previous` (the set it
+/// replaces) of the same name, if any.
+pub fn carry_over<'a>(previous: Vec<(&'a str, &'a AdaptiveLimit)>, next: Vec<(&'a str, &'a AdaptiveLimit)>) {
+    let previous: std::collections::HashMap<&str, &AdaptiveLimit> = previous.into_iter().collect();
+    for (name, limit) in next {
+        if let Some(old) = previous.get(name) {
+            limit.adopt(old);
         }
     }
 }

@@ -124,9 +124,7 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
     {
         return fail("overload.rate_per_second", format!("must be between 1 and {MAX_OVERLOAD_RATE}"));
     }
-    let adaptive = (raw.adaptive.as_ref().map(|spec| adaptive_params(raw, spec)).transpose())
-        .map_err(|(field, message)| error(sourced, &field, message))?
-        .map(|params| Arc::new(AdaptiveLimit::new(params, raw.limit)));
+    let adaptive = rule_adaptive(raw).map_err(|(field, message)| error(sourced, &field, message))?;
     Ok(Rule {
         id: Arc::from(raw.rule_id.as_str()),
         resource_path: raw.resource_path.clone(),
@@ -144,10 +142,16 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
     })
 }
 
-/// A rule's `adaptive:` checked against its first limit; an error names
-/// the field (`adaptive.max`, or `limit` when it is not between `min` and
-/// `max`).
-fn adaptive_params(raw: &RawRule, spec: &AdaptiveSpec) -> Result<AimdParams, (String, String)> {
+/// `adaptive:` checked for a limit that starts at `start` (the field
+/// `start_field`); `fits(max)` says whether the highest limit fits the
+/// counters' bound. An error names the field (`adaptive.max`, or
+/// `start_field` when it is not between `min` and `max`).
+pub(crate) fn adaptive_params(
+    spec: &AdaptiveSpec,
+    start: u64,
+    start_field: &str,
+    fits: impl Fn(u64) -> Result<(), String>,
+) -> Result<AimdParams, (String, String)> {
     let at = |field: &str| format!("adaptive.{field}");
     if spec.min == 0 {
         return Err((at("min"), "must be at least 1".to_owned()));
@@ -155,17 +159,13 @@ fn adaptive_params(raw: &RawRule, spec: &AdaptiveSpec) -> Result<AimdParams, (St
     if spec.max < spec.min {
         return Err((at("max"), format!("must be at least adaptive.min ({})", spec.min)));
     }
-    // The highest limit must fit the counters' bound as a fixed one must.
-    let highest = RawLimit { limit: spec.max, ..raw_first(raw) };
-    limit_window(&highest).map_err(|(_, message)| (at("max"), message))?;
-    if !(spec.min..=spec.max).contains(&raw.limit) {
-        return Err((
-            "limit".to_owned(),
-            format!(
-                "an adaptive limit starts at `limit`: it must be between adaptive.min ({}) and adaptive.max ({})",
-                spec.min, spec.max
-            ),
-        ));
+    fits(spec.max).map_err(|message| (at("max"), message))?;
+    if !(spec.min..=spec.max).contains(&start) {
+        let (min, max) = (spec.min, spec.max);
+        let message = format!(
+            "an adaptive limit starts at `{start_field}`: it must be between adaptive.min ({min}) and adaptive.max ({max})"
+        );
+        return Err((start_field.to_owned(), message));
     }
     if spec.increase == Some(0) {
         return Err((at("increase"), "must be at least 1".to_owned()));
@@ -174,16 +174,12 @@ fn adaptive_params(raw: &RawRule, spec: &AdaptiveSpec) -> Result<AimdParams, (St
         return Err((at("decrease"), format!("must be between 0 and 1 (exclusive), got {}", spec.decrease)));
     }
     if !ADAPTIVE_INTERVAL_MS.contains(&spec.interval_ms) {
-        return Err((
-            at("interval_ms"),
-            format!("must be between {} and {}", ADAPTIVE_INTERVAL_MS.start(), ADAPTIVE_INTERVAL_MS.end()),
-        ));
+        let (low, high) = (ADAPTIVE_INTERVAL_MS.start(), ADAPTIVE_INTERVAL_MS.end());
+        return Err((at("interval_ms"), format!("must be between {low} and {high}")));
     }
     if !(spec.max_failure_ratio >= 0.0 && spec.max_failure_ratio < 1.0) {
-        return Err((
-            at("max_failure_ratio"),
-            format!("must be at least 0 and below 1, got {}", spec.max_failure_ratio),
-        ));
+        let message = format!("must be at least 0 and below 1, got {}", spec.max_failure_ratio);
+        return Err((at("max_failure_ratio"), message));
     }
     if spec.latency_ms == Some(0) {
         return Err((at("latency_ms"), "must be at least 1".to_owned()));
@@ -197,6 +193,15 @@ fn adaptive_params(raw: &RawRule, spec: &AdaptiveSpec) -> Result<AimdParams, (St
         max_failure_ratio: spec.max_failure_ratio,
         latency_ms: spec.latency_ms,
     })
+}
+
+/// The rule's adaptive limit, when it has one: its first limit's.
+fn rule_adaptive(raw: &RawRule) -> Result<Option<Arc<AdaptiveLimit>>, (String, String)> {
+    let Some(spec) = &raw.adaptive else { return Ok(None) };
+    // The highest limit must fit the counters' bound as a fixed one must.
+    let fits = |max| limit_window(&RawLimit { limit: max, ..raw_first(raw) }).map(|_| ()).map_err(|(_, m)| m);
+    let params = adaptive_params(spec, raw.limit, "limit", fits)?;
+    Ok(Some(Arc::new(AdaptiveLimit::new(params, raw.limit))))
 }
 
 /// The rule's first limit as a [`RawLimit`].
@@ -325,6 +330,27 @@ mod tests {
             (rule("a", "/a", "").replace("limit: 10", "limit: 10000000000000"), "field `limit`"),
             (rule("a", "/a", "    algorithm: leaky_bucket\n"), "field `algorithm`"),
             (rule("a", "/a", "    overload: {rate_per_second: 0}\n"), "field `overload.rate_per_second`"),
+            (
+                rule("a", "/a", "    adaptive: {min: 11, max: 20}\n"),
+                "field `limit`: an adaptive limit starts at",
+            ),
+            (rule("a", "/a", "    adaptive: {min: 0, max: 20}\n"), "field `adaptive.min`"),
+            (rule("a", "/a", "    adaptive: {min: 5, max: 4}\n"), "field `adaptive.max`"),
+            (rule("a", "/a", "    adaptive: {min: 5, max: 10000000000000}\n"), "field `adaptive.max`"),
+            (rule("a", "/a", "    adaptive: {min: 5, max: 20, decrease: 1}\n"), "field `adaptive.decrease`"),
+            (rule("a", "/a", "    adaptive: {min: 5, max: 20, increase: 0}\n"), "field `adaptive.increase`"),
+            (
+                rule("a", "/a", "    adaptive: {min: 5, max: 20, interval_ms: 50}\n"),
+                "field `adaptive.interval_ms`",
+            ),
+            (
+                rule("a", "/a", "    adaptive: {min: 5, max: 20, max_failure_ratio: 1}\n"),
+                "field `adaptive.max_failure_ratio`",
+            ),
+            (
+                rule("a", "/a", "    adaptive: {min: 5, max: 20, latency_ms: 0}\n"),
+                "field `adaptive.latency_ms`",
+            ),
         ];
         for (text, expected) in cases {
             let err = one_error(&format!("rules:\n{text}"));

@@ -24,10 +24,13 @@ use serde::{Deserialize, Deserializer};
 
 use super::{
     RuleError, RuleErrors,
-    model::{MAX_OVERLOAD_RATE, OverloadSpec},
+    model::{AdaptiveSpec, MAX_OVERLOAD_RATE, OverloadSpec},
     native::rule_files,
 };
-use crate::limiter::window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams};
+use crate::limiter::{
+    adaptive::AdaptiveLimit,
+    window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams},
+};
 
 /// A rate-limit unit, with upstream's lengths (a month is 30 days).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -162,12 +165,25 @@ pub struct EnvoyLimit {
     /// counted with this one all or nothing; each has this one's key, modes
     /// and metadata, no name and no `also` of its own.
     pub also: Vec<Arc<EnvoyLimit>>,
+    /// Set when `requests_per_unit` is adaptive (ratelimitd's extension
+    /// `adaptive`): then it is where the limit starts, and [`EnvoyLimit::per_unit`]
+    /// the limit in force.
+    pub adaptive: Option<Arc<AdaptiveLimit>>,
 }
 
 impl EnvoyLimit {
     /// The window in seconds (`unit × unit_multiplier`); `None` when unlimited.
     pub fn window_seconds(&self) -> Option<u64> {
         self.unit.map(|unit| unit.seconds() * u64::from(self.unit_multiplier))
+    }
+
+    /// Requests per unit in force: `requests_per_unit`, or the adaptive
+    /// limit's current value.
+    #[inline]
+    pub fn per_unit(&self) -> u32 {
+        self.adaptive
+            .as_deref()
+            .map_or(self.requests_per_unit, |a| u32::try_from(a.current()).unwrap_or(u32::MAX))
     }
 
     /// Limit `index` of the descriptor: 0 this one, then `also`'s.
@@ -232,6 +248,8 @@ pub struct EnvoyConfig {
     /// Whether any descriptor sets `detailed_metric` or `value_to_metric`
     /// (only then does a lookup build metric keys).
     dynamic_metrics: bool,
+    /// The limits with an adaptive `requests_per_unit`, by full key.
+    adaptive: Vec<Arc<EnvoyLimit>>,
 }
 
 /// The three metric keys upstream builds while it walks a request's
@@ -377,6 +395,11 @@ impl EnvoyConfig {
         out
     }
 
+    /// The limits with an adaptive `requests_per_unit`, by full key.
+    pub fn adaptive_limits(&self) -> impl Iterator<Item = &Arc<EnvoyLimit>> {
+        self.adaptive.iter()
+    }
+
     /// Every limit with an `overload` directive: its full key and the directive.
     pub fn overload_directives(&self) -> impl Iterator<Item = (Arc<str>, OverloadSpec)> + '_ {
         self.limits()
@@ -473,6 +496,10 @@ struct YamlRateLimit {
     /// `unit: second, unit_multiplier: 90`).
     #[serde(default)]
     unit_multiplier: Option<u32>,
+    /// ratelimitd's extension: `requests_per_unit` moves by AIMD from
+    /// reported outcomes (the native rules' `adaptive:`).
+    #[serde(default)]
+    adaptive: Option<AdaptiveSpec>,
 }
 
 #[derive(Deserialize)]
@@ -603,7 +630,10 @@ pub fn compile_texts(files: &[(PathBuf, String)], how: Compile) -> Result<EnvoyC
     }
     let domains: HashMap<String, Level> = domains.into_iter().map(|(d, (level, _))| (d, level)).collect();
     let dynamic_metrics = domains.values().any(dynamic);
-    Ok(EnvoyConfig { domains, version, dynamic_metrics })
+    let mut config = EnvoyConfig { domains, version, dynamic_metrics, adaptive: Vec::new() };
+    config.adaptive = config.limits().into_iter().filter(|l| l.adaptive.is_some()).collect();
+    config.adaptive.sort_by(|a, b| a.full_key.cmp(&b.full_key));
+    Ok(config)
 }
 
 fn error(file: &Path, at: Option<&str>, field: &str, message: String) -> RuleError {
@@ -874,7 +904,38 @@ fn compile_limit(
         algorithm,
         overload: d.overload,
         also: Vec::new(),
+        adaptive: adaptive_limit(file, &at, r, unit.map(|u| u.seconds() * u64::from(unit_multiplier)))?,
     })
+}
+
+/// A `rate_limit`'s `adaptive:`, checked (errors at `adaptive.<field>`,
+/// or `requests_per_unit` when it is not between `min` and `max`); `seconds`:
+/// its window, `None` when unlimited.
+fn adaptive_limit(
+    file: &Path,
+    at: &str,
+    r: &YamlRateLimit,
+    seconds: Option<u64>,
+) -> Result<Option<Arc<AdaptiveLimit>>, RuleError> {
+    let Some(spec) = &r.adaptive else { return Ok(None) };
+    let Some(seconds) = seconds else {
+        return Err(error(
+            file,
+            Some(at),
+            "adaptive",
+            "should not specify adaptive when unlimited".to_owned(),
+        ));
+    };
+    let fits = |max: u64| {
+        let per_unit = u32::try_from(max).map_err(|_| format!("must be at most {}", u32::MAX))?;
+        let window = params(seconds, per_unit, Algorithm::SlidingWindow);
+        let exact = window.capacity.saturating_mul(window.window_ms) <= MAX_CAPACITY_TIMES_WINDOW;
+        if exact { Ok(()) } else { Err("too large to count exactly".to_owned()) }
+    };
+    let params =
+        super::compile::adaptive_params(spec, u64::from(r.requests_per_unit), "requests_per_unit", fits)
+            .map_err(|(field, message)| error(file, Some(at), &field, message))?;
+    Ok(Some(Arc::new(AdaptiveLimit::new(params, u64::from(r.requests_per_unit)))))
 }
 
 /// Most limits `also` may add to a descriptor.
@@ -910,6 +971,8 @@ fn also_limits(
                     "name",
                     "an also limit has no name and replaces nothing (the rate_limit beside it does)",
                 ))
+            } else if r.adaptive.is_some() {
+                Some(("adaptive", "an also limit is fixed (the rate_limit beside it may be adaptive)"))
             } else {
                 None
             };
@@ -1108,6 +1171,22 @@ descriptors:
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1 }\n    also: [ { name: x, unit: minute, requests_per_unit: 5 } ]\n",
                 "an also limit has no name",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true, adaptive: { min: 1, max: 2 } }\n",
+                "should not specify adaptive when unlimited",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 9, adaptive: { min: 10, max: 20 } }\n",
+                "an adaptive limit starts at `requests_per_unit`: it must be between adaptive.min (10) and adaptive.max (20)",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 9, adaptive: { min: 1, max: 5000000000 } }\n",
+                "must be at most 4294967295",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1 }\n    also: [ { unit: minute, requests_per_unit: 5, adaptive: { min: 1, max: 9 } } ]\n",
+                "an also limit is fixed",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, unit_multiplier: 0 }\n",

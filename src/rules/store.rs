@@ -20,6 +20,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
+use crate::limiter::adaptive::{self, AdaptiveLimit};
+
 use crate::clock::{Clock, SystemClock};
 use tokio::sync::watch as tokio_watch;
 
@@ -47,13 +49,10 @@ impl Versioned for Snapshot {
     /// Each adaptive rule keeps the limit its namesake had reached and the
     /// outcomes not yet exchanged.
     fn carry_over(&self, previous: &Self) {
-        let old: std::collections::HashMap<&str, &crate::limiter::adaptive::AdaptiveLimit> =
-            previous.adaptive_rules().filter_map(|r| Some((&*r.id, r.adaptive.as_deref()?))).collect();
-        for rule in self.adaptive_rules() {
-            if let (Some(old), Some(new)) = (old.get(&*rule.id), rule.adaptive.as_deref()) {
-                new.adopt(old);
-            }
+        fn limits(s: &Snapshot) -> Vec<(&str, &AdaptiveLimit)> {
+            s.adaptive_rules().filter_map(|r| Some((&*r.id, r.adaptive.as_deref()?))).collect()
         }
+        adaptive::carry_over(limits(previous), limits(self));
     }
 }
 
@@ -63,6 +62,14 @@ impl Versioned for super::envoy::EnvoyConfig {
     }
     fn size(&self) -> usize {
         self.domain_count()
+    }
+    /// Each adaptive limit keeps the limit its namesake (same full key)
+    /// had reached and the outcomes not yet exchanged.
+    fn carry_over(&self, previous: &Self) {
+        fn limits(c: &super::envoy::EnvoyConfig) -> Vec<(&str, &AdaptiveLimit)> {
+            c.adaptive_limits().filter_map(|l| Some((&*l.full_key, l.adaptive.as_deref()?))).collect()
+        }
+        adaptive::carry_over(limits(previous), limits(self));
     }
 }
 

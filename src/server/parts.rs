@@ -563,7 +563,7 @@ pub(crate) fn adaptive(rules: &Rules, store: &Store, tasks: &mut Tasks) -> Arc<A
         Store::Memory(_) => adaptive::Exchange::Local(std::sync::Mutex::default()),
         Store::Redis(redis) => adaptive::Exchange::Redis(Arc::clone(redis)),
     };
-    let adapter = Arc::new(Adapter::new(Arc::clone(&rules.native)));
+    let adapter = Arc::new(Adapter::new(Arc::clone(&rules.native), rules.envoy.clone()));
     let stop = tasks.stopper();
     tasks.spawn(adaptive::run(Arc::clone(&adapter), exchange, Arc::new(SystemClock), stop));
     adapter
