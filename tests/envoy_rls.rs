@@ -138,7 +138,7 @@ for_each_store!(
 /// counts nothing. Failures halve the limit (down to `min`), successes
 /// raise it (up to `max`); answers and `/metrics` name the limit in force.
 async fn an_adaptive_limit_follows_outcome_descriptors(backend: Backend) {
-    let mut s = start(backend, |_| {}).await;
+    let s = start(backend, |_| {}).await;
     let series = "ratelimitd_adaptive_limit{kind=\"envoy\",rule=\"edge.backend\"}";
     let report = |outcome: &'static str| {
         let mut client = s.client.clone();
