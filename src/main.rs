@@ -68,6 +68,7 @@ fn rules(command: RulesCommand, config: &Config) -> ExitCode {
         RulesCommand::Publish(args) => {
             runtime().map_or_else(report, |rt| rt.block_on(cli::publish(args, config)))
         }
+        RulesCommand::Sync(args) => runtime().map_or_else(report, |rt| rt.block_on(cli::sync(args, config))),
         RulesCommand::Rollback { version, signing } => {
             runtime().map_or_else(report, |rt| rt.block_on(cli::rollback(&version, &signing, config)))
         }

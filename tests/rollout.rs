@@ -767,3 +767,93 @@ async fn an_envoy_capture_gates_an_envoy_candidate() {
     let history = text(&run(&broker, &["rules", "history"]));
     assert!(history.contains("gated (24 requests, worst all * 0.00%)"), "{history}");
 }
+
+/// Runs `git args…` in `dir` as a test author; panics when it fails.
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args([
+            "-c",
+            "user.name=Ada Lovelace",
+            "-c",
+            "user.email=ada@example.com",
+            "-c",
+            "init.defaultBranch=main",
+        ])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "git {args:?}: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// `rules sync`: the repository is the source of truth. Its head's rules
+/// are published with the commit as provenance (a work tree's uncommitted
+/// edit is not), once: a second sync finds them in force; a new commit is
+/// published; a bare clone syncs the same way; a path the commit does not
+/// have is refused, nothing published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_publishes_the_repositorys_commit_once() {
+    let broker = Broker::start();
+    migrate(&broker);
+    let repo = tempfile::tempdir().unwrap();
+    git(repo.path(), &["init", "-q"]);
+    std::fs::create_dir(repo.path().join("rules")).unwrap();
+    std::fs::write(repo.path().join("rules/limits.yaml"), rules(5)).unwrap();
+    git(repo.path(), &["add", "rules"]);
+    git(repo.path(), &["commit", "-q", "-m", "five"]);
+    let first = git(repo.path(), &["rev-parse", "HEAD"]);
+    // An edit nobody committed: not the repository's truth.
+    std::fs::write(repo.path().join("rules/limits.yaml"), rules(500)).unwrap();
+    let sync = |args: &[&str]| {
+        let mut all = vec!["rules", "sync", "--repo", repo.path().to_str().unwrap()];
+        all.extend_from_slice(args);
+        run(&broker, &all)
+    };
+
+    let out = sync(&["rules"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let shown = text(&out);
+    let v5 = shown.split_whitespace().nth(1).unwrap().to_owned();
+    assert!(shown.contains(&format!("commit {first})")), "{shown}");
+    let checkout = tempfile::tempdir().unwrap();
+    std::fs::write(checkout.path().join("five.yaml"), rules(5)).unwrap();
+    let same = run(&broker, &["rules", "publish", checkout.path().join("five.yaml").to_str().unwrap()]);
+    assert!(
+        text(&same).contains(&format!("{v5}: already in force")),
+        "the committed rules are in force, not the edit: {}",
+        text(&same)
+    );
+
+    let again = sync(&["rules"]);
+    assert!(
+        again.status.success() && text(&again).contains("already in force; nothing published"),
+        "{}",
+        text(&again)
+    );
+
+    std::fs::write(repo.path().join("rules/limits.yaml"), rules(7)).unwrap();
+    git(repo.path(), &["commit", "-q", "-am", "seven"]);
+    let bare = tempfile::tempdir().unwrap();
+    git(bare.path(), &["clone", "-q", "--bare", repo.path().to_str().unwrap(), "."]);
+    let out = run(&broker, &["rules", "sync", "--repo", bare.path().to_str().unwrap(), "rules"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let v7 = text(&out).split_whitespace().nth(1).unwrap().to_owned();
+    assert_ne!(v5, v7);
+
+    let missing = sync(&["policies"]);
+    assert_eq!(missing.status.code(), Some(1), "{}", text(&missing));
+    assert!(text(&missing).contains("policies: no such file or directory in "), "{}", text(&missing));
+    let outside = sync(&["../etc"]);
+    assert!(text(&outside).contains("give a path inside the repository"), "{}", text(&outside));
+
+    let history = text(&run(&broker, &["rules", "history"]));
+    let lines: Vec<&str> = history.lines().skip(1).collect();
+    assert_eq!(lines.len(), 2, "{history}");
+    assert!(
+        lines[0].contains(&v5) && lines[0].contains(&first[..10]) && lines[0].contains("Ada Lovelace"),
+        "{history}"
+    );
+    assert!(lines[1].contains(&v7), "{history}");
+}

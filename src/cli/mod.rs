@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 
 mod rules;
 
-pub use rules::{history, keygen, publish, rollback, status};
+pub use rules::{history, keygen, publish, rollback, status, sync};
 
 use crate::{
     api::client::{self, CallError, CheckCall},
@@ -114,6 +114,11 @@ pub enum RulesCommand {
     },
     /// Validate, compile and publish a rule set to the rules topic (rules.kafka.*).
     Publish(PublishArgs),
+    /// Publish the rules a Git repository's commit (default HEAD) holds
+    /// when they differ from the version in force, with that commit as the
+    /// record's provenance: the repository is the source of truth, however
+    /// a change reached it. Paths are inside the repository.
+    Sync(SyncArgs),
     /// Publish an earlier version again (see `rules history`).
     Rollback {
         /// The version to put back in force.
@@ -157,6 +162,22 @@ pub struct PublishArgs {
     pub thresholds: GateArgs,
     #[command(flatten)]
     pub signing: SigningArgs,
+}
+
+/// `ratelimitd rules sync …`
+#[derive(Debug, clap::Args)]
+pub struct SyncArgs {
+    /// The Git repository: a work tree (its uncommitted changes are not
+    /// published) or a bare repository.
+    #[arg(long, value_name = "DIR")]
+    pub repo: PathBuf,
+    /// The commit to publish.
+    #[arg(long, value_name = "REV", default_value = "HEAD")]
+    pub rev: String,
+    /// What to publish, as `rules publish` takes it, with paths inside the
+    /// repository.
+    #[command(flatten)]
+    pub publish: PublishArgs,
 }
 
 /// The gate's thresholds, each overriding its `gate.*` setting.

@@ -1,14 +1,18 @@
-//! `rules publish`, `rules rollback`, `rules history` and `rules status`:
+//! `rules publish`, `rules sync`, `rules rollback`, `rules history` and `rules status`:
 //! the operator's side of the rules topic (`rollout`).
 
-use std::{io::Write as _, process::ExitCode};
+use std::{
+    io::Write as _,
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
 
-use super::{EXIT_USAGE, PublishArgs, SigningArgs};
+use super::{EXIT_USAGE, PublishArgs, SigningArgs, SyncArgs};
 use crate::{
     clock::{Clock, SystemClock},
     config::Config,
     rollout::{
-        RolloutError,
+        RolloutError, git,
         publish::{self, Entry},
         status,
     },
@@ -87,7 +91,7 @@ fn failed(what: &str, error: &RolloutError) -> ExitCode {
     eprintln!("{what}: {error}");
     match error {
         RolloutError::Config(_) => ExitCode::from(EXIT_USAGE),
-        RolloutError::Kafka(_) | RolloutError::Unknown(_) => ExitCode::from(1),
+        RolloutError::Kafka(_) | RolloutError::Unknown(_) | RolloutError::Git(_) => ExitCode::from(1),
     }
 }
 
@@ -116,9 +120,40 @@ fn gate_thresholds(
     Ok(thresholds)
 }
 
+/// Runs `rules sync`: the rules of `args.rev` in `args.repo` published as
+/// `rules publish` would (exit codes included), with the commit as the
+/// record's provenance; nothing when that version is in force. The
+/// commit's files are read into a temporary directory, which becomes the
+/// working directory, so the record names the files by their paths in the
+/// repository, as a publish from the repository's root would.
+pub async fn sync(args: SyncArgs, config: &Config) -> ExitCode {
+    let Ok(dir) = tempfile::tempdir() else {
+        eprintln!("rules sync: cannot make a temporary directory");
+        return ExitCode::FAILURE;
+    };
+    let wanted: Vec<&Path> =
+        args.publish.path.iter().chain(&args.publish.envoy).map(PathBuf::as_path).collect();
+    let repo = std::path::absolute(&args.repo).unwrap_or(args.repo.clone());
+    let commit = match git::export(&repo, &args.rev, &wanted, dir.path()) {
+        Ok(commit) => commit,
+        Err(e) => return failed("rules sync", &e),
+    };
+    if let Err(e) = std::env::set_current_dir(dir.path()) {
+        eprintln!("rules sync: {}: {e}", dir.path().display());
+        return ExitCode::FAILURE;
+    }
+    publish_from(args.publish, config, Some(commit)).await
+}
+
 /// Runs `rules publish`: 0 published (or already in force), 1 invalid rules,
 /// a failed gate or Kafka unreachable, 64 bad arguments or configuration.
 pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
+    publish_from(args, config, None).await
+}
+
+/// `rules publish` of `args`, whose provenance is `commit` when given
+/// (`rules sync`), else the work tree the files are in.
+async fn publish_from(args: PublishArgs, config: &Config, commit: Option<git::Commit>) -> ExitCode {
     let kafka = &config.rules.kafka;
     if kafka.brokers.is_none() {
         eprintln!("rules publish: rules.kafka.brokers is not set");
@@ -159,7 +194,12 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
         let _ = writeln!(std::io::stdout(), "{version}: already in force; nothing published");
         return ExitCode::SUCCESS;
     }
-    let mut record = publish::record(&candidate, current, publish::provenance(&candidate.paths));
+    let mut provenance = publish::provenance(&candidate.paths);
+    if let Some(commit) = commit {
+        (provenance.git_commit, provenance.git_author) = (Some(commit.id), Some(commit.author));
+        provenance.git_dirty = Some(false);
+    }
+    let mut record = publish::record(&candidate, current, provenance);
     if let Some(capture) = &args.gate {
         // Replay runs engines on runtimes of its own: off this one.
         let (config, current, candidate, capture) =

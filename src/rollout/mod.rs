@@ -6,10 +6,12 @@
 //!   (candidate compilation, provenance, the record in force);
 //! - `subscribe.rs`: the subscription behind `rules.source: kafka`;
 //! - `status.rs`: the instances' reports and `rules status`;
-//! - `topic.rs`: reading a whole topic and producing to one.
+//! - `topic.rs`: reading a whole topic and producing to one;
+//! - `git.rs`: `rules sync`'s reading of a commit's rule files.
 //!
 //! The record format is `rules::encoding` (pure); everything here is I/O.
 
+pub mod git;
 pub mod publish;
 pub mod status;
 #[cfg(feature = "kafka")]
@@ -131,4 +133,7 @@ pub enum RolloutError {
     /// No record on the topic has this version.
     #[error("no snapshot with version {0:?} on the rules topic (see `ratelimitd rules history`)")]
     Unknown(String),
+    /// The Git repository could not be read (`rules sync`).
+    #[error("{0}")]
+    Git(String),
 }
