@@ -845,6 +845,20 @@ async fn sync_publishes_the_repositorys_commit_once() {
     let missing = sync(&["policies"]);
     assert_eq!(missing.status.code(), Some(1), "{}", text(&missing));
     assert!(text(&missing).contains("policies: no such file or directory in "), "{}", text(&missing));
+    std::fs::write(
+        repo.path().join("rules/broken.yaml"),
+        "rules:\n  - { rule_id: b, resource_path: /b, limit: 0, window_seconds: 1 }\n",
+    )
+    .unwrap();
+    git(repo.path(), &["add", "rules"]);
+    git(repo.path(), &["commit", "-q", "-m", "broken"]);
+    let broken = sync(&["rules"]);
+    assert_eq!(broken.status.code(), Some(1), "{}", text(&broken));
+    assert!(
+        text(&broken).starts_with("rules/broken.yaml: rule \"b\""),
+        "named by its path in the repository: {}",
+        text(&broken)
+    );
     let outside = sync(&["../etc"]);
     assert!(text(&outside).contains("give a path inside the repository"), "{}", text(&outside));
 

@@ -123,9 +123,9 @@ fn gate_thresholds(
 /// Runs `rules sync`: the rules of `args.rev` in `args.repo` published as
 /// `rules publish` would (exit codes included), with the commit as the
 /// record's provenance; nothing when that version is in force. The
-/// commit's files are read into a temporary directory, which becomes the
-/// working directory, so the record names the files by their paths in the
-/// repository, as a publish from the repository's root would.
+/// commit's files are read into a temporary directory and named by their
+/// paths in the repository, as a publish from the repository's root would
+/// name them.
 pub async fn sync(args: SyncArgs, config: &Config) -> ExitCode {
     let Ok(dir) = tempfile::tempdir() else {
         eprintln!("rules sync: cannot make a temporary directory");
@@ -138,11 +138,41 @@ pub async fn sync(args: SyncArgs, config: &Config) -> ExitCode {
         Ok(commit) => commit,
         Err(e) => return failed("rules sync", &e),
     };
-    if let Err(e) = std::env::set_current_dir(dir.path()) {
-        eprintln!("rules sync: {}: {e}", dir.path().display());
-        return ExitCode::FAILURE;
+    publish_from(args.publish, config, Some((dir.path(), commit))).await
+}
+
+/// The rules `args` name, compiled as `serve` would; every problem printed
+/// (exit 1). With `base` (`rules sync`) the paths are under it, and files
+/// are named by their paths below it.
+fn candidate(
+    args: &PublishArgs,
+    config: &Config,
+    base: Option<&Path>,
+) -> Result<publish::Candidate, ExitCode> {
+    let under = |path: &Option<PathBuf>| path.as_ref().map(|p| base.map_or(p.clone(), |b| b.join(p)));
+    let (native, envoy) = (under(&args.path), under(&args.envoy));
+    let compiled = publish::candidate(
+        native.as_deref(),
+        envoy.as_deref(),
+        config.envoy.compile(),
+        config.rules.path_matching,
+        config.rules.allow_empty,
+    );
+    match (compiled, base) {
+        (Ok(candidate), Some(base)) => Ok(candidate.relative_to(base)),
+        (Ok(candidate), None) => Ok(candidate),
+        (Err(errors), _) => {
+            let problems = errors.0.len();
+            for mut error in errors.0 {
+                if let Some(inside) = base.and_then(|b| error.file.strip_prefix(b).ok()) {
+                    error.file = inside.to_path_buf();
+                }
+                eprintln!("{error}");
+            }
+            eprintln!("rules publish: {problems} problem(s); nothing published");
+            Err(ExitCode::from(1))
+        }
     }
-    publish_from(args.publish, config, Some(commit)).await
 }
 
 /// Runs `rules publish`: 0 published (or already in force), 1 invalid rules,
@@ -151,9 +181,10 @@ pub async fn publish(args: PublishArgs, config: &Config) -> ExitCode {
     publish_from(args, config, None).await
 }
 
-/// `rules publish` of `args`, whose provenance is `commit` when given
-/// (`rules sync`), else the work tree the files are in.
-async fn publish_from(args: PublishArgs, config: &Config, commit: Option<git::Commit>) -> ExitCode {
+/// `rules publish` of `args`; with `synced` (`rules sync`) its paths are
+/// under that directory, and its provenance is that commit, else the work
+/// tree the files are in.
+async fn publish_from(args: PublishArgs, config: &Config, synced: Option<(&Path, git::Commit)>) -> ExitCode {
     let kafka = &config.rules.kafka;
     if kafka.brokers.is_none() {
         eprintln!("rules publish: rules.kafka.brokers is not set");
@@ -168,21 +199,10 @@ async fn publish_from(args: PublishArgs, config: &Config, commit: Option<git::Co
         Err(code) => return code,
     };
     let trust = trust(config, signer.as_ref());
-    let candidate = match publish::candidate(
-        args.path.as_deref(),
-        args.envoy.as_deref(),
-        config.envoy.compile(),
-        config.rules.path_matching,
-        config.rules.allow_empty,
-    ) {
+    let base = synced.as_ref().map(|(dir, _)| *dir);
+    let candidate = match candidate(&args, config, base) {
         Ok(candidate) => candidate,
-        Err(errors) => {
-            for error in &errors.0 {
-                eprintln!("{error}");
-            }
-            eprintln!("rules publish: {} problem(s); nothing published", errors.0.len());
-            return ExitCode::from(1);
-        }
+        Err(code) => return code,
     };
     let history = match blocking(kafka.clone(), move |k| publish::history(&k, &trust)).await {
         Ok(history) => history,
@@ -195,7 +215,7 @@ async fn publish_from(args: PublishArgs, config: &Config, commit: Option<git::Co
         return ExitCode::SUCCESS;
     }
     let mut provenance = publish::provenance(&candidate.paths);
-    if let Some(commit) = commit {
+    if let Some((_, commit)) = synced {
         (provenance.git_commit, provenance.git_author) = (Some(commit.id), Some(commit.author));
         provenance.git_dirty = Some(false);
     }

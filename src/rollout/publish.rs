@@ -33,6 +33,30 @@ impl Candidate {
     pub fn version(&self) -> String {
         encoding::record_version(self.native.as_ref(), self.envoy.as_ref())
     }
+
+    /// The candidate as if loaded from `base` as the working directory:
+    /// every file named by its path under `base` (`rules sync` loads a
+    /// commit's files from a temporary directory, and names them as a
+    /// publish from the repository's root would; Envoy file names are part
+    /// of the version).
+    pub fn relative_to(mut self, base: &Path) -> Self {
+        let strip = |name: &str| {
+            Path::new(name).strip_prefix(base).map_or(name.to_owned(), |p| p.display().to_string())
+        };
+        for rule in self.native.iter_mut().flat_map(|n| n.rules.iter_mut()) {
+            rule.source = strip(&rule.source);
+        }
+        if let Some(envoy) = &mut self.envoy {
+            for file in &mut envoy.files {
+                file.name = strip(&file.name);
+            }
+            envoy.digest = encoding::envoy_digest(&envoy.files);
+        }
+        for path in &mut self.paths {
+            *path = path.strip_prefix(base).map_or(path.clone(), Path::to_path_buf);
+        }
+        self
+    }
 }
 
 /// Loads and compiles the native rules at `native` and the Envoy
