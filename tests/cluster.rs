@@ -14,7 +14,7 @@ use std::{
 
 use common::{RedisCluster, Rules, TestServer, check, config, eventually, key_slot, reason, request};
 use ratelimitd::{
-    api::pb::{Reason, rate_limiter_client::RateLimiterClient},
+    api::pb::{self, Reason, rate_limiter_client::RateLimiterClient},
     config::Config,
 };
 use tonic::transport::Channel;
@@ -370,4 +370,39 @@ async fn a_stale_slot_map_costs_calls_never_a_wrong_answer() {
         items.len()
     );
     server.stop().await.unwrap();
+}
+
+/// Adaptive limits over Redis Cluster: the exchange's one script call (its
+/// keys in the `{adaptive}` slot) reaches the node serving that slot, and
+/// two instances read back the limit their outcomes moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_limits_are_exchanged_through_the_cluster() {
+    let cluster = RedisCluster::start();
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: backend, resource_path: /backend, limit: 100, window_seconds: 1, adaptive: { min: 10, max: 200, interval_ms: 100 } }\n",
+    );
+    let servers = [
+        TestServer::start(cluster_config(&rules, &cluster)).await,
+        TestServer::start(cluster_config(&rules, &cluster)).await,
+    ];
+    let mut client = servers[0].client().await;
+    let failures = pb::RateLimitRequest {
+        outcome: pb::Outcome::Failure as i32,
+        weight: 10,
+        ..request("svc", "/backend")
+    };
+    let series = "ratelimitd_adaptive_limit{kind=\"native\",rule=\"backend\"}";
+    let lowered = || async {
+        client.clone().report(failures.clone()).await.unwrap();
+        let limits = [common::metric(&servers[0], series).await, common::metric(&servers[1], series).await];
+        limits.iter().all(|l| l.is_some_and(|l| l < 100.0))
+    };
+    assert!(eventually(Duration::from_secs(10), lowered).await, "both instances read the lowered limit");
+    let answer = check(&mut client, request("svc", "/backend")).await;
+    assert!(answer.limit < 100, "{answer:?}");
+    let failed = common::metric(&servers[0], "ratelimitd_adaptive_exchange_failures_total").await;
+    assert_eq!(failed, Some(0.0), "no exchange failed");
+    for server in servers {
+        server.stop().await.unwrap();
+    }
 }
