@@ -34,7 +34,7 @@ use crate::{
         RedisStore, StoreError,
         adaptive::{ADAPT_LUA, AdaptiveLimit, STATE_TTL_SECONDS, Shared, Tally, exchange, state_key},
     },
-    rules::{Hot, RuleStore, Snapshot, envoy::EnvoyConfig},
+    rules::{ENVOY_ADAPTIVE_PREFIX, Hot, RuleStore, adaptive_limits, envoy::EnvoyConfig},
     telemetry::exposition::{Figures, escape, header},
 };
 
@@ -85,7 +85,7 @@ impl Adapter {
     ) -> (Option<u64>, Result<(), StoreError>) {
         // The rule sets stay loaded while their limits are exchanged.
         let (native, envoy) = (self.rules.load(), self.envoy.as_ref().map(|e| e.load()));
-        let served = named(&native, envoy.as_deref());
+        let served = adaptive_limits(&native, envoy.as_deref());
         let mut due = Vec::new();
         let mut next: Option<u64> = None;
         for (id, limit) in &served {
@@ -124,21 +124,6 @@ impl Adapter {
         }
         (next, result)
     }
-}
-
-/// The prefix of an Envoy limit's name among the adaptive limits (no rule
-/// id has a `:`, so no name is both).
-pub const ENVOY_PREFIX: &str = "envoy:";
-
-/// Every adaptive limit served, by name: a native rule's id, or
-/// [`ENVOY_PREFIX`] and an Envoy limit's full key.
-fn named<'a>(native: &'a Snapshot, envoy: Option<&'a EnvoyConfig>) -> Vec<(Arc<str>, &'a AdaptiveLimit)> {
-    let rules = native.adaptive_rules().filter_map(|r| Some((Arc::clone(&r.id), r.adaptive.as_deref()?)));
-    let limits = envoy
-        .into_iter()
-        .flat_map(EnvoyConfig::adaptive_limits)
-        .filter_map(|l| Some((Arc::from(format!("{ENVOY_PREFIX}{}", l.full_key)), l.adaptive.as_deref()?)));
-    rules.chain(limits).collect()
 }
 
 /// One script call for every rule due (their keys share a hash slot),
@@ -224,8 +209,8 @@ pub async fn run(
 impl Figures for Adapter {
     fn render(&self, out: &mut String) {
         let (native, envoy) = (self.rules.load(), self.envoy.as_ref().map(|e| e.load()));
-        let served = named(&native, envoy.as_deref());
-        let labels = |name: &str| match name.strip_prefix(ENVOY_PREFIX) {
+        let served = adaptive_limits(&native, envoy.as_deref());
+        let labels = |name: &str| match name.strip_prefix(ENVOY_ADAPTIVE_PREFIX) {
             Some(key) => format!("kind=\"envoy\",rule=\"{}\"", escape(key)),
             None => format!("kind=\"native\",rule=\"{name}\""),
         };

@@ -15,7 +15,7 @@ use super::{RolloutError, topic};
 use crate::{
     clock::{Clock, SystemClock},
     folded::Folded,
-    rules::{Feed, RuleStore},
+    rules::{Feed, Hot, RuleStore, adaptive_limits, envoy::EnvoyConfig},
 };
 
 /// The schema of a status report.
@@ -46,19 +46,20 @@ pub struct StatusReport {
     /// a signature that does not verify, rules that do not compile).
     #[serde(default)]
     pub last_refusal: Option<String>,
-    /// The limit in force of each adaptive rule, by rule id (the same on
-    /// every instance sharing a store, give or take an interval).
+    /// The limit in force of each adaptive limit, by name (a rule id, or
+    /// `envoy:` and an Envoy limit's full key); the same on every instance
+    /// sharing a store, give or take an interval.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub adaptive: BTreeMap<String, u64>,
 }
 
-/// The report of what `feed` serves now.
-pub fn report(instance: &str, feed: &Feed, native: &RuleStore) -> StatusReport {
+/// The report of what `feed` serves now (the rule sets `native` and `envoy`).
+pub fn report(instance: &str, feed: &Feed, native: &RuleStore, envoy: &Hot<EnvoyConfig>) -> StatusReport {
     let served = feed.served();
-    let native = native.load();
-    let adaptive = native
-        .adaptive_rules()
-        .filter_map(|r| Some((r.id.to_string(), r.adaptive.as_deref()?.current())))
+    let (native, envoy) = (native.load(), envoy.load());
+    let adaptive = adaptive_limits(&native, Some(&envoy))
+        .into_iter()
+        .map(|(name, limit)| (name.to_string(), limit.current()))
         .collect();
     StatusReport {
         schema: STATUS_SCHEMA.to_owned(),
@@ -85,6 +86,7 @@ pub async fn run_reporter(
     instance: String,
     feed: Arc<Feed>,
     native: Arc<RuleStore>,
+    envoy: Arc<Hot<EnvoyConfig>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let brokers = kafka.brokers.clone().unwrap_or_default();
@@ -105,7 +107,7 @@ pub async fn run_reporter(
             () = feed.changed() => {}
             _ = stop.changed() => break,
         }
-        let payload = serde_json::to_vec(&report(&instance, &feed, &native)).unwrap_or_default();
+        let payload = serde_json::to_vec(&report(&instance, &feed, &native, &envoy)).unwrap_or_default();
         // A broker that is away must not hold up shutdown.
         let produced = tokio::select! {
             produced = topic::produce(&producer, &kafka.status_topic, &instance, Some(&payload)) => produced,

@@ -148,3 +148,22 @@ impl fmt::Display for RuleErrors {
 }
 
 impl std::error::Error for RuleErrors {}
+
+/// The prefix of an Envoy limit's name among the adaptive limits (no rule
+/// id has a `:`, so no name is both).
+pub const ENVOY_ADAPTIVE_PREFIX: &str = "envoy:";
+
+/// Every adaptive limit served, by name: a native rule's id, or
+/// [`ENVOY_ADAPTIVE_PREFIX`] and an Envoy limit's full key; natives first,
+/// each kind in its set's order.
+pub fn adaptive_limits<'a>(
+    native: &'a Snapshot,
+    envoy: Option<&'a envoy::EnvoyConfig>,
+) -> Vec<(std::sync::Arc<str>, &'a crate::limiter::adaptive::AdaptiveLimit)> {
+    let rules =
+        native.adaptive_rules().filter_map(|r| Some((std::sync::Arc::clone(&r.id), r.adaptive.as_deref()?)));
+    let limits = envoy.into_iter().flat_map(envoy::EnvoyConfig::adaptive_limits).filter_map(|l| {
+        Some((std::sync::Arc::from(format!("{ENVOY_ADAPTIVE_PREFIX}{}", l.full_key)), l.adaptive.as_deref()?))
+    });
+    rules.chain(limits).collect()
+}

@@ -175,7 +175,15 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
     tasks.spawn(subscribe::run(subscription, stop));
     let stop = tasks.stopper();
     let instance = format!("{}@{}", config.dlq.instance(), config.grpc_addr().port());
-    tasks.spawn(status::run_reporter(kafka.clone(), instance, Arc::clone(&feed), Arc::clone(&native), stop));
+    let reporter = status::run_reporter(
+        kafka.clone(),
+        instance,
+        Arc::clone(&feed),
+        Arc::clone(&native),
+        Arc::clone(&envoy),
+        stop,
+    );
+    tasks.spawn(reporter);
     Rules {
         native,
         native_source: format!("kafka topic {}", kafka.topic),
