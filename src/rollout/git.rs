@@ -1,11 +1,15 @@
-//! `rules sync`'s reading of a Git repository: the files of some paths as
-//! one commit holds them (not the work tree), written out under a fresh
-//! directory with their repository paths, and who made the commit. Works
-//! on a work tree and on a bare repository alike; runs the `git` command.
+//! The rules' Git repository: `rules sync`'s reading of the files of some
+//! paths as one commit holds them (not the work tree), written out under a
+//! fresh directory with their repository paths, and who made the commit;
+//! and the console's writing of a change or a revert as a commit on a
+//! branch, made without a work tree (a temporary index, `commit-tree`) and
+//! moved onto the branch only if nobody moved it meanwhile. Works on a
+//! work tree and on a bare repository alike (a branch written here is best
+//! not checked out anywhere: a work tree does not follow); runs `git`.
 
 use std::{
     path::{Component, Path},
-    process::Command,
+    process::{Command, Stdio},
 };
 
 use super::RolloutError;
@@ -19,25 +23,168 @@ pub struct Commit {
     pub author: String,
 }
 
+/// Who makes a commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Author {
+    /// The name.
+    pub name: String,
+    /// The e-mail address.
+    pub email: String,
+}
+
+/// One file of a change: its path in the repository and its new content,
+/// `None` to delete it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    /// Relative to the repository's root.
+    pub path: String,
+    /// The new content; `None`: the file is deleted.
+    pub content: Option<Vec<u8>>,
+}
+
 /// Runs `git -C repo args…`: its standard output, or an error naming the
 /// repository and what git said.
 fn git(repo: &Path, args: &[&str]) -> Result<Vec<u8>, RolloutError> {
-    let out = Command::new("git")
+    git_with(repo, args, &[], None)
+}
+
+/// [`git`] with `env` set and `stdin` written to it.
+fn git_with(
+    repo: &Path,
+    args: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+    stdin: Option<&[u8]>,
+) -> Result<Vec<u8>, RolloutError> {
+    use std::io::Write as _;
+    let spawned = Command::new("git")
         .arg("-C")
         .arg(repo)
         .args(args)
-        .output()
-        .map_err(|e| RolloutError::Git(format!("cannot run git: {e}")))?;
+        .envs(env.iter().copied())
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = spawned.map_err(|e| RolloutError::Git(format!("cannot run git: {e}")))?;
+    if let (Some(bytes), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(bytes).map_err(|e| RolloutError::Git(format!("git {}: {e}", args.join(" "))))?;
+    }
+    let out = child.wait_with_output().map_err(|e| RolloutError::Git(format!("cannot run git: {e}")))?;
     if !out.status.success() {
         let said = String::from_utf8_lossy(&out.stderr);
-        return Err(RolloutError::Git(format!(
-            "{}: git {}: {}",
-            repo.display(),
-            args.join(" "),
-            said.trim()
-        )));
+        let said = if said.trim().is_empty() { String::from_utf8_lossy(&out.stdout) } else { said };
+        let what = format!("{}: git {}: {}", repo.display(), args.join(" "), said.trim());
+        return Err(RolloutError::Git(what));
     }
     Ok(out.stdout)
+}
+
+/// The first line of a git answer.
+fn line(out: &[u8]) -> String {
+    String::from_utf8_lossy(out).lines().next().unwrap_or_default().trim().to_owned()
+}
+
+/// Whether `path` names a place inside a repository.
+fn inside(path: &Path) -> bool {
+    !path.as_os_str().is_empty() && path.components().all(|c| matches!(c, Component::Normal(_)))
+}
+
+/// Commits `changes` on `branch` of `repo` as `author` with `message`,
+/// on top of `expected` (the branch's head the change was reviewed
+/// against; `None`: the branch has no commit yet). The branch moves only
+/// if it is still at `expected`: a change made meanwhile by anyone is never
+/// overwritten (the error says so; review again). A change that changes
+/// nothing is refused.
+pub fn commit(
+    repo: &Path,
+    branch: &str,
+    expected: Option<&str>,
+    changes: &[Change],
+    author: &Author,
+    message: &str,
+) -> Result<Commit, RolloutError> {
+    let index_dir = tempfile::tempdir().map_err(|e| RolloutError::Git(format!("a temporary index: {e}")))?;
+    let index = index_dir.path().join("index");
+    let env = [("GIT_INDEX_FILE", index.as_os_str())];
+    if let Some(head) = expected {
+        git_with(repo, &["read-tree", head], &env, None)?;
+    }
+    for change in changes {
+        if !inside(Path::new(&change.path)) {
+            return Err(RolloutError::Git(format!("{}: give a path inside the repository", change.path)));
+        }
+        // One index entry per file (mode 0: removed); `--index-info` needs no work tree.
+        let entry = match &change.content {
+            Some(content) => {
+                let blob = line(&git_with(repo, &["hash-object", "-w", "--stdin"], &env, Some(content))?);
+                format!("100644 {blob}\t{}\0", change.path)
+            }
+            None => format!("0 {}\t{}\0", "0".repeat(40), change.path),
+        };
+        git_with(repo, &["update-index", "-z", "--index-info"], &env, Some(entry.as_bytes()))?;
+    }
+    let tree = line(&git_with(repo, &["write-tree"], &env, None)?);
+    if let Some(head) = expected
+        && line(&git(repo, &["rev-parse", &format!("{head}^{{tree}}")])?) == tree
+    {
+        return Err(RolloutError::Git(format!("the change changes nothing in {head}")));
+    }
+    record(repo, branch, expected, &tree, author, message)
+}
+
+/// Reverts `target` on `branch` of `repo` (at `expected`): a new commit
+/// whose files are the branch's with `target`'s change undone, as `author`
+/// with `message`. Refused when a later change touched the same lines, or
+/// when `target` has no parent.
+pub fn revert(
+    repo: &Path,
+    branch: &str,
+    expected: &str,
+    target: &str,
+    author: &Author,
+    message: &str,
+) -> Result<Commit, RolloutError> {
+    let parent = git(repo, &["rev-parse", "--verify", "--quiet", &format!("{target}^")])
+        .map_err(|_| RolloutError::Git(format!("{target} has no parent to revert to")))?;
+    let base = format!("--merge-base={target}");
+    let merged = git(repo, &["merge-tree", "--write-tree", "--name-only", &base, expected, &line(&parent)])
+        .map_err(|e| {
+        RolloutError::Git(format!("reverting {target} conflicts with a later change: {e}"))
+    })?;
+    record(repo, branch, Some(expected), &line(&merged), author, message)
+}
+
+/// Makes the commit of `tree` on top of `expected` and moves `branch` to
+/// it, only from `expected`.
+fn record(
+    repo: &Path,
+    branch: &str,
+    expected: Option<&str>,
+    tree: &str,
+    author: &Author,
+    message: &str,
+) -> Result<Commit, RolloutError> {
+    let (name, email) = (std::ffi::OsStr::new(&author.name), std::ffi::OsStr::new(&author.email));
+    let env = [
+        ("GIT_AUTHOR_NAME", name),
+        ("GIT_AUTHOR_EMAIL", email),
+        ("GIT_COMMITTER_NAME", name),
+        ("GIT_COMMITTER_EMAIL", email),
+    ];
+    let mut args = vec!["commit-tree", tree, "-F", "-"];
+    if let Some(head) = expected {
+        args.extend(["-p", head]);
+    }
+    let id = line(&git_with(repo, &args, &env, Some(message.as_bytes()))?);
+    let reference = format!("refs/heads/{branch}");
+    // The branch must still be where the change was made (all zeros: it
+    // must not exist yet).
+    let old = expected.map_or_else(|| "0".repeat(40), str::to_owned);
+    git(repo, &["update-ref", "-m", message, &reference, &id, &old]).map_err(|_| {
+        let since = &old[..old.len().min(10)];
+        RolloutError::Git(format!("{branch} moved since {since}: nothing committed; review the change again"))
+    })?;
+    Ok(Commit { id, author: format!("{} <{}>", author.name, author.email) })
 }
 
 /// Writes the files under `paths` (each a file or a directory, relative to
@@ -47,12 +194,10 @@ fn git(repo: &Path, args: &[&str]) -> Result<Vec<u8>, RolloutError> {
 /// files is an error naming it.
 pub fn export(repo: &Path, rev: &str, paths: &[&Path], into: &Path) -> Result<Commit, RolloutError> {
     let spec = format!("{rev}^{{commit}}");
-    let id =
-        String::from_utf8_lossy(&git(repo, &["rev-parse", "--verify", "--quiet", &spec])?).trim().to_owned();
-    let author =
-        String::from_utf8_lossy(&git(repo, &["log", "-1", "--format=%an <%ae>", &id])?).trim().to_owned();
+    let id = line(&git(repo, &["rev-parse", "--verify", "--quiet", &spec])?);
+    let author = line(&git(repo, &["log", "-1", "--format=%an <%ae>", &id])?);
     for path in paths {
-        if path.is_absolute() || path.components().any(|c| matches!(c, Component::ParentDir)) {
+        if !inside(path) {
             return Err(RolloutError::Git(format!("{}: give a path inside the repository", path.display())));
         }
         let listing = git(repo, &["ls-tree", "-r", "-z", "--full-tree", &id, "--", &path.to_string_lossy()])?;
@@ -87,4 +232,112 @@ pub fn export(repo: &Path, rev: &str, paths: &[&Path], into: &Path) -> Result<Co
 
 fn write_error(path: &Path, e: &std::io::Error) -> RolloutError {
     RolloutError::Git(format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ada() -> Author {
+        Author { name: "Ada Lovelace".to_owned(), email: "ada@example.com".to_owned() }
+    }
+
+    fn put(path: &str, text: &str) -> Change {
+        Change { path: path.to_owned(), content: Some(text.as_bytes().to_vec()) }
+    }
+
+    fn show(repo: &Path, what: &str) -> String {
+        String::from_utf8(git(repo, &["show", what]).unwrap()).unwrap()
+    }
+
+    fn bare() -> tempfile::TempDir {
+        let repo = tempfile::tempdir().unwrap();
+        git(repo.path(), &["init", "-q", "--bare"]).unwrap();
+        repo
+    }
+
+    #[test]
+    fn a_change_is_a_commit_by_its_author_only_on_the_head_it_was_made_on() {
+        let repo = bare();
+        let first =
+            commit(repo.path(), "main", None, &[put("rules/a.yaml", "a: 1\n")], &ada(), "first").unwrap();
+        assert_eq!(first.author, "Ada Lovelace <ada@example.com>");
+        let second = commit(
+            repo.path(),
+            "main",
+            Some(&first.id),
+            &[put("rules/a.yaml", "a: 2\n"), put("rules/b.yaml", "b\n")],
+            &ada(),
+            "search: 20/s\n\nReviewed against capture 11-24.",
+        )
+        .unwrap();
+        assert_eq!(show(repo.path(), "main:rules/a.yaml"), "a: 2\n");
+        assert_eq!(show(repo.path(), "main:rules/b.yaml"), "b\n");
+        let log = line(&git(repo.path(), &["log", "-1", "--format=%an <%ae>|%cn|%s|%b", "main"]).unwrap());
+        assert_eq!(
+            log,
+            "Ada Lovelace <ada@example.com>|Ada Lovelace|search: 20/s|Reviewed against capture 11-24."
+        );
+
+        let stale =
+            commit(repo.path(), "main", Some(&first.id), &[put("rules/a.yaml", "a: 3\n")], &ada(), "late");
+        let e = stale.unwrap_err().to_string();
+        assert!(e.contains("main moved since") && e.contains("nothing committed"), "{e}");
+        assert_eq!(show(repo.path(), "main:rules/a.yaml"), "a: 2\n", "nobody's change overwritten");
+
+        let same =
+            commit(repo.path(), "main", Some(&second.id), &[put("rules/a.yaml", "a: 2\n")], &ada(), "again");
+        assert!(same.unwrap_err().to_string().contains("changes nothing"));
+        let outside = commit(repo.path(), "main", Some(&second.id), &[put("../x", "x")], &ada(), "x");
+        assert!(outside.unwrap_err().to_string().contains("inside the repository"));
+
+        let gone = Change { path: "rules/b.yaml".to_owned(), content: None };
+        let third = commit(repo.path(), "main", Some(&second.id), &[gone], &ada(), "drop b").unwrap();
+        assert!(git(repo.path(), &["show", "main:rules/b.yaml"]).is_err(), "deleted");
+
+        // What sync reads is what was committed.
+        let out = tempfile::tempdir().unwrap();
+        let read = export(repo.path(), "main", &[Path::new("rules")], out.path()).unwrap();
+        assert_eq!(read.id, third.id);
+        assert_eq!(std::fs::read_to_string(out.path().join("rules/a.yaml")).unwrap(), "a: 2\n");
+    }
+
+    #[test]
+    fn a_revert_undoes_one_commit_under_later_ones_or_refuses_a_conflict() {
+        let repo = bare();
+        let one = commit(
+            repo.path(),
+            "main",
+            None,
+            &[put("a.yaml", "a: 1\n"), put("b.yaml", "b: 1\n")],
+            &ada(),
+            "one",
+        )
+        .unwrap();
+        let two =
+            commit(repo.path(), "main", Some(&one.id), &[put("a.yaml", "a: 2\n")], &ada(), "two").unwrap();
+        let three =
+            commit(repo.path(), "main", Some(&two.id), &[put("b.yaml", "b: 3\n")], &ada(), "three").unwrap();
+        let undone = revert(repo.path(), "main", &three.id, &two.id, &ada(), "Revert two").unwrap();
+        assert_eq!(show(repo.path(), "main:a.yaml"), "a: 1\n", "two's change undone");
+        assert_eq!(show(repo.path(), "main:b.yaml"), "b: 3\n", "three's kept");
+        assert_eq!(
+            line(&git(repo.path(), &["rev-parse", "main^"]).unwrap()),
+            three.id,
+            "on top, history kept"
+        );
+
+        let four = commit(repo.path(), "main", Some(&undone.id), &[put("b.yaml", "b: 4\n")], &ada(), "four")
+            .unwrap();
+        let conflict = revert(repo.path(), "main", &four.id, &three.id, &ada(), "Revert three").unwrap_err();
+        assert!(conflict.to_string().contains("conflicts with a later change"), "{conflict}");
+        assert!(
+            revert(repo.path(), "main", &four.id, &one.id, &ada(), "x")
+                .unwrap_err()
+                .to_string()
+                .contains("no parent")
+        );
+        let stale = revert(repo.path(), "main", &three.id, &four.id, &ada(), "x").unwrap_err();
+        assert!(stale.to_string().contains("moved since"), "{stale}");
+    }
 }
