@@ -101,7 +101,8 @@ impl Adapter {
             };
             next = Some(next.map_or(at, |n| n.min(at)));
         }
-        done.retain(|id, _| served.iter().any(|(name, _)| name == id));
+        let names: std::collections::HashSet<&Arc<str>> = served.iter().map(|(name, _)| name).collect();
+        done.retain(|id, _| names.contains(id));
         if due.is_empty() {
             return (next, Ok(()));
         }
