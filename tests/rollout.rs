@@ -859,6 +859,12 @@ async fn sync_publishes_the_repositorys_commit_once() {
         "named by its path in the repository: {}",
         text(&broken)
     );
+    let dotted = sync(&["./rules"]);
+    assert!(
+        text(&dotted).contains("rules/broken.yaml: rule \"b\""),
+        "./rules is the repository's rules: {}",
+        text(&dotted)
+    );
     let outside = sync(&["../etc"]);
     assert!(text(&outside).contains("give a path inside the repository"), "{}", text(&outside));
 
