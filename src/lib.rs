@@ -9,7 +9,7 @@
 //! - [`rules`]: rule model, YAML loader, compiler, immutable [`rules::Snapshot`],
 //!   hot-swapping [`rules::RuleStore`].
 //! - [`shed`]: utilization sampler and the priority shedding policy.
-//! - [`adaptive`]: the exchange that moves adaptive limits from reported
+//! - [`adapter`]: the exchange that moves adaptive limits from reported
 //!   outcomes, shared by every instance through the store.
 //! - [`overload`]: the probabilistic drop in front of exact counting (global
 //!   rates per rule and tenant) and its feed.
@@ -30,7 +30,7 @@
 #![forbid(unsafe_code)]
 
 pub mod accept;
-pub mod adaptive;
+pub mod adapter;
 pub mod api;
 pub mod budget;
 pub mod capture;

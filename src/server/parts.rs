@@ -12,7 +12,7 @@ use super::ServerError;
 use super::health::{Health, publish, run_monitor, serve_http};
 use crate::rules::XdsState;
 use crate::{
-    adaptive::{self, Adapter},
+    adapter::{self, Adapter},
     budget::Budget,
     capture::{self, Capture, CaptureCounters},
     clock::MonotonicClock,
@@ -568,12 +568,12 @@ pub(crate) fn overload(
 /// `adaptive.interval_ms`): through Redis, or in-process with the memory store.
 pub(crate) fn adaptive(rules: &Rules, store: &Store, tasks: &mut Tasks) -> Arc<Adapter> {
     let exchange = match store {
-        Store::Memory(_) => adaptive::Exchange::Local(std::sync::Mutex::default()),
-        Store::Redis(redis) => adaptive::Exchange::Redis(Arc::clone(redis)),
+        Store::Memory(_) => adapter::Exchange::Local(std::sync::Mutex::default()),
+        Store::Redis(redis) => adapter::Exchange::Redis(Arc::clone(redis)),
     };
     let adapter = Arc::new(Adapter::new(Arc::clone(&rules.native), rules.envoy.clone()));
     let stop = tasks.stopper();
-    tasks.spawn(adaptive::run(Arc::clone(&adapter), exchange, Arc::new(SystemClock), stop));
+    tasks.spawn(adapter::run(Arc::clone(&adapter), exchange, Arc::new(SystemClock), stop));
     adapter
 }
 
