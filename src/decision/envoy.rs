@@ -587,6 +587,14 @@ impl Engine {
             .descriptors
             .iter()
             .map(|d| {
+                if let Some((outcome, n)) = reported(d) {
+                    // Reported to the limit its other entries find; nothing counted.
+                    let found = config.as_ref()?.lookup(request.domain, d.entries().take(n - 1));
+                    if let Some(limit) = found.as_ref().and_then(|f| f.limit.adaptive.as_deref()) {
+                        limit.record(outcome, None, hits_of(request, d).max(1));
+                    }
+                    return None;
+                }
                 let requested = match d.limit() {
                     Some(limit) if honoured() => Some(limit),
                     Some(_) => {
@@ -597,18 +605,6 @@ impl Engine {
                     }
                     None => None,
                 };
-                if let Some((outcome, n)) = reported(d) {
-                    // Reported to the limit its other entries find; nothing counted.
-                    let found = config.as_ref()?.lookup(request.domain, d.entries().take(n - 1));
-                    if let Some(limit) = found.as_ref().and_then(|f| f.limit.adaptive.as_deref()) {
-                        limit.record(
-                            outcome,
-                            None,
-                            d.hits_addend().unwrap_or(u64::from(request.hits_addend)).max(1),
-                        );
-                    }
-                    return None;
-                }
                 match requested {
                     Some(requested) => Some(self.requested_limit(request.domain, d, requested)),
                     None => config.as_ref()?.lookup(request.domain, d.entries()),
