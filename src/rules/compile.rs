@@ -7,7 +7,9 @@ use std::{collections::HashMap, path::Path, sync::Arc};
 
 use super::{
     RuleError,
-    model::{ADAPTIVE_INTERVAL_MS, AdaptiveSpec, AlsoLimit, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, Rule},
+    model::{
+        ADAPTIVE_INTERVAL_MS, AdaptiveSpec, AlsoLimit, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, Rule, capacity,
+    },
     native::{RawLimit, RawRule, SourcedRule},
     snapshot::{PathForm, PathKey, Snapshot},
 };
@@ -233,9 +235,9 @@ fn limit_window(raw: &RawLimit) -> Result<(u64, u64), (&'static str, String)> {
         return Err(("burst_capacity", format!("must be a number >= 1, got {}", raw.burst_capacity)));
     }
     let window_ms = raw.window_seconds.checked_mul(1_000);
-    // limit * burst in f64 is exact for the magnitudes the bound below admits.
-    let capacity = (raw.limit as f64 * raw.burst_capacity).floor();
-    let within_bound = window_ms.is_some_and(|w| capacity <= (MAX_CAPACITY_TIMES_WINDOW / w) as f64);
+    // Exact for the magnitudes the bound below admits; a larger one fails it.
+    let capacity = capacity(raw.limit, raw.burst_capacity);
+    let within_bound = window_ms.is_some_and(|w| capacity <= MAX_CAPACITY_TIMES_WINDOW / w);
     if !within_bound {
         return Err((
             "limit",
@@ -245,8 +247,7 @@ fn limit_window(raw: &RawLimit) -> Result<(u64, u64), (&'static str, String)> {
             ),
         ));
     }
-    // `capacity` is an integer-valued f64 below 2^53 here: the cast is exact.
-    Ok((capacity as u64, window_ms.unwrap_or(u64::MAX)))
+    Ok((capacity, window_ms.unwrap_or(u64::MAX)))
 }
 
 /// The rule's `also` limits, checked; an error names the field
