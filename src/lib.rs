@@ -45,6 +45,7 @@ pub mod kafka;
 pub mod limiter;
 pub mod migrate;
 pub mod overload;
+pub mod release;
 pub mod replay;
 pub mod rollout;
 pub mod rules;

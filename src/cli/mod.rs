@@ -650,58 +650,16 @@ fn rule_errors(flag: &str, errors: &crate::rules::RuleErrors) -> ExitCode {
     ExitCode::from(1)
 }
 
-/// The rules of `record`, compiled as this configuration compiles them
-/// (no Envoy configuration when it has none); an error says it of `what`.
-fn rules_of(
-    config: &Config,
-    record: &crate::rules::encoding::SnapshotRecord,
-    what: &str,
-) -> Result<crate::replay::Rules, ExitCode> {
-    let compiled = record.compile(config.envoy.compile(), config.rules.path_matching).map_err(|e| {
-        eprintln!("{what}: {e}");
-        ExitCode::from(1)
-    })?;
-    Ok(crate::replay::Rules {
-        native: compiled.native,
-        envoy: record.envoy.is_some().then_some(compiled.envoy),
-    })
-}
-
-/// The rules in force: `in_force` (a record from the rules topic), else,
-/// with `rules.source: kafka`, the record in force on the topic, else
-/// `rules.path` (or the embedded rules) and `rules.envoy_path`.
+/// The rules in force (see [`crate::release::rules_in_force`]); a
+/// problem printed (exit 1).
 fn current_rules(
     config: &Config,
     in_force: Option<&crate::rules::encoding::SnapshotRecord>,
 ) -> Result<crate::replay::Rules, ExitCode> {
-    let from_record =
-        |record: &crate::rules::encoding::SnapshotRecord| rules_of(config, record, "the rules in force");
-    if let Some(record) = in_force {
-        return from_record(record);
-    }
-    if config.rules.source == crate::config::RulesSource::Kafka {
-        let history = crate::rollout::publish::history(&config.rules.kafka, &rules::trust(config, None))
-            .map_err(|e| {
-                eprintln!("the rules in force: {e}");
-                ExitCode::from(1)
-            })?;
-        if let Some(record) = crate::rollout::publish::current(&history) {
-            return from_record(record);
-        }
-    }
-    let loaded = match &config.rules.path {
-        Some(path) => crate::rules::load(path, config.rules.path_matching),
-        None => crate::rules::embedded(config.rules.path_matching),
-    };
-    let native = loaded.map_err(|e| rule_errors("the rules in force", &e))?;
-    let envoy = match &config.rules.envoy_path {
-        Some(path) => Some(
-            crate::rules::envoy::load(path, config.envoy.compile())
-                .map_err(|e| rule_errors("the Envoy configuration in force", &e))?,
-        ),
-        None => None,
-    };
-    Ok(crate::replay::Rules { native, envoy })
+    crate::release::rules_in_force(config, in_force, &rules::trust(config, None)).map_err(|e| {
+        eprintln!("{e}");
+        ExitCode::from(1)
+    })
 }
 
 /// Runs `rules diff`: 0 printed (changes or none), 1 rules or the capture
@@ -871,11 +829,7 @@ fn run_replay(
         &capture,
         current,
         candidate,
-        &crate::replay::Settings {
-            max_user_id_bytes: config.limits.max_user_id_bytes,
-            envoy: config.envoy.policy(),
-            thresholds,
-        },
+        &crate::release::replay_settings(config, thresholds),
     );
     let _ = std::io::stdout().write_all(report.table().as_bytes());
     if let Some(path) = json {
@@ -886,24 +840,4 @@ fn run_replay(
         }
     }
     Ok(report)
-}
-
-/// The publish gate: replays `capture` through the rules in force (the
-/// record `in_force`, else the configured rules) and `candidate`.
-pub(crate) fn gate(
-    config: &Config,
-    in_force: Option<&crate::rules::encoding::SnapshotRecord>,
-    candidate: &crate::rollout::publish::Candidate,
-    capture: &std::path::Path,
-    thresholds: crate::rules::gate::GateThresholds,
-) -> Result<crate::replay::Report, ExitCode> {
-    let current = current_rules(config, in_force)?;
-    let record =
-        crate::rollout::publish::record(candidate, None, crate::rules::encoding::Provenance::default());
-    let candidate = rules_of(config, &record, "the candidate")?;
-    let source = capture.to_str().ok_or_else(|| {
-        eprintln!("--gate {}: not a UTF-8 path", capture.display());
-        ExitCode::from(EXIT_USAGE)
-    })?;
-    run_replay(config, source, current, candidate, thresholds, None)
 }

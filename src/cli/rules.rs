@@ -11,6 +11,7 @@ use super::{EXIT_USAGE, PublishArgs, SigningArgs, SyncArgs};
 use crate::{
     clock::{Clock, SystemClock},
     config::Config,
+    release::{self, GateRun, ReleaseError, Released},
     rollout::{
         RolloutError, git,
         publish::{self, Entry},
@@ -204,48 +205,26 @@ async fn publish_from(args: PublishArgs, config: &Config, synced: Option<(&Path,
         Ok(candidate) => candidate,
         Err(code) => return code,
     };
-    let history = match blocking(kafka.clone(), move |k| publish::history(&k, &trust)).await {
-        Ok(history) => history,
-        Err(e) => return failed("rules publish", &e),
-    };
-    let current = publish::current(&history);
-    let version = candidate.version();
-    if current.is_some_and(|c| c.version == version) {
-        let _ = writeln!(std::io::stdout(), "{version}: already in force; nothing published");
-        return ExitCode::SUCCESS;
-    }
     let mut provenance = publish::provenance(&candidate.paths);
     if let Some((_, commit)) = synced {
         (provenance.git_commit, provenance.git_author) = (Some(commit.id), Some(commit.author));
         provenance.git_dirty = Some(false);
     }
-    let mut record = publish::record(&candidate, current, provenance);
-    if let Some(capture) = &args.gate {
-        // Replay runs engines on runtimes of its own: off this one.
-        let (config, current, candidate, capture) =
-            (config.clone(), current.cloned(), candidate.clone(), capture.clone());
-        let gated = tokio::task::spawn_blocking(move || {
-            super::gate(&config, current.as_ref(), &candidate, &capture, thresholds)
-        })
-        .await
-        .unwrap_or(Err(ExitCode::FAILURE));
-        match gated {
-            Ok(report) if report.gate.passed => {
-                let at = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
-                record.gate = Some(report.gate_report(&version, at));
-            }
-            Ok(_) => {
-                eprintln!("rules publish: the candidate fails the gate; nothing published");
-                return ExitCode::from(1);
-            }
-            Err(code) => return code,
+    let gate = args.gate.as_deref().map(|capture| GateRun { capture, thresholds });
+    match release::publish(config, &candidate, provenance, gate, signer.as_ref(), trust).await {
+        Ok(Released::InForce { version }) => {
+            let _ = writeln!(std::io::stdout(), "{version}: already in force; nothing published");
+            ExitCode::SUCCESS
         }
-    }
-    match publish::publish(kafka, &record, signer.as_ref()).await {
-        Ok(offset) => {
+        Ok(Released::Published { record, offset, report }) => {
+            let mut out = std::io::stdout().lock();
+            if let Some(report) = report {
+                let _ = out.write_all(report.table().as_bytes());
+            }
             let _ = writeln!(
-                std::io::stdout(),
-                "published {version} at offset {offset} of {} (previous {}; commit {}{})",
+                out,
+                "published {} at offset {offset} of {} (previous {}; commit {}{})",
+                record.version,
                 kafka.topic,
                 record.previous.as_deref().unwrap_or("none"),
                 record.provenance.git_commit.as_deref().unwrap_or("none"),
@@ -253,7 +232,16 @@ async fn publish_from(args: PublishArgs, config: &Config, synced: Option<(&Path,
             );
             ExitCode::SUCCESS
         }
-        Err(e) => failed("rules publish", &e),
+        Err(ReleaseError::GateFailed(report)) => {
+            let _ = std::io::stdout().write_all(report.table().as_bytes());
+            eprintln!("rules publish: the candidate fails the gate; nothing published");
+            ExitCode::from(1)
+        }
+        Err(ReleaseError::Rollout(e)) => failed("rules publish", &e),
+        Err(e @ ReleaseError::Rules(_)) => {
+            eprintln!("rules publish: {e}");
+            ExitCode::from(1)
+        }
     }
 }
 
