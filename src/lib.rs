@@ -37,6 +37,7 @@ pub mod capture;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod console;
 pub mod decision;
 pub mod dlq;
 pub mod folded;

@@ -46,6 +46,10 @@ fn main() -> ExitCode {
             Err(code) => code,
         },
         Command::Probe { addr, path } => cli::probe(&addr, &path),
+        Command::Admin(args) => match load_config(cli.config.as_deref()) {
+            Ok(config) => admin(&args, config),
+            Err(code) => code,
+        },
         Command::Overload { mode } => match load_config(cli.config.as_deref()) {
             Ok(config) => {
                 runtime().map_or_else(report, |rt| rt.block_on(cli::overload_mode(mode.as_deref(), &config)))
@@ -75,6 +79,17 @@ fn rules(command: RulesCommand, config: &Config) -> ExitCode {
         RulesCommand::History => cli::history(config),
         RulesCommand::Status => cli::status(config),
     }
+}
+
+/// Runs the admin console with the service's logging until SIGTERM or SIGINT.
+fn admin(args: &cli::AdminArgs, config: Config) -> ExitCode {
+    let run = runtime().and_then(|rt| {
+        let tracing = rt.block_on(async { telemetry::traces::init(&config.log, &config.telemetry) })?;
+        let code = rt.block_on(cli::admin(args, config, signal::shutdown()));
+        drop(tracing);
+        Ok(code)
+    });
+    run.unwrap_or_else(report)
 }
 
 /// Loads and validates the configuration; on error prints it and returns exit 64.

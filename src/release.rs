@@ -67,10 +67,26 @@ pub struct GateRun<'a> {
     pub thresholds: GateThresholds,
 }
 
+/// A record ready to produce, or nothing to do.
+#[derive(Debug)]
+pub enum Prepared {
+    /// The candidate's version is already in force.
+    InForce {
+        /// The version.
+        version: String,
+    },
+    /// The record, gated when a gate was asked for.
+    Ready {
+        /// The record (its provenance may still be completed).
+        record: Box<SnapshotRecord>,
+        /// The gate's report.
+        report: Option<Box<Report>>,
+    },
+}
+
 /// Publishes `candidate` with `provenance`: nothing when its version is in
 /// force; else, with `gate`, only when it passes (the record carries the
 /// report); signed by `signer`. The topic's history is read with `trust`.
-/// Blocking reads and the replay run off the runtime's workers.
 pub async fn publish(
     config: &Config,
     candidate: &Candidate,
@@ -79,6 +95,26 @@ pub async fn publish(
     signer: Option<&Signer>,
     trust: Trust,
 ) -> Result<Released, ReleaseError> {
+    match prepare(config, candidate, provenance, gate, trust).await? {
+        Prepared::InForce { version } => Ok(Released::InForce { version }),
+        Prepared::Ready { record, report } => {
+            let offset = publish::publish(&config.rules.kafka, &record, signer).await?;
+            Ok(Released::Published { record, offset, report })
+        }
+    }
+}
+
+/// [`publish`] up to the record: the history read, the version in force
+/// compared, the gate run. Blocking reads and the replay run off the
+/// runtime's workers. The console commits between this and producing, so
+/// that a change failing the gate never reaches the repository.
+pub async fn prepare(
+    config: &Config,
+    candidate: &Candidate,
+    provenance: Provenance,
+    gate: Option<GateRun<'_>>,
+    trust: Trust,
+) -> Result<Prepared, ReleaseError> {
     let (kafka, reader_trust) = (config.rules.kafka.clone(), trust.clone());
     let history = tokio::task::spawn_blocking(move || publish::history(&kafka, &reader_trust))
         .await
@@ -86,7 +122,7 @@ pub async fn publish(
     let current = publish::current(&history);
     let version = candidate.version();
     if current.is_some_and(|c| c.version == version) {
-        return Ok(Released::InForce { version });
+        return Ok(Prepared::InForce { version });
     }
     let mut record = publish::record(candidate, current, provenance);
     let mut report = None;
@@ -113,8 +149,7 @@ pub async fn publish(
         record.gate = Some(gated.gate_report(&version, at));
         report = Some(Box::new(gated));
     }
-    let offset = publish::publish(&config.rules.kafka, &record, signer).await?;
-    Ok(Released::Published { record: Box::new(record), offset, report })
+    Ok(Prepared::Ready { record: Box::new(record), report })
 }
 
 /// The publish gate: replays `capture` through the rules in force (the

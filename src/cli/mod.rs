@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 
 mod rules;
 
-pub use rules::{history, keygen, publish, rollback, status, sync};
+pub use rules::{admin, history, keygen, publish, rollback, status, sync};
 
 use crate::{
     api::client::{self, CallError, CheckCall},
@@ -63,6 +63,10 @@ pub enum Command {
         #[arg(value_parser = ["enforce", "shadow", "off", "clear"])]
         mode: Option<String>,
     },
+    /// Run the admin console (admin.*): edit rules in their Git repository,
+    /// review them against the rules in force and a capture, publish
+    /// through the rules topic (rules.kafka.*).
+    Admin(AdminArgs),
     /// GET a health endpoint of a running service; exit 0 on HTTP 200 (for container HEALTHCHECKs).
     Probe {
         /// host:port of the HTTP listener (http.listen).
@@ -72,6 +76,14 @@ pub enum Command {
         #[arg(long, default_value = "/healthz")]
         path: String,
     },
+}
+
+/// `ratelimitd admin …`
+#[derive(Debug, clap::Args)]
+pub struct AdminArgs {
+    /// How the console's publications are signed.
+    #[command(flatten)]
+    pub signing: SigningArgs,
 }
 
 /// `ratelimitd audit …`

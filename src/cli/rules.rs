@@ -245,6 +245,49 @@ async fn publish_from(args: PublishArgs, config: &Config, synced: Option<(&Path,
     }
 }
 
+/// Runs `ratelimitd admin` until `stop`: 0 after a clean stop, 64 for a
+/// configuration it cannot run with, 1 when it cannot start.
+pub async fn admin(
+    args: &super::AdminArgs,
+    config: Config,
+    stop: impl std::future::Future<Output = ()>,
+) -> ExitCode {
+    if config.rules.kafka.brokers.is_none() {
+        eprintln!("admin: rules.kafka.brokers is not set: the console publishes to the rules topic");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    let signer = match signer("admin", &args.signing, &config) {
+        Ok(signer) => signer,
+        Err(code) => return code,
+    };
+    let addr = config.admin.addr();
+    let console = match crate::console::Console::new(config, signer) {
+        Ok(console) => console,
+        Err(e @ crate::console::ConsoleError::Config(_)) => {
+            eprintln!("admin: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+        Err(e) => {
+            eprintln!("admin: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let listener = match tokio::net::TcpListener::bind(addr).await {
+        Ok(listener) => listener,
+        Err(e) => {
+            eprintln!("admin: admin.listen {addr}: cannot bind: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    tracing::info!(%addr, "admin console listening");
+    let (stopping, stopped) = tokio::sync::watch::channel(false);
+    let serving = tokio::spawn(crate::console::run(console, listener, stopped));
+    stop.await;
+    let _ = stopping.send(true);
+    let _ = serving.await;
+    ExitCode::SUCCESS
+}
+
 /// Runs `rules rollback VERSION`: publishes that earlier record again.
 pub async fn rollback(version: &str, signing: &SigningArgs, config: &Config) -> ExitCode {
     let kafka = &config.rules.kafka;
@@ -355,14 +398,13 @@ pub fn status(config: &Config) -> ExitCode {
     );
     let mut converged = true;
     for report in &reports {
-        let stale = now.saturating_sub(report.reported_ms) > stale_after;
-        let state = match (&report.version, in_force) {
-            _ if stale => "stale (no report for 3 intervals)",
-            (None, _) => "waiting for rules",
-            (Some(v), Some(f)) if *v == f.version => "current",
-            (Some(_), _) => "behind",
+        let standing = status::standing(report, in_force.map(|f| f.version.as_str()), now, stale_after);
+        let state = match standing {
+            "stale" => "stale (no report for 3 intervals)",
+            "waiting" => "waiting for rules",
+            other => other,
         };
-        if !stale && state != "current" {
+        if !matches!(standing, "stale" | "current") {
             converged = false;
         }
         let ago = |ms: Option<u64>| {

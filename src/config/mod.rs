@@ -56,6 +56,7 @@ pub use crate::{
         EnvoyAlgorithm, EnvoyFailureMode, EnvoyHeaderFormat, EnvoyHitsCounted, EnvoySettings, EnvoyZeroHits,
     },
     api::xds::XdsConfig,
+    console::ConsoleConfig,
     decision::TenantSource,
     limiter::settings::{RedisConfig, redact_url},
     rollout::RulesKafkaConfig,
@@ -125,6 +126,8 @@ pub struct Config {
     pub log: LogConfig,
     /// Trace export.
     pub telemetry: TelemetryConfig,
+    /// The admin console (`ratelimitd admin`).
+    pub admin: ConsoleConfig,
     /// envoyproxy/ratelimit variables that were set but not carried over
     /// (`RATELIMITD_COMPAT=envoyproxy`), logged once at start.
     #[serde(skip)]
@@ -161,6 +164,7 @@ impl Config {
             .set_default("dlq.file", path_value(&state.join("dlq.jsonl")))
             .and_then(|b| b.set_default("dlq.spool_dir", path_value(&state.join("spool"))))
             .and_then(|b| b.set_default("capture.file", path_value(&state.join("capture.jsonl"))))
+            .and_then(|b| b.set_default("admin.audit_log", path_value(&state.join("admin-audit.jsonl"))))
             .map_err(|e| ConfigError::Load(e.to_string()))?;
         if let Some(file) = file {
             if !file.is_file() {
@@ -208,6 +212,7 @@ impl Config {
         self.envoy.validate()?;
         self.log.validate()?;
         self.telemetry.validate()?;
+        self.admin.validate()?;
         self.kafka_built()
     }
 

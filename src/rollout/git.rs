@@ -32,6 +32,9 @@ pub struct Author {
     pub email: String,
 }
 
+/// Files by repository path, with their contents.
+pub type Files = Vec<(String, Vec<u8>)>;
+
 /// One file of a change: its path in the repository and its new content,
 /// `None` to delete it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,10 +106,18 @@ pub fn commit(
     author: &Author,
     message: &str,
 ) -> Result<Commit, RolloutError> {
+    let tree = tree_of(repo, expected, changes)?;
+    let reference = format!("refs/heads/{branch}");
+    record(repo, (&reference, branch), expected, expected, &tree, author, message)
+}
+
+/// The tree of `base` (none: empty) with `changes` made, written in a
+/// temporary index. A change that changes nothing is refused.
+fn tree_of(repo: &Path, base: Option<&str>, changes: &[Change]) -> Result<String, RolloutError> {
     let index_dir = tempfile::tempdir().map_err(|e| RolloutError::Git(format!("a temporary index: {e}")))?;
     let index = index_dir.path().join("index");
     let env = [("GIT_INDEX_FILE", index.as_os_str())];
-    if let Some(head) = expected {
+    if let Some(head) = base {
         git_with(repo, &["read-tree", head], &env, None)?;
     }
     for change in changes {
@@ -124,12 +135,80 @@ pub fn commit(
         git_with(repo, &["update-index", "-z", "--index-info"], &env, Some(entry.as_bytes()))?;
     }
     let tree = line(&git_with(repo, &["write-tree"], &env, None)?);
-    if let Some(head) = expected
+    if let Some(head) = base
         && line(&git(repo, &["rev-parse", &format!("{head}^{{tree}}")])?) == tree
     {
         return Err(RolloutError::Git(format!("the change changes nothing in {head}")));
     }
-    record(repo, branch, expected, &tree, author, message)
+    Ok(tree)
+}
+
+/// Where proposals live: one reference per proposal, numbered.
+pub const PROPOSALS: &str = "refs/ratelimitd/proposals/";
+
+/// A change proposed for review: a commit on top of `base`, on a
+/// reference of its own (not a branch: nothing deploys it).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Proposal {
+    /// Its number.
+    pub id: u64,
+    /// Its commit.
+    pub commit: String,
+    /// The commit it was made on.
+    pub base: Option<String>,
+    /// Who proposed it, `Name <email>`.
+    pub author: String,
+    /// The proposer's note (the commit's subject).
+    pub note: String,
+    /// When, RFC 3339.
+    pub at: String,
+}
+
+/// Records `changes` on top of `base` as a new proposal by `author`.
+pub fn propose(
+    repo: &Path,
+    base: Option<&str>,
+    changes: &[Change],
+    author: &Author,
+    note: &str,
+) -> Result<Proposal, RolloutError> {
+    let tree = tree_of(repo, base, changes)?;
+    let id = proposals(repo)?.iter().map(|p| p.id).max().unwrap_or(0) + 1;
+    let reference = format!("{PROPOSALS}{id}");
+    let label = format!("proposal {id}");
+    let commit = record(repo, (&reference, &label), base, None, &tree, author, note)?;
+    Ok(Proposal {
+        id,
+        commit: commit.id,
+        base: base.map(str::to_owned),
+        author: commit.author,
+        note: note.lines().next().unwrap_or_default().to_owned(),
+        at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+    })
+}
+
+/// The open proposals, oldest first.
+pub fn proposals(repo: &Path) -> Result<Vec<Proposal>, RolloutError> {
+    let format = "--format=%(refname)%00%(objectname)%00%(parent)%00%(authorname) %(authoremail)%00%(subject)%00%(authordate:iso-strict)";
+    let listing = git(repo, &["for-each-ref", format, PROPOSALS])?;
+    let mut found: Vec<Proposal> = String::from_utf8_lossy(&listing)
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split('\0');
+            let id = f.next()?.strip_prefix(PROPOSALS)?.parse().ok()?;
+            let (commit, parent) = (f.next()?.to_owned(), f.next()?);
+            let (author, note, at) = (f.next()?.to_owned(), f.next()?.to_owned(), f.next()?.to_owned());
+            let base = (!parent.is_empty()).then(|| parent.to_owned());
+            Some(Proposal { id, commit, base, author, note, at })
+        })
+        .collect();
+    found.sort_by_key(|p| p.id);
+    Ok(found)
+}
+
+/// Removes proposal `id` if it is still at `commit` (published or withdrawn).
+pub fn withdraw(repo: &Path, id: u64, commit: &str) -> Result<(), RolloutError> {
+    git(repo, &["update-ref", "-d", &format!("{PROPOSALS}{id}"), commit]).map(drop)
 }
 
 /// Reverts `target` on `branch` of `repo` (at `expected`): a new commit
@@ -144,6 +223,14 @@ pub fn revert(
     author: &Author,
     message: &str,
 ) -> Result<Commit, RolloutError> {
+    let tree = reverted(repo, expected, target)?;
+    commit_tree(repo, branch, expected, &tree, author, message)
+}
+
+/// The tree of `expected` with `target`'s change undone (see [`revert`]),
+/// written but not committed: its files can be read with [`files`] and
+/// checked before [`commit_tree`] commits it.
+pub fn reverted(repo: &Path, expected: &str, target: &str) -> Result<String, RolloutError> {
     let parent = git(repo, &["rev-parse", "--verify", "--quiet", &format!("{target}^")])
         .map_err(|_| RolloutError::Git(format!("{target} has no parent to revert to")))?;
     let base = format!("--merge-base={target}");
@@ -151,15 +238,30 @@ pub fn revert(
         .map_err(|e| {
         RolloutError::Git(format!("reverting {target} conflicts with a later change: {e}"))
     })?;
-    record(repo, branch, Some(expected), &line(&merged), author, message)
+    Ok(line(&merged))
 }
 
-/// Makes the commit of `tree` on top of `expected` and moves `branch` to
-/// it, only from `expected`.
-fn record(
+/// Commits `tree` on `branch` on top of `expected` (moving the branch only
+/// from there), as `author` with `message`.
+pub fn commit_tree(
     repo: &Path,
     branch: &str,
-    expected: Option<&str>,
+    expected: &str,
+    tree: &str,
+    author: &Author,
+    message: &str,
+) -> Result<Commit, RolloutError> {
+    let reference = format!("refs/heads/{branch}");
+    record(repo, (&reference, branch), Some(expected), Some(expected), tree, author, message)
+}
+
+/// Makes the commit of `tree` with `parent` and moves `reference`
+/// (`label` in errors) to it, only from `old` (`None`: it must not exist).
+fn record(
+    repo: &Path,
+    (reference, label): (&str, &str),
+    parent: Option<&str>,
+    old: Option<&str>,
     tree: &str,
     author: &Author,
     message: &str,
@@ -172,37 +274,42 @@ fn record(
         ("GIT_COMMITTER_EMAIL", email),
     ];
     let mut args = vec!["commit-tree", tree, "-F", "-"];
-    if let Some(head) = expected {
+    if let Some(head) = parent {
         args.extend(["-p", head]);
     }
     let id = line(&git_with(repo, &args, &env, Some(message.as_bytes()))?);
-    let reference = format!("refs/heads/{branch}");
-    // The branch must still be where the change was made (all zeros: it
-    // must not exist yet).
-    let old = expected.map_or_else(|| "0".repeat(40), str::to_owned);
-    git(repo, &["update-ref", "-m", message, &reference, &id, &old]).map_err(|_| {
+    // The reference must still be where the change was made (all zeros:
+    // it must not exist yet).
+    let old = old.map_or_else(|| "0".repeat(40), str::to_owned);
+    git(repo, &["update-ref", "-m", message, reference, &id, &old]).map_err(|_| {
         let since = &old[..old.len().min(10)];
-        RolloutError::Git(format!("{branch} moved since {since}: nothing committed; review the change again"))
+        RolloutError::Git(format!("{label} moved since {since}: nothing committed; review the change again"))
     })?;
     Ok(Commit { id, author: format!("{} <{}>", author.name, author.email) })
 }
 
-/// Writes the files under `paths` (each a file or a directory, relative to
-/// the repository's root) as commit `rev` of `repo` holds them into `into`,
-/// at the same relative paths; returns the commit. A path the commit does
-/// not have, a path leaving the repository, or a symbolic link among the
-/// files is an error naming it.
-pub fn export(repo: &Path, rev: &str, paths: &[&Path], into: &Path) -> Result<Commit, RolloutError> {
+/// The files under `paths` (each a file or a directory, relative to the
+/// repository's root) as commit `rev` of `repo` holds them, by repository
+/// path, and the commit. A path the commit does not have is skipped
+/// (`export` refuses it); a path leaving the repository or a symbolic link
+/// among the files is an error naming it.
+pub fn files(repo: &Path, rev: &str, paths: &[&Path]) -> Result<(Commit, Files), RolloutError> {
     let spec = format!("{rev}^{{commit}}");
     let id = line(&git(repo, &["rev-parse", "--verify", "--quiet", &spec])?);
     let author = line(&git(repo, &["log", "-1", "--format=%an <%ae>", &id])?);
+    Ok((Commit { id: id.clone(), author }, tree_files(repo, &id, paths)?))
+}
+
+/// The files under `paths` of the tree (or commit) `tree`, as [`files`].
+pub fn tree_files(repo: &Path, tree: &str, paths: &[&Path]) -> Result<Vec<(String, Vec<u8>)>, RolloutError> {
+    let id = tree;
+    let mut files = Vec::new();
     for path in paths {
         // `./rules` is the repository's `rules`; nothing may leave the repository.
         if path.is_absolute() || path.components().any(|c| matches!(c, Component::ParentDir)) {
             return Err(RolloutError::Git(format!("{}: give a path inside the repository", path.display())));
         }
-        let listing = git(repo, &["ls-tree", "-r", "-z", "--full-tree", &id, "--", &path.to_string_lossy()])?;
-        let mut found = 0;
+        let listing = git(repo, &["ls-tree", "-r", "-z", "--full-tree", id, "--", &path.to_string_lossy()])?;
         for entry in listing.split(|b| *b == 0).filter(|e| !e.is_empty()) {
             let entry = String::from_utf8_lossy(entry);
             let (meta, name) = entry.split_once('\t').unwrap_or((&entry, ""));
@@ -216,19 +323,56 @@ pub fn export(repo: &Path, rev: &str, paths: &[&Path], into: &Path) -> Result<Co
                     "{name} is a symbolic link in {id}: commit the rule file itself"
                 )));
             }
-            let target = into.join(name);
-            if let Some(dir) = target.parent() {
-                std::fs::create_dir_all(dir).map_err(|e| write_error(&target, &e))?;
-            }
-            std::fs::write(&target, git(repo, &["cat-file", "blob", object])?)
-                .map_err(|e| write_error(&target, &e))?;
-            found += 1;
-        }
-        if found == 0 {
-            return Err(RolloutError::Git(format!("{}: no such file or directory in {id}", path.display())));
+            files.push((name.to_owned(), git(repo, &["cat-file", "blob", object])?));
         }
     }
-    Ok(Commit { id, author })
+    Ok(files)
+}
+
+/// Writes the files under `paths` as commit `rev` of `repo` holds them
+/// (see [`files`]) into `into`, at the same relative paths; returns the
+/// commit. A path the commit does not have is an error naming it.
+pub fn export(repo: &Path, rev: &str, paths: &[&Path], into: &Path) -> Result<Commit, RolloutError> {
+    let (commit, files) = files(repo, rev, paths)?;
+    for path in paths {
+        let prefix =
+            path.components().filter(|c| !matches!(c, Component::CurDir)).collect::<std::path::PathBuf>();
+        if !files.iter().any(|(name, _)| Path::new(name).starts_with(&prefix)) {
+            return Err(RolloutError::Git(format!(
+                "{}: no such file or directory in {}",
+                path.display(),
+                commit.id
+            )));
+        }
+    }
+    write_files(into, &files)?;
+    Ok(commit)
+}
+
+/// Writes `files` (repository paths and contents) under `into`.
+pub fn write_files(into: &Path, files: &[(String, Vec<u8>)]) -> Result<(), RolloutError> {
+    for (name, content) in files {
+        if !inside(Path::new(name)) {
+            return Err(RolloutError::Git(format!("{name}: give a path inside the repository")));
+        }
+        let target = into.join(name);
+        if let Some(dir) = target.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| write_error(&target, &e))?;
+        }
+        std::fs::write(&target, content).map_err(|e| write_error(&target, &e))?;
+    }
+    Ok(())
+}
+
+/// The commit `branch` of `repo` points at; `None` when it has none yet.
+pub fn head(repo: &Path, branch: &str) -> Result<Option<String>, RolloutError> {
+    let reference = format!("refs/heads/{branch}");
+    // `--quiet --verify` fails without output when the branch is unborn.
+    match git(repo, &["rev-parse", "--verify", "--quiet", &format!("{reference}^{{commit}}")]) {
+        Ok(out) => Ok(Some(line(&out))),
+        Err(_) if git(repo, &["rev-parse", "--git-dir"]).is_ok() => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 fn write_error(path: &Path, e: &std::io::Error) -> RolloutError {

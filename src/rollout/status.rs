@@ -53,6 +53,23 @@ pub struct StatusReport {
     pub adaptive: BTreeMap<String, u64>,
 }
 
+/// Where an instance stands against the version in force, as of `now_ms`:
+/// `stale` (no report within `stale_after_ms`), `waiting` (no rules yet),
+/// `current` or `behind`.
+pub fn standing(
+    report: &StatusReport,
+    in_force: Option<&str>,
+    now_ms: u64,
+    stale_after_ms: u64,
+) -> &'static str {
+    match (&report.version, in_force) {
+        _ if now_ms.saturating_sub(report.reported_ms) > stale_after_ms => "stale",
+        (None, _) => "waiting",
+        (Some(v), Some(f)) if v == f => "current",
+        (Some(_), _) => "behind",
+    }
+}
+
 /// The report of what `feed` serves now (the rule sets `native` and `envoy`).
 pub fn report(instance: &str, feed: &Feed, native: &RuleStore, envoy: &Hot<EnvoyConfig>) -> StatusReport {
     let served = feed.served();

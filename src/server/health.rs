@@ -262,6 +262,18 @@ pub async fn serve_http(
         .route("/readyz", get(ready_handler))
         .route("/healthcheck", get(healthcheck_handler))
         .with_state(HttpState { health, metrics });
+    serve_app(listener, limits, app, shutdown).await;
+}
+
+/// Serves `app` on `listener`, its connections bounded by `limits`, until
+/// `shutdown`; each request carries its peer's address
+/// (`ConnectInfo<SocketAddr>`). The HTTP port's server and the console's.
+pub async fn serve_app(
+    listener: TcpListener,
+    limits: super::conns::Limits,
+    app: Router,
+    shutdown: watch::Receiver<bool>,
+) {
     serve_bounded(super::conns::Capped::new(listener, limits), app, limits.header_read_timeout, shutdown)
         .await;
 }
@@ -279,12 +291,13 @@ async fn serve_bounded(
     use axum::serve::Listener as _;
     let mut connections = tokio::task::JoinSet::new();
     loop {
-        let io = tokio::select! {
-            (io, _) = listener.accept() => io,
+        let (io, peer) = tokio::select! {
+            accepted = listener.accept() => accepted,
             _ = shutdown.changed() => break,
         };
         while connections.try_join_next().is_some() {}
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let app = app.clone().layer(axum::Extension(axum::extract::ConnectInfo(peer)));
+        let service = hyper_util::service::TowerToHyperService::new(app);
         let mut stop = shutdown.clone();
         connections.spawn(async move {
             let mut builder = hyper::server::conn::http1::Builder::new();

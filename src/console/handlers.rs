@@ -1,0 +1,534 @@
+//! The console's JSON API. Every call signs in on its own ([`super::auth`])
+//! and needs a role; every action (sign-in, gate, proposal, publish,
+//! rollback, sync, and any refusal of them) is written to the audit log
+//! before it is answered. Whatever a request names (commits, captures,
+//! files) is checked against what the console owns before git or the disk
+//! sees it. Errors are JSON `{"error": …}`; rule problems come back as a
+//! list naming file, line, rule and field.
+
+use std::{
+    collections::VecDeque,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Json,
+    extract::{Path as UrlPath, State},
+    http::{HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::{
+    Console, Peer,
+    audit::AuditEntry,
+    auth::{Refusal, Role, User},
+    workspace::{self, ChangeError, Checked, File},
+};
+use crate::{
+    clock::{Clock as _, SystemClock},
+    release::{self, ReleaseError},
+    rollout::{
+        RolloutError, git,
+        publish::{self, Entry},
+        status,
+    },
+    rules::encoding::SnapshotRecord,
+};
+
+/// An answer that is not a success.
+#[derive(Debug)]
+pub(super) struct ApiError(pub(super) StatusCode, pub(super) Value);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(self.1)).into_response()
+    }
+}
+
+pub(super) fn error(status: StatusCode, message: impl std::fmt::Display) -> ApiError {
+    ApiError(status, json!({ "error": message.to_string() }))
+}
+
+impl From<RolloutError> for ApiError {
+    fn from(e: RolloutError) -> Self {
+        match e {
+            RolloutError::Git(ref m) if m.contains("moved since") => error(StatusCode::CONFLICT, e),
+            RolloutError::Git(_) => error(StatusCode::BAD_REQUEST, e),
+            _ => error(StatusCode::BAD_GATEWAY, e),
+        }
+    }
+}
+
+impl From<ChangeError> for ApiError {
+    fn from(e: ChangeError) -> Self {
+        match e {
+            ChangeError::Refused(m) => error(StatusCode::BAD_REQUEST, m),
+            ChangeError::Invalid(problems) => ApiError(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                json!({ "error": format!("{} problem(s) in the rules", problems.len()), "problems": problems }),
+            ),
+            ChangeError::Rollout(e) => e.into(),
+            ChangeError::Release(e) => e.into(),
+        }
+    }
+}
+
+impl From<ReleaseError> for ApiError {
+    fn from(e: ReleaseError) -> Self {
+        match e {
+            ReleaseError::Rollout(e) => e.into(),
+            ReleaseError::Rules(m) => error(StatusCode::UNPROCESSABLE_ENTITY, m),
+            ReleaseError::GateFailed(report) => ApiError(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                json!({ "error": "the change fails the gate; nothing published", "report": report }),
+            ),
+        }
+    }
+}
+
+pub(super) type Answer = Result<Json<Value>, ApiError>;
+
+/// Runs blocking work (git, Kafka reads, compilers, the audit log) off the runtime.
+pub(super) async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|e| Err(error(StatusCode::INTERNAL_SERVER_ERROR, format!("task failed: {e}"))))
+}
+
+impl Console {
+    /// The user of a request with at least `need`; a refusal by role is
+    /// audited as `action` refused.
+    pub(super) async fn user(
+        self: &Arc<Self>,
+        headers: &HeaderMap,
+        peer: &Peer,
+        need: Role,
+        action: &str,
+    ) -> Result<User, ApiError> {
+        let user = self.auth.user(headers, peer.0.ip()).map_err(|refusal| {
+            self.audit.refused();
+            let what = match refusal {
+                Refusal::Missing => "sign in first",
+                Refusal::Unknown => "unknown token, or no role",
+            };
+            error(StatusCode::UNAUTHORIZED, what)
+        })?;
+        if user.role < need {
+            let why = format!(
+                "{} needs the {} role; {} has {}",
+                action,
+                need.as_str(),
+                user.name,
+                user.role.as_str()
+            );
+            self.log(AuditEntry::new(&user, action, "refused", &why)).await?;
+            return Err(error(StatusCode::FORBIDDEN, why));
+        }
+        Ok(user)
+    }
+
+    /// Writes `entry` to the audit log; when it cannot be written the
+    /// caller answers an error and takes no action.
+    pub(super) async fn log(self: &Arc<Self>, entry: AuditEntry) -> Result<(), ApiError> {
+        let console = self.clone();
+        blocking(move || {
+            console.audit.write(&entry).map_err(|e| {
+                tracing::error!("{e}");
+                error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}: nothing done"))
+            })
+        })
+        .await
+    }
+
+    /// The topic's history and the instances' reports, read at most once a second.
+    pub(super) async fn view(self: &Arc<Self>) -> Result<Arc<View>, ApiError> {
+        let fresh = || {
+            let cache = self.overview();
+            cache
+                .view
+                .as_ref()
+                .filter(|(at, _)| at.elapsed() < Duration::from_secs(1))
+                .map(|(_, v)| v.clone())
+        };
+        if let Some(view) = fresh() {
+            return Ok(view);
+        }
+        let _reader =
+            self.refresh.acquire().await.map_err(|_| error(StatusCode::SERVICE_UNAVAILABLE, "stopping"))?;
+        if let Some(view) = fresh() {
+            return Ok(view); // read by the one before
+        }
+        let console = self.clone();
+        let view = blocking(move || {
+            let kafka = &console.config.rules.kafka;
+            let history = publish::history(kafka, &console.trust)?;
+            let reports = status::read(kafka)?;
+            Ok(View { history, reports })
+        })
+        .await?;
+        let view = Arc::new(view);
+        let mut cache = self.overview();
+        cache.observe(&view.reports);
+        cache.view = Some((Instant::now(), view.clone()));
+        Ok(view)
+    }
+
+    fn overview(&self) -> std::sync::MutexGuard<'_, OverviewCache> {
+        self.overview.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `edits` on `base`, checked (blocking).
+    pub(super) async fn checked(
+        self: &Arc<Self>,
+        base: Option<String>,
+        edits: Vec<File>,
+    ) -> Result<Checked, ApiError> {
+        if let Some(base) = &base {
+            commit_id(base)?;
+        }
+        let console = self.clone();
+        blocking(move || Ok(console.workspace.check(&console.config, base.as_deref(), &edits)?)).await
+    }
+
+    /// The capture `name` in `admin.captures_dir`.
+    fn capture(&self, name: &str) -> Result<std::path::PathBuf, ApiError> {
+        let dir = self.config.admin.captures_dir.as_ref().ok_or_else(|| {
+            error(StatusCode::BAD_REQUEST, "admin.captures_dir is not set: this console has no captures")
+        })?;
+        let plain = name.ends_with(".jsonl")
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+            && !name.starts_with('.');
+        let path = dir.join(name);
+        if !plain || !path.is_file() {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                format!("{name:?} is not a capture of admin.captures_dir"),
+            ));
+        }
+        Ok(path)
+    }
+
+    /// The gate a publication runs: the capture named, required when
+    /// `rules.kafka.require_gate` is on.
+    pub(super) fn gate_of(&self, capture: Option<&str>) -> Result<Option<std::path::PathBuf>, ApiError> {
+        match capture {
+            Some(name) => self.capture(name).map(Some),
+            None if self.config.rules.kafka.require_gate => Err(error(
+                StatusCode::BAD_REQUEST,
+                "rules.kafka.require_gate is on: choose a capture to gate the change against",
+            )),
+            None => Ok(None),
+        }
+    }
+
+    pub(super) fn author(user: &User) -> git::Author {
+        git::Author { name: user.name.clone(), email: user.email.clone() }
+    }
+}
+
+/// A commit id as a request gives it: hex, so git never reads it as an option.
+pub(super) fn commit_id(text: &str) -> Result<&str, ApiError> {
+    let hex = (4..=64).contains(&text.len()) && text.bytes().all(|b| b.is_ascii_hexdigit());
+    if hex { Ok(text) } else { Err(error(StatusCode::BAD_REQUEST, format!("{text:?} is not a commit id"))) }
+}
+
+/// A commit message or note: not blank, at most 4 KiB.
+pub(super) fn message(text: &str, what: &str) -> Result<String, ApiError> {
+    let text = text.trim();
+    if text.is_empty() || text.len() > 4096 {
+        return Err(error(StatusCode::BAD_REQUEST, format!("give a {what} (at most 4096 bytes)")));
+    }
+    Ok(text.to_owned())
+}
+
+/// The topic and the instances, as last read.
+#[derive(Debug)]
+pub(super) struct View {
+    history: Vec<Entry>,
+    reports: Vec<status::StatusReport>,
+}
+
+impl View {
+    pub(super) fn in_force(&self) -> Option<&SnapshotRecord> {
+        publish::current(&self.history)
+    }
+}
+
+/// The most version changes the timeline keeps.
+const TIMELINE: usize = 512;
+
+/// The last view, and every (instance, version, since) seen, for the timeline.
+#[derive(Debug, Default)]
+pub(super) struct OverviewCache {
+    view: Option<(Instant, Arc<View>)>,
+    seen: VecDeque<(String, String, u64)>,
+}
+
+impl OverviewCache {
+    fn observe(&mut self, reports: &[status::StatusReport]) {
+        for report in reports {
+            let (Some(version), Some(since)) = (&report.version, report.since_ms) else { continue };
+            let known =
+                self.seen.iter().any(|(i, v, s)| *i == report.instance && v == version && *s == since);
+            if !known {
+                if self.seen.len() == TIMELINE {
+                    self.seen.pop_front();
+                }
+                self.seen.push_back((report.instance.clone(), version.clone(), since));
+            }
+        }
+    }
+}
+
+/// `GET /api/session`: who is signed in (audited: the page asks once, at sign-in).
+pub(super) async fn session(State(console): State<Arc<Console>>, peer: Peer, headers: HeaderMap) -> Answer {
+    let user = console.user(&headers, &peer, Role::Viewer, "sign_in").await?;
+    console.log(AuditEntry::new(&user, "sign_in", "ok", format!("from {}", peer.0.ip()))).await?;
+    Ok(Json(json!({
+        "user": user,
+        "may_edit": user.role >= Role::Editor,
+        "may_publish": user.role >= Role::Publisher,
+    })))
+}
+
+/// `GET /api/overview`: instances, the record in force, the history.
+pub(super) async fn overview(State(console): State<Arc<Console>>, peer: Peer, headers: HeaderMap) -> Answer {
+    console.user(&headers, &peer, Role::Viewer, "overview").await?;
+    let view = console.view().await?;
+    let now = SystemClock.now_ms();
+    let in_force = view.in_force().map(|r| r.version.as_str());
+    let stale_after = console.config.rules.kafka.status_interval_ms.saturating_mul(3);
+    let instances: Vec<Value> = view
+        .reports
+        .iter()
+        .map(|r| {
+            let mut value = serde_json::to_value(r).unwrap_or_default();
+            value["standing"] = json!(status::standing(r, in_force, now, stale_after));
+            value
+        })
+        .collect();
+    let history: Vec<Value> = view.history.iter().rev().take(50).map(history_entry).collect();
+    let timeline: Vec<Value> = {
+        let cache = console.overview();
+        cache.seen.iter().map(|(i, v, s)| json!({ "instance": i, "version": v, "since_ms": s })).collect()
+    };
+    Ok(Json(json!({
+        "now_ms": now,
+        "in_force": view.in_force().map(record_summary),
+        "instances": instances,
+        "history": history,
+        "timeline": timeline,
+    })))
+}
+
+fn record_summary(r: &SnapshotRecord) -> Value {
+    json!({
+        "version": r.version,
+        "previous": r.previous,
+        "published_at": r.published_at,
+        "commit": r.provenance.git_commit,
+        "author": r.provenance.git_author,
+        "rolled_back_from": r.provenance.rolled_back_from,
+        "native_rules": r.native.as_ref().map_or(0, |n| n.rules.len()),
+        "envoy_files": r.envoy.as_ref().map_or(0, |e| e.files.len()),
+        "gate": r.gate.as_ref().map(|g| json!({
+            "passed": g.gate.passed,
+            "capture_requests": g.capture_requests,
+            "worst": format!("{} {} {:.2}%", g.gate.worst.kind.as_str(), g.gate.worst.name, g.gate.worst.drop * 100.0),
+        })),
+    })
+}
+
+fn history_entry(entry: &Entry) -> Value {
+    match &entry.record {
+        Ok(r) => json!({ "offset": entry.offset, "record": record_summary(r) }),
+        Err(why) => json!({ "offset": entry.offset, "refused": why }),
+    }
+}
+
+/// `GET /api/rules`: the rule files at the branch head, and what the page
+/// needs to edit them.
+pub(super) async fn rules(State(console): State<Arc<Console>>, peer: Peer, headers: HeaderMap) -> Answer {
+    console.user(&headers, &peer, Role::Viewer, "rules").await?;
+    let c = console.clone();
+    let (head, files) = blocking(move || {
+        let head = c.workspace.head()?;
+        let files = c.workspace.files(head.as_deref())?;
+        Ok((head, files))
+    })
+    .await?;
+    let captures = captures(console.config.admin.captures_dir.as_deref());
+    Ok(Json(json!({
+        "branch": console.workspace.branch,
+        "head": head,
+        "files": files,
+        "rules_path": console.workspace.native,
+        "envoy_path": console.workspace.envoy,
+        "captures": captures,
+        "require_gate": console.config.rules.kafka.require_gate,
+    })))
+}
+
+/// The captures of `dir`, by name.
+fn captures(dir: Option<&std::path::Path>) -> Vec<String> {
+    let Some(Ok(entries)) = dir.map(std::fs::read_dir) else { return Vec::new() };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".jsonl") && !n.starts_with('.'))
+        .take(1000)
+        .collect();
+    names.sort();
+    names
+}
+
+/// A change as the page sends it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ChangeBody {
+    pub(super) base: Option<String>,
+    pub(super) files: Vec<File>,
+    #[serde(default)]
+    pub(super) capture: Option<String>,
+    #[serde(default)]
+    pub(super) message: Option<String>,
+    #[serde(default)]
+    pub(super) proposal: Option<u64>,
+}
+
+/// `POST /api/check`: the change compiled (its problems) and compared with
+/// the rules in force. Not audited: the page asks as the user types.
+pub(super) async fn check(
+    State(console): State<Arc<Console>>,
+    peer: Peer,
+    headers: HeaderMap,
+    Json(body): Json<ChangeBody>,
+) -> Answer {
+    console.user(&headers, &peer, Role::Editor, "check").await?;
+    let checked = match console.checked(body.base, body.files).await {
+        Ok(checked) => checked,
+        Err(ApiError(StatusCode::UNPROCESSABLE_ENTITY, value)) => {
+            return Ok(Json(json!({ "problems": value["problems"], "changes": [] })));
+        }
+        Err(e) => return Err(e),
+    };
+    let view = console.view().await?;
+    let c = console.clone();
+    let changes = blocking(move || {
+        let in_force = view.in_force();
+        Ok(workspace::changes(&c.config, in_force, &c.trust, &checked.candidate)?)
+    })
+    .await?;
+    Ok(Json(json!({ "problems": [], "changes": changes })))
+}
+
+/// `POST /api/gate`: the change replayed against a capture with the rules
+/// in force; the report, per priority and per rule.
+pub(super) async fn gate(
+    State(console): State<Arc<Console>>,
+    peer: Peer,
+    headers: HeaderMap,
+    Json(body): Json<ChangeBody>,
+) -> Answer {
+    let user = console.user(&headers, &peer, Role::Editor, "gate").await?;
+    let name = body.capture.clone().unwrap_or_default();
+    let capture = console.capture(&name)?;
+    let checked = console.checked(body.base, body.files).await?;
+    let _one =
+        console.heavy.try_acquire().map_err(|_| error(StatusCode::TOO_MANY_REQUESTS, "a gate is running"))?;
+    let view = console.view().await?;
+    let c = console.clone();
+    let report = blocking(move || {
+        let capture = crate::replay::Capture::from_file(&capture)
+            .map_err(|e| error(StatusCode::UNPROCESSABLE_ENTITY, e))?;
+        Ok(release::gate(&c.config, view.in_force(), &c.trust, &checked.candidate, &capture, c.config.gate)?)
+    })
+    .await?;
+    let passed = report.gate.passed;
+    let worst = &report.gate.worst;
+    let detail = format!(
+        "capture {name}: {} ({} requests; worst {} {} {:.2}%)",
+        if passed { "passes" } else { "fails" },
+        report.requests,
+        worst.kind.as_str(),
+        worst.name,
+        worst.drop * 100.0
+    );
+    let mut entry = AuditEntry::new(&user, "gate", if passed { "ok" } else { "refused" }, detail);
+    entry.after = Some(report.candidate_version.clone());
+    console.log(entry).await?;
+    Ok(Json(json!({ "report": report })))
+}
+
+/// `GET /api/proposals`: the open proposals.
+pub(super) async fn proposals(State(console): State<Arc<Console>>, peer: Peer, headers: HeaderMap) -> Answer {
+    console.user(&headers, &peer, Role::Viewer, "proposals").await?;
+    let c = console.clone();
+    let list = blocking(move || Ok(git::proposals(&c.workspace.repo)?)).await?;
+    Ok(Json(json!({ "proposals": list })))
+}
+
+/// `GET /api/proposals/{id}`: one proposal and its rule files.
+pub(super) async fn proposal(
+    State(console): State<Arc<Console>>,
+    peer: Peer,
+    headers: HeaderMap,
+    UrlPath(id): UrlPath<u64>,
+) -> Answer {
+    console.user(&headers, &peer, Role::Viewer, "proposals").await?;
+    let c = console.clone();
+    let (proposal, files) = blocking(move || {
+        let proposal = git::proposals(&c.workspace.repo)?
+            .into_iter()
+            .find(|p| p.id == id)
+            .ok_or_else(|| error(StatusCode::NOT_FOUND, format!("no proposal {id}")))?;
+        let files = c.workspace.files(Some(&proposal.commit))?;
+        Ok((proposal, files))
+    })
+    .await?;
+    Ok(Json(json!({ "proposal": proposal, "files": files })))
+}
+
+/// The most proposals open at once.
+const MAX_PROPOSALS: usize = 100;
+
+/// `POST /api/proposals`: the change recorded for a publisher's review.
+pub(super) async fn propose(
+    State(console): State<Arc<Console>>,
+    peer: Peer,
+    headers: HeaderMap,
+    Json(body): Json<ChangeBody>,
+) -> Answer {
+    let user = console.user(&headers, &peer, Role::Editor, "propose").await?;
+    let note = message(body.message.as_deref().unwrap_or_default(), "note")?;
+    let base = body.base.clone();
+    let checked = console.checked(body.base, body.files).await?;
+    let c = console.clone();
+    let author = Console::author(&user);
+    let proposal = blocking(move || {
+        if git::proposals(&c.workspace.repo)?.len() >= MAX_PROPOSALS {
+            return Err(error(StatusCode::TOO_MANY_REQUESTS, format!("{MAX_PROPOSALS} proposals are open")));
+        }
+        Ok(git::propose(&c.workspace.repo, base.as_deref(), &checked.changes, &author, &note)?)
+    })
+    .await?;
+    let mut entry =
+        AuditEntry::new(&user, "propose", "ok", format!("proposal {}: {}", proposal.id, proposal.note));
+    entry.commit = Some(proposal.commit.clone());
+    console.log(entry).await?;
+    Ok(Json(json!({ "proposal": proposal })))
+}
+
+/// `GET /api/audit`: the newest 200 entries.
+pub(super) async fn audit(State(console): State<Arc<Console>>, peer: Peer, headers: HeaderMap) -> Answer {
+    console.user(&headers, &peer, Role::Viewer, "audit").await?;
+    let c = console.clone();
+    let entries =
+        blocking(move || c.audit.recent(200).map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, e)))
+            .await?;
+    Ok(Json(json!({ "entries": entries })))
+}

@@ -1,0 +1,252 @@
+//! The console's publications: a change, a revert or the branch head
+//! becomes the record in force. One order for all three: checked, gated
+//! (the capture chosen; required with `rules.kafka.require_gate`), then
+//! committed (a change failing the gate never reaches the repository),
+//! then produced through [`crate::release`], the path of `rules publish`.
+//! Each is audited with the version in force before and after and the
+//! commit.
+
+use std::sync::Arc;
+
+use axum::{
+    Json,
+    extract::State,
+    http::{HeaderMap, StatusCode},
+};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{
+    Console, Peer,
+    audit::AuditEntry,
+    auth::{Role, User},
+    handlers::{Answer, ApiError, ChangeBody, blocking, commit_id, error, message},
+};
+use crate::{
+    release::{self, GateRun, Prepared, ReleaseError},
+    rollout::{git, publish},
+};
+
+/// One publication: what the audit log calls it and what it published.
+struct Publication {
+    action: &'static str,
+    detail: String,
+    candidate: publish::Candidate,
+    capture: Option<String>,
+    /// Whether the record names the version in force as rolled back.
+    rollback: bool,
+}
+
+/// Gates `p.candidate`, then makes the commit with `commit` (blocking),
+/// then produces the record with the commit as its provenance.
+async fn publish_commit(
+    console: &Arc<Console>,
+    user: &User,
+    p: Publication,
+    commit: impl FnOnce() -> Result<git::Commit, ApiError> + Send + 'static,
+) -> Answer {
+    let capture = console.gate_of(p.capture.as_deref())?;
+    let _one =
+        console.heavy.acquire().await.map_err(|_| error(StatusCode::SERVICE_UNAVAILABLE, "stopping"))?;
+    let before = console.view().await?.in_force().map(|r| r.version.clone());
+    let mut provenance = publish::provenance(&[]);
+    provenance.paths = p.candidate.paths.iter().map(|p| p.display().to_string()).collect();
+    provenance.publisher.push_str(" (admin console)");
+    if p.rollback {
+        provenance.rolled_back_from.clone_from(&before);
+    }
+    let gate = capture.as_deref().map(|capture| GateRun { capture, thresholds: console.config.gate });
+    let entry = |outcome: &str, detail: String| {
+        let mut entry = AuditEntry::new(user, p.action, outcome, detail);
+        entry.before.clone_from(&before);
+        entry
+    };
+    let prepared = match release::prepare(
+        &console.config,
+        &p.candidate,
+        provenance,
+        gate,
+        console.trust.clone(),
+    )
+    .await
+    {
+        Ok(prepared) => prepared,
+        Err(e) => {
+            let outcome = if matches!(e, ReleaseError::GateFailed(_)) { "refused" } else { "failed" };
+            console.log(entry(outcome, format!("{}: {e}", p.detail))).await?;
+            return Err(e.into());
+        }
+    };
+    let made = match blocking(commit).await {
+        Ok(made) => made,
+        Err(e) => {
+            console.log(entry("failed", format!("{}: {}", p.detail, e.1["error"]))).await?;
+            return Err(e);
+        }
+    };
+    let (record, report) = match prepared {
+        Prepared::InForce { version } => {
+            let mut done = entry("ok", format!("{}: already in force", p.detail));
+            (done.after, done.commit) = (Some(version.clone()), Some(made.id.clone()));
+            console.log(done).await?;
+            return Ok(Json(json!({ "commit": made.id, "version": version, "already_in_force": true })));
+        }
+        Prepared::Ready { record, report } => (record, report),
+    };
+    let mut record = *record;
+    record.provenance.git_commit = Some(made.id.clone());
+    record.provenance.git_author = Some(made.author.clone());
+    record.provenance.git_dirty = Some(false);
+    let produced = publish::publish(&console.config.rules.kafka, &record, console.signer.as_ref()).await;
+    let mut done = match &produced {
+        Ok(_) => entry("ok", p.detail.clone()),
+        Err(e) => entry("failed", format!("{}: committed {} but not published: {e}", p.detail, made.id)),
+    };
+    (done.after, done.commit) = (produced.is_ok().then(|| record.version.clone()), Some(made.id.clone()));
+    console.log(done).await?;
+    let offset = produced.map_err(|e| {
+        error(StatusCode::BAD_GATEWAY, format!("committed {} but not published: {e}", made.id))
+    })?;
+    Ok(Json(json!({
+        "commit": made.id,
+        "version": record.version,
+        "previous": record.previous,
+        "offset": offset,
+        "report": report,
+    })))
+}
+
+/// `POST /api/publish`: the change (on `base`, the branch head the
+/// publisher reviewed) committed as the publisher with the reviewer's
+/// message, and published. A proposal it came from is closed.
+pub(super) async fn publish(
+    State(console): State<Arc<Console>>,
+    peer: Peer,
+    headers: HeaderMap,
+    Json(body): Json<ChangeBody>,
+) -> Answer {
+    let user = console.user(&headers, &peer, Role::Publisher, "publish").await?;
+    let mut text = message(body.message.as_deref().unwrap_or_default(), "commit message")?;
+    let c = console.clone();
+    let (head, proposal) = blocking(move || {
+        let proposal = match body.proposal {
+            Some(id) => git::proposals(&c.workspace.repo)?.into_iter().find(|p| p.id == id),
+            None => None,
+        };
+        Ok((c.workspace.head()?, proposal))
+    })
+    .await?;
+    if head != body.base {
+        let now = head.as_deref().unwrap_or("nothing");
+        return Err(error(
+            StatusCode::CONFLICT,
+            format!(
+                "{} moved since the change was loaded (now {now}): reload and review again",
+                console.workspace.branch
+            ),
+        ));
+    }
+    let checked = console.checked(body.base.clone(), body.files).await?;
+    if checked.changes.is_empty() {
+        return Err(error(StatusCode::BAD_REQUEST, "nothing to publish: the files are the branch's"));
+    }
+    if let Some(p) = &proposal {
+        text.push_str(&format!("\n\nProposed-by: {}", p.author));
+    }
+    let subject = text.lines().next().unwrap_or_default().to_owned();
+    let (c, author, base) = (console.clone(), Console::author(&user), body.base.clone());
+    let commit = move || {
+        let w = &c.workspace;
+        Ok(git::commit(&w.repo, &w.branch, base.as_deref(), &checked.changes, &author, &text)?)
+    };
+    let publication = Publication {
+        action: "publish",
+        detail: subject,
+        candidate: checked.candidate,
+        capture: body.capture,
+        rollback: false,
+    };
+    let answer = publish_commit(&console, &user, publication, commit).await?;
+    if let (Some(p), Some(id)) = (proposal, answer.0["commit"].as_str().map(str::to_owned)) {
+        let repo = console.workspace.repo.clone();
+        // Closed whatever the outcome of the removal: it is only a reference.
+        let _ =
+            blocking(move || git::withdraw(&repo, p.id, &p.commit).map_err(|_| error(StatusCode::OK, id)))
+                .await;
+    }
+    Ok(answer)
+}
+
+/// A rollback as the page sends it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RollbackBody {
+    /// The commit whose change is undone.
+    commit: String,
+    /// The reviewer's text.
+    message: String,
+    #[serde(default)]
+    capture: Option<String>,
+}
+
+/// `POST /api/rollback`: a revert of `commit` on the branch head, checked
+/// and gated before it is committed, published like a change.
+pub(super) async fn rollback(
+    State(console): State<Arc<Console>>,
+    peer: Peer,
+    headers: HeaderMap,
+    Json(body): Json<RollbackBody>,
+) -> Answer {
+    let user = console.user(&headers, &peer, Role::Publisher, "rollback").await?;
+    let text = message(&body.message, "commit message")?;
+    let target = commit_id(&body.commit)?.to_owned();
+    let c = console.clone();
+    let (head, tree, candidate) = blocking(move || {
+        let w = &c.workspace;
+        let head = w.head()?.ok_or_else(|| error(StatusCode::BAD_REQUEST, "the branch has no commit"))?;
+        let tree = git::reverted(&w.repo, &head, &target)?;
+        let files = git::tree_files(&w.repo, &tree, &w.paths())?;
+        Ok((head, tree, w.compile(&c.config, &files)?))
+    })
+    .await?;
+    let detail = format!("revert {}: {}", &body.commit, text.lines().next().unwrap_or_default());
+    let (c, author) = (console.clone(), Console::author(&user));
+    let commit = move || {
+        let w = &c.workspace;
+        Ok(git::commit_tree(&w.repo, &w.branch, &head, &tree, &author, &text)?)
+    };
+    let publication =
+        Publication { action: "rollback", detail, candidate, capture: body.capture, rollback: true };
+    publish_commit(&console, &user, publication, commit).await
+}
+
+/// A sync as the page sends it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SyncBody {
+    #[serde(default)]
+    capture: Option<String>,
+}
+
+/// `POST /api/sync`: the branch head published when it is not in force
+/// (a change that reached the repository by other means), as `rules sync`.
+pub(super) async fn sync(
+    State(console): State<Arc<Console>>,
+    peer: Peer,
+    headers: HeaderMap,
+    Json(body): Json<SyncBody>,
+) -> Answer {
+    let user = console.user(&headers, &peer, Role::Publisher, "sync").await?;
+    let c = console.clone();
+    let (made, candidate) = blocking(move || {
+        let w = &c.workspace;
+        let head = w.head()?.ok_or_else(|| error(StatusCode::BAD_REQUEST, "the branch has no commit"))?;
+        let (made, files) = git::files(&w.repo, &head, &w.paths())?;
+        Ok((made, w.compile(&c.config, &files)?))
+    })
+    .await?;
+    let detail = format!("{} at {}", console.workspace.branch, made.id);
+    let publication =
+        Publication { action: "sync", detail, candidate, capture: body.capture, rollback: false };
+    publish_commit(&console, &user, publication, move || Ok(made)).await
+}

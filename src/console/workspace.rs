@@ -1,0 +1,269 @@
+//! The rules' repository as the console edits it: the rule files of a
+//! commit, a change to them checked with the compilers `serve` uses (every
+//! error naming file, rule and field), compared with the rules in force,
+//! and turned into the commit and candidate the publish path takes. Only
+//! files under `admin.rules_path` and `admin.envoy_path` may be changed:
+//! the console writes nothing else into the repository.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    config::Config,
+    release::{self, ReleaseError},
+    rollout::{
+        RolloutError, git,
+        publish::{self, Candidate},
+    },
+    rules::{
+        RuleError,
+        diff::{self, Change},
+        encoding::{Provenance, SnapshotRecord},
+        envoy::EnvoyConfig,
+        signing::Trust,
+    },
+};
+
+/// The most files a change may hold.
+pub const MAX_FILES: usize = 256;
+
+/// One file as the console shows and takes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct File {
+    /// Its path in the repository.
+    pub path: String,
+    /// Its text; `None`: delete it.
+    pub text: Option<String>,
+}
+
+/// A problem the compiler found, for the page: by file (a repository
+/// path), line, rule and field.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Problem {
+    /// The file.
+    pub file: String,
+    /// Line, 1-based, when known.
+    pub line: Option<usize>,
+    /// Column, 1-based, when known.
+    pub column: Option<usize>,
+    /// The rule.
+    pub rule: Option<String>,
+    /// Its field.
+    pub field: Option<String>,
+    /// What is wrong.
+    pub message: String,
+    /// The whole error as `rules validate` prints it.
+    pub text: String,
+}
+
+/// One change of a rule or limit against the rules in force.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RuleChange {
+    /// `native` or `envoy`.
+    pub kind: &'static str,
+    /// The rule id or Envoy full key.
+    pub id: String,
+    /// `added`, `removed` or `changed`.
+    pub change: &'static str,
+    /// What the rule is (added or removed).
+    pub describe: String,
+    /// Changed fields: (field, from, to).
+    pub fields: Vec<(String, String, String)>,
+}
+
+/// Why a change cannot be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum ChangeError {
+    /// A path outside the rule paths, too many files, or a change of nothing.
+    #[error("{0}")]
+    Refused(String),
+    /// The rules do not compile.
+    #[error("{} problem(s) in the rules", .0.len())]
+    Invalid(Vec<Problem>),
+    /// The repository or the rules topic.
+    #[error(transparent)]
+    Rollout(#[from] RolloutError),
+    /// The rules in force could not be read or the gate could not run.
+    #[error(transparent)]
+    Release(#[from] ReleaseError),
+}
+
+/// The repository and the rule paths in it.
+#[derive(Debug, Clone)]
+pub struct Workspace {
+    /// The repository.
+    pub repo: PathBuf,
+    /// The branch.
+    pub branch: String,
+    /// Native rules in it.
+    pub native: Option<PathBuf>,
+    /// The Envoy configuration in it.
+    pub envoy: Option<PathBuf>,
+}
+
+/// A change checked and compiled: its candidate and the files it holds.
+#[derive(Debug)]
+pub struct Checked {
+    /// The candidate as `rules sync` of the change's commit would make it.
+    pub candidate: Candidate,
+    /// The change against its base, as commit changes.
+    pub changes: Vec<git::Change>,
+}
+
+impl Workspace {
+    /// The rule paths in the repository.
+    pub fn paths(&self) -> Vec<&Path> {
+        self.native.iter().chain(&self.envoy).map(PathBuf::as_path).collect()
+    }
+
+    /// The head of the branch.
+    pub fn head(&self) -> Result<Option<String>, RolloutError> {
+        git::head(&self.repo, &self.branch)
+    }
+
+    /// The rule files of `rev` (none for an unborn branch).
+    pub fn files(&self, rev: Option<&str>) -> Result<Vec<File>, RolloutError> {
+        let Some(rev) = rev else { return Ok(Vec::new()) };
+        let (_, files) = git::files(&self.repo, rev, &self.paths())?;
+        Ok(files
+            .into_iter()
+            .map(|(path, bytes)| File { path, text: Some(String::from_utf8_lossy(&bytes).into_owned()) })
+            .collect())
+    }
+
+    /// Whether the console may write `path`: inside the repository and
+    /// under a rule path.
+    pub fn writable(&self, path: &str) -> bool {
+        let path = Path::new(path);
+        super::settings::inside(path) && self.paths().iter().any(|p| path.starts_with(p))
+    }
+
+    /// `edits` on top of `base`, checked and compiled as `serve` compiles
+    /// (blocking: runs git and the compilers).
+    pub fn check(&self, config: &Config, base: Option<&str>, edits: &[File]) -> Result<Checked, ChangeError> {
+        if edits.len() > MAX_FILES {
+            return Err(ChangeError::Refused(format!("a change holds at most {MAX_FILES} files")));
+        }
+        if let Some(bad) = edits.iter().find(|f| !self.writable(&f.path)) {
+            let allowed: Vec<String> = self.paths().iter().map(|p| p.display().to_string()).collect();
+            return Err(ChangeError::Refused(format!(
+                "{}: the console changes only files under {}",
+                bad.path,
+                allowed.join(", ")
+            )));
+        }
+        let before = self.files(base)?;
+        let mut after: std::collections::BTreeMap<&str, Option<&str>> =
+            before.iter().map(|f| (f.path.as_str(), f.text.as_deref())).collect();
+        for edit in edits {
+            after.insert(&edit.path, edit.text.as_deref());
+        }
+        let written: Vec<(String, Vec<u8>)> = after
+            .iter()
+            .filter_map(|(path, text)| text.map(|t| ((*path).to_owned(), t.as_bytes().to_vec())))
+            .collect();
+        let changes: Vec<git::Change> = edits
+            .iter()
+            .filter(|e| before.iter().find(|b| b.path == e.path).map(|b| &b.text) != Some(&e.text))
+            .map(|e| git::Change {
+                path: e.path.clone(),
+                content: e.text.as_ref().map(|t| t.as_bytes().to_vec()),
+            })
+            .collect();
+        let candidate = self.compile(config, &written)?;
+        Ok(Checked { candidate, changes })
+    }
+
+    /// The candidate of `files` (repository paths and contents), named by
+    /// repository paths, as `rules sync` of a commit holding them makes it.
+    pub fn compile(&self, config: &Config, files: &[(String, Vec<u8>)]) -> Result<Candidate, ChangeError> {
+        let dir =
+            tempfile::tempdir().map_err(|e| RolloutError::Git(format!("a temporary directory: {e}")))?;
+        git::write_files(dir.path(), files)?;
+        let dir = dir.path();
+        let (native, envoy) =
+            (self.native.as_ref().map(|p| dir.join(p)), self.envoy.as_ref().map(|p| dir.join(p)));
+        let (native, envoy) = (native.filter(|p| p.exists()), envoy.filter(|p| p.exists()));
+        if native.is_none() && envoy.is_none() {
+            return Err(ChangeError::Refused("the change leaves no rule file".to_owned()));
+        }
+        publish::candidate(
+            native.as_deref(),
+            envoy.as_deref(),
+            config.envoy.compile(),
+            config.rules.path_matching,
+            config.rules.allow_empty,
+        )
+        .map(|c| c.relative_to(dir))
+        .map_err(|errors| ChangeError::Invalid(errors.0.into_iter().map(|e| problem(e, dir)).collect()))
+    }
+}
+
+fn problem(mut error: RuleError, dir: &Path) -> Problem {
+    if let Ok(inside) = error.file.strip_prefix(dir) {
+        error.file = inside.to_path_buf();
+    }
+    Problem {
+        file: error.file.display().to_string(),
+        line: error.line.map(|(l, _)| l),
+        column: error.line.map(|(_, c)| c),
+        rule: error.rule.clone(),
+        field: error.field.clone(),
+        message: error.message.clone(),
+        text: error.to_string(),
+    }
+}
+
+/// What `candidate` changes against the rules in force (`in_force`, else
+/// the configured rules): native rules by id, Envoy limits by full key.
+pub fn changes(
+    config: &Config,
+    in_force: Option<&SnapshotRecord>,
+    trust: &Trust,
+    candidate: &Candidate,
+) -> Result<Vec<RuleChange>, ReleaseError> {
+    let old = release::rules_in_force(config, in_force, trust)?;
+    let record = publish::record(candidate, None, Provenance::default());
+    let new = release::rules_of(config, &record, "the candidate")?;
+    let mut out = Vec::new();
+    let native = |s: &crate::rules::Snapshot, id: &str| {
+        s.rules().iter().find(|r| &*r.id == id).map(diff::describe).unwrap_or_default()
+    };
+    for change in diff::diff(&old.native, &new.native) {
+        out.push(rule_change("native", &change, |id, new_side| {
+            native(if new_side { &new.native } else { &old.native }, id)
+        }));
+    }
+    if candidate.envoy.is_some() {
+        let none = EnvoyConfig::default();
+        let (old_envoy, new_envoy) =
+            (old.envoy.as_ref().unwrap_or(&none), new.envoy.as_ref().unwrap_or(&none));
+        let (old_limits, new_limits) = (old_envoy.limits(), new_envoy.limits());
+        for change in diff::envoy_diff(old_envoy, new_envoy) {
+            out.push(rule_change("envoy", &change, |key, new_side| {
+                let limits = if new_side { &new_limits } else { &old_limits };
+                limits
+                    .iter()
+                    .find(|l| &*l.full_key == key)
+                    .map(|l| diff::describe_envoy(l))
+                    .unwrap_or_default()
+            }));
+        }
+    }
+    Ok(out)
+}
+
+fn rule_change(kind: &'static str, change: &Change, describe: impl Fn(&str, bool) -> String) -> RuleChange {
+    let (what, describe, fields) = match change {
+        Change::Added(id) => ("added", describe(id, true), Vec::new()),
+        Change::Removed(id) => ("removed", describe(id, false), Vec::new()),
+        Change::Changed(_, fields) => (
+            "changed",
+            String::new(),
+            fields.iter().map(|(f, a, b)| ((*f).to_owned(), a.clone(), b.clone())).collect(),
+        ),
+    };
+    RuleChange { kind, id: change.rule_id().to_owned(), change: what, describe, fields }
+}
