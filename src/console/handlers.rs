@@ -178,6 +178,11 @@ impl Console {
         Ok(view)
     }
 
+    /// Forgets the last view: the next reads the topics (after a publication).
+    pub(super) fn forget_view(&self) {
+        self.overview().view = None;
+    }
+
     fn overview(&self) -> std::sync::MutexGuard<'_, OverviewCache> {
         self.overview.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }

@@ -98,6 +98,7 @@ async fn publish_commit(
     record.provenance.git_author = Some(made.author.clone());
     record.provenance.git_dirty = Some(false);
     let produced = publish::publish(&console.config.rules.kafka, &record, console.signer.as_ref()).await;
+    console.forget_view();
     let mut done = match &produced {
         Ok(_) => entry("ok", p.detail.clone()),
         Err(e) => entry("failed", format!("{}: committed {} but not published: {e}", p.detail, made.id)),

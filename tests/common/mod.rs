@@ -29,6 +29,7 @@ mod kafka;
 mod redis_nodes;
 mod service;
 mod tls;
+pub mod webdriver;
 
 // Each test binary uses some of them.
 #[allow(unused_imports)]

@@ -12,6 +12,7 @@ const state = {
   proposal: null,
   checkTimer: null,
   checkSeq: 0,
+  refreshTimer: null,
 };
 
 const $ = (id) => document.getElementById(id);
@@ -81,6 +82,7 @@ async function signIn(event) {
 }
 
 function signOut(why) {
+  clearInterval(state.refreshTimer);
   state.token = "";
   state.user = null;
   sessionStorage.removeItem("ratelimitd-token");
@@ -101,12 +103,15 @@ function show(page) {
 }
 
 function route() {
+  clearInterval(state.refreshTimer);
   if (!state.user) { show("sign-in"); return; }
   const page = (location.hash || "#overview").slice(1);
   const known = { overview: loadOverview, rules: loadRules, proposals: loadProposals, audit: loadAudit };
   const load = known[page] || loadOverview;
   show(known[page] ? page : "overview");
   load();
+  // The overview follows a rollout as it happens.
+  if (load === loadOverview) state.refreshTimer = setInterval(loadOverview, 2000);
 }
 
 // ---- overview ----
@@ -318,7 +323,7 @@ async function loadProposals() {
 async function openProposal(id) {
   const { ok, data } = await api("GET", "/api/proposals/" + id);
   if (!ok) { notice(data.error, true); return; }
-  location.hash = "#rules";
+  history.replaceState(null, "", "#rules"); // no hashchange: the edits below must stay
   show("rules");
   await loadRules(false);
   state.proposal = data.proposal;

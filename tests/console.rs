@@ -1,0 +1,372 @@
+//! The admin console end to end, in a real headless Chromium driven over
+//! WebDriver (Debian's chromium and chromedriver), against a real
+//! Kafka-protocol broker, three instances subscribed to the rules topic
+//! and a bare Git repository holding the rules.
+//!
+//! An editor signs in (keyboard only), changes a limit, sees the diff and
+//! a failing gate against captured traffic, fixes the change, sees it pass
+//! and proposes it. A viewer cannot publish (the button is disabled and the
+//! API answers 403). The publisher reviews the proposal and publishes it:
+//! the repository holds the commit with the publisher as author, the three
+//! instances converge on its version, and the audit log has every step.
+//! With `RATELIMITD_SCREENSHOTS=DIR` the main pages are saved as PNGs
+//! (the README's pictures).
+
+#![cfg(feature = "kafka")]
+
+mod common;
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Output},
+    time::Duration,
+};
+
+use common::{
+    Broker, TestServer, check, config, eventually, http_get, request, start_listening, webdriver::Browser,
+};
+use ratelimitd::{config::RulesSource, rules::signing::Signer};
+use serde_json::Value;
+use sha2::Digest as _;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
+
+/// How long a page may take to show what a step expects (Chromium shares
+/// two cores with the rest of the suite).
+const WAIT: Duration = Duration::from_secs(20);
+
+/// CRITICAL /play and BULK /bulk, each `play` / `bulk` a minute per user.
+fn rules_of(play: u32, bulk: u32) -> String {
+    format!(
+        "rules:\n  - {{ rule_id: play, resource_path: /play, priority_bucket: CRITICAL, limit: {play}, window_seconds: 60 }}\n  - {{ rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: {bulk}, window_seconds: 60 }}\n"
+    )
+}
+
+fn text(output: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .env("GIT_AUTHOR_NAME", "Seed")
+        .env("GIT_AUTHOR_EMAIL", "seed@example.com")
+        .env("GIT_COMMITTER_NAME", "Seed")
+        .env("GIT_COMMITTER_EMAIL", "seed@example.com")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "git {args:?}: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn hex_sha256(token: &str) -> String {
+    sha2::Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The fixture: broker, keys, repository, capture, config file.
+struct Fixture {
+    dir: tempfile::TempDir,
+    broker: Broker,
+    public_key: String,
+    config_file: PathBuf,
+    repo: PathBuf,
+    audit: PathBuf,
+}
+
+impl Fixture {
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new(BIN).arg("--config").arg(&self.config_file).args(args).output().unwrap()
+    }
+
+    /// The version `rules history` marks in force.
+    fn in_force(&self) -> String {
+        let out = self.run(&["rules", "history"]);
+        let history = text(&out);
+        let line = history.lines().find(|l| l.contains("(in force)")).unwrap_or_else(|| panic!("{history}"));
+        line.split_whitespace().nth(1).unwrap().to_owned()
+    }
+
+    fn subscriber(&self, instance: &str) -> ratelimitd::config::Config {
+        let mut cfg = config(Path::new("/unused"), None);
+        cfg.rules.path = None;
+        cfg.rules.source = RulesSource::Kafka;
+        cfg.rules.kafka.brokers = Some(self.broker.brokers());
+        cfg.rules.kafka.status_interval_ms = 200;
+        cfg.rules.kafka.verify_keys = vec![self.public_key.clone()];
+        cfg.dlq.instance_id = Some(instance.to_owned());
+        cfg
+    }
+
+    /// `ratelimitd admin` on a free port: the child and the console's URL.
+    fn admin(&self) -> (Child, String) {
+        let log = self.dir.path().join("admin.log");
+        let (child, port) = start_listening("ratelimitd admin", &log, |port| {
+            let mut command = Command::new(BIN);
+            command
+                .arg("--config")
+                .arg(&self.config_file)
+                .arg("admin")
+                .env("RATELIMITD__ADMIN__LISTEN", format!("127.0.0.1:{port}"));
+            command
+        });
+        (child, format!("http://127.0.0.1:{port}/"))
+    }
+}
+
+/// Captures CRITICAL /play and BULK /bulk traffic of an instance serving
+/// `rules_of(10, 10)` to `file`: 24 /play requests by three users, all
+/// allowed, and 8 /bulk ones.
+async fn capture_traffic(dir: &Path, file: &Path) {
+    let rules = dir.join("capture-rules.yaml");
+    std::fs::write(&rules, rules_of(10, 10)).unwrap();
+    let mut cfg = config(&rules, None);
+    cfg.capture.sample_ratio = 1.0;
+    cfg.capture.salt = Some("a secret shared by the fleet".to_owned());
+    cfg.capture.file = file.to_path_buf();
+    let server = TestServer::start(cfg).await;
+    let mut client = server.client().await;
+    for user in ["a", "b", "c"] {
+        for _ in 0..8 {
+            assert!(check(&mut client, request(user, "/play")).await.allowed);
+        }
+    }
+    for _ in 0..8 {
+        let mut bulk = request("a", "/bulk");
+        bulk.priority = ratelimitd::api::pb::PriorityBucket::Bulk as i32;
+        check(&mut client, bulk).await;
+    }
+    server.stop().await.unwrap();
+}
+
+fn fixture(broker: Broker) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("publisher.key");
+    let out = Command::new(BIN).args(["rules", "keygen", "--out"]).arg(&key).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let public_key = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    assert!(Signer::from_text(&std::fs::read_to_string(&key).unwrap()).is_ok());
+    let seed = dir.path().join("seed");
+    std::fs::create_dir_all(seed.join("rules")).unwrap();
+    std::fs::write(seed.join("rules/limits.yaml"), rules_of(10, 10)).unwrap();
+    git(&seed, &["init", "-q", "-b", "main"]);
+    git(&seed, &["add", "rules"]);
+    git(&seed, &["commit", "-q", "-m", "Seed the rules"]);
+    let repo = dir.path().join("rules.git");
+    git(dir.path(), &["clone", "-q", "--bare", seed.to_str().unwrap(), repo.to_str().unwrap()]);
+    std::fs::create_dir_all(dir.path().join("captures")).unwrap();
+    let audit = dir.path().join("state/admin-audit.jsonl");
+    let user = |name: &str, email: &str, role: &str, token: &str| {
+        format!(
+            "    - {{ name: {name}, email: {email}, role: {role}, token_sha256: {} }}\n",
+            hex_sha256(token)
+        )
+    };
+    let config_file = dir.path().join("ratelimitd.yaml");
+    let yaml = format!(
+        "rules:\n  kafka:\n    brokers: {brokers}\n    replication_factor: 1\n    status_interval_ms: 200\n    signing_key_file: {key}\n    verify_keys: [{public_key}]\nadmin:\n  repo: {repo}\n  rules_path: rules\n  captures_dir: {captures}\n  audit_log: {audit}\n  users:\n{eve}{pat}{val}",
+        brokers = broker.brokers(),
+        key = key.display(),
+        repo = repo.display(),
+        captures = dir.path().join("captures").display(),
+        audit = audit.display(),
+        eve = user("Eve Editor", "eve@example.com", "editor", "eve-token"),
+        pat = user("Pat Publisher", "pat@example.com", "publisher", "pat-token"),
+        val = user("Val Viewer", "val@example.com", "viewer", "val-token"),
+    );
+    std::fs::write(&config_file, yaml).unwrap();
+    Fixture { dir, broker, public_key, config_file, repo, audit }
+}
+
+fn sign_in(browser: &Browser, url: &str, token: &str, who: &str) {
+    browser.goto(url);
+    browser.type_text("#token", token);
+    browser.key("#token", '\u{e007}'); // Enter submits the form
+    browser.wait_text("#notice", &format!("Signed in as {who}"), WAIT);
+}
+
+fn edit(browser: &Browser, rules: &str, wanted_change: &str) {
+    browser.clear("#editor");
+    browser.type_text("#editor", rules);
+    browser.wait_text("#problems", "No problems", WAIT);
+    browser.wait_text("#changes", wanted_change, WAIT);
+}
+
+fn gate(browser: &Browser, verdict: &str) -> String {
+    browser.click("#capture option[value='traffic.jsonl']");
+    browser.click("#run-gate");
+    browser.wait_text("#gate-verdict", verdict, Duration::from_secs(30))
+}
+
+fn shoot(browser: &Browser, name: &str) {
+    if let Some(dir) = std::env::var_os("RATELIMITD_SCREENSHOTS") {
+        std::fs::create_dir_all(&dir).unwrap();
+        browser.screenshot(&Path::new(&dir).join(name));
+    }
+}
+
+/// POST /api/publish from the page with `token`: the HTTP status.
+fn publish_by_script(browser: &Browser, token: &str) -> u64 {
+    let script = format!(
+        "const done = arguments[arguments.length - 1];
+         fetch('/api/publish', {{ method: 'POST', headers: {{ 'Authorization': 'Bearer {token}', 'Content-Type': 'application/json' }},
+           body: JSON.stringify({{ base: null, files: [], message: 'sneak' }}) }}).then(r => done(r.status), e => done(String(e)));"
+    );
+    browser.run_async(&script).as_u64().unwrap_or_default()
+}
+
+fn audit_entries(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_editor_proposes_a_viewer_cannot_publish_and_a_publisher_ships_through_git() {
+    let f = fixture(Broker::start());
+    let out = f.run(&["migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    capture_traffic(f.dir.path(), &f.dir.path().join("captures/traffic.jsonl")).await;
+    let out = f.run(&["rules", "sync", "--repo", f.repo.to_str().unwrap(), "rules"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let first = f.in_force();
+    let mut instances = Vec::new();
+    for name in ["console-a", "console-b", "console-c"] {
+        instances.push(TestServer::start(f.subscriber(name)).await);
+    }
+    let serve = |version: String| {
+        let addrs: Vec<_> = instances.iter().map(|s| s.http_addr).collect();
+        async move {
+            eventually(Duration::from_secs(30), || {
+                let (addrs, version) = (addrs.clone(), version.clone());
+                async move {
+                    tokio::task::spawn_blocking(move || {
+                        addrs.iter().all(|a| {
+                            http_get(*a, "/readyz").1.contains(&format!("rules {version} (from topic,"))
+                        })
+                    })
+                    .await
+                    .unwrap()
+                }
+            })
+            .await
+        }
+    };
+    assert!(serve(first.clone()).await, "the three instances serve the seeded rules");
+    let (mut admin, url) = f.admin();
+    let browser = tokio::task::block_in_place(|| Browser::start(&f.dir.path().join("chromedriver.log")));
+    tokio::task::block_in_place(|| editor_steps(&browser, &url));
+    tokio::task::block_in_place(|| viewer_steps(&browser, &url));
+    let published = tokio::task::block_in_place(|| publisher_steps(&browser, &url));
+    assert!(published.contains("and published"), "{published}");
+    let second = f.in_force();
+    assert_ne!(first, second);
+    assert!(serve(second.clone()).await, "the three instances converge on the published version");
+    tokio::task::block_in_place(|| {
+        browser.click("#nav-overview");
+        browser.wait_text("#converged", "3 of 3 serve the version in force", WAIT);
+        shoot(&browser, "console-overview.png");
+        browser.click("#nav-audit");
+        browser.wait_text("#audit", "publish", WAIT);
+        shoot(&browser, "console-audit.png");
+    });
+    // The repository holds the commit, by the publisher, with the reviewer's message.
+    let head = git(&f.repo, &["rev-parse", "main"]);
+    assert_eq!(git(&f.repo, &["log", "-1", "--format=%an <%ae>", "main"]), "Pat Publisher <pat@example.com>");
+    let message = git(&f.repo, &["log", "-1", "--format=%B", "main"]);
+    assert!(message.starts_with("Cap bulk exports at 2 a minute"), "{message}");
+    assert!(message.contains("Proposed-by: Eve Editor <eve@example.com>"), "{message}");
+    assert_eq!(git(&f.repo, &["show", "main:rules/limits.yaml"]), rules_of(10, 2).trim());
+    assert!(
+        git(&f.repo, &["for-each-ref", "refs/ratelimitd/proposals/"]).is_empty(),
+        "the proposal is closed"
+    );
+    assert_audit(&audit_entries(&f.audit), &first, &second, &head);
+    drop(browser);
+    let _ = admin.kill();
+    let _ = admin.wait();
+    for instance in instances {
+        instance.stop().await.unwrap();
+    }
+}
+
+fn editor_steps(browser: &Browser, url: &str) {
+    sign_in(browser, url, "eve-token", "Eve Editor");
+    browser.click("#nav-rules");
+    browser.wait_text("#rules-head", "main at", WAIT);
+    assert_eq!(browser.property("#editor", "value").as_str().unwrap(), rules_of(10, 10));
+    assert_eq!(browser.property("#publish", "disabled"), Value::Bool(true), "an editor does not publish");
+    // Too tight: 9 of the 24 captured CRITICAL /play requests would be denied.
+    edit(browser, &rules_of(5, 10), "limit: 10 → 5");
+    let failed = gate(browser, "Fails the gate");
+    assert!(failed.contains("drops 37.50% of its CRITICAL requests"), "{failed}");
+    assert!(browser.text("#gate-rules").contains("play"), "{}", browser.text("#gate-rules"));
+    shoot(browser, "console-rules.png");
+    // A typo is named by file, rule and field as the editor types.
+    browser.clear("#editor");
+    browser.type_text("#editor", &rules_of(10, 0));
+    let problems = browser.wait_text("#problems", "rules/limits.yaml", WAIT);
+    assert!(problems.contains("bulk") && problems.contains("limit"), "{problems}");
+    // Fixed: CRITICAL traffic keeps its room; only BULK exports tighten.
+    edit(browser, &rules_of(10, 2), "limit: 10 → 2");
+    let passed = gate(browser, "Passes the gate");
+    assert!(passed.contains("32 requests replayed"), "{passed}");
+    browser.type_text("#propose-note", "Bulk exports: 2 a minute");
+    browser.click("#propose");
+    browser.wait_text("#publish-result", "Proposed as #1", WAIT);
+    browser.click("#sign-out");
+}
+
+fn viewer_steps(browser: &Browser, url: &str) {
+    sign_in(browser, url, "val-token", "Val Viewer");
+    browser.click("#nav-rules");
+    browser.wait_text("#rules-head", "main at", WAIT);
+    assert_eq!(browser.property("#editor", "readOnly"), Value::Bool(true));
+    assert_eq!(browser.property("#publish", "disabled"), Value::Bool(true));
+    assert_eq!(publish_by_script(browser, "val-token"), 403, "the API refuses a viewer's publish");
+    assert_eq!(publish_by_script(browser, "nobody"), 401);
+    browser.click("#sign-out");
+}
+
+fn publisher_steps(browser: &Browser, url: &str) -> String {
+    sign_in(browser, url, "pat-token", "Pat Publisher");
+    browser.click("#nav-proposals");
+    browser.click(".open-proposal[data-id='1']");
+    browser.wait_text("#proposal-loaded", "Reviewing proposal 1 by Eve Editor", WAIT);
+    browser.wait_text("#changes", "limit: 10 → 2", WAIT);
+    gate(browser, "Passes the gate");
+    browser.type_text("#message", "Cap bulk exports at 2 a minute");
+    browser.click("#publish");
+    browser.wait_text("#publish-result", "published", Duration::from_secs(30))
+}
+
+/// Every step, in order, by whom, with the versions and the commit.
+fn assert_audit(entries: &[Value], first: &str, second: &str, head: &str) {
+    // Refused sign-ins (the unknown token) are summed once a minute, so
+    // whether their line is in yet depends on the clock.
+    let entries: Vec<&Value> = entries.iter().filter(|e| e["action"] != "sign_in_refused").collect();
+    let steps: Vec<(String, String, String)> = entries
+        .iter()
+        .map(|e| {
+            let s = |k: &str| e[k].as_str().unwrap_or_default().to_owned();
+            (s("user"), s("action"), s("outcome"))
+        })
+        .collect();
+    let want = [
+        ("Eve Editor", "sign_in", "ok"),
+        ("Eve Editor", "gate", "refused"),
+        ("Eve Editor", "gate", "ok"),
+        ("Eve Editor", "propose", "ok"),
+        ("Val Viewer", "sign_in", "ok"),
+        ("Val Viewer", "publish", "refused"),
+        ("Pat Publisher", "sign_in", "ok"),
+        ("Pat Publisher", "gate", "ok"),
+        ("Pat Publisher", "publish", "ok"),
+    ];
+    let got: Vec<(&str, &str, &str)> =
+        steps.iter().map(|(u, a, o)| (u.as_str(), a.as_str(), o.as_str())).collect();
+    assert_eq!(got, want, "{entries:#?}");
+    let publish = entries.last().unwrap();
+    assert_eq!(publish["before"], first);
+    assert_eq!(publish["after"], second);
+    assert_eq!(publish["commit"], head);
+}
