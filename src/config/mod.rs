@@ -13,6 +13,7 @@
 //! directory: native rules default to the set compiled into the binary, and
 //! the dead-letter file and spool to a state directory ([`state_dir`]).
 
+mod admin;
 mod capture;
 pub mod compat;
 mod dlq;
@@ -39,6 +40,8 @@ use std::{
 
 use serde::Deserialize;
 
+pub(crate) use admin::inside;
+pub use admin::{ConsoleConfig, ConsoleUser, ProxyConfig, Role};
 pub use capture::{CaptureConfig, CaptureKafkaConfig};
 pub use dlq::{DlqConfig, KafkaConfig};
 pub use grpc::GrpcConfig;
@@ -56,7 +59,6 @@ pub use crate::{
         EnvoyAlgorithm, EnvoyFailureMode, EnvoyHeaderFormat, EnvoyHitsCounted, EnvoySettings, EnvoyZeroHits,
     },
     api::xds::XdsConfig,
-    console::ConsoleConfig,
     decision::TenantSource,
     limiter::settings::{RedisConfig, redact_url},
     rollout::RulesKafkaConfig,

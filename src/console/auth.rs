@@ -7,33 +7,11 @@
 use std::net::IpAddr;
 
 use axum::http::{HeaderMap, header::AUTHORIZATION};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use sha2::{Digest as _, Sha256};
 
-use super::settings::{ConsoleUser, ProxyConfig};
-
-/// What a user may do; each role may do what the ones before it may.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Sees instances, rules, history and the audit log.
-    Viewer,
-    /// Also edits, validates, diffs, gates and proposes changes.
-    Editor,
-    /// Also publishes and rolls back.
-    Publisher,
-}
-
-impl Role {
-    /// Its name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Viewer => "viewer",
-            Role::Editor => "editor",
-            Role::Publisher => "publisher",
-        }
-    }
-}
+pub use crate::config::Role;
+use crate::config::{ConsoleUser, ProxyConfig};
 
 /// A signed-in user.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

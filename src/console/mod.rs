@@ -22,7 +22,6 @@ pub mod auth;
 mod handlers;
 mod pages;
 mod publication;
-pub mod settings;
 pub mod workspace;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
@@ -35,8 +34,6 @@ use axum::{
 use std::sync::Mutex;
 
 use tokio::sync::{Semaphore, watch};
-
-pub use settings::ConsoleConfig;
 
 use crate::{
     config::Config,

@@ -24,7 +24,9 @@ use super::{
 };
 use crate::{
     release::{self, GateRun, Prepared, ReleaseError},
+    replay::Report,
     rollout::{git, publish},
+    rules::encoding::SnapshotRecord,
 };
 
 /// One publication: what the audit log calls it and what it published.
@@ -35,6 +37,21 @@ struct Publication {
     capture: Option<String>,
     /// Whether the record names the version in force as rolled back.
     rollback: bool,
+}
+
+/// Who is publishing what, from which version: the audit entries of one publication.
+struct Audit<'a> {
+    user: &'a User,
+    action: &'static str,
+    before: Option<String>,
+}
+
+impl Audit<'_> {
+    fn entry(&self, outcome: &str, detail: String) -> AuditEntry {
+        let mut entry = AuditEntry::new(self.user, self.action, outcome, detail);
+        entry.before.clone_from(&self.before);
+        entry
+    }
 }
 
 /// Gates `p.candidate`, then makes the commit with `commit` (blocking),
@@ -49,59 +66,61 @@ async fn publish_commit(
     let _one =
         console.heavy.acquire().await.map_err(|_| error(StatusCode::SERVICE_UNAVAILABLE, "stopping"))?;
     let before = console.view().await?.in_force().map(|r| r.version.clone());
+    let audit = Audit { user, action: p.action, before };
     let mut provenance = publish::provenance(&[]);
     provenance.paths = p.candidate.paths.iter().map(|p| p.display().to_string()).collect();
     provenance.publisher.push_str(" (admin console)");
     if p.rollback {
-        provenance.rolled_back_from.clone_from(&before);
+        provenance.rolled_back_from.clone_from(&audit.before);
     }
     let gate = capture.as_deref().map(|capture| GateRun { capture, thresholds: console.config.gate });
-    let entry = |outcome: &str, detail: String| {
-        let mut entry = AuditEntry::new(user, p.action, outcome, detail);
-        entry.before.clone_from(&before);
-        entry
-    };
-    let prepared = match release::prepare(
-        &console.config,
-        &p.candidate,
-        provenance,
-        gate,
-        console.trust.clone(),
-    )
-    .await
-    {
+    let prepared =
+        release::prepare(&console.config, &p.candidate, provenance, gate, console.trust.clone()).await;
+    let prepared = match prepared {
         Ok(prepared) => prepared,
         Err(e) => {
             let outcome = if matches!(e, ReleaseError::GateFailed(_)) { "refused" } else { "failed" };
-            console.log(entry(outcome, format!("{}: {e}", p.detail))).await?;
+            console.log(audit.entry(outcome, format!("{}: {e}", p.detail))).await?;
             return Err(e.into());
         }
     };
     let made = match blocking(commit).await {
         Ok(made) => made,
         Err(e) => {
-            console.log(entry("failed", format!("{}: {}", p.detail, e.1["error"]))).await?;
+            console.log(audit.entry("failed", format!("{}: {}", p.detail, e.1["error"]))).await?;
             return Err(e);
         }
     };
-    let (record, report) = match prepared {
+    match prepared {
         Prepared::InForce { version } => {
-            let mut done = entry("ok", format!("{}: already in force", p.detail));
+            let mut done = audit.entry("ok", format!("{}: already in force", p.detail));
             (done.after, done.commit) = (Some(version.clone()), Some(made.id.clone()));
             console.log(done).await?;
-            return Ok(Json(json!({ "commit": made.id, "version": version, "already_in_force": true })));
+            Ok(Json(json!({ "commit": made.id, "version": version, "already_in_force": true })))
         }
-        Prepared::Ready { record, report } => (record, report),
-    };
-    let mut record = *record;
+        Prepared::Ready { record, report } => {
+            produce(console, &audit, &p.detail, made, *record, report).await
+        }
+    }
+}
+
+/// Produces `record`, made from commit `made`, signed; audited either way.
+async fn produce(
+    console: &Arc<Console>,
+    audit: &Audit<'_>,
+    detail: &str,
+    made: git::Commit,
+    mut record: SnapshotRecord,
+    report: Option<Box<Report>>,
+) -> Answer {
     record.provenance.git_commit = Some(made.id.clone());
     record.provenance.git_author = Some(made.author.clone());
     record.provenance.git_dirty = Some(false);
     let produced = publish::publish(&console.config.rules.kafka, &record, console.signer.as_ref()).await;
     console.forget_view();
     let mut done = match &produced {
-        Ok(_) => entry("ok", p.detail.clone()),
-        Err(e) => entry("failed", format!("{}: committed {} but not published: {e}", p.detail, made.id)),
+        Ok(_) => audit.entry("ok", detail.to_owned()),
+        Err(e) => audit.entry("failed", format!("{detail}: committed {} but not published: {e}", made.id)),
     };
     (done.after, done.commit) = (produced.is_ok().then(|| record.version.clone()), Some(made.id.clone()));
     console.log(done).await?;

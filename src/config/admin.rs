@@ -9,8 +9,30 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use super::auth::Role;
-use crate::config::{ConfigError, invalid};
+use super::{ConfigError, invalid};
+
+/// What a console user may do; each role may do what the ones before it may.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Sees instances, rules, history and the audit log.
+    Viewer,
+    /// Also edits, validates, diffs, gates and proposes changes.
+    Editor,
+    /// Also publishes and rolls back.
+    Publisher,
+}
+
+impl Role {
+    /// Its name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Viewer => "viewer",
+            Role::Editor => "editor",
+            Role::Publisher => "publisher",
+        }
+    }
+}
 
 /// `admin.*`
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -94,7 +116,7 @@ impl Default for ConsoleConfig {
 }
 
 /// Whether `path` names a place inside a repository.
-pub(super) fn inside(path: &Path) -> bool {
+pub(crate) fn inside(path: &Path) -> bool {
     !path.as_os_str().is_empty() && path.components().all(|c| matches!(c, Component::Normal(_)))
 }
 
