@@ -264,6 +264,9 @@ async fn an_editor_proposes_a_viewer_cannot_publish_and_a_publisher_ships_throug
     tokio::task::block_in_place(|| {
         browser.click("#nav-overview");
         browser.wait_text("#converged", "3 of 3 serve the version in force", WAIT);
+        // Each instance's shedding, overload layer and dead letters, from its report.
+        let instances = browser.wait_text("#instances", "since start", WAIT);
+        assert!(instances.contains("NORMAL") && instances.contains("enforce, 0 directive(s)"), "{instances}");
         shoot(&browser, "console-overview.png");
         browser.click("#nav-audit");
         browser.wait_text("#audit", "publish", WAIT);

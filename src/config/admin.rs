@@ -52,8 +52,9 @@ pub struct ConsoleConfig {
     /// A directory of captures (`*.jsonl`) the gate may replay; unset: the
     /// console cannot gate (and cannot publish with `rules.kafka.require_gate`).
     pub captures_dir: Option<PathBuf>,
-    /// The audit log, JSON lines, appended and synced per action (default
-    /// in the state directory).
+    /// The audit log, JSON lines, appended and synced per action.
+    ///
+    /// Default: `admin-audit.jsonl` in the state directory
     pub audit_log: PathBuf,
     /// Users signing in with a token.
     pub users: Vec<ConsoleUser>,

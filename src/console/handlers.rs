@@ -267,15 +267,45 @@ impl View {
 /// The most version changes the timeline keeps.
 const TIMELINE: usize = 512;
 
-/// The last view, and every (instance, version, since) seen, for the timeline.
+/// How long the dead-letter samples of an instance reach back.
+const RECENT_MS: u64 = 60_000;
+
+/// The last view, every (instance, version, since) seen, for the
+/// timeline, and each instance's dead-letter counts over the last minute.
 #[derive(Debug, Default)]
 pub(super) struct OverviewCache {
     view: Option<(Instant, Arc<View>)>,
     seen: VecDeque<(String, String, u64)>,
+    dead_letters: std::collections::HashMap<String, VecDeque<(u64, u64)>>,
 }
 
 impl OverviewCache {
+    /// Dead letters an instance recorded over the samples of the last
+    /// minute, and the seconds they span.
+    fn recent_dead_letters(&self, instance: &str) -> (u64, u64) {
+        let Some(samples) = self.dead_letters.get(instance) else { return (0, 0) };
+        match (samples.front(), samples.back()) {
+            // A restart starts its count again: never less than nothing.
+            (Some(first), Some(last)) => (last.1.saturating_sub(first.1), (last.0 - first.0) / 1_000),
+            _ => (0, 0),
+        }
+    }
+
     fn observe(&mut self, reports: &[status::StatusReport]) {
+        self.dead_letters.retain(|instance, _| reports.iter().any(|r| &r.instance == instance));
+        for report in reports {
+            if let Some(vitals) = &report.vitals {
+                let samples = self.dead_letters.entry(report.instance.clone()).or_default();
+                if samples.back().is_none_or(|(at, _)| *at < report.reported_ms) {
+                    samples.push_back((report.reported_ms, vitals.dead_letters));
+                }
+                while samples.len() > 256
+                    || samples.front().is_some_and(|(at, _)| at + RECENT_MS < report.reported_ms)
+                {
+                    samples.pop_front();
+                }
+            }
+        }
         for report in reports {
             let (Some(version), Some(since)) = (&report.version, report.since_ms) else { continue };
             let known =
@@ -308,20 +338,27 @@ pub(super) async fn overview(State(console): State<Arc<Console>>, peer: Peer, he
     let now = SystemClock.now_ms();
     let in_force = view.in_force().map(|r| r.version.as_str());
     let stale_after = console.config.rules.kafka.status_interval_ms.saturating_mul(3);
-    let instances: Vec<Value> = view
-        .reports
-        .iter()
-        .map(|r| {
-            let mut value = serde_json::to_value(r).unwrap_or_default();
-            value["standing"] = json!(status::standing(r, in_force, now, stale_after));
-            value
-        })
-        .collect();
-    let history: Vec<Value> = view.history.iter().rev().take(50).map(history_entry).collect();
-    let timeline: Vec<Value> = {
+    let (instances, timeline) = {
         let cache = console.overview();
-        cache.seen.iter().map(|(i, v, s)| json!({ "instance": i, "version": v, "since_ms": s })).collect()
+        let instances: Vec<Value> = view
+            .reports
+            .iter()
+            .map(|r| {
+                let mut value = serde_json::to_value(r).unwrap_or_default();
+                value["standing"] = json!(status::standing(r, in_force, now, stale_after));
+                let (recent, over_s) = cache.recent_dead_letters(&r.instance);
+                value["dead_letters_recent"] = json!({ "count": recent, "over_s": over_s });
+                value
+            })
+            .collect();
+        let timeline: Vec<Value> = cache
+            .seen
+            .iter()
+            .map(|(i, v, s)| json!({ "instance": i, "version": v, "since_ms": s }))
+            .collect();
+        (instances, timeline)
     };
+    let history: Vec<Value> = view.history.iter().rev().take(50).map(history_entry).collect();
     Ok(Json(json!({
         "now_ms": now,
         "in_force": view.in_force().map(record_summary),

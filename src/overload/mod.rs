@@ -214,6 +214,11 @@ impl Table {
         table
     }
 
+    /// How many directives are in force (native rules and Envoy limits).
+    pub fn directive_count(&self) -> usize {
+        self.native.len() + self.envoy.len()
+    }
+
     fn directives(&self, kind: Kind) -> &HashMap<Arc<str>, Arc<Directive>> {
         match kind {
             Kind::Native => &self.native,

@@ -51,6 +51,53 @@ pub struct StatusReport {
     /// sharing a store, give or take an interval.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub adaptive: BTreeMap<String, u64>,
+    /// The instance's load shedding, overload layer and dead-letter
+    /// pipeline as of the report; `None` before it serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vitals: Option<Vitals>,
+}
+
+/// What else an instance says in its report, beside its rules.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Vitals {
+    /// The shedding level, as `Check` answers it in
+    /// `cluster_utilization_status`: `NORMAL`, `DEGRADED_MODE` or `CRITICAL_ONLY`.
+    pub shed_level: String,
+    /// The smoothed utilization shedding judges by (0..1), when measured.
+    pub utilization: Option<f64>,
+    /// The overload layer's mode in force: `enforce`, `shadow` or `off`.
+    pub overload_mode: String,
+    /// Overload directives in force (native rules and Envoy limits).
+    pub overload_directives: usize,
+    /// Failed decisions recorded for the dead-letter sink since the start.
+    pub dead_letters: u64,
+    /// Of those, lost (counted, never silently).
+    pub dead_letters_dropped: u64,
+}
+
+/// Where the reporter reads an instance's [`Vitals`] from: set once the
+/// parts that know them are built (the rules come first).
+#[derive(Clone, Default)]
+pub struct VitalsSource(Arc<std::sync::OnceLock<VitalsReader>>);
+
+type VitalsReader = Box<dyn Fn() -> Vitals + Send + Sync>;
+
+impl std::fmt::Debug for VitalsSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("VitalsSource").field(&self.0.get().is_some()).finish()
+    }
+}
+
+impl VitalsSource {
+    /// Sets how the vitals are read (the first setting holds).
+    pub fn set(&self, read: impl Fn() -> Vitals + Send + Sync + 'static) {
+        let _ = self.0.set(Box::new(read));
+    }
+
+    /// The vitals now, once set.
+    pub fn read(&self) -> Option<Vitals> {
+        self.0.get().map(|read| read())
+    }
 }
 
 /// Where an instance stands against the version in force, as of `now_ms`:
@@ -70,8 +117,15 @@ pub fn standing(
     }
 }
 
-/// The report of what `feed` serves now (the rule sets `native` and `envoy`).
-pub fn report(instance: &str, feed: &Feed, native: &RuleStore, envoy: &Hot<EnvoyConfig>) -> StatusReport {
+/// The report of what `feed` serves now (the rule sets `native` and
+/// `envoy`), with `vitals` when known.
+pub fn report(
+    instance: &str,
+    feed: &Feed,
+    native: &RuleStore,
+    envoy: &Hot<EnvoyConfig>,
+    vitals: Option<Vitals>,
+) -> StatusReport {
     let served = feed.served();
     let (native, envoy) = (native.load(), envoy.load());
     let adaptive = adaptive_limits(&native, Some(&envoy))
@@ -93,6 +147,7 @@ pub fn report(instance: &str, feed: &Feed, native: &RuleStore, envoy: &Hot<Envoy
         rejected: feed.rejected(),
         last_refusal: feed.last_refusal().map(|why| why.to_string()),
         adaptive,
+        vitals,
     }
 }
 
@@ -104,6 +159,7 @@ pub async fn run_reporter(
     feed: Arc<Feed>,
     native: Arc<RuleStore>,
     envoy: Arc<Hot<EnvoyConfig>>,
+    vitals: VitalsSource,
     mut stop: watch::Receiver<bool>,
 ) {
     let brokers = kafka.brokers.clone().unwrap_or_default();
@@ -124,7 +180,8 @@ pub async fn run_reporter(
             () = feed.changed() => {}
             _ = stop.changed() => break,
         }
-        let payload = serde_json::to_vec(&report(&instance, &feed, &native, &envoy)).unwrap_or_default();
+        let now = vitals.read();
+        let payload = serde_json::to_vec(&report(&instance, &feed, &native, &envoy, now)).unwrap_or_default();
         // A broker that is away must not hold up shutdown.
         let produced = tokio::select! {
             produced = topic::produce(&producer, &kafka.status_topic, &instance, Some(&payload)) => produced,

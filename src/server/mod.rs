@@ -136,6 +136,7 @@ pub async fn run_observed(
     let tenant_shares =
         parts::tenant_shares(config.grpc.max_store_calls_per_tenant, tenants.as_ref(), &store);
     let overload = parts::overload(&config.overload, &rules, tenants, &store, &mut tasks)?;
+    parts::vitals(&rules, &shedder, &overload, &dlq);
     let adapter = parts::adaptive(&rules, &store, &mut tasks);
     let denials = parts::denials(&config.denial_cache, &store);
     let stats = parts::stats(&config.envoy, &rules, &store);

@@ -93,6 +93,8 @@ pub(crate) struct Rules {
     pub(crate) feed: Option<Arc<Feed>>,
     /// The xDS subscription, with `rules.source: xds`.
     pub(crate) xds: Option<Arc<XdsState>>,
+    /// What the status reports say beside the rules, with `rules.source: kafka`.
+    pub(crate) vitals: Option<crate::rollout::status::VitalsSource>,
 }
 
 /// The rules: from files ([`rules`]), from the rules topic
@@ -175,12 +177,14 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
     tasks.spawn(subscribe::run(subscription, stop));
     let stop = tasks.stopper();
     let instance = format!("{}@{}", config.dlq.instance(), config.grpc_addr().port());
+    let vitals = status::VitalsSource::default();
     let reporter = status::run_reporter(
         kafka.clone(),
         instance,
         Arc::clone(&feed),
         Arc::clone(&native),
         Arc::clone(&envoy),
+        vitals.clone(),
         stop,
     );
     tasks.spawn(reporter);
@@ -190,6 +194,7 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
         envoy: Some(envoy),
         feed: Some(feed),
         xds: None,
+        vitals: Some(vitals),
     }
 }
 
@@ -238,7 +243,7 @@ pub(crate) fn rules(
             Some(hot)
         }
     };
-    Ok(Rules { native, native_source, envoy, feed: None, xds: None })
+    Ok(Rules { native, native_source, envoy, feed: None, xds: None, vitals: None })
 }
 
 fn watch<T: rules::Versioned>(
@@ -349,6 +354,24 @@ pub(crate) fn shedder(config: &ShedConfig, tasks: &mut Tasks) -> Arc<Shedder> {
         stop,
     ));
     shedder
+}
+
+/// What the status reports say beside the rules: shedding, the overload
+/// layer and the dead-letter pipeline, read at each report.
+pub(crate) fn vitals(rules: &Rules, shedder: &Arc<Shedder>, overload: &Arc<Overload>, dlq: &Arc<DlqSink>) {
+    let Some(source) = &rules.vitals else { return };
+    let (shedder, overload, dlq) = (Arc::clone(shedder), Arc::clone(overload), Arc::clone(dlq));
+    source.set(move || {
+        let stats = dlq.stats();
+        crate::rollout::status::Vitals {
+            shed_level: shedder.level().as_str().to_owned(),
+            utilization: shedder.utilization(),
+            overload_mode: overload.mode().as_str().to_owned(),
+            overload_directives: overload.table().directive_count(),
+            dead_letters: stats.enqueued,
+            dead_letters_dropped: stats.dropped,
+        }
+    });
 }
 
 /// The dead-letter pipeline: the hot path's sink, and its writer tasks (the

@@ -131,7 +131,15 @@ async function loadOverview() {
     el("td", {}, i.instance), el("td", { class: "mono" }, short(i.version)),
     el("td", { class: "standing-" + i.standing }, i.standing), el("td", {}, i.origin || "–"),
     el("td", {}, ago(i.since_ms, now)), el("td", {}, ago(i.reported_ms, now)),
+    el("td", { class: i.vitals && i.vitals.shed_level !== "NORMAL" ? "bad" : "" }, i.vitals
+      ? i.vitals.shed_level + (i.vitals.utilization !== null ? " (" + Math.round(i.vitals.utilization * 100) + "% busy)" : "") : "–"),
+    el("td", {}, i.vitals ? i.vitals.overload_mode + ", " + i.vitals.overload_directives + " directive(s)" : "–"),
+    el("td", { class: i.dead_letters_recent.count ? "bad" : "" }, i.vitals
+      ? i.dead_letters_recent.count + " in the last " + i.dead_letters_recent.over_s + " s; " + i.vitals.dead_letters + " since start"
+        + (i.vitals.dead_letters_dropped ? ", " + i.vitals.dead_letters_dropped + " lost" : "") : "–"),
     el("td", {}, Object.entries(i.adaptive || {}).map(([k, v]) => k + "=" + v).join(", ") || "–"))));
+  const recent = data.instances.reduce((sum, i) => sum + i.dead_letters_recent.count, 0);
+  $("dead-letters").textContent = recent + " failed decision(s) recorded in the last minute";
   drawTimeline(data.timeline, data.instances, now);
   const may = state.user.may_publish;
   $("history").tBodies[0].replaceChildren(...data.history.map((h) => {
