@@ -267,6 +267,11 @@ async fn an_editor_proposes_a_viewer_cannot_publish_and_a_publisher_ships_throug
         // Each instance's shedding, overload layer and dead letters, from its report.
         let instances = browser.wait_text("#instances", "since start", WAIT);
         assert!(instances.contains("NORMAL") && instances.contains("enforce, 0 directive(s)"), "{instances}");
+        // The rules in force, searched.
+        browser.wait_text("#in-force-rules", "/play", WAIT);
+        browser.type_text("#rule-search", "bulk");
+        let found = browser.wait_text("#in-force-rules", "/bulk 2 per 60000 ms", WAIT);
+        assert!(!found.contains("/play"), "{found}");
         shoot(&browser, "console-overview.png");
         browser.click("#nav-audit");
         browser.wait_text("#audit", "publish", WAIT);

@@ -277,6 +277,8 @@ pub(super) struct OverviewCache {
     view: Option<(Instant, Arc<View>)>,
     seen: VecDeque<(String, String, u64)>,
     dead_letters: std::collections::HashMap<String, VecDeque<(u64, u64)>>,
+    /// The rules of the version in force, one line each.
+    in_force: Option<(String, Value)>,
 }
 
 impl OverviewCache {
@@ -391,6 +393,40 @@ fn history_entry(entry: &Entry) -> Value {
         Ok(r) => json!({ "offset": entry.offset, "record": record_summary(r) }),
         Err(why) => json!({ "offset": entry.offset, "refused": why }),
     }
+}
+
+/// `GET /api/in-force`: every rule and Envoy limit of the record in force,
+/// one line each (the page searches them); compiled once per version.
+pub(super) async fn in_force(State(console): State<Arc<Console>>, peer: Peer, headers: HeaderMap) -> Answer {
+    console.user(&headers, &peer, Role::Viewer, "in_force").await?;
+    let view = console.view().await?;
+    let Some(version) = view.in_force().map(|r| r.version.clone()) else {
+        return Ok(Json(json!({ "version": null, "rules": [] })));
+    };
+    if let Some((cached, rules)) = &console.overview().in_force
+        && *cached == version
+    {
+        return Ok(Json(json!({ "version": version, "rules": rules })));
+    }
+    let c = console.clone();
+    let rules = blocking(move || {
+        let record = view.in_force().ok_or_else(|| error(StatusCode::NOT_FOUND, "nothing in force"))?;
+        let compiled = release::rules_of(&c.config, record, "the rules in force")?;
+        let mut lines: Vec<Value> = compiled
+            .native
+            .rules()
+            .iter()
+            .map(|r| json!({ "kind": "native", "id": &*r.id, "describe": crate::rules::diff::describe(r) }))
+            .collect();
+        for limit in compiled.envoy.iter().flat_map(|e| e.limits()) {
+            let describe = crate::rules::diff::describe_envoy(&limit);
+            lines.push(json!({ "kind": "envoy", "id": &*limit.full_key, "describe": describe }));
+        }
+        Ok(Value::Array(lines))
+    })
+    .await?;
+    console.overview().in_force = Some((version.clone(), rules.clone()));
+    Ok(Json(json!({ "version": version, "rules": rules })))
 }
 
 /// `GET /api/rules`: the rule files at the branch head, and what the page

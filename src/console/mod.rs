@@ -118,6 +118,7 @@ pub fn router(console: Arc<Console>) -> Router {
         .route("/api/session", get(handlers::session))
         .route("/api/overview", get(handlers::overview))
         .route("/api/rules", get(handlers::rules))
+        .route("/api/in-force", get(handlers::in_force))
         .route("/api/check", post(handlers::check))
         .route("/api/gate", post(handlers::gate))
         .route("/api/proposals", get(handlers::proposals).post(handlers::propose))

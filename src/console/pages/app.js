@@ -13,6 +13,7 @@ const state = {
   checkTimer: null,
   checkSeq: 0,
   refreshTimer: null,
+  inForce: { version: null, rules: [] },
 };
 
 const $ = (id) => document.getElementById(id);
@@ -141,6 +142,7 @@ async function loadOverview() {
   const recent = data.instances.reduce((sum, i) => sum + i.dead_letters_recent.count, 0);
   $("dead-letters").textContent = recent + " failed decision(s) recorded in the last minute";
   drawTimeline(data.timeline, data.instances, now);
+  loadInForce(force ? force.version : null);
   const may = state.user.may_publish;
   $("history").tBodies[0].replaceChildren(...data.history.map((h) => {
     if (h.refused) return el("tr", {}, el("td", {}, h.offset), el("td", { colspan: 6 }, "refused: " + h.refused));
@@ -152,6 +154,25 @@ async function loadOverview() {
       el("td", {}, r.published_at), el("td", { class: "mono" }, r.commit ? r.commit.slice(0, 10) : "–"),
       el("td", {}, r.author || "–"), el("td", {}, gate), el("td", {}, action));
   }));
+}
+
+async function loadInForce(version) {
+  if (version !== state.inForce.version) {
+    const { ok, data } = await api("GET", "/api/in-force");
+    if (!ok) { notice(data.error, true); return; }
+    state.inForce = data;
+  }
+  showInForce();
+}
+
+function showInForce() {
+  const words = $("rule-search").value.toLowerCase().split(/\s+/).filter(Boolean);
+  const shown = state.inForce.rules.filter((r) => {
+    const line = (r.kind + " " + r.id + " " + r.describe).toLowerCase();
+    return words.every((w) => line.includes(w));
+  });
+  $("in-force-rules").tBodies[0].replaceChildren(...shown.slice(0, 500).map((r) => el("tr", {},
+    el("td", {}, r.kind), el("td", { class: "mono" }, r.id), el("td", {}, r.describe))));
 }
 
 function drawTimeline(points, instances, now) {
@@ -363,6 +384,7 @@ document.addEventListener("DOMContentLoaded", () => {
     scheduleCheck();
   });
   $("run-gate").addEventListener("click", runGate);
+  $("rule-search").addEventListener("input", showInForce);
   $("propose").addEventListener("click", propose);
   $("publish").addEventListener("click", publish);
   window.addEventListener("hashchange", route);
