@@ -378,3 +378,113 @@ fn assert_audit(entries: &[Value], first: &str, second: &str, head: &str) {
     assert_eq!(publish["after"], second);
     assert_eq!(publish["commit"], head);
 }
+
+/// One JSON call to the console's API: the status and the answer.
+fn call(url: &str, method: &str, path: &str, token: &str, body: Option<Value>) -> (u16, Value) {
+    use std::io::{Read as _, Write as _};
+    let addr = url.trim_start_matches("http://").trim_end_matches('/');
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    let (head, payload) = reply.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(payload).unwrap_or(Value::Null))
+}
+
+fn change(base: &str, path: &str, text: &str, message: &str) -> Value {
+    serde_json::json!({ "base": base, "files": [{ "path": path, "text": text }], "message": message })
+}
+
+/// The API on its own: what it refuses, a rollback as a revert commit, a
+/// sync of a commit made by other means.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_api_refuses_what_it_must_and_rolls_back_and_syncs_through_git() {
+    let f = fixture(Broker::start());
+    assert!(f.run(&["migrate"]).status.success());
+    let out = f.run(&["rules", "sync", "--repo", f.repo.to_str().unwrap(), "rules"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let first = f.in_force();
+    let (mut admin, url) = f.admin();
+    let api = |method: &str, path: &str, token: &str, body: Option<Value>| {
+        let url = url.clone();
+        let (method, path, token) = (method.to_owned(), path.to_owned(), token.to_owned());
+        async move { tokio::task::spawn_blocking(move || call(&url, &method, &path, &token, body)).await.unwrap() }
+    };
+    let head = git(&f.repo, &["rev-parse", "main"]);
+    // Only the rule paths, plain relative names, hex commit ids and captures by name.
+    for (path, why) in [
+        (".github/workflows/ci.yml", "changes only files under rules"),
+        ("rules/../ci.yml", "changes only files under rules"),
+        ("rules/a\u{0}b.yaml", "changes only files under rules"),
+    ] {
+        let (status, answer) =
+            api("POST", "/api/check", "eve-token", Some(change(&head, path, "x", "m"))).await;
+        assert_eq!(status, 400, "{path:?}: {answer}");
+        assert!(answer["error"].as_str().unwrap().contains(why), "{answer}");
+    }
+    let gate = serde_json::json!({ "base": head, "files": [], "capture": "../ratelimitd.yaml" });
+    let (status, answer) = api("POST", "/api/gate", "eve-token", Some(gate)).await;
+    assert_eq!(status, 400, "{answer}");
+    let bad_commit = serde_json::json!({ "commit": "--output=/tmp/x", "message": "m" });
+    assert_eq!(api("POST", "/api/rollback", "eve-token", Some(bad_commit.clone())).await.0, 403);
+    assert_eq!(api("POST", "/api/rollback", "pat-token", Some(bad_commit)).await.0, 400);
+    // A broken change is refused with its problems; a stale base with 409.
+    let broken = change(&head, "rules/limits.yaml", &rules_of(10, 0), "m");
+    let (status, answer) = api("POST", "/api/publish", "pat-token", Some(broken)).await;
+    assert_eq!(status, 422, "{answer}");
+    assert_eq!(answer["problems"][0]["file"], "rules/limits.yaml", "{answer}");
+    assert_eq!(answer["problems"][0]["field"], "limit", "{answer}");
+    let stale = change("0123abcd", "rules/limits.yaml", &rules_of(10, 2), "m");
+    assert_eq!(api("POST", "/api/publish", "pat-token", Some(stale)).await.0, 409);
+    // Published ungated (rules.kafka.require_gate is off), then reverted.
+    let publish = change(&head, "rules/limits.yaml", &rules_of(10, 2), "Bulk: 2");
+    let (status, published) = api("POST", "/api/publish", "pat-token", Some(publish)).await;
+    assert_eq!(status, 200, "{published}");
+    let commit = published["commit"].as_str().unwrap().to_owned();
+    let rollback = serde_json::json!({ "commit": commit, "message": "Bulk exports need 10 again" });
+    let (status, reverted) = api("POST", "/api/rollback", "pat-token", Some(rollback)).await;
+    assert_eq!(status, 200, "{reverted}");
+    assert_eq!(reverted["version"].as_str(), Some(first.as_str()), "the seed's rules, published again");
+    assert_eq!(f.in_force(), first);
+    assert_eq!(git(&f.repo, &["show", "main:rules/limits.yaml"]), rules_of(10, 10).trim());
+    assert_eq!(
+        git(&f.repo, &["log", "-1", "--format=%an|%s", "main"]),
+        "Pat Publisher|Bulk exports need 10 again"
+    );
+    // A commit pushed by other means is published by a sync, once.
+    let seed = f.dir.path().join("seed");
+    std::fs::write(seed.join("rules/limits.yaml"), rules_of(12, 10)).unwrap();
+    git(&seed, &["commit", "-q", "-am", "From CI"]);
+    git(&seed, &["push", "-q", "--force", f.repo.to_str().unwrap(), "main"]);
+    let (status, synced) = api("POST", "/api/sync", "pat-token", Some(serde_json::json!({}))).await;
+    assert_eq!(status, 200, "{synced}");
+    assert_ne!(f.in_force(), first);
+    let (_, again) = api("POST", "/api/sync", "pat-token", Some(serde_json::json!({}))).await;
+    assert_eq!(again["already_in_force"], true, "{again}");
+    let actions: Vec<(String, String)> = audit_entries(&f.audit)
+        .iter()
+        .map(|e| (e["action"].as_str().unwrap().to_owned(), e["outcome"].as_str().unwrap().to_owned()))
+        .collect();
+    let want = [
+        ("rollback", "refused"), // an editor
+        ("rollback", "refused"), // not a commit id
+        ("publish", "refused"),  // a broken rule
+        ("publish", "refused"),  // a stale base
+        ("publish", "ok"),
+        ("rollback", "ok"),
+        ("sync", "ok"),
+        ("sync", "ok"), // already in force
+    ];
+    let want: Vec<(String, String)> = want.iter().map(|(a, o)| ((*a).to_owned(), (*o).to_owned())).collect();
+    assert_eq!(actions, want);
+    let _ = admin.kill();
+    let _ = admin.wait();
+}

@@ -116,9 +116,12 @@ impl Default for ConsoleConfig {
     }
 }
 
-/// Whether `path` names a place inside a repository.
+/// Whether `path` names a place inside a repository: relative, no `..`,
+/// no control character.
 pub(crate) fn inside(path: &Path) -> bool {
-    !path.as_os_str().is_empty() && path.components().all(|c| matches!(c, Component::Normal(_)))
+    !path.as_os_str().is_empty()
+        && path.components().all(|c| matches!(c, Component::Normal(_)))
+        && !path.to_string_lossy().chars().any(char::is_control)
 }
 
 impl ConsoleConfig {

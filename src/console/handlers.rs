@@ -550,7 +550,8 @@ pub(super) async fn proposals(State(console): State<Arc<Console>>, peer: Peer, h
     Ok(Json(json!({ "proposals": list })))
 }
 
-/// `GET /api/proposals/{id}`: one proposal and its rule files.
+/// `GET /api/proposals/{id}`: one proposal and what it changes against
+/// its base (a deleted file has no text), to be applied to the head.
 pub(super) async fn proposal(
     State(console): State<Arc<Console>>,
     peer: Peer,
@@ -564,8 +565,12 @@ pub(super) async fn proposal(
             .into_iter()
             .find(|p| p.id == id)
             .ok_or_else(|| error(StatusCode::NOT_FOUND, format!("no proposal {id}")))?;
-        let files = c.workspace.files(Some(&proposal.commit))?;
-        Ok((proposal, files))
+        let before = c.workspace.files(proposal.base.as_deref())?;
+        let after = c.workspace.files(Some(&proposal.commit))?;
+        let mut changes: Vec<File> = after.iter().filter(|f| !before.contains(f)).cloned().collect();
+        let deleted = before.iter().filter(|b| !after.iter().any(|a| a.path == b.path));
+        changes.extend(deleted.map(|b| File { path: b.path.clone(), text: None }));
+        Ok((proposal, changes))
     })
     .await?;
     Ok(Json(json!({ "proposal": proposal, "files": files })))

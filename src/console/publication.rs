@@ -56,12 +56,7 @@ impl Audit<'_> {
 
 /// Gates `p.candidate`, then makes the commit with `commit` (blocking),
 /// then produces the record with the commit as its provenance.
-async fn publish_commit(
-    console: &Arc<Console>,
-    user: &User,
-    p: Publication,
-    commit: impl FnOnce() -> Result<git::Commit, ApiError> + Send + 'static,
-) -> Answer {
+async fn publish_commit(console: &Arc<Console>, user: &User, p: Publication, commit: MakeCommit) -> Answer {
     let capture = console.gate_of(p.capture.as_deref())?;
     let _one =
         console.heavy.acquire().await.map_err(|_| error(StatusCode::SERVICE_UNAVAILABLE, "stopping"))?;
@@ -136,6 +131,27 @@ async fn produce(
     })))
 }
 
+/// How a publication's commit is made, once it passed the gate (blocking).
+type MakeCommit = Box<dyn FnOnce() -> Result<git::Commit, ApiError> + Send>;
+
+/// `staged`, or its error written to the audit log as `action` refused:
+/// a publication that never reached the gate is still an action.
+async fn staged<T>(
+    console: &Arc<Console>,
+    user: &User,
+    action: &str,
+    staged: Result<T, ApiError>,
+) -> Result<T, ApiError> {
+    match staged {
+        Ok(staged) => Ok(staged),
+        Err(e) => {
+            let why = e.1["error"].as_str().unwrap_or_default().to_owned();
+            console.log(AuditEntry::new(user, action, "refused", why)).await?;
+            Err(e)
+        }
+    }
+}
+
 /// `POST /api/publish`: the change (on `base`, the branch head the
 /// publisher reviewed) committed as the publisher with the reviewer's
 /// message, and published. A proposal it came from is closed.
@@ -146,10 +162,30 @@ pub(super) async fn publish(
     Json(body): Json<ChangeBody>,
 ) -> Answer {
     let user = console.user(&headers, &peer, Role::Publisher, "publish").await?;
+    let stage = stage_publish(&console, &user, body).await;
+    let (publication, commit, proposal) = staged(&console, &user, "publish", stage).await?;
+    let answer = publish_commit(&console, &user, publication, commit).await?;
+    if let Some(p) = proposal {
+        let repo = console.workspace.repo.clone();
+        // Closed whatever the outcome of the removal: it is only a reference.
+        let _ = blocking(move || git::withdraw(&repo, p.id, &p.commit).map_err(|e| error(StatusCode::OK, e)))
+            .await;
+    }
+    Ok(answer)
+}
+
+/// The checks of a publish: the message, the head it was reviewed on, the
+/// rules; its commit and the proposal it closes.
+async fn stage_publish(
+    console: &Arc<Console>,
+    user: &User,
+    body: ChangeBody,
+) -> Result<(Publication, MakeCommit, Option<git::Proposal>), ApiError> {
     let mut text = message(body.message.as_deref().unwrap_or_default(), "commit message")?;
     let c = console.clone();
+    let wanted = body.proposal;
     let (head, proposal) = blocking(move || {
-        let proposal = match body.proposal {
+        let proposal = match wanted {
             Some(id) => git::proposals(&c.workspace.repo)?.into_iter().find(|p| p.id == id),
             None => None,
         };
@@ -157,14 +193,9 @@ pub(super) async fn publish(
     })
     .await?;
     if head != body.base {
-        let now = head.as_deref().unwrap_or("nothing");
-        return Err(error(
-            StatusCode::CONFLICT,
-            format!(
-                "{} moved since the change was loaded (now {now}): reload and review again",
-                console.workspace.branch
-            ),
-        ));
+        let (branch, now) = (&console.workspace.branch, head.as_deref().unwrap_or("nothing"));
+        let why = format!("{branch} moved since the change was loaded (now {now}): reload and review again");
+        return Err(error(StatusCode::CONFLICT, why));
     }
     let checked = console.checked(body.base.clone(), body.files).await?;
     if checked.changes.is_empty() {
@@ -173,28 +204,21 @@ pub(super) async fn publish(
     if let Some(p) = &proposal {
         text.push_str(&format!("\n\nProposed-by: {}", p.author));
     }
-    let subject = text.lines().next().unwrap_or_default().to_owned();
-    let (c, author, base) = (console.clone(), Console::author(&user), body.base.clone());
-    let commit = move || {
+    let detail = text.lines().next().unwrap_or_default().to_owned();
+    let (c, author, base) = (console.clone(), Console::author(user), body.base);
+    let changes = checked.changes;
+    let commit: MakeCommit = Box::new(move || {
         let w = &c.workspace;
-        Ok(git::commit(&w.repo, &w.branch, base.as_deref(), &checked.changes, &author, &text)?)
-    };
+        Ok(git::commit(&w.repo, &w.branch, base.as_deref(), &changes, &author, &text)?)
+    });
     let publication = Publication {
         action: "publish",
-        detail: subject,
+        detail,
         candidate: checked.candidate,
         capture: body.capture,
         rollback: false,
     };
-    let answer = publish_commit(&console, &user, publication, commit).await?;
-    if let (Some(p), Some(id)) = (proposal, answer.0["commit"].as_str().map(str::to_owned)) {
-        let repo = console.workspace.repo.clone();
-        // Closed whatever the outcome of the removal: it is only a reference.
-        let _ =
-            blocking(move || git::withdraw(&repo, p.id, &p.commit).map_err(|_| error(StatusCode::OK, id)))
-                .await;
-    }
-    Ok(answer)
+    Ok((publication, commit, proposal))
 }
 
 /// A rollback as the page sends it.
@@ -218,6 +242,18 @@ pub(super) async fn rollback(
     Json(body): Json<RollbackBody>,
 ) -> Answer {
     let user = console.user(&headers, &peer, Role::Publisher, "rollback").await?;
+    let stage = stage_rollback(&console, &user, body).await;
+    let (publication, commit) = staged(&console, &user, "rollback", stage).await?;
+    publish_commit(&console, &user, publication, commit).await
+}
+
+/// The checks of a rollback: the message, the commit, the revert's tree
+/// and its rules; the revert's commit.
+async fn stage_rollback(
+    console: &Arc<Console>,
+    user: &User,
+    body: RollbackBody,
+) -> Result<(Publication, MakeCommit), ApiError> {
     let text = message(&body.message, "commit message")?;
     let target = commit_id(&body.commit)?.to_owned();
     let c = console.clone();
@@ -229,15 +265,13 @@ pub(super) async fn rollback(
         Ok((head, tree, w.compile(&c.config, &files)?))
     })
     .await?;
-    let detail = format!("revert {}: {}", &body.commit, text.lines().next().unwrap_or_default());
-    let (c, author) = (console.clone(), Console::author(&user));
-    let commit = move || {
+    let detail = format!("revert {}: {}", body.commit, text.lines().next().unwrap_or_default());
+    let (c, author) = (console.clone(), Console::author(user));
+    let commit: MakeCommit = Box::new(move || {
         let w = &c.workspace;
         Ok(git::commit_tree(&w.repo, &w.branch, &head, &tree, &author, &text)?)
-    };
-    let publication =
-        Publication { action: "rollback", detail, candidate, capture: body.capture, rollback: true };
-    publish_commit(&console, &user, publication, commit).await
+    });
+    Ok((Publication { action: "rollback", detail, candidate, capture: body.capture, rollback: true }, commit))
 }
 
 /// A sync as the page sends it.
@@ -258,15 +292,16 @@ pub(super) async fn sync(
 ) -> Answer {
     let user = console.user(&headers, &peer, Role::Publisher, "sync").await?;
     let c = console.clone();
-    let (made, candidate) = blocking(move || {
+    let stage = blocking(move || {
         let w = &c.workspace;
         let head = w.head()?.ok_or_else(|| error(StatusCode::BAD_REQUEST, "the branch has no commit"))?;
         let (made, files) = git::files(&w.repo, &head, &w.paths())?;
         Ok((made, w.compile(&c.config, &files)?))
     })
-    .await?;
+    .await;
+    let (made, candidate) = staged(&console, &user, "sync", stage).await?;
     let detail = format!("{} at {}", console.workspace.branch, made.id);
     let publication =
         Publication { action: "sync", detail, candidate, capture: body.capture, rollback: false };
-    publish_commit(&console, &user, publication, move || Ok(made)).await
+    publish_commit(&console, &user, publication, Box::new(move || Ok(made))).await
 }

@@ -87,9 +87,13 @@ fn line(out: &[u8]) -> String {
     String::from_utf8_lossy(out).lines().next().unwrap_or_default().trim().to_owned()
 }
 
-/// Whether `path` names a place inside a repository.
+/// Whether `path` names a place inside a repository: relative, no `..`,
+/// and no control character (git's index input separates entries by NUL
+/// and fields by tab: such a name could smuggle in another entry).
 fn inside(path: &Path) -> bool {
-    !path.as_os_str().is_empty() && path.components().all(|c| matches!(c, Component::Normal(_)))
+    !path.as_os_str().is_empty()
+        && path.components().all(|c| matches!(c, Component::Normal(_)))
+        && !path.to_string_lossy().chars().any(char::is_control)
 }
 
 /// Commits `changes` on `branch` of `repo` as `author` with `message`,
@@ -399,6 +403,19 @@ mod tests {
         let repo = tempfile::tempdir().unwrap();
         git(repo.path(), &["init", "-q", "--bare"]).unwrap();
         repo
+    }
+
+    #[test]
+    fn a_path_with_a_control_character_is_refused() {
+        let repo = bare();
+        for path in [
+            "rules/a.yaml\x00100644 0000000000000000000000000000000000000000\tci.yml",
+            "rules/a\tb",
+            "rules/a\nb",
+        ] {
+            let error = commit(repo.path(), "main", None, &[put(path, "x")], &ada(), "m").unwrap_err();
+            assert!(error.to_string().contains("give a path inside the repository"), "{path:?}: {error}");
+        }
     }
 
     #[test]

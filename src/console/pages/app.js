@@ -356,10 +356,9 @@ async function openProposal(id) {
   show("rules");
   await loadRules(false);
   state.proposal = data.proposal;
-  if (data.proposal.base !== state.head) notice("Proposal " + id + " was made on another head: review the diff with care.", true);
-  state.edits = new Map();
-  for (const f of data.files) if (f.text !== state.original.get(f.path)) state.edits.set(f.path, f.text);
-  for (const path of state.original.keys()) if (!data.files.some((f) => f.path === path)) state.edits.set(path, null);
+  if (data.proposal.base !== state.head) notice("Proposal " + id + " was made on an earlier head: its changes are applied to the current one.", true);
+  // The proposal's own changes, applied to the head.
+  state.edits = new Map(data.files.map((f) => [f.path, f.text]));
   await loadRules(true);
 }
 
