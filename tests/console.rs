@@ -26,7 +26,7 @@ use common::{
     Broker, TestServer, check, config, eventually, http_get, request, start_listening, webdriver::Browser,
 };
 use ratelimitd::{config::RulesSource, rules::signing::Signer};
-use serde_json::Value;
+use serde_json::{Value, json};
 use sha2::Digest as _;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
@@ -373,6 +373,12 @@ fn assert_audit(entries: &[Value], first: &str, second: &str, head: &str) {
     let got: Vec<(&str, &str, &str)> =
         steps.iter().map(|(u, a, o)| (u.as_str(), a.as_str(), o.as_str())).collect();
     assert_eq!(got, want, "{entries:#?}");
+    let reviewed = entries[entries.len() - 2];
+    assert_eq!(
+        (&reviewed["before"], &reviewed["after"]),
+        (&json!(first), &json!(second)),
+        "the gate names the versions"
+    );
     let publish = entries.last().unwrap();
     assert_eq!(publish["before"], first);
     assert_eq!(publish["after"], second);

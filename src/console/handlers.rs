@@ -516,9 +516,12 @@ pub(super) async fn gate(
     let name = body.capture.clone().unwrap_or_default();
     let capture = console.capture(&name)?;
     let checked = console.checked(body.base, body.files).await?;
+    // The version the record would have (the report names the native set's).
+    let version = checked.candidate.version();
     let _one =
         console.heavy.try_acquire().map_err(|_| error(StatusCode::TOO_MANY_REQUESTS, "a gate is running"))?;
     let view = console.view().await?;
+    let before = view.in_force().map(|r| r.version.clone());
     let c = console.clone();
     let report = blocking(move || {
         let capture = crate::replay::Capture::from_file(&capture)
@@ -537,7 +540,7 @@ pub(super) async fn gate(
         worst.drop * 100.0
     );
     let mut entry = AuditEntry::new(&user, "gate", if passed { "ok" } else { "refused" }, detail);
-    entry.after = Some(report.candidate_version.clone());
+    (entry.before, entry.after) = (before, Some(version));
     console.log(entry).await?;
     Ok(Json(json!({ "report": report })))
 }
