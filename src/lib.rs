@@ -22,6 +22,9 @@
 //! - [`migrate`]: the numbered setup steps of `migrations/`.
 //! - [`clock`]: injectable time sources; [`folded`]: logging at most once a second.
 //! - [`telemetry`]: metrics, health and readiness.
+//! - [`rollout`]: the rules topic (publish, subscribe, status, git);
+//!   [`release`]: the one publish path the CLI and the console share;
+//!   [`console`]: `ratelimitd admin`, the web console of the write path.
 //! - [`config`] (one module per section), [`cli`], [`server`] (named parts,
 //!   startup, graceful shutdown), [`signal`], [`tls`].
 //!

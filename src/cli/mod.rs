@@ -1,5 +1,6 @@
 //! Command-line interface: `serve`, `check`, `rules …` (`rules.rs`: the
-//! rules topic's commands), `replay`, `migrate`, `audit`, `probe`.
+//! rules topic's commands, and `admin`, the console on top of them),
+//! `replay`, `migrate`, `audit`, `probe`.
 //!
 //! Exit codes follow sysexits where one fits: 0 success (for `check`: the
 //! request is allowed), 1 denied / invalid rules, 64 usage or configuration

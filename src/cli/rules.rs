@@ -1,5 +1,6 @@
 //! `rules publish`, `rules sync`, `rules rollback`, `rules history` and `rules status`:
-//! the operator's side of the rules topic (`rollout`).
+//! the operator's side of the rules topic (`rollout`, through `release`),
+//! and `admin`, which serves the console (`console`) over the same path.
 
 use std::{
     io::Write as _,

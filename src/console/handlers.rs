@@ -489,7 +489,7 @@ pub(super) async fn check(
     console.user(&headers, &peer, Role::Editor, "check").await?;
     let checked = match console.checked(body.base, body.files).await {
         Ok(checked) => checked,
-        Err(ApiError(StatusCode::UNPROCESSABLE_ENTITY, value)) => {
+        Err(ApiError(StatusCode::UNPROCESSABLE_ENTITY, value)) if value["problems"].is_array() => {
             return Ok(Json(json!({ "problems": value["problems"], "changes": [] })));
         }
         Err(e) => return Err(e),

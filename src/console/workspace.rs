@@ -267,3 +267,84 @@ fn rule_change(kind: &'static str, change: &Change, describe: impl Fn(&str, bool
     };
     RuleChange { kind, id: change.rule_id().to_owned(), change: what, describe, fields }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NATIVE: &str = "rules:\n  - { rule_id: a, resource_path: /a, limit: 10, window_seconds: 60 }\n";
+    const ENVOY: &str = "domain: edge\ndescriptors:\n  - { key: path, value: /a, rate_limit: { unit: minute, requests_per_unit: 5 } }\n";
+
+    fn file(path: &str, text: Option<&str>) -> File {
+        File { path: path.to_owned(), text: text.map(str::to_owned) }
+    }
+
+    /// A bare repository holding native rules and an Envoy file, and its head.
+    fn repository() -> (tempfile::TempDir, Workspace, String) {
+        let repo = tempfile::tempdir().unwrap();
+        let init = std::process::Command::new("git")
+            .arg("-C")
+            .arg(repo.path())
+            .args(["init", "-q", "--bare"])
+            .status()
+            .unwrap();
+        assert!(init.success());
+        let author = git::Author { name: "Ada".to_owned(), email: "ada@example.com".to_owned() };
+        let put = |path: &str, text: &str| git::Change {
+            path: path.to_owned(),
+            content: Some(text.as_bytes().to_vec()),
+        };
+        let changes = [put("rules/limits.yaml", NATIVE), put("envoy/edge.yaml", ENVOY), put("README", "x")];
+        let head = git::commit(repo.path(), "main", None, &changes, &author, "seed").unwrap().id;
+        let workspace = Workspace {
+            repo: repo.path().to_path_buf(),
+            branch: "main".to_owned(),
+            native: Some(PathBuf::from("rules")),
+            envoy: Some(PathBuf::from("envoy")),
+        };
+        (repo, workspace, head)
+    }
+
+    #[test]
+    fn a_change_of_either_format_is_compiled_named_by_repository_path_and_compared() {
+        let (_repo, workspace, head) = repository();
+        let config = Config::default();
+        let listed: Vec<String> = workspace.files(Some(&head)).unwrap().into_iter().map(|f| f.path).collect();
+        assert_eq!(listed, ["rules/limits.yaml", "envoy/edge.yaml"], "only the rule paths");
+        let edit =
+            file("envoy/edge.yaml", Some(&ENVOY.replace("requests_per_unit: 5", "requests_per_unit: 7")));
+        let checked = workspace.check(&config, Some(&head), &[edit]).unwrap();
+        assert_eq!(checked.changes.len(), 1);
+        let names: Vec<&str> =
+            checked.candidate.envoy.as_ref().unwrap().files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, ["envoy/edge.yaml"], "named as a sync of the commit would name it");
+        let changed = changes(&config, None, &Trust::default(), &checked.candidate).unwrap();
+        let envoy: Vec<&RuleChange> = changed.iter().filter(|c| c.kind == "envoy").collect();
+        assert_eq!(envoy.len(), 1, "{changed:?}");
+        assert_eq!((envoy[0].id.as_str(), envoy[0].change), ("edge.path_/a", "added"), "{changed:?}");
+        // The same edit twice is no change at all.
+        let same = workspace.check(&config, Some(&head), &[file("rules/limits.yaml", Some(NATIVE))]).unwrap();
+        assert!(same.changes.is_empty());
+    }
+
+    #[test]
+    fn problems_name_the_repository_file_and_nothing_outside_the_rule_paths_is_taken() {
+        let (_repo, workspace, head) = repository();
+        let config = Config::default();
+        let broken = file("rules/limits.yaml", Some(&NATIVE.replace("limit: 10", "limit: 0")));
+        let Err(ChangeError::Invalid(problems)) = workspace.check(&config, Some(&head), &[broken]) else {
+            panic!("a zero limit compiles");
+        };
+        assert_eq!(problems[0].file, "rules/limits.yaml");
+        assert_eq!(
+            (problems[0].rule.as_deref(), problems[0].field.as_deref()),
+            (Some("\"a\" (rules[0])"), Some("limit"))
+        );
+        for path in ["README", "rules/../README", "/etc/passwd", "rulesx/a.yaml", "rules/a\tb.yaml"] {
+            let outside = workspace.check(&config, Some(&head), &[file(path, Some("x"))]);
+            assert!(matches!(outside, Err(ChangeError::Refused(_))), "{path:?}");
+        }
+        let emptied = [file("rules/limits.yaml", None), file("envoy/edge.yaml", None)];
+        assert!(matches!(workspace.check(&config, Some(&head), &emptied), Err(ChangeError::Refused(_))));
+    }
+}
