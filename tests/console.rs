@@ -297,7 +297,22 @@ async fn an_editor_proposes_a_viewer_cannot_publish_and_a_publisher_ships_throug
     }
 }
 
+/// Every form control has a label, and the keyboard reaches the sign-in
+/// button from the token field.
+fn accessible(browser: &Browser, url: &str) {
+    browser.goto(url);
+    let unlabelled = browser.run_async(
+        "const done = arguments[arguments.length - 1];
+         done([...document.querySelectorAll('input, select, textarea')].filter(e => e.labels.length === 0).map(e => e.id));",
+    );
+    assert_eq!(unlabelled, json!([]), "controls without a label");
+    browser.click("#token");
+    browser.key("#token", '\u{e004}'); // Tab
+    assert_eq!(browser.focused_id(), "sign-in");
+}
+
 fn editor_steps(browser: &Browser, url: &str) {
+    accessible(browser, url);
     sign_in(browser, url, "eve-token", "Eve Editor");
     browser.click("#nav-rules");
     browser.wait_text("#rules-head", "main at", WAIT);
