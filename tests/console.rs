@@ -22,9 +22,7 @@ use std::{
     time::Duration,
 };
 
-use common::{
-    Broker, TestServer, check, config, eventually, http_get, request, start_listening, webdriver::Browser,
-};
+use common::{Broker, TestServer, config, eventually, http_get, start_listening, webdriver::Browser};
 use ratelimitd::{config::RulesSource, rules::signing::Signer};
 use serde_json::{Value, json};
 use sha2::Digest as _;
@@ -35,12 +33,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
 /// two cores with the rest of the suite).
 const WAIT: Duration = Duration::from_secs(20);
 
-/// CRITICAL /play and BULK /bulk, each `play` / `bulk` a minute per user.
-fn rules_of(play: u32, bulk: u32) -> String {
-    format!(
-        "rules:\n  - {{ rule_id: play, resource_path: /play, priority_bucket: CRITICAL, limit: {play}, window_seconds: 60 }}\n  - {{ rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: {bulk}, window_seconds: 60 }}\n"
-    )
-}
+use common::play_and_bulk_rules as rules_of;
 
 fn text(output: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
@@ -116,28 +109,11 @@ impl Fixture {
 }
 
 /// Captures CRITICAL /play and BULK /bulk traffic of an instance serving
-/// `rules_of(10, 10)` to `file`: 24 /play requests by three users, all
-/// allowed, and 8 /bulk ones.
+/// `rules_of(10, 10)` to `file`.
 async fn capture_traffic(dir: &Path, file: &Path) {
     let rules = dir.join("capture-rules.yaml");
     std::fs::write(&rules, rules_of(10, 10)).unwrap();
-    let mut cfg = config(&rules, None);
-    cfg.capture.sample_ratio = 1.0;
-    cfg.capture.salt = Some("a secret shared by the fleet".to_owned());
-    cfg.capture.file = file.to_path_buf();
-    let server = TestServer::start(cfg).await;
-    let mut client = server.client().await;
-    for user in ["a", "b", "c"] {
-        for _ in 0..8 {
-            assert!(check(&mut client, request(user, "/play")).await.allowed);
-        }
-    }
-    for _ in 0..8 {
-        let mut bulk = request("a", "/bulk");
-        bulk.priority = ratelimitd::api::pb::PriorityBucket::Bulk as i32;
-        check(&mut client, bulk).await;
-    }
-    server.stop().await.unwrap();
+    common::capture_play_and_bulk(&rules, file).await;
 }
 
 fn fixture(broker: Broker) -> Fixture {

@@ -20,7 +20,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{Broker, TestServer, check, config, eventually, http_get, metric, request};
+use common::{
+    Broker, TestServer, capture_play_and_bulk, check, config, eventually, http_get, metric,
+    play_and_bulk_rules, request,
+};
 use ratelimitd::{config::RulesSource, rollout::topic, rules::signing::Signer, shed::Priority};
 
 /// A publisher's key pair: the private key in a file, the public key.
@@ -432,30 +435,10 @@ async fn captured_traffic_gates_a_candidate_that_drops_critical_requests() {
     migrate(&broker);
     let dir = tempfile::tempdir().unwrap();
     let current = dir.path().join("current.yaml");
-    let rules_of = |play: u32, bulk: u32| {
-        format!(
-            "rules:\n  - {{ rule_id: play, resource_path: /play, priority_bucket: CRITICAL, limit: {play}, window_seconds: 60 }}\n  - {{ rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: {bulk}, window_seconds: 60 }}\n"
-        )
-    };
+    let rules_of = play_and_bulk_rules;
     std::fs::write(&current, rules_of(10, 10)).unwrap();
     let capture = dir.path().join("capture.jsonl");
-    let mut cfg = config(&current, None);
-    cfg.capture.sample_ratio = 1.0;
-    cfg.capture.salt = Some("a secret shared by the fleet".to_owned());
-    cfg.capture.file = capture.clone();
-    let server = TestServer::start(cfg).await;
-    let mut client = server.client().await;
-    for user in ["a", "b", "c"] {
-        for _ in 0..8 {
-            assert!(check(&mut client, request(user, "/play")).await.allowed);
-        }
-    }
-    for _ in 0..8 {
-        let mut bulk = request("a", "/bulk");
-        bulk.priority = ratelimitd::api::pb::PriorityBucket::Bulk as i32;
-        check(&mut client, bulk).await;
-    }
-    server.stop().await.unwrap();
+    capture_play_and_bulk(&current, &capture).await;
     let lines = std::fs::read_to_string(&capture).unwrap();
     assert_eq!(lines.lines().count(), 32, "every request of every sampled user");
     let record: ratelimitd::capture::CaptureRecord =

@@ -389,6 +389,36 @@ impl Drop for SyntheticCpu {
     }
 }
 
+/// CRITICAL /play and BULK /bulk at `play` and `bulk` a minute per user.
+pub fn play_and_bulk_rules(play: u32, bulk: u32) -> String {
+    format!(
+        "rules:\n  - {{ rule_id: play, resource_path: /play, priority_bucket: CRITICAL, limit: {play}, window_seconds: 60 }}\n  - {{ rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: {bulk}, window_seconds: 60 }}\n"
+    )
+}
+
+/// Serves the rules at `rules` with every request captured to `file`:
+/// three users' 8 CRITICAL /play requests each (each one allowed) and 8
+/// BULK /bulk requests.
+pub async fn capture_play_and_bulk(rules: &Path, file: &Path) {
+    let mut cfg = config(rules, None);
+    cfg.capture.sample_ratio = 1.0;
+    cfg.capture.salt = Some("a secret shared by the fleet".to_owned());
+    cfg.capture.file = file.to_path_buf();
+    let server = TestServer::start(cfg).await;
+    let mut client = server.client().await;
+    for user in ["a", "b", "c"] {
+        for _ in 0..8 {
+            assert!(check(&mut client, request(user, "/play")).await.allowed);
+        }
+    }
+    for _ in 0..8 {
+        let mut bulk = request("a", "/bulk");
+        bulk.priority = ratelimitd::api::pb::PriorityBucket::Bulk as i32;
+        check(&mut client, bulk).await;
+    }
+    server.stop().await.unwrap();
+}
+
 /// One HTTP/1.1 GET; returns the status and the body.
 pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
