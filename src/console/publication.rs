@@ -131,6 +131,13 @@ async fn produce(
     })))
 }
 
+/// The commit at the head of the branch; an error when it has none.
+fn branch_head(workspace: &super::workspace::Workspace) -> Result<String, ApiError> {
+    workspace
+        .head()?
+        .ok_or_else(|| error(StatusCode::BAD_REQUEST, format!("{} has no commit", workspace.branch)))
+}
+
 /// How a publication's commit is made, once it passed the gate (blocking).
 type MakeCommit = Box<dyn FnOnce() -> Result<git::Commit, ApiError> + Send>;
 
@@ -259,7 +266,7 @@ async fn stage_rollback(
     let c = console.clone();
     let (head, tree, candidate) = blocking(move || {
         let w = &c.workspace;
-        let head = w.head()?.ok_or_else(|| error(StatusCode::BAD_REQUEST, "the branch has no commit"))?;
+        let head = branch_head(w)?;
         let tree = git::reverted(&w.repo, &head, &target)?;
         let files = git::tree_files(&w.repo, &tree, &w.paths())?;
         Ok((head, tree, w.compile(&c.config, &files)?))
@@ -294,7 +301,7 @@ pub(super) async fn sync(
     let c = console.clone();
     let stage = blocking(move || {
         let w = &c.workspace;
-        let head = w.head()?.ok_or_else(|| error(StatusCode::BAD_REQUEST, "the branch has no commit"))?;
+        let head = branch_head(w)?;
         let (made, files) = git::files(&w.repo, &head, &w.paths())?;
         Ok((made, w.compile(&c.config, &files)?))
     })
