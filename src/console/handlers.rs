@@ -416,17 +416,32 @@ pub(super) async fn in_force(State(console): State<Arc<Console>>, peer: Peer, he
             .native
             .rules()
             .iter()
-            .map(|r| json!({ "kind": "native", "id": &*r.id, "describe": crate::rules::diff::describe(r) }))
+            .map(|r| {
+                let describe = crate::rules::diff::describe(r);
+                json!({ "kind": "native", "id": &*r.id, "describe": describe, "overload": overload(r.overload) })
+            })
             .collect();
         for limit in compiled.envoy.iter().flat_map(|e| e.limits()) {
             let describe = crate::rules::diff::describe_envoy(&limit);
-            lines.push(json!({ "kind": "envoy", "id": &*limit.full_key, "describe": describe }));
+            let directive = overload(limit.overload);
+            lines.push(json!({ "kind": "envoy", "id": &*limit.full_key, "describe": describe, "overload": directive }));
         }
         Ok(Value::Array(lines))
     })
     .await?;
     console.overview().in_force = Some((version.clone(), rules.clone()));
     Ok(Json(json!({ "version": version, "rules": rules })))
+}
+
+/// An overload directive in words: `500/s per rule`.
+fn overload(spec: Option<crate::rules::OverloadSpec>) -> Option<String> {
+    spec.map(|o| {
+        let per = match o.per {
+            crate::rules::OverloadScope::Rule => "per rule",
+            crate::rules::OverloadScope::Tenant => "per tenant",
+        };
+        format!("{}/s {per}", o.rate_per_second)
+    })
 }
 
 /// `GET /api/rules`: the rule files at the branch head, and what the page

@@ -168,11 +168,11 @@ async function loadInForce(version) {
 function showInForce() {
   const words = $("rule-search").value.toLowerCase().split(/\s+/).filter(Boolean);
   const shown = state.inForce.rules.filter((r) => {
-    const line = (r.kind + " " + r.id + " " + r.describe).toLowerCase();
+    const line = (r.kind + " " + r.id + " " + r.describe + " " + (r.overload || "")).toLowerCase();
     return words.every((w) => line.includes(w));
   });
   $("in-force-rules").tBodies[0].replaceChildren(...shown.slice(0, 500).map((r) => el("tr", {},
-    el("td", {}, r.kind), el("td", { class: "mono" }, r.id), el("td", {}, r.describe))));
+    el("td", {}, r.kind), el("td", { class: "mono" }, r.id), el("td", {}, r.describe), el("td", {}, r.overload || "–"))));
 }
 
 function drawTimeline(points, instances, now) {
