@@ -265,6 +265,25 @@ async fn an_editor_proposes_a_viewer_cannot_publish_and_a_publisher_ships_throug
         "the proposal is closed"
     );
     assert_audit(&audit_entries(&f.audit), &first, &second, &head);
+    // The publisher reverts the change from the overview's history.
+    tokio::task::block_in_place(|| {
+        browser.click("#nav-overview");
+        browser.click("#revert-capture option[value='traffic.jsonl']");
+        browser.click(&format!(".rollback[data-commit='{head}']"));
+        browser.answer_prompt("Back to 10 bulk exports a minute");
+        browser.wait_text("#notice", "Reverted in", WAIT);
+    });
+    assert_eq!(f.in_force(), first, "the revert's rules are the seed's");
+    assert_eq!(
+        git(&f.repo, &["log", "-1", "--format=%an|%s", "main"]),
+        "Pat Publisher|Back to 10 bulk exports a minute"
+    );
+    let last = audit_entries(&f.audit).pop().unwrap();
+    assert_eq!(
+        (&last["action"], &last["outcome"], &last["after"]),
+        (&json!("rollback"), &json!("ok"), &json!(first))
+    );
+    assert!(last["detail"].as_str().unwrap().starts_with(&format!("revert {head}")), "{last}");
     drop(browser);
     let _ = admin.kill();
     let _ = admin.wait();

@@ -67,22 +67,40 @@ impl Browser {
 
     /// One WebDriver command; its `value`. Panics on a WebDriver error.
     fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Value {
+        let (head, value) =
+            self.exchange(method, path, body).unwrap_or_else(|e| panic!("WebDriver {method} {path}: {e}"));
+        assert!(head.starts_with("HTTP/1.1 200"), "WebDriver {method} {path}: {head}\n{value}");
+        value["value"].clone()
+    }
+
+    /// [`Browser::call`] without a body, `None` on any error (never panics:
+    /// it also ends the session while a failed test unwinds).
+    fn try_call(&self, method: &str, path: &str) -> Option<Value> {
+        let (head, value) = self.exchange(method, path, None).ok()?;
+        head.starts_with("HTTP/1.1 200").then(|| value["value"].clone())
+    }
+
+    /// One request and its answer: the status line and headers, the JSON.
+    fn exchange(&self, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(String, Value)> {
+        let cut = || std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the answer was cut");
         let body = body.map(Value::to_string).unwrap_or_default();
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).expect("chromedriver answers");
-        stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(60)))?;
         let request = format!(
             "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             self.port,
             body.len()
         );
-        stream.write_all(request.as_bytes()).unwrap();
+        stream.write_all(request.as_bytes())?;
         // Read to the head's end, then Content-Length bytes: ChromeDriver
         // may keep the connection open whatever the request asks.
         let mut reply = Vec::new();
         let mut chunk = [0u8; 16 * 1024];
         let (head, body_start, length) = loop {
-            let n = stream.read(&mut chunk).unwrap();
-            assert!(n > 0, "WebDriver {method} {path}: the connection closed before an answer");
+            let n = stream.read(&mut chunk)?;
+            if n == 0 {
+                return Err(cut());
+            }
             reply.extend_from_slice(&chunk[..n]);
             if let Some(end) = reply.windows(4).position(|w| w == b"\r\n\r\n") {
                 let head = String::from_utf8_lossy(&reply[..end]).into_owned();
@@ -98,14 +116,15 @@ impl Browser {
             }
         };
         while reply.len() < body_start + length {
-            let n = stream.read(&mut chunk).unwrap();
-            assert!(n > 0, "WebDriver {method} {path}: the answer was cut");
+            let n = stream.read(&mut chunk)?;
+            if n == 0 {
+                return Err(cut());
+            }
             reply.extend_from_slice(&chunk[..n]);
         }
         let value: Value =
             serde_json::from_slice(&reply[body_start..body_start + length]).unwrap_or(Value::Null);
-        assert!(head.starts_with("HTTP/1.1 200"), "WebDriver {method} {path}: {head}\n{value}");
-        value["value"].clone()
+        Ok((head, value))
     }
 
     fn session_call(&self, method: &str, path: &str, body: Option<&Value>) -> Value {
@@ -196,6 +215,18 @@ impl Browser {
             .to_owned()
     }
 
+    /// Types `text` into the page's open prompt and accepts it.
+    pub fn answer_prompt(&self, text: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // The prompt opens after the click's handler runs.
+        while self.try_call("GET", &format!("/session/{}/alert/text", self.session)).is_none() {
+            assert!(Instant::now() < deadline, "no prompt opened");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.session_call("POST", "/alert/text", Some(&json!({ "text": text })));
+        self.session_call("POST", "/alert/accept", Some(&json!({})));
+    }
+
     /// A PNG of the viewport, written to `path`.
     pub fn screenshot(&self, path: &Path) {
         use base64::Engine as _;
@@ -209,9 +240,7 @@ impl Browser {
 impl Drop for Browser {
     fn drop(&mut self) {
         if !self.session.is_empty() {
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.call("DELETE", &format!("/session/{}", self.session), None);
-            }));
+            let _ = self.try_call("DELETE", &format!("/session/{}", self.session));
         }
         if let Some(mut child) = self.driver.take() {
             let _ = child.kill();

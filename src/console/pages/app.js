@@ -144,6 +144,8 @@ async function loadOverview() {
   drawTimeline(data.timeline, data.instances, now);
   loadInForce(force ? force.version : null);
   const may = state.user.may_publish;
+  $("revert-box").hidden = !may;
+  if (may && !$("revert-capture").options.length) fillCaptures($("revert-capture"));
   $("history").tBodies[0].replaceChildren(...data.history.map((h) => {
     if (h.refused) return el("tr", {}, el("td", {}, h.offset), el("td", { colspan: 6 }, "refused: " + h.refused));
     const r = h.record;
@@ -201,10 +203,17 @@ function drawTimeline(points, instances, now) {
   box.replaceChildren(plot);
 }
 
+async function fillCaptures(select) {
+  const { ok, data } = await api("GET", "/api/rules");
+  if (!ok) return;
+  select.replaceChildren(el("option", { value: "" }, data.captures.length ? "(no gate)" : "(no captures)"),
+    ...data.captures.map((c) => el("option", { value: c }, c)));
+}
+
 async function rollback(commit) {
-  const message = prompt("Why roll back commit " + commit.slice(0, 10) + "? (the revert's commit message)");
+  const message = prompt("Why revert commit " + commit.slice(0, 10) + "? (the revert's commit message)");
   if (!message) return;
-  const capture = $("capture").value || undefined;
+  const capture = $("revert-capture").value || undefined;
   const { ok, data } = await api("POST", "/api/rollback", { commit, message, capture });
   notice(ok ? "Reverted in " + data.commit.slice(0, 10) + ", published " + short(data.version) : data.error, !ok);
   loadOverview();
