@@ -378,12 +378,13 @@ fn assert_audit(entries: &[Value], first: &str, second: &str, head: &str) {
         ("Val Viewer", "publish", "refused"),
         ("Pat Publisher", "sign_in", "ok"),
         ("Pat Publisher", "gate", "ok"),
+        ("Pat Publisher", "publish", "started"),
         ("Pat Publisher", "publish", "ok"),
     ];
     let got: Vec<(&str, &str, &str)> =
         steps.iter().map(|(u, a, o)| (u.as_str(), a.as_str(), o.as_str())).collect();
     assert_eq!(got, want, "{entries:#?}");
-    let reviewed = entries[entries.len() - 2];
+    let reviewed = entries[entries.len() - 3];
     assert_eq!(
         (&reviewed["before"], &reviewed["after"]),
         (&json!(first), &json!(second)),
@@ -494,9 +495,13 @@ async fn the_api_refuses_what_it_must_and_rolls_back_and_syncs_through_git() {
         ("rollback", "refused"), // not a commit id
         ("publish", "refused"),  // a broken rule
         ("publish", "refused"),  // a stale base
+        ("publish", "started"),
         ("publish", "ok"),
+        ("rollback", "started"),
         ("rollback", "ok"),
+        ("sync", "started"),
         ("sync", "ok"),
+        ("sync", "started"),
         ("sync", "ok"), // already in force
     ];
     let want: Vec<(String, String)> = want.iter().map(|(a, o)| ((*a).to_owned(), (*o).to_owned())).collect();

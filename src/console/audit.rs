@@ -29,7 +29,8 @@ pub struct AuditEntry {
     pub role: String,
     /// What: `sign_in`, `validate`, `gate`, `propose`, `publish`, `rollback`, `sign_in_refused`.
     pub action: String,
-    /// `ok`, `refused` (not allowed, or failed the gate) or `failed`.
+    /// `ok`, `refused` (not allowed, or failed the gate), `failed`, or
+    /// `started` (a publication about to commit; its outcome follows).
     pub outcome: String,
     /// What it was about, in words (the capture, the message, the error).
     pub detail: String,

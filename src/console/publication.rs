@@ -79,6 +79,9 @@ async fn publish_commit(console: &Arc<Console>, user: &User, p: Publication, com
             return Err(e.into());
         }
     };
+    // Logged before anything irreversible: an action that cannot be
+    // logged is not taken. The outcome follows in its own entry.
+    console.log(audit.entry("started", p.detail.clone())).await?;
     let made = match blocking(commit).await {
         Ok(made) => made,
         Err(e) => {
