@@ -85,7 +85,8 @@ async fn publish_commit(console: &Arc<Console>, user: &User, p: Publication, com
     let made = match blocking(commit).await {
         Ok(made) => made,
         Err(e) => {
-            console.log(audit.entry("failed", format!("{}: {}", p.detail, e.1["error"]))).await?;
+            let why = e.1["error"].as_str().unwrap_or_default();
+            console.log(audit.entry("failed", format!("{}: {why}", p.detail))).await?;
             return Err(e);
         }
     };
