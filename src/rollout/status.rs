@@ -52,7 +52,7 @@ pub struct StatusReport {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub adaptive: BTreeMap<String, u64>,
     /// The instance's load shedding, overload layer and dead-letter
-    /// pipeline as of the report; `None` before it serves.
+    /// pipeline as of the report; `None` until its parts are built.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vitals: Option<Vitals>,
 }
