@@ -145,24 +145,42 @@ impl Console {
         .await
     }
 
-    /// The topic's history and the instances' reports, read at most once a second.
+    /// The topic's history and the instances' reports, read at most once
+    /// a second. A view older than that is answered at once while one
+    /// reader fetches the next behind it (a read takes most of a second:
+    /// checks as the user types must not wait for it); only with no view
+    /// at all (at start, after a publication) does a request wait.
     pub(super) async fn view(self: &Arc<Self>) -> Result<Arc<View>, ApiError> {
-        let fresh = || {
-            let cache = self.overview();
-            cache
-                .view
-                .as_ref()
-                .filter(|(at, _)| at.elapsed() < Duration::from_secs(1))
-                .map(|(_, v)| v.clone())
-        };
-        if let Some(view) = fresh() {
-            return Ok(view);
+        let cached = self.overview().view.clone();
+        match cached {
+            Some((at, view)) if at.elapsed() < Duration::from_secs(1) => Ok(view),
+            Some((_, view)) => {
+                if let Ok(reader) = Arc::clone(&self.refresh).try_acquire_owned() {
+                    let console = self.clone();
+                    tokio::spawn(async move {
+                        let _reader = reader;
+                        let _ = console.read_view().await;
+                    });
+                }
+                Ok(view)
+            }
+            None => {
+                let _reader = self
+                    .refresh
+                    .acquire()
+                    .await
+                    .map_err(|_| error(StatusCode::SERVICE_UNAVAILABLE, "stopping"))?;
+                let read_before = self.overview().view.clone();
+                match read_before {
+                    Some((_, view)) => Ok(view), // read by the one before
+                    None => self.read_view().await,
+                }
+            }
         }
-        let _reader =
-            self.refresh.acquire().await.map_err(|_| error(StatusCode::SERVICE_UNAVAILABLE, "stopping"))?;
-        if let Some(view) = fresh() {
-            return Ok(view); // read by the one before
-        }
+    }
+
+    /// Reads the topics into a new view (the caller holds `refresh`).
+    async fn read_view(self: &Arc<Self>) -> Result<Arc<View>, ApiError> {
         let console = self.clone();
         let view = blocking(move || {
             let kafka = &console.config.rules.kafka;

@@ -72,7 +72,7 @@ pub struct Console {
     /// The overview, made at most once a second whoever asks.
     overview: Mutex<handlers::OverviewCache>,
     /// One reader of the topics at a time; the others take its view.
-    refresh: Semaphore,
+    refresh: Arc<Semaphore>,
 }
 
 impl Console {
@@ -104,7 +104,7 @@ impl Console {
             trust,
             heavy: Semaphore::new(1),
             overview: Mutex::new(handlers::OverviewCache::default()),
-            refresh: Semaphore::new(1),
+            refresh: Arc::new(Semaphore::new(1)),
         })
     }
 }
