@@ -92,8 +92,8 @@ impl Fixture {
         cfg
     }
 
-    /// `ratelimitd admin` on a free port: the child and the console's URL.
-    fn admin(&self) -> (Child, String) {
+    /// `ratelimitd admin` on a free port, and the console's URL.
+    fn admin(&self) -> (Admin, String) {
         let log = self.dir.path().join("admin.log");
         let (child, port) = start_listening("ratelimitd admin", &log, |port| {
             let mut command = Command::new(BIN);
@@ -104,7 +104,18 @@ impl Fixture {
                 .env("RATELIMITD__ADMIN__LISTEN", format!("127.0.0.1:{port}"));
             command
         });
-        (child, format!("http://127.0.0.1:{port}/"))
+        (Admin(child), format!("http://127.0.0.1:{port}/"))
+    }
+}
+
+/// The console's process, stopped by PID when dropped, a failing test's
+/// included.
+struct Admin(Child);
+
+impl Drop for Admin {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -228,7 +239,7 @@ async fn an_editor_proposes_a_viewer_cannot_publish_and_a_publisher_ships_throug
         }
     };
     assert!(serve(first.clone()).await, "the three instances serve the seeded rules");
-    let (mut admin, url) = f.admin();
+    let (admin, url) = f.admin();
     let browser = tokio::task::block_in_place(|| Browser::start(&f.dir.path().join("chromedriver.log")));
     tokio::task::block_in_place(|| editor_steps(&browser, &url));
     tokio::task::block_in_place(|| viewer_steps(&browser, &url));
@@ -285,8 +296,7 @@ async fn an_editor_proposes_a_viewer_cannot_publish_and_a_publisher_ships_throug
     );
     assert!(last["detail"].as_str().unwrap().starts_with(&format!("revert {head}")), "{last}");
     drop(browser);
-    let _ = admin.kill();
-    let _ = admin.wait();
+    drop(admin);
     for instance in instances {
         instance.stop().await.unwrap();
     }
@@ -429,7 +439,7 @@ async fn the_api_refuses_what_it_must_and_rolls_back_and_syncs_through_git() {
     let out = f.run(&["rules", "sync", "--repo", f.repo.to_str().unwrap(), "rules"]);
     assert!(out.status.success(), "{}", text(&out));
     let first = f.in_force();
-    let (mut admin, url) = f.admin();
+    let (admin, url) = f.admin();
     let api = |method: &str, path: &str, token: &str, body: Option<Value>| {
         let url = url.clone();
         let (method, path, token) = (method.to_owned(), path.to_owned(), token.to_owned());
@@ -506,6 +516,5 @@ async fn the_api_refuses_what_it_must_and_rolls_back_and_syncs_through_git() {
     ];
     let want: Vec<(String, String)> = want.iter().map(|(a, o)| ((*a).to_owned(), (*o).to_owned())).collect();
     assert_eq!(actions, want);
-    let _ = admin.kill();
-    let _ = admin.wait();
+    drop(admin);
 }
