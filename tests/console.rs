@@ -329,6 +329,12 @@ fn editor_steps(browser: &Browser, url: &str) {
     assert!(failed.contains("drops 37.50% of its CRITICAL requests"), "{failed}");
     assert!(browser.text("#gate-rules").contains("play"), "{}", browser.text("#gate-rules"));
     shoot(browser, "console-rules.png");
+    // An unsaved edit survives a visit to another page.
+    browser.click("#nav-overview");
+    browser.wait_text("#converged", "serve the version in force", WAIT);
+    browser.click("#nav-rules");
+    browser.wait_text("#changes", "limit: 10 → 5", WAIT);
+    assert_eq!(browser.property("#editor", "value").as_str().unwrap(), rules_of(5, 10));
     // A typo is named by file, rule and field as the editor types.
     browser.clear("#editor");
     browser.type_text("#editor", &rules_of(10, 0));

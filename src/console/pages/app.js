@@ -86,6 +86,10 @@ function signOut(why) {
   clearInterval(state.refreshTimer);
   state.token = "";
   state.user = null;
+  // Nothing of this user's work is left for the next one on this tab.
+  state.edits = new Map();
+  state.proposal = null;
+  state.head = null;
   sessionStorage.removeItem("ratelimitd-token");
   $("who").hidden = true;
   $("nav").hidden = true;
@@ -107,7 +111,8 @@ function route() {
   clearInterval(state.refreshTimer);
   if (!state.user) { show("sign-in"); return; }
   const page = (location.hash || "#overview").slice(1);
-  const known = { overview: loadOverview, rules: loadRules, proposals: loadProposals, audit: loadAudit };
+  // Unsaved edits survive a visit to another page.
+  const known = { overview: loadOverview, rules: () => loadRules(true), proposals: loadProposals, audit: loadAudit };
   const load = known[page] || loadOverview;
   show(known[page] ? page : "overview");
   load();
@@ -224,9 +229,13 @@ async function rollback(commit) {
 async function loadRules(keepEdits) {
   const { ok, data } = await api("GET", "/api/rules");
   if (!ok) { notice(data.error, true); return; }
+  const moved = state.head !== null && state.head !== data.head;
   state.head = data.head;
   state.original = new Map(data.files.map((f) => [f.path, f.text]));
   if (!keepEdits) { state.edits = new Map(); state.proposal = null; }
+  else if (moved && changedFiles().length) {
+    notice(data.branch + " moved to " + (data.head || "").slice(0, 10) + ": your edits now apply to it; check the diff again.", true);
+  }
   $("rules-head").textContent = data.branch + " at " + (data.head ? data.head.slice(0, 10) : "no commit yet")
     + "; rules in " + [data.rules_path, data.envoy_path].filter(Boolean).join(" and ");
   const select = $("file-select");
