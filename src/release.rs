@@ -152,6 +152,23 @@ pub async fn prepare(
     Ok(Prepared::Ready { record: Box::new(record), report })
 }
 
+/// Whose records count as published: those instances take
+/// (`rules.kafka.verify_keys`, `allow_unsigned`), and the publisher's own:
+/// `signer`, else the key of `rules.kafka.signing_key_file` when it loads.
+pub fn trust(config: &Config, signer: Option<&Signer>) -> Trust {
+    let kafka = &config.rules.kafka;
+    let mut trust = config.rules_trust();
+    let configured = || {
+        let text = std::fs::read_to_string(kafka.signing_key_file.as_ref()?).ok()?;
+        Signer::from_text(&text).ok()
+    };
+    let own = signer.cloned().or_else(configured);
+    if let Some(key) = own.and_then(|s| crate::rules::signing::public_key(&s.public_key()).ok()) {
+        trust.keys.push(key);
+    }
+    trust
+}
+
 /// The publish gate: replays `capture` through the rules in force (the
 /// record `in_force`, else the configured rules; see [`rules_in_force`])
 /// and `candidate`.

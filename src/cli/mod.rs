@@ -669,7 +669,7 @@ fn current_rules(
     config: &Config,
     in_force: Option<&crate::rules::encoding::SnapshotRecord>,
 ) -> Result<crate::replay::Rules, ExitCode> {
-    crate::release::rules_in_force(config, in_force, &rules::trust(config, None)).map_err(|e| {
+    crate::release::rules_in_force(config, in_force, &crate::release::trust(config, None)).map_err(|e| {
         eprintln!("{e}");
         ExitCode::from(1)
     })

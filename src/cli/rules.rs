@@ -18,10 +18,7 @@ use crate::{
         publish::{self, Entry},
         status,
     },
-    rules::{
-        encoding::SnapshotRecord,
-        signing::{Signer, Trust},
-    },
+    rules::{encoding::SnapshotRecord, signing::Signer},
 };
 
 /// Runs `rules keygen --out FILE`: 0 written, 1 the file exists or cannot
@@ -70,23 +67,6 @@ fn signer(what: &str, args: &SigningArgs, config: &Config) -> Result<Option<Sign
         eprintln!("{what}: {}: {e}", path.display());
         ExitCode::from(EXIT_USAGE)
     })
-}
-
-/// Whose records count as published: those instances take
-/// (`rules.kafka.verify_keys`, `allow_unsigned`), and the publisher's own:
-/// `signer`, else the key of `rules.kafka.signing_key_file` when it loads.
-pub(super) fn trust(config: &Config, signer: Option<&Signer>) -> Trust {
-    let kafka = &config.rules.kafka;
-    let mut trust = config.rules_trust();
-    let configured = || {
-        let text = std::fs::read_to_string(kafka.signing_key_file.as_ref()?).ok()?;
-        Signer::from_text(&text).ok()
-    };
-    let own = signer.cloned().or_else(configured);
-    if let Some(key) = own.and_then(|s| crate::rules::signing::public_key(&s.public_key()).ok()) {
-        trust.keys.push(key);
-    }
-    trust
 }
 
 fn failed(what: &str, error: &RolloutError) -> ExitCode {
@@ -200,7 +180,7 @@ async fn publish_from(args: PublishArgs, config: &Config, synced: Option<(&Path,
         Ok(thresholds) => thresholds,
         Err(code) => return code,
     };
-    let trust = trust(config, signer.as_ref());
+    let trust = release::trust(config, signer.as_ref());
     let base = synced.as_ref().map(|(dir, _)| *dir);
     let candidate = match candidate(&args, config, base) {
         Ok(candidate) => candidate,
@@ -296,7 +276,7 @@ pub async fn rollback(version: &str, signing: &SigningArgs, config: &Config) -> 
         Ok(signer) => signer,
         Err(code) => return code,
     };
-    let trust = trust(config, signer.as_ref());
+    let trust = release::trust(config, signer.as_ref());
     let history = match blocking(kafka.clone(), move |k| publish::history(&k, &trust)).await {
         Ok(history) => history,
         Err(e) => return failed("rules rollback", &e),
@@ -325,7 +305,7 @@ pub async fn rollback(version: &str, signing: &SigningArgs, config: &Config) -> 
 
 /// Runs `rules history`: one line per record, oldest first.
 pub fn history(config: &Config) -> ExitCode {
-    let history = match publish::history(&config.rules.kafka, &trust(config, None)) {
+    let history = match publish::history(&config.rules.kafka, &release::trust(config, None)) {
         Ok(history) => history,
         Err(e) => return failed("rules history", &e),
     };
@@ -381,7 +361,7 @@ pub fn history(config: &Config) -> ExitCode {
 /// (and at least one does).
 pub fn status(config: &Config) -> ExitCode {
     let kafka = &config.rules.kafka;
-    let trust = trust(config, None);
+    let trust = release::trust(config, None);
     let (history, reports) = match publish::history(kafka, &trust).and_then(|h| Ok((h, status::read(kafka)?)))
     {
         Ok(both) => both,

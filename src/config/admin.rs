@@ -4,7 +4,7 @@
 
 use std::{
     net::{IpAddr, SocketAddr},
-    path::{Component, Path, PathBuf},
+    path::PathBuf,
 };
 
 use serde::{Deserialize, Serialize};
@@ -116,14 +116,6 @@ impl Default for ConsoleConfig {
     }
 }
 
-/// Whether `path` names a place inside a repository: relative, no `..`,
-/// no control character.
-pub(crate) fn inside(path: &Path) -> bool {
-    !path.as_os_str().is_empty()
-        && path.components().all(|c| matches!(c, Component::Normal(_)))
-        && !path.to_string_lossy().chars().any(char::is_control)
-}
-
 impl ConsoleConfig {
     /// The validated listen address.
     pub fn addr(&self) -> SocketAddr {
@@ -140,7 +132,7 @@ impl ConsoleConfig {
             return Err(invalid("admin.branch", format!("{:?} is not a branch name", self.branch)));
         }
         for (key, path) in [("admin.rules_path", &self.rules_path), ("admin.envoy_path", &self.envoy_path)] {
-            if path.as_deref().is_some_and(|p| !inside(p)) {
+            if path.as_deref().is_some_and(|p| !crate::rollout::git::inside(p)) {
                 return Err(invalid(key, "give a relative path inside the repository, without `..`"));
             }
         }

@@ -40,7 +40,6 @@ use std::{
 
 use serde::Deserialize;
 
-pub(crate) use admin::inside;
 pub use admin::{ConsoleConfig, ConsoleUser, ProxyConfig, Role};
 pub use capture::{CaptureConfig, CaptureKafkaConfig};
 pub use dlq::{DlqConfig, KafkaConfig};

@@ -223,11 +223,8 @@ impl Console {
         let dir = self.config.admin.captures_dir.as_ref().ok_or_else(|| {
             error(StatusCode::BAD_REQUEST, "admin.captures_dir is not set: this console has no captures")
         })?;
-        let plain = name.ends_with(".jsonl")
-            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-            && !name.starts_with('.');
         let path = dir.join(name);
-        if !plain || !path.is_file() {
+        if !capture_name(name) || !path.is_file() {
             return Err(error(
                 StatusCode::BAD_REQUEST,
                 format!("{name:?} is not a capture of admin.captures_dir"),
@@ -485,12 +482,20 @@ pub(super) async fn rules(State(console): State<Arc<Console>>, peer: Peer, heade
     })))
 }
 
+/// Whether `name` can name a capture: a plain `*.jsonl` file name (no
+/// path, nothing hidden). The list offered and the names taken are the same.
+fn capture_name(name: &str) -> bool {
+    name.ends_with(".jsonl")
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        && !name.starts_with('.')
+}
+
 /// The captures of `dir`, by name.
 fn captures(dir: Option<&std::path::Path>) -> Vec<String> {
     let Some(Ok(entries)) = dir.map(std::fs::read_dir) else { return Vec::new() };
     let mut names: Vec<String> = entries
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.ends_with(".jsonl") && !n.starts_with('.'))
+        .filter(|n| capture_name(n))
         .take(1000)
         .collect();
     names.sort();

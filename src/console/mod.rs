@@ -89,12 +89,7 @@ impl Console {
         };
         let auth = auth::Auth::new(&admin.users, &admin.proxy);
         let audit = audit::AuditLog::open(&admin.audit_log)?;
-        let mut trust = config.rules_trust();
-        if let Some(key) =
-            signer.as_ref().and_then(|s| crate::rules::signing::public_key(&s.public_key()).ok())
-        {
-            trust.keys.push(key);
-        }
+        let trust = crate::release::trust(&config, signer.as_ref());
         Ok(Self {
             config,
             workspace,

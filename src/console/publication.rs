@@ -35,7 +35,7 @@ struct Publication {
     detail: String,
     candidate: publish::Candidate,
     capture: Option<String>,
-    /// Whether the record names the version in force as rolled back.
+    /// Whether the record names the version it replaces as rolled back.
     rollback: bool,
 }
 
@@ -60,23 +60,33 @@ async fn publish_commit(console: &Arc<Console>, user: &User, p: Publication, com
     let capture = console.gate_of(p.capture.as_deref())?;
     let _one =
         console.heavy.acquire().await.map_err(|_| error(StatusCode::SERVICE_UNAVAILABLE, "stopping"))?;
-    let before = console.view().await?.in_force().map(|r| r.version.clone());
-    let audit = Audit { user, action: p.action, before };
     let mut provenance = publish::provenance(&[]);
     provenance.paths = p.candidate.paths.iter().map(|p| p.display().to_string()).collect();
     provenance.publisher.push_str(" (admin console)");
-    if p.rollback {
-        provenance.rolled_back_from.clone_from(&audit.before);
-    }
     let gate = capture.as_deref().map(|capture| GateRun { capture, thresholds: console.config.gate });
     let prepared =
         release::prepare(&console.config, &p.candidate, provenance, gate, console.trust.clone()).await;
-    let prepared = match prepared {
+    let mut audit = Audit { user, action: p.action, before: None };
+    let mut prepared = match prepared {
         Ok(prepared) => prepared,
         Err(e) => {
+            // The version in force as the console last saw it: the topic's
+            // history was not read, or the gate refused.
+            let seen = console.view().await.ok();
+            audit.before = seen.as_ref().and_then(|v| v.in_force()).map(|r| r.version.clone());
             let outcome = if matches!(e, ReleaseError::GateFailed(_)) { "refused" } else { "failed" };
             console.log(audit.entry(outcome, format!("{}: {e}", p.detail))).await?;
             return Err(e.into());
+        }
+    };
+    // The version in force, from the history `prepare` has just read.
+    audit.before = match &mut prepared {
+        Prepared::InForce { version } => Some(version.clone()),
+        Prepared::Ready { record, .. } => {
+            if p.rollback {
+                record.provenance.rolled_back_from.clone_from(&record.previous);
+            }
+            record.previous.clone()
         }
     };
     // Logged before anything irreversible: an action that cannot be

@@ -137,7 +137,7 @@ impl Workspace {
     /// under a rule path.
     pub fn writable(&self, path: &str) -> bool {
         let path = Path::new(path);
-        crate::config::inside(path) && self.paths().iter().any(|p| path.starts_with(p))
+        git::inside(path) && self.paths().iter().any(|p| path.starts_with(p))
     }
 
     /// `edits` on top of `base`, checked and compiled as `serve` compiles

@@ -90,7 +90,7 @@ fn line(out: &[u8]) -> String {
 /// Whether `path` names a place inside a repository: relative, no `..`,
 /// and no control character (git's index input separates entries by NUL
 /// and fields by tab: such a name could smuggle in another entry).
-fn inside(path: &Path) -> bool {
+pub fn inside(path: &Path) -> bool {
     !path.as_os_str().is_empty()
         && path.components().all(|c| matches!(c, Component::Normal(_)))
         && !path.to_string_lossy().chars().any(char::is_control)
@@ -305,15 +305,15 @@ pub fn files(repo: &Path, rev: &str, paths: &[&Path]) -> Result<(Commit, Files),
 }
 
 /// The files under `paths` of the tree (or commit) `tree`, as [`files`].
-pub fn tree_files(repo: &Path, tree: &str, paths: &[&Path]) -> Result<Vec<(String, Vec<u8>)>, RolloutError> {
-    let id = tree;
+pub fn tree_files(repo: &Path, tree: &str, paths: &[&Path]) -> Result<Files, RolloutError> {
     let mut files = Vec::new();
     for path in paths {
         // `./rules` is the repository's `rules`; nothing may leave the repository.
         if path.is_absolute() || path.components().any(|c| matches!(c, Component::ParentDir)) {
             return Err(RolloutError::Git(format!("{}: give a path inside the repository", path.display())));
         }
-        let listing = git(repo, &["ls-tree", "-r", "-z", "--full-tree", id, "--", &path.to_string_lossy()])?;
+        let listing =
+            git(repo, &["ls-tree", "-r", "-z", "--full-tree", tree, "--", &path.to_string_lossy()])?;
         for entry in listing.split(|b| *b == 0).filter(|e| !e.is_empty()) {
             let entry = String::from_utf8_lossy(entry);
             let (meta, name) = entry.split_once('\t').unwrap_or((&entry, ""));
@@ -324,7 +324,7 @@ pub fn tree_files(repo: &Path, tree: &str, paths: &[&Path]) -> Result<Vec<(Strin
             }
             if mode == Some("120000") {
                 return Err(RolloutError::Git(format!(
-                    "{name} is a symbolic link in {id}: commit the rule file itself"
+                    "{name} is a symbolic link in {tree}: commit the rule file itself"
                 )));
             }
             files.push((name.to_owned(), git(repo, &["cat-file", "blob", object])?));
