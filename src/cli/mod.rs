@@ -726,11 +726,9 @@ fn print_native_diff(
         let requests = native.clone().map(|r| (&*r.resource_path, r.client_type.as_deref()));
         (diff::touched(old, new, &changes, requests), native.count())
     });
-    let rule =
-        |s: &crate::rules::Snapshot, id: &str| s.rules().iter().find(|r| &*r.id == id).map(diff::describe);
     let versions = (old.version(), new.version());
     print_changes(out, versions, &changes, touched.as_ref(), |id, candidate| {
-        rule(if candidate { new } else { old }, id).unwrap_or_default()
+        diff::describe_rule(if candidate { new } else { old }, id)
     });
 }
 
@@ -754,12 +752,9 @@ fn print_envoy_diff(
     });
     // Each configuration's limits walked once, not once per change.
     let (old_limits, new_limits) = (old.limits(), new.limits());
-    let describe = |limits: &[std::sync::Arc<crate::rules::envoy::EnvoyLimit>], key: &str| {
-        limits.iter().find(|l| &*l.full_key == key).map(|l| diff::describe_envoy(l)).unwrap_or_default()
-    };
     let versions = (old.version(), new.version());
     print_changes(out, versions, &changes, touched.as_ref(), |key, candidate| {
-        describe(if candidate { &new_limits } else { &old_limits }, key)
+        diff::describe_limit(if candidate { &new_limits } else { &old_limits }, key)
     });
 }
 

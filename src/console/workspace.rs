@@ -228,12 +228,9 @@ pub fn changes(
     let record = publish::record(candidate, None, Provenance::default());
     let new = release::rules_of(config, &record, "the candidate")?;
     let mut out = Vec::new();
-    let native = |s: &crate::rules::Snapshot, id: &str| {
-        s.rules().iter().find(|r| &*r.id == id).map(diff::describe).unwrap_or_default()
-    };
     for change in diff::diff(&old.native, &new.native) {
         out.push(rule_change("native", &change, |id, new_side| {
-            native(if new_side { &new.native } else { &old.native }, id)
+            diff::describe_rule(if new_side { &new.native } else { &old.native }, id)
         }));
     }
     if candidate.envoy.is_some() {
@@ -243,12 +240,7 @@ pub fn changes(
         let (old_limits, new_limits) = (old_envoy.limits(), new_envoy.limits());
         for change in diff::envoy_diff(old_envoy, new_envoy) {
             out.push(rule_change("envoy", &change, |key, new_side| {
-                let limits = if new_side { &new_limits } else { &old_limits };
-                limits
-                    .iter()
-                    .find(|l| &*l.full_key == key)
-                    .map(|l| diff::describe_envoy(l))
-                    .unwrap_or_default()
+                diff::describe_limit(if new_side { &new_limits } else { &old_limits }, key)
             }));
         }
     }

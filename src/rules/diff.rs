@@ -59,6 +59,17 @@ pub fn describe(rule: &Rule) -> String {
     )
 }
 
+/// [`describe`] of rule `id` of `snapshot`; empty when it has none.
+pub fn describe_rule(snapshot: &Snapshot, id: &str) -> String {
+    snapshot.rules().iter().find(|r| &*r.id == id).map(describe).unwrap_or_default()
+}
+
+/// [`describe_envoy`] of the limit `key` among `limits` (an Envoy
+/// configuration's, walked once by the caller); empty when none has it.
+pub fn describe_limit(limits: &[std::sync::Arc<EnvoyLimit>], key: &str) -> String {
+    limits.iter().find(|l| &*l.full_key == key).map(|l| describe_envoy(l)).unwrap_or_default()
+}
+
 /// The changes from `old` to `new`, removed first, then changed, then added,
 /// each in rule id order.
 pub fn diff(old: &Snapshot, new: &Snapshot) -> Vec<Change> {
