@@ -131,30 +131,20 @@ fn candidate(
     config: &Config,
     base: Option<&Path>,
 ) -> Result<publish::Candidate, ExitCode> {
-    let under = |path: &Option<PathBuf>| path.as_ref().map(|p| base.map_or(p.clone(), |b| b.join(p)));
-    let (native, envoy) = (under(&args.path), under(&args.envoy));
-    let compiled = publish::candidate(
-        native.as_deref(),
-        envoy.as_deref(),
-        config.envoy.compile(),
-        config.rules.path_matching,
-        config.rules.allow_empty,
-    );
-    match (compiled, base) {
-        (Ok(candidate), Some(base)) => Ok(candidate.relative_to(base)),
-        (Ok(candidate), None) => Ok(candidate),
-        (Err(errors), _) => {
-            let problems = errors.0.len();
-            for mut error in errors.0 {
-                if let Some(inside) = base.and_then(|b| error.file.strip_prefix(b).ok()) {
-                    error.file = inside.to_path_buf();
-                }
-                eprintln!("{error}");
-            }
-            eprintln!("rules publish: {problems} problem(s); nothing published");
-            Err(ExitCode::from(1))
+    let (native, envoy) = (args.path.as_deref(), args.envoy.as_deref());
+    let (how, paths, allow_empty) =
+        (config.envoy.compile(), config.rules.path_matching, config.rules.allow_empty);
+    let compiled = match base {
+        Some(base) => publish::candidate_under(base, native, envoy, how, paths, allow_empty),
+        None => publish::candidate(native, envoy, how, paths, allow_empty),
+    };
+    compiled.map_err(|errors| {
+        for error in &errors.0 {
+            eprintln!("{error}");
         }
-    }
+        eprintln!("rules publish: {} problem(s); nothing published", errors.0.len());
+        ExitCode::from(1)
+    })
 }
 
 /// Runs `rules publish`: 0 published (or already in force), 1 invalid rules,

@@ -182,29 +182,20 @@ impl Workspace {
         let dir =
             tempfile::tempdir().map_err(|e| RolloutError::Git(format!("a temporary directory: {e}")))?;
         git::write_files(dir.path(), files)?;
-        let dir = dir.path();
-        let (native, envoy) =
-            (self.native.as_ref().map(|p| dir.join(p)), self.envoy.as_ref().map(|p| dir.join(p)));
-        let (native, envoy) = (native.filter(|p| p.exists()), envoy.filter(|p| p.exists()));
+        // A rule path the change leaves without files is not compiled.
+        let held = |p: &&Path| dir.path().join(p).exists();
+        let (native, envoy) = (self.native.as_deref().filter(held), self.envoy.as_deref().filter(held));
         if native.is_none() && envoy.is_none() {
             return Err(ChangeError::Refused("the change leaves no rule file".to_owned()));
         }
-        publish::candidate(
-            native.as_deref(),
-            envoy.as_deref(),
-            config.envoy.compile(),
-            config.rules.path_matching,
-            config.rules.allow_empty,
-        )
-        .map(|c| c.relative_to(dir))
-        .map_err(|errors| ChangeError::Invalid(errors.0.into_iter().map(|e| problem(e, dir)).collect()))
+        let (how, paths, allow_empty) =
+            (config.envoy.compile(), config.rules.path_matching, config.rules.allow_empty);
+        publish::candidate_under(dir.path(), native, envoy, how, paths, allow_empty)
+            .map_err(|errors| ChangeError::Invalid(errors.0.into_iter().map(problem).collect()))
     }
 }
 
-fn problem(mut error: RuleError, dir: &Path) -> Problem {
-    if let Ok(inside) = error.file.strip_prefix(dir) {
-        error.file = inside.to_path_buf();
-    }
+fn problem(error: RuleError) -> Problem {
     Problem {
         file: error.file.display().to_string(),
         line: error.line.map(|(l, _)| l),

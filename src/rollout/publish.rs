@@ -104,6 +104,33 @@ pub fn candidate(
     Ok(Candidate { native: native_rules, envoy: envoy_rules, paths })
 }
 
+/// [`candidate`] of the rules at `native` and `envoy` below `base` (a
+/// directory holding a commit's files: `rules sync`, the console): every
+/// file, and every error, named by its path below `base`, as a publish
+/// from the repository's root names them (Envoy file names are part of the
+/// version).
+pub fn candidate_under(
+    base: &Path,
+    native: Option<&Path>,
+    envoy: Option<&Path>,
+    how: rules::envoy::Compile,
+    paths: rules::PathForm,
+    allow_empty: bool,
+) -> Result<Candidate, RuleErrors> {
+    let (native, envoy) = (native.map(|p| base.join(p)), envoy.map(|p| base.join(p)));
+    match candidate(native.as_deref(), envoy.as_deref(), how, paths, allow_empty) {
+        Ok(candidate) => Ok(candidate.relative_to(base)),
+        Err(mut errors) => {
+            for error in &mut errors.0 {
+                if let Ok(inside) = error.file.strip_prefix(base) {
+                    error.file = inside.to_path_buf();
+                }
+            }
+            Err(errors)
+        }
+    }
+}
+
 /// Where the rules come from: the host, the paths and, when they are in a
 /// git work tree, the commit, its author and whether the files differ from it.
 pub fn provenance(paths: &[PathBuf]) -> Provenance {
