@@ -273,7 +273,9 @@ mod tests {
     }
 
     fn report(adapter: &Adapter, outcome: Outcome, n: u64) {
-        adapter.rules.load().rules()[0].adaptive.as_deref().unwrap().record(outcome, None, n);
+        let limit = adapter.rules.load().rules()[0].adaptive.clone().unwrap();
+        limit.admit(b"gateway", n);
+        assert_eq!(limit.record(b"gateway", outcome, None, n), n);
     }
 
     #[tokio::test]

@@ -1,4 +1,5 @@
-//! The bytes a gRPC request may make the service hold.
+//! The bytes a gRPC request may make the service hold, and each caller's
+//! share of them.
 //!
 //! `grpc.max_request_bytes_in_flight`: the bytes of gRPC request messages
 //! announced but not yet whole, over every connection and stream together.
@@ -10,22 +11,38 @@
 //! message's prefix has been read, its announced length (what tonic
 //! reserves for it) is taken from the budget, and it is given back when
 //! the message is whole (then tonic decodes and frees it) or the request
-//! ends. A message that would pass the budget fails its request with
-//! RESOURCE_EXHAUSTED (counted), never the whole process.
+//! ends.
+//!
+//! The pool is shared per caller, never first come first served: a
+//! message's bytes are taken from its connection's share
+//! (`grpc.max_request_bytes_per_connection`), its peer's
+//! (`grpc.max_request_bytes_per_peer`: an IPv4 address, an IPv6 /64, the
+//! Unix socket's clients together), the untrusted callers' part of the pool
+//! and the pool, all or none. Trusted peers (`grpc.trusted_peers`,
+//! `grpc.tls.trusted_client_names`: the Envoys in front) have no peer
+//! share, and the other half of the pool is kept for them alone while any
+//! trust is configured. So a flood from one connection or address refuses
+//! that caller, and no number of untrusted addresses can take what the
+//! trusted proxies need.
+//!
+//! A message that would pass a share fails its request. For a
+//! single-decision call (`Check`, `Report`, `ShouldRateLimit`) the answer
+//! is a denial, never an error: a proxy that fails open would allow on an
+//! error. `CheckBatch` and `CheckStream` fail with RESOURCE_EXHAUSTED
+//! (native clients, no proxy between; their items were never read).
 //!
 //! `grpc.max_message_bytes` bounds one message; `CheckBatch` has its own,
 //! larger bound (`grpc.max_batch_message_bytes`). A single-decision call
-//! (`Check`, `Report`, `ShouldRateLimit`) whose message is over its bound
-//! is answered with a denial, never an error: a proxy that fails open
-//! would allow on an error, and the size of an Envoy request follows the
-//! size of the headers its client sent. The length prefix is checked as it
-//! arrives: over the bound the body fails (nothing buffered) and the
-//! call's answer is replaced by the denial.
+//! whose message is over its bound is answered with a denial too. The
+//! length prefix is checked as it arrives: over the bound the body fails
+//! (nothing buffered) and the call's answer is replaced by the denial.
 
 use std::{
+    collections::HashMap,
+    net::IpAddr,
     pin::Pin,
     sync::{
-        Arc,
+        Arc, Mutex, Weak,
         atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     task::{Context, Poll},
@@ -38,44 +55,39 @@ use tonic::{
     codegen::{Bytes, http},
 };
 
-/// The process-wide budget.
-#[derive(Debug)]
-pub struct Budget {
-    held: AtomicUsize,
-    limit: usize,
-    refused: AtomicU64,
-    oversized: AtomicU64,
+/// How much of the pool one caller may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shares {
+    /// Every caller together (`grpc.max_request_bytes_in_flight`).
+    pub pool: usize,
+    /// One connection (`grpc.max_request_bytes_per_connection`).
+    pub per_connection: usize,
+    /// One untrusted peer, all its connections together
+    /// (`grpc.max_request_bytes_per_peer`).
+    pub per_peer: usize,
+    /// Every untrusted peer together: half the pool while trusted peers
+    /// are configured (the rest is theirs alone), else the pool.
+    pub untrusted: usize,
 }
 
-impl Budget {
-    /// At most `limit` bytes of unfinished messages at once.
-    pub fn new(limit: usize) -> Self {
-        Budget { held: AtomicUsize::new(0), limit, refused: AtomicU64::new(0), oversized: AtomicU64::new(0) }
-    }
+/// The bytes some callers hold, and the most they may.
+#[derive(Debug)]
+struct Held {
+    held: AtomicUsize,
+    limit: usize,
+}
 
-    /// Bytes of unfinished messages now.
-    pub fn held(&self) -> usize {
-        self.held.load(Ordering::Relaxed)
-    }
-
-    /// Requests failed for the budget since start.
-    pub fn refused(&self) -> u64 {
-        self.refused.load(Ordering::Relaxed)
-    }
-
-    /// Requests whose message was over its size bound, since start
-    /// (denied, or failed where the method has no denial).
-    pub fn oversized(&self) -> u64 {
-        self.oversized.load(Ordering::Relaxed)
+impl Held {
+    fn new(limit: usize) -> Self {
+        Held { held: AtomicUsize::new(0), limit }
     }
 
     fn take(&self, bytes: usize) -> bool {
         let before = self.held.fetch_add(bytes, Ordering::Relaxed);
-        if before + bytes <= self.limit {
+        if before.saturating_add(bytes) <= self.limit {
             return true;
         }
         self.held.fetch_sub(bytes, Ordering::Relaxed);
-        self.refused.fetch_add(1, Ordering::Relaxed);
         false
     }
 
@@ -84,9 +96,233 @@ impl Budget {
     }
 }
 
-/// Encodes the response message that denies an oversized request, at the
-/// time it is answered.
-pub type Denial = Arc<dyn Fn() -> Bytes + Send + Sync>;
+/// Which share refused a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refused {
+    Connection,
+    Peer,
+    Untrusted,
+    Pool,
+}
+
+impl Refused {
+    const ALL: [Refused; 4] = [Refused::Connection, Refused::Peer, Refused::Untrusted, Refused::Pool];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Refused::Connection => "connection",
+            Refused::Peer => "peer",
+            Refused::Untrusted => "untrusted",
+            Refused::Pool => "pool",
+        }
+    }
+
+    fn message(self) -> &'static str {
+        match self {
+            Refused::Connection => {
+                "this connection holds grpc.max_request_bytes_per_connection of unfinished requests"
+            }
+            Refused::Peer => "this address holds grpc.max_request_bytes_per_peer of unfinished requests",
+            Refused::Untrusted => {
+                "untrusted peers hold their half of grpc.max_request_bytes_in_flight of unfinished requests"
+            }
+            Refused::Pool => "the service holds grpc.max_request_bytes_in_flight of unfinished requests",
+        }
+    }
+}
+
+/// Who a connection comes from, for its share: its address (an IPv6
+/// address by its /64: one host owns a whole prefix) or the Unix socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PeerKey {
+    /// An IPv4 address (an IPv4-mapped IPv6 address included).
+    V4(u32),
+    /// An IPv6 /64.
+    V6(u64),
+    /// The Unix socket's clients, together.
+    Local,
+}
+
+impl PeerKey {
+    /// The group `addr` belongs to.
+    pub fn of(addr: IpAddr) -> Self {
+        match addr {
+            IpAddr::V4(v4) => PeerKey::V4(u32::from(v4)),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => PeerKey::V4(u32::from(v4)),
+                None => PeerKey::V6((u128::from(v6) >> 64) as u64),
+            },
+        }
+    }
+}
+
+/// The live peers' shares, by peer; an entry goes with its peer's last
+/// connection.
+type Peers = Mutex<HashMap<PeerKey, Weak<PeerShare>>>;
+
+/// One peer's share, held by each of its connections.
+#[derive(Debug)]
+struct PeerShare {
+    held: Held,
+    key: PeerKey,
+    peers: Arc<Peers>,
+}
+
+impl Drop for PeerShare {
+    fn drop(&mut self) {
+        let mut peers = self.peers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // A new connection of the peer may have put a fresh share there.
+        if peers.get(&self.key).is_some_and(|share| share.strong_count() == 0) {
+            peers.remove(&self.key);
+        }
+    }
+}
+
+/// What one connection may hold, handed to each of its requests as its
+/// connect info: its share of the store's in-flight work
+/// (`grpc.max_store_calls_per_connection`, read by `api/`) and of the
+/// request byte budget (read by [`BudgetLayer`]).
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// Store calls in flight: each decision's store call holds a permit.
+    pub store_calls: Arc<tokio::sync::Semaphore>,
+    bytes: Arc<CallerBytes>,
+}
+
+#[derive(Debug)]
+struct CallerBytes {
+    connection: Held,
+    /// `None` for a trusted peer: only the pool bounds it.
+    peer: Option<Arc<PeerShare>>,
+}
+
+/// The process-wide budget.
+#[derive(Debug)]
+pub struct Budget {
+    pool: Held,
+    untrusted: Held,
+    shares: Shares,
+    peers: Arc<Peers>,
+    refused: [AtomicU64; 4],
+    oversized: AtomicU64,
+}
+
+impl Budget {
+    /// A pool shared as `shares` says.
+    pub fn new(shares: Shares) -> Self {
+        Budget {
+            pool: Held::new(shares.pool),
+            untrusted: Held::new(shares.untrusted.min(shares.pool)),
+            shares,
+            peers: Arc::default(),
+            refused: Default::default(),
+            oversized: AtomicU64::new(0),
+        }
+    }
+
+    /// A pool of `limit` bytes, every caller able to hold all of it.
+    pub fn unshared(limit: usize) -> Self {
+        Budget::new(Shares { pool: limit, per_connection: limit, per_peer: limit, untrusted: limit })
+    }
+
+    /// The shares of a new connection from `peer` (`trusted`: its peer
+    /// share is the pool's), with `store_calls` store calls in flight
+    /// (0: unbounded).
+    pub fn caller(&self, peer: PeerKey, trusted: bool, store_calls: usize) -> Caller {
+        let store_calls = if store_calls == 0 { tokio::sync::Semaphore::MAX_PERMITS } else { store_calls };
+        let peer = (!trusted).then(|| self.peer(peer));
+        Caller {
+            store_calls: Arc::new(tokio::sync::Semaphore::new(store_calls)),
+            bytes: Arc::new(CallerBytes { connection: Held::new(self.shares.per_connection), peer }),
+        }
+    }
+
+    fn peer(&self, key: PeerKey) -> Arc<PeerShare> {
+        let mut peers = self.peers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(share) = peers.get(&key).and_then(Weak::upgrade) {
+            return share;
+        }
+        let share = Arc::new(PeerShare {
+            held: Held::new(self.shares.per_peer),
+            key,
+            peers: Arc::clone(&self.peers),
+        });
+        peers.insert(key, Arc::downgrade(&share));
+        share
+    }
+
+    /// Bytes of unfinished messages now.
+    pub fn held(&self) -> usize {
+        self.pool.held.load(Ordering::Relaxed)
+    }
+
+    /// Peers with a connection open now.
+    pub fn peers(&self) -> usize {
+        self.peers.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).len()
+    }
+
+    /// Requests failed for the budget since start, every share together.
+    pub fn refused(&self) -> u64 {
+        self.refused.iter().map(|count| count.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Requests whose message was over its size bound, since start
+    /// (denied, or failed where the method has no denial).
+    pub fn oversized(&self) -> u64 {
+        self.oversized.load(Ordering::Relaxed)
+    }
+
+    /// Takes `bytes` from every share the caller lives under, all or none.
+    fn take(&self, caller: Option<&CallerBytes>, bytes: usize) -> Result<(), Refused> {
+        let peer = caller.and_then(|caller| caller.peer.as_deref());
+        let steps: [(Option<&Held>, Refused); 4] = [
+            (caller.map(|caller| &caller.connection), Refused::Connection),
+            (peer.map(|peer| &peer.held), Refused::Peer),
+            (peer.map(|_| &self.untrusted), Refused::Untrusted),
+            (Some(&self.pool), Refused::Pool),
+        ];
+        for (at, (held, refused)) in steps.iter().enumerate() {
+            if let Some(held) = held
+                && !held.take(bytes)
+            {
+                for held in steps[..at].iter().filter_map(|(held, _)| *held) {
+                    held.give(bytes);
+                }
+                self.refused[*refused as usize].fetch_add(1, Ordering::Relaxed);
+                return Err(*refused);
+            }
+        }
+        Ok(())
+    }
+
+    fn give(&self, caller: Option<&CallerBytes>, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        if let Some(caller) = caller {
+            caller.connection.give(bytes);
+            if let Some(peer) = &caller.peer {
+                peer.held.give(bytes);
+                self.untrusted.give(bytes);
+            }
+        }
+        self.pool.give(bytes);
+    }
+}
+
+/// Why a single-decision call was refused unread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Its message is over its bound: the same request never passes.
+    TooLarge,
+    /// Its caller holds its whole share of the budget: it may pass once
+    /// the caller's other requests finish.
+    CallerBusy,
+}
+
+/// Encodes the response message that denies a request refused unread, at
+/// the time it is answered.
+pub type Denial = Arc<dyn Fn(Refusal) -> Bytes + Send + Sync>;
 
 /// The size bounds of one message, by method.
 #[derive(Clone)]
@@ -170,17 +406,19 @@ where
         let bound = self.bounds.of(path);
         let denied = self.bounds.denials.iter().position(|(p, _)| *p == path);
         let budget = Arc::clone(&self.budget);
-        let counted = |body| Body::new(Counted::new(body, budget, bound, denied.is_some()));
+        let caller = request.extensions().get::<Caller>().map(|caller| Arc::clone(&caller.bytes));
+        let counted = |body| Body::new(Counted::new(body, budget, caller, bound, denied.is_some()));
         let future = self.inner.call(request.map(counted));
         Answered { future, denial: denied.map(|at| (Arc::clone(&self.bounds), at)) }
     }
 }
 
 pin_project_lite::pin_project! {
-    /// A call's answer; a single-decision call refused for its size (by
-    /// its counted body, with OUT_OF_RANGE: tonic answers the body's
-    /// error as a trailers-only response) is answered with its method's
-    /// denial instead.
+    /// A call's answer; a single-decision call refused unread (by its
+    /// counted body, with OUT_OF_RANGE for its size or ABORTED for its
+    /// caller's share: tonic answers the body's error as a trailers-only
+    /// response, and no handler answers either) is answered with its
+    /// method's denial instead.
     pub struct Answered<F> {
         #[pin]
         future: F,
@@ -197,9 +435,16 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let response = std::task::ready!(this.future.poll(cx))?;
-        let oversized = response.headers().get("grpc-status").is_some_and(|code| code.as_bytes() == b"11");
-        Poll::Ready(Ok(match this.denial.take() {
-            Some((bounds, at)) if oversized => answer((bounds.denials[at].1)()),
+        let refusal = match this.denial {
+            None => None,
+            Some(_) => match response.headers().get("grpc-status").map(|code| code.as_bytes()) {
+                Some(b"11") => Some(Refusal::TooLarge),
+                Some(b"10") => Some(Refusal::CallerBusy),
+                _ => None,
+            },
+        };
+        Poll::Ready(Ok(match (this.denial.take(), refusal) {
+            (Some((bounds, at)), Some(refusal)) => answer((bounds.denials[at].1)(refusal)),
             _ => response,
         }))
     }
@@ -252,6 +497,8 @@ impl http_body::Body for Answer {
 struct Counted {
     inner: Body,
     budget: Arc<Budget>,
+    /// The connection's and its peer's shares (none outside a server).
+    caller: Option<Arc<CallerBytes>>,
     /// The longest message this method takes.
     bound: usize,
     /// Bytes taken for the message not yet whole: its announced length.
@@ -264,16 +511,23 @@ struct Counted {
     /// A message announced more than `bound`: the request failed.
     oversized: bool,
     /// A single-decision call: an oversized message is refused with
-    /// OUT_OF_RANGE, which [`Answered`] turns into the denial; others
-    /// with RESOURCE_EXHAUSTED.
+    /// OUT_OF_RANGE, one over its caller's share with ABORTED, which
+    /// [`Answered`] turns into the denial; others with RESOURCE_EXHAUSTED.
     deny: bool,
 }
 
 impl Counted {
-    fn new(inner: Body, budget: Arc<Budget>, bound: usize, deny: bool) -> Self {
+    fn new(
+        inner: Body,
+        budget: Arc<Budget>,
+        caller: Option<Arc<CallerBytes>>,
+        bound: usize,
+        deny: bool,
+    ) -> Self {
         Counted {
             inner,
             budget,
+            caller,
             bound,
             held: 0,
             prefix: [0; 5],
@@ -313,10 +567,9 @@ impl Counted {
                         if self.deny { tonic::Code::OutOfRange } else { tonic::Code::ResourceExhausted };
                     return Err(Status::new(code, message));
                 }
-                if !self.budget.take(self.left) {
-                    return Err(Status::resource_exhausted(
-                        "the service holds grpc.max_request_bytes_in_flight of unfinished requests",
-                    ));
+                if let Err(refused) = self.budget.take(self.caller.as_deref(), self.left) {
+                    let code = if self.deny { tonic::Code::Aborted } else { tonic::Code::ResourceExhausted };
+                    return Err(Status::new(code, refused.message()));
                 }
                 self.held = self.left;
             } else {
@@ -325,7 +578,7 @@ impl Counted {
                 at += take;
             }
             if self.left == 0 {
-                self.budget.give(self.held);
+                self.budget.give(self.caller.as_deref(), self.held);
                 self.held = 0;
                 self.prefix_len = 0;
             }
@@ -364,13 +617,13 @@ impl http_body::Body for Counted {
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        self.budget.give(self.held);
+        self.budget.give(self.caller.as_deref(), self.held);
     }
 }
 
 impl crate::telemetry::Figures for Budget {
     fn render(&self, out: &mut String) {
-        use crate::telemetry::exposition::single;
+        use crate::telemetry::exposition::{labelled, single};
         single(
             out,
             "ratelimitd_grpc_request_bytes_in_flight",
@@ -380,10 +633,20 @@ impl crate::telemetry::Figures for Budget {
         );
         single(
             out,
+            "ratelimitd_grpc_request_peers",
+            "gauge",
+            "Untrusted peers (an IPv4 address, an IPv6 /64) with a gRPC connection open, each with its share of the request byte budget.",
+            self.peers(),
+        );
+        let refused = Refused::ALL
+            .map(|refused| (refused.as_str(), self.refused[refused as usize].load(Ordering::Relaxed)));
+        labelled(
+            out,
             "ratelimitd_grpc_requests_over_budget_total",
             "counter",
-            "Requests failed with RESOURCE_EXHAUSTED: their bytes would pass grpc.max_request_bytes_in_flight.",
-            self.refused(),
+            "Requests refused unread because their caller's share of the request byte budget was held (by the share that refused: connection, peer, untrusted, pool): a Check, Report or ShouldRateLimit denied, others failed with RESOURCE_EXHAUSTED.",
+            "share",
+            &refused,
         );
         single(
             out,
@@ -409,7 +672,11 @@ mod tests {
     }
 
     fn body(budget: &Arc<Budget>) -> Counted {
-        Counted::new(Body::empty(), Arc::clone(budget), 1_000, false)
+        Counted::new(Body::empty(), Arc::clone(budget), None, 1_000, false)
+    }
+
+    fn body_of(budget: &Arc<Budget>, caller: &Caller) -> Counted {
+        Counted::new(Body::empty(), Arc::clone(budget), Some(Arc::clone(&caller.bytes)), 1_000, false)
     }
 
     /// A message's announced length is held from its prefix until it is
@@ -421,7 +688,7 @@ mod tests {
         bytes.extend(message(0));
         bytes.extend(message(50));
         for cut in [3, 40, 65, 105, 112, 130] {
-            let budget = Arc::new(Budget::new(1_000));
+            let budget = Arc::new(Budget::unshared(1_000));
             let mut b = body(&budget);
             b.count(&bytes[..cut]).unwrap();
             // 0..105 the first message (held once its prefix is read), 105..110
@@ -437,7 +704,7 @@ mod tests {
             b.count(&bytes[140..]).unwrap();
             assert_eq!(budget.held(), 0, "cut at {cut}");
         }
-        let budget = Arc::new(Budget::new(1_000));
+        let budget = Arc::new(Budget::unshared(1_000));
         let mut stream = body(&budget);
         stream.count(&bytes[..60]).unwrap();
         assert_eq!(budget.held(), 100);
@@ -448,7 +715,7 @@ mod tests {
     /// Past the budget a message fails its request; others go on.
     #[test]
     fn a_message_past_the_budget_fails_its_request() {
-        let budget = Arc::new(Budget::new(1_500));
+        let budget = Arc::new(Budget::unshared(1_500));
         let (mut a, mut b) = (body(&budget), body(&budget));
         a.count(&message(1_000)[..100]).unwrap();
         let error = b.count(&message(1_000)[..100]).unwrap_err();
@@ -463,6 +730,49 @@ mod tests {
         let error = huge.count(&message(1_001)[..20]).unwrap_err();
         assert!(error.message().contains("grpc.max_message_bytes"), "{error:?}");
         assert_eq!((budget.held(), budget.oversized(), huge.oversized), (0, 1, true));
+    }
+
+    /// Each connection and each untrusted peer holds at most its share;
+    /// untrusted peers together at most theirs; a trusted peer reaches
+    /// what they cannot; a refusal takes nothing from any share.
+    #[test]
+    fn a_caller_holds_at_most_its_share() {
+        let shares = Shares { pool: 1_000, per_connection: 300, per_peer: 400, untrusted: 500 };
+        let budget = Arc::new(Budget::new(shares));
+        let attacker = PeerKey::of("192.0.2.7".parse().unwrap());
+        let (a1, a2) = (budget.caller(attacker, false, 0), budget.caller(attacker, false, 0));
+        let mut first = body_of(&budget, &a1);
+        first.count(&message(300)[..10]).unwrap();
+        let error = body_of(&budget, &a1).count(&message(1)[..5]).unwrap_err();
+        assert_eq!(
+            (error.code(), error.message()),
+            (tonic::Code::ResourceExhausted, Refused::Connection.message())
+        );
+        let mut second = body_of(&budget, &a2);
+        second.count(&message(100)[..10]).unwrap();
+        let error = body_of(&budget, &a2).count(&message(1)[..5]).unwrap_err();
+        assert_eq!(error.message(), Refused::Peer.message(), "two connections, one address");
+        assert_eq!(budget.held(), 400, "refusals hold nothing");
+        // Another address of the same IPv6 /64 is the same peer; another /64 is not.
+        let v6 = |addr: &str| PeerKey::of(addr.parse().unwrap());
+        assert_eq!(v6("2001:db8::1"), v6("2001:db8::ffff:1"));
+        assert_ne!(v6("2001:db8::1"), v6("2001:db8:0:1::1"));
+        assert_eq!(v6("::ffff:192.0.2.7"), attacker);
+        let other = budget.caller(v6("2001:db8::1"), false, 0);
+        let mut third = body_of(&budget, &other);
+        third.count(&message(100)[..10]).unwrap();
+        let error = body_of(&budget, &other).count(&message(1)[..5]).unwrap_err();
+        assert_eq!(error.message(), Refused::Untrusted.message(), "untrusted peers together");
+        let proxy = budget.caller(PeerKey::Local, true, 0);
+        let mut trusted = body_of(&budget, &proxy);
+        trusted.count(&message(300)[..10]).unwrap();
+        let error = body_of(&budget, &proxy).count(&message(201)[..10]).unwrap_err();
+        assert_eq!(error.message(), Refused::Connection.message());
+        assert_eq!((budget.held(), budget.refused(), budget.peers()), (800, 4, 2));
+        drop((first, second, third, trusted));
+        assert_eq!(budget.held(), 0);
+        drop((a1, a2));
+        assert_eq!(budget.peers(), 1, "a peer's share goes with its last connection");
     }
 
     fn request(path: &str, bytes: Vec<u8>, cut: usize) -> http::Request<Body> {
@@ -512,14 +822,20 @@ mod tests {
     /// the prefix was cut; a batch has its own bound.
     #[tokio::test]
     async fn an_oversized_single_decision_is_denied_and_others_pass_whole() {
-        let budget = Arc::new(Budget::new(10_000));
+        let budget = Arc::new(Budget::unshared(10_000));
         let layer = BudgetLayer::new(
             Arc::clone(&budget),
             MessageBounds {
                 message: 100,
                 batch: 1_000,
                 batch_path: "/s/Batch",
-                denials: vec![("/s/Check", Arc::new(|| Bytes::from_static(b"no")))],
+                denials: vec![(
+                    "/s/Check",
+                    Arc::new(|refusal| match refusal {
+                        Refusal::TooLarge => Bytes::from_static(b"no"),
+                        Refusal::CallerBusy => Bytes::from_static(b"busy"),
+                    }),
+                )],
             },
         );
         for cut in [0, 2, 5, 50] {
@@ -532,5 +848,10 @@ mod tests {
         let (grpc, body) = call(&layer, request("/s/Batch", message(1_000), 3)).await;
         assert_eq!((grpc, body.len()), (None, 1_005));
         assert_eq!((budget.held(), budget.oversized()), (0, 4));
+        // Within its bound but past its caller's share: the other denial.
+        let small = BudgetLayer::new(Arc::new(Budget::unshared(50)), (*layer.bounds).clone());
+        let (grpc, body) = call(&small, request("/s/Check", message(60), 7)).await;
+        assert_eq!(grpc.as_deref(), Some("application/grpc"));
+        assert_eq!(&body[..], b"\0\0\0\0\x04busy");
     }
 }

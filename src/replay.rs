@@ -437,7 +437,7 @@ pub fn compare(
         rules,
         priorities,
         timeline,
-        gate: Gate::judge(thresholds, all, &by_rule, &by_path),
+        gate: Gate::judge(thresholds, requests.len() as u64, all, &by_rule, &by_path),
     }
 }
 
@@ -512,9 +512,17 @@ impl Report {
     fn gate_table(&self, out: &mut String) {
         use std::fmt::Write as _;
         let g = &self.gate;
+        let _ = write!(out, "\ngate: a capture of {} requests", g.capture_requests);
+        if g.capture_too_small() {
+            let _ = write!(
+                out,
+                ", under gate.min_capture_requests ({}): too small to judge any candidate",
+                g.thresholds.min_capture_requests
+            );
+        }
         let _ = writeln!(
             out,
-            "\ngate: the candidate denies {} of {} CRITICAL requests the rules in force allow ({:.2}%; at most {:.2}%); worst: {} {} at {:.2}%: {}",
+            "; the candidate denies {} of {} CRITICAL requests the rules in force allow ({:.2}%; at most {:.2}%); worst: {} {} at {:.2}%: {}",
             g.all.critical_newly_denied,
             g.all.critical_allowed,
             g.all.drop * 100.0,
@@ -594,7 +602,10 @@ mod tests {
             "rule_id: bulk, resource_path: /bulk, priority_bucket: BULK, limit: 2",
         );
         let capture = play_capture();
-        let fail = replay(&capture, snapshot(PLAY), snapshot(&tight), &Settings::default());
+        // A capture this small is judged only under a lowered bound.
+        let thresholds = GateThresholds { min_capture_requests: 32, ..GateThresholds::default() };
+        let settings = Settings { thresholds, ..Settings::default() };
+        let fail = replay(&capture, snapshot(PLAY), snapshot(&tight), &settings);
         assert!(!fail.gate.passed);
         assert_eq!((fail.gate.all.critical_allowed, fail.gate.all.critical_newly_denied), (24, 9));
         let failed: Vec<(&str, &str)> =
@@ -607,13 +618,31 @@ mod tests {
         let table = fail.table();
         assert!(table.contains("FAIL") && table.contains("rule play: 9 of 24 CRITICAL"), "{table}");
 
-        let pass = replay(&capture, snapshot(PLAY), snapshot(&harmless), &Settings::default());
+        let pass = replay(&capture, snapshot(PLAY), snapshot(&harmless), &settings);
         assert!(pass.gate.passed, "{}", pass.table());
         assert_eq!(pass.priorities["BULK"].newly_denied, 6, "BULK may be denied: not gated");
         assert_eq!(pass.gate.all.critical_newly_denied, 0);
         let report = pass.gate_report("v2", "now".to_owned());
         assert_eq!((report.candidate_version.as_str(), report.capture_requests), ("v2", 32));
         assert_eq!(report.capture_digest, pass.capture_digest);
+    }
+
+    /// Under the default gate.min_capture_requests (1,000), an empty or a
+    /// 32-request capture fails whatever the candidate, a CRITICAL rule cut
+    /// from 1,000 a minute to 1 a day included, and the verdict says why.
+    #[test]
+    fn an_empty_or_tiny_capture_fails_the_gate() {
+        let cut = PLAY.replacen("limit: 10, window_seconds: 1", "limit: 1, window_seconds: 86400", 1);
+        for capture in [Capture::default(), play_capture()] {
+            let report = replay(&capture, snapshot(PLAY), snapshot(&cut), &Settings::default());
+            assert!(!report.gate.passed && report.gate.capture_too_small());
+            let table = report.table();
+            let size = format!(
+                "a capture of {} requests, under gate.min_capture_requests (1000)",
+                capture.requests.len()
+            );
+            assert!(table.contains(&size) && table.contains(": FAIL"), "{table}");
+        }
     }
 
     /// The rules in force at replay no longer call /play CRITICAL (nor does

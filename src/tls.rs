@@ -63,6 +63,10 @@ pub struct GrpcTlsConfig {
     /// certificate must carry among its subject alternative names, beyond
     /// being signed by that CA (upstream's `GRPC_CLIENT_TLS_SAN`).
     pub client_san: Option<String>,
+    /// With `client_ca_file`: a client whose certificate carries one of these names (DNS names or
+    /// IP addresses, among its subject alternative names) is a trusted peer, as an address in
+    /// `grpc.trusted_peers` is (the Envoys in front, wherever they run).
+    pub trusted_client_names: Vec<String>,
     /// How often the three files are checked (size, mtime); a change is loaded for new connections
     /// without a restart; a file that does not load leaves the previous certificate in use
     /// (logged); `0` disables.
@@ -81,6 +85,7 @@ impl Default for GrpcTlsConfig {
             key_file: None,
             client_ca_file: None,
             client_san: None,
+            trusted_client_names: Vec::new(),
             reload_interval_ms: 10_000,
             handshake_timeout_ms: 10_000,
             max_handshakes: 1_024,
@@ -189,6 +194,20 @@ impl Files {
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(config)
     }
+}
+
+/// Whether the client certificate `stream` presented (verified in its
+/// handshake) carries one of `names` among its subject alternative names
+/// (`grpc.tls.trusted_client_names`).
+pub fn client_named(stream: &TlsStream<TcpStream>, names: &[String]) -> bool {
+    let Some(cert) = stream.get_ref().1.peer_certificates().and_then(<[_]>::first) else {
+        return false;
+    };
+    let Ok(cert) = webpki::EndEntityCert::try_from(cert) else { return false };
+    names.iter().any(|name| {
+        ServerName::try_from(name.as_str())
+            .is_ok_and(|name| cert.verify_is_valid_for_subject_name(&name).is_ok())
+    })
 }
 
 /// The CA's verdict on a client certificate, and then its name: the

@@ -22,7 +22,8 @@ use super::{
 };
 
 use crate::{
-    decision::{Api, CallerShare, CheckRequest, Engine},
+    budget::{Caller, Refusal},
+    decision::{Api, CheckRequest, Engine},
     limiter::Count,
     telemetry::traces::continue_trace,
 };
@@ -34,6 +35,11 @@ pub const MAX_BATCH_ITEMS: usize = 1_024;
 /// Most items of one `CheckStream` decided at a time: the stream is not
 /// read further until one of them is answered.
 pub const STREAM_IN_FLIGHT: usize = 256;
+
+/// The back-off a caller refused for its share of the request byte budget
+/// is told (`CALLER_BUSY`): its unfinished requests free their bytes when
+/// they end, at the latest after `grpc.request_timeout_ms`.
+const CALLER_BUSY_RETRY_MS: i64 = 1_000;
 
 /// The native decision service.
 #[derive(Debug, Clone)]
@@ -52,15 +58,20 @@ impl RateLimiterService {
         pb::rate_limiter_server::RateLimiterServer::new(self)
     }
 
-    /// The answer to a `Check` or `Report` whose message is over
-    /// `grpc.max_message_bytes` (never read): denied, never to pass,
-    /// encoded.
-    pub fn too_large(&self) -> Bytes {
+    /// The answer to a `Check` or `Report` refused unread, encoded: denied,
+    /// never to pass when its message is over `grpc.max_message_bytes`,
+    /// after a back-off when its caller holds its share of the request
+    /// byte budget.
+    pub fn refused_unread(&self, refusal: Refusal) -> Bytes {
+        let (reason, retry_after_ms) = match refusal {
+            Refusal::TooLarge => (pb::Reason::RequestTooLarge, -1),
+            Refusal::CallerBusy => (pb::Reason::CallerBusy, CALLER_BUSY_RETRY_MS),
+        };
         let answer = pb::RateLimitResponse {
             allowed: false,
-            retry_after_ms: -1,
+            retry_after_ms,
             cluster_utilization_status: self.engine.shedder().level().as_str().to_owned(),
-            reason: pb::Reason::RequestTooLarge as i32,
+            reason: reason as i32,
             ..Default::default()
         };
         Bytes::from(prost::Message::encode_to_vec(&answer))
@@ -156,7 +167,7 @@ async fn decide_item(
 /// The connection's share of the store's in-flight work, which the
 /// server puts in every request's extensions.
 pub(super) fn share_of(extensions: &tonic::Extensions) -> Option<&Semaphore> {
-    extensions.get::<CallerShare>().map(|share| &*share.0)
+    extensions.get::<Caller>().map(|caller| &*caller.store_calls)
 }
 
 /// What an item without a request is decided as.
@@ -171,7 +182,7 @@ struct StreamContext {
     /// The call's trace context, read once for all its items.
     traceparent: Option<Box<str>>,
     /// The connection's share of the store's in-flight work.
-    share: Option<CallerShare>,
+    share: Option<Arc<Semaphore>>,
 }
 
 /// The results of a `CheckStream`, in the order they are decided.
@@ -229,7 +240,7 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         let context = Arc::new(StreamContext {
             engine: self.engine.clone(),
             traceparent: call_traceparent(&metadata).map(Box::from),
-            share: extensions.get::<CallerShare>().cloned(),
+            share: extensions.get::<Caller>().map(|caller| Arc::clone(&caller.store_calls)),
         });
         // Up to STREAM_IN_FLIGHT items decided at a time, each answered as
         // soon as it is; a broken input stream ends the output with its
@@ -240,7 +251,7 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
                 let context = Arc::clone(&context);
                 Either::Left(async move {
                     let StreamContext { engine, traceparent, share } = &*context;
-                    let share = share.as_ref().map(|s| &*s.0);
+                    let share = share.as_deref();
                     Ok(decide_item(engine, id, request.as_ref(), traceparent.as_deref(), share).await)
                 })
             }

@@ -22,6 +22,7 @@ use super::envoy_pb::{
 };
 use super::envoy_settings::{EnvoyHeaderFormat, EnvoySettings};
 use crate::{
+    budget::Refusal,
     decision::{Api, Descriptor, DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsRequest},
     rules::envoy::Unit,
     telemetry::traces::{continue_trace, trace_id_of},
@@ -45,11 +46,19 @@ impl EnvoyService {
         RateLimitServiceServer::new(self)
     }
 
-    /// The answer to a `ShouldRateLimit` whose message is over
-    /// `grpc.max_message_bytes` (never read): `OVER_LIMIT`, encoded. Envoy
-    /// answers its client 429 whatever its `failure_mode_deny`.
-    pub fn too_large(&self) -> tonic::codegen::Bytes {
-        let answer = RateLimitResponse { overall_code: Code::OverLimit as i32, ..Default::default() };
+    /// The answer to a `ShouldRateLimit` refused unread (its message over
+    /// `grpc.max_message_bytes`, or its caller holding its share of the
+    /// request byte budget): `OVER_LIMIT`, encoded, which Envoy answers its
+    /// client 429 whatever its `failure_mode_deny`. A refusal for the
+    /// caller's share is flagged with `envoy.error_header` (`caller_busy`):
+    /// it was not a decision on the request's limits.
+    pub fn refused_unread(&self, refusal: Refusal) -> tonic::codegen::Bytes {
+        let mut answer = RateLimitResponse { overall_code: Code::OverLimit as i32, ..Default::default() };
+        if refusal == Refusal::CallerBusy && !self.settings.error_header.is_empty() {
+            answer
+                .response_headers_to_add
+                .push(header(&self.settings.error_header, "caller_busy".to_owned()));
+        }
         tonic::codegen::Bytes::from(prost::Message::encode_to_vec(&answer))
     }
 

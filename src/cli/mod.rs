@@ -209,6 +209,9 @@ pub struct GateArgs {
     /// Judge a rule or path from this many CRITICAL requests; default gate.min_group_requests.
     #[arg(long, value_name = "N")]
     pub min_group_requests: Option<u64>,
+    /// Fail on a capture of fewer requests; default gate.min_capture_requests.
+    #[arg(long, value_name = "N")]
+    pub min_capture_requests: Option<u64>,
 }
 
 impl GateArgs {
@@ -226,6 +229,7 @@ impl GateArgs {
                 .max_critical_drop_per_path
                 .unwrap_or(configured.max_critical_drop_per_path),
             min_group_requests: self.min_group_requests.unwrap_or(configured.min_group_requests),
+            min_capture_requests: self.min_capture_requests.unwrap_or(configured.min_capture_requests),
         };
         match t.invalid() {
             None => Ok(t),

@@ -39,14 +39,29 @@ pub struct GrpcConfig {
     /// `grpc.max_request_bytes_in_flight` bounds all connections together). gRPC over tonic alone
     /// advertises no limit.
     pub max_concurrent_streams: u32,
-    /// Most bytes of request messages announced (their gRPC length prefix:
-    /// what is reserved for them) but not yet whole, over every connection
-    /// and stream together (a message is buffered until its last byte
-    /// arrives). A message that would pass it fails its request
-    /// with RESOURCE_EXHAUSTED (`ratelimitd_grpc_requests_over_budget_total`),
-    /// so clients announcing large messages they never finish cannot make
-    /// the service hold `connections × streams × max_message_bytes`.
+    /// Most bytes of request messages announced (their gRPC length prefix: what is reserved for
+    /// them) but not yet whole, over every connection and stream together (a message is buffered
+    /// until its last byte arrives), so clients announcing large messages they never finish cannot
+    /// make the service hold `connections × streams × max_message_bytes`. Shared per caller (the
+    /// two keys below; half is kept for `grpc.trusted_peers` while any are set). A message past
+    /// its caller's share refuses its request (`ratelimitd_grpc_requests_over_budget_total`): a
+    /// `Check`, `Report` or `ShouldRateLimit` is denied (`CALLER_BUSY`, Envoy `OVER_LIMIT` flagged
+    /// `caller_busy`), a `CheckBatch` or `CheckStream` fails with RESOURCE_EXHAUSTED.
     pub max_request_bytes_in_flight: usize,
+    /// Most of those bytes one connection holds (at most the whole budget in effect); at least
+    /// `grpc.max_batch_message_bytes`.
+    pub max_request_bytes_per_connection: usize,
+    /// Most of those bytes one untrusted peer holds, all its connections together: an IPv4
+    /// address, an IPv6 /64 (one host has a whole prefix), the Unix socket's clients together. At
+    /// least `grpc.max_request_bytes_per_connection`.
+    pub max_request_bytes_per_peer: usize,
+    /// Peers trusted with the whole budget (the proxies in front: Envoy), as addresses or
+    /// prefixes (`10.0.0.0/8`, `fd00::/8`, `192.0.2.1`): no peer share applies to them, and while
+    /// any trust is set (this or `grpc.tls.trusted_client_names`) untrusted peers together hold at
+    /// most half of `grpc.max_request_bytes_in_flight`, the other half theirs alone. So a caller
+    /// that reaches the port directly, from any number of addresses, cannot take what the proxies
+    /// need. The Unix socket's clients are trusted.
+    pub trusted_peers: Vec<String>,
     /// How long a unary call may take, its request read included; past it
     /// the call is cancelled (CANCELLED) and its buffer freed. A client's
     /// shorter `grpc-timeout` wins. Streams (`CheckStream`) are not bound
@@ -114,6 +129,9 @@ impl Default for GrpcConfig {
             max_concurrent_streams: 1_024,
             max_connections: 10_000,
             max_request_bytes_in_flight: 128 << 20,
+            max_request_bytes_per_connection: 16 << 20,
+            max_request_bytes_per_peer: 32 << 20,
+            trusted_peers: Vec::new(),
             request_timeout_ms: 10_000,
             max_store_calls_per_connection: 256,
             max_store_calls_per_tenant: 1_024,
@@ -150,12 +168,7 @@ impl GrpcConfig {
                 format!("must be between grpc.max_message_bytes ({}) and 67108864", self.max_message_bytes),
             ));
         }
-        if self.max_request_bytes_in_flight < self.max_batch_message_bytes {
-            return Err(invalid(
-                "grpc.max_request_bytes_in_flight",
-                format!("must be at least grpc.max_batch_message_bytes ({})", self.max_batch_message_bytes),
-            ));
-        }
+        self.validate_shares()?;
         if !(1..=1 << 20).contains(&self.max_connections) {
             return Err(invalid("grpc.max_connections", "must be between 1 and 1048576"));
         }
@@ -175,6 +188,69 @@ impl GrpcConfig {
             ));
         }
         self.tls.validate()
+    }
+}
+
+impl GrpcConfig {
+    /// Checks how the request byte budget is shared (`grpc.max_request_bytes_*`,
+    /// `grpc.trusted_peers`).
+    fn validate_shares(&self) -> Result<(), ConfigError> {
+        if self.max_request_bytes_in_flight < self.max_batch_message_bytes {
+            return Err(invalid(
+                "grpc.max_request_bytes_in_flight",
+                format!("must be at least grpc.max_batch_message_bytes ({})", self.max_batch_message_bytes),
+            ));
+        }
+        if self.max_request_bytes_per_connection < self.max_batch_message_bytes {
+            return Err(invalid(
+                "grpc.max_request_bytes_per_connection",
+                format!("must be at least grpc.max_batch_message_bytes ({})", self.max_batch_message_bytes),
+            ));
+        }
+        if self.max_request_bytes_per_peer < self.max_request_bytes_per_connection {
+            return Err(invalid(
+                "grpc.max_request_bytes_per_peer",
+                format!(
+                    "must be at least grpc.max_request_bytes_per_connection ({})",
+                    self.max_request_bytes_per_connection
+                ),
+            ));
+        }
+        self.trusted_nets()?;
+        Ok(())
+    }
+
+    /// `grpc.trusted_peers`, parsed; an error names the entry.
+    pub fn trusted_nets(&self) -> Result<Vec<ipnet::IpNet>, ConfigError> {
+        self.trusted_peers
+            .iter()
+            .enumerate()
+            .map(|(i, peer)| {
+                peer.parse::<ipnet::IpNet>()
+                    .or_else(|_| peer.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                    .map(|net| net.trunc())
+                    .map_err(|_| {
+                        invalid(
+                            "grpc.trusted_peers",
+                            format!(
+                                "entry {i}: {peer:?} is not an address or a prefix (10.0.0.0/8, fd00::/8)"
+                            ),
+                        )
+                    })
+            })
+            .collect()
+    }
+
+    /// How the request byte budget is shared.
+    pub fn byte_shares(&self) -> crate::budget::Shares {
+        let pool = self.max_request_bytes_in_flight;
+        let trust = !self.trusted_peers.is_empty() || !self.tls.trusted_client_names.is_empty();
+        crate::budget::Shares {
+            pool,
+            per_connection: self.max_request_bytes_per_connection.min(pool),
+            per_peer: self.max_request_bytes_per_peer.min(pool),
+            untrusted: if trust { pool / 2 } else { pool },
+        }
     }
 }
 
@@ -207,6 +283,20 @@ impl GrpcTlsConfig {
                 return Err(invalid(
                     "grpc.tls.client_san",
                     format!("{san:?} is not a DNS name or an IP address"),
+                ));
+            }
+        }
+        for (i, name) in self.trusted_client_names.iter().enumerate() {
+            if self.client_ca_file.is_none() {
+                return Err(invalid(
+                    "grpc.tls.trusted_client_names",
+                    "needs grpc.tls.client_ca_file (a name is read from a verified client certificate)",
+                ));
+            }
+            if rustls_pki_types::ServerName::try_from(name.as_str()).is_err() {
+                return Err(invalid(
+                    "grpc.tls.trusted_client_names",
+                    format!("entry {i}: {name:?} is not a DNS name or an IP address"),
                 ));
             }
         }

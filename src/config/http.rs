@@ -19,6 +19,16 @@ pub struct HttpConfig {
     /// probes need a few; the bound keeps idle connections from taking the
     /// descriptors gRPC needs.
     pub max_connections: usize,
+    /// Of those, most one peer (an IPv4 address, an IPv6 /64) holds; a connection past it is
+    /// closed as soon as it is accepted. A flood of unfinished request heads from one address
+    /// then holds this many places, not the probes' and scrapers'.
+    pub max_connections_per_peer: usize,
+    /// Also serve the probes alone (`/healthz`, `/readyz`, `/healthcheck`) on this address, with
+    /// places of their own (`http.max_connections`, `http.max_connections_per_peer` each): a flood
+    /// of the HTTP port cannot starve them. Point the kubelet's probes here, and let a
+    /// NetworkPolicy admit nothing else to it (the kubelet's probes are not subject to it). Unset:
+    /// probes share the HTTP port.
+    pub probe_listen: Option<String>,
     /// A connection that sends nothing for this long is closed.
     pub idle_timeout_ms: u64,
     /// A request's head (request line and headers) must be whole this long
@@ -37,6 +47,8 @@ impl Default for HttpConfig {
             listen: "0.0.0.0:8080".to_owned(),
             health_interval_ms: 1_000,
             max_connections: 64,
+            max_connections_per_peer: 8,
+            probe_listen: None,
             idle_timeout_ms: 10_000,
             header_read_timeout_ms: 5_000,
             max_connection_age_ms: 60_000,
@@ -55,6 +67,22 @@ impl HttpConfig {
         }
         if !(1..=1 << 16).contains(&self.max_connections) {
             return Err(invalid("http.max_connections", "must be between 1 and 65536"));
+        }
+        if !(1..=self.max_connections).contains(&self.max_connections_per_peer) {
+            return Err(invalid(
+                "http.max_connections_per_peer",
+                format!("must be between 1 and http.max_connections ({})", self.max_connections),
+            ));
+        }
+        if let Some(probe) = &self.probe_listen {
+            let addr = probe.parse::<SocketAddr>().map_err(|e| {
+                invalid("http.probe_listen", format!("{probe:?} is not an ip:port address: {e}"))
+            })?;
+            if addr.port() != 0
+                && self.listen.parse::<SocketAddr>().is_ok_and(|http| http.port() == addr.port())
+            {
+                return Err(invalid("http.probe_listen", "must not be the port of http.listen"));
+            }
         }
         for (key, ms) in [
             ("http.idle_timeout_ms", self.idle_timeout_ms),

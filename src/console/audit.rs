@@ -3,15 +3,21 @@
 //! appended and synced to `admin.audit_log` before the action is answered.
 //! An action that cannot be logged is not taken. Refused sign-ins are
 //! counted and written as one line a minute at most, so nobody can fill the
-//! disk by knocking.
+//! disk by knocking. What a signed-in user can repeat without changing
+//! anything (reading its session, an action its role refuses) is folded
+//! ([`AuditLog::fold`]): written at once when that user's last line of that
+//! action is a minute old, else counted and written as one line a minute,
+//! so a user flooding one of them adds at most a line a minute.
 
 use std::{
+    collections::HashMap,
     io::{Read as _, Seek as _, SeekFrom, Write as _},
     path::{Path, PathBuf},
     sync::{
         Mutex,
         atomic::{AtomicU64, Ordering},
     },
+    time::{Duration, Instant},
 };
 
 use serde::{Deserialize, Serialize};
@@ -62,6 +68,17 @@ impl AuditEntry {
     }
 }
 
+/// `entry`, saying how many like it were counted since its user's last
+/// line of that action.
+fn with_count(pending: Option<(AuditEntry, u64)>, entry: AuditEntry) -> AuditEntry {
+    match pending {
+        None => entry,
+        Some((_, count)) => {
+            AuditEntry { detail: format!("{}; and {count} more since the last line", entry.detail), ..entry }
+        }
+    }
+}
+
 fn now() -> String {
     humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
 }
@@ -81,7 +98,25 @@ pub struct AuditLog {
     /// One writer at a time: lines never interleave.
     writer: Mutex<()>,
     refused: AtomicU64,
+    folded: Mutex<HashMap<(String, String), Folded>>,
 }
+
+/// One user's folded action: when its last line was written, and what
+/// came since.
+#[derive(Debug)]
+struct Folded {
+    written: Instant,
+    /// The last entry not yet written, and how many like it.
+    pending: Option<(AuditEntry, u64)>,
+}
+
+/// A user's folded action is written at most this often.
+pub const FOLD_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Most (user, action) pairs folded at once; past it, entries of new pairs
+/// count as refused sign-ins (one line a minute): a trusted proxy can name
+/// any number of users.
+const MAX_FOLDED: usize = 10_000;
 
 /// How much of the log's end [`AuditLog::recent`] reads.
 const TAIL_BYTES: u64 = 1 << 20;
@@ -91,7 +126,12 @@ impl AuditLog {
     /// opened once now, so a log that cannot be written stops the console
     /// from starting.
     pub fn open(path: &Path) -> Result<Self, AuditError> {
-        let log = Self { path: path.to_path_buf(), writer: Mutex::new(()), refused: AtomicU64::new(0) };
+        let log = Self {
+            path: path.to_path_buf(),
+            writer: Mutex::new(()),
+            refused: AtomicU64::new(0),
+            folded: Mutex::default(),
+        };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| log.error(e))?;
         }
@@ -122,8 +162,67 @@ impl AuditLog {
         self.refused.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Logs `entry`, an action that changes nothing (a session read, a
+    /// refusal by role): written now when its user's last line of its
+    /// action is [`FOLD_INTERVAL`] old, else counted and written by
+    /// [`AuditLog::flush`]. Returns the entry to write now, if any
+    /// (blocking to write: the caller writes it off the runtime).
+    pub fn fold(&self, entry: AuditEntry, now: Instant) -> Option<AuditEntry> {
+        let mut folded = self.folded.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let key = (entry.user.clone(), entry.action.clone());
+        if !folded.contains_key(&key) && folded.len() >= MAX_FOLDED {
+            folded.retain(|_, f| f.pending.is_some() || now.duration_since(f.written) < FOLD_INTERVAL);
+            if folded.len() >= MAX_FOLDED {
+                self.refused();
+                return None;
+            }
+        }
+        match folded.get_mut(&key) {
+            Some(f) if now.duration_since(f.written) < FOLD_INTERVAL => {
+                let count = f.pending.as_ref().map_or(0, |(_, n)| *n);
+                f.pending = Some((entry, count + 1));
+                None
+            }
+            Some(f) => {
+                f.written = now;
+                Some(with_count(f.pending.take(), entry))
+            }
+            None => {
+                folded.insert(key, Folded { written: now, pending: None });
+                Some(entry)
+            }
+        }
+    }
+
+    /// Writes one line for the sign-ins refused since the last, if any,
+    /// and one for each folded action whose last line is
+    /// [`FOLD_INTERVAL`] old.
+    pub fn flush(&self, now: Instant) -> Result<(), AuditError> {
+        let due: Vec<AuditEntry> = {
+            let mut folded = self.folded.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let due = folded
+                .values_mut()
+                .filter(|f| f.pending.is_some() && now.duration_since(f.written) >= FOLD_INTERVAL)
+                .filter_map(|f| {
+                    f.written = now;
+                    let (entry, count) = f.pending.take()?;
+                    Some(AuditEntry {
+                        detail: format!("{count} time(s); the last: {}", entry.detail),
+                        ..entry
+                    })
+                })
+                .collect();
+            folded.retain(|_, f| f.pending.is_some() || now.duration_since(f.written) < FOLD_INTERVAL);
+            due
+        };
+        for entry in &due {
+            self.write(entry)?;
+        }
+        self.flush_refused()
+    }
+
     /// Writes one line for the sign-ins refused since the last, if any.
-    pub fn flush_refused(&self) -> Result<(), AuditError> {
+    fn flush_refused(&self) -> Result<(), AuditError> {
         let count = self.refused.swap(0, Ordering::Relaxed);
         if count == 0 {
             return Ok(());
@@ -140,6 +239,12 @@ impl AuditLog {
             commit: None,
         };
         self.write(&entry)
+    }
+
+    /// Folded entries not yet written, all users together.
+    pub fn pending(&self) -> u64 {
+        let folded = self.folded.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        folded.values().filter_map(|f| f.pending.as_ref()).map(|(_, n)| n).sum()
     }
 
     /// The last `limit` entries, newest first (from the log's last MiB).
@@ -175,14 +280,47 @@ mod tests {
         log.write(&AuditEntry::new(&ada, "gate", "refused", "fails")).unwrap();
         log.refused();
         log.refused();
-        log.flush_refused().unwrap();
-        log.flush_refused().unwrap();
+        let now = Instant::now();
+        log.flush(now).unwrap();
+        log.flush(now).unwrap();
         let read = log.recent(10).unwrap();
         let actions: Vec<&str> = read.iter().map(|e| e.action.as_str()).collect();
         assert_eq!(actions, ["sign_in_refused", "gate", "publish"]);
         assert_eq!(read[0].detail, "2 request(s) without a known token or role");
         assert_eq!(read[2], entry);
         assert_eq!(log.recent(1).unwrap().len(), 1);
+    }
+
+    /// A user repeating a folded action 5,000 times in a minute adds one
+    /// line then, one at the minute's end, and none while silent.
+    #[test]
+    fn a_flood_of_folded_actions_adds_a_line_a_minute() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = AuditLog::open(&dir.path().join("audit.jsonl")).unwrap();
+        let val = User { name: "Val".into(), email: String::new(), role: Role::Viewer };
+        let start = Instant::now();
+        let mut written = 0;
+        for i in 0..5_000u64 {
+            let at = start + Duration::from_millis(i * 10);
+            let refused = AuditEntry::new(&val, "publish", "refused", "publish needs the publisher role");
+            if let Some(entry) = log.fold(refused, at) {
+                log.write(&entry).unwrap();
+                written += 1;
+            }
+            if i % 100 == 0 {
+                log.flush(at).unwrap();
+            }
+        }
+        // 50 s of flood: the first line at once, the rest counted.
+        assert_eq!((written, log.pending()), (1, 4_999));
+        let other = AuditEntry::new(&val, "sign_in", "ok", "from 192.0.2.1");
+        assert!(log.fold(other, start).is_some(), "another action has its own line");
+        log.flush(start + FOLD_INTERVAL).unwrap();
+        log.flush(start + FOLD_INTERVAL * 3).unwrap();
+        let read = log.recent(10).unwrap();
+        assert_eq!(read.len(), 2, "{read:?}");
+        assert_eq!(read[0].detail, "4999 time(s); the last: publish needs the publisher role");
+        assert_eq!((log.pending(), log.folded.lock().unwrap().len()), (0, 0), "forgotten once quiet");
     }
 
     #[test]

@@ -33,6 +33,11 @@ pub enum Refusal {
     /// A token nobody has, or proxy headers without a role.
     #[error("sign in: unknown token or no role")]
     Unknown,
+    /// An identity header (the proxy's user, email or groups header)
+    /// sent more than once: which one the proxy meant cannot be told (a
+    /// proxy that appends its header keeps the client's).
+    #[error("sign in: an identity header sent more than once")]
+    Duplicated,
 }
 
 /// The sign-in of `admin.users` and `admin.proxy`.
@@ -66,9 +71,19 @@ impl Auth {
     pub fn user(&self, headers: &HeaderMap, peer: IpAddr) -> Result<User, Refusal> {
         if let Some(header) = &self.proxy.user_header
             && self.proxy.trusted_peers.contains(&peer)
-            && let Some(name) = value(headers, header)
         {
-            return self.proxied(headers, name);
+            let identity =
+                [Some(header), self.proxy.email_header.as_ref(), self.proxy.groups_header.as_ref()];
+            if identity
+                .into_iter()
+                .flatten()
+                .any(|name| headers.get_all(name.as_str()).iter().nth(1).is_some())
+            {
+                return Err(Refusal::Duplicated);
+            }
+            if let Some(name) = value(headers, header) {
+                return self.proxied(headers, name);
+            }
         }
         let token = value(headers, AUTHORIZATION.as_str())
             .and_then(|v| v.strip_prefix("Bearer "))
@@ -183,6 +198,14 @@ mod tests {
         );
         let no_group = headers(&[("x-forwarded-user", "mallory"), ("x-forwarded-groups", "guests")]);
         assert_eq!(auth.user(&no_group, LOCAL), Err(Refusal::Unknown));
+        // A proxy that appends its header after the client's: neither is taken.
+        for twice in ["x-forwarded-user", "x-forwarded-email", "x-forwarded-groups"] {
+            let mut claim = claim.clone();
+            let first = claim.get(twice).unwrap().clone();
+            claim.insert(twice, "mallory".parse().unwrap());
+            claim.append(twice, first);
+            assert_eq!(auth.user(&claim, LOCAL), Err(Refusal::Duplicated), "{twice} twice");
+        }
     }
 
     #[test]

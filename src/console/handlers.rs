@@ -115,6 +115,7 @@ impl Console {
             let what = match refusal {
                 Refusal::Missing => "sign in first",
                 Refusal::Unknown => "unknown token, or no role",
+                Refusal::Duplicated => "an identity header was sent more than once",
             };
             error(StatusCode::UNAUTHORIZED, what)
         })?;
@@ -126,10 +127,21 @@ impl Console {
                 user.name,
                 user.role.as_str()
             );
-            self.log(AuditEntry::new(&user, action, "refused", &why)).await?;
+            // Refused, nothing done: folded, so repeating it cannot flood the log.
+            self.log_folded(AuditEntry::new(&user, action, "refused", &why)).await?;
             return Err(error(StatusCode::FORBIDDEN, why));
         }
         Ok(user)
+    }
+
+    /// Logs `entry`, an action that changes nothing, folded
+    /// ([`super::audit::AuditLog::fold`]); when it cannot be written the
+    /// caller answers an error.
+    pub(super) async fn log_folded(self: &Arc<Self>, entry: AuditEntry) -> Result<(), ApiError> {
+        match self.audit.fold(entry, std::time::Instant::now()) {
+            Some(entry) => self.log(entry).await,
+            None => Ok(()),
+        }
     }
 
     /// Writes `entry` to the audit log; when it cannot be written the
@@ -340,7 +352,7 @@ impl OverviewCache {
 /// `GET /api/session`: who is signed in (audited: the page asks once, at sign-in).
 pub(super) async fn session(State(console): State<Arc<Console>>, peer: Peer, headers: HeaderMap) -> Answer {
     let user = console.user(&headers, &peer, Role::Viewer, "sign_in").await?;
-    console.log(AuditEntry::new(&user, "sign_in", "ok", format!("from {}", peer.0.ip()))).await?;
+    console.log_folded(AuditEntry::new(&user, "sign_in", "ok", format!("from {}", peer.0.ip()))).await?;
     Ok(Json(json!({
         "user": user,
         "may_edit": user.role >= Role::Editor,

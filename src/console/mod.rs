@@ -132,6 +132,8 @@ pub async fn run(console: Console, listener: tokio::net::TcpListener, shutdown: 
     let console = Arc::new(console);
     let limits = Limits {
         max_connections: 256,
+        // A signing-in proxy carries every user's connections.
+        max_connections_per_peer: 64,
         idle_timeout: Duration::from_secs(60),
         max_age: Duration::from_secs(600),
         header_read_timeout: Duration::from_secs(10),
@@ -146,7 +148,8 @@ pub async fn run(console: Console, listener: tokio::net::TcpListener, shutdown: 
                     _ = stop.changed() => break,
                 }
                 let console = console.clone();
-                let written = tokio::task::spawn_blocking(move || console.audit.flush_refused()).await;
+                let written =
+                    tokio::task::spawn_blocking(move || console.audit.flush(std::time::Instant::now())).await;
                 if let Ok(Err(e)) = written {
                     tracing::error!("{e}");
                 }
@@ -155,7 +158,7 @@ pub async fn run(console: Console, listener: tokio::net::TcpListener, shutdown: 
     };
     serve_app(listener, limits, router(console.clone()), shutdown).await;
     flusher.abort();
-    let _ = console.audit.flush_refused();
+    let _ = console.audit.flush(std::time::Instant::now() + audit::FOLD_INTERVAL);
 }
 
 /// The peer of a request, for the proxy's trust.

@@ -129,10 +129,17 @@ impl Engine {
     async fn decide(&self, request: &CheckRequest<'_>) -> Decision {
         let snapshot = self.inner.rules.load();
         let rule = snapshot.lookup(request.resource_path, request.client_type);
+        let adaptive = rule.and_then(|r| r.adaptive.as_deref());
         if let Some(reported) = request.outcome
-            && let Some(adaptive) = rule.and_then(|r| r.adaptive.as_deref())
+            && let Some(adaptive) = adaptive
         {
-            adaptive.record(reported.outcome, reported.latency_ms, u64::from(request.weight));
+            // The reporter is the user: its report weighs what it was admitted.
+            adaptive.record(
+                request.user_id,
+                reported.outcome,
+                reported.latency_ms,
+                u64::from(request.weight),
+            );
         }
         let base = rule.map_or(self.inner.default_priority, |r| r.priority);
         let native = Native {
@@ -145,7 +152,16 @@ impl Engine {
             cache: None,
             version: snapshot.version(),
         };
-        self.run(native).await
+        let decision = self.run(native).await;
+        if let Some(adaptive) = adaptive
+            && decision.allowed
+            && request.count == Count::IfFits
+            && request.outcome.is_none()
+            && matches!(decision.reason, Reason::Ok | Reason::LocalOk)
+        {
+            adaptive.admit(request.user_id, u64::from(request.weight));
+        }
+        decision
     }
 }
 

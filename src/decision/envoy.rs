@@ -351,6 +351,9 @@ impl Engine {
     pub async fn should_rate_limit<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> RlsDecision {
         let started = std::time::Instant::now();
         let decision = self.decide_rls(request).await;
+        if !decision.over_limit {
+            admit_reporters(request, &decision);
+        }
         self.capture_rls(request, &decision);
         let span = tracing::Span::current();
         span.record("reason", decision.reason.as_str());
@@ -591,7 +594,10 @@ impl Engine {
                     // Reported to the limit its other entries find; nothing counted.
                     let found = config.as_ref()?.lookup(request.domain, d.entries().take(n - 1));
                     if let Some(limit) = found.as_ref().and_then(|f| f.limit.adaptive.as_deref()) {
-                        limit.record(outcome, None, hits_of(request, d).max(1));
+                        // The reporter is the counter its other entries name: its
+                        // report weighs what that counter was admitted.
+                        let reporter = Reporter(request.domain, d.entries().take(n - 1));
+                        limit.record(reporter, outcome, None, hits_of(request, d).max(1));
                     }
                     return None;
                 }
@@ -774,6 +780,33 @@ impl Engine {
         };
         decision.tightest = tightest.map(|(_, index)| index);
         decision
+    }
+}
+
+/// Who may report outcomes of an adaptive Envoy limit: a descriptor's
+/// counter, by its domain and entries.
+struct Reporter<'a, I>(&'a str, I);
+
+impl<'a, I: Iterator<Item = (&'a str, &'a str)> + Clone> std::hash::Hash for Reporter<'a, I> {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+        for entry in self.1.clone() {
+            entry.hash(state);
+        }
+    }
+}
+
+/// Credits each descriptor of an admitted request whose adaptive limit
+/// counted it with its hits (a peek's none), for its outcome reports.
+fn admit_reporters<D: Descriptor>(request: &RlsRequest<'_, D>, decision: &RlsDecision) {
+    for (d, status) in request.descriptors.iter().zip(&decision.statuses) {
+        let Some(adaptive) = status.limit.as_ref().and_then(|limit| limit.adaptive.as_deref()) else {
+            continue;
+        };
+        let hits = d.hits_addend().unwrap_or(u64::from(request.hits_addend));
+        if !status.over_limit && hits > 0 {
+            adaptive.admit(Reporter(request.domain, d.entries()), hits);
+        }
     }
 }
 

@@ -43,15 +43,6 @@ pub use denials::DenialCache;
 pub use metrics::{DecisionMetrics, Saved};
 pub use shares::TenantShares;
 
-/// One connection's share of the store's in-flight work: each of its store
-/// calls holds a permit while it runs (`grpc.max_store_calls_per_connection`
-/// per connection), so a caller flooding distinct keys waits for its own
-/// permits and the store's queue stays open to every other caller. Items of
-/// `CheckBatch` and `CheckStream` count one each. Tenants have theirs too
-/// ([`TenantShares`]).
-#[derive(Debug, Clone)]
-pub struct CallerShare(pub Arc<tokio::sync::Semaphore>);
-
 use crate::{
     limiter::{FailureKind, Store, StoreError, local::LocalLimiter, window::Verdict},
     overload::Overload,

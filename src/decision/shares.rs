@@ -3,7 +3,7 @@
 //! (`overload.tenants_path`): one semaphore per tenant the table names, one
 //! more shared by every other tenant and by requests without one. A store
 //! call holds a permit of its tenant's (and of its connection's, see
-//! [`super::CallerShare`]) while it runs, so a tenant flooding distinct keys
+//! `grpc.max_store_calls_per_connection`) while it runs, so a tenant flooding distinct keys
 //! over many connections (or through one Envoy that carries everyone's
 //! traffic) waits for its own calls, not the others'.
 //!

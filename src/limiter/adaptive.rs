@@ -15,10 +15,76 @@
 //! limit, and is no evidence against the new one (one decrease per round
 //! of evidence, as TCP backs off once per round trip).
 //!
+//! An outcome report weighs at most what its reporter (the user of a
+//! native `Report`, the counter key of an Envoy descriptor) was admitted
+//! on the rule in this interval and the one before, not yet reported
+//! ([`AdaptiveLimit::admit`], [`AdaptiveLimit::record`]): a caller never
+//! admitted moves the limit by 0, and a forged weight counts no more than
+//! its reporter's own admitted traffic. The credits are kept for at most
+//! [`MAX_REPORTERS`] reporters per interval; admissions past that pool in
+//! one shared credit.
+//!
 //! Architecture invariant: the limit is always within `[min, max]`; the
 //! decision path only reads it ([`AdaptiveLimit::current`], one atomic load).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::{
+    collections::HashMap,
+    hash::BuildHasher as _,
+    sync::{
+        Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+/// Most reporters whose admissions are credited apart, per rule and
+/// interval; the admissions of any more share one credit.
+pub const MAX_REPORTERS: usize = 10_000;
+
+/// What each reporter was admitted and has not yet reported, by the hash
+/// of its key (seeded per process: a caller cannot aim at another's).
+#[derive(Debug, Default)]
+struct Credits {
+    current: HashMap<u64, u64>,
+    previous: HashMap<u64, u64>,
+}
+
+/// The shared credit of reporters past [`MAX_REPORTERS`].
+const POOLED: u64 = 0;
+
+impl Credits {
+    fn admit(&mut self, reporter: u64, hits: u64) {
+        let key = if self.current.len() < MAX_REPORTERS || self.current.contains_key(&reporter) {
+            reporter
+        } else {
+            POOLED
+        };
+        let credit = self.current.entry(key).or_default();
+        *credit = credit.saturating_add(hits);
+    }
+
+    /// Takes up to `wanted` of `reporter`'s credit (the older first), and
+    /// returns what it took.
+    fn take(&mut self, reporter: u64, wanted: u64) -> u64 {
+        let mut taken = 0;
+        for credits in [&mut self.previous, &mut self.current] {
+            for key in [reporter, POOLED] {
+                if let Some(credit) = credits.get_mut(&key) {
+                    let n = (*credit).min(wanted - taken);
+                    *credit -= n;
+                    taken += n;
+                    if *credit == 0 {
+                        credits.remove(&key);
+                    }
+                }
+            }
+        }
+        taken
+    }
+
+    fn rotate(&mut self) {
+        self.previous = std::mem::take(&mut self.current);
+    }
+}
 
 /// How a request went downstream, as its caller reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,7 +253,14 @@ pub struct AdaptiveLimit {
     pending: [AtomicU64; 3],
     /// Outcomes exchanged since start, in [`Outcome::ALL`] order.
     reported: [AtomicU64; 3],
+    /// Outcomes reported beyond their reporter's credit, not counted.
+    uncredited: AtomicU64,
+    credits: Mutex<Credits>,
 }
+
+/// The hash of reporters' keys, seeded once per process.
+static SEED: std::sync::LazyLock<std::collections::hash_map::RandomState> =
+    std::sync::LazyLock::new(std::collections::hash_map::RandomState::new);
 
 impl PartialEq for AdaptiveLimit {
     /// Equal settings; the moving state is not part of a rule's meaning.
@@ -205,7 +278,20 @@ impl AdaptiveLimit {
             current: AtomicU64::new(initial.clamp(params.min, params.max)),
             pending: Default::default(),
             reported: Default::default(),
+            uncredited: AtomicU64::new(0),
+            credits: Mutex::default(),
         }
+    }
+
+    fn credits(&self) -> std::sync::MutexGuard<'_, Credits> {
+        self.credits.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Credits `reporter` (a user id, an Envoy counter key) with `hits`
+    /// admitted: what it may report.
+    pub fn admit(&self, reporter: impl std::hash::Hash, hits: u64) {
+        let reporter = SEED.hash_one(reporter);
+        self.credits().admit(reporter, hits);
     }
 
     /// The limit in force.
@@ -220,17 +306,35 @@ impl AdaptiveLimit {
         self.current.store(limit.clamp(self.params.min, self.params.max), Ordering::Relaxed);
     }
 
-    /// Counts `requests` requests that went as `outcome`, in `latency_ms`
-    /// when measured: a success slower than `latency_ms` is an overload.
-    #[inline]
-    pub fn record(&self, outcome: Outcome, latency_ms: Option<u64>, requests: u64) {
+    /// Counts `requests` requests of `reporter` that went as `outcome`, in
+    /// `latency_ms` when measured (a success slower than `latency_ms` is
+    /// an overload), up to the reporter's credit; returns how many counted.
+    pub fn record(
+        &self,
+        reporter: impl std::hash::Hash,
+        outcome: Outcome,
+        latency_ms: Option<u64>,
+        requests: u64,
+    ) -> u64 {
+        let reporter = SEED.hash_one(reporter);
+        let credited = self.credits().take(reporter, requests);
+        self.uncredited.fetch_add(requests - credited, Ordering::Relaxed);
         let slow = matches!((latency_ms, self.params.latency_ms), (Some(took), Some(bound)) if took > bound);
         let outcome = if outcome == Outcome::Success && slow { Outcome::Overload } else { outcome };
-        self.pending[outcome.index()].fetch_add(requests, Ordering::Relaxed);
+        self.pending[outcome.index()].fetch_add(credited, Ordering::Relaxed);
+        credited
     }
 
-    /// Takes the outcomes since the last call, for the exchange.
+    /// Outcomes reported beyond their reporter's credit since start (not
+    /// counted).
+    pub fn uncredited(&self) -> u64 {
+        self.uncredited.load(Ordering::Relaxed)
+    }
+
+    /// Takes the outcomes since the last call, for the exchange; the
+    /// admissions credited before the last call expire.
     pub fn drain(&self) -> Tally {
+        self.credits().rotate();
         let [s, f, o] = std::array::from_fn(|i| {
             let n = self.pending[i].swap(0, Ordering::Relaxed);
             self.reported[i].fetch_add(n, Ordering::Relaxed);
@@ -249,6 +353,8 @@ impl AdaptiveLimit {
     /// not yet exchanged, so a reload neither resets nor loses them.
     pub fn adopt(&self, previous: &AdaptiveLimit) {
         self.set(previous.current());
+        *self.credits() = std::mem::take(&mut *previous.credits());
+        self.uncredited.fetch_add(previous.uncredited(), Ordering::Relaxed);
         for i in 0..3 {
             let n = previous.pending[i].swap(0, Ordering::Relaxed);
             self.pending[i].fetch_add(n, Ordering::Relaxed);
@@ -336,10 +442,11 @@ mod tests {
     #[test]
     fn a_slow_success_is_an_overload_and_a_reload_keeps_the_limit() {
         let limit = AdaptiveLimit::new(PARAMS, 100);
-        limit.record(Outcome::Success, Some(300), 2);
-        limit.record(Outcome::Success, Some(200), 1);
-        limit.record(Outcome::Success, None, 1);
-        limit.record(Outcome::Failure, None, 1);
+        limit.admit(b"u", 5);
+        limit.record(b"u", Outcome::Success, Some(300), 2);
+        limit.record(b"u", Outcome::Success, Some(200), 1);
+        limit.record(b"u", Outcome::Success, None, 1);
+        limit.record(b"u", Outcome::Failure, None, 1);
         limit.set(5_000);
         assert_eq!(limit.current(), 1_000);
         let reloaded = AdaptiveLimit::new(AimdParams { max: 500, ..PARAMS }, 100);
@@ -348,6 +455,41 @@ mod tests {
         assert_eq!(reloaded.drain(), tally(2, 1, 2));
         assert_eq!(limit.drain(), Tally::default(), "moved, not copied");
         assert_eq!(reloaded.reported()[2], (Outcome::Overload, 2));
+    }
+
+    /// A reporter never admitted moves nothing; one admitted reports at
+    /// most what it was admitted, over this interval and the next, never
+    /// another reporter's; a forged weight of 2^32-1 counts its credit.
+    #[test]
+    fn a_report_weighs_at_most_its_reporters_admissions() {
+        let limit = AdaptiveLimit::new(PARAMS, 100);
+        assert_eq!(limit.record(b"mallory", Outcome::Failure, None, 1_000), 0);
+        limit.admit(b"alice", 3);
+        limit.admit(b"mallory", 2);
+        assert_eq!(limit.record(b"mallory", Outcome::Success, None, u64::from(u32::MAX)), 2);
+        assert_eq!(limit.record(b"mallory", Outcome::Success, None, 1), 0, "spent");
+        assert_eq!(limit.record(b"alice", Outcome::Failure, None, 2), 2);
+        assert_eq!(limit.drain(), tally(2, 2, 0));
+        assert_eq!(limit.record(b"alice", Outcome::Failure, None, 5), 1, "last interval's credit, once");
+        limit.drain();
+        limit.admit(b"alice", 1);
+        limit.drain();
+        limit.drain();
+        assert_eq!(limit.record(b"alice", Outcome::Failure, None, 1), 0, "older credit expired");
+        assert_eq!(limit.uncredited(), 1_000 + u64::from(u32::MAX) - 2 + 1 + 4 + 1);
+    }
+
+    /// Past MAX_REPORTERS, admissions share one credit: none is lost, and
+    /// the map stays bounded.
+    #[test]
+    fn reporters_past_the_bound_share_one_credit() {
+        let limit = AdaptiveLimit::new(PARAMS, 100);
+        for i in 0..MAX_REPORTERS as u64 + 10 {
+            limit.admit(i.to_be_bytes(), 1);
+        }
+        assert_eq!(limit.credits().current.len(), MAX_REPORTERS + 1);
+        let late = (MAX_REPORTERS as u64 + 5).to_be_bytes();
+        assert_eq!(limit.record(late, Outcome::Success, None, 100), 10, "its own is pooled, with 9 others'");
     }
 
     proptest! {

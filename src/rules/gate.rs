@@ -32,6 +32,10 @@ pub struct GateThresholds {
     /// A rule or path is judged once it has this many CRITICAL requests
     /// allowed by the rules in force (at least 1).
     pub min_group_requests: u64,
+    /// A capture of fewer requests (every priority together) fails the gate
+    /// whatever it shows: an empty or tiny capture would pass any candidate
+    /// (at least 1).
+    pub min_capture_requests: u64,
 }
 
 impl Default for GateThresholds {
@@ -41,6 +45,7 @@ impl Default for GateThresholds {
             max_critical_drop_per_rule: 0.10,
             max_critical_drop_per_path: 0.10,
             min_group_requests: 20,
+            min_capture_requests: 1_000,
         }
     }
 }
@@ -56,6 +61,9 @@ impl GateThresholds {
             if !(0.0..=1.0).contains(&value) {
                 return Some((key, "must be within 0..1"));
             }
+        }
+        if self.min_capture_requests == 0 {
+            return Some(("gate.min_capture_requests", "must be at least 1"));
         }
         (self.min_group_requests == 0).then_some(("gate.min_group_requests", "must be at least 1"))
     }
@@ -73,6 +81,7 @@ impl GateThresholds {
                 self.max_critical_drop_per_path > required.max_critical_drop_per_path,
             ),
             ("min_group_requests", self.min_group_requests > required.min_group_requests),
+            ("min_capture_requests", self.min_capture_requests < required.min_capture_requests),
         ]
         .into_iter()
         .find_map(|(key, laxer)| laxer.then_some(key))
@@ -197,15 +206,21 @@ pub struct Gate {
     pub failed: Vec<Group>,
     /// How many judged groups are over their threshold.
     pub failed_groups: u64,
-    /// No judged group is over its threshold.
+    /// Requests in the capture, every priority together.
+    #[serde(default)]
+    pub capture_requests: u64,
+    /// The capture has at least `min_capture_requests` and no judged group
+    /// is over its threshold.
     pub passed: bool,
 }
 
 impl Gate {
-    /// The verdict over `all`, per-rule and per-path CRITICAL counts
-    /// (allowed by the rules in force, newly denied by the candidate).
+    /// The verdict on a capture of `capture_requests` requests over `all`,
+    /// per-rule and per-path CRITICAL counts (allowed by the rules in force,
+    /// newly denied by the candidate).
     pub fn judge(
         thresholds: GateThresholds,
+        capture_requests: u64,
         all: (u64, u64),
         rules: &BTreeMap<String, (u64, u64)>,
         paths: &BTreeMap<String, (u64, u64)>,
@@ -238,7 +253,13 @@ impl Gate {
             }
         }
         failed.sort_by(by_drop);
-        Gate { thresholds, all, rules, worst, failed, failed_groups, passed: failed_groups == 0 }
+        let passed = failed_groups == 0 && capture_requests >= thresholds.min_capture_requests;
+        Gate { thresholds, all, rules, worst, failed, failed_groups, capture_requests, passed }
+    }
+
+    /// The capture is too small to be judged (`gate.min_capture_requests`).
+    pub fn capture_too_small(&self) -> bool {
+        self.capture_requests < self.thresholds.min_capture_requests
     }
 }
 
@@ -271,6 +292,12 @@ pub fn refusal(report: Option<&GateReport>, version: &str, required: &GateThresh
     if report.candidate_version != version {
         return Some(format!("its gate report is for {}, not {version}", report.candidate_version));
     }
+    if report.capture_requests < required.min_capture_requests {
+        return Some(format!(
+            "its gate replayed a capture of {} requests; this instance's gate.min_capture_requests is {}",
+            report.capture_requests, required.min_capture_requests
+        ));
+    }
     if !report.gate.passed {
         let worst = &report.gate.worst;
         return Some(format!(
@@ -302,6 +329,7 @@ mod tests {
         // among 1,000 client-made ones on an unruled path: 5.5% overall.
         let gate = Gate::judge(
             t,
+            1_090,
             (1_090, 60),
             &counts(&[("play", (90, 60)), ("-", (1_000, 0))]),
             &counts(&[("/play", (90, 60)), ("/junk", (1_000, 0))]),
@@ -311,7 +339,7 @@ mod tests {
         assert_eq!(gate.failed_groups, 3, "all, rule play and path /play");
         assert_eq!(gate.failed[0].name, "play", "{:?}", gate.failed);
         // A group under min_group_requests is shown, not judged.
-        let small = Gate::judge(t, (1_000, 5), &counts(&[("tiny", (5, 5))]), &BTreeMap::new());
+        let small = Gate::judge(t, 1_000, (1_000, 5), &counts(&[("tiny", (5, 5))]), &BTreeMap::new());
         assert!(!small.rules[0].judged && small.rules[0].passed && small.passed, "{small:?}");
         assert_eq!(small.worst.kind, GroupKind::All);
     }
@@ -319,10 +347,10 @@ mod tests {
     #[test]
     fn an_instance_refuses_a_missing_failed_foreign_or_lax_report() {
         let t = GateThresholds::default();
-        let gate = Gate::judge(t, (100, 1), &BTreeMap::new(), &BTreeMap::new());
+        let gate = Gate::judge(t, 1_000, (100, 1), &BTreeMap::new(), &BTreeMap::new());
         let report = GateReport {
             capture_digest: "d".to_owned(),
-            capture_requests: 100,
+            capture_requests: 1_000,
             baseline_version: "v0".to_owned(),
             candidate_version: "v1".to_owned(),
             priorities: BTreeMap::new(),
@@ -334,9 +362,19 @@ mod tests {
         assert!(refusal(Some(&report), "v2", &t).unwrap().contains("is for v1, not v2"));
         let strict = GateThresholds { max_critical_drop_per_path: 0.01, ..t };
         assert!(refusal(Some(&report), "v1", &strict).unwrap().contains("gate.max_critical_drop_per_path"));
-        let failing = Gate::judge(t, (100, 50), &BTreeMap::new(), &BTreeMap::new());
-        let failed = GateReport { gate: failing, ..report };
+        let failing = Gate::judge(t, 1_000, (100, 50), &BTreeMap::new(), &BTreeMap::new());
+        let failed = GateReport { gate: failing, ..report.clone() };
         assert!(refusal(Some(&failed), "v1", &t).unwrap().contains("failed its gate (all *: 50.00%"));
+        // A capture too small fails the gate however clean, and an instance
+        // refuses a report of one.
+        for requests in [0, 999] {
+            let tiny = Gate::judge(t, requests, (0, 0), &BTreeMap::new(), &BTreeMap::new());
+            assert!(!tiny.passed && tiny.capture_too_small(), "{requests} requests");
+            let tiny = GateReport { gate: tiny, capture_requests: requests, ..report.clone() };
+            assert!(refusal(Some(&tiny), "v1", &t).unwrap().contains("gate.min_capture_requests is 1000"));
+        }
+        let lax = GateThresholds { min_capture_requests: 10, ..t };
+        assert_eq!(lax.laxer_than(&t), Some("min_capture_requests"));
         assert_eq!(t.invalid(), None);
         assert_eq!(
             GateThresholds { min_group_requests: 0, ..t }.invalid().unwrap().0,

@@ -242,11 +242,11 @@ mod tests {
         );
         let report = GateReport {
             capture_digest: String::new(),
-            capture_requests: 10,
+            capture_requests: 1_000,
             baseline_version: "v0".to_owned(),
             candidate_version: "v1".to_owned(),
             priorities: Default::default(),
-            gate: Gate::judge(t, (10, 0), &Default::default(), &Default::default()),
+            gate: Gate::judge(t, 1_000, (10, 0), &Default::default(), &Default::default()),
             gated_at: String::new(),
         };
         let with_report = SnapshotRecord { gate: Some(report), ..record() };
@@ -256,7 +256,7 @@ mod tests {
         let edited = envelope["record"]
             .as_str()
             .unwrap()
-            .replace("\"capture_requests\":10", "\"capture_requests\":11");
+            .replace("\"capture_requests\":1000", "\"capture_requests\":1001");
         let mut tampered = envelope.clone();
         tampered["record"] = serde_json::Value::String(edited);
         let tampered = serde_json::to_vec(&tampered).unwrap();

@@ -9,15 +9,25 @@
 //! (`http.header_read_timeout_ms`, [`super::health`]). So idle or slow clients of `/metrics` can hold
 //! neither the descriptors nor the memory gRPC needs. Accept errors (no
 //! descriptor left) are retried after a pause by axum's own listener.
+//!
+//! One peer (an IPv4 address, an IPv6 /64) holds at most
+//! `http.max_connections_per_peer` of the places: a connection past it is
+//! closed as soon as it is accepted, so a flood of unfinished request
+//! heads from one address cannot take the places the probes and scrapers
+//! need.
 
 use std::{
+    collections::HashMap,
     future::Future,
     io,
+    net::SocketAddr,
     pin::Pin,
-    sync::Arc,
+    sync::{Arc, Mutex},
     task::{Context, Poll},
     time::Duration,
 };
+
+use crate::budget::PeerKey;
 
 use axum::serve::Listener;
 use tokio::{
@@ -31,6 +41,8 @@ use tokio::{
 pub struct Limits {
     /// Connections open at once.
     pub max_connections: usize,
+    /// Of those, one peer's.
+    pub max_connections_per_peer: usize,
     /// Closed after this long without a byte received.
     pub idle_timeout: Duration,
     /// Closed this long after being accepted.
@@ -39,34 +51,83 @@ pub struct Limits {
     pub header_read_timeout: Duration,
 }
 
+/// Connections open, by peer (a peer with none has no entry).
+type Peers = Arc<Mutex<HashMap<PeerKey, usize>>>;
+
 /// A listener whose connections are [`Bounded`].
 #[derive(Debug)]
 pub struct Capped<L> {
     inner: L,
     places: Arc<Semaphore>,
+    peers: Peers,
     limits: Limits,
 }
 
 impl<L> Capped<L> {
     /// `inner`'s connections, bounded by `limits`.
     pub fn new(inner: L, limits: Limits) -> Self {
-        Capped { inner, places: Arc::new(Semaphore::new(limits.max_connections)), limits }
+        Capped {
+            inner,
+            places: Arc::new(Semaphore::new(limits.max_connections)),
+            peers: Peers::default(),
+            limits,
+        }
     }
 }
 
-impl<L: Listener> Listener for Capped<L> {
+/// One of its peer's connections, counted until dropped.
+#[derive(Debug)]
+struct PeerPlace {
+    peers: Peers,
+    peer: PeerKey,
+}
+
+impl PeerPlace {
+    /// A place for one more connection of `peer`, if it holds fewer than `max`.
+    fn take(peers: &Peers, peer: PeerKey, max: usize) -> Option<PeerPlace> {
+        let mut open = peers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = open.entry(peer).or_default();
+        if *count >= max {
+            return None;
+        }
+        *count += 1;
+        Some(PeerPlace { peers: Arc::clone(peers), peer })
+    }
+}
+
+impl Drop for PeerPlace {
+    fn drop(&mut self) {
+        let mut open = self.peers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = open.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.peer);
+            }
+        }
+    }
+}
+
+impl<L: Listener<Addr = SocketAddr>> Listener for Capped<L> {
     type Io = Bounded<L::Io>;
     type Addr = L::Addr;
 
     fn accept(&mut self) -> impl Future<Output = (Self::Io, Self::Addr)> + Send {
         let places = Arc::clone(&self.places);
+        let peers = Arc::clone(&self.peers);
         let limits = self.limits;
         let inner = &mut self.inner;
         async move {
-            // Never closed: the semaphore lives as long as the listener.
-            let place = places.acquire_owned().await.expect("the places are never closed");
-            let (io, addr) = inner.accept().await;
-            (Bounded::new(io, place, limits), addr)
+            loop {
+                // Never closed: the semaphore lives as long as the listener.
+                let place = Arc::clone(&places).acquire_owned().await.expect("the places are never closed");
+                let (io, addr) = inner.accept().await;
+                // Past its peer's share: closed at once (dropped), its place freed.
+                if let Some(peer) =
+                    PeerPlace::take(&peers, PeerKey::of(addr.ip()), limits.max_connections_per_peer)
+                {
+                    return (Bounded::new(io, (place, peer), limits), addr);
+                }
+            }
         }
     }
 
@@ -80,14 +141,14 @@ impl<L: Listener> Listener for Capped<L> {
 #[derive(Debug)]
 pub struct Bounded<T> {
     io: T,
-    _place: OwnedSemaphorePermit,
+    _place: (OwnedSemaphorePermit, PeerPlace),
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
     age: Pin<Box<Sleep>>,
 }
 
 impl<T> Bounded<T> {
-    fn new(io: T, place: OwnedSemaphorePermit, limits: Limits) -> Self {
+    fn new(io: T, place: (OwnedSemaphorePermit, PeerPlace), limits: Limits) -> Self {
         let now = Instant::now();
         Bounded {
             io,
@@ -167,6 +228,7 @@ mod tests {
 
     const LIMITS: Limits = Limits {
         max_connections: 2,
+        max_connections_per_peer: 2,
         idle_timeout: Duration::from_millis(300),
         max_age: Duration::from_secs(3_600),
         header_read_timeout: Duration::from_secs(3_600),
@@ -186,6 +248,31 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), listener.accept())
             .await
             .expect("accepted once a place freed");
+    }
+
+    /// One peer holds at most its share of the places: past it a connection
+    /// is closed at once, and another peer is accepted.
+    #[tokio::test]
+    async fn a_peer_holds_at_most_its_share() {
+        let limits = Limits { max_connections: 3, max_connections_per_peer: 1, ..LIMITS };
+        let (mut listener, addr) = capped(limits).await;
+        let from = |ip: &str| {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+            socket.connect(addr)
+        };
+        let _first = from("127.0.0.2").await.unwrap();
+        let (held, peer) = listener.accept().await;
+        assert_eq!(peer.ip().to_string(), "127.0.0.2");
+        let mut second = from("127.0.0.2").await.unwrap();
+        let _other = from("127.0.0.3").await.unwrap();
+        let (_accepted, peer) = listener.accept().await;
+        assert_eq!(peer.ip().to_string(), "127.0.0.3", "the second of 127.0.0.2 was passed over");
+        let read = tokio::time::timeout(Duration::from_secs(5), second.read(&mut [0; 8])).await.unwrap();
+        assert!(matches!(read, Ok(0) | Err(_)), "closed at once: {read:?}");
+        assert_eq!(listener.peers.lock().unwrap().len(), 2);
+        drop(held);
+        assert_eq!(listener.peers.lock().unwrap().len(), 1, "a peer's count goes with its last connection");
     }
 
     /// An idle connection is closed after the idle timeout; bytes keep it

@@ -244,25 +244,25 @@ pub async fn publish(reporter: &HealthReporter, health: &Health, serving: bool) 
 #[derive(Clone)]
 struct HttpState {
     health: Arc<Health>,
-    metrics: Arc<Metrics>,
+    metrics: Option<Arc<Metrics>>,
 }
 
-/// Serves `/metrics`, `/healthz`, `/readyz` and `/healthcheck` on `listener`, its
-/// connections bounded by `limits`, until `shutdown`.
+/// Serves `/healthz`, `/readyz`, `/healthcheck` and, given `metrics`,
+/// `/metrics` on `listener`, its connections bounded by `limits`, until
+/// `shutdown`.
 pub async fn serve_http(
     listener: TcpListener,
     limits: super::conns::Limits,
     health: Arc<Health>,
-    metrics: Arc<Metrics>,
+    metrics: Option<Arc<Metrics>>,
     shutdown: watch::Receiver<bool>,
 ) {
-    let app = Router::new()
-        .route("/metrics", get(metrics_handler))
+    let probes = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_handler))
-        .route("/healthcheck", get(healthcheck_handler))
-        .with_state(HttpState { health, metrics });
-    serve_app(listener, limits, app, shutdown).await;
+        .route("/healthcheck", get(healthcheck_handler));
+    let app = if metrics.is_some() { probes.route("/metrics", get(metrics_handler)) } else { probes };
+    serve_app(listener, limits, app.with_state(HttpState { health, metrics }), shutdown).await;
 }
 
 /// Serves `app` on `listener`, its connections bounded by `limits`, until
@@ -317,7 +317,8 @@ async fn serve_bounded(
 }
 
 async fn metrics_handler(State(state): State<HttpState>) -> impl IntoResponse {
-    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.metrics.render())
+    let text = state.metrics.as_ref().map(|metrics| metrics.render()).unwrap_or_default();
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }
 
 /// envoyproxy/ratelimit's `/healthcheck`, which its manifests and Envoy
@@ -357,6 +358,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let limits = super::super::conns::Limits {
             max_connections: 1,
+            max_connections_per_peer: 1,
             idle_timeout: Duration::from_secs(10),
             max_age: Duration::from_secs(60),
             header_read_timeout: Duration::from_millis(300),

@@ -26,7 +26,7 @@ use self::health::{Health, publish};
 use self::parts::Tasks;
 use crate::{
     api::{EnvoyService, RateLimiterService},
-    budget::{Budget, BudgetLayer, Denial, MessageBounds},
+    budget::{Budget, BudgetLayer, Denial, MessageBounds, PeerKey},
     config::Config,
     decision::Engine,
     dlq::DlqSink,
@@ -47,6 +47,9 @@ pub enum ServerError {
     /// The Redis store could not be set up.
     #[error(transparent)]
     Redis(#[from] RedisSetupError),
+    /// `http.probe_listen` cannot be bound.
+    #[error("http.probe_listen {0}: cannot bind: {1}")]
+    ProbeListen(String, std::io::Error),
     /// The spool directory cannot be opened.
     #[error("dlq.spool_dir {0}")]
     Spool(String),
@@ -160,10 +163,10 @@ pub async fn run_observed(
     };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &stats, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());
-    let budget = Arc::new(Budget::new(config.grpc.max_request_bytes_in_flight));
+    let budget = Arc::new(Budget::new(config.grpc.byte_shares()));
     parts::register_figures(&metrics, figures, &rules, &engine, &budget);
     let (health, reporter, health_service) =
-        parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await;
+        parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await?;
     let router = grpc_router(&config, &engine, rules.envoy.is_some(), health_service, &budget)?;
     // From here the services hold the engine (and the store) alone.
     drop(engine);
@@ -184,7 +187,7 @@ pub async fn run_observed(
     });
     let drain_delay = Duration::from_millis(config.grpc.drain_delay_ms);
     let (signal, drained) = drain_on(shutdown, health, reporter, drain_delay);
-    let serve = serve_grpc(&config, router, listener, tls, signal, &mut tasks)?;
+    let serve = serve_grpc(&config, router, listener, tls, &budget, signal, &mut tasks)?;
     let grace = Duration::from_millis(config.grpc.shutdown_grace_ms);
     let result = serve_until_stopped(serve, drained, grace, &mut tasks, &mut dispatchers).await;
     stop(tasks, dispatchers, grace, &dlq).await;
@@ -397,11 +400,11 @@ fn message_bounds(
     use crate::api::paths;
     let native: Denial = Arc::new({
         let check = check.clone();
-        move || check.too_large()
+        move |refusal| check.refused_unread(refusal)
     });
     let mut denials = vec![(paths::CHECK, Arc::clone(&native)), (paths::REPORT, native)];
     if let Some(envoy) = envoy.cloned() {
-        denials.push((paths::SHOULD_RATE_LIMIT, Arc::new(move || envoy.too_large())));
+        denials.push((paths::SHOULD_RATE_LIMIT, Arc::new(move |refusal| envoy.refused_unread(refusal))));
     }
     MessageBounds {
         message: grpc.max_message_bytes,
@@ -452,6 +455,7 @@ fn serve_grpc(
     router: Router,
     listener: TcpListener,
     tls: Option<ReloadingAcceptor>,
+    budget: &Arc<Budget>,
     signal: impl Future<Output = ()> + Send + 'static,
     tasks: &mut Tasks,
 ) -> Result<Serving, ServerError> {
@@ -459,7 +463,7 @@ fn serve_grpc(
     // One count of connections for both listeners.
     let places = Arc::new(tokio::sync::Semaphore::new(config.grpc.max_connections));
     let Some(path) = &config.grpc.uds else {
-        return Ok(serve_tcp(config, router, listener, tls, &places, signal, tasks));
+        return Ok(serve_tcp(config, router, listener, tls, &places, Arc::clone(budget), signal, tasks));
     };
     let unix = bind_uds(path)?;
     tracing::info!(path = %path.display(), "gRPC also on a Unix socket");
@@ -468,9 +472,21 @@ fn serve_grpc(
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let tcp = serve_tcp(config, router.clone(), listener, tls, &places, stopped(stop_rx.clone()), tasks);
+    let tcp = serve_tcp(
+        config,
+        router.clone(),
+        listener,
+        tls,
+        &places,
+        Arc::clone(budget),
+        stopped(stop_rx.clone()),
+        tasks,
+    );
     let store_calls = config.grpc.max_store_calls_per_connection;
-    let incoming = places::placed(tokio_stream::wrappers::UnixListenerStream::new(unix), places, store_calls);
+    // The socket's clients are on this host, behind its file permissions: a proxy beside the service.
+    let local: places::PeerOf<tokio::net::UnixStream> = Arc::new(|_| (PeerKey::Local, true));
+    let unix = tokio_stream::wrappers::UnixListenerStream::new(unix);
+    let incoming = places::placed(unix, places, Arc::clone(budget), local, store_calls);
     let uds = router.serve_with_incoming_shutdown(incoming, stopped(stop_rx));
     let path = path.clone();
     Ok(Box::pin(async move {
@@ -520,24 +536,34 @@ fn bind_uds(path: &std::path::Path) -> Result<tokio::net::UnixListener, ServerEr
 }
 
 /// Serves `router` on `listener`, over TLS when configured, until `signal`,
-/// each connection holding one of `places` while open.
+/// each connection holding one of `places` while open and its shares of
+/// `budget`.
+#[allow(clippy::too_many_arguments)]
 fn serve_tcp(
     config: &Config,
     router: Router,
     listener: TcpListener,
     tls: Option<ReloadingAcceptor>,
     places: &Arc<tokio::sync::Semaphore>,
+    budget: Arc<Budget>,
     signal: impl Future<Output = ()> + Send + 'static,
     tasks: &mut Tasks,
 ) -> Serving {
     let places = Arc::clone(places);
+    let store_calls = config.grpc.max_store_calls_per_connection;
+    // Validated with the rest of the configuration.
+    let nets = Arc::new(config.grpc.trusted_nets().unwrap_or_default());
+    let peer = move |addr: Option<std::net::SocketAddr>| match addr {
+        Some(addr) => (PeerKey::of(addr.ip()), nets.iter().any(|net| net.contains(&addr.ip()))),
+        // A connection whose address cannot be read: one peer with every other such.
+        None => (PeerKey::Local, false),
+    };
     match tls {
         None => {
-            let incoming = places::placed(
-                TcpIncoming::from(listener).with_nodelay(Some(true)),
-                places,
-                config.grpc.max_store_calls_per_connection,
-            );
+            let peer_of: places::PeerOf<tokio::net::TcpStream> =
+                Arc::new(move |io| peer(io.peer_addr().ok()));
+            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            let incoming = places::placed(incoming, places, budget, peer_of, store_calls);
             Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
         }
         Some(tls) => {
@@ -549,11 +575,14 @@ fn serve_tcp(
             }
             let (streams, accept_loop) = tls.incoming(listener, tasks.stopper());
             tasks.spawn(accept_loop);
-            let incoming = places::placed(
-                tokio_stream::wrappers::ReceiverStream::new(streams),
-                places,
-                config.grpc.max_store_calls_per_connection,
-            );
+            let names = config.grpc.tls.trusted_client_names.clone();
+            let peer_of: places::PeerOf<tokio_rustls::server::TlsStream<tokio::net::TcpStream>> =
+                Arc::new(move |io| {
+                    let (key, trusted) = peer(io.get_ref().0.peer_addr().ok());
+                    (key, trusted || crate::tls::client_named(io, &names))
+                });
+            let incoming = tokio_stream::wrappers::ReceiverStream::new(streams);
+            let incoming = places::placed(incoming, places, budget, peer_of, store_calls);
             Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
         }
     }

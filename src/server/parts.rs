@@ -749,7 +749,8 @@ pub(crate) fn register_figures(
 
 /// Readiness and gRPC health: the state behind `/readyz` and
 /// `grpc.health.v1`, the monitor that probes the store, and the HTTP
-/// endpoints when `http` is given. Starts NOT_SERVING until the first probe.
+/// endpoints when `http` is given (the probes also on
+/// `http.probe_listen` when set). Starts NOT_SERVING until the first probe.
 pub(crate) async fn health(
     config: &Config,
     rules: &Rules,
@@ -757,7 +758,10 @@ pub(crate) async fn health(
     metrics: &Arc<Metrics>,
     http: Option<TcpListener>,
     tasks: &mut Tasks,
-) -> (Arc<Health>, HealthReporter, HealthServer<impl tonic_health::pb::health_server::Health>) {
+) -> Result<
+    (Arc<Health>, HealthReporter, HealthServer<impl tonic_health::pb::health_server::Health>),
+    ServerError,
+> {
     let health = Health::new(
         Arc::clone(&rules.native),
         rules.envoy.as_ref().map(|_| config.envoy.failure_mode),
@@ -781,16 +785,24 @@ pub(crate) async fn health(
     ));
     if let Some(http) = http {
         tracing::info!(addr = ?http.local_addr().ok(), "serving /metrics, /healthz, /readyz");
-        let stop = tasks.stopper();
         let limits = super::conns::Limits {
             max_connections: config.http.max_connections,
+            max_connections_per_peer: config.http.max_connections_per_peer,
             idle_timeout: Duration::from_millis(config.http.idle_timeout_ms),
             max_age: Duration::from_millis(config.http.max_connection_age_ms),
             header_read_timeout: Duration::from_millis(config.http.header_read_timeout_ms),
         };
-        tasks.spawn(serve_http(http, limits, Arc::clone(&health), Arc::clone(metrics), stop));
+        if let Some(addr) = &config.http.probe_listen {
+            let probes =
+                TcpListener::bind(addr).await.map_err(|e| ServerError::ProbeListen(addr.clone(), e))?;
+            tracing::info!(addr = ?probes.local_addr().ok(), "serving /healthz, /readyz, /healthcheck");
+            let stop = tasks.stopper();
+            tasks.spawn(serve_http(probes, limits, Arc::clone(&health), None, stop));
+        }
+        let stop = tasks.stopper();
+        tasks.spawn(serve_http(http, limits, Arc::clone(&health), Some(Arc::clone(metrics)), stop));
     }
-    (health, reporter, service)
+    Ok((health, reporter, service))
 }
 
 #[cfg(test)]

@@ -1,8 +1,9 @@
 //! `grpc.max_connections`: how many gRPC connections are open at once,
-//! and `grpc.max_store_calls_per_connection`: each connection's share of
-//! the store's in-flight work ([`CallerShare`], handed to every request of
-//! the connection as its connect info, read by `api/`),
-//! across the TCP port (plain or TLS) and the Unix socket. Each accepted
+//! and what each may hold ([`Caller`], handed to every request of the
+//! connection as its connect info): its share of the store's in-flight
+//! work (`grpc.max_store_calls_per_connection`, read by `api/`) and of the
+//! request byte budget (its own and its peer's, read by the budget
+//! layer), across the TCP port (plain or TLS) and the Unix socket. Each accepted
 //! connection holds a place ([`Placed`]) until tonic drops it; while none is
 //! free the listeners are not polled, so new connections wait in the
 //! kernel's listen backlog (past that their SYNs go unanswered and clients
@@ -24,7 +25,10 @@ use tokio::{
 };
 use tonic::transport::server::Connected;
 
-use crate::{accept::AcceptBackoff, decision::CallerShare};
+use crate::{
+    accept::AcceptBackoff,
+    budget::{Budget, Caller, PeerKey},
+};
 
 /// A connection holding one of the `grpc.max_connections` places, freed
 /// when it is dropped, and its share of the store's in-flight work. Reads
@@ -33,43 +37,52 @@ use crate::{accept::AcceptBackoff, decision::CallerShare};
 pub(super) struct Placed<T> {
     io: T,
     _place: OwnedSemaphorePermit,
-    share: CallerShare,
+    caller: Caller,
 }
+
+/// Who a connection comes from, for its shares: its peer, and whether that
+/// peer is trusted (`grpc.trusted_peers`, `grpc.tls.trusted_client_names`).
+pub(super) type PeerOf<T> = Arc<dyn Fn(&T) -> (PeerKey, bool) + Send + Sync>;
 
 /// `incoming`'s connections, each taken only once a place in `places` is
 /// free (the stream is not polled meanwhile); an accept error passes
 /// through and frees its place, after a pause ([`AcceptBackoff`]: tonic retries
 /// at once, which spun a core while no descriptor was left).
-/// Each connection gets a share of `store_calls` permits (0: unbounded).
+/// Each connection gets a share of `store_calls` permits (0: unbounded)
+/// and its shares of `budget`, as `peer_of` says who it comes from.
 pub(super) fn placed<S, T, E>(
     incoming: S,
     places: Arc<Semaphore>,
+    budget: Arc<Budget>,
+    peer_of: PeerOf<T>,
     store_calls: usize,
 ) -> impl Stream<Item = Result<Placed<T>, E>> + Send
 where
     S: Stream<Item = Result<T, E>> + Unpin + Send,
-    T: Send,
+    T: Send + 'static,
     E: Send + std::fmt::Display,
 {
-    let store_calls = if store_calls == 0 { Semaphore::MAX_PERMITS } else { store_calls };
     let state = (incoming, places, AcceptBackoff::default());
-    futures_util::stream::unfold(state, move |(mut incoming, places, mut backoff)| async move {
-        // Never closed: `None` ends the stream only if it were.
-        let place = Arc::clone(&places).acquire_owned().await.ok()?;
-        let next = incoming.next().await?;
-        match &next {
-            Ok(_) => backoff.reset(),
-            Err(error) => {
-                let error = error.to_string();
-                backoff.pause(&error).await;
+    futures_util::stream::unfold(state, move |(mut incoming, places, mut backoff)| {
+        let (budget, peer_of) = (Arc::clone(&budget), Arc::clone(&peer_of));
+        async move {
+            // Never closed: `None` ends the stream only if it were.
+            let place = Arc::clone(&places).acquire_owned().await.ok()?;
+            let next = incoming.next().await?;
+            match &next {
+                Ok(_) => backoff.reset(),
+                Err(error) => {
+                    let error = error.to_string();
+                    backoff.pause(&error).await;
+                }
             }
+            let placed = next.map(|io| {
+                let (peer, trusted) = peer_of(&io);
+                let caller = budget.caller(peer, trusted, store_calls);
+                Placed { io, _place: place, caller }
+            });
+            Some((placed, (incoming, places, backoff)))
         }
-        let placed = next.map(|io| Placed {
-            io,
-            _place: place,
-            share: CallerShare(Arc::new(Semaphore::new(store_calls))),
-        });
-        Some((placed, (incoming, places, backoff)))
     })
 }
 
@@ -111,13 +124,13 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Placed<T> {
     }
 }
 
-/// The connect info tonic puts in every request's extensions: the
-/// connection's share (nothing reads the peer's address).
+/// The connect info tonic puts in every request's extensions: what the
+/// connection may hold.
 impl<T> Connected for Placed<T> {
-    type ConnectInfo = CallerShare;
+    type ConnectInfo = Caller;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.share.clone()
+        self.caller.clone()
     }
 }
 
@@ -135,7 +148,9 @@ mod tests {
         }
         let places = Arc::new(Semaphore::new(2));
         let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(receive);
-        let mut connections = Box::pin(placed(incoming, Arc::clone(&places), 0));
+        let budget = Arc::new(Budget::unshared(1));
+        let local: PeerOf<u32> = Arc::new(|_| (PeerKey::Local, true));
+        let mut connections = Box::pin(placed(incoming, Arc::clone(&places), budget, local, 0));
         let first = connections.next().await.unwrap().unwrap();
         assert_eq!(connections.next().await.unwrap().unwrap_err(), "accept failed");
         let second = connections.next().await.unwrap().unwrap();
