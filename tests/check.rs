@@ -6,7 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Backend, ConfigMapRules, Rules, check, eventually, reason, request};
+use common::{
+    Backend, ConfigMapRules, H2_START, Rules, check, eventually, grpc_headers, h2_frame, reason, request,
+};
 use ratelimitd::api::pb::{PriorityBucket, Reason};
 
 /// Windows of one day: a test never straddles enough of a window boundary
@@ -390,10 +392,6 @@ async fn oversized_single_decisions_are_denied_and_batches_bounded_apart() {
     server.stop().await.unwrap();
 }
 
-/// What an HTTP/2 client sends first: the connection preface and an empty
-/// SETTINGS frame.
-const H2_START: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
-
 /// What a client speaking raw HTTP/2 sees: the preface and an empty
 /// SETTINGS sent, then nothing more (no SETTINGS ACK, no PING answered);
 /// the server's frames as (type, flags, payload) for up to `wait`, and
@@ -765,31 +763,6 @@ async fn path_variants_are_counted_as_the_path() {
         }
         server.stop().await.unwrap();
     }
-}
-
-/// HPACK of a gRPC request's headers on `path` (literal fields, no
-/// Huffman, nothing indexed but the static `:method POST`, `:scheme http`).
-fn grpc_headers(path: &str) -> Vec<u8> {
-    let mut block = vec![0x83, 0x86];
-    for (name, value) in
-        [(":path", path), (":authority", "t"), ("content-type", "application/grpc"), ("te", "trailers")]
-    {
-        block.push(0x00);
-        block.push(name.len() as u8);
-        block.extend_from_slice(name.as_bytes());
-        block.push(value.len() as u8);
-        block.extend_from_slice(value.as_bytes());
-    }
-    block
-}
-
-/// One HTTP/2 frame.
-fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-    let len = payload.len() as u32;
-    let mut frame = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
-    frame.extend_from_slice(&stream.to_be_bytes());
-    frame.extend_from_slice(payload);
-    frame
 }
 
 /// Streams that announce a 256 KiB message (`grpc.max_message_bytes`) and

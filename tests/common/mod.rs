@@ -25,6 +25,7 @@ use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
 use tonic::transport::Channel;
 
 mod envoy;
+mod h2;
 mod kafka;
 mod redis_nodes;
 mod service;
@@ -33,7 +34,7 @@ pub mod webdriver;
 
 // Each test binary uses some of them.
 #[allow(unused_imports)]
-pub use self::{envoy::*, kafka::*, redis_nodes::*, service::*, tls::*};
+pub use self::{envoy::*, h2::*, kafka::*, redis_nodes::*, service::*, tls::*};
 
 /// Which counter store a scenario runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

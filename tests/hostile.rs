@@ -1,0 +1,203 @@
+//! Attacks on what callers share, each measured against the bound the
+//! service documents (docs/hostile-input.md): the request byte budget from
+//! one connection or address, HTTP/2 floods, unfinished HTTP heads against
+//! the probes, forged outcome reports. Attackers come from other loopback
+//! addresses (127.0.0.2, …): to the service, other peers.
+
+mod common;
+
+use std::{
+    path::Path,
+    process::{Child, Command},
+    time::{Duration, Instant},
+};
+
+use common::{Rules, TestServer, check, grpc_headers, h2_connect, h2_drain, h2_frame, reason, request};
+use ratelimitd::api::pb::{self, Reason};
+use tokio::io::AsyncWriteExt as _;
+
+const RULES: &str = r#"
+rules:
+  - { rule_id: limited, resource_path: /limited, limit: 5, window_seconds: 86400 }
+"#;
+
+const CHECK_BATCH: &str = "/ratelimit.v1.RateLimiter/CheckBatch";
+
+/// Opens `streams` CheckBatch calls on `socket`, each sending only the
+/// 5-byte gRPC prefix that announces a 4 MiB message (never sent).
+async fn announce(socket: &mut tokio::net::TcpStream, first_stream: u32, streams: u32) {
+    let mut prefix = vec![0u8];
+    prefix.extend_from_slice(&(4u32 << 20).to_be_bytes());
+    let headers = grpc_headers(CHECK_BATCH);
+    let mut frames = Vec::new();
+    for i in 0..streams {
+        let stream = first_stream + 2 * i;
+        frames.extend(h2_frame(1, 0x4, stream, &headers)); // END_HEADERS
+        frames.extend(h2_frame(0, 0, stream, &prefix));
+    }
+    socket.write_all(&frames).await.unwrap();
+}
+
+/// Connections from each of `addrs`, `per_addr` of them, each announcing
+/// 40 × 4 MiB (never sent) every half second for `for_how_long`: 320 MiB a
+/// round from two connections alone, where the whole budget is 128 MiB.
+fn flood(
+    server: std::net::SocketAddr,
+    addrs: &'static [&'static str],
+    per_addr: usize,
+    for_how_long: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut sockets = Vec::new();
+        for addr in addrs {
+            for _ in 0..per_addr {
+                sockets.push(h2_connect(server, addr).await);
+            }
+        }
+        let until = Instant::now() + for_how_long;
+        let mut next_stream = 1;
+        let mut drains = Vec::new();
+        while Instant::now() < until {
+            for socket in &mut sockets {
+                announce(socket, next_stream, 40).await;
+            }
+            next_stream += 80;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        for socket in sockets {
+            drains.push(h2_drain(socket));
+        }
+        for drain in drains {
+            drain.abort();
+        }
+    })
+}
+
+/// The bytes the service holds for unfinished requests, and the requests
+/// refused for their caller's share, by share.
+async fn budget(server: &TestServer) -> (f64, Vec<(&'static str, f64)>) {
+    let held = common::metric(server, "ratelimitd_grpc_request_bytes_in_flight ").await.unwrap();
+    let mut refused = Vec::new();
+    for share in ["connection", "peer", "untrusted", "pool"] {
+        let series = format!("ratelimitd_grpc_requests_over_budget_total{{share=\"{share}\"}} ");
+        refused.push((share, common::metric(server, &series).await.unwrap()));
+    }
+    (held, refused)
+}
+
+/// A flood from one address (two connections announcing 4 MiB messages
+/// they never send) holds at most that address's share (32 MiB of the 128
+/// MiB budget): meanwhile another caller's Checks are decided exactly and
+/// in time, 5 of 7 admitted on a limit of 5; the flooding address's own
+/// Check is denied as CALLER_BUSY, never answered with an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_byte_flood_from_one_address_holds_its_32_mib_share_and_others_are_decided_exactly() {
+    let rules = Rules::new(RULES);
+    let server = TestServer::start(common::config(&rules.path(), None)).await;
+    let attack = flood(server.addr, &["127.0.0.2"], 2, Duration::from_secs(3));
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+
+    let mut honest = server.client().await;
+    let mut answers = Vec::new();
+    for _ in 0..7 {
+        let started = Instant::now();
+        let answer = check(&mut honest, request("alice", "/limited")).await;
+        assert!(started.elapsed() < Duration::from_secs(1), "answered in {:?}", started.elapsed());
+        answers.push((answer.allowed, reason(&answer)));
+    }
+    let admitted = answers.iter().filter(|(allowed, _)| *allowed).count();
+    assert_eq!(admitted, 5, "{answers:?}");
+    assert!(answers[5..].iter().all(|(_, r)| *r == Reason::OverLimit), "{answers:?}");
+
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .local_address(Some("127.0.0.2".parse().unwrap()))
+        .connect()
+        .await
+        .unwrap();
+    let mut flooder = pb::rate_limiter_client::RateLimiterClient::new(channel);
+    let busy = check(&mut flooder, request("mallory", "/limited")).await;
+    assert_eq!((busy.allowed, reason(&busy)), (false, Reason::CallerBusy), "{busy:?}");
+    assert!(busy.retry_after_ms > 0);
+
+    let (held, refused) = budget(&server).await;
+    assert!(held <= f64::from(32u32 << 20), "held {held} bytes");
+    assert!(held >= f64::from(16u32 << 20), "the attack was not seen: {held}");
+    let by_share: f64 = refused.iter().map(|(_, n)| n).sum();
+    assert!(by_share >= 100.0, "{refused:?}");
+    attack.await.unwrap();
+    server.stop().await.unwrap();
+}
+
+/// A child process killed (by PID) on drop.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The upstream: Python's http.server over an empty directory (GET / is 200).
+fn upstream(dir: &Path) -> (Process, u16) {
+    let (child, port) = common::start_listening("upstream", &dir.join("upstream.log"), |port| {
+        let mut command = Command::new("python3");
+        command.args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"]).arg(dir);
+        command
+    });
+    (Process(child), port)
+}
+
+/// Envoy on the repository's example (`failure_mode_deny: false`: an
+/// error from the rate limit service lets the request through).
+fn envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) {
+    let example = std::fs::read_to_string(common::repo_path("examples/envoy/envoy.yaml")).unwrap();
+    assert!(example.contains("failure_mode_deny: false"));
+    let (child, listen) = common::start_envoy(dir, |listen, admin| {
+        example
+            .replace("port_value: 10000", &format!("port_value: {listen}"))
+            .replace("port_value: 8000", &format!("port_value: {upstream_port}"))
+            .replace("port_value: 8081", &format!("port_value: {ratelimit_port}"))
+            .replace("port_value: 9901", &format!("port_value: {admin}"))
+            .replace("timeout: 0.02s", "timeout: 2s")
+    });
+    (Process(child), listen)
+}
+
+/// Through a fail-open Envoy (trusted: `grpc.trusted_peers`), a user on 3
+/// a minute gets 3 of 200 requests through while three other addresses
+/// flood the byte budget (6 connections announcing 4 MiB messages they
+/// never send, 960 MiB a round): they hold at most the untrusted half, the
+/// Envoy's decisions are made normally, and none becomes an error Envoy
+/// would answer with "allow".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn through_envoy_a_user_on_3_a_minute_gets_3_of_200_during_a_byte_flood() {
+    let redis = common::RedisServer::start();
+    let mut config = common::default_rules_config(Some(redis.url()));
+    config.rules.envoy_path = Some(common::repo_path("examples/envoy/ratelimit"));
+    config.grpc.trusted_peers = vec!["127.0.0.1".to_owned()];
+    let server = TestServer::start(config).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (_upstream, upstream_port) = upstream(dir.path());
+    let (_envoy, port) = envoy(dir.path(), server.addr.port(), upstream_port);
+
+    let attack = flood(server.addr, &["127.0.0.2", "127.0.0.3", "127.0.0.4"], 2, Duration::from_secs(12));
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let codes = tokio::task::spawn_blocking(move || {
+        (0..200)
+            .map(|_| common::http_get_raw(port, "/", &[("x-user-id", b"victim")]).status)
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    let passed = codes.iter().filter(|code| **code == 200).count();
+    assert_eq!(passed, 3, "{codes:?}");
+    assert_eq!(codes.iter().filter(|code| **code == 429).count(), 197, "{codes:?}");
+
+    let (held, refused) = budget(&server).await;
+    assert!(held <= f64::from(64u32 << 20), "untrusted peers held {held} bytes, over their half");
+    assert!(refused.iter().map(|(_, n)| n).sum::<f64>() >= 100.0, "the attack was not seen: {refused:?}");
+    attack.abort();
+    server.stop().await.unwrap();
+}
