@@ -201,3 +201,131 @@ async fn through_envoy_a_user_on_3_a_minute_gets_3_of_200_during_a_byte_flood() 
     attack.abort();
     server.stop().await.unwrap();
 }
+
+/// This process's resident memory, in bytes (the server runs in it).
+fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+/// Runs `attack` (frames written on one connection from 127.0.0.2, never
+/// reading) for `for_how_long` while another connection checks every 50
+/// ms: each answered within a second, exactly (5 admitted on a limit of
+/// 5, then OVER_LIMIT), and the process growing by less than 64 MiB.
+/// Returns how many frames the attacker wrote.
+async fn flood_leaves_others_decided(
+    attack: impl Fn(u32) -> Vec<u8> + Send + 'static,
+    for_how_long: Duration,
+) -> u64 {
+    let rules = Rules::new(RULES);
+    let server = TestServer::start(common::config(&rules.path(), None)).await;
+    let mut honest = server.client().await;
+    check(&mut honest, request("warm-up", "/limited")).await;
+    let before = resident_bytes();
+    let addr = server.addr;
+    let attacker = tokio::spawn(async move {
+        let mut socket = h2_connect(addr, "127.0.0.2").await;
+        let until = Instant::now() + for_how_long;
+        let mut round = 0u32;
+        while Instant::now() < until {
+            let frames = attack(round);
+            // A server that stops reading stalls the attacker, not the others.
+            match tokio::time::timeout(Duration::from_millis(200), socket.write_all(&frames)).await {
+                Ok(Ok(())) => round += 1,
+                Ok(Err(_)) => break, // told to go and closed
+                Err(_) => {}
+            }
+        }
+        u64::from(round)
+    });
+    let mut answers = Vec::new();
+    let mut slowest = Duration::ZERO;
+    let started = Instant::now();
+    while started.elapsed() < for_how_long {
+        let at = Instant::now();
+        let answer = check(&mut honest, request("alice", "/limited")).await;
+        slowest = slowest.max(at.elapsed());
+        answers.push(answer.allowed);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let grown = resident_bytes().saturating_sub(before);
+    let rounds = attacker.await.unwrap();
+    assert!(slowest < Duration::from_secs(1), "a check took {slowest:?}");
+    assert!(answers.len() > 10, "{} checks", answers.len());
+    assert!(answers[..5].iter().all(|a| *a) && answers[5..].iter().all(|a| !*a), "{answers:?}");
+    assert!(grown < 64 << 20, "the process grew by {} MiB", grown >> 20);
+    server.stop().await.unwrap();
+    rounds
+}
+
+/// Rapid reset (CVE-2023-44487): 100 Check streams opened and reset at
+/// once, round after round, on one connection: another connection's
+/// checks are answered in time and exactly; the server tells the attacker
+/// to go once more than 20 of its streams wait reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rapid_reset_flood_leaves_other_connections_decided_in_time() {
+    let headers = grpc_headers("/ratelimit.v1.RateLimiter/Check");
+    let rounds = flood_leaves_others_decided(
+        move |round| {
+            let mut frames = Vec::new();
+            for i in 0..100u32 {
+                let stream = 1 + 2 * (round * 100 + i);
+                frames.extend(h2_frame(1, 0x4, stream, &headers)); // END_HEADERS
+                frames.extend(h2_frame(3, 0, stream, &8u32.to_be_bytes())); // RST_STREAM CANCEL
+            }
+            frames
+        },
+        Duration::from_secs(2),
+    )
+    .await;
+    assert!(rounds < 100, "the attacker kept its connection for {rounds} rounds of 100 resets");
+}
+
+/// CONTINUATION flood (CVE-2024-27316's kind): a header block that never
+/// ends, 16 KiB frames after 16 KiB frames: the server holds at most
+/// `grpc.max_header_list_bytes` of it and other connections are decided
+/// in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_continuation_flood_holds_one_header_list_and_others_are_decided() {
+    let mut block = grpc_headers("/ratelimit.v1.RateLimiter/Check");
+    block.extend([0x00, 0x01, b'x', 0x7f, 0x81, 0x7f]); // a literal "x" announcing a 16 KiB value
+    let filler = vec![b'a'; 16 << 10];
+    flood_leaves_others_decided(
+        move |round| {
+            if round == 0 {
+                h2_frame(1, 0, 1, &block) // HEADERS without END_HEADERS
+            } else {
+                (0..16).flat_map(|_| h2_frame(9, 0, 1, &filler)).collect() // CONTINUATION
+            }
+        },
+        Duration::from_secs(2),
+    )
+    .await;
+}
+
+/// PING and SETTINGS floods from a client that never reads the
+/// acknowledgements: other connections are decided in time and the
+/// process does not grow with the acknowledgements owed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ping_and_settings_floods_leave_other_connections_decided() {
+    flood_leaves_others_decided(
+        |round| {
+            (0..1_000u64)
+                .flat_map(|i| {
+                    if i % 2 == 0 {
+                        h2_frame(6, 0, 0, &(u64::from(round) * 1_000 + i).to_be_bytes()) // PING
+                    } else {
+                        h2_frame(4, 0, 0, &[0, 3, 0, 0, 0, 100]) // SETTINGS_MAX_CONCURRENT_STREAMS
+                    }
+                })
+                .collect()
+        },
+        Duration::from_secs(2),
+    )
+    .await;
+}

@@ -39,6 +39,11 @@ pub struct GrpcConfig {
     /// `grpc.max_request_bytes_in_flight` bounds all connections together). gRPC over tonic alone
     /// advertises no limit.
     pub max_concurrent_streams: u32,
+    /// Largest header list of one request (HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE, its HEADERS and
+    /// CONTINUATION frames together, decoded): past it the request is refused before it reaches a
+    /// handler, and a header block that never ends (a CONTINUATION flood) holds at most this
+    /// much. gRPC metadata is a few hundred bytes; Envoy's descriptors travel in the message.
+    pub max_header_list_bytes: u32,
     /// Most bytes of request messages announced (their gRPC length prefix: what is reserved for
     /// them) but not yet whole, over every connection and stream together (a message is buffered
     /// until its last byte arrives), so clients announcing large messages they never finish cannot
@@ -127,6 +132,7 @@ impl Default for GrpcConfig {
             max_message_bytes: 256 << 10,
             max_batch_message_bytes: 4 << 20,
             max_concurrent_streams: 1_024,
+            max_header_list_bytes: 16 << 10,
             max_connections: 10_000,
             max_request_bytes_in_flight: 128 << 20,
             max_request_bytes_per_connection: 16 << 20,
@@ -161,6 +167,9 @@ impl GrpcConfig {
         }
         if !(1..=1 << 20).contains(&self.max_concurrent_streams) {
             return Err(invalid("grpc.max_concurrent_streams", "must be between 1 and 1048576"));
+        }
+        if !(1_024..=1 << 20).contains(&self.max_header_list_bytes) {
+            return Err(invalid("grpc.max_header_list_bytes", "must be between 1024 and 1048576"));
         }
         if !(self.max_message_bytes..=64 << 20).contains(&self.max_batch_message_bytes) {
             return Err(invalid(

@@ -414,13 +414,36 @@ fn message_bounds(
     }
 }
 
-/// The HTTP/2 settings of the gRPC server: streams per connection,
-/// keepalive and connection age (`grpc.*`); hyper's defaults otherwise.
+// What one HTTP/2 connection may make the server hold or do, beyond the
+// `grpc.*` settings (docs/hostile-input.md lists them).
+/// Bytes one stream may have in flight before the server reads them.
+const STREAM_WINDOW_BYTES: u32 = 1 << 20;
+/// Bytes one connection may have in flight before the server reads them.
+const CONNECTION_WINDOW_BYTES: u32 = 1 << 20;
+/// The largest frame a client may send.
+const MAX_FRAME_BYTES: u32 = 16 << 10;
+/// Streams a client may reset before the server accepts them (rapid
+/// reset); past it the connection is told to go (GOAWAY ENHANCE_YOUR_CALM).
+const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+/// Streams the server may reset for a client's protocol errors before it
+/// closes the connection.
+const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1_024;
+
+/// The HTTP/2 settings of the gRPC server: streams per connection, header
+/// list size, keepalive and connection age (`grpc.*`), windows, frame size
+/// and reset bounds (above), all set here rather than left to hyper's
+/// defaults, so they are the documented ones.
 fn transport(grpc: &crate::config::GrpcConfig) -> tonic::transport::Server {
     let keepalive =
         (grpc.keepalive_interval_ms > 0).then(|| Duration::from_millis(grpc.keepalive_interval_ms));
     let mut server = tonic::transport::Server::builder()
         .max_concurrent_streams(grpc.max_concurrent_streams)
+        .http2_max_header_list_size(grpc.max_header_list_bytes)
+        .initial_stream_window_size(STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+        .max_frame_size(MAX_FRAME_BYTES)
+        .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
+        .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
         .http2_keepalive_interval(keepalive)
         .http2_keepalive_timeout(Some(Duration::from_millis(grpc.keepalive_timeout_ms)));
     if grpc.request_timeout_ms > 0 {
