@@ -329,3 +329,71 @@ async fn ping_and_settings_floods_leave_other_connections_decided() {
     )
     .await;
 }
+
+/// `count` connections to `addr` from `from`, each sending the start of a
+/// request head it never finishes (slowloris); those the server closes at
+/// once are dropped.
+async fn unfinished_heads(
+    addr: std::net::SocketAddr,
+    from: &str,
+    count: usize,
+) -> Vec<tokio::net::TcpStream> {
+    let mut held = Vec::new();
+    for _ in 0..count {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        let Ok(mut stream) = socket.connect(addr).await else { continue };
+        if stream.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nX-Slow: ").await.is_ok() {
+            held.push(stream);
+        }
+    }
+    held
+}
+
+/// `/readyz` on `addr`, answered 200 within a second, ten times.
+async fn ready_in_time(addr: std::net::SocketAddr) {
+    for _ in 0..10 {
+        let started = Instant::now();
+        let (status, _) =
+            tokio::task::spawn_blocking(move || common::http_get(addr, "/readyz")).await.unwrap();
+        assert_eq!(status, 200);
+        assert!(started.elapsed() < Duration::from_secs(1), "/readyz took {:?}", started.elapsed());
+    }
+}
+
+/// 300 unfinished request heads from one address hold 8 of the HTTP
+/// port's 64 places (`http.max_connections_per_peer`): `/readyz` answers
+/// within a second. From 9 addresses they fill all 64, and the probe
+/// port (`http.probe_listen`), whose places are its own, still answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unfinished_request_heads_leave_readyz_answering_within_1_s() {
+    let rules = Rules::new(RULES);
+    let mut config = common::config(&rules.path(), None);
+    let probe_port = common::free_port();
+    config.http.probe_listen = Some(format!("127.0.0.1:{probe_port}"));
+    let server = TestServer::start(config).await;
+    let one_address = unfinished_heads(server.http_addr, "127.0.0.2", 300).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    ready_in_time(server.http_addr).await;
+
+    let mut many = Vec::new();
+    for host in 3..12 {
+        many.push(unfinished_heads(server.http_addr, &format!("127.0.0.{host}"), 8).await);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The HTTP port is full: a request there waits in the listen backlog.
+    let mut waiting = tokio::net::TcpStream::connect(server.http_addr).await.unwrap();
+    waiting.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_millis(500), async {
+        use tokio::io::AsyncReadExt as _;
+        waiting.read(&mut [0; 64]).await
+    });
+    assert!(answer.await.is_err(), "the HTTP port answered: the flood did not fill it");
+    let probes: std::net::SocketAddr = format!("127.0.0.1:{probe_port}").parse().unwrap();
+    ready_in_time(probes).await;
+    let (status, _) =
+        tokio::task::spawn_blocking(move || common::http_get(probes, "/metrics")).await.unwrap();
+    assert_eq!(status, 404, "the probe port serves the probes alone");
+    drop((one_address, many));
+    server.stop().await.unwrap();
+}
