@@ -349,11 +349,15 @@ fn kubernetes_manifests_agree_with_the_service_and_each_other() {
         Config::load(None, env.clone()).unwrap_or_else(|e| panic!("deployment.yaml's environment: {e}"));
     assert_eq!(config.grpc_addr().port(), port_of("grpc").unwrap() as u16);
     assert_eq!(config.http_addr().port(), port_of("http").unwrap() as u16);
+    // The probes on a port of their own, which a flood of the HTTP port cannot fill.
+    let probe_port: std::net::SocketAddr =
+        config.http.probe_listen.as_deref().expect("http.probe_listen").parse().unwrap();
+    assert_eq!(probe_port.port(), port_of("probes").unwrap() as u16);
     for (probe, path) in
         [("readinessProbe", "/readyz"), ("livenessProbe", "/healthz"), ("startupProbe", "/healthz")]
     {
         assert_eq!(container[probe]["httpGet"]["path"], path, "{probe}");
-        assert_eq!(container[probe]["httpGet"]["port"], "http", "{probe}");
+        assert_eq!(container[probe]["httpGet"]["port"], "probes", "{probe}");
     }
     let grace_ms = pod["spec"]["terminationGracePeriodSeconds"].as_u64().unwrap() * 1_000;
     assert!(grace_ms > config.grpc.drain_delay_ms + config.grpc.shutdown_grace_ms, "killed while draining");
