@@ -239,6 +239,20 @@ impl Figures for Adapter {
         }
         header(
             out,
+            "ratelimitd_adaptive_outcomes_uncredited_total",
+            "counter",
+            "Outcomes reported for each adaptive limit beyond what their reporter was admitted on it (this interval and the last): not counted.",
+        );
+        for (name, limit) in &served {
+            let _ = writeln!(
+                out,
+                "ratelimitd_adaptive_outcomes_uncredited_total{{{}}} {}",
+                labels(name),
+                limit.uncredited()
+            );
+        }
+        header(
+            out,
             "ratelimitd_adaptive_exchange_failures_total",
             "counter",
             "Exchanges of the adaptive limits with the store that failed (the limits in force held).",

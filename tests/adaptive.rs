@@ -308,3 +308,79 @@ async fn the_script_is_the_twin_of_exchange() {
         }
     }
 }
+
+/// The limit `server` has in force, once `for_how_long` has passed with
+/// `mallory` reporting `outcome` of `weight` every 20 ms, after `admitted`
+/// Checks of its own, beside a gateway (`svc`) that is admitted 40 times a
+/// second and reports every other one failed; also the outcomes refused.
+async fn forged(
+    server: &TestServer,
+    gateway_reports: bool,
+    admitted: u32,
+    outcome: Outcome,
+    weight: u32,
+    for_how_long: Duration,
+) -> (f64, f64) {
+    let mut client = server.client().await;
+    for _ in 0..admitted {
+        let answer = client.check(request("mallory", "/backend")).await.unwrap().into_inner();
+        assert!(answer.allowed);
+    }
+    let started = Instant::now();
+    let mut tick = 0u64;
+    while started.elapsed() < for_how_long {
+        tick += 1;
+        let forged =
+            pb::RateLimitRequest { outcome: outcome as i32, weight, ..request("mallory", "/backend") };
+        let answer = client.report(forged).await.unwrap().into_inner();
+        assert_eq!(answer.reason, pb::Reason::Ok as i32, "a report is answered, never refused");
+        if gateway_reports && tick % 2 == 0 {
+            let answer = client.check(request("svc", "/backend")).await.unwrap().into_inner();
+            if answer.allowed {
+                let went = if tick % 4 == 0 { Outcome::Failure } else { Outcome::Success };
+                let report = pb::RateLimitRequest { outcome: went as i32, ..request("svc", "/backend") };
+                client.report(report).await.unwrap();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let uncredited =
+        metric(server, "ratelimitd_adaptive_outcomes_uncredited_total{kind=\"native\",rule=\"backend\"}")
+            .await
+            .unwrap();
+    (limit_of(server).await, uncredited)
+}
+
+/// A caller never admitted on the rule reports a failure every 20 ms for
+/// 3 s (six intervals): the limit moves by 0, every report refused as
+/// uncredited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reporter_never_admitted_moves_the_limit_by_0() {
+    let rules = Rules::new(RULES);
+    let server = TestServer::start(config(&rules.path(), None)).await;
+    let (limit, uncredited) = forged(&server, false, 0, Outcome::Failure, 1, Duration::from_secs(3)).await;
+    assert_eq!(limit, 100.0, "moved by {}", 100.0 - limit);
+    assert!(uncredited >= 100.0, "{uncredited} reports refused");
+    server.stop().await.unwrap();
+}
+
+/// A caller admitted 5 times reports a success of weight 2^32-1 every
+/// 20 ms, while the gateway reports half of its admitted requests failed:
+/// the forged weight counts 5 and the limit goes down, not up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_success_of_weight_2_pow_32_does_not_outvote_50_percent_failures() {
+    let rules = Rules::new(RULES);
+    let server = TestServer::start(config(&rules.path(), None)).await;
+    let (limit, uncredited) =
+        forged(&server, true, 5, Outcome::Success, u32::MAX, Duration::from_secs(3)).await;
+    assert!(limit < 100.0, "the limit rose to {limit}");
+    assert!(uncredited >= f64::from(u32::MAX) * 100.0, "{uncredited} outcomes refused");
+    let successes = metric(
+        &server,
+        "ratelimitd_adaptive_outcomes_total{kind=\"native\",rule=\"backend\",outcome=\"success\"}",
+    )
+    .await
+    .unwrap();
+    assert!(successes < 100.0, "{successes} successes counted: the forged weight went through");
+    server.stop().await.unwrap();
+}
