@@ -135,20 +135,38 @@ for_each_store!(
 /// `adaptive` on a `rate_limit` (ratelimitd's extension): a descriptor
 /// whose last entry is `ratelimitd.outcome` reports, for the limit its
 /// other entries find, how many requests (its hits) went that way; it
-/// counts nothing. Failures halve the limit (down to `min`), successes
-/// raise it (up to `max`); answers and `/metrics` name the limit in force.
+/// counts nothing, and weighs at most what the counter its other entries
+/// name was admitted (a value never admitted moves the limit by 0).
+/// Failures halve the limit (down to `min`), successes raise it (up to
+/// `max`); answers and `/metrics` name the limit in force.
 async fn an_adaptive_limit_follows_outcome_descriptors(backend: Backend) {
     let s = start(backend, |_| {}).await;
     let series = "ratelimitd_adaptive_limit{kind=\"envoy\",rule=\"edge.backend\"}";
+    let values = std::sync::atomic::AtomicU64::new(0);
+    // Admits one hit of a fresh value, then reports 5 of it (1 credited).
     let report = |outcome: &'static str| {
         let mut client = s.client.clone();
+        let value = format!("v{}", values.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         async move {
-            let d = descriptor(&[("backend", "b"), ("ratelimitd.outcome", outcome)]);
+            let admit = descriptor(&[("backend", &value)]);
+            let admitted =
+                ask(&mut client, RateLimitRequest { hits_addend: 1, ..request(vec![admit]) }).await;
+            assert_eq!(code(admitted.overall_code), Code::Ok, "{admitted:?}");
+            let d = descriptor(&[("backend", &value), ("ratelimitd.outcome", outcome)]);
             let answer = ask(&mut client, RateLimitRequest { hits_addend: 5, ..request(vec![d]) }).await;
             assert_eq!(code(answer.overall_code), Code::Ok, "an outcome report is never denied");
             assert!(answer.statuses[0].current_limit.is_none(), "nothing counted: {answer:?}");
         }
     };
+    // Never admitted: 30 failures of `attacker` move nothing.
+    for _ in 0..30 {
+        let d = descriptor(&[("backend", "attacker"), ("ratelimitd.outcome", "failure")]);
+        ask(&mut s.client.clone(), RateLimitRequest { hits_addend: 5, ..request(vec![d]) }).await;
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(common::metric(&s.server, series).await, Some(10.0), "a value never admitted moved the limit");
+    let uncredited = "ratelimitd_adaptive_outcomes_uncredited_total{kind=\"envoy\",rule=\"edge.backend\"} ";
+    assert_eq!(common::metric(&s.server, uncredited).await, Some(150.0));
     for _ in 0..3 {
         report("failure").await;
     }
