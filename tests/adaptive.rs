@@ -334,10 +334,10 @@ async fn forged(
             pb::RateLimitRequest { outcome: outcome as i32, weight, ..request("mallory", "/backend") };
         let answer = client.report(forged).await.unwrap().into_inner();
         assert_eq!(answer.reason, pb::Reason::Ok as i32, "a report is answered, never refused");
-        if gateway_reports && tick % 2 == 0 {
+        if gateway_reports && tick.is_multiple_of(2) {
             let answer = client.check(request("svc", "/backend")).await.unwrap().into_inner();
             if answer.allowed {
-                let went = if tick % 4 == 0 { Outcome::Failure } else { Outcome::Success };
+                let went = if tick.is_multiple_of(4) { Outcome::Failure } else { Outcome::Success };
                 let report = pb::RateLimitRequest { outcome: went as i32, ..request("svc", "/backend") };
                 client.report(report).await.unwrap();
             }

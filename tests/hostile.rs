@@ -397,3 +397,81 @@ async fn unfinished_request_heads_leave_readyz_answering_within_1_s() {
     drop((one_address, many));
     server.stop().await.unwrap();
 }
+
+/// Checks `n` times for `user` on `server`; returns how many were admitted.
+async fn admitted(server: &TestServer, user: &str, path: &str, n: usize) -> usize {
+    let mut client = server.client().await;
+    let mut allowed = 0;
+    for _ in 0..n {
+        allowed += usize::from(check(&mut client, request(user, path)).await.allowed);
+    }
+    allowed
+}
+
+/// Three instances in one process (one host name, one state directory)
+/// count as three in the store's live set: with Redis down they admit 30
+/// on a limit of 30 (10 each). One restarted during the outage takes its
+/// predecessor's count and owed hits from the state directory: it adds
+/// at most its share (10), and once Redis is back every hit admitted
+/// during the outage, the dead process's included, is written to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_instances_on_one_host_admit_30_of_30_while_redis_is_down() {
+    const LIMIT_30: &str =
+        "rules:\n  - { rule_id: thirty, resource_path: /thirty, limit: 30, window_seconds: 3600 }\n";
+    let mut redis = common::RedisServer::start();
+    let rules = Rules::new(LIMIT_30);
+    let state = tempfile::tempdir().unwrap();
+    let url = redis.url();
+    let config = || {
+        let mut config = common::config(&rules.path(), Some(url.clone()));
+        config.local.reconcile_interval_ms = 100;
+        config.local.state_dir = state.path().to_path_buf();
+        config.redis.timeout_ms = 200;
+        config
+    };
+    let mut servers = Vec::new();
+    for _ in 0..3 {
+        servers.push(TestServer::start(config()).await);
+    }
+    for server in &servers {
+        let three = || async { common::metric(server, "ratelimitd_local_instances ").await == Some(3.0) };
+        assert!(common::eventually(Duration::from_secs(10), three).await, "three live instances");
+    }
+    redis.stop();
+    let mut during = 0;
+    for server in &servers {
+        during += admitted(server, "u", "/thirty", 30).await;
+    }
+    assert_eq!(during, 30, "three instances admitted {during} on a limit of 30");
+
+    let first = servers.remove(0);
+    first.stop().await.unwrap();
+    let restarted = TestServer::start(config()).await;
+    assert_eq!(common::metric(&restarted, "ratelimitd_local_instances ").await, Some(3.0));
+    assert_eq!(
+        common::metric(&restarted, "ratelimitd_local_owed_hits ").await,
+        Some(10.0),
+        "the dead one's 10"
+    );
+    let after = admitted(&restarted, "u", "/thirty", 30).await;
+    assert_eq!(after, 10, "the restarted instance admitted {after}: more than its share");
+    servers.push(restarted);
+
+    redis.restart();
+    for server in &servers {
+        let paid = || async { common::metric(server, "ratelimitd_local_owed_hits ").await == Some(0.0) };
+        assert!(common::eventually(Duration::from_secs(20), paid).await, "owed hits never reached Redis");
+    }
+    let mut client = servers[0].client().await;
+    let answer = check(&mut client, request("u", "/thirty")).await;
+    assert_eq!(
+        (answer.allowed, answer.store_error.as_str()),
+        (false, ""),
+        "Redis holds the 40 hits: {answer:?}"
+    );
+    let other = check(&mut client, request("v", "/thirty")).await;
+    assert_eq!((other.allowed, other.remaining_tokens), (true, 29), "decided by Redis again");
+    for server in servers {
+        server.stop().await.unwrap();
+    }
+}

@@ -1,6 +1,8 @@
 //! `local.*`: the local limiter that decides when the shared store cannot
 //! (failure policy `local`).
 
+use std::path::PathBuf;
+
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
@@ -23,11 +25,23 @@ pub struct LocalConfig {
     /// How often locally admitted hits are written back to the shared
     /// store (and the instance reports itself alive).
     pub reconcile_interval_ms: u64,
+    /// Where each process keeps, with Redis, the instance count it last read and the hits it
+    /// owes the store (`{id}.json`, at most every 5 s and at shutdown), locked by `{id}.lock`
+    /// while it lives. A process starting takes over what dead processes of the same store left:
+    /// it enforces their count's share from its start, and writes their owed hits back. Several
+    /// processes may share it. Default: `local/` in the state directory.
+    pub state_dir: PathBuf,
 }
 
 impl Default for LocalConfig {
     fn default() -> Self {
-        Self { max_counters: 100_000, shards: 16, instances: 1, reconcile_interval_ms: 1_000 }
+        Self {
+            max_counters: 100_000,
+            shards: 16,
+            instances: 1,
+            reconcile_interval_ms: 1_000,
+            state_dir: PathBuf::from(super::dlq::SYSTEM_STATE_DIR).join("local"),
+        }
     }
 }
 

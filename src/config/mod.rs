@@ -164,6 +164,7 @@ impl Config {
         let mut builder = config::Config::builder()
             .set_default("dlq.file", path_value(&state.join("dlq.jsonl")))
             .and_then(|b| b.set_default("dlq.spool_dir", path_value(&state.join("spool"))))
+            .and_then(|b| b.set_default("local.state_dir", path_value(&state.join("local"))))
             .and_then(|b| b.set_default("capture.file", path_value(&state.join("capture.jsonl"))))
             .and_then(|b| b.set_default("admin.audit_log", path_value(&state.join("admin-audit.jsonl"))))
             .map_err(|e| ConfigError::Load(e.to_string()))?;

@@ -65,17 +65,20 @@ impl Default for Settings {
 }
 
 /// Which counter of the shared store an owed entry is for.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-enum OwedKey {
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum OwedKey {
     /// A native rule's counter: rule id and user.
     Counter(Arc<str>, Box<str>),
     /// An item of a multi-counter decision: group and key.
     Item(Box<str>, Box<str>),
 }
 
+/// One owed entry, as a process leaves it in its state directory.
+pub type Owing = (OwedKey, Owed);
+
 /// Hits admitted locally and not yet written to the shared store.
-#[derive(Debug, Clone)]
-enum Owed {
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub enum Owed {
     /// Of a native counter with `window`.
     Counter { window: WindowParams, hits: u64 },
     /// Of a multi-counter item (its `weight` is the hits owed).
@@ -204,6 +207,22 @@ impl LocalLimiter {
         }
     }
 
+    /// The owed entries, copied (what a process leaves in its state
+    /// directory).
+    pub fn owed_entries(&self) -> Vec<(OwedKey, Owed)> {
+        let owed = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        owed.iter().map(|(key, hits)| (key.clone(), hits.clone())).collect()
+    }
+
+    /// Takes over `entries` a process before this one owed the store (from
+    /// the state directory): written back with this one's own.
+    pub fn adopt_owed(&self, entries: Vec<(OwedKey, Owed)>) {
+        let mut owed = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (key, hits) in entries {
+            merge(&mut owed, key, hits);
+        }
+    }
+
     /// Hits admitted locally and not yet written back.
     pub fn owed_hits(&self) -> u64 {
         let owed = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -272,7 +291,8 @@ impl LocalLimiter {
 }
 
 impl Owed {
-    fn hits(&self) -> u64 {
+    /// The hits owed.
+    pub fn hits(&self) -> u64 {
         match self {
             Owed::Counter { hits, .. } => *hits,
             Owed::Item(item) => item.weight,
@@ -314,19 +334,28 @@ fn merge(owed: &mut HashMap<OwedKey, Owed>, key: OwedKey, hits: Owed) {
 /// The sorted set of live instances, after `redis.key_prefix`.
 pub const INSTANCES_KEY: &str = "rli:{instances}";
 
+/// How often, at most, a process saves its state while it runs (and
+/// always at shutdown).
+pub const SAVE_INTERVAL: Duration = Duration::from_secs(5);
+
 /// Every `interval` until `shutdown`: writes owed hits back to `store`,
 /// sweeps the local counters, and with Redis reports this instance
-/// (`instance`) alive and reads how many are, which sets the local share.
-/// At shutdown, one last write-back.
+/// (`instance`) alive and reads how many are, which sets the local share;
+/// saves the count and the owed hits to `state` when they changed (at
+/// most every [`SAVE_INTERVAL`]). At shutdown, one last write-back, then
+/// what is still owed is saved for the next process.
 pub async fn run_reconciler(
     local: Arc<LocalLimiter>,
     store: Store,
     instance: String,
     interval: Duration,
+    state: Option<super::instance::InstanceState>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let state = state.map(Arc::new);
+    let mut saved: Option<((u64, u64), tokio::time::Instant)> = None;
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
@@ -349,6 +378,14 @@ pub async fn run_reconciler(
         if let Err(error) = tokio::task::spawn_blocking(move || sweeping.sweep()).await {
             tracing::error!(%error, "local limiter sweep failed");
         }
+        if let Some(state) = &state {
+            let now = (local.instances(), local.owed_hits());
+            let due = saved.is_none_or(|(then, at)| then != now && at.elapsed() >= SAVE_INTERVAL);
+            if due {
+                save(state, &local).await;
+                saved = Some((now, tokio::time::Instant::now()));
+            }
+        }
     }
     if local.owed_hits() > 0 {
         local.write_back(&store).await;
@@ -356,9 +393,24 @@ pub async fn run_reconciler(
         if left > 0 {
             tracing::warn!(
                 hits = left,
-                "shutting down with locally admitted hits the shared store never took (each decision is in the dead-letter records)"
+                "shutting down with locally admitted hits the shared store never took: left in local.state_dir for the next process (each decision is also in the dead-letter records)"
             );
         }
+    }
+    if let Some(state) = &state {
+        save(state, &local).await;
+    }
+}
+
+/// Saves the instance count and the owed hits to `state`, off the runtime;
+/// a failure is logged (the hits stay owed in memory).
+async fn save(state: &Arc<super::instance::InstanceState>, local: &LocalLimiter) {
+    let (instances, owed) = (local.instances(), local.owed_entries());
+    let state = Arc::clone(state);
+    match tokio::task::spawn_blocking(move || state.save(Some(instances), owed)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::warn!(%error, "cannot save the local limiter's state"),
+        Err(error) => tracing::error!(%error, "saving the local limiter's state failed"),
     }
 }
 

@@ -12,6 +12,7 @@ pub mod adaptive;
 pub mod breaker;
 pub mod bucket;
 pub mod figures;
+pub mod instance;
 pub mod local;
 pub mod memory;
 pub mod redis;
@@ -192,7 +193,7 @@ pub struct CounterSpec<'a> {
 }
 
 /// One counter of a multi-counter decision.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ManyItem {
     /// The counter's key within its group.
     pub key: String,

@@ -23,7 +23,7 @@
 pub const MAX_CAPACITY_TIMES_WINDOW: u64 = (1 << 53) / 4;
 
 /// How a rule counts (`algorithm:` of a rule or an Envoy descriptor).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
 pub enum Algorithm {
     /// The previous window decays in (the default).
     #[default]
@@ -70,7 +70,7 @@ impl Algorithm {
 }
 
 /// What a decision does with its weight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
 pub enum Count {
     /// Count it if it fits (admission: `Check`, `ShouldRateLimit`).
     #[default]
@@ -116,7 +116,7 @@ pub fn max_count(window: u64) -> u64 {
 }
 
 /// The fixed parameters of one rule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct WindowParams {
     /// Window length (or a bucket's refill period) `W` in ms, at least 1.
     pub window_ms: u64,

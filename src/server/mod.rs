@@ -47,6 +47,9 @@ pub enum ServerError {
     /// The Redis store could not be set up.
     #[error(transparent)]
     Redis(#[from] RedisSetupError),
+    /// `local.state_dir` cannot be used.
+    #[error(transparent)]
+    State(#[from] crate::limiter::instance::StateError),
     /// `http.probe_listen` cannot be bound.
     #[error("http.probe_listen {0}: cannot bind: {1}")]
     ProbeListen(String, std::io::Error),
@@ -144,7 +147,7 @@ pub async fn run_observed(
     let denials = parts::denials(&config.denial_cache, &store);
     let stats = parts::stats(&config.envoy, &rules, &store);
     let metrics = parts::metrics(&config.telemetry, &mut tasks);
-    let local = parts::local(&config.local, config.dlq.instance(), &store, &mut tasks);
+    let local = parts::local(&config.local, &config.redis, &config.dlq.instance(), &store, &mut tasks)?;
     let layers = parts::Layers {
         shedder: &shedder,
         overload: &overload,

@@ -292,26 +292,67 @@ pub(crate) async fn store(
 /// writes locally admitted hits back to `store` and, with Redis, keeps the
 /// count of live instances that sets each instance's share. With the memory
 /// store the instance is the whole deployment: its share is the whole limit.
+/// With Redis this process takes a unique id (`name` and its start) and
+/// its files in `local.state_dir`: it starts from the instance count and
+/// takes over the owed hits that processes before it left there.
 pub(crate) fn local(
     config: &LocalConfig,
-    instance: String,
+    redis: &crate::config::RedisConfig,
+    name: &str,
     store: &Store,
     tasks: &mut Tasks,
-) -> Arc<LocalLimiter> {
+) -> Result<Arc<LocalLimiter>, ServerError> {
     let mut settings = local_settings(config);
-    if matches!(store, Store::Memory(_)) {
-        settings.instances = 1;
-    }
+    let id = crate::limiter::instance::id(name);
+    let state = match store {
+        Store::Memory(_) => {
+            settings.instances = 1;
+            None
+        }
+        Store::Redis(_) => {
+            let url = redis.url.as_deref().map(crate::limiter::settings::redact_url).unwrap_or_default();
+            let store_id = format!("{url} {}", redis.key_prefix);
+            let (state, adopted) = crate::limiter::instance::InstanceState::open::<local::Owing>(
+                &config.state_dir,
+                &id,
+                &store_id,
+            )?;
+            match adopted.instances {
+                Some(known) => settings.instances = settings.instances.max(known),
+                None if config.instances == 1 => tracing::warn!(
+                    "local.instances is 1 and no earlier instance count is in local.state_dir: while the store \
+                     cannot answer, this instance admits each whole limit locally until it reads the live count \
+                     (set local.instances to the replica count)"
+                ),
+                None => {}
+            }
+            Some((state, adopted))
+        }
+    };
     let local = Arc::new(LocalLimiter::new(settings, Arc::new(SystemClock)));
+    let state = state.map(|(state, adopted)| {
+        if adopted.processes > 0 {
+            let hits: u64 = adopted.owed.iter().map(|(_, owed)| owed.hits()).sum();
+            tracing::info!(
+                processes = adopted.processes,
+                hits,
+                instances = settings.instances,
+                "took over the owed hits and instance count earlier processes left in local.state_dir"
+            );
+            local.adopt_owed(adopted.owed);
+        }
+        state
+    });
     let stop = tasks.stopper();
     tasks.spawn(run_reconciler(
         Arc::clone(&local),
         store.clone(),
-        instance,
+        id,
         settings.reconcile_interval,
+        state,
         stop,
     ));
-    local
+    Ok(local)
 }
 
 /// The local limiter's settings, from `local.*`.

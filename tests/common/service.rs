@@ -155,6 +155,9 @@ impl TestServer {
         if config.dlq.file == ratelimitd::config::DlqConfig::default().file {
             config.dlq.file = dir.path().join("dlq.jsonl");
         }
+        if config.local.state_dir == ratelimitd::config::LocalConfig::default().state_dir {
+            config.local.state_dir = dir.path().join("local");
+        }
         let dlq_file = config.dlq.file.clone();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
