@@ -33,6 +33,13 @@ impl Figures for MemoryStore {
             "Expired counters evicted to make room for new ones in a full shard.",
             self.evictions(),
         );
+        single(
+            out,
+            "ratelimitd_memory_live_evictions_total",
+            "counter",
+            "Counters that still counted evicted to make room in a full shard (the least full first), each remembered in the shard's summary so its key returns at least at its count.",
+            self.live_evictions(),
+        );
     }
 }
 

@@ -90,7 +90,9 @@ pub enum Owed {
 #[derive(Debug)]
 pub struct LocalLimiter {
     counters: MemoryStore,
-    owed: Mutex<HashMap<OwedKey, Owed>>,
+    /// Shared with the counters: a counter whose hits are owed is never
+    /// evicted.
+    owed: Arc<Mutex<HashMap<OwedKey, Owed>>>,
     max_owed: usize,
     /// The divisor of every limit: instances reported alive, else the configured number.
     instances: AtomicU64,
@@ -105,9 +107,22 @@ impl LocalLimiter {
     /// A limiter of `settings`, reading `clock`.
     pub fn new(settings: Settings, clock: Arc<dyn Clock>) -> Self {
         let instances = settings.instances.max(1);
+        let owed: Arc<Mutex<HashMap<OwedKey, Owed>>> = Arc::default();
+        let pinned = {
+            let owed = Arc::clone(&owed);
+            Arc::new(move |many: bool, group: &str, key: &str| {
+                let owed = owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let key = if many {
+                    OwedKey::Item(group.into(), key.into())
+                } else {
+                    OwedKey::Counter(group.into(), key.into())
+                };
+                owed.contains_key(&key)
+            })
+        };
         LocalLimiter {
-            counters: MemoryStore::new(settings.shards, settings.max_counters, clock),
-            owed: Mutex::new(HashMap::new()),
+            counters: MemoryStore::new(settings.shards, settings.max_counters, clock).with_pinned(pinned),
+            owed,
             max_owed: settings.max_counters.max(1),
             instances: AtomicU64::new(instances),
             configured_instances: instances,
@@ -526,8 +541,10 @@ mod tests {
     async fn a_refused_write_back_keeps_the_hits_owed() {
         let (local, _) = limiter(100, 1);
         let clock = Arc::new(ManualClock::new(1_000_000));
-        // A shared store with room for nothing new: every write-back fails.
-        let full = Arc::new(MemoryStore::new(1, 1, clock));
+        // A shared store with room for nothing new (its one counter owed
+        // elsewhere): every write-back fails.
+        let pinned: crate::limiter::memory::Pinned = Arc::new(|_, _, _| true);
+        let full = Arc::new(MemoryStore::new(1, 1, clock).with_pinned(pinned));
         let rule: Arc<str> = Arc::from("r");
         full.decide("other", spec(&rule, 9), 1, Count::IfFits).unwrap();
         let store = Store::Memory(full);

@@ -369,7 +369,9 @@ pub(crate) struct Evaluated {
     pub(crate) seen: Seen,
     pub(crate) fits: bool,
     pub(crate) verdict: Verdict,
-    pub(crate) write: Option<(StoredCounter, u64)>,
+    /// What to store, its time to live, and how much of the limit it
+    /// holds at most from now on (a window's two counts, a bucket's debt).
+    pub(crate) write: Option<(StoredCounter, u64, u64)>,
 }
 
 /// Decides a request of `weight` on the counter `stored` (none: never
@@ -394,13 +396,18 @@ pub(crate) fn evaluate(
     let write = writes.then(|| match seen.after(weight, params) {
         Seen::Window { counts, .. } => {
             let next = StoredCounter { window: index, current: counts.current, previous: counts.previous };
-            (next, 2 * params.window_ms)
+            (next, 2 * params.window_ms, counts.current.saturating_add(counts.previous))
         }
         Seen::Bucket { debt } => {
             let b = params.bucket();
             let (stamp, value) = bucket::state_of(params.algorithm, debt, now, b);
             // Until it is full again, at least a tick.
-            (StoredCounter { window: stamp, current: value, previous: 0 }, debt.div_ceil(b.rate).max(1))
+            let tokens = debt.div_ceil(b.window_ms.max(1));
+            (
+                StoredCounter { window: stamp, current: value, previous: 0 },
+                debt.div_ceil(b.rate).max(1),
+                tokens,
+            )
         }
     });
     Evaluated { seen, fits, verdict, write }
