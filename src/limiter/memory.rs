@@ -287,6 +287,22 @@ impl Shard {
         }
     }
 
+    /// A job's counter `item` of `group`: its state if held and live, what
+    /// the sketch remembers of it if not held.
+    fn stored(
+        &self,
+        hasher: &RandomState,
+        group: &str,
+        item: &ManyItem,
+        now_ms: u64,
+    ) -> Option<StoredCounter> {
+        let key = KeyRef { many: true, group, key: &item.key };
+        match self.counters.get(&key) {
+            Some(entry) => (entry.expires_at_ms > now_ms).then_some(entry.counter),
+            None => self.recalled(hasher, &key, now_ms, now_ms / item.tick_ms, item.params),
+        }
+    }
+
     /// The counter a key not held starts from: what the sketch remembers of
     /// it (none when nothing), counted at `now` as a report of that share
     /// of `params`' limit.
@@ -443,14 +459,7 @@ impl MemoryStore {
             let now = now_ms / item.tick_ms;
             let stored = match pending.iter().rev().find(|(key, _, _)| *key == item.key) {
                 Some((_, counter, _)) => Some(*counter),
-                None => {
-                    let guard = &guards[position(shard)].1;
-                    let key = KeyRef { many: true, group, key: &item.key };
-                    match guard.counters.get(&key) {
-                        Some(entry) => (entry.expires_at_ms > now_ms).then_some(entry.counter),
-                        None => guard.recalled(&self.hasher, &key, now_ms, now, item.params),
-                    }
-                }
+                None => guards[position(shard)].1.stored(&self.hasher, group, item, now_ms),
             };
             let decided = evaluate(stored, now, item.weight, item.params, item.count);
             let fits = decided.fits;
