@@ -178,14 +178,30 @@ impl Drop for PeerShare {
     }
 }
 
-/// What one connection may hold, handed to each of its requests as its
-/// connect info: its share of the store's in-flight work
-/// (`grpc.max_store_calls_per_connection`, read by `api/`) and of the
-/// request byte budget (read by [`BudgetLayer`]).
+/// Who a connection comes from, as the server tells at accept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    /// Its group, for its share.
+    pub key: PeerKey,
+    /// A trusted peer (`grpc.trusted_peers`, `grpc.tls.trusted_client_names`):
+    /// no peer share.
+    pub trusted: bool,
+    /// It may report outcomes (`grpc.reporting_peers`,
+    /// `grpc.tls.reporting_client_names`; anyone while neither is set).
+    pub may_report: bool,
+}
+
+/// What one connection may hold and do, handed to each of its requests as
+/// its connect info: its share of the store's in-flight work
+/// (`grpc.max_store_calls_per_connection`, read by `api/`), of the request
+/// byte budget (read by [`BudgetLayer`]), and whether it may report
+/// outcomes.
 #[derive(Debug, Clone)]
 pub struct Caller {
     /// Store calls in flight: each decision's store call holds a permit.
     pub store_calls: Arc<tokio::sync::Semaphore>,
+    /// Whether its outcome reports may move an adaptive limit.
+    pub may_report: bool,
     bytes: Arc<CallerBytes>,
 }
 
@@ -225,15 +241,16 @@ impl Budget {
         Budget::new(Shares { pool: limit, per_connection: limit, per_peer: limit, untrusted: limit })
     }
 
-    /// The shares of a new connection from `peer` (`trusted`: its peer
+    /// The shares of a new connection from `peer` (a trusted one's peer
     /// share is the pool's), with `store_calls` store calls in flight
     /// (0: unbounded).
-    pub fn caller(&self, peer: PeerKey, trusted: bool, store_calls: usize) -> Caller {
+    pub fn caller(&self, peer: Peer, store_calls: usize) -> Caller {
         let store_calls = if store_calls == 0 { tokio::sync::Semaphore::MAX_PERMITS } else { store_calls };
-        let peer = (!trusted).then(|| self.peer(peer));
+        let share = (!peer.trusted).then(|| self.peer(peer.key));
         Caller {
             store_calls: Arc::new(tokio::sync::Semaphore::new(store_calls)),
-            bytes: Arc::new(CallerBytes { connection: Held::new(self.shares.per_connection), peer }),
+            may_report: peer.may_report,
+            bytes: Arc::new(CallerBytes { connection: Held::new(self.shares.per_connection), peer: share }),
         }
     }
 
@@ -740,7 +757,8 @@ mod tests {
         let shares = Shares { pool: 1_000, per_connection: 300, per_peer: 400, untrusted: 500 };
         let budget = Arc::new(Budget::new(shares));
         let attacker = PeerKey::of("192.0.2.7".parse().unwrap());
-        let (a1, a2) = (budget.caller(attacker, false, 0), budget.caller(attacker, false, 0));
+        let untrusted = |key| Peer { key, trusted: false, may_report: true };
+        let (a1, a2) = (budget.caller(untrusted(attacker), 0), budget.caller(untrusted(attacker), 0));
         let mut first = body_of(&budget, &a1);
         first.count(&message(300)[..10]).unwrap();
         let error = body_of(&budget, &a1).count(&message(1)[..5]).unwrap_err();
@@ -758,12 +776,12 @@ mod tests {
         assert_eq!(v6("2001:db8::1"), v6("2001:db8::ffff:1"));
         assert_ne!(v6("2001:db8::1"), v6("2001:db8:0:1::1"));
         assert_eq!(v6("::ffff:192.0.2.7"), attacker);
-        let other = budget.caller(v6("2001:db8::1"), false, 0);
+        let other = budget.caller(untrusted(v6("2001:db8::1")), 0);
         let mut third = body_of(&budget, &other);
         third.count(&message(100)[..10]).unwrap();
         let error = body_of(&budget, &other).count(&message(1)[..5]).unwrap_err();
         assert_eq!(error.message(), Refused::Untrusted.message(), "untrusted peers together");
-        let proxy = budget.caller(PeerKey::Local, true, 0);
+        let proxy = budget.caller(Peer { key: PeerKey::Local, trusted: true, may_report: true }, 0);
         let mut trusted = body_of(&budget, &proxy);
         trusted.count(&message(300)[..10]).unwrap();
         let error = body_of(&budget, &proxy).count(&message(201)[..10]).unwrap_err();

@@ -67,6 +67,9 @@ pub struct GrpcTlsConfig {
     /// IP addresses, among its subject alternative names) is a trusted peer, as an address in
     /// `grpc.trusted_peers` is (the Envoys in front, wherever they run).
     pub trusted_client_names: Vec<String>,
+    /// With `client_ca_file`: a client whose certificate carries one of these names may report
+    /// outcomes, as an address in `grpc.reporting_peers` may.
+    pub reporting_client_names: Vec<String>,
     /// How often the three files are checked (size, mtime); a change is loaded for new connections
     /// without a restart; a file that does not load leaves the previous certificate in use
     /// (logged); `0` disables.
@@ -86,6 +89,7 @@ impl Default for GrpcTlsConfig {
             client_ca_file: None,
             client_san: None,
             trusted_client_names: Vec::new(),
+            reporting_client_names: Vec::new(),
             reload_interval_ms: 10_000,
             handshake_timeout_ms: 10_000,
             max_handshakes: 1_024,

@@ -384,3 +384,46 @@ async fn a_forged_success_of_weight_2_pow_32_does_not_outvote_50_percent_failure
     assert!(successes < 100.0, "{successes} successes counted: the forged weight went through");
     server.stop().await.unwrap();
 }
+
+/// With `grpc.reporting_peers`, only those addresses report: a caller
+/// elsewhere, admitted and reporting failures every 20 ms, moves the limit
+/// by 0 (its reports answered, counted as `outcome_not_allowed`); the
+/// allowed gateway's failures lower it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_reporting_peers_move_the_limit() {
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), None);
+    cfg.grpc.reporting_peers = vec!["127.0.0.2".to_owned()];
+    let server = TestServer::start(cfg).await;
+    let from = |ip: &str| {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr)).unwrap();
+        endpoint.local_address(Some(ip.parse().unwrap()))
+    };
+    let mut elsewhere = RateLimiterClient::new(from("127.0.0.1").connect().await.unwrap());
+    let mut gateway = RateLimiterClient::new(from("127.0.0.2").connect().await.unwrap());
+    let fail =
+        |user: &str| pb::RateLimitRequest { outcome: Outcome::Failure as i32, ..request(user, "/backend") };
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(1_500) {
+        assert!(elsewhere.check(request("mallory", "/backend")).await.unwrap().into_inner().allowed);
+        let answer = elsewhere.report(fail("mallory")).await.unwrap().into_inner();
+        assert_eq!(answer.reason, pb::Reason::Ok as i32);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(limit_of(&server).await, 100.0, "a caller outside grpc.reporting_peers moved the limit");
+    let ignored = metric(
+        &server,
+        "ratelimitd_request_values_adjusted_total{api=\"check\",reason=\"outcome_not_allowed\"}",
+    )
+    .await
+    .unwrap_or(0.0);
+    assert!(ignored >= 20.0, "{ignored} reports ignored");
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(1_500) {
+        assert!(gateway.check(request("svc", "/backend")).await.unwrap().into_inner().allowed);
+        gateway.report(fail("svc")).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(limit_of(&server).await < 100.0, "the gateway's failures did not lower the limit");
+    server.stop().await.unwrap();
+}

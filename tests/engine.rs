@@ -190,6 +190,7 @@ impl Harness {
             hits_addend: hits,
             trace_id: None,
             share: None,
+            may_report: true,
         };
         self.engine.should_rate_limit(&request).await
     }
@@ -204,6 +205,7 @@ impl Harness {
             hits_addend: 0,
             trace_id: None,
             share: None,
+            may_report: true,
         };
         self.engine.should_rate_limit(&request).await
     }
@@ -437,8 +439,14 @@ async fn envoy_report_mode_counts_after_the_fact_and_zero_hits_peek(backend: Bac
         RlsDescriptor { entries: vec![("tokens", "gil")], limit: None, hits_addend: Some(150) },
         RlsDescriptor { entries: vec![("user", "gil")], limit: None, hits_addend: None },
     ];
-    let request =
-        RlsRequest { domain: "edge", descriptors: &descriptors, hits_addend: 0, trace_id: None, share: None };
+    let request = RlsRequest {
+        domain: "edge",
+        descriptors: &descriptors,
+        hits_addend: 0,
+        trace_id: None,
+        share: None,
+        may_report: true,
+    };
     let mixed = h.engine.should_rate_limit(&request).await;
     assert!(mixed.over_limit && mixed.statuses[1].over_limit, "{mixed:?}");
     assert!(h.hits("tokens", "gil", 0).await.over_limit, "the report was counted");
@@ -451,8 +459,14 @@ async fn a_peek_counts_nothing_and_creates_no_counter(backend: Backend) {
     let before = h.counters().await;
     let peek = [RlsDescriptor { entries: vec![("user", "peeker")], limit: None, hits_addend: Some(0) }];
     for _ in 0..3 {
-        let request =
-            RlsRequest { domain: "edge", descriptors: &peek, hits_addend: 1, trace_id: None, share: None };
+        let request = RlsRequest {
+            domain: "edge",
+            descriptors: &peek,
+            hits_addend: 1,
+            trace_id: None,
+            share: None,
+            may_report: true,
+        };
         let r = h.engine.should_rate_limit(&request).await;
         assert_eq!((r.reason, r.statuses[0].remaining), (Reason::Ok, 2), "{r:?}");
     }

@@ -109,6 +109,13 @@ impl RateLimiterService {
             }
             checked.count = Count::Always;
             checked.outcome = reported(&message).map_err(refuse)?;
+            if let Some(reported) = &mut checked.outcome
+                && !may_report(&extensions)
+            {
+                // Answered as any report, counted nowhere.
+                self.engine.adjusted(Api::Check, "outcome_not_allowed");
+                reported.counted = false;
+            }
         }
         checked.share = share_of(&extensions);
         // One field list for both spans: the engine records `rule`, `reason`
@@ -168,6 +175,12 @@ async fn decide_item(
 /// server puts in every request's extensions.
 pub(super) fn share_of(extensions: &tonic::Extensions) -> Option<&Semaphore> {
     extensions.get::<Caller>().map(|caller| &*caller.store_calls)
+}
+
+/// Whether the connection may report outcomes (`grpc.reporting_peers`);
+/// without connect info (no server), it may.
+pub(super) fn may_report(extensions: &tonic::Extensions) -> bool {
+    extensions.get::<Caller>().is_none_or(|caller| caller.may_report)
 }
 
 /// What an item without a request is decided as.

@@ -106,7 +106,7 @@ pub(super) fn reported(request: &pb::RateLimitRequest) -> Result<Option<Reported
         }
     };
     let latency_ms = (request.latency_ms > 0).then_some(u64::from(request.latency_ms));
-    Ok(Some(Reported { outcome, latency_ms }))
+    Ok(Some(Reported { outcome, latency_ms, counted: true }))
 }
 
 /// The W3C `traceparent` of a gRPC call's metadata, if any (and ASCII).

@@ -145,6 +145,7 @@ impl RateLimitService for EnvoyService {
         continue_trace(&span, &metadata);
         let rls = RlsRequest {
             share: super::check::share_of(&extensions),
+            may_report: super::check::may_report(&extensions),
             ..convert(&request, call_traceparent(&metadata))
         };
         // The engine fills the span's decision fields (it runs inside it).
@@ -168,6 +169,7 @@ fn convert<'a>(
         hits_addend: request.hits_addend,
         trace_id: traceparent.and_then(trace_id_of),
         share: None,
+        may_report: true,
     }
 }
 

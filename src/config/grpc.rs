@@ -67,6 +67,12 @@ pub struct GrpcConfig {
     /// that reaches the port directly, from any number of addresses, cannot take what the proxies
     /// need. The Unix socket's clients are trusted.
     pub trusted_peers: Vec<String>,
+    /// Who may report outcomes (`Report` with `outcome`, Envoy `ratelimitd.outcome` entries),
+    /// as addresses or prefixes; with `grpc.tls.reporting_client_names`, the only callers whose
+    /// reports move an adaptive limit (others are answered and count nowhere,
+    /// `ratelimitd_request_values_adjusted_total{reason="outcome_not_allowed"}`). Unset with it:
+    /// anyone, each report still weighing at most what its reporter was admitted.
+    pub reporting_peers: Vec<String>,
     /// How long a unary call may take, its request read included; past it
     /// the call is cancelled (CANCELLED) and its buffer freed. A client's
     /// shorter `grpc-timeout` wins. Streams (`CheckStream`) are not bound
@@ -138,6 +144,7 @@ impl Default for GrpcConfig {
             max_request_bytes_per_connection: 16 << 20,
             max_request_bytes_per_peer: 32 << 20,
             trusted_peers: Vec::new(),
+            reporting_peers: Vec::new(),
             request_timeout_ms: 10_000,
             max_store_calls_per_connection: 256,
             max_store_calls_per_tenant: 1_024,
@@ -226,28 +233,18 @@ impl GrpcConfig {
             ));
         }
         self.trusted_nets()?;
+        self.reporting_nets()?;
         Ok(())
     }
 
     /// `grpc.trusted_peers`, parsed; an error names the entry.
     pub fn trusted_nets(&self) -> Result<Vec<ipnet::IpNet>, ConfigError> {
-        self.trusted_peers
-            .iter()
-            .enumerate()
-            .map(|(i, peer)| {
-                peer.parse::<ipnet::IpNet>()
-                    .or_else(|_| peer.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
-                    .map(|net| net.trunc())
-                    .map_err(|_| {
-                        invalid(
-                            "grpc.trusted_peers",
-                            format!(
-                                "entry {i}: {peer:?} is not an address or a prefix (10.0.0.0/8, fd00::/8)"
-                            ),
-                        )
-                    })
-            })
-            .collect()
+        nets("grpc.trusted_peers", &self.trusted_peers)
+    }
+
+    /// `grpc.reporting_peers`, parsed; an error names the entry.
+    pub fn reporting_nets(&self) -> Result<Vec<ipnet::IpNet>, ConfigError> {
+        nets("grpc.reporting_peers", &self.reporting_peers)
     }
 
     /// How the request byte budget is shared.
@@ -261,6 +258,24 @@ impl GrpcConfig {
             untrusted: if trust { pool / 2 } else { pool },
         }
     }
+}
+
+/// Addresses and prefixes `list` of `key`, parsed; an error names the entry.
+fn nets(key: &'static str, list: &[String]) -> Result<Vec<ipnet::IpNet>, ConfigError> {
+    list.iter()
+        .enumerate()
+        .map(|(i, peer)| {
+            peer.parse::<ipnet::IpNet>()
+                .or_else(|_| peer.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                .map(|net| net.trunc())
+                .map_err(|_| {
+                    invalid(
+                        key,
+                        format!("entry {i}: {peer:?} is not an address or a prefix (10.0.0.0/8, fd00::/8)"),
+                    )
+                })
+        })
+        .collect()
 }
 
 impl GrpcTlsConfig {
@@ -295,18 +310,23 @@ impl GrpcTlsConfig {
                 ));
             }
         }
-        for (i, name) in self.trusted_client_names.iter().enumerate() {
-            if self.client_ca_file.is_none() {
-                return Err(invalid(
-                    "grpc.tls.trusted_client_names",
-                    "needs grpc.tls.client_ca_file (a name is read from a verified client certificate)",
-                ));
-            }
-            if rustls_pki_types::ServerName::try_from(name.as_str()).is_err() {
-                return Err(invalid(
-                    "grpc.tls.trusted_client_names",
-                    format!("entry {i}: {name:?} is not a DNS name or an IP address"),
-                ));
+        for (key, names) in [
+            ("grpc.tls.trusted_client_names", &self.trusted_client_names),
+            ("grpc.tls.reporting_client_names", &self.reporting_client_names),
+        ] {
+            for (i, name) in names.iter().enumerate() {
+                if self.client_ca_file.is_none() {
+                    return Err(invalid(
+                        key,
+                        "needs grpc.tls.client_ca_file (a name is read from a verified client certificate)",
+                    ));
+                }
+                if rustls_pki_types::ServerName::try_from(name.as_str()).is_err() {
+                    return Err(invalid(
+                        key,
+                        format!("entry {i}: {name:?} is not a DNS name or an IP address"),
+                    ));
+                }
             }
         }
         if self.handshake_timeout_ms == 0 {

@@ -131,6 +131,7 @@ impl Engine {
         let rule = snapshot.lookup(request.resource_path, request.client_type);
         let adaptive = rule.and_then(|r| r.adaptive.as_deref());
         if let Some(reported) = request.outcome
+            && reported.counted
             && let Some(adaptive) = adaptive
         {
             // The reporter is the user: its report weighs what it was admitted.

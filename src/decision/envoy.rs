@@ -134,6 +134,7 @@ impl EnvoyCall {
             hits_addend: self.hits_addend,
             trace_id: None,
             share: None,
+            may_report: true,
         }
     }
 }
@@ -153,6 +154,9 @@ pub struct RlsRequest<'a, D> {
     pub trace_id: Option<&'a str>,
     /// The caller's share of the store's in-flight work; `None`: unbounded.
     pub share: Option<&'a tokio::sync::Semaphore>,
+    /// The caller may report outcomes (`grpc.reporting_peers`): if not, its
+    /// outcome descriptors are answered and count nowhere.
+    pub may_report: bool,
 }
 
 /// What the engine reads of one descriptor. `api` implements it for the
@@ -591,6 +595,10 @@ impl Engine {
             .iter()
             .map(|d| {
                 if let Some((outcome, n)) = reported(d) {
+                    if !request.may_report {
+                        self.inner.stats.adjusted(Api::Envoy, "outcome_not_allowed");
+                        return None;
+                    }
                     // Reported to the limit its other entries find; nothing counted.
                     let found = config.as_ref()?.lookup(request.domain, d.entries().take(n - 1));
                     if let Some(limit) = found.as_ref().and_then(|f| f.limit.adaptive.as_deref()) {

@@ -57,7 +57,7 @@ fn descriptors<'a>(entries: &[&[(&'a str, &'a str)]]) -> Vec<RlsDescriptor<'a>> 
 }
 
 fn request<'a>(domain: &'a str, descriptors: &'a [RlsDescriptor<'a>]) -> RlsRequest<'a, RlsDescriptor<'a>> {
-    RlsRequest { domain, descriptors, hits_addend: 1, trace_id: None, share: None }
+    RlsRequest { domain, descriptors, hits_addend: 1, trace_id: None, share: None, may_report: true }
 }
 
 #[test]

@@ -128,6 +128,10 @@ pub struct Reported {
     pub outcome: Outcome,
     /// How long the downstream took, if measured.
     pub latency_ms: Option<u64>,
+    /// Its caller may report outcomes (`grpc.reporting_peers`,
+    /// `grpc.tls.reporting_client_names`); if not, it is answered and
+    /// counts nowhere.
+    pub counted: bool,
 }
 
 /// How an adaptive limit moves (a rule's `adaptive:`).

@@ -26,7 +26,7 @@ use self::health::{Health, publish};
 use self::parts::Tasks;
 use crate::{
     api::{EnvoyService, RateLimiterService},
-    budget::{Budget, BudgetLayer, Denial, MessageBounds, PeerKey},
+    budget::{Budget, BudgetLayer, Denial, MessageBounds, Peer, PeerKey},
     config::Config,
     decision::Engine,
     dlq::DlqSink,
@@ -510,7 +510,8 @@ fn serve_grpc(
     );
     let store_calls = config.grpc.max_store_calls_per_connection;
     // The socket's clients are on this host, behind its file permissions: a proxy beside the service.
-    let local: places::PeerOf<tokio::net::UnixStream> = Arc::new(|_| (PeerKey::Local, true));
+    let local: places::PeerOf<tokio::net::UnixStream> =
+        Arc::new(|_| Peer { key: PeerKey::Local, trusted: true, may_report: true });
     let unix = tokio_stream::wrappers::UnixListenerStream::new(unix);
     let incoming = places::placed(unix, places, Arc::clone(budget), local, store_calls);
     let uds = router.serve_with_incoming_shutdown(incoming, stopped(stop_rx));
@@ -577,17 +578,11 @@ fn serve_tcp(
 ) -> Serving {
     let places = Arc::clone(places);
     let store_calls = config.grpc.max_store_calls_per_connection;
-    // Validated with the rest of the configuration.
-    let nets = Arc::new(config.grpc.trusted_nets().unwrap_or_default());
-    let peer = move |addr: Option<std::net::SocketAddr>| match addr {
-        Some(addr) => (PeerKey::of(addr.ip()), nets.iter().any(|net| net.contains(&addr.ip()))),
-        // A connection whose address cannot be read: one peer with every other such.
-        None => (PeerKey::Local, false),
-    };
+    let identify = Arc::new(places::Identify::of(&config.grpc));
     match tls {
         None => {
             let peer_of: places::PeerOf<tokio::net::TcpStream> =
-                Arc::new(move |io| peer(io.peer_addr().ok()));
+                Arc::new(move |io| identify.peer(io.peer_addr().ok(), None));
             let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
             let incoming = places::placed(incoming, places, budget, peer_of, store_calls);
             Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
@@ -601,12 +596,8 @@ fn serve_tcp(
             }
             let (streams, accept_loop) = tls.incoming(listener, tasks.stopper());
             tasks.spawn(accept_loop);
-            let names = config.grpc.tls.trusted_client_names.clone();
             let peer_of: places::PeerOf<tokio_rustls::server::TlsStream<tokio::net::TcpStream>> =
-                Arc::new(move |io| {
-                    let (key, trusted) = peer(io.get_ref().0.peer_addr().ok());
-                    (key, trusted || crate::tls::client_named(io, &names))
-                });
+                Arc::new(move |io| identify.peer(io.get_ref().0.peer_addr().ok(), Some(io)));
             let incoming = tokio_stream::wrappers::ReceiverStream::new(streams);
             let incoming = places::placed(incoming, places, budget, peer_of, store_calls);
             Box::pin(router.serve_with_incoming_shutdown(incoming, signal))

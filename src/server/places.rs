@@ -27,7 +27,7 @@ use tonic::transport::server::Connected;
 
 use crate::{
     accept::AcceptBackoff,
-    budget::{Budget, Caller, PeerKey},
+    budget::{Budget, Caller, Peer},
 };
 
 /// A connection holding one of the `grpc.max_connections` places, freed
@@ -40,9 +40,8 @@ pub(super) struct Placed<T> {
     caller: Caller,
 }
 
-/// Who a connection comes from, for its shares: its peer, and whether that
-/// peer is trusted (`grpc.trusted_peers`, `grpc.tls.trusted_client_names`).
-pub(super) type PeerOf<T> = Arc<dyn Fn(&T) -> (PeerKey, bool) + Send + Sync>;
+/// Who a connection comes from, for its shares and what it may do.
+pub(super) type PeerOf<T> = Arc<dyn Fn(&T) -> Peer + Send + Sync>;
 
 /// `incoming`'s connections, each taken only once a place in `places` is
 /// free (the stream is not polled meanwhile); an accept error passes
@@ -77,13 +76,55 @@ where
                 }
             }
             let placed = next.map(|io| {
-                let (peer, trusted) = peer_of(&io);
-                let caller = budget.caller(peer, trusted, store_calls);
+                let caller = budget.caller(peer_of(&io), store_calls);
                 Placed { io, _place: place, caller }
             });
             Some((placed, (incoming, places, backoff)))
         }
     })
+}
+
+/// Who a connection is, by its address and, over mTLS, the names its
+/// certificate carries: trusted (`grpc.trusted_peers`,
+/// `grpc.tls.trusted_client_names`) and allowed to report outcomes
+/// (`grpc.reporting_peers`, `grpc.tls.reporting_client_names`; everyone
+/// while neither is set).
+#[derive(Debug)]
+pub(super) struct Identify {
+    trusted: Vec<ipnet::IpNet>,
+    trusted_names: Vec<String>,
+    reporting: Vec<ipnet::IpNet>,
+    reporting_names: Vec<String>,
+}
+
+impl Identify {
+    /// From `grpc.*` (validated with the rest of the configuration).
+    pub(super) fn of(grpc: &crate::config::GrpcConfig) -> Self {
+        Identify {
+            trusted: grpc.trusted_nets().unwrap_or_default(),
+            trusted_names: grpc.tls.trusted_client_names.clone(),
+            reporting: grpc.reporting_nets().unwrap_or_default(),
+            reporting_names: grpc.tls.reporting_client_names.clone(),
+        }
+    }
+
+    /// The peer at `addr` (none readable: one peer with every other such),
+    /// over `tls` when it is.
+    pub(super) fn peer(
+        &self,
+        addr: Option<std::net::SocketAddr>,
+        tls: Option<&tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+    ) -> Peer {
+        let ip = addr.map(|addr| addr.ip());
+        let within = |nets: &[ipnet::IpNet]| ip.is_some_and(|ip| nets.iter().any(|net| net.contains(&ip)));
+        let named = |names: &[String]| tls.is_some_and(|tls| crate::tls::client_named(tls, names));
+        let restricted = !self.reporting.is_empty() || !self.reporting_names.is_empty();
+        Peer {
+            key: ip.map_or(crate::budget::PeerKey::Local, crate::budget::PeerKey::of),
+            trusted: within(&self.trusted) || named(&self.trusted_names),
+            may_report: !restricted || within(&self.reporting) || named(&self.reporting_names),
+        }
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Placed<T> {
@@ -149,7 +190,8 @@ mod tests {
         let places = Arc::new(Semaphore::new(2));
         let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(receive);
         let budget = Arc::new(Budget::unshared(1));
-        let local: PeerOf<u32> = Arc::new(|_| (PeerKey::Local, true));
+        let local: PeerOf<u32> =
+            Arc::new(|_| Peer { key: crate::budget::PeerKey::Local, trusted: true, may_report: true });
         let mut connections = Box::pin(placed(incoming, Arc::clone(&places), budget, local, 0));
         let first = connections.next().await.unwrap().unwrap();
         assert_eq!(connections.next().await.unwrap().unwrap_err(), "accept failed");
