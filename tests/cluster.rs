@@ -393,7 +393,10 @@ async fn adaptive_limits_are_exchanged_through_the_cluster() {
     };
     let series = "ratelimitd_adaptive_limit{kind=\"native\",rule=\"backend\"}";
     let lowered = || async {
-        client.clone().report(failures.clone()).await.unwrap();
+        // A report weighs what its reporter was admitted: admitted first.
+        let mut client = client.clone();
+        client.check(pb::RateLimitRequest { weight: 10, ..request("svc", "/backend") }).await.unwrap();
+        client.report(failures.clone()).await.unwrap();
         let limits = [common::metric(&servers[0], series).await, common::metric(&servers[1], series).await];
         limits.iter().all(|l| l.is_some_and(|l| l < 100.0))
     };

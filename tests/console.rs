@@ -152,7 +152,7 @@ fn fixture(broker: Broker) -> Fixture {
     };
     let config_file = dir.path().join("ratelimitd.yaml");
     let yaml = format!(
-        "rules:\n  kafka:\n    brokers: {brokers}\n    replication_factor: 1\n    status_interval_ms: 200\n    signing_key_file: {key}\n    verify_keys: [{public_key}]\nadmin:\n  repo: {repo}\n  rules_path: rules\n  captures_dir: {captures}\n  audit_log: {audit}\n  users:\n{eve}{pat}{val}",
+        "rules:\n  kafka:\n    brokers: {brokers}\n    replication_factor: 1\n    status_interval_ms: 200\n    signing_key_file: {key}\n    verify_keys: [{public_key}]\nadmin:\n  repo: {repo}\n  rules_path: rules\n  captures_dir: {captures}\n  audit_log: {audit}\n  users:\n{eve}{pat}{val}gate:\n  min_capture_requests: 10\n",
         brokers = broker.brokers(),
         key = key.display(),
         repo = repo.display(),

@@ -73,6 +73,8 @@ fn env(broker: &Broker) -> Vec<(&'static str, String)> {
         ("RATELIMITD__CAPTURE__KAFKA__BROKERS", broker.brokers()),
         ("RATELIMITD__CAPTURE__KAFKA__PARTITIONS", "2".to_owned()),
         ("RATELIMITD__CAPTURE__KAFKA__REPLICATION_FACTOR", "1".to_owned()),
+        // The captures here are a few dozen requests: judged all the same.
+        ("RATELIMITD__GATE__MIN_CAPTURE_REQUESTS", "10".to_owned()),
     ]
 }
 
@@ -110,6 +112,7 @@ fn subscriber(broker: &Broker, instance: &str) -> ratelimitd::config::Config {
     cfg.rules.kafka.status_interval_ms = 200;
     cfg.rules.kafka.verify_keys = vec![KEYS.a.public.clone()];
     cfg.dlq.instance_id = Some(instance.to_owned());
+    cfg.gate.min_capture_requests = 10;
     cfg
 }
 
@@ -452,6 +455,7 @@ async fn captured_traffic_gates_a_candidate_that_drops_critical_requests() {
     let replay = |candidate: &Path| {
         let json = dir.path().join("report.json");
         let out = Command::new(BIN)
+            .env("RATELIMITD__GATE__MIN_CAPTURE_REQUESTS", "10")
             .args(["replay", "--rules", candidate.to_str().unwrap(), "--capture", capture.to_str().unwrap()])
             .args(["--current", current.to_str().unwrap(), "--json", json.to_str().unwrap()])
             .output()
@@ -501,6 +505,7 @@ async fn captured_traffic_gates_a_candidate_that_drops_critical_requests() {
     }
     server.stop().await.unwrap();
     let out = Command::new(BIN)
+        .env("RATELIMITD__GATE__MIN_CAPTURE_REQUESTS", "10")
         .args(["replay", "--rules", tight.to_str().unwrap(), "--capture", "kafka"])
         .args(["--current", current.to_str().unwrap()])
         .envs(env(&broker))
@@ -710,6 +715,7 @@ async fn an_envoy_capture_gates_an_envoy_candidate() {
     let tight = envoy("tight.yaml", 5);
     let replay = |candidate: &Path| {
         Command::new(BIN)
+            .env("RATELIMITD__GATE__MIN_CAPTURE_REQUESTS", "10")
             .args(["replay", "--envoy", candidate.to_str().unwrap(), "--capture", capture.to_str().unwrap()])
             .args(["--current-envoy", current.to_str().unwrap(), "--min-group-requests", "8"])
             .output()

@@ -306,9 +306,11 @@ async function runGate() {
   const report = data.report, gate = report.gate, worst = gate.worst;
   const verdict = $("gate-verdict");
   verdict.className = gate.passed ? "good" : "bad";
-  verdict.textContent = (gate.passed ? "Passes" : "Fails") + " the gate: " + report.requests + " requests replayed; worst "
+  const tooSmall = report.requests < gate.thresholds.min_capture_requests;
+  verdict.textContent = (gate.passed ? "Passes" : "Fails") + " the gate: " + report.requests + " requests replayed"
+    + (tooSmall ? ", under gate.min_capture_requests (" + gate.thresholds.min_capture_requests + "): too small to judge any change." : "; worst "
     + worst.kind + " " + worst.name + " drops " + (worst.drop * 100).toFixed(2) + "% of its CRITICAL requests"
-    + (gate.passed ? "." : " (" + gate.failed_groups + " group(s) over their threshold).");
+    + (gate.passed ? "." : " (" + gate.failed_groups + " group(s) over their threshold)."));
   rows("gate-priorities", Object.entries(report.priorities));
   rows("gate-rules", Object.entries(report.rules));
   drawGate(gate);
