@@ -123,6 +123,53 @@ async fn mtls_with_a_client_san_accepts_only_that_name() {
     server.stop().await.unwrap();
 }
 
+/// `grpc.tls.trusted_client_names` and `grpc.tls.reporting_client_names`:
+/// a client whose certificate carries the name is a trusted peer (no peer
+/// share of the request byte budget: no untrusted peer counted) and may
+/// report outcomes; a client of the same CA with another name is neither
+/// (one untrusted peer; its outcome report answered and counted as not
+/// allowed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_names_say_who_is_trusted_and_who_may_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    make_ca(d, "ca");
+    make_leaf(d, "ca", "server", "serverAuth");
+    common::make_leaf_for(d, "ca", "gateway", "clientAuth", "DNS:gateway.internal");
+    common::make_leaf_for(d, "ca", "other", "clientAuth", "DNS:other.internal");
+    let (cert, key) = server_files(d);
+    install_server_cert(d, "server", &cert, &key);
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), None);
+    cfg.grpc.tls.cert_file = Some(cert);
+    cfg.grpc.tls.key_file = Some(key);
+    cfg.grpc.tls.client_ca_file = Some(d.join("ca.pem"));
+    cfg.grpc.tls.trusted_client_names = vec!["gateway.internal".to_owned()];
+    cfg.grpc.tls.reporting_client_names = vec!["gateway.internal".to_owned()];
+    let server = TestServer::start(cfg).await;
+    let peers = || common::metric(&server, "ratelimitd_grpc_request_peers ");
+    let not_allowed = || {
+        common::metric(
+            &server,
+            "ratelimitd_request_values_adjusted_total{api=\"check\",reason=\"outcome_not_allowed\"}",
+        )
+    };
+    let report = ratelimitd::api::pb::RateLimitRequest {
+        outcome: ratelimitd::api::pb::Outcome::Failure as i32,
+        ..request("u", "/r")
+    };
+    let mut gateway = connect(server.addr, d, "ca", Some("gateway")).await.unwrap();
+    gateway.report(report.clone()).await.unwrap();
+    assert_eq!(peers().await, Some(0.0), "the named client is trusted");
+    assert_eq!(not_allowed().await.unwrap_or(0.0), 0.0, "the named client may report");
+    let mut other = connect(server.addr, d, "ca", Some("other")).await.unwrap();
+    other.report(report).await.unwrap();
+    assert_eq!(peers().await, Some(1.0), "another name is an untrusted peer");
+    assert_eq!(not_allowed().await, Some(1.0), "another name's report counts nowhere");
+    drop((gateway, other));
+    server.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rotated_certificate_is_used_without_a_restart() {
     let dir = tempfile::tempdir().unwrap();
