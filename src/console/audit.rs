@@ -5,9 +5,11 @@
 //! counted and written as one line a minute at most, so nobody can fill the
 //! disk by knocking. What a signed-in user can repeat without changing
 //! anything (reading its session, an action its role refuses) is folded
-//! ([`AuditLog::fold`]): written at once when that user's last line of that
-//! action is a minute old, else counted and written as one line a minute,
-//! so a user flooding one of them adds at most a line a minute.
+//! ([`AuditLog::fold`]) by user and outcome: written at once when that
+//! user's last folded line of that outcome is a minute old, else counted
+//! and written as one line a minute, so a user flooding refused actions,
+//! whichever, adds at most a line a minute (and its session reads one
+//! more).
 
 use std::{
     collections::HashMap,
@@ -113,7 +115,7 @@ struct Folded {
 /// A user's folded action is written at most this often.
 pub const FOLD_INTERVAL: Duration = Duration::from_secs(60);
 
-/// Most (user, action) pairs folded at once; past it, entries of new pairs
+/// Most (user, outcome) pairs folded at once; past it, entries of new pairs
 /// count as refused sign-ins (one line a minute): a trusted proxy can name
 /// any number of users.
 const MAX_FOLDED: usize = 10_000;
@@ -163,13 +165,13 @@ impl AuditLog {
     }
 
     /// Logs `entry`, an action that changes nothing (a session read, a
-    /// refusal by role): written now when its user's last line of its
-    /// action is [`FOLD_INTERVAL`] old, else counted and written by
+    /// refusal by role): written now when its user's last folded line of
+    /// its outcome is [`FOLD_INTERVAL`] old, else counted and written by
     /// [`AuditLog::flush`]. Returns the entry to write now, if any
     /// (blocking to write: the caller writes it off the runtime).
     pub fn fold(&self, entry: AuditEntry, now: Instant) -> Option<AuditEntry> {
         let mut folded = self.folded.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let key = (entry.user.clone(), entry.action.clone());
+        let key = (entry.user.clone(), entry.outcome.clone());
         if !folded.contains_key(&key) && folded.len() >= MAX_FOLDED {
             folded.retain(|_, f| f.pending.is_some() || now.duration_since(f.written) < FOLD_INTERVAL);
             if folded.len() >= MAX_FOLDED {
@@ -291,8 +293,9 @@ mod tests {
         assert_eq!(log.recent(1).unwrap().len(), 1);
     }
 
-    /// A user repeating a folded action 5,000 times in a minute adds one
-    /// line then, one at the minute's end, and none while silent.
+    /// A user repeating refused actions 5,000 times in a minute, whichever
+    /// action, adds one line then, one at the minute's end, and none while
+    /// silent; its session read has a line of its own.
     #[test]
     fn a_flood_of_folded_actions_adds_a_line_a_minute() {
         let dir = tempfile::tempdir().unwrap();
@@ -302,7 +305,9 @@ mod tests {
         let mut written = 0;
         for i in 0..5_000u64 {
             let at = start + Duration::from_millis(i * 10);
-            let refused = AuditEntry::new(&val, "publish", "refused", "publish needs the publisher role");
+            let action = ["publish", "rollback", "sync"][(i % 3) as usize];
+            let refused =
+                AuditEntry::new(&val, action, "refused", format!("{action} needs the publisher role"));
             if let Some(entry) = log.fold(refused, at) {
                 log.write(&entry).unwrap();
                 written += 1;
@@ -319,7 +324,7 @@ mod tests {
         log.flush(start + FOLD_INTERVAL * 3).unwrap();
         let read = log.recent(10).unwrap();
         assert_eq!(read.len(), 2, "{read:?}");
-        assert_eq!(read[0].detail, "4999 time(s); the last: publish needs the publisher role");
+        assert_eq!(read[0].detail, "4999 time(s); the last: rollback needs the publisher role");
         assert_eq!((log.pending(), log.folded.lock().unwrap().len()), (0, 0), "forgotten once quiet");
     }
 
