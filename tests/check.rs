@@ -792,19 +792,8 @@ async fn unfinished_requests_hold_at_most_the_byte_budget() {
     chunk.resize(16 * 1024, 7);
     let mut connections = Vec::new();
     for _ in 0..3 {
-        let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
-        socket.write_all(H2_START).await.unwrap();
-        socket.write_all(&h2_frame(4, 0x1, 0, &[])).await.unwrap(); // SETTINGS ACK
-        // The server's connection window update (to 1 MiB) before any data.
-        loop {
-            let mut head = [0u8; 9];
-            socket.read_exact(&mut head).await.unwrap();
-            let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
-            socket.read_exact(&mut vec![0; len]).await.unwrap();
-            if head[3] == 8 {
-                break;
-            }
-        }
+        // Its SETTINGS acknowledged and its window update read before any data.
+        let mut socket = common::h2_connect(server.addr, "127.0.0.1").await;
         for i in 0..60u32 {
             let stream = 2 * i + 1;
             let headers = grpc_headers("/ratelimit.v1.RateLimiter/Check");

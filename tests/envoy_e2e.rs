@@ -8,47 +8,12 @@ mod common;
 
 use std::{
     path::Path,
-    process::{Child, Command},
+    process::Command,
     time::{Duration, Instant},
 };
 
-use common::{RedisServer, SyntheticCpu, TestServer, default_rules_config};
+use common::{Process, RedisServer, SyntheticCpu, TestServer, default_rules_config};
 use ratelimitd::{config::EnvoyFailureMode, shed::ShedMode};
-
-/// A child process killed (by PID) on drop.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// The upstream: Python's http.server over an empty directory (GET / is 200).
-fn upstream(dir: &Path) -> (Process, u16) {
-    let (child, port) = common::start_listening("upstream", &dir.join("upstream.log"), |port| {
-        let mut command = Command::new("python3");
-        command.args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"]).arg(dir);
-        command
-    });
-    (Process(child), port)
-}
-
-/// Envoy on the example config with `ratelimit_port` and `upstream_port`.
-fn envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) {
-    let example = std::fs::read_to_string(common::repo_path("examples/envoy/envoy.yaml")).unwrap();
-    let (child, listen) = common::start_envoy(dir, |listen, admin| {
-        example
-            .replace("port_value: 10000", &format!("port_value: {listen}"))
-            .replace("port_value: 8000", &format!("port_value: {upstream_port}"))
-            .replace("port_value: 8081", &format!("port_value: {ratelimit_port}"))
-            .replace("port_value: 9901", &format!("port_value: {admin}"))
-            // Generous for a loaded CI machine; the example keeps Envoy's 20 ms.
-            .replace("timeout: 0.02s", "timeout: 2s")
-    });
-    (Process(child), listen)
-}
 
 /// One HTTP/1.1 GET / through Envoy; returns the status and the headers.
 fn get(port: u16, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>) {
@@ -84,8 +49,8 @@ async fn stack(tune: impl FnOnce(&mut ratelimitd::config::Config)) -> Stack {
     tune(&mut cfg);
     let server = TestServer::start(cfg).await;
     let dir = tempfile::tempdir().unwrap();
-    let (upstream, upstream_port) = upstream(dir.path());
-    let (envoy, envoy_port) = envoy(dir.path(), server.addr.port(), upstream_port);
+    let (upstream, upstream_port) = common::python_upstream(dir.path());
+    let (envoy, envoy_port) = common::example_envoy(dir.path(), server.addr.port(), upstream_port);
     Stack { server, redis, envoy_port, _envoy: envoy, _upstream: upstream, dir }
 }
 
@@ -516,8 +481,8 @@ async fn an_upstream_deployment_runs_unchanged() {
     ];
     let (service, grpc_port, port) = common::start_compat(dir.path(), &log, &env);
     let service = Process(service);
-    let (_upstream, upstream_port) = upstream(dir.path());
-    let (_envoy, envoy_port) = envoy(dir.path(), grpc_port, upstream_port);
+    let (_upstream, upstream_port) = common::python_upstream(dir.path());
+    let (_envoy, envoy_port) = common::example_envoy(dir.path(), grpc_port, upstream_port);
     let (statuses, scrape) = tokio::task::spawn_blocking(move || {
         let statuses: Vec<_> = (0..5).map(|_| get(envoy_port, &[("x-user-id", "alice")])).collect();
         (statuses, common::http_get(([127, 0, 0, 1], port).into(), "/metrics").1)

@@ -6,11 +6,7 @@
 
 mod common;
 
-use std::{
-    path::Path,
-    process::{Child, Command},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use common::{Rules, TestServer, check, grpc_headers, h2_connect, h2_drain, h2_frame, reason, request};
 use ratelimitd::api::pb::{self, Reason};
@@ -129,42 +125,6 @@ async fn a_byte_flood_from_one_address_holds_its_32_mib_share_and_others_are_dec
     server.stop().await.unwrap();
 }
 
-/// A child process killed (by PID) on drop.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// The upstream: Python's http.server over an empty directory (GET / is 200).
-fn upstream(dir: &Path) -> (Process, u16) {
-    let (child, port) = common::start_listening("upstream", &dir.join("upstream.log"), |port| {
-        let mut command = Command::new("python3");
-        command.args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"]).arg(dir);
-        command
-    });
-    (Process(child), port)
-}
-
-/// Envoy on the repository's example (`failure_mode_deny: false`: an
-/// error from the rate limit service lets the request through).
-fn envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) {
-    let example = std::fs::read_to_string(common::repo_path("examples/envoy/envoy.yaml")).unwrap();
-    assert!(example.contains("failure_mode_deny: false"));
-    let (child, listen) = common::start_envoy(dir, |listen, admin| {
-        example
-            .replace("port_value: 10000", &format!("port_value: {listen}"))
-            .replace("port_value: 8000", &format!("port_value: {upstream_port}"))
-            .replace("port_value: 8081", &format!("port_value: {ratelimit_port}"))
-            .replace("port_value: 9901", &format!("port_value: {admin}"))
-            .replace("timeout: 0.02s", "timeout: 2s")
-    });
-    (Process(child), listen)
-}
-
 /// Through a fail-open Envoy (trusted: `grpc.trusted_peers`), a user on 3
 /// a minute gets 3 of 200 requests through while three other addresses
 /// flood the byte budget (6 connections announcing 4 MiB messages they
@@ -179,8 +139,10 @@ async fn through_envoy_a_user_on_3_a_minute_gets_3_of_200_during_a_byte_flood() 
     config.grpc.trusted_peers = vec!["127.0.0.1".to_owned()];
     let server = TestServer::start(config).await;
     let dir = tempfile::tempdir().unwrap();
-    let (_upstream, upstream_port) = upstream(dir.path());
-    let (_envoy, port) = envoy(dir.path(), server.addr.port(), upstream_port);
+    let (_upstream, upstream_port) = common::python_upstream(dir.path());
+    let example = std::fs::read_to_string(common::repo_path("examples/envoy/envoy.yaml")).unwrap();
+    assert!(example.contains("failure_mode_deny: false"), "the example's filter fails open");
+    let (_envoy, port) = common::example_envoy(dir.path(), server.addr.port(), upstream_port);
 
     let attack = flood(server.addr, &["127.0.0.2", "127.0.0.3", "127.0.0.4"], 2, Duration::from_secs(12));
     tokio::time::sleep(Duration::from_millis(1_500)).await;

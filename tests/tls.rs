@@ -99,23 +99,31 @@ async fn mtls_refuses_clients_without_a_valid_certificate() {
     server.stop().await.unwrap();
 }
 
-/// `grpc.tls.client_san` (upstream's `GRPC_CLIENT_TLS_SAN`): a client
-/// certificate the CA signed is accepted only when it carries the name.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mtls_with_a_client_san_accepts_only_that_name() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
+/// A CA, a server certificate installed where the server reads it, and two
+/// client certificates of the CA, `gateway` (gateway.internal) and `other`
+/// (other.internal), in `d`; a server config with mTLS on them.
+fn mtls_config(d: &Path, rules: &Rules) -> ratelimitd::config::Config {
     make_ca(d, "ca");
     make_leaf(d, "ca", "server", "serverAuth");
     common::make_leaf_for(d, "ca", "gateway", "clientAuth", "DNS:gateway.internal");
     common::make_leaf_for(d, "ca", "other", "clientAuth", "DNS:other.internal");
     let (cert, key) = server_files(d);
     install_server_cert(d, "server", &cert, &key);
-    let rules = Rules::new(RULES);
     let mut cfg = config(&rules.path(), None);
     cfg.grpc.tls.cert_file = Some(cert);
     cfg.grpc.tls.key_file = Some(key);
     cfg.grpc.tls.client_ca_file = Some(d.join("ca.pem"));
+    cfg
+}
+
+/// `grpc.tls.client_san` (upstream's `GRPC_CLIENT_TLS_SAN`): a client
+/// certificate the CA signed is accepted only when it carries the name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_with_a_client_san_accepts_only_that_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let rules = Rules::new(RULES);
+    let mut cfg = mtls_config(d, &rules);
     cfg.grpc.tls.client_san = Some("gateway.internal".to_owned());
     let server = TestServer::start(cfg).await;
     assert!(served(server.addr, d, "ca", Some("gateway")).await, "the named client is served");
@@ -133,17 +141,8 @@ async fn mtls_with_a_client_san_accepts_only_that_name() {
 async fn mtls_names_say_who_is_trusted_and_who_may_report() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    make_ca(d, "ca");
-    make_leaf(d, "ca", "server", "serverAuth");
-    common::make_leaf_for(d, "ca", "gateway", "clientAuth", "DNS:gateway.internal");
-    common::make_leaf_for(d, "ca", "other", "clientAuth", "DNS:other.internal");
-    let (cert, key) = server_files(d);
-    install_server_cert(d, "server", &cert, &key);
     let rules = Rules::new(RULES);
-    let mut cfg = config(&rules.path(), None);
-    cfg.grpc.tls.cert_file = Some(cert);
-    cfg.grpc.tls.key_file = Some(key);
-    cfg.grpc.tls.client_ca_file = Some(d.join("ca.pem"));
+    let mut cfg = mtls_config(d, &rules);
     cfg.grpc.tls.trusted_client_names = vec!["gateway.internal".to_owned()];
     cfg.grpc.tls.reporting_client_names = vec!["gateway.internal".to_owned()];
     let server = TestServer::start(cfg).await;

@@ -30,21 +30,11 @@ mod common;
 
 use std::{
     net::{TcpStream, UdpSocket},
-    process::{Child, Command},
+    process::Command,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use common::{RedisServer, Reply, free_port};
-
-/// A child process killed (by PID) on drop.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::{Process, RedisServer, Reply, free_port};
 
 impl Reply {
     /// What `curl -f` calls success.

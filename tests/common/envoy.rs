@@ -114,3 +114,40 @@ pub fn start_compat(home: &Path, log: &Path, env: &[(&str, String)]) -> (Child, 
     });
     (child, grpc, http.get())
 }
+
+/// A child process killed (by PID) on drop.
+pub struct Process(pub Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// An upstream for Envoy: Python's http.server over `dir` (GET / is 200).
+pub fn python_upstream(dir: &Path) -> (Process, u16) {
+    let (child, port) = start_listening("upstream", &dir.join("upstream.log"), |port| {
+        let mut command = Command::new("python3");
+        command.args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"]).arg(dir);
+        command
+    });
+    (Process(child), port)
+}
+
+/// Envoy on the repository's own `examples/envoy/envoy.yaml` (its rate
+/// limit filter fails open: `failure_mode_deny: false`) with its ports
+/// replaced by free ones, `ratelimit_port` and `upstream_port`.
+pub fn example_envoy(dir: &Path, ratelimit_port: u16, upstream_port: u16) -> (Process, u16) {
+    let example = std::fs::read_to_string(repo_path("examples/envoy/envoy.yaml")).unwrap();
+    let (child, listen) = start_envoy(dir, |listen, admin| {
+        example
+            .replace("port_value: 10000", &format!("port_value: {listen}"))
+            .replace("port_value: 8000", &format!("port_value: {upstream_port}"))
+            .replace("port_value: 8081", &format!("port_value: {ratelimit_port}"))
+            .replace("port_value: 9901", &format!("port_value: {admin}"))
+            // Generous for a loaded CI machine; the example keeps Envoy's 20 ms.
+            .replace("timeout: 0.02s", "timeout: 2s")
+    });
+    (Process(child), listen)
+}
