@@ -121,8 +121,9 @@ async fn a_saturated_redis_never_lifts_a_limit() {
 
 /// The in-memory store full of a flood's counters that still count (one
 /// shard of 2,000; 6,144 distinct keys): a new user on a rule of 5 an hour
-/// is decided by the store, never failed: admitted at least 1 and at most
-/// 5 (it starts at most at a flooded key's share, rounded up), then over;
+/// is decided by the store, never failed: admitted 5 (4 when the summary of
+/// evicted keys takes it for one of them: it then starts at a flooded
+/// key's share, rounded up to one hit), then over;
 /// a user counted before the flood keeps its count whether or not its
 /// counter was evicted; no decision fails, so nothing is recorded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -151,7 +152,7 @@ async fn a_full_memory_store_admits_newcomers_and_keeps_existing_counts() {
             answers.push(reason(&answer));
         }
         let ok = answers.iter().filter(|r| **r == Reason::Ok).count();
-        assert!((1..=5).contains(&ok), "{user}: {answers:?}");
+        assert!((4..=5).contains(&ok), "{user}: {answers:?}");
         assert!(answers[ok..].iter().all(|r| *r == Reason::OverLimit), "{user}: {answers:?}");
     }
     let early = check(&mut client, request("early", "/hourly")).await;
