@@ -49,6 +49,8 @@ use std::{
 };
 
 use http_body::{Frame, SizeHint};
+
+use crate::limiter::CallerCalls;
 use tonic::{
     Status,
     body::Body,
@@ -68,6 +70,21 @@ pub struct Shares {
     /// Every untrusted peer together: half the pool while trusted peers
     /// are configured (the rest is theirs alone), else the pool.
     pub untrusted: usize,
+}
+
+/// What else one caller may hold, 0 meaning unbounded: store calls in
+/// flight per connection (`grpc.max_store_calls_per_connection`) and per
+/// untrusted peer (`grpc.max_store_calls_per_peer`, all its connections
+/// together), and connections per untrusted peer
+/// (`grpc.max_connections_per_peer`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Quotas {
+    /// Store calls one connection has in flight.
+    pub store_calls_per_connection: usize,
+    /// Store calls one untrusted peer has in flight.
+    pub store_calls_per_peer: usize,
+    /// Connections one untrusted peer has open.
+    pub connections_per_peer: usize,
 }
 
 /// The bytes some callers hold, and the most they may.
@@ -160,10 +177,13 @@ impl PeerKey {
 /// connection.
 type Peers = Mutex<HashMap<PeerKey, Weak<PeerShare>>>;
 
-/// One peer's share, held by each of its connections.
+/// One peer's share, held by each of its connections (so its strong
+/// count is the peer's connections).
 #[derive(Debug)]
 struct PeerShare {
     held: Held,
+    /// Its store calls in flight.
+    store_calls: Arc<tokio::sync::Semaphore>,
     key: PeerKey,
     peers: Arc<Peers>,
 }
@@ -198,8 +218,9 @@ pub struct Peer {
 /// outcomes.
 #[derive(Debug, Clone)]
 pub struct Caller {
-    /// Store calls in flight: each decision's store call holds a permit.
-    pub store_calls: Arc<tokio::sync::Semaphore>,
+    /// Store calls in flight, the connection's and its peer's: each
+    /// decision's store call holds a permit of each.
+    pub store_calls: Arc<CallerCalls>,
     /// Whether its outcome reports may move an adaptive limit.
     pub may_report: bool,
     bytes: Arc<CallerBytes>,
@@ -212,6 +233,15 @@ struct CallerBytes {
     peer: Option<Arc<PeerShare>>,
 }
 
+/// Permits of a share of `quota` (0: unbounded).
+fn permits(quota: usize) -> usize {
+    if quota == 0 {
+        tokio::sync::Semaphore::MAX_PERMITS
+    } else {
+        quota.min(tokio::sync::Semaphore::MAX_PERMITS)
+    }
+}
+
 /// The process-wide budget.
 #[derive(Debug)]
 pub struct Budget {
@@ -221,6 +251,7 @@ pub struct Budget {
     peers: Arc<Peers>,
     refused: [AtomicU64; 4],
     oversized: AtomicU64,
+    refused_connections: AtomicU64,
 }
 
 impl Budget {
@@ -233,6 +264,7 @@ impl Budget {
             peers: Arc::default(),
             refused: Default::default(),
             oversized: AtomicU64::new(0),
+            refused_connections: AtomicU64::new(0),
         }
     }
 
@@ -241,31 +273,53 @@ impl Budget {
         Budget::new(Shares { pool: limit, per_connection: limit, per_peer: limit, untrusted: limit })
     }
 
-    /// The shares of a new connection from `peer` (a trusted one's peer
-    /// share is the pool's), with `store_calls` store calls in flight
-    /// (0: unbounded).
-    pub fn caller(&self, peer: Peer, store_calls: usize) -> Caller {
-        let store_calls = if store_calls == 0 { tokio::sync::Semaphore::MAX_PERMITS } else { store_calls };
-        let share = (!peer.trusted).then(|| self.peer(peer.key));
-        Caller {
-            store_calls: Arc::new(tokio::sync::Semaphore::new(store_calls)),
+    /// The shares of a new connection from `peer` (a trusted one has no
+    /// peer share), as `quotas` say; `None` when an untrusted peer already
+    /// has `quotas.connections_per_peer` connections open (the new one is
+    /// to be closed).
+    pub fn caller(&self, peer: Peer, quotas: Quotas) -> Option<Caller> {
+        let share = match peer.trusted {
+            true => None,
+            false => Some(self.peer(peer.key, quotas)?),
+        };
+        Some(Caller {
+            store_calls: Arc::new(CallerCalls {
+                connection: tokio::sync::Semaphore::new(permits(quotas.store_calls_per_connection)),
+                peer: share.as_ref().map(|share| Arc::clone(&share.store_calls)),
+            }),
             may_report: peer.may_report,
             bytes: Arc::new(CallerBytes { connection: Held::new(self.shares.per_connection), peer: share }),
-        }
+        })
     }
 
-    fn peer(&self, key: PeerKey) -> Arc<PeerShare> {
+    /// `key`'s share for one more connection, unless it has its
+    /// `quotas.connections_per_peer` open already.
+    fn peer(&self, key: PeerKey, quotas: Quotas) -> Option<Arc<PeerShare>> {
         let mut peers = self.peers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(share) = peers.get(&key).and_then(Weak::upgrade) {
-            return share;
+            // Its connections, and the one just upgraded (a connection
+            // closing meanwhile only makes this count high, never low).
+            let open = Arc::strong_count(&share) - 1;
+            if quotas.connections_per_peer != 0 && open >= quotas.connections_per_peer {
+                self.refused_connections.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            return Some(share);
         }
         let share = Arc::new(PeerShare {
             held: Held::new(self.shares.per_peer),
+            store_calls: Arc::new(tokio::sync::Semaphore::new(permits(quotas.store_calls_per_peer))),
             key,
             peers: Arc::clone(&self.peers),
         });
         peers.insert(key, Arc::downgrade(&share));
-        share
+        Some(share)
+    }
+
+    /// Connections closed at accept since start: their peer had its
+    /// `grpc.max_connections_per_peer` open.
+    pub fn refused_connections(&self) -> u64 {
+        self.refused_connections.load(Ordering::Relaxed)
     }
 
     /// Bytes of unfinished messages now.
@@ -672,6 +726,13 @@ impl crate::telemetry::Figures for Budget {
             "Requests whose message was over grpc.max_message_bytes (grpc.max_batch_message_bytes for CheckBatch): a Check, Report or ShouldRateLimit denied unread, others failed with RESOURCE_EXHAUSTED.",
             self.oversized(),
         );
+        single(
+            out,
+            "ratelimitd_grpc_connections_over_peer_share_total",
+            "counter",
+            "gRPC connections closed as soon as accepted: their untrusted peer had grpc.max_connections_per_peer open.",
+            self.refused_connections(),
+        );
     }
 }
 
@@ -758,7 +819,8 @@ mod tests {
         let budget = Arc::new(Budget::new(shares));
         let attacker = PeerKey::of("192.0.2.7".parse().unwrap());
         let untrusted = |key| Peer { key, trusted: false, may_report: true };
-        let (a1, a2) = (budget.caller(untrusted(attacker), 0), budget.caller(untrusted(attacker), 0));
+        let caller = |peer| budget.caller(peer, Quotas::default()).expect("unbounded connections");
+        let (a1, a2) = (caller(untrusted(attacker)), caller(untrusted(attacker)));
         let mut first = body_of(&budget, &a1);
         first.count(&message(300)[..10]).unwrap();
         let error = body_of(&budget, &a1).count(&message(1)[..5]).unwrap_err();
@@ -776,12 +838,12 @@ mod tests {
         assert_eq!(v6("2001:db8::1"), v6("2001:db8::ffff:1"));
         assert_ne!(v6("2001:db8::1"), v6("2001:db8:0:1::1"));
         assert_eq!(v6("::ffff:192.0.2.7"), attacker);
-        let other = budget.caller(untrusted(v6("2001:db8::1")), 0);
+        let other = caller(untrusted(v6("2001:db8::1")));
         let mut third = body_of(&budget, &other);
         third.count(&message(100)[..10]).unwrap();
         let error = body_of(&budget, &other).count(&message(1)[..5]).unwrap_err();
         assert_eq!(error.message(), Refused::Untrusted.message(), "untrusted peers together");
-        let proxy = budget.caller(Peer { key: PeerKey::Local, trusted: true, may_report: true }, 0);
+        let proxy = caller(Peer { key: PeerKey::Local, trusted: true, may_report: true });
         let mut trusted = body_of(&budget, &proxy);
         trusted.count(&message(300)[..10]).unwrap();
         let error = body_of(&budget, &proxy).count(&message(201)[..10]).unwrap_err();
@@ -791,6 +853,39 @@ mod tests {
         assert_eq!(budget.held(), 0);
         drop((a1, a2));
         assert_eq!(budget.peers(), 1, "a peer's share goes with its last connection");
+    }
+
+    /// An untrusted peer opens at most its connections and holds at most
+    /// its store calls, all its connections together; a trusted peer has
+    /// neither bound; a closed connection frees its place.
+    #[test]
+    fn a_peer_holds_at_most_its_connections_and_store_calls() {
+        let budget = Budget::unshared(1_000);
+        let quotas =
+            Quotas { store_calls_per_connection: 2, store_calls_per_peer: 3, connections_per_peer: 2 };
+        let peer = Peer { key: PeerKey::of("192.0.2.7".parse().unwrap()), trusted: false, may_report: true };
+        let (a1, a2) = (budget.caller(peer, quotas).unwrap(), budget.caller(peer, quotas).unwrap());
+        assert!(budget.caller(peer, quotas).is_none(), "a third connection of the peer");
+        assert_eq!(budget.refused_connections(), 1);
+        let other = Peer { key: PeerKey::of("192.0.2.8".parse().unwrap()), ..peer };
+        assert!(budget.caller(other, quotas).is_some(), "another address has its own");
+        let trusted = Peer { trusted: true, ..peer };
+        let proxies: Vec<_> = (0..5).map(|_| budget.caller(trusted, quotas).unwrap()).collect();
+        assert!(proxies.iter().all(|proxy| proxy.store_calls.peer.is_none()));
+
+        let calls = |caller: &Caller| {
+            let calls = &caller.store_calls;
+            (calls.connection.available_permits(), calls.peer.as_ref().unwrap().available_permits())
+        };
+        let first = (a1.store_calls.connection.try_acquire_many(2).unwrap(), {
+            a1.store_calls.peer.as_ref().unwrap().try_acquire_many(2).unwrap()
+        });
+        assert_eq!(calls(&a2), (2, 1), "the peer's calls are shared by its connections");
+        drop(first);
+        assert_eq!(calls(&a2), (2, 3));
+        drop(a1);
+        let a3 = budget.caller(peer, quotas).expect("a closed connection's place");
+        assert!(Arc::ptr_eq(a3.store_calls.peer.as_ref().unwrap(), a2.store_calls.peer.as_ref().unwrap()));
     }
 
     fn request(path: &str, bytes: Vec<u8>, cut: usize) -> http::Request<Body> {

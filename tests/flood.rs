@@ -217,3 +217,47 @@ async fn a_tenant_waits_for_its_own_share_of_the_store() {
     assert_eq!(waits("connection").await, Some(0.0));
     server.stop().await.unwrap();
 }
+
+/// Each address's share of the store's in-flight calls, with the store
+/// held still: twelve calls from one address over two connections find
+/// its share of 4 (8 of them wait), while four calls from another address
+/// find its own share free (none waits): more connections take no more of
+/// the store. When Redis answers again every call is decided by the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_waits_for_its_own_share_of_the_store() {
+    let redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let mut cfg = config(&rules.path(), Some(redis.url()));
+    cfg.redis.timeout_ms = 10_000;
+    cfg.grpc.max_store_calls_per_peer = 4;
+    let server = TestServer::start(cfg).await;
+    let flooder = [server.client_from("127.0.0.2").await, server.client_from("127.0.0.2").await];
+    let other = server.client_from("127.0.0.3").await;
+    assert_eq!(check(&mut other.clone(), request("warm", "/flood")).await.store_error, "");
+
+    let mut admin = redis.client().await;
+    let () = redis::cmd("CLIENT").arg("PAUSE").arg(2_000).arg("WRITE").query_async(&mut admin).await.unwrap();
+    let mut calls = Vec::new();
+    for i in 0..16 {
+        let mut client = if i < 12 { flooder[i % 2].clone() } else { other.clone() };
+        calls.push(tokio::spawn(
+            async move { check(&mut client, request(&format!("user{i}"), "/flood")).await },
+        ));
+    }
+    for call in calls {
+        let answer = call.await.unwrap();
+        assert_eq!((reason(&answer), answer.store_error.as_str()), (Reason::Ok, ""), "{answer:?}");
+    }
+    let waits = |share: &'static str| {
+        let series = format!("ratelimitd_store_call_waits_total{{share=\"{share}\"}} ");
+        let server = &server;
+        async move { common::metric(server, &series).await }
+    };
+    assert_eq!(
+        waits("peer").await,
+        Some(8.0),
+        "12 calls of one address on a share of 4; the other's 4 never wait"
+    );
+    assert_eq!(waits("connection").await, Some(0.0));
+    server.stop().await.unwrap();
+}

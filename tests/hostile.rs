@@ -9,8 +9,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{Rules, TestServer, check, grpc_headers, h2_connect, h2_drain, h2_frame, reason, request};
-use ratelimitd::api::pb::{self, Reason};
-use tokio::io::AsyncWriteExt as _;
+use ratelimitd::api::pb::Reason;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 const RULES: &str = r#"
 rules:
@@ -105,13 +105,7 @@ async fn a_byte_flood_from_one_address_holds_its_32_mib_share_and_others_are_dec
     assert_eq!(admitted, 5, "{answers:?}");
     assert!(answers[5..].iter().all(|(_, r)| *r == Reason::OverLimit), "{answers:?}");
 
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
-        .unwrap()
-        .local_address(Some("127.0.0.2".parse().unwrap()))
-        .connect()
-        .await
-        .unwrap();
-    let mut flooder = pb::rate_limiter_client::RateLimiterClient::new(channel);
+    let mut flooder = server.client_from("127.0.0.2").await;
     let busy = check(&mut flooder, request("mallory", "/limited")).await;
     assert_eq!((busy.allowed, reason(&busy)), (false, Reason::CallerBusy), "{busy:?}");
     assert!(busy.retry_after_ms > 0);
@@ -161,6 +155,54 @@ async fn through_envoy_a_user_on_3_a_minute_gets_3_of_200_during_a_byte_flood() 
     assert!(held <= f64::from(64u32 << 20), "untrusted peers held {held} bytes, over their half");
     assert!(refused.iter().map(|(_, n)| n).sum::<f64>() >= 100.0, "the attack was not seen: {refused:?}");
     attack.abort();
+    server.stop().await.unwrap();
+}
+
+/// One address opening 40 gRPC connections and holding them keeps 4
+/// (`grpc.max_connections_per_peer`); the rest are closed as soon as
+/// accepted, so the 8 places (`grpc.max_connections`) are not all its own:
+/// another address still connects and is decided exactly, in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_address_holds_at_most_its_connections_and_others_still_connect() {
+    let rules = Rules::new(RULES);
+    let mut config = common::config(&rules.path(), None);
+    config.grpc.max_connections = 8;
+    config.grpc.max_connections_per_peer = 4;
+    let server = TestServer::start(config).await;
+    let mut held = Vec::new();
+    let mut closed = 0;
+    for _ in 0..40 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let mut socket = socket.connect(server.addr).await.unwrap();
+        // The server speaks first (its SETTINGS) on a connection it keeps.
+        let mut first = [0u8; 9];
+        match tokio::time::timeout(Duration::from_secs(2), socket.write_all(common::H2_START)).await {
+            Ok(Ok(())) => {}
+            _ => {
+                closed += 1;
+                continue;
+            }
+        }
+        match tokio::time::timeout(Duration::from_secs(2), socket.read_exact(&mut first)).await {
+            Ok(Ok(_)) => held.push(socket),
+            _ => closed += 1,
+        }
+    }
+    assert_eq!((held.len(), closed), (4, 36), "one address's connections kept and closed");
+
+    let mut honest = server.client_from("127.0.0.3").await;
+    let mut admitted = 0;
+    for _ in 0..7 {
+        let started = Instant::now();
+        let answer = check(&mut honest, request("alice", "/limited")).await;
+        assert!(started.elapsed() < Duration::from_secs(1), "answered in {:?}", started.elapsed());
+        admitted += usize::from(answer.allowed);
+    }
+    assert_eq!(admitted, 5);
+    let refused = common::metric(&server, "ratelimitd_grpc_connections_over_peer_share_total ").await;
+    assert_eq!(refused, Some(36.0));
+    drop(held);
     server.stop().await.unwrap();
 }
 

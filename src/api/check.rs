@@ -11,7 +11,6 @@ use futures_util::{
     Stream, StreamExt as _,
     future::{Either, ready},
 };
-use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming, codegen::Bytes};
 use tracing::Instrument as _;
 
@@ -24,7 +23,7 @@ use super::{
 use crate::{
     budget::{Caller, Refusal},
     decision::{Api, CheckRequest, Engine},
-    limiter::Count,
+    limiter::{CallerCalls, Count},
     telemetry::traces::continue_trace,
 };
 
@@ -152,7 +151,7 @@ async fn decide_item(
     id: u64,
     request: Option<&pb::RateLimitRequest>,
     traceparent: Option<&str>,
-    share: Option<&Semaphore>,
+    share: Option<&CallerCalls>,
 ) -> pb::CheckResult {
     let request = request.unwrap_or_else(|| &NO_REQUEST);
     let checked = match validate(request, traceparent) {
@@ -171,9 +170,9 @@ async fn decide_item(
     pb::CheckResult { id, response: Some(response(decision)), invalid_argument: String::new() }
 }
 
-/// The connection's share of the store's in-flight work, which the
+/// The connection's shares of the store's in-flight work, which the
 /// server puts in every request's extensions.
-pub(super) fn share_of(extensions: &tonic::Extensions) -> Option<&Semaphore> {
+pub(super) fn share_of(extensions: &tonic::Extensions) -> Option<&CallerCalls> {
     extensions.get::<Caller>().map(|caller| &*caller.store_calls)
 }
 
@@ -194,8 +193,8 @@ struct StreamContext {
     engine: Engine,
     /// The call's trace context, read once for all its items.
     traceparent: Option<Box<str>>,
-    /// The connection's share of the store's in-flight work.
-    share: Option<Arc<Semaphore>>,
+    /// The connection's shares of the store's in-flight work.
+    share: Option<Arc<CallerCalls>>,
 }
 
 /// The results of a `CheckStream`, in the order they are decided.

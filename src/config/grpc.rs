@@ -99,6 +99,17 @@ pub struct GrpcConfig {
     /// carry every tenant's requests, it is what keeps one tenant's flood
     /// from queueing the others. 0: unbounded.
     pub max_store_calls_per_tenant: usize,
+    /// Most store calls one untrusted peer (an IPv4 address, an IPv6 /64;
+    /// not `grpc.trusted_peers`) has in flight, all its connections
+    /// together: past it its next decisions wait for its own calls, so
+    /// opening more connections does not take more of the store. 0:
+    /// unbounded.
+    pub max_store_calls_per_peer: usize,
+    /// Most gRPC connections one untrusted peer has open: one past it is
+    /// closed as soon as it is accepted (counted), so no address takes
+    /// the `grpc.max_connections` places, or their streams, that others
+    /// need. 0: unbounded.
+    pub max_connections_per_peer: usize,
     /// After this long a connection is told to go (HTTP/2 GOAWAY): its calls in flight finish and
     /// the client opens its next connection, possibly to another instance, so clients spread again
     /// over a fleet that scaled out. Exact (tonic applies no jitter: connections opened together
@@ -148,6 +159,8 @@ impl Default for GrpcConfig {
             request_timeout_ms: 10_000,
             max_store_calls_per_connection: 256,
             max_store_calls_per_tenant: 1_024,
+            max_store_calls_per_peer: 1_024,
+            max_connections_per_peer: 128,
             max_connection_age_ms: 0,
             tcp_keepalive_ms: 60_000,
             keepalive_interval_ms: 0,
@@ -192,6 +205,8 @@ impl GrpcConfig {
         for (key, calls) in [
             ("grpc.max_store_calls_per_connection", self.max_store_calls_per_connection),
             ("grpc.max_store_calls_per_tenant", self.max_store_calls_per_tenant),
+            ("grpc.max_store_calls_per_peer", self.max_store_calls_per_peer),
+            ("grpc.max_connections_per_peer", self.max_connections_per_peer),
         ] {
             if calls > 1 << 20 {
                 return Err(invalid(key, "must be between 0 (unbounded) and 1048576"));
@@ -245,6 +260,15 @@ impl GrpcConfig {
     /// `grpc.reporting_peers`, parsed; an error names the entry.
     pub fn reporting_nets(&self) -> Result<Vec<ipnet::IpNet>, ConfigError> {
         nets("grpc.reporting_peers", &self.reporting_peers)
+    }
+
+    /// What one caller may hold besides bytes.
+    pub fn quotas(&self) -> crate::budget::Quotas {
+        crate::budget::Quotas {
+            store_calls_per_connection: self.max_store_calls_per_connection,
+            store_calls_per_peer: self.max_store_calls_per_peer,
+            connections_per_peer: self.max_connections_per_peer,
+        }
     }
 
     /// How the request byte budget is shared.

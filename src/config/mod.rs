@@ -394,7 +394,12 @@ mod tests {
             let err = Config::load(None, env(&[(&var, "0")])).unwrap_err().to_string();
             assert!(err.contains(&format!("`grpc.{key}`")), "{err}");
         }
-        for key in ["max_store_calls_per_connection", "max_store_calls_per_tenant"] {
+        for key in [
+            "max_store_calls_per_connection",
+            "max_store_calls_per_tenant",
+            "max_store_calls_per_peer",
+            "max_connections_per_peer",
+        ] {
             let var = format!("RATELIMITD__GRPC__{}", key.to_uppercase());
             let err = Config::load(None, env(&[(&var, "1048577")])).unwrap_err().to_string();
             assert!(err.contains(&format!("`grpc.{key}`")), "{err}");

@@ -6,7 +6,7 @@ use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
 use super::{Api, Engine, REPORT_LABEL, Reason, TenantSource, clamp_i64, keys, pipeline::Subject};
 use crate::{
-    limiter::{Count, FailureKind, Shares, StoreError, Verdict, adaptive::Reported},
+    limiter::{CallerCalls, Count, FailureKind, Shares, StoreError, Verdict, adaptive::Reported},
     overload::{Kind, OverloadVerdict},
     rules::{Mode, Rule},
     shed::{Level, Priority},
@@ -32,8 +32,8 @@ pub struct CheckRequest<'a> {
     pub headers: &'a HashMap<String, String>,
     /// W3C trace id from the call's `traceparent`, if any.
     pub trace_id: Option<&'a str>,
-    /// The caller's share of the store's in-flight work; `None`: unbounded.
-    pub share: Option<&'a tokio::sync::Semaphore>,
+    /// The caller's shares of the store's in-flight work; `None`: unbounded.
+    pub share: Option<&'a CallerCalls>,
     /// A `Report` of how `weight` checked requests went downstream: fed to
     /// the rule's adaptive limit, nothing counted, no store call.
     pub outcome: Option<Reported>,
@@ -321,7 +321,7 @@ impl Subject for Native<'_, '_> {
     async fn decide(&self, engine: &Engine) -> Result<(Verdict, usize), StoreError> {
         let weight = u64::from(self.request.weight);
         let tenant = engine.tenant_share(|| engine.check_tenant(self.request));
-        let shares = Shares { connection: self.request.share, tenant: tenant.as_deref() };
+        let shares = Shares { caller: self.request.share, tenant: tenant.as_deref() };
         let (rule, store) = (self.rule(), &engine.inner.store);
         if rule.also.is_empty() {
             let verdict =

@@ -23,8 +23,8 @@ use std::{
 use super::{Api, Engine, LimitHits, REPORT_LABEL, Reason, keys, pipeline::Subject};
 use crate::{
     limiter::{
-        Count, FailureKind, ManyItem, ManyOutcome, Shares, StoreError, Verdict, adaptive::Outcome, binding,
-        push_encoded, window::Algorithm,
+        CallerCalls, Count, FailureKind, ManyItem, ManyOutcome, Shares, StoreError, Verdict,
+        adaptive::Outcome, binding, push_encoded, window::Algorithm,
     },
     overload::{Kind, OverloadVerdict},
     rules::envoy::{EnvoyLimit, EnvoyMatch, Unit, params, tick_ms},
@@ -152,8 +152,8 @@ pub struct RlsRequest<'a, D> {
     pub hits_addend: u32,
     /// W3C trace id from the call's `traceparent`, if any.
     pub trace_id: Option<&'a str>,
-    /// The caller's share of the store's in-flight work; `None`: unbounded.
-    pub share: Option<&'a tokio::sync::Semaphore>,
+    /// The caller's shares of the store's in-flight work; `None`: unbounded.
+    pub share: Option<&'a CallerCalls>,
     /// The caller may report outcomes (`grpc.reporting_peers`): if not, its
     /// outcome descriptors are answered and count nowhere.
     pub may_report: bool,
@@ -956,7 +956,7 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
     async fn decide(&self, engine: &Engine) -> Result<ManyOutcome, StoreError> {
         let items = self.settled().1;
         let tenant = engine.tenant_share(|| engine.rls_tenant(self.request));
-        let shares = Shares { connection: self.request.share, tenant: tenant.as_deref() };
+        let shares = Shares { caller: self.request.share, tenant: tenant.as_deref() };
         engine.inner.store.decide_many_in(shares, self.request.domain, items).await
     }
 

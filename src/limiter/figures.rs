@@ -84,8 +84,8 @@ impl Figures for LocalLimiter {
     }
 }
 
-/// The store calls that waited for their connection's or their tenant's
-/// share (`grpc.max_store_calls_per_*`): Redis only, 0 otherwise.
+/// The store calls that waited for their connection's, their peer's or
+/// their tenant's share (`grpc.max_store_calls_per_*`): Redis only, 0 otherwise.
 #[derive(Debug)]
 pub struct ShareWaits {
     /// Weak: the store's dispatchers end only once it is dropped, at
@@ -111,12 +111,13 @@ impl Figures for ShareWaits {
             out,
             "ratelimitd_store_call_waits_total",
             "counter",
-            "Store calls that waited for their connection's or their tenant's share (grpc.max_store_calls_per_*).",
+            "Store calls that waited for their connection's, peer's or tenant's share (grpc.max_store_calls_per_*).",
         );
         let waits =
             self.redis.as_ref().and_then(Weak::upgrade).map(|redis| redis.share_waits()).unwrap_or_default();
         let _ =
             writeln!(out, "ratelimitd_store_call_waits_total{{share=\"connection\"}} {}", waits.connection);
+        let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"peer\"}} {}", waits.peer);
         let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"tenant\"}} {}", waits.tenant);
     }
 }

@@ -35,14 +35,25 @@ pub use crate::clock::{Clock, ManualClock, SystemClock};
 
 /// The shares of the store's in-flight work one call draws on: a Redis
 /// call holds a permit of each it is given while it runs, its tenant's
-/// first, then its connection's (one order for every call, so no two wait
-/// on each other). `Shares::default()`: unbounded.
+/// first, then its peer's, then its connection's (one order for every
+/// call, so no two wait on each other). `Shares::default()`: unbounded.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Shares<'a> {
-    /// The caller's connection's (`grpc.max_store_calls_per_connection`).
-    pub connection: Option<&'a Semaphore>,
+    /// The caller's connection's and peer's.
+    pub caller: Option<&'a CallerCalls>,
     /// The caller's tenant's (`grpc.max_store_calls_per_tenant`).
     pub tenant: Option<&'a Semaphore>,
+}
+
+/// One caller's shares of the store's in-flight calls: its connection's
+/// (`grpc.max_store_calls_per_connection`) and, for an untrusted peer, the
+/// one all the peer's connections draw on (`grpc.max_store_calls_per_peer`).
+#[derive(Debug)]
+pub struct CallerCalls {
+    /// The connection's own.
+    pub connection: Semaphore,
+    /// The peer's; `None` for a trusted peer.
+    pub peer: Option<Arc<Semaphore>>,
 }
 
 /// Where counters live. An enum rather than a trait object: static dispatch,

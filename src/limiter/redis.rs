@@ -292,6 +292,8 @@ pub struct RedisStore {
     connection_waits: AtomicU64,
     /// Calls that waited for their tenant's share.
     tenant_waits: AtomicU64,
+    /// Calls that waited for their peer's share.
+    peer_waits: AtomicU64,
 }
 
 /// Calls that waited for a share of the in-flight calls, by share.
@@ -301,6 +303,8 @@ pub struct ShareWaits {
     pub connection: u64,
     /// For their tenant's (`grpc.max_store_calls_per_tenant`).
     pub tenant: u64,
+    /// For their peer's (`grpc.max_store_calls_per_peer`).
+    pub peer: u64,
 }
 
 /// A permit of `share` once one is free (a wait counted in `waits`); none
@@ -379,6 +383,7 @@ impl RedisStore {
             key_prefix: config.key_prefix.as_str().into(),
             connection_waits: AtomicU64::new(0),
             tenant_waits: AtomicU64::new(0),
+            peer_waits: AtomicU64::new(0),
         })
     }
 
@@ -424,14 +429,15 @@ impl RedisStore {
     }
 
     /// A permit of each of a caller's `shares` of the in-flight calls,
-    /// once one is free: the tenant's first, then the connection's (every
+    /// once one is free: the tenant's first, then the peer's, then the connection's (every
     /// call takes them in this order, so none holds one while another
     /// waits for it the other way round). A wait is counted
     /// ([`RedisStore::share_waits`]) and is the rare path.
-    pub async fn permits<'s>(&self, shares: Shares<'s>) -> [Option<SemaphorePermit<'s>>; 2] {
+    pub async fn permits<'s>(&self, shares: Shares<'s>) -> [Option<SemaphorePermit<'s>>; 3] {
         let tenant = permit(shares.tenant, &self.tenant_waits).await;
-        let connection = permit(shares.connection, &self.connection_waits).await;
-        [tenant, connection]
+        let peer = permit(shares.caller.and_then(|caller| caller.peer.as_deref()), &self.peer_waits).await;
+        let connection = permit(shares.caller.map(|caller| &caller.connection), &self.connection_waits).await;
+        [tenant, peer, connection]
     }
 
     /// Calls that waited for their connection's and their tenant's share
@@ -440,6 +446,7 @@ impl RedisStore {
         ShareWaits {
             connection: self.connection_waits.load(Ordering::Relaxed),
             tenant: self.tenant_waits.load(Ordering::Relaxed),
+            peer: self.peer_waits.load(Ordering::Relaxed),
         }
     }
 

@@ -508,12 +508,12 @@ fn serve_grpc(
         stopped(stop_rx.clone()),
         tasks,
     );
-    let store_calls = config.grpc.max_store_calls_per_connection;
+    let quotas = config.grpc.quotas();
     // The socket's clients are on this host, behind its file permissions: a proxy beside the service.
     let local: places::PeerOf<tokio::net::UnixStream> =
         Arc::new(|_| Peer { key: PeerKey::Local, trusted: true, may_report: true });
     let unix = tokio_stream::wrappers::UnixListenerStream::new(unix);
-    let incoming = places::placed(unix, places, Arc::clone(budget), local, store_calls);
+    let incoming = places::placed(unix, places, Arc::clone(budget), local, quotas);
     let uds = router.serve_with_incoming_shutdown(incoming, stopped(stop_rx));
     let path = path.clone();
     Ok(Box::pin(async move {
@@ -577,14 +577,14 @@ fn serve_tcp(
     tasks: &mut Tasks,
 ) -> Serving {
     let places = Arc::clone(places);
-    let store_calls = config.grpc.max_store_calls_per_connection;
+    let quotas = config.grpc.quotas();
     let identify = Arc::new(places::Identify::of(&config.grpc));
     match tls {
         None => {
             let peer_of: places::PeerOf<tokio::net::TcpStream> =
                 Arc::new(move |io| identify.peer(io.peer_addr().ok(), None));
             let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-            let incoming = places::placed(incoming, places, budget, peer_of, store_calls);
+            let incoming = places::placed(incoming, places, budget, peer_of, quotas);
             Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
         }
         Some(tls) => {
@@ -599,7 +599,7 @@ fn serve_tcp(
             let peer_of: places::PeerOf<tokio_rustls::server::TlsStream<tokio::net::TcpStream>> =
                 Arc::new(move |io| identify.peer(io.get_ref().0.peer_addr().ok(), Some(io)));
             let incoming = tokio_stream::wrappers::ReceiverStream::new(streams);
-            let incoming = places::placed(incoming, places, budget, peer_of, store_calls);
+            let incoming = places::placed(incoming, places, budget, peer_of, quotas);
             Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
         }
     }

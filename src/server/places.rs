@@ -27,7 +27,7 @@ use tonic::transport::server::Connected;
 
 use crate::{
     accept::AcceptBackoff,
-    budget::{Budget, Caller, Peer},
+    budget::{Budget, Caller, Peer, Quotas},
 };
 
 /// A connection holding one of the `grpc.max_connections` places, freed
@@ -47,14 +47,16 @@ pub(super) type PeerOf<T> = Arc<dyn Fn(&T) -> Peer + Send + Sync>;
 /// free (the stream is not polled meanwhile); an accept error passes
 /// through and frees its place, after a pause ([`AcceptBackoff`]: tonic retries
 /// at once, which spun a core while no descriptor was left).
-/// Each connection gets a share of `store_calls` permits (0: unbounded)
-/// and its shares of `budget`, as `peer_of` says who it comes from.
+/// Each connection gets its shares of `budget` and of the store's calls
+/// (`quotas`), as `peer_of` says who it comes from; one from an untrusted
+/// peer that has its `quotas.connections_per_peer` open already is closed
+/// at once (dropped) and its place taken by the next.
 pub(super) fn placed<S, T, E>(
     incoming: S,
     places: Arc<Semaphore>,
     budget: Arc<Budget>,
     peer_of: PeerOf<T>,
-    store_calls: usize,
+    quotas: Quotas,
 ) -> impl Stream<Item = Result<Placed<T>, E>> + Send
 where
     S: Stream<Item = Result<T, E>> + Unpin + Send,
@@ -67,19 +69,20 @@ where
         async move {
             // Never closed: `None` ends the stream only if it were.
             let place = Arc::clone(&places).acquire_owned().await.ok()?;
-            let next = incoming.next().await?;
-            match &next {
-                Ok(_) => backoff.reset(),
-                Err(error) => {
-                    let error = error.to_string();
-                    backoff.pause(&error).await;
+            loop {
+                let io = match incoming.next().await? {
+                    Ok(io) => io,
+                    Err(error) => {
+                        let message = error.to_string();
+                        backoff.pause(&message).await;
+                        return Some((Err(error), (incoming, places, backoff)));
+                    }
+                };
+                backoff.reset();
+                if let Some(caller) = budget.caller(peer_of(&io), quotas) {
+                    return Some((Ok(Placed { io, _place: place, caller }), (incoming, places, backoff)));
                 }
             }
-            let placed = next.map(|io| {
-                let caller = budget.caller(peer_of(&io), store_calls);
-                Placed { io, _place: place, caller }
-            });
-            Some((placed, (incoming, places, backoff)))
         }
     })
 }
@@ -192,7 +195,8 @@ mod tests {
         let budget = Arc::new(Budget::unshared(1));
         let local: PeerOf<u32> =
             Arc::new(|_| Peer { key: crate::budget::PeerKey::Local, trusted: true, may_report: true });
-        let mut connections = Box::pin(placed(incoming, Arc::clone(&places), budget, local, 0));
+        let mut connections =
+            Box::pin(placed(incoming, Arc::clone(&places), budget, local, Quotas::default()));
         let first = connections.next().await.unwrap().unwrap();
         assert_eq!(connections.next().await.unwrap().unwrap_err(), "accept failed");
         let second = connections.next().await.unwrap().unwrap();

@@ -215,6 +215,19 @@ impl TestServer {
         }
     }
 
+    /// A client connecting from the loopback address `from` (any of
+    /// 127.0.0.0/8: another peer to the server).
+    #[allow(dead_code)]
+    pub async fn client_from(&self, from: &str) -> RateLimiterClient<Channel> {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", self.addr))
+            .unwrap()
+            .local_address(Some(from.parse().unwrap()))
+            .connect()
+            .await
+            .unwrap();
+        RateLimiterClient::new(channel)
+    }
+
     /// Stops the server gracefully and returns its result.
     pub async fn stop(mut self) -> Result<(), server::ServerError> {
         let _ = self.shutdown.take().unwrap().send(());
