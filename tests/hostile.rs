@@ -412,14 +412,34 @@ async fn admitted(server: &TestServer, user: &str, path: &str, n: usize) -> usiz
     allowed
 }
 
+/// How Redis fails in [`three_instances_share_a_limit_of_30`].
+#[derive(Clone, Copy)]
+enum Outage {
+    /// Killed: connections refused.
+    Killed,
+    /// Stopped (SIGSTOP): connections open, nothing answered.
+    Hung,
+}
+
 /// Three instances in one process (one host name, one state directory)
-/// count as three in the store's live set: with Redis down they admit 30
+/// count as three in the store's live set: with Redis killed they admit 30
 /// on a limit of 30 (10 each). One restarted during the outage takes its
 /// predecessor's count and owed hits from the state directory: it adds
 /// at most its share (10), and once Redis is back every hit admitted
 /// during the outage, the dead process's included, is written to it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_instances_on_one_host_admit_30_of_30_while_redis_is_down() {
+    three_instances_share_a_limit_of_30(Outage::Killed).await;
+}
+
+/// The same with Redis hung (SIGSTOP) instead of killed: every store call
+/// runs to its deadline, and the instances still admit 30 of 30.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_instances_on_one_host_admit_30_of_30_while_redis_hangs() {
+    three_instances_share_a_limit_of_30(Outage::Hung).await;
+}
+
+async fn three_instances_share_a_limit_of_30(outage: Outage) {
     const LIMIT_30: &str =
         "rules:\n  - { rule_id: thirty, resource_path: /thirty, limit: 30, window_seconds: 3600 }\n";
     let mut redis = common::RedisServer::start();
@@ -441,7 +461,10 @@ async fn three_instances_on_one_host_admit_30_of_30_while_redis_is_down() {
         let three = || async { common::metric(server, "ratelimitd_local_instances ").await == Some(3.0) };
         assert!(common::eventually(Duration::from_secs(10), three).await, "three live instances");
     }
-    redis.stop();
+    match outage {
+        Outage::Killed => redis.stop(),
+        Outage::Hung => redis.pause(),
+    }
     let mut during = 0;
     for server in &servers {
         during += admitted(server, "u", "/thirty", 30).await;
@@ -461,7 +484,10 @@ async fn three_instances_on_one_host_admit_30_of_30_while_redis_is_down() {
     assert_eq!(after, 10, "the restarted instance admitted {after}: more than its share");
     servers.push(restarted);
 
-    redis.restart();
+    match outage {
+        Outage::Killed => redis.restart(),
+        Outage::Hung => redis.resume(),
+    }
     for server in &servers {
         let paid = || async { common::metric(server, "ratelimitd_local_owed_hits ").await == Some(0.0) };
         assert!(common::eventually(Duration::from_secs(20), paid).await, "owed hits never reached Redis");

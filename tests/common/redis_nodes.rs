@@ -122,6 +122,25 @@ impl RedisServer {
         kill(&mut self.child);
     }
 
+    /// Stops the process where it is (SIGSTOP): its connections stay open
+    /// and nothing is answered, a hung Redis, until [`resume`](Self::resume).
+    #[allow(dead_code)]
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a paused process go on (SIGCONT), its data as it was.
+    #[allow(dead_code)]
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("redis-server running").id().to_string();
+        let status = std::process::Command::new("kill").args([signal, &pid]).status().expect("kill");
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
     /// Starts it again on the same port, empty.
     pub fn restart(&mut self) {
         self.stop();
