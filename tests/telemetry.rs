@@ -6,8 +6,8 @@ mod common;
 
 use std::{process::Command, time::Duration};
 
-use common::{RedisServer, Rules, TestServer, check, config, eventually, http_get, request};
-use ratelimitd::api::pb::PriorityBucket;
+use common::{RedisServer, Rules, TestServer, check, config, eventually, http_get, reason, request};
+use ratelimitd::api::pb::{PriorityBucket, Reason};
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
 };
@@ -115,17 +115,19 @@ async fn readyz(server: &TestServer) -> (u16, String) {
     tokio::task::spawn_blocking(move || http_get(addr, "/readyz")).await.unwrap()
 }
 
-/// Redis down: a rule fails closed, so not ready (the body names it) and
-/// gRPC health NOT_SERVING; Redis back: ready and SERVING again; shutdown:
-/// NOT_SERVING while draining. `/healthz` stays 200 throughout;
-/// `/healthcheck` (envoyproxy/ratelimit's probe) follows readiness with
-/// upstream's answers: 200 `OK`, else 500.
+/// Redis down: a rule fails closed, and with `http.unready_without_store`
+/// the instance is not ready (the body names the rule) and gRPC health
+/// NOT_SERVING; Redis back: ready and SERVING again; shutdown: NOT_SERVING
+/// while draining. `/healthz` stays 200 throughout; `/healthcheck`
+/// (envoyproxy/ratelimit's probe) follows readiness with upstream's
+/// answers: 200 `OK`, else 500.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn readiness_and_grpc_health_follow_redis_and_shutdown() {
     let mut redis = RedisServer::start();
     let rules = Rules::new(RULES);
     let mut cfg = config(&rules.path(), Some(redis.url()));
     cfg.http.health_interval_ms = 50;
+    cfg.http.unready_without_store = true;
     cfg.redis.connect_timeout_ms = 200;
     // Long enough to observe the drain below.
     cfg.grpc.drain_delay_ms = 1_500;
@@ -150,6 +152,7 @@ async fn readiness_and_grpc_health_follow_redis_and_shutdown() {
     assert!(eventually(Duration::from_secs(10), ready(503)).await);
     let (_, body) = readyz(&server).await;
     assert!(body.contains("store unreachable") && body.contains("rules failing closed: closed"), "{body}");
+    assert!(body.contains("(http.unready_without_store)"), "{body}");
     assert_eq!(grpc_health(&server, service).await, ServingStatus::NotServing);
     let addr = server.http_addr;
     assert_eq!(tokio::task::spawn_blocking(move || http_get(addr, "/healthz")).await.unwrap().0, 200);
@@ -186,7 +189,64 @@ async fn readiness_and_grpc_health_follow_redis_and_shutdown() {
     stopping.await.unwrap().unwrap();
 }
 
-/// An open circuit breaker makes the instance unready at once (`/readyz`
+/// Three instances on one Redis, serving a rule that fails closed, one
+/// that fails open and one decided locally: Redis stops and every instance
+/// stays ready (`/readyz` 200, `/healthcheck` 200, gRPC SERVING), its body
+/// saying the store is unreachable and which rules fail closed, while
+/// each rule's decisions follow its policy, flagged. A shared store's
+/// outage must not take every endpoint out at once. A fourth instance with
+/// `http.unready_without_store` turns unready, as that setting says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_outage_keeps_every_instance_ready_and_decisions_follow_their_policy() {
+    let mut redis = RedisServer::start();
+    let rules = Rules::new(RULES);
+    let settings = |unready: bool| {
+        let mut cfg = config(&rules.path(), Some(redis.url()));
+        cfg.http.health_interval_ms = 50;
+        cfg.http.unready_without_store = unready;
+        cfg.redis.connect_timeout_ms = 200;
+        cfg.redis.timeout_ms = 200;
+        cfg
+    };
+    let mut servers = Vec::new();
+    for _ in 0..3 {
+        servers.push(TestServer::start(settings(false)).await);
+    }
+    let strict = TestServer::start(settings(true)).await;
+    for server in servers.iter().chain([&strict]) {
+        assert!(eventually(Duration::from_secs(10), || async { readyz(server).await.0 == 200 }).await);
+    }
+    redis.stop();
+    assert!(eventually(Duration::from_secs(10), || async { readyz(&strict).await.0 == 503 }).await);
+    for server in &servers {
+        let (code, body) = readyz(server).await;
+        assert_eq!(code, 200, "{body}");
+        assert!(body.starts_with("ready: redis store unreachable"), "{body}");
+        assert!(body.contains("rules failing closed: closed"), "{body}");
+        let addr = server.http_addr;
+        let upstream = tokio::task::spawn_blocking(move || http_get(addr, "/healthcheck")).await.unwrap();
+        assert_eq!(upstream, (200, "OK".to_owned()));
+        assert_eq!(grpc_health(server, "ratelimit.v1.RateLimiter").await, ServingStatus::Serving);
+
+        let mut client = server.client().await;
+        let closed = check(&mut client, request("u", "/closed")).await;
+        assert_eq!((closed.allowed, reason(&closed)), (false, Reason::FailClosed), "{closed:?}");
+        let open = check(&mut client, request("u", "/open")).await;
+        assert_eq!((open.allowed, reason(&open)), (true, Reason::FailOpen), "{open:?}");
+        let local = check(&mut client, request("u", "/two")).await;
+        assert_eq!((local.allowed, reason(&local)), (true, Reason::LocalOk), "{local:?}");
+        for answer in [&closed, &open, &local] {
+            assert!(!answer.store_error.is_empty(), "flagged: {answer:?}");
+        }
+    }
+    for server in servers {
+        server.stop().await.unwrap();
+    }
+    strict.stop().await.unwrap();
+}
+
+/// With `http.unready_without_store`, an open circuit breaker makes the
+/// instance unready at once (`/readyz`
 /// reads the breaker; the monitor has not probed since Redis went), and the
 /// monitor's probe closes it with no traffic at all once Redis is back,
 /// although `redis.breaker_open_ms` would keep it open for a minute: an
@@ -203,6 +263,7 @@ async fn an_open_breaker_is_unready_and_closes_without_traffic() {
         cfg.redis.breaker_failures = 1;
         cfg.redis.breaker_min_failing_ms = 0;
         cfg.redis.breaker_open_ms = 60_000;
+        cfg.http.unready_without_store = true;
         cfg
     };
     // The monitor probes once, at start, then not for a minute.

@@ -106,9 +106,11 @@ pub struct GrpcConfig {
     /// unbounded.
     pub max_store_calls_per_peer: usize,
     /// Most gRPC connections one untrusted peer has open: one past it is
-    /// closed as soon as it is accepted (counted), so no address takes
-    /// the `grpc.max_connections` places, or their streams, that others
-    /// need. 0: unbounded.
+    /// closed as soon as it is accepted
+    /// (`ratelimitd_grpc_connections_over_peer_share_total`), so no
+    /// address takes the `grpc.max_connections` places, or their streams,
+    /// that others need. Clients behind one NAT share an address: trust
+    /// it (`grpc.trusted_peers`) or raise this. 0: unbounded.
     pub max_connections_per_peer: usize,
     /// After this long a connection is told to go (HTTP/2 GOAWAY): its calls in flight finish and
     /// the client opens its next connection, possibly to another instance, so clients spread again

@@ -14,6 +14,15 @@ pub struct HttpConfig {
     pub listen: String,
     /// How often the counter store is probed for readiness and gRPC health.
     pub health_interval_ms: u64,
+    /// Not ready while the counter store is unreachable and some answer
+    /// would deny by policy (a rule failing closed, `ShouldRateLimit`
+    /// answering UNAVAILABLE). The store is shared by every instance, so
+    /// this takes the whole fleet out of its endpoints at once, and a
+    /// gateway that fails open then allows everything: leave it off unless
+    /// the clients have somewhere else to go. Off: an outage keeps the
+    /// instance ready, its decisions follow each rule's failure policy,
+    /// flagged, and the body says so.
+    pub unready_without_store: bool,
     /// Most connections to the HTTP port open at once; past it new ones
     /// wait in the listen backlog, holding no descriptor. Scrapers and
     /// probes need a few; the bound keeps idle connections from taking the
@@ -46,6 +55,7 @@ impl Default for HttpConfig {
         Self {
             listen: "0.0.0.0:8080".to_owned(),
             health_interval_ms: 1_000,
+            unready_without_store: false,
             max_connections: 64,
             max_connections_per_peer: 8,
             probe_listen: None,

@@ -1,12 +1,15 @@
 //! Liveness, readiness and gRPC health, from one monitor.
 //!
 //! `/healthz` answers 200 while the process serves. `/readyz` and
-//! `grpc.health.v1.Health` say whether the service gives *exact* answers:
-//! ready when the counter store answers and no circuit breaker is open;
-//! when it does not, still ready if every answer would fail open (the
-//! gateway loses nothing by sending traffic here), not ready if some rule
-//! would deny by policy; not ready while draining on shutdown. The body
-//! says which. `/readyz` reads the breakers when asked; gRPC health is
+//! `grpc.health.v1.Health` say whether this instance can decide: not
+//! ready while starting, waiting for its first rules (rules topic, xDS) or
+//! draining on shutdown. The counter store is shared by every instance, so
+//! its outage does not make one unready (that would take every instance
+//! out of its endpoints at once): decisions then follow each rule's
+//! failure policy, flagged, and the body says so and which rules fail
+//! closed. `http.unready_without_store` makes an instance unready while
+//! the store is out and some answer would deny by policy. The body says
+//! which. `/readyz` reads the breakers when asked; gRPC health is
 //! published by the monitor, every `http.health_interval_ms`.
 //! `/healthcheck` is envoyproxy/ratelimit's probe: the same verdict, with
 //! upstream's answers (200 `OK`, else 500).
@@ -59,6 +62,8 @@ pub struct Health {
     /// The xDS subscription (`rules.source: xds`), and whether the service
     /// serves before its first set (`rules.xds.force_start`).
     xds: Option<(Arc<XdsState>, bool)>,
+    /// `http.unready_without_store`.
+    unready_without_store: bool,
 }
 
 impl Health {
@@ -89,7 +94,15 @@ impl Health {
             breakers,
             feed,
             xds: None,
+            unready_without_store: false,
         }
+    }
+
+    /// Not ready while the store is out and some answer would deny by
+    /// policy (`http.unready_without_store`).
+    pub fn unready_without_store(mut self, unready: bool) -> Self {
+        self.unready_without_store = unready;
+        self
     }
 
     /// With Envoy rules over xDS: not ready before the first set, unless
@@ -168,16 +181,18 @@ impl Health {
                     .collect();
                 let envoy_denies = self.envoy_failure_mode == Some(EnvoyFailureMode::Unavailable);
                 if closed.is_empty() && !envoy_denies {
-                    (true, format!("ready: {down}, decisions are local or open by policy"))
-                } else {
-                    let mut why = format!("not ready: {down}");
-                    if !closed.is_empty() {
-                        why += &format!("; rules failing closed: {}", closed.join(", "));
-                    }
-                    if envoy_denies {
-                        why += "; ShouldRateLimit answers UNAVAILABLE";
-                    }
-                    (false, why)
+                    return (true, format!("ready: {down}, decisions are local or open by policy"));
+                }
+                let mut denying = String::new();
+                if !closed.is_empty() {
+                    denying += &format!("; rules failing closed: {}", closed.join(", "));
+                }
+                if envoy_denies {
+                    denying += "; ShouldRateLimit answers UNAVAILABLE";
+                }
+                match self.unready_without_store {
+                    true => (false, format!("not ready: {down}{denying} (http.unready_without_store)")),
+                    false => (true, format!("ready: {down}, decisions follow each rule's failure policy{denying}")),
                 }
             }
         }

@@ -808,7 +808,8 @@ pub(crate) async fn health(
         rules.envoy.as_ref().map(|_| config.envoy.failure_mode),
         engine.store(),
         rules.feed.clone(),
-    );
+    )
+    .unready_without_store(config.http.unready_without_store);
     let health = Arc::new(match &rules.xds {
         Some(xds) => health.with_xds(Arc::clone(xds), config.rules.xds.force_start),
         None => health,
