@@ -365,3 +365,55 @@ async fn a_slow_store_sheds_bulk_by_latency_and_recovers() {
     while load.join_next().await.is_some() {}
     server.stop().await.unwrap();
 }
+
+/// envoyproxy/ratelimit never sheds, so its drop-in does not either until
+/// told: the binary started with upstream's environment
+/// (`RATELIMITD_COMPAT=envoyproxy`) on a saturated CPU (a synthetic 95 %,
+/// level CRITICAL_ONLY) answers every `ShouldRateLimit` without a stated
+/// priority as upstream would (OK, then OVER_LIMIT past the limit, never
+/// `x-ratelimit-reason: SHED`) and counts what it would have shed in
+/// `ratelimitd_shed_total{mode="shadow"}`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_compat_mode_a_saturated_cpu_sheds_nothing_and_counts_what_it_would() {
+    let redis = RedisServer::start();
+    let cpu = SyntheticCpu::new(0.95);
+    let dir = tempfile::tempdir().unwrap();
+    let config_dir = dir.path().join("runtime/ratelimit/config");
+    std::fs::create_dir_all(&config_dir).unwrap();
+    let three =
+        "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: { unit: hour, requests_per_unit: 3 }\n";
+    std::fs::write(config_dir.join("edge.yaml"), three).unwrap();
+    let log = dir.path().join("stderr.log");
+    let env = [
+        ("REDIS_SOCKET_TYPE", "tcp".to_owned()),
+        ("REDIS_URL", redis.url().trim_start_matches("redis://").to_owned()),
+        ("RUNTIME_ROOT", dir.path().join("runtime").display().to_string()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
+        ("USE_STATSD", "false".to_owned()),
+        ("RATELIMITD__SHED__SOURCE", "host".to_owned()),
+        ("RATELIMITD__SHED__PROCFS_ROOT", cpu.procfs.path().display().to_string()),
+        ("RATELIMITD__SHED__CGROUP_ROOT", cpu.cgroup.path().display().to_string()),
+        ("RATELIMITD__SHED__SAMPLE_INTERVAL_MS", "10".to_owned()),
+    ];
+    let (service, grpc_port, http_port) = common::start_compat(dir.path(), &log, &env);
+    let _service = common::Process(service);
+    let http: std::net::SocketAddr = ([127, 0, 0, 1], http_port).into();
+    let scrape = |series: &'static str| async move {
+        let body = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics").1).await.unwrap();
+        body.lines().find_map(|l| l.strip_prefix(series)).and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    let saturated = || async { scrape("ratelimitd_utilization_level ").await == Some(2.0) };
+    assert!(eventually(Duration::from_secs(10), saturated).await, "CRITICAL_ONLY never reached");
+
+    let mut envoy = RateLimitServiceClient::connect(format!("http://127.0.0.1:{grpc_port}")).await.unwrap();
+    let mut codes = Vec::new();
+    for _ in 0..5 {
+        let r = envoy.should_rate_limit(envoy_request(&[("user", "ann")])).await.unwrap().into_inner();
+        assert!(r.response_headers_to_add.iter().all(|h| h.key != "x-ratelimit-reason"), "{r:?}");
+        codes.push(Code::try_from(r.overall_code).unwrap());
+    }
+    assert_eq!(codes, [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit, Code::OverLimit]);
+    let shadow = scrape(r#"ratelimitd_shed_total{priority="DEGRADED",mode="shadow"} "#).await;
+    assert_eq!(shadow, Some(5.0), "each would have been shed");
+    assert_eq!(scrape(r#"ratelimitd_shed_total{priority="DEGRADED",mode="enforce"} "#).await, Some(0.0));
+}

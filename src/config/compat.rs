@@ -422,6 +422,9 @@ fn envoy(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     out.push(("envoy.algorithm", "fixed_window".to_owned()));
     out.push(("envoy.zero_hits", "within_limit".to_owned()));
     out.push(("envoy.hits_counted", "always".to_owned()));
+    // Upstream never sheds: a busy node measures and flags what it would
+    // shed, and refuses nothing until `shed.mode: enforce` says so.
+    out.push(("shed.mode", "shadow".to_owned()));
     for (name, key) in [
         ("MERGE_DOMAIN_CONFIG", "envoy.merge_domains"),
         ("SHADOW_MODE", "envoy.shadow_mode"),
@@ -618,6 +621,7 @@ mod tests {
         assert_eq!(get("RATELIMITD__ENVOY__ALGORITHM"), Some("fixed_window"));
         assert_eq!(get("RATELIMITD__ENVOY__ZERO_HITS"), Some("within_limit"));
         assert_eq!(get("RATELIMITD__ENVOY__HITS_COUNTED"), Some("always"));
+        assert_eq!(get("RATELIMITD__SHED__MODE"), Some("shadow"), "upstream never sheds");
         let (env, _) =
             translated(&[(COMPAT_VAR, ENVOYPROXY), ("RATELIMITD__ENVOY__ALGORITHM", "sliding_window")]);
         assert_eq!(env["RATELIMITD__ENVOY__ALGORITHM"], "sliding_window");

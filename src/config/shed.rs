@@ -13,6 +13,8 @@ use crate::shed::{Priority, ShedMode, ShedSignal, Source, Thresholds};
 pub struct ShedConfig {
     /// `enforce` refuses shed requests (reason SHED); `shadow` decides them
     /// normally and flags `shadow_shed`; `off` neither samples nor sheds.
+    /// In compat mode (`RATELIMITD_COMPAT=envoyproxy`) the default is
+    /// `shadow`: upstream never sheds.
     pub mode: ShedMode,
     /// What the level is decided on: `cpu` (utilization, `shed.source`),
     /// `latency` (the store calls' p90 against its own unloaded baseline:

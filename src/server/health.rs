@@ -192,7 +192,9 @@ impl Health {
                 }
                 match self.unready_without_store {
                     true => (false, format!("not ready: {down}{denying} (http.unready_without_store)")),
-                    false => (true, format!("ready: {down}, decisions follow each rule's failure policy{denying}")),
+                    false => {
+                        (true, format!("ready: {down}, decisions follow each rule's failure policy{denying}"))
+                    }
                 }
             }
         }
