@@ -4,7 +4,10 @@
 # from source by rdkafka-sys with the C toolchain and perl the image has, so
 # the binary needs no libssl at run time; gRPC and Redis TLS are rustls),
 # ship only the binary and the example rules on a slim Debian, as a non-root
-# user.
+# user. The examples are files to read or mount, never rules in force: the
+# image serves the rules its configuration names (`rules.path`,
+# `rules.envoy_path`, or upstream's `RUNTIME_ROOT` in compat mode), and
+# refuses to start, naming those keys, when it names none.
 #
 # Both bases are build arguments so a release pins them by digest, resolved
 # where a registry is reachable:
@@ -32,7 +35,7 @@ RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/ratelimitd ra
 COPY --from=build /usr/local/bin/ratelimitd /usr/local/bin/ratelimitd
 COPY examples /etc/ratelimitd/examples
 WORKDIR /var/lib/ratelimitd
-ENV RATELIMITD__RULES__PATH=/etc/ratelimitd/examples/rules \
+ENV RATELIMITD__RULES__EXAMPLES=false \
     RATELIMITD__DLQ__FILE=/var/lib/ratelimitd/dlq.jsonl \
     RATELIMITD__DLQ__SPOOL_DIR=/var/lib/ratelimitd/spool
 USER ratelimitd

@@ -225,7 +225,10 @@ pub fn rules_in_force(
     }
     let loaded = match &config.rules.path {
         Some(path) => rules::load(path, config.rules.path_matching),
-        None => rules::embedded(config.rules.path_matching),
+        None if config.rules.examples && config.rules.envoy_path.is_none() => {
+            rules::embedded(config.rules.path_matching)
+        }
+        None => Ok(rules::empty()),
     };
     let native = loaded.map_err(|e| ReleaseError::Rules(format!("{what}: {e}")))?;
     let envoy = match &config.rules.envoy_path {

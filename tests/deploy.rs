@@ -171,9 +171,22 @@ fn dockerfile_matches_the_service() {
         })
         .collect();
     assert!(env.len() >= 3);
-    let config = Config::load(None, env.clone()).unwrap();
-    ratelimitd::rules::load(&image_path_to_repo(env["RATELIMITD__RULES__PATH"].as_str()), Default::default())
-        .unwrap();
+    // The image serves no example rule: started with nothing more, it
+    // refuses to start and names the key to set; given rules it serves
+    // them, and in compat mode upstream's runtime directory.
+    let error = Config::load(None, env.clone()).unwrap_err().to_string();
+    assert!(error.contains("`rules.path`") && error.contains("rules.envoy_path"), "{error}");
+    assert!(!env.contains_key("RATELIMITD__RULES__PATH"), "no rules in force in the image");
+    let with = |pairs: &[(&str, &str)]| {
+        let mut env = env.clone();
+        env.extend(pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+        Config::load(None, env)
+    };
+    let config = with(&[("RATELIMITD__RULES__PATH", "/etc/ratelimitd/rules")]).unwrap();
+    assert!(!config.rules.examples);
+    let compat = with(&[("RATELIMITD_COMPAT", "envoyproxy")]).unwrap();
+    assert_eq!(compat.rules.path, None, "no native rules");
+    assert!(compat.rules.envoy_path.is_some(), "upstream's runtime directory");
     assert!(
         config.dlq.file.starts_with("/var/lib/ratelimitd")
             && config.dlq.spool_dir.starts_with("/var/lib/ratelimitd")

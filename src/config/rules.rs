@@ -34,11 +34,17 @@ pub struct RulesConfig {
     pub source: RulesSource,
     /// A native rule YAML file, or a directory whose `*.yaml`/`*.yml` files
     /// together form the rule set. Unset: the example rules compiled into
-    /// the binary (`examples/rules`), unless `envoy_path` is set, in which
-    /// case there are no native rules (`Check` answers NO_RULE). With
-    /// `source: kafka`: the fallback, used only when no snapshot arrives
-    /// within `rules.kafka.wait_ms`.
+    /// the binary (`examples/rules`) while `rules.examples` is on, unless
+    /// `envoy_path` is set, in which case there are no native rules
+    /// (`Check` answers NO_RULE). With `source: kafka`: the fallback, used
+    /// only when no snapshot arrives within `rules.kafka.wait_ms`.
     pub path: Option<PathBuf>,
+    /// Serve the example rules compiled into the binary when neither
+    /// `rules.path` nor `rules.envoy_path` is set (the quick start). The
+    /// container image turns it off, so an image started without rules
+    /// serves none of the examples' limits: with `source: files` it then
+    /// refuses to start, naming the keys to set.
+    pub examples: bool,
     /// How often `path` is checked for changes (metadata only; a file is read
     /// again only when its identity, size or mtime changed). 0 disables reload.
     pub reload_interval_ms: u64,
@@ -119,6 +125,7 @@ impl Default for RulesConfig {
             path: None,
             reload_interval_ms: 1_000,
             envoy_path: None,
+            examples: true,
             allow_empty: false,
             path_matching: PathForm::default(),
             kafka: RulesKafkaConfig::default(),
@@ -137,6 +144,18 @@ impl RulesConfig {
             return Err(invalid(
                 "rules.envoy_path",
                 "must not be empty; leave it unset to not serve ShouldRateLimit",
+            ));
+        }
+        if self.source == RulesSource::Files
+            && !self.examples
+            && self.path.is_none()
+            && self.envoy_path.is_none()
+        {
+            return Err(invalid(
+                "rules.path",
+                "unset, and so is rules.envoy_path, with rules.examples off: name the rules to serve \
+                 (rules.path for native rules, rules.envoy_path for Envoy's), or turn rules.examples on \
+                 for the built-in examples",
             ));
         }
         let kafka = &self.kafka;

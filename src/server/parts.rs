@@ -215,7 +215,8 @@ pub(crate) fn rules(
     };
     let (native, native_source) = match (&config.path, &config.envoy_path) {
         (Some(path), _) => (load_native(path)?, path.display().to_string()),
-        (None, None) => (rules::embedded(form)?, rules::EMBEDDED_SOURCE.to_owned()),
+        (None, None) if config.examples => (rules::embedded(form)?, rules::EMBEDDED_SOURCE.to_owned()),
+        (None, None) => (rules::empty(), "none (rules.path unset, rules.examples off)".to_owned()),
         (None, Some(_)) => (rules::empty(), "none (rules.path unset, Envoy rules only)".to_owned()),
     };
     let native = Arc::new(RuleStore::new(native));
