@@ -171,19 +171,32 @@ fn dockerfile_matches_the_service() {
         })
         .collect();
     assert!(env.len() >= 3);
-    // The image serves no example rule: started with nothing more, it
-    // refuses to start and names the key to set; given rules it serves
+    // The image serves no example rule: `serve` on its environment alone
+    // refuses to start and names the keys to set; given rules it loads
     // them, and in compat mode upstream's runtime directory.
-    let error = Config::load(None, env.clone()).unwrap_err().to_string();
-    assert!(error.contains("`rules.path`") && error.contains("rules.envoy_path"), "{error}");
     assert!(!env.contains_key("RATELIMITD__RULES__PATH"), "no rules in force in the image");
+    let config = Config::load(None, env.clone()).unwrap();
+    assert!(!config.rules.examples);
+    let state = tempfile::tempdir().unwrap();
+    let refused = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .arg("serve")
+        .env_clear()
+        .envs(&env)
+        .env("RATELIMITD__GRPC__LISTEN", "127.0.0.1:0")
+        .env("RATELIMITD__HTTP__LISTEN", "127.0.0.1:0")
+        .env("RATELIMITD__DLQ__FILE", state.path().join("dlq.jsonl"))
+        .env("RATELIMITD__DLQ__SPOOL_DIR", state.path().join("spool"))
+        .env("RATELIMITD__LOCAL__STATE_DIR", state.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "served on the image's environment alone: {stderr}");
+    assert!(stderr.contains("rules.path: unset") && stderr.contains("rules.envoy_path"), "{stderr}");
     let with = |pairs: &[(&str, &str)]| {
         let mut env = env.clone();
         env.extend(pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
         Config::load(None, env)
     };
-    let config = with(&[("RATELIMITD__RULES__PATH", "/etc/ratelimitd/rules")]).unwrap();
-    assert!(!config.rules.examples);
     let compat = with(&[("RATELIMITD_COMPAT", "envoyproxy")]).unwrap();
     assert_eq!(compat.rules.path, None, "no native rules");
     assert!(compat.rules.envoy_path.is_some(), "upstream's runtime directory");
@@ -286,7 +299,9 @@ fn kubernetes_manifests_validate_against_the_schemas() {
             (Some("v1"), Some("Service")) => "service-v1.json",
             (Some("v1"), Some("ConfigMap")) => "configmap-v1.json",
             (Some("policy/v1"), Some("PodDisruptionBudget")) => "poddisruptionbudget-policy-v1.json",
-            (Some("monitoring.coreos.com/v1"), Some("ServiceMonitor")) => continue,
+            (Some("batch/v1"), Some("Job")) => "job-batch-v1.json",
+            (Some("networking.k8s.io/v1"), Some("NetworkPolicy")) => "networkpolicy-networking-v1.json",
+            (Some("monitoring.coreos.com/v1"), Some("ServiceMonitor" | "PrometheusRule")) => continue,
             other => panic!("{name}: no schema for {other:?}"),
         };
         let output = Command::new(check_jsonschema())
@@ -305,7 +320,7 @@ fn kubernetes_manifests_validate_against_the_schemas() {
         );
         validated += 1;
     }
-    assert!(validated >= 6, "only {validated} manifests validated");
+    assert!(validated >= 8, "only {validated} manifests validated");
 }
 
 /// The manifests agree with each other and with the service: the
@@ -401,4 +416,105 @@ fn kubernetes_manifests_agree_with_the_service_and_each_other() {
     let rules =
         ratelimitd::rules::load(&dir.path().join(file), Default::default()).unwrap_or_else(|e| panic!("{e}"));
     assert!(!rules.rules().is_empty());
+
+    // Gateways' long-lived connections reach pods a scale-out adds.
+    assert!(config.grpc.max_connection_age_ms > 0, "grpc.max_connection_age_ms unset");
+
+    // The migrate Job runs the Deployment's image against its store.
+    let job = object("migrate-job.yaml");
+    let migrate = &job["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(migrate["image"], container["image"]);
+    assert_eq!(migrate["args"][0], "migrate");
+    let job_env: HashMap<String, String> = migrate["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|e| (e["name"].as_str().unwrap().to_owned(), e["value"].as_str().unwrap().to_owned()))
+        .collect();
+    let job_config =
+        Config::load(None, job_env).unwrap_or_else(|e| panic!("migrate-job.yaml's environment: {e}"));
+    assert_eq!(job_config.redis.url, config.redis.url, "the Job migrates the Deployment's Redis");
+    let help = Command::new(env!("CARGO_BIN_EXE_ratelimitd")).args(["migrate", "--help"]).output().unwrap();
+    assert!(help.status.success());
+
+    // The NetworkPolicy selects these pods and names their ports; the
+    // probes' port is not opened (the kubelet is not subject to it).
+    let policy = object("networkpolicy.yaml");
+    assert_eq!(&policy["spec"]["podSelector"]["matchLabels"], labels);
+    let opened: Vec<&str> = policy["spec"]["ingress"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|rule| rule["ports"].as_sequence().unwrap().iter().map(|p| p["port"].as_str().unwrap()))
+        .collect();
+    assert_eq!(opened, ["grpc", "http"]);
+    for port in &opened {
+        assert!(port_of(port).is_some(), "{port} names no container port");
+    }
+}
+
+/// The alert rules are valid for Prometheus (`promtool check rules`) and
+/// fire as their tests say (`promtool test rules`); every metric they name
+/// is one the service exports; the PrometheusRule carries the same groups;
+/// each links to the section of the operations guide that says what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alert_rules_are_valid_and_name_real_metrics() {
+    for args in [["check", "rules", "deploy/alerts.yml"], ["test", "rules", "deploy/alerts_test.yml"]] {
+        let output = Command::new("promtool")
+            .args(args)
+            .current_dir(repo(""))
+            .output()
+            .unwrap_or_else(|e| panic!("promtool: {e}; run scripts/install-tools"));
+        assert!(
+            output.status.success(),
+            "promtool {args:?}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let alerts: Value =
+        yaml_serde::from_str(&std::fs::read_to_string(repo("deploy/alerts.yml")).unwrap()).unwrap();
+    let operator: Value = yaml_serde::from_str(
+        &std::fs::read_to_string(repo("deploy/kubernetes/prometheusrule.yaml")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(operator["spec"]["groups"], alerts["groups"], "the PrometheusRule and alerts.yml differ");
+
+    let server = TestServer::start(default_rules_config(None)).await;
+    let addr = server.http_addr;
+    let (_, scrape) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.unwrap();
+    server.stop().await.unwrap();
+    let families: Vec<&str> = scrape
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| l.split(' ').next().unwrap())
+        .collect();
+    let guide = std::fs::read_to_string(repo("docs/operations.md")).unwrap();
+    let rules = alerts["groups"][0]["rules"].as_sequence().unwrap();
+    assert!(rules.len() >= 8, "{} alerts", rules.len());
+    for rule in rules {
+        let name = rule["alert"].as_str().unwrap();
+        let expr = rule["expr"].as_str().unwrap();
+        let mut named = 0;
+        for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if !word.starts_with("ratelimitd_") {
+                continue;
+            }
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| word.strip_suffix(suffix).filter(|f| families.contains(f)))
+                .unwrap_or(word);
+            assert!(families.contains(&family), "{name}: {word} is not on /metrics");
+            named += 1;
+        }
+        assert!(named > 0, "{name} names no metric of the service");
+        let runbook = rule["annotations"]["runbook"].as_str().unwrap();
+        let anchor = runbook.strip_prefix("docs/operations.md#").unwrap();
+        let heading = anchor.strip_prefix("alert-").unwrap();
+        assert!(
+            guide.lines().any(|l| l.starts_with("### ")
+                && l.to_lowercase().replace(' ', "") == format!("###alert:{heading}")),
+            "{name}: docs/operations.md has no section {anchor}"
+        );
+    }
 }

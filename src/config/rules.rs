@@ -42,8 +42,8 @@ pub struct RulesConfig {
     /// Serve the example rules compiled into the binary when neither
     /// `rules.path` nor `rules.envoy_path` is set (the quick start). The
     /// container image turns it off, so an image started without rules
-    /// serves none of the examples' limits: with `source: files` it then
-    /// refuses to start, naming the keys to set.
+    /// serves none of the examples' limits: `serve` with `source: files`
+    /// then refuses to start, naming the keys to set.
     pub examples: bool,
     /// How often `path` is checked for changes (metadata only; a file is read
     /// again only when its identity, size or mtime changed). 0 disables reload.
@@ -144,18 +144,6 @@ impl RulesConfig {
             return Err(invalid(
                 "rules.envoy_path",
                 "must not be empty; leave it unset to not serve ShouldRateLimit",
-            ));
-        }
-        if self.source == RulesSource::Files
-            && !self.examples
-            && self.path.is_none()
-            && self.envoy_path.is_none()
-        {
-            return Err(invalid(
-                "rules.path",
-                "unset, and so is rules.envoy_path, with rules.examples off: name the rules to serve \
-                 (rules.path for native rules, rules.envoy_path for Envoy's), or turn rules.examples on \
-                 for the built-in examples",
             ));
         }
         let kafka = &self.kafka;

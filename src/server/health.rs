@@ -201,6 +201,27 @@ impl Health {
     }
 }
 
+impl crate::telemetry::Figures for Health {
+    fn render(&self, out: &mut String) {
+        use crate::telemetry::exposition::single;
+        single(
+            out,
+            "ratelimitd_ready",
+            "gauge",
+            "1 while /readyz answers 200 (this instance can decide), else 0: starting, waiting for its first rules, draining.",
+            u8::from(self.readiness().0),
+        );
+        let exact = self.state.load(Ordering::SeqCst) == STORE_UP && self.open_breakers() == 0;
+        single(
+            out,
+            "ratelimitd_store_reachable",
+            "gauge",
+            "1 while the counter store answers and no circuit breaker is open (decisions are exact), else 0.",
+            u8::from(exact),
+        );
+    }
+}
+
 /// Probes the store every `interval` and publishes readiness to `reporter`
 /// until `shutdown`.
 pub async fn run_monitor(

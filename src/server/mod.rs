@@ -63,6 +63,12 @@ pub enum ServerError {
     #[error("grpc reflection: {0}")]
     Reflection(String),
     /// The gRPC server failed.
+    #[error(
+        "rules.path: unset, and so is rules.envoy_path, with rules.examples off: name the rules to serve \
+         (rules.path for native rules, rules.envoy_path for Envoy's), or turn rules.examples on for the \
+         built-in examples"
+    )]
+    NoRules,
     #[error("grpc server")]
     Transport(#[from] tonic::transport::Error),
     /// The xDS subscription cannot be set up (a TLS file).

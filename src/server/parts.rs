@@ -216,6 +216,9 @@ pub(crate) fn rules(
     let (native, native_source) = match (&config.path, &config.envoy_path) {
         (Some(path), _) => (load_native(path)?, path.display().to_string()),
         (None, None) if config.examples => (rules::embedded(form)?, rules::EMBEDDED_SOURCE.to_owned()),
+        (None, None) if config.source == crate::config::RulesSource::Files => {
+            return Err(ServerError::NoRules);
+        }
         (None, None) => (rules::empty(), "none (rules.path unset, rules.examples off)".to_owned()),
         (None, Some(_)) => (rules::empty(), "none (rules.path unset, Envoy rules only)".to_owned()),
     };
@@ -815,6 +818,7 @@ pub(crate) async fn health(
         Some(xds) => health.with_xds(Arc::clone(xds), config.rules.xds.force_start),
         None => health,
     });
+    metrics.register(Arc::clone(&health) as Arc<dyn telemetry::Figures>);
     let (reporter, service) = tonic_health::server::health_reporter();
     publish(&reporter, &health, false).await;
     let stop = tasks.stopper();
