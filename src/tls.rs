@@ -50,11 +50,11 @@ use crate::accept::AcceptBackoff;
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GrpcTlsConfig {
-    /// PEM certificate chain and private key: both set turns TLS on for the gRPC port (rustls; ALPN
-    /// h2; TLS 1.2 and 1.3).
+    /// PEM certificate chain the gRPC port presents; with `key_file` it turns TLS on for the port
+    /// (rustls; ALPN h2; TLS 1.2 and 1.3), reloaded when the file changes.
     pub cert_file: Option<PathBuf>,
-    /// PEM certificate chain and private key: both set turns TLS on for the gRPC port (rustls; ALPN
-    /// h2; TLS 1.2 and 1.3).
+    /// PEM private key of `cert_file` (PKCS#8, PKCS#1 or SEC1); both are needed, one alone is
+    /// refused.
     pub key_file: Option<PathBuf>,
     /// PEM CA certificate(s): every client must present a certificate one of them signed (mTLS);
     /// others fail the handshake.

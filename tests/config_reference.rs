@@ -166,3 +166,21 @@ fn every_key_in_the_table_is_accepted() {
         assert!(!error.contains("unknown field"), "{key}: {error}");
     }
 }
+
+/// Each key is described by its own field: no two keys share a text (a
+/// copied doc comment describes at most one of them).
+#[test]
+fn every_key_has_its_own_description() {
+    let structs = structs();
+    let defaults = serde_json::to_value(Config::default()).unwrap();
+    let mut out = Vec::new();
+    rows(&structs, "Config", "", &defaults, &mut out);
+    let mut seen: HashMap<&str, &str> = HashMap::new();
+    for row in &out {
+        let key = row.split('`').nth(1).unwrap();
+        let text = row.splitn(4, " | ").nth(1).unwrap();
+        if let Some(first) = seen.insert(text, key) {
+            panic!("`{first}` and `{key}` share one description: {text}");
+        }
+    }
+}

@@ -125,9 +125,9 @@ pub struct EnvoySettings {
     pub remaining_header: String,
     /// Name of the reset header (seconds).
     pub reset_header: String,
-    /// Bounds per request / per descriptor (INVALID_ARGUMENT beyond).
+    /// Most descriptors in one `ShouldRateLimit` request (INVALID_ARGUMENT beyond).
     pub max_descriptors: usize,
-    /// Bounds per request / per descriptor (INVALID_ARGUMENT beyond).
+    /// Most entries in one descriptor (INVALID_ARGUMENT beyond).
     pub max_entries: usize,
     /// Longest domain, in bytes (a longer one is refused: domains come
     /// from Envoy's configuration, not from clients); and the longest entry

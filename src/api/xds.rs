@@ -56,14 +56,12 @@ pub struct XdsConfig {
     // never serialized: not even into the generated reference.
     #[serde(skip_serializing)]
     pub headers: BTreeMap<String, String>,
-    /// With `https://`: the CA to trust, a client certificate and key for mTLS, the name the
-    /// server's certificate must carry.
+    /// With `https://`: the PEM CA certificate(s) the management server's certificate must chain
+    /// to; no other roots are trusted.
     pub ca_file: Option<PathBuf>,
-    /// With `https://`: the CA to trust, a client certificate and key for mTLS, the name the
-    /// server's certificate must carry.
+    /// With `https://`: the PEM client certificate presented for mTLS (with `key_file`).
     pub cert_file: Option<PathBuf>,
-    /// With `https://`: the CA to trust, a client certificate and key for mTLS, the name the
-    /// server's certificate must carry.
+    /// With `https://`: the PEM private key of `cert_file`.
     pub key_file: Option<PathBuf>,
     /// The name the server's certificate must carry, when it differs from
     /// the URL's host (`CONFIG_GRPC_XDS_SERVER_TLS_SAN`).
@@ -72,12 +70,13 @@ pub struct XdsConfig {
     /// descriptor then has no limit) instead of waiting for it
     /// (`FORCE_START_WITHOUT_INITIAL_CONFIG`).
     pub force_start: bool,
-    /// Connecting, and the jittered, doubling wait before reconnecting a broken stream.
+    /// Deadline for connecting to the management server (each attempt).
     pub connect_timeout_ms: u64,
     /// First wait before reconnecting after a broken stream; it doubles
     /// up to `retry_max_ms` (jittered).
     pub retry_initial_ms: u64,
-    /// Connecting, and the jittered, doubling wait before reconnecting a broken stream.
+    /// Longest wait before reconnecting a broken stream: the doubling
+    /// wait from `retry_initial_ms` stops growing here (jittered).
     pub retry_max_ms: u64,
     /// Largest response accepted (`XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES`).
     pub max_message_bytes: usize,

@@ -34,11 +34,15 @@ pub struct OverloadConfig {
     pub reload_interval_ms: u64,
     /// `user_id_prefix` or `header`: where a `Check` request's tenant is read.
     pub tenant_from: TenantSource,
-    /// The `user_id` separator, the header, the Envoy descriptor entry key naming the tenant.
+    /// With `tenant_from: user_id_prefix`, what ends the tenant in a
+    /// `user_id` (`acme:alice` is tenant `acme`); a `user_id` without it
+    /// has no tenant.
     pub tenant_separator: String,
-    /// The `user_id` separator, the header, the Envoy descriptor entry key naming the tenant.
+    /// With `tenant_from: header`, the request header (gRPC metadata key,
+    /// lower case) whose value is the tenant.
     pub tenant_header: String,
-    /// The `user_id` separator, the header, the Envoy descriptor entry key naming the tenant.
+    /// The Envoy descriptor entry whose value names a `ShouldRateLimit`
+    /// request's tenant (the first such entry of its descriptors).
     pub tenant_descriptor_key: String,
 }
 
