@@ -688,3 +688,12 @@ fn rules_diff_says_what_an_envoy_candidate_changes_and_touches() {
     );
     assert!(text.contains("added    edge.path_/b: 3 PER HOUR  (touches 0 of 3"), "{text}");
 }
+
+/// `audit --kind`'s help names every failure kind a record can carry.
+#[test]
+fn audit_help_names_every_failure_kind() {
+    let help = stdout(&ratelimitd(&["audit", "--help"], &[]));
+    for kind in ratelimitd::limiter::FailureKind::ALL {
+        assert!(help.contains(kind.as_str()), "audit --help does not name {}", kind.as_str());
+    }
+}

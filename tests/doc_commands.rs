@@ -71,6 +71,16 @@ fn rules_validate_prints_what_rules_md_shows() {
     }
 }
 
+/// docs/dead-letters.md: `audit` over the file sink's records of a real
+/// outage (`tests/fixtures/dlq.jsonl`).
+#[test]
+fn audit_prints_what_dead_letters_md_shows() {
+    let block = console_block("docs/dead-letters.md", "ratelimitd audit --file dlq.jsonl");
+    let (command, shown) = &block[0];
+    let dir = common::repo_path("tests/fixtures");
+    assert_eq!(run(command, &dir, &[]), *shown, "docs/dead-letters.md: `{command}`");
+}
+
 /// README's quick start: `check` against the service on embedded defaults
 /// prints what the README shows, but for `reset_after_ms`, which depends
 /// on when in the second it runs.

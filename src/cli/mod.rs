@@ -99,7 +99,7 @@ pub struct AuditArgs {
     /// Only this rule_id.
     #[arg(long)]
     pub rule: Option<String>,
-    /// Only this failure kind (timeout, connection_refused, connection_lost, pool_exhausted, circuit_open, script_error, cluster_error, other).
+    /// Only this failure kind (timeout, connection_refused, connection_lost, pool_exhausted, circuit_open, script_error, cluster_error, store_full, other).
     #[arg(long)]
     pub kind: Option<String>,
     /// Only records at or after: a duration ago (2h, 30m, 7d) or an RFC 3339 time.

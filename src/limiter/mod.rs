@@ -471,14 +471,27 @@ pub enum FailureKind {
     ScriptError,
     /// A Redis Cluster error (slot moved, cluster down).
     ClusterError,
-    /// The in-memory store is at `memory.max_counters` and none of the
-    /// counters it sampled has expired.
+    /// A shard of memory counters is full and every counter it sampled
+    /// is owed to the shared store (the local limiter's: none may go).
     StoreFull,
     /// Anything else.
     Other,
 }
 
 impl FailureKind {
+    /// Every kind, in the order of the enum.
+    pub const ALL: [FailureKind; 9] = [
+        FailureKind::Timeout,
+        FailureKind::ConnectionRefused,
+        FailureKind::ConnectionLost,
+        FailureKind::PoolExhausted,
+        FailureKind::CircuitOpen,
+        FailureKind::ScriptError,
+        FailureKind::ClusterError,
+        FailureKind::StoreFull,
+        FailureKind::Other,
+    ];
+
     /// Stable snake_case name used in logs, metrics and records.
     pub fn as_str(self) -> &'static str {
         match self {
