@@ -130,10 +130,11 @@ async fn grpcurl_lists_what_observability_md_shows() {
         .skip(1)
         .map(|word| if word == "127.0.0.1:8081" { server.addr.to_string() } else { word.to_owned() })
         .collect();
-    let output =
-        tokio::task::spawn_blocking(move || Command::new(common::grpcurl_path()).args(&args).output().unwrap())
-            .await
-            .unwrap();
+    let output = tokio::task::spawn_blocking(move || {
+        Command::new(common::grpcurl_path()).args(&args).output().unwrap()
+    })
+    .await
+    .unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     assert_eq!(String::from_utf8_lossy(&output.stdout), *shown, "docs/observability.md: `{command}`");
     server.stop().await.unwrap();
@@ -157,8 +158,18 @@ fn every_file_the_docs_name_exists() {
         }
     }
     texts.extend(["Dockerfile", "docker-compose.yml", "deploy/alerts.yml"].map(str::to_owned));
-    let roots =
-        ["src/", "tests/", "docs/", "deploy/", "examples/", "scripts/", "loadtest/", "benches/", "migrations/", "proto/"];
+    let roots = [
+        "src/",
+        "tests/",
+        "docs/",
+        "deploy/",
+        "examples/",
+        "scripts/",
+        "loadtest/",
+        "benches/",
+        "migrations/",
+        "proto/",
+    ];
     let mut checked = 0;
     let mut missing = Vec::new();
     for doc in &texts {
