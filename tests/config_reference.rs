@@ -178,7 +178,7 @@ fn every_key_has_its_own_description() {
     let mut seen: HashMap<&str, &str> = HashMap::new();
     for row in &out {
         let key = row.split('`').nth(1).unwrap();
-        let text = row.splitn(4, " | ").nth(1).unwrap();
+        let text = row.split(" | ").nth(1).unwrap();
         if let Some(first) = seen.insert(text, key) {
             panic!("`{first}` and `{key}` share one description: {text}");
         }
