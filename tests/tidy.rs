@@ -309,8 +309,8 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
         "src/limiter/redis.rs::run",
         "the per-decision future: one await per step, kept flat so its state machine stays small",
     ),
-    ("src/rules/envoy.rs::load_level", "upstream's checks of one YAML level, in upstream's order"),
-    ("src/rules/envoy.rs::compile_limit", "upstream's checks of one rate_limit, in upstream's order"),
+    ("src/rules/envoy/yaml.rs::load_level", "upstream's checks of one YAML level, in upstream's order"),
+    ("src/rules/envoy/yaml.rs::compile_limit", "upstream's checks of one rate_limit, in upstream's order"),
     ("src/rules/store.rs::watch", "the poll loop and its once-per-change logging state"),
     (
         "src/overload/feed.rs::apply",
