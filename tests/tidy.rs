@@ -239,18 +239,26 @@ fn sibling_edges() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
     for file in source_files() {
         let rel = relative(&file);
         let Some((folder, name)) = rel.rsplit_once('/') else { continue };
-        if name == "mod.rs" || folder.contains('/') {
-            continue;
-        }
-        let siblings: BTreeSet<String> = fs::read_dir(file.parent().unwrap())
+        // A folder's `mod.rs` is that folder's node among its parent's
+        // files (its `super::` names the parent's siblings); any other
+        // file is a node of its own folder, nested folders included.
+        let (folder, me, dir, up) = match name {
+            "mod.rs" => match folder.rsplit_once('/') {
+                Some((parent, node)) => {
+                    (parent, node.to_owned(), file.parent().unwrap().parent().unwrap(), "super::")
+                }
+                None => continue,
+            },
+            _ => (folder, name.trim_end_matches(".rs").to_owned(), file.parent().unwrap(), "super::"),
+        };
+        let siblings: BTreeSet<String> = fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().trim_end_matches(".rs").to_owned())
             .filter(|n| n != "mod")
             .collect();
-        let me = name.trim_end_matches(".rs").to_owned();
         let text = code(&fs::read_to_string(&file).unwrap());
-        let mut named = names_after(&text, "super::", true);
-        named.extend(names_after(&text, &format!("crate::{folder}::"), true));
+        let mut named = names_after(&text, up, true);
+        named.extend(names_after(&text, &format!("crate::{}::", folder.replace('/', "::")), true));
         let edges = folders.entry(folder.to_owned()).or_default().entry(me.clone()).or_default();
         edges.extend(named.into_iter().filter(|n| *n != me && siblings.contains(n)));
     }
@@ -305,10 +313,6 @@ const MAX_FUNCTION_LINES: usize = 60;
 /// with why it reads better whole.
 const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("src/server/mod.rs::run_observed", "the start sequence: one line per part, in dependency order"),
-    (
-        "src/limiter/redis.rs::run",
-        "the per-decision future: one await per step, kept flat so its state machine stays small",
-    ),
     ("src/rules/envoy/yaml.rs::load_level", "upstream's checks of one YAML level, in upstream's order"),
     ("src/rules/envoy/yaml.rs::compile_limit", "upstream's checks of one rate_limit, in upstream's order"),
     ("src/rules/store.rs::watch", "the poll loop and its once-per-change logging state"),

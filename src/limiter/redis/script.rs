@@ -1,0 +1,296 @@
+//! The script call: how jobs are encoded as one `decide_batch.lua` call
+//! (declared keys for one slot, inline keys with one `MGET` per slot for
+//! several), and how its flat reply is split back into each job's answer.
+
+use redis::{
+    RedisError, Value,
+    cluster_async::ClusterConnection,
+    cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr},
+};
+
+use super::{Job, fail_all};
+use crate::limiter::{
+    Count, FailureKind, Seen, StoreError,
+    bucket::MAX_DEBT,
+    window::{Algorithm, Counts, WindowParams, max_count, position},
+};
+
+pub(super) const DECIDE_BATCH_LUA: &str = include_str!("../scripts/decide_batch.lua");
+
+/// The parameters a counter shares with every counter of its rule: window
+/// (ticks), capacity, tick (ms), flags (algorithm code + 4 if shadow + 8 ×
+/// count code), rate. A script call sends each distinct spec once.
+pub(super) type Spec = [u64; 5];
+
+/// One counter's script arguments: its spec and the request's weight.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct KeyArgs {
+    pub(super) spec: Spec,
+    pub(super) weight: u64,
+}
+
+/// The flags argument of a counter: its algorithm's code, plus 4 when
+/// shadow, plus 8 times how it counts ([`Count::code`]).
+pub(super) fn flags(params: WindowParams, shadow: bool, count: Count) -> u64 {
+    params.algorithm.code() | (u64::from(shadow) << 2) | (count.code() << 3)
+}
+
+impl KeyArgs {
+    /// Its algorithm, from the flags ([`flags`]).
+    pub(super) fn algorithm(&self) -> Algorithm {
+        Algorithm::ALL[(self.spec[3] & 3) as usize]
+    }
+}
+
+/// How many values the script answers for a counter of `algorithm`:
+/// whether it fits, then a bucket's debt or a window's current and
+/// previous counts.
+pub(super) fn answer_len(algorithm: Algorithm) -> usize {
+    if algorithm.is_bucket() { 2 } else { 3 }
+}
+
+/// What the script answered for one counter (`values`, [`answer_len`] of
+/// them): whether it fits, and what it saw, checked against the
+/// counter's parameters. A window's elapsed ticks follow from Redis' clock
+/// `now_ms` (the script's answer starts with it) and the tick, as the
+/// script derives them.
+pub(super) fn seen_of(
+    values: &[u64],
+    now_ms: u64,
+    tick_ms: u64,
+    params: WindowParams,
+) -> Result<(bool, Seen), StoreError> {
+    let seen = match (params.algorithm.is_bucket(), values) {
+        (true, &[_, debt]) => {
+            if debt > MAX_DEBT {
+                return Err(script_error(format!("debt {debt} beyond the largest debt {MAX_DEBT}")));
+            }
+            Seen::Bucket { debt }
+        }
+        (false, &[_, current, previous]) => {
+            let max = max_count(params.window_ms);
+            if current > max || previous > max {
+                return Err(script_error(format!(
+                    "counts {current}, {previous} beyond the largest count {max}"
+                )));
+            }
+            let (_, elapsed) = position(now_ms / tick_ms.max(1), params.window_ms);
+            Seen::Window { counts: Counts { current, previous }, elapsed }
+        }
+        _ => return Err(script_error(format!("script answered {} values for one counter", values.len()))),
+    };
+    Ok((values[0] == 1, seen))
+}
+
+/// The distinct specs of one script call, in order of first use: the
+/// script parses each once, and a key names its spec by position (1-based).
+#[derive(Debug, Default)]
+pub(super) struct Specs {
+    pub(super) list: Vec<Spec>,
+    /// Position of each spec, once there are too many to search in order
+    /// (a batch spanning many rules).
+    pub(super) index: Option<std::collections::HashMap<Spec, usize>>,
+}
+
+impl Specs {
+    /// Specs searched in order below this many; a map from there on.
+    const LINEAR: usize = 8;
+
+    /// The 1-based position of `spec`, added when new.
+    pub(super) fn position(&mut self, spec: Spec) -> usize {
+        if let Some(index) = &mut self.index {
+            let next = self.list.len() + 1;
+            let at = *index.entry(spec).or_insert(next);
+            if at == next {
+                self.list.push(spec);
+            }
+            return at;
+        }
+        if let Some(at) = self.list.iter().position(|s| *s == spec) {
+            return at + 1;
+        }
+        self.list.push(spec);
+        if self.list.len() == Self::LINEAR {
+            self.index = Some(self.list.iter().enumerate().map(|(i, s)| (*s, i + 1)).collect());
+        }
+        self.list.len()
+    }
+}
+
+/// Where one script call goes.
+pub(super) enum Target<'a> {
+    /// One server (plain or the master Sentinel names).
+    Server(&'a mut redis::aio::MultiplexedConnection),
+    /// A cluster, routed by the call's declared keys (all in one slot).
+    Slot(&'a mut ClusterConnection),
+    /// A cluster: the primary serving `slot`, with the keys of its other
+    /// slots inline.
+    Node(&'a mut ClusterConnection, u16),
+}
+
+impl Target<'_> {
+    pub(super) async fn query(&mut self, call: redis::Cmd) -> Result<Value, RedisError> {
+        match self {
+            Target::Server(conn) => call.query_async(*conn).await,
+            Target::Slot(conn) => call.query_async(*conn).await,
+            Target::Node(conn, slot) => {
+                let route = Route::new(*slot, SlotAddr::Master);
+                conn.route_command(call, RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)))
+                    .await
+            }
+        }
+    }
+
+    /// SCRIPT LOAD (to every primary of a cluster).
+    pub(super) async fn load(&mut self, script: &redis::Script) -> Result<String, RedisError> {
+        match self {
+            Target::Server(conn) => script.load_async(*conn).await,
+            Target::Slot(conn) | Target::Node(conn, _) => script.load_async(*conn).await,
+        }
+    }
+}
+
+/// Sends one batch as one script call by its SHA, loading the script once
+/// when the server does not know it (NOSCRIPT: a restart, a new node).
+pub(super) async fn run_script(
+    mut target: Target<'_>,
+    script: &redis::Script,
+    batch: &[Job],
+) -> Result<Vec<u64>, RedisError> {
+    let inline = matches!(target, Target::Node(..));
+    let answer = match target.query(script_call(script.get_hash(), batch, inline)).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            target.load(script).await?;
+            target.query(script_call(script.get_hash(), batch, inline)).await?
+        }
+        answer => answer?,
+    };
+    Ok(redis::from_redis_value(answer)?)
+}
+
+/// The EVALSHA of one batch: its keys (declared, or `inline` in ARGV),
+/// how to read them (one run, or one run per slot when inline), the
+/// distinct specs, then per job (`0, n` first when it has several keys)
+/// per key its entry: its spec's position, plus the number of specs when
+/// its weight (not 1) follows, negated when the key occurs more than once
+/// in the call. The layout is the script's header. Every value is a
+/// command argument Redis parses and Lua interns (~900 instructions per
+/// key for two of them), so the common case (one key, weight 1) is one.
+pub(super) fn script_call(sha: &str, batch: &[Job], inline: bool) -> redis::Cmd {
+    let keys = || batch.iter().flat_map(|job| job.keys.as_slice().iter().map(|(key, _)| key.as_str()));
+    let nkeys: usize = batch.iter().map(|job| job.keys.as_slice().len()).sum();
+    let mut call = redis::cmd("EVALSHA");
+    call.arg(sha);
+    if inline {
+        call.arg(0);
+        let runs = slot_runs(batch);
+        call.arg(runs.len());
+        for run in &runs {
+            call.arg(*run);
+        }
+        for key in keys() {
+            call.arg(key);
+        }
+    } else {
+        call.arg(nkeys);
+        for key in keys() {
+            call.arg(key);
+        }
+        call.arg(1).arg(nkeys);
+    }
+    let mut specs = Specs::default();
+    let positions: Vec<usize> =
+        batch.iter().flat_map(|job| job.keys.as_slice()).map(|(_, args)| specs.position(args.spec)).collect();
+    call.arg(specs.list.len());
+    for spec in &specs.list {
+        for value in spec {
+            call.arg(*value);
+        }
+    }
+    call.arg(batch.len());
+    let repeated = repeated_keys(keys(), nkeys);
+    let nspecs = specs.list.len();
+    let mut positions = positions.into_iter();
+    for job in batch {
+        let keys = job.keys.as_slice();
+        if keys.len() > 1 {
+            call.arg(0).arg(keys.len());
+        }
+        for ((key, args), position) in keys.iter().zip(&mut positions) {
+            // At most twice the call's number of keys.
+            let entry = (if args.weight == 1 { position } else { nspecs + position }) as i64;
+            call.arg(if repeated.contains(key.as_str()) { -entry } else { entry });
+            if args.weight != 1 {
+                call.arg(args.weight);
+            }
+        }
+    }
+    call
+}
+
+/// The keys that occur more than once in a call of `nkeys` keys over
+/// `batch` (none in a call of one key). The script writes any other key as
+/// soon as its job is decided, keeping no state for it.
+pub(super) fn repeated_keys<'a>(
+    keys: impl Iterator<Item = &'a str>,
+    nkeys: usize,
+) -> hashbrown::HashSet<&'a str> {
+    let mut repeated = hashbrown::HashSet::new();
+    if nkeys > 1 {
+        let mut seen = hashbrown::HashSet::with_capacity(nkeys);
+        for key in keys {
+            if !seen.insert(key) {
+                repeated.insert(key);
+            }
+        }
+    }
+    repeated
+}
+
+/// The keys of `batch` (sorted by slot) per slot, in order: how many keys
+/// each `MGET` of the script reads.
+pub(super) fn slot_runs(batch: &[Job]) -> Vec<usize> {
+    let mut runs: Vec<usize> = Vec::new();
+    let mut last = None;
+    for job in batch {
+        let keys = job.keys.as_slice().len();
+        match runs.last_mut() {
+            Some(run) if last == Some(job.slot) => *run += keys,
+            _ => runs.push(keys),
+        }
+        last = Some(job.slot);
+    }
+    runs
+}
+
+/// Values of the script's answer for `job`: whether it committed (only a
+/// job of several keys says), then [`answer_len`] per key.
+pub(super) fn job_answer_len(job: &Job) -> usize {
+    let keys = job.keys.as_slice();
+    usize::from(keys.len() > 1) + keys.iter().map(|(_, args)| answer_len(args.algorithm())).sum::<usize>()
+}
+
+/// Hands each job of `batch` Redis' clock (the answer's first value) and
+/// its slice of the rest of `reply`, emptying `batch`.
+pub(super) fn split_reply(batch: &mut Vec<Job>, reply: &[u64]) {
+    let expected: usize = 1 + batch.iter().map(job_answer_len).sum::<usize>();
+    let Some((&now_ms, mut rest)) = reply.split_first().filter(|_| reply.len() == expected) else {
+        fail_all(
+            batch,
+            &script_error(format!("script answered {} values for a batch needing {expected}", reply.len())),
+        );
+        return;
+    };
+    for job in batch.drain(..) {
+        let (part, after) = rest.split_at(job_answer_len(&job));
+        rest = after;
+        let mut answer = Vec::with_capacity(1 + part.len());
+        answer.push(now_ms);
+        answer.extend_from_slice(part);
+        let _ = job.reply.send(Ok(answer));
+    }
+}
+
+pub(super) fn script_error(message: String) -> StoreError {
+    StoreError { kind: FailureKind::ScriptError, message }
+}
