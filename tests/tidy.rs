@@ -327,10 +327,60 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("src/cli/mod.rs::check", "one command, read top to bottom: arguments, call, answer, exit code"),
 ];
 
+/// Lines a file of `src/` may hold, its test module included: past it a
+/// file holds several concerns, and its seams make folders.
+const MAX_FILE_LINES: usize = 800;
+
+/// Files allowed past [`MAX_FILE_LINES`], each with what it holds.
+const LONG_FILES: &[(&str, &str)] = &[
+    (
+        "src/decision/envoy.rs",
+        "the Envoy decision: policy, request and answer types, engine steps, counter keys",
+    ),
+    (
+        "src/server/parts.rs",
+        "the construction of every part of the server, one function each, in start order",
+    ),
+    ("src/cli/mod.rs", "every command's arguments, one clap type each, with the dispatch"),
+];
+
+#[test]
+fn no_file_is_over_eight_hundred_lines() {
+    let mut over = Vec::new();
+    let mut allowed_but_short = Vec::new();
+    for file in source_files() {
+        let rel = format!("src/{}", relative(&file));
+        let lines = fs::read_to_string(&file).unwrap().lines().count();
+        let allowed = LONG_FILES.iter().any(|(name, _)| *name == rel);
+        if lines > MAX_FILE_LINES && !allowed {
+            over.push(format!("{rel}: {lines} lines"));
+        }
+        if allowed && lines <= MAX_FILE_LINES {
+            allowed_but_short.push(rel);
+        }
+    }
+    assert!(over.is_empty(), "files over {MAX_FILE_LINES} lines (split them at their seams): {over:#?}");
+    assert!(
+        allowed_but_short.is_empty(),
+        "allowed but no longer long: remove from LONG_FILES: {allowed_but_short:?}"
+    );
+    for (name, _) in LONG_FILES {
+        assert!(common_path(name).exists(), "{name} is allowed but does not exist");
+    }
+}
+
+fn common_path(name: &str) -> PathBuf {
+    src_dir().parent().unwrap().join(name)
+}
+
 /// Every function of `src/` outside test modules: (`file::name`, lines).
 fn function_lengths() -> Vec<(String, usize)> {
     let mut out = Vec::new();
     for file in source_files() {
+        // A test module of its own file (`#[cfg(test)] mod tests;`).
+        if file.file_name().is_some_and(|name| name == "tests.rs") {
+            continue;
+        }
         let text = fs::read_to_string(&file).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         // Test modules close the file: stop at the first.
