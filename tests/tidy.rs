@@ -322,9 +322,7 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ),
     ("src/rollout/subscribe.rs::follow", "the blocking consumer loop and its fallback deadline"),
     ("src/kafka.rs::read_topic", "the blocking consumer loop over assign/poll and its progress deadline"),
-    ("src/shed/mod.rs::run_sampler", "the sampling loop and its transition logging state"),
     ("src/tls.rs::incoming", "the accept loop: one select over accepts, handshakes and stop"),
-    ("src/cli/mod.rs::check", "one command, read top to bottom: arguments, call, answer, exit code"),
 ];
 
 /// Lines a file of `src/` may hold, its test module included: past it a

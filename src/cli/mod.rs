@@ -15,7 +15,7 @@ mod rules;
 pub use rules::{admin, history, keygen, publish, rollback, status, sync};
 
 use crate::{
-    api::client::{self, CallError, CheckCall},
+    api::client::{self, CallError, CheckAnswer, CheckCall},
     clock::{Clock, SystemClock},
     config::Config,
     dlq::audit::{self, Filter, Format, Printer},
@@ -320,75 +320,80 @@ pub struct CheckArgs {
 
 /// Runs `ratelimitd check`: 0 allowed, 1 denied, 64 bad arguments, 69 RPC failure.
 pub async fn check(args: CheckArgs) -> ExitCode {
+    let call = match check_call(&args) {
+        Ok(call) => call,
+        Err(usage) => {
+            eprintln!("{usage}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let timeout = std::time::Duration::from_millis(args.timeout_ms);
+    let answer = match client::check(&args.addr, timeout, call).await {
+        Ok(answer) => answer,
+        Err(error) => {
+            let (message, code) = match error {
+                CallError::Address(e) => (format!("--addr {:?}: {e}", args.addr), EXIT_USAGE),
+                CallError::Connect(e) => (format!("cannot connect to {}: {e}", args.addr), EXIT_UNAVAILABLE),
+                CallError::InvalidArgument(e) => (e, EXIT_USAGE),
+                CallError::Rpc(e) => (e, EXIT_UNAVAILABLE),
+            };
+            eprintln!("{message}");
+            return ExitCode::from(code);
+        }
+    };
+    let out = if args.json {
+        serde_json::to_string(&answer).unwrap_or_default() + "\n"
+    } else {
+        check_text(&answer)
+    };
+    let _ = std::io::stdout().write_all(out.as_bytes());
+    if answer.allowed { ExitCode::SUCCESS } else { ExitCode::from(1) }
+}
+
+/// The call `check`'s arguments ask for, or what is wrong with them.
+fn check_call(args: &CheckArgs) -> Result<CheckCall, String> {
     let mut call = CheckCall {
-        user_id: args.user,
-        resource_path: args.path,
-        client_type: args.client_type,
+        user_id: args.user.clone(),
+        resource_path: args.path.clone(),
+        client_type: args.client_type.clone(),
         weight: args.weight,
         peek: args.peek,
         report: args.report,
         ..CheckCall::default()
     };
     if let Some(priority) = &args.priority {
-        match Priority::parse(priority) {
-            Some(p) => call.priority = Some(p),
-            None => {
-                eprintln!("--priority {priority:?}: expected CRITICAL, DEGRADED, BEST_EFFORT or BULK");
-                return ExitCode::from(EXIT_USAGE);
-            }
-        }
+        call.priority = Some(Priority::parse(priority).ok_or_else(|| {
+            format!("--priority {priority:?}: expected CRITICAL, DEGRADED, BEST_EFFORT or BULK")
+        })?);
     }
     for header in &args.headers {
-        let Some((name, value)) = header.split_once('=') else {
-            eprintln!("--header {header:?}: expected NAME=VALUE");
-            return ExitCode::from(EXIT_USAGE);
-        };
+        let (name, value) =
+            header.split_once('=').ok_or_else(|| format!("--header {header:?}: expected NAME=VALUE"))?;
         call.headers.insert(name.to_owned(), value.to_owned());
     }
-    let answer =
-        match client::check(&args.addr, std::time::Duration::from_millis(args.timeout_ms), call).await {
-            Ok(answer) => answer,
-            Err(CallError::Address(e)) => {
-                eprintln!("--addr {:?}: {e}", args.addr);
-                return ExitCode::from(EXIT_USAGE);
-            }
-            Err(CallError::Connect(e)) => {
-                eprintln!("cannot connect to {}: {e}", args.addr);
-                return ExitCode::from(EXIT_UNAVAILABLE);
-            }
-            Err(CallError::InvalidArgument(e)) => {
-                eprintln!("{e}");
-                return ExitCode::from(EXIT_USAGE);
-            }
-            Err(CallError::Rpc(e)) => {
-                eprintln!("{e}");
-                return ExitCode::from(EXIT_UNAVAILABLE);
-            }
-        };
-    let out = if args.json {
-        serde_json::to_string(&answer).unwrap_or_default() + "\n"
-    } else {
-        let mut text = format!(
-            "allowed         {}\nreason          {}\nremaining       {}\nretry_after_ms  {}\nreset_after_ms  {}\nrule_id         {}\nlimit           {} per {} ms (capacity {})\nshadow_denied   {}\nutilization     {}\n",
-            answer.allowed,
-            answer.reason,
-            answer.remaining_tokens,
-            answer.retry_after_ms,
-            answer.reset_after_ms,
-            if answer.rule_id.is_empty() { "-" } else { &answer.rule_id },
-            answer.limit,
-            answer.window_ms,
-            answer.capacity,
-            answer.shadow_denied,
-            answer.cluster_utilization_status,
-        );
-        if !answer.store_error.is_empty() {
-            text += &format!("store_error     {} (not decided by the shared store)\n", answer.store_error);
-        }
-        text
-    };
-    let _ = std::io::stdout().write_all(out.as_bytes());
-    if answer.allowed { ExitCode::SUCCESS } else { ExitCode::from(1) }
+    Ok(call)
+}
+
+/// `check`'s answer as aligned text.
+fn check_text(answer: &CheckAnswer) -> String {
+    let mut text = format!(
+        "allowed         {}\nreason          {}\nremaining       {}\nretry_after_ms  {}\nreset_after_ms  {}\nrule_id         {}\nlimit           {} per {} ms (capacity {})\nshadow_denied   {}\nutilization     {}\n",
+        answer.allowed,
+        answer.reason,
+        answer.remaining_tokens,
+        answer.retry_after_ms,
+        answer.reset_after_ms,
+        if answer.rule_id.is_empty() { "-" } else { &answer.rule_id },
+        answer.limit,
+        answer.window_ms,
+        answer.capacity,
+        answer.shadow_denied,
+        answer.cluster_utilization_status,
+    );
+    if !answer.store_error.is_empty() {
+        text += &format!("store_error     {} (not decided by the shared store)\n", answer.store_error);
+    }
+    text
 }
 
 /// Runs `ratelimitd rules validate`: 0 when every path loads, 1 otherwise.

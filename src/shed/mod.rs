@@ -259,6 +259,21 @@ fn next_random() -> u64 {
     })
 }
 
+/// Moves `shedder` to the level `utilization` calls for, logging a change.
+fn step(shedder: &Shedder, utilization: f64, thresholds: &Thresholds) {
+    let current = shedder.level();
+    let next = policy::next_level(current, utilization, thresholds);
+    shedder.publish(next, utilization);
+    if next != current {
+        let utilization = format!("{utilization:.3}");
+        if next > current {
+            tracing::warn!(from = %current, to = %next, %utilization, "utilization level rising: shedding lower priorities");
+        } else {
+            tracing::info!(from = %current, to = %next, %utilization, "utilization level falling");
+        }
+    }
+}
+
 /// Samples every `interval`, moves the level and logs transitions and, at
 /// most every `report_every`, the shed counts. Returns when `shutdown` turns true.
 pub async fn run_sampler(
@@ -285,17 +300,7 @@ pub async fn run_sampler(
                     tracing::info!("utilization readable again");
                     failing = false;
                 }
-                let current = shedder.level();
-                let next = policy::next_level(current, utilization, &thresholds);
-                shedder.publish(next, utilization);
-                if next != current {
-                    let utilization = format!("{utilization:.3}");
-                    if next > current {
-                        tracing::warn!(from = %current, to = %next, %utilization, "utilization level rising: shedding lower priorities");
-                    } else {
-                        tracing::info!(from = %current, to = %next, %utilization, "utilization level falling");
-                    }
-                }
+                step(&shedder, utilization, &thresholds);
             }
             Ok(None) => {}
             Err(e) => {
