@@ -12,8 +12,8 @@
 //! Architecture invariants:
 //! - no generated (protobuf) types here;
 //! - the engine owns the traits it reports through ([`FailureSink`],
-//!   [`Stats`]): `dlq` and `telemetry` depend on `decision`, never the
-//!   other way round;
+//!   [`Stats`]): `dlq` depends on `decision`, never the other way round,
+//!   and `telemetry` depends on neither;
 //! - no lock is held across an `.await` (snapshots are `Arc`s, stores lock
 //!   only inside synchronous calls).
 
