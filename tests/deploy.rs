@@ -323,6 +323,16 @@ fn kubernetes_manifests_validate_against_the_schemas() {
     assert!(validated >= 8, "only {validated} manifests validated");
 }
 
+/// A manifest container's environment (`env`: name and value each).
+fn container_env(container: &Value) -> HashMap<String, String> {
+    container["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|e| (e["name"].as_str().unwrap().to_owned(), e["value"].as_str().unwrap().to_owned()))
+        .collect()
+}
+
 /// The manifests agree with each other and with the service: the
 /// Deployment's environment is a valid configuration whose rules file is
 /// the ConfigMap's (and compiles), its probes are the service's endpoints
@@ -367,12 +377,7 @@ fn kubernetes_manifests_agree_with_the_service_and_each_other() {
     );
     assert_eq!(monitor["spec"]["endpoints"][0]["path"], "/metrics");
 
-    let env: HashMap<String, String> = container["env"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|e| (e["name"].as_str().unwrap().to_owned(), e["value"].as_str().unwrap().to_owned()))
-        .collect();
+    let env = container_env(container);
     let config =
         Config::load(None, env.clone()).unwrap_or_else(|e| panic!("deployment.yaml's environment: {e}"));
     assert_eq!(config.grpc_addr().port(), port_of("grpc").unwrap() as u16);
@@ -425,12 +430,7 @@ fn kubernetes_manifests_agree_with_the_service_and_each_other() {
     let migrate = &job["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(migrate["image"], container["image"]);
     assert_eq!(migrate["args"][0], "migrate");
-    let job_env: HashMap<String, String> = migrate["env"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|e| (e["name"].as_str().unwrap().to_owned(), e["value"].as_str().unwrap().to_owned()))
-        .collect();
+    let job_env = container_env(migrate);
     let job_config =
         Config::load(None, job_env).unwrap_or_else(|e| panic!("migrate-job.yaml's environment: {e}"));
     assert_eq!(job_config.redis.url, config.redis.url, "the Job migrates the Deployment's Redis");

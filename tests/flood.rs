@@ -16,9 +16,10 @@ use std::{
 
 use common::{RedisServer, Rules, TestServer, check, config, reason, request};
 use ratelimitd::{
-    api::pb::{self, CheckBatchRequest, CheckItem, Reason},
+    api::pb::{self, CheckBatchRequest, CheckItem, Reason, rate_limiter_client::RateLimiterClient},
     config::RedisConfig,
 };
+use tonic::transport::Channel;
 
 const RULES: &str = r#"
 rules:
@@ -187,35 +188,51 @@ async fn a_tenant_waits_for_its_own_share_of_the_store() {
     // One call first: the dispatchers' connections are open before the pause.
     assert_eq!(check(&mut clients[0].clone(), request("warm", "/flood")).await.store_error, "");
 
+    let calls = (0..16)
+        .map(|i| {
+            // acme:0..3, then 12 of other tenants (one claiming no tenant).
+            let user = match i {
+                0..4 => format!("acme:{i}"),
+                4 => "no-tenant".to_owned(),
+                _ => format!("tenant{i}:user"),
+            };
+            (clients[i % 2].clone(), user)
+        })
+        .collect();
+    all_decided_by_the_store_past_a_pause(&redis, calls).await;
+    assert_eq!(
+        waits(&server, "tenant").await,
+        Some(8.0),
+        "12 calls of the others on a share of 4; acme's 4 never wait"
+    );
+    assert_eq!(waits(&server, "connection").await, Some(0.0));
+    server.stop().await.unwrap();
+}
+
+/// Pauses `redis`'s writes for 2 s, makes each of `calls` (a client and a
+/// user checking `/flood`) meanwhile, and checks that each was decided by
+/// the store once it answered.
+async fn all_decided_by_the_store_past_a_pause(
+    redis: &RedisServer,
+    calls: Vec<(RateLimiterClient<Channel>, String)>,
+) {
     let mut admin = redis.client().await;
     let () = redis::cmd("CLIENT").arg("PAUSE").arg(2_000).arg("WRITE").query_async(&mut admin).await.unwrap();
-    let mut calls = Vec::new();
-    for i in 0..16 {
-        // acme:0..3, then 12 of other tenants (one claiming no tenant).
-        let user = match i {
-            0..4 => format!("acme:{i}"),
-            4 => "no-tenant".to_owned(),
-            _ => format!("tenant{i}:user"),
-        };
-        let mut client = clients[i % 2].clone();
-        calls.push(tokio::spawn(async move { check(&mut client, request(&user, "/flood")).await }));
-    }
+    let calls: Vec<_> = calls
+        .into_iter()
+        .map(|(mut client, user)| {
+            tokio::spawn(async move { check(&mut client, request(&user, "/flood")).await })
+        })
+        .collect();
     for call in calls {
         let answer = call.await.unwrap();
         assert_eq!((reason(&answer), answer.store_error.as_str()), (Reason::Ok, ""), "{answer:?}");
     }
-    let waits = |share: &'static str| {
-        let series = format!("ratelimitd_store_call_waits_total{{share=\"{share}\"}} ");
-        let server = &server;
-        async move { common::metric(server, &series).await }
-    };
-    assert_eq!(
-        waits("tenant").await,
-        Some(8.0),
-        "12 calls of the others on a share of 4; acme's 4 never wait"
-    );
-    assert_eq!(waits("connection").await, Some(0.0));
-    server.stop().await.unwrap();
+}
+
+/// Store calls that waited for `share` (`ratelimitd_store_call_waits_total`).
+async fn waits(server: &TestServer, share: &str) -> Option<f64> {
+    common::metric(server, &format!("ratelimitd_store_call_waits_total{{share=\"{share}\"}} ")).await
 }
 
 /// Each address's share of the store's in-flight calls, with the store
@@ -235,29 +252,15 @@ async fn an_address_waits_for_its_own_share_of_the_store() {
     let other = server.client_from("127.0.0.3").await;
     assert_eq!(check(&mut other.clone(), request("warm", "/flood")).await.store_error, "");
 
-    let mut admin = redis.client().await;
-    let () = redis::cmd("CLIENT").arg("PAUSE").arg(2_000).arg("WRITE").query_async(&mut admin).await.unwrap();
-    let mut calls = Vec::new();
-    for i in 0..16 {
-        let mut client = if i < 12 { flooder[i % 2].clone() } else { other.clone() };
-        calls.push(tokio::spawn(
-            async move { check(&mut client, request(&format!("user{i}"), "/flood")).await },
-        ));
-    }
-    for call in calls {
-        let answer = call.await.unwrap();
-        assert_eq!((reason(&answer), answer.store_error.as_str()), (Reason::Ok, ""), "{answer:?}");
-    }
-    let waits = |share: &'static str| {
-        let series = format!("ratelimitd_store_call_waits_total{{share=\"{share}\"}} ");
-        let server = &server;
-        async move { common::metric(server, &series).await }
-    };
+    let calls = (0..16)
+        .map(|i| (if i < 12 { flooder[i % 2].clone() } else { other.clone() }, format!("user{i}")))
+        .collect();
+    all_decided_by_the_store_past_a_pause(&redis, calls).await;
     assert_eq!(
-        waits("peer").await,
+        waits(&server, "peer").await,
         Some(8.0),
         "12 calls of one address on a share of 4; the other's 4 never wait"
     );
-    assert_eq!(waits("connection").await, Some(0.0));
+    assert_eq!(waits(&server, "connection").await, Some(0.0));
     server.stop().await.unwrap();
 }
