@@ -57,18 +57,6 @@ impl hashbrown::Equivalent<DecisionKey> for DecisionRef<'_> {
     }
 }
 
-const FAILURE_KINDS: [FailureKind; 9] = [
-    FailureKind::Timeout,
-    FailureKind::ConnectionRefused,
-    FailureKind::ConnectionLost,
-    FailureKind::PoolExhausted,
-    FailureKind::CircuitOpen,
-    FailureKind::ScriptError,
-    FailureKind::ClusterError,
-    FailureKind::StoreFull,
-    FailureKind::Other,
-];
-
 /// The decision path's counters and histograms.
 #[derive(Debug)]
 pub struct DecisionMetrics {
@@ -80,7 +68,7 @@ pub struct DecisionMetrics {
     refused: RwLock<HashMap<(Api, &'static str), AtomicU64>>,
     decision_latency: [Histogram; 2],
     store_latency: Histogram,
-    store_errors: [AtomicU64; FAILURE_KINDS.len()],
+    store_errors: [AtomicU64; FailureKind::ALL.len()],
     store_name: &'static str,
     /// envoyproxy/ratelimit's families, and the Envoy configuration whose
     /// loads they count; `None` when `envoy.upstream_metrics` is off.
@@ -214,7 +202,7 @@ impl DecisionMetrics {
             &format!("store=\"{}\"", self.store_name),
         );
         header(out, "ratelimitd_store_errors_total", "counter", "Store calls that failed, by kind.");
-        for (kind, count) in FAILURE_KINDS.iter().zip(&self.store_errors) {
+        for (kind, count) in FailureKind::ALL.iter().zip(&self.store_errors) {
             let _ = writeln!(
                 out,
                 "ratelimitd_store_errors_total{{kind=\"{kind}\"}} {}",
@@ -323,7 +311,7 @@ impl Stats for DecisionMetrics {
             self.store_latency.observe(elapsed);
         }
         if let Some(kind) = failure
-            && let Some(i) = FAILURE_KINDS.iter().position(|k| *k == kind)
+            && let Some(i) = FailureKind::ALL.iter().position(|k| *k == kind)
         {
             self.store_errors[i].fetch_add(1, Ordering::Relaxed);
         }
