@@ -1,14 +1,20 @@
-//! The native entry point, [`Engine::check`]: one request, one rule, one
-//! counter per user, or with the rule's `also` limits one all-or-nothing
-//! job of a counter per limit.
+//! The native decision ([`Engine::check`]: `Check`, a peek, a `Report`):
+//! one request, one rule, one counter per user, or with the rule's `also`
+//! limits one all-or-nothing job of a counter per limit; and when the store
+//! cannot decide, the rule's failure policy (`local`: the local limiter at
+//! this instance's share; `open`; `closed`), flagged, with one
+//! [`FailedDecision`] for the dead-letter sink.
 
 use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
-use super::{Api, Engine, REPORT_LABEL, Reason, TenantSource, clamp_i64, keys, pipeline::Subject};
+use super::{
+    Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, Reason, TenantSource, clamp_i64, keys,
+    pipeline::Subject,
+};
 use crate::{
     limiter::{CallerCalls, Count, FailureKind, Shares, StoreError, Verdict, adaptive::Reported},
     overload::{Kind, OverloadVerdict},
-    rules::{Mode, Rule},
+    rules::{FailurePolicy, Mode, Rule},
     shed::{Level, Priority},
 };
 
@@ -99,71 +105,40 @@ impl Decision {
     }
 }
 
-impl Engine {
-    /// Decides one request, counts and times it, and records `rule`,
-    /// `reason` and `allowed` on the current span (the caller's request span).
-    pub async fn check(&self, request: &CheckRequest<'_>) -> Decision {
-        let started = std::time::Instant::now();
-        let decision = self.decide(request).await;
-        let span = tracing::Span::current();
-        if let Some(rule) = &decision.rule {
-            span.record("rule", &*rule.id);
-        }
-        span.record("reason", decision.reason.as_str());
-        span.record("allowed", decision.allowed);
-        // A report refuses nothing: it is counted as REPORT, never as a denial.
-        let (label, allowed) = match (request.count, decision.reason) {
-            (Count::Always, Reason::Ok | Reason::OverLimit) => (REPORT_LABEL, true),
-            _ => (decision.reason.as_str(), decision.allowed),
-        };
-        self.inner.stats.decision(Api::Check, decision.rule.as_ref().map(|r| &r.id), label, allowed);
-        self.inner.stats.decision_latency(Api::Check, started.elapsed());
-        if let Some(capture) = &self.inner.capture
-            && capture.wants(request.user_id)
-        {
-            capture.record(request, &decision, self.inner.rules.load().version());
-        }
-        decision
+/// Decides one request through the pipeline; feeds the rule's adaptive
+/// limit its outcome report, or an admission.
+pub(super) async fn decide(engine: &Engine, request: &CheckRequest<'_>) -> Decision {
+    let snapshot = engine.inner.rules.load();
+    let rule = snapshot.lookup(request.resource_path, request.client_type);
+    let adaptive = rule.and_then(|r| r.adaptive.as_deref());
+    if let Some(reported) = request.outcome
+        && reported.counted
+        && let Some(adaptive) = adaptive
+    {
+        // The reporter is the user: its report weighs what it was admitted.
+        adaptive.record(request.user_id, reported.outcome, reported.latency_ms, u64::from(request.weight));
     }
-
-    async fn decide(&self, request: &CheckRequest<'_>) -> Decision {
-        let snapshot = self.inner.rules.load();
-        let rule = snapshot.lookup(request.resource_path, request.client_type);
-        let adaptive = rule.and_then(|r| r.adaptive.as_deref());
-        if let Some(reported) = request.outcome
-            && reported.counted
-            && let Some(adaptive) = adaptive
-        {
-            // The reporter is the user: its report weighs what it was admitted.
-            adaptive.record(
-                request.user_id,
-                reported.outcome,
-                reported.latency_ms,
-                u64::from(request.weight),
-            );
-        }
-        let base = rule.map_or(self.inner.default_priority, |r| r.priority);
-        let native = Native {
-            request,
-            rule,
-            priority: self.effective_priority(request.priority, base),
-            level: Level::Normal,
-            shadow_shed: false,
-            user: Cow::Borrowed(request.user_id),
-            cache: None,
-            version: snapshot.version(),
-        };
-        let decision = self.run(native).await;
-        if let Some(adaptive) = adaptive
-            && decision.allowed
-            && request.count == Count::IfFits
-            && request.outcome.is_none()
-            && matches!(decision.reason, Reason::Ok | Reason::LocalOk)
-        {
-            adaptive.admit(request.user_id, u64::from(request.weight));
-        }
-        decision
+    let base = rule.map_or(engine.inner.default_priority, |r| r.priority);
+    let native = Native {
+        request,
+        rule,
+        priority: engine.effective_priority(request.priority, base),
+        level: Level::Normal,
+        shadow_shed: false,
+        user: Cow::Borrowed(request.user_id),
+        cache: None,
+        version: snapshot.version(),
+    };
+    let decision = engine.run(native).await;
+    if let Some(adaptive) = adaptive
+        && decision.allowed
+        && request.count == Count::IfFits
+        && request.outcome.is_none()
+        && matches!(decision.reason, Reason::Ok | Reason::LocalOk)
+    {
+        adaptive.admit(request.user_id, u64::from(request.weight));
     }
+    decision
 }
 
 impl RuleInfo {
@@ -278,7 +253,7 @@ impl Subject for Native<'_, '_> {
             return None;
         }
         let overload = engine.inner.overload.as_ref()?;
-        match overload.check(Kind::Native, &rule.id, engine.check_tenant(self.request), self.shadow()) {
+        match overload.check(Kind::Native, &rule.id, tenant(engine, self.request), self.shadow()) {
             OverloadVerdict::Drop { retry_after_ms } => Some(retry_after_ms),
             _ => None,
         }
@@ -320,7 +295,7 @@ impl Subject for Native<'_, '_> {
     #[inline]
     async fn decide(&self, engine: &Engine) -> Result<(Verdict, usize), StoreError> {
         let weight = u64::from(self.request.weight);
-        let tenant = engine.tenant_share(|| engine.check_tenant(self.request));
+        let tenant = engine.tenant_share(|| tenant(engine, self.request));
         let shares = Shares { caller: self.request.share, tenant: tenant.as_deref() };
         let (rule, store) = (self.rule(), &engine.inner.store);
         if rule.also.is_empty() {
@@ -358,42 +333,35 @@ impl Subject for Native<'_, '_> {
 
     #[inline]
     fn failed(self, engine: &Engine, error: StoreError) -> Decision {
-        let failed = Failed { user: &self.user, priority: self.priority, level: self.level, error };
-        Decision { shadow_shed: self.shadow_shed, ..engine.check_failed(self.request, self.rule(), failed) }
+        let what = Failed { user: &self.user, priority: self.priority, level: self.level, error };
+        Decision { shadow_shed: self.shadow_shed, ..failed(engine, self.request, self.rule(), what) }
     }
 }
 
-impl Engine {
-    /// The tenant of a `Check` request, for the overload layer and the
-    /// tenants' shares of the store: the `user_id` up to the separator, or
-    /// a header (`overload.tenant_from`).
-    fn check_tenant<'r>(&self, request: &CheckRequest<'r>) -> Option<&'r str> {
-        let policy = &self.inner.tenants;
-        match policy.source {
-            TenantSource::UserIdPrefix => {
-                request.user_id.split_once(policy.separator.as_str()).map(|(tenant, _)| tenant)
-            }
-            TenantSource::Header => request.headers.get(&policy.header).map(String::as_str),
+/// The tenant of a `Check` request, for the overload layer and the
+/// tenants' shares of the store: the `user_id` up to the separator, or
+/// a header (`overload.tenant_from`).
+fn tenant<'r>(engine: &Engine, request: &CheckRequest<'r>) -> Option<&'r str> {
+    let policy = &engine.inner.tenants;
+    match policy.source {
+        TenantSource::UserIdPrefix => {
+            request.user_id.split_once(policy.separator.as_str()).map(|(tenant, _)| tenant)
         }
+        TenantSource::Header => request.headers.get(&policy.header).map(String::as_str),
     }
 }
 
 /// What a failed native decision is answered from, beyond its request and
 /// rule.
-pub(super) struct Failed<'a> {
+struct Failed<'a> {
     /// The counted user id (the digest of an over-long one).
-    pub(super) user: &'a str,
-    pub(super) priority: Priority,
-    pub(super) level: Level,
-    pub(super) error: StoreError,
+    user: &'a str,
+    priority: Priority,
+    level: Level,
+    error: StoreError,
 }
 
-pub(super) fn from_verdict(
-    verdict: &Verdict,
-    shadow: bool,
-    info: Option<RuleInfo>,
-    priority: Priority,
-) -> Decision {
+fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priority: Priority) -> Decision {
     let denied = !verdict.admitted;
     let enforce_denial = denied && !shadow;
     Decision {
@@ -409,4 +377,45 @@ pub(super) fn from_verdict(
         shadow_shed: false,
         store_error: None,
     }
+}
+
+/// A `Check` the store could not decide, answered by `rule`'s failure
+/// policy, flagged and dead-lettered.
+fn failed(engine: &Engine, request: &CheckRequest<'_>, rule: &Rule, failed: Failed<'_>) -> Decision {
+    let Failed { user, priority, level, error } = failed;
+    let (weight, info) = (u64::from(request.weight), Some(RuleInfo::of(rule)));
+    let local = match rule.failure_policy {
+        FailurePolicy::Local if rule.also.is_empty() => {
+            Some(engine.inner.local.decide(user, rule.counter(), weight, request.count).map(|v| (v, 0)))
+        }
+        // Every limit locally too: an outage never lifts the daily one.
+        FailurePolicy::Local => Some(
+            engine.inner.local.decide_many(user, &rule.items(weight, request.count)).map(|o| o.binding()),
+        ),
+        FailurePolicy::Open | FailurePolicy::Closed => None,
+    };
+    let decision = match (rule.failure_policy, local) {
+        (_, Some(Ok((verdict, bound)))) => {
+            let info = Some(RuleInfo::of_limit(rule, bound));
+            let decided = from_verdict(&verdict, rule.mode == Mode::Shadow, info, priority);
+            let reason =
+                if decided.reason == Reason::OverLimit { Reason::LocalOverLimit } else { Reason::LocalOk };
+            Decision { reason, ..decided }
+        }
+        (FailurePolicy::Open, _) => Decision::allowed(Reason::FailOpen, info, priority, level),
+        // Closed, or local at its bound: denied. Nothing is known about
+        // the counter, so clients back off for a second (or one window,
+        // if shorter) rather than spin against an outage.
+        _ => Decision {
+            allowed: false,
+            retry_after_ms: clamp_i64(rule.window.window_ms.min(FAIL_CLOSED_RETRY_MS)),
+            ..Decision::allowed(Reason::FailClosed, info, priority, level)
+        },
+    };
+    // The record names what was counted: the digest of an over-long id.
+    engine.inner.failures.record(&FailedDecision {
+        user_id: user,
+        ..FailedDecision::of_check(request, rule, priority, &error, decision.reason)
+    });
+    Decision { level, store_error: Some(error.kind), ..decision }
 }

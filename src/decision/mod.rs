@@ -10,6 +10,10 @@
 //! records what it decided.
 //!
 //! Architecture invariants:
+//! - every method of [`Engine`] is in this file or `pipeline.rs`: the
+//!   steps of each API are functions and types of their own files
+//!   (`check.rs`, `envoy/`), so tidy's folder check sees every loop
+//!   between them;
 //! - no generated (protobuf) types here;
 //! - the engine owns the traits it reports through ([`FailureSink`],
 //!   [`Stats`]): `dlq` depends on `decision`, never the other way round,
@@ -21,7 +25,6 @@ mod check;
 pub mod denials;
 mod envoy;
 mod failure;
-mod fallback;
 pub mod keys;
 pub mod metrics;
 mod pipeline;
@@ -44,7 +47,7 @@ pub use metrics::{DecisionMetrics, Saved};
 pub use shares::TenantShares;
 
 use crate::{
-    limiter::{FailureKind, Store, StoreError, local::LocalLimiter, window::Verdict},
+    limiter::{Count, FailureKind, Store, StoreError, local::LocalLimiter, window::Verdict},
     overload::Overload,
     rules::{Hot, RuleStore, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
@@ -336,6 +339,53 @@ impl Engine {
     /// The shedder.
     pub fn shedder(&self) -> &Arc<Shedder> {
         &self.inner.shedder
+    }
+
+    /// Decides one `Check` (a peek, a `Report`), counts and times it, and
+    /// records `rule`, `reason` and `allowed` on the current span (the
+    /// caller's request span).
+    pub async fn check(&self, request: &CheckRequest<'_>) -> Decision {
+        let started = std::time::Instant::now();
+        let decision = check::decide(self, request).await;
+        let span = tracing::Span::current();
+        if let Some(rule) = &decision.rule {
+            span.record("rule", &*rule.id);
+        }
+        span.record("reason", decision.reason.as_str());
+        span.record("allowed", decision.allowed);
+        // A report refuses nothing: it is counted as REPORT, never as a denial.
+        let (label, allowed) = match (request.count, decision.reason) {
+            (Count::Always, Reason::Ok | Reason::OverLimit) => (REPORT_LABEL, true),
+            _ => (decision.reason.as_str(), decision.allowed),
+        };
+        self.inner.stats.decision(Api::Check, decision.rule.as_ref().map(|r| &r.id), label, allowed);
+        self.inner.stats.decision_latency(Api::Check, started.elapsed());
+        if let Some(capture) = &self.inner.capture
+            && capture.wants(request.user_id)
+        {
+            capture.record(request, &decision, self.inner.rules.load().version());
+        }
+        decision
+    }
+
+    /// Decides one `ShouldRateLimit`, counts and times it (each descriptor
+    /// is counted where it is answered, `envoy/answer.rs`), and records
+    /// `reason` and `overall_code` on the current span.
+    pub async fn should_rate_limit<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> RlsDecision {
+        let started = std::time::Instant::now();
+        let decision = self.run(envoy::Rls::new(self, request)).await;
+        if !decision.over_limit {
+            envoy::admit_reporters(request, &decision);
+        }
+        envoy::capture(self, request, &decision);
+        let span = tracing::Span::current();
+        span.record("reason", decision.reason.as_str());
+        span.record("overall_code", if decision.over_limit { "OVER_LIMIT" } else { "OK" });
+        if decision.store_error.is_some() {
+            self.inner.stats.envoy_failed();
+        }
+        self.inner.stats.decision_latency(Api::Envoy, started.elapsed());
+        decision
     }
 
     /// Counts a request the API refused as malformed, under a fixed reason.

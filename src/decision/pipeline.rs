@@ -17,7 +17,7 @@
 //! 5. **store**: the counter store decides, timed when remote, the caller's
 //!    share of in-flight calls held meanwhile;
 //! 6. **answer**, or when the store could not decide, the **failure
-//!    policy** (`fallback.rs`).
+//!    policy** (`check.rs`, `envoy/failed.rs`).
 
 use tracing::Instrument as _;
 

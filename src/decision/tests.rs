@@ -69,7 +69,7 @@ fn envoy_priority_comes_from_an_entry_then_the_domain_then_the_default() {
     let engine = engine(policy);
     let priority = |domain: &str, entries: &[&[(&str, &str)]]| {
         let descriptors = descriptors(entries);
-        engine.rls_priority(&request(domain, &descriptors))
+        super::envoy::priority(&engine, &request(domain, &descriptors))
     };
     // An entry anywhere in any descriptor, any case.
     assert_eq!(priority("other", &[&[("path", "/a")], &[("priority", "bulk")]]), Priority::Bulk);
@@ -89,7 +89,7 @@ fn envoy_priority_comes_from_an_entry_then_the_domain_then_the_default() {
 fn an_empty_priority_key_ignores_entries() {
     let engine = engine(EnvoyPolicy { priority_key: String::new(), ..EnvoyPolicy::default() });
     let descriptors = descriptors(&[&[("priority", "CRITICAL")], &[("", "BULK")]]);
-    assert_eq!(engine.rls_priority(&request("d", &descriptors)), Priority::Degraded);
+    assert_eq!(super::envoy::priority(&engine, &request("d", &descriptors)), Priority::Degraded);
 }
 
 /// With `shed.trust_request_priority` off a request may lower its priority,
@@ -99,7 +99,7 @@ async fn an_untrusted_request_priority_only_lowers() {
     let engine = engine_trusting(EnvoyPolicy::default(), false);
     let stated = |priority: &'static str| {
         let descriptors = descriptors(&[&[("priority", priority)]]);
-        engine.rls_priority(&request("d", &descriptors))
+        super::envoy::priority(&engine, &request("d", &descriptors))
     };
     assert_eq!(stated("CRITICAL"), Priority::Degraded, "cannot rise above the default");
     assert_eq!(stated("BULK"), Priority::Bulk, "may lower");

@@ -1,0 +1,269 @@
+//! How each descriptor of a request is decided ([`Plan`]): its limit (a
+//! request override, else the configuration's, `replaces` applied), then
+//! the counters of the one all-or-nothing store call, and the overload
+//! layer over them.
+
+use std::sync::Arc;
+
+use super::{
+    RlsRequest,
+    counter::{bounded_key, raw_counter_key},
+    request::{Descriptor, LimitOverride, Reporter, hits_of, reported},
+};
+use crate::{
+    decision::{Api, Engine},
+    limiter::{Count, ManyItem},
+    overload::{Kind, OverloadVerdict},
+    rules::envoy::{EnvoyLimit, EnvoyMatch, params, tick_ms},
+};
+
+/// How one descriptor is decided.
+pub(super) enum Plan {
+    /// No limit applies (unmatched, or replaced).
+    NoLimit,
+    /// `unlimited: true`, its upstream metric key if not the full key, and
+    /// the descriptor's hits.
+    Unlimited(Arc<EnvoyLimit>, Option<Box<str>>, u64),
+    /// Counted: the limit, its item's index in the store call, and its
+    /// upstream metric key if not the full key.
+    Limited(Arc<EnvoyLimit>, usize, Option<Box<str>>),
+}
+
+/// Upstream's key of a request-supplied limit: `domain.key_value.key…`.
+fn request_stat_key<'a>(domain: &str, entries: impl Iterator<Item = (&'a str, &'a str)>) -> Box<str> {
+    let mut key = domain.to_owned();
+    for (k, v) in entries {
+        key.push('.');
+        key.push_str(k);
+        if !v.is_empty() {
+            key.push('_');
+            key.push_str(v);
+        }
+    }
+    key.into_boxed_str()
+}
+
+/// The key upstream's metrics count a limit under.
+pub(super) fn stat_key<'a>(limit: &'a EnvoyLimit, key: &'a Option<Box<str>>) -> &'a str {
+    key.as_deref().unwrap_or(&limit.full_key)
+}
+
+/// The hits a descriptor's counter item carries: its weight, but none for
+/// a peek (`hits_addend: 0`, asked as a weight of 1).
+pub(super) fn item_hits(item: &ManyItem) -> u64 {
+    if item.count == Count::Never { 0 } else { item.weight }
+}
+
+/// Each descriptor's limit: the request's override, else the
+/// configuration's; then `replaces` drops every named limit another
+/// matched limit replaces.
+pub(super) fn limits<D: Descriptor>(engine: &Engine, request: &RlsRequest<'_, D>) -> Vec<Option<EnvoyMatch>> {
+    let inner = &engine.inner;
+    let config = inner.envoy.as_ref().map(|hot| hot.load());
+    // Asked only of requests that carry a limit: most carry none.
+    let honoured = || inner.envoy_policy.request_limit_domains.contains(request.domain);
+    let mut limits: Vec<Option<EnvoyMatch>> = request
+        .descriptors
+        .iter()
+        .map(|d| {
+            if let Some((outcome, n)) = reported(d) {
+                if !request.may_report {
+                    inner.stats.adjusted(Api::Envoy, "outcome_not_allowed");
+                    return None;
+                }
+                // Reported to the limit its other entries find; nothing counted.
+                let found = config.as_ref()?.lookup(request.domain, d.entries().take(n - 1));
+                if let Some(limit) = found.as_ref().and_then(|f| f.limit.adaptive.as_deref()) {
+                    // The reporter is the counter its other entries name: its
+                    // report weighs what that counter was admitted.
+                    let reporter = Reporter(request.domain, d.entries().take(n - 1));
+                    limit.record(reporter, outcome, None, hits_of(request, d).max(1));
+                }
+                return None;
+            }
+            let requested = match d.limit() {
+                Some(limit) if honoured() => Some(limit),
+                Some(_) => {
+                    // Request-supplied limits are off for this domain: the
+                    // configured limit applies, as if none were sent.
+                    inner.stats.adjusted(Api::Envoy, "override_ignored");
+                    None
+                }
+                None => None,
+            };
+            match requested {
+                Some(requested) => Some(requested_limit(engine, request.domain, d, requested)),
+                None => config.as_ref()?.lookup(request.domain, d.entries()),
+            }
+        })
+        .collect();
+    // The limits are `Arc`s: collecting the replacing ones clones pointers.
+    let replacing: Vec<Arc<EnvoyLimit>> = limits
+        .iter()
+        .flatten()
+        .filter(|m| !m.limit.replaces.is_empty())
+        .map(|m| Arc::clone(&m.limit))
+        .collect();
+    if !replacing.is_empty() {
+        for slot in &mut limits {
+            let replaced = slot
+                .as_ref()
+                .and_then(|m| m.limit.name.as_deref())
+                .is_some_and(|name| replacing.iter().any(|r| r.replaces.iter().any(|x| x == name)));
+            if replaced {
+                *slot = None;
+            }
+        }
+    }
+    limits
+}
+
+/// A limit the request supplies for descriptor `d` of `domain`, under
+/// the fixed label (no request can mint a metric series) or, for
+/// upstream's metrics, the key upstream names it by (its entries).
+fn requested_limit<D: Descriptor>(
+    engine: &Engine,
+    domain: &str,
+    d: &D,
+    requested: LimitOverride,
+) -> EnvoyMatch {
+    EnvoyMatch {
+        limit: Arc::new(EnvoyLimit {
+            full_key: Arc::clone(&engine.override_label),
+            requests_per_unit: requested.requests_per_unit,
+            unit: Some(requested.unit),
+            unit_multiplier: 1,
+            unlimited: false,
+            shadow_mode: false,
+            quota_mode: false,
+            report_mode: false,
+            metadata: None,
+            name: None,
+            replaces: Vec::new(),
+            detailed_metric: false,
+            algorithm: None,
+            overload: None,
+            also: Vec::new(),
+            adaptive: None,
+        }),
+        shared: Vec::new(),
+        stat_key: engine.inner.envoy_policy.upstream_metrics.then(|| request_stat_key(domain, d.entries())),
+    }
+}
+
+/// How each descriptor is decided, and the counters of the one store
+/// call (`hits`: a descriptor's hits).
+pub(super) fn plans<D: Descriptor>(
+    engine: &Engine,
+    descriptors: &[D],
+    limits: Vec<Option<EnvoyMatch>>,
+    hits: impl Fn(&D) -> u64,
+) -> (Vec<Plan>, Vec<ManyItem>) {
+    let mut items = Vec::new();
+    let plans = limits
+        .into_iter()
+        .zip(descriptors)
+        .map(|(found, descriptor)| match found {
+            None => Plan::NoLimit,
+            Some(found) if found.limit.unlimited => {
+                Plan::Unlimited(found.limit, found.stat_key, hits(descriptor))
+            }
+            Some(found) => {
+                let first = items.len();
+                push_items(engine, &found, descriptor, hits(descriptor), &mut items);
+                Plan::Limited(found.limit, first, found.stat_key)
+            }
+        })
+        .collect();
+    (plans, items)
+}
+
+/// The counters of a descriptor with a limit (`found`) and `hits`: one
+/// per limit, the limit's then its `also` limits' (their keys are
+/// `<seconds>+<slot>|…`, never a first limit's `<seconds>|…`), pushed onto
+/// `items`. The entries are encoded once, and a digested entry counted
+/// once per descriptor.
+fn push_items<D: Descriptor>(
+    engine: &Engine,
+    found: &EnvoyMatch,
+    descriptor: &D,
+    hits: u64,
+    items: &mut Vec<ManyItem>,
+) {
+    let first = &found.limit;
+    let policy = &engine.inner.envoy_policy;
+    let seconds = |limit: &EnvoyLimit| limit.window_seconds().expect("a limited limit has a unit");
+    let (raw, mut digested) =
+        raw_counter_key(seconds(first), descriptor.entries(), &found.shared, policy.max_value_bytes);
+    let entries_at = raw.find('|').unwrap_or(raw.len());
+    let mut keys = Vec::with_capacity(first.also.len() + 1);
+    for (slot, also) in first.also.iter().enumerate() {
+        let (key, whole) = bounded_key(format!("{}+{}{}", seconds(also), slot + 1, &raw[entries_at..]));
+        digested |= whole;
+        keys.push(key);
+    }
+    let (key, whole) = bounded_key(raw);
+    if digested || whole {
+        engine.inner.stats.adjusted(Api::Envoy, "entry_digest");
+    }
+    for (slot, key) in std::iter::once(key).chain(keys).enumerate() {
+        let limit = first.limit_at(slot);
+        let seconds = seconds(limit);
+        // `hits_addend: 0` asks whether one more hit fits (or, as
+        // upstream, whether the count is within the limit) and counts
+        // nothing; a `report_mode` limit counts hits whatever is left, and
+        // with `count_every_hit` an admission is counted even when denied.
+        let (weight, count) = match hits {
+            0 => (u64::from(!policy.zero_hits_within_limit), Count::Never),
+            hits if limit.report_mode => (hits, Count::Always),
+            hits if policy.count_every_hit => (hits, Count::Anyway),
+            hits => (hits, Count::IfFits),
+        };
+        items.push(ManyItem {
+            key,
+            params: params(seconds, limit.per_unit(), limit.algorithm.unwrap_or(policy.algorithm)),
+            tick_ms: tick_ms(seconds),
+            weight,
+            count,
+            // Neither blocks the others: shadow never denies, and a quota
+            // descriptor denies only together with all others.
+            shadow: policy.shadow(first) || policy.quota(first),
+        });
+    }
+}
+
+/// The overload layer over every counted admission whose limit has a
+/// directive: `Some(retry_after_ms)` when one of them is dropped (then
+/// nothing is counted). A shadow limit's drop is only counted.
+pub(super) fn overload<D: Descriptor>(
+    engine: &Engine,
+    request: &RlsRequest<'_, D>,
+    plans: &[Plan],
+    items: &[ManyItem],
+) -> Option<u64> {
+    let overload = engine.inner.overload.as_ref()?;
+    let mut tenant_of = None;
+    for plan in plans {
+        let Plan::Limited(limit, index, _) = plan else { continue };
+        // Admissions only: not a 0-hit check, not a usage report.
+        if limit.overload.is_none() || matches!(items[*index].count, Count::Never | Count::Always) {
+            continue;
+        }
+        let tenant = *tenant_of.get_or_insert_with(|| tenant(engine, request));
+        let shadow = engine.inner.envoy_policy.shadow(limit);
+        if let OverloadVerdict::Drop { retry_after_ms } =
+            overload.check(Kind::Envoy, &limit.full_key, tenant, shadow)
+        {
+            return Some(retry_after_ms);
+        }
+    }
+    None
+}
+
+/// An Envoy request's tenant (for the overload layer and the tenants'
+/// shares of the store): the value of the first descriptor entry keyed
+/// `overload.tenant_descriptor_key`.
+pub(super) fn tenant<'r, D: Descriptor>(engine: &Engine, request: &RlsRequest<'r, D>) -> Option<&'r str> {
+    let key = engine.inner.tenants.descriptor_key.as_str();
+    request.descriptors.iter().flat_map(Descriptor::entries).find(|(k, _)| *k == key).map(|(_, v)| v)
+}
