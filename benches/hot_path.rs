@@ -174,13 +174,7 @@ fn benches(c: &mut Criterion) {
     let engine_with = |upstream: bool| {
         let metrics = DecisionMetrics::new("memory");
         Engine::new(EngineParts {
-            rules: Arc::clone(&rules),
             envoy: Some(Arc::clone(&envoy)),
-            store: Store::Memory(Arc::clone(&memory)),
-            local: Arc::new(ratelimitd::limiter::local::LocalLimiter::new(
-                Default::default(),
-                Arc::new(ratelimitd::limiter::SystemClock),
-            )),
             shedder: Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
             failures: Arc::new(LogSink::default()),
             stats: Arc::new(if upstream {
@@ -188,15 +182,8 @@ fn benches(c: &mut Criterion) {
             } else {
                 metrics
             }),
-            default_priority: Priority::Degraded,
-            max_user_id_bytes: 256,
-            trust_request_priority: true,
             envoy_policy: EnvoyPolicy { upstream_metrics: upstream, ..EnvoyPolicy::default() },
-            capture: None,
-            overload: None,
-            tenants: ratelimitd::decision::TenantPolicy::default(),
-            denials: None,
-            tenant_shares: None,
+            ..EngineParts::new(Arc::clone(&rules), Store::Memory(Arc::clone(&memory)))
         })
     };
     let engine = engine_with(true);

@@ -23,17 +23,14 @@ pub use crate::rules::gate::Row;
 use crate::{
     capture::{CaptureRecord, CountKind},
     clock::ManualClock,
-    decision::{
-        CheckRequest, Engine, EngineParts, EnvoyCall, EnvoyPolicy, FailedDecision, FailureSink, NoStats,
-        Reason,
-    },
+    decision::{CheckRequest, Engine, EngineParts, EnvoyCall, EnvoyPolicy, Reason},
     limiter::{MemoryStore, Store},
     rules::{
         Hot, RuleStore, Snapshot,
         envoy::EnvoyConfig,
         gate::{Gate, GateReport, GateThresholds},
     },
-    shed::{Priority, ShedMode, Shedder},
+    shed::Priority,
 };
 
 /// Why a replay could not run.
@@ -204,13 +201,6 @@ pub struct Outcome {
     pub denied: bool,
 }
 
-#[derive(Debug)]
-struct Discard;
-
-impl FailureSink for Discard {
-    fn record(&self, _: &FailedDecision<'_>) {}
-}
-
 /// A rule set replay decides by.
 #[derive(Debug)]
 pub struct Rules {
@@ -262,26 +252,12 @@ pub fn run(rules: Rules, requests: &[Request], settings: &Settings) -> Vec<Outco
     let clock = Arc::new(ManualClock::new(requests.first().map_or(0, |r| r.time_ms)));
     let capacity = requests.len().max(1_000);
     let store = MemoryStore::new(16, capacity, Arc::clone(&clock) as Arc<dyn crate::clock::Clock>);
+    let store = Store::Memory(Arc::new(store));
     let engine = Engine::new(EngineParts {
-        rules: Arc::new(RuleStore::new(rules.native)),
         envoy: rules.envoy.map(|envoy| Arc::new(Hot::new(envoy))),
-        store: Store::Memory(Arc::new(store)),
-        local: Arc::new(crate::limiter::local::LocalLimiter::new(
-            Default::default(),
-            Arc::new(crate::limiter::SystemClock),
-        )),
-        shedder: Arc::new(Shedder::new(ShedMode::Off, 0)),
-        failures: Arc::new(Discard),
-        stats: Arc::new(NoStats),
-        default_priority: Priority::Degraded,
         max_user_id_bytes: settings.max_user_id_bytes,
-        trust_request_priority: true,
         envoy_policy: settings.envoy.clone(),
-        capture: None,
-        overload: None,
-        tenants: crate::decision::TenantPolicy::default(),
-        denials: None,
-        tenant_shares: None,
+        ..EngineParts::new(Arc::new(RuleStore::new(rules.native)), store)
     });
     let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a current-thread runtime");
     runtime.block_on(async {

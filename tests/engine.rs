@@ -17,7 +17,7 @@ use ratelimitd::{
     config::RedisConfig,
     decision::{
         CheckRequest, Decision, Engine, EngineParts, EnvoyFailure, EnvoyPolicy, FailedDecision, FailureSink,
-        LimitOverride, NoStats, Reason, RlsDecision, RlsDescriptor, RlsRequest,
+        LimitOverride, Reason, RlsDecision, RlsDescriptor, RlsRequest,
     },
     limiter::{Algorithm, Count, ManualClock, MemoryStore, RedisStore, Store},
     rules::{self, Hot, RuleStore, envoy::Unit},
@@ -121,25 +121,11 @@ impl Harness {
         let shedder = Arc::new(Shedder::new(shed_mode, 1_000));
         let failures = Arc::new(Recorded::default());
         let engine = Engine::new(EngineParts {
-            rules: Arc::new(RuleStore::new(native)),
             envoy: Some(Arc::new(Hot::new(envoy))),
-            store,
-            local: Arc::new(ratelimitd::limiter::local::LocalLimiter::new(
-                Default::default(),
-                Arc::new(ratelimitd::limiter::SystemClock),
-            )),
             shedder: Arc::clone(&shedder),
             failures: Arc::clone(&failures) as _,
-            stats: Arc::new(NoStats),
-            default_priority: Priority::Degraded,
-            max_user_id_bytes: 256,
-            trust_request_priority: true,
             envoy_policy: policy,
-            capture: None,
-            overload: None,
-            tenants: ratelimitd::decision::TenantPolicy::default(),
-            denials: None,
-            tenant_shares: None,
+            ..EngineParts::new(Arc::new(RuleStore::new(native)), store)
         });
         Harness { engine, shedder, failures, clock, memory, redis, _dispatchers: dispatchers, _dir: dir }
     }

@@ -46,6 +46,16 @@ impl Default for LocalConfig {
 }
 
 impl LocalConfig {
+    /// The local limiter's settings.
+    pub fn settings(&self) -> crate::limiter::local::Settings {
+        crate::limiter::local::Settings {
+            max_counters: self.max_counters,
+            shards: self.shards,
+            instances: self.instances,
+            reconcile_interval: std::time::Duration::from_millis(self.reconcile_interval_ms),
+        }
+    }
+
     /// Checks `local.*`; every error names its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(1..=1 << 32).contains(&self.max_counters) {
@@ -61,5 +71,15 @@ impl LocalConfig {
             return Err(invalid("local.reconcile_interval_ms", "must be between 10 and 60000"));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_limiters_own() {
+        assert_eq!(LocalConfig::default().settings(), crate::limiter::local::Settings::default());
     }
 }

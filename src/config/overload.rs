@@ -64,6 +64,16 @@ impl Default for OverloadConfig {
 }
 
 impl OverloadConfig {
+    /// Where the engine reads a request's tenant from.
+    pub fn tenant_policy(&self) -> crate::decision::TenantPolicy {
+        crate::decision::TenantPolicy {
+            source: self.tenant_from,
+            separator: self.tenant_separator.clone(),
+            header: self.tenant_header.clone(),
+            descriptor_key: self.tenant_descriptor_key.clone(),
+        }
+    }
+
     /// Checks `overload.*`; every error names its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(50..=60_000).contains(&self.report_interval_ms) {

@@ -271,6 +271,44 @@ pub struct EngineParts {
     pub denials: Option<Arc<DenialCache>>,
 }
 
+impl EngineParts {
+    /// Parts deciding `rules` against `store`, everything else at the
+    /// defaults of a tool that decides on its own: no Envoy configuration,
+    /// shedding and the overload layer off, failures discarded ([`Discard`]),
+    /// nothing counted, request priorities trusted, `limits.*` and
+    /// `envoy.*` at their defaults. `server` replaces every part from the
+    /// configuration.
+    pub fn new(rules: Arc<RuleStore>, store: Store) -> Self {
+        EngineParts {
+            rules,
+            envoy: None,
+            store,
+            local: Arc::new(LocalLimiter::new(Default::default(), Arc::new(crate::clock::SystemClock))),
+            shedder: Arc::new(Shedder::new(crate::shed::ShedMode::Off, 0)),
+            failures: Arc::new(Discard),
+            stats: Arc::new(NoStats),
+            default_priority: Priority::Degraded,
+            max_user_id_bytes: 256,
+            trust_request_priority: true,
+            envoy_policy: EnvoyPolicy::default(),
+            capture: None,
+            overload: None,
+            tenants: TenantPolicy::default(),
+            tenant_shares: None,
+            denials: None,
+        }
+    }
+}
+
+/// A [`FailureSink`] that keeps nothing: for tools whose store cannot fail
+/// (replay's memory store) and tests that do not look.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Discard;
+
+impl FailureSink for Discard {
+    fn record(&self, _: &FailedDecision<'_>) {}
+}
+
 /// Where a request's tenant is read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -11,14 +11,6 @@ use crate::{
     shed::ShedMode,
 };
 
-/// Store failures cannot happen on the memory store: nothing to record.
-#[derive(Debug)]
-struct Discard;
-
-impl FailureSink for Discard {
-    fn record(&self, _: &FailedDecision<'_>) {}
-}
-
 fn engine(policy: EnvoyPolicy) -> Engine {
     engine_trusting(policy, true)
 }
@@ -29,26 +21,15 @@ fn engine_trusting(policy: EnvoyPolicy, trust_request_priority: bool) -> Engine 
 
 /// An engine's parts on no rules, the memory store and the manual clock at 0.
 fn parts(policy: EnvoyPolicy) -> EngineParts {
+    let store = Store::Memory(Arc::new(MemoryStore::new(1, 1_000, Arc::new(ManualClock::new(0)))));
     EngineParts {
-        rules: Arc::new(RuleStore::new(rules::empty())),
-        envoy: None,
-        store: Store::Memory(Arc::new(MemoryStore::new(1, 1_000, Arc::new(ManualClock::new(0))))),
         local: Arc::new(crate::limiter::local::LocalLimiter::new(
             Default::default(),
             Arc::new(ManualClock::new(0)),
         )),
         shedder: Arc::new(Shedder::new(ShedMode::Enforce, 1_000)),
-        failures: Arc::new(Discard),
-        stats: Arc::new(NoStats),
-        default_priority: Priority::Degraded,
-        max_user_id_bytes: 256,
-        trust_request_priority: true,
         envoy_policy: policy,
-        capture: None,
-        overload: None,
-        tenants: crate::decision::TenantPolicy::default(),
-        denials: None,
-        tenant_shares: None,
+        ..EngineParts::new(Arc::new(RuleStore::new(rules::empty())), store)
     }
 }
 

@@ -1,0 +1,92 @@
+//! The layers in front of the store: shedding and its sampler, the overload
+//! layer and its feed, the adaptive limits' exchange.
+
+use std::{sync::Arc, time::Duration};
+
+use super::{Rules, Tasks};
+use crate::server::ServerError;
+use crate::{
+    adapter::{self, Adapter},
+    clock::MonotonicClock,
+    config::{OverloadConfig, ShedConfig},
+    limiter::{Store, SystemClock},
+    overload::{Overload, feed},
+    rules::{Hot, tenants::Tenants},
+    shed::{LatencySignal, Sampler, ShedMode, ShedSignal, Shedder, Signal, run_sampler},
+};
+
+/// The shedder, and its utilization sampler unless `shed.mode` is off.
+pub(crate) fn shedder(config: &ShedConfig, tasks: &mut Tasks) -> Arc<Shedder> {
+    let shedder = Shedder::new(config.mode, config.retry_after_ms);
+    if config.mode == ShedMode::Off {
+        tracing::info!("load shedding off (shed.mode = off)");
+        return Arc::new(shedder);
+    }
+    let cpu = (config.signal != ShedSignal::Latency).then(|| {
+        Sampler::new(
+            config.source,
+            &config.procfs_root,
+            &config.cgroup_root,
+            config.smoothing,
+            Arc::new(MonotonicClock::default()),
+        )
+    });
+    let latency = (config.signal != ShedSignal::Cpu).then(|| {
+        LatencySignal::new(Duration::from_secs_f64(config.latency_tolerance_ms / 1_000.0), config.smoothing)
+    });
+    let shedder = Arc::new(if latency.is_some() { shedder.measuring_latency() } else { shedder });
+    let stop = tasks.stopper();
+    tasks.spawn(run_sampler(
+        Signal::new(cpu, latency),
+        Arc::clone(&shedder),
+        config.thresholds(),
+        Duration::from_millis(config.sample_interval_ms),
+        Duration::from_millis(config.report_interval_ms),
+        stop,
+    ));
+    shedder
+}
+
+/// The overload layer over the tenant table `tenants`, and its feed (one
+/// task, ticking every `overload.report_interval_ms`).
+pub(crate) fn overload(
+    settings: &OverloadConfig,
+    rules: &Rules,
+    tenants: Option<Arc<Hot<Tenants>>>,
+    store: &Store,
+    tasks: &mut Tasks,
+) -> Result<Arc<Overload>, ServerError> {
+    let overload = Arc::new(Overload::new(settings.mode, settings.report_interval_ms));
+    let sources = feed::Sources { rules: Arc::clone(&rules.native), envoy: rules.envoy.clone(), tenants };
+    let exchange = match store {
+        Store::Memory(_) => feed::Exchange::Local,
+        Store::Redis(redis) => feed::Exchange::Redis(Arc::clone(redis)),
+    };
+    let stop = tasks.stopper();
+    tasks.spawn(feed::run(
+        Arc::clone(&overload),
+        sources,
+        exchange,
+        feed::Settings {
+            mode: settings.mode,
+            interval_ms: settings.report_interval_ms,
+            max_staleness_ms: settings.max_staleness_ms,
+        },
+        Arc::new(SystemClock),
+        stop,
+    ));
+    Ok(overload)
+}
+
+/// The exchange of the adaptive limits (one task, each rule once per its
+/// `adaptive.interval_ms`): through Redis, or in-process with the memory store.
+pub(crate) fn adaptive(rules: &Rules, store: &Store, tasks: &mut Tasks) -> Arc<Adapter> {
+    let exchange = match store {
+        Store::Memory(_) => adapter::Exchange::Local(std::sync::Mutex::default()),
+        Store::Redis(redis) => adapter::Exchange::Redis(Arc::clone(redis)),
+    };
+    let adapter = Arc::new(Adapter::new(Arc::clone(&rules.native), rules.envoy.clone()));
+    let stop = tasks.stopper();
+    tasks.spawn(adapter::run(Arc::clone(&adapter), exchange, Arc::new(SystemClock), stop));
+    adapter
+}

@@ -1,0 +1,144 @@
+//! The counter store and what decides beside it: the local limiter (failure
+//! policy `local`) and its reconciler, the cache of exact denials, and the
+//! tenants' shares of the store's in-flight calls.
+
+use std::{sync::Arc, time::Duration};
+
+use tokio::task::JoinSet;
+
+use super::Tasks;
+use crate::server::ServerError;
+use crate::{
+    clock::MonotonicClock,
+    config::{DenialCacheConfig, LocalConfig, MemoryConfig, RedisConfig},
+    decision::{DenialCache, TenantShares},
+    limiter::{
+        MemoryStore, RedisStore, Store, SystemClock,
+        local::{self, LocalLimiter, run_reconciler},
+        memory::run_sweeper,
+    },
+    rules::{Hot, tenants::Tenants},
+};
+
+/// The counter store: in memory (with its sweeper in `tasks`) or Redis
+/// (its dispatchers in `dispatchers`, joined only after the engine is
+/// dropped, since they end when the store does).
+pub(crate) async fn store(
+    redis: &RedisConfig,
+    memory: &MemoryConfig,
+    tasks: &mut Tasks,
+    dispatchers: &mut JoinSet<()>,
+) -> Result<Store, ServerError> {
+    if redis.url.is_none() {
+        let store = Arc::new(MemoryStore::new(memory.shards, memory.max_counters, Arc::new(SystemClock)));
+        let stop = tasks.stopper();
+        tasks.spawn(run_sweeper(Arc::clone(&store), Duration::from_millis(memory.sweep_interval_ms), stop));
+        return Ok(Store::Memory(store));
+    }
+    let connect_timeout = Duration::from_millis(redis.connect_timeout_ms);
+    let redis = Arc::new(RedisStore::new(redis, dispatchers)?);
+    // Not fatal: until Redis answers, rules answer by failure policy.
+    match redis.warm_up(connect_timeout).await {
+        Ok(()) => tracing::info!(url = redis.url_for_logs(), "redis reachable"),
+        Err(e) => tracing::warn!(
+            url = redis.url_for_logs(),
+            error = %e,
+            "redis unreachable at startup; decisions follow each rule's failure_policy until it answers"
+        ),
+    }
+    Ok(Store::Redis(redis))
+}
+
+/// The local limiter (failure policy `local`) and its reconciler, which
+/// writes locally admitted hits back to `store` and, with Redis, keeps the
+/// count of live instances that sets each instance's share. With the memory
+/// store the instance is the whole deployment: its share is the whole limit.
+/// With Redis this process takes a unique id (`name` and its start) and
+/// its files in `local.state_dir`: it starts from the instance count and
+/// takes over the owed hits that processes before it left there.
+pub(crate) fn local(
+    config: &LocalConfig,
+    redis: &crate::config::RedisConfig,
+    name: &str,
+    store: &Store,
+    tasks: &mut Tasks,
+) -> Result<Arc<LocalLimiter>, ServerError> {
+    let mut settings = config.settings();
+    let id = crate::limiter::instance::id(name);
+    let state = match store {
+        Store::Memory(_) => {
+            settings.instances = 1;
+            None
+        }
+        Store::Redis(_) => {
+            let url = redis.url.as_deref().map(crate::limiter::settings::redact_url).unwrap_or_default();
+            let store_id = format!("{url} {}", redis.key_prefix);
+            let (state, adopted) = crate::limiter::instance::InstanceState::open::<local::Owing>(
+                &config.state_dir,
+                &id,
+                &store_id,
+            )?;
+            match adopted.instances {
+                Some(known) => settings.instances = settings.instances.max(known),
+                None if config.instances == 1 => tracing::warn!(
+                    "local.instances is 1 and no earlier instance count is in local.state_dir: while the store \
+                     cannot answer, this instance admits each whole limit locally until it reads the live count \
+                     (set local.instances to the replica count)"
+                ),
+                None => {}
+            }
+            Some((state, adopted))
+        }
+    };
+    let local = Arc::new(LocalLimiter::new(settings, Arc::new(SystemClock)));
+    let state = state.map(|(state, adopted)| {
+        if adopted.processes > 0 {
+            let hits: u64 = adopted.owed.iter().map(|(_, owed)| owed.hits()).sum();
+            tracing::info!(
+                processes = adopted.processes,
+                hits,
+                instances = settings.instances,
+                "took over the owed hits and instance count earlier processes left in local.state_dir"
+            );
+            local.adopt_owed(adopted.owed);
+        }
+        state
+    });
+    let stop = tasks.stopper();
+    tasks.spawn(run_reconciler(
+        Arc::clone(&local),
+        store.clone(),
+        id,
+        settings.reconcile_interval,
+        state,
+        stop,
+    ));
+    Ok(local)
+}
+
+/// The local cache of exact denials: with the Redis store, unless
+/// `denial_cache.enabled` is off (the memory store is local already).
+pub(crate) fn denials(config: &DenialCacheConfig, store: &Store) -> Option<Arc<DenialCache>> {
+    match store {
+        Store::Redis(_) if config.enabled => {
+            Some(Arc::new(DenialCache::new(config.max_entries, Arc::new(MonotonicClock::default()))))
+        }
+        _ => None,
+    }
+}
+
+/// Each tenant's share of the Redis store's in-flight calls: with a tenant
+/// table, unless `grpc.max_store_calls_per_tenant` is 0 (the memory store's
+/// calls do not queue).
+pub(crate) fn tenant_shares(
+    permits: usize,
+    tenants: Option<&Arc<Hot<Tenants>>>,
+    store: &Store,
+) -> Option<Arc<TenantShares>> {
+    match (tenants, store) {
+        (Some(table), Store::Redis(_)) if permits > 0 => {
+            Some(Arc::new(TenantShares::new(Arc::clone(table), permits)))
+        }
+        _ => None,
+    }
+}
