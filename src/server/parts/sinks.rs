@@ -47,7 +47,6 @@ pub(crate) fn dlq(
     dlq_to_kafka(config, brokers, (sink, queue, counters), drain(), tasks)
 }
 
-
 #[cfg(not(feature = "kafka"))]
 fn dlq_to_kafka(
     _config: &DlqConfig,

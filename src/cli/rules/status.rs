@@ -1,0 +1,73 @@
+//! `ratelimitd rules status`: the version every instance serves against the
+//! version in force.
+
+use std::{io::Write as _, process::ExitCode};
+
+use super::failed;
+use crate::{
+    clock::{Clock, SystemClock},
+    config::Config,
+    release,
+    rollout::{publish, status},
+    rules::encoding::SnapshotRecord,
+};
+
+/// Runs `rules status`: every instance's report against the version in
+/// force; 0 when every instance reporting within three intervals serves it
+/// (and at least one does).
+pub fn run(config: &Config) -> ExitCode {
+    let kafka = &config.rules.kafka;
+    let trust = release::trust(config, None);
+    let (history, reports) = match publish::history(kafka, &trust).and_then(|h| Ok((h, status::read(kafka)?)))
+    {
+        Ok(both) => both,
+        Err(e) => return failed("rules status", &e),
+    };
+    let in_force: Option<&SnapshotRecord> = publish::current(&history);
+    let now = SystemClock.now_ms();
+    let stale_after = kafka.status_interval_ms.saturating_mul(3);
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "in force: {}", in_force.map_or("nothing published", |r| &r.version));
+    let _ = writeln!(
+        out,
+        "{:<32}  {:<26}  {:<9}  {:>9}  {:>8}  STATE",
+        "INSTANCE", "VERSION", "ORIGIN", "SINCE", "REPORTED"
+    );
+    let mut converged = true;
+    for report in &reports {
+        let standing = status::standing(report, in_force.map(|f| f.version.as_str()), now, stale_after);
+        let state = match standing {
+            "stale" => "stale (no report for 3 intervals)",
+            "waiting" => "waiting for rules",
+            other => other,
+        };
+        if !matches!(standing, "stale" | "current") {
+            converged = false;
+        }
+        let ago = |ms: Option<u64>| {
+            ms.map_or("-".to_owned(), |ms| format!("{}s ago", now.saturating_sub(ms) / 1_000))
+        };
+        let _ = writeln!(
+            out,
+            "{:<32}  {:<26}  {:<9}  {:>9}  {:>8}  {state}",
+            report.instance,
+            report.version.as_deref().unwrap_or("-"),
+            report.origin.as_deref().unwrap_or("-"),
+            ago(report.since_ms),
+            ago(Some(report.reported_ms)),
+        );
+        if let Some(why) = &report.last_refusal {
+            let _ = writeln!(out, "{:<32}  refused {} record(s); the last: {why}", "", report.rejected);
+        }
+        if !report.adaptive.is_empty() {
+            let limits: Vec<String> =
+                report.adaptive.iter().map(|(rule, limit)| format!("{rule}={limit}")).collect();
+            let _ = writeln!(out, "{:<32}  adaptive limits: {}", "", limits.join(", "));
+        }
+    }
+    if reports.is_empty() {
+        let _ = writeln!(out, "(no instance reports)");
+    }
+    let current = reports.iter().filter(|r| r.version.as_ref() == in_force.map(|f| &f.version)).count();
+    if converged && current > 0 { ExitCode::SUCCESS } else { ExitCode::from(1) }
+}
