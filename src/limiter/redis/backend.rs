@@ -14,7 +14,7 @@ use std::{
 use arc_swap::ArcSwapOption;
 
 use deadpool_redis::{
-    Pool, PoolError, Runtime,
+    Pool, PoolConfig, PoolError, Runtime, Timeouts,
     sentinel::{
         Manager as SentinelManager, Pool as SentinelPool, PoolError as SentinelPoolError,
         SentinelNodeConnectionInfo, SentinelServerType,
@@ -216,19 +216,26 @@ pub(super) fn single_backend(
         AsyncConnectionConfig::new().set_connection_timeout(Some(connect_timeout)).set_response_timeout(None);
     let manager =
         deadpool_redis::Manager::new_with_config(node, connection_config).map_err(|e| e.to_string())?;
-    // One connection per dispatcher, one for `warm_up` (the readiness
-    // probe), and room for a replacement while a broken one is dropped.
     let pool = Pool::builder(manager)
-        .max_size(config.connections * 2 + 1)
+        .config(pool_config(config, connect_timeout))
         .runtime(Runtime::Tokio1)
-        .create_timeout(Some(connect_timeout))
-        // Handing out a returned connection PINGs it first; a peer that
-        // stopped answering must not hang a dispatcher in that PING.
-        .recycle_timeout(Some(connect_timeout))
-        .wait_timeout(Some(connect_timeout))
         .build()
         .map_err(|e| e.to_string())?;
     Ok(Backend::Single(pool))
+}
+
+/// The sizing and timeouts of a pool, one server's or Sentinel's master's:
+/// one connection per dispatcher, one for `warm_up` (the readiness probe),
+/// and room for a replacement while a broken one is dropped; creating,
+/// waiting for and recycling a connection each bounded by the connect
+/// timeout (handing out a returned connection PINGs it first, and a peer
+/// that stopped answering must not hang a dispatcher in that PING).
+fn pool_config(config: &RedisConfig, connect_timeout: Duration) -> PoolConfig {
+    let bound = Some(connect_timeout);
+    PoolConfig {
+        timeouts: Timeouts { wait: bound, create: bound, recycle: bound },
+        ..PoolConfig::new(config.connections * 2 + 1)
+    }
 }
 
 /// The circuit breakers: one for a server, one per range of slots for a cluster.
@@ -295,11 +302,8 @@ pub(super) fn sentinel_pool(
     let manager = SentinelManager::new(sentinels, master.to_owned(), Some(node), SentinelServerType::Master)
         .map_err(|e| e.to_string())?;
     deadpool_redis::sentinel::Pool::builder(manager)
-        .max_size(config.connections * 2 + 1)
+        .config(pool_config(config, connect_timeout))
         .runtime(Runtime::Tokio1)
-        .create_timeout(Some(connect_timeout))
-        .recycle_timeout(Some(connect_timeout))
-        .wait_timeout(Some(connect_timeout))
         .build()
         .map_err(|e| e.to_string())
 }
