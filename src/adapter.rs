@@ -1,6 +1,7 @@
-//! The adaptive limits' exchange: the one task per instance that shares
-//! each adaptive rule's reported outcomes and reads its limit back
-//! (the arithmetic is [`limiter::adaptive`](crate::limiter::adaptive)).
+//! The adaptive limits' exchange: the periodic exchange (a [`Participant`]
+//! of [`crate::limiter::exchange`]) that shares each adaptive rule's
+//! reported outcomes and reads its limit back (the arithmetic is
+//! [`limiter::adaptive`](crate::limiter::adaptive)).
 //!
 //! Each rule is exchanged once per `adaptive.interval_ms`, in the middle
 //! of the interval (aligned to the wall clock, so every instance writes
@@ -14,25 +15,23 @@
 //! The limit that comes back is what every decision of the rule reads
 //! until the next exchange. When the exchange fails, the limit in force
 //! holds (it never jumps to `min` or `max`) and those outcomes are
-//! dropped; the failure is counted and logged once per run of failures.
+//! dropped; the exchange mechanism counts the failure and logs a run of
+//! them once.
 
 use std::{
     collections::HashMap,
     fmt::Write as _,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
-use tokio::sync::watch;
+use futures_util::future::BoxFuture;
 
 use crate::{
-    clock::Clock,
     limiter::{
         RedisStore, StoreError,
         adaptive::{ADAPT_LUA, AdaptiveLimit, STATE_TTL_SECONDS, Shared, Tally, exchange, state_key},
+        exchange::Participant,
     },
     rules::{ENVOY_ADAPTIVE_PREFIX, Hot, RuleStore, adaptive_limits, envoy::EnvoyConfig},
     telemetry::exposition::{Figures, escape, header},
@@ -54,8 +53,6 @@ pub enum Exchange {
 pub struct Adapter {
     rules: Arc<RuleStore>,
     envoy: Option<Arc<Hot<EnvoyConfig>>>,
-    /// Exchanges that failed since start.
-    failures: AtomicU64,
 }
 
 /// One rule due for an exchange: its interval index and its outcomes.
@@ -70,19 +67,20 @@ impl Adapter {
     /// An adapter for the adaptive rules of `rules` and the adaptive
     /// limits of the Envoy configuration `envoy`, when served.
     pub fn new(rules: Arc<RuleStore>, envoy: Option<Arc<Hot<EnvoyConfig>>>) -> Self {
-        Adapter { rules, envoy, failures: AtomicU64::new(0) }
+        Adapter { rules, envoy }
     }
 
     /// Exchanges every adaptive rule due at `now_ms` that `done` (rule →
     /// the interval last exchanged) has not exchanged in its interval yet;
     /// returns when the next one falls due (ms since the epoch), or `None`
-    /// when there is no adaptive rule. `Err` when the exchange failed.
+    /// when there is no adaptive rule, and how the exchange went (`None`:
+    /// none was due).
     pub async fn tick(
         &self,
         exchange: &Exchange,
         now_ms: u64,
         done: &mut HashMap<Arc<str>, u64>,
-    ) -> (Option<u64>, Result<(), StoreError>) {
+    ) -> (Option<u64>, Option<Result<(), StoreError>>) {
         // The rule sets stay loaded while their limits are exchanged.
         let (native, envoy) = (self.rules.load(), self.envoy.as_ref().map(|e| e.load()));
         let served = adaptive_limits(&native, envoy.as_deref());
@@ -104,7 +102,7 @@ impl Adapter {
         let names: std::collections::HashSet<&Arc<str>> = served.iter().map(|(name, _)| name).collect();
         done.retain(|id, _| names.contains(id));
         if due.is_empty() {
-            return (next, Ok(()));
+            return (next, None);
         }
         let result = match exchange {
             Exchange::Redis(store) => exchange_redis(store, &due).await,
@@ -117,13 +115,12 @@ impl Adapter {
             }
         });
         if result.is_err() {
-            self.failures.fetch_add(1, Ordering::Relaxed);
             // Tried once per interval: the next attempt is the next interval's.
             for d in &due {
                 done.insert(Arc::clone(&d.id), d.index);
             }
         }
-        (next, result)
+        (next, Some(result))
     }
 }
 
@@ -171,39 +168,50 @@ fn exchange_local(states: &Mutex<HashMap<Arc<str>, Shared>>, due: &[Due<'_>]) ->
         .collect()
 }
 
-/// Runs the exchange until `stop` turns true.
-pub async fn run(
+/// The adaptive limits as a periodic exchange: each rule due in the middle
+/// of its interval, and the rule sets looked at again at least once a
+/// second, so a rule swapped in meanwhile starts soon.
+#[derive(Debug)]
+pub struct AdaptiveExchange {
     adapter: Arc<Adapter>,
     exchange: Exchange,
-    clock: Arc<dyn Clock>,
-    mut stop: watch::Receiver<bool>,
-) {
-    let mut done = HashMap::new();
-    let mut failing = false;
-    loop {
-        let now = clock.now_ms();
-        let (next, result) = adapter.tick(&exchange, now, &mut done).await;
-        match (&result, failing) {
-            (Err(e), false) => {
-                tracing::warn!(error = %e, "cannot exchange adaptive limits: the limits in force hold")
+    /// Each rule's interval last exchanged.
+    done: HashMap<Arc<str>, u64>,
+    /// When the next rule falls due, as the last tick said.
+    next: Option<u64>,
+}
+
+impl AdaptiveExchange {
+    /// The exchange of `adapter`'s limits through `exchange`.
+    pub fn new(adapter: Arc<Adapter>, exchange: Exchange) -> Self {
+        AdaptiveExchange { adapter, exchange, done: HashMap::new(), next: Some(0) }
+    }
+}
+
+impl Participant for AdaptiveExchange {
+    fn name(&self) -> &'static str {
+        "adaptive"
+    }
+
+    fn holding(&self) -> &'static str {
+        "the adaptive limits in force hold"
+    }
+
+    fn due(&mut self, now_ms: u64) -> u64 {
+        let soon = now_ms + 1_000;
+        self.next.map_or(soon, |at| at.clamp(now_ms + 1, soon))
+    }
+
+    fn exchange(&mut self, now_ms: u64) -> BoxFuture<'_, Option<Result<(), StoreError>>> {
+        Box::pin(async move {
+            let (next, result) = self.adapter.tick(&self.exchange, now_ms, &mut self.done).await;
+            self.next = next;
+            if let Exchange::Local(states) = &self.exchange {
+                let mut states = states.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                states.retain(|id, _| self.done.contains_key(id));
             }
-            (Ok(()), true) => tracing::info!("adaptive limits exchanged again"),
-            _ => {}
-        }
-        failing = result.is_err();
-        if let Exchange::Local(states) = &exchange {
-            let mut states = states.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            states.retain(|id, _| done.contains_key(id));
-        }
-        // At least once a second, so a rule set swapped in meanwhile starts soon.
-        let wait = next.map_or(1_000, |at| at.saturating_sub(clock.now_ms()).clamp(1, 1_000));
-        tokio::select! {
-            () = tokio::time::sleep(Duration::from_millis(wait)) => {}
-            _ = stop.changed() => return,
-        }
-        if *stop.borrow() {
-            return;
-        }
+            result
+        })
     }
 }
 
@@ -251,17 +259,6 @@ impl Figures for Adapter {
                 limit.uncredited()
             );
         }
-        header(
-            out,
-            "ratelimitd_adaptive_exchange_failures_total",
-            "counter",
-            "Exchanges of the adaptive limits with the store that failed (the limits in force held).",
-        );
-        let _ = writeln!(
-            out,
-            "ratelimitd_adaptive_exchange_failures_total {}",
-            self.failures.load(Ordering::Relaxed)
-        );
     }
 }
 
@@ -298,7 +295,7 @@ mod tests {
         let local = Exchange::Local(Mutex::default());
         let mut done = HashMap::new();
         let (next, result) = adapter.tick(&local, 10_100, &mut done).await;
-        assert!(result.is_ok());
+        assert!(result.is_none(), "nothing due");
         assert_eq!(next, Some(10_500), "not yet: the middle of the interval");
         report(&adapter, Outcome::Success, 50);
         assert_eq!(adapter.tick(&local, 10_500, &mut done).await.0, Some(11_500));
@@ -309,11 +306,11 @@ mod tests {
         assert_eq!(limit(&adapter), 110, "interval 10 was good");
         report(&adapter, Outcome::Failure, 10);
         report(&adapter, Outcome::Success, 40);
-        adapter.tick(&local, 12_600, &mut done).await.1.unwrap();
+        adapter.tick(&local, 12_600, &mut done).await.1.unwrap().unwrap();
         assert_eq!(limit(&adapter), 120, "interval 11 (50 successes) was good");
-        adapter.tick(&local, 13_600, &mut done).await.1.unwrap();
+        adapter.tick(&local, 13_600, &mut done).await.1.unwrap().unwrap();
         assert_eq!(limit(&adapter), 108, "interval 12: 10 of 50 failed");
-        adapter.tick(&local, 14_600, &mut done).await.1.unwrap();
+        adapter.tick(&local, 14_600, &mut done).await.1.unwrap().unwrap();
         assert_eq!(limit(&adapter), 108, "interval 13: nothing reported, the limit holds");
         let mut text = String::new();
         adapter.render(&mut text);

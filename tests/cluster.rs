@@ -403,8 +403,10 @@ async fn adaptive_limits_are_exchanged_through_the_cluster() {
     assert!(eventually(Duration::from_secs(10), lowered).await, "both instances read the lowered limit");
     let answer = check(&mut client, request("svc", "/backend")).await;
     assert!(answer.limit < 100, "{answer:?}");
-    let failed = common::metric(&servers[0], "ratelimitd_adaptive_exchange_failures_total").await;
-    assert_eq!(failed, Some(0.0), "no exchange failed");
+    let series = "ratelimitd_store_exchanges_total{exchange=\"adaptive\",result=\"failed\"}";
+    assert_eq!(common::metric(&servers[0], series).await, Some(0.0), "no exchange failed");
+    let series = "ratelimitd_store_exchanges_total{exchange=\"adaptive\",result=\"ok\"}";
+    assert!(common::metric(&servers[0], series).await.is_some_and(|n| n > 0.0), "exchanges counted");
     for server in servers {
         server.stop().await.unwrap();
     }

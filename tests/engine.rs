@@ -736,7 +736,7 @@ async fn local_admissions_are_written_back_when_the_store_returns() {
     assert!(!h.rls(&[&[("user", "bob")]]).await.over_limit);
     let local = Arc::clone(h.engine.local());
     assert_eq!(local.owed_hits(), 3);
-    assert_eq!(local.write_back(h.engine.store()).await, 0, "nothing to write to while down");
+    assert_eq!(local.write_back(h.engine.store()).await.0, 0, "nothing to write to while down");
     assert_eq!(local.owed_hits(), 3, "kept owed");
     h.redis.as_mut().unwrap().restart();
     let store = h.engine.store().clone();

@@ -228,7 +228,11 @@ async fn the_switch_flips_instances_and_a_cut_feed_keeps_the_ratio() {
         .parse()
         .unwrap();
     assert!(age >= 2.5, "age {age}");
-    assert!(metrics.contains("ratelimitd_overload_feed_total{result=\"failed\"}"), "{metrics}");
+    assert!(metrics.contains("ratelimitd_store_exchange_failing{exchange=\"overload\"} 1"), "{metrics}");
+    let failed = metrics.lines().find_map(|l| {
+        l.strip_prefix("ratelimitd_store_exchanges_total{exchange=\"overload\",result=\"failed\"} ")
+    });
+    assert!(failed.is_some_and(|n| n.parse::<u64>().unwrap() >= 2), "{metrics}");
     a.stop().await.unwrap();
     b.stop().await.unwrap();
 }

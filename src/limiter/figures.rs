@@ -45,7 +45,7 @@ impl Figures for MemoryStore {
 
 impl Figures for LocalLimiter {
     fn render(&self, out: &mut String) {
-        let gauges: [(&str, &str, &str, u64); 5] = [
+        let gauges: [(&str, &str, &str, u64); 4] = [
             (
                 "ratelimitd_local_instances",
                 "gauge",
@@ -69,12 +69,6 @@ impl Figures for LocalLimiter {
                 "counter",
                 "Locally admitted hits written back to the shared store.",
                 self.written_back(),
-            ),
-            (
-                "ratelimitd_local_write_back_failures_total",
-                "counter",
-                "Write-back rounds the shared store refused (the hits stay owed).",
-                self.write_back_failures(),
             ),
         ];
         for (name, kind, help, value) in gauges {

@@ -10,7 +10,7 @@
 //! engine flags every such answer.
 //!
 //! Every admission counted here is owed to the shared store: the
-//! reconciler ([`run_reconciler`]) writes the owed hits back as reports
+//! reconciler ([`Reconciler`], a periodic exchange) writes the owed hits back as reports
 //! once the store answers again, so nothing admitted during an outage is
 //! forgotten.
 //!
@@ -31,11 +31,11 @@ use std::{
     time::Duration,
 };
 
-use tokio::sync::watch;
+use futures_util::future::BoxFuture;
 
 use super::{
     Clock, Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, MemoryStore, RedisStore, Store,
-    StoreError, Verdict, WindowParams,
+    StoreError, Verdict, WindowParams, exchange::Participant,
 };
 
 /// How the local limiter runs (from `local.*`).
@@ -99,8 +99,6 @@ pub struct LocalLimiter {
     configured_instances: u64,
     /// Hits written back to the shared store.
     written_back: AtomicU64,
-    /// Write-back rounds that the store refused (the hits stay owed).
-    write_back_failures: AtomicU64,
 }
 
 impl LocalLimiter {
@@ -127,7 +125,6 @@ impl LocalLimiter {
             instances: AtomicU64::new(instances),
             configured_instances: instances,
             written_back: AtomicU64::new(0),
-            write_back_failures: AtomicU64::new(0),
         }
     }
 
@@ -249,11 +246,6 @@ impl LocalLimiter {
         self.written_back.load(Ordering::Relaxed)
     }
 
-    /// Write-back rounds the store refused.
-    pub fn write_back_failures(&self) -> u64 {
-        self.write_back_failures.load(Ordering::Relaxed)
-    }
-
     /// Local counters held (expired ones not yet swept included).
     pub fn counters(&self) -> usize {
         self.counters.len()
@@ -262,10 +254,12 @@ impl LocalLimiter {
     /// Writes every owed hit back to `store` as a report (counted whatever
     /// is left), [`WRITE_BACK_CHUNK`] calls at a time. Stops after the first
     /// chunk with a failure: what was refused, and what is left, stays owed
-    /// for the next round. Returns the hits written.
-    pub async fn write_back(&self, store: &Store) -> u64 {
+    /// for the next round. Returns the hits written, and the failure that
+    /// stopped it.
+    pub async fn write_back(&self, store: &Store) -> (u64, Option<StoreError>) {
         let taken = std::mem::take(&mut *self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         let mut written = 0;
+        let mut failure = None;
         let mut entries = taken.into_iter();
         loop {
             let chunk: Vec<(OwedKey, Owed)> = entries.by_ref().take(WRITE_BACK_CHUNK).collect();
@@ -283,8 +277,7 @@ impl LocalLimiter {
                 }
             }
             if let Some((_, _, error)) = refused.first() {
-                self.write_back_failures.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(%error, "write-back refused; hits stay owed");
+                let error = error.clone();
                 let mut map = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 for (key, owed, _) in refused {
                     merge(&mut map, key, owed);
@@ -292,11 +285,12 @@ impl LocalLimiter {
                 for (key, owed) in entries {
                     merge(&mut map, key, owed);
                 }
+                failure = Some(error.clone());
                 break;
             }
         }
         self.written_back.fetch_add(written, Ordering::Relaxed);
-        written
+        (written, failure)
     }
 
     /// Removes expired local counters (blocking: off the async workers).
@@ -353,67 +347,114 @@ pub const INSTANCES_KEY: &str = "rli:{instances}";
 /// always at shutdown).
 pub const SAVE_INTERVAL: Duration = Duration::from_secs(5);
 
-/// Every `interval` until `shutdown`: writes owed hits back to `store`,
-/// sweeps the local counters, and with Redis reports this instance
-/// (`instance`) alive and reads how many are, which sets the local share;
-/// saves the count and the owed hits to `state` when they changed (at
-/// most every [`SAVE_INTERVAL`]). At shutdown, one last write-back, then
-/// what is still owed is saved for the next process.
-pub async fn run_reconciler(
+/// The local limiter's periodic exchange with the shared store, every
+/// `local.reconcile_interval_ms` from the last (the first at start): with
+/// Redis it reports this instance (`instance`) alive and reads how many
+/// are, which sets the local share; it writes owed hits back, sweeps the
+/// local counters, and saves the count and the owed hits to `state` when
+/// they changed (at most every [`SAVE_INTERVAL`]). At shutdown, one last
+/// write-back, then what is still owed is saved for the next process.
+#[derive(Debug)]
+pub struct Reconciler {
     local: Arc<LocalLimiter>,
     store: Store,
     instance: String,
     interval: Duration,
-    state: Option<super::instance::InstanceState>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let state = state.map(Arc::new);
-    let mut saved: Option<((u64, u64), tokio::time::Instant)> = None;
-    loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = shutdown.changed() => break,
-        }
-        if let Store::Redis(redis) = &store {
-            match report_alive(redis, &instance, interval).await {
-                Ok(alive) => local.set_instances(Some(alive)),
-                // Kept: an outage is exactly when the last count matters.
-                Err(error) => tracing::trace!(%error, "instance report failed"),
-            }
-        }
-        if local.owed_hits() > 0 {
-            let written = local.write_back(&store).await;
-            if written > 0 {
-                tracing::info!(hits = written, "locally admitted hits written back to the shared store");
-            }
-        }
-        let sweeping = Arc::clone(&local);
-        if let Err(error) = tokio::task::spawn_blocking(move || sweeping.sweep()).await {
-            tracing::error!(%error, "local limiter sweep failed");
-        }
-        if let Some(state) = &state {
-            let now = (local.instances(), local.owed_hits());
-            let due = saved.is_none_or(|(then, at)| then != now && at.elapsed() >= SAVE_INTERVAL);
-            if due {
-                save(state, &local).await;
-                saved = Some((now, tokio::time::Instant::now()));
-            }
+    state: Option<Arc<super::instance::InstanceState>>,
+    /// What was saved last, and when.
+    saved: Option<((u64, u64), std::time::Instant)>,
+    /// When the last exchange began (ms of the wall clock).
+    last: Option<u64>,
+}
+
+impl Reconciler {
+    /// The reconciler of `local` with `store`, as `instance`, every
+    /// `interval`, saving to `state` when given.
+    pub fn new(
+        local: Arc<LocalLimiter>,
+        store: Store,
+        instance: String,
+        interval: Duration,
+        state: Option<super::instance::InstanceState>,
+    ) -> Self {
+        let state = state.map(Arc::new);
+        Reconciler { local, store, instance, interval, state, saved: None, last: None }
+    }
+
+    /// Saves the count and the owed hits when they changed, at most every
+    /// [`SAVE_INTERVAL`].
+    async fn save_if_changed(&mut self) {
+        let Some(state) = &self.state else { return };
+        let now = (self.local.instances(), self.local.owed_hits());
+        let due = self.saved.is_none_or(|(then, at)| then != now && at.elapsed() >= SAVE_INTERVAL);
+        if due {
+            save(state, &self.local).await;
+            self.saved = Some((now, std::time::Instant::now()));
         }
     }
-    if local.owed_hits() > 0 {
-        local.write_back(&store).await;
-        let left = local.owed_hits();
-        if left > 0 {
-            tracing::warn!(
-                hits = left,
-                "shutting down with locally admitted hits the shared store never took: left in local.state_dir for the next process (each decision is also in the dead-letter records)"
-            );
-        }
+}
+
+impl Participant for Reconciler {
+    fn name(&self) -> &'static str {
+        "local"
     }
-    if let Some(state) = &state {
-        save(state, &local).await;
+
+    fn holding(&self) -> &'static str {
+        "locally admitted hits stay owed, and the last instance count holds"
+    }
+
+    fn due(&mut self, now_ms: u64) -> u64 {
+        let interval = u64::try_from(self.interval.as_millis()).unwrap_or(u64::MAX);
+        self.last.map_or(now_ms, |last| last.saturating_add(interval).max(now_ms))
+    }
+
+    /// Nothing counted when no store call was made (the memory store,
+    /// nothing owed).
+    fn exchange(&mut self, now_ms: u64) -> BoxFuture<'_, Option<Result<(), StoreError>>> {
+        self.last = Some(now_ms);
+        Box::pin(async move {
+            let mut result = None;
+            if let Store::Redis(redis) = &self.store {
+                // Kept on a failure: an outage is exactly when the last count matters.
+                let alive = report_alive(redis, &self.instance, self.interval).await;
+                result = Some(alive.map(|alive| self.local.set_instances(Some(alive))));
+            }
+            if self.local.owed_hits() > 0 {
+                let (written, failure) = self.local.write_back(&self.store).await;
+                if written > 0 {
+                    tracing::info!(hits = written, "locally admitted hits written back to the shared store");
+                }
+                if let Some(error) = failure {
+                    result = Some(Err(error));
+                } else if result.is_none() {
+                    result = Some(Ok(()));
+                }
+            }
+            let sweeping = Arc::clone(&self.local);
+            if let Err(error) = tokio::task::spawn_blocking(move || sweeping.sweep()).await {
+                tracing::error!(%error, "local limiter sweep failed");
+            }
+            self.save_if_changed().await;
+            result
+        })
+    }
+
+    fn finish(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if self.local.owed_hits() > 0 {
+                let _ = self.local.write_back(&self.store).await;
+                let left = self.local.owed_hits();
+                if left > 0 {
+                    tracing::warn!(
+                        hits = left,
+                        "shutting down with locally admitted hits the shared store never took: left in local.state_dir for the next process (each decision is also in the dead-letter records)"
+                    );
+                }
+            }
+            if let Some(state) = &self.state {
+                save(state, &self.local).await;
+            }
+        })
     }
 }
 
@@ -529,7 +570,7 @@ mod tests {
         for _ in 0..3 {
             local.decide("u", spec(&rule, 6), 1, Count::IfFits).unwrap();
         }
-        assert_eq!(local.write_back(&store).await, 3);
+        assert_eq!(local.write_back(&store).await.0, 3);
         assert_eq!(local.owed_hits(), 0);
         // The shared counter now holds the three: three more fit of six.
         let admitted =
@@ -550,8 +591,8 @@ mod tests {
         let store = Store::Memory(full);
         local.decide("u", spec(&rule, 9), 2, Count::IfFits).unwrap();
         local.decide("v", spec(&rule, 9), 1, Count::IfFits).unwrap();
-        assert_eq!(local.write_back(&store).await, 0);
+        let (written, failure) = local.write_back(&store).await;
+        assert_eq!((written, failure.map(|e| e.kind)), (0, Some(FailureKind::StoreFull)));
         assert_eq!(local.owed_hits(), 3);
-        assert_eq!(local.write_back_failures(), 1);
     }
 }

@@ -11,6 +11,7 @@
 pub mod adaptive;
 pub mod breaker;
 pub mod bucket;
+pub mod exchange;
 pub mod figures;
 pub mod instance;
 pub mod local;

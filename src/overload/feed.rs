@@ -1,8 +1,9 @@
-//! The overload layer's feed: the one task per instance that turns the
-//! local counts into drop ratios.
+//! The overload layer's feed: the periodic exchange (a
+//! [`Participant`] of [`crate::limiter::exchange`]) that turns the local
+//! counts into drop ratios.
 //!
 //! Every `overload.report_interval_ms`, aligned to the wall clock so all
-//! instances tick together, it
+//! instances tick together (5 ms into each interval), it
 //! 1. rebuilds the bucket table when the rules or the tenant table changed;
 //! 2. takes each bucket's requests since the last tick;
 //! 3. exchanges them with the global view: against Redis one pipelined call
@@ -18,12 +19,15 @@
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
-use tokio::sync::watch;
+use futures_util::future::BoxFuture;
 
 use super::{Kind, Overload, Table, solve};
 use crate::{
     clock::Clock,
-    limiter::{RedisStore, StoreError},
+    limiter::{
+        RedisStore, StoreError,
+        exchange::{Participant, next_aligned},
+    },
     rules::{Hot, OverloadMode, OverloadScope, RuleStore, Versioned, envoy::EnvoyConfig, tenants::Tenants},
 };
 
@@ -89,15 +93,16 @@ pub struct Feed {
     settings: Settings,
     /// The last mode switch read (kept while the view is unreachable).
     switch: Option<OverloadMode>,
-    /// Whether the last exchange failed (to log transitions only).
-    failing: bool,
+    /// Whether the last exchange failed: the view after it lacks this
+    /// instance's counts.
+    failed: bool,
     drops: Vec<f64>,
 }
 
 impl Feed {
     /// A feed for `overload`; builds its first table at once.
     pub fn new(overload: Arc<Overload>, sources: Sources, settings: Settings, now_ms: u64) -> Self {
-        let mut feed = Feed { overload, sources, settings, switch: None, failing: false, drops: Vec::new() };
+        let mut feed = Feed { overload, sources, settings, switch: None, failed: false, drops: Vec::new() };
         feed.refresh(now_ms);
         feed
     }
@@ -162,23 +167,14 @@ impl Feed {
         // likely every other's) are missing from it, and its low sum would
         // switch drops off for an interval. Keep the drops until a view
         // this instance wrote its share of.
-        let mut complete = true;
+        let complete;
         let view = match outcome {
             Ok(view) => {
-                self.overload.feeds_ok.fetch_add(1, ordering);
-                if self.failing {
-                    tracing::info!("overload feed restored");
-                    self.failing = false;
-                    complete = false;
-                }
+                complete = !std::mem::take(&mut self.failed);
                 view
             }
-            Err(error) => {
-                self.overload.feeds_failed.fetch_add(1, ordering);
-                if !self.failing {
-                    tracing::warn!(%error, "overload feed failing; keeping the last drop ratios, decaying after overload.max_staleness_ms");
-                    self.failing = true;
-                }
+            Err(_) => {
+                self.failed = true;
                 for directive in table.all() {
                     let freshness =
                         solve::freshness(directive.age_ms(now_ms), self.settings.max_staleness_ms);
@@ -233,46 +229,56 @@ impl Feed {
     }
 }
 
-/// Runs the feed until `stop` turns true.
-pub async fn run(
-    overload: Arc<Overload>,
-    sources: Sources,
+/// The feed as a periodic exchange: due 5 ms into each interval of the
+/// wall clock, after every instance has counted the interval that ended.
+#[derive(Debug)]
+pub struct FeedExchange {
+    feed: Feed,
     exchange: Exchange,
-    settings: Settings,
     clock: Arc<dyn Clock>,
-    mut stop: watch::Receiver<bool>,
-) {
-    let interval = settings.interval_ms;
-    let mut feed = Feed::new(overload, sources, settings, clock.now_ms());
-    loop {
-        // Aligned to the wall clock (plus a little), so every instance
-        // writes an interval's counts right after it ends.
-        let now = clock.now_ms();
-        let wait = (now / interval + 1) * interval - now + 5;
-        tokio::select! {
-            () = tokio::time::sleep(Duration::from_millis(wait)) => {}
-            _ = stop.changed() => return,
-        }
-        if *stop.borrow() {
-            return;
-        }
-        let now = clock.now_ms();
-        feed.refresh(now);
-        if feed.overload.table().all().next().is_none() {
+}
+
+impl FeedExchange {
+    /// The exchange of `feed` through `exchange`, timed by `clock`.
+    pub fn new(feed: Feed, exchange: Exchange, clock: Arc<dyn Clock>) -> Self {
+        FeedExchange { feed, exchange, clock }
+    }
+}
+
+impl Participant for FeedExchange {
+    fn name(&self) -> &'static str {
+        "overload"
+    }
+
+    fn holding(&self) -> &'static str {
+        "keeping the last drop ratios, decaying after overload.max_staleness_ms"
+    }
+
+    fn due(&mut self, now_ms: u64) -> u64 {
+        next_aligned(now_ms, self.feed.settings.interval_ms, 5)
+    }
+
+    /// Nothing when no directive is in force: nothing to count, no call.
+    fn exchange(&mut self, now_ms: u64) -> BoxFuture<'_, Option<Result<(), StoreError>>> {
+        Box::pin(async move {
+            self.feed.refresh(now_ms);
             // No directive in force: nothing to count, no call to make.
-            continue;
-        }
-        let deltas = feed.collect();
-        let outcome = match &exchange {
-            Exchange::Local => {
-                Ok(View { counts: deltas.into_iter().map(|(f, n)| (f.into(), n)).collect(), mode: None })
-            }
-            Exchange::Redis(store) => {
-                let ended = (now / interval).saturating_sub(1);
-                exchange_redis(store, ended, &deltas, interval).await
-            }
-        };
-        feed.apply(clock.now_ms(), outcome);
+            self.feed.overload.table().all().next()?;
+            let deltas = self.feed.collect();
+            let interval = self.feed.settings.interval_ms;
+            let outcome = match &self.exchange {
+                Exchange::Local => {
+                    Ok(View { counts: deltas.into_iter().map(|(f, n)| (f.into(), n)).collect(), mode: None })
+                }
+                Exchange::Redis(store) => {
+                    let ended = (now_ms / interval).saturating_sub(1);
+                    exchange_redis(store, ended, &deltas, interval).await
+                }
+            };
+            let result = outcome.as_ref().map(|_| ()).map_err(StoreError::clone);
+            self.feed.apply(self.clock.now_ms(), outcome);
+            Some(result)
+        })
     }
 }
 

@@ -10,7 +10,7 @@ use super::{Overload, Table};
 use crate::{
     clock::{Clock as _, SystemClock},
     rules::OverloadMode,
-    telemetry::exposition::{Figures, escape, header, labelled},
+    telemetry::exposition::{Figures, escape, header},
 };
 
 impl Overload {
@@ -41,15 +41,6 @@ impl Overload {
             let on = u8::from(self.mode() == mode);
             let _ = writeln!(out, "ratelimitd_overload_mode{{mode=\"{}\"}} {on}", mode.as_str());
         }
-        let (ok, failed) = self.feeds();
-        labelled(
-            out,
-            "ratelimitd_overload_feed_total",
-            "counter",
-            "Exchanges with the global view, by result.",
-            "result",
-            &[("ok", ok), ("failed", failed)],
-        );
     }
 
     /// Per bucket: requests offered and dropped, the drop ratio applied,

@@ -242,9 +242,6 @@ pub struct Overload {
     seed: u64,
     /// `retry_after_ms` of a dropped request: the ratio's next recomputation.
     retry_after_ms: u64,
-    /// Feed exchanges that succeeded / failed.
-    pub(crate) feeds_ok: AtomicU64,
-    pub(crate) feeds_failed: AtomicU64,
 }
 
 impl Overload {
@@ -255,8 +252,6 @@ impl Overload {
             mode: AtomicU8::new(mode_index(mode)),
             seed: std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64),
             retry_after_ms: report_interval_ms,
-            feeds_ok: AtomicU64::new(0),
-            feeds_failed: AtomicU64::new(0),
         }
     }
 
@@ -280,11 +275,6 @@ impl Overload {
 
     pub(crate) fn swap_table(&self, table: Table) {
         self.table.store(Arc::new(table));
-    }
-
-    /// Feed exchanges that succeeded and failed since start.
-    pub fn feeds(&self) -> (u64, u64) {
-        (self.feeds_ok.load(Ordering::Relaxed), self.feeds_failed.load(Ordering::Relaxed))
     }
 
     /// Counts one request against the directive `name` of `kind` for

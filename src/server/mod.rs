@@ -147,13 +147,15 @@ pub async fn run_observed(
     let tenants = parts::tenants(&config.overload, &mut tasks)?;
     let tenant_shares =
         parts::tenant_shares(config.grpc.max_store_calls_per_tenant, tenants.as_ref(), &store);
-    let overload = parts::overload(&config.overload, &rules, tenants, &store, &mut tasks)?;
+    let mut exchanges = Vec::new();
+    let overload = parts::overload(&config.overload, &rules, tenants, &store, &mut exchanges)?;
     parts::vitals(&rules, &shedder, &overload, &dlq);
-    let adapter = parts::adaptive(&rules, &store, &mut tasks);
+    let adapter = parts::adaptive(&rules, &store, &mut exchanges);
     let denials = parts::denials(&config.denial_cache, &store);
     let stats = parts::stats(&config.envoy, &rules, &store);
     let metrics = parts::metrics(&config.telemetry, &mut tasks);
-    let local = parts::local(&config.local, &config.redis, &config.dlq.instance(), &store, &mut tasks)?;
+    let local = parts::local(&config.local, &config.redis, &config.dlq.instance(), &store, &mut exchanges)?;
+    let exchanges = parts::exchanges(exchanges, &mut tasks);
     let layers = parts::Layers {
         shedder: &shedder,
         overload: &overload,
@@ -169,6 +171,7 @@ pub async fn run_observed(
         overload: Arc::clone(&overload),
         denials: denials.clone(),
         adapter,
+        exchanges,
     };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &stats, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());

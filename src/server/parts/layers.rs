@@ -7,9 +7,12 @@ use super::{Rules, Tasks};
 use crate::server::ServerError;
 use crate::{
     adapter::{self, Adapter},
-    clock::MonotonicClock,
+    clock::{Clock, MonotonicClock},
     config::{OverloadConfig, ShedConfig},
-    limiter::{Store, SystemClock},
+    limiter::{
+        Store, SystemClock,
+        exchange::{self, ExchangeCounts, Participant},
+    },
     overload::{Overload, feed},
     rules::{Hot, tenants::Tenants},
     shed::{LatencySignal, Sampler, ShedMode, ShedSignal, Shedder, Signal, run_sampler},
@@ -47,14 +50,14 @@ pub(crate) fn shedder(config: &ShedConfig, tasks: &mut Tasks) -> Arc<Shedder> {
     shedder
 }
 
-/// The overload layer over the tenant table `tenants`, and its feed (one
-/// task, ticking every `overload.report_interval_ms`).
+/// The overload layer over the tenant table `tenants`, and its feed (an
+/// exchange every `overload.report_interval_ms`, joining `exchanges`).
 pub(crate) fn overload(
     settings: &OverloadConfig,
     rules: &Rules,
     tenants: Option<Arc<Hot<Tenants>>>,
     store: &Store,
-    tasks: &mut Tasks,
+    exchanges: &mut Vec<Box<dyn Participant>>,
 ) -> Result<Arc<Overload>, ServerError> {
     let overload = Arc::new(Overload::new(settings.mode, settings.report_interval_ms));
     let sources = feed::Sources { rules: Arc::clone(&rules.native), envoy: rules.envoy.clone(), tenants };
@@ -62,31 +65,39 @@ pub(crate) fn overload(
         Store::Memory(_) => feed::Exchange::Local,
         Store::Redis(redis) => feed::Exchange::Redis(Arc::clone(redis)),
     };
-    let stop = tasks.stopper();
-    tasks.spawn(feed::run(
-        Arc::clone(&overload),
-        sources,
-        exchange,
-        feed::Settings {
-            mode: settings.mode,
-            interval_ms: settings.report_interval_ms,
-            max_staleness_ms: settings.max_staleness_ms,
-        },
-        Arc::new(SystemClock),
-        stop,
-    ));
+    let feed_settings = feed::Settings {
+        mode: settings.mode,
+        interval_ms: settings.report_interval_ms,
+        max_staleness_ms: settings.max_staleness_ms,
+    };
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let feed = feed::Feed::new(Arc::clone(&overload), sources, feed_settings, clock.now_ms());
+    exchanges.push(Box::new(feed::FeedExchange::new(feed, exchange, clock)));
     Ok(overload)
 }
 
-/// The exchange of the adaptive limits (one task, each rule once per its
-/// `adaptive.interval_ms`): through Redis, or in-process with the memory store.
-pub(crate) fn adaptive(rules: &Rules, store: &Store, tasks: &mut Tasks) -> Arc<Adapter> {
+/// The exchange of the adaptive limits (each rule once per its
+/// `adaptive.interval_ms`, joining `exchanges`): through Redis, or
+/// in-process with the memory store.
+pub(crate) fn adaptive(
+    rules: &Rules,
+    store: &Store,
+    exchanges: &mut Vec<Box<dyn Participant>>,
+) -> Arc<Adapter> {
     let exchange = match store {
         Store::Memory(_) => adapter::Exchange::Local(std::sync::Mutex::default()),
         Store::Redis(redis) => adapter::Exchange::Redis(Arc::clone(redis)),
     };
     let adapter = Arc::new(Adapter::new(Arc::clone(&rules.native), rules.envoy.clone()));
-    let stop = tasks.stopper();
-    tasks.spawn(adapter::run(Arc::clone(&adapter), exchange, Arc::new(SystemClock), stop));
+    exchanges.push(Box::new(adapter::AdaptiveExchange::new(Arc::clone(&adapter), exchange)));
     adapter
+}
+
+/// The one task that runs every periodic exchange with the store
+/// (`exchanges`), and their counts for `/metrics`.
+pub(crate) fn exchanges(exchanges: Vec<Box<dyn Participant>>, tasks: &mut Tasks) -> Arc<ExchangeCounts> {
+    let counts = Arc::new(ExchangeCounts::of(&exchanges));
+    let stop = tasks.stopper();
+    tasks.spawn(exchange::run(exchanges, Arc::clone(&counts), Arc::new(SystemClock), stop));
+    counts
 }

@@ -18,6 +18,7 @@ use crate::{
     config::{Config, EnvoySettings, TelemetryConfig},
     decision::{DecisionMetrics, DenialCache, Engine, Saved},
     dlq::DlqSink,
+    limiter::exchange::ExchangeCounts,
     limiter::{Store, figures::ShareWaits},
     overload::Overload,
     rules::RuleSets,
@@ -76,11 +77,13 @@ pub(crate) struct Figures {
     pub(crate) overload: Arc<Overload>,
     pub(crate) denials: Option<Arc<DenialCache>>,
     pub(crate) adapter: Arc<Adapter>,
+    pub(crate) exchanges: Arc<ExchangeCounts>,
 }
 
 /// Registers every part's figures with `metrics`, in `/metrics`' order:
 /// the decision path, the stores, the request byte budget, shedding, the
-/// dead-letter pipeline, the rule sets and their feeds, capture, and the
+/// dead-letter pipeline, the rule sets and their feeds, capture, the
+/// overload layer, the adaptive limits, the periodic exchanges and the
 /// store calls saved.
 pub(crate) fn register_figures(
     metrics: &Metrics,
@@ -110,6 +113,7 @@ pub(crate) fn register_figures(
     }
     metrics.register(Arc::clone(&parts.overload) as Arc<dyn telemetry::Figures>);
     metrics.register(parts.adapter);
+    metrics.register(parts.exchanges);
     metrics.register(Arc::new(Saved { overload: Some(parts.overload), denials: parts.denials }));
 }
 

@@ -7,6 +7,7 @@ use std::{sync::Arc, time::Duration};
 use tokio::task::JoinSet;
 
 use super::Tasks;
+use crate::limiter::exchange::Participant;
 use crate::server::ServerError;
 use crate::{
     clock::MonotonicClock,
@@ -14,7 +15,7 @@ use crate::{
     decision::{DenialCache, TenantShares},
     limiter::{
         MemoryStore, RedisStore, Store, SystemClock,
-        local::{self, LocalLimiter, run_reconciler},
+        local::{self, LocalLimiter, Reconciler},
         memory::run_sweeper,
     },
     rules::{Hot, tenants::Tenants},
@@ -49,7 +50,8 @@ pub(crate) async fn store(
     Ok(Store::Redis(redis))
 }
 
-/// The local limiter (failure policy `local`) and its reconciler, which
+/// The local limiter (failure policy `local`) and its reconciler (joining
+/// `exchanges`), which
 /// writes locally admitted hits back to `store` and, with Redis, keeps the
 /// count of live instances that sets each instance's share. With the memory
 /// store the instance is the whole deployment: its share is the whole limit.
@@ -61,7 +63,7 @@ pub(crate) fn local(
     redis: &crate::config::RedisConfig,
     name: &str,
     store: &Store,
-    tasks: &mut Tasks,
+    exchanges: &mut Vec<Box<dyn Participant>>,
 ) -> Result<Arc<LocalLimiter>, ServerError> {
     let mut settings = config.settings();
     let id = crate::limiter::instance::id(name);
@@ -104,15 +106,13 @@ pub(crate) fn local(
         }
         state
     });
-    let stop = tasks.stopper();
-    tasks.spawn(run_reconciler(
+    exchanges.push(Box::new(Reconciler::new(
         Arc::clone(&local),
         store.clone(),
         id,
         settings.reconcile_interval,
         state,
-        stop,
-    ));
+    )));
     Ok(local)
 }
 
