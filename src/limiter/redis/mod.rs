@@ -1,7 +1,7 @@
 //! The Redis counter store: one Lua script (`scripts/decide_batch.lua`),
 //! called by SHA and reloaded on NOSCRIPT; one 32-byte string per counter, at
 //! `rl2:{<user_id>}:<rule_id>` (Check) or `rle2:{<domain>}:<key>` (Envoy):
-//! key-schema version 2, laid out in the script and in ARCHITECTURE.md.
+//! key-schema version 2, laid out in the script and in docs/design.md §13.
 //!
 //! Decisions are coalesced. Each of `redis.connections` slots has one
 //! dispatcher task that owns a connection: a decision queues a job on a
@@ -368,7 +368,7 @@ impl RedisStore {
 
     /// All-or-nothing decision over several counters of `group` in one job;
     /// see [`Store::decide_many`](super::Store::decide_many). Keys are
-    /// `rle:{<group>}:<key>`: the hash tag puts one group's counters in one
+    /// `rle2:{<group>}:<key>`: the hash tag puts one group's counters in one
     /// cluster slot, which a multi-key script requires.
     pub async fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
         let keys = items
