@@ -317,10 +317,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("src/rules/envoy/yaml.rs::compile_limit", "upstream's checks of one rate_limit, in upstream's order"),
     ("src/rules/store.rs::watch", "the poll loop and its once-per-change logging state"),
     (
-        "src/overload/feed.rs::Feed::apply",
-        "one exchange's outcome: fresh view, decay or keep, sharing the failure state",
-    ),
-    (
         "src/rollout/subscribe.rs::Subscription::follow",
         "the blocking consumer loop and its fallback deadline",
     ),

@@ -160,29 +160,11 @@ impl Feed {
     /// Applies one exchange's outcome at `now_ms`: new drops from a fresh
     /// view, or the last ones decayed by their age.
     pub fn apply(&mut self, now_ms: u64, outcome: Result<View, StoreError>) {
-        let ordering = std::sync::atomic::Ordering::Relaxed;
-        let table = self.overload.table();
-        // The view read back is the interval the exchange before this one
-        // wrote: if that exchange failed, this instance's counts (and very
-        // likely every other's) are missing from it, and its low sum would
-        // switch drops off for an interval. Keep the drops until a view
-        // this instance wrote its share of.
-        let complete;
         let view = match outcome {
-            Ok(view) => {
-                complete = !std::mem::take(&mut self.failed);
-                view
-            }
+            Ok(view) => view,
             Err(_) => {
                 self.failed = true;
-                for directive in table.all() {
-                    let freshness =
-                        solve::freshness(directive.age_ms(now_ms), self.settings.max_staleness_ms);
-                    for slot in &*directive.slots {
-                        let computed = f64::from_bits(slot.computed.load(ordering));
-                        slot.drop.store(solve::to_fixed(computed * freshness), ordering);
-                    }
-                }
+                self.decay(now_ms);
                 return;
             }
         };
@@ -196,11 +178,34 @@ impl Feed {
                 }
             },
         };
-        if !complete {
-            return;
+        // The view read back is the interval the exchange before this one
+        // wrote: if that exchange failed, this instance's counts (and very
+        // likely every other's) are missing from it, and its low sum would
+        // switch drops off for an interval. Keep the drops until a view
+        // this instance wrote its share of.
+        if !std::mem::take(&mut self.failed) {
+            self.solve(now_ms, &view);
         }
+    }
+
+    /// The last drops, each decayed by its directive's age.
+    fn decay(&self, now_ms: u64) {
+        let ordering = std::sync::atomic::Ordering::Relaxed;
+        for directive in self.overload.table().all() {
+            let freshness = solve::freshness(directive.age_ms(now_ms), self.settings.max_staleness_ms);
+            for slot in &*directive.slots {
+                let computed = f64::from_bits(slot.computed.load(ordering));
+                slot.drop.store(solve::to_fixed(computed * freshness), ordering);
+            }
+        }
+    }
+
+    /// Every bucket's drop from the view's sums: the same function of the
+    /// same sums on every instance.
+    fn solve(&mut self, now_ms: u64, view: &View) {
+        let ordering = std::sync::atomic::Ordering::Relaxed;
         let per_second = 1_000.0 / self.settings.interval_ms as f64;
-        for directive in table.all() {
+        for directive in self.overload.table().all() {
             let loads: Vec<solve::TenantLoad> = directive
                 .slots
                 .iter()
