@@ -277,7 +277,7 @@ impl LocalLimiter {
                 }
             }
             if let Some((_, _, error)) = refused.first() {
-                let error = error.clone();
+                failure = Some(error.clone());
                 let mut map = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 for (key, owed, _) in refused {
                     merge(&mut map, key, owed);
@@ -285,7 +285,6 @@ impl LocalLimiter {
                 for (key, owed) in entries {
                     merge(&mut map, key, owed);
                 }
-                failure = Some(error.clone());
                 break;
             }
         }
