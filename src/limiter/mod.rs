@@ -14,6 +14,7 @@ pub mod bucket;
 pub mod exchange;
 pub mod figures;
 pub mod instance;
+pub mod lease;
 pub mod local;
 pub mod memory;
 pub mod redis;

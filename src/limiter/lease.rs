@@ -1,0 +1,272 @@
+//! The arithmetic of a global limit's grants (docs/design.md §7c): how one
+//! limit is shared by several regions, each deciding against its own store
+//! at its **grant**, so that the grants any region may still be enforcing
+//! never sum above the limit, whatever the lag.
+//!
+//! Every interval each region reports, per global limit and key, the grant
+//! it enforces, what it admitted in the current window and its demand (what
+//! it admitted and denied over the last interval). [`allocate`] answers with
+//! its new grant and lease, from the state of every region:
+//! - what a region **may be enforcing** ([`RegionState::held`]): while its
+//!   lease (plus the clock-skew margin) runs, the larger of the grant last
+//!   offered and the one it last confirmed; once it has run out, its floor
+//!   (the region itself falls to its floor when its lease runs out, measured
+//!   from when it sent its report, which is never later than the store's
+//!   clock says);
+//! - the **target**: max-min fair shares of the limit over the regions'
+//!   demands above their floors, what no region wants shared equally;
+//! - the new grant: the target, but never above the limit less what every
+//!   other region may be enforcing, and never below the region's floor or
+//!   what it has already admitted in the window (so lowering a grant never
+//!   revokes admitted traffic).
+//!
+//! Why the bound holds: before a report, the regions' held grants sum to at
+//! most the limit. The reporting region enforces at most what it held; its
+//! new grant is at most the limit less the others' held grants; so after the
+//! report it holds at most that, and the sum still fits. Time only lowers
+//! what the others hold (a lease runs out to a floor). Capacity a region
+//! gives up therefore reaches another region only once it has confirmed the
+//! lower grant, or its lease has run out.
+
+/// What the allocator keeps of one region, for one global limit and key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RegionState {
+    /// The region's floor (`global.regions`): its grant before its first,
+    /// for a key it has no grant for, and after its lease runs out.
+    pub floor: u64,
+    /// The grant last offered to it.
+    pub offered: u64,
+    /// The grant it last said it enforces.
+    pub confirmed: u64,
+    /// Until when (the store's clock, ms) it may enforce `offered`: its
+    /// lease; 0 before its first report.
+    pub lease_until_ms: u64,
+    /// Its demand over its last reported interval: admitted and denied.
+    pub demand: u64,
+}
+
+impl RegionState {
+    /// A region that has never reported: at its floor.
+    pub fn new(floor: u64) -> Self {
+        RegionState { floor, offered: floor, confirmed: floor, ..RegionState::default() }
+    }
+
+    /// The most it may be enforcing at `now_ms` (the store's clock), a lease
+    /// being trusted `skew_ms` past its end.
+    pub fn held(&self, now_ms: u64, skew_ms: u64) -> u64 {
+        if now_ms < self.lease_until_ms.saturating_add(skew_ms) {
+            self.offered.max(self.confirmed).max(self.floor)
+        } else {
+            self.floor
+        }
+    }
+}
+
+/// One region's report for one global limit and key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Report {
+    /// Which region: an index into the regions' states.
+    pub region: usize,
+    /// The grant it enforces as it reports.
+    pub enforcing: u64,
+    /// What it has admitted in the current window.
+    pub admitted: u64,
+    /// Admitted and denied over its last interval.
+    pub demand: u64,
+}
+
+/// The timing a grant is leased under (`global.lease_ms`, the skew margin).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// How long a grant holds without a new report.
+    pub lease_ms: u64,
+    /// How long past its end the allocator still counts a lease as held:
+    /// the clock rates of the store and the regions may differ by this much
+    /// over a lease.
+    pub skew_ms: u64,
+}
+
+/// What [`allocate`] answers a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// The grant the region enforces from the answer on.
+    pub grant: u64,
+    /// The lease the store granted it, on the store's clock (the region
+    /// keeps it for `lease_ms` from when it sent its report).
+    pub lease_until_ms: u64,
+}
+
+/// Max-min fair shares of `limit` over the regions: each its floor, then
+/// what is left shared equally among those that want more, none given more
+/// than it wants, and what nobody wants shared equally among all (so a
+/// burst in any region finds room). The shares sum to exactly `limit` when
+/// the floors fit in it; ties go to the lower index.
+pub fn fair_shares(limit: u64, floors: &[u64], demands: &[u64]) -> Vec<u64> {
+    let mut shares: Vec<u64> = floors.to_vec();
+    let mut left = limit.saturating_sub(floors.iter().sum());
+    // What each region wants above its floor.
+    let mut wants: Vec<u64> = demands.iter().zip(floors).map(|(d, f)| d.saturating_sub(*f)).collect();
+    loop {
+        let wanting: Vec<usize> = (0..wants.len()).filter(|&i| wants[i] > 0).collect();
+        if wanting.is_empty() || left == 0 {
+            break;
+        }
+        let n = wanting.len() as u64;
+        let even = left / n;
+        if even == 0 {
+            // Fewer units than regions wanting them: one each, in order.
+            for &i in wanting.iter().take(left as usize) {
+                shares[i] += 1;
+                wants[i] -= 1;
+            }
+            left = 0;
+            break;
+        }
+        for &i in &wanting {
+            let given = even.min(wants[i]);
+            shares[i] += given;
+            wants[i] -= given;
+            left -= given;
+        }
+    }
+    if left > 0 && !shares.is_empty() {
+        let n = shares.len() as u64;
+        let (even, extra) = (left / n, (left % n) as usize);
+        for (i, share) in shares.iter_mut().enumerate() {
+            *share += even + u64::from(i < extra);
+        }
+    }
+    shares
+}
+
+/// Takes `report` into `regions` at `now_ms` (the store's clock) and
+/// answers the reporting region's new grant for a limit of `limit`.
+pub fn allocate(regions: &mut [RegionState], limit: u64, report: Report, now_ms: u64, lease: Lease) -> Grant {
+    let r = report.region;
+    {
+        let mine = &mut regions[r];
+        mine.demand = report.demand;
+        // What it enforces now is what it may be enforcing until the answer
+        // reaches it.
+        mine.confirmed = report.enforcing;
+    }
+    let others: u64 =
+        regions.iter().enumerate().filter(|(i, _)| *i != r).map(|(_, s)| s.held(now_ms, lease.skew_ms)).sum();
+    let room = limit.saturating_sub(others);
+    let floors: Vec<u64> = regions.iter().map(|s| s.floor).collect();
+    let demands: Vec<u64> = regions.iter().map(|s| s.demand).collect();
+    let target = fair_shares(limit, &floors, &demands)[r];
+    let mine = &mut regions[r];
+    let lowest = mine.floor.max(report.admitted);
+    let grant = target.max(lowest).min(room);
+    mine.offered = grant;
+    mine.lease_until_ms = now_ms.saturating_add(lease.lease_ms);
+    Grant { grant, lease_until_ms: mine.lease_until_ms }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const LEASE: Lease = Lease { lease_ms: 3_000, skew_ms: 500 };
+
+    #[test]
+    fn fair_shares_follow_demand_above_the_floors() {
+        // All demand in one region: it gets all but the others' floors.
+        assert_eq!(fair_shares(1_000, &[50, 50, 50], &[5_000, 0, 0]), [900, 50, 50]);
+        // 60/30/10 of a demand that exceeds the limit: max-min fair.
+        assert_eq!(fair_shares(1_000, &[50, 50, 50], &[600, 300, 100]), [600, 300, 100]);
+        assert_eq!(fair_shares(1_000, &[50, 50, 50], &[6_000, 3_000, 100]), [450, 450, 100]);
+        // Nobody wants it: shared equally.
+        assert_eq!(fair_shares(1_000, &[0, 0, 0], &[0, 0, 0]), [334, 333, 333]);
+        assert_eq!(fair_shares(10, &[0, 0, 0], &[5, 5, 5]), [4, 3, 3]);
+    }
+
+    #[test]
+    fn capacity_moves_only_after_the_holder_confirms_or_its_lease_runs_out() {
+        let mut regions = [RegionState::new(50), RegionState::new(50), RegionState::new(50)];
+        let report = |region, enforcing, admitted, demand| Report { region, enforcing, admitted, demand };
+        // A wants everything and gets all but the others' floors.
+        let a = allocate(&mut regions, 1_000, report(0, 50, 0, 5_000), 0, LEASE);
+        assert_eq!(a.grant, 900);
+        // Demand moves to B: B cannot take A's capacity while A may enforce it.
+        let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 1_000, LEASE);
+        assert_eq!(b.grant, 50);
+        // A reports no demand and has admitted 200 this window: lowered to
+        // its share, never below what it admitted...
+        let a = allocate(&mut regions, 1_000, report(0, 900, 200, 0), 2_000, LEASE);
+        assert_eq!(a.grant, 200);
+        // ...but until A confirms, B still finds no room.
+        let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 2_100, LEASE);
+        assert_eq!(b.grant, 50);
+        // A confirms the lower grant: B gets the rest.
+        allocate(&mut regions, 1_000, report(0, 200, 200, 0), 3_000, LEASE);
+        let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 3_100, LEASE);
+        assert_eq!(b.grant, 750);
+        // A goes silent: once its lease and the margin run out, its grant is
+        // its floor, and B's next report takes the rest.
+        let b = allocate(&mut regions, 1_000, report(1, 750, 0, 5_000), 3_000 + 3_000 + 499, LEASE);
+        assert_eq!(b.grant, 750, "A's lease is still trusted");
+        let b = allocate(&mut regions, 1_000, report(1, 750, 0, 5_000), 3_000 + 3_000 + 500, LEASE);
+        assert_eq!(b.grant, 900);
+    }
+
+    /// One region as it runs: the grant it enforces and until when (its own
+    /// clock), and the answer on its way to it, if any.
+    #[derive(Debug, Clone, Copy)]
+    struct Running {
+        grant: u64,
+        until_ms: u64,
+        floor: u64,
+    }
+
+    impl Running {
+        fn enforcing(&self, now_ms: u64) -> u64 {
+            if now_ms < self.until_ms { self.grant } else { self.floor }
+        }
+    }
+
+    proptest! {
+        /// Whatever the order of reports, their delays and lost answers,
+        /// what the regions enforce never sums above the limit.
+        #[test]
+        fn what_the_regions_enforce_never_sums_above_the_limit(
+            floors in proptest::collection::vec(0u64..100, 2..5),
+            steps in proptest::collection::vec(
+                (0usize..4, 0u64..2_000, 0u64..3_000, 0u64..400, any::<bool>(), 0u64..1_500),
+                1..80,
+            ),
+        ) {
+            let limit = 1_000;
+            prop_assume!(floors.iter().sum::<u64>() <= limit);
+            let mut regions: Vec<RegionState> = floors.iter().map(|f| RegionState::new(*f)).collect();
+            let mut running: Vec<Running> =
+                floors.iter().map(|f| Running { grant: *f, until_ms: 0, floor: *f }).collect();
+            let (mut now, mut store_now) = (0u64, 0u64);
+            for (region, demand, admitted, delay, lost, advance) in steps {
+                let region = region % floors.len();
+                now += advance;
+                let sent = now;
+                let mine = running[region];
+                let enforcing = mine.enforcing(sent);
+                let admitted = admitted.min(enforcing);
+                let report = Report { region, enforcing, admitted, demand };
+                // The store takes reports in the order they arrive, after
+                // the one-way delay, by its clock.
+                store_now = (sent + delay).max(store_now);
+                let answer = allocate(&mut regions, limit, report, store_now, LEASE);
+                if !lost {
+                    // The region keeps the lease from when it sent the report.
+                    running[region] = Running { grant: answer.grant, until_ms: sent + LEASE.lease_ms, ..mine };
+                }
+                // Check at the moment the answer arrives and a little later.
+                for t in [sent + 2 * delay, sent + 2 * delay + 700] {
+                    let total: u64 = running.iter().map(|r| r.enforcing(t)).sum();
+                    prop_assert!(total <= limit, "{total} > {limit} at {t}: {running:?} {regions:?}");
+                }
+            }
+        }
+    }
+}
