@@ -759,3 +759,64 @@ async fn rediss_with_a_private_ca_and_auth() {
     let text = serde_json::to_string(&records).unwrap();
     assert!(!text.contains("tls-pw"), "{text}");
 }
+
+/// `lease.lua` is the twin of `limiter::lease::allocate`: 1,500 random
+/// reports of three regions on two keys, each key's in one script call per
+/// report (as a region makes them), answer exactly the grants the Rust
+/// function computes at the script's clock, and leave Redis holding the
+/// same states.
+#[tokio::test]
+async fn the_lease_script_is_the_twin_of_allocate() {
+    use ratelimitd::limiter::lease::{LEASE_LUA, Lease, RegionState, Report, allocate};
+    let redis = RedisServer::start();
+    let mut conn = redis.client().await;
+    let (limit, floors) = (1_000u64, [50u64, 100, 0]);
+    let lease = Lease { lease_ms: 40, skew_ms: 15 };
+    let keys = ["rlg:{g}:a", "rlg:{g}:b"];
+    let mut states: Vec<Vec<RegionState>> =
+        keys.iter().map(|_| floors.iter().map(|f| RegionState::new(*f)).collect()).collect();
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut random = move |bound: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % bound
+    };
+    for round in 0..1_500 {
+        let region = random(3) as usize;
+        let reports: Vec<Report> = (0..keys.len())
+            .map(|k| {
+                let held = states[k][region].offered.max(states[k][region].confirmed);
+                let enforcing = if random(4) == 0 { floors[region] } else { held };
+                let admitted = random(enforcing + 1);
+                Report { region, enforcing, admitted, demand: random(1_500) }
+            })
+            .collect();
+        let mut call = redis::cmd("EVAL");
+        call.arg(LEASE_LUA).arg(keys.len()).arg(&keys);
+        call.arg(region).arg(floors.len()).arg(&floors);
+        call.arg(limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(60_000);
+        for r in &reports {
+            call.arg(r.enforcing).arg(r.admitted).arg(r.demand);
+        }
+        let answer: Vec<u64> = call.query_async(&mut conn).await.unwrap();
+        let now = answer[0];
+        for (k, report) in reports.into_iter().enumerate() {
+            let twin = allocate(&mut states[k], limit, report, now, lease);
+            assert_eq!(answer[1 + k], twin.grant, "round {round}, key {k}");
+            let fields: Vec<String> = ["o", "c", "e", "d"].iter().map(|f| format!("{f}{region}")).collect();
+            let stored: Vec<u64> =
+                redis::cmd("HMGET").arg(keys[k]).arg(&fields).query_async(&mut conn).await.unwrap();
+            let s = states[k][region];
+            assert_eq!(
+                stored,
+                [s.offered, s.confirmed, s.lease_until_ms, s.demand],
+                "round {round}, key {k}"
+            );
+        }
+        // Leases run out now and then (40 ms, trusted 15 ms past).
+        if random(20) == 0 {
+            tokio::time::sleep(Duration::from_millis(random(60))).await;
+        }
+    }
+}

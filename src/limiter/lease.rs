@@ -28,6 +28,11 @@
 //! gives up therefore reaches another region only once it has confirmed the
 //! lower grant, or its lease has run out.
 
+/// [`allocate`] in the coordination store: one call per region, limit and
+/// interval for every active key of the limit (their keys share the
+/// limit's hash tag); see the script for its arguments.
+pub const LEASE_LUA: &str = include_str!("scripts/lease.lua");
+
 /// What the allocator keeps of one region, for one global limit and key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RegionState {

@@ -1,0 +1,113 @@
+-- One region's report for one global limit, every active key at once:
+-- the twin of `limiter::lease::allocate` (docs/design.md §7c), run
+-- atomically in the coordination store. All keys of a call belong to one
+-- limit and share its hash tag (one cluster slot).
+--
+-- KEYS[k]   one hash per (limit, key); fields per region index i:
+--           o<i> the grant offered, c<i> the grant it confirmed,
+--           e<i> its lease's end (ms, this server's clock), d<i> its demand
+-- ARGV      region (0-based), n (regions), floor of each region (n values),
+--           limit, lease_ms, skew_ms, ttl_ms, then per key:
+--           enforcing, admitted, demand
+-- Returns   { now_ms, grant of key 1, grant of key 2, ... }; each grant's
+--           lease ends at now_ms + lease_ms.
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local r = tonumber(ARGV[1])
+local n = tonumber(ARGV[2])
+local floors = {}
+local floor_sum = 0
+for i = 0, n - 1 do
+  floors[i] = tonumber(ARGV[3 + i])
+  floor_sum = floor_sum + floors[i]
+end
+local at = 3 + n
+local limit = tonumber(ARGV[at])
+local lease = tonumber(ARGV[at + 1])
+local skew = tonumber(ARGV[at + 2])
+local ttl = tonumber(ARGV[at + 3])
+at = at + 4
+
+-- Max-min fair shares of `limit` above the floors (see fair_shares).
+local function fair_shares(demands)
+  local shares, wants = {}, {}
+  local left = math.max(0, limit - floor_sum)
+  for i = 0, n - 1 do
+    shares[i] = floors[i]
+    wants[i] = math.max(0, demands[i] - floors[i])
+  end
+  while left > 0 do
+    local wanting = {}
+    for i = 0, n - 1 do
+      if wants[i] > 0 then wanting[#wanting + 1] = i end
+    end
+    if #wanting == 0 then break end
+    local even = math.floor(left / #wanting)
+    if even == 0 then
+      for j = 1, left do
+        local i = wanting[j]
+        shares[i] = shares[i] + 1
+        wants[i] = wants[i] - 1
+      end
+      left = 0
+      break
+    end
+    for _, i in ipairs(wanting) do
+      local given = math.min(even, wants[i])
+      shares[i] = shares[i] + given
+      wants[i] = wants[i] - given
+      left = left - given
+    end
+  end
+  if left > 0 and n > 0 then
+    local even, extra = math.floor(left / n), left % n
+    for i = 0, n - 1 do
+      shares[i] = shares[i] + even + ((i < extra) and 1 or 0)
+    end
+  end
+  return shares
+end
+
+local fields = {}
+for i = 0, n - 1 do
+  fields[#fields + 1] = 'o' .. i
+  fields[#fields + 1] = 'c' .. i
+  fields[#fields + 1] = 'e' .. i
+  fields[#fields + 1] = 'd' .. i
+end
+
+local out = { now }
+for k = 1, #KEYS do
+  local enforcing = tonumber(ARGV[at])
+  local admitted = tonumber(ARGV[at + 1])
+  local demand = tonumber(ARGV[at + 2])
+  at = at + 3
+  local stored = redis.call('HMGET', KEYS[k], unpack(fields))
+  local offered, confirmed, ends, demands = {}, {}, {}, {}
+  for i = 0, n - 1 do
+    offered[i] = tonumber(stored[4 * i + 1]) or floors[i]
+    confirmed[i] = tonumber(stored[4 * i + 2]) or floors[i]
+    ends[i] = tonumber(stored[4 * i + 3]) or 0
+    demands[i] = tonumber(stored[4 * i + 4]) or 0
+  end
+  demands[r] = demand
+  confirmed[r] = enforcing
+  local others = 0
+  for i = 0, n - 1 do
+    if i ~= r then
+      if now < ends[i] + skew then
+        others = others + math.max(offered[i], confirmed[i], floors[i])
+      else
+        others = others + floors[i]
+      end
+    end
+  end
+  local room = math.max(0, limit - others)
+  local target = fair_shares(demands)[r]
+  local grant = math.min(math.max(target, floors[r], admitted), room)
+  redis.call('HSET', KEYS[k], 'o' .. r, grant, 'c' .. r, enforcing, 'e' .. r, now + lease, 'd' .. r, demand)
+  redis.call('PEXPIRE', KEYS[k], ttl)
+  out[#out + 1] = grant
+end
+return out
