@@ -159,7 +159,7 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     builder.enable_all();
     #[cfg(tokio_unstable)]
     builder.disable_lifo_slot();
-    builder.build()
+    builder.build().map_err(|e| std::io::Error::other(format!("cannot start the tokio runtime: {e}")))
 }
 
 /// A command's failure, or the service's before its log started, with its
