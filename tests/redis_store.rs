@@ -820,3 +820,36 @@ async fn the_lease_script_is_the_twin_of_allocate() {
         }
     }
 }
+
+/// The delay proxy the region tests put between a region and its
+/// coordination store: a round trip through it takes two one-way
+/// latencies, a cut path answers nothing, and a restored one answers what
+/// waited, in order.
+#[tokio::test]
+async fn a_delay_proxy_delays_each_way_and_cuts_the_path() {
+    let redis = RedisServer::start();
+    let target: std::net::SocketAddr = format!("127.0.0.1:{}", redis.port).parse().unwrap();
+    let proxy = common::DelayProxy::start(target, Duration::from_millis(50)).await;
+    let client = redis::Client::open(format!("redis://{}", proxy.addr)).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let started = Instant::now();
+    let pong: String = redis::cmd("PING").query_async(&mut conn).await.unwrap();
+    let round_trip = started.elapsed();
+    assert_eq!(pong, "PONG");
+    assert!(round_trip >= Duration::from_millis(100), "{round_trip:?}");
+    assert!(round_trip < Duration::from_millis(1_000), "{round_trip:?}");
+    proxy.cut();
+    let mut waiting = conn.clone();
+    let answer = tokio::spawn(async move {
+        let _: () = redis::cmd("SET").arg("k").arg("v").query_async(&mut waiting).await.unwrap();
+        let value: String = redis::cmd("GET").arg("k").query_async(&mut waiting).await.unwrap();
+        value
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!answer.is_finished(), "a cut path answers nothing");
+    let mut direct = redis.client().await;
+    let stored: Option<String> = redis::cmd("GET").arg("k").query_async(&mut direct).await.unwrap();
+    assert_eq!(stored, None, "nothing reached the store while cut");
+    proxy.restore();
+    assert_eq!(tokio::time::timeout(Duration::from_secs(2), answer).await.unwrap().unwrap(), "v");
+}

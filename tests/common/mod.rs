@@ -3,7 +3,8 @@
 //! `service.rs` (the real gRPC server on `127.0.0.1:0`, rule files in a
 //! temporary directory, a generated client), `kafka.rs` (a real
 //! Kafka-protocol broker), `envoy.rs` (real Envoy, grpcurl), `tls.rs`
-//! (certificates); here, what they share (free ports, child processes,
+//! (certificates), `delay.rs` (a TCP proxy with a one-way latency that can
+//! cut the path); here, what they share (free ports, child processes,
 //! waiting). Every child process is stopped by PID when dropped.
 
 #![allow(dead_code, unreachable_pub)]
@@ -24,6 +25,7 @@ use ratelimitd::{
 use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
 use tonic::transport::Channel;
 
+mod delay;
 mod envoy;
 mod h2;
 mod kafka;
@@ -34,7 +36,7 @@ pub mod webdriver;
 
 // Each test binary uses some of them.
 #[allow(unused_imports)]
-pub use self::{envoy::*, h2::*, kafka::*, redis_nodes::*, service::*, tls::*};
+pub use self::{delay::*, envoy::*, h2::*, kafka::*, redis_nodes::*, service::*, tls::*};
 
 /// Which counter store a scenario runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
