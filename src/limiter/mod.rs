@@ -13,6 +13,7 @@ pub mod breaker;
 pub mod bucket;
 pub mod exchange;
 pub mod figures;
+pub mod grants;
 pub mod instance;
 pub mod lease;
 pub mod local;

@@ -1,0 +1,199 @@
+//! A region's side of one global limit, per key, in this instance: the grant
+//! each key is enforced at (read by a decision with one map lookup, no
+//! store call) and what this instance admitted and denied of each key since
+//! its last report (docs/design.md §7c; the allocator is
+//! [`super::lease`]).
+//!
+//! Bounds, whatever callers send: at most `max_keys` keys per limit (split
+//! evenly over the shards). A key past the bound is not tracked: it has no
+//! grant and is enforced at the region's floor, which keeps the global
+//! bound. A key with no demand in a report and no lease left is dropped, so
+//! the keys held are those with demand in the interval.
+
+use std::{
+    collections::HashMap,
+    hash::{BuildHasher, RandomState},
+    sync::Mutex,
+    time::Instant,
+};
+
+/// Shards of a limit's keys: decisions of different keys rarely meet on a lock.
+const SHARDS: usize = 16;
+
+/// One shard of a limit's keys.
+type Shard = HashMap<Box<str>, KeyState>;
+
+#[derive(Debug, Clone, Copy, Default)]
+struct KeyState {
+    /// The grant and when its lease ends (this instance's monotonic clock);
+    /// `None` until the first grant.
+    grant: Option<(u64, Instant)>,
+    admitted: u64,
+    denied: u64,
+}
+
+/// What this instance saw of one key since its last report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyTally {
+    /// The key.
+    pub key: Box<str>,
+    /// Hits admitted.
+    pub admitted: u64,
+    /// Hits denied.
+    pub denied: u64,
+}
+
+/// One global limit's keys in this instance.
+#[derive(Debug)]
+pub struct GrantTable {
+    shards: Box<[Mutex<Shard>]>,
+    per_shard: usize,
+    hasher: RandomState,
+}
+
+impl GrantTable {
+    /// A table of at most `max_keys` keys (at least one per shard).
+    pub fn new(max_keys: usize) -> Self {
+        GrantTable {
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            per_shard: max_keys.div_ceil(SHARDS).max(1),
+            hasher: RandomState::new(),
+        }
+    }
+
+    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, Shard> {
+        let index = (self.hasher.hash_one(key) % SHARDS as u64) as usize;
+        self.shards[index].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The limit `key` is enforced at `now`: its grant while its lease runs,
+    /// else `floor` (no grant yet, the lease ran out, or not tracked).
+    pub fn limit(&self, key: &str, floor: u64, now: Instant) -> u64 {
+        match self.shard(key).get(key).and_then(|state| state.grant) {
+            Some((grant, until)) if now < until => grant,
+            _ => floor,
+        }
+    }
+
+    /// Counts `hits` of `key`, admitted or denied, for the next report. A
+    /// key new to a full shard is not tracked.
+    pub fn record(&self, key: &str, hits: u64, admitted: bool) {
+        let mut shard = self.shard(key);
+        let Some(state) = tracked(&mut shard, key, self.per_shard) else { return };
+        if admitted {
+            state.admitted = state.admitted.saturating_add(hits);
+        } else {
+            state.denied = state.denied.saturating_add(hits);
+        }
+    }
+
+    /// The tallies since the last report, the counts reset; a key with no
+    /// demand and no lease left at `now` is dropped.
+    pub fn take_tallies(&self, now: Instant) -> Vec<KeyTally> {
+        let mut out = Vec::new();
+        for shard in &*self.shards {
+            let mut shard = shard.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            shard.retain(|key, state| {
+                let demand = state.admitted > 0 || state.denied > 0;
+                if demand {
+                    out.push(KeyTally { key: key.clone(), admitted: state.admitted, denied: state.denied });
+                    (state.admitted, state.denied) = (0, 0);
+                }
+                demand || state.grant.is_some_and(|(_, until)| now < until)
+            });
+        }
+        out
+    }
+
+    /// Sets `key`'s grant until `until`; a key not tracked (and no room
+    /// for it) keeps the floor.
+    pub fn set_grant(&self, key: &str, grant: u64, until: Instant) {
+        let mut shard = self.shard(key);
+        if let Some(state) = tracked(&mut shard, key, self.per_shard) {
+            state.grant = Some((grant, until));
+        }
+    }
+
+    /// Keys held.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len()).sum()
+    }
+
+    /// Whether no key is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// `key`'s state in `shard`, made when the shard has room for it.
+fn tracked<'m>(
+    shard: &'m mut HashMap<Box<str>, KeyState>,
+    key: &str,
+    room: usize,
+) -> Option<&'m mut KeyState> {
+    if !shard.contains_key(key) {
+        if shard.len() >= room {
+            return None;
+        }
+        shard.insert(key.into(), KeyState::default());
+    }
+    shard.get_mut(key)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_key_is_at_its_grant_while_the_lease_runs_and_at_the_floor_otherwise() {
+        let table = GrantTable::new(100);
+        let now = Instant::now();
+        assert_eq!(table.limit("k", 10, now), 10, "no grant yet");
+        table.set_grant("k", 300, now + Duration::from_secs(3));
+        assert_eq!(table.limit("k", 10, now), 300);
+        assert_eq!(table.limit("k", 10, now + Duration::from_secs(3)), 10, "the lease ran out");
+        assert_eq!(table.limit("other", 10, now), 10);
+    }
+
+    #[test]
+    fn tallies_are_reported_once_and_idle_keys_without_a_lease_go() {
+        let table = GrantTable::new(100);
+        let now = Instant::now();
+        table.record("a", 3, true);
+        table.record("a", 2, false);
+        table.record("b", 1, true);
+        table.set_grant("b", 50, now + Duration::from_secs(3));
+        let mut tallies = table.take_tallies(now);
+        tallies.sort_by(|x, y| x.key.cmp(&y.key));
+        assert_eq!(
+            tallies,
+            [
+                KeyTally { key: "a".into(), admitted: 3, denied: 2 },
+                KeyTally { key: "b".into(), admitted: 1, denied: 0 }
+            ]
+        );
+        // No demand since: "a" (no lease) goes, "b" keeps its grant until its lease ends.
+        assert!(table.take_tallies(now).is_empty());
+        assert_eq!(table.len(), 1);
+        assert_eq!(table.limit("b", 10, now), 50);
+        assert!(table.take_tallies(now + Duration::from_secs(3)).is_empty());
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn a_flood_of_keys_holds_at_most_the_bound_and_the_rest_stay_at_the_floor() {
+        let table = GrantTable::new(64);
+        let now = Instant::now();
+        for i in 0..10_000 {
+            let key = format!("k{i}");
+            table.record(&key, 1, true);
+            table.set_grant(&key, 500, now + Duration::from_secs(3));
+        }
+        assert!(table.len() <= 64, "{}", table.len());
+        let granted = (0..10_000).filter(|i| table.limit(&format!("k{i}"), 7, now) == 500).count();
+        assert_eq!(granted, table.len(), "only held keys have a grant; the others are at the floor");
+        assert_eq!(table.take_tallies(now).len(), table.len());
+    }
+}
