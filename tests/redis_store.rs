@@ -853,3 +853,55 @@ async fn a_delay_proxy_delays_each_way_and_cuts_the_path() {
     proxy.restore();
     assert_eq!(tokio::time::timeout(Duration::from_secs(2), answer).await.unwrap().unwrap(), "v");
 }
+
+/// Two regions share a global limit of 1,000 through a coordination store
+/// 50 ms away (a delay proxy each way): capacity follows demand, but only
+/// once the region that held it confirmed the lower grant, and what the
+/// regions may enforce never sums above the limit.
+#[tokio::test]
+async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand() {
+    use ratelimitd::limiter::{
+        RedisStore,
+        lease::{GlobalLimit, KeyReport, Lease, report},
+        settings::RedisConfig,
+    };
+    let redis = RedisServer::start();
+    let target: std::net::SocketAddr = format!("127.0.0.1:{}", redis.port).parse().unwrap();
+    let proxy = common::DelayProxy::start(target, Duration::from_millis(50)).await;
+    let mut dispatchers = tokio::task::JoinSet::new();
+    let config = RedisConfig { url: Some(format!("redis://{}", proxy.addr)), ..RedisConfig::default() };
+    let store = RedisStore::new(&config, &mut dispatchers).unwrap();
+    let limit = GlobalLimit { id: "api{1}", limit: 1_000, floors: &[50, 50, 50] };
+    let lease = Lease { lease_ms: 3_000, skew_ms: 500 };
+    let ask = |region: usize, enforcing: u64, admitted: u64, demand: u64| {
+        let (store, reports) =
+            (&store, vec![KeyReport { key: "tenant-a".into(), enforcing, admitted, demand }]);
+        async move {
+            let started = Instant::now();
+            let granted =
+                report(store, limit, region, lease, &reports, Duration::from_secs(2)).await.unwrap();
+            assert!(started.elapsed() >= Duration::from_millis(100), "through the 50 ms proxy each way");
+            granted.grants[0]
+        }
+    };
+    // All demand in region 0: all but the others' floors.
+    assert_eq!(ask(0, 50, 0, 5_000).await, 900);
+    // Demand moves to region 1, which finds no room while region 0 may enforce 900.
+    assert_eq!(ask(1, 50, 0, 5_000).await, 50);
+    // Region 0 reports no demand, 200 admitted this window: lowered, not below 200...
+    assert_eq!(ask(0, 900, 200, 0).await, 200);
+    // ...and only once it confirms does region 1 get the rest.
+    assert_eq!(ask(1, 50, 0, 5_000).await, 50);
+    assert_eq!(ask(0, 200, 200, 0).await, 200);
+    assert_eq!(ask(1, 50, 0, 5_000).await, 750);
+    // The state lives under the limit's hash tag, percent-encoded, and expires.
+    let mut conn = redis.client().await;
+    let key = "rlg:{api%7B1%7D}:tenant-a";
+    let grants: Vec<Option<u64>> =
+        redis::cmd("HMGET").arg(key).arg(&["o0", "o1", "o2"]).query_async(&mut conn).await.unwrap();
+    assert_eq!(grants, [Some(200), Some(750), None], "region 2 never reported");
+    let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
+    assert!((1..=7_000).contains(&ttl), "{ttl}");
+    drop(store);
+    while dispatchers.join_next().await.is_some() {}
+}

@@ -28,10 +28,101 @@
 //! gives up therefore reaches another region only once it has confirmed the
 //! lower grant, or its lease has run out.
 
+use std::time::Duration;
+
+use super::{RedisStore, StoreError, push_encoded};
+
 /// [`allocate`] in the coordination store: one call per region, limit and
 /// interval for every active key of the limit (their keys share the
 /// limit's hash tag); see the script for its arguments.
 pub const LEASE_LUA: &str = include_str!("scripts/lease.lua");
+
+/// The coordination store's hash of `key` of the global limit `limit_id`,
+/// under `prefix`: `<prefix>rlg:{<limit_id>}:<key>`. The hash tag is the
+/// limit's (with `%`, `{` and `}` percent-encoded), so a call for every key
+/// of one limit stays in one cluster slot.
+pub fn lease_key(prefix: &str, limit_id: &str, key: &str) -> String {
+    let mut out = String::with_capacity(prefix.len() + 7 + limit_id.len() + key.len());
+    out.push_str(prefix);
+    out.push_str("rlg:{");
+    push_encoded(&mut out, limit_id, &['{', '}']);
+    out.push_str("}:");
+    out.push_str(key);
+    out
+}
+
+/// One global limit as a region reports it: its id (the hash tag), the
+/// limit and every region's floor, by region index.
+#[derive(Debug, Clone, Copy)]
+pub struct GlobalLimit<'a> {
+    /// The limit's id: a rule id or an Envoy full key.
+    pub id: &'a str,
+    /// What all regions together may admit.
+    pub limit: u64,
+    /// Each region's floor.
+    pub floors: &'a [u64],
+}
+
+/// One key's report: the key, the grant the region enforces, what it
+/// admitted in the window and its demand over the interval.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyReport {
+    /// The key (a user, a tenant, a descriptor's counter).
+    pub key: String,
+    /// The grant the region enforces as it reports.
+    pub enforcing: u64,
+    /// Admitted in the current window.
+    pub admitted: u64,
+    /// Admitted and denied over the last interval.
+    pub demand: u64,
+}
+
+/// What the coordination store answered a report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Granted {
+    /// The store's clock when it decided (ms).
+    pub now_ms: u64,
+    /// Each key's grant, in the reports' order; each leased for
+    /// `lease_ms` from when the report was sent.
+    pub grants: Vec<u64>,
+}
+
+/// Region `region`'s reports of `limit`'s keys to the coordination store
+/// `store`: one script call, within `timeout`. The hashes expire two
+/// leases (and margins) after the last report of any region, when every
+/// lease they hold has run out.
+pub async fn report(
+    store: &RedisStore,
+    limit: GlobalLimit<'_>,
+    region: usize,
+    lease: Lease,
+    reports: &[KeyReport],
+    timeout: Duration,
+) -> Result<Granted, StoreError> {
+    let mut call = redis::cmd("EVAL");
+    call.arg(LEASE_LUA).arg(reports.len());
+    for r in reports {
+        call.arg(lease_key(store.key_prefix(), limit.id, &r.key));
+    }
+    call.arg(region).arg(limit.floors.len()).arg(limit.floors);
+    let ttl_ms = lease.lease_ms.saturating_add(lease.skew_ms).saturating_mul(2);
+    call.arg(limit.limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(ttl_ms);
+    for r in reports {
+        call.arg(r.enforcing).arg(r.admitted).arg(r.demand);
+    }
+    let mut pipeline = redis::pipe();
+    pipeline.add_command(call);
+    let (answer,): (Vec<u64>,) = store.pipeline(&pipeline, timeout).await?;
+    match answer.split_first() {
+        Some((now_ms, grants)) if grants.len() == reports.len() => {
+            Ok(Granted { now_ms: *now_ms, grants: grants.to_vec() })
+        }
+        _ => Err(StoreError {
+            kind: super::FailureKind::ScriptError,
+            message: format!("the lease script answered {} values for {} keys", answer.len(), reports.len()),
+        }),
+    }
+}
 
 /// What the allocator keeps of one region, for one global limit and key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
