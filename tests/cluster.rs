@@ -411,3 +411,38 @@ async fn adaptive_limits_are_exchanged_through_the_cluster() {
         server.stop().await.unwrap();
     }
 }
+
+/// A global limit's state lives in one hash slot of a coordination store
+/// that is a Redis Cluster: one call of `lease.lua` per limit and region
+/// covers every key of the limit, whichever node serves the limit's slot.
+#[tokio::test]
+async fn a_global_limits_keys_share_one_slot_of_a_coordination_cluster() {
+    use ratelimitd::limiter::{
+        RedisStore,
+        lease::{GlobalLimit, KeyReport, Lease, lease_key, report},
+        settings::RedisConfig,
+    };
+    let cluster = RedisCluster::start();
+    let mut dispatchers = tokio::task::JoinSet::new();
+    let config = RedisConfig { url: Some(cluster.url()), cluster: true, ..RedisConfig::default() };
+    let store = RedisStore::new(&config, &mut dispatchers).unwrap();
+    let lease = Lease { lease_ms: 3_000, skew_ms: 500 };
+    let keys: Vec<String> = (0..50).map(|i| format!("tenant-{i}")).collect();
+    // Limits whose slots three different nodes are likely to serve.
+    for id in ["checkout", "search", "upload"] {
+        let limit = GlobalLimit { id, limit: 10_000, floors: &[100, 100] };
+        let reports: Vec<KeyReport> = keys
+            .iter()
+            .map(|key| KeyReport { key: key.clone(), enforcing: 100, admitted: 0, demand: 50_000 })
+            .collect();
+        let granted = report(&store, limit, 0, lease, &reports, Duration::from_secs(2)).await.unwrap();
+        assert_eq!(granted.grants, vec![9_900; keys.len()], "{id}: all but the other region's floor");
+        let slots: std::collections::BTreeSet<u16> =
+            keys.iter().map(|key| key_slot(&lease_key("", id, key))).collect();
+        assert_eq!(slots.len(), 1, "{id}: one slot for every key of the limit");
+    }
+    let held: u64 = (0..3).map(|node| cluster.keys_on(node)).sum();
+    assert_eq!(held, 150, "every key of every limit is stored once");
+    drop(store);
+    while dispatchers.join_next().await.is_some() {}
+}
