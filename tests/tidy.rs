@@ -34,19 +34,29 @@ fn src_dir() -> PathBuf {
         .join("src")
 }
 
-fn source_files() -> Vec<PathBuf> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+/// Every file and every folder under `dir` (hidden folders and `target`
+/// left out), files first.
+fn tree(dir: &Path) -> (Vec<PathBuf>, Vec<PathBuf>) {
+    fn walk(dir: &Path, files: &mut Vec<PathBuf>, folders: &mut Vec<PathBuf>) {
         for entry in fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
-            if path.is_dir() {
-                walk(&path, out);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                out.push(path);
+            if !path.is_dir() {
+                files.push(path);
+            } else if !path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.') || n == "target")
+            {
+                folders.push(path.clone());
+                walk(&path, files, folders);
             }
         }
     }
-    let mut files = Vec::new();
-    walk(&src_dir(), &mut files);
+    let (mut files, mut folders) = (Vec::new(), Vec::new());
+    walk(dir, &mut files, &mut folders);
+    (files, folders)
+}
+
+fn source_files() -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> =
+        tree(&src_dir()).0.into_iter().filter(|path| path.extension().is_some_and(|e| e == "rs")).collect();
     files.sort();
     files
 }
@@ -617,116 +627,95 @@ fn impl_type_names_the_type_implemented_for() {
     assert_eq!(impl_type("impl<D: Descriptor<'a>> Subject for Rls<'_, '_, D> {"), "Rls");
 }
 
-/// Every file under the repository's own folders, by name (`mod.rs`,
-/// `decide_batch.lua`), for the names ARCHITECTURE.md gives without a path.
-fn repository_file_names() -> BTreeSet<String> {
-    fn walk(dir: &Path, out: &mut BTreeSet<String>) {
-        for entry in fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            let name = path.file_name().unwrap().to_string_lossy().into_owned();
-            if path.is_dir() {
-                if !name.starts_with('.') && name != "target" {
-                    walk(&path, out);
-                }
-            } else {
-                out.insert(name);
-            }
-        }
-    }
-    let mut names = BTreeSet::new();
-    walk(src_dir().parent().unwrap(), &mut names);
-    names
+/// What the names of ARCHITECTURE.md are checked against, read once.
+struct Known {
+    /// Every file's name in the repository (`mod.rs`, `decide_batch.lua`).
+    files: BTreeSet<String>,
+    /// The repository's Rust (`src/`, `tests/`, `benches/`,
+    /// `loadtest/src/`, `build.rs`), its Lua and `clippy.toml`.
+    source: String,
+    /// The reference pages that name settings and rule fields.
+    reference: String,
+    /// Where a relative path may start: the root, `src/` and its folders.
+    bases: Vec<PathBuf>,
+    /// `Cargo.lock`, for crate names.
+    lock: String,
 }
 
-/// The Rust source of the repository (`src/`, `tests/`, `benches/`,
-/// `loadtest/`, `build.rs`), for the identifiers ARCHITECTURE.md names.
-fn rust_text() -> String {
-    let root = src_dir().parent().unwrap().to_path_buf();
-    let mut text = String::new();
-    fn walk(dir: &Path, text: &mut String) {
-        for entry in fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                walk(&path, text);
-            } else if path.extension().is_some_and(|e| e == "rs" || e == "lua" || e == "toml") {
-                text.push_str(&fs::read_to_string(&path).unwrap());
-            }
-        }
-    }
-    for dir in ["src", "tests", "benches", "loadtest/src"] {
-        walk(&root.join(dir), &mut text);
-    }
-    text.push_str(&fs::read_to_string(root.join("build.rs")).unwrap_or_default());
-    text.push_str(&fs::read_to_string(root.join("clippy.toml")).unwrap_or_default());
-    text
-}
-
-/// What a backticked name of ARCHITECTURE.md must be to be true: a path
-/// (`decision/envoy/`, `src/main.rs`) that exists from the repository's
-/// root, from `src/` or from a folder of `src/` (the entry of a module
-/// names its own folders); a file name that some file has; an endpoint
-/// (`/readyz`) or a crate (`openssl-sys`) the source or the lock file
-/// names; a setting or rule field (`grpc.max_connections`) the reference
-/// names; or an identifier (`Engine::run`, `FailureSink`) whose last part
-/// the source holds as a word. `None`: something else (Rust syntax).
-fn missing_name(name: &str, files: &BTreeSet<String>, source: &str, reference: &str) -> Option<String> {
-    let root = src_dir().parent().unwrap().to_path_buf();
-    let plain = |c: char| c.is_ascii_alphanumeric() || "_./-:".contains(c);
-    if name.is_empty() || !name.chars().all(plain) || name.contains("://") || name.starts_with('.') {
-        return None;
-    }
-    if let Some(endpoint) = name.strip_prefix('/') {
-        return (!source.contains(&format!("\"/{endpoint}"))).then(|| format!("endpoint {name}"));
-    }
-    if name.contains('-') && !name.contains('/') {
-        let lock = fs::read_to_string(root.join("Cargo.lock")).unwrap();
-        return (!lock.contains(&format!("name = \"{name}\""))).then(|| format!("crate {name}"));
-    }
-    let extension = [".rs", ".md", ".lua", ".yml", ".yaml", ".toml", ".json", ".proto"];
-    if name.contains('/') {
-        let path = name.trim_end_matches('/');
+impl Known {
+    fn read() -> Self {
+        let root = src_dir().parent().unwrap().to_path_buf();
+        let read = |path: &Path| fs::read_to_string(path).unwrap_or_default();
+        let files =
+            tree(&root).0.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        let mut source: String = ["src", "tests", "benches", "loadtest/src"]
+            .iter()
+            .flat_map(|dir| tree(&root.join(dir)).0)
+            .filter(|path| path.extension().is_some_and(|e| e == "rs" || e == "lua" || e == "toml"))
+            .map(|path| read(&path))
+            .collect();
+        source.push_str(&read(&root.join("build.rs")));
+        source.push_str(&read(&root.join("clippy.toml")));
+        let reference = ["docs/configuration.md", "docs/rules.md", "docs/envoy.md"]
+            .iter()
+            .map(|doc| fs::read_to_string(root.join(doc)).unwrap())
+            .collect();
         let mut bases = vec![root.clone(), src_dir()];
-        fn folders(dir: &Path, out: &mut Vec<PathBuf>) {
-            for entry in fs::read_dir(dir).unwrap() {
-                let path = entry.unwrap().path();
-                if path.is_dir() {
-                    out.push(path.clone());
-                    folders(&path, out);
-                }
-            }
+        bases.extend(tree(&src_dir()).1);
+        let lock = fs::read_to_string(root.join("Cargo.lock")).unwrap();
+        Known { files, source, reference, bases, lock }
+    }
+
+    /// What a backticked name of ARCHITECTURE.md must be to be true: a
+    /// path (`decision/envoy/`, `src/main.rs`) that exists from the
+    /// repository's root, from `src/` or from a folder of `src/` (the entry
+    /// of a module names its own folders); a file name that some file has;
+    /// an endpoint (`/readyz`) or a crate (`openssl-sys`) the source or the
+    /// lock file names; a setting or rule field (`grpc.max_connections`)
+    /// the reference names; or an identifier (`Engine::run`, `FailureSink`)
+    /// whose last part the source holds as a word. `None`: something else
+    /// (Rust syntax).
+    fn missing(&self, name: &str) -> Option<String> {
+        let plain = |c: char| c.is_ascii_alphanumeric() || "_./-:".contains(c);
+        if name.is_empty() || !name.chars().all(plain) || name.contains("://") || name.starts_with('.') {
+            return None;
         }
-        folders(&src_dir(), &mut bases);
-        let exists = bases.iter().any(|base| base.join(path).exists());
-        return (!exists).then(|| format!("path {name}"));
+        if let Some(endpoint) = name.strip_prefix('/') {
+            return (!self.source.contains(&format!("\"/{endpoint}"))).then(|| format!("endpoint {name}"));
+        }
+        if name.contains('-') && !name.contains('/') {
+            return (!self.lock.contains(&format!("name = \"{name}\""))).then(|| format!("crate {name}"));
+        }
+        let extension = [".rs", ".md", ".lua", ".yml", ".yaml", ".toml", ".json", ".proto"];
+        if name.contains('/') {
+            let path = name.trim_end_matches('/');
+            let exists = self.bases.iter().any(|base| base.join(path).exists());
+            return (!exists).then(|| format!("path {name}"));
+        }
+        if extension.iter().any(|e| name.ends_with(e)) {
+            return (!self.files.contains(name)).then(|| format!("file {name}"));
+        }
+        if name.contains('.') {
+            let key = name.trim_end_matches(".*");
+            let named = self.reference.contains(key) || self.source.contains(key);
+            return (!named).then(|| format!("setting {name}"));
+        }
+        let (source, last) = (&self.source, name.rsplit("::").next().unwrap_or(name));
+        let is_word_at = |at: usize| {
+            let before = source[..at].chars().next_back();
+            let after = source[at + last.len()..].chars().next();
+            let ident = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+            !ident(before) && !ident(after)
+        };
+        let found = source.match_indices(last).any(|(at, _)| is_word_at(at));
+        (!found).then(|| format!("identifier {name}"))
     }
-    if extension.iter().any(|e| name.ends_with(e)) {
-        return (!files.contains(name)).then(|| format!("file {name}"));
-    }
-    if name.contains('.') {
-        let key = name.trim_end_matches(".*");
-        let named = reference.contains(key) || source.contains(key);
-        return (!named).then(|| format!("setting {name}"));
-    }
-    let last = name.rsplit("::").next().unwrap_or(name);
-    let is_word_at = |at: usize| {
-        let before = source[..at].chars().next_back();
-        let after = source[at + last.len()..].chars().next();
-        let ident = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
-        !ident(before) && !ident(after)
-    };
-    let found = source.match_indices(last).any(|(at, _)| is_word_at(at));
-    (!found).then(|| format!("identifier {name}"))
 }
 
 #[test]
 fn architecture_names_only_what_exists() {
-    let root = src_dir().parent().unwrap().to_path_buf();
-    let text = fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
-    let settings: String = ["docs/configuration.md", "docs/rules.md", "docs/envoy.md"]
-        .iter()
-        .map(|doc| fs::read_to_string(root.join(doc)).unwrap())
-        .collect();
-    let (files, source) = (repository_file_names(), rust_text());
+    let text = fs::read_to_string(src_dir().parent().unwrap().join("ARCHITECTURE.md")).unwrap();
+    let known = Known::read();
     let mut missing = Vec::new();
     let mut checked = 0;
     for (i, part) in text.split('`').enumerate() {
@@ -735,7 +724,7 @@ fn architecture_names_only_what_exists() {
             continue;
         }
         checked += 1;
-        missing.extend(missing_name(part, &files, &source, &settings));
+        missing.extend(known.missing(part));
     }
     missing.sort();
     missing.dedup();
@@ -750,7 +739,7 @@ fn architecture_names_only_what_exists() {
         ["/bo", "gus"],
         ["nonexistent-", "crate"],
     ] {
-        assert!(missing_name(&gone.concat(), &files, &source, &settings).is_some(), "{gone:?}");
+        assert!(known.missing(&gone.concat()).is_some(), "{gone:?}");
     }
-    assert!(missing_name("Engine::run", &files, &source, &settings).is_none());
+    assert!(known.missing("Engine::run").is_none());
 }
