@@ -248,59 +248,6 @@ async fn envoy_requests_are_shed_by_priority_like_check(backend: Backend) {
     server.stop().await.unwrap();
 }
 
-/// A TCP proxy in front of Redis that holds each chunk it forwards (either
-/// way) for `delay` ms: a store that turns slow without this process
-/// working any harder. Stops with the runtime.
-struct SlowProxy {
-    addr: std::net::SocketAddr,
-    delay_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl SlowProxy {
-    async fn start(upstream: std::net::SocketAddr) -> Self {
-        use std::sync::{Arc, atomic::AtomicU64};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let delay_ms = Arc::new(AtomicU64::new(0));
-        let delay = Arc::clone(&delay_ms);
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else { continue };
-                let (client_read, client_write) = client.into_split();
-                let (server_read, server_write) = server.into_split();
-                tokio::spawn(Self::pipe(client_read, server_write, Arc::clone(&delay)));
-                tokio::spawn(Self::pipe(server_read, client_write, Arc::clone(&delay)));
-            }
-        });
-        SlowProxy { addr, delay_ms }
-    }
-
-    async fn pipe(
-        mut from: tokio::net::tcp::OwnedReadHalf,
-        mut to: tokio::net::tcp::OwnedWriteHalf,
-        delay: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    ) {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        let mut buf = vec![0u8; 64 * 1024];
-        while let Ok(n) = from.read(&mut buf).await {
-            if n == 0 {
-                break;
-            }
-            let ms = delay.load(std::sync::atomic::Ordering::Relaxed);
-            if ms > 0 {
-                tokio::time::sleep(Duration::from_millis(ms)).await;
-            }
-            if to.write_all(&buf[..n]).await.is_err() {
-                break;
-            }
-        }
-    }
-
-    fn set_delay(&self, ms: u64) {
-        self.delay_ms.store(ms, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
 /// `shed.signal: both` with the CPU idle (a synthetic 10%): a store that
 /// turns slow raises the store calls' p90 far above their baseline, and
 /// BULK is shed on latency alone; once the store is fast again the level
@@ -312,7 +259,7 @@ async fn a_slow_store_sheds_bulk_by_latency_and_recovers() {
     let url = redis.url();
     let target: std::net::SocketAddr =
         url.trim_start_matches("redis://").trim_end_matches('/').parse().unwrap();
-    let proxy = SlowProxy::start(target).await;
+    let proxy = common::DelayProxy::start(target, Duration::ZERO).await;
     let mut cfg = config(&rules.path(), Some(format!("redis://{}", proxy.addr)));
     let cpu = SyntheticCpu::new(0.10);
     cpu.configure(&mut cfg, ShedMode::Enforce);
@@ -341,7 +288,7 @@ async fn a_slow_store_sheds_bulk_by_latency_and_recovers() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(bulk(client.clone()).await.allowed, "a fast store: nothing is shed");
 
-    proxy.set_delay(25);
+    proxy.set_latency(Duration::from_millis(25));
     let shed = eventually(Duration::from_secs(10), || {
         let client = client.clone();
         async move { reason(&bulk(client).await) == Reason::Shed }
@@ -358,7 +305,7 @@ async fn a_slow_store_sheds_bulk_by_latency_and_recovers() {
     let ratio = common::metric(&server, "ratelimitd_utilization_ratio").await.unwrap();
     assert!(ratio >= 0.6, "the level reads the higher of CPU (10%) and latency: {ratio}");
 
-    proxy.set_delay(0);
+    proxy.set_latency(Duration::ZERO);
     wait_for_status(&client, "NORMAL").await;
     assert!(bulk(client.clone()).await.allowed, "recovered: BULK passes");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);

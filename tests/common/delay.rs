@@ -1,14 +1,15 @@
-//! A TCP proxy standing for the network between a region and a store in
-//! another region: every byte is delivered a fixed one-way latency after it
-//! was read, in each direction, in order; `cut` stops forwarding (the
-//! connections stay open, bytes wait) until `restore`. Stopped when
-//! dropped.
+//! A TCP proxy in front of a store: every byte is delivered a one-way
+//! latency after it was read, in each direction, in order. It stands for
+//! the network between a region and a store in another region, or for a
+//! store that turns slow without this process working harder
+//! (`set_latency`); `cut` stops forwarding (the connections stay open,
+//! bytes wait) until `restore`. Stopped when dropped.
 
 use std::{
     net::SocketAddr,
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -26,6 +27,8 @@ use tokio::{
 pub struct DelayProxy {
     pub addr: SocketAddr,
     cut: Arc<AtomicBool>,
+    /// The one-way latency of bytes read from now on, in µs.
+    latency_us: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -37,6 +40,8 @@ impl DelayProxy {
         let addr = listener.local_addr().unwrap();
         let cut = Arc::new(AtomicBool::new(false));
         let cutting = Arc::clone(&cut);
+        let latency_us = Arc::new(AtomicU64::new(micros(one_way)));
+        let latency = Arc::clone(&latency_us);
         let task = tokio::spawn(async move {
             // Dropped with the accept loop: every connection's tasks end too.
             let mut connections = JoinSet::new();
@@ -46,12 +51,18 @@ impl DelayProxy {
                 let (server_read, server_write) = server.into_split();
                 for (from, to) in [(client_read, server_write), (server_read, client_write)] {
                     let (sent, queued) = mpsc::unbounded_channel();
-                    connections.spawn(read(from, sent, one_way));
+                    connections.spawn(read(from, sent, Arc::clone(&latency)));
                     connections.spawn(write(queued, to, Arc::clone(&cutting)));
                 }
             }
         });
-        DelayProxy { addr, cut, task }
+        DelayProxy { addr, cut, latency_us, task }
+    }
+
+    /// The one-way latency of what is read from now on (what waits keeps
+    /// its time; order is kept).
+    pub fn set_latency(&self, one_way: Duration) {
+        self.latency_us.store(micros(one_way), Ordering::Relaxed);
     }
 
     /// Stops forwarding: what is sent waits, in order, until [`Self::restore`].
@@ -71,11 +82,20 @@ impl Drop for DelayProxy {
     }
 }
 
+fn micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
+}
+
 /// Reads chunks as they come, each stamped with when it may be delivered.
-async fn read(mut from: OwnedReadHalf, sent: mpsc::UnboundedSender<(Instant, Vec<u8>)>, one_way: Duration) {
+async fn read(
+    mut from: OwnedReadHalf,
+    sent: mpsc::UnboundedSender<(Instant, Vec<u8>)>,
+    latency_us: Arc<AtomicU64>,
+) {
     let mut buffer = vec![0; 64 * 1024];
     while let Ok(n) = from.read(&mut buffer).await {
-        if n == 0 || sent.send((Instant::now() + one_way, buffer[..n].to_vec())).is_err() {
+        let due = Instant::now() + Duration::from_micros(latency_us.load(Ordering::Relaxed));
+        if n == 0 || sent.send((due, buffer[..n].to_vec())).is_err() {
             break;
         }
     }
