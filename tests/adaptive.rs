@@ -256,13 +256,7 @@ async fn the_script_is_the_twin_of_exchange() {
     let initial = [300, 60];
     let mut states: [Option<Shared>; 2] = [None, None];
     let mut index = [1_000u64, 7];
-    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut random = move |bound: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % bound
-    };
+    let mut random = common::xorshift(0x9e37_79b9_7f4a_7c15_u64);
     for round in 0..2_000 {
         let mut call = redis::cmd("EVAL");
         call.arg(ADAPT_LUA).arg(2).arg("rla:a").arg("rla:b");

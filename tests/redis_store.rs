@@ -775,13 +775,7 @@ async fn the_lease_script_is_the_twin_of_allocate() {
     let keys = ["rlg:{g}:a", "rlg:{g}:b"];
     let mut states: Vec<Vec<RegionState>> =
         keys.iter().map(|_| floors.iter().map(|f| RegionState::new(*f)).collect()).collect();
-    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-    let mut random = move |bound: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % bound
-    };
+    let mut random = common::xorshift(0x2545_f491_4f6c_dd1d_u64);
     for round in 0..1_500 {
         let region = random(3) as usize;
         let reports: Vec<Report> = (0..keys.len())

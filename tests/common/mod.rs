@@ -82,6 +82,17 @@ pub fn repo_path(relative: &str) -> PathBuf {
         .join(relative)
 }
 
+/// A seeded xorshift: `random(bound)` is in `0..bound`, the same sequence
+/// for the same seed on every run (the scripts' twin tests).
+pub fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
+    move |bound| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % bound
+    }
+}
+
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
     StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
