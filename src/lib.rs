@@ -44,6 +44,7 @@ pub mod console;
 pub mod decision;
 pub mod dlq;
 pub mod folded;
+pub mod global;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod limiter;

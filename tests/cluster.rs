@@ -419,7 +419,7 @@ async fn adaptive_limits_are_exchanged_through_the_cluster() {
 async fn a_global_limits_keys_share_one_slot_of_a_coordination_cluster() {
     use ratelimitd::limiter::{
         RedisStore,
-        lease::{GlobalLimit, KeyReport, Lease, lease_key, report},
+        lease::{GlobalLimit, KeyReport, Lease, Reporter, lease_key, memory_key, report},
         settings::RedisConfig,
     };
     let cluster = RedisCluster::start();
@@ -430,19 +430,30 @@ async fn a_global_limits_keys_share_one_slot_of_a_coordination_cluster() {
     let keys: Vec<String> = (0..50).map(|i| format!("tenant-{i}")).collect();
     // Limits whose slots three different nodes are likely to serve.
     for id in ["checkout", "search", "upload"] {
-        let limit = GlobalLimit { id, limit: 10_000, floors: &[100, 100] };
+        let limit = GlobalLimit { id, limit: 10_000, floors: &[100, 100], linger_ms: 2_000 };
         let reports: Vec<KeyReport> = keys
             .iter()
             .map(|key| KeyReport { key: key.clone(), enforcing: 100, admitted: 0, demand: 50_000 })
             .collect();
-        let granted = report(&store, limit, 0, lease, &reports, Duration::from_secs(2)).await.unwrap();
-        assert_eq!(granted.grants, vec![9_900; keys.len()], "{id}: all but the other region's floor");
-        let slots: std::collections::BTreeSet<u16> =
+        let granted = report(
+            &store,
+            limit,
+            Reporter { region: 0, deployment: "a" },
+            lease,
+            &reports,
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+        // A store new to the limit grows no grant for a lease and margin.
+        assert_eq!(granted.grants, vec![100; keys.len()], "{id}: what the region enforces");
+        let mut slots: std::collections::BTreeSet<u16> =
             keys.iter().map(|key| key_slot(&lease_key("", id, key))).collect();
-        assert_eq!(slots.len(), 1, "{id}: one slot for every key of the limit");
+        slots.insert(key_slot(&memory_key("", id)));
+        assert_eq!(slots.len(), 1, "{id}: one slot for every key of the limit and its memory");
     }
     let held: u64 = (0..3).map(|node| cluster.keys_on(node)).sum();
-    assert_eq!(held, 150, "every key of every limit is stored once");
+    assert_eq!(held, 153, "every key of every limit, and each limit's memory, is stored once");
     drop(store);
     while dispatchers.join_next().await.is_some() {}
 }

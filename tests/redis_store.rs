@@ -406,6 +406,7 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
         overload: None,
         also: Vec::new(),
         adaptive: None,
+        global: false,
         source: std::path::Path::new("t.yaml").into(),
     }
 }
@@ -772,7 +773,11 @@ async fn the_lease_script_is_the_twin_of_allocate() {
     let mut conn = redis.client().await;
     let (limit, floors) = (1_000u64, [50u64, 100, 0]);
     let lease = Lease { lease_ms: 40, skew_ms: 15 };
+    const LINGER: u64 = 20;
     let keys = ["rlg:{g}:a", "rlg:{g}:b"];
+    // The store's memory of the limit: set by the first call, it holds no
+    // grant above what a region enforces for one lease and margin.
+    let mut remembering: Option<u64> = None;
     let mut states: Vec<Vec<RegionState>> =
         keys.iter().map(|_| floors.iter().map(|f| RegionState::new(*f)).collect()).collect();
     let mut random = common::xorshift(0x2545_f491_4f6c_dd1d_u64);
@@ -787,16 +792,18 @@ async fn the_lease_script_is_the_twin_of_allocate() {
             })
             .collect();
         let mut call = redis::cmd("EVAL");
-        call.arg(LEASE_LUA).arg(keys.len()).arg(&keys);
-        call.arg(region).arg(floors.len()).arg(&floors);
-        call.arg(limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(60_000);
+        call.arg(LEASE_LUA).arg(1 + keys.len()).arg("rlg:{g}").arg(&keys);
+        call.arg(region).arg(format!("deployment-{region}")).arg(floors.len()).arg(&floors);
+        call.arg(limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(LINGER).arg(60_000);
         for r in &reports {
             call.arg(r.enforcing).arg(r.admitted).arg(r.demand);
         }
         let answer: Vec<u64> = call.query_async(&mut conn).await.unwrap();
         let now = answer[0];
+        let since = *remembering.get_or_insert(now);
+        let amnesia = now < since + lease.lease_ms + lease.skew_ms;
         for (k, report) in reports.into_iter().enumerate() {
-            let twin = allocate(&mut states[k], limit, report, now, lease);
+            let twin = allocate(&mut states[k], limit, report, now, lease.lingering(LINGER), amnesia);
             assert_eq!(answer[1 + k], twin.grant, "round {round}, key {k}");
             let fields: Vec<String> = ["o", "c", "e", "d"].iter().map(|f| format!("{f}{region}")).collect();
             let stored: Vec<u64> =
@@ -856,7 +863,7 @@ async fn a_delay_proxy_delays_each_way_and_cuts_the_path() {
 async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand() {
     use ratelimitd::limiter::{
         RedisStore,
-        lease::{GlobalLimit, KeyReport, Lease, report},
+        lease::{GlobalLimit, KeyReport, Lease, Reporter, report},
         settings::RedisConfig,
     };
     let redis = RedisServer::start();
@@ -865,15 +872,27 @@ async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand
     let mut dispatchers = tokio::task::JoinSet::new();
     let config = RedisConfig { url: Some(format!("redis://{}", proxy.addr)), ..RedisConfig::default() };
     let store = RedisStore::new(&config, &mut dispatchers).unwrap();
-    let limit = GlobalLimit { id: "api{1}", limit: 1_000, floors: &[50, 50, 50] };
+    let limit = GlobalLimit { id: "api{1}", limit: 1_000, floors: &[50, 50, 50], linger_ms: 2_000 };
     let lease = Lease { lease_ms: 3_000, skew_ms: 500 };
+    const REGIONS: [&str; 3] = ["deployment-a", "deployment-b", "deployment-c"];
+    // A store that has remembered the limit's leases for long.
+    let mut conn = redis.client().await;
+    let _: () = redis::cmd("SET").arg("rlg:{api%7B1%7D}").arg(0).query_async(&mut conn).await.unwrap();
     let ask = |region: usize, enforcing: u64, admitted: u64, demand: u64| {
         let (store, reports) =
             (&store, vec![KeyReport { key: "tenant-a".into(), enforcing, admitted, demand }]);
         async move {
             let started = Instant::now();
-            let granted =
-                report(store, limit, region, lease, &reports, Duration::from_secs(2)).await.unwrap();
+            let granted = report(
+                store,
+                limit,
+                Reporter { region, deployment: REGIONS[region] },
+                lease,
+                &reports,
+                Duration::from_secs(2),
+            )
+            .await
+            .unwrap();
             assert!(started.elapsed() >= Duration::from_millis(100), "through the 50 ms proxy each way");
             granted.grants[0]
         }
@@ -888,6 +907,11 @@ async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand
     assert_eq!(ask(1, 50, 0, 5_000).await, 50);
     assert_eq!(ask(0, 200, 200, 0).await, 200);
     assert_eq!(ask(1, 50, 0, 5_000).await, 750);
+    // A second deployment claiming region 1 is refused while region 1's lease runs.
+    let reports = [KeyReport { key: "tenant-a".into(), enforcing: 50, admitted: 0, demand: 5_000 }];
+    let twin = Reporter { region: 1, deployment: "deployment-b2" };
+    let refused = report(&store, limit, twin, lease, &reports, Duration::from_secs(2)).await.unwrap_err();
+    assert!(refused.message.contains("REGION_CLAIMED"), "{refused}");
     // The state lives under the limit's hash tag, percent-encoded, and expires.
     let mut conn = redis.client().await;
     let key = "rlg:{api%7B1%7D}:tenant-a";
@@ -895,7 +919,7 @@ async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand
         redis::cmd("HMGET").arg(key).arg(&["o0", "o1", "o2"]).query_async(&mut conn).await.unwrap();
     assert_eq!(grants, [Some(200), Some(750), None], "region 2 never reported");
     let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
-    assert!((1..=7_000).contains(&ttl), "{ttl}");
+    assert!((1..=11_000).contains(&ttl), "two leases, margins and lingers: {ttl}");
     drop(store);
     while dispatchers.join_next().await.is_some() {}
 }

@@ -19,6 +19,7 @@ pub mod compat;
 mod dlq;
 mod environment;
 mod envoy;
+mod global;
 mod grpc;
 mod http;
 mod limits;
@@ -51,6 +52,8 @@ pub use memory::MemoryConfig;
 pub use overload::{DenialCacheConfig, OverloadConfig};
 pub use rules::{RulesConfig, RulesSource};
 pub use shed::ShedConfig;
+
+pub use crate::global::GlobalConfig;
 
 // Settings owned by the parts they configure, composed here.
 pub use crate::{
@@ -129,6 +132,11 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     /// The admin console (`ratelimitd admin`).
     pub admin: ConsoleConfig,
+    /// This deployment's region, one of `global.regions`.
+    pub region: Option<String>,
+    /// Global limits shared with other regions (off while `global.regions`
+    /// is empty).
+    pub global: GlobalConfig,
     /// envoyproxy/ratelimit variables that were set but not carried over
     /// (`RATELIMITD_COMPAT=envoyproxy`), logged once at start.
     #[serde(skip)]
@@ -215,6 +223,7 @@ impl Config {
         self.log.validate()?;
         self.telemetry.validate()?;
         self.admin.validate()?;
+        self.global.validate(self.region.as_deref())?;
         self.kafka_built()
     }
 

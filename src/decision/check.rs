@@ -128,6 +128,7 @@ pub(super) async fn decide(engine: &Engine, request: &CheckRequest<'_>) -> Decis
         user: Cow::Borrowed(request.user_id),
         cache: None,
         version: snapshot.version(),
+        grant: None,
     };
     let decision = engine.run(native).await;
     if let Some(adaptive) = adaptive
@@ -142,14 +143,10 @@ pub(super) async fn decide(engine: &Engine, request: &CheckRequest<'_>) -> Decis
 }
 
 impl RuleInfo {
-    /// The rule's first limit.
-    pub(super) fn of(rule: &Rule) -> Self {
-        Self::of_limit(rule, 0)
-    }
-
-    /// The rule's limit `index` (0 the first, then `also`'s): the one that bound.
-    pub(super) fn of_limit(rule: &Rule, index: usize) -> Self {
-        let (limit, window) = rule.limit_at(index);
+    /// The rule's limit `index` (0 the first, then `also`'s): the one that
+    /// bound; the first at `grant` when given (a global rule's).
+    pub(super) fn of_limit(rule: &Rule, index: usize, grant: Option<u64>) -> Self {
+        let (limit, window) = rule.limit_at_grant(index, grant);
         RuleInfo { id: Arc::clone(&rule.id), limit, capacity: window.capacity, window_ms: window.window_ms }
     }
 }
@@ -168,6 +165,9 @@ struct Native<'r, 'a> {
     cache: Option<u64>,
     /// The rules' version.
     version: &'r str,
+    /// A global rule's limit for this user in this region: its grant, or
+    /// the region's floor.
+    grant: Option<u64>,
 }
 
 impl Native<'_, '_> {
@@ -181,7 +181,18 @@ impl Native<'_, '_> {
 
     /// What the answer says of the matched rule.
     fn info(&self) -> Option<RuleInfo> {
-        self.rule.map(RuleInfo::of)
+        self.rule.map(|rule| RuleInfo::of_limit(rule, 0, self.grant))
+    }
+
+    /// Counts what a global rule admitted and denied of this user, for the
+    /// region's next report (a peek counts nothing).
+    fn record_global(&self, engine: &Engine, verdict: &Verdict) {
+        if let (Some(rule), Some(grants)) = (self.rule, engine.inner.grants.as_deref())
+            && rule.global
+            && self.request.count != Count::Never
+        {
+            grants.record(&rule.id, &self.user, u64::from(self.request.weight), verdict.admitted);
+        }
     }
 
     fn rule(&self) -> &Rule {
@@ -269,6 +280,11 @@ impl Subject for Native<'_, '_> {
         if matches!(self.user, Cow::Owned(_)) {
             engine.inner.stats.adjusted(Api::Check, "user_id_digest");
         }
+        if let (Some(rule), Some(grants)) = (self.rule, engine.inner.grants.as_deref())
+            && rule.global
+        {
+            self.grant = Some(grants.limit(&rule.id, &self.user, rule.limit));
+        }
         let cache = engine
             .inner
             .denials
@@ -299,13 +315,13 @@ impl Subject for Native<'_, '_> {
         let shares = Shares { caller: self.request.share, tenant: tenant.as_deref() };
         let (rule, store) = (self.rule(), &engine.inner.store);
         if rule.also.is_empty() {
-            let verdict =
-                store.decide_in(shares, &self.user, rule.counter(), weight, self.request.count).await?;
+            let counter = rule.counter_at(self.grant);
+            let verdict = store.decide_in(shares, &self.user, counter, weight, self.request.count).await?;
             return Ok((verdict, 0));
         }
         // Boxed: the job's future would otherwise size every decision's,
         // the single-limit ones' too.
-        let items = rule.items(weight, self.request.count);
+        let items = rule.items(self.grant, weight, self.request.count);
         let outcome = Box::pin(store.decide_many_in(shares, &self.user, &items)).await?;
         Ok(outcome.binding())
     }
@@ -326,14 +342,16 @@ impl Subject for Native<'_, '_> {
                 verdict.reset_after_ms,
             );
         }
-        let info = self.rule.map(|rule| RuleInfo::of_limit(rule, bound));
+        self.record_global(engine, &verdict);
+        let info = self.rule.map(|rule| RuleInfo::of_limit(rule, bound, self.grant));
         let decided = from_verdict(&verdict, self.shadow(), info, self.priority);
         Decision { shadow_shed: self.shadow_shed, level: self.level, ..decided }
     }
 
     #[inline]
     fn failed(self, engine: &Engine, error: StoreError) -> Decision {
-        let what = Failed { user: &self.user, priority: self.priority, level: self.level, error };
+        let what =
+            Failed { user: &self.user, priority: self.priority, level: self.level, error, grant: self.grant };
         Decision { shadow_shed: self.shadow_shed, ..failed(engine, self.request, self.rule(), what) }
     }
 }
@@ -359,6 +377,8 @@ struct Failed<'a> {
     priority: Priority,
     level: Level,
     error: StoreError,
+    /// A global rule's limit for the user in this region.
+    grant: Option<u64>,
 }
 
 fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priority: Priority) -> Decision {
@@ -382,21 +402,31 @@ fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priorit
 /// A `Check` the store could not decide, answered by `rule`'s failure
 /// policy, flagged and dead-lettered.
 fn failed(engine: &Engine, request: &CheckRequest<'_>, rule: &Rule, failed: Failed<'_>) -> Decision {
-    let Failed { user, priority, level, error } = failed;
-    let (weight, info) = (u64::from(request.weight), Some(RuleInfo::of(rule)));
+    let Failed { user, priority, level, error, grant } = failed;
+    let (weight, info) = (u64::from(request.weight), Some(RuleInfo::of_limit(rule, 0, grant)));
     let local = match rule.failure_policy {
-        FailurePolicy::Local if rule.also.is_empty() => {
-            Some(engine.inner.local.decide(user, rule.counter(), weight, request.count).map(|v| (v, 0)))
-        }
+        FailurePolicy::Local if rule.also.is_empty() => Some(
+            engine.inner.local.decide(user, rule.counter_at(grant), weight, request.count).map(|v| (v, 0)),
+        ),
         // Every limit locally too: an outage never lifts the daily one.
         FailurePolicy::Local => Some(
-            engine.inner.local.decide_many(user, &rule.items(weight, request.count)).map(|o| o.binding()),
+            engine
+                .inner
+                .local
+                .decide_many(user, &rule.items(grant, weight, request.count))
+                .map(|o| o.binding()),
         ),
         FailurePolicy::Open | FailurePolicy::Closed => None,
     };
     let decision = match (rule.failure_policy, local) {
         (_, Some(Ok((verdict, bound)))) => {
-            let info = Some(RuleInfo::of_limit(rule, bound));
+            if rule.global
+                && request.count != Count::Never
+                && let Some(grants) = engine.inner.grants.as_deref()
+            {
+                grants.record(&rule.id, user, weight, verdict.admitted);
+            }
+            let info = Some(RuleInfo::of_limit(rule, bound, grant));
             let decided = from_verdict(&verdict, rule.mode == Mode::Shadow, info, priority);
             let reason =
                 if decided.reason == Reason::OverLimit { Reason::LocalOverLimit } else { Reason::LocalOk };

@@ -47,7 +47,7 @@ pub use metrics::{DecisionMetrics, Saved};
 pub use shares::TenantShares;
 
 use crate::{
-    limiter::{Count, FailureKind, Store, StoreError, local::LocalLimiter, window::Verdict},
+    limiter::{Count, FailureKind, Store, StoreError, grants::Grants, local::LocalLimiter, window::Verdict},
     overload::Overload,
     rules::{Hot, RuleStore, envoy::EnvoyConfig},
     shed::{Priority, Shedder},
@@ -269,6 +269,9 @@ pub struct EngineParts {
     pub tenant_shares: Option<Arc<TenantShares>>,
     /// The local cache of exact denials (`denial_cache.*`); `None`: off.
     pub denials: Option<Arc<DenialCache>>,
+    /// This region's grants of the global limits (`global.*`); `None`: no
+    /// other region, a global limit is enforced whole.
+    pub grants: Option<Arc<Grants>>,
 }
 
 impl EngineParts {
@@ -296,6 +299,7 @@ impl EngineParts {
             tenants: TenantPolicy::default(),
             tenant_shares: None,
             denials: None,
+            grants: None,
         }
     }
 }

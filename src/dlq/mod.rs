@@ -353,6 +353,7 @@ mod tests {
             overload: None,
             also: Vec::new(),
             adaptive: None,
+            global: false,
             source: Arc::from(Path::new("r.yaml")),
         }
     }

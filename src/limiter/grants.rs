@@ -13,9 +13,10 @@
 use std::{
     collections::HashMap,
     hash::{BuildHasher, RandomState},
-    sync::Mutex,
-    time::Instant,
+    sync::{Arc, Mutex, RwLock},
 };
+
+use crate::clock::Clock;
 
 /// Shards of a limit's keys: decisions of different keys rarely meet on a lock.
 const SHARDS: usize = 16;
@@ -25,9 +26,9 @@ type Shard = HashMap<Box<str>, KeyState>;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct KeyState {
-    /// The grant and when its lease ends (this instance's monotonic clock);
-    /// `None` until the first grant.
-    grant: Option<(u64, Instant)>,
+    /// The grant and when it stops holding (ms of this instance's monotonic
+    /// clock); `None` until the first grant.
+    grant: Option<(u64, u64)>,
     admitted: u64,
     denied: u64,
 }
@@ -68,7 +69,7 @@ impl GrantTable {
 
     /// The limit `key` is enforced at `now`: its grant while its lease runs,
     /// else `floor` (no grant yet, the lease ran out, or not tracked).
-    pub fn limit(&self, key: &str, floor: u64, now: Instant) -> u64 {
+    pub fn limit(&self, key: &str, floor: u64, now: u64) -> u64 {
         match self.shard(key).get(key).and_then(|state| state.grant) {
             Some((grant, until)) if now < until => grant,
             _ => floor,
@@ -89,7 +90,7 @@ impl GrantTable {
 
     /// The tallies since the last report, the counts reset; a key with no
     /// demand and no lease left at `now` is dropped.
-    pub fn take_tallies(&self, now: Instant) -> Vec<KeyTally> {
+    pub fn take_tallies(&self, now: u64) -> Vec<KeyTally> {
         let mut out = Vec::new();
         for shard in &*self.shards {
             let mut shard = shard.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -107,7 +108,7 @@ impl GrantTable {
 
     /// Sets `key`'s grant until `until`; a key not tracked (and no room
     /// for it) keeps the floor.
-    pub fn set_grant(&self, key: &str, grant: u64, until: Instant) {
+    pub fn set_grant(&self, key: &str, grant: u64, until: u64) {
         let mut shard = self.shard(key);
         if let Some(state) = tracked(&mut shard, key, self.per_shard) {
             state.grant = Some((grant, until));
@@ -123,6 +124,76 @@ impl GrantTable {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Parts per million: a region's floor as a share of each global limit.
+pub const PPM: u64 = 1_000_000;
+
+/// This instance's side of every global limit: the tables of grants, by
+/// limit id, that decisions read and the global exchange fills.
+#[derive(Debug)]
+pub struct Grants {
+    /// This region's floor, in parts per million of each limit.
+    floor_ppm: u64,
+    max_keys: usize,
+    clock: Arc<dyn Clock>,
+    tables: RwLock<HashMap<Arc<str>, Arc<GrantTable>>>,
+}
+
+impl Grants {
+    /// The grants of a region whose floor is `floor_ppm` parts per million
+    /// of each limit, at most `max_keys` keys per limit, timed by the
+    /// monotonic `clock`.
+    pub fn new(floor_ppm: u64, max_keys: usize, clock: Arc<dyn Clock>) -> Self {
+        Grants { floor_ppm: floor_ppm.min(PPM), max_keys, clock, tables: RwLock::default() }
+    }
+
+    /// This region's floor of a global limit of `limit`.
+    pub fn floor(&self, limit: u64) -> u64 {
+        share(limit, self.floor_ppm)
+    }
+
+    /// Now, on the clock leases are kept by (ms).
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    /// The limit `key` of the global limit `id` (of `limit` in all) is
+    /// enforced at now: its grant, else this region's floor.
+    pub fn limit(&self, id: &str, key: &str, limit: u64) -> u64 {
+        let floor = self.floor(limit);
+        let tables = self.tables.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match tables.get(id) {
+            Some(table) => table.limit(key, floor, self.clock.now_ms()),
+            None => floor,
+        }
+    }
+
+    /// Counts `hits` of `key` of the global limit `id`, admitted or denied,
+    /// for the region's next report.
+    pub fn record(&self, id: &Arc<str>, key: &str, hits: u64, admitted: bool) {
+        self.table(id).record(key, hits, admitted);
+    }
+
+    /// The table of the global limit `id`, made on first use.
+    pub fn table(&self, id: &Arc<str>) -> Arc<GrantTable> {
+        if let Some(table) = self.tables.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(id) {
+            return Arc::clone(table);
+        }
+        let mut tables = self.tables.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Arc::clone(tables.entry(Arc::clone(id)).or_insert_with(|| Arc::new(GrantTable::new(self.max_keys))))
+    }
+
+    /// Drops the tables of limits no longer served (not in `served`).
+    pub fn retain(&self, served: &dyn Fn(&str) -> bool) {
+        self.tables.write().unwrap_or_else(std::sync::PoisonError::into_inner).retain(|id, _| served(id));
+    }
+}
+
+/// `ppm` parts per million of `limit`, rounded down: shares that sum to at
+/// most a million sum to at most `limit`.
+pub fn share(limit: u64, ppm: u64) -> u64 {
+    u64::try_from(u128::from(limit) * u128::from(ppm.min(PPM)) / u128::from(PPM)).unwrap_or(limit)
 }
 
 /// `key`'s state in `shard`, made when the shard has room for it.
@@ -142,29 +213,27 @@ fn tracked<'m>(
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[test]
     fn a_key_is_at_its_grant_while_the_lease_runs_and_at_the_floor_otherwise() {
         let table = GrantTable::new(100);
-        let now = Instant::now();
+        let now = 1_000;
         assert_eq!(table.limit("k", 10, now), 10, "no grant yet");
-        table.set_grant("k", 300, now + Duration::from_secs(3));
+        table.set_grant("k", 300, now + 3_000);
         assert_eq!(table.limit("k", 10, now), 300);
-        assert_eq!(table.limit("k", 10, now + Duration::from_secs(3)), 10, "the lease ran out");
+        assert_eq!(table.limit("k", 10, now + 3_000), 10, "the lease ran out");
         assert_eq!(table.limit("other", 10, now), 10);
     }
 
     #[test]
     fn tallies_are_reported_once_and_idle_keys_without_a_lease_go() {
         let table = GrantTable::new(100);
-        let now = Instant::now();
+        let now = 1_000;
         table.record("a", 3, true);
         table.record("a", 2, false);
         table.record("b", 1, true);
-        table.set_grant("b", 50, now + Duration::from_secs(3));
+        table.set_grant("b", 50, now + 3_000);
         let mut tallies = table.take_tallies(now);
         tallies.sort_by(|x, y| x.key.cmp(&y.key));
         assert_eq!(
@@ -178,18 +247,18 @@ mod tests {
         assert!(table.take_tallies(now).is_empty());
         assert_eq!(table.len(), 1);
         assert_eq!(table.limit("b", 10, now), 50);
-        assert!(table.take_tallies(now + Duration::from_secs(3)).is_empty());
+        assert!(table.take_tallies(now + 3_000).is_empty());
         assert!(table.is_empty());
     }
 
     #[test]
     fn a_flood_of_keys_holds_at_most_the_bound_and_the_rest_stay_at_the_floor() {
         let table = GrantTable::new(64);
-        let now = Instant::now();
+        let now = 1_000;
         for i in 0..10_000 {
             let key = format!("k{i}");
             table.record(&key, 1, true);
-            table.set_grant(&key, 500, now + Duration::from_secs(3));
+            table.set_grant(&key, 500, now + 3_000);
         }
         assert!(table.len() <= 64, "{}", table.len());
         let granted = (0..10_000).filter(|i| table.limit(&format!("k{i}"), 7, now) == 500).count();

@@ -12,9 +12,12 @@
 //!   offered and the one it last confirmed; once it has run out, its floor
 //!   (the region itself falls to its floor when its lease runs out, measured
 //!   from when it sent its report, which is never later than the store's
-//!   clock says);
+//!   clock says), but only once what it admitted under its grant has left
+//!   its counters too (the limit's **linger**: two windows for a sliding
+//!   window, one for a fixed one, a full refill for a bucket);
 //! - the **target**: max-min fair shares of the limit over the regions'
-//!   demands above their floors, what no region wants shared equally;
+//!   demands above their floors (a region whose lease ran out wants
+//!   nothing), what no region wants shared equally;
 //! - the new grant: the target, but never above the limit less what every
 //!   other region may be enforcing, and never below the region's floor or
 //!   what it has already admitted in the window (so lowering a grant never
@@ -37,6 +40,18 @@ use super::{RedisStore, StoreError, push_encoded};
 /// limit's hash tag); see the script for its arguments.
 pub const LEASE_LUA: &str = include_str!("scripts/lease.lua");
 
+/// The coordination store's memory of the global limit `limit_id`: when it
+/// began to remember its leases (`<prefix>rlg:{<limit_id>}`). Missing, it
+/// has lost them, and for one lease and margin no grant grows.
+pub fn memory_key(prefix: &str, limit_id: &str) -> String {
+    let mut out = String::with_capacity(prefix.len() + 6 + limit_id.len());
+    out.push_str(prefix);
+    out.push_str("rlg:{");
+    push_encoded(&mut out, limit_id, &['{', '}']);
+    out.push('}');
+    out
+}
+
 /// The coordination store's hash of `key` of the global limit `limit_id`,
 /// under `prefix`: `<prefix>rlg:{<limit_id>}:<key>`. The hash tag is the
 /// limit's (with `%`, `{` and `}` percent-encoded), so a call for every key
@@ -52,7 +67,7 @@ pub fn lease_key(prefix: &str, limit_id: &str, key: &str) -> String {
 }
 
 /// One global limit as a region reports it: its id (the hash tag), the
-/// limit and every region's floor, by region index.
+/// limit, every region's floor, by region index, and its linger.
 #[derive(Debug, Clone, Copy)]
 pub struct GlobalLimit<'a> {
     /// The limit's id: a rule id or an Envoy full key.
@@ -61,6 +76,23 @@ pub struct GlobalLimit<'a> {
     pub limit: u64,
     /// Each region's floor.
     pub floors: &'a [u64],
+    /// How long what a region admitted weighs in its counters ([`linger_ms`]).
+    pub linger_ms: u64,
+}
+
+/// How long an admission weighs in a counter of `window` (ms): until a
+/// sliding window's next window ends (two windows), a fixed window ends
+/// (one), a bucket has refilled its capacity.
+pub fn linger_ms(window: &super::window::WindowParams) -> u64 {
+    use super::window::Algorithm;
+    match window.algorithm {
+        Algorithm::SlidingWindow => window.window_ms.saturating_mul(2),
+        Algorithm::FixedWindow => window.window_ms,
+        Algorithm::TokenBucket | Algorithm::Gcra => {
+            let rate = window.rate.max(1);
+            window.capacity.saturating_mul(window.window_ms).div_ceil(rate)
+        }
+    }
 }
 
 /// One key's report: the key, the grant the region enforces, what it
@@ -87,26 +119,37 @@ pub struct Granted {
     pub grants: Vec<u64>,
 }
 
-/// Region `region`'s reports of `limit`'s keys to the coordination store
-/// `store`: one script call, within `timeout`. The hashes expire two
-/// leases (and margins) after the last report of any region, when every
-/// lease they hold has run out.
+/// Who reports: a region's index and its deployment's id (one deployment
+/// per region name: another's report is refused while it holds a lease).
+#[derive(Debug, Clone, Copy)]
+pub struct Reporter<'a> {
+    /// The region's index in `global.regions`.
+    pub region: usize,
+    /// The deployment's id, kept in its regional store.
+    pub deployment: &'a str,
+}
+
+/// A region's reports of `limit`'s keys to the coordination store `store`:
+/// one script call, within `timeout`. The hashes expire two leases (and
+/// margins) after the last report of any region, when every lease they
+/// hold has run out.
 pub async fn report(
     store: &RedisStore,
     limit: GlobalLimit<'_>,
-    region: usize,
+    reporter: Reporter<'_>,
     lease: Lease,
     reports: &[KeyReport],
     timeout: Duration,
 ) -> Result<Granted, StoreError> {
     let mut call = redis::cmd("EVAL");
-    call.arg(LEASE_LUA).arg(reports.len());
+    call.arg(LEASE_LUA).arg(1 + reports.len()).arg(memory_key(store.key_prefix(), limit.id));
     for r in reports {
         call.arg(lease_key(store.key_prefix(), limit.id, &r.key));
     }
-    call.arg(region).arg(limit.floors.len()).arg(limit.floors);
-    let ttl_ms = lease.lease_ms.saturating_add(lease.skew_ms).saturating_mul(2);
-    call.arg(limit.limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(ttl_ms);
+    call.arg(reporter.region).arg(reporter.deployment).arg(limit.floors.len()).arg(limit.floors);
+    let ttl_ms =
+        lease.lease_ms.saturating_add(lease.skew_ms).saturating_add(limit.linger_ms).saturating_mul(2);
+    call.arg(limit.limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(limit.linger_ms).arg(ttl_ms);
     for r in reports {
         call.arg(r.enforcing).arg(r.admitted).arg(r.demand);
     }
@@ -147,10 +190,11 @@ impl RegionState {
         RegionState { floor, offered: floor, confirmed: floor, ..RegionState::default() }
     }
 
-    /// The most it may be enforcing at `now_ms` (the store's clock), a lease
-    /// being trusted `skew_ms` past its end.
-    pub fn held(&self, now_ms: u64, skew_ms: u64) -> u64 {
-        if now_ms < self.lease_until_ms.saturating_add(skew_ms) {
+    /// The most its counters may hold at `now_ms` (the store's clock): its
+    /// grants while its lease runs (trusted `skew_ms` past its end) and
+    /// what it admitted under them lingers (`linger_ms` more), then its floor.
+    pub fn held(&self, now_ms: u64, skew_ms: u64, linger_ms: u64) -> u64 {
+        if now_ms < self.lease_until_ms.saturating_add(skew_ms).saturating_add(linger_ms) {
             self.offered.max(self.confirmed).max(self.floor)
         } else {
             self.floor
@@ -171,7 +215,8 @@ pub struct Report {
     pub demand: u64,
 }
 
-/// The timing a grant is leased under (`global.lease_ms`, the skew margin).
+/// The timing a grant is leased under (`global.lease_ms`, the skew margin)
+/// and how long a limit's admissions linger in its counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
     /// How long a grant holds without a new report.
@@ -180,6 +225,22 @@ pub struct Lease {
     /// the clock rates of the store and the regions may differ by this much
     /// over a lease.
     pub skew_ms: u64,
+}
+
+impl Lease {
+    /// The same lease for a limit whose admissions linger `linger_ms`.
+    pub fn lingering(self, linger_ms: u64) -> Lingering {
+        Lingering { lease: self, linger_ms }
+    }
+}
+
+/// A lease and how long the limit's admissions linger in its counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lingering {
+    /// The lease.
+    pub lease: Lease,
+    /// [`linger_ms`] of the limit.
+    pub linger_ms: u64,
 }
 
 /// What [`allocate`] answers a region.
@@ -236,8 +297,18 @@ pub fn fair_shares(limit: u64, floors: &[u64], demands: &[u64]) -> Vec<u64> {
 }
 
 /// Takes `report` into `regions` at `now_ms` (the store's clock) and
-/// answers the reporting region's new grant for a limit of `limit`.
-pub fn allocate(regions: &mut [RegionState], limit: u64, report: Report, now_ms: u64, lease: Lease) -> Grant {
+/// answers the reporting region's new grant for a limit of `limit`. While
+/// `amnesia` (the store lost its leases less than a lease and margin ago),
+/// no grant grows above what its region enforces, or its floor.
+pub fn allocate(
+    regions: &mut [RegionState],
+    limit: u64,
+    report: Report,
+    now_ms: u64,
+    timing: Lingering,
+    amnesia: bool,
+) -> Grant {
+    let Lingering { lease, linger_ms } = timing;
     let r = report.region;
     {
         let mine = &mut regions[r];
@@ -246,15 +317,25 @@ pub fn allocate(regions: &mut [RegionState], limit: u64, report: Report, now_ms:
         // reaches it.
         mine.confirmed = report.enforcing;
     }
-    let others: u64 =
-        regions.iter().enumerate().filter(|(i, _)| *i != r).map(|(_, s)| s.held(now_ms, lease.skew_ms)).sum();
+    let others: u64 = regions
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != r)
+        .map(|(_, s)| s.held(now_ms, lease.skew_ms, linger_ms))
+        .sum();
     let room = limit.saturating_sub(others);
     let floors: Vec<u64> = regions.iter().map(|s| s.floor).collect();
-    let demands: Vec<u64> = regions.iter().map(|s| s.demand).collect();
+    // A region whose lease ran out wants nothing until it reports again.
+    let live = |i: usize, s: &RegionState| i == r || now_ms < s.lease_until_ms.saturating_add(lease.skew_ms);
+    let demands: Vec<u64> =
+        regions.iter().enumerate().map(|(i, s)| if live(i, s) { s.demand } else { 0 }).collect();
     let target = fair_shares(limit, &floors, &demands)[r];
     let mine = &mut regions[r];
     let lowest = mine.floor.max(report.admitted);
-    let grant = target.max(lowest).min(room);
+    let mut grant = target.max(lowest).min(room);
+    if amnesia {
+        grant = grant.min(mine.floor.max(report.enforcing));
+    }
     mine.offered = grant;
     mine.lease_until_ms = now_ms.saturating_add(lease.lease_ms);
     Grant { grant, lease_until_ms: mine.lease_until_ms }
@@ -267,6 +348,8 @@ mod tests {
     use super::*;
 
     const LEASE: Lease = Lease { lease_ms: 3_000, skew_ms: 500 };
+    /// What admissions linger: a fixed window of a second.
+    const LINGER: u64 = 1_000;
 
     #[test]
     fn fair_shares_follow_demand_above_the_floors() {
@@ -285,27 +368,41 @@ mod tests {
         let mut regions = [RegionState::new(50), RegionState::new(50), RegionState::new(50)];
         let report = |region, enforcing, admitted, demand| Report { region, enforcing, admitted, demand };
         // A wants everything and gets all but the others' floors.
-        let a = allocate(&mut regions, 1_000, report(0, 50, 0, 5_000), 0, LEASE);
+        let a = allocate(&mut regions, 1_000, report(0, 50, 0, 5_000), 0, LEASE.lingering(LINGER), false);
         assert_eq!(a.grant, 900);
         // Demand moves to B: B cannot take A's capacity while A may enforce it.
-        let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 1_000, LEASE);
+        let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 1_000, LEASE.lingering(LINGER), false);
         assert_eq!(b.grant, 50);
         // A reports no demand and has admitted 200 this window: lowered to
         // its share, never below what it admitted...
-        let a = allocate(&mut regions, 1_000, report(0, 900, 200, 0), 2_000, LEASE);
+        let a = allocate(&mut regions, 1_000, report(0, 900, 200, 0), 2_000, LEASE.lingering(LINGER), false);
         assert_eq!(a.grant, 200);
         // ...but until A confirms, B still finds no room.
-        let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 2_100, LEASE);
+        let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 2_100, LEASE.lingering(LINGER), false);
         assert_eq!(b.grant, 50);
         // A confirms the lower grant: B gets the rest.
-        allocate(&mut regions, 1_000, report(0, 200, 200, 0), 3_000, LEASE);
-        let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 3_100, LEASE);
+        allocate(&mut regions, 1_000, report(0, 200, 200, 0), 3_000, LEASE.lingering(LINGER), false);
+        let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 3_100, LEASE.lingering(LINGER), false);
         assert_eq!(b.grant, 750);
         // A goes silent: once its lease and the margin run out, its grant is
         // its floor, and B's next report takes the rest.
-        let b = allocate(&mut regions, 1_000, report(1, 750, 0, 5_000), 3_000 + 3_000 + 499, LEASE);
-        assert_eq!(b.grant, 750, "A's lease is still trusted");
-        let b = allocate(&mut regions, 1_000, report(1, 750, 0, 5_000), 3_000 + 3_000 + 500, LEASE);
+        let b = allocate(
+            &mut regions,
+            1_000,
+            report(1, 750, 0, 5_000),
+            6_000 + 500 + 999,
+            LEASE.lingering(LINGER),
+            false,
+        );
+        assert_eq!(b.grant, 750, "A's lease is still trusted, or what it admitted lingers");
+        let b = allocate(
+            &mut regions,
+            1_000,
+            report(1, 750, 0, 5_000),
+            6_000 + 500 + 1_000,
+            LEASE.lingering(LINGER),
+            false,
+        );
         assert_eq!(b.grant, 900);
     }
 
@@ -325,13 +422,14 @@ mod tests {
     }
 
     proptest! {
-        /// Whatever the order of reports, their delays and lost answers,
-        /// what the regions enforce never sums above the limit.
+        /// Whatever the order of reports, their delays, lost answers and
+        /// the store losing its memory, what the regions enforce never sums
+        /// above the limit.
         #[test]
         fn what_the_regions_enforce_never_sums_above_the_limit(
             floors in proptest::collection::vec(0u64..100, 2..5),
             steps in proptest::collection::vec(
-                (0usize..4, 0u64..2_000, 0u64..3_000, 0u64..400, any::<bool>(), 0u64..1_500),
+                (0usize..4, 0u64..2_000, 0u64..3_000, 0u64..400, any::<bool>(), 0u64..1_500, 0u8..10),
                 1..80,
             ),
         ) {
@@ -341,7 +439,9 @@ mod tests {
             let mut running: Vec<Running> =
                 floors.iter().map(|f| Running { grant: *f, until_ms: 0, floor: *f }).collect();
             let (mut now, mut store_now) = (0u64, 0u64);
-            for (region, demand, admitted, delay, lost, advance) in steps {
+            // The store starts with no memory, and may lose it again.
+            let mut remembering = 0u64;
+            for (region, demand, admitted, delay, lost, advance, forget) in steps {
                 let region = region % floors.len();
                 now += advance;
                 let sent = now;
@@ -352,7 +452,12 @@ mod tests {
                 // The store takes reports in the order they arrive, after
                 // the one-way delay, by its clock.
                 store_now = (sent + delay).max(store_now);
-                let answer = allocate(&mut regions, limit, report, store_now, LEASE);
+                if forget == 0 {
+                    regions = floors.iter().map(|f| RegionState::new(*f)).collect();
+                    remembering = store_now;
+                }
+                let amnesia = store_now < remembering + LEASE.lease_ms + LEASE.skew_ms;
+                let answer = allocate(&mut regions, limit, report, store_now, LEASE.lingering(LINGER), amnesia);
                 if !lost {
                     // The region keeps the lease from when it sent the report.
                     running[region] = Running { grant: answer.grant, until_ms: sent + LEASE.lease_ms, ..mine };

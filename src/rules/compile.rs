@@ -127,6 +127,13 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         return fail("overload.rate_per_second", format!("must be between 1 and {MAX_OVERLOAD_RATE}"));
     }
     let adaptive = rule_adaptive(raw).map_err(|(field, message)| error(sourced, &field, message))?;
+    if raw.global && adaptive.is_some() {
+        return fail(
+            "global",
+            "a global limit cannot be adaptive: each region would move the limit the others live under"
+                .to_owned(),
+        );
+    }
     Ok(Rule {
         id: Arc::from(raw.rule_id.as_str()),
         resource_path: raw.resource_path.clone(),
@@ -140,6 +147,7 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         overload: raw.overload,
         also,
         adaptive,
+        global: raw.global,
         source: Arc::clone(&sourced.file),
     })
 }
@@ -336,6 +344,7 @@ mod tests {
                 "field `limit`: an adaptive limit starts at",
             ),
             (rule("a", "/a", "    adaptive: {min: 0, max: 20}\n"), "field `adaptive.min`"),
+            (rule("a", "/a", "    adaptive: {min: 5, max: 20}\n    global: true\n"), "field `global`"),
             (rule("a", "/a", "    adaptive: {min: 5, max: 4}\n"), "field `adaptive.max`"),
             (rule("a", "/a", "    adaptive: {min: 5, max: 10000000000000}\n"), "field `adaptive.max`"),
             (rule("a", "/a", "    adaptive: {min: 5, max: 20, decrease: 1}\n"), "field `adaptive.decrease`"),
@@ -409,7 +418,7 @@ mod tests {
         assert_eq!(rule.min_capacity(), 10);
         assert_eq!(rule.limit_at(2), (50, rule.also[1].window));
         let keys: Vec<String> =
-            rule.items(1, crate::limiter::Count::IfFits).into_iter().map(|i| i.key).collect();
+            rule.items(None, 1, crate::limiter::Count::IfFits).into_iter().map(|i| i.key).collect();
         assert_eq!(keys, ["#a/0", "#a/1", "#a/2"]);
     }
 

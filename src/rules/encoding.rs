@@ -113,6 +113,9 @@ pub struct EncodedRule {
     /// The adaptive limit, `increase` explicit, when the rule has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adaptive: Option<super::AdaptiveSpec>,
+    /// The first limit holds for every region together.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub global: bool,
 }
 
 /// The Envoy configuration files.
@@ -251,6 +254,7 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
                 })
                 .collect(),
             adaptive: rule.adaptive.as_deref().map(|a| super::AdaptiveSpec::of(&a.params)),
+            global: rule.global,
         })
         .collect();
     NativeRules { version: snapshot.version().to_owned(), rules }
@@ -345,6 +349,7 @@ fn decode_native(native: &NativeRules, version: &str, paths: PathForm) -> Result
                 overload: rule.overload,
                 also: rule.also.clone(),
                 adaptive: rule.adaptive,
+                global: rule.global,
             },
         })
         .collect();

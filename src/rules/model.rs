@@ -188,6 +188,9 @@ pub struct Rule {
     /// and `window` are where it starts, and the limit in force is its
     /// [`AdaptiveLimit::current`].
     pub adaptive: Option<Arc<AdaptiveLimit>>,
+    /// The first limit holds for every region together (`global: true`):
+    /// each region enforces it at its grant (docs/global-limits.md).
+    pub global: bool,
     /// The file the rule came from, for messages.
     pub source: Arc<Path>,
 }
@@ -196,50 +199,55 @@ impl Rule {
     /// The counter this rule keeps per user, as the store takes it.
     #[inline]
     pub fn counter(&self) -> CounterSpec<'_> {
-        CounterSpec { id: &self.id, window: self.first().1 }
+        self.counter_at(None)
     }
 
-    /// The first limit in force, as (limit, window): the adaptive limit's
-    /// current value when the rule has one.
+    /// The counter, its first limit at `grant` when the rule is global (the
+    /// region's grant for the user).
     #[inline]
-    fn first(&self) -> (u64, WindowParams) {
-        match &self.adaptive {
-            None => (self.limit, self.window),
-            Some(adaptive) => {
-                let limit = adaptive.current();
-                (
-                    limit,
-                    WindowParams {
-                        capacity: capacity(limit, self.burst_capacity),
-                        rate: limit,
-                        ..self.window
-                    },
-                )
-            }
-        }
+    pub fn counter_at(&self, grant: Option<u64>) -> CounterSpec<'_> {
+        CounterSpec { id: &self.id, window: self.first(grant).1 }
+    }
+
+    /// The first limit in force, as (limit, window): `grant` when given, else
+    /// the adaptive limit's current value when the rule has one.
+    #[inline]
+    fn first(&self, grant: Option<u64>) -> (u64, WindowParams) {
+        let limit = match (grant, &self.adaptive) {
+            (Some(grant), _) => grant,
+            (None, Some(adaptive)) => adaptive.current(),
+            (None, None) => return (self.limit, self.window),
+        };
+        (limit, WindowParams { capacity: capacity(limit, self.burst_capacity), rate: limit, ..self.window })
     }
 
     /// Limit `index`: 0 the first, then `also`'s, as (limit, window).
     pub fn limit_at(&self, index: usize) -> (u64, WindowParams) {
+        self.limit_at_grant(index, None)
+    }
+
+    /// Limit `index`, the first at `grant` when given.
+    pub fn limit_at_grant(&self, index: usize, grant: Option<u64>) -> (u64, WindowParams) {
         match index.checked_sub(1).and_then(|i| self.also.get(i)) {
             Some(also) => (also.limit, also.window),
-            None => self.first(),
+            None => self.first(grant),
         }
     }
 
     /// The smallest capacity of its limits: a weight above it never fits.
     pub fn min_capacity(&self) -> u64 {
-        self.also.iter().map(|a| a.window.capacity).fold(self.first().1.capacity, u64::min)
+        self.also.iter().map(|a| a.window.capacity).fold(self.first(None).1.capacity, u64::min)
     }
 
     /// The counters of a rule with `also` limits for one decision, one per
     /// limit, keyed `#<rule id>/<index>` within the user's group (a key no
-    /// Envoy counter has: theirs start with a digit).
-    pub fn items(&self, weight: u64, count: Count) -> Vec<ManyItem> {
+    /// Envoy counter has: theirs start with a digit); the first at `grant`
+    /// when given.
+    pub fn items(&self, grant: Option<u64>, weight: u64, count: Count) -> Vec<ManyItem> {
         (0..=self.also.len())
             .map(|index| ManyItem {
                 key: format!("#{}/{index}", self.id),
-                params: self.limit_at(index).1,
+                params: self.limit_at_grant(index, grant).1,
                 tick_ms: 1,
                 weight,
                 count,

@@ -49,6 +49,9 @@ pub(crate) struct RawRule {
     /// The first limit moves by AIMD from reported outcomes.
     #[serde(default)]
     pub(crate) adaptive: Option<AdaptiveSpec>,
+    /// The first limit holds for every region together (docs/global-limits.md).
+    #[serde(default)]
+    pub(crate) global: bool,
 }
 
 /// A further limit of a rule (`also:`), as written.

@@ -155,6 +155,7 @@ pub async fn run_observed(
     let stats = parts::stats(&config.envoy, &rules, &store);
     let metrics = parts::metrics(&config.telemetry, &mut tasks);
     let local = parts::local(&config.local, &config.redis, &config.dlq.instance(), &store, &mut exchanges)?;
+    let global = parts::global(&config, &rules, &store, &mut exchanges, &mut dispatchers)?;
     let exchanges = parts::exchanges(exchanges, &mut tasks);
     let layers = parts::Layers {
         shedder: &shedder,
@@ -162,6 +163,7 @@ pub async fn run_observed(
         denials: denials.clone(),
         local,
         tenant_shares,
+        grants: global.as_ref().map(|g| Arc::clone(&g.grants)),
     };
     let figures = parts::Figures {
         stats: Arc::clone(&stats),
@@ -172,6 +174,7 @@ pub async fn run_observed(
         denials: denials.clone(),
         adapter,
         exchanges,
+        global: global.as_ref().map(|g| Arc::clone(&g.status)),
     };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &stats, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());

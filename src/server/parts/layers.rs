@@ -9,9 +9,12 @@ use crate::{
     adapter::{self, Adapter},
     clock::{Clock, MonotonicClock},
     config::{OverloadConfig, ShedConfig},
+    global::{GlobalExchange, status::GlobalStatus},
     limiter::{
-        Store, SystemClock,
+        RedisStore, Store, SystemClock,
         exchange::{self, ExchangeCounts, Participant},
+        grants::Grants,
+        lease::Lease,
     },
     overload::{Overload, feed},
     rules::{Hot, tenants::Tenants},
@@ -91,6 +94,60 @@ pub(crate) fn adaptive(
     let adapter = Arc::new(Adapter::new(Arc::clone(&rules.native), rules.envoy.clone()));
     exchanges.push(Box::new(adapter::AdaptiveExchange::new(Arc::clone(&adapter), exchange)));
     adapter
+}
+
+/// The global limits' exchange (`global.*`, joining `exchanges`) and this
+/// region's grants, which decisions read; `None` while `global.regions` is
+/// empty (a global limit is then enforced whole: the deployment is the
+/// only region). The coordination store's dispatchers join `dispatchers`.
+pub(crate) fn global(
+    config: &crate::config::Config,
+    rules: &Rules,
+    store: &Store,
+    exchanges: &mut Vec<Box<dyn Participant>>,
+    dispatchers: &mut tokio::task::JoinSet<()>,
+) -> Result<Option<Global>, ServerError> {
+    let global = &config.global;
+    let (true, Some(region)) = (global.enabled(), config.region.as_deref()) else { return Ok(None) };
+    let index = global.index(region).expect("validated: region is one of global.regions");
+    let floors_ppm = global.floors_ppm();
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::default());
+    let grants = Arc::new(Grants::new(floors_ppm[index], global.max_keys, Arc::clone(&clock)));
+    let coordination = Arc::new(RedisStore::new(&global.redis.store(global.timeout_ms), dispatchers)?);
+    let status = Arc::new(GlobalStatus::new(region, global.lease_ms, clock));
+    let settings = crate::global::Settings {
+        region: index,
+        floors_ppm,
+        interval_ms: global.interval_ms,
+        lease: Lease { lease_ms: global.lease_ms, skew_ms: global.skew_ms },
+        timeout: Duration::from_millis(global.timeout_ms),
+        regional_timeout: Duration::from_millis(config.redis.timeout_ms.max(100)),
+        max_keys: global.max_keys,
+        instance: crate::limiter::instance::id(&config.dlq.instance()),
+    };
+    tracing::info!(
+        region,
+        coordination = coordination.url_for_logs(),
+        interval_ms = global.interval_ms,
+        lease_ms = global.lease_ms,
+        "global limits shared with {} regions",
+        global.regions.len()
+    );
+    exchanges.push(Box::new(GlobalExchange::new(
+        Arc::clone(&grants),
+        Arc::clone(&rules.native),
+        store.clone(),
+        coordination,
+        settings,
+        Arc::clone(&status),
+    )));
+    Ok(Some(Global { grants, status }))
+}
+
+/// The global limits' parts the engine and `/metrics` read.
+pub(crate) struct Global {
+    pub(crate) grants: Arc<Grants>,
+    pub(crate) status: Arc<GlobalStatus>,
 }
 
 /// The one task that runs every periodic exchange with the store

@@ -12,7 +12,7 @@ mod rules;
 mod sinks;
 mod store;
 
-pub(crate) use layers::{adaptive, exchanges, overload, shedder};
+pub(crate) use layers::{adaptive, exchanges, global, overload, shedder};
 pub(crate) use observe::{Figures, health, metrics, register_figures, stats, vitals};
 pub(crate) use rules::{Rules, rules_of, tenants};
 pub(crate) use sinks::{Captured, capture, dlq};
@@ -87,6 +87,7 @@ pub(crate) struct Layers<'a> {
     pub(crate) denials: Option<Arc<DenialCache>>,
     pub(crate) local: Arc<LocalLimiter>,
     pub(crate) tenant_shares: Option<Arc<TenantShares>>,
+    pub(crate) grants: Option<Arc<crate::limiter::grants::Grants>>,
 }
 
 /// The engine both APIs decide through.
@@ -117,6 +118,7 @@ pub(crate) fn engine(
         tenants: config.overload.tenant_policy(),
         denials: layers.denials,
         tenant_shares: layers.tenant_shares,
+        grants: layers.grants,
     })
 }
 

@@ -78,13 +78,14 @@ pub(crate) struct Figures {
     pub(crate) denials: Option<Arc<DenialCache>>,
     pub(crate) adapter: Arc<Adapter>,
     pub(crate) exchanges: Arc<ExchangeCounts>,
+    pub(crate) global: Option<Arc<crate::global::status::GlobalStatus>>,
 }
 
 /// Registers every part's figures with `metrics`, in `/metrics`' order:
 /// the decision path, the stores, the request byte budget, shedding, the
 /// dead-letter pipeline, the rule sets and their feeds, capture, the
-/// overload layer, the adaptive limits, the periodic exchanges and the
-/// store calls saved.
+/// overload layer, the adaptive limits, the periodic exchanges, the
+/// global limits and the store calls saved.
 pub(crate) fn register_figures(
     metrics: &Metrics,
     parts: Figures,
@@ -114,6 +115,9 @@ pub(crate) fn register_figures(
     metrics.register(Arc::clone(&parts.overload) as Arc<dyn telemetry::Figures>);
     metrics.register(parts.adapter);
     metrics.register(parts.exchanges);
+    if let Some(global) = parts.global {
+        metrics.register(global);
+    }
     metrics.register(Arc::new(Saved { overload: Some(parts.overload), denials: parts.denials }));
 }
 

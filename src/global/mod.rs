@@ -1,0 +1,412 @@
+//! Global limits across regions (docs/global-limits.md): the region's side
+//! of the leases the coordination store grants ([`crate::limiter::lease`]).
+//!
+//! Once per `global.interval_ms` every instance runs the global exchange
+//! (a [`Participant`]):
+//! 1. **With its region** ([`regional`], one script call to the regional
+//!    store): it adds what it admitted and denied of each global key since
+//!    its last exchange to the region's tallies, takes or renews the
+//!    region's agent role (a key leased for `global.lease_ms`), and reads
+//!    the grants the agent last wrote, which it enforces from then on.
+//! 2. **As the region's agent**, when it holds the role: it drains the
+//!    region's tallies, peeks at each active key's counter (what the region
+//!    has admitted in the current window), reports every key of each limit
+//!    to the coordination store in one script call per limit, and writes
+//!    the grants back to the region for the others to read.
+//!
+//! With the memory store the instance is the region and its own agent.
+//!
+//! Why a region never enforces more than the allocator counts it for: an
+//! instance keeps a grant it read for at most two intervals (and never past
+//! its lease), so a grant the agent wrote more than two intervals (and the
+//! skew margin) ago is enforced nowhere; the agent reports as what its
+//! region enforces the largest grant it wrote since, and at least what the
+//! region has admitted in the window. A new agent takes the role only once
+//! the last one's has run out (a lease, longer than two intervals), so no
+//! grant it does not know of is still enforced.
+
+pub mod regional;
+mod settings;
+
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::Arc,
+    time::Duration,
+};
+
+use futures_util::future::{BoxFuture, join_all};
+
+pub use settings::{GlobalConfig, RegionConfig};
+
+use crate::{
+    limiter::{
+        Count, RedisStore, Store, StoreError,
+        exchange::Participant,
+        grants::{Grants, KeyTally, share},
+        lease::{self, GlobalLimit, KeyReport, Lease, Reporter},
+    },
+    rules::{Rule, RuleStore, model::capacity},
+};
+
+/// What the global exchange runs with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// This region's index in `global.regions`.
+    pub region: usize,
+    /// Every region's floor, parts per million of each limit.
+    pub floors_ppm: Vec<u64>,
+    /// `global.interval_ms`.
+    pub interval_ms: u64,
+    /// `global.lease_ms` and `global.skew_ms`.
+    pub lease: Lease,
+    /// How long a report to the coordination store may take (`global.timeout_ms`).
+    pub timeout: Duration,
+    /// How long a call to the regional store may take (`redis.timeout_ms`,
+    /// at least 100 ms: these calls are off the request path).
+    pub regional_timeout: Duration,
+    /// Keys per limit reported at most (`global.max_keys`).
+    pub max_keys: usize,
+    /// This instance's id (the agent role's holder).
+    pub instance: String,
+}
+
+impl Settings {
+    /// How long an instance keeps a grant it read: two intervals, so one
+    /// failed read of the regional store does not drop it to its floor.
+    pub fn hold_ms(&self) -> u64 {
+        self.interval_ms.saturating_mul(2)
+    }
+}
+
+/// The grants the agent wrote of one key, newest last, with when (ms of the
+/// monotonic clock): those still possibly enforced; and what it last
+/// reported the region enforces.
+#[derive(Debug, Default)]
+struct Written {
+    grants: VecDeque<(u64, u64)>,
+    reported: u64,
+}
+
+impl Written {
+    /// Keeps those an instance of the region may still enforce at `now`:
+    /// written within `hold_ms` (and the margin), and the last.
+    fn trim(&mut self, now: u64, hold_ms: u64) {
+        while self.grants.len() > 1
+            && self.grants.front().is_some_and(|(at, _)| at.saturating_add(hold_ms) < now)
+        {
+            self.grants.pop_front();
+        }
+    }
+}
+
+/// One global limit served now: the rule.
+struct Served {
+    rule: Rule,
+}
+
+/// What the coordination store answered the agent for one limit: the keys
+/// reported, their grants, and when the report was sent (ms of the
+/// monotonic clock, where the lease starts).
+struct Answered {
+    keys: Vec<Box<str>>,
+    /// What the region was reported to enforce, per key.
+    enforcing: Vec<u64>,
+    granted: lease::Granted,
+    sent: u64,
+}
+
+/// The region's side of every global limit: a [`Participant`] of the
+/// periodic exchanges.
+#[derive(Debug)]
+pub struct GlobalExchange {
+    grants: Arc<Grants>,
+    rules: Arc<RuleStore>,
+    store: Store,
+    coordination: Arc<RedisStore>,
+    settings: Settings,
+    /// The deployment's id: kept in the regional store (one per region's
+    /// store), this process's own with the memory store.
+    deployment: Option<String>,
+    /// The grants written, by limit and key (the agent's).
+    written: HashMap<Arc<str>, HashMap<Box<str>, Written>>,
+    status: Arc<status::GlobalStatus>,
+}
+
+pub mod status;
+
+impl GlobalExchange {
+    /// The exchange of the global limits of `rules`, decided against
+    /// `store` (the region's), reported to `coordination`; grants go to
+    /// `grants`, figures to `status`.
+    pub fn new(
+        grants: Arc<Grants>,
+        rules: Arc<RuleStore>,
+        store: Store,
+        coordination: Arc<RedisStore>,
+        settings: Settings,
+        status: Arc<status::GlobalStatus>,
+    ) -> Self {
+        let deployment = matches!(store, Store::Memory(_)).then(|| crate::limiter::instance::id("memory"));
+        GlobalExchange {
+            grants,
+            rules,
+            store,
+            coordination,
+            settings,
+            deployment,
+            written: HashMap::new(),
+            status,
+        }
+    }
+
+    /// One exchange: with the region, then, as its agent, with the
+    /// coordination store.
+    pub async fn run_once(&mut self) -> Result<(), StoreError> {
+        self.prune();
+        let snapshot = self.rules.load();
+        let served: Vec<Served> =
+            snapshot.rules().iter().filter(|r| r.global).map(|rule| Served { rule: rule.clone() }).collect();
+        self.forget_unserved(&served);
+        if served.is_empty() {
+            return Ok(());
+        }
+        let sent = self.grants.now_ms();
+        let view = self.with_region(&served, sent).await?;
+        self.enforce_written(&served, &view, sent);
+        self.status.set_agent(view.agent);
+        if !view.agent {
+            return Ok(());
+        }
+        let deployment = self.deployment.clone().unwrap_or_default();
+        for (s, drained) in served.iter().zip(&view.tallies) {
+            self.status.demand(&s.rule.id, drained.values().map(|(a, d)| a.saturating_add(*d)).sum());
+        }
+        let reports = join_all(
+            served.iter().zip(&view.tallies).map(|(s, drained)| self.agent_limit(s, drained, &deployment)),
+        )
+        .await;
+        let mut written = Vec::new();
+        let mut failure = None;
+        for (s, result) in served.iter().zip(reports) {
+            match result {
+                Ok(Some(answer)) => written.push(self.take_grants(s, answer, view.now_ms)),
+                Ok(None) => {}
+                Err(error) => {
+                    self.status.answered(&s.rule.id, Err(&error));
+                    failure = Some(error);
+                }
+            }
+        }
+        if let Store::Redis(redis) = &self.store
+            && !written.is_empty()
+        {
+            let lease_ms = self.settings.lease.lease_ms;
+            regional::write_grants(redis, &written, lease_ms, self.settings.regional_timeout).await?;
+        }
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// Drops the tables, figures and history of limits no longer served,
+    /// and notes the leases that ran out (logged once each).
+    fn forget_unserved(&mut self, served: &[Served]) {
+        let is_served = |id: &str| served.iter().any(|s| &*s.rule.id == id);
+        self.grants.retain(&is_served);
+        self.status.retain(&is_served);
+        self.written.retain(|id, _| is_served(id));
+        for s in served {
+            if self.status.lease_ran_out(&s.rule.id) {
+                tracing::warn!(
+                    limit = %s.rule.id,
+                    region = self.status.region(),
+                    "a global limit's lease ran out: the region enforces its floor for each key until new grants come"
+                );
+            }
+        }
+    }
+
+    /// The exchange with the region (the memory store: the instance alone).
+    async fn with_region(&mut self, served: &[Served], sent: u64) -> Result<regional::View, StoreError> {
+        let tallies: Vec<Vec<KeyTally>> =
+            served.iter().map(|s| self.grants.table(&s.rule.id).take_tallies(sent)).collect();
+        let Store::Redis(redis) = &self.store else { return Ok(regional::View::alone(tallies, sent)) };
+        let ids: Vec<&str> = served.iter().map(|s| &*s.rule.id).collect();
+        let call = regional::Call {
+            instance: &self.settings.instance,
+            role_ms: self.settings.lease.lease_ms,
+            tally_ttl_ms: self.settings.interval_ms.saturating_mul(3),
+        };
+        let view = regional::exchange(redis, call, &ids, &tallies, self.settings.regional_timeout).await?;
+        self.deployment = Some(view.deployment.clone());
+        Ok(view)
+    }
+
+    /// Every instance enforces what the agent last wrote, for at most two
+    /// intervals from when it asked and never past the lease.
+    fn enforce_written(&self, served: &[Served], view: &regional::View, sent: u64) {
+        for (s, limit) in served.iter().zip(&view.grants) {
+            let Some(until) = limit.until.filter(|until| *until > view.now_ms) else { continue };
+            let left = until - view.now_ms;
+            let table = self.grants.table(&s.rule.id);
+            let held = sent.saturating_add(left.min(self.settings.hold_ms()));
+            for (key, grant) in &limit.grants {
+                table.set_grant(key, *grant, held);
+            }
+            let total = limit.grants.iter().map(|(_, g)| *g).sum();
+            self.status.granted(&s.rule.id, total, limit.grants.len(), sent.saturating_add(left));
+        }
+    }
+
+    /// The agent takes the grants of one limit: into its own table and the
+    /// history of what it wrote; returns them for the region, leased until
+    /// `region_now_ms` (the regional store's clock before the report was
+    /// sent, so the lease ends there no later than the coordination store's).
+    fn take_grants(&mut self, served: &Served, answer: Answered, region_now_ms: u64) -> regional::Written {
+        let Answered { keys, enforcing, granted, sent } = answer;
+        let id = &served.rule.id;
+        self.status.answered(id, Ok(()));
+        let hold = self.settings.lease.lease_ms.min(self.settings.hold_ms());
+        let table = self.grants.table(id);
+        let history = self.written.entry(Arc::clone(id)).or_default();
+        for ((key, grant), reported) in keys.iter().zip(&granted.grants).zip(enforcing) {
+            table.set_grant(key, *grant, sent.saturating_add(hold));
+            let written = history.entry(key.clone()).or_default();
+            written.grants.push_back((sent, *grant));
+            written.reported = reported;
+        }
+        let total = granted.grants.iter().sum();
+        self.status.granted(id, total, keys.len(), sent.saturating_add(self.settings.lease.lease_ms));
+        regional::Written {
+            limit: Arc::clone(id),
+            until: region_now_ms.saturating_add(self.settings.lease.lease_ms),
+            grants: keys.into_iter().zip(granted.grants).collect(),
+        }
+    }
+
+    /// The agent's report of one limit: its active keys (with demand, or a
+    /// grant above the floor to give back), each with what the region
+    /// enforces and has admitted; `None` when no key is active.
+    async fn agent_limit(
+        &self,
+        served: &Served,
+        drained: &HashMap<Box<str>, (u64, u64)>,
+        deployment: &str,
+    ) -> Result<Option<Answered>, StoreError> {
+        let rule = &served.rule;
+        let floors: Vec<u64> = self.settings.floors_ppm.iter().map(|ppm| share(rule.limit, *ppm)).collect();
+        let floor = floors[self.settings.region];
+        let now = self.grants.now_ms();
+        let table = self.grants.table(&rule.id);
+        // Demand in the limit's terms: the interval's hits at that rate over a window.
+        let per_window = |hits: u64| {
+            let scaled = u128::from(hits) * u128::from(rule.window.window_ms)
+                / u128::from(self.settings.interval_ms.max(1));
+            u64::try_from(scaled).unwrap_or(u64::MAX)
+        };
+        let mut keys: Vec<(Box<str>, u64)> =
+            drained.iter().map(|(k, (a, d))| (k.clone(), per_window(a.saturating_add(*d)))).collect();
+        if let Some(history) = self.written.get(&rule.id) {
+            for (key, written) in history {
+                // Reported until the coordination store knows it is back
+                // at its floor.
+                let holds_more = written.reported > floor || written.grants.iter().any(|(_, g)| *g > floor);
+                if holds_more && !keys.iter().any(|(k, _)| k == key) {
+                    keys.push((key.clone(), 0));
+                }
+            }
+        }
+        if keys.is_empty() {
+            return Ok(None);
+        }
+        // The busiest keys first, at most max_keys of them.
+        keys.sort_unstable_by_key(|(_, demand)| std::cmp::Reverse(*demand));
+        keys.truncate(self.settings.max_keys);
+        // What the region may still enforce: the largest grant written
+        // within the hold (the history is pruned to it) and the one in
+        // force; and never less than it has admitted.
+        let history = self.written.get(&rule.id);
+        let enforced: Vec<(u64, Option<u64>)> = keys
+            .iter()
+            .map(|(key, _)| {
+                let written =
+                    history.and_then(|h| h.get(key)).and_then(|w| w.grants.iter().map(|(_, g)| *g).max());
+                (table.limit(key, floor, now), written)
+            })
+            .collect();
+        let used = join_all(keys.iter().zip(&enforced).map(|((key, _), (grant, written))| {
+            // A counter never holds more than the largest grant the region
+            // enforced since (a grant never shrinks below it); for a key
+            // this agent wrote nothing of, the whole limit.
+            let peek = written.map_or(rule.limit, |w| w.max(*grant));
+            self.admitted(rule, key, peek)
+        }))
+        .await;
+        let reports: Vec<KeyReport> = keys
+            .iter()
+            .zip(enforced.iter().zip(used))
+            .map(|((key, demand), (&(grant, written), admitted))| {
+                let enforcing = grant.max(written.unwrap_or(0)).max(admitted);
+                KeyReport { key: key.to_string(), enforcing, admitted, demand: *demand }
+            })
+            .collect();
+        let sent = self.grants.now_ms();
+        let linger_ms = lease::linger_ms(&rule.window);
+        let limit = GlobalLimit { id: &rule.id, limit: rule.limit, floors: &floors, linger_ms };
+        let reporter = Reporter { region: self.settings.region, deployment };
+        let granted = lease::report(
+            &self.coordination,
+            limit,
+            reporter,
+            self.settings.lease,
+            &reports,
+            self.settings.timeout,
+        )
+        .await?;
+        let enforcing = reports.iter().map(|r| r.enforcing).collect();
+        Ok(Some(Answered { keys: keys.into_iter().map(|(k, _)| k).collect(), enforcing, granted, sent }))
+    }
+
+    /// What the region's counter of `key` holds (what it has admitted in
+    /// the window, a bucket's tokens taken), peeked at as a limit of
+    /// `limit` (at least what it holds). When the regional store cannot
+    /// say, `limit` itself.
+    async fn admitted(&self, rule: &Rule, key: &str, limit: u64) -> u64 {
+        let counter = rule.counter_at(Some(limit));
+        match self.store.decide(key, counter, 0, Count::Never).await {
+            Ok(verdict) => capacity(limit, rule.burst_capacity).saturating_sub(verdict.remaining),
+            Err(_) => limit,
+        }
+    }
+
+    /// Drops what no instance may enforce any more: grants written before
+    /// the hold (and the margin), but each key's last; and keys whose last
+    /// grant's lease has run out.
+    fn prune(&mut self) {
+        let now = self.grants.now_ms();
+        let hold = self.settings.hold_ms().saturating_add(self.settings.lease.skew_ms);
+        let expired = self.settings.lease.lease_ms.saturating_add(self.settings.lease.skew_ms);
+        for keys in self.written.values_mut() {
+            keys.retain(|_, written| {
+                written.trim(now, hold);
+                written.grants.back().is_some_and(|(at, _)| at.saturating_add(expired) >= now)
+            });
+        }
+    }
+}
+
+impl Participant for GlobalExchange {
+    fn name(&self) -> &'static str {
+        "global"
+    }
+
+    fn holding(&self) -> &'static str {
+        "each global key keeps its grant until its lease runs out, then its region's floor"
+    }
+
+    fn due(&mut self, now_ms: u64) -> u64 {
+        crate::limiter::exchange::next_aligned(now_ms, self.settings.interval_ms, 0)
+    }
+
+    fn exchange(&mut self, _now_ms: u64) -> BoxFuture<'_, Option<Result<(), StoreError>>> {
+        Box::pin(async move { Some(self.run_once().await) })
+    }
+}

@@ -1,0 +1,429 @@
+//! Global limits across regions, with real parts: each region its own
+//! `redis-server` and two instances (engines deciding against it, each
+//! with its global exchange), one coordination `redis-server` behind a
+//! delay proxy per region (50 ms one way), and load per region that moves
+//! on a schedule. Every admitted decision is counted with its time and
+//! region, and the sums over every window-long span are checked against
+//! the limit.
+
+mod common;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use common::{DelayProxy, RedisServer};
+use ratelimitd::{
+    clock::{Clock, MonotonicClock, SystemClock},
+    decision::{CheckRequest, Engine, EngineParts},
+    global::{GlobalExchange, Settings, status::GlobalStatus},
+    limiter::{
+        Count, RedisStore, Store,
+        exchange::{self, ExchangeCounts, Participant},
+        grants::Grants,
+        lease::Lease,
+        settings::RedisConfig,
+    },
+    rules::{self, PathForm, RuleStore},
+};
+use tokio::task::JoinSet;
+
+const REGIONS: [&str; 3] = ["a", "b", "c"];
+/// Each region's floor: 2 % of the limit.
+const FLOOR_PPM: u64 = 20_000;
+const INTERVAL_MS: u64 = 200;
+
+/// One instance: its engine, its global exchange's figures and task.
+struct Instance {
+    region: usize,
+    engine: Arc<Engine>,
+    status: Arc<GlobalStatus>,
+    exchange: tokio::task::AbortHandle,
+}
+
+/// Three regions of two instances each, sharing the rules through one
+/// coordination store `one_way` away (a delay proxy per region).
+struct World {
+    instances: Vec<Instance>,
+    proxies: Vec<DelayProxy>,
+    coordination: RedisServer,
+    _regional: Vec<RedisServer>,
+    stop: tokio::sync::watch::Sender<bool>,
+    exchanges: JoinSet<()>,
+    _dispatchers: JoinSet<()>,
+}
+
+fn store_config(url: String) -> RedisConfig {
+    RedisConfig { url: Some(url), timeout_ms: 1_000, connect_timeout_ms: 1_000, ..RedisConfig::default() }
+}
+
+impl World {
+    async fn start(rules_yaml: &str, one_way: Duration) -> World {
+        let snapshot =
+            rules::from_text(std::path::Path::new("global.yaml"), rules_yaml, PathForm::default()).unwrap();
+        let rules = Arc::new(RuleStore::new(snapshot));
+        let coordination = RedisServer::start();
+        let target = format!("127.0.0.1:{}", coordination.port).parse().unwrap();
+        let mut dispatchers = JoinSet::new();
+        let (mut instances, mut proxies, mut regional) = (Vec::new(), Vec::new(), Vec::new());
+        let (stop, _) = tokio::sync::watch::channel(false);
+        let mut exchanges = JoinSet::new();
+        for (region, name) in REGIONS.iter().enumerate() {
+            let redis = RedisServer::start();
+            let proxy = DelayProxy::start(target, one_way).await;
+            for n in 0..2 {
+                let store = Arc::new(RedisStore::new(&store_config(redis.url()), &mut dispatchers).unwrap());
+                store.warm_up(Duration::from_secs(5)).await.unwrap();
+                let coordination_store = Arc::new(
+                    RedisStore::new(&store_config(format!("redis://{}", proxy.addr)), &mut dispatchers)
+                        .unwrap(),
+                );
+                let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::default());
+                let grants = Arc::new(Grants::new(FLOOR_PPM, 1_000, Arc::clone(&clock)));
+                let lease = Lease { lease_ms: LEASE_MS, skew_ms: SKEW_MS };
+                let status = Arc::new(GlobalStatus::new(name, lease.lease_ms, clock));
+                let settings = Settings {
+                    region,
+                    floors_ppm: vec![FLOOR_PPM; REGIONS.len()],
+                    interval_ms: INTERVAL_MS,
+                    lease,
+                    timeout: Duration::from_millis(600),
+                    regional_timeout: Duration::from_millis(500),
+                    max_keys: 1_000,
+                    instance: format!("{name}-{n}"),
+                };
+                let exchange: Box<dyn Participant> = Box::new(GlobalExchange::new(
+                    Arc::clone(&grants),
+                    Arc::clone(&rules),
+                    Store::Redis(Arc::clone(&store)),
+                    coordination_store,
+                    settings,
+                    Arc::clone(&status),
+                ));
+                let engine = Arc::new(Engine::new(EngineParts {
+                    grants: Some(grants),
+                    ..EngineParts::new(Arc::clone(&rules), Store::Redis(store))
+                }));
+                let exchange = vec![exchange];
+                let counts = Arc::new(ExchangeCounts::of(&exchange));
+                let exchange =
+                    exchanges.spawn(exchange::run(exchange, counts, Arc::new(SystemClock), stop.subscribe()));
+                instances.push(Instance { region, engine, status, exchange });
+            }
+            proxies.push(proxy);
+            regional.push(redis);
+        }
+        World {
+            instances,
+            proxies,
+            coordination,
+            _regional: regional,
+            stop,
+            exchanges,
+            _dispatchers: dispatchers,
+        }
+    }
+
+    /// The grant total of `region`'s agent for the first global limit.
+    fn granted(&self, region: usize) -> u64 {
+        let agent = self.instances.iter().find(|i| i.region == region && i.status.is_agent());
+        agent.and_then(|i| i.status.limits().first().map(|(_, s)| s.granted)).unwrap_or(0)
+    }
+
+    /// Samples every `every` for `span`: (ms of the wall clock, each region's agent's grant).
+    async fn watch_grants(&self, span: Duration, every: Duration) -> Vec<(u64, [u64; 3])> {
+        let mut samples = Vec::new();
+        let end = tokio::time::Instant::now() + span;
+        while tokio::time::Instant::now() < end {
+            samples.push((wall_ms(), [self.granted(0), self.granted(1), self.granted(2)]));
+            tokio::time::sleep(every).await;
+        }
+        samples
+    }
+
+    async fn shut(mut self) {
+        let _ = self.stop.send(true);
+        while self.exchanges.join_next().await.is_some() {}
+    }
+}
+
+/// Admitted decisions: (ms of the wall clock, region).
+type Log = Arc<Mutex<Vec<(u64, usize)>>>;
+
+fn wall_ms() -> u64 {
+    SystemClock.now_ms()
+}
+
+/// Load on every instance of the regions `demand` turns on (read before
+/// each request): about one check of `path` per ms per instance, over
+/// `keys` keys, until `stop`; every admission logged.
+struct Load {
+    demand: Arc<Mutex<[bool; 3]>>,
+    log: Log,
+    stop: Arc<AtomicBool>,
+    tasks: JoinSet<()>,
+}
+
+impl Load {
+    fn start(world: &World, path: &'static str, keys: usize, demand: [bool; 3]) -> Load {
+        let demand = Arc::new(Mutex::new(demand));
+        let (log, stop): (Log, _) = (Arc::default(), Arc::new(AtomicBool::new(false)));
+        let mut tasks = JoinSet::new();
+        for instance in &world.instances {
+            let (engine, region) = (Arc::clone(&instance.engine), instance.region);
+            let (demand, log, stop) = (Arc::clone(&demand), Arc::clone(&log), Arc::clone(&stop));
+            tasks.spawn(async move {
+                let headers = HashMap::new();
+                let mut n = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    if !demand.lock().unwrap()[region] {
+                        continue;
+                    }
+                    n += 1;
+                    let user = format!("tenant-{}", n % keys);
+                    let request = CheckRequest {
+                        user_id: &user,
+                        resource_path: path,
+                        client_type: None,
+                        weight: 1,
+                        count: Count::IfFits,
+                        priority: None,
+                        headers: &headers,
+                        trace_id: None,
+                        share: None,
+                        outcome: None,
+                    };
+                    if engine.check(&request).await.allowed {
+                        log.lock().unwrap().push((wall_ms(), region));
+                    }
+                }
+            });
+        }
+        Load { demand, log, stop, tasks }
+    }
+
+    fn shift(&self, demand: [bool; 3]) -> u64 {
+        *self.demand.lock().unwrap() = demand;
+        wall_ms()
+    }
+
+    async fn finish(mut self) -> Vec<(u64, usize)> {
+        self.stop.store(true, Ordering::Relaxed);
+        while self.tasks.join_next().await.is_some() {}
+        let mut log = self.log.lock().unwrap().clone();
+        log.sort_unstable();
+        log
+    }
+}
+
+/// The largest sliding-window estimate one store enforcing the limit alone
+/// would have computed after any admission of `log`, all regions
+/// together: windows of `window_ms` aligned to the epoch (as the store
+/// aligns them), `current + previous × (W − elapsed) / W`.
+fn worst_estimate(log: &[(u64, usize)], window_ms: u64) -> (f64, u64) {
+    let mut per_window: HashMap<u64, u64> = HashMap::new();
+    let mut worst = (0.0, 0);
+    for (t, _) in log {
+        let index = t / window_ms;
+        *per_window.entry(index).or_default() += 1;
+        let current = per_window[&index] as f64;
+        let previous = per_window.get(&(index.wrapping_sub(1))).copied().unwrap_or(0) as f64;
+        let elapsed = (t % window_ms) as f64;
+        let estimate = current + previous * (window_ms as f64 - elapsed) / window_ms as f64;
+        if estimate > worst.0 {
+            worst = (estimate, *t);
+        }
+    }
+    worst
+}
+
+fn admitted_in(log: &[(u64, usize)], region: usize, from: u64, to: u64) -> u64 {
+    log.iter().filter(|(t, r)| *r == region && (from..to).contains(t)).count() as u64
+}
+
+fn trace(log: &[(u64, usize)], statuses: &[Arc<GlobalStatus>]) {
+    if std::env::var("GLOBAL_TRACE").is_err() {
+        return;
+    }
+    let start = log.first().map_or(0, |(t, _)| t / 100 * 100);
+    let end = log.last().map_or(0, |(t, _)| *t);
+    for b in (start..=end).step_by(100) {
+        let per: Vec<u64> = (0..3).map(|r| admitted_in(log, r, b, b + 100)).collect();
+        eprintln!("{:>6} ms {per:?}", b - start);
+    }
+    for s in statuses {
+        eprintln!("{} agent={} {:?}", s.region(), s.is_agent(), s.limits());
+    }
+}
+
+/// One key under a sliding window of 300 per second, all demand in region
+/// a, then in b: after every admission, the estimate one store enforcing
+/// the limit alone would compute for all regions together stays within
+/// the limit (plus one per region for the rounding of grants), and once
+/// the first region's admissions have left the window (two windows at
+/// most) and three intervals have passed, the region with the demand
+/// admits at least 90 % of the limit in a window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_regions_share_one_limit_and_it_follows_demand() {
+    const RULES: &str = "rules:\n  - { rule_id: shared, resource_path: /shared, limit: 300, window_seconds: 1, global: true }\n";
+    let world = World::start(RULES, Duration::from_millis(50)).await;
+    let load = Load::start(&world, "/shared", 1, [true, false, false]);
+    let started = wall_ms();
+    let watched: Vec<Arc<GlobalStatus>> = world.instances.iter().map(|i| Arc::clone(&i.status)).collect();
+    let watcher = tokio::spawn(async move {
+        if std::env::var("GLOBAL_TRACE").is_err() {
+            return;
+        }
+        for _ in 0..80 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let line: Vec<String> = watched
+                .iter()
+                .map(|s| format!("{}", s.limits().first().map_or(0, |(_, l)| l.granted)))
+                .collect();
+            eprintln!("grants {:>6} {}", wall_ms() - started, line.join(" "));
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(5_000)).await;
+    let shifted = load.shift([false, true, false]);
+    tokio::time::sleep(Duration::from_millis(5_000)).await;
+    let log = load.finish().await;
+    watcher.abort();
+    let statuses: Vec<Arc<GlobalStatus>> = world.instances.iter().map(|i| Arc::clone(&i.status)).collect();
+    trace(&log, &statuses);
+    let (worst, at) = worst_estimate(&log, 1_000);
+    assert!(worst <= 300.0 + 3.0, "an estimate of {worst:.1} at {} ms", at - started);
+    // The first whole window (aligned, as the store counts) that starts
+    // two windows (while the old region's admissions weigh in) and three
+    // intervals after the start, and after the shift.
+    let window = |from: u64| (from + 2_000 + 3 * INTERVAL_MS).div_ceil(1_000) * 1_000;
+    let (a_from, b_from) = (window(started), window(shifted));
+    assert!(b_from + 1_000 <= shifted + 5_000);
+    let a = admitted_in(&log, 0, a_from, a_from + 1_000);
+    let b = admitted_in(&log, 1, b_from, b_from + 1_000);
+    assert!(a >= 270, "region a admitted {a} of 300 in a window");
+    assert!(b >= 270, "region b admitted {b} of 300 in a window");
+    let agents: Vec<&str> = statuses.iter().filter(|s| s.is_agent()).map(|s| s.region()).collect();
+    assert_eq!(agents, REGIONS, "one agent per region");
+    world.shut().await;
+}
+
+const SPLIT_RULES: &str =
+    "rules:\n  - { rule_id: shared, resource_path: /shared, limit: 300, window_seconds: 1, global: true }\n";
+/// The lease the worlds run with, and its margin.
+const LEASE_MS: u64 = 1_500;
+const SKEW_MS: u64 = 100;
+
+/// The coordination store hangs (SIGSTOP) for three leases' worth of time:
+/// each region keeps its grant while its lease runs, then enforces its
+/// floor (2 % of the limit); when the store answers again, the grants
+/// follow demand within a few intervals. The bound holds throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn while_the_coordination_store_is_away_regions_keep_their_grants_for_a_lease_then_their_floors() {
+    let world = World::start(SPLIT_RULES, Duration::from_millis(50)).await;
+    let load = Load::start(&world, "/shared", 1, [true, true, false]);
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    let before = [world.granted(0), world.granted(1)];
+    assert!(before.iter().all(|g| *g >= 100), "split between a and b: {before:?}");
+    world.coordination.pause();
+    let paused = wall_ms();
+    let away = world.watch_grants(Duration::from_millis(4_500), Duration::from_millis(50)).await;
+    world.coordination.resume();
+    let resumed = wall_ms();
+    let back = world.watch_grants(Duration::from_millis(2_000), Duration::from_millis(50)).await;
+    let log = load.finish().await;
+    let (worst, at) = worst_estimate(&log, 1_000);
+    assert!(worst <= 303.0, "an estimate of {worst:.1} at {at}");
+    for (t, grants) in &away {
+        if *t < paused + LEASE_MS - 2 * INTERVAL_MS {
+            assert!(
+                grants[0] >= before[0].min(grants[0]) && grants[0] > 6,
+                "a kept its grant at {}: {grants:?}",
+                t - paused
+            );
+        }
+        if *t > paused + LEASE_MS + 2 * INTERVAL_MS {
+            assert_eq!(grants[..2], [0, 0], "on their floors at {} ms", t - paused);
+        }
+    }
+    // On its floor, once what it admitted has decayed (two windows at
+    // most), a region admits its floor: 6 a second.
+    let on_floor = paused + LEASE_MS + 2_000;
+    assert!(on_floor + 1_000 <= resumed);
+    let a = admitted_in(&log, 0, on_floor, on_floor + 1_000);
+    assert!(a <= 6 + 1, "region a admitted {a} on its floor");
+    let recovered = back.iter().find(|(_, g)| g[0] >= 100 && g[1] >= 100).map(|(t, _)| t - resumed);
+    assert!(recovered.is_some_and(|ms| ms <= 4 * INTERVAL_MS + 400), "grants back after {recovered:?} ms");
+    world.shut().await;
+}
+
+/// Region a's path to the coordination store is cut: b never takes a's
+/// capacity before a's lease (and the margin) has run out, then does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_region_cut_off_keeps_its_capacity_until_its_lease_runs_out() {
+    let world = World::start(SPLIT_RULES, Duration::from_millis(50)).await;
+    let load = Load::start(&world, "/shared", 1, [true, true, false]);
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    world.proxies[0].cut();
+    let cut = wall_ms();
+    let a_held = world.granted(0);
+    // a's lease and margin, what it admitted lingering (two windows), and
+    // three intervals.
+    let samples = world.watch_grants(Duration::from_millis(4_800), Duration::from_millis(50)).await;
+    let log = load.finish().await;
+    let (worst, at) = worst_estimate(&log, 1_000);
+    assert!(worst <= 303.0, "an estimate of {worst:.1} at {at}");
+    // a's lease began before the cut, so it ends before cut + lease.
+    for (t, grants) in &samples {
+        if *t < cut + LEASE_MS {
+            assert!(
+                grants[1] + a_held + 6 <= 300,
+                "b took {} beside a's {a_held} at {} ms",
+                grants[1],
+                t - cut
+            );
+        }
+    }
+    let last = samples.last().unwrap().1;
+    assert_eq!(last[1], 288, "b has all but the others' floors once a's lease ran out: {last:?}");
+    world.proxies[0].restore();
+    world.shut().await;
+}
+
+/// The agent of region a stops: the other instance of a takes the role
+/// within one lease, and the region's grant follows again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn when_a_regions_agent_dies_another_instance_takes_the_role_within_a_lease() {
+    let world = World::start(SPLIT_RULES, Duration::from_millis(50)).await;
+    let load = Load::start(&world, "/shared", 1, [true, false, false]);
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let agent = world.instances.iter().position(|i| i.region == 0 && i.status.is_agent()).unwrap();
+    world.instances[agent].exchange.abort();
+    world.instances[agent].status.set_agent(false);
+    let killed = wall_ms();
+    let other = world
+        .instances
+        .iter()
+        .position(|i| i.region == 0 && !std::ptr::eq(i, &world.instances[agent]))
+        .unwrap();
+    let mut took = None;
+    while wall_ms() < killed + 2 * LEASE_MS {
+        if world.instances[other].status.is_agent() {
+            took = Some(wall_ms() - killed);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(took.is_some_and(|ms| ms <= LEASE_MS + INTERVAL_MS), "took the role after {took:?} ms");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(world.granted(0) >= 270, "the new agent holds the region's grant: {}", world.granted(0));
+    let log = load.finish().await;
+    let (worst, at) = worst_estimate(&log, 1_000);
+    assert!(worst <= 303.0, "an estimate of {worst:.1} at {at}");
+    world.shut().await;
+}
