@@ -294,9 +294,36 @@ impl GlobalExchange {
         let rule = &served.rule;
         let floors: Vec<u64> = self.settings.floors_ppm.iter().map(|ppm| share(rule.limit, *ppm)).collect();
         let floor = floors[self.settings.region];
-        let now = self.grants.now_ms();
-        let table = self.grants.table(&rule.id);
-        // Demand in the limit's terms: the interval's hits at that rate over a window.
+        let keys = self.active_keys(rule, drained, floor);
+        if keys.is_empty() {
+            return Ok(None);
+        }
+        let reports = self.key_reports(rule, &keys, floor).await;
+        let sent = self.grants.now_ms();
+        let limit = GlobalLimit {
+            id: &rule.id,
+            limit: rule.limit,
+            floors: &floors,
+            linger_ms: lease::linger_ms(&rule.window),
+        };
+        let reporter = Reporter { region: self.settings.region, deployment };
+        let (timing, timeout) = (self.settings.lease, self.settings.timeout);
+        let granted = lease::report(&self.coordination, limit, reporter, timing, &reports, timeout).await?;
+        let enforcing = reports.iter().map(|r| r.enforcing).collect();
+        Ok(Some(Answered { keys: keys.into_iter().map(|(k, _)| k).collect(), enforcing, granted, sent }))
+    }
+
+    /// The keys of `rule` to report, busiest first, at most `max_keys`:
+    /// those with demand (`drained`), and those the region holds or last
+    /// said it enforces above its `floor` (until it has given them back);
+    /// each with its demand in the limit's terms (the interval's hits at
+    /// that rate over a window).
+    fn active_keys(
+        &self,
+        rule: &Rule,
+        drained: &HashMap<Box<str>, (u64, u64)>,
+        floor: u64,
+    ) -> Vec<(Box<str>, u64)> {
         let per_window = |hits: u64| {
             let scaled = u128::from(hits) * u128::from(rule.window.window_ms)
                 / u128::from(self.settings.interval_ms.max(1));
@@ -306,24 +333,24 @@ impl GlobalExchange {
             drained.iter().map(|(k, (a, d))| (k.clone(), per_window(a.saturating_add(*d)))).collect();
         if let Some(history) = self.written.get(&rule.id) {
             for (key, written) in history {
-                // Reported until the coordination store knows it is back
-                // at its floor.
                 let holds_more = written.reported > floor || written.grants.iter().any(|(_, g)| *g > floor);
-                if holds_more && !keys.iter().any(|(k, _)| k == key) {
+                if holds_more && !drained.contains_key(key) {
                     keys.push((key.clone(), 0));
                 }
             }
         }
-        if keys.is_empty() {
-            return Ok(None);
-        }
-        // The busiest keys first, at most max_keys of them.
         keys.sort_unstable_by_key(|(_, demand)| std::cmp::Reverse(*demand));
         keys.truncate(self.settings.max_keys);
-        // What the region may still enforce: the largest grant written
-        // within the hold (the history is pruned to it) and the one in
-        // force; and never less than it has admitted.
-        let history = self.written.get(&rule.id);
+        keys
+    }
+
+    /// Each key's report: what the region may still enforce (the largest
+    /// grant written within the hold, the history being pruned to it, and
+    /// the one in force; never less than it has admitted), what it has
+    /// admitted (its counter peeked at) and its demand.
+    async fn key_reports(&self, rule: &Rule, keys: &[(Box<str>, u64)], floor: u64) -> Vec<KeyReport> {
+        let (now, table, history) =
+            (self.grants.now_ms(), self.grants.table(&rule.id), self.written.get(&rule.id));
         let enforced: Vec<(u64, Option<u64>)> = keys
             .iter()
             .map(|(key, _)| {
@@ -340,29 +367,13 @@ impl GlobalExchange {
             self.admitted(rule, key, peek)
         }))
         .await;
-        let reports: Vec<KeyReport> = keys
-            .iter()
+        keys.iter()
             .zip(enforced.iter().zip(used))
             .map(|((key, demand), (&(grant, written), admitted))| {
                 let enforcing = grant.max(written.unwrap_or(0)).max(admitted);
                 KeyReport { key: key.to_string(), enforcing, admitted, demand: *demand }
             })
-            .collect();
-        let sent = self.grants.now_ms();
-        let linger_ms = lease::linger_ms(&rule.window);
-        let limit = GlobalLimit { id: &rule.id, limit: rule.limit, floors: &floors, linger_ms };
-        let reporter = Reporter { region: self.settings.region, deployment };
-        let granted = lease::report(
-            &self.coordination,
-            limit,
-            reporter,
-            self.settings.lease,
-            &reports,
-            self.settings.timeout,
-        )
-        .await?;
-        let enforcing = reports.iter().map(|r| r.enforcing).collect();
-        Ok(Some(Answered { keys: keys.into_iter().map(|(k, _)| k).collect(), enforcing, granted, sent }))
+            .collect()
     }
 
     /// What the region's counter of `key` holds (what it has admitted in

@@ -175,6 +175,61 @@ impl GlobalStatus {
     }
 }
 
+impl GlobalStatus {
+    /// One gauge per served limit, `value` rendering its sample (`None`:
+    /// no sample).
+    fn per_limit(
+        &self,
+        out: &mut String,
+        (name, help): (&str, &str),
+        limits: &[(Arc<str>, LimitStatus)],
+        value: impl Fn(&LimitStatus) -> Option<String>,
+    ) {
+        header(out, name, "gauge", help);
+        let region = escape(&self.region);
+        for (id, s) in limits {
+            if let Some(value) = value(s) {
+                let _ = writeln!(out, "{name}{{limit=\"{}\",region=\"{region}\"}} {value}", escape(id));
+            }
+        }
+    }
+}
+
+impl GlobalStatus {
+    /// The reports to the coordination store and its last answer, per limit.
+    fn render_answers(&self, out: &mut String, limits: &[(Arc<str>, LimitStatus)]) {
+        let region = escape(&self.region);
+        header(
+            out,
+            "ratelimitd_global_reports_total",
+            "counter",
+            "The agent's reports of a global limit to the coordination store, by result.",
+        );
+        for (id, s) in limits {
+            for (result, n) in [("ok", s.reports_ok), ("failed", s.reports_failed)] {
+                let id = escape(id);
+                let _ = writeln!(
+                    out,
+                    "ratelimitd_global_reports_total{{limit=\"{id}\",region=\"{region}\",result=\"{result}\"}} {n}"
+                );
+            }
+        }
+        header(
+            out,
+            "ratelimitd_global_last_answer",
+            "gauge",
+            "1 for the allocator's last answer to the region for a global limit (none, ok, failed, claimed).",
+        );
+        for (id, s) in limits {
+            let (id, answer) = (escape(id), s.answer.as_str());
+            let _ = writeln!(
+                out,
+                "ratelimitd_global_last_answer{{limit=\"{id}\",region=\"{region}\",answer=\"{answer}\"}} 1"
+            );
+        }
+    }
+}
+
 impl Figures for GlobalStatus {
     fn render(&self, out: &mut String) {
         let region = escape(&self.region);
@@ -194,91 +249,21 @@ impl Figures for GlobalStatus {
         let _ =
             writeln!(out, "ratelimitd_global_lease_expired_total{{region=\"{region}\"}} {}", self.expired());
         let limits = self.limits();
-        header(
-            out,
-            "ratelimitd_global_grant",
-            "gauge",
-            "The region's grants of a global limit, summed over its keys.",
-        );
-        for (id, s) in &limits {
-            let _ = writeln!(
-                out,
-                "ratelimitd_global_grant{{limit=\"{}\",region=\"{region}\"}} {}",
-                escape(id),
-                s.granted
-            );
-        }
-        header(
-            out,
-            "ratelimitd_global_keys",
-            "gauge",
-            "Keys of a global limit the region holds a grant for.",
-        );
-        for (id, s) in &limits {
-            let _ = writeln!(
-                out,
-                "ratelimitd_global_keys{{limit=\"{}\",region=\"{region}\"}} {}",
-                escape(id),
-                s.keys
-            );
-        }
-        header(
-            out,
+        let grant =
+            ("ratelimitd_global_grant", "The region's grants of a global limit, summed over its keys.");
+        self.per_limit(out, grant, &limits, |s| Some(s.granted.to_string()));
+        let keys = ("ratelimitd_global_keys", "Keys of a global limit the region holds a grant for.");
+        self.per_limit(out, keys, &limits, |s| Some(s.keys.to_string()));
+        let demand = (
             "ratelimitd_global_demand",
-            "gauge",
-            "Hits of a global limit the region admitted and denied in the last interval.",
+            "Hits of a global limit the region admitted and denied in the last interval (the agent's view).",
         );
-        for (id, s) in &limits {
-            let _ = writeln!(
-                out,
-                "ratelimitd_global_demand{{limit=\"{}\",region=\"{region}\"}} {}",
-                escape(id),
-                s.demand
-            );
-        }
-        header(
-            out,
+        self.per_limit(out, demand, &limits, |s| Some(s.demand.to_string()));
+        let age = (
             "ratelimitd_global_lease_age_seconds",
-            "gauge",
-            "Seconds since the region's grants of a global limit last came (absent: none).",
+            "Seconds since the lease of the region's grants of a global limit began (absent: none held).",
         );
-        for (id, s) in &limits {
-            if let Some(age) = self.lease_age_seconds(s) {
-                let _ = writeln!(
-                    out,
-                    "ratelimitd_global_lease_age_seconds{{limit=\"{}\",region=\"{region}\"}} {age}",
-                    escape(id)
-                );
-            }
-        }
-        header(
-            out,
-            "ratelimitd_global_reports_total",
-            "counter",
-            "The agent's reports of a global limit to the coordination store, by the allocator's answer.",
-        );
-        for (id, s) in &limits {
-            for (result, n) in [("ok", s.reports_ok), ("failed", s.reports_failed)] {
-                let _ = writeln!(
-                    out,
-                    "ratelimitd_global_reports_total{{limit=\"{}\",region=\"{region}\",result=\"{result}\"}} {n}",
-                    escape(id)
-                );
-            }
-        }
-        header(
-            out,
-            "ratelimitd_global_last_answer",
-            "gauge",
-            "1 for the allocator's last answer to the region for a global limit (none, ok, failed, claimed).",
-        );
-        for (id, s) in &limits {
-            let _ = writeln!(
-                out,
-                "ratelimitd_global_last_answer{{limit=\"{}\",region=\"{region}\",answer=\"{}\"}} 1",
-                escape(id),
-                s.answer.as_str()
-            );
-        }
+        self.per_limit(out, age, &limits, |s| self.lease_age_seconds(s).map(|a| a.to_string()));
+        self.render_answers(out, &limits);
     }
 }

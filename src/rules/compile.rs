@@ -127,13 +127,6 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         return fail("overload.rate_per_second", format!("must be between 1 and {MAX_OVERLOAD_RATE}"));
     }
     let adaptive = rule_adaptive(raw).map_err(|(field, message)| error(sourced, &field, message))?;
-    if raw.global && adaptive.is_some() {
-        return fail(
-            "global",
-            "a global limit cannot be adaptive: each region would move the limit the others live under"
-                .to_owned(),
-        );
-    }
     Ok(Rule {
         id: Arc::from(raw.rule_id.as_str()),
         resource_path: raw.resource_path.clone(),
@@ -208,6 +201,11 @@ pub(crate) fn adaptive_params(
 /// The rule's adaptive limit, when it has one: its first limit's.
 fn rule_adaptive(raw: &RawRule) -> Result<Option<Arc<AdaptiveLimit>>, (String, String)> {
     let Some(spec) = &raw.adaptive else { return Ok(None) };
+    if raw.global {
+        let message =
+            "a global limit cannot be adaptive: each region would move the limit the others live under";
+        return Err(("global".to_owned(), message.to_owned()));
+    }
     // The highest limit must fit the counters' bound as a fixed one must.
     let fits = |max| limit_window(&RawLimit { limit: max, ..raw_first(raw) }).map(|_| ()).map_err(|(_, m)| m);
     let params = adaptive_params(spec, raw.limit, "limit", fits)?;
