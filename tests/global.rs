@@ -357,6 +357,8 @@ async fn while_the_coordination_store_is_away_regions_keep_their_grants_for_a_le
     assert!(on_floor + 1_000 <= resumed);
     let a = admitted_in(&log, 0, on_floor, on_floor + 1_000);
     assert!(a <= 6 + 1, "region a admitted {a} on its floor");
+    let expired = world.instances.iter().filter(|i| i.region == 0).map(|i| i.status.expired()).sum::<u64>();
+    assert!(expired >= 1, "region a's lease running out is counted");
     let recovered = back.iter().find(|(_, g)| g[0] >= 100 && g[1] >= 100).map(|(t, _)| t - resumed);
     // Within a few intervals (a report in flight may first run into its 600 ms
     // timeout; the harness measures it at 1 s intervals).
@@ -428,4 +430,67 @@ async fn when_a_regions_agent_dies_another_instance_takes_the_role_within_a_leas
     let (worst, at) = worst_estimate(&log, 1_000);
     assert!(worst <= 303.0, "an estimate of {worst:.1} at {at}");
     world.shut().await;
+}
+
+/// Two services started from their configuration (`region`, `global.*`,
+/// a rule with `global: true`), each in its region with its own Redis,
+/// sharing a coordination store: the region with the demand is granted
+/// all but the other's floor, each admits at most its grant, and
+/// `/metrics` shows the grants, the agent and the allocator's answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn services_configured_for_two_regions_share_a_global_rule() {
+    use common::{Rules, TestServer, check, metric, request};
+    use ratelimitd::global::RegionConfig;
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: shared, resource_path: /shared, limit: 200, window_seconds: 2, global: true }\n",
+    );
+    let coordination = RedisServer::start();
+    let mut servers = Vec::new();
+    let mut regional = Vec::new();
+    for name in ["a", "b"] {
+        let redis = RedisServer::start();
+        let mut config = common::config(&rules.path(), Some(redis.url()));
+        config.region = Some(name.to_owned());
+        config.global.regions =
+            ["a", "b"].iter().map(|n| RegionConfig { name: (*n).to_owned(), floor: 0.05 }).collect();
+        config.global.redis.url = Some(coordination.url());
+        (config.global.interval_ms, config.global.lease_ms) = (200, 1_500);
+        (config.global.timeout_ms, config.global.skew_ms) = (500, 100);
+        servers.push(TestServer::start(config).await);
+        regional.push(redis);
+    }
+    let mut client = servers[0].client().await;
+    let mut admitted = Vec::new();
+    let started = wall_ms();
+    while wall_ms() < started + 4_000 {
+        if check(&mut client, request("tenant", "/shared")).await.allowed {
+            admitted.push(wall_ms());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    if std::env::var("GLOBAL_TRACE").is_ok() {
+        let addr = servers[0].http_addr;
+        let body = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap().1;
+        eprintln!("{}", body.lines().filter(|l| l.contains("global")).collect::<Vec<_>>().join("\n"));
+    }
+    let grant = metric(&servers[0], "ratelimitd_global_grant{limit=\"shared\",region=\"a\"}").await;
+    assert_eq!(grant, Some(190.0), "all but b's floor (5 % of 200)");
+    assert_eq!(metric(&servers[0], "ratelimitd_global_agent{region=\"a\"}").await, Some(1.0));
+    assert_eq!(metric(&servers[1], "ratelimitd_global_agent{region=\"b\"}").await, Some(1.0));
+    let ok =
+        metric(&servers[0], "ratelimitd_global_reports_total{limit=\"shared\",region=\"a\",result=\"ok\"}")
+            .await;
+    assert!(ok.is_some_and(|n| n >= 5.0), "{ok:?}");
+    let answer = "ratelimitd_global_last_answer{limit=\"shared\",region=\"a\",answer=\"ok\"}";
+    assert_eq!(metric(&servers[0], answer).await, Some(1.0));
+    let expired = "ratelimitd_global_lease_expired_total{region=\"a\"}";
+    assert_eq!(metric(&servers[0], expired).await, Some(0.0), "no lease ran out while the store answered");
+    // Region a alone: the estimate over its admissions never passes its grant.
+    let log: Vec<(u64, usize)> = admitted.iter().map(|t| (*t, 0)).collect();
+    let (worst, _) = worst_estimate(&log, 2_000);
+    assert!(worst <= 190.0 + 1.0, "{worst}");
+    assert!(admitted.len() >= 190, "{} admitted in 4 s", admitted.len());
+    for server in servers {
+        server.stop().await.unwrap();
+    }
 }

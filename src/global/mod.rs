@@ -214,7 +214,8 @@ impl GlobalExchange {
         self.status.retain(&is_served);
         self.written.retain(|id, _| is_served(id));
         for s in served {
-            if self.status.lease_ran_out(&s.rule.id) {
+            let floor = share(s.rule.limit, self.settings.floors_ppm[self.settings.region]);
+            if self.status.lease_ran_out(&s.rule.id, floor) {
                 tracing::warn!(
                     limit = %s.rule.id,
                     region = self.status.region(),

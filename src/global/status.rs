@@ -131,13 +131,15 @@ impl GlobalStatus {
     }
 
     /// Whether the lease of limit `id`'s grants has run out since they
-    /// came: then the region is on its floors, counted (and true) once.
-    pub fn lease_ran_out(&self, id: &Arc<str>) -> bool {
+    /// came while some were above the region's `floor`: then the region is
+    /// back on its floors, counted (and true) once. (Grants at the floor
+    /// of keys gone idle lapse unremarked.)
+    pub fn lease_ran_out(&self, id: &Arc<str>, floor: u64) -> bool {
         let now = self.clock.now_ms();
         let mut ran_out = false;
         self.with(id, |s| {
-            ran_out = s.until_ms != 0 && now >= s.until_ms;
-            if ran_out {
+            if s.until_ms != 0 && now >= s.until_ms {
+                ran_out = s.granted > floor.saturating_mul(s.keys as u64);
                 (s.granted, s.keys, s.until_ms) = (0, 0, 0);
             }
         });
