@@ -23,7 +23,7 @@ use ratelimitd::{
     decision::{CheckRequest, Engine, EngineParts},
     global::{GlobalExchange, Settings, status::GlobalStatus},
     limiter::{
-        Count, RedisStore, Store,
+        Algorithm, Count, RedisStore, Store,
         exchange::{self, ExchangeCounts, Participant},
         grants::Grants,
         lease::Lease,
@@ -95,11 +95,12 @@ impl World {
                     timeout: Duration::from_millis(600),
                     regional_timeout: Duration::from_millis(500),
                     max_keys: 1_000,
+                    envoy_algorithm: Algorithm::SlidingWindow,
                     instance: format!("{name}-{n}"),
                 };
                 let exchange: Box<dyn Participant> = Box::new(GlobalExchange::new(
                     Arc::clone(&grants),
-                    Arc::clone(&rules),
+                    (Arc::clone(&rules), None),
                     Store::Redis(Arc::clone(&store)),
                     coordination_store,
                     settings,
@@ -432,62 +433,124 @@ async fn when_a_regions_agent_dies_another_instance_takes_the_role_within_a_leas
     world.shut().await;
 }
 
-/// Two services started from their configuration (`region`, `global.*`,
-/// a rule with `global: true`), each in its region with its own Redis,
-/// sharing a coordination store: the region with the demand is granted
-/// all but the other's floor, each admits at most its grant, and
-/// `/metrics` shows the grants, the agent and the allocator's answers.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn services_configured_for_two_regions_share_a_global_rule() {
-    use common::{Rules, TestServer, check, metric, request};
+/// Two services started from their configuration (`region`, `global.*`),
+/// each in its region with its own Redis, sharing a coordination store;
+/// `tune` adds the rules.
+async fn two_regions(
+    tune: impl Fn(&mut ratelimitd::config::Config),
+) -> (Vec<common::TestServer>, Vec<RedisServer>) {
     use ratelimitd::global::RegionConfig;
-    let rules = Rules::new(
-        "rules:\n  - { rule_id: shared, resource_path: /shared, limit: 200, window_seconds: 2, global: true }\n",
-    );
     let coordination = RedisServer::start();
-    let mut servers = Vec::new();
-    let mut regional = Vec::new();
+    let (mut servers, mut stores) = (Vec::new(), vec![coordination]);
     for name in ["a", "b"] {
         let redis = RedisServer::start();
-        let mut config = common::config(&rules.path(), Some(redis.url()));
+        let mut config = common::default_rules_config(Some(redis.url()));
+        tune(&mut config);
         config.region = Some(name.to_owned());
         config.global.regions =
             ["a", "b"].iter().map(|n| RegionConfig { name: (*n).to_owned(), floor: 0.05 }).collect();
-        config.global.redis.url = Some(coordination.url());
+        config.global.redis.url = Some(stores[0].url());
         (config.global.interval_ms, config.global.lease_ms) = (200, 1_500);
         (config.global.timeout_ms, config.global.skew_ms) = (500, 100);
-        servers.push(TestServer::start(config).await);
-        regional.push(redis);
+        servers.push(common::TestServer::start(config).await);
+        stores.push(redis);
     }
+    (servers, stores)
+}
+
+/// The services' global figures for `limit` in region a: its grant, the
+/// agent flags of both regions, the reports answered, the last answer and
+/// the leases run out.
+async fn figures_of_a(servers: &[common::TestServer], limit: &str) -> Vec<Option<f64>> {
+    use common::metric;
+    let series = [
+        format!("ratelimitd_global_grant{{limit=\"{limit}\",region=\"a\"}}"),
+        "ratelimitd_global_agent{region=\"a\"}".to_owned(),
+        format!("ratelimitd_global_last_answer{{limit=\"{limit}\",region=\"a\",answer=\"ok\"}}"),
+        "ratelimitd_global_lease_expired_total{region=\"a\"}".to_owned(),
+    ];
+    let mut out = Vec::new();
+    for s in &series {
+        out.push(metric(&servers[0], s).await);
+    }
+    out.push(metric(&servers[1], "ratelimitd_global_agent{region=\"b\"}").await);
+    out
+}
+
+/// Native rules: a rule with `global: true` shared by two services in two
+/// regions: the region with the demand is granted all but the other's
+/// floor (5 % of 200), admits at most that, and `/metrics` shows the
+/// grant, the agents and the allocator's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn services_configured_for_two_regions_share_a_global_rule() {
+    use common::{Rules, check, request};
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: shared, resource_path: /shared, limit: 200, window_seconds: 2, global: true }\n",
+    );
+    let (servers, _stores) = two_regions(|config| config.rules.path = Some(rules.path())).await;
     let mut client = servers[0].client().await;
     let mut admitted = Vec::new();
     let started = wall_ms();
     while wall_ms() < started + 4_000 {
         if check(&mut client, request("tenant", "/shared")).await.allowed {
-            admitted.push(wall_ms());
+            admitted.push((wall_ms(), 0));
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    if std::env::var("GLOBAL_TRACE").is_ok() {
-        let addr = servers[0].http_addr;
-        let body = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap().1;
-        eprintln!("{}", body.lines().filter(|l| l.contains("global")).collect::<Vec<_>>().join("\n"));
+    let figures = figures_of_a(&servers, "shared").await;
+    assert_eq!(
+        figures,
+        [Some(190.0), Some(1.0), Some(1.0), Some(0.0), Some(1.0)],
+        "grant, agents, answer, expired"
+    );
+    let (worst, _) = worst_estimate(&admitted, 2_000);
+    assert!(worst <= 190.0 + 1.0, "{worst}");
+    assert!(admitted.len() >= 190, "{} admitted in 4 s", admitted.len());
+    for server in servers {
+        server.stop().await.unwrap();
     }
-    let grant = metric(&servers[0], "ratelimitd_global_grant{limit=\"shared\",region=\"a\"}").await;
-    assert_eq!(grant, Some(190.0), "all but b's floor (5 % of 200)");
-    assert_eq!(metric(&servers[0], "ratelimitd_global_agent{region=\"a\"}").await, Some(1.0));
-    assert_eq!(metric(&servers[1], "ratelimitd_global_agent{region=\"b\"}").await, Some(1.0));
-    let ok =
-        metric(&servers[0], "ratelimitd_global_reports_total{limit=\"shared\",region=\"a\",result=\"ok\"}")
-            .await;
-    assert!(ok.is_some_and(|n| n >= 5.0), "{ok:?}");
-    let answer = "ratelimitd_global_last_answer{limit=\"shared\",region=\"a\",answer=\"ok\"}";
-    assert_eq!(metric(&servers[0], answer).await, Some(1.0));
-    let expired = "ratelimitd_global_lease_expired_total{region=\"a\"}";
-    assert_eq!(metric(&servers[0], expired).await, Some(0.0), "no lease ran out while the store answered");
-    // Region a alone: the estimate over its admissions never passes its grant.
-    let log: Vec<(u64, usize)> = admitted.iter().map(|t| (*t, 0)).collect();
-    let (worst, _) = worst_estimate(&log, 2_000);
+}
+
+/// Envoy's descriptors: a `rate_limit` with `global: true` shared by two
+/// services in two regions, decided through `ShouldRateLimit`, the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn services_configured_for_two_regions_share_a_global_descriptor() {
+    use common::Rules;
+    use ratelimitd::api::envoy_pb::{
+        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+        rls::{
+            RateLimitRequest, rate_limit_response::Code, rate_limit_service_client::RateLimitServiceClient,
+        },
+    };
+    let envoy = Rules::new(
+        "domain: edge\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: second, unit_multiplier: 2, requests_per_unit: 200, global: true }\n",
+    );
+    let (servers, _stores) = two_regions(|config| config.rules.envoy_path = Some(envoy.path())).await;
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", servers[0].addr)).await.unwrap();
+    let request = RateLimitRequest {
+        domain: "edge".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry { key: "tenant".to_owned(), value: "acme".to_owned() }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    };
+    let mut admitted = Vec::new();
+    let started = wall_ms();
+    while wall_ms() < started + 4_000 {
+        let answer = client.should_rate_limit(request.clone()).await.unwrap().into_inner();
+        if answer.overall_code == Code::Ok as i32 {
+            admitted.push((wall_ms(), 0));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let figures = figures_of_a(&servers, "edge.tenant").await;
+    assert_eq!(
+        figures,
+        [Some(190.0), Some(1.0), Some(1.0), Some(0.0), Some(1.0)],
+        "grant, agents, answer, expired"
+    );
+    let (worst, _) = worst_estimate(&admitted, 2_000);
     assert!(worst <= 190.0 + 1.0, "{worst}");
     assert!(admitted.len() >= 190, "{} admitted in 4 s", admitted.len());
     for server in servers {

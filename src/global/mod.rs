@@ -26,6 +26,7 @@
 //! grant it does not know of is still enforced.
 
 pub mod regional;
+mod served;
 mod settings;
 
 use std::{
@@ -36,16 +37,17 @@ use std::{
 
 use futures_util::future::{BoxFuture, join_all};
 
-pub use settings::{GlobalConfig, RegionConfig};
+pub use served::Served;
+pub use settings::{CoordinationConfig, GlobalConfig, RegionConfig};
 
 use crate::{
     limiter::{
-        Count, RedisStore, Store, StoreError,
+        Algorithm, RedisStore, Store, StoreError,
         exchange::Participant,
         grants::{Grants, KeyTally, share},
         lease::{self, GlobalLimit, KeyReport, Lease, Reporter},
     },
-    rules::{Rule, RuleStore, model::capacity},
+    rules::{Hot, RuleStore, envoy::EnvoyConfig},
 };
 
 /// What the global exchange runs with.
@@ -66,6 +68,8 @@ pub struct Settings {
     pub regional_timeout: Duration,
     /// Keys per limit reported at most (`global.max_keys`).
     pub max_keys: usize,
+    /// How an Envoy limit counts when it names no algorithm (`envoy.algorithm`).
+    pub envoy_algorithm: Algorithm,
     /// This instance's id (the agent role's holder).
     pub instance: String,
 }
@@ -99,11 +103,6 @@ impl Written {
     }
 }
 
-/// One global limit served now: the rule.
-struct Served {
-    rule: Rule,
-}
-
 /// What the coordination store answered the agent for one limit: the keys
 /// reported, their grants, and when the report was sent (ms of the
 /// monotonic clock, where the lease starts).
@@ -121,6 +120,7 @@ struct Answered {
 pub struct GlobalExchange {
     grants: Arc<Grants>,
     rules: Arc<RuleStore>,
+    envoy: Option<Arc<Hot<EnvoyConfig>>>,
     store: Store,
     coordination: Arc<RedisStore>,
     settings: Settings,
@@ -135,12 +135,12 @@ pub struct GlobalExchange {
 pub mod status;
 
 impl GlobalExchange {
-    /// The exchange of the global limits of `rules`, decided against
-    /// `store` (the region's), reported to `coordination`; grants go to
-    /// `grants`, figures to `status`.
+    /// The exchange of the global limits of the native `rules` and the
+    /// Envoy configuration `envoy`, decided against `store` (the region's),
+    /// reported to `coordination`; grants go to `grants`, figures to `status`.
     pub fn new(
         grants: Arc<Grants>,
-        rules: Arc<RuleStore>,
+        (rules, envoy): (Arc<RuleStore>, Option<Arc<Hot<EnvoyConfig>>>),
         store: Store,
         coordination: Arc<RedisStore>,
         settings: Settings,
@@ -150,6 +150,7 @@ impl GlobalExchange {
         GlobalExchange {
             grants,
             rules,
+            envoy,
             store,
             coordination,
             settings,
@@ -163,9 +164,8 @@ impl GlobalExchange {
     /// coordination store.
     pub async fn run_once(&mut self) -> Result<(), StoreError> {
         self.prune();
-        let snapshot = self.rules.load();
-        let served: Vec<Served> =
-            snapshot.rules().iter().filter(|r| r.global).map(|rule| Served { rule: rule.clone() }).collect();
+        let (native, envoy) = (self.rules.load(), self.envoy.as_ref().map(|e| e.load()));
+        let served = Served::all(&native, envoy.as_deref(), self.settings.envoy_algorithm);
         self.forget_unserved(&served);
         if served.is_empty() {
             return Ok(());
@@ -179,7 +179,7 @@ impl GlobalExchange {
         }
         let deployment = self.deployment.clone().unwrap_or_default();
         for (s, drained) in served.iter().zip(&view.tallies) {
-            self.status.demand(&s.rule.id, drained.values().map(|(a, d)| a.saturating_add(*d)).sum());
+            self.status.demand(&s.id, drained.values().map(|(a, d)| a.saturating_add(*d)).sum());
         }
         let reports = join_all(
             served.iter().zip(&view.tallies).map(|(s, drained)| self.agent_limit(s, drained, &deployment)),
@@ -192,7 +192,7 @@ impl GlobalExchange {
                 Ok(Some(answer)) => written.push(self.take_grants(s, answer, view.now_ms)),
                 Ok(None) => {}
                 Err(error) => {
-                    self.status.answered(&s.rule.id, Err(&error));
+                    self.status.answered(&s.id, Err(&error));
                     failure = Some(error);
                 }
             }
@@ -209,15 +209,15 @@ impl GlobalExchange {
     /// Drops the tables, figures and history of limits no longer served,
     /// and notes the leases that ran out (logged once each).
     fn forget_unserved(&mut self, served: &[Served]) {
-        let is_served = |id: &str| served.iter().any(|s| &*s.rule.id == id);
+        let is_served = |id: &str| served.iter().any(|s| &*s.id == id);
         self.grants.retain(&is_served);
         self.status.retain(&is_served);
         self.written.retain(|id, _| is_served(id));
         for s in served {
-            let floor = share(s.rule.limit, self.settings.floors_ppm[self.settings.region]);
-            if self.status.lease_ran_out(&s.rule.id, floor) {
+            let floor = share(s.limit, self.settings.floors_ppm[self.settings.region]);
+            if self.status.lease_ran_out(&s.id, floor) {
                 tracing::warn!(
-                    limit = %s.rule.id,
+                    limit = %s.id,
                     region = self.status.region(),
                     "a global limit's lease ran out: the region enforces its floor for each key until new grants come"
                 );
@@ -228,9 +228,9 @@ impl GlobalExchange {
     /// The exchange with the region (the memory store: the instance alone).
     async fn with_region(&mut self, served: &[Served], sent: u64) -> Result<regional::View, StoreError> {
         let tallies: Vec<Vec<KeyTally>> =
-            served.iter().map(|s| self.grants.table(&s.rule.id).take_tallies(sent)).collect();
+            served.iter().map(|s| self.grants.table(&s.id).take_tallies(sent)).collect();
         let Store::Redis(redis) = &self.store else { return Ok(regional::View::alone(tallies, sent)) };
-        let ids: Vec<&str> = served.iter().map(|s| &*s.rule.id).collect();
+        let ids: Vec<&str> = served.iter().map(|s| &*s.id).collect();
         let call = regional::Call {
             instance: &self.settings.instance,
             role_ms: self.settings.lease.lease_ms,
@@ -247,13 +247,13 @@ impl GlobalExchange {
         for (s, limit) in served.iter().zip(&view.grants) {
             let Some(until) = limit.until.filter(|until| *until > view.now_ms) else { continue };
             let left = until - view.now_ms;
-            let table = self.grants.table(&s.rule.id);
+            let table = self.grants.table(&s.id);
             let held = sent.saturating_add(left.min(self.settings.hold_ms()));
             for (key, grant) in &limit.grants {
                 table.set_grant(key, *grant, held);
             }
             let total = limit.grants.iter().map(|(_, g)| *g).sum();
-            self.status.granted(&s.rule.id, total, limit.grants.len(), sent.saturating_add(left));
+            self.status.granted(&s.id, total, limit.grants.len(), sent.saturating_add(left));
         }
     }
 
@@ -263,7 +263,7 @@ impl GlobalExchange {
     /// sent, so the lease ends there no later than the coordination store's).
     fn take_grants(&mut self, served: &Served, answer: Answered, region_now_ms: u64) -> regional::Written {
         let Answered { keys, enforcing, granted, sent } = answer;
-        let id = &served.rule.id;
+        let id = &served.id;
         self.status.answered(id, Ok(()));
         let hold = self.settings.lease.lease_ms.min(self.settings.hold_ms());
         let table = self.grants.table(id);
@@ -292,20 +292,19 @@ impl GlobalExchange {
         drained: &HashMap<Box<str>, (u64, u64)>,
         deployment: &str,
     ) -> Result<Option<Answered>, StoreError> {
-        let rule = &served.rule;
-        let floors: Vec<u64> = self.settings.floors_ppm.iter().map(|ppm| share(rule.limit, *ppm)).collect();
+        let floors: Vec<u64> = self.settings.floors_ppm.iter().map(|ppm| share(served.limit, *ppm)).collect();
         let floor = floors[self.settings.region];
-        let keys = self.active_keys(rule, drained, floor);
+        let keys = self.active_keys(served, drained, floor);
         if keys.is_empty() {
             return Ok(None);
         }
-        let reports = self.key_reports(rule, &keys, floor).await;
+        let reports = self.key_reports(served, &keys, floor).await;
         let sent = self.grants.now_ms();
         let limit = GlobalLimit {
-            id: &rule.id,
-            limit: rule.limit,
+            id: &served.id,
+            limit: served.limit,
             floors: &floors,
-            linger_ms: lease::linger_ms(&rule.window),
+            linger_ms: lease::linger_ms(&served.window),
         };
         let reporter = Reporter { region: self.settings.region, deployment };
         let (timing, timeout) = (self.settings.lease, self.settings.timeout);
@@ -314,25 +313,25 @@ impl GlobalExchange {
         Ok(Some(Answered { keys: keys.into_iter().map(|(k, _)| k).collect(), enforcing, granted, sent }))
     }
 
-    /// The keys of `rule` to report, busiest first, at most `max_keys`:
+    /// The keys of `served` to report, busiest first, at most `max_keys`:
     /// those with demand (`drained`), and those the region holds or last
     /// said it enforces above its `floor` (until it has given them back);
     /// each with its demand in the limit's terms (the interval's hits at
     /// that rate over a window).
     fn active_keys(
         &self,
-        rule: &Rule,
+        served: &Served,
         drained: &HashMap<Box<str>, (u64, u64)>,
         floor: u64,
     ) -> Vec<(Box<str>, u64)> {
         let per_window = |hits: u64| {
-            let scaled = u128::from(hits) * u128::from(rule.window.window_ms)
+            let scaled = u128::from(hits) * u128::from(served.window.window_ms)
                 / u128::from(self.settings.interval_ms.max(1));
             u64::try_from(scaled).unwrap_or(u64::MAX)
         };
         let mut keys: Vec<(Box<str>, u64)> =
             drained.iter().map(|(k, (a, d))| (k.clone(), per_window(a.saturating_add(*d)))).collect();
-        if let Some(history) = self.written.get(&rule.id) {
+        if let Some(history) = self.written.get(&served.id) {
             for (key, written) in history {
                 let holds_more = written.reported > floor || written.grants.iter().any(|(_, g)| *g > floor);
                 if holds_more && !drained.contains_key(key) {
@@ -349,9 +348,9 @@ impl GlobalExchange {
     /// grant written within the hold, the history being pruned to it, and
     /// the one in force; never less than it has admitted), what it has
     /// admitted (its counter peeked at) and its demand.
-    async fn key_reports(&self, rule: &Rule, keys: &[(Box<str>, u64)], floor: u64) -> Vec<KeyReport> {
+    async fn key_reports(&self, served: &Served, keys: &[(Box<str>, u64)], floor: u64) -> Vec<KeyReport> {
         let (now, table, history) =
-            (self.grants.now_ms(), self.grants.table(&rule.id), self.written.get(&rule.id));
+            (self.grants.now_ms(), self.grants.table(&served.id), self.written.get(&served.id));
         let enforced: Vec<(u64, Option<u64>)> = keys
             .iter()
             .map(|(key, _)| {
@@ -364,8 +363,8 @@ impl GlobalExchange {
             // A counter never holds more than the largest grant the region
             // enforced since (a grant never shrinks below it); for a key
             // this agent wrote nothing of, the whole limit.
-            let peek = written.map_or(rule.limit, |w| w.max(*grant));
-            self.admitted(rule, key, peek)
+            let peek = written.map_or(served.limit, |w| w.max(*grant));
+            async move { served.admitted(&self.store, key, peek).await.unwrap_or(peek) }
         }))
         .await;
         keys.iter()
@@ -375,18 +374,6 @@ impl GlobalExchange {
                 KeyReport { key: key.to_string(), enforcing, admitted, demand: *demand }
             })
             .collect()
-    }
-
-    /// What the region's counter of `key` holds (what it has admitted in
-    /// the window, a bucket's tokens taken), peeked at as a limit of
-    /// `limit` (at least what it holds). When the regional store cannot
-    /// say, `limit` itself.
-    async fn admitted(&self, rule: &Rule, key: &str, limit: u64) -> u64 {
-        let counter = rule.counter_at(Some(limit));
-        match self.store.decide(key, counter, 0, Count::Never).await {
-            Ok(verdict) => capacity(limit, rule.burst_capacity).saturating_sub(verdict.remaining),
-            Err(_) => limit,
-        }
     }
 
     /// Drops what no instance may enforce any more: grants written before

@@ -168,6 +168,13 @@ fn status(
     let over = !verdict.admitted;
     let denied = over && !shadow;
     let report = item.count == Count::Always;
+    // A global limit's hits, for the region's next report (a peek counts nothing).
+    if limit.global
+        && item.count != Count::Never
+        && let Some(grants) = engine.inner.grants.as_deref()
+    {
+        grants.record(&limit.full_key, &item.key, item.weight, verdict.admitted);
+    }
     let reason = match (report, denied, local) {
         (true, _, _) => REPORT_LABEL,
         (false, true, false) => "OVER_LIMIT",

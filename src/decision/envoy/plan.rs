@@ -145,6 +145,7 @@ fn requested_limit<D: Descriptor>(
             overload: None,
             also: Vec::new(),
             adaptive: None,
+            global: false,
         }),
         shared: Vec::new(),
         stat_key: engine.inner.envoy_policy.upstream_metrics.then(|| request_stat_key(domain, d.entries())),
@@ -219,9 +220,17 @@ fn push_items<D: Descriptor>(
             hits if policy.count_every_hit => (hits, Count::Anyway),
             hits => (hits, Count::IfFits),
         };
+        // A global limit is enforced at this region's grant for the counter.
+        let per_unit = match engine.inner.grants.as_deref() {
+            Some(grants) if slot == 0 && limit.global => {
+                let grant = grants.limit(&limit.full_key, &key, u64::from(limit.per_unit()));
+                u32::try_from(grant).unwrap_or(u32::MAX)
+            }
+            _ => limit.per_unit(),
+        };
         items.push(ManyItem {
             key,
-            params: params(seconds, limit.per_unit(), limit.algorithm.unwrap_or(policy.algorithm)),
+            params: params(seconds, per_unit, limit.algorithm.unwrap_or(policy.algorithm)),
             tick_ms: tick_ms(seconds),
             weight,
             count,

@@ -162,6 +162,9 @@ pub struct EnvoyLimit {
     /// `adaptive`): then it is where the limit starts, and [`EnvoyLimit::per_unit`]
     /// the limit in force.
     pub adaptive: Option<Arc<AdaptiveLimit>>,
+    /// `requests_per_unit` holds for every region together (ratelimitd's
+    /// extension `global`): each region enforces it at its grant.
+    pub global: bool,
 }
 
 impl EnvoyLimit {
@@ -375,6 +378,11 @@ impl EnvoyConfig {
 
     /// Every limit of every domain.
     pub fn limits(&self) -> Vec<Arc<EnvoyLimit>> {
+        self.limits_by_domain().into_iter().map(|(_, limit)| limit).collect()
+    }
+
+    /// Every limit of the configuration with its domain.
+    pub fn limits_by_domain(&self) -> Vec<(&String, Arc<EnvoyLimit>)> {
         fn walk(level: &Level, out: &mut Vec<Arc<EnvoyLimit>>) {
             for node in level.entries.values() {
                 out.extend(node.limit.iter().cloned());
@@ -382,8 +390,10 @@ impl EnvoyConfig {
             }
         }
         let mut out = Vec::new();
-        for level in self.domains.values() {
-            walk(level, &mut out);
+        for (domain, level) in &self.domains {
+            let mut limits = Vec::new();
+            walk(level, &mut limits);
+            out.extend(limits.into_iter().map(|limit| (domain, limit)));
         }
         out
     }

@@ -209,6 +209,18 @@ fn every_upstream_error() {
             "must be at least 1",
         ),
         (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true, global: true }\n",
+            "should not specify global when unlimited",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 9, global: true, adaptive: { min: 1, max: 20 } }\n",
+            "a global limit cannot be adaptive",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1 }\n    also: [ { unit: minute, requests_per_unit: 5, global: true } ]\n",
+            "an also limit is this region's own",
+        ),
+        (
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: day, requests_per_unit: 1, unit_multiplier: 366 }\n",
             "a window of 366 × Day is longer than a year (31536000 s)",
         ),

@@ -94,6 +94,10 @@ struct YamlRateLimit {
     /// reported outcomes (the native rules' `adaptive:`).
     #[serde(default)]
     adaptive: Option<AdaptiveSpec>,
+    /// ratelimitd's extension: `requests_per_unit` holds for every region
+    /// together (docs/global-limits.md).
+    #[serde(default)]
+    global: bool,
 }
 
 #[derive(Deserialize)]
@@ -499,7 +503,21 @@ fn compile_limit(
         overload: d.overload,
         also: Vec::new(),
         adaptive: adaptive_limit(file, &at, r, unit.map(|u| u.seconds() * u64::from(unit_multiplier)))?,
+        global: global(file, &at, r)?,
     })
+}
+
+/// A `rate_limit`'s `global`, checked: a limit, not adaptive.
+fn global(file: &Path, at: &str, r: &YamlRateLimit) -> Result<bool, RuleError> {
+    let problem = match (r.global, r.unlimited, r.adaptive.is_some()) {
+        (false, ..) => return Ok(false),
+        (true, true, _) => "should not specify global when unlimited",
+        (true, _, true) => {
+            "a global limit cannot be adaptive: each region would move the limit the others live under"
+        }
+        (true, false, false) => return Ok(true),
+    };
+    Err(error(file, Some(at), "global", problem.to_owned()))
 }
 
 /// A `rate_limit`'s `adaptive:`, checked (errors at `adaptive.<field>`,
@@ -571,6 +589,11 @@ fn also_limits(
                 ))
             } else if r.adaptive.is_some() {
                 Some(("adaptive", "an also limit is fixed (the rate_limit beside it may be adaptive)"))
+            } else if r.global {
+                Some((
+                    "global",
+                    "an also limit is this region's own (the rate_limit beside it may be global)",
+                ))
             } else {
                 None
             };

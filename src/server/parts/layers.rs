@@ -123,6 +123,7 @@ pub(crate) fn global(
         timeout: Duration::from_millis(global.timeout_ms),
         regional_timeout: Duration::from_millis(config.redis.timeout_ms.max(100)),
         max_keys: global.max_keys,
+        envoy_algorithm: config.envoy.policy().algorithm,
         instance: crate::limiter::instance::id(&config.dlq.instance()),
     };
     tracing::info!(
@@ -135,7 +136,7 @@ pub(crate) fn global(
     );
     exchanges.push(Box::new(GlobalExchange::new(
         Arc::clone(&grants),
-        Arc::clone(&rules.native),
+        (Arc::clone(&rules.native), rules.envoy.clone()),
         store.clone(),
         coordination,
         settings,
