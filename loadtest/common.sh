@@ -94,13 +94,16 @@ stop_service() { local pid="${1:-$SVC_PID}"; kill "$pid" 2>/dev/null || true; wa
 wait_port() { for _ in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "$0: nothing on port $1" >&2; exit 1; }
 
 # Envoy-format rules in directory $1: domain "edge", a counter per user, far
-# above what any load reaches (every decision is counted, none denied).
+# above what any load reaches (every decision is counted, none denied);
+# with GLOBAL=1 the limit is global (docs/global-limits.md).
 write_edge_config() {
   mkdir -p "$1"
-  cat > "$1/edge.yaml" <<'YAML'
+  local global=""
+  if [ -n "${GLOBAL:-}" ]; then global=", global: true"; fi
+  cat > "$1/edge.yaml" <<YAML
 domain: edge
 descriptors:
   - key: user
-    rate_limit: { unit: minute, requests_per_unit: 1000000000 }
+    rate_limit: { unit: minute, requests_per_unit: 1000000000$global }
 YAML
 }

@@ -17,7 +17,10 @@
 # callgrind's output in, for callgrind_annotate). One rule per algorithm,
 # far above the load, so every decision is counted: /api/v1/playback (the
 # sliding window, loadtest's default path), /token_bucket, /gcra; and the
-# Envoy domain edge (--api envoy).
+# Envoy domain edge (--api envoy). GLOBAL=1 adds /global (global: true) and
+# makes edge's limit global: limits shared by regions when the service is
+# configured with `region` and `global.*` (RATELIMITD_CMD="ratelimitd
+# --config FILE").
 #
 # COUNT=redis-ir runs one redis-server ($REDIS_CMD, default redis-server;
 # REDIS_CPUS, default 0) under callgrind and the service on it, and counts
@@ -43,6 +46,9 @@ rules:
   - { rule_id: bucket, resource_path: /token_bucket, limit: 1000000000, window_seconds: 60, algorithm: token_bucket }
   - { rule_id: gcra, resource_path: /gcra, limit: 1000000000, window_seconds: 60, algorithm: gcra }
 YAML
+if [ -n "${GLOBAL:-}" ]; then
+  echo "  - { rule_id: global, resource_path: /global, limit: 1000000000, window_seconds: 60, global: true }" >> "$WORK/native.yaml"
+fi
 write_edge_config "$WORK/envoy" # --api envoy: domain edge, a counter per user
 
 # start [PREFIX...]: the service (start_service; under PREFIX, e.g. valgrind).

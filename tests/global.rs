@@ -336,8 +336,16 @@ async fn while_the_coordination_store_is_away_regions_keep_their_grants_for_a_le
     let away = world.watch_grants(Duration::from_millis(4_500), Duration::from_millis(50)).await;
     world.coordination.resume();
     let resumed = wall_ms();
-    let back = world.watch_grants(Duration::from_millis(2_000), Duration::from_millis(50)).await;
+    let back = world.watch_grants(Duration::from_millis(4_500), Duration::from_millis(50)).await;
     let log = load.finish().await;
+    let statuses: Vec<Arc<GlobalStatus>> = world.instances.iter().map(|i| Arc::clone(&i.status)).collect();
+    trace(&log, &statuses);
+    if std::env::var("GLOBAL_TRACE").is_ok() {
+        for (t, g) in away.iter().chain(&back) {
+            eprintln!("grants {} {g:?}", t - paused);
+        }
+        eprintln!("paused {paused} resumed {}", resumed - paused);
+    }
     let (worst, at) = worst_estimate(&log, 1_000);
     assert!(worst <= 303.0, "an estimate of {worst:.1} at {at}");
     for (t, grants) in &away {
@@ -360,10 +368,14 @@ async fn while_the_coordination_store_is_away_regions_keep_their_grants_for_a_le
     assert!(a <= 6 + 1, "region a admitted {a} on its floor");
     let expired = world.instances.iter().filter(|i| i.region == 0).map(|i| i.status.expired()).sum::<u64>();
     assert!(expired >= 1, "region a's lease running out is counted");
-    let recovered = back.iter().find(|(_, g)| g[0] >= 100 && g[1] >= 100).map(|(t, _)| t - resumed);
-    // Within a few intervals (a report in flight may first run into its 600 ms
-    // timeout; the harness measures it at 1 s intervals).
-    assert!(recovered.is_some_and(|ms| ms <= 10 * INTERVAL_MS), "grants back after {recovered:?} ms");
+    // Grants come back within a few intervals (a report in flight may
+    // first run into its 600 ms timeout); the first region back may take
+    // all it wants, and the other gets its share once what the first
+    // admitted has left its window (two windows at most).
+    let first = back.iter().find(|(_, g)| g[0] >= 100 || g[1] >= 100).map(|(t, _)| t - resumed);
+    assert!(first.is_some_and(|ms| ms <= 10 * INTERVAL_MS), "grants back after {first:?} ms");
+    let both = back.iter().find(|(_, g)| g[0] >= 100 && g[1] >= 100).map(|(t, _)| t - resumed);
+    assert!(both.is_some_and(|ms| ms <= 2_000 + 10 * INTERVAL_MS), "both back after {both:?} ms");
     world.shut().await;
 }
 

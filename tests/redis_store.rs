@@ -901,11 +901,13 @@ async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand
     assert_eq!(ask(0, 50, 0, 5_000).await, 900);
     // Demand moves to region 1, which finds no room while region 0 may enforce 900.
     assert_eq!(ask(1, 50, 0, 5_000).await, 50);
-    // Region 0 reports no demand, 200 admitted this window: lowered, not below 200...
-    assert_eq!(ask(0, 900, 200, 0).await, 200);
-    // ...and only once it confirms does region 1 get the rest.
+    // Region 0 reports no demand, 200 admitted this window: lowered to its
+    // floor (it admits nothing more until its counter is under it)...
+    assert_eq!(ask(0, 900, 200, 0).await, 50);
+    // ...and only once it confirms does region 1 get the rest, less the
+    // 200 region 0's counter still holds.
     assert_eq!(ask(1, 50, 0, 5_000).await, 50);
-    assert_eq!(ask(0, 200, 200, 0).await, 200);
+    assert_eq!(ask(0, 50, 200, 0).await, 50);
     assert_eq!(ask(1, 50, 0, 5_000).await, 750);
     // A second deployment claiming region 1 is refused while region 1's lease runs.
     let reports = [KeyReport { key: "tenant-a".into(), enforcing: 50, admitted: 0, demand: 5_000 }];
@@ -917,7 +919,7 @@ async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand
     let key = "rlg:{api%7B1%7D}:tenant-a";
     let grants: Vec<Option<u64>> =
         redis::cmd("HMGET").arg(key).arg(&["o0", "o1", "o2"]).query_async(&mut conn).await.unwrap();
-    assert_eq!(grants, [Some(200), Some(750), None], "region 2 never reported");
+    assert_eq!(grants, [Some(50), Some(750), None], "region 2 never reported");
     let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
     assert!((1..=11_000).contains(&ttl), "two leases, margins and lingers: {ttl}");
     drop(store);

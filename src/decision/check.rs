@@ -186,12 +186,12 @@ impl Native<'_, '_> {
 
     /// Counts what a global rule admitted and denied of this user, for the
     /// region's next report (a peek counts nothing).
-    fn record_global(&self, engine: &Engine, verdict: &Verdict) {
+    fn record_global(&self, engine: &Engine, admitted: bool) {
         if let (Some(rule), Some(grants)) = (self.rule, engine.inner.grants.as_deref())
             && rule.global
             && self.request.count != Count::Never
         {
-            grants.record(&rule.id, &self.user, u64::from(self.request.weight), verdict.admitted);
+            grants.record(&rule.id, &self.user, u64::from(self.request.weight), admitted);
         }
     }
 
@@ -293,6 +293,8 @@ impl Subject for Native<'_, '_> {
         let version = cache.version_hash(self.version);
         self.cache = Some(version);
         let hit = cache.lookup(version, &self.rule().id, &self.user, u64::from(self.request.weight))?;
+        // A denial is demand, wherever it is answered.
+        self.record_global(engine, false);
         Some(Decision {
             allowed: false,
             retry_after_ms: clamp_i64(hit.retry_after_ms),
@@ -342,7 +344,7 @@ impl Subject for Native<'_, '_> {
                 verdict.reset_after_ms,
             );
         }
-        self.record_global(engine, &verdict);
+        self.record_global(engine, verdict.admitted);
         let info = self.rule.map(|rule| RuleInfo::of_limit(rule, bound, self.grant));
         let decided = from_verdict(&verdict, self.shadow(), info, self.priority);
         Decision { shadow_shed: self.shadow_shed, level: self.level, ..decided }

@@ -92,14 +92,20 @@ struct Written {
 }
 
 impl Written {
-    /// Keeps those an instance of the region may still enforce at `now`:
-    /// written within `hold_ms` (and the margin), and the last.
-    fn trim(&mut self, now: u64, hold_ms: u64) {
+    /// Keeps those written within `keep_ms` of `now`, and the last.
+    fn trim(&mut self, now: u64, keep_ms: u64) {
         while self.grants.len() > 1
-            && self.grants.front().is_some_and(|(at, _)| at.saturating_add(hold_ms) < now)
+            && self.grants.front().is_some_and(|(at, _)| at.saturating_add(keep_ms) < now)
         {
             self.grants.pop_front();
         }
+    }
+
+    /// The largest grant written within `within_ms` of `now`, or the last.
+    fn largest(&self, now: u64, within_ms: u64) -> Option<u64> {
+        let recent =
+            self.grants.iter().filter(|(at, _)| at.saturating_add(within_ms) >= now).map(|(_, g)| *g);
+        recent.max().or_else(|| self.grants.back().map(|(_, g)| *g))
     }
 }
 
@@ -163,10 +169,10 @@ impl GlobalExchange {
     /// One exchange: with the region, then, as its agent, with the
     /// coordination store.
     pub async fn run_once(&mut self) -> Result<(), StoreError> {
-        self.prune();
         let (native, envoy) = (self.rules.load(), self.envoy.as_ref().map(|e| e.load()));
         let served = Served::all(&native, envoy.as_deref(), self.settings.envoy_algorithm);
         self.forget_unserved(&served);
+        self.prune(&served);
         if served.is_empty() {
             return Ok(());
         }
@@ -351,41 +357,54 @@ impl GlobalExchange {
     async fn key_reports(&self, served: &Served, keys: &[(Box<str>, u64)], floor: u64) -> Vec<KeyReport> {
         let (now, table, history) =
             (self.grants.now_ms(), self.grants.table(&served.id), self.written.get(&served.id));
-        let enforced: Vec<(u64, Option<u64>)> = keys
+        let margin = self.settings.lease.skew_ms;
+        let hold = self.settings.hold_ms().saturating_add(margin);
+        let linger = lease::linger_ms(&served.window).saturating_add(margin);
+        // Per key: the grant in force, the largest written within the hold
+        // (what an instance may still enforce) and within the linger (what
+        // the counter may still hold: a window counts hits, so the whole
+        // limit reads it exactly; a bucket's tokens are read at the largest
+        // capacity it had; for a key this agent wrote nothing of, the limit).
+        let enforced: Vec<(u64, Option<u64>, u64)> = keys
             .iter()
             .map(|(key, _)| {
-                let written =
-                    history.and_then(|h| h.get(key)).and_then(|w| w.grants.iter().map(|(_, g)| *g).max());
-                (table.limit(key, floor, now), written)
+                let written = history.and_then(|h| h.get(key));
+                let in_force = table.limit(key, floor, now);
+                let held = written.and_then(|w| w.largest(now, hold));
+                let counted = match (served.window.algorithm, written.and_then(|w| w.largest(now, linger))) {
+                    (Algorithm::SlidingWindow | Algorithm::FixedWindow, _) | (_, None) => served.limit,
+                    (_, Some(largest)) => largest.max(in_force),
+                };
+                (in_force, held, counted)
             })
             .collect();
-        let used = join_all(keys.iter().zip(&enforced).map(|((key, _), (grant, written))| {
-            // A counter never holds more than the largest grant the region
-            // enforced since (a grant never shrinks below it); for a key
-            // this agent wrote nothing of, the whole limit.
-            let peek = written.map_or(served.limit, |w| w.max(*grant));
-            async move { served.admitted(&self.store, key, peek).await.unwrap_or(peek) }
+        let used = join_all(keys.iter().zip(&enforced).map(|((key, _), &(_, _, peek))| async move {
+            served.admitted(&self.store, key, peek).await.unwrap_or(peek)
         }))
         .await;
         keys.iter()
             .zip(enforced.iter().zip(used))
-            .map(|((key, demand), (&(grant, written), admitted))| {
-                let enforcing = grant.max(written.unwrap_or(0)).max(admitted);
+            .map(|((key, demand), (&(in_force, held, _), admitted))| {
+                let enforcing = in_force.max(held.unwrap_or(0)).max(admitted);
                 KeyReport { key: key.to_string(), enforcing, admitted, demand: *demand }
             })
             .collect()
     }
 
-    /// Drops what no instance may enforce any more: grants written before
-    /// the hold (and the margin), but each key's last; and keys whose last
-    /// grant's lease has run out.
-    fn prune(&mut self) {
+    /// Drops what neither an instance may still enforce nor a counter may
+    /// still hold: grants written before the hold and the limit's linger
+    /// (and the margin), but each key's last; and keys whose last grant's
+    /// lease and linger have run out.
+    fn prune(&mut self, served: &[Served]) {
         let now = self.grants.now_ms();
-        let hold = self.settings.hold_ms().saturating_add(self.settings.lease.skew_ms);
-        let expired = self.settings.lease.lease_ms.saturating_add(self.settings.lease.skew_ms);
-        for keys in self.written.values_mut() {
+        let margin = self.settings.lease.skew_ms;
+        for s in served {
+            let Some(keys) = self.written.get_mut(&s.id) else { continue };
+            let linger = lease::linger_ms(&s.window);
+            let keep = self.settings.hold_ms().max(linger).saturating_add(margin);
+            let expired = self.settings.lease.lease_ms.saturating_add(linger).saturating_add(margin);
             keys.retain(|_, written| {
-                written.trim(now, hold);
+                written.trim(now, keep);
                 written.grants.back().is_some_and(|(at, _)| at.saturating_add(expired) >= now)
             });
         }

@@ -19,9 +19,12 @@
 //!   demands above their floors (a region whose lease ran out wants
 //!   nothing), what no region wants shared equally;
 //! - the new grant: the target, but never above the limit less what every
-//!   other region may be enforcing, and never below the region's floor or
-//!   what it has already admitted in the window (so lowering a grant never
-//!   revokes admitted traffic).
+//!   other region may be enforcing, and never below the region's floor.
+//!   A region's report says what it enforces, never less than what it has
+//!   admitted in the window, and it is counted as holding that until a
+//!   later report says less: lowering a grant never revokes admitted
+//!   traffic nor hands it to another region, and a region with demand
+//!   cannot keep a grant above its share just by using it.
 //!
 //! Why the bound holds: before a report, the regions' held grants sum to at
 //! most the limit. The reporting region enforces at most what it held; its
@@ -314,8 +317,8 @@ pub fn allocate(
         let mine = &mut regions[r];
         mine.demand = report.demand;
         // What it enforces now is what it may be enforcing until the answer
-        // reaches it.
-        mine.confirmed = report.enforcing;
+        // reaches it, and its counter holds at least what it admitted.
+        mine.confirmed = report.enforcing.max(report.admitted);
     }
     let others: u64 = regions
         .iter()
@@ -331,8 +334,7 @@ pub fn allocate(
         regions.iter().enumerate().map(|(i, s)| if live(i, s) { s.demand } else { 0 }).collect();
     let target = fair_shares(limit, &floors, &demands)[r];
     let mine = &mut regions[r];
-    let lowest = mine.floor.max(report.admitted);
-    let mut grant = target.max(lowest).min(room);
+    let mut grant = target.max(mine.floor).min(room);
     if amnesia {
         grant = grant.min(mine.floor.max(report.enforcing));
     }
@@ -374,14 +376,15 @@ mod tests {
         let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 1_000, LEASE.lingering(LINGER), false);
         assert_eq!(b.grant, 50);
         // A reports no demand and has admitted 200 this window: lowered to
-        // its share, never below what it admitted...
+        // its floor (it admits no more until its counter is under it)...
         let a = allocate(&mut regions, 1_000, report(0, 900, 200, 0), 2_000, LEASE.lingering(LINGER), false);
-        assert_eq!(a.grant, 200);
+        assert_eq!(a.grant, 50);
         // ...but until A confirms, B still finds no room.
         let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 2_100, LEASE.lingering(LINGER), false);
         assert_eq!(b.grant, 50);
-        // A confirms the lower grant: B gets the rest.
-        allocate(&mut regions, 1_000, report(0, 200, 200, 0), 3_000, LEASE.lingering(LINGER), false);
+        // A confirms the lower grant, its counter still holding 200: B gets
+        // the rest.
+        allocate(&mut regions, 1_000, report(0, 50, 200, 0), 3_000, LEASE.lingering(LINGER), false);
         let b = allocate(&mut regions, 1_000, report(1, 50, 0, 5_000), 3_100, LEASE.lingering(LINGER), false);
         assert_eq!(b.grant, 750);
         // A goes silent: once its lease and the margin run out, its grant is

@@ -73,6 +73,28 @@ pub struct Vitals {
     pub dead_letters: u64,
     /// Of those, lost (counted, never silently).
     pub dead_letters_dropped: u64,
+    /// Each global limit in this instance's region, by limit id.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub global: BTreeMap<String, GlobalVital>,
+}
+
+/// One global limit in an instance's region, as its report says.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GlobalVital {
+    /// The instance's region.
+    pub region: String,
+    /// The region's grants summed over the limit's keys.
+    pub granted: u64,
+    /// Keys holding a grant.
+    pub keys: usize,
+    /// Hits admitted and denied in the last interval (the agent's view).
+    pub demand: u64,
+    /// Seconds since the grants' lease began; `None` when none is held.
+    pub lease_age_s: Option<f64>,
+    /// The coordination store's last answer: `none`, `ok`, `failed`, `claimed`.
+    pub answer: String,
+    /// Whether this instance is its region's agent.
+    pub agent: bool,
 }
 
 /// Where the reporter reads an instance's [`Vitals`] from: set once the

@@ -8,7 +8,10 @@
 //! is stopped by PID when it ends.
 //!
 //! Scenarios (`--scenario`, repeatable; each in a world of its own):
-//! - `shift`: all demand in a, then in b, then split 60/30/10;
+//! - `shift`: all demand in a, then in b, then split 60/30/10 (after a
+//!   little demand everywhere for a lease);
+//! - `one-store`: the same schedule with every instance on one store and a
+//!   plain rule: what one store enforcing the limit alone admits;
 //! - `whole`, `third`: the same schedule without global limits, each region
 //!   given the whole limit, or a third of it (the two setups operators have
 //!   without this feature);
@@ -175,6 +178,9 @@ struct World {
 enum Setup {
     /// One global limit.
     Global,
+    /// Every instance on region a's store: the limit enforced by one store
+    /// alone (the reference).
+    OneStore,
     /// Each region the whole limit, on its own.
     Whole,
     /// Each region a third of it.
@@ -198,17 +204,22 @@ impl World {
             ),
         )?;
         let (mut instances, mut proxies, mut regional) = (Vec::new(), Vec::new(), Vec::new());
+        let mut first_store = 0;
         for (region, name) in REGIONS.iter().enumerate() {
             let redis_port = free_port()?;
             regional.push(redis(redis_port)?);
+            if region == 0 {
+                first_store = redis_port;
+            }
             let proxy = DelayProxy::start(target, Duration::from_millis(args.one_way_ms)).await;
             for n in 0..2 {
                 let (grpc, http) = (free_port()?, free_port()?);
                 let state = dir.join(format!("{name}{n}"));
                 std::fs::create_dir_all(&state)?;
+                let store_port = if setup == Setup::OneStore { first_store } else { redis_port };
                 let mut config = format!(
                     "grpc: {{ listen: \"127.0.0.1:{grpc}\" }}\nhttp: {{ listen: \"127.0.0.1:{http}\" }}\n\
-                     redis: {{ url: \"redis://127.0.0.1:{redis_port}\", timeout_ms: 100 }}\n\
+                     redis: {{ url: \"redis://127.0.0.1:{store_port}\", timeout_ms: 100 }}\n\
                      rules: {{ path: \"{}\" }}\nshed: {{ mode: off }}\nlocal: {{ instances: 2 }}\n",
                     rules.display()
                 );
@@ -396,11 +407,18 @@ struct Plan {
 
 fn plan(args: &Args, name: &str) -> anyhow::Result<Plan> {
     let (p, split) = (args.phase_s, [0.6, 0.3, 0.1]);
+    let warm = (args.lease_ms + 500).div_ceil(1_000) + 2;
     let around = |first: Event, second: Event| {
         (vec![(20 + args.outage_s + 20, split)], vec![(20, first), (20 + args.outage_s, second)])
     };
     let (phases, events) = match name {
-        "shift" | "whole" | "third" => (vec![(p, [1.0, 0.0, 0.0]), (p, [0.0, 1.0, 0.0]), (p, split)], vec![]),
+        "shift" | "whole" | "third" | "one-store" => (
+            // A little demand everywhere first: every region reports its
+            // key, and the coordination store, new to the limit, has seen
+            // a lease go by (it grows no grant before).
+            vec![(warm, [0.05, 0.05, 0.05]), (p, [1.0, 0.0, 0.0]), (p, [0.0, 1.0, 0.0]), (p, split)],
+            vec![],
+        ),
         "store-stop" => around(Event::FreezeStore, Event::ThawStore),
         "region-cut" => around(Event::CutA, Event::RestoreA),
         "agent-kill" => (vec![(45, [1.0, 0.0, 0.0])], vec![(20, Event::KillAgentA)]),
@@ -410,6 +428,7 @@ fn plan(args: &Args, name: &str) -> anyhow::Result<Plan> {
     let setup = match name {
         "whole" => Setup::Whole,
         "third" => Setup::Third,
+        "one-store" => Setup::OneStore,
         _ => Setup::Global,
     };
     Ok(Plan { setup, skewed: (name == "clock-skew").then_some(0), phases, events })
@@ -426,6 +445,7 @@ struct Record {
     killed: Option<(u64, usize)>,
     /// How long until another instance of a held the role (ms).
     took_over: Option<u64>,
+    ended: u64,
 }
 
 impl World {
@@ -503,6 +523,7 @@ async fn drive(world: &mut World, plan: &Plan, rates: &[AtomicU64; 3], full: f64
         let _ = writeln!(record.timeline, "{line}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    record.ended = wall_ms();
     Ok(record)
 }
 
@@ -524,17 +545,24 @@ fn report(args: &Args, name: &str, log: &[(u64, u8, u32)], record: &Record, seen
         args.window_s,
         span_max as f64 * 100.0 / args.limit as f64,
     );
-    for (at, shares) in &record.shifts {
-        let Some(top) = (0..3).max_by(|a, b| shares[*a].total_cmp(&shares[*b])) else { continue };
-        let got = admitted(log, top as u8, at + 3 * args.interval_ms, window_ms, args.keys);
-        let _ = writeln!(
-            report,
-            "  shift at {} s to {shares:?}: region {} admitted {got:.0} per key ({:.1} % of the limit) \
-             in the window from 3 intervals after",
-            (at - record.started) / 1_000,
-            REGIONS[top],
-            got * 100.0 / args.limit as f64
-        );
+    let ends: Vec<u64> = record.shifts.iter().skip(1).map(|(at, _)| *at).chain([record.ended]).collect();
+    for ((at, shares), end) in record.shifts.iter().zip(ends) {
+        // The first whole window three intervals after the shift, and the
+        // phase's last window.
+        let windows =
+            [("from 3 intervals after", at + 3 * args.interval_ms), ("last", end.saturating_sub(window_ms))];
+        for (what, from) in windows {
+            let got: Vec<f64> = (0..3).map(|r| admitted(log, r, from, window_ms, args.keys)).collect();
+            let percent: Vec<String> =
+                got.iter().map(|g| format!("{:.1} %", g * 100.0 / args.limit as f64)).collect();
+            let _ = writeln!(
+                report,
+                "  demand {shares:?} from {} s, window {what}: admitted per key a/b/c {}; all {:.1} %",
+                (at - record.started) / 1_000,
+                percent.join(" / "),
+                got.iter().sum::<f64>() * 100.0 / args.limit as f64
+            );
+        }
     }
     if let Some(ms) = record.took_over {
         let _ = writeln!(report, "  agent of a killed: another instance held the role {ms} ms later");
@@ -571,7 +599,8 @@ async fn run(args: &Args, name: &str) -> anyhow::Result<String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let all = ["shift", "whole", "third", "store-stop", "region-cut", "agent-kill", "clock-skew"];
+    let all =
+        ["one-store", "shift", "whole", "third", "store-stop", "region-cut", "agent-kill", "clock-skew"];
     let scenarios: Vec<String> = if args.scenario.is_empty() {
         all.iter().map(|s| (*s).to_owned()).collect()
     } else {

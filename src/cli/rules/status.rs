@@ -59,6 +59,15 @@ pub fn run(config: &Config) -> ExitCode {
         if let Some(why) = &report.last_refusal {
             let _ = writeln!(out, "{:<32}  refused {} record(s); the last: {why}", "", report.rejected);
         }
+        for (limit, g) in report.vitals.iter().flat_map(|v| &v.global) {
+            let age = g.lease_age_s.map_or("no lease".to_owned(), |s| format!("lease {s:.1}s old"));
+            let agent = if g.agent { ", the region's agent" } else { "" };
+            let _ = writeln!(
+                out,
+                "{:<32}  global {limit} in {}: granted {} over {} key(s), demand {}, {age}, last answer {}{agent}",
+                "", g.region, g.granted, g.keys, g.demand, g.answer
+            );
+        }
         if !report.adaptive.is_empty() {
             let limits: Vec<String> =
                 report.adaptive.iter().map(|(rule, limit)| format!("{rule}={limit}")).collect();

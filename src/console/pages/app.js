@@ -143,7 +143,10 @@ async function loadOverview() {
     el("td", { class: i.dead_letters_recent.count ? "bad" : "" }, i.vitals
       ? i.dead_letters_recent.count + " in the last " + i.dead_letters_recent.over_s + " s; " + i.vitals.dead_letters + " since start"
         + (i.vitals.dead_letters_dropped ? ", " + i.vitals.dead_letters_dropped + " lost" : "") : "–"),
-    el("td", {}, Object.entries(i.adaptive || {}).map(([k, v]) => k + "=" + v).join(", ") || "–"))));
+    el("td", {}, Object.entries(i.adaptive || {}).map(([k, v]) => k + "=" + v).join(", ") || "–"),
+    el("td", { class: Object.values((i.vitals && i.vitals.global) || {}).some((g) => g.answer !== "ok" && g.answer !== "none") ? "bad" : "" },
+      Object.entries((i.vitals && i.vitals.global) || {}).map(([k, g]) => k + " in " + g.region + ": " + g.granted
+        + " granted" + (g.lease_age_s === null ? ", no lease" : "") + (g.answer !== "ok" && g.answer !== "none" ? ", " + g.answer : "")).join("; ") || "–"))));
   const recent = data.instances.reduce((sum, i) => sum + i.dead_letters_recent.count, 0);
   $("dead-letters").textContent = recent + " failed decision(s) recorded in the last minute";
   drawTimeline(data.timeline, data.instances, now);

@@ -113,7 +113,7 @@ for k = 2, #KEYS do
     demands[i] = tonumber(stored[4 * i + 4]) or 0
   end
   demands[r] = demand
-  confirmed[r] = enforcing
+  confirmed[r] = math.max(enforcing, admitted)
   local others = 0
   for i = 0, n - 1 do
     if i ~= r then
@@ -130,11 +130,11 @@ for k = 2, #KEYS do
   end
   local room = math.max(0, limit - others)
   local target = fair_shares(demands)[r]
-  local grant = math.min(math.max(target, floors[r], admitted), room)
+  local grant = math.min(math.max(target, floors[r]), room)
   if amnesia then
     grant = math.min(grant, math.max(floors[r], enforcing))
   end
-  redis.call('HSET', KEYS[k], 'o' .. r, grant, 'c' .. r, enforcing, 'e' .. r, now + lease, 'd' .. r, demand,
+  redis.call('HSET', KEYS[k], 'o' .. r, grant, 'c' .. r, confirmed[r], 'e' .. r, now + lease, 'd' .. r, demand,
     'w' .. r, deployment)
   redis.call('PEXPIRE', KEYS[k], ttl)
   out[#out + 1] = grant

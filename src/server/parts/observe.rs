@@ -18,6 +18,7 @@ use crate::{
     config::{Config, EnvoySettings, TelemetryConfig},
     decision::{DecisionMetrics, DenialCache, Engine, Saved},
     dlq::DlqSink,
+    global::status::GlobalStatus,
     limiter::exchange::ExchangeCounts,
     limiter::{Store, figures::ShareWaits},
     overload::Overload,
@@ -28,7 +29,12 @@ use crate::{
 
 /// What the status reports say beside the rules: shedding, the overload
 /// layer and the dead-letter pipeline, read at each report.
-pub(crate) fn vitals(rules: &Rules, shedder: &Arc<Shedder>, overload: &Arc<Overload>, dlq: &Arc<DlqSink>) {
+pub(crate) fn vitals(
+    rules: &Rules,
+    (shedder, overload): (&Arc<Shedder>, &Arc<Overload>),
+    dlq: &Arc<DlqSink>,
+    global: Option<Arc<GlobalStatus>>,
+) {
     let Some(source) = &rules.vitals else { return };
     let (shedder, overload, dlq) = (Arc::clone(shedder), Arc::clone(overload), Arc::clone(dlq));
     source.set(move || {
@@ -40,6 +46,7 @@ pub(crate) fn vitals(rules: &Rules, shedder: &Arc<Shedder>, overload: &Arc<Overl
             overload_directives: overload.table().directive_count(),
             dead_letters: stats.enqueued,
             dead_letters_dropped: stats.dropped,
+            global: global.as_deref().map(GlobalStatus::vitals).unwrap_or_default(),
         }
     });
 }
