@@ -135,6 +135,10 @@ pub struct GlobalExchange {
     deployment: Option<String>,
     /// The grants written, by limit and key (the agent's).
     written: HashMap<Arc<str>, HashMap<Box<str>, Written>>,
+    /// The hits of the last interval, by limit and key (the agent's): an
+    /// instance's tallies may land in either of two intervals' drains, so
+    /// demand is their mean.
+    previous: HashMap<Arc<str>, HashMap<Box<str>, u64>>,
     status: Arc<status::GlobalStatus>,
 }
 
@@ -162,6 +166,7 @@ impl GlobalExchange {
             settings,
             deployment,
             written: HashMap::new(),
+            previous: HashMap::new(),
             status,
         }
     }
@@ -191,6 +196,14 @@ impl GlobalExchange {
             served.iter().zip(&view.tallies).map(|(s, drained)| self.agent_limit(s, drained, &deployment)),
         )
         .await;
+        self.previous = served
+            .iter()
+            .zip(&view.tallies)
+            .map(|(s, drained)| {
+                let hits = drained.iter().map(|(k, (a, d))| (k.clone(), a.saturating_add(*d))).collect();
+                (Arc::clone(&s.id), hits)
+            })
+            .collect();
         let mut written = Vec::new();
         let mut failure = None;
         for (s, result) in served.iter().zip(reports) {
@@ -322,21 +335,24 @@ impl GlobalExchange {
     /// The keys of `served` to report, busiest first, at most `max_keys`:
     /// those with demand (`drained`), and those the region holds or last
     /// said it enforces above its `floor` (until it has given them back);
-    /// each with its demand in the limit's terms (the interval's hits at
-    /// that rate over a window).
+    /// each with its demand in the limit's terms (the mean of the last two
+    /// intervals' hits, at that rate over a window).
     fn active_keys(
         &self,
         served: &Served,
         drained: &HashMap<Box<str>, (u64, u64)>,
         floor: u64,
     ) -> Vec<(Box<str>, u64)> {
-        let per_window = |hits: u64| {
-            let scaled = u128::from(hits) * u128::from(served.window.window_ms)
-                / u128::from(self.settings.interval_ms.max(1));
+        let previous = self.previous.get(&served.id);
+        let per_window = |key: &str, hits: u64| {
+            let before = previous.and_then(|p| p.get(key)).copied().unwrap_or(hits);
+            let mean = (u128::from(hits) + u128::from(before)).div_ceil(2);
+            let scaled =
+                mean * u128::from(served.window.window_ms) / u128::from(self.settings.interval_ms.max(1));
             u64::try_from(scaled).unwrap_or(u64::MAX)
         };
         let mut keys: Vec<(Box<str>, u64)> =
-            drained.iter().map(|(k, (a, d))| (k.clone(), per_window(a.saturating_add(*d)))).collect();
+            drained.iter().map(|(k, (a, d))| (k.clone(), per_window(k, a.saturating_add(*d)))).collect();
         if let Some(history) = self.written.get(&served.id) {
             for (key, written) in history {
                 let holds_more = written.reported > floor || written.grants.iter().any(|(_, g)| *g > floor);
