@@ -922,6 +922,15 @@ async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand
     assert_eq!(grants, [Some(50), Some(750), None], "region 2 never reported");
     let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
     assert!((1..=11_000).contains(&ttl), "two leases, margins and lingers: {ttl}");
+    // The script's text crossed once; every later report named its SHA.
+    let stats: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
+    let calls = |command: &str| {
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .map_or(0, |rest| rest.split(',').next().unwrap().parse::<u64>().unwrap())
+    };
+    assert_eq!((calls("eval"), calls("evalsha")), (1, 7), "{stats}");
     drop(store);
     while dispatchers.join_next().await.is_some() {}
 }

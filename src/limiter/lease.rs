@@ -133,9 +133,10 @@ pub struct Reporter<'a> {
 }
 
 /// A region's reports of `limit`'s keys to the coordination store `store`:
-/// one script call, within `timeout`. The hashes expire two leases (and
-/// margins) after the last report of any region, when every lease they
-/// hold has run out.
+/// one script call (by its SHA; with its text only when the store does not
+/// know it yet, a round trip to another region being dear), within
+/// `timeout`. The hashes expire two leases (and margins and lingers) after
+/// the last report of any region, when every lease they hold has run out.
 pub async fn report(
     store: &RedisStore,
     limit: GlobalLimit<'_>,
@@ -144,8 +145,33 @@ pub async fn report(
     reports: &[KeyReport],
     timeout: Duration,
 ) -> Result<Granted, StoreError> {
-    let mut call = redis::cmd("EVAL");
-    call.arg(LEASE_LUA).arg(1 + reports.len()).arg(memory_key(store.key_prefix(), limit.id));
+    match call_lease(store, "EVALSHA", limit, reporter, lease, reports, timeout).await {
+        Err(error) if error.message.contains("NoScript") || error.message.contains("NOSCRIPT") => {
+            call_lease(store, "EVAL", limit, reporter, lease, reports, timeout).await
+        }
+        answered => answered,
+    }
+}
+
+/// The SHA-1 of [`LEASE_LUA`], as `EVALSHA` names it.
+fn lease_sha() -> &'static str {
+    static SHA: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SHA.get_or_init(|| sha1_smol::Sha1::from(LEASE_LUA).digest().to_string())
+}
+
+/// [`report`] with `command`: `EVALSHA` (the script's SHA) or `EVAL` (its text).
+async fn call_lease(
+    store: &RedisStore,
+    command: &str,
+    limit: GlobalLimit<'_>,
+    reporter: Reporter<'_>,
+    lease: Lease,
+    reports: &[KeyReport],
+    timeout: Duration,
+) -> Result<Granted, StoreError> {
+    let mut call = redis::cmd(command);
+    call.arg(if command == "EVAL" { LEASE_LUA } else { lease_sha() });
+    call.arg(1 + reports.len()).arg(memory_key(store.key_prefix(), limit.id));
     for r in reports {
         call.arg(lease_key(store.key_prefix(), limit.id, &r.key));
     }

@@ -170,6 +170,7 @@ struct World {
     instances: Vec<Instance>,
     proxies: Vec<DelayProxy>,
     coordination: Proc,
+    coordination_port: u16,
     _regional: Vec<Proc>,
 }
 
@@ -260,8 +261,25 @@ impl World {
         for i in &instances {
             wait_port(i.grpc)?;
         }
-        Ok(World { instances, proxies, coordination, _regional: regional })
+        Ok(World { instances, proxies, coordination, coordination_port, _regional: regional })
     }
+}
+
+/// `INFO stats` of the Redis on `port`: (calls, bytes in, bytes out).
+fn redis_traffic(port: u16) -> Option<(u64, u64, u64)> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    stream.write_all(b"INFO stats\r\n").ok()?;
+    let mut reply = vec![0u8; 64 * 1024];
+    let n = stream.read(&mut reply).ok()?;
+    let text = String::from_utf8_lossy(&reply[..n]);
+    let field = |name: &str| sample(&text, &format!("{name}:"));
+    let (calls, bytes_in, bytes_out) = (
+        field("total_commands_processed")?,
+        field("total_net_input_bytes")?,
+        field("total_net_output_bytes")?,
+    );
+    Some((calls as u64, bytes_in as u64, bytes_out as u64))
 }
 
 /// A plain HTTP GET of `/metrics`.
@@ -583,7 +601,9 @@ async fn run(args: &Args, name: &str) -> anyhow::Result<String> {
     let rates = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
     let (seen, stop) = (Arc::new(Seen::default()), Arc::new(AtomicBool::new(false)));
     let tasks = load(&world, Arc::clone(&rates), args.keys, Arc::clone(&seen), Arc::clone(&stop)).await;
+    let traffic_before = redis_traffic(world.coordination_port);
     let record = drive(&mut world, &plan, &rates, full).await?;
+    let traffic_after = redis_traffic(world.coordination_port);
     stop.store(true, Ordering::Relaxed);
     for task in tasks {
         let _ = task.await;
@@ -591,7 +611,19 @@ async fn run(args: &Args, name: &str) -> anyhow::Result<String> {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let log = seen.admitted.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
     std::fs::write(dir.join("timeline.txt"), &record.timeline)?;
-    let report = report(args, name, &log, &record, &seen);
+    let mut report = report(args, name, &log, &record, &seen);
+    if let (Some(before), Some(after)) = (traffic_before, traffic_after) {
+        // Per region and interval, all regions' traffic shared evenly.
+        let intervals = ((record.ended - record.started) / args.interval_ms).max(1) as f64 * 3.0;
+        let per = |a: u64, b: u64| (b - a) as f64 / intervals;
+        let _ = writeln!(
+            report,
+            "  coordination store per region and interval: {:.1} commands, {:.0} bytes in, {:.0} bytes out",
+            per(before.0, after.0),
+            per(before.1, after.1),
+            per(before.2, after.2)
+        );
+    }
     std::fs::write(dir.join("report.txt"), &report)?;
     Ok(report)
 }
