@@ -285,16 +285,16 @@ impl Subject for Native<'_, '_> {
         {
             self.grant = Some(grants.limit(&rule.id, &self.user, rule.limit));
         }
+        // A global rule's denials are not cached: its limit moves with its
+        // grant, and a denial's retry time is the grant's of the moment.
         let cache = engine
             .inner
             .denials
             .as_deref()
-            .filter(|_| !self.shadow() && self.request.count != Count::Always)?;
+            .filter(|_| !self.shadow() && self.request.count != Count::Always && self.grant.is_none())?;
         let version = cache.version_hash(self.version);
         self.cache = Some(version);
         let hit = cache.lookup(version, &self.rule().id, &self.user, u64::from(self.request.weight))?;
-        // A denial is demand, wherever it is answered.
-        self.record_global(engine, false);
         Some(Decision {
             allowed: false,
             retry_after_ms: clamp_i64(hit.retry_after_ms),
