@@ -216,9 +216,15 @@ fn dockerfile_matches_the_service() {
     assert!(help.status.success());
 }
 
-/// The metric families `/metrics` serves, on the embedded example rules.
+/// The metric families `/metrics` serves, on the embedded example rules,
+/// in a region sharing global limits (so their families are there too).
 async fn metric_families() -> Vec<String> {
-    let server = TestServer::start(default_rules_config(None)).await;
+    let coordination = common::RedisServer::start();
+    let mut config = default_rules_config(None);
+    config.region = Some("eu".to_owned());
+    config.global.regions = vec![ratelimitd::global::RegionConfig { name: "eu".to_owned(), floor: 0.1 }];
+    config.global.redis.url = Some(coordination.url());
+    let server = TestServer::start(config).await;
     let addr = server.http_addr;
     let (_, scrape) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.unwrap();
     server.stop().await.unwrap();
