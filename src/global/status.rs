@@ -170,25 +170,6 @@ impl GlobalStatus {
         self.expired.load(Ordering::Relaxed)
     }
 
-    /// Every limit's figures as an instance's status report carries them.
-    pub fn vitals(&self) -> std::collections::BTreeMap<String, crate::rollout::status::GlobalVital> {
-        self.limits()
-            .into_iter()
-            .map(|(id, s)| {
-                let vital = crate::rollout::status::GlobalVital {
-                    region: self.region.clone(),
-                    granted: s.granted,
-                    keys: s.keys,
-                    demand: s.demand,
-                    lease_age_s: self.lease_age_seconds(&s),
-                    answer: s.answer.as_str().to_owned(),
-                    agent: self.is_agent(),
-                };
-                (id.to_string(), vital)
-            })
-            .collect()
-    }
-
     /// Seconds since the lease of `s`'s grants began; `None` when it holds none.
     pub fn lease_age_seconds(&self, s: &LimitStatus) -> Option<f64> {
         let began = s.until_ms.saturating_sub(self.lease_ms);

@@ -56,27 +56,33 @@ pub fn run(config: &Config) -> ExitCode {
             ago(report.since_ms),
             ago(Some(report.reported_ms)),
         );
-        if let Some(why) = &report.last_refusal {
-            let _ = writeln!(out, "{:<32}  refused {} record(s); the last: {why}", "", report.rejected);
-        }
-        for (limit, g) in report.vitals.iter().flat_map(|v| &v.global) {
-            let age = g.lease_age_s.map_or("no lease".to_owned(), |s| format!("lease {s:.1}s old"));
-            let agent = if g.agent { ", the region's agent" } else { "" };
-            let _ = writeln!(
-                out,
-                "{:<32}  global {limit} in {}: granted {} over {} key(s), demand {}, {age}, last answer {}{agent}",
-                "", g.region, g.granted, g.keys, g.demand, g.answer
-            );
-        }
-        if !report.adaptive.is_empty() {
-            let limits: Vec<String> =
-                report.adaptive.iter().map(|(rule, limit)| format!("{rule}={limit}")).collect();
-            let _ = writeln!(out, "{:<32}  adaptive limits: {}", "", limits.join(", "));
-        }
+        details(&mut out, report);
     }
     if reports.is_empty() {
         let _ = writeln!(out, "(no instance reports)");
     }
     let current = reports.iter().filter(|r| r.version.as_ref() == in_force.map(|f| &f.version)).count();
     if converged && current > 0 { ExitCode::SUCCESS } else { ExitCode::from(1) }
+}
+
+/// An instance's lines under its own: its last refusal, its global limits
+/// and its adaptive limits.
+fn details(out: &mut impl std::io::Write, report: &status::StatusReport) {
+    if let Some(why) = &report.last_refusal {
+        let _ = writeln!(out, "{:<32}  refused {} record(s); the last: {why}", "", report.rejected);
+    }
+    for (limit, g) in report.vitals.iter().flat_map(|v| &v.global) {
+        let age = g.lease_age_s.map_or("no lease".to_owned(), |s| format!("lease {s:.1}s old"));
+        let agent = if g.agent { ", the region's agent" } else { "" };
+        let _ = writeln!(
+            out,
+            "{:<32}  global {limit} in {}: granted {} over {} key(s), demand {}, {age}, last answer {}{agent}",
+            "", g.region, g.granted, g.keys, g.demand, g.answer
+        );
+    }
+    if !report.adaptive.is_empty() {
+        let limits: Vec<String> =
+            report.adaptive.iter().map(|(rule, limit)| format!("{rule}={limit}")).collect();
+        let _ = writeln!(out, "{:<32}  adaptive limits: {}", "", limits.join(", "));
+    }
 }

@@ -46,9 +46,32 @@ pub(crate) fn vitals(
             overload_directives: overload.table().directive_count(),
             dead_letters: stats.enqueued,
             dead_letters_dropped: stats.dropped,
-            global: global.as_deref().map(GlobalStatus::vitals).unwrap_or_default(),
+            global: global.as_deref().map(global_vitals).unwrap_or_default(),
         }
     });
+}
+
+/// Every global limit's figures of this region, as a status report carries them.
+fn global_vitals(
+    status: &GlobalStatus,
+) -> std::collections::BTreeMap<String, crate::rollout::status::GlobalVital> {
+    let agent = status.is_agent();
+    status
+        .limits()
+        .into_iter()
+        .map(|(id, s)| {
+            let vital = crate::rollout::status::GlobalVital {
+                region: status.region().to_owned(),
+                granted: s.granted,
+                keys: s.keys,
+                demand: s.demand,
+                lease_age_s: status.lease_age_seconds(&s),
+                answer: s.answer.as_str().to_owned(),
+                agent,
+            };
+            (id.to_string(), vital)
+        })
+        .collect()
 }
 
 /// The decision path's counters (with envoyproxy/ratelimit's families
