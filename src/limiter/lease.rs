@@ -145,46 +145,21 @@ pub async fn report(
     reports: &[KeyReport],
     timeout: Duration,
 ) -> Result<Granted, StoreError> {
-    match call_lease(store, "EVALSHA", limit, reporter, lease, reports, timeout).await {
+    let call = lease_call(store.key_prefix(), limit, reporter, lease, reports);
+    let answer = match query(store, call.clone(), timeout).await {
         Err(error) if error.message.contains("NoScript") || error.message.contains("NOSCRIPT") => {
-            call_lease(store, "EVAL", limit, reporter, lease, reports, timeout).await
+            // The same call with the script's text, which the store keeps.
+            let mut eval = redis::cmd("EVAL");
+            eval.arg(LEASE_LUA);
+            for arg in call.args_iter().skip(2) {
+                if let redis::Arg::Simple(bytes) = arg {
+                    eval.arg(bytes);
+                }
+            }
+            query(store, eval, timeout).await?
         }
-        answered => answered,
-    }
-}
-
-/// The SHA-1 of [`LEASE_LUA`], as `EVALSHA` names it.
-fn lease_sha() -> &'static str {
-    static SHA: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    SHA.get_or_init(|| sha1_smol::Sha1::from(LEASE_LUA).digest().to_string())
-}
-
-/// [`report`] with `command`: `EVALSHA` (the script's SHA) or `EVAL` (its text).
-async fn call_lease(
-    store: &RedisStore,
-    command: &str,
-    limit: GlobalLimit<'_>,
-    reporter: Reporter<'_>,
-    lease: Lease,
-    reports: &[KeyReport],
-    timeout: Duration,
-) -> Result<Granted, StoreError> {
-    let mut call = redis::cmd(command);
-    call.arg(if command == "EVAL" { LEASE_LUA } else { lease_sha() });
-    call.arg(1 + reports.len()).arg(memory_key(store.key_prefix(), limit.id));
-    for r in reports {
-        call.arg(lease_key(store.key_prefix(), limit.id, &r.key));
-    }
-    call.arg(reporter.region).arg(reporter.deployment).arg(limit.floors.len()).arg(limit.floors);
-    let ttl_ms =
-        lease.lease_ms.saturating_add(lease.skew_ms).saturating_add(limit.linger_ms).saturating_mul(2);
-    call.arg(limit.limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(limit.linger_ms).arg(ttl_ms);
-    for r in reports {
-        call.arg(r.enforcing).arg(r.admitted).arg(r.demand);
-    }
-    let mut pipeline = redis::pipe();
-    pipeline.add_command(call);
-    let (answer,): (Vec<u64>,) = store.pipeline(&pipeline, timeout).await?;
+        answered => answered?,
+    };
     match answer.split_first() {
         Some((now_ms, grants)) if grants.len() == reports.len() => {
             Ok(Granted { now_ms: *now_ms, grants: grants.to_vec() })
@@ -194,6 +169,41 @@ async fn call_lease(
             message: format!("the lease script answered {} values for {} keys", answer.len(), reports.len()),
         }),
     }
+}
+
+/// The `EVALSHA` of [`LEASE_LUA`] for `reports` (see the script for its
+/// arguments); the SHA is `redis::Script`'s, as for the decision script.
+fn lease_call(
+    prefix: &str,
+    limit: GlobalLimit<'_>,
+    reporter: Reporter<'_>,
+    lease: Lease,
+    reports: &[KeyReport],
+) -> redis::Cmd {
+    static SCRIPT: std::sync::LazyLock<redis::Script> =
+        std::sync::LazyLock::new(|| redis::Script::new(LEASE_LUA));
+    let mut call = redis::cmd("EVALSHA");
+    call.arg(SCRIPT.get_hash());
+    call.arg(1 + reports.len()).arg(memory_key(prefix, limit.id));
+    for r in reports {
+        call.arg(lease_key(prefix, limit.id, &r.key));
+    }
+    call.arg(reporter.region).arg(reporter.deployment).arg(limit.floors.len()).arg(limit.floors);
+    let ttl_ms =
+        lease.lease_ms.saturating_add(lease.skew_ms).saturating_add(limit.linger_ms).saturating_mul(2);
+    call.arg(limit.limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(limit.linger_ms).arg(ttl_ms);
+    for r in reports {
+        call.arg(r.enforcing).arg(r.admitted).arg(r.demand);
+    }
+    call
+}
+
+/// Runs `call` on the coordination store within `timeout`.
+async fn query(store: &RedisStore, call: redis::Cmd, timeout: Duration) -> Result<Vec<u64>, StoreError> {
+    let mut pipeline = redis::pipe();
+    pipeline.add_command(call);
+    let (answer,): (Vec<u64>,) = store.pipeline(&pipeline, timeout).await?;
+    Ok(answer)
 }
 
 /// What the allocator keeps of one region, for one global limit and key.
