@@ -16,8 +16,10 @@
 //! so a p90 within `shed.latency_tolerance_ms` of the baseline is no
 //! pressure at all, and with the default thresholds DEGRADED starts at
 //! 2.5 × (baseline + tolerance) and CRITICAL_ONLY at about 6.7 ×. An
-//! interval with fewer than [`MIN_SAMPLES`] calls is no evidence: the last
-//! pressure stands. Only calls that leave the process are timed (a remote
+//! interval with fewer than [`MIN_SAMPLES`] calls is no evidence on its
+//! own: the last pressure stands and its calls are read with the next
+//! interval's, so a store slow enough to slow its callers down (fewer calls
+//! an interval) is still seen. Only calls that leave the process are timed (a remote
 //! store); with the in-memory store the pressure stays 0.
 
 use std::{
@@ -48,13 +50,16 @@ impl LatencyMeter {
     }
 
     /// The p90 in µs of the calls since the last take (the upper bound of
-    /// its bucket), emptying the histogram; `None` under [`MIN_SAMPLES`].
+    /// its bucket), emptying the histogram; `None`, the calls kept for the
+    /// next take, under [`MIN_SAMPLES`].
     pub fn take_p90_micros(&self) -> Option<u64> {
-        let counts: Vec<u64> = self.buckets.iter().map(|b| b.swap(0, Ordering::Relaxed)).collect();
-        let total: u64 = counts.iter().sum();
-        if total < MIN_SAMPLES {
+        let seen: u64 = self.buckets.iter().map(|b| b.load(Ordering::Relaxed)).sum();
+        if seen < MIN_SAMPLES {
             return None;
         }
+        // Calls counted since the sum only add to what is taken.
+        let counts: Vec<u64> = self.buckets.iter().map(|b| b.swap(0, Ordering::Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
         let rank = total - total / 10;
         let mut seen = 0;
         for (i, count) in counts.iter().enumerate() {
@@ -119,6 +124,9 @@ mod tests {
             meter.record(Duration::from_micros(100));
         }
         assert_eq!(meter.take_p90_micros(), None, "19 calls: no evidence");
+        assert_eq!(meter.take_p90_micros(), None, "still 19, kept");
+        meter.record(Duration::from_micros(100));
+        assert_eq!(meter.take_p90_micros(), Some(128), "the 20th call: read with the 19 kept");
         assert_eq!(meter.take_p90_micros(), None, "taken: empty");
         for _ in 0..90 {
             meter.record(Duration::from_micros(100));
