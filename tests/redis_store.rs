@@ -934,3 +934,62 @@ async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand
     drop(store);
     while dispatchers.join_next().await.is_some() {}
 }
+
+/// The region's record of which grants each instance may enforce: an
+/// instance that reads is recorded at what it applied before (or, having
+/// nothing, at what it reads) until it says it applied what it read; the
+/// agent sees the oldest version the others recorded; a late word changes
+/// nothing, and an instance silent for longer than a grant is kept is
+/// forgotten (it holds nothing it read).
+#[tokio::test]
+async fn instances_record_the_grants_they_apply_and_the_agent_reads_the_oldest() {
+    use ratelimitd::{
+        global::regional::{self, Call, Written},
+        limiter::{RedisStore, settings::RedisConfig},
+    };
+    let redis = RedisServer::start();
+    let mut dispatchers = tokio::task::JoinSet::new();
+    let config = RedisConfig { url: Some(redis.url()), ..RedisConfig::default() };
+    let store = RedisStore::new(&config, &mut dispatchers).unwrap();
+    let timeout = Duration::from_secs(2);
+    let call = |instance: &'static str, applied: Option<u64>| Call {
+        instance,
+        applied,
+        role_ms: 60_000,
+        tally_ttl_ms: 3_000,
+        kept_ms: 400,
+    };
+    let exchange = |call: Call<'static>| {
+        let store = &store;
+        async move { regional::exchange(store, call, &["api"], &[Vec::new()], timeout).await.unwrap() }
+    };
+    let agent = exchange(call("one", None)).await;
+    assert!(agent.agent);
+    assert_eq!((agent.version, agent.oldest_applied), (0, None), "nothing written, nobody else");
+    let other = exchange(call("two", None)).await;
+    assert!(!other.agent);
+    // The agent writes version 1; "two" reads it while it enforces version 0.
+    let written =
+        Written { limit: "api".into(), until: other.now_ms + 60_000, grants: vec![("k".into(), 500)] };
+    regional::write_grants(&store, (1, &[written]), 60_000, timeout).await.unwrap();
+    let read = exchange(call("two", Some(0))).await;
+    assert_eq!((read.version, &read.grants[0].grants[..]), (1, &[("k".into(), 500)][..]));
+    assert_eq!(exchange(call("one", Some(1))).await.oldest_applied, Some(0), "not applied yet");
+    regional::applied(&store, "two", (1, read.now_ms), timeout).await.unwrap();
+    assert_eq!(exchange(call("one", Some(1))).await.oldest_applied, Some(1));
+    // A late word about an older read changes nothing.
+    regional::applied(&store, "two", (0, read.now_ms - 10), timeout).await.unwrap();
+    assert_eq!(exchange(call("one", Some(1))).await.oldest_applied, Some(1));
+    // A new instance is recorded at what it reads.
+    let _ = exchange(call("three", None)).await;
+    assert_eq!(exchange(call("one", Some(1))).await.oldest_applied, Some(1));
+    // Silent for longer than a grant is kept: forgotten.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(exchange(call("one", Some(1))).await.oldest_applied, None);
+    let mut conn = redis.client().await;
+    let left: Vec<String> =
+        redis::cmd("HKEYS").arg("rlr:{global}:applied").query_async(&mut conn).await.unwrap();
+    assert_eq!(left, ["one"], "the others' records are dropped");
+    drop(store);
+    while dispatchers.join_next().await.is_some() {}
+}

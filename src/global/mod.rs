@@ -16,14 +16,23 @@
 //!
 //! With the memory store the instance is the region and its own agent.
 //!
+//! The agent exchanges at the start of each interval, the other instances
+//! half an interval later: they read the grants the agent wrote in the same
+//! interval, and their tallies reach the next drain.
+//!
 //! Why a region never enforces more than the allocator counts it for: an
 //! instance keeps a grant it read for at most two intervals (and never past
 //! its lease), so a grant the agent wrote more than two intervals (and the
-//! skew margin) ago is enforced nowhere; the agent reports as what its
-//! region enforces the largest grant it wrote since, and at least what the
-//! region has admitted in the window. A new agent takes the role only once
-//! the last one's has run out (a lease, longer than two intervals), so no
-//! grant it does not know of is still enforced.
+//! skew margin) ago is enforced nowhere. Each agent's write of the grants
+//! has a version; each instance records in its region, with every read,
+//! the oldest version it may still enforce (what it applied before, or
+//! what it reads), and once it has applied what it read, that version. The
+//! agent reports as what its region enforces the largest grant it wrote
+//! since the oldest version another instance recorded in that time (the
+//! grant in force at that version included), its own, and at least what
+//! the region has admitted in the window. A new agent takes the role only
+//! once the last one's has run out (a lease, longer than two intervals), so
+//! no grant it does not know of is still enforced.
 
 pub mod regional;
 mod served;
@@ -82,30 +91,44 @@ impl Settings {
     }
 }
 
-/// The grants the agent wrote of one key, newest last, with when (ms of the
-/// monotonic clock): those still possibly enforced; and what it last
-/// reported the region enforces.
+/// One write of a key's grant by the agent: its version, the grant, and
+/// when the write was done (ms of the monotonic clock; when it was taken,
+/// until the write to the region returns): an instance may read a grant
+/// until the next write of its key lands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Write {
+    version: u64,
+    grant: u64,
+    at: u64,
+}
+
+/// The grants the agent wrote of one key, oldest first: those still
+/// possibly enforced; and what it last reported the region enforces.
 #[derive(Debug, Default)]
 struct Written {
-    grants: VecDeque<(u64, u64)>,
+    grants: VecDeque<Write>,
     reported: u64,
 }
 
 impl Written {
-    /// Keeps those written within `keep_ms` of `now`, and the last.
+    /// Keeps the last and those replaced within `keep_ms` of `now`.
     fn trim(&mut self, now: u64, keep_ms: u64) {
-        while self.grants.len() > 1
-            && self.grants.front().is_some_and(|(at, _)| at.saturating_add(keep_ms) < now)
-        {
+        while self.grants.get(1).is_some_and(|next| next.at.saturating_add(keep_ms) < now) {
             self.grants.pop_front();
         }
     }
 
-    /// The largest grant written within `within_ms` of `now`, or the last.
-    fn largest(&self, now: u64, within_ms: u64) -> Option<u64> {
-        let recent =
-            self.grants.iter().filter(|(at, _)| at.saturating_add(within_ms) >= now).map(|(_, g)| *g);
-        recent.max().or_else(|| self.grants.back().map(|(_, g)| *g))
+    /// The largest grant still possibly held by an instance that recorded
+    /// version `oldest` or a later one: the last, and each one replaced
+    /// within `within_ms` of `now` by a write of a version after `oldest`
+    /// (an instance reads a grant until it is replaced, and keeps it for
+    /// at most the hold).
+    fn largest(&self, now: u64, within_ms: u64, oldest: u64) -> Option<u64> {
+        let replaced = self.grants.iter().zip(self.grants.iter().skip(1));
+        let held = replaced
+            .filter(|(_, next)| next.version > oldest && next.at.saturating_add(within_ms) >= now)
+            .map(|(w, _)| w.grant);
+        held.chain(self.grants.back().map(|w| w.grant)).max()
     }
 }
 
@@ -135,6 +158,10 @@ pub struct GlobalExchange {
     deployment: Option<String>,
     /// The grants written, by limit and key (the agent's).
     written: HashMap<Arc<str>, HashMap<Box<str>, Written>>,
+    /// The version of the grants this instance applied last.
+    applied: Option<u64>,
+    /// Whether this instance held the agent role at its last exchange.
+    agent: bool,
     /// The hits of the last interval, by limit and key (the agent's): an
     /// instance's tallies may land in either of two intervals' drains, so
     /// demand is their mean.
@@ -166,6 +193,8 @@ impl GlobalExchange {
             settings,
             deployment,
             written: HashMap::new(),
+            applied: None,
+            agent: false,
             previous: HashMap::new(),
             status,
         }
@@ -185,15 +214,31 @@ impl GlobalExchange {
         let view = self.with_region(&served, sent).await?;
         self.enforce_written(&served, &view, sent);
         self.status.set_agent(view.agent);
-        if !view.agent {
-            return Ok(());
-        }
+        self.agent = view.agent;
+        if view.agent { self.as_agent(&served, &view).await } else { self.applied(&view).await }
+    }
+
+    /// An instance that is not the agent says it applied what it read.
+    async fn applied(&mut self, view: &regional::View) -> Result<(), StoreError> {
+        self.applied = Some(view.version);
+        let Store::Redis(redis) = &self.store else { return Ok(()) };
+        let (instance, timeout) = (&self.settings.instance, self.settings.regional_timeout);
+        regional::applied(redis, instance, (view.version, view.now_ms), timeout).await
+    }
+
+    /// The agent's part: reports each limit's active keys and writes the
+    /// grants back as the next version.
+    async fn as_agent(&mut self, served: &[Served], view: &regional::View) -> Result<(), StoreError> {
+        let version = view.version.saturating_add(1);
         let deployment = self.deployment.clone().unwrap_or_default();
         for (s, drained) in served.iter().zip(&view.tallies) {
             self.status.demand(&s.id, drained.values().map(|(a, d)| a.saturating_add(*d)).sum());
         }
         let reports = join_all(
-            served.iter().zip(&view.tallies).map(|(s, drained)| self.agent_limit(s, drained, &deployment)),
+            served
+                .iter()
+                .zip(&view.tallies)
+                .map(|(s, drained)| self.agent_limit(s, drained, (&deployment, view.oldest_applied))),
         )
         .await;
         self.previous = served
@@ -208,7 +253,7 @@ impl GlobalExchange {
         let mut failure = None;
         for (s, result) in served.iter().zip(reports) {
             match result {
-                Ok(Some(answer)) => written.push(self.take_grants(s, answer, view.now_ms)),
+                Ok(Some(answer)) => written.push(self.take_grants(s, answer, (version, view.now_ms))),
                 Ok(None) => {}
                 Err(error) => {
                     self.status.answered(&s.id, Err(&error));
@@ -216,13 +261,37 @@ impl GlobalExchange {
                 }
             }
         }
-        if let Store::Redis(redis) = &self.store
-            && !written.is_empty()
-        {
-            let lease_ms = self.settings.lease.lease_ms;
-            regional::write_grants(redis, &written, lease_ms, self.settings.regional_timeout).await?;
-        }
+        self.write_back(version, &written).await?;
         failure.map_or(Ok(()), Err)
+    }
+
+    /// The agent writes `written` to its region as `version` (with the
+    /// memory store, the instance has them already).
+    async fn write_back(&mut self, version: u64, written: &[regional::Written]) -> Result<(), StoreError> {
+        if written.is_empty() {
+            return Ok(());
+        }
+        self.applied = Some(version);
+        let result = match &self.store {
+            Store::Redis(redis) => {
+                let (lease_ms, timeout) = (self.settings.lease.lease_ms, self.settings.regional_timeout);
+                regional::write_grants(redis, (version, written), lease_ms, timeout).await
+            }
+            Store::Memory(_) => Ok(()),
+        };
+        self.landed(version);
+        result
+    }
+
+    /// The write of `version` is done (or failed): its grants are read from
+    /// now on, what they replace until now.
+    fn landed(&mut self, version: u64) {
+        let now = self.grants.now_ms();
+        for write in self.written.values_mut().flat_map(|keys| keys.values_mut()) {
+            if let Some(last) = write.grants.back_mut().filter(|w| w.version == version) {
+                last.at = now;
+            }
+        }
     }
 
     /// Drops the tables, figures and history of limits no longer served,
@@ -252,8 +321,10 @@ impl GlobalExchange {
         let ids: Vec<&str> = served.iter().map(|s| &*s.id).collect();
         let call = regional::Call {
             instance: &self.settings.instance,
+            applied: self.applied,
             role_ms: self.settings.lease.lease_ms,
             tally_ttl_ms: self.settings.interval_ms.saturating_mul(3),
+            kept_ms: self.settings.hold_ms().saturating_add(self.settings.lease.skew_ms),
         };
         let view = regional::exchange(redis, call, &ids, &tallies, self.settings.regional_timeout).await?;
         self.deployment = Some(view.deployment.clone());
@@ -276,11 +347,17 @@ impl GlobalExchange {
         }
     }
 
-    /// The agent takes the grants of one limit: into its own table and the
-    /// history of what it wrote; returns them for the region, leased until
-    /// `region_now_ms` (the regional store's clock before the report was
-    /// sent, so the lease ends there no later than the coordination store's).
-    fn take_grants(&mut self, served: &Served, answer: Answered, region_now_ms: u64) -> regional::Written {
+    /// The agent takes the grants of one limit as `version`: into its own
+    /// table and the history of what it wrote; returns them for the region,
+    /// leased from `region_now_ms` (the regional store's clock before the
+    /// report was sent, so the lease ends there no later than the
+    /// coordination store's).
+    fn take_grants(
+        &mut self,
+        served: &Served,
+        answer: Answered,
+        (version, region_now_ms): (u64, u64),
+    ) -> regional::Written {
         let Answered { keys, enforcing, granted, sent } = answer;
         let id = &served.id;
         self.status.answered(id, Ok(()));
@@ -290,7 +367,7 @@ impl GlobalExchange {
         for ((key, grant), reported) in keys.iter().zip(&granted.grants).zip(enforcing) {
             table.set_grant(key, *grant, sent.saturating_add(hold));
             let written = history.entry(key.clone()).or_default();
-            written.grants.push_back((sent, *grant));
+            written.grants.push_back(Write { at: sent, version, grant: *grant });
             written.reported = reported;
         }
         let total = granted.grants.iter().sum();
@@ -304,12 +381,13 @@ impl GlobalExchange {
 
     /// The agent's report of one limit: its active keys (with demand, or a
     /// grant above the floor to give back), each with what the region
-    /// enforces and has admitted; `None` when no key is active.
+    /// enforces and has admitted; `None` when no key is active. `oldest`:
+    /// the oldest version of the grants another instance may enforce.
     async fn agent_limit(
         &self,
         served: &Served,
         drained: &HashMap<Box<str>, (u64, u64)>,
-        deployment: &str,
+        (deployment, oldest): (&str, Option<u64>),
     ) -> Result<Option<Answered>, StoreError> {
         let floors: Vec<u64> = self.settings.floors_ppm.iter().map(|ppm| share(served.limit, *ppm)).collect();
         let floor = floors[self.settings.region];
@@ -317,7 +395,7 @@ impl GlobalExchange {
         if keys.is_empty() {
             return Ok(None);
         }
-        let reports = self.key_reports(served, &keys, floor).await;
+        let reports = self.key_reports(served, &keys, (floor, oldest)).await;
         let sent = self.grants.now_ms();
         let limit = GlobalLimit {
             id: &served.id,
@@ -355,7 +433,7 @@ impl GlobalExchange {
             drained.iter().map(|(k, (a, d))| (k.clone(), per_window(k, a.saturating_add(*d)))).collect();
         if let Some(history) = self.written.get(&served.id) {
             for (key, written) in history {
-                let holds_more = written.reported > floor || written.grants.iter().any(|(_, g)| *g > floor);
+                let holds_more = written.reported > floor || written.grants.iter().any(|w| w.grant > floor);
                 if holds_more && !drained.contains_key(key) {
                     keys.push((key.clone(), 0));
                 }
@@ -366,18 +444,24 @@ impl GlobalExchange {
         keys
     }
 
-    /// Each key's report: what the region may still enforce (the largest
-    /// grant written within the hold, the history being pruned to it, and
-    /// the one in force; never less than it has admitted), what it has
-    /// admitted (its counter peeked at) and its demand.
-    async fn key_reports(&self, served: &Served, keys: &[(Box<str>, u64)], floor: u64) -> Vec<KeyReport> {
+    /// Each key's report: what the region may still enforce (the agent's
+    /// grant in force and the largest another instance may hold: the last
+    /// written and those replaced within the hold by a version after the
+    /// `oldest` another recorded; never less than it has admitted), what it
+    /// has admitted (its counter peeked at) and its demand.
+    async fn key_reports(
+        &self,
+        served: &Served,
+        keys: &[(Box<str>, u64)],
+        (floor, oldest): (u64, Option<u64>),
+    ) -> Vec<KeyReport> {
         let (now, table, history) =
             (self.grants.now_ms(), self.grants.table(&served.id), self.written.get(&served.id));
         let margin = self.settings.lease.skew_ms;
         let hold = self.settings.hold_ms().saturating_add(margin);
-        let linger = lease::linger_ms(&served.window).saturating_add(margin);
-        // Per key: the grant in force, the largest written within the hold
-        // (what an instance may still enforce) and within the linger (what
+        let linger = hold.saturating_add(lease::linger_ms(&served.window));
+        // Per key: the grant in force, the largest held within the hold
+        // (what an instance may still enforce) and the linger after it (what
         // the counter may still hold: a window counts hits, so the whole
         // limit reads it exactly; a bucket's tokens are read at the largest
         // capacity it had; for a key this agent wrote nothing of, the limit).
@@ -386,8 +470,9 @@ impl GlobalExchange {
             .map(|(key, _)| {
                 let written = history.and_then(|h| h.get(key));
                 let in_force = table.limit(key, floor, now);
-                let held = written.and_then(|w| w.largest(now, hold));
-                let counted = match (served.window.algorithm, written.and_then(|w| w.largest(now, linger))) {
+                let held = written.zip(oldest).and_then(|(w, oldest)| w.largest(now, hold, oldest));
+                let counted = match (served.window.algorithm, written.and_then(|w| w.largest(now, linger, 0)))
+                {
                     (Algorithm::SlidingWindow | Algorithm::FixedWindow, _) | (_, None) => served.limit,
                     (_, Some(largest)) => largest.max(in_force),
                 };
@@ -417,11 +502,11 @@ impl GlobalExchange {
         for s in served {
             let Some(keys) = self.written.get_mut(&s.id) else { continue };
             let linger = lease::linger_ms(&s.window);
-            let keep = self.settings.hold_ms().max(linger).saturating_add(margin);
+            let keep = self.settings.hold_ms().saturating_add(linger).saturating_add(margin);
             let expired = self.settings.lease.lease_ms.saturating_add(linger).saturating_add(margin);
             keys.retain(|_, written| {
                 written.trim(now, keep);
-                written.grants.back().is_some_and(|(at, _)| at.saturating_add(expired) >= now)
+                written.grants.back().is_some_and(|w| w.at.saturating_add(expired) >= now)
             });
         }
     }
@@ -437,10 +522,49 @@ impl Participant for GlobalExchange {
     }
 
     fn due(&mut self, now_ms: u64) -> u64 {
-        crate::limiter::exchange::next_aligned(now_ms, self.settings.interval_ms, 0)
+        let phase = if self.agent { 0 } else { self.settings.interval_ms / 2 };
+        crate::limiter::exchange::next_aligned(now_ms, self.settings.interval_ms, phase)
     }
 
     fn exchange(&mut self, _now_ms: u64) -> BoxFuture<'_, Option<Result<(), StoreError>>> {
         Box::pin(async move { Some(self.run_once().await) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn written(writes: &[(u64, u64, u64)]) -> Written {
+        let grants = writes.iter().map(|&(version, grant, at)| Write { version, grant, at }).collect();
+        Written { grants, reported: 0 }
+    }
+
+    #[test]
+    fn a_grant_counts_until_the_others_applied_what_replaced_it_or_the_hold_ran_out() {
+        // 900 at version 1, replaced at 1,000 ms by 100 (version 2), then
+        // by 50 (version 3) at 2,000 ms; a hold of 2,500 ms.
+        let w = written(&[(1, 900, 0), (2, 100, 1_000), (3, 50, 2_000)]);
+        assert_eq!(w.largest(2_100, 2_500, 1), Some(900), "an instance still at version 1");
+        assert_eq!(w.largest(2_100, 2_500, 2), Some(100), "all applied 2: 900 is enforced nowhere");
+        assert_eq!(w.largest(2_100, 2_500, 3), Some(50), "all applied the last");
+        assert_eq!(w.largest(3_600, 2_500, 1), Some(100), "900 was replaced more than a hold ago");
+        assert_eq!(w.largest(10_000, 2_500, 0), Some(50), "the last always counts");
+        // A version the region never saw written (a failed write) replaces
+        // nothing an instance read: what it read before still counts.
+        let failed = written(&[(4, 700, 0), (5, 10, 1_000), (5, 20, 2_000)]);
+        assert_eq!(failed.largest(2_100, 2_500, 4), Some(700));
+        assert_eq!(failed.largest(2_100, 2_500, 5), Some(20));
+    }
+
+    #[test]
+    fn trimming_keeps_what_was_replaced_within_the_time_and_the_last() {
+        let mut w = written(&[(1, 900, 0), (2, 100, 1_000), (3, 50, 5_000)]);
+        w.trim(3_000, 2_500);
+        assert_eq!(w.grants.len(), 3, "900 was replaced at 1,000 ms: kept until 3,500");
+        w.trim(3_600, 2_500);
+        assert_eq!(w.grants.iter().map(|w| w.grant).collect::<Vec<_>>(), [100, 50]);
+        w.trim(100_000, 2_500);
+        assert_eq!(w.grants.iter().map(|w| w.grant).collect::<Vec<_>>(), [50], "the last stays");
     }
 }

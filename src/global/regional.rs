@@ -9,7 +9,11 @@
 //! - `<prefix>rlr:{global}:t:<limit>`: the tallies since the agent last
 //!   drained them, fields `a:<key>` (admitted) and `d:<key>` (denied);
 //! - `<prefix>rlr:{global}:g:<limit>`: the grants, field `k:<key>` per
-//!   key and `_until` (when their lease ends, the regional store's clock).
+//!   key and `_until` (when their lease ends, the regional store's clock);
+//! - `<prefix>rlr:{global}:version`: the version of the grants, one more
+//!   with each write of the agent;
+//! - `<prefix>rlr:{global}:applied`: per instance, the oldest version of
+//!   the grants it may enforce and when it said so (`<version>:<ms>`).
 
 use std::{collections::HashMap, time::Duration};
 
@@ -17,6 +21,9 @@ use crate::limiter::{RedisStore, StoreError, grants::KeyTally, push_encoded};
 
 /// One instance's exchange with its region (see the module).
 pub const REGION_LUA: &str = include_str!("../limiter/scripts/region.lua");
+
+/// An instance says it applied the grants of a version.
+pub const APPLIED_LUA: &str = include_str!("../limiter/scripts/applied.lua");
 
 /// The grants of one limit the agent last wrote.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -37,6 +44,12 @@ pub struct View {
     pub agent: bool,
     /// The deployment's id.
     pub deployment: String,
+    /// The version of the grants read.
+    pub version: u64,
+    /// The oldest version of the grants another instance of the region may
+    /// still enforce (the agent's view; `None`: no other instance said
+    /// anything within the time a grant is kept).
+    pub oldest_applied: Option<u64>,
     /// Per limit (in the order asked), the region's tallies the agent
     /// drained: (admitted, denied) by key; empty unless the agent.
     pub tallies: Vec<HashMap<Box<str>, (u64, u64)>>,
@@ -53,7 +66,7 @@ impl View {
             .into_iter()
             .map(|limit| limit.into_iter().map(|t| (t.key, (t.admitted, t.denied))).collect())
             .collect();
-        View { now_ms, agent: true, deployment: String::new(), tallies, grants }
+        View { now_ms, agent: true, deployment: String::new(), tallies, grants, ..View::default() }
     }
 }
 
@@ -62,10 +75,15 @@ impl View {
 pub struct Call<'a> {
     /// This instance's id.
     pub instance: &'a str,
+    /// The version of the grants this instance applied last, if any.
+    pub applied: Option<u64>,
     /// How long the agent role holds without renewal.
     pub role_ms: u64,
     /// How long tallies no agent drains are kept.
     pub tally_ttl_ms: u64,
+    /// How long an instance keeps grants it read, and the margin: past it,
+    /// an instance that said nothing enforces nothing it read.
+    pub kept_ms: u64,
 }
 
 /// `<prefix>rlr:{global}:<what>`, with `limit` percent-encoded after it.
@@ -90,8 +108,9 @@ pub async fn exchange(
 ) -> Result<View, StoreError> {
     let prefix = store.key_prefix();
     let mut cmd = redis::cmd("EVAL");
-    cmd.arg(REGION_LUA).arg(2 + 2 * limits.len());
+    cmd.arg(REGION_LUA).arg(4 + 2 * limits.len());
     cmd.arg(key(prefix, "agent", None)).arg(key(prefix, "deployment", None));
+    cmd.arg(key(prefix, "applied", None)).arg(key(prefix, "version", None));
     for limit in limits {
         cmd.arg(key(prefix, "t", Some(limit))).arg(key(prefix, "g", Some(limit)));
     }
@@ -99,6 +118,7 @@ pub async fn exchange(
     let _ = getrandom::fill(&mut random);
     let fresh = format!("{:016x}", u64::from_be_bytes(random));
     cmd.arg(call.instance).arg(call.role_ms).arg(call.tally_ttl_ms).arg(fresh);
+    cmd.arg(call.applied.map_or(-1, |v| i64::try_from(v).unwrap_or(i64::MAX))).arg(call.kept_ms);
     for limit in tallies {
         cmd.arg(limit.len());
         for t in limit {
@@ -114,10 +134,12 @@ pub async fn exchange(
     })
 }
 
-/// `{now_ms, agent, deployment, {tallies per limit}, {grants per limit}}`.
+/// `{now_ms, agent, deployment, version, {tallies per limit}, {grants per
+/// limit}, {versions of the others}}`.
 fn parse(answer: redis::Value, limits: usize) -> Option<View> {
     let redis::Value::Array(parts) = answer else { return None };
-    let [now, agent, deployment, tallies, grants]: [redis::Value; 5] = parts.try_into().ok()?;
+    let [now, agent, deployment, version, tallies, grants, others]: [redis::Value; 7] =
+        parts.try_into().ok()?;
     let int = |v: &redis::Value| match v {
         redis::Value::Int(n) => u64::try_from(*n).ok(),
         redis::Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
@@ -144,8 +166,13 @@ fn parse(answer: redis::Value, limits: usize) -> Option<View> {
         now_ms: int(&now)?,
         agent: int(&agent)? == 1,
         deployment: text(&deployment)?,
+        version: int(&version)?,
         ..View::default()
     };
+    for (_, recorded) in pairs(others)? {
+        let version = text(&recorded)?.split_once(':')?.0.parse().ok()?;
+        view.oldest_applied = Some(view.oldest_applied.map_or(version, |v: u64| v.min(version)));
+    }
     for limit in per_limit(tallies)? {
         let mut drained: HashMap<Box<str>, (u64, u64)> = HashMap::new();
         for (field, n) in pairs(limit)? {
@@ -159,18 +186,26 @@ fn parse(answer: redis::Value, limits: usize) -> Option<View> {
         view.tallies.push(drained);
     }
     for limit in per_limit(grants)? {
-        let mut written = LimitGrants::default();
-        for (field, n) in pairs(limit)? {
-            let n = int(&n)?;
-            match field.split_at_checked(2) {
-                Some(("k:", key)) => written.grants.push((key.into(), n)),
-                _ if field == "_until" => written.until = Some(n),
-                _ => {}
-            }
-        }
-        view.grants.push(written);
+        view.grants.push(limit_grants(pairs(limit)?, int)?);
     }
     Some(view)
+}
+
+/// One limit's grants hash, read as `field, value` pairs.
+fn limit_grants(
+    pairs: Vec<(String, redis::Value)>,
+    int: impl Fn(&redis::Value) -> Option<u64>,
+) -> Option<LimitGrants> {
+    let mut written = LimitGrants::default();
+    for (field, n) in pairs {
+        let n = int(&n)?;
+        match field.split_at_checked(2) {
+            Some(("k:", key)) => written.grants.push((key.into(), n)),
+            _ if field == "_until" => written.until = Some(n),
+            _ => {}
+        }
+    }
+    Some(written)
 }
 
 /// The grants of one limit the agent writes for its region.
@@ -184,17 +219,19 @@ pub struct Written {
     pub grants: Vec<(Box<str>, u64)>,
 }
 
-/// The agent writes each limit's grants for the region's instances, in one
-/// call, replacing what it wrote before; they expire with their lease.
+/// The agent writes each limit's grants for the region's instances as
+/// `version`, in one call, replacing what it wrote before; they expire
+/// with their lease.
 pub async fn write_grants(
     store: &RedisStore,
-    written: &[Written],
+    (version, written): (u64, &[Written]),
     lease_ms: u64,
     timeout: Duration,
 ) -> Result<(), StoreError> {
     let prefix = store.key_prefix();
     let mut pipeline = redis::pipe();
     pipeline.atomic();
+    pipeline.set(key(prefix, "version", None), version).ignore();
     for Written { limit, until, grants } in written {
         let key = key(prefix, "g", Some(limit));
         pipeline.del(&key).ignore();
@@ -206,5 +243,22 @@ pub async fn write_grants(
         pipeline.add_command(hset).ignore();
         pipeline.pexpire(&key, i64::try_from(lease_ms).unwrap_or(i64::MAX)).ignore();
     }
+    store.pipeline::<()>(&pipeline, timeout).await
+}
+
+/// An instance says it applied the grants of `version`, read in the
+/// exchange the regional store answered at `read_ms`: from then on the
+/// agent counts it as enforcing that version or a later one.
+pub async fn applied(
+    store: &RedisStore,
+    instance: &str,
+    (version, read_ms): (u64, u64),
+    timeout: Duration,
+) -> Result<(), StoreError> {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(APPLIED_LUA).arg(1).arg(key(store.key_prefix(), "applied", None));
+    cmd.arg(instance).arg(version).arg(read_ms);
+    let mut pipeline = redis::pipe();
+    pipeline.add_command(cmd).ignore();
     store.pipeline::<()>(&pipeline, timeout).await
 }
