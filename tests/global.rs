@@ -4,7 +4,8 @@
 //! delay proxy per region (50 ms one way), and load per region that moves
 //! on a schedule. Every admitted decision is counted with its time and
 //! region, and the sums over every window-long span are checked against
-//! the limit.
+//! the limit. Services started from configuration, and one real Envoy per
+//! region in front of them, do the same for native rules and descriptors.
 
 mod common;
 
@@ -565,4 +566,56 @@ async fn services_configured_for_two_regions_share_a_global_descriptor() {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     held_all_but_bs_floor(servers, "edge.tenant", &admitted).await;
+}
+
+/// Through real Envoy, one per region, each in front of its region's
+/// service: a descriptor limit marked global (100 per 2 s) holds for the
+/// requests of both Envoys together while demand moves from a to b, and
+/// each Envoy answers 200 or 429, nothing else (its filter fails open, so
+/// an error would have been a 200 the bound would count).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn through_one_envoy_per_region_a_global_descriptor_holds_across_both() {
+    use common::{Process, Rules, example_envoy, http_get_raw, python_upstream};
+    let envoy_rules = Rules::new(
+        "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: { unit: second, unit_multiplier: 2, requests_per_unit: 100, global: true }\n",
+    );
+    let (servers, _stores) = two_regions(|config| config.rules.envoy_path = Some(envoy_rules.path())).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (_upstream, upstream_port): (Process, u16) = python_upstream(dir.path());
+    let mut envoys = Vec::new();
+    for (region, server) in servers.iter().enumerate() {
+        let envoy_dir = dir.path().join(REGIONS[region]);
+        std::fs::create_dir(&envoy_dir).unwrap();
+        envoys.push(example_envoy(&envoy_dir, server.addr.port(), upstream_port));
+    }
+    let ports: Vec<u16> = envoys.iter().map(|(_, port)| *port).collect();
+    // Demand in a for 3 s, then in b for 3 s, one request at a time.
+    let load = tokio::task::spawn_blocking(move || {
+        let (mut admitted, mut refused) = (Vec::new(), [0u32; 2]);
+        let started = wall_ms();
+        while wall_ms() < started + 6_000 {
+            let region = usize::from(wall_ms() >= started + 3_000);
+            let reply = http_get_raw(ports[region], "/", &[("x-user-id", b"acme")]);
+            match reply.status {
+                200 => admitted.push((wall_ms(), region)),
+                429 => refused[region] += 1,
+                other => panic!("region {region}: Envoy answered {other}"),
+            }
+        }
+        (admitted, refused, started)
+    });
+    let (admitted, refused, started) = load.await.unwrap();
+    let (worst, at) = worst_estimate(&admitted, 2_000);
+    assert!(worst <= 100.0 + 2.0, "one store would have estimated {worst:.1} at {at}");
+    let (in_a, in_b) = (admitted_in(&admitted, 0, 0, u64::MAX), admitted_in(&admitted, 1, 0, u64::MAX));
+    eprintln!("admitted a {in_a}, b {in_b}; refused {refused:?}; largest one-store estimate {worst:.1}");
+    assert!(in_a >= 90, "a, with all the demand, holds all but b's floor: {in_a}");
+    assert!(in_b >= 30, "capacity moved to b as a's counter emptied: {in_b}");
+    assert!(refused.iter().all(|r| *r > 0), "both refused past their grants: {refused:?}");
+    let late_in_b = admitted_in(&admitted, 1, started + 4_500, u64::MAX);
+    assert!(late_in_b > 5, "b holds more than its floor (5) by the end: {late_in_b} in the last 1.5 s");
+    drop(envoys);
+    for server in servers {
+        server.stop().await.unwrap();
+    }
 }
