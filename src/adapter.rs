@@ -33,9 +33,33 @@ use crate::{
         adaptive::{ADAPT_LUA, AdaptiveLimit, STATE_TTL_SECONDS, Shared, Tally, exchange, state_key},
         exchange::Participant,
     },
-    rules::{ENVOY_ADAPTIVE_PREFIX, Hot, RuleStore, adaptive_limits, envoy::EnvoyConfig},
+    rules::{
+        ENVOY_ADAPTIVE_PREFIX, Hot, RuleStore, adaptive_limits, adaptive_limits_where, envoy::EnvoyConfig,
+    },
     telemetry::exposition::{Figures, escape, header},
 };
+
+/// Which adaptive limits an exchange serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Every one: the deployment is one region.
+    All,
+    /// Those of limits that are not global: their state is the region's.
+    Regional,
+    /// Those of global limits: one state for every region, in the
+    /// coordination store, so every region adapts one global limit.
+    Global,
+}
+
+impl Scope {
+    fn global(self) -> Option<bool> {
+        match self {
+            Scope::All => None,
+            Scope::Regional => Some(false),
+            Scope::Global => Some(true),
+        }
+    }
+}
 
 /// Where the shared state lives.
 #[derive(Debug)]
@@ -70,20 +94,20 @@ impl Adapter {
         Adapter { rules, envoy }
     }
 
-    /// Exchanges every adaptive rule due at `now_ms` that `done` (rule →
-    /// the interval last exchanged) has not exchanged in its interval yet;
-    /// returns when the next one falls due (ms since the epoch), or `None`
-    /// when there is no adaptive rule, and how the exchange went (`None`:
-    /// none was due).
+    /// Exchanges every adaptive rule of `scope` due at `now_ms` that `done`
+    /// (rule → the interval last exchanged) has not exchanged in its
+    /// interval yet; returns when the next one falls due (ms since the
+    /// epoch), or `None` when there is no adaptive rule, and how the
+    /// exchange went (`None`: none was due).
     pub async fn tick(
         &self,
-        exchange: &Exchange,
+        (exchange, scope): (&Exchange, Scope),
         now_ms: u64,
         done: &mut HashMap<Arc<str>, u64>,
     ) -> (Option<u64>, Option<Result<(), StoreError>>) {
         // The rule sets stay loaded while their limits are exchanged.
         let (native, envoy) = (self.rules.load(), self.envoy.as_ref().map(|e| e.load()));
-        let served = adaptive_limits(&native, envoy.as_deref());
+        let served = adaptive_limits_where(&native, envoy.as_deref(), scope.global());
         let mut due = Vec::new();
         let mut next: Option<u64> = None;
         for (id, limit) in &served {
@@ -175,6 +199,7 @@ fn exchange_local(states: &Mutex<HashMap<Arc<str>, Shared>>, due: &[Due<'_>]) ->
 pub struct AdaptiveExchange {
     adapter: Arc<Adapter>,
     exchange: Exchange,
+    scope: Scope,
     /// Each rule's interval last exchanged.
     done: HashMap<Arc<str>, u64>,
     /// When the next rule falls due, as the last tick said.
@@ -182,15 +207,18 @@ pub struct AdaptiveExchange {
 }
 
 impl AdaptiveExchange {
-    /// The exchange of `adapter`'s limits through `exchange`.
-    pub fn new(adapter: Arc<Adapter>, exchange: Exchange) -> Self {
-        AdaptiveExchange { adapter, exchange, done: HashMap::new(), next: Some(0) }
+    /// The exchange of `adapter`'s limits of `scope` through `exchange`.
+    pub fn new(adapter: Arc<Adapter>, exchange: Exchange, scope: Scope) -> Self {
+        AdaptiveExchange { adapter, exchange, scope, done: HashMap::new(), next: Some(0) }
     }
 }
 
 impl Participant for AdaptiveExchange {
     fn name(&self) -> &'static str {
-        "adaptive"
+        match self.scope {
+            Scope::Global => "global_adaptive",
+            Scope::All | Scope::Regional => "adaptive",
+        }
     }
 
     fn holding(&self) -> &'static str {
@@ -204,7 +232,8 @@ impl Participant for AdaptiveExchange {
 
     fn exchange(&mut self, now_ms: u64) -> BoxFuture<'_, Option<Result<(), StoreError>>> {
         Box::pin(async move {
-            let (next, result) = self.adapter.tick(&self.exchange, now_ms, &mut self.done).await;
+            let (next, result) =
+                self.adapter.tick((&self.exchange, self.scope), now_ms, &mut self.done).await;
             self.next = next;
             if let Exchange::Local(states) = &self.exchange {
                 let mut states = states.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -294,23 +323,27 @@ mod tests {
         let adapter = adapter();
         let local = Exchange::Local(Mutex::default());
         let mut done = HashMap::new();
-        let (next, result) = adapter.tick(&local, 10_100, &mut done).await;
+        let (next, result) = adapter.tick((&local, Scope::All), 10_100, &mut done).await;
         assert!(result.is_none(), "nothing due");
         assert_eq!(next, Some(10_500), "not yet: the middle of the interval");
         report(&adapter, Outcome::Success, 50);
-        assert_eq!(adapter.tick(&local, 10_500, &mut done).await.0, Some(11_500));
+        assert_eq!(adapter.tick((&local, Scope::All), 10_500, &mut done).await.0, Some(11_500));
         assert_eq!(limit(&adapter), 100, "the first exchange of a state starts it");
         report(&adapter, Outcome::Success, 50);
-        assert_eq!(adapter.tick(&local, 10_900, &mut done).await.0, Some(11_500), "once per interval");
-        assert_eq!(adapter.tick(&local, 11_500, &mut done).await.0, Some(12_500));
+        assert_eq!(
+            adapter.tick((&local, Scope::All), 10_900, &mut done).await.0,
+            Some(11_500),
+            "once per interval"
+        );
+        assert_eq!(adapter.tick((&local, Scope::All), 11_500, &mut done).await.0, Some(12_500));
         assert_eq!(limit(&adapter), 110, "interval 10 was good");
         report(&adapter, Outcome::Failure, 10);
         report(&adapter, Outcome::Success, 40);
-        adapter.tick(&local, 12_600, &mut done).await.1.unwrap().unwrap();
+        adapter.tick((&local, Scope::All), 12_600, &mut done).await.1.unwrap().unwrap();
         assert_eq!(limit(&adapter), 120, "interval 11 (50 successes) was good");
-        adapter.tick(&local, 13_600, &mut done).await.1.unwrap().unwrap();
+        adapter.tick((&local, Scope::All), 13_600, &mut done).await.1.unwrap().unwrap();
         assert_eq!(limit(&adapter), 108, "interval 12: 10 of 50 failed");
-        adapter.tick(&local, 14_600, &mut done).await.1.unwrap().unwrap();
+        adapter.tick((&local, Scope::All), 14_600, &mut done).await.1.unwrap().unwrap();
         assert_eq!(limit(&adapter), 108, "interval 13: nothing reported, the limit holds");
         let mut text = String::new();
         adapter.render(&mut text);

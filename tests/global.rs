@@ -619,3 +619,43 @@ async fn through_one_envoy_per_region_a_global_descriptor_holds_across_both() {
         server.stop().await.unwrap();
     }
 }
+
+/// A rule both global and adaptive: one adaptive limit for every region
+/// (its state in the coordination store, exchanged by every instance),
+/// moved by the outcomes reported in any region; each region's grant is a
+/// share of it. Region a, with all the traffic, reports failures: the
+/// limit in force falls alike in a and in b (which reported nothing), and
+/// a's grant falls below it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_global_adaptive_rule_adapts_one_limit_for_every_region() {
+    use common::{Rules, check, metric, request};
+    use ratelimitd::api::pb;
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: shared, resource_path: /shared, limit: 200, window_seconds: 2, global: true, adaptive: { min: 20, max: 400, decrease: 0.5, interval_ms: 200 } }\n",
+    );
+    let (servers, _stores) = two_regions(|config| config.rules.path = Some(rules.path())).await;
+    let mut client = servers[0].client().await;
+    let limit = "ratelimitd_adaptive_limit{kind=\"native\",rule=\"shared\"}";
+    let started = wall_ms();
+    while wall_ms() < started + 2_500 {
+        if check(&mut client, request("tenant", "/shared")).await.allowed {
+            let failed =
+                pb::RateLimitRequest { outcome: pb::Outcome::Failure as i32, ..request("tenant", "/shared") };
+            client.report(failed).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // The last step reaches every instance within an interval.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (in_a, in_b) = (metric(&servers[0], limit).await.unwrap(), metric(&servers[1], limit).await.unwrap());
+    eprintln!("limit in force: a {in_a}, b {in_b}");
+    assert!(in_a < 100.0, "failures halved the limit of 200: {in_a}");
+    assert_eq!(in_a, in_b, "one limit for both regions");
+    let grant = metric(&servers[0], "ratelimitd_global_grant{limit=\"shared\",region=\"a\"}").await.unwrap();
+    assert!(grant <= in_a, "a's grant ({grant}) is a share of the limit in force ({in_a})");
+    let shared = "ratelimitd_store_exchanges_total{exchange=\"global_adaptive\",result=\"ok\"}";
+    assert!(metric(&servers[1], shared).await.unwrap() > 0.0, "b exchanged it with the coordination store");
+    for server in servers {
+        server.stop().await.unwrap();
+    }
+}

@@ -283,7 +283,7 @@ impl Subject for Native<'_, '_> {
         if let (Some(rule), Some(grants)) = (self.rule, engine.inner.grants.as_deref())
             && rule.global
         {
-            self.grant = Some(grants.limit(&rule.id, &self.user, rule.limit));
+            self.grant = Some(grants.limit(&rule.id, &self.user, rule.limit_at(0).0));
         }
         // A global rule's denials are not cached: its limit moves with its
         // grant, and a denial's retry time is the grant's of the moment.

@@ -462,9 +462,10 @@ impl GlobalExchange {
         let linger = hold.saturating_add(lease::linger_ms(&served.window));
         // Per key: the grant in force, the largest held within the hold
         // (what an instance may still enforce) and the linger after it (what
-        // the counter may still hold: a window counts hits, so the whole
-        // limit reads it exactly; a bucket's tokens are read at the largest
-        // capacity it had; for a key this agent wrote nothing of, the limit).
+        // the counter may still hold: a window counts hits, so the most the
+        // limit can be reads it exactly; a bucket's tokens are read at the
+        // largest capacity it had; for a key this agent wrote nothing of,
+        // that most).
         let enforced: Vec<(u64, Option<u64>, u64)> = keys
             .iter()
             .map(|(key, _)| {
@@ -473,7 +474,7 @@ impl GlobalExchange {
                 let held = written.zip(oldest).and_then(|(w, oldest)| w.largest(now, hold, oldest));
                 let counted = match (served.window.algorithm, written.and_then(|w| w.largest(now, linger, 0)))
                 {
-                    (Algorithm::SlidingWindow | Algorithm::FixedWindow, _) | (_, None) => served.limit,
+                    (Algorithm::SlidingWindow | Algorithm::FixedWindow, _) | (_, None) => served.most,
                     (_, Some(largest)) => largest.max(in_force),
                 };
                 (in_force, held, counted)

@@ -18,8 +18,12 @@ use crate::{
 pub struct Served {
     /// Its id: the rule's id or the descriptor's full key.
     pub id: Arc<str>,
-    /// What all regions together may admit per window.
+    /// What all regions together may admit per window (an adaptive
+    /// limit's value in force).
     pub limit: u64,
+    /// The most it can be: an adaptive limit's `max`, else `limit`. A
+    /// region's counter never holds more than that.
+    pub most: u64,
     /// Its window in ms and its algorithm (for demand per window and how
     /// long admissions linger).
     pub window: WindowParams,
@@ -43,20 +47,27 @@ impl Served {
             .rules()
             .iter()
             .filter(|r| r.global)
-            .map(|rule| Served {
-                id: Arc::clone(&rule.id),
-                limit: rule.limit,
-                window: rule.window,
-                counter: Counter::Native(rule.clone()),
+            .map(|rule| {
+                // An adaptive rule's limit in force.
+                let (limit, window) = rule.limit_at(0);
+                let most = rule.adaptive.as_ref().map_or(limit, |a| a.params.max.max(limit));
+                Served {
+                    id: Arc::clone(&rule.id),
+                    limit,
+                    most,
+                    window,
+                    counter: Counter::Native(rule.clone()),
+                }
             })
             .collect();
         for (domain, limit) in envoy.map(EnvoyConfig::limits_by_domain).unwrap_or_default() {
             let Some(seconds) = limit.window_seconds().filter(|_| limit.global) else { continue };
             let algorithm = limit.algorithm.unwrap_or(algorithm);
-            let per_unit = u64::from(limit.requests_per_unit);
+            let per_unit = u64::from(limit.per_unit());
             out.push(Served {
                 id: Arc::clone(&limit.full_key),
                 limit: per_unit,
+                most: limit.adaptive.as_ref().map_or(per_unit, |a| a.params.max.max(per_unit)),
                 window: WindowParams {
                     window_ms: seconds * 1_000,
                     capacity: per_unit,

@@ -164,7 +164,8 @@ impl Grants {
         let floor = self.floor(limit);
         let tables = self.tables.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         match tables.get(id) {
-            Some(table) => table.limit(key, floor, self.clock.now_ms()),
+            // A global limit that adapts may have fallen below the grant.
+            Some(table) => table.limit(key, floor, self.clock.now_ms()).min(limit),
             None => floor,
         }
     }

@@ -201,11 +201,6 @@ pub(crate) fn adaptive_params(
 /// The rule's adaptive limit, when it has one: its first limit's.
 fn rule_adaptive(raw: &RawRule) -> Result<Option<Arc<AdaptiveLimit>>, (String, String)> {
     let Some(spec) = &raw.adaptive else { return Ok(None) };
-    if raw.global {
-        let message =
-            "a global limit cannot be adaptive: each region would move the limit the others live under";
-        return Err(("global".to_owned(), message.to_owned()));
-    }
     // The highest limit must fit the counters' bound as a fixed one must.
     let fits = |max| limit_window(&RawLimit { limit: max, ..raw_first(raw) }).map(|_| ()).map_err(|(_, m)| m);
     let params = adaptive_params(spec, raw.limit, "limit", fits)?;
@@ -342,7 +337,6 @@ mod tests {
                 "field `limit`: an adaptive limit starts at",
             ),
             (rule("a", "/a", "    adaptive: {min: 0, max: 20}\n"), "field `adaptive.min`"),
-            (rule("a", "/a", "    adaptive: {min: 5, max: 20}\n    global: true\n"), "field `global`"),
             (rule("a", "/a", "    adaptive: {min: 5, max: 4}\n"), "field `adaptive.max`"),
             (rule("a", "/a", "    adaptive: {min: 5, max: 10000000000000}\n"), "field `adaptive.max`"),
             (rule("a", "/a", "    adaptive: {min: 5, max: 20, decrease: 1}\n"), "field `adaptive.decrease`"),

@@ -160,10 +160,30 @@ pub fn adaptive_limits<'a>(
     native: &'a Snapshot,
     envoy: Option<&'a envoy::EnvoyConfig>,
 ) -> Vec<(std::sync::Arc<str>, &'a crate::limiter::adaptive::AdaptiveLimit)> {
-    let rules =
-        native.adaptive_rules().filter_map(|r| Some((std::sync::Arc::clone(&r.id), r.adaptive.as_deref()?)));
-    let limits = envoy.into_iter().flat_map(envoy::EnvoyConfig::adaptive_limits).filter_map(|l| {
-        Some((std::sync::Arc::from(format!("{ENVOY_ADAPTIVE_PREFIX}{}", l.full_key)), l.adaptive.as_deref()?))
-    });
+    adaptive_limits_where(native, envoy, None)
+}
+
+/// [`adaptive_limits`], only those of global limits (`Some(true)`: their
+/// limit is every region's together) or only the others (`Some(false)`).
+pub fn adaptive_limits_where<'a>(
+    native: &'a Snapshot,
+    envoy: Option<&'a envoy::EnvoyConfig>,
+    global: Option<bool>,
+) -> Vec<(std::sync::Arc<str>, &'a crate::limiter::adaptive::AdaptiveLimit)> {
+    let keep = |is_global: bool| global.is_none_or(|g| g == is_global);
+    let rules = native
+        .adaptive_rules()
+        .filter(|r| keep(r.global))
+        .filter_map(|r| Some((std::sync::Arc::clone(&r.id), r.adaptive.as_deref()?)));
+    let limits = envoy
+        .into_iter()
+        .flat_map(envoy::EnvoyConfig::adaptive_limits)
+        .filter(|l| keep(l.global))
+        .filter_map(|l| {
+            Some((
+                std::sync::Arc::from(format!("{ENVOY_ADAPTIVE_PREFIX}{}", l.full_key)),
+                l.adaptive.as_deref()?,
+            ))
+        });
     rules.chain(limits).collect()
 }

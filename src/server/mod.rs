@@ -149,12 +149,12 @@ pub async fn run_observed(
         parts::tenant_shares(config.grpc.max_store_calls_per_tenant, tenants.as_ref(), &store);
     let mut exchanges = Vec::new();
     let overload = parts::overload(&config.overload, &rules, tenants, &store, &mut exchanges)?;
-    let adapter = parts::adaptive(&rules, &store, &mut exchanges);
+    let adapter = parts::adaptive(&rules, &store, parts::shares_global_limits(&config), &mut exchanges);
     let denials = parts::denials(&config.denial_cache, &store);
     let stats = parts::stats(&config.envoy, &rules, &store);
     let metrics = parts::metrics(&config.telemetry, &mut tasks);
     let local = parts::local(&config.local, &config.redis, &config.dlq.instance(), &store, &mut exchanges)?;
-    let global = parts::global(&config, &rules, &store, &mut exchanges, &mut dispatchers)?;
+    let global = parts::global(&config, (&rules, &adapter), &store, &mut exchanges, &mut dispatchers)?;
     parts::vitals(&rules, (&shedder, &overload), &dlq, global.as_ref().map(|g| Arc::clone(&g.status)));
     let exchanges = parts::exchanges(exchanges, &mut tasks);
     let layers = parts::Layers {

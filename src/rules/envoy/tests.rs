@@ -143,6 +143,21 @@ fn a_limit_may_name_its_algorithm() {
 }
 
 #[test]
+fn a_global_limit_may_adapt() {
+    let c = config(&[(
+            "e.yaml",
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 9, global: true, adaptive: { min: 1, max: 20 } }\n",
+        )])
+        .unwrap();
+    let found = c.lookup("d", [("a", "x")]).unwrap();
+    assert!(found.limit.global);
+    assert_eq!(
+        found.limit.adaptive.as_deref().map(|a| (a.params.min, a.params.max, a.current())),
+        Some((1, 20, 9))
+    );
+}
+
+#[test]
 fn every_upstream_error() {
     let cases = [
         ("descriptors:\n  - key: a\n", "config file cannot have empty domain"),
@@ -211,10 +226,6 @@ fn every_upstream_error() {
         (
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true, global: true }\n",
             "should not specify global when unlimited",
-        ),
-        (
-            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 9, global: true, adaptive: { min: 1, max: 20 } }\n",
-            "a global limit cannot be adaptive",
         ),
         (
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1 }\n    also: [ { unit: minute, requests_per_unit: 5, global: true } ]\n",

@@ -507,17 +507,14 @@ fn compile_limit(
     })
 }
 
-/// A `rate_limit`'s `global`, checked: a limit, not adaptive.
+/// A `rate_limit`'s `global`, checked: a limit.
 fn global(file: &Path, at: &str, r: &YamlRateLimit) -> Result<bool, RuleError> {
-    let problem = match (r.global, r.unlimited, r.adaptive.is_some()) {
-        (false, ..) => return Ok(false),
-        (true, true, _) => "should not specify global when unlimited",
-        (true, _, true) => {
-            "a global limit cannot be adaptive: each region would move the limit the others live under"
+    match (r.global, r.unlimited) {
+        (true, true) => {
+            Err(error(file, Some(at), "global", "should not specify global when unlimited".to_owned()))
         }
-        (true, false, false) => return Ok(true),
-    };
-    Err(error(file, Some(at), "global", problem.to_owned()))
+        (global, _) => Ok(global),
+    }
 }
 
 /// A `rate_limit`'s `adaptive:`, checked (errors at `adaptive.<field>`,

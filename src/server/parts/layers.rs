@@ -81,10 +81,13 @@ pub(crate) fn overload(
 
 /// The exchange of the adaptive limits (each rule once per its
 /// `adaptive.interval_ms`, joining `exchanges`): through Redis, or
-/// in-process with the memory store.
+/// in-process with the memory store; when the deployment shares global
+/// limits with other regions (`regional`), only those of the others
+/// (the global ones are exchanged with the coordination store, [`global`]).
 pub(crate) fn adaptive(
     rules: &Rules,
     store: &Store,
+    regional: bool,
     exchanges: &mut Vec<Box<dyn Participant>>,
 ) -> Arc<Adapter> {
     let exchange = match store {
@@ -92,23 +95,34 @@ pub(crate) fn adaptive(
         Store::Redis(redis) => adapter::Exchange::Redis(Arc::clone(redis)),
     };
     let adapter = Arc::new(Adapter::new(Arc::clone(&rules.native), rules.envoy.clone()));
-    exchanges.push(Box::new(adapter::AdaptiveExchange::new(Arc::clone(&adapter), exchange)));
+    let scope = if regional { adapter::Scope::Regional } else { adapter::Scope::All };
+    exchanges.push(Box::new(adapter::AdaptiveExchange::new(Arc::clone(&adapter), exchange, scope)));
     adapter
 }
 
-/// The global limits' exchange (`global.*`, joining `exchanges`) and this
-/// region's grants, which decisions read; `None` while `global.regions` is
-/// empty (a global limit is then enforced whole: the deployment is the
-/// only region). The coordination store's dispatchers join `dispatchers`.
+/// Whether this deployment shares global limits with other regions
+/// (`global.regions` and `region` set).
+pub(crate) fn shares_global_limits(config: &crate::config::Config) -> bool {
+    config.global.enabled() && config.region.is_some()
+}
+
+/// The global limits' exchange (`global.*`, joining `exchanges`), with the
+/// exchange of the global adaptive limits of `adapter` with the
+/// coordination store, and this region's grants, which decisions read;
+/// `None` while `global.regions` is empty (a global limit is then enforced
+/// whole: the deployment is the only region). The coordination store's
+/// dispatchers join `dispatchers`.
 pub(crate) fn global(
     config: &crate::config::Config,
-    rules: &Rules,
+    (rules, adapter): (&Rules, &Arc<Adapter>),
     store: &Store,
     exchanges: &mut Vec<Box<dyn Participant>>,
     dispatchers: &mut tokio::task::JoinSet<()>,
 ) -> Result<Option<Global>, ServerError> {
     let global = &config.global;
-    let (true, Some(region)) = (global.enabled(), config.region.as_deref()) else { return Ok(None) };
+    let (true, Some(region)) = (shares_global_limits(config), config.region.as_deref()) else {
+        return Ok(None);
+    };
     let index = global.index(region).expect("validated: region is one of global.regions");
     let floors_ppm = global.floors_ppm();
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::default());
@@ -134,6 +148,12 @@ pub(crate) fn global(
         "global limits shared with {} regions",
         global.regions.len()
     );
+    let shared = adapter::Exchange::Redis(Arc::clone(&coordination));
+    exchanges.push(Box::new(adapter::AdaptiveExchange::new(
+        Arc::clone(adapter),
+        shared,
+        adapter::Scope::Global,
+    )));
     exchanges.push(Box::new(GlobalExchange::new(
         Arc::clone(&grants),
         (Arc::clone(&rules.native), rules.envoy.clone()),

@@ -12,7 +12,7 @@ mod rules;
 mod sinks;
 mod store;
 
-pub(crate) use layers::{adaptive, exchanges, global, overload, shedder};
+pub(crate) use layers::{adaptive, exchanges, global, overload, shares_global_limits, shedder};
 pub(crate) use observe::{Figures, health, metrics, register_figures, stats, vitals};
 pub(crate) use rules::{Rules, rules_of, tenants};
 pub(crate) use sinks::{Captured, capture, dlq};
