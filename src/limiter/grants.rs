@@ -5,10 +5,16 @@
 //! [`super::lease`]).
 //!
 //! Bounds, whatever callers send: at most `max_keys` keys per limit (split
-//! evenly over the shards). A key past the bound is not tracked: it has no
-//! grant and is enforced at the region's floor, which keeps the global
-//! bound. A key with no demand in a report and no lease left is dropped, so
-//! the keys held are those with demand in the interval.
+//! evenly over the shards). A key new to a full shard takes the place of
+//! the key with the fewest hits since the last report that holds no grant,
+//! and inherits its count (the space-saving algorithm: a key with more than
+//! its shard's hits divided by its room in an interval is always tracked,
+//! and its demand is overstated by at most the count it inherited), so a
+//! flood of keys with a hit each cannot keep a busy key from being
+//! reported; a key that finds every place held by a grant is not tracked:
+//! it has no grant and is enforced at the region's floor, which keeps the
+//! global bound. A key with no demand in a report and no lease left is
+//! dropped, so the keys held are those with demand in the interval.
 
 use std::{
     collections::HashMap,
@@ -76,8 +82,8 @@ impl GrantTable {
         }
     }
 
-    /// Counts `hits` of `key`, admitted or denied, for the next report. A
-    /// key new to a full shard is not tracked.
+    /// Counts `hits` of `key`, admitted or denied, for the next report (a
+    /// key new to a full shard: see the module).
     pub fn record(&self, key: &str, hits: u64, admitted: bool) {
         let mut shard = self.shard(key);
         let Some(state) = tracked(&mut shard, key, self.per_shard) else { return };
@@ -106,8 +112,9 @@ impl GrantTable {
         out
     }
 
-    /// Sets `key`'s grant until `until`; a key not tracked (and no room
-    /// for it) keeps the floor.
+    /// Sets `key`'s grant until `until`, in the place of the key with the
+    /// fewest hits without a grant when the shard is full; a key that finds
+    /// every place held by a grant keeps the floor.
     pub fn set_grant(&self, key: &str, grant: u64, until: u64) {
         let mut shard = self.shard(key);
         if let Some(state) = tracked(&mut shard, key, self.per_shard) {
@@ -197,17 +204,28 @@ pub fn share(limit: u64, ppm: u64) -> u64 {
     u64::try_from(u128::from(limit) * u128::from(ppm.min(PPM)) / u128::from(PPM)).unwrap_or(limit)
 }
 
-/// `key`'s state in `shard`, made when the shard has room for it.
+/// `key`'s state in `shard`; a new key takes a place while there is room,
+/// else the place (and the count) of the key with the fewest hits that
+/// holds no grant, if any.
 fn tracked<'m>(
     shard: &'m mut HashMap<Box<str>, KeyState>,
     key: &str,
     room: usize,
 ) -> Option<&'m mut KeyState> {
     if !shard.contains_key(key) {
+        let mut state = KeyState::default();
         if shard.len() >= room {
-            return None;
+            let (evicted, count) = shard
+                .iter()
+                .filter(|(_, s)| s.grant.is_none())
+                .map(|(k, s)| (k, s.admitted.saturating_add(s.denied)))
+                .min_by_key(|(_, count)| *count)?;
+            let evicted = evicted.clone();
+            shard.remove(&evicted);
+            // Inherited as denied: it counts as demand, never as admitted.
+            state.denied = count;
         }
-        shard.insert(key.into(), KeyState::default());
+        shard.insert(key.into(), state);
     }
     shard.get_mut(key)
 }
@@ -250,6 +268,36 @@ mod tests {
         assert_eq!(table.limit("b", 10, now), 50);
         assert!(table.take_tallies(now + 3_000).is_empty());
         assert!(table.is_empty());
+    }
+
+    #[test]
+    fn a_flood_of_keys_with_a_hit_each_cannot_keep_a_busy_key_out() {
+        let table = GrantTable::new(SHARDS * 4);
+        let now = 1_000;
+        // 10,000 junk keys of a hit each, every place taken before a busy
+        // key (2,250 hits) comes: its shard sees about 2,875 hits for 4
+        // places, and it has more than a quarter of them.
+        for i in 0..10_000 {
+            table.record(&format!("junk{i}"), 1, true);
+            if i >= 1_000 && i % 4 == 0 {
+                table.record("busy", 1, true);
+            }
+        }
+        let tallies = table.take_tallies(now);
+        assert!(tallies.len() <= SHARDS * 4, "{}", tallies.len());
+        let busy = tallies.iter().find(|t| &*t.key == "busy").expect("the busy key is reported");
+        let demand = busy.admitted + busy.denied;
+        assert!(busy.admitted <= 2_250, "admitted: only its own hits");
+        assert!(
+            (2_250..=2_250 + 10_000 / 4).contains(&demand),
+            "overstated by at most what it inherited: {demand}"
+        );
+        // A granted key is never displaced by a flood.
+        table.set_grant("granted", 900, now + 3_000);
+        for i in 0..10_000 {
+            table.record(&format!("more{i}"), 1, true);
+        }
+        assert_eq!(table.limit("granted", 7, now), 900);
     }
 
     #[test]
