@@ -993,3 +993,56 @@ async fn instances_record_the_grants_they_apply_and_the_agent_reads_the_oldest()
     drop(store);
     while dispatchers.join_next().await.is_some() {}
 }
+
+/// A report of more keys than one script call takes goes in several calls
+/// of at most `KEYS_PER_CALL` keys, pipelined: every key is granted, in
+/// order, and no call runs longer than its share.
+#[tokio::test]
+async fn a_report_of_many_keys_goes_in_calls_of_a_bounded_size() {
+    use ratelimitd::limiter::{
+        RedisStore,
+        lease::{GlobalLimit, KEYS_PER_CALL, KeyReport, Lease, Reporter, fair_shares, report},
+        settings::RedisConfig,
+    };
+    let redis = RedisServer::start();
+    let mut dispatchers = tokio::task::JoinSet::new();
+    let config = RedisConfig { url: Some(redis.url()), ..RedisConfig::default() };
+    let store = RedisStore::new(&config, &mut dispatchers).unwrap();
+    let limit = GlobalLimit { id: "many", limit: 1_000, floors: &[50, 50, 50], linger_ms: 2_000 };
+    let lease = Lease { lease_ms: 3_000, skew_ms: 500 };
+    let keys = 2 * KEYS_PER_CALL + 200;
+    // Every other key wants little: each key's grant is its own.
+    let reports: Vec<KeyReport> = (0..keys)
+        .map(|i| KeyReport {
+            key: format!("k{i}"),
+            enforcing: 50,
+            admitted: 0,
+            demand: if i % 2 == 0 { 5_000 } else { 100 },
+        })
+        .collect();
+    let reporter = Reporter { region: 0, deployment: "deployment-a" };
+    // A store that has remembered the limit's leases for long.
+    let mut conn = redis.client().await;
+    let _: () = redis::cmd("SET").arg("rlg:{many}").arg(0).query_async(&mut conn).await.unwrap();
+    for round in 0..2 {
+        let granted = report(&store, limit, reporter, lease, &reports, Duration::from_secs(5)).await.unwrap();
+        let expected: Vec<u64> =
+            reports.iter().map(|r| fair_shares(1_000, &[50, 50, 50], &[r.demand, 0, 0])[0]).collect();
+        assert!(granted.grants == expected, "round {round}: {:?}…", &granted.grants[..6]);
+    }
+    let stats: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
+    let calls = |command: &str| {
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .map_or(0, |rest| rest.split(',').next().unwrap().parse::<u64>().unwrap())
+    };
+    // Round 0: 3 EVALSHA refused (NOSCRIPT), then an EVAL and 2 EVALSHA;
+    // round 1: 3 EVALSHA.
+    assert_eq!(calls("eval"), 1, "{stats}");
+    assert!(calls("evalsha") >= 5, "{stats}");
+    let held: Vec<String> = redis::cmd("KEYS").arg("rlg:{many}:*").query_async(&mut conn).await.unwrap();
+    assert_eq!(held.len(), keys);
+    drop(store);
+    while dispatchers.join_next().await.is_some() {}
+}

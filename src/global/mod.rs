@@ -11,7 +11,7 @@
 //! 2. **As the region's agent**, when it holds the role: it drains the
 //!    region's tallies, peeks at each active key's counter (what the region
 //!    has admitted in the current window), reports every key of each limit
-//!    to the coordination store in one script call per limit, and writes
+//!    to the coordination store in one round trip per limit, and writes
 //!    the grants back to the region for the others to read.
 //!
 //! With the memory store the instance is the region and its own agent.

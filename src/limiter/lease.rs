@@ -132,11 +132,18 @@ pub struct Reporter<'a> {
     pub deployment: &'a str,
 }
 
+/// Keys per script call of a report: a call runs alone in the store, so a
+/// limit with many active keys is reported in several calls (pipelined,
+/// one round trip), each short enough not to hold up other regions'
+/// reports.
+pub const KEYS_PER_CALL: usize = 500;
+
 /// A region's reports of `limit`'s keys to the coordination store `store`:
-/// one script call (by its SHA; with its text only when the store does not
-/// know it yet, a round trip to another region being dear), within
-/// `timeout`. The hashes expire two leases (and margins and lingers) after
-/// the last report of any region, when every lease they hold has run out.
+/// one script call per [`KEYS_PER_CALL`] keys, pipelined (by the script's
+/// SHA; with its text only when the store does not know it yet, a round
+/// trip to another region being dear), within `timeout`. The hashes expire
+/// two leases (and margins and lingers) after the last report of any
+/// region, when every lease they hold has run out.
 pub async fn report(
     store: &RedisStore,
     limit: GlobalLimit<'_>,
@@ -145,30 +152,38 @@ pub async fn report(
     reports: &[KeyReport],
     timeout: Duration,
 ) -> Result<Granted, StoreError> {
-    let call = lease_call(store.key_prefix(), limit, reporter, lease, reports);
-    let answer = match query(store, call.clone(), timeout).await {
+    let calls: Vec<redis::Cmd> = reports
+        .chunks(KEYS_PER_CALL)
+        .map(|chunk| lease_call(store.key_prefix(), limit, reporter, lease, chunk))
+        .collect();
+    let answers = match query(store, &calls, false, timeout).await {
         Err(error) if error.message.contains("NoScript") || error.message.contains("NOSCRIPT") => {
-            // The same call with the script's text, which the store keeps.
-            let mut eval = redis::cmd("EVAL");
-            eval.arg(LEASE_LUA);
-            for arg in call.args_iter().skip(2) {
-                if let redis::Arg::Simple(bytes) = arg {
-                    eval.arg(bytes);
-                }
-            }
-            query(store, eval, timeout).await?
+            // The first call with the script's text, which the store keeps
+            // for the others (a limit's keys share one hash slot).
+            query(store, &calls, true, timeout).await?
         }
         answered => answered?,
     };
-    match answer.split_first() {
-        Some((now_ms, grants)) if grants.len() == reports.len() => {
-            Ok(Granted { now_ms: *now_ms, grants: grants.to_vec() })
+    let mut granted = Granted { now_ms: 0, grants: Vec::with_capacity(reports.len()) };
+    for (answer, chunk) in answers.iter().zip(reports.chunks(KEYS_PER_CALL)) {
+        match answer.split_first() {
+            Some((now_ms, grants)) if grants.len() == chunk.len() => {
+                granted.now_ms = granted.now_ms.max(*now_ms);
+                granted.grants.extend_from_slice(grants);
+            }
+            _ => {
+                return Err(StoreError {
+                    kind: super::FailureKind::ScriptError,
+                    message: format!(
+                        "the lease script answered {} values for {} keys",
+                        answer.len(),
+                        chunk.len()
+                    ),
+                });
+            }
         }
-        _ => Err(StoreError {
-            kind: super::FailureKind::ScriptError,
-            message: format!("the lease script answered {} values for {} keys", answer.len(), reports.len()),
-        }),
     }
+    Ok(granted)
 }
 
 /// The `EVALSHA` of [`LEASE_LUA`] for `reports` (see the script for its
@@ -198,12 +213,30 @@ fn lease_call(
     call
 }
 
-/// Runs `call` on the coordination store within `timeout`.
-async fn query(store: &RedisStore, call: redis::Cmd, timeout: Duration) -> Result<Vec<u64>, StoreError> {
+/// Runs `calls` on the coordination store in one pipeline within
+/// `timeout`; with `text_first`, the first as an `EVAL` of the script's text.
+async fn query(
+    store: &RedisStore,
+    calls: &[redis::Cmd],
+    text_first: bool,
+    timeout: Duration,
+) -> Result<Vec<Vec<u64>>, StoreError> {
     let mut pipeline = redis::pipe();
-    pipeline.add_command(call);
-    let (answer,): (Vec<u64>,) = store.pipeline(&pipeline, timeout).await?;
-    Ok(answer)
+    for (i, call) in calls.iter().enumerate() {
+        if i == 0 && text_first {
+            let mut eval = redis::cmd("EVAL");
+            eval.arg(LEASE_LUA);
+            for arg in call.args_iter().skip(2) {
+                if let redis::Arg::Simple(bytes) = arg {
+                    eval.arg(bytes);
+                }
+            }
+            pipeline.add_command(eval);
+        } else {
+            pipeline.add_command(call.clone());
+        }
+    }
+    store.pipeline(&pipeline, timeout).await
 }
 
 /// What the allocator keeps of one region, for one global limit and key.
