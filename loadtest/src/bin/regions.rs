@@ -60,7 +60,7 @@ const REGIONS: [&str; 3] = ["a", "b", "c"];
 
 /// The three-region harness for global limits.
 #[derive(Debug, Parser)]
-#[command(name = "regions", about)]
+#[command(name = "regions")]
 struct Args {
     /// The `ratelimitd` binary.
     #[arg(long, default_value = "target/release/ratelimitd")]
