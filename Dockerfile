@@ -31,7 +31,11 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     && cp target/release/ratelimitd /usr/local/bin/ratelimitd
 
 FROM ${RUNTIME_IMAGE}
-RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/ratelimitd ratelimitd
+# /bin/ratelimit: envoyproxy/ratelimit's path, which control planes (Envoy
+# Gateway) run as the container's command; under that name the binary
+# serves in envoyproxy compat mode.
+RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/ratelimitd ratelimitd \
+    && ln -s /usr/local/bin/ratelimitd /bin/ratelimit
 COPY --from=build /usr/local/bin/ratelimitd /usr/local/bin/ratelimitd
 COPY examples /etc/ratelimitd/examples
 WORKDIR /var/lib/ratelimitd

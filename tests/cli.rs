@@ -321,6 +321,35 @@ fn invalid_configuration_exits_64_naming_the_key() {
     assert!(stderr(&output).contains("/nonexistent/ratelimitd.yaml"));
 }
 
+/// Under upstream's name (`/bin/ratelimit` in its image) the binary is
+/// upstream's: no argument (one is a usage error naming the name), and
+/// upstream's variables read without `RATELIMITD_COMPAT` (a bad one is an
+/// error naming it). Serving under that name: the upstream suite
+/// (tests/upstream.rs).
+#[test]
+fn under_upstreams_name_it_takes_upstreams_environment_and_no_argument() {
+    let dir = tempfile::tempdir().unwrap();
+    let link = dir.path().join("ratelimit");
+    std::os::unix::fs::symlink(BIN, &link).unwrap();
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        Command::new(&link).args(args).env_clear().envs(env.iter().copied()).output().unwrap()
+    };
+    let output = run(&["serve"], &[]);
+    assert_eq!(output.status.code(), Some(64));
+    assert!(stderr(&output).contains("invoked as ratelimit"), "{}", stderr(&output));
+    let output = run(&[], &[("REDIS_SOCKET_TYPE", "carrier-pigeon")]);
+    assert_eq!(output.status.code(), Some(64));
+    assert!(
+        stderr(&output).contains("REDIS_SOCKET_TYPE"),
+        "upstream's variable was read: {}",
+        stderr(&output)
+    );
+    let output = run(&[], &[("LOG_FORMAT", "json"), ("REDIS_SOCKET_TYPE", "carrier-pigeon")]);
+    let line: serde_json::Value =
+        serde_json::from_str(stderr(&output).trim()).expect("upstream's LOG_FORMAT");
+    assert_eq!(line["level"], "ERROR");
+}
+
 #[test]
 fn unknown_subcommand_is_a_usage_error() {
     assert_eq!(ratelimitd(&["frobnicate"], &[]).status.code(), Some(64));

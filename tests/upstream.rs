@@ -4,8 +4,9 @@
 //! environment of `docker-compose-integration-test.yml` behind two Envoys
 //! (a proxy with the ratelimit filter, a mock answering "Hello World from
 //! Service N") and runs eight scripts in file order. This test does the
-//! same with ratelimitd: the binary started with that environment
-//! (`RATELIMITD_COMPAT=envoyproxy` added, addresses changed), Redis over
+//! same with ratelimitd: the binary started as upstream's image starts it
+//! (`/bin/ratelimit`, a link to ratelimitd, no argument; the name alone
+//! turns compat mode on) with that environment (addresses changed), Redis over
 //! TCP, a statsd listener, real Envoys on `tests/upstream/proxy.yaml` and
 //! `mock.yaml`, and the rules of `tests/upstream/config`. Each flow below
 //! is one script: the same requests, the same headers, in the same order,
@@ -91,7 +92,8 @@ impl Suite {
             ("RUNTIME_WATCH_ROOT", "false".to_owned()),
             ("RESPONSE_DYNAMIC_METADATA", "true".to_owned()),
         ];
-        let (service, grpc_port, http_port) = common::start_compat(dir.path(), &log, &env);
+        // As upstream's image runs it: `/bin/ratelimit`, no argument.
+        let (service, grpc_port, http_port) = common::start_as_upstream(dir.path(), &log, &env);
         let service = Process(service);
         let mock_dir = dir.path().join("mock");
         std::fs::create_dir_all(&mock_dir).unwrap();

@@ -84,9 +84,40 @@ pub enum Command {
     },
 }
 
+/// The name envoyproxy/ratelimit's binary has in its image
+/// (`/bin/ratelimit`), which control planes such as Envoy Gateway run.
+pub const UPSTREAM_NAME: &str = "ratelimit";
+
+/// Whether the binary runs under upstream's name ([`UPSTREAM_NAME`]).
+fn invoked_as_upstream() -> bool {
+    let invoked = std::env::args_os().next().map(PathBuf::from);
+    invoked.as_deref().and_then(std::path::Path::file_name).is_some_and(|name| name == UPSTREAM_NAME)
+}
+
 /// Parses the command line and runs it; a usage error exits 64, `--help`
-/// and `--version` 0.
+/// and `--version` 0. Invoked as [`UPSTREAM_NAME`] (by its file name, as
+/// upstream's image is), the binary is that one: it takes no argument and
+/// serves in envoyproxy compat mode (`RATELIMITD_COMPAT=envoyproxy` unless
+/// the environment names a mode).
 pub fn main() -> ExitCode {
+    if invoked_as_upstream() {
+        if let Some(arg) = std::env::args_os().nth(1) {
+            fatal(&format!(
+                "invoked as {UPSTREAM_NAME} (envoyproxy/ratelimit's binary), which takes no argument: got {arg:?}; run ratelimitd for its commands"
+            ));
+            return ExitCode::from(EXIT_USAGE);
+        }
+        let mut env: std::collections::HashMap<String, String> = std::env::vars().collect();
+        env.entry(crate::config::compat::COMPAT_VAR.to_owned())
+            .or_insert_with(|| crate::config::compat::ENVOYPROXY.to_owned());
+        return match Config::load(None, env) {
+            Ok(config) => serve::run(config),
+            Err(e) => {
+                fatal(&e.to_string());
+                ExitCode::from(EXIT_USAGE)
+            }
+        };
+    }
     match Cli::try_parse() {
         Ok(cli) => run(cli),
         Err(e) => {
@@ -189,7 +220,8 @@ fn chain(error: &dyn std::error::Error) -> String {
 /// otherwise.
 fn fatal(message: &str) {
     let env = |name: &str| std::env::var(name).is_ok_and(|v| v.eq_ignore_ascii_case("json"));
-    let compat = std::env::var(crate::config::compat::COMPAT_VAR).is_ok_and(|v| !v.is_empty());
+    let compat = invoked_as_upstream()
+        || std::env::var(crate::config::compat::COMPAT_VAR).is_ok_and(|v| !v.is_empty());
     if env("RATELIMITD__LOG__FORMAT") || (compat && env("LOG_FORMAT")) {
         let line = serde_json::json!({
             "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),

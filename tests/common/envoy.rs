@@ -95,16 +95,41 @@ pub fn http_get_text(port: u16, path: &str, headers: &[(&str, &str)]) -> Reply {
 /// ports; nothing else from this process' environment. Its stderr goes to
 /// `log`. Returns the child and (gRPC port, HTTP port).
 pub fn start_compat(home: &Path, log: &Path, env: &[(&str, String)]) -> (Child, u16, u16) {
+    let mut env = env.to_vec();
+    env.push(("RATELIMITD_COMPAT", "envoyproxy".to_owned()));
+    start_upstream(Path::new(env!("CARGO_BIN_EXE_ratelimitd")), &["serve"], home, log, &env)
+}
+
+/// The same deployment as upstream's image runs it: the binary under
+/// upstream's name (`ratelimit`, a link in `home`), with no argument and
+/// no `RATELIMITD_COMPAT`.
+pub fn start_as_upstream(home: &Path, log: &Path, env: &[(&str, String)]) -> (Child, u16, u16) {
+    let link = home.join("bin/ratelimit");
+    std::fs::create_dir_all(link.parent().unwrap()).unwrap();
+    if !link.exists() {
+        std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ratelimitd"), &link).unwrap();
+    }
+    start_upstream(&link, &[], home, log, env)
+}
+
+/// `program args` with `env`, upstream's listeners on free ports and
+/// nothing else from this process' environment; (child, gRPC, HTTP port).
+fn start_upstream(
+    program: &Path,
+    args: &[&str],
+    home: &Path,
+    log: &Path,
+    env: &[(&str, String)],
+) -> (Child, u16, u16) {
     // The HTTP port is picked afresh with each try of the gRPC one.
     let http = std::cell::Cell::new(0);
     let (child, grpc) = start_listening("ratelimitd", log, |grpc| {
         http.set(free_port());
-        let mut command = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+        let mut command = Command::new(program);
         command
-            .arg("serve")
+            .args(args)
             .env_clear()
             .env("HOME", home)
-            .env("RATELIMITD_COMPAT", "envoyproxy")
             .env("HOST", "127.0.0.1")
             .env("PORT", http.get().to_string())
             .env("GRPC_HOST", "127.0.0.1")
