@@ -31,6 +31,119 @@ impl TraceService for Receiver {
     }
 }
 
+/// In envoyproxy compat mode, upstream's tracing variables
+/// (`TRACING_ENABLED`, `OTEL_EXPORTER_OTLP_ENDPOINT`,
+/// `TRACING_SERVICE_NAME`, `TRACING_SAMPLING_RATE=0`) and its default
+/// `LOG_LEVEL=warn`: a sampled caller's `ShouldRateLimit` exports its span
+/// under that service name (the log level does not filter spans), and a
+/// request without a caller's trace (a root, sampled at 0) exports none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
+    use ratelimitd::api::envoy_pb::{
+        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+        rls::{RateLimitRequest, rate_limit_service_client::RateLimitServiceClient},
+    };
+    let receiver = Receiver::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let otlp_port = listener.local_addr().unwrap().port();
+    let (stop_receiver, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(receiver.clone()))
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener),
+                async move {
+                    let _ = stopped.await;
+                },
+            ),
+    );
+    let redis = common::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("data/ratelimit/config");
+    std::fs::create_dir_all(&config).unwrap();
+    std::fs::write(
+        config.join("edge.yaml"),
+        "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: { unit: minute, requests_per_unit: 10 }\n",
+    )
+    .unwrap();
+    let env = [
+        ("REDIS_SOCKET_TYPE", "tcp".to_owned()),
+        ("REDIS_URL", format!("127.0.0.1:{}", redis.port)),
+        ("RUNTIME_ROOT", dir.path().join("data").display().to_string()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
+        ("TRACING_ENABLED", "true".to_owned()),
+        ("LOG_LEVEL", "warn".to_owned()),
+        ("TRACING_SERVICE_NAME", "edge-ratelimit".to_owned()),
+        ("TRACING_SAMPLING_RATE", "0".to_owned()),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{otlp_port}")),
+    ];
+    let log = dir.path().join("serve.log");
+    let (child, grpc_port, _) = common::start_compat(dir.path(), &log, &env);
+    let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{grpc_port}")).await.unwrap();
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let request = RateLimitRequest {
+        domain: "edge".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry { key: "user".to_owned(), value: "ann".to_owned() }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    };
+    for _ in 0..5 {
+        client.should_rate_limit(request.clone()).await.unwrap();
+    }
+    let mut call = tonic::Request::new(request);
+    call.metadata_mut().insert("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap());
+    client.should_rate_limit(call).await.unwrap();
+    stop_and_wait(child).await;
+    let spans = spans_of(&receiver);
+    let decisions: Vec<_> = spans.iter().filter(|s| s.name == "ratelimit.should_rate_limit").collect();
+    let expected: Vec<u8> =
+        (0..16).map(|i| u8::from_str_radix(&trace_id[2 * i..2 * i + 2], 16).unwrap()).collect();
+    assert!(
+        decisions.len() == 1 && decisions[0].trace_id == expected,
+        "one span, the sampled caller's: {decisions:#?}; the service's log:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    let services: Vec<String> = receiver
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.resource_spans.iter())
+        .flat_map(|r| r.resource.iter().flat_map(|r| r.attributes.iter()))
+        .filter(|a| a.key == "service.name")
+        .map(|a| format!("{:?}", a.value))
+        .collect();
+    assert!(services.iter().all(|s| s.contains("edge-ratelimit")) && !services.is_empty(), "{services:?}");
+    let _ = stop_receiver.send(());
+    serving.await.unwrap().unwrap();
+}
+
+/// SIGTERMs `child` (its exporter flushes on the way out) and waits for it.
+async fn stop_and_wait(mut child: std::process::Child) {
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "no exit after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Every span `receiver` got.
+fn spans_of(receiver: &Receiver) -> Vec<opentelemetry_proto::tonic::trace::v1::Span> {
+    receiver
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.resource_spans.iter())
+        .flat_map(|r| r.scope_spans.iter())
+        .flat_map(|s| s.spans.iter())
+        .cloned()
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_decision_span_carries_the_incoming_trace_id() {
     // The receiver.

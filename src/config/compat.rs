@@ -71,14 +71,12 @@ const IGNORED: &[(&str, &str)] = &[
     ("RUNTIME_WATCH_ROOT", "the resolved files are always watched (symlink swaps included)"),
     ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "the service is ready once the store answers (/readyz)"),
     ("TRACING_ENABLED", "traces go to OTEL_EXPORTER_OTLP_ENDPOINT or telemetry.otlp_endpoint when set"),
-    ("TRACING_SERVICE_NAME", "see telemetry.service_name"),
     ("TRACING_SERVICE_NAMESPACE", "see telemetry.service_name"),
     ("TRACING_SERVICE_INSTANCE_ID", "see telemetry.service_name"),
     (
         "TRACING_EXPORTER_PROTOCOL",
         "traces are exported over OTLP/gRPC only: point the endpoint at the collector's gRPC port (4317)",
     ),
-    ("TRACING_SAMPLING_RATE", "every traced request is sampled by the caller's decision"),
     ("MEMCACHE_HOST_PORT", "no memcached backend"),
     ("MEMCACHE_MAX_IDLE_CONNS", "no memcached backend"),
     ("MEMCACHE_SRV", "no memcached backend"),
@@ -129,6 +127,7 @@ pub fn apply(env: &mut HashMap<String, String>) -> Result<Compat, ConfigError> {
     grpc_tls(&upstream, &mut out)?;
     envoy(&upstream, &mut out)?;
     logging(&upstream, &mut out)?;
+    tracing(&upstream, &mut out)?;
     statsd(&upstream, &mut out)?;
     let ignored: Vec<(&'static str, &'static str)> =
         IGNORED.iter().filter(|(name, _)| upstream.get(name).is_some()).copied().collect();
@@ -466,6 +465,23 @@ fn statsd(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     out.push(("telemetry.statsd_addr", format!("{}:{port}", up.get("STATSD_HOST").unwrap_or("localhost"))));
     if let Some(ms) = up.millis("STATS_FLUSH_INTERVAL")? {
         out.push(("telemetry.statsd_flush_interval_ms", ms.to_string()));
+    }
+    Ok(())
+}
+
+/// `TRACING_SERVICE_NAME` (the spans' `service.name`) and
+/// `TRACING_SAMPLING_RATE` (0 to 1: the share of decisions without a
+/// caller's trace that are traced); spans go where
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` says, in every mode.
+fn tracing(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
+    if let Some(name) = up.get("TRACING_SERVICE_NAME") {
+        out.push(("telemetry.service_name", name.to_owned()));
+    }
+    if let Some(rate) = up.get("TRACING_SAMPLING_RATE") {
+        let ratio = rate.trim().parse::<f64>().ok().filter(|r| (0.0..=1.0).contains(r));
+        let ratio =
+            ratio.ok_or_else(|| invalid("TRACING_SAMPLING_RATE", format!("{rate:?}: expected 0 to 1")))?;
+        out.push(("telemetry.sampling_ratio", ratio.to_string()));
     }
     Ok(())
 }

@@ -32,6 +32,12 @@ impl TelemetryConfig {
         {
             return Err(invalid("telemetry.statsd_addr", format!("{addr:?} is not host:port")));
         }
+        if !(0.0..=1.0).contains(&self.sampling_ratio) {
+            return Err(invalid(
+                "telemetry.sampling_ratio",
+                format!("{}: must be between 0 and 1", self.sampling_ratio),
+            ));
+        }
         if !(100..=3_600_000).contains(&self.statsd_flush_interval_ms) {
             return Err(invalid("telemetry.statsd_flush_interval_ms", "must be between 100 and 3600000"));
         }

@@ -39,6 +39,9 @@ pub struct TelemetryConfig {
     pub otlp_endpoint: Option<String>,
     /// `service.name` of exported spans.
     pub service_name: String,
+    /// Share (0 to 1) of the decisions without a caller's trace whose spans are exported; a
+    /// caller's trace (`traceparent`) is followed as it says (sampled or not).
+    pub sampling_ratio: f64,
     /// `host:port` of a statsd server (a statsd-exporter): envoyproxy/ratelimit's counters are sent
     /// there under its names (`ratelimit.service.rate_limit.<key>.total_hits`, …; see "Upstream
     /// metrics"); a host that does not resolve is tried again at every flush (warned once), never
@@ -53,6 +56,7 @@ impl Default for TelemetryConfig {
         Self {
             otlp_endpoint: None,
             service_name: "ratelimitd".to_owned(),
+            sampling_ratio: 1.0,
             statsd_addr: None,
             statsd_flush_interval_ms: 10_000,
         }

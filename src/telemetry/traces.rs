@@ -13,7 +13,12 @@
 
 use opentelemetry::{propagation::Extractor, trace::TracerProvider as _};
 use opentelemetry_otlp::WithExportConfig as _;
-use opentelemetry_sdk::{Resource, propagation::TraceContextPropagator, trace::SdkTracerProvider};
+use opentelemetry_sdk::{
+    Resource,
+    propagation::TraceContextPropagator,
+    trace::{Sampler, SdkTracerProvider},
+};
+use tracing::Level;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::{
     Layer, Registry,
@@ -119,13 +124,23 @@ where
         .with_endpoint(endpoint)
         .build()
         .map_err(|e| TelemetryError(e.to_string()))?;
+    // A caller's decision is followed; a root is sampled at the ratio.
+    let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(telemetry.sampling_ratio)));
     let provider = SdkTracerProvider::builder()
+        .with_sampler(sampler)
         .with_batch_exporter(exporter)
         .with_resource(Resource::builder().with_service_name(telemetry.service_name.clone()).build())
         .build();
     let tracer = provider.tracer("ratelimitd");
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    layers.push(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(filter()).boxed());
+    // The exporter takes this service's spans whatever the log level: a
+    // `warn` log (envoyproxy/ratelimit's default `LOG_LEVEL`) must not
+    // leave a sampled caller's trace without its decision.
+    let spans = filter_fn(|metadata| {
+        metadata.is_span() && metadata.target().starts_with("ratelimitd") && *metadata.level() <= Level::INFO
+    })
+    .with_max_level_hint(LevelFilter::INFO);
+    layers.push(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(spans).boxed());
     Ok((layers, Some(provider)))
 }
 
