@@ -20,6 +20,41 @@ use ratelimitd::api::pb::rate_limiter_client::RateLimiterClient;
 #[derive(Clone, Default)]
 struct Receiver(Arc<Mutex<Vec<ExportTraceServiceRequest>>>);
 
+impl Receiver {
+    /// A receiver on a free loopback port: (receiver, port, its serving).
+    async fn start() -> (Self, u16, Serving) {
+        let receiver = Receiver::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(receiver.clone()))
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener),
+                    async move {
+                        let _ = stopped.await;
+                    },
+                ),
+        );
+        (receiver, port, Serving { stop, task })
+    }
+}
+
+/// A receiver's serving task and what stops it.
+struct Serving {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl Serving {
+    /// Stops serving; panics if serving failed.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap().unwrap();
+    }
+}
+
 #[tonic::async_trait]
 impl TraceService for Receiver {
     async fn export(
@@ -43,20 +78,7 @@ async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
         envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
         rls::{RateLimitRequest, rate_limit_service_client::RateLimitServiceClient},
     };
-    let receiver = Receiver::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let otlp_port = listener.local_addr().unwrap().port();
-    let (stop_receiver, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(receiver.clone()))
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(listener),
-                async move {
-                    let _ = stopped.await;
-                },
-            ),
-    );
+    let (receiver, otlp_port, serving) = Receiver::start().await;
     let redis = common::RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("data/ratelimit/config");
@@ -116,8 +138,7 @@ async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
         .map(|a| format!("{:?}", a.value))
         .collect();
     assert!(services.iter().all(|s| s.contains("edge-ratelimit")) && !services.is_empty(), "{services:?}");
-    let _ = stop_receiver.send(());
-    serving.await.unwrap().unwrap();
+    serving.stop().await;
 }
 
 /// SIGTERMs `child` (its exporter flushes on the way out) and waits for it.
@@ -146,21 +167,7 @@ fn spans_of(receiver: &Receiver) -> Vec<opentelemetry_proto::tonic::trace::v1::S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_decision_span_carries_the_incoming_trace_id() {
-    // The receiver.
-    let receiver = Receiver::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let otlp_port = listener.local_addr().unwrap().port();
-    let (stop_receiver, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(receiver.clone()))
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(listener),
-                async move {
-                    let _ = stopped.await;
-                },
-            ),
-    );
+    let (receiver, otlp_port, serving) = Receiver::start().await;
 
     // The real binary, exporting to it.
     let rules = Rules::new(
@@ -168,7 +175,7 @@ async fn a_decision_span_carries_the_incoming_trace_id() {
     );
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+    let child = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
         .arg("serve")
         .env_remove("RUST_LOG")
         .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
@@ -197,24 +204,8 @@ async fn a_decision_span_carries_the_incoming_trace_id() {
     call.metadata_mut().insert("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap());
     assert!(client.check(call).await.unwrap().into_inner().allowed);
 
-    // SIGTERM: the exporter flushes on the way out.
-    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while child.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "no exit after SIGTERM");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-
-    let spans: Vec<_> = receiver
-        .0
-        .lock()
-        .unwrap()
-        .iter()
-        .flat_map(|r| r.resource_spans.iter())
-        .flat_map(|r| r.scope_spans.iter())
-        .flat_map(|s| s.spans.iter())
-        .cloned()
-        .collect();
+    stop_and_wait(child).await;
+    let spans = spans_of(&receiver);
     let expected =
         (0..16).map(|i| u8::from_str_radix(&trace_id[2 * i..2 * i + 2], 16).unwrap()).collect::<Vec<_>>();
     let check = spans.iter().find(|s| s.name == "ratelimit.check").unwrap_or_else(|| {
@@ -233,6 +224,5 @@ async fn a_decision_span_carries_the_incoming_trace_id() {
     let store = spans.iter().find(|s| s.name == "store.decide").expect("a store span");
     assert_eq!((store.trace_id.clone(), store.parent_span_id.clone()), (expected, check.span_id.clone()));
 
-    let _ = stop_receiver.send(());
-    serving.await.unwrap().unwrap();
+    serving.stop().await;
 }

@@ -924,12 +924,7 @@ async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand
     assert!((1..=11_000).contains(&ttl), "two leases, margins and lingers: {ttl}");
     // The script's text crossed once; every later report named its SHA.
     let stats: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
-    let calls = |command: &str| {
-        stats
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-            .map_or(0, |rest| rest.split(',').next().unwrap().parse::<u64>().unwrap())
-    };
+    let calls = |command: &str| command_calls(&stats, command);
     assert_eq!((calls("eval"), calls("evalsha")), (1, 7), "{stats}");
     drop(store);
     while dispatchers.join_next().await.is_some() {}
@@ -1031,12 +1026,7 @@ async fn a_report_of_many_keys_goes_in_calls_of_a_bounded_size() {
         assert!(granted.grants == expected, "round {round}: {:?}…", &granted.grants[..6]);
     }
     let stats: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
-    let calls = |command: &str| {
-        stats
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-            .map_or(0, |rest| rest.split(',').next().unwrap().parse::<u64>().unwrap())
-    };
+    let calls = |command: &str| command_calls(&stats, command);
     // Round 0: 3 EVALSHA refused (NOSCRIPT), then an EVAL and 2 EVALSHA;
     // round 1: 3 EVALSHA.
     assert_eq!(calls("eval"), 1, "{stats}");
@@ -1045,4 +1035,12 @@ async fn a_report_of_many_keys_goes_in_calls_of_a_bounded_size() {
     assert_eq!(held.len(), keys);
     drop(store);
     while dispatchers.join_next().await.is_some() {}
+}
+
+/// How many times `INFO commandstats` (`stats`) says `command` was called.
+fn command_calls(stats: &str, command: &str) -> u64 {
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse::<u64>().unwrap())
 }
