@@ -537,25 +537,15 @@ async fn services_configured_for_two_regions_share_a_global_rule() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn services_configured_for_two_regions_share_a_global_descriptor() {
     use common::Rules;
-    use ratelimitd::api::envoy_pb::{
-        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
-        rls::{
-            RateLimitRequest, rate_limit_response::Code, rate_limit_service_client::RateLimitServiceClient,
-        },
+    use ratelimitd::api::envoy_pb::rls::{
+        rate_limit_response::Code, rate_limit_service_client::RateLimitServiceClient,
     };
     let envoy = Rules::new(
         "domain: edge\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: second, unit_multiplier: 2, requests_per_unit: 200, global: true }\n",
     );
     let (servers, _stores) = two_regions(|config| config.rules.envoy_path = Some(envoy.path())).await;
     let mut client = RateLimitServiceClient::connect(format!("http://{}", servers[0].addr)).await.unwrap();
-    let request = RateLimitRequest {
-        domain: "edge".to_owned(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: vec![Entry { key: "tenant".to_owned(), value: "acme".to_owned() }],
-            ..Default::default()
-        }],
-        hits_addend: 1,
-    };
+    let request = common::rls_request("edge", "tenant", "acme");
     let mut admitted = Vec::new();
     let started = wall_ms();
     while wall_ms() < started + 4_000 {

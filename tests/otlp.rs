@@ -74,10 +74,7 @@ impl TraceService for Receiver {
 /// request without a caller's trace (a root, sampled at 0) exports none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
-    use ratelimitd::api::envoy_pb::{
-        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
-        rls::{RateLimitRequest, rate_limit_service_client::RateLimitServiceClient},
-    };
+    use ratelimitd::api::envoy_pb::rls::rate_limit_service_client::RateLimitServiceClient;
     let (receiver, otlp_port, serving) = Receiver::start().await;
     let redis = common::RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
@@ -103,14 +100,7 @@ async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
     let (child, grpc_port, _) = common::start_compat(dir.path(), &log, &env);
     let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{grpc_port}")).await.unwrap();
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let request = RateLimitRequest {
-        domain: "edge".to_owned(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: vec![Entry { key: "user".to_owned(), value: "ann".to_owned() }],
-            ..Default::default()
-        }],
-        hits_addend: 1,
-    };
+    let request = common::rls_request("edge", "user", "ann");
     for _ in 0..5 {
         client.should_rate_limit(request.clone()).await.unwrap();
     }

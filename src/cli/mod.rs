@@ -110,13 +110,7 @@ pub fn main() -> ExitCode {
         let mut env: std::collections::HashMap<String, String> = std::env::vars().collect();
         env.entry(crate::config::compat::COMPAT_VAR.to_owned())
             .or_insert_with(|| crate::config::compat::ENVOYPROXY.to_owned());
-        return match Config::load(None, env) {
-            Ok(config) => serve::run(config),
-            Err(e) => {
-                fatal(&e.to_string());
-                ExitCode::from(EXIT_USAGE)
-            }
-        };
+        return with_config_from(None, env, serve::run);
     }
     match Cli::try_parse() {
         Ok(cli) => run(cli),
@@ -162,7 +156,16 @@ pub fn run(cli: Cli) -> ExitCode {
 /// Runs `command` with the configuration (`--config`, then the
 /// environment), loaded and validated; on error prints it and exits 64.
 fn with_config(file: Option<&std::path::Path>, command: impl FnOnce(Config) -> ExitCode) -> ExitCode {
-    match Config::load(file, std::env::vars().collect()) {
+    with_config_from(file, std::env::vars().collect(), command)
+}
+
+/// [`with_config`] with `env` for the process environment.
+fn with_config_from(
+    file: Option<&std::path::Path>,
+    env: std::collections::HashMap<String, String>,
+    command: impl FnOnce(Config) -> ExitCode,
+) -> ExitCode {
+    match Config::load(file, env) {
         Ok(config) => command(config),
         Err(e) => {
             fatal(&e.to_string());

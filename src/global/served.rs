@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::{
-    limiter::{Algorithm, Count, ManyItem, Store, StoreError, WindowParams},
+    limiter::{Algorithm, Count, ManyItem, Store, StoreError, WindowParams, adaptive::AdaptiveLimit},
     rules::{
         Rule, Snapshot,
         envoy::{EnvoyConfig, params, tick_ms},
@@ -30,6 +30,11 @@ pub struct Served {
     counter: Counter,
 }
 
+/// The most a limit now at `limit` can be: an adaptive limit's `max`.
+fn most(adaptive: Option<&AdaptiveLimit>, limit: u64) -> u64 {
+    adaptive.map_or(limit, |a| a.params.max.max(limit))
+}
+
 /// How a key's counter is reached.
 #[derive(Debug, Clone)]
 enum Counter {
@@ -50,7 +55,7 @@ impl Served {
             .map(|rule| {
                 // An adaptive rule's limit in force.
                 let (limit, window) = rule.limit_at(0);
-                let most = rule.adaptive.as_ref().map_or(limit, |a| a.params.max.max(limit));
+                let most = most(rule.adaptive.as_deref(), limit);
                 Served {
                     id: Arc::clone(&rule.id),
                     limit,
@@ -67,7 +72,7 @@ impl Served {
             out.push(Served {
                 id: Arc::clone(&limit.full_key),
                 limit: per_unit,
-                most: limit.adaptive.as_ref().map_or(per_unit, |a| a.params.max.max(per_unit)),
+                most: most(limit.adaptive.as_deref(), per_unit),
                 window: WindowParams {
                     window_ms: seconds * 1_000,
                     capacity: per_unit,

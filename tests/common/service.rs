@@ -282,6 +282,22 @@ pub fn request(user: &str, path: &str) -> pb::RateLimitRequest {
     pb::RateLimitRequest { user_id: user.to_owned(), resource_path: path.to_owned(), ..Default::default() }
 }
 
+/// A `ShouldRateLimit` of one hit on one descriptor of one entry,
+/// `key=value`, in `domain`.
+pub fn rls_request(domain: &str, key: &str, value: &str) -> ratelimitd::api::envoy_pb::rls::RateLimitRequest {
+    use ratelimitd::api::envoy_pb::envoy::extensions::common::ratelimit::v3::{
+        RateLimitDescriptor, rate_limit_descriptor::Entry,
+    };
+    ratelimitd::api::envoy_pb::rls::RateLimitRequest {
+        domain: domain.to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry { key: key.to_owned(), value: value.to_owned() }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    }
+}
+
 /// Calls Check and unwraps the response.
 pub async fn check(
     client: &mut RateLimiterClient<Channel>,
