@@ -27,24 +27,64 @@ impl Receiver {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(TraceServiceServer::new(receiver.clone()))
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(listener),
-                    async move {
-                        let _ = stopped.await;
-                    },
-                ),
-        );
+        let serve = tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(receiver.clone()))
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener),
+                async move {
+                    let _ = stopped.await;
+                },
+            );
+        let task = tokio::spawn(async move { serve.await.map_err(|e| e.to_string()) });
         (receiver, port, Serving { stop, task })
+    }
+
+    /// An OTLP/HTTP receiver (protobuf bodies posted to `/v1/traces`, as a
+    /// collector's port 4318 takes them) on a free loopback port.
+    async fn start_http() -> (Self, u16, Serving) {
+        use prost::Message as _;
+        let receiver = Receiver::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let kept = receiver.clone();
+        let app = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |body: axum::body::Bytes| async move {
+                match ExportTraceServiceRequest::decode(body) {
+                    Ok(request) => {
+                        kept.0.lock().unwrap().push(request);
+                        (axum::http::StatusCode::OK, ExportTraceServiceResponse::default().encode_to_vec())
+                    }
+                    Err(_) => (axum::http::StatusCode::BAD_REQUEST, Vec::new()),
+                }
+            }),
+        );
+        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+            let _ = stopped.await;
+        });
+        let task = tokio::spawn(async move { serve.await.map_err(|e| e.to_string()) });
+        (receiver, port, Serving { stop, task })
+    }
+
+    /// The values of the resource attribute `key` in every export.
+    fn resource_values(&self, key: &str) -> Vec<String> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r.resource_spans.iter())
+            .flat_map(|r| r.resource.iter().flat_map(|r| r.attributes.iter()))
+            .filter(|a| a.key == key)
+            .map(|a| format!("{:?}", a.value))
+            .collect()
     }
 }
 
 /// A receiver's serving task and what stops it.
 struct Serving {
     stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    task: tokio::task::JoinHandle<Result<(), String>>,
 }
 
 impl Serving {
@@ -66,16 +106,20 @@ impl TraceService for Receiver {
     }
 }
 
-/// In envoyproxy compat mode, upstream's tracing variables
-/// (`TRACING_ENABLED`, `OTEL_EXPORTER_OTLP_ENDPOINT`,
-/// `TRACING_SERVICE_NAME`, `TRACING_SAMPLING_RATE=0`) and its default
+/// In envoyproxy compat mode, upstream's tracing variables as Envoy
+/// Gateway's generated Deployment sets them (`TRACING_ENABLED`,
+/// `TRACING_SERVICE_NAME`, `TRACING_SERVICE_NAMESPACE`,
+/// `TRACING_SERVICE_INSTANCE_ID`, `TRACING_SAMPLING_RATE`,
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` at a collector's OTLP/HTTP port, no
+/// protocol: upstream's default is HTTP) and upstream's default
 /// `LOG_LEVEL=warn`: a sampled caller's `ShouldRateLimit` exports its span
-/// under that service name (the log level does not filter spans), and a
-/// request without a caller's trace (a root, sampled at 0) exports none.
+/// under those resource attributes (the log level does not filter spans),
+/// and a request without a caller's trace (a root, sampled at 0) exports
+/// none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
     use ratelimitd::api::envoy_pb::rls::rate_limit_service_client::RateLimitServiceClient;
-    let (receiver, otlp_port, serving) = Receiver::start().await;
+    let (receiver, otlp_port, serving) = Receiver::start_http().await;
     let redis = common::RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("data/ratelimit/config");
@@ -92,7 +136,9 @@ async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
         ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
         ("TRACING_ENABLED", "true".to_owned()),
         ("LOG_LEVEL", "warn".to_owned()),
-        ("TRACING_SERVICE_NAME", "edge-ratelimit".to_owned()),
+        ("TRACING_SERVICE_NAME", "envoy-ratelimit".to_owned()),
+        ("TRACING_SERVICE_NAMESPACE", "envoy-gateway-system".to_owned()),
+        ("TRACING_SERVICE_INSTANCE_ID", "envoy-ratelimit-5d8c7b-x2k4p".to_owned()),
         ("TRACING_SAMPLING_RATE", "0".to_owned()),
         ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{otlp_port}")),
     ];
@@ -117,17 +163,14 @@ async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
         "one span, the sampled caller's: {decisions:#?}; the service's log:\n{}",
         std::fs::read_to_string(&log).unwrap_or_default()
     );
-    let services: Vec<String> = receiver
-        .0
-        .lock()
-        .unwrap()
-        .iter()
-        .flat_map(|r| r.resource_spans.iter())
-        .flat_map(|r| r.resource.iter().flat_map(|r| r.attributes.iter()))
-        .filter(|a| a.key == "service.name")
-        .map(|a| format!("{:?}", a.value))
-        .collect();
-    assert!(services.iter().all(|s| s.contains("edge-ratelimit")) && !services.is_empty(), "{services:?}");
+    for (key, value) in [
+        ("service.name", "envoy-ratelimit"),
+        ("service.namespace", "envoy-gateway-system"),
+        ("service.instance.id", "envoy-ratelimit-5d8c7b-x2k4p"),
+    ] {
+        let values = receiver.resource_values(key);
+        assert!(!values.is_empty() && values.iter().all(|v| v.contains(value)), "{key}: {values:?}");
+    }
     serving.stop().await;
 }
 

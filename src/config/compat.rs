@@ -70,13 +70,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("RUNTIME_IGNOREDOTFILES", "dot files are always ignored"),
     ("RUNTIME_WATCH_ROOT", "the resolved files are always watched (symlink swaps included)"),
     ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "the service is ready once the store answers (/readyz)"),
-    ("TRACING_ENABLED", "traces go to OTEL_EXPORTER_OTLP_ENDPOINT or telemetry.otlp_endpoint when set"),
-    ("TRACING_SERVICE_NAMESPACE", "see telemetry.service_name"),
-    ("TRACING_SERVICE_INSTANCE_ID", "see telemetry.service_name"),
-    (
-        "TRACING_EXPORTER_PROTOCOL",
-        "traces are exported over OTLP/gRPC only: point the endpoint at the collector's gRPC port (4317)",
-    ),
     ("MEMCACHE_HOST_PORT", "no memcached backend"),
     ("MEMCACHE_MAX_IDLE_CONNS", "no memcached backend"),
     ("MEMCACHE_SRV", "no memcached backend"),
@@ -127,13 +120,18 @@ pub fn apply(env: &mut HashMap<String, String>) -> Result<Compat, ConfigError> {
     grpc_tls(&upstream, &mut out)?;
     envoy(&upstream, &mut out)?;
     logging(&upstream, &mut out)?;
-    tracing(&upstream, &mut out)?;
+    let tracing = tracing(&upstream, &mut out)?;
     statsd(&upstream, &mut out)?;
     let ignored: Vec<(&'static str, &'static str)> =
         IGNORED.iter().filter(|(name, _)| upstream.get(name).is_some()).copied().collect();
     for (key, value) in out {
         let name = format!("{ENV_PREFIX}__{}", key.replace('.', "__").to_uppercase());
         env.entry(name).or_insert(value);
+    }
+    if !tracing {
+        for name in OTEL_ENDPOINTS {
+            env.remove(name);
+        }
     }
     Ok(Compat { ignored })
 }
@@ -469,13 +467,37 @@ fn statsd(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// `TRACING_SERVICE_NAME` (the spans' `service.name`) and
-/// `TRACING_SAMPLING_RATE` (0 to 1: the share of decisions without a
-/// caller's trace that are traced); spans go where
-/// `OTEL_EXPORTER_OTLP_ENDPOINT` says, in every mode.
-fn tracing(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
-    if let Some(name) = up.get("TRACING_SERVICE_NAME") {
-        out.push(("telemetry.service_name", name.to_owned()));
+/// Upstream's tracing: nothing is exported unless `TRACING_ENABLED`
+/// (so the OpenTelemetry endpoint variables are not read without it);
+/// with it, spans go over `TRACING_EXPORTER_PROTOCOL` (`http`, upstream's
+/// default, or `grpc`) to `OTEL_EXPORTER_OTLP_ENDPOINT` (the
+/// OpenTelemetry default for the protocol, `http://localhost:4318` or
+/// `:4317`, when unset), under `TRACING_SERVICE_NAME` (upstream's default
+/// `RateLimit`), `TRACING_SERVICE_NAMESPACE` and
+/// `TRACING_SERVICE_INSTANCE_ID`; `TRACING_SAMPLING_RATE` (0 to 1) is the
+/// share of decisions without a caller's trace that are traced.
+/// Returns whether tracing is on.
+fn tracing(up: &Upstream<'_>, out: &mut Out) -> Result<bool, ConfigError> {
+    if up.flag("TRACING_ENABLED")? != Some(true) {
+        return Ok(false);
+    }
+    let (protocol, port) = match up.get("TRACING_EXPORTER_PROTOCOL").unwrap_or("http") {
+        "http" => ("http/protobuf", 4318),
+        "grpc" => ("grpc", 4317),
+        other => {
+            return Err(invalid("TRACING_EXPORTER_PROTOCOL", format!("{other:?}: expected http or grpc")));
+        }
+    };
+    out.push(("telemetry.otlp_protocol", protocol.to_owned()));
+    if OTEL_ENDPOINTS.iter().all(|name| up.get(name).is_none()) {
+        out.push(("telemetry.otlp_endpoint", format!("http://localhost:{port}")));
+    }
+    out.push(("telemetry.service_name", up.get("TRACING_SERVICE_NAME").unwrap_or("RateLimit").to_owned()));
+    if let Some(namespace) = up.get("TRACING_SERVICE_NAMESPACE") {
+        out.push(("telemetry.service_namespace", namespace.to_owned()));
+    }
+    if let Some(instance) = up.get("TRACING_SERVICE_INSTANCE_ID") {
+        out.push(("telemetry.service_instance_id", instance.to_owned()));
     }
     if let Some(rate) = up.get("TRACING_SAMPLING_RATE") {
         let ratio = rate.trim().parse::<f64>().ok().filter(|r| (0.0..=1.0).contains(r));
@@ -483,8 +505,11 @@ fn tracing(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
             ratio.ok_or_else(|| invalid("TRACING_SAMPLING_RATE", format!("{rate:?}: expected 0 to 1")))?;
         out.push(("telemetry.sampling_ratio", ratio.to_string()));
     }
-    Ok(())
+    Ok(true)
 }
+
+/// The OpenTelemetry variables that name where spans go.
+const OTEL_ENDPOINTS: [&str; 2] = ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"];
 
 /// `LOG_LEVEL` (upstream's names, any case) and `LOG_FORMAT` (`text` or
 /// `json`). Upstream's level is its own logger's: `debug` and `trace` are
@@ -566,6 +591,55 @@ mod tests {
         let mut env = env(pairs);
         let compat = apply(&mut env).unwrap();
         (env, compat)
+    }
+
+    /// Upstream's tracing variables as Envoy Gateway's Deployment sets them:
+    /// OTLP/HTTP by default, the resource attributes, the rate; without
+    /// `TRACING_ENABLED` the endpoint variable exports nothing.
+    #[test]
+    fn tracing_follows_upstream() {
+        use crate::telemetry::settings::OtlpProtocol;
+        let load =
+            |pairs: &[(&str, &str)]| crate::config::Config::load(None, env(pairs)).map(|c| c.telemetry);
+        let t = load(&[
+            (COMPAT_VAR, ENVOYPROXY),
+            ("TRACING_ENABLED", "true"),
+            ("TRACING_SERVICE_NAME", "envoy-ratelimit"),
+            ("TRACING_SERVICE_NAMESPACE", "envoy-gateway-system"),
+            ("TRACING_SERVICE_INSTANCE_ID", "envoy-ratelimit-7d9f-abcde"),
+            ("TRACING_SAMPLING_RATE", "0.5"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://otel-svc.observability:4318"),
+        ])
+        .unwrap();
+        assert_eq!(t.otlp_protocol, OtlpProtocol::HttpProtobuf);
+        assert_eq!(t.otlp_endpoint.as_deref(), Some("http://otel-svc.observability:4318"));
+        assert_eq!(t.service_name, "envoy-ratelimit");
+        assert_eq!(t.service_namespace.as_deref(), Some("envoy-gateway-system"));
+        assert_eq!(t.service_instance_id.as_deref(), Some("envoy-ratelimit-7d9f-abcde"));
+        assert_eq!(t.sampling_ratio, 0.5);
+
+        let t = load(&[
+            (COMPAT_VAR, ENVOYPROXY),
+            ("TRACING_ENABLED", "1"),
+            ("TRACING_EXPORTER_PROTOCOL", "grpc"),
+        ])
+        .unwrap();
+        assert_eq!(t.otlp_protocol, OtlpProtocol::Grpc);
+        assert_eq!(t.otlp_endpoint.as_deref(), Some("http://localhost:4317"), "the protocol's default");
+        assert_eq!(t.service_name, "RateLimit", "upstream's default");
+
+        let t = load(&[(COMPAT_VAR, ENVOYPROXY), ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")])
+            .unwrap();
+        assert_eq!(t.otlp_endpoint, None, "not enabled: nothing exported");
+
+        let error = load(&[
+            (COMPAT_VAR, ENVOYPROXY),
+            ("TRACING_ENABLED", "true"),
+            ("TRACING_EXPORTER_PROTOCOL", "zipkin"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("TRACING_EXPORTER_PROTOCOL") && error.contains("zipkin"), "{error}");
     }
 
     #[test]

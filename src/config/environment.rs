@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use super::{ENV_PREFIX, compat::COMPAT_VAR};
+use super::{ConfigError, ENV_PREFIX, compat::COMPAT_VAR, invalid};
 
 /// Variables with this service's prefix that the project's scripts and
 /// test suite read, not the service.
@@ -44,12 +44,13 @@ const SECTIONS: [&str; 15] = [
 
 /// Adds `RATELIMITD__TELEMETRY__OTLP_ENDPOINT` (from
 /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, else `OTEL_EXPORTER_OTLP_ENDPOINT`;
-/// none when `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`) and
+/// none when `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`),
+/// `RATELIMITD__TELEMETRY__OTLP_PROTOCOL` (from
+/// `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else `OTEL_EXPORTER_OTLP_PROTOCOL`:
+/// `grpc` or `http/protobuf`; another is an error naming the variable) and
 /// `RATELIMITD__TELEMETRY__SERVICE_NAME` (from `OTEL_SERVICE_NAME`, else
-/// `service.name` in `OTEL_RESOURCE_ATTRIBUTES`), never over one already
-/// set; returns a note for what cannot be honoured (a protocol other than
-/// gRPC).
-pub(super) fn otel(env: &mut HashMap<String, String>) -> Vec<String> {
+/// `service.name` in `OTEL_RESOURCE_ATTRIBUTES`), never over one already set.
+pub(super) fn otel(env: &mut HashMap<String, String>) -> Result<(), ConfigError> {
     let get = |name: &str| env.get(name).map(|v| v.trim()).filter(|v| !v.is_empty()).map(str::to_owned);
     let off = get("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"))
         || get("OTEL_TRACES_EXPORTER").is_some_and(|v| v.eq_ignore_ascii_case("none"));
@@ -62,14 +63,10 @@ pub(super) fn otel(env: &mut HashMap<String, String>) -> Vec<String> {
     let protocol = ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"]
         .into_iter()
         .find_map(|name| Some((name, get(name)?)));
-    let mut notes = Vec::new();
-    if let Some((name, protocol)) = protocol
-        && protocol != "grpc"
+    if let Some((name, protocol)) = &protocol
+        && !["grpc", "http/protobuf"].contains(&protocol.as_str())
     {
-        notes.push(format!(
-            "{name}={protocol}: traces are exported over OTLP/gRPC only; point the endpoint at the \
-             collector's gRPC port (4317)"
-        ));
+        return Err(invalid(name, format!("{protocol:?}: traces are exported over grpc or http/protobuf")));
     }
     let mut set = |key: &str, value: String| {
         env.entry(format!("{ENV_PREFIX}__TELEMETRY__{key}")).or_insert(value);
@@ -77,10 +74,13 @@ pub(super) fn otel(env: &mut HashMap<String, String>) -> Vec<String> {
     if let Some(endpoint) = endpoint.filter(|_| !off) {
         set("OTLP_ENDPOINT", endpoint);
     }
+    if let Some((_, protocol)) = protocol {
+        set("OTLP_PROTOCOL", protocol);
+    }
     if let Some(service) = service {
         set("SERVICE_NAME", service);
     }
-    notes
+    Ok(())
 }
 
 /// A note for each variable named like this service's that no setting
@@ -133,7 +133,7 @@ mod tests {
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
             ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod, service.name=edge-rl"),
         ]);
-        assert!(otel(&mut e).is_empty());
+        otel(&mut e).unwrap();
         assert_eq!(e["RATELIMITD__TELEMETRY__OTLP_ENDPOINT"], "http://collector:4317");
         assert_eq!(e["RATELIMITD__TELEMETRY__SERVICE_NAME"], "edge-rl");
 
@@ -143,20 +143,24 @@ mod tests {
             ("OTEL_SERVICE_NAME", "rl"),
             ("RATELIMITD__TELEMETRY__SERVICE_NAME", "explicit"),
         ]);
-        otel(&mut e);
+        otel(&mut e).unwrap();
         assert_eq!(e["RATELIMITD__TELEMETRY__OTLP_ENDPOINT"], "http://traces:4317", "the traces one first");
         assert_eq!(e["RATELIMITD__TELEMETRY__SERVICE_NAME"], "explicit", "ours beats theirs");
 
         for off in [("OTEL_SDK_DISABLED", "true"), ("OTEL_TRACES_EXPORTER", "none")] {
             let mut e = env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"), off]);
-            otel(&mut e);
+            otel(&mut e).unwrap();
             assert!(!e.contains_key("RATELIMITD__TELEMETRY__OTLP_ENDPOINT"), "{off:?}");
         }
 
-        let mut e = env(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")]);
-        let notes = otel(&mut e);
-        assert!(notes.len() == 1 && notes[0].contains("OTLP/gRPC only"), "{notes:?}");
-        assert!(otel(&mut env(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")])).is_empty());
+        let mut e = env(&[
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+        ]);
+        otel(&mut e).unwrap();
+        assert_eq!(e["RATELIMITD__TELEMETRY__OTLP_PROTOCOL"], "http/protobuf", "the traces one first");
+        let error = otel(&mut env(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")])).unwrap_err().to_string();
+        assert!(error.contains("OTEL_EXPORTER_OTLP_PROTOCOL") && error.contains("http/json"), "{error}");
     }
 
     #[test]

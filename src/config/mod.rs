@@ -142,8 +142,7 @@ pub struct Config {
     #[serde(skip)]
     pub compat: compat::Compat,
     /// What the environment set that is not honoured as written (a
-    /// misspelt `RATELIMITD_…` name, an OpenTelemetry protocol other than
-    /// gRPC), logged once at start.
+    /// misspelt `RATELIMITD_…` name), logged once at start.
     #[serde(skip)]
     pub notes: Vec<String>,
 }
@@ -166,8 +165,8 @@ impl Config {
     /// process environment in production and a plain map in tests.
     pub fn load(file: Option<&Path>, mut env: HashMap<String, String>) -> Result<Self, ConfigError> {
         let compat = compat::apply(&mut env)?;
-        let mut notes = environment::unread(&env);
-        notes.extend(environment::otel(&mut env));
+        let notes = environment::unread(&env);
+        environment::otel(&mut env)?;
         let state = state_dir(&env);
         let mut builder = config::Config::builder()
             .set_default("dlq.file", path_value(&state.join("dlq.jsonl")))

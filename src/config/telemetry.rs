@@ -3,7 +3,7 @@
 //! errors naming their key.
 
 use super::{ConfigError, invalid};
-use crate::telemetry::settings::{LogConfig, TelemetryConfig};
+use crate::telemetry::settings::{LogConfig, OtlpProtocol, TelemetryConfig};
 
 impl LogConfig {
     /// Checks `log.*`: the level is a valid filter directive.
@@ -15,15 +15,35 @@ impl LogConfig {
 }
 
 impl TelemetryConfig {
-    /// Checks `telemetry.*`: the OTLP endpoint is an http(s) URL.
+    /// Checks `telemetry.*`: the OTLP endpoint is an http(s) URL (plain
+    /// http for `http/protobuf`, whose client has no TLS).
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if let Some(endpoint) = &self.otlp_endpoint
-            && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
-        {
-            return Err(invalid(
-                "telemetry.otlp_endpoint",
-                format!("{endpoint:?} must start with http:// or https://"),
-            ));
+        if let Some(endpoint) = &self.otlp_endpoint {
+            let http = endpoint.starts_with("http://");
+            if self.otlp_protocol == OtlpProtocol::HttpProtobuf && !http {
+                return Err(invalid(
+                    "telemetry.otlp_endpoint",
+                    format!("{endpoint:?} must start with http:// (OTLP/HTTP is exported without TLS)"),
+                ));
+            }
+            if !(http || endpoint.starts_with("https://")) {
+                return Err(invalid(
+                    "telemetry.otlp_endpoint",
+                    format!("{endpoint:?} must start with http:// or https://"),
+                ));
+            }
+            endpoint
+                .parse::<axum::http::Uri>()
+                .map_err(|e| invalid("telemetry.otlp_endpoint", format!("{endpoint:?}: {e}")))?;
+        }
+        for (key, value) in [
+            ("telemetry.service_name", Some(&self.service_name)),
+            ("telemetry.service_namespace", self.service_namespace.as_ref()),
+            ("telemetry.service_instance_id", self.service_instance_id.as_ref()),
+        ] {
+            if value.is_some_and(|v| v.trim().is_empty() || v.len() > 255) {
+                return Err(invalid(key, "must be 1 to 255 characters"));
+            }
         }
         if let Some(addr) = &self.statsd_addr
             && addr

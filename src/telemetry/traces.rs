@@ -2,7 +2,7 @@
 //! logs written to stderr by a dedicated thread (a worker only hands a
 //! line to a bounded buffer; when the buffer is full the line is dropped
 //! and counted, never waited for), and — when `telemetry.otlp_endpoint` is set — an OpenTelemetry
-//! layer exporting spans over OTLP/gRPC. Incoming W3C trace context
+//! layer exporting spans over OTLP (gRPC, or HTTP with protobuf bodies). Incoming W3C trace context
 //! (`traceparent` in gRPC metadata) becomes the parent of each decision span.
 //!
 //! Spans exist for the exporter alone: the log layer takes events only, so
@@ -11,8 +11,8 @@
 //! registry entry with its fields formatted (about 3,000 instructions of a
 //! decision at `info`, counted with callgrind).
 
-use opentelemetry::{propagation::Extractor, trace::TracerProvider as _};
-use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry::{KeyValue, propagation::Extractor, trace::TracerProvider as _};
+use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
 use opentelemetry_sdk::{
     Resource,
     propagation::TraceContextPropagator,
@@ -28,7 +28,7 @@ use tracing_subscriber::{
     util::SubscriberInitExt as _,
 };
 
-use super::settings::{LogConfig, LogFormat, TelemetryConfig};
+use super::settings::{LogConfig, LogFormat, OtlpProtocol, TelemetryConfig};
 
 /// Log lines the writer thread may have waiting; past it lines are dropped.
 const LOG_BUFFER_LINES: usize = 65_536;
@@ -119,17 +119,13 @@ where
     let Some(endpoint) = &telemetry.otlp_endpoint else {
         return Ok((layers, None));
     };
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_tonic()
-        .with_endpoint(endpoint)
-        .build()
-        .map_err(|e| TelemetryError(e.to_string()))?;
+    let exporter = exporter(endpoint, telemetry.otlp_protocol)?;
     // A caller's decision is followed; a root is sampled at the ratio.
     let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(telemetry.sampling_ratio)));
     let provider = SdkTracerProvider::builder()
         .with_sampler(sampler)
         .with_batch_exporter(exporter)
-        .with_resource(Resource::builder().with_service_name(telemetry.service_name.clone()).build())
+        .with_resource(resource(telemetry))
         .build();
     let tracer = provider.tracer("ratelimitd");
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
@@ -142,6 +138,99 @@ where
     .with_max_level_hint(LevelFilter::INFO);
     layers.push(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(spans).boxed());
     Ok((layers, Some(provider)))
+}
+
+/// The span exporter to `endpoint` over `protocol`.
+fn exporter(
+    endpoint: &str,
+    protocol: OtlpProtocol,
+) -> Result<opentelemetry_otlp::SpanExporter, TelemetryError> {
+    match protocol {
+        OtlpProtocol::Grpc => {
+            opentelemetry_otlp::SpanExporter::builder().with_tonic().with_endpoint(endpoint).build()
+        }
+        OtlpProtocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_http_client(OnRuntime::current())
+            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+            .with_endpoint(traces_url(endpoint))
+            .build(),
+    }
+    .map_err(|e| TelemetryError(e.to_string()))
+}
+
+/// How long one OTLP/HTTP export may take (the OpenTelemetry default).
+const HTTP_EXPORT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The OTLP/HTTP exporter's client: hyper's, each request run on the
+/// service's runtime. The batch exporter sends from a thread of its own,
+/// outside any runtime, where hyper's connector cannot run.
+#[derive(Debug)]
+struct OnRuntime {
+    client: std::sync::Arc<
+        opentelemetry_http::hyper::HyperClient<hyper_util::client::legacy::connect::HttpConnector>,
+    >,
+    runtime: tokio::runtime::Handle,
+}
+
+impl OnRuntime {
+    /// A client on the runtime this is called in (`init` runs inside it).
+    fn current() -> Self {
+        Self {
+            client: std::sync::Arc::new(opentelemetry_http::hyper::HyperClient::with_default_connector(
+                HTTP_EXPORT_TIMEOUT,
+                None,
+            )),
+            runtime: tokio::runtime::Handle::current(),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl opentelemetry_http::HttpClient for OnRuntime {
+    async fn send_bytes(
+        &self,
+        request: opentelemetry_http::Request<opentelemetry_http::Bytes>,
+    ) -> Result<opentelemetry_http::Response<opentelemetry_http::Bytes>, opentelemetry_http::HttpError> {
+        let client = std::sync::Arc::clone(&self.client);
+        self.runtime.spawn(async move { client.send_bytes(request).await }).await?
+    }
+}
+
+/// The URL an OTLP/HTTP exporter posts spans to: `endpoint` with
+/// `/v1/traces` appended to its path, unless the path already ends with it
+/// (a per-signal URL such as `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`'s).
+fn traces_url(endpoint: &str) -> String {
+    let (base, query) = endpoint.split_once('?').map_or((endpoint, None), |(b, q)| (b, Some(q)));
+    let base = base.trim_end_matches('/');
+    let url = if base.ends_with("/v1/traces") { base.to_owned() } else { format!("{base}/v1/traces") };
+    match query {
+        Some(query) => format!("{url}?{query}"),
+        None => url,
+    }
+}
+
+/// The exported spans' resource: `service.name`, `service.namespace` when
+/// set, and `service.instance.id` (a random UUID when not set, as the
+/// OpenTelemetry conventions recommend, so two instances' spans differ).
+fn resource(telemetry: &TelemetryConfig) -> Resource {
+    let instance = telemetry.service_instance_id.clone().unwrap_or_else(random_uuid);
+    let mut attributes = vec![KeyValue::new("service.instance.id", instance)];
+    if let Some(namespace) = &telemetry.service_namespace {
+        attributes.push(KeyValue::new("service.namespace", namespace.clone()));
+    }
+    Resource::builder().with_service_name(telemetry.service_name.clone()).with_attributes(attributes).build()
+}
+
+/// A version 4 UUID from the operating system's random source (all zero
+/// when it cannot answer: the attribute names an instance, nothing more).
+fn random_uuid() -> String {
+    let mut b = [0u8; 16];
+    let _ = getrandom::fill(&mut b);
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let hex: String = b.iter().map(|byte| format!("{byte:02x}")).collect();
+    format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
 }
 
 /// Reads W3C trace headers from gRPC metadata.
@@ -212,6 +301,17 @@ mod tests {
 
     /// Without an exporter a request makes no span at all (the log layer
     /// wants events only), while events at the level are still written.
+    #[test]
+    fn otlp_http_posts_to_v1_traces_under_the_endpoint() {
+        assert_eq!(traces_url("http://collector:4318"), "http://collector:4318/v1/traces");
+        assert_eq!(traces_url("http://collector:4318/"), "http://collector:4318/v1/traces");
+        assert_eq!(traces_url("http://gw/otlp"), "http://gw/otlp/v1/traces");
+        assert_eq!(traces_url("http://collector:4318/v1/traces"), "http://collector:4318/v1/traces");
+        assert_eq!(traces_url("http://gw/otlp?tenant=a"), "http://gw/otlp/v1/traces?tenant=a");
+        let id = random_uuid();
+        assert!(id.len() == 36 && id.as_bytes()[14] == b'4' && id != random_uuid(), "{id}");
+    }
+
     #[test]
     fn without_an_exporter_no_span_is_made_and_events_are_logged() {
         let lines = Lines::default();
