@@ -39,9 +39,11 @@ RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/ratelimitd ra
 COPY --from=build /usr/local/bin/ratelimitd /usr/local/bin/ratelimitd
 COPY examples /etc/ratelimitd/examples
 WORKDIR /var/lib/ratelimitd
+# The state directory (dead-letter file and spool, local counts) whatever
+# user runs the image: a control plane may run it as another user (Envoy
+# Gateway: 65534, read-only root filesystem) with a volume mounted here.
 ENV RATELIMITD__RULES__EXAMPLES=false \
-    RATELIMITD__DLQ__FILE=/var/lib/ratelimitd/dlq.jsonl \
-    RATELIMITD__DLQ__SPOOL_DIR=/var/lib/ratelimitd/spool
+    STATE_DIRECTORY=/var/lib/ratelimitd
 USER ratelimitd
 # gRPC (grpc.listen) and metrics/health (http.listen).
 EXPOSE 8081 8080

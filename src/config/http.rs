@@ -38,6 +38,11 @@ pub struct HttpConfig {
     /// NetworkPolicy admit nothing else to it (the kubelet's probes are not subject to it). Unset:
     /// probes share the HTTP port.
     pub probe_listen: Option<String>,
+    /// Also serve `/metrics` (and the probes) on this address, with places of its own as
+    /// `probe_listen` has: for a scraper configured for a port of its own (envoyproxy/ratelimit's
+    /// `PROMETHEUS_ADDR`, which Envoy Gateway's Deployment sets to `:19001`). Unset: `/metrics` is
+    /// on the HTTP port only.
+    pub metrics_listen: Option<String>,
     /// A connection that sends nothing for this long is closed.
     pub idle_timeout_ms: u64,
     /// A request's head (request line and headers) must be whole this long
@@ -59,6 +64,7 @@ impl Default for HttpConfig {
             max_connections: 64,
             max_connections_per_peer: 8,
             probe_listen: None,
+            metrics_listen: None,
             idle_timeout_ms: 10_000,
             header_read_timeout_ms: 5_000,
             max_connection_age_ms: 60_000,
@@ -84,15 +90,22 @@ impl HttpConfig {
                 format!("must be between 1 and http.max_connections ({})", self.max_connections),
             ));
         }
-        if let Some(probe) = &self.probe_listen {
-            let addr = probe.parse::<SocketAddr>().map_err(|e| {
-                invalid("http.probe_listen", format!("{probe:?} is not an ip:port address: {e}"))
-            })?;
-            if addr.port() != 0
-                && self.listen.parse::<SocketAddr>().is_ok_and(|http| http.port() == addr.port())
-            {
-                return Err(invalid("http.probe_listen", "must not be the port of http.listen"));
+        let http_port = self.listen.parse::<SocketAddr>().ok().map(|http| http.port());
+        let mut ports = Vec::new();
+        for (key, listen) in
+            [("http.probe_listen", &self.probe_listen), ("http.metrics_listen", &self.metrics_listen)]
+        {
+            let Some(listen) = listen else { continue };
+            let addr = listen
+                .parse::<SocketAddr>()
+                .map_err(|e| invalid(key, format!("{listen:?} is not an ip:port address: {e}")))?;
+            if addr.port() != 0 && http_port == Some(addr.port()) {
+                return Err(invalid(key, "must not be the port of http.listen"));
             }
+            if addr.port() != 0 && ports.contains(&addr.port()) {
+                return Err(invalid(key, "must not be the port of http.probe_listen"));
+            }
+            ports.push(addr.port());
         }
         for (key, ms) in [
             ("http.idle_timeout_ms", self.idle_timeout_ms),

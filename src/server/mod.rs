@@ -53,6 +53,9 @@ pub enum ServerError {
     /// `http.probe_listen` cannot be bound.
     #[error("http.probe_listen {0}: cannot bind: {1}")]
     ProbeListen(String, std::io::Error),
+    /// `http.metrics_listen` cannot be bound.
+    #[error("http.metrics_listen {0}: cannot bind: {1}")]
+    MetricsListen(String, std::io::Error),
     /// The spool directory cannot be opened.
     #[error("dlq.spool_dir {0}")]
     Spool(String),

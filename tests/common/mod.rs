@@ -3,7 +3,7 @@
 //! `service.rs` (the real gRPC server on `127.0.0.1:0`, rule files in a
 //! temporary directory, a generated client), `kafka.rs` (a real
 //! Kafka-protocol broker), `envoy.rs` (real Envoy, grpcurl), `tls.rs`
-//! (certificates), `delay.rs` (a TCP proxy with a one-way latency that can
+//! (certificates), `xds.rs` (an aggregated discovery server), `delay.rs` (a TCP proxy with a one-way latency that can
 //! cut the path); here, what they share (free ports, child processes,
 //! waiting). Every child process is stopped by PID when dropped.
 
@@ -33,10 +33,11 @@ mod redis_nodes;
 mod service;
 mod tls;
 pub mod webdriver;
+mod xds;
 
 // Each test binary uses some of them.
 #[allow(unused_imports)]
-pub use self::{delay::*, envoy::*, h2::*, kafka::*, redis_nodes::*, service::*, tls::*};
+pub use self::{delay::*, envoy::*, h2::*, kafka::*, redis_nodes::*, service::*, tls::*, xds::*};
 
 /// Which counter store a scenario runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

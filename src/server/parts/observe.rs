@@ -154,7 +154,7 @@ pub(crate) fn register_figures(
 /// Readiness and gRPC health: the state behind `/readyz` and
 /// `grpc.health.v1`, the monitor that probes the store, and the HTTP
 /// endpoints when `http` is given (the probes also on
-/// `http.probe_listen` when set). Starts NOT_SERVING until the first probe.
+/// `http.probe_listen`, everything also on `http.metrics_listen`, when set). Starts NOT_SERVING until the first probe.
 pub(crate) async fn health(
     config: &Config,
     rules: &Rules,
@@ -190,23 +190,43 @@ pub(crate) async fn health(
         stop,
     ));
     if let Some(http) = http {
-        tracing::info!(addr = ?http.local_addr().ok(), "serving /metrics, /healthz, /readyz");
-        let limits = crate::server::conns::Limits {
-            max_connections: config.http.max_connections,
-            max_connections_per_peer: config.http.max_connections_per_peer,
-            idle_timeout: Duration::from_millis(config.http.idle_timeout_ms),
-            max_age: Duration::from_millis(config.http.max_connection_age_ms),
-            header_read_timeout: Duration::from_millis(config.http.header_read_timeout_ms),
-        };
-        if let Some(addr) = &config.http.probe_listen {
-            let probes =
-                TcpListener::bind(addr).await.map_err(|e| ServerError::ProbeListen(addr.clone(), e))?;
-            tracing::info!(addr = ?probes.local_addr().ok(), "serving /healthz, /readyz, /healthcheck");
-            let stop = tasks.stopper();
-            tasks.spawn(serve_http(probes, limits, Arc::clone(&health), None, stop));
-        }
-        let stop = tasks.stopper();
-        tasks.spawn(serve_http(http, limits, Arc::clone(&health), Some(Arc::clone(metrics)), stop));
+        serve_endpoints(config, &health, metrics, http, tasks).await?;
     }
     Ok((health, reporter, service))
+}
+
+/// The HTTP endpoints on `http`, the probes alone on `http.probe_listen`
+/// and everything on `http.metrics_listen` when set, each listener with
+/// connection places of its own.
+async fn serve_endpoints(
+    config: &Config,
+    health: &Arc<Health>,
+    metrics: &Arc<Metrics>,
+    http: TcpListener,
+    tasks: &mut Tasks,
+) -> Result<(), ServerError> {
+    tracing::info!(addr = ?http.local_addr().ok(), "serving /metrics, /healthz, /readyz");
+    let limits = crate::server::conns::Limits {
+        max_connections: config.http.max_connections,
+        max_connections_per_peer: config.http.max_connections_per_peer,
+        idle_timeout: Duration::from_millis(config.http.idle_timeout_ms),
+        max_age: Duration::from_millis(config.http.max_connection_age_ms),
+        header_read_timeout: Duration::from_millis(config.http.header_read_timeout_ms),
+    };
+    if let Some(addr) = &config.http.probe_listen {
+        let probes = TcpListener::bind(addr).await.map_err(|e| ServerError::ProbeListen(addr.clone(), e))?;
+        tracing::info!(addr = ?probes.local_addr().ok(), "serving /healthz, /readyz, /healthcheck");
+        let stop = tasks.stopper();
+        tasks.spawn(serve_http(probes, limits, Arc::clone(health), None, stop));
+    }
+    if let Some(addr) = &config.http.metrics_listen {
+        let scrapes =
+            TcpListener::bind(addr).await.map_err(|e| ServerError::MetricsListen(addr.clone(), e))?;
+        tracing::info!(addr = ?scrapes.local_addr().ok(), "serving /metrics, /healthz, /readyz");
+        let stop = tasks.stopper();
+        tasks.spawn(serve_http(scrapes, limits, Arc::clone(health), Some(Arc::clone(metrics)), stop));
+    }
+    let stop = tasks.stopper();
+    tasks.spawn(serve_http(http, limits, Arc::clone(health), Some(Arc::clone(metrics)), stop));
+    Ok(())
 }

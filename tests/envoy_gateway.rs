@@ -1,0 +1,329 @@
+//! Envoy Gateway's image swap, end to end: the binary started as Envoy
+//! Gateway v1.9.0's generated rate limit Deployment starts it (the
+//! command `/bin/ratelimit`, no argument, the Deployment's environment),
+//! its rules served over mutual TLS by an aggregated discovery server as
+//! Envoy Gateway's control plane serves them (`RateLimitConfig`s built as
+//! its translator builds them), and a real Envoy configured as the
+//! translator configures the gateway's listener (per-route
+//! `RateLimitPerRoute` actions, `DRAFT_VERSION_03` headers, the rate
+//! limit cluster over TLS).
+//!
+//! What the test changes from the Deployment: file paths (`/certs/…` are
+//! in a temporary directory), the control plane's address
+//! (`envoy-gateway:18001` is `localhost` on a free port) and the listeners'
+//! addresses (`PORT`, `GRPC_PORT`, `PROMETHEUS_ADDR`: free loopback ports,
+//! where the Deployment has 8080, 8081 and `:19001`).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{
+    Process, http_get_text, management_server_with, python_upstream, start_as_upstream, start_envoy,
+};
+use prost::Message as _;
+use ratelimitd::api::{
+    envoy_pb::rls_config::{RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitUnit},
+    xds::TYPE_URL,
+};
+
+/// The gateway's listener, `namespace/gateway/listener`: the domain.
+const DOMAIN: &str = "default/eg/http";
+/// Two HTTPRoute rules' IR route names, each a route descriptor.
+const ROUTE_USERS: &str = "httproute/default/backend/rule/0/match/0/*";
+const ROUTE_FREE: &str = "httproute/default/backend/rule/1/match/0/*";
+
+/// A descriptor `key` (= `value` when given), nested `inner`, limited by `limit`.
+fn descriptor(
+    key: &str,
+    value: Option<&str>,
+    limit: Option<(u32, RateLimitUnit)>,
+    shadow: bool,
+    inner: Vec<RateLimitDescriptor>,
+) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        key: key.to_owned(),
+        value: value.unwrap_or_default().to_owned(),
+        rate_limit: limit.map(|(requests_per_unit, unit)| RateLimitPolicy {
+            unit: unit as i32,
+            requests_per_unit,
+            ..Default::default()
+        }),
+        shadow_mode: shadow,
+        descriptors: inner,
+        ..Default::default()
+    }
+}
+
+/// The `RateLimitConfig` Envoy Gateway's translator builds for the
+/// listener's two routes: a route descriptor each (key and value the route
+/// name), its rules nested below as `rule-N-match-M` chains, the limit on
+/// the last of each chain.
+/// - users route, rule 0: a distinct `x-user-id` header match (key only),
+///   3 per hour per user; rule 1: no match (`rule-1-match--1`), 5 per
+///   year for the whole route.
+/// - free route, rule 0: a `x-plan: free` header value match, 1 per second,
+///   in shadow mode.
+fn gateway_config() -> prost_types::Any {
+    use RateLimitUnit::{Hour, Second, Year};
+    let config = RateLimitConfig {
+        name: DOMAIN.to_owned(),
+        domain: DOMAIN.to_owned(),
+        descriptors: vec![
+            descriptor(
+                ROUTE_USERS,
+                Some(ROUTE_USERS),
+                None,
+                false,
+                vec![
+                    descriptor("rule-0-match-0", None, Some((3, Hour)), false, vec![]),
+                    descriptor("rule-1-match--1", Some("rule-1-match--1"), Some((5, Year)), false, vec![]),
+                ],
+            ),
+            descriptor(
+                ROUTE_FREE,
+                Some(ROUTE_FREE),
+                None,
+                false,
+                vec![descriptor("rule-0-match-0", Some("rule-0-match-0"), Some((1, Second)), true, vec![])],
+            ),
+        ],
+    };
+    prost_types::Any { type_url: TYPE_URL.to_owned(), value: config.encode_to_vec() }
+}
+
+/// The gateway's Envoy: the listener's routes with the translator's
+/// per-route actions, the rate limit filter on the listener's domain, the
+/// rate limit cluster over TLS (verifying the service against the
+/// gateway's CA, presenting `envoy.pem`).
+fn envoy_config(listen: u16, admin: u16, ratelimit: u16, backend: u16, certs: &std::path::Path) -> String {
+    let cert = |name: &str| certs.join(name).display().to_string();
+    let (ca, envoy_cert, envoy_key) = (cert("ca.pem"), cert("envoy.pem"), cert("envoy.key"));
+    format!(
+        r#"
+admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}
+static_resources:
+  clusters:
+    - name: ratelimit_cluster
+      type: STATIC
+      connect_timeout: 1s
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config: {{ http2_protocol_options: {{}} }}
+      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+          sni: localhost
+          common_tls_context:
+            tls_certificates:
+              - certificate_chain: {{ filename: {envoy_cert} }}
+                private_key: {{ filename: {envoy_key} }}
+            validation_context:
+              trusted_ca: {{ filename: {ca} }}
+              match_typed_subject_alt_names:
+                - san_type: DNS
+                  matcher: {{ exact: localhost }}
+      load_assignment:
+        cluster_name: ratelimit_cluster
+        endpoints:
+          - lb_endpoints:
+              - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {ratelimit} }} }} }}
+    - name: backend
+      type: STATIC
+      connect_timeout: 1s
+      load_assignment:
+        cluster_name: backend
+        endpoints:
+          - lb_endpoints:
+              - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {backend} }} }} }}
+  listeners:
+    - name: {DOMAIN}
+      address: {{ socket_address: {{ address: 127.0.0.1, port_value: {listen} }} }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: http
+                http_filters:
+                  - name: envoy.filters.http.ratelimit
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+                      domain: {DOMAIN}
+                      # The translator leaves Envoy's 20 ms; generous for a loaded CI machine.
+                      timeout: 2s
+                      enable_x_ratelimit_headers: DRAFT_VERSION_03
+                      disable_x_envoy_ratelimited_header: true
+                      rate_limit_service:
+                        transport_api_version: V3
+                        grpc_service: {{ envoy_grpc: {{ cluster_name: ratelimit_cluster }} }}
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+                route_config:
+                  virtual_hosts:
+                    - name: backend
+                      domains: ["*"]
+                      routes:
+                        - name: "{ROUTE_USERS}"
+                          match: {{ prefix: /users }}
+                          route: {{ cluster: backend, prefix_rewrite: / }}
+                          typed_per_filter_config:
+                            envoy.filters.http.ratelimit:
+                              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+                              domain: {DOMAIN}
+                              rate_limits:
+                                - actions:
+                                    - generic_key: {{ descriptor_key: "{ROUTE_USERS}", descriptor_value: "{ROUTE_USERS}" }}
+                                    - request_headers: {{ header_name: x-user-id, descriptor_key: rule-0-match-0 }}
+                                - actions:
+                                    - generic_key: {{ descriptor_key: "{ROUTE_USERS}", descriptor_value: "{ROUTE_USERS}" }}
+                                    - generic_key: {{ descriptor_key: rule-1-match--1, descriptor_value: rule-1-match--1 }}
+                        - name: "{ROUTE_FREE}"
+                          match: {{ prefix: /free }}
+                          route: {{ cluster: backend, prefix_rewrite: / }}
+                          typed_per_filter_config:
+                            envoy.filters.http.ratelimit:
+                              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+                              domain: {DOMAIN}
+                              rate_limits:
+                                - actions:
+                                    - generic_key: {{ descriptor_key: "{ROUTE_FREE}", descriptor_value: "{ROUTE_FREE}" }}
+                                    - header_value_match:
+                                        descriptor_key: rule-0-match-0
+                                        descriptor_value: rule-0-match-0
+                                        expect_match: true
+                                        headers:
+                                          - name: x-plan
+                                            string_match: {{ exact: free }}
+"#
+    )
+}
+
+/// The environment of Envoy Gateway v1.9.0's rate limit Deployment
+/// (`internal/infrastructure/kubernetes/ratelimit/resource.go`), Redis
+/// backend without TLS, Prometheus on, tracing off.
+fn deployment_env(
+    certs: &std::path::Path,
+    xds_port: u16,
+    redis_port: u16,
+    metrics_port: u16,
+) -> Vec<(&'static str, String)> {
+    let cert = |name: &str| certs.join(name).display().to_string();
+    vec![
+        ("RUNTIME_ROOT", "/data".to_owned()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
+        ("RUNTIME_IGNOREDOTFILES", "true".to_owned()),
+        ("RUNTIME_WATCH_ROOT", "false".to_owned()),
+        ("LOG_LEVEL", "info".to_owned()),
+        ("USE_STATSD", "false".to_owned()),
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW".to_owned()),
+        ("CONFIG_GRPC_XDS_SERVER_URL", format!("localhost:{xds_port}")),
+        ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit".to_owned()),
+        ("GRPC_SERVER_USE_TLS", "true".to_owned()),
+        ("GRPC_SERVER_TLS_CERT", cert("tls.crt")),
+        ("GRPC_SERVER_TLS_KEY", cert("tls.key")),
+        ("GRPC_SERVER_TLS_CA_CERT", cert("ca.crt")),
+        ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true".to_owned()),
+        ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", cert("tls.crt")),
+        ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", cert("tls.key")),
+        ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", cert("ca.crt")),
+        ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true".to_owned()),
+        ("REDIS_SOCKET_TYPE", "tcp".to_owned()),
+        ("REDIS_URL", format!("127.0.0.1:{redis_port}")),
+        ("USE_PROMETHEUS", "true".to_owned()),
+        ("PROMETHEUS_ADDR", format!("127.0.0.1:{metrics_port}")),
+        ("PROMETHEUS_MAPPER_YAML", "/etc/statsd-exporter/conf.yaml".to_owned()),
+    ]
+}
+
+/// GET `path` through Envoy with `headers`: (status, `x-ratelimit-remaining`).
+fn get(port: u16, path: &str, headers: &[(&str, &str)]) -> (u16, Option<String>) {
+    let reply = http_get_text(port, path, headers);
+    (reply.status, reply.header("x-ratelimit-remaining").map(str::to_owned))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn envoy_gateways_deployment_serves_its_xds_limits_through_envoy() {
+    let dir = tempfile::tempdir().unwrap();
+    // The gateway's CA; the control plane's certificate; the rate limit
+    // Deployment's /certs/tls.crt (it serves and it is a client of the
+    // control plane); the Envoy proxy's client certificate.
+    common::make_ca(dir.path(), "ca");
+    common::make_leaf(dir.path(), "ca", "server", "serverAuth");
+    common::make_leaf(dir.path(), "ca", "ratelimit", "serverAuth,clientAuth");
+    common::make_leaf(dir.path(), "ca", "envoy", "clientAuth");
+    let certs = dir.path().join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    for (from, to) in [("ratelimit.pem", "tls.crt"), ("ratelimit.key", "tls.key"), ("ca.pem", "ca.crt")] {
+        std::fs::copy(dir.path().join(from), certs.join(to)).unwrap();
+    }
+
+    let (_set, seen, url) =
+        management_server_with(Some(("1".to_owned(), vec![gateway_config()])), Some(dir.path())).await;
+    let xds_port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
+    let redis = common::RedisServer::start();
+    let log = dir.path().join("ratelimit.log");
+    let metrics_port = common::free_port();
+    let (child, grpc_port, http_port) =
+        start_as_upstream(dir.path(), &log, &deployment_env(&certs, xds_port, redis.port, metrics_port));
+    let _service = Process(child);
+    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    // The Deployment's probe, then the set acknowledged by the node it names.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while common::http_get(([127, 0, 0, 1], http_port).into(), "/healthcheck").0 != 200 {
+        assert!(Instant::now() < deadline, "/healthcheck never 200; log:\n{}", log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    loop {
+        let acked = seen
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|r| r.version_info == "1" && r.node.as_ref().is_some_and(|n| n.id == "envoy-ratelimit"));
+        if acked {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the set was never acknowledged; log:\n{}", log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let backend_dir = tempfile::tempdir().unwrap();
+    let (_backend, backend_port) = python_upstream(backend_dir.path());
+    let (envoy, listen) = start_envoy(dir.path(), |listen, admin| {
+        envoy_config(listen, admin, grpc_port, backend_port, dir.path())
+    });
+    let _envoy = Process(envoy);
+
+    // Rule 0: 3 per hour per user; rule 1: 5 per year for the route, every
+    // hit counted as upstream counts them (a refused one too).
+    let ann = [("x-user-id", "ann")];
+    let answers: Vec<_> = (0..4).map(|_| get(listen, "/users", &ann)).collect();
+    let statuses: Vec<u16> = answers.iter().map(|a| a.0).collect();
+    assert_eq!(statuses, [200, 200, 200, 429], "ann: {answers:?}; log:\n{}", log_text());
+    assert_eq!(
+        answers[0].1.as_deref(),
+        Some("2"),
+        "DRAFT_VERSION_03 headers: the tightest limit's remaining"
+    );
+    let bob = [("x-user-id", "bob")];
+    assert_eq!(get(listen, "/users", &bob).0, 200, "bob's first: the route's 5th hit this year");
+    assert_eq!(get(listen, "/users", &bob).0, 429, "bob's second: the route's 6th, over 5 per year");
+
+    // Shadow mode: over 1 per second, never refused, counted as shadow.
+    let free = [("x-plan", "free")];
+    let statuses: Vec<u16> = (0..3).map(|_| get(listen, "/free", &free).0).collect();
+    assert_eq!(statuses, [200, 200, 200], "shadow mode refuses nothing");
+    // Scraped where the Deployment's `metrics` port points (PROMETHEUS_ADDR).
+    let (_, metrics) = common::http_get(([127, 0, 0, 1], metrics_port).into(), "/metrics");
+    let shadow: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("ratelimit_service_rate_limit_shadow_mode{") && l.contains(DOMAIN))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(shadow >= 2.0, "the over-limit free requests counted as shadow: {shadow}\n{metrics}");
+}
