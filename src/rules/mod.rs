@@ -11,6 +11,7 @@ pub mod encoding;
 pub mod envoy;
 mod figures;
 pub mod gate;
+pub mod limitador;
 pub mod model;
 mod native;
 pub mod signing;

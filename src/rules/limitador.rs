@@ -1,0 +1,383 @@
+//! Kuadrant limitador's limits file: a YAML list of limits, each a
+//! `namespace`, `max_value` hits per `seconds`, `conditions` (CEL
+//! predicates, all of which must hold) and `variables` (CEL expressions
+//! whose values tell one counter from another), an optional `name` and
+//! `id`. The expressions are compiled once per file version with the
+//! `cel` crate limitador evaluates them with, and evaluated against the
+//! request's descriptors bound as `descriptors` (a list of string maps,
+//! `descriptors[0]['user_id']`) and the limit as `limit` (`limit.name`,
+//! `limit.id`).
+//!
+//! A limit applies to a request when every condition is true and every
+//! variable has a value; a reference to a key the descriptors lack
+//! (`NoSuchKey`) or to a variable that is not bound makes the limit not
+//! apply, as in limitador. Any other evaluation error (a condition that is
+//! not a boolean, a variable that is a list, `descriptors[3]` of a
+//! request with one descriptor) is an error of the request: the caller
+//! answers it closed, never as "no limit".
+//!
+//! Differences from limitador's loader, each failing closed: an unknown
+//! field (a misspelt `condition:` would make a limit apply to every
+//! request), `seconds: 0`, an empty namespace and two limits with the
+//! same identity (namespace, seconds, conditions and variables: limitador
+//! keeps one of them, unspecified which) are errors naming file, limit and
+//! field; expressions and lists are bounded ([`MAX_EXPRESSION_BYTES`],
+//! [`MAX_EXPRESSIONS`], [`MAX_LIMITS`]).
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    fmt,
+    path::Path,
+    sync::Arc,
+};
+
+use serde::Deserialize;
+
+/// The longest CEL expression accepted, in bytes.
+pub const MAX_EXPRESSION_BYTES: usize = 1024;
+/// The most conditions, and the most variables, of one limit.
+pub const MAX_EXPRESSIONS: usize = 32;
+/// The most limits of one file.
+pub const MAX_LIMITS: usize = 10_000;
+
+/// One limit as written in the file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimit {
+    namespace: String,
+    max_value: u64,
+    seconds: u64,
+    #[serde(default)]
+    conditions: Option<Vec<String>>,
+    #[serde(default)]
+    variables: Option<Vec<String>>,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    id: Option<String>,
+}
+
+/// A limits file that cannot be served, naming what is wrong where.
+#[derive(Debug, thiserror::Error)]
+pub enum LimitsError {
+    /// The file cannot be read.
+    #[error("{file}: {source}")]
+    Read {
+        /// The file.
+        file: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not a YAML list of limits.
+    #[error("{file}: {message}")]
+    Parse {
+        /// The file.
+        file: String,
+        /// Where and why.
+        message: String,
+    },
+    /// A limit is invalid.
+    #[error("{file}: limit {index} (namespace {namespace:?}): {field}: {message}")]
+    Limit {
+        /// The file.
+        file: String,
+        /// The limit's place in the file, from 0.
+        index: usize,
+        /// Its namespace.
+        namespace: String,
+        /// The field, `conditions[2]` for an element.
+        field: String,
+        /// Why.
+        message: String,
+    },
+}
+
+/// A compiled CEL expression and its source.
+struct Expression {
+    source: Arc<str>,
+    program: cel::Program,
+    /// The variables it references (`descriptors`, `limit`).
+    references: Vec<String>,
+}
+
+impl fmt::Debug for Expression {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Expression").field(&self.source).finish()
+    }
+}
+
+/// One compiled limit.
+#[derive(Debug)]
+pub struct Limit {
+    /// Its namespace (Envoy's domain).
+    pub namespace: Arc<str>,
+    /// Hits admitted per window.
+    pub max_value: u64,
+    /// The window, in seconds.
+    pub seconds: u64,
+    /// `name`, when given.
+    pub name: Option<Arc<str>>,
+    /// `id`, when given.
+    pub id: Option<Arc<str>>,
+    /// Its identity (namespace, seconds, sorted conditions and variables),
+    /// stable across file versions and instances: the stem of its
+    /// counters' keys. `max_value`, `name` and `id` are not part of it, as
+    /// in limitador: raising a limit keeps its counts.
+    pub identity: Arc<str>,
+    conditions: Vec<Expression>,
+    /// Sorted by source, as limitador orders them.
+    variables: Vec<Expression>,
+}
+
+impl Limit {
+    /// The conditions' sources, in the order written.
+    pub fn conditions(&self) -> impl Iterator<Item = &str> {
+        self.conditions.iter().map(|e| &*e.source)
+    }
+
+    /// The variables' sources, sorted.
+    pub fn variables(&self) -> impl Iterator<Item = &str> {
+        self.variables.iter().map(|e| &*e.source)
+    }
+}
+
+/// A request's evaluation that failed (not a missing key: that is a limit
+/// that does not apply).
+#[derive(Debug, thiserror::Error)]
+#[error("limit {limit}: {expression}: {message}")]
+pub struct EvalError {
+    /// The limit's identity.
+    pub limit: Arc<str>,
+    /// The expression's source.
+    pub expression: Arc<str>,
+    /// Why.
+    pub message: String,
+}
+
+/// A limit that applies to a request, with its variables' values (in the
+/// limit's variable order): one counter.
+#[derive(Debug)]
+pub struct Applied<'a> {
+    /// The limit.
+    pub limit: &'a Limit,
+    /// The variables' values.
+    pub values: Vec<String>,
+}
+
+/// A compiled limits file: the limits of each namespace, in file order.
+#[derive(Debug, Default)]
+pub struct Limits {
+    namespaces: HashMap<Arc<str>, Vec<Limit>>,
+}
+
+impl Limits {
+    /// Reads and compiles the limits file at `path`.
+    pub fn load(path: &Path) -> Result<Self, LimitsError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| LimitsError::Read { file: file.clone(), source })?;
+        Self::parse(&file, &text)
+    }
+
+    /// Compiles `text`, the contents of `file`.
+    pub fn parse(file: &str, text: &str) -> Result<Self, LimitsError> {
+        let parse = |message: String| LimitsError::Parse { file: file.to_owned(), message };
+        // An empty file (or `---` alone) is no limit, as limitador reads it.
+        let raw: Option<Vec<RawLimit>> = if text.trim().trim_start_matches("---").trim().is_empty() {
+            None
+        } else {
+            let deserializer = yaml_serde::Deserializer::from_str(text);
+            serde_path_to_error::deserialize(deserializer)
+                .map_err(|e| parse(format!("{}: {}", e.path(), e.inner())))?
+        };
+        let raw = raw.unwrap_or_default();
+        if raw.len() > MAX_LIMITS {
+            return Err(parse(format!("{} limits: at most {MAX_LIMITS}", raw.len())));
+        }
+        let mut limits = Limits::default();
+        let mut seen: HashMap<Arc<str>, usize> = HashMap::new();
+        for (index, raw) in raw.into_iter().enumerate() {
+            let limit = compile(file, index, raw)?;
+            if let Some(first) = seen.insert(Arc::clone(&limit.identity), index) {
+                return Err(LimitsError::Limit {
+                    file: file.to_owned(),
+                    index,
+                    namespace: limit.namespace.to_string(),
+                    field: "conditions, variables".to_owned(),
+                    message: format!(
+                        "the same namespace, seconds, conditions and variables as limit {first}: one counter \
+                         cannot have two limits (merge them, or tell them apart)"
+                    ),
+                });
+            }
+            limits.namespaces.entry(Arc::clone(&limit.namespace)).or_default().push(limit);
+        }
+        Ok(limits)
+    }
+
+    /// The limits of `namespace`, in file order.
+    pub fn of(&self, namespace: &str) -> &[Limit] {
+        self.namespaces.get(namespace).map_or(&[], Vec::as_slice)
+    }
+
+    /// Every namespace with its limits.
+    pub fn namespaces(&self) -> impl Iterator<Item = (&str, &[Limit])> {
+        self.namespaces.iter().map(|(n, l)| (&**n, l.as_slice()))
+    }
+
+    /// The limits of `namespace` that apply to a request with
+    /// `descriptors` (each a list of key and value), each with its
+    /// variables' values, in file order.
+    pub fn applying<'s>(
+        &'s self,
+        namespace: &str,
+        descriptors: &[Vec<(&str, &str)>],
+    ) -> Result<Vec<Applied<'s>>, EvalError> {
+        let limits = self.of(namespace);
+        if limits.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut root = cel::Context::default();
+        let list: Vec<cel::Value> = descriptors
+            .iter()
+            .map(|entries| {
+                let map: HashMap<String, String> =
+                    entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+                cel::Value::from(map)
+            })
+            .collect();
+        root.add_variable_from_value("descriptors", cel::Value::List(Arc::new(list)));
+        let mut applied = Vec::new();
+        for limit in limits {
+            let mut scope = root.new_inner_scope();
+            let text = |v: &Option<Arc<str>>| {
+                v.as_ref().map_or(cel::Value::Null, |s| cel::Value::String(Arc::new(s.to_string())))
+            };
+            let data: HashMap<&str, cel::Value> =
+                HashMap::from([("name", text(&limit.name)), ("id", text(&limit.id))]);
+            scope.add_variable_from_value("limit", cel::Value::from(data));
+            if let Some(values) = evaluate(limit, &scope)? {
+                applied.push(Applied { limit, values });
+            }
+        }
+        Ok(applied)
+    }
+}
+
+/// Whether `limit` applies in `scope`, and if so its variables' values.
+fn evaluate(limit: &Limit, scope: &cel::Context<'_>) -> Result<Option<Vec<String>>, EvalError> {
+    let bound = |e: &Expression| e.references.iter().all(|v| v == "descriptors" || v == "limit");
+    let error = |e: &Expression, message: String| EvalError {
+        limit: Arc::clone(&limit.identity),
+        expression: Arc::clone(&e.source),
+        message,
+    };
+    for condition in &limit.conditions {
+        if !bound(condition) {
+            return Ok(None);
+        }
+        match condition.program.execute(scope) {
+            Ok(cel::Value::Bool(true)) => {}
+            Ok(cel::Value::Bool(false)) | Err(cel::ExecutionError::NoSuchKey(_)) => return Ok(None),
+            Ok(other) => {
+                return Err(error(condition, format!("a condition must be a boolean, not {other:?}")));
+            }
+            Err(e) => return Err(error(condition, e.to_string())),
+        }
+    }
+    let mut values = Vec::with_capacity(limit.variables.len());
+    for variable in &limit.variables {
+        if !bound(variable) {
+            return Ok(None);
+        }
+        let value = match variable.program.execute(scope) {
+            Ok(cel::Value::String(s)) => s.to_string(),
+            Ok(cel::Value::Int(i)) => i.to_string(),
+            Ok(cel::Value::UInt(u)) => u.to_string(),
+            Ok(cel::Value::Float(f)) => f.to_string(),
+            Ok(cel::Value::Bool(b)) => b.to_string(),
+            Ok(cel::Value::Null) => "null".to_owned(),
+            Ok(other) => return Err(error(variable, format!("a variable must be a scalar, not {other:?}"))),
+            Err(cel::ExecutionError::NoSuchKey(_)) => return Ok(None),
+            Err(e) => return Err(error(variable, e.to_string())),
+        };
+        values.push(value);
+    }
+    Ok(Some(values))
+}
+
+/// Compiles limit `index` of `file`.
+fn compile(file: &str, index: usize, raw: RawLimit) -> Result<Limit, LimitsError> {
+    let fail = |field: String, message: String| LimitsError::Limit {
+        file: file.to_owned(),
+        index,
+        namespace: raw.namespace.clone(),
+        field,
+        message,
+    };
+    if raw.namespace.trim().is_empty() {
+        return Err(fail("namespace".to_owned(), "must not be empty".to_owned()));
+    }
+    if raw.seconds == 0 {
+        return Err(fail("seconds".to_owned(), "must be at least 1".to_owned()));
+    }
+    let expressions = |field: &str, sources: &Option<Vec<String>>| -> Result<Vec<Expression>, LimitsError> {
+        let sources = sources.as_deref().unwrap_or_default();
+        if sources.len() > MAX_EXPRESSIONS {
+            return Err(fail(
+                field.to_owned(),
+                format!("{} expressions: at most {MAX_EXPRESSIONS}", sources.len()),
+            ));
+        }
+        let mut out = Vec::with_capacity(sources.len());
+        for (i, source) in sources.iter().enumerate() {
+            let at = format!("{field}[{i}]");
+            if source.len() > MAX_EXPRESSION_BYTES {
+                return Err(fail(at, format!("{} bytes: at most {MAX_EXPRESSION_BYTES}", source.len())));
+            }
+            let program = cel::Program::compile(source).map_err(|e| fail(at, format!("{source:?}: {e}")))?;
+            let references = program.references().variables().into_iter().map(str::to_owned).collect();
+            out.push(Expression { source: Arc::from(source.as_str()), program, references });
+        }
+        Ok(out)
+    };
+    let conditions = expressions("conditions", &raw.conditions)?;
+    let mut variables = expressions("variables", &raw.variables)?;
+    variables.sort_by(|a, b| a.source.cmp(&b.source));
+    let identity = identity(&raw.namespace, raw.seconds, &conditions, &variables);
+    Ok(Limit {
+        namespace: Arc::from(raw.namespace.as_str()),
+        max_value: raw.max_value,
+        seconds: raw.seconds,
+        name: raw.name.as_deref().map(Arc::from),
+        id: raw.id.as_deref().map(Arc::from),
+        identity,
+        conditions,
+        variables,
+    })
+}
+
+/// A limit's identity: the SHA-256 (hex, 16 bytes) of its namespace,
+/// seconds, and its conditions and variables each sorted, with lengths, so
+/// no two different limits share one.
+fn identity(namespace: &str, seconds: u64, conditions: &[Expression], variables: &[Expression]) -> Arc<str> {
+    use sha2::Digest as _;
+    let mut hash = sha2::Sha256::new();
+    let mut put = |s: &str| {
+        hash.update((s.len() as u64).to_le_bytes());
+        hash.update(s.as_bytes());
+    };
+    put(namespace);
+    put(&seconds.to_string());
+    let sorted: BTreeSet<&str> = conditions.iter().map(|e| &*e.source).collect();
+    put(&sorted.len().to_string());
+    sorted.into_iter().for_each(&mut put);
+    let sorted: BTreeSet<&str> = variables.iter().map(|e| &*e.source).collect();
+    put(&sorted.len().to_string());
+    sorted.into_iter().for_each(&mut put);
+    let digest = hash.finalize();
+    Arc::from(digest[..16].iter().map(|b| format!("{b:02x}")).collect::<String>())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,143 @@
+//! The limits file's semantics, as limitador's documentation states them.
+
+use super::*;
+
+/// limitador's own example: a limit for the whole namespace, and one per
+/// user for POSTs.
+const EXAMPLE: &str = r#"
+---
+- namespace: test_namespace
+  max_value: 1000000
+  seconds: 60
+  conditions:
+  variables:
+- namespace: test_namespace
+  max_value: 5
+  seconds: 60
+  conditions:
+    - "descriptors[0]['req.method'] == 'POST'"
+  variables:
+    - descriptors[0]['user_id']
+"#;
+
+fn applied<'a>(
+    limits: &'a Limits,
+    namespace: &str,
+    descriptors: &[Vec<(&str, &str)>],
+) -> Vec<(u64, Vec<String>)> {
+    limits
+        .applying(namespace, descriptors)
+        .unwrap()
+        .into_iter()
+        .map(|a: Applied<'a>| (a.limit.max_value, a.values))
+        .collect()
+}
+
+#[test]
+fn every_limit_whose_conditions_hold_and_variables_resolve_applies() {
+    let limits = Limits::parse("limits.yaml", EXAMPLE).unwrap();
+    let post = vec![("req.method", "POST"), ("user_id", "ann")];
+    assert_eq!(
+        applied(&limits, "test_namespace", &[post]),
+        [(1_000_000, vec![]), (5, vec!["ann".to_owned()])]
+    );
+    let get = vec![("req.method", "GET"), ("user_id", "ann")];
+    assert_eq!(applied(&limits, "test_namespace", &[get]), [(1_000_000, vec![])]);
+    // A key the descriptors lack: the limit does not apply (NoSuchKey).
+    let anonymous = vec![("req.method", "POST")];
+    assert_eq!(applied(&limits, "test_namespace", &[anonymous]), [(1_000_000, vec![])]);
+    assert!(applied(&limits, "other", &[vec![("req.method", "POST")]]).is_empty());
+}
+
+#[test]
+fn any_descriptor_and_the_limit_itself_can_be_referred_to() {
+    let limits = Limits::parse(
+        "limits.yaml",
+        r#"
+- namespace: ns
+  name: per-plan
+  max_value: 3
+  seconds: 10
+  conditions: ["descriptors[1].plan == 'free'", "limit.name == 'per-plan'"]
+  variables: ["descriptors[0].user", "descriptors[1].plan"]
+"#,
+    )
+    .unwrap();
+    let request = [vec![("user", "bob")], vec![("plan", "free")]];
+    assert_eq!(applied(&limits, "ns", &request), [(3, vec!["bob".to_owned(), "free".to_owned()])]);
+    let paid = [vec![("user", "bob")], vec![("plan", "paid")]];
+    assert!(applied(&limits, "ns", &paid).is_empty());
+}
+
+#[test]
+fn an_evaluation_error_is_an_error_not_no_limit() {
+    let limits = Limits::parse(
+        "limits.yaml",
+        "- { namespace: ns, max_value: 1, seconds: 1, conditions: [\"descriptors[0].n\"] }\n\
+         - { namespace: other, max_value: 1, seconds: 1, variables: [\"descriptors[0]\"] }\n",
+    )
+    .unwrap();
+    let error = limits.applying("ns", &[vec![("n", "1")]]).unwrap_err();
+    assert!(error.message.contains("boolean") && &*error.expression == "descriptors[0].n", "{error}");
+    let error = limits.applying("other", &[vec![("n", "1")]]).unwrap_err();
+    assert!(error.message.contains("scalar"), "{error}");
+}
+
+#[test]
+fn bad_limits_are_refused_naming_file_limit_and_field() {
+    let refused = |text: &str| Limits::parse("limits.yaml", text).unwrap_err().to_string();
+    let error = refused("- { namespace: ns, max_value: 1, seconds: 1, condition: [\"true\"] }\n");
+    assert!(error.contains("limits.yaml") && error.contains("condition"), "{error}");
+    let error = refused("- { namespace: ns, max_value: 1, seconds: 0 }\n");
+    assert!(error.contains("limit 0") && error.contains("seconds"), "{error}");
+    let error = refused(
+        "- { namespace: ns, max_value: 1, seconds: 1 }\n- { namespace: ns, max_value: 1, seconds: 1, conditions: [\"descriptors[0].a ==\"] }\n",
+    );
+    assert!(error.contains("limit 1") && error.contains("conditions[0]"), "{error}");
+    let error = refused("- { namespace: '', max_value: 1, seconds: 1 }\n");
+    assert!(error.contains("namespace"), "{error}");
+    let long =
+        format!("- {{ namespace: ns, max_value: 1, seconds: 1, variables: [\"{}\"] }}\n", "a".repeat(2000));
+    assert!(refused(&long).contains("variables[0]"));
+    let error = refused(
+        "- { namespace: ns, max_value: 1, seconds: 60, variables: [\"descriptors[0].a\", \"descriptors[0].b\"] }\n\
+         - { namespace: ns, max_value: 9, seconds: 60, variables: [\"descriptors[0].b\", \"descriptors[0].a\"] }\n",
+    );
+    assert!(error.contains("limit 1") && error.contains("as limit 0"), "{error}");
+    assert!(Limits::parse("limits.yaml", "").unwrap().namespaces().next().is_none());
+    assert!(Limits::parse("limits.yaml", "---\n").unwrap().namespaces().next().is_none());
+}
+
+#[test]
+fn a_limits_identity_is_its_counter_not_its_value() {
+    let identity = |text: &str| Arc::clone(&Limits::parse("f", text).unwrap().of("ns")[0].identity);
+    let base = identity(
+        "- { namespace: ns, max_value: 5, seconds: 60, variables: [\"descriptors[0].a\", \"descriptors[0].b\"] }",
+    );
+    let raised = identity(
+        "- { namespace: ns, max_value: 50, name: x, seconds: 60, variables: [\"descriptors[0].b\", \"descriptors[0].a\"] }",
+    );
+    assert_eq!(base, raised, "max_value, name and variable order keep the counter");
+    let longer = identity(
+        "- { namespace: ns, max_value: 5, seconds: 61, variables: [\"descriptors[0].a\", \"descriptors[0].b\"] }",
+    );
+    assert_ne!(base, longer);
+}
+
+#[test]
+fn a_descriptor_the_request_lacks_is_an_error() {
+    let limits = Limits::parse(
+        "f",
+        "- { namespace: ns, max_value: 1, seconds: 1, variables: [\"descriptors[1].a\"] }",
+    )
+    .unwrap();
+    let result = limits.applying("ns", &[vec![("a", "1")]]);
+    assert!(result.is_err(), "{result:?}");
+}
+
+/// Compiled limits are shared by every worker (a snapshot).
+#[test]
+fn limits_are_shareable() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Limits>();
+}
