@@ -386,6 +386,30 @@ fn rules_validate_reports_file_rule_and_field() {
     assert!(stderr(&output).contains("invalid rate limit unit 'fortnight'"), "{}", stderr(&output));
 }
 
+/// A dead-letter file that cannot be written (here its directory is a
+/// file: refused even to root) stops the start, naming the key: found at
+/// the first failed decision, every record would be lost.
+#[test]
+fn serve_refuses_to_start_without_a_writable_dead_letter_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let not_a_dir = dir.path().join("state");
+    std::fs::write(&not_a_dir, "").unwrap();
+    let output = ratelimitd(
+        &["serve"],
+        &[
+            ("RATELIMITD__DLQ__FILE", not_a_dir.join("dlq.jsonl").to_str().unwrap()),
+            ("RATELIMITD__GRPC__LISTEN", &format!("127.0.0.1:{}", free_port())),
+            ("RATELIMITD__HTTP__LISTEN", &format!("127.0.0.1:{}", free_port())),
+        ],
+    );
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("dlq.file") && stderr(&output).contains("cannot be written"),
+        "{}",
+        stderr(&output)
+    );
+}
+
 #[test]
 fn serve_refuses_to_start_on_invalid_rules() {
     let bad = Rules::new("rules:\n  - { rule_id: x, resource_path: /x, limit: 0, window_seconds: 1 }\n");

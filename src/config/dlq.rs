@@ -16,7 +16,8 @@ pub(super) const SYSTEM_STATE_DIR: &str = "/var/lib/ratelimitd";
 #[serde(default, deny_unknown_fields)]
 pub struct DlqConfig {
     /// The JSON-lines file records are appended to when no Kafka brokers are
-    /// set.
+    /// set; created (with its directory) at start, and the service does not
+    /// start where it cannot be written.
     ///
     /// Default: `dlq.jsonl` in the state directory: `$STATE_DIRECTORY`, else
     /// `$XDG_STATE_HOME/ratelimitd`, else `$HOME/.local/state/ratelimitd`, else

@@ -56,6 +56,9 @@ pub enum ServerError {
     /// `http.metrics_listen` cannot be bound.
     #[error("http.metrics_listen {0}: cannot bind: {1}")]
     MetricsListen(String, std::io::Error),
+    /// The dead-letter file (no Kafka brokers set) cannot be written.
+    #[error("dlq.file {0}: cannot be written: {1}")]
+    DlqFile(String, std::io::Error),
     /// The spool directory cannot be opened.
     #[error("dlq.spool_dir {0}")]
     Spool(String),

@@ -39,6 +39,11 @@ pub(crate) fn dlq(
         tracing::info!(file = %config.file.display(), "failed decisions go to a JSON-lines file");
         let stop = tasks.stopper();
         let target = dlq::file::FileTarget { path: config.file.clone(), max_bytes: config.file_max_bytes };
+        // Where failed decisions cannot be written (a read-only root
+        // filesystem, another user's directory) the service does not start:
+        // found at the first failure, every record would be lost.
+        dlq::file::append_durably(&target.path, b"")
+            .map_err(|e| ServerError::DlqFile(target.path.display().to_string(), e))?;
         let size = std::fs::metadata(&target.path).map_or(0, |m| m.len());
         counters.file_bytes.store(size, std::sync::atomic::Ordering::SeqCst);
         tasks.spawn(dlq::file::run(queue, target, counters, drain(), stop));
