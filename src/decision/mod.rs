@@ -26,6 +26,7 @@ pub mod denials;
 mod envoy;
 mod failure;
 pub mod keys;
+pub mod limitador;
 pub mod metrics;
 mod pipeline;
 pub mod shares;

@@ -201,3 +201,41 @@ mod several_limits {
         }
     }
 }
+
+/// limitador's example limits through the engine: every applying limit is
+/// counted, all or nothing; a user's POSTs stop at 5 while GETs (the
+/// namespace's limit only) go on; an unevaluable request is refused.
+#[tokio::test]
+async fn limitador_limits_apply_all_or_nothing() {
+    let engine = engine(EnvoyPolicy::default());
+    let limits = rules::limitador::Limits::parse(
+        Path::new("limits.yaml"),
+        "- { namespace: ns, max_value: 7, seconds: 60 }\n\
+         - { namespace: ns, max_value: 5, seconds: 60, conditions: [\"descriptors[0]['req.method'] == 'POST'\"], \
+             variables: [\"descriptors[0]['user_id']\"] }\n\
+         - { namespace: ns, max_value: 1, seconds: 60, conditions: [\"descriptors[0].bad\"] }\n",
+    )
+    .unwrap();
+    let decide = |entries: Vec<(&'static str, &'static str)>| {
+        let (engine, limits) = (&engine, &limits);
+        async move {
+            let descriptors = descriptors(&[&entries]);
+            engine.limitador(limits, &request("ns", &descriptors)).await
+        }
+    };
+    let post = vec![("req.method", "POST"), ("user_id", "ann")];
+    for i in 0..5 {
+        let decision = decide(post.clone()).await;
+        assert!(!decision.over_limit, "POST {i}: {decision:?}");
+        assert_eq!(decision.statuses.len(), 2, "both limits counted");
+    }
+    let sixth = decide(post.clone()).await;
+    assert!(sixth.over_limit && sixth.reason == Reason::OverLimit, "{sixth:?}");
+    // Refused as a whole: the namespace's limit took nothing, 2 are left.
+    let get = vec![("req.method", "GET"), ("user_id", "ann")];
+    assert!(!decide(get.clone()).await.over_limit);
+    assert!(!decide(get.clone()).await.over_limit);
+    assert!(decide(get).await.over_limit, "7 per minute for the namespace");
+    let bad = decide(vec![("bad", "yes")]).await;
+    assert!(bad.over_limit, "a condition that is no boolean refuses: {bad:?}");
+}

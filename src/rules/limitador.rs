@@ -18,11 +18,12 @@
 //!
 //! Differences from limitador's loader, each failing closed: an unknown
 //! field (a misspelt `condition:` would make a limit apply to every
-//! request), `seconds: 0`, an empty namespace and two limits with the
-//! same identity (namespace, seconds, conditions and variables: limitador
-//! keeps one of them, unspecified which) are errors naming file, limit and
-//! field; expressions and lists are bounded ([`MAX_EXPRESSION_BYTES`],
-//! [`MAX_EXPRESSIONS`], [`MAX_LIMITS`]).
+//! request), `seconds` outside 1 s to a year, a `max_value` over 2^32 - 1,
+//! an empty namespace and two limits with the same identity (namespace,
+//! seconds, conditions and variables: limitador keeps one of them,
+//! unspecified which) are errors naming file, limit and field; expressions
+//! and lists are bounded ([`MAX_EXPRESSION_BYTES`], [`MAX_EXPRESSIONS`],
+//! [`MAX_LIMITS`]).
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -32,6 +33,8 @@ use std::{
 };
 
 use serde::Deserialize;
+
+use super::{RuleError, RuleErrors, Versioned, envoy::EnvoyLimit};
 
 /// The longest CEL expression accepted, in bytes.
 pub const MAX_EXPRESSION_BYTES: usize = 1024;
@@ -55,41 +58,6 @@ struct RawLimit {
     name: Option<String>,
     #[serde(default)]
     id: Option<String>,
-}
-
-/// A limits file that cannot be served, naming what is wrong where.
-#[derive(Debug, thiserror::Error)]
-pub enum LimitsError {
-    /// The file cannot be read.
-    #[error("{file}: {source}")]
-    Read {
-        /// The file.
-        file: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The file is not a YAML list of limits.
-    #[error("{file}: {message}")]
-    Parse {
-        /// The file.
-        file: String,
-        /// Where and why.
-        message: String,
-    },
-    /// A limit is invalid.
-    #[error("{file}: limit {index} (namespace {namespace:?}): {field}: {message}")]
-    Limit {
-        /// The file.
-        file: String,
-        /// The limit's place in the file, from 0.
-        index: usize,
-        /// Its namespace.
-        namespace: String,
-        /// The field, `conditions[2]` for an element.
-        field: String,
-        /// Why.
-        message: String,
-    },
 }
 
 /// A compiled CEL expression and its source.
@@ -124,6 +92,9 @@ pub struct Limit {
     /// counters' keys. `max_value`, `name` and `id` are not part of it, as
     /// in limitador: raising a limit keeps its counts.
     pub identity: Arc<str>,
+    /// What it counts as: `max_value` per `seconds`, named as it is (or by
+    /// its identity), `namespace.name` its key in metrics.
+    pub envoy: Arc<EnvoyLimit>,
     conditions: Vec<Expression>,
     /// Sorted by source, as limitador orders them.
     variables: Vec<Expression>,
@@ -168,20 +139,37 @@ pub struct Applied<'a> {
 #[derive(Debug, Default)]
 pub struct Limits {
     namespaces: HashMap<Arc<str>, Vec<Limit>>,
+    /// The SHA-256 of the file's text (hex, 16 bytes).
+    version: String,
+    count: usize,
+}
+
+impl Versioned for Limits {
+    fn version(&self) -> &str {
+        &self.version
+    }
+
+    fn size(&self) -> usize {
+        self.count
+    }
 }
 
 impl Limits {
     /// Reads and compiles the limits file at `path`.
-    pub fn load(path: &Path) -> Result<Self, LimitsError> {
-        let file = path.display().to_string();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| LimitsError::Read { file: file.clone(), source })?;
-        Self::parse(&file, &text)
+    pub fn load(path: &Path) -> Result<Self, RuleErrors> {
+        let text = std::fs::read_to_string(path).map_err(|e| RuleErrors(vec![RuleError::io(path, &e)]))?;
+        Self::parse(path, &text).map_err(|e| RuleErrors(vec![e]))
     }
 
     /// Compiles `text`, the contents of `file`.
-    pub fn parse(file: &str, text: &str) -> Result<Self, LimitsError> {
-        let parse = |message: String| LimitsError::Parse { file: file.to_owned(), message };
+    pub fn parse(file: &Path, text: &str) -> Result<Self, RuleError> {
+        let parse = |message: String| RuleError {
+            file: file.to_path_buf(),
+            line: None,
+            rule: None,
+            field: None,
+            message,
+        };
         // An empty file (or `---` alone) is no limit, as limitador reads it.
         let raw: Option<Vec<RawLimit>> = if text.trim().trim_start_matches("---").trim().is_empty() {
             None
@@ -194,21 +182,21 @@ impl Limits {
         if raw.len() > MAX_LIMITS {
             return Err(parse(format!("{} limits: at most {MAX_LIMITS}", raw.len())));
         }
-        let mut limits = Limits::default();
+        let mut limits = Limits { version: digest(&[text]), count: raw.len(), ..Limits::default() };
         let mut seen: HashMap<Arc<str>, usize> = HashMap::new();
         for (index, raw) in raw.into_iter().enumerate() {
             let limit = compile(file, index, raw)?;
             if let Some(first) = seen.insert(Arc::clone(&limit.identity), index) {
-                return Err(LimitsError::Limit {
-                    file: file.to_owned(),
+                return Err(limit_error(
+                    file,
                     index,
-                    namespace: limit.namespace.to_string(),
-                    field: "conditions, variables".to_owned(),
-                    message: format!(
-                        "the same namespace, seconds, conditions and variables as limit {first}: one counter \
+                    &limit.namespace,
+                    "variables",
+                    format!(
+                        "the same namespace, seconds, conditions and variables as limits[{first}]: one counter \
                          cannot have two limits (merge them, or tell them apart)"
                     ),
-                });
+                ));
             }
             limits.namespaces.entry(Arc::clone(&limit.namespace)).or_default().push(limit);
         }
@@ -306,36 +294,35 @@ fn evaluate(limit: &Limit, scope: &cel::Context<'_>) -> Result<Option<Vec<String
     Ok(Some(values))
 }
 
-/// Compiles limit `index` of `file`.
-fn compile(file: &str, index: usize, raw: RawLimit) -> Result<Limit, LimitsError> {
-    let fail = |field: String, message: String| LimitsError::Limit {
-        file: file.to_owned(),
-        index,
-        namespace: raw.namespace.clone(),
-        field,
+/// An error of limit `index` of `file`, at `field`.
+fn limit_error(file: &Path, index: usize, namespace: &str, field: &str, message: String) -> RuleError {
+    RuleError {
+        file: file.to_path_buf(),
+        line: None,
+        rule: Some(format!("limits[{index}] (namespace {namespace:?})")),
+        field: Some(field.to_owned()),
         message,
-    };
+    }
+}
+
+/// Compiles limit `index` of `file`.
+fn compile(file: &Path, index: usize, raw: RawLimit) -> Result<Limit, RuleError> {
+    let fail = |field: &str, message: String| limit_error(file, index, &raw.namespace, field, message);
     if raw.namespace.trim().is_empty() {
-        return Err(fail("namespace".to_owned(), "must not be empty".to_owned()));
+        return Err(fail("namespace", "must not be empty".to_owned()));
     }
-    if raw.seconds == 0 {
-        return Err(fail("seconds".to_owned(), "must be at least 1".to_owned()));
-    }
-    let expressions = |field: &str, sources: &Option<Vec<String>>| -> Result<Vec<Expression>, LimitsError> {
+    let expressions = |field: &str, sources: &Option<Vec<String>>| -> Result<Vec<Expression>, RuleError> {
         let sources = sources.as_deref().unwrap_or_default();
         if sources.len() > MAX_EXPRESSIONS {
-            return Err(fail(
-                field.to_owned(),
-                format!("{} expressions: at most {MAX_EXPRESSIONS}", sources.len()),
-            ));
+            return Err(fail(field, format!("{} expressions: at most {MAX_EXPRESSIONS}", sources.len())));
         }
         let mut out = Vec::with_capacity(sources.len());
         for (i, source) in sources.iter().enumerate() {
             let at = format!("{field}[{i}]");
             if source.len() > MAX_EXPRESSION_BYTES {
-                return Err(fail(at, format!("{} bytes: at most {MAX_EXPRESSION_BYTES}", source.len())));
+                return Err(fail(&at, format!("{} bytes: at most {MAX_EXPRESSION_BYTES}", source.len())));
             }
-            let program = cel::Program::compile(source).map_err(|e| fail(at, format!("{source:?}: {e}")))?;
+            let program = cel::Program::compile(source).map_err(|e| fail(&at, format!("{source:?}: {e}")))?;
             let references = program.references().variables().into_iter().map(str::to_owned).collect();
             out.push(Expression { source: Arc::from(source.as_str()), program, references });
         }
@@ -345,6 +332,9 @@ fn compile(file: &str, index: usize, raw: RawLimit) -> Result<Limit, LimitsError
     let mut variables = expressions("variables", &raw.variables)?;
     variables.sort_by(|a, b| a.source.cmp(&b.source));
     let identity = identity(&raw.namespace, raw.seconds, &conditions, &variables);
+    let key = format!("{}.{}", raw.namespace, raw.name.as_deref().unwrap_or(&identity));
+    let envoy = EnvoyLimit::plain(Arc::from(key), raw.max_value, raw.seconds, raw.name.clone())
+        .map_err(|(field, message)| fail(if field == "max" { "max_value" } else { field }, message))?;
     Ok(Limit {
         namespace: Arc::from(raw.namespace.as_str()),
         max_value: raw.max_value,
@@ -352,31 +342,38 @@ fn compile(file: &str, index: usize, raw: RawLimit) -> Result<Limit, LimitsError
         name: raw.name.as_deref().map(Arc::from),
         id: raw.id.as_deref().map(Arc::from),
         identity,
+        envoy: Arc::new(envoy),
         conditions,
         variables,
     })
 }
 
-/// A limit's identity: the SHA-256 (hex, 16 bytes) of its namespace,
-/// seconds, and its conditions and variables each sorted, with lengths, so
-/// no two different limits share one.
-fn identity(namespace: &str, seconds: u64, conditions: &[Expression], variables: &[Expression]) -> Arc<str> {
+/// The SHA-256 (hex, 16 bytes) of `parts`, each with its length, so no
+/// two different lists share one.
+fn digest(parts: &[&str]) -> String {
     use sha2::Digest as _;
     let mut hash = sha2::Sha256::new();
-    let mut put = |s: &str| {
-        hash.update((s.len() as u64).to_le_bytes());
-        hash.update(s.as_bytes());
-    };
-    put(namespace);
-    put(&seconds.to_string());
-    let sorted: BTreeSet<&str> = conditions.iter().map(|e| &*e.source).collect();
-    put(&sorted.len().to_string());
-    sorted.into_iter().for_each(&mut put);
-    let sorted: BTreeSet<&str> = variables.iter().map(|e| &*e.source).collect();
-    put(&sorted.len().to_string());
-    sorted.into_iter().for_each(&mut put);
-    let digest = hash.finalize();
-    Arc::from(digest[..16].iter().map(|b| format!("{b:02x}")).collect::<String>())
+    for part in parts {
+        hash.update((part.len() as u64).to_le_bytes());
+        hash.update(part.as_bytes());
+    }
+    hash.finalize()[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A limit's identity: the digest of its namespace, seconds, and its
+/// conditions and variables each sorted, with their counts.
+fn identity(namespace: &str, seconds: u64, conditions: &[Expression], variables: &[Expression]) -> Arc<str> {
+    let (seconds, conditions_set, variables_set) = (
+        seconds.to_string(),
+        conditions.iter().map(|e| &*e.source).collect::<BTreeSet<&str>>(),
+        variables.iter().map(|e| &*e.source).collect::<BTreeSet<&str>>(),
+    );
+    let (nc, nv) = (conditions_set.len().to_string(), variables_set.len().to_string());
+    let mut parts = vec![namespace, &seconds, &nc];
+    parts.extend(conditions_set);
+    parts.push(&nv);
+    parts.extend(variables_set);
+    Arc::from(digest(&parts))
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use std::{collections::HashMap, sync::Arc};
 use super::model::OverloadSpec;
 use crate::limiter::{
     adaptive::AdaptiveLimit,
-    window::{Algorithm, WindowParams},
+    window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams},
 };
 
 mod yaml;
@@ -113,6 +113,48 @@ pub fn params(seconds: u64, requests_per_unit: u32, algorithm: Algorithm) -> Win
 
 /// The longest window `unit_multiplier` may make: a year.
 pub const MAX_WINDOW_SECONDS: u64 = 365 * 86_400;
+
+impl EnvoyLimit {
+    /// A limit of `max` hits per window of `seconds` (1 s to
+    /// [`MAX_WINDOW_SECONDS`]), named `name`, with no mode and no extension:
+    /// what another format's limit (limitador's) counts as. The error names
+    /// the field at fault (`max`, `seconds`) and why.
+    pub fn plain(
+        full_key: Arc<str>,
+        max: u64,
+        seconds: u64,
+        name: Option<String>,
+    ) -> Result<Self, (&'static str, String)> {
+        if !(1..=MAX_WINDOW_SECONDS).contains(&seconds) {
+            return Err(("seconds", format!("must be between 1 and {MAX_WINDOW_SECONDS} (a year)")));
+        }
+        let requests_per_unit =
+            u32::try_from(max).map_err(|_| ("max", format!("must be at most {}", u32::MAX)))?;
+        let window = params(seconds, requests_per_unit, Algorithm::SlidingWindow);
+        if window.capacity.saturating_mul(window.window_ms) > MAX_CAPACITY_TIMES_WINDOW {
+            return Err(("max", "too large to count exactly".to_owned()));
+        }
+        Ok(EnvoyLimit {
+            full_key,
+            requests_per_unit,
+            unit: Some(Unit::Second),
+            unit_multiplier: u32::try_from(seconds).unwrap_or(u32::MAX),
+            unlimited: false,
+            shadow_mode: false,
+            quota_mode: false,
+            report_mode: false,
+            metadata: None,
+            name,
+            replaces: Vec::new(),
+            detailed_metric: false,
+            algorithm: None,
+            overload: None,
+            also: Vec::new(),
+            adaptive: None,
+            global: false,
+        })
+    }
+}
 
 /// A limit from the configuration (or a request's override).
 #[derive(Debug, Clone, PartialEq)]

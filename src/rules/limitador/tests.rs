@@ -35,7 +35,7 @@ fn applied<'a>(
 
 #[test]
 fn every_limit_whose_conditions_hold_and_variables_resolve_applies() {
-    let limits = Limits::parse("limits.yaml", EXAMPLE).unwrap();
+    let limits = Limits::parse(Path::new("limits.yaml"), EXAMPLE).unwrap();
     let post = vec![("req.method", "POST"), ("user_id", "ann")];
     assert_eq!(
         applied(&limits, "test_namespace", &[post]),
@@ -52,7 +52,7 @@ fn every_limit_whose_conditions_hold_and_variables_resolve_applies() {
 #[test]
 fn any_descriptor_and_the_limit_itself_can_be_referred_to() {
     let limits = Limits::parse(
-        "limits.yaml",
+        Path::new("limits.yaml"),
         r#"
 - namespace: ns
   name: per-plan
@@ -72,7 +72,7 @@ fn any_descriptor_and_the_limit_itself_can_be_referred_to() {
 #[test]
 fn an_evaluation_error_is_an_error_not_no_limit() {
     let limits = Limits::parse(
-        "limits.yaml",
+        Path::new("limits.yaml"),
         "- { namespace: ns, max_value: 1, seconds: 1, conditions: [\"descriptors[0].n\"] }\n\
          - { namespace: other, max_value: 1, seconds: 1, variables: [\"descriptors[0]\"] }\n",
     )
@@ -85,15 +85,19 @@ fn an_evaluation_error_is_an_error_not_no_limit() {
 
 #[test]
 fn bad_limits_are_refused_naming_file_limit_and_field() {
-    let refused = |text: &str| Limits::parse("limits.yaml", text).unwrap_err().to_string();
+    let refused = |text: &str| Limits::parse(Path::new("limits.yaml"), text).unwrap_err().to_string();
     let error = refused("- { namespace: ns, max_value: 1, seconds: 1, condition: [\"true\"] }\n");
     assert!(error.contains("limits.yaml") && error.contains("condition"), "{error}");
     let error = refused("- { namespace: ns, max_value: 1, seconds: 0 }\n");
-    assert!(error.contains("limit 0") && error.contains("seconds"), "{error}");
+    assert!(error.contains("limits[0]") && error.contains("seconds"), "{error}");
     let error = refused(
         "- { namespace: ns, max_value: 1, seconds: 1 }\n- { namespace: ns, max_value: 1, seconds: 1, conditions: [\"descriptors[0].a ==\"] }\n",
     );
-    assert!(error.contains("limit 1") && error.contains("conditions[0]"), "{error}");
+    assert!(error.contains("limits[1]") && error.contains("conditions[0]"), "{error}");
+    let error = refused("- { namespace: ns, max_value: 4294967296, seconds: 1 }\n");
+    assert!(error.contains("max_value"), "{error}");
+    let error = refused("- { namespace: ns, max_value: 1, seconds: 31536001 }\n");
+    assert!(error.contains("seconds") && error.contains("a year"), "{error}");
     let error = refused("- { namespace: '', max_value: 1, seconds: 1 }\n");
     assert!(error.contains("namespace"), "{error}");
     let long =
@@ -103,14 +107,15 @@ fn bad_limits_are_refused_naming_file_limit_and_field() {
         "- { namespace: ns, max_value: 1, seconds: 60, variables: [\"descriptors[0].a\", \"descriptors[0].b\"] }\n\
          - { namespace: ns, max_value: 9, seconds: 60, variables: [\"descriptors[0].b\", \"descriptors[0].a\"] }\n",
     );
-    assert!(error.contains("limit 1") && error.contains("as limit 0"), "{error}");
-    assert!(Limits::parse("limits.yaml", "").unwrap().namespaces().next().is_none());
-    assert!(Limits::parse("limits.yaml", "---\n").unwrap().namespaces().next().is_none());
+    assert!(error.contains("limits[1]") && error.contains("as limits[0]"), "{error}");
+    assert!(Limits::parse(Path::new("limits.yaml"), "").unwrap().namespaces().next().is_none());
+    assert!(Limits::parse(Path::new("limits.yaml"), "---\n").unwrap().namespaces().next().is_none());
 }
 
 #[test]
 fn a_limits_identity_is_its_counter_not_its_value() {
-    let identity = |text: &str| Arc::clone(&Limits::parse("f", text).unwrap().of("ns")[0].identity);
+    let identity =
+        |text: &str| Arc::clone(&Limits::parse(Path::new("f"), text).unwrap().of("ns")[0].identity);
     let base = identity(
         "- { namespace: ns, max_value: 5, seconds: 60, variables: [\"descriptors[0].a\", \"descriptors[0].b\"] }",
     );
@@ -127,7 +132,7 @@ fn a_limits_identity_is_its_counter_not_its_value() {
 #[test]
 fn a_descriptor_the_request_lacks_is_an_error() {
     let limits = Limits::parse(
-        "f",
+        Path::new("f"),
         "- { namespace: ns, max_value: 1, seconds: 1, variables: [\"descriptors[1].a\"] }",
     )
     .unwrap();
