@@ -21,54 +21,50 @@ use crate::{
 /// The entry key naming the limit in an applied limit's descriptor.
 pub const LIMIT_ENTRY: &str = "limitador";
 
-impl Engine {
-    /// Decides `request` (its domain is the namespace) under `limits`. A
-    /// request whose evaluation fails (not a missing key: a condition that
-    /// is no boolean, a descriptor it lacks) is refused, never admitted.
-    pub async fn limitador<D: Descriptor>(
-        &self,
-        limits: &Limits,
-        request: &RlsRequest<'_, D>,
-    ) -> RlsDecision {
-        let started = std::time::Instant::now();
-        let entries: Vec<Vec<(&str, &str)>> =
-            request.descriptors.iter().map(|d| d.entries().collect()).collect();
-        let applied = match limits.applying(request.domain, &entries) {
-            Ok(applied) => applied,
-            Err(error) => {
-                tracing::debug!(namespace = request.domain, %error, "limitador limits not evaluable: refused");
-                self.refused(Api::Envoy, "limit_not_evaluable");
-                return unevaluable(self, request);
-            }
-        };
-        let mut descriptors = Vec::with_capacity(applied.len());
-        let mut matches = Vec::with_capacity(applied.len());
-        for one in &applied {
-            let mut entries = Vec::with_capacity(1 + one.values.len());
-            entries.push((LIMIT_ENTRY.to_owned(), one.limit.identity.to_string()));
-            entries.extend(one.limit.variables().map(str::to_owned).zip(one.values.iter().cloned()));
-            descriptors.push(OwnedDescriptor { entries, limit: None, hits_addend: None });
-            matches.push(Some(EnvoyMatch {
-                limit: Arc::clone(&one.limit.envoy),
-                shared: Vec::new(),
-                stat_key: None,
-            }));
+/// Decides `request` (its domain is the namespace) under `limits`; see
+/// [`Engine::limitador`].
+pub(super) async fn decide<D: Descriptor>(
+    engine: &Engine,
+    limits: &Limits,
+    request: &RlsRequest<'_, D>,
+) -> RlsDecision {
+    let started = std::time::Instant::now();
+    let entries: Vec<Vec<(&str, &str)>> = request.descriptors.iter().map(|d| d.entries().collect()).collect();
+    let applied = match limits.applying(request.domain, &entries) {
+        Ok(applied) => applied,
+        Err(error) => {
+            tracing::debug!(namespace = request.domain, %error, "limitador limits not evaluable: refused");
+            engine.refused(Api::Envoy, "limit_not_evaluable");
+            return unevaluable(engine, request);
         }
-        let counted = RlsRequest {
-            domain: request.domain,
-            descriptors: &descriptors,
-            hits_addend: request.hits_addend,
-            trace_id: request.trace_id,
-            share: request.share,
-            may_report: false,
-        };
-        let decision = self.run(envoy::Rls::with_limits(self, &counted, matches)).await;
-        if decision.store_error.is_some() {
-            self.inner.stats.envoy_failed();
-        }
-        self.inner.stats.decision_latency(Api::Envoy, started.elapsed());
-        decision
+    };
+    let mut descriptors = Vec::with_capacity(applied.len());
+    let mut matches = Vec::with_capacity(applied.len());
+    for one in &applied {
+        let mut entries = Vec::with_capacity(1 + one.values.len());
+        entries.push((LIMIT_ENTRY.to_owned(), one.limit.identity.to_string()));
+        entries.extend(one.limit.variables().map(str::to_owned).zip(one.values.iter().cloned()));
+        descriptors.push(OwnedDescriptor { entries, limit: None, hits_addend: None });
+        matches.push(Some(EnvoyMatch {
+            limit: Arc::clone(&one.limit.envoy),
+            shared: Vec::new(),
+            stat_key: None,
+        }));
     }
+    let counted = RlsRequest {
+        domain: request.domain,
+        descriptors: &descriptors,
+        hits_addend: request.hits_addend,
+        trace_id: request.trace_id,
+        share: request.share,
+        may_report: false,
+    };
+    let decision = engine.run(envoy::Rls::with_limits(engine, &counted, matches)).await;
+    if decision.store_error.is_some() {
+        engine.inner.stats.envoy_failed();
+    }
+    engine.inner.stats.decision_latency(Api::Envoy, started.elapsed());
+    decision
 }
 
 /// The answer to a request whose limits could not be evaluated: over the

@@ -431,6 +431,18 @@ impl Engine {
         decision
     }
 
+    /// Decides a limitador request (its domain is the namespace) under
+    /// `limits`: every limit that applies is a counter, all or nothing. A
+    /// request whose evaluation fails (not a missing key: a condition that
+    /// is no boolean, a descriptor it lacks) is refused, never admitted.
+    pub async fn limitador<D: Descriptor>(
+        &self,
+        limits: &crate::rules::limitador::Limits,
+        request: &RlsRequest<'_, D>,
+    ) -> RlsDecision {
+        limitador::decide(self, limits, request).await
+    }
+
     /// Counts a request the API refused as malformed, under a fixed reason.
     pub fn refused(&self, api: Api, reason: &'static str) {
         self.inner.stats.refused(api, reason);
