@@ -24,7 +24,7 @@ use super::envoy_settings::{EnvoyHeaderFormat, EnvoySettings};
 use crate::{
     budget::Refusal,
     decision::{Api, Descriptor, DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsRequest},
-    rules::envoy::Unit,
+    rules::{Hot, envoy::Unit, limitador::Limits},
     telemetry::traces::{continue_trace, trace_id_of},
 };
 
@@ -33,12 +33,21 @@ use crate::{
 pub struct EnvoyService {
     engine: Engine,
     settings: Arc<EnvoySettings>,
+    /// limitador's limits: set, requests are answered as limitador answers
+    /// them (every limit of the namespace that applies; no statuses).
+    limitador: Option<Arc<Hot<Limits>>>,
 }
 
 impl EnvoyService {
     /// A service deciding with `engine`, validating and answering by `settings`.
     pub fn new(engine: Engine, settings: EnvoySettings) -> Self {
-        EnvoyService { engine, settings: Arc::new(settings) }
+        EnvoyService { engine, settings: Arc::new(settings), limitador: None }
+    }
+
+    /// The same service answering from limitador's `limits` instead of
+    /// Envoy rules.
+    pub fn with_limitador(self, limits: Arc<Hot<Limits>>) -> Self {
+        EnvoyService { limitador: Some(limits), ..self }
     }
 
     /// The tonic server wrapper.
@@ -85,7 +94,9 @@ impl EnvoyService {
                 ),
             ));
         }
-        if request.descriptors.is_empty() {
+        // A limitador limit without conditions applies to a request without
+        // descriptors.
+        if request.descriptors.is_empty() && self.limitador.is_none() {
             return Err(("no_descriptors", "descriptors: must not be empty".to_owned()));
         }
         if request.descriptors.len() > settings.max_descriptors {
@@ -149,6 +160,14 @@ impl RateLimitService for EnvoyService {
             ..convert(&request, call_traceparent(&metadata))
         };
         // The engine fills the span's decision fields (it runs inside it).
+        if let Some(limits) = &self.limitador {
+            let decision = self.engine.limitador(&limits.load(), &rls).instrument(span).await;
+            let mut answer = response(&decision, &self.settings)?;
+            // limitador answers no statuses (its headers, when asked for,
+            // carry what they would).
+            answer.statuses.clear();
+            return Ok(Response::new(answer));
+        }
         let decision = self.engine.should_rate_limit(&rls).instrument(span).await;
         let mut answer = response(&decision, &self.settings)?;
         if self.settings.response_dynamic_metadata {

@@ -391,6 +391,17 @@ mod tests {
     }
 
     #[test]
+    fn limitador_limits_answer_should_rate_limit_alone() {
+        let load = |pairs: &[(&str, &str)]| Config::load(None, env(pairs)).map(|c| c.rules.limitador_path);
+        let path = ("RATELIMITD__RULES__LIMITADOR_PATH", "/etc/limitador/limits.yaml");
+        assert!(load(&[path]).unwrap().is_some());
+        let err = load(&[path, ("RATELIMITD__RULES__ENVOY_PATH", "/etc/envoy")]).unwrap_err().to_string();
+        assert!(err.contains("`rules.limitador_path`") && err.contains("rules.envoy_path"), "{err}");
+        let err = load(&[path, ("RATELIMITD__RULES__SOURCE", "xds")]).unwrap_err().to_string();
+        assert!(err.contains("`rules.limitador_path`"), "{err}");
+    }
+
+    #[test]
     fn out_of_range_names_the_key() {
         let err = Config::load(None, env(&[("RATELIMITD__REDIS__TIMEOUT_MS", "0")])).unwrap_err().to_string();
         assert!(err.contains("`redis.timeout_ms`"), "{err}");

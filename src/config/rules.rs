@@ -52,6 +52,11 @@ pub struct RulesConfig {
     /// domain per file. Unset: `ShouldRateLimit` is not served (with
     /// `source: kafka` it always is, from the snapshot).
     pub envoy_path: Option<PathBuf>,
+    /// Kuadrant limitador's limits file (a YAML list of limits with CEL conditions and
+    /// variables): `ShouldRateLimit` is answered as limitador answers it, every limit of the
+    /// request's domain (its namespace) that applies counted. Watched and swapped as `envoy_path`
+    /// is. Not with `envoy_path`, nor with `source: kafka` or `xds`.
+    pub limitador_path: Option<PathBuf>,
     /// Accept a rule set with no rules (no native rule, no Envoy domain) from a file, a reload, the
     /// rules topic or xDS; off, such a set is refused like one that does not compile (counted, the
     /// last good set keeps serving; at start the service does not start; over xDS a NACK), since it
@@ -125,6 +130,7 @@ impl Default for RulesConfig {
             path: None,
             reload_interval_ms: 1_000,
             envoy_path: None,
+            limitador_path: None,
             examples: true,
             allow_empty: false,
             path_matching: PathForm::default(),
@@ -146,6 +152,7 @@ impl RulesConfig {
                 "must not be empty; leave it unset to not serve ShouldRateLimit",
             ));
         }
+        self.validate_limitador()?;
         let kafka = &self.kafka;
         if kafka.brokers.as_deref().is_some_and(|b| b.trim().is_empty()) {
             return Err(invalid("rules.kafka.brokers", "must not be empty"));
@@ -184,6 +191,26 @@ impl RulesConfig {
                 "rules.kafka.properties",
                 "set bootstrap.servers through rules.kafka.brokers",
             ));
+        }
+        Ok(())
+    }
+}
+
+impl RulesConfig {
+    /// `rules.limitador_path`: a file, alone in answering `ShouldRateLimit`.
+    fn validate_limitador(&self) -> Result<(), ConfigError> {
+        let Some(path) = &self.limitador_path else { return Ok(()) };
+        if path.as_os_str().is_empty() {
+            return Err(invalid("rules.limitador_path", "must not be empty; leave it unset"));
+        }
+        if self.envoy_path.is_some() {
+            return Err(invalid(
+                "rules.limitador_path",
+                "not with rules.envoy_path: both would answer ShouldRateLimit",
+            ));
+        }
+        if self.source != RulesSource::Files {
+            return Err(invalid("rules.limitador_path", "only with rules.source: files"));
         }
         Ok(())
     }

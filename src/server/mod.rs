@@ -188,7 +188,7 @@ pub async fn run_observed(
     parts::register_figures(&metrics, figures, &rules, &engine, &budget);
     let (health, reporter, health_service) =
         parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await?;
-    let router = grpc_router(&config, &engine, rules.envoy.is_some(), health_service, &budget)?;
+    let router = grpc_router(&config, &engine, &rules, health_service, &budget)?;
     // From here the services hold the engine (and the store) alone.
     drop(engine);
 
@@ -372,18 +372,25 @@ fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, st
     );
 }
 
-/// The gRPC services: `Check`, `ShouldRateLimit` (when Envoy rules are
-/// configured), health and reflection (of the services served: Envoy's
-/// only with it).
+/// The gRPC services: `Check`, `ShouldRateLimit` (when Envoy rules or
+/// limitador's limits are configured), health and reflection (of the
+/// services served: Envoy's only with it).
 fn grpc_router(
     config: &Config,
     engine: &Engine,
-    serve_envoy: bool,
+    rules: &parts::Rules,
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
     budget: &Arc<Budget>,
 ) -> Result<Router, ServerError> {
     let check = RateLimiterService::new(engine.clone());
-    let envoy = serve_envoy.then(|| EnvoyService::new(engine.clone(), config.envoy.clone()));
+    let serve_envoy = rules.envoy.is_some() || rules.limitador.is_some();
+    let envoy = serve_envoy.then(|| {
+        let service = EnvoyService::new(engine.clone(), config.envoy.clone());
+        match &rules.limitador {
+            Some(limits) => service.with_limitador(Arc::clone(limits)),
+            None => service,
+        }
+    });
     let reflection = |builder: tonic_reflection::server::Builder<'static>| {
         [crate::api::CHECK_DESCRIPTOR_SET, tonic_health::pb::FILE_DESCRIPTOR_SET]
             .into_iter()

@@ -51,10 +51,17 @@ impl Reply {
 /// One HTTP/1.1 GET of `path` on `127.0.0.1:port` (Envoy), with header
 /// values as raw bytes (not necessarily UTF-8).
 pub fn http_get_raw(port: u16, path: &str, headers: &[(&str, &[u8])]) -> Reply {
+    http_raw(port, "GET", path, headers)
+}
+
+/// One HTTP/1.1 request without a body, `method` `path`, on `127.0.0.1:port`.
+pub fn http_raw(port: u16, method: &str, path: &str, headers: &[(&str, &[u8])]) -> Reply {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n").into_bytes();
+    let mut request =
+        format!("{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\nConnection: close\r\n")
+            .into_bytes();
     for (name, value) in headers {
         request.extend_from_slice(format!("{name}: ").as_bytes());
         request.extend_from_slice(value);
@@ -155,6 +162,31 @@ pub fn python_upstream(dir: &Path) -> (Process, u16) {
     let (child, port) = start_listening("upstream", &dir.join("upstream.log"), |port| {
         let mut command = Command::new("python3");
         command.args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"]).arg(dir);
+        command
+    });
+    (Process(child), port)
+}
+
+/// An upstream for Envoy that answers every method 200 with an empty body.
+pub fn any_method_upstream(dir: &Path) -> (Process, u16) {
+    let script = dir.join("upstream.py");
+    std::fs::write(
+        &script,
+        "import http.server, sys\n\
+         class H(http.server.BaseHTTPRequestHandler):\n\
+         \x20   def answer(self):\n\
+         \x20       self.send_response(200)\n\
+         \x20       self.send_header('Content-Length', '0')\n\
+         \x20       self.end_headers()\n\
+         \x20   do_GET = do_POST = do_PUT = do_DELETE = answer\n\
+         \x20   def log_message(self, *args):\n\
+         \x20       pass\n\
+         http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n",
+    )
+    .unwrap();
+    let (child, port) = start_listening("upstream", &dir.join("upstream.log"), |port| {
+        let mut command = Command::new("python3");
+        command.arg(&script).arg(port.to_string());
         command
     });
     (Process(child), port)

@@ -168,7 +168,7 @@ pub(crate) async fn health(
 > {
     let health = Health::new(
         Arc::clone(&rules.native),
-        rules.envoy.as_ref().map(|_| config.envoy.failure_mode),
+        (rules.envoy.is_some() || rules.limitador.is_some()).then_some(config.envoy.failure_mode),
         engine.store(),
         rules.feed.clone(),
     )

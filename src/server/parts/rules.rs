@@ -9,7 +9,9 @@ use crate::rules::XdsState;
 use crate::server::ServerError;
 use crate::{
     config::{Config, EnvoySettings, OverloadConfig, RulesConfig, RulesSource},
-    rules::{self, Feed, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig, tenants::Tenants},
+    rules::{
+        self, Feed, Hot, RuleErrors, RuleStore, envoy::EnvoyConfig, limitador::Limits, tenants::Tenants,
+    },
 };
 
 /// The compiled rules the engine decides with.
@@ -22,6 +24,8 @@ pub(crate) struct Rules {
     /// The Envoy configuration, when `rules.envoy_path` is set (always
     /// with `rules.source: kafka` or `xds`).
     pub(crate) envoy: Option<Arc<Hot<EnvoyConfig>>>,
+    /// limitador's limits, when `rules.limitador_path` is set.
+    pub(crate) limitador: Option<Arc<Hot<Limits>>>,
     /// What the rules topic feeds, with `rules.source: kafka`.
     pub(crate) feed: Option<Arc<Feed>>,
     /// The xDS subscription, with `rules.source: xds`.
@@ -125,6 +129,7 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
         native,
         native_source: format!("kafka topic {}", kafka.topic),
         envoy: Some(envoy),
+        limitador: None,
         feed: Some(feed),
         xds: None,
         vitals: Some(vitals),
@@ -146,13 +151,17 @@ pub(crate) fn rules(
     let load_native = move |path: &std::path::Path| {
         rules::load(path, form).and_then(|set| rules::non_empty(set, path, allow_empty))
     };
-    let (native, native_source) = match (&config.path, &config.envoy_path) {
+    let other = config.envoy_path.as_ref().or(config.limitador_path.as_ref());
+    let (native, native_source) = match (&config.path, other) {
         (Some(path), _) => (load_native(path)?, path.display().to_string()),
         (None, None) if config.examples => (rules::embedded(form)?, rules::EMBEDDED_SOURCE.to_owned()),
         (None, None) if config.source == crate::config::RulesSource::Files => {
             return Err(ServerError::NoRules);
         }
         (None, None) => (rules::empty(), "none (rules.path unset, rules.examples off)".to_owned()),
+        (None, Some(_)) if config.limitador_path.is_some() => {
+            (rules::empty(), "none (rules.path unset, limitador limits only)".to_owned())
+        }
         (None, Some(_)) => (rules::empty(), "none (rules.path unset, Envoy rules only)".to_owned()),
     };
     let native = Arc::new(RuleStore::new(native));
@@ -180,7 +189,31 @@ pub(crate) fn rules(
             Some(hot)
         }
     };
-    Ok(Rules { native, native_source, envoy, feed: None, xds: None, vitals: None })
+    let limitador = limitador(config, interval, tasks)?;
+    Ok(Rules { native, native_source, envoy, limitador, feed: None, xds: None, vitals: None })
+}
+
+/// limitador's limits, when `rules.limitador_path` is set, watched.
+fn limitador(
+    config: &RulesConfig,
+    interval: Duration,
+    tasks: &mut Tasks,
+) -> Result<Option<Arc<Hot<Limits>>>, ServerError> {
+    let Some(path) = &config.limitador_path else { return Ok(None) };
+    let allow_empty = config.allow_empty;
+    let load = move |path: &std::path::Path| {
+        Limits::load(path).and_then(|set| rules::non_empty(set, path, allow_empty))
+    };
+    let loaded = load(path)?;
+    tracing::info!(
+        path = %path.display(),
+        limits = rules::Versioned::size(&loaded),
+        version = rules::Versioned::version(&loaded),
+        "serving limitador's limits over envoy.service.ratelimit.v3.RateLimitService"
+    );
+    let hot = Arc::new(Hot::new(loaded));
+    watch(tasks, &hot, path, interval, load);
+    Ok(Some(hot))
 }
 
 fn watch<T: rules::Versioned>(

@@ -1,0 +1,144 @@
+//! Kuadrant limitador's limits (`rules.limitador_path`), through a real
+//! Envoy and a real Redis: the semantics of limitador's example limits
+//! file (a limit for the whole namespace; 5 POSTs per minute per user),
+//! written anew from its documentation.
+
+mod common;
+
+use common::{Process, TestServer, any_method_upstream, default_rules_config, http_raw, start_envoy};
+
+/// The namespace's limit, and 5 POSTs per minute per `user_id`.
+const LIMITS: &str = r#"
+---
+- namespace: test_namespace
+  max_value: 10
+  seconds: 60
+  conditions: []
+  variables: []
+- namespace: test_namespace
+  max_value: 5
+  seconds: 60
+  name: per-user-posts
+  conditions:
+    - "descriptors[0]['req.method'] == 'POST'"
+  variables:
+    - descriptors[0]['user_id']
+"#;
+
+/// Envoy on domain `test_namespace`, one descriptor of the method
+/// (`req.method`) and the `x-user-id` header (`user_id`), as limitador's
+/// own Envoy example builds it.
+fn envoy_config(listen: u16, admin: u16, ratelimit: u16, backend: u16) -> String {
+    format!(
+        r#"
+admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}
+static_resources:
+  clusters:
+    - name: ratelimit
+      type: STATIC
+      connect_timeout: 1s
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config: {{ http2_protocol_options: {{}} }}
+      load_assignment:
+        cluster_name: ratelimit
+        endpoints:
+          - lb_endpoints:
+              - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {ratelimit} }} }} }}
+    - name: backend
+      type: STATIC
+      connect_timeout: 1s
+      load_assignment:
+        cluster_name: backend
+        endpoints:
+          - lb_endpoints:
+              - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {backend} }} }} }}
+  listeners:
+    - address: {{ socket_address: {{ address: 127.0.0.1, port_value: {listen} }} }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: http
+                http_filters:
+                  - name: envoy.filters.http.ratelimit
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+                      domain: test_namespace
+                      failure_mode_deny: true
+                      timeout: 2s
+                      rate_limit_service:
+                        transport_api_version: V3
+                        grpc_service: {{ envoy_grpc: {{ cluster_name: ratelimit }} }}
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+                route_config:
+                  virtual_hosts:
+                    - name: backend
+                      domains: ["*"]
+                      routes:
+                        - match: {{ prefix: / }}
+                          route:
+                            cluster: backend
+                            rate_limits:
+                              - actions:
+                                  - request_headers: {{ header_name: ":method", descriptor_key: req.method }}
+                                  - request_headers: {{ header_name: x-user-id, descriptor_key: user_id }}
+"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limitadors_example_limits_through_envoy() {
+    let redis = common::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let limits = dir.path().join("limits.yaml");
+    std::fs::write(&limits, LIMITS).unwrap();
+    let mut config = default_rules_config(Some(redis.url()));
+    config.rules.limitador_path = Some(limits.clone());
+    // limitador's --rate-limit-headers DRAFT_VERSION_03.
+    config.envoy.response_headers = true;
+    config.envoy.response_headers_format = ratelimitd::config::EnvoyHeaderFormat::Draft03;
+    config.envoy.limit_header = "X-RateLimit-Limit".to_owned();
+    config.envoy.remaining_header = "X-RateLimit-Remaining".to_owned();
+    config.envoy.reset_header = "X-RateLimit-Reset".to_owned();
+    let server = TestServer::start(config).await;
+    let (_backend, backend) = any_method_upstream(dir.path());
+    let (envoy, listen) =
+        start_envoy(dir.path(), |listen, admin| envoy_config(listen, admin, server.addr.port(), backend));
+    let _envoy = Process(envoy);
+    let send = |method: &str, user: &str| http_raw(listen, method, "/", &[("x-user-id", user.as_bytes())]);
+
+    // ann's POSTs: both limits apply; the 6th is over her 5.
+    let first = send("POST", "ann");
+    assert_eq!(first.status, 200, "{:?}", first.headers);
+    assert_eq!(first.header("x-ratelimit-remaining"), Some("4"), "{:?}", first.headers);
+    for i in 1..5 {
+        assert_eq!(send("POST", "ann").status, 200, "POST {i}");
+    }
+    assert_eq!(send("POST", "ann").status, 429, "ann's 6th POST in a minute");
+    // Her GETs and bob's POST: the namespace's limit only, and bob's own;
+    // the refused POST took nothing from the namespace's 10.
+    assert_eq!(send("GET", "ann").status, 200);
+    assert_eq!(send("POST", "bob").status, 200);
+    for _ in 0..3 {
+        assert_eq!(send("GET", "cat").status, 200);
+    }
+    assert_eq!(send("GET", "cat").status, 429, "the namespace's 11th hit in a minute");
+
+    // The file is watched: a higher namespace limit is served at once, its
+    // counts kept (the limit's identity does not include max_value).
+    std::fs::write(&limits, LIMITS.replacen("max_value: 10", "max_value: 12", 1)).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while send("GET", "cat").status != 200 {
+        assert!(std::time::Instant::now() < deadline, "the new limit never served");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(send("GET", "cat").status, 200, "the 12th");
+    assert_eq!(send("GET", "cat").status, 429, "the 13th");
+    server.stop().await.unwrap();
+}
