@@ -33,9 +33,12 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 FROM ${RUNTIME_IMAGE}
 # /bin/ratelimit: envoyproxy/ratelimit's path, which control planes (Envoy
 # Gateway) run as the container's command; under that name the binary
-# serves in envoyproxy compat mode.
+# serves in envoyproxy compat mode. limitador-server (on the PATH):
+# limitador's command, which Kuadrant's limitador-operator runs; under that
+# name the binary takes limitador's command line.
 RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/ratelimitd ratelimitd \
-    && ln -s /usr/local/bin/ratelimitd /bin/ratelimit
+    && ln -s /usr/local/bin/ratelimitd /bin/ratelimit \
+    && ln -s /usr/local/bin/ratelimitd /usr/local/bin/limitador-server
 COPY --from=build /usr/local/bin/ratelimitd /usr/local/bin/ratelimitd
 COPY examples /etc/ratelimitd/examples
 WORKDIR /var/lib/ratelimitd

@@ -142,3 +142,95 @@ async fn limitadors_example_limits_through_envoy() {
     assert_eq!(send("GET", "cat").status, 429, "the 13th");
     server.stop().await.unwrap();
 }
+
+/// The binary as Kuadrant's limitador-operator runs limitador's image: the
+/// command `limitador-server` (a link of that name), the operator's
+/// arguments (`--rate-limit-headers`, `-vvv`, `--http-port`, `--rls-port`,
+/// the limits file, `redis <URL>`), nothing else in the environment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn started_as_the_operator_starts_limitador_server() {
+    use ratelimitd::api::envoy_pb::rls::{
+        rate_limit_response::Code, rate_limit_service_client::RateLimitServiceClient,
+    };
+    let redis = common::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let limits = dir.path().join("limitador-config.yaml");
+    std::fs::write(&limits, LIMITS).unwrap();
+    let link = dir.path().join("limitador-server");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ratelimitd"), &link).unwrap();
+    let log = dir.path().join("limitador.log");
+    let http = std::cell::Cell::new(0);
+    let (child, grpc) = common::start_listening("limitador-server", &log, |grpc| {
+        http.set(common::free_port());
+        let mut command = std::process::Command::new(&link);
+        command
+            .env_clear()
+            .env("HOME", dir.path())
+            .args(["--rate-limit-headers", "DRAFT_VERSION_03", "-vvv", "--http-port"])
+            .arg(http.get().to_string())
+            .args(["--http-ip", "127.0.0.1", "--rls-ip", "127.0.0.1", "--rls-port"])
+            .arg(grpc.to_string())
+            .arg(&limits)
+            .args(["redis", &redis.url()]);
+        command
+    });
+    let _service = Process(child);
+    let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{grpc}")).await.unwrap();
+    let request = |user: &str| {
+        let mut request = common::rls_request("test_namespace", "req.method", "POST");
+        request.descriptors[0].entries.push(ratelimitd::api::envoy_pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry {
+            key: "user_id".to_owned(),
+            value: user.to_owned(),
+        });
+        request
+    };
+    let mut codes = Vec::new();
+    for _ in 0..6 {
+        let answer = client.should_rate_limit(request("ann")).await.unwrap().into_inner();
+        codes.push(Code::try_from(answer.overall_code).unwrap());
+        assert!(answer.statuses.is_empty(), "limitador answers no statuses");
+        if codes.len() == 1 {
+            let remaining = answer.response_headers_to_add.iter().find(|h| h.key == "X-RateLimit-Remaining");
+            assert_eq!(
+                remaining.map(|h| h.value.as_str()),
+                Some("4"),
+                "{:?}",
+                answer.response_headers_to_add
+            );
+        }
+    }
+    assert_eq!(codes, [Code::Ok, Code::Ok, Code::Ok, Code::Ok, Code::Ok, Code::OverLimit]);
+    // The operator's probes read limitador's /status.
+    let (status, body) = common::http_get(([127, 0, 0, 1], http.get()).into(), "/status");
+    assert_eq!(status, 200, "{body}; {}", std::fs::read_to_string(&log).unwrap_or_default());
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (body["config_version"].as_u64(), body["config_err_since"].as_u64()),
+        (Some(1), Some(0)),
+        "{body}"
+    );
+    for at in ["started_at", "config_applied_at"] {
+        let text = body[at].as_str().unwrap_or_default();
+        assert!(text.len() >= 19 && text.as_bytes()[10] == b'T' && !text.ends_with('Z'), "{at}: {body}");
+    }
+
+    // --validate: the file compiles (0), or its error names the limit (1).
+    let validate = |file: &std::path::Path| {
+        std::process::Command::new(&link)
+            .env_clear()
+            .arg("--validate")
+            .arg(file)
+            .arg("memory")
+            .output()
+            .unwrap()
+    };
+    let good = validate(&limits);
+    assert!(good.status.success(), "{}", String::from_utf8_lossy(&good.stderr));
+    assert!(String::from_utf8_lossy(&good.stdout).starts_with("ok, 2 limits"));
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, LIMITS.replace("seconds: 60\n  name", "seconds: 0\n  name")).unwrap();
+    let refused = validate(&bad);
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("limits[1]") && stderr.contains("seconds"), "{stderr}");
+}

@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod audit;
 pub mod check;
+mod limitador;
 pub mod migrate;
 pub mod overload;
 pub mod probe;
@@ -90,8 +91,13 @@ pub const UPSTREAM_NAME: &str = "ratelimit";
 
 /// Whether the binary runs under upstream's name ([`UPSTREAM_NAME`]).
 fn invoked_as_upstream() -> bool {
+    invoked_as(UPSTREAM_NAME)
+}
+
+/// Whether the binary's file name (the command's first word) is `name`.
+fn invoked_as(name: &str) -> bool {
     let invoked = std::env::args_os().next().map(PathBuf::from);
-    invoked.as_deref().and_then(std::path::Path::file_name).is_some_and(|name| name == UPSTREAM_NAME)
+    invoked.as_deref().and_then(std::path::Path::file_name).is_some_and(|file| file == name)
 }
 
 /// Parses the command line and runs it; a usage error exits 64, `--help`
@@ -100,6 +106,9 @@ fn invoked_as_upstream() -> bool {
 /// serves in envoyproxy compat mode (`RATELIMITD_COMPAT=envoyproxy` unless
 /// the environment names a mode).
 pub fn main() -> ExitCode {
+    if invoked_as(limitador::NAME) {
+        return limitador::main(std::env::args_os().collect(), std::env::vars().collect());
+    }
     if invoked_as_upstream() {
         if let Some(arg) = std::env::args_os().nth(1) {
             fatal(&format!(

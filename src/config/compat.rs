@@ -22,8 +22,11 @@ use super::{ConfigError, ENV_PREFIX, invalid};
 /// The variable that turns the translation on.
 pub const COMPAT_VAR: &str = "RATELIMITD_COMPAT";
 
-/// Its one value.
+/// Its value for envoyproxy/ratelimit's environment.
 pub const ENVOYPROXY: &str = "envoyproxy";
+
+/// Its value for Kuadrant limitador's environment.
+pub const LIMITADOR: &str = "limitador";
 
 /// Upstream variables ratelimitd reads nothing from, and why.
 const IGNORED: &[(&str, &str)] = &[
@@ -101,35 +104,26 @@ pub struct Compat {
     pub ignored: Vec<(&'static str, &'static str)>,
 }
 
-/// With `RATELIMITD_COMPAT=envoyproxy` in `env`, adds the `RATELIMITD__…`
-/// variables upstream's stand for (never over one already set) and returns
-/// what it ignored; without it, leaves `env` alone. Any other value of
-/// `RATELIMITD_COMPAT` is an error.
+/// With `RATELIMITD_COMPAT=envoyproxy` (or `limitador`) in `env`, adds
+/// the `RATELIMITD__…` variables upstream's (limitador's) stand for, never
+/// over one already set, and returns what it ignored; without it, leaves
+/// `env` alone. Any other value of `RATELIMITD_COMPAT` is an error.
 pub fn apply(env: &mut HashMap<String, String>) -> Result<Compat, ConfigError> {
-    match env.get(COMPAT_VAR).map(String::as_str) {
-        None | Some("") => return Ok(Compat::default()),
-        Some(ENVOYPROXY) => {}
-        Some(other) => {
-            return Err(invalid(COMPAT_VAR, format!("{other:?}: the only value is {ENVOYPROXY:?}")));
-        }
-    }
-    let upstream = Upstream { env };
     let mut out = Vec::new();
-    refuse_unsupported(&upstream)?;
-    listeners(&upstream, &mut out)?;
-    if upstream.get("CONFIG_TYPE").is_some_and(|k| k.eq_ignore_ascii_case("GRPC_XDS_SOTW")) {
-        xds(&upstream, &mut out)?;
-    } else {
-        runtime(&upstream, &mut out);
-    }
-    redis(&upstream, &mut out)?;
-    grpc_tls(&upstream, &mut out)?;
-    envoy(&upstream, &mut out)?;
-    logging(&upstream, &mut out)?;
-    let tracing = tracing(&upstream, &mut out)?;
-    statsd(&upstream, &mut out)?;
-    let ignored: Vec<(&'static str, &'static str)> =
-        IGNORED.iter().filter(|(name, _)| upstream.get(name).is_some()).copied().collect();
+    let (ignored, tracing) = match env.get(COMPAT_VAR).map(String::as_str) {
+        None | Some("") => return Ok(Compat::default()),
+        Some(ENVOYPROXY) => envoyproxy(env, &mut out)?,
+        Some(LIMITADOR) => {
+            limitador::translate(env, &mut out)?;
+            (set(env, limitador::IGNORED), true)
+        }
+        Some(other) => {
+            return Err(invalid(
+                COMPAT_VAR,
+                format!("{other:?}: the values are {ENVOYPROXY:?} and {LIMITADOR:?}"),
+            ));
+        }
+    };
     for (key, value) in out {
         let name = format!("{ENV_PREFIX}__{}", key.replace('.', "__").to_uppercase());
         env.entry(name).or_insert(value);
@@ -140,6 +134,35 @@ pub fn apply(env: &mut HashMap<String, String>) -> Result<Compat, ConfigError> {
         }
     }
     Ok(Compat { ignored })
+}
+
+/// The variables of `list` set in `env`, each with why it is ignored.
+fn set(
+    env: &HashMap<String, String>,
+    list: &[(&'static str, &'static str)],
+) -> Vec<(&'static str, &'static str)> {
+    let upstream = Upstream { env };
+    list.iter().filter(|(name, _)| upstream.get(name).is_some()).copied().collect()
+}
+
+/// envoyproxy/ratelimit's variables into `out`: what it ignored, and
+/// whether tracing is on.
+fn envoyproxy(env: &HashMap<String, String>, out: &mut Out) -> Result<(Vec<Ignored>, bool), ConfigError> {
+    let upstream = Upstream { env };
+    refuse_unsupported(&upstream)?;
+    listeners(&upstream, out)?;
+    if upstream.get("CONFIG_TYPE").is_some_and(|k| k.eq_ignore_ascii_case("GRPC_XDS_SOTW")) {
+        xds(&upstream, out)?;
+    } else {
+        runtime(&upstream, out);
+    }
+    redis(&upstream, out)?;
+    grpc_tls(&upstream, out)?;
+    envoy(&upstream, out)?;
+    logging(&upstream, out)?;
+    let tracing = tracing(&upstream, out)?;
+    statsd(&upstream, out)?;
+    Ok((set(env, IGNORED), tracing))
 }
 
 /// Read access to upstream's variables: unset and empty are the same, as
@@ -177,6 +200,9 @@ impl Upstream<'_> {
 }
 
 type Out = Vec<(&'static str, String)>;
+
+/// A variable that has no effect, and why.
+type Ignored = (&'static str, &'static str);
 
 /// What would change decisions if it were silently ignored.
 fn refuse_unsupported(up: &Upstream<'_>) -> Result<(), ConfigError> {
@@ -551,6 +577,8 @@ fn logging(up: &Upstream<'_>, out: &mut Out) -> Result<(), ConfigError> {
     }
     Ok(())
 }
+
+mod limitador;
 
 #[cfg(test)]
 mod tests;

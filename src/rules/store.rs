@@ -81,6 +81,8 @@ pub struct Hot<T> {
     swapped_at_ms: AtomicU64,
     /// Reloads rejected since start.
     reload_failures: AtomicU64,
+    /// Reloads rejected since the last swap.
+    failures_since_swap: AtomicU64,
     /// Sets loaded since start, the first included.
     loads: AtomicU64,
 }
@@ -95,6 +97,7 @@ impl<T: Versioned> Hot<T> {
             current: ArcSwap::from_pointee(value),
             swapped_at_ms: AtomicU64::new(SystemClock.now_ms()),
             reload_failures: AtomicU64::new(0),
+            failures_since_swap: AtomicU64::new(0),
             loads: AtomicU64::new(1),
         }
     }
@@ -115,6 +118,12 @@ impl<T: Versioned> Hot<T> {
         self.reload_failures.load(Ordering::Relaxed)
     }
 
+    /// Reloads rejected since the rules in force were swapped in
+    /// (limitador's `config_err_since`).
+    pub fn failures_since_swap(&self) -> u64 {
+        self.failures_since_swap.load(Ordering::Relaxed)
+    }
+
     /// The rules to decide with. Hold the `Arc` for the whole decision so
     /// one request sees one rule set even if a reload lands meanwhile.
     pub fn load(&self) -> Arc<T> {
@@ -126,6 +135,7 @@ impl<T: Versioned> Hot<T> {
         value.carry_over(&self.current.load());
         self.current.store(Arc::new(value));
         self.swapped_at_ms.store(SystemClock.now_ms(), Ordering::Relaxed);
+        self.failures_since_swap.store(0, Ordering::Relaxed);
         self.loads.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -214,6 +224,7 @@ pub async fn watch<T: Versioned>(
             }
             Ok(Err(errors)) => {
                 store.reload_failures.fetch_add(1, Ordering::Relaxed);
+                store.failures_since_swap.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(
                     path = %path.display(),
                     serving = store.load().version(),

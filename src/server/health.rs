@@ -34,7 +34,7 @@ use crate::telemetry::Metrics;
 use crate::{
     config::EnvoyFailureMode,
     limiter::{Store, breaker::Breaker},
-    rules::{FailurePolicy, Feed, RuleStore, XdsState},
+    rules::{FailurePolicy, Feed, Hot, RuleStore, XdsState, limitador::Limits},
 };
 
 /// The native API's gRPC service, whose health is always reported.
@@ -64,6 +64,10 @@ pub struct Health {
     xds: Option<(Arc<XdsState>, bool)>,
     /// `http.unready_without_store`.
     unready_without_store: bool,
+    /// limitador's limits (`rules.limitador_path`): `/status` reports them.
+    limitador: Option<Arc<Hot<Limits>>>,
+    /// When the service started.
+    started_at: std::time::SystemTime,
 }
 
 impl Health {
@@ -95,7 +99,15 @@ impl Health {
             feed,
             xds: None,
             unready_without_store: false,
+            limitador: None,
+            started_at: std::time::SystemTime::now(),
         }
+    }
+
+    /// Serving limitador's `limits`: `/status` answers as limitador's.
+    pub fn with_limitador(mut self, limits: Option<Arc<Hot<Limits>>>) -> Self {
+        self.limitador = limits;
+        self
     }
 
     /// Not ready while the store is out and some answer would deny by
@@ -299,6 +311,8 @@ pub async fn serve_http(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_handler))
         .route("/healthcheck", get(healthcheck_handler));
+    let probes =
+        if health.limitador.is_some() { probes.route("/status", get(status_handler)) } else { probes };
     let app = if metrics.is_some() { probes.route("/metrics", get(metrics_handler)) } else { probes };
     serve_app(listener, limits, app.with_state(HttpState { health, metrics }), shutdown).await;
 }
@@ -368,6 +382,25 @@ async fn healthcheck_handler(State(state): State<HttpState>) -> axum::response::
     } else {
         StatusCode::INTERNAL_SERVER_ERROR.into_response()
     }
+}
+
+/// limitador's `/status`, which its operator's probes read: always 200,
+/// `{"started_at", "config_applied_at", "config_version",
+/// "config_err_since"}` (times as limitador writes them: UTC, no zone;
+/// the version counts the limits files loaded, the first included; the
+/// errors, reloads refused since).
+async fn status_handler(State(state): State<HttpState>) -> axum::response::Response {
+    let Some(limits) = &state.health.limitador else { return StatusCode::NOT_FOUND.into_response() };
+    let time = |at: std::time::SystemTime| {
+        humantime::format_rfc3339_micros(at).to_string().trim_end_matches('Z').to_owned()
+    };
+    axum::Json(serde_json::json!({
+        "started_at": time(state.health.started_at),
+        "config_applied_at": time(limits.swapped_at()),
+        "config_version": limits.loads(),
+        "config_err_since": limits.failures_since_swap(),
+    }))
+    .into_response()
 }
 
 async fn ready_handler(State(state): State<HttpState>) -> impl IntoResponse {

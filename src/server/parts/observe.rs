@@ -172,7 +172,8 @@ pub(crate) async fn health(
         engine.store(),
         rules.feed.clone(),
     )
-    .unready_without_store(config.http.unready_without_store);
+    .unready_without_store(config.http.unready_without_store)
+    .with_limitador(rules.limitador.clone());
     let health = Arc::new(match &rules.xds {
         Some(xds) => health.with_xds(Arc::clone(xds), config.rules.xds.force_start),
         None => health,
