@@ -28,6 +28,10 @@ const ENVOY_PROTOS: &[&str] = &[
     "proto/vendor/xds/core/v3/context_params.proto",
 ];
 
+/// Kuadrant's rate limit service (`CheckRateLimit`, `Report`), ours, over
+/// Envoy's messages.
+const KUADRANT_PROTO: &str = "proto/kuadrant/service/ratelimit/v1/ratelimit.proto";
+
 /// The rate-limit configuration over xDS (`rules.source: xds`): the
 /// aggregated discovery service and envoyproxy/ratelimit's
 /// `RateLimitConfig`. Their imports are the files above, generated there.
@@ -55,16 +59,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .file_descriptor_set_path(out_dir.join("ratelimit_descriptor.bin"))
         .compile_with_config(config, &["proto/ratelimit/v1/ratelimit.proto"], &["proto", well_known])?;
 
+    // Envoy's service and Kuadrant's, which takes Envoy's messages.
+    let envoy_protos: Vec<&str> = ENVOY_PROTOS.iter().copied().chain([KUADRANT_PROTO]).collect();
     let mut config = tonic_prost_build::Config::new();
     config.protoc_executable(&protoc);
-    // Both services decode through our lenient codec: a request whose
+    // Every service decodes through our lenient codec: a request whose
     // strings are not UTF-8 is counted, not refused (src/api/lenient.rs).
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
         .codec_path("crate::api::lenient::LenientCodec")
         .file_descriptor_set_path(out_dir.join("envoy_descriptor.bin"))
-        .compile_with_config(config, ENVOY_PROTOS, &["proto/vendor", well_known])?;
+        .compile_with_config(config, &envoy_protos, &["proto/vendor", "proto", well_known])?;
 
     // A client of a management server (and, for the tests, a server): the
     // plain prost codec, and no reflection of a service not served.

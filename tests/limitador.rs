@@ -234,3 +234,72 @@ async fn started_as_the_operator_starts_limitador_server() {
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(stderr.contains("limits[1]") && stderr.contains("seconds"), "{stderr}");
 }
+
+/// Kuadrant's wasm-shim flow over `kuadrant.service.ratelimit.v1`: a
+/// token limit checked before each request (nothing counted) and the
+/// tokens the response used reported after it (counted whatever is left),
+/// on Redis; and the same check from grpcurl through reflection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kuadrants_check_then_report_flow() {
+    use ratelimitd::api::envoy_pb::{
+        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+        kuadrant::service::ratelimit::v1::rate_limit_service_client::RateLimitServiceClient,
+        rls::{RateLimitRequest, rate_limit_response::Code},
+    };
+    let redis = common::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let limits = dir.path().join("limits.yaml");
+    std::fs::write(
+        &limits,
+        "- namespace: llm\n  max_value: 100\n  seconds: 60\n  name: tokens\n  variables: [\"descriptors[0].user\"]\n",
+    )
+    .unwrap();
+    let mut config = default_rules_config(Some(redis.url()));
+    config.rules.limitador_path = Some(limits);
+    let server = TestServer::start(config).await;
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", server.addr)).await.unwrap();
+    let request = |user: &str, hits: u32| RateLimitRequest {
+        domain: "llm".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry { key: "user".to_owned(), value: user.to_owned() }],
+            ..Default::default()
+        }],
+        hits_addend: hits,
+    };
+    let code = |answer: ratelimitd::api::envoy_pb::rls::RateLimitResponse| {
+        assert!(answer.statuses.is_empty() && answer.response_headers_to_add.is_empty(), "{answer:?}");
+        Code::try_from(answer.overall_code).unwrap()
+    };
+    let mut flow = Vec::new();
+    for tokens in [60, 39, 5] {
+        flow.push(code(client.check_rate_limit(request("ann", 1)).await.unwrap().into_inner()));
+        flow.push(code(client.report(request("ann", tokens)).await.unwrap().into_inner()));
+    }
+    // 60, then 99: one more fits; then 104 reported whatever was left.
+    assert_eq!(flow, [Code::Ok, Code::Ok, Code::Ok, Code::Ok, Code::Ok, Code::Ok]);
+    for _ in 0..3 {
+        let answer = client.check_rate_limit(request("ann", 1)).await.unwrap().into_inner();
+        assert_eq!(code(answer), Code::OverLimit, "a check counts nothing, and ann is over");
+    }
+    assert_eq!(code(client.check_rate_limit(request("bob", 1)).await.unwrap().into_inner()), Code::Ok);
+
+    // An independent client: grpcurl, the service found by reflection.
+    let addr = server.addr.to_string();
+    let answer = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(common::grpcurl_path())
+            .args([
+                "-plaintext",
+                "-d",
+                r#"{"domain":"llm","descriptors":[{"entries":[{"key":"user","value":"ann"}]}]}"#,
+            ])
+            .arg(addr)
+            .arg("kuadrant.service.ratelimit.v1.RateLimitService/CheckRateLimit")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&answer.stdout);
+    assert!(stdout.contains("OVER_LIMIT"), "{stdout}{}", String::from_utf8_lossy(&answer.stderr));
+    server.stop().await.unwrap();
+}

@@ -9,6 +9,9 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
 use super::convert::call_traceparent;
+use super::envoy_pb::kuadrant::service::ratelimit::v1::rate_limit_service_server::{
+    RateLimitService as KuadrantRateLimitService, RateLimitServiceServer as KuadrantRateLimitServiceServer,
+};
 use super::envoy_pb::{
     envoy::{
         config::core::v3::HeaderValue, extensions::common::ratelimit::v3::RateLimitDescriptor,
@@ -23,7 +26,10 @@ use super::envoy_pb::{
 use super::envoy_settings::{EnvoyHeaderFormat, EnvoySettings};
 use crate::{
     budget::Refusal,
-    decision::{Api, Descriptor, DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsRequest},
+    decision::{
+        Api, Descriptor, DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsRequest,
+        limitador::Call,
+    },
     rules::{Hot, envoy::Unit, limitador::Limits},
     telemetry::traces::{continue_trace, trace_id_of},
 };
@@ -161,7 +167,7 @@ impl RateLimitService for EnvoyService {
         };
         // The engine fills the span's decision fields (it runs inside it).
         if let Some(limits) = &self.limitador {
-            let decision = self.engine.limitador(&limits.load(), &rls).instrument(span).await;
+            let decision = self.engine.limitador(&limits.load(), &rls, Call::Admit).instrument(span).await;
             let mut answer = response(&decision, &self.settings)?;
             // limitador answers no statuses (its headers, when asked for,
             // carry what they would).
@@ -174,6 +180,74 @@ impl RateLimitService for EnvoyService {
             answer.dynamic_metadata = Some(dynamic_metadata(&request, &decision));
         }
         Ok(Response::new(answer))
+    }
+}
+
+/// Kuadrant's rate limit service, served beside `ShouldRateLimit` from
+/// limitador's limits: the check before a request (nothing counted) and the
+/// report of its usage after the response (counted whatever is left).
+#[tonic::async_trait]
+impl KuadrantRateLimitService for EnvoyService {
+    async fn check_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        self.kuadrant(request, Call::Check).await
+    }
+
+    async fn report(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        self.kuadrant(request, Call::Report).await
+    }
+}
+
+impl EnvoyService {
+    /// The Kuadrant service's server (with limitador's limits).
+    pub fn into_kuadrant_server(self) -> KuadrantRateLimitServiceServer<Self> {
+        KuadrantRateLimitServiceServer::new(self)
+    }
+
+    /// `CheckRateLimit` (`call` Check) or `Report`: OK or OVER_LIMIT (a
+    /// report is always OK), no statuses or headers, as limitador answers.
+    async fn kuadrant(
+        &self,
+        request: Request<RateLimitRequest>,
+        call: Call,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let Some(limits) = &self.limitador else {
+            return Err(Status::unimplemented(
+                "kuadrant.service.ratelimit.v1 is served with limitador's limits",
+            ));
+        };
+        let (metadata, extensions, request) = request.into_parts();
+        if let Err((reason, message)) = self.validate(&request) {
+            self.engine.refused(Api::Envoy, reason);
+            return Err(Status::invalid_argument(message));
+        }
+        let span = tracing::info_span!(
+            "ratelimit.kuadrant",
+            otel.kind = "server",
+            call = ?call,
+            domain = %request.domain,
+            descriptors = request.descriptors.len(),
+            reason = tracing::field::Empty,
+            overall_code = tracing::field::Empty,
+        );
+        continue_trace(&span, &metadata);
+        let rls = RlsRequest {
+            share: super::check::share_of(&extensions),
+            may_report: false,
+            ..convert(&request, call_traceparent(&metadata))
+        };
+        let decision = self.engine.limitador(&limits.load(), &rls, call).instrument(span).await;
+        if let Some(failure) = &decision.failure {
+            return Err(Status::unavailable(format!("counter store unavailable: {failure}")));
+        }
+        let over = call == Call::Check && decision.over_limit;
+        let code = if over { Code::OverLimit } else { Code::Ok };
+        Ok(Response::new(RateLimitResponse { overall_code: code as i32, ..Default::default() }))
     }
 }
 

@@ -25,6 +25,10 @@ pub mod paths {
     pub const CHECK_BATCH: &str = "/ratelimit.v1.RateLimiter/CheckBatch";
     /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
     pub const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+    /// Kuadrant's check (limitador).
+    pub const CHECK_RATE_LIMIT: &str = "/kuadrant.service.ratelimit.v1.RateLimitService/CheckRateLimit";
+    /// Kuadrant's report (limitador).
+    pub const KUADRANT_REPORT: &str = "/kuadrant.service.ratelimit.v1.RateLimitService/Report";
 }
 
 pub use check::{MAX_BATCH_ITEMS, RateLimiterService, STREAM_IN_FLIGHT};
@@ -99,6 +103,17 @@ pub mod envoy_pb {
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("envoy_descriptor");
 
     pub use envoy::service::ratelimit::v3 as rls;
+
+    /// Kuadrant's rate limit service (limitador's `CheckRateLimit`, `Report`).
+    pub mod kuadrant {
+        pub mod service {
+            pub mod ratelimit {
+                pub mod v1 {
+                    tonic::include_proto!("kuadrant.service.ratelimit.v1");
+                }
+            }
+        }
+    }
 
     /// The aggregated discovery service (`rules.source: xds`).
     pub mod discovery {

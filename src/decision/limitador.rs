@@ -21,12 +21,25 @@ use crate::{
 /// The entry key naming the limit in an applied limit's descriptor.
 pub const LIMIT_ENTRY: &str = "limitador";
 
+/// What a limitador call asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    /// `ShouldRateLimit`: admitted and counted, all or nothing.
+    Admit,
+    /// `CheckRateLimit`: whether one more hit fits every limit; nothing
+    /// counted.
+    Check,
+    /// `Report`: the hits counted on every limit, whatever is left.
+    Report,
+}
+
 /// Decides `request` (its domain is the namespace) under `limits`; see
 /// [`Engine::limitador`].
 pub(super) async fn decide<D: Descriptor>(
     engine: &Engine,
     limits: &Limits,
     request: &RlsRequest<'_, D>,
+    call: Call,
 ) -> RlsDecision {
     let started = std::time::Instant::now();
     let entries: Vec<Vec<(&str, &str)>> = request.descriptors.iter().map(|d| d.entries().collect()).collect();
@@ -44,12 +57,11 @@ pub(super) async fn decide<D: Descriptor>(
         let mut entries = Vec::with_capacity(1 + one.values.len());
         entries.push((LIMIT_ENTRY.to_owned(), one.limit.identity.to_string()));
         entries.extend(one.limit.variables().map(str::to_owned).zip(one.values.iter().cloned()));
-        descriptors.push(OwnedDescriptor { entries, limit: None, hits_addend: None });
-        matches.push(Some(EnvoyMatch {
-            limit: Arc::clone(&one.limit.envoy),
-            shared: Vec::new(),
-            stat_key: None,
-        }));
+        // A check is a 0-hit descriptor: whether one more fits, nothing counted.
+        let hits_addend = (call == Call::Check).then_some(0);
+        descriptors.push(OwnedDescriptor { entries, limit: None, hits_addend });
+        let limit = if call == Call::Report { &one.limit.envoy_report } else { &one.limit.envoy };
+        matches.push(Some(EnvoyMatch { limit: Arc::clone(limit), shared: Vec::new(), stat_key: None }));
     }
     let counted = RlsRequest {
         domain: request.domain,

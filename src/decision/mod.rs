@@ -432,15 +432,17 @@ impl Engine {
     }
 
     /// Decides a limitador request (its domain is the namespace) under
-    /// `limits`: every limit that applies is a counter, all or nothing. A
+    /// `limits`: every limit that applies is a counter, all or nothing
+    /// (`call`: admitted, checked without counting, or reported). A
     /// request whose evaluation fails (not a missing key: a condition that
     /// is no boolean, a descriptor it lacks) is refused, never admitted.
     pub async fn limitador<D: Descriptor>(
         &self,
         limits: &crate::rules::limitador::Limits,
         request: &RlsRequest<'_, D>,
+        call: limitador::Call,
     ) -> RlsDecision {
-        limitador::decide(self, limits, request).await
+        limitador::decide(self, limits, request, call).await
     }
 
     /// Counts a request the API refused as malformed, under a fixed reason.

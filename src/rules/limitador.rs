@@ -95,6 +95,8 @@ pub struct Limit {
     /// What it counts as: `max_value` per `seconds`, named as it is (or by
     /// its identity), `namespace.name` its key in metrics.
     pub envoy: Arc<EnvoyLimit>,
+    /// The same, counting reported usage whatever is left (`Report`).
+    pub envoy_report: Arc<EnvoyLimit>,
     conditions: Vec<Expression>,
     /// Sorted by source, as limitador orders them.
     variables: Vec<Expression>,
@@ -342,6 +344,7 @@ fn compile(file: &Path, index: usize, raw: RawLimit) -> Result<Limit, RuleError>
         name: raw.name.as_deref().map(Arc::from),
         id: raw.id.as_deref().map(Arc::from),
         identity,
+        envoy_report: Arc::new(EnvoyLimit { report_mode: true, ..envoy.clone() }),
         envoy: Arc::new(envoy),
         conditions,
         variables,

@@ -403,6 +403,8 @@ fn grpc_router(
     let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
         .build_v1alpha()
         .map_err(|e| ServerError::Reflection(e.to_string()))?;
+    // Kuadrant's service beside Envoy's, from limitador's limits.
+    let kuadrant = envoy.clone().filter(|_| rules.limitador.is_some());
     let bounds = message_bounds(&config.grpc, &check, envoy.as_ref());
     // The layer bounds each method; tonic's bound is the largest of them.
     let max_message = bounds.batch;
@@ -411,6 +413,9 @@ fn grpc_router(
         .layer(tower::util::MapResponseLayer::new(rewrite))
         .layer(BudgetLayer::new(Arc::clone(budget), bounds))
         .add_service(check.into_server().max_decoding_message_size(max_message))
+        .add_optional_service(
+            kuadrant.map(|kuadrant| kuadrant.into_kuadrant_server().max_decoding_message_size(max_message)),
+        )
         .add_optional_service(envoy.map(|envoy| envoy.into_server().max_decoding_message_size(max_message)))
         .add_service(health)
         .add_service(reflection_v1)
@@ -432,7 +437,11 @@ fn message_bounds(
     });
     let mut denials = vec![(paths::CHECK, Arc::clone(&native)), (paths::REPORT, native)];
     if let Some(envoy) = envoy.cloned() {
-        denials.push((paths::SHOULD_RATE_LIMIT, Arc::new(move |refusal| envoy.refused_unread(refusal))));
+        let denial: Denial = Arc::new(move |refusal| envoy.refused_unread(refusal));
+        // Kuadrant's calls, served with limitador's limits, take Envoy's messages.
+        for path in [paths::SHOULD_RATE_LIMIT, paths::CHECK_RATE_LIMIT, paths::KUADRANT_REPORT] {
+            denials.push((path, Arc::clone(&denial)));
+        }
     }
     MessageBounds {
         message: grpc.max_message_bytes,
