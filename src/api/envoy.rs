@@ -236,9 +236,12 @@ impl EnvoyService {
             overall_code = tracing::field::Empty,
         );
         continue_trace(&span, &metadata);
+        // limitador checks one hit, whatever the request says.
+        let hits_addend = if call == Call::Check { 1 } else { request.hits_addend };
         let rls = RlsRequest {
             share: super::check::share_of(&extensions),
             may_report: false,
+            hits_addend,
             ..convert(&request, call_traceparent(&metadata))
         };
         let decision = self.engine.limitador(&limits.load(), &rls, call).instrument(span).await;

@@ -26,8 +26,8 @@ pub const LIMIT_ENTRY: &str = "limitador";
 pub enum Call {
     /// `ShouldRateLimit`: admitted and counted, all or nothing.
     Admit,
-    /// `CheckRateLimit`: whether one more hit fits every limit; nothing
-    /// counted.
+    /// `CheckRateLimit`: whether the request's hits fit every limit;
+    /// nothing counted.
     Check,
     /// `Report`: the hits counted on every limit, whatever is left.
     Report,
@@ -57,10 +57,12 @@ pub(super) async fn decide<D: Descriptor>(
         let mut entries = Vec::with_capacity(1 + one.values.len());
         entries.push((LIMIT_ENTRY.to_owned(), one.limit.identity.to_string()));
         entries.extend(one.limit.variables().map(str::to_owned).zip(one.values.iter().cloned()));
-        // A check is a 0-hit descriptor: whether one more fits, nothing counted.
-        let hits_addend = (call == Call::Check).then_some(0);
-        descriptors.push(OwnedDescriptor { entries, limit: None, hits_addend });
-        let limit = if call == Call::Report { &one.limit.envoy_report } else { &one.limit.envoy };
+        descriptors.push(OwnedDescriptor { entries, limit: None, hits_addend: None });
+        let limit = match call {
+            Call::Admit => &one.limit.envoy,
+            Call::Check => &one.limit.envoy_peek,
+            Call::Report => &one.limit.envoy_report,
+        };
         matches.push(Some(EnvoyMatch { limit: Arc::clone(limit), shared: Vec::new(), stat_key: None }));
     }
     let counted = RlsRequest {

@@ -97,6 +97,8 @@ pub struct Limit {
     pub envoy: Arc<EnvoyLimit>,
     /// The same, counting reported usage whatever is left (`Report`).
     pub envoy_report: Arc<EnvoyLimit>,
+    /// The same, asking whether hits fit and counting nothing (`CheckRateLimit`).
+    pub envoy_peek: Arc<EnvoyLimit>,
     conditions: Vec<Expression>,
     /// Sorted by source, as limitador orders them.
     variables: Vec<Expression>,
@@ -345,6 +347,7 @@ fn compile(file: &Path, index: usize, raw: RawLimit) -> Result<Limit, RuleError>
         id: raw.id.as_deref().map(Arc::from),
         identity,
         envoy_report: Arc::new(EnvoyLimit { report_mode: true, ..envoy.clone() }),
+        envoy_peek: Arc::new(EnvoyLimit { peek_mode: true, ..envoy.clone() }),
         envoy: Arc::new(envoy),
         conditions,
         variables,

@@ -137,6 +137,7 @@ fn requested_limit<D: Descriptor>(
             shadow_mode: false,
             quota_mode: false,
             report_mode: false,
+            peek_mode: false,
             metadata: None,
             name: None,
             replaces: Vec::new(),
@@ -212,10 +213,11 @@ fn push_items<D: Descriptor>(
         let seconds = seconds(limit);
         // `hits_addend: 0` asks whether one more hit fits (or, as
         // upstream, whether the count is within the limit) and counts
-        // nothing; a `report_mode` limit counts hits whatever is left, and
+        // nothing, as a `peek_mode` limit asks of its hits; a `report_mode` limit counts hits whatever is left, and
         // with `count_every_hit` an admission is counted even when denied.
         let (weight, count) = match hits {
             0 => (u64::from(!policy.zero_hits_within_limit), Count::Never),
+            hits if limit.peek_mode => (hits, Count::Never),
             hits if limit.report_mode => (hits, Count::Always),
             hits if policy.count_every_hit => (hits, Count::Anyway),
             hits => (hits, Count::IfFits),

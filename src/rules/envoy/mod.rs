@@ -143,6 +143,7 @@ impl EnvoyLimit {
             shadow_mode: false,
             quota_mode: false,
             report_mode: false,
+            peek_mode: false,
             metadata: None,
             name,
             replaces: Vec::new(),
@@ -177,6 +178,9 @@ pub struct EnvoyLimit {
     /// ratelimitd's extension: hits are usage reported after the fact
     /// (Envoy's `apply_on_stream_done`), counted whatever is left.
     pub report_mode: bool,
+    /// Hits are asked about, never counted: whether that many more fit
+    /// (Kuadrant's `CheckRateLimit`; never from a configuration file).
+    pub peek_mode: bool,
     /// The descriptor's `metadata`, returned (merged over the descriptors
     /// that passed) as the response's dynamic metadata when
     /// `envoy.response_dynamic_metadata` is on. Any YAML mapping with

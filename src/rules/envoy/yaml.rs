@@ -495,6 +495,7 @@ fn compile_limit(
         shadow_mode: d.shadow_mode,
         quota_mode: d.quota_mode,
         report_mode: d.report_mode,
+        peek_mode: false,
         metadata,
         name: Some(r.name.clone()).filter(|n| !n.is_empty()),
         replaces: r.replaces.iter().map(|r| r.name.clone()).collect(),
