@@ -303,3 +303,88 @@ async fn kuadrants_check_then_report_flow() {
     assert!(stdout.contains("OVER_LIMIT"), "{stdout}{}", String::from_utf8_lossy(&answer.stderr));
     server.stop().await.unwrap();
 }
+
+/// One HTTP/1.1 POST of `body` (JSON) to `addr`: (status, headers with
+/// lower-case names, body).
+fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, Vec<(String, String)>, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let mut lines = head.lines();
+    let status = lines.next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    (status, headers, body.to_owned())
+}
+
+/// limitador's HTTP API on the same limits: status codes and bodies as
+/// limitador answers them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limitadors_http_api() {
+    let redis = common::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let limits = dir.path().join("limits.yaml");
+    std::fs::write(&limits, LIMITS).unwrap();
+    let mut config = default_rules_config(Some(redis.url()));
+    config.rules.limitador_path = Some(limits);
+    let server = TestServer::start(config).await;
+    let addr = server.http_addr;
+    let call = move |path: &'static str, user: &'static str, delta: u32, headers: bool| {
+        let extra = if headers { r#", "response_headers": "DraftVersion03""# } else { "" };
+        let body = format!(
+            r#"{{"namespace": "test_namespace", "values": {{"req.method": "POST", "user_id": "{user}"}}, "delta": {delta}{extra}}}"#
+        );
+        tokio::task::spawn_blocking(move || post(addr, path, &body))
+    };
+    let (status, headers, body) = call("/check_and_report", "ann", 1, true).await.unwrap();
+    assert_eq!((status, body.as_str()), (200, "null"));
+    let header = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+    assert_eq!(header("x-ratelimit-remaining").as_deref(), Some("4"), "{headers:?}");
+    assert_eq!(
+        header("x-ratelimit-limit").as_deref(),
+        Some(r#"5, 5;w=60;name="per-user-posts", 10;w=60"#),
+        "the fewest left first"
+    );
+    for _ in 1..5 {
+        assert_eq!(call("/check_and_report", "ann", 1, false).await.unwrap().0, 200);
+    }
+    let (status, _, body) = call("/check_and_report", "ann", 1, false).await.unwrap();
+    assert_eq!((status, body.as_str()), (429, "null"));
+    let (status, _, body) = call("/check", "ann", 1, false).await.unwrap();
+    assert_eq!((status, body.as_str()), (429, "Too many requests"));
+    // bob: a check counts nothing; a report counts whatever is left.
+    for _ in 0..3 {
+        let (status, _, body) = call("/check", "bob", 5, false).await.unwrap();
+        assert_eq!((status, body.as_str()), (200, "null"), "5 fit bob's 5");
+    }
+    assert_eq!(call("/check", "bob", 6, false).await.unwrap().0, 429, "6 do not");
+    let (status, _, body) = call("/report", "bob", 7, false).await.unwrap();
+    assert_eq!((status, body.as_str()), (200, "null"));
+    assert_eq!(call("/check", "bob", 1, false).await.unwrap().0, 429);
+
+    let (status, body) =
+        tokio::task::spawn_blocking(move || common::http_get(addr, "/limits/test_namespace")).await.unwrap();
+    assert_eq!(status, 200);
+    let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+    assert_eq!(listed[1]["name"], "per-user-posts");
+    assert_eq!(listed[1]["max_value"], 5);
+    assert_eq!(listed[1]["variables"][0], "descriptors[0]['user_id']");
+    assert_eq!(listed[0]["name"], serde_json::Value::Null);
+
+    let bad = tokio::task::spawn_blocking(move || post(addr, "/check", r#"{"namespace": 1}"#)).await.unwrap();
+    assert_eq!(bad.0, 400, "{bad:?}");
+    let huge = format!(r#"{{"namespace": "{}", "values": {{}}, "delta": 1}}"#, "n".repeat(100_000));
+    let refused = tokio::task::spawn_blocking(move || post(addr, "/report", &huge)).await.unwrap();
+    assert_eq!(refused.0, 413, "a body over 64 KiB is not read");
+    server.stop().await.unwrap();
+}

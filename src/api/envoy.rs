@@ -167,7 +167,8 @@ impl RateLimitService for EnvoyService {
         };
         // The engine fills the span's decision fields (it runs inside it).
         if let Some(limits) = &self.limitador {
-            let decision = self.engine.limitador(&limits.load(), &rls, Call::Admit).instrument(span).await;
+            let decision =
+                self.engine.limitador(&limits.load(), &rls, Call::Admit, None).instrument(span).await;
             let mut answer = response(&decision, &self.settings)?;
             // limitador answers no statuses (its headers, when asked for,
             // carry what they would).
@@ -236,15 +237,14 @@ impl EnvoyService {
             overall_code = tracing::field::Empty,
         );
         continue_trace(&span, &metadata);
-        // limitador checks one hit, whatever the request says.
-        let hits_addend = if call == Call::Check { 1 } else { request.hits_addend };
         let rls = RlsRequest {
             share: super::check::share_of(&extensions),
             may_report: false,
-            hits_addend,
             ..convert(&request, call_traceparent(&metadata))
         };
-        let decision = self.engine.limitador(&limits.load(), &rls, call).instrument(span).await;
+        // limitador checks one hit, whatever the request says.
+        let hits = (call == Call::Check).then_some(1);
+        let decision = self.engine.limitador(&limits.load(), &rls, call, hits).instrument(span).await;
         if let Some(failure) = &decision.failure {
             return Err(Status::unavailable(format!("counter store unavailable: {failure}")));
         }

@@ -11,6 +11,7 @@ mod eager;
 mod envoy;
 pub mod envoy_settings;
 pub mod lenient;
+pub mod limitador_http;
 mod wire;
 pub mod xds;
 

@@ -40,6 +40,7 @@ pub(super) async fn decide<D: Descriptor>(
     limits: &Limits,
     request: &RlsRequest<'_, D>,
     call: Call,
+    hits: Option<u64>,
 ) -> RlsDecision {
     let started = std::time::Instant::now();
     let entries: Vec<Vec<(&str, &str)>> = request.descriptors.iter().map(|d| d.entries().collect()).collect();
@@ -57,7 +58,7 @@ pub(super) async fn decide<D: Descriptor>(
         let mut entries = Vec::with_capacity(1 + one.values.len());
         entries.push((LIMIT_ENTRY.to_owned(), one.limit.identity.to_string()));
         entries.extend(one.limit.variables().map(str::to_owned).zip(one.values.iter().cloned()));
-        descriptors.push(OwnedDescriptor { entries, limit: None, hits_addend: None });
+        descriptors.push(OwnedDescriptor { entries, limit: None, hits_addend: hits });
         let limit = match call {
             Call::Admit => &one.limit.envoy,
             Call::Check => &one.limit.envoy_peek,

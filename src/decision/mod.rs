@@ -433,7 +433,8 @@ impl Engine {
 
     /// Decides a limitador request (its domain is the namespace) under
     /// `limits`: every limit that applies is a counter, all or nothing
-    /// (`call`: admitted, checked without counting, or reported). A
+    /// (`call`: admitted, checked without counting, or reported), each by
+    /// `hits` (0 included) or else the request's `hits_addend`. A
     /// request whose evaluation fails (not a missing key: a condition that
     /// is no boolean, a descriptor it lacks) is refused, never admitted.
     pub async fn limitador<D: Descriptor>(
@@ -441,8 +442,9 @@ impl Engine {
         limits: &crate::rules::limitador::Limits,
         request: &RlsRequest<'_, D>,
         call: limitador::Call,
+        hits: Option<u64>,
     ) -> RlsDecision {
-        limitador::decide(self, limits, request, call).await
+        limitador::decide(self, limits, request, call, hits).await
     }
 
     /// Counts a request the API refused as malformed, under a fixed reason.

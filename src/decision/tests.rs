@@ -220,7 +220,7 @@ async fn limitador_limits_apply_all_or_nothing() {
         let (engine, limits) = (&engine, &limits);
         async move {
             let descriptors = descriptors(&[&entries]);
-            engine.limitador(limits, &request("ns", &descriptors), limitador::Call::Admit).await
+            engine.limitador(limits, &request("ns", &descriptors), limitador::Call::Admit, None).await
         }
     };
     let post = vec![("req.method", "POST"), ("user_id", "ann")];

@@ -298,13 +298,14 @@ struct HttpState {
 }
 
 /// Serves `/healthz`, `/readyz`, `/healthcheck` and, given `metrics`,
-/// `/metrics` on `listener`, its connections bounded by `limits`, until
-/// `shutdown`.
+/// `/metrics` (and, given `api`, its routes) on `listener`, its
+/// connections bounded by `limits`, until `shutdown`.
 pub async fn serve_http(
     listener: TcpListener,
     limits: super::conns::Limits,
     health: Arc<Health>,
     metrics: Option<Arc<Metrics>>,
+    api: Option<Router>,
     shutdown: watch::Receiver<bool>,
 ) {
     let probes = Router::new()
@@ -314,7 +315,12 @@ pub async fn serve_http(
     let probes =
         if health.limitador.is_some() { probes.route("/status", get(status_handler)) } else { probes };
     let app = if metrics.is_some() { probes.route("/metrics", get(metrics_handler)) } else { probes };
-    serve_app(listener, limits, app.with_state(HttpState { health, metrics }), shutdown).await;
+    let app = app.with_state(HttpState { health, metrics });
+    let app = match api {
+        Some(api) => app.merge(api),
+        None => app,
+    };
+    serve_app(listener, limits, app, shutdown).await;
 }
 
 /// Serves `app` on `listener`, its connections bounded by `limits`, until

@@ -191,19 +191,25 @@ pub(crate) async fn health(
         stop,
     ));
     if let Some(http) = http {
-        serve_endpoints(config, &health, metrics, http, tasks).await?;
+        // limitador's HTTP API, with its limits, on the HTTP port only.
+        let api = rules.limitador.as_ref().map(|limits| {
+            crate::api::limitador_http::router(engine.clone(), Arc::clone(limits), config.envoy.max_entries)
+        });
+        serve_endpoints(config, &health, metrics, http, api, tasks).await?;
     }
     Ok((health, reporter, service))
 }
 
-/// The HTTP endpoints on `http`, the probes alone on `http.probe_listen`
-/// and everything on `http.metrics_listen` when set, each listener with
-/// connection places of its own.
+/// The HTTP endpoints on `http` (with `api`, limitador's HTTP API), the
+/// probes alone on `http.probe_listen` and the endpoints but `api` on
+/// `http.metrics_listen` when set, each listener with connection places of
+/// its own.
 async fn serve_endpoints(
     config: &Config,
     health: &Arc<Health>,
     metrics: &Arc<Metrics>,
     http: TcpListener,
+    api: Option<axum::Router>,
     tasks: &mut Tasks,
 ) -> Result<(), ServerError> {
     tracing::info!(addr = ?http.local_addr().ok(), "serving /metrics, /healthz, /readyz");
@@ -218,16 +224,16 @@ async fn serve_endpoints(
         let probes = TcpListener::bind(addr).await.map_err(|e| ServerError::ProbeListen(addr.clone(), e))?;
         tracing::info!(addr = ?probes.local_addr().ok(), "serving /healthz, /readyz, /healthcheck");
         let stop = tasks.stopper();
-        tasks.spawn(serve_http(probes, limits, Arc::clone(health), None, stop));
+        tasks.spawn(serve_http(probes, limits, Arc::clone(health), None, None, stop));
     }
     if let Some(addr) = &config.http.metrics_listen {
         let scrapes =
             TcpListener::bind(addr).await.map_err(|e| ServerError::MetricsListen(addr.clone(), e))?;
         tracing::info!(addr = ?scrapes.local_addr().ok(), "serving /metrics, /healthz, /readyz");
         let stop = tasks.stopper();
-        tasks.spawn(serve_http(scrapes, limits, Arc::clone(health), Some(Arc::clone(metrics)), stop));
+        tasks.spawn(serve_http(scrapes, limits, Arc::clone(health), Some(Arc::clone(metrics)), None, stop));
     }
     let stop = tasks.stopper();
-    tasks.spawn(serve_http(http, limits, Arc::clone(health), Some(Arc::clone(metrics)), stop));
+    tasks.spawn(serve_http(http, limits, Arc::clone(health), Some(Arc::clone(metrics)), api, stop));
     Ok(())
 }

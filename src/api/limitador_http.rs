@@ -1,0 +1,170 @@
+//! limitador's HTTP API, on the HTTP port with limitador's limits:
+//!
+//! - `POST /check`, `/report`, `/check_and_report` with
+//!   `{"namespace", "values": {key: value}, "delta", "response_headers"?}`
+//!   (`values` is the request's one descriptor): whether `delta` more hits
+//!   fit (nothing counted: 200 `null`, or 429 `Too many requests`), the
+//!   hits counted whatever is left (200 `null`), or both at once (200 or
+//!   429, `null`; with `"response_headers": "DraftVersion03"` limitador's
+//!   `X-RateLimit-*` headers). A store that cannot answer under
+//!   `envoy.failure_mode: unavailable` is 500; a body that is not such an
+//!   object is 400.
+//! - `GET /limits/{namespace}`: the namespace's limits as limitador lists
+//!   them.
+//!
+//! A body is read up to [`MAX_BODY_BYTES`]; its values are bounded as a
+//! descriptor's entries are (`envoy.max_entries`; a long key or value
+//! counted by its digest). Each connection carries one request at a time,
+//! so a peer holds at most `http.max_connections_per_peer` decisions in
+//! flight; with `http.probe_listen` the probes have places of their own.
+
+use std::{collections::HashMap, sync::Arc};
+
+use axum::{
+    Router,
+    body::Bytes,
+    extract::{DefaultBodyLimit, Path, State},
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+use serde::Deserialize;
+
+use crate::{
+    decision::{Engine, OwnedDescriptor, RlsDecision, RlsRequest, limitador::Call},
+    rules::{Hot, limitador::Limits},
+};
+
+/// The largest request body read.
+pub const MAX_BODY_BYTES: usize = 64 << 10;
+
+#[derive(Clone)]
+struct Api {
+    engine: Engine,
+    limits: Arc<Hot<Limits>>,
+    max_entries: usize,
+}
+
+/// A check or report, as limitador's HTTP API takes it.
+#[derive(Debug, Deserialize)]
+struct CheckAndReport {
+    namespace: String,
+    values: HashMap<String, String>,
+    delta: u64,
+    #[serde(default)]
+    response_headers: Option<String>,
+}
+
+/// The API's routes, deciding with `engine` under `limits`; `max_entries`
+/// bounds a request's values (`envoy.max_entries`).
+pub fn router(engine: Engine, limits: Arc<Hot<Limits>>, max_entries: usize) -> Router {
+    Router::new()
+        .route("/check", post(|s: State<Api>, body: Bytes| decide(s, body, Call::Check)))
+        .route("/report", post(|s: State<Api>, body: Bytes| decide(s, body, Call::Report)))
+        .route("/check_and_report", post(|s: State<Api>, body: Bytes| decide(s, body, Call::Admit)))
+        .route("/limits/{namespace}", get(limits_of))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(Api { engine, limits, max_entries })
+}
+
+/// limitador's JSON `null`, with `status`.
+fn null(status: StatusCode) -> Response {
+    (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], "null").into_response()
+}
+
+async fn decide(State(api): State<Api>, body: Bytes, call: Call) -> Response {
+    let request: CheckAndReport = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("Json deserialize error: {e}")).into_response(),
+    };
+    if request.values.len() > api.max_entries {
+        let message = format!(
+            "values: {} exceed the maximum of {} (envoy.max_entries)",
+            request.values.len(),
+            api.max_entries
+        );
+        return (StatusCode::BAD_REQUEST, message).into_response();
+    }
+    let mut entries: Vec<(String, String)> = request.values.into_iter().collect();
+    entries.sort_unstable();
+    let descriptors = [OwnedDescriptor { entries, limit: None, hits_addend: None }];
+    let rls = RlsRequest {
+        domain: &request.namespace,
+        descriptors: &descriptors,
+        hits_addend: 1,
+        trace_id: None,
+        share: None,
+        may_report: false,
+    };
+    let decision = api.engine.limitador(&api.limits.load(), &rls, call, Some(request.delta)).await;
+    if decision.failure.is_some() {
+        return match call {
+            Call::Check => (StatusCode::INTERNAL_SERVER_ERROR, "Internal server error").into_response(),
+            _ => null(StatusCode::INTERNAL_SERVER_ERROR),
+        };
+    }
+    match call {
+        Call::Report => null(StatusCode::OK),
+        Call::Check if decision.over_limit => {
+            (StatusCode::TOO_MANY_REQUESTS, "Too many requests").into_response()
+        }
+        Call::Check => null(StatusCode::OK),
+        Call::Admit => {
+            let status = if decision.over_limit { StatusCode::TOO_MANY_REQUESTS } else { StatusCode::OK };
+            let mut response = null(status);
+            if request.response_headers.as_deref() == Some("DraftVersion03") {
+                for (name, value) in draft03(&decision) {
+                    if let Ok(value) = HeaderValue::from_str(&value) {
+                        response.headers_mut().insert(name, value);
+                    }
+                }
+            }
+            response
+        }
+    }
+}
+
+/// limitador's draft-03 headers: the limit with the fewest hits left
+/// (`X-RateLimit-Limit` lists every limit, fewest left first, as
+/// `max;w=seconds[;name="…"]`), what it has left, and the whole seconds
+/// until it resets.
+fn draft03(decision: &RlsDecision) -> Vec<(&'static str, String)> {
+    let mut counted: Vec<_> = decision.statuses.iter().filter(|s| s.limit.is_some()).collect();
+    counted.sort_by_key(|s| s.remaining);
+    let Some(first) = counted.first() else { return Vec::new() };
+    let max = |s: &&crate::decision::DescriptorDecision| s.limit.as_ref().map_or(0, |l| l.per_unit());
+    let mut limit = max(first).to_string();
+    for status in &counted {
+        let Some(l) = &status.limit else { continue };
+        limit.push_str(&format!(", {};w={}", l.per_unit(), l.window_seconds().unwrap_or(0)));
+        if let Some(name) = &l.name {
+            limit.push_str(&format!(";name=\"{}\"", name.replace('"', "'")));
+        }
+    }
+    vec![
+        ("X-RateLimit-Limit", limit),
+        ("X-RateLimit-Remaining", first.remaining.to_string()),
+        ("X-RateLimit-Reset", (first.until_reset_ms / 1_000).to_string()),
+    ]
+}
+
+/// `GET /limits/{namespace}`: each limit as limitador lists it.
+async fn limits_of(State(api): State<Api>, Path(namespace): Path<String>) -> Response {
+    let limits = api.limits.load();
+    let listed: Vec<serde_json::Value> = limits
+        .of(&namespace)
+        .iter()
+        .map(|l| {
+            serde_json::json!({
+                "id": l.id.as_deref(),
+                "namespace": &*l.namespace,
+                "max_value": l.max_value,
+                "seconds": l.seconds,
+                "name": l.name.as_deref(),
+                "conditions": l.conditions().collect::<Vec<_>>(),
+                "variables": l.variables().collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    axum::Json(listed).into_response()
+}
