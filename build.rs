@@ -59,18 +59,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .file_descriptor_set_path(out_dir.join("ratelimit_descriptor.bin"))
         .compile_with_config(config, &["proto/ratelimit/v1/ratelimit.proto"], &["proto", well_known])?;
 
-    // Envoy's service and Kuadrant's, which takes Envoy's messages.
-    let envoy_protos: Vec<&str> = ENVOY_PROTOS.iter().copied().chain([KUADRANT_PROTO]).collect();
     let mut config = tonic_prost_build::Config::new();
     config.protoc_executable(&protoc);
-    // Every service decodes through our lenient codec: a request whose
+    // Both services decode through our lenient codec: a request whose
     // strings are not UTF-8 is counted, not refused (src/api/lenient.rs).
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
         .codec_path("crate::api::lenient::LenientCodec")
         .file_descriptor_set_path(out_dir.join("envoy_descriptor.bin"))
-        .compile_with_config(config, &envoy_protos, &["proto/vendor", "proto", well_known])?;
+        .compile_with_config(config, ENVOY_PROTOS, &["proto/vendor", well_known])?;
+
+    // Kuadrant's service over Envoy's messages: its own directory (only its
+    // package's file is used; the Envoy packages are those above) and its
+    // own descriptor set, reflected only where it is served.
+    let kuadrant_dir = out_dir.join("kuadrant");
+    std::fs::create_dir_all(&kuadrant_dir)?;
+    let mut config = tonic_prost_build::Config::new();
+    config.protoc_executable(&protoc);
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .codec_path("crate::api::lenient::LenientCodec")
+        .out_dir(&kuadrant_dir)
+        .file_descriptor_set_path(out_dir.join("kuadrant_descriptor.bin"))
+        .compile_with_config(config, &[KUADRANT_PROTO], &["proto/vendor", "proto", well_known])?;
 
     // A client of a management server (and, for the tests, a server): the
     // plain prost codec, and no reflection of a service not served.

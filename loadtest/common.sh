@@ -67,7 +67,8 @@ failed_decisions() {
 # start_service CORES CMD [ARGS...]: ratelimitd (CMD, one or more words)
 # serving on free loopback ports, on the core set CORES, with the
 # benchmarks' settings: rules $WORK/native.yaml (and Envoy rules
-# $WORK/envoy when that directory exists), no shedding, its dead-letter
+# $WORK/envoy when that directory exists, limitador's limits
+# $WORK/limits.yaml when that file does), no shedding, its dead-letter
 # file and spool in $WORK, RUST_LOG $LOG_LEVEL (warn). ARGS go to `env`
 # before CMD: VAR=value ones win over these settings, other words run CMD
 # (valgrind …). Sets SVC_PORT (gRPC), SVC_HTTP_PORT and SVC_PID (the
@@ -82,6 +83,7 @@ start_service() {
     RATELIMITD__DLQ__FILE="$WORK/dlq-$SVC_PORT.jsonl" RATELIMITD__DLQ__SPOOL_DIR="$WORK/spool-$SVC_PORT"
     RUST_LOG="${LOG_LEVEL:-warn}")
   if [ -d "$WORK/envoy" ]; then settings+=(RATELIMITD__RULES__ENVOY_PATH="$WORK/envoy"); fi
+  if [ -f "$WORK/limits.yaml" ]; then settings+=(RATELIMITD__RULES__LIMITADOR_PATH="$WORK/limits.yaml"); fi
   # shellcheck disable=SC2086
   (pin "$cpus" env "${settings[@]}" "$@" $cmd serve >"$WORK/service-$SVC_PORT.log" 2>&1) &
   SVC_PID=$!
@@ -92,6 +94,22 @@ start_service() {
 stop_service() { local pid="${1:-$SVC_PID}"; kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; }
 
 wait_port() { for _ in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "$0: nothing on port $1" >&2; exit 1; }
+
+# limitador's limits in file $1: namespace "edge", a counter per user
+# (variable descriptors[0].user), far above any load; $2 = cel adds a CEL
+# condition on the user, as Kuadrant writes them (true for every loadtest
+# user).
+write_edge_limits() {
+  local conditions="[]"
+  if [ "$2" = cel ]; then conditions="[\"descriptors[0]['user'] != 'anonymous'\"]"; fi
+  cat > "$1" <<YAML
+- namespace: edge
+  max_value: 1000000000
+  seconds: 60
+  conditions: $conditions
+  variables: ["descriptors[0].user"]
+YAML
+}
 
 # Envoy-format rules in directory $1: domain "edge", a counter per user, far
 # above what any load reaches (every decision is counted, none denied);

@@ -20,7 +20,8 @@
 # Envoy domain edge (--api envoy). GLOBAL=1 adds /global (global: true) and
 # makes edge's limit global: limits shared by regions when the service is
 # configured with `region` and `global.*` (RATELIMITD_CMD="ratelimitd
-# --config FILE").
+# --config FILE"). LIMITADOR_LIMITS=plain|cel serves edge from limitador's limits
+# (rules.limitador_path) instead of Envoy rules.
 #
 # COUNT=redis-ir runs one redis-server ($REDIS_CMD, default redis-server;
 # REDIS_CPUS, default 0) under callgrind and the service on it, and counts
@@ -49,7 +50,14 @@ YAML
 if [ -n "${GLOBAL:-}" ]; then
   echo "  - { rule_id: global, resource_path: /global, limit: 1000000000, window_seconds: 60, global: true }" >> "$WORK/native.yaml"
 fi
-write_edge_config "$WORK/envoy" # --api envoy: domain edge, a counter per user
+# --api envoy: domain edge, a counter per user; LIMITADOR_LIMITS=plain or cel
+# serves it from limitador's limits instead (a variable per user, and with
+# cel a condition on the user too: what a CEL condition costs).
+if [ -n "${LIMITADOR_LIMITS:-}" ]; then
+  write_edge_limits "$WORK/limits.yaml" "$LIMITADOR_LIMITS"
+else
+  write_edge_config "$WORK/envoy"
+fi
 
 # start [PREFIX...]: the service (start_service; under PREFIX, e.g. valgrind).
 # shellcheck disable=SC2086

@@ -9,7 +9,7 @@
 
 mod common;
 
-use std::{collections::HashMap, path::Path, process::Command};
+use std::{collections::HashMap, path::Path, process::Command, sync::Arc};
 
 use common::{TestServer, default_rules_config, http_get};
 use ratelimitd::config::Config;
@@ -568,4 +568,41 @@ fn the_envoy_gateway_example_swaps_the_image() {
         dockerfile.contains("ln -s /usr/local/bin/ratelimitd /bin/ratelimit"),
         "the image has no /bin/ratelimit"
     );
+}
+
+/// The Kuadrant example (`deploy/kubernetes/kuadrant/`): the Limitador
+/// resource swaps the image for the one `deployment.yaml` runs, and its
+/// limits and the ConfigMap's (valid against the ConfigMap schema) are one
+/// limits file this service compiles; the image answers as limitador-server.
+#[test]
+fn the_kuadrant_example_swaps_the_image_and_its_limits_compile() {
+    let read = |name: &str| -> Value {
+        yaml_serde::from_str(&std::fs::read_to_string(repo(&format!("deploy/kubernetes/{name}"))).unwrap())
+            .unwrap()
+    };
+    let limitador = read("kuadrant/limitador.yaml");
+    let deployment = read("deployment.yaml");
+    assert_eq!(limitador["spec"]["image"], deployment["spec"]["template"]["spec"]["containers"][0]["image"]);
+    let path = repo("deploy/kubernetes/kuadrant/limits-configmap.yaml");
+    let output = Command::new(check_jsonschema())
+        .arg("--schemafile")
+        .arg(repo("deploy/kubernetes/schemas/configmap-v1.json"))
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stdout));
+    let configmap = read("kuadrant/limits-configmap.yaml");
+    let file = configmap["data"]["limitador-config.yaml"].as_str().unwrap();
+    let from_configmap =
+        ratelimitd::rules::limitador::Limits::parse(Path::new("limitador-config.yaml"), file).unwrap();
+    let from_resource = yaml_serde::to_string(&limitador["spec"]["limits"]).unwrap();
+    let from_resource =
+        ratelimitd::rules::limitador::Limits::parse(Path::new("limits"), &from_resource).unwrap();
+    let listed = |l: &ratelimitd::rules::limitador::Limits| {
+        l.of("toystore").iter().map(|l| (Arc::clone(&l.identity), l.max_value)).collect::<Vec<_>>()
+    };
+    assert_eq!(listed(&from_configmap), listed(&from_resource), "the ConfigMap is the resource's limits");
+    assert_eq!(listed(&from_configmap).len(), 2);
+    let dockerfile = std::fs::read_to_string(repo("Dockerfile")).unwrap();
+    assert!(dockerfile.contains("ln -s /usr/local/bin/ratelimitd /usr/local/bin/limitador-server"));
 }

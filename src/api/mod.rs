@@ -40,6 +40,9 @@ pub const CHECK_DESCRIPTOR_SET: &[u8] = pb::FILE_DESCRIPTOR_SET;
 /// Encoded `FileDescriptorSet` of Envoy's rate limit service, for server
 /// reflection when that service is served.
 pub const ENVOY_DESCRIPTOR_SET: &[u8] = envoy_pb::FILE_DESCRIPTOR_SET;
+
+/// Kuadrant's service (served with limitador's limits), for reflection.
+pub const KUADRANT_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("kuadrant_descriptor");
 pub use convert::{ValidationError, validate};
 pub use envoy::EnvoyService;
 
@@ -110,7 +113,7 @@ pub mod envoy_pb {
         pub mod service {
             pub mod ratelimit {
                 pub mod v1 {
-                    tonic::include_proto!("kuadrant.service.ratelimit.v1");
+                    include!(concat!(env!("OUT_DIR"), "/kuadrant/kuadrant.service.ratelimit.v1.rs"));
                 }
             }
         }

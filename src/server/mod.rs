@@ -395,6 +395,7 @@ fn grpc_router(
         [crate::api::CHECK_DESCRIPTOR_SET, tonic_health::pb::FILE_DESCRIPTOR_SET]
             .into_iter()
             .chain(serve_envoy.then_some(crate::api::ENVOY_DESCRIPTOR_SET))
+            .chain(rules.limitador.is_some().then_some(crate::api::KUADRANT_DESCRIPTOR_SET))
             .fold(builder, |builder, set| builder.register_encoded_file_descriptor_set(set))
     };
     let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())
