@@ -23,7 +23,7 @@
 //! seconds, conditions and variables: limitador keeps one of them,
 //! unspecified which) are errors naming file, limit and field; expressions
 //! and lists are bounded ([`MAX_EXPRESSION_BYTES`], [`MAX_EXPRESSIONS`],
-//! [`MAX_LIMITS`]).
+//! [`MAX_LIMITS`], [`MAX_COMPREHENSION_DEPTH`]).
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -42,6 +42,11 @@ pub const MAX_EXPRESSION_BYTES: usize = 1024;
 pub const MAX_EXPRESSIONS: usize = 32;
 /// The most limits of one file.
 pub const MAX_LIMITS: usize = 10_000;
+/// The deepest comprehensions (`all`, `exists`, `map`, `filter`) may nest:
+/// each iterates a list or map of the request (at most its descriptors or
+/// a descriptor's entries), so an expression costs at most its size times
+/// that bound squared.
+pub const MAX_COMPREHENSION_DEPTH: usize = 2;
 
 /// One limit as written in the file.
 #[derive(Debug, Clone, Deserialize)]
@@ -327,6 +332,14 @@ fn compile(file: &Path, index: usize, raw: RawLimit) -> Result<Limit, RuleError>
                 return Err(fail(&at, format!("{} bytes: at most {MAX_EXPRESSION_BYTES}", source.len())));
             }
             let program = cel::Program::compile(source).map_err(|e| fail(&at, format!("{source:?}: {e}")))?;
+            let depth = comprehension_depth(program.expression());
+            if depth > MAX_COMPREHENSION_DEPTH {
+                let message = format!(
+                    "{source:?}: comprehensions nested {depth} deep: at most {MAX_COMPREHENSION_DEPTH} (each iterates \
+                     the request's descriptors or entries: their cost multiplies)"
+                );
+                return Err(fail(&at, message));
+            }
             let references = program.references().variables().into_iter().map(str::to_owned).collect();
             out.push(Expression { source: Arc::from(source.as_str()), program, references });
         }
@@ -352,6 +365,32 @@ fn compile(file: &Path, index: usize, raw: RawLimit) -> Result<Limit, RuleError>
         conditions,
         variables,
     })
+}
+
+/// How deep comprehensions nest in `e` (a comprehension's range is not
+/// inside it: ranges chained one after another add nothing).
+fn comprehension_depth(e: &cel::IdedExpr) -> usize {
+    use cel::common::ast::{EntryExpr, Expr};
+    let deepest =
+        |items: &mut dyn Iterator<Item = &cel::IdedExpr>| items.map(comprehension_depth).max().unwrap_or(0);
+    match &e.expr {
+        Expr::Comprehension(c) => {
+            let body = deepest(&mut [&c.accu_init, &c.loop_cond, &c.loop_step, &c.result].into_iter());
+            comprehension_depth(&c.iter_range).max(1 + body)
+        }
+        Expr::Call(call) => deepest(&mut call.target.iter().map(|t| &**t).chain(&call.args)),
+        Expr::List(list) => deepest(&mut list.elements.iter()),
+        Expr::Map(map) => deepest(&mut map.entries.iter().flat_map(|entry| match &entry.expr {
+            EntryExpr::MapEntry(m) => vec![&m.key, &m.value],
+            EntryExpr::StructField(f) => vec![&f.value],
+        })),
+        Expr::Struct(st) => deepest(&mut st.entries.iter().flat_map(|entry| match &entry.expr {
+            EntryExpr::MapEntry(m) => vec![&m.key, &m.value],
+            EntryExpr::StructField(f) => vec![&f.value],
+        })),
+        Expr::Select(select) => comprehension_depth(&select.operand),
+        Expr::Unspecified | Expr::Ident(_) | Expr::Literal(_) => 0,
+    }
 }
 
 /// The SHA-256 (hex, 16 bytes) of `parts`, each with its length, so no

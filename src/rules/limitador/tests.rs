@@ -108,6 +108,13 @@ fn bad_limits_are_refused_naming_file_limit_and_field() {
          - { namespace: ns, max_value: 9, seconds: 60, variables: [\"descriptors[0].b\", \"descriptors[0].a\"] }\n",
     );
     assert!(error.contains("limits[1]") && error.contains("as limits[0]"), "{error}");
+    let nested = "- { namespace: ns, max_value: 1, seconds: 1, conditions: [\"descriptors.all(d, descriptors.all(e, \
+                  descriptors.exists(f, f == d)))\"] }\n";
+    let error = refused(nested);
+    assert!(error.contains("conditions[0]") && error.contains("nested 3 deep"), "{error}");
+    let two = "- { namespace: ns, max_value: 1, seconds: 1, conditions: [\"descriptors.all(d, \
+               descriptors.exists(e, e == d)) && descriptors.map(d, d).size() > 0\"] }\n";
+    Limits::parse(Path::new("limits.yaml"), two).unwrap();
     assert!(Limits::parse(Path::new("limits.yaml"), "").unwrap().namespaces().next().is_none());
     assert!(Limits::parse(Path::new("limits.yaml"), "---\n").unwrap().namespaces().next().is_none());
 }
