@@ -74,7 +74,12 @@ pub(super) async fn decide<D: Descriptor>(
         share: request.share,
         may_report: false,
     };
-    let decision = engine.run(envoy::Rls::with_limits(engine, &counted, matches)).await;
+    // Priority from the request's own entries (`envoy.priority_key`).
+    let priority = envoy::priority(engine, request);
+    let decision = engine.run(envoy::Rls::with_limits(&counted, matches, priority)).await;
+    let span = tracing::Span::current();
+    span.record("reason", decision.reason.as_str());
+    span.record("overall_code", if decision.over_limit { "OVER_LIMIT" } else { "OK" });
     if decision.store_error.is_some() {
         engine.inner.stats.envoy_failed();
     }

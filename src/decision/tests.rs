@@ -238,4 +238,7 @@ async fn limitador_limits_apply_all_or_nothing() {
     assert!(decide(get).await.over_limit, "7 per minute for the namespace");
     let bad = decide(vec![("bad", "yes")]).await;
     assert!(bad.over_limit, "a condition that is no boolean refuses: {bad:?}");
+    // The request's own priority entry is its priority (for shedding).
+    let bulk = decide(vec![("req.method", "GET"), ("priority", "BULK")]).await;
+    assert_eq!(bulk.priority, Priority::Bulk);
 }

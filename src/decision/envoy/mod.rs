@@ -97,28 +97,18 @@ pub(super) struct Rls<'r, 'a, D> {
 impl<'r, 'a, D: Descriptor> Rls<'r, 'a, D> {
     /// `request` before the pipeline: its limits and its priority.
     pub(super) fn new(engine: &Engine, request: &'r RlsRequest<'a, D>) -> Self {
-        Rls { limits: plan::limits(engine, request), ..Rls::new_unmatched(engine, request) }
+        Rls::with_limits(request, plan::limits(engine, request), priority(engine, request))
     }
 
     /// `request` whose descriptors' limits are already known (one each),
-    /// as another format's evaluation found them (limitador's).
+    /// as another format's evaluation found them (limitador's), decided at
+    /// `priority` (the original request's).
     pub(super) fn with_limits(
-        engine: &Engine,
         request: &'r RlsRequest<'a, D>,
         limits: Vec<Option<EnvoyMatch>>,
+        priority: Priority,
     ) -> Self {
-        Rls { limits, ..Rls::new_unmatched(engine, request) }
-    }
-
-    fn new_unmatched(engine: &Engine, request: &'r RlsRequest<'a, D>) -> Self {
-        Rls {
-            request,
-            limits: Vec::new(),
-            settled: None,
-            priority: priority(engine, request),
-            level: Level::Normal,
-            shadow_shed: false,
-        }
+        Rls { request, limits, settled: None, priority, level: Level::Normal, shadow_shed: false }
     }
 
     fn hits(&self, descriptor: &D) -> u64 {
