@@ -106,6 +106,10 @@ impl Health {
 
     /// Serving limitador's `limits`: `/status` answers as limitador's.
     pub fn with_limitador(mut self, limits: Option<Arc<Hot<Limits>>>) -> Self {
+        // The service started before it loaded the limits.
+        if let Some(limits) = &limits {
+            self.started_at = self.started_at.min(limits.swapped_at());
+        }
         self.limitador = limits;
         self
     }
