@@ -213,7 +213,10 @@ async fn started_as_the_operator_starts_limitador_server() {
         let text = body[at].as_str().unwrap_or_default();
         assert!(text.len() >= 19 && text.as_bytes()[10] == b'T' && !text.ends_with('Z'), "{at}: {body}");
     }
-    assert!(body["started_at"].as_str() <= body["config_applied_at"].as_str(), "started before it loaded: {body}");
+    assert!(
+        body["started_at"].as_str() <= body["config_applied_at"].as_str(),
+        "started before it loaded: {body}"
+    );
 
     // --validate: the file compiles (0), or its error names the limit (1).
     let validate = |file: &std::path::Path| {
