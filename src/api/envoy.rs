@@ -77,6 +77,15 @@ impl EnvoyService {
         tonic::codegen::Bytes::from(prost::Message::encode_to_vec(&answer))
     }
 
+    /// [`EnvoyService::validate`], a refusal counted under its reason and
+    /// answered INVALID_ARGUMENT: for `ShouldRateLimit` and Kuadrant's calls.
+    fn admissible(&self, request: &RateLimitRequest) -> Result<(), Status> {
+        self.validate(request).map_err(|(reason, message)| {
+            self.engine.refused(Api::Envoy, reason);
+            Status::invalid_argument(message)
+        })
+    }
+
     /// Refuses only broken structure (empty domain, no descriptors, an
     /// empty entry list or key) and the counts Envoy's own configuration
     /// bounds (domain length, descriptors, entries). An entry's size never
@@ -147,10 +156,7 @@ impl RateLimitService for EnvoyService {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let (metadata, extensions, request) = request.into_parts();
-        if let Err((reason, message)) = self.validate(&request) {
-            self.engine.refused(Api::Envoy, reason);
-            return Err(Status::invalid_argument(message));
-        }
+        self.admissible(&request)?;
         let span = tracing::info_span!(
             "ratelimit.should_rate_limit",
             otel.kind = "server",
@@ -223,10 +229,7 @@ impl EnvoyService {
             ));
         };
         let (metadata, extensions, request) = request.into_parts();
-        if let Err((reason, message)) = self.validate(&request) {
-            self.engine.refused(Api::Envoy, reason);
-            return Err(Status::invalid_argument(message));
-        }
+        self.admissible(&request)?;
         let span = tracing::info_span!(
             "ratelimit.kuadrant",
             otel.kind = "server",

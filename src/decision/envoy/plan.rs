@@ -128,26 +128,12 @@ fn requested_limit<D: Descriptor>(
     requested: LimitOverride,
 ) -> EnvoyMatch {
     EnvoyMatch {
-        limit: Arc::new(EnvoyLimit {
-            full_key: Arc::clone(&engine.override_label),
-            requests_per_unit: requested.requests_per_unit,
-            unit: Some(requested.unit),
-            unit_multiplier: 1,
-            unlimited: false,
-            shadow_mode: false,
-            quota_mode: false,
-            report_mode: false,
-            peek_mode: false,
-            metadata: None,
-            name: None,
-            replaces: Vec::new(),
-            detailed_metric: false,
-            algorithm: None,
-            overload: None,
-            also: Vec::new(),
-            adaptive: None,
-            global: false,
-        }),
+        limit: Arc::new(EnvoyLimit::bare(
+            Arc::clone(&engine.override_label),
+            requested.requests_per_unit,
+            requested.unit,
+            1,
+        )),
         shared: Vec::new(),
         stat_key: engine.inner.envoy_policy.upstream_metrics.then(|| request_stat_key(domain, d.entries())),
     }

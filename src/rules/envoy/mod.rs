@@ -134,18 +134,26 @@ impl EnvoyLimit {
         if window.capacity.saturating_mul(window.window_ms) > MAX_CAPACITY_TIMES_WINDOW {
             return Err(("max", "too large to count exactly".to_owned()));
         }
-        Ok(EnvoyLimit {
+        let multiplier = u32::try_from(seconds).unwrap_or(u32::MAX);
+        Ok(EnvoyLimit { name, ..EnvoyLimit::bare(full_key, requests_per_unit, Unit::Second, multiplier) })
+    }
+
+    /// `requests_per_unit` per `unit_multiplier` × `unit`, with no name,
+    /// mode or extension: a request's override, and the base of
+    /// [`EnvoyLimit::plain`].
+    pub fn bare(full_key: Arc<str>, requests_per_unit: u32, unit: Unit, unit_multiplier: u32) -> Self {
+        EnvoyLimit {
             full_key,
             requests_per_unit,
-            unit: Some(Unit::Second),
-            unit_multiplier: u32::try_from(seconds).unwrap_or(u32::MAX),
+            unit: Some(unit),
+            unit_multiplier,
             unlimited: false,
             shadow_mode: false,
             quota_mode: false,
             report_mode: false,
             peek_mode: false,
             metadata: None,
-            name,
+            name: None,
             replaces: Vec::new(),
             detailed_metric: false,
             algorithm: None,
@@ -153,7 +161,7 @@ impl EnvoyLimit {
             also: Vec::new(),
             adaptive: None,
             global: false,
-        })
+        }
     }
 }
 
