@@ -322,23 +322,29 @@ fn kubernetes_manifests_validate_against_the_schemas() {
             (Some("monitoring.coreos.com/v1"), Some("ServiceMonitor" | "PrometheusRule")) => continue,
             other => panic!("{name}: no schema for {other:?}"),
         };
-        let output = Command::new(check_jsonschema())
-            .arg("--schemafile")
-            .arg(schemas.join(schema))
-            .arg(repo(&format!("deploy/kubernetes/{name}")))
-            .output()
-            .unwrap_or_else(|e| {
-                panic!("check-jsonschema ({}): {e}; run scripts/install-tools", check_jsonschema().display())
-            });
-        assert!(
-            output.status.success(),
-            "{name}: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        assert_valid(&schemas.join(schema), &repo(&format!("deploy/kubernetes/{name}")));
         validated += 1;
     }
     assert!(validated >= 8, "only {validated} manifests validated");
+}
+
+/// `manifest` validates against `schema` (check-jsonschema, offline).
+fn assert_valid(schema: &Path, manifest: &Path) {
+    let output = Command::new(check_jsonschema())
+        .arg("--schemafile")
+        .arg(schema)
+        .arg(manifest)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("check-jsonschema ({}): {e}; run scripts/install-tools", check_jsonschema().display())
+        });
+    assert!(
+        output.status.success(),
+        "{}: {}{}",
+        manifest.display(),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 /// A manifest container's environment (`env`: name and value each).
@@ -538,13 +544,7 @@ async fn alert_rules_are_valid_and_name_real_metrics() {
 #[test]
 fn the_envoy_gateway_example_swaps_the_image() {
     let path = repo("deploy/kubernetes/envoy-gateway/envoy-gateway-config.yaml");
-    let output = Command::new(check_jsonschema())
-        .arg("--schemafile")
-        .arg(repo("deploy/kubernetes/schemas/configmap-v1.json"))
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stdout));
+    assert_valid(&repo("deploy/kubernetes/schemas/configmap-v1.json"), &path);
     let configmap: Value = yaml_serde::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let gateway: Value =
         yaml_serde::from_str(configmap["data"]["envoy-gateway.yaml"].as_str().unwrap()).unwrap();
@@ -584,13 +584,7 @@ fn the_kuadrant_example_swaps_the_image_and_its_limits_compile() {
     let deployment = read("deployment.yaml");
     assert_eq!(limitador["spec"]["image"], deployment["spec"]["template"]["spec"]["containers"][0]["image"]);
     let path = repo("deploy/kubernetes/kuadrant/limits-configmap.yaml");
-    let output = Command::new(check_jsonschema())
-        .arg("--schemafile")
-        .arg(repo("deploy/kubernetes/schemas/configmap-v1.json"))
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stdout));
+    assert_valid(&repo("deploy/kubernetes/schemas/configmap-v1.json"), &path);
     let configmap = read("kuadrant/limits-configmap.yaml");
     let file = configmap["data"]["limitador-config.yaml"].as_str().unwrap();
     let from_configmap =

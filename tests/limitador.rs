@@ -311,23 +311,9 @@ async fn kuadrants_check_then_report_flow() {
 /// One HTTP/1.1 POST of `body` (JSON) to `addr`: (status, headers with
 /// lower-case names, body).
 fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, Vec<(String, String)>, String) {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    let request = format!(
-        "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).unwrap();
-    let mut response = String::new();
-    let _ = stream.read_to_string(&mut response);
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    let mut lines = head.lines();
-    let status = lines.next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    (status, headers, body.to_owned())
+    let json: &[u8] = b"application/json";
+    let reply = common::http_request(addr.port(), "POST", path, &[("Content-Type", json)], body.as_bytes());
+    (reply.status, reply.headers, reply.body)
 }
 
 /// limitador's HTTP API on the same limits: status codes and bodies as

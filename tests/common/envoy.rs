@@ -56,18 +56,26 @@ pub fn http_get_raw(port: u16, path: &str, headers: &[(&str, &[u8])]) -> Reply {
 
 /// One HTTP/1.1 request without a body, `method` `path`, on `127.0.0.1:port`.
 pub fn http_raw(port: u16, method: &str, path: &str, headers: &[(&str, &[u8])]) -> Reply {
+    http_request(port, method, path, headers, b"")
+}
+
+/// One HTTP/1.1 request, `method` `path` with `body`, on `127.0.0.1:port`.
+pub fn http_request(port: u16, method: &str, path: &str, headers: &[(&str, &[u8])], body: &[u8]) -> Reply {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut request =
-        format!("{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\nConnection: close\r\n")
-            .into_bytes();
+    let length = body.len();
+    let mut request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Length: {length}\r\nConnection: close\r\n"
+    )
+    .into_bytes();
     for (name, value) in headers {
         request.extend_from_slice(format!("{name}: ").as_bytes());
         request.extend_from_slice(value);
         request.extend_from_slice(b"\r\n");
     }
     request.extend_from_slice(b"\r\n");
+    request.extend_from_slice(body);
     stream.write_all(&request).unwrap();
     let mut response = Vec::new();
     if let Err(e) = stream.read_to_end(&mut response) {
