@@ -587,11 +587,19 @@ fn the_kuadrant_example_swaps_the_image_and_its_limits_compile() {
     assert_valid(&repo("deploy/kubernetes/schemas/configmap-v1.json"), &path);
     let configmap = read("kuadrant/limits-configmap.yaml");
     let file = configmap["data"]["limitador-config.yaml"].as_str().unwrap();
-    let from_configmap =
-        ratelimitd::rules::limitador::Limits::parse(Path::new("limitador-config.yaml"), file).unwrap();
+    let from_configmap = ratelimitd::rules::limitador::Limits::parse(
+        Path::new("limitador-config.yaml"),
+        file,
+        ratelimitd::limiter::Algorithm::FirstHitWindow,
+    )
+    .unwrap();
     let from_resource = yaml_serde::to_string(&limitador["spec"]["limits"]).unwrap();
-    let from_resource =
-        ratelimitd::rules::limitador::Limits::parse(Path::new("limits"), &from_resource).unwrap();
+    let from_resource = ratelimitd::rules::limitador::Limits::parse(
+        Path::new("limits"),
+        &from_resource,
+        ratelimitd::limiter::Algorithm::FirstHitWindow,
+    )
+    .unwrap();
     let listed = |l: &ratelimitd::rules::limitador::Limits| {
         l.of("toystore").iter().map(|l| (Arc::clone(&l.identity), l.max_value)).collect::<Vec<_>>()
     };

@@ -37,6 +37,7 @@ rules:
   - { rule_id: llm-fixed_window, resource_path: /llm/fixed_window, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: fixed_window }
   - { rule_id: llm-token_bucket, resource_path: /llm/token_bucket, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: token_bucket }
   - { rule_id: llm-gcra, resource_path: /llm/gcra, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: gcra }
+  - { rule_id: llm-first_hit_window, resource_path: /llm/first_hit_window, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: first_hit_window }
   - { rule_id: both, resource_path: /both, limit: 10, window_seconds: 1, algorithm: fixed_window, also: [ { limit: 30, window_seconds: 60 } ] }
 "#;
 

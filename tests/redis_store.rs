@@ -610,6 +610,54 @@ async fn script_and_arithmetic_agree_across_window_edges() {
     }
 }
 
+/// A first-hit window in Redis (limitador's counting): a peek opens
+/// nothing; the first admitted hit opens the window, stored as (start,
+/// count, -4, expiry) with the key expiring exactly W after the start;
+/// refused until then with retry and reset at that end; afterwards a new
+/// window opens at the next hit, counted afresh.
+#[tokio::test(flavor = "current_thread")]
+async fn a_first_hit_window_opens_at_its_first_hit_and_ends_with_its_key() {
+    use ratelimitd::limiter::{Algorithm, ManyItem, WindowParams};
+    let redis = RedisServer::start();
+    let (store, _dispatchers) = single_connection_store(&redis).await;
+    let item = ManyItem {
+        key: "fh".to_owned(),
+        params: WindowParams { window_ms: 400, capacity: 2, rate: 2, algorithm: Algorithm::FirstHitWindow },
+        tick_ms: 1,
+        weight: 1,
+        count: Count::IfFits,
+        shadow: false,
+    };
+    let decide = |item: ManyItem| {
+        let store = &store;
+        async move { store.decide_many("g", std::slice::from_ref(&item)).await.unwrap().verdicts[0] }
+    };
+    let peek = decide(ManyItem { count: Count::Never, ..item.clone() }).await;
+    assert_eq!((peek.admitted, peek.remaining, peek.reset_after_ms), (true, 2, 0));
+    assert_eq!(redis.counter("rle2:{g}:fh").await, None, "a peek opens no window");
+
+    let first = decide(item.clone()).await;
+    assert_eq!((first.admitted, first.remaining, first.reset_after_ms), (true, 1, 400), "{first:?}");
+    let [start, count, kind, expiry] = redis.counter("rle2:{g}:fh").await.expect("a counter");
+    assert_eq!((count, kind, expiry - start), (1.0, -4.0, 400.0));
+    let mut conn = redis.client().await;
+    let expiry_at: i64 = redis::cmd("PEXPIRETIME").arg("rle2:{g}:fh").query_async(&mut conn).await.unwrap();
+    assert_eq!(expiry_at, expiry as i64, "the key expires at the window's end");
+
+    assert!(decide(item.clone()).await.admitted);
+    let refused = decide(item.clone()).await;
+    let wait = refused.retry_after_ms.unwrap();
+    assert!(!refused.admitted && (1..=400).contains(&wait) && refused.reset_after_ms == wait, "{refused:?}");
+    let [same_start, count, ..] = redis.counter("rle2:{g}:fh").await.unwrap();
+    assert_eq!((same_start, count), (start, 2.0), "a refusal writes nothing");
+
+    tokio::time::sleep(Duration::from_millis(wait + 5)).await;
+    let again = decide(item).await;
+    assert_eq!((again.admitted, again.remaining), (true, 1), "{again:?}");
+    let [next_start, count, ..] = redis.counter("rle2:{g}:fh").await.unwrap();
+    assert!(next_start >= start + 400.0 && count == 1.0, "{next_start} after {start}");
+}
+
 /// The circuit breaker: with Redis down, `breaker_failures` failed calls
 /// open it, and from then on decisions fail with `circuit_open` without
 /// being tried (not one connection attempt each); once Redis is back, the

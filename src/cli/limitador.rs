@@ -233,7 +233,7 @@ fn validate(env: &HashMap<String, String>) -> ExitCode {
         fatal("no limits file");
         return ExitCode::from(EXIT_USAGE);
     };
-    match crate::rules::limitador::Limits::load(&path) {
+    match crate::rules::limitador::Limits::load(&path, config.rules.limitador_algorithm) {
         Ok(limits) => {
             #[allow(clippy::print_stdout)]
             {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
-use crate::{api::xds::XdsConfig, rollout::RulesKafkaConfig, rules::PathForm};
+use crate::{api::xds::XdsConfig, limiter::Algorithm, rollout::RulesKafkaConfig, rules::PathForm};
 
 /// `rules.source`
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
@@ -57,6 +57,12 @@ pub struct RulesConfig {
     /// request's domain (its namespace) that applies counted. Watched and swapped as `envoy_path`
     /// is. Not with `envoy_path`, nor with `source: kafka` or `xds`.
     pub limitador_path: Option<PathBuf>,
+    /// How limitador's limits count: `first_hit_window` (limitador's own counters: a window
+    /// opens at a counter's first hit and ends `seconds` later), or any rule algorithm
+    /// (`sliding_window`: no `seconds`-long span admits more than `max_value`; `fixed_window`,
+    /// `token_bucket`, `gcra`). A change restarts every count.
+    #[serde(with = "crate::limiter::window::by_name")]
+    pub limitador_algorithm: Algorithm,
     /// Accept a rule set with no rules (no native rule, no Envoy domain) from a file, a reload, the
     /// rules topic or xDS; off, such a set is refused like one that does not compile (counted, the
     /// last good set keeps serving; at start the service does not start; over xDS a NACK), since it
@@ -131,6 +137,7 @@ impl Default for RulesConfig {
             reload_interval_ms: 1_000,
             envoy_path: None,
             limitador_path: None,
+            limitador_algorithm: Algorithm::FirstHitWindow,
             examples: true,
             allow_empty: false,
             path_matching: PathForm::default(),

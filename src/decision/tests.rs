@@ -214,6 +214,7 @@ async fn limitador_limits_apply_all_or_nothing() {
          - { namespace: ns, max_value: 5, seconds: 60, conditions: [\"descriptors[0]['req.method'] == 'POST'\"], \
              variables: [\"descriptors[0]['user_id']\"] }\n\
          - { namespace: ns, max_value: 1, seconds: 60, conditions: [\"descriptors[0].bad\"] }\n",
+        crate::limiter::Algorithm::FirstHitWindow,
     )
     .unwrap();
     let decide = |entries: Vec<(&'static str, &'static str)>| {

@@ -474,7 +474,8 @@ impl GlobalExchange {
                 let held = written.zip(oldest).and_then(|(w, oldest)| w.largest(now, hold, oldest));
                 let counted = match (served.window.algorithm, written.and_then(|w| w.largest(now, linger, 0)))
                 {
-                    (Algorithm::SlidingWindow | Algorithm::FixedWindow, _) | (_, None) => served.most,
+                    (Algorithm::SlidingWindow | Algorithm::FixedWindow | Algorithm::FirstHitWindow, _)
+                    | (_, None) => served.most,
                     (_, Some(largest)) => largest.max(in_force),
                 };
                 (in_force, held, counted)

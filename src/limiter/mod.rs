@@ -290,15 +290,15 @@ pub(crate) enum Seen {
 impl Seen {
     /// What a store sees of `stored` (none: never counted, or expired) at
     /// `now` ticks: a window's counts (clamped to `window::max_count`) and
-    /// the index of the window containing `now`, or a bucket's debt (and 0).
+    /// the window to store them with ([`window::locate`]), or a bucket's
+    /// debt (and 0).
     fn at(stored: Option<StoredCounter>, now: u64, params: WindowParams) -> (Self, u64) {
         if params.algorithm.is_bucket() {
             let debt = stored
                 .map_or(0, |s| bucket::debt_of(params.algorithm, s.window, s.current, now, params.bucket()));
             return (Seen::Bucket { debt }, 0);
         }
-        let (index, elapsed) = window::position(now, params.window_ms);
-        let mut counts = window::roll(stored.unwrap_or_default(), index);
+        let (index, mut counts, elapsed) = window::locate(stored, now, params);
         // Only a report leaves a count above the capacity (≤ max_count): the
         // division of the clamp is paid only then.
         if counts.current.max(counts.previous) > params.capacity {
@@ -410,7 +410,14 @@ pub(crate) fn evaluate(
     let write = writes.then(|| match seen.after(weight, params) {
         Seen::Window { counts, .. } => {
             let next = StoredCounter { window: index, current: counts.current, previous: counts.previous };
-            (next, 2 * params.window_ms, counts.current.saturating_add(counts.previous))
+            // Until it stops mattering: a first-hit window's end, else the next window's.
+            let ttl = match params.algorithm {
+                Algorithm::FirstHitWindow => {
+                    index.saturating_add(params.window_ms).saturating_sub(now).max(1)
+                }
+                _ => 2 * params.window_ms,
+            };
+            (next, ttl, counts.current.saturating_add(counts.previous))
         }
         Seen::Bucket { debt } => {
             let b = params.bucket();

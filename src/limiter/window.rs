@@ -36,12 +36,21 @@ pub enum Algorithm {
     TokenBucket,
     /// The same bucket as one theoretical arrival time ([`super::bucket`]).
     Gcra,
+    /// A window that starts at its counter's first hit and ends `W` later,
+    /// when the count starts from zero again (limitador's counters, whose
+    /// expiry is set by their first hit). Stores the start in ticks.
+    FirstHitWindow,
 }
 
 impl Algorithm {
     /// Every algorithm, in [`Algorithm::code`] order.
-    pub const ALL: [Algorithm; 4] =
-        [Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::TokenBucket, Algorithm::Gcra];
+    pub const ALL: [Algorithm; 5] = [
+        Algorithm::SlidingWindow,
+        Algorithm::FixedWindow,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+        Algorithm::FirstHitWindow,
+    ];
 
     /// The name in rule files.
     pub fn as_str(self) -> &'static str {
@@ -50,6 +59,7 @@ impl Algorithm {
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::TokenBucket => "token_bucket",
             Algorithm::Gcra => "gcra",
+            Algorithm::FirstHitWindow => "first_hit_window",
         }
     }
 
@@ -58,7 +68,15 @@ impl Algorithm {
         Self::ALL.into_iter().find(|a| a.as_str() == name)
     }
 
-    /// Its number in the Redis script's flags (0 to 3).
+    /// The algorithm named `name`, or an error naming every algorithm.
+    pub fn named(name: &str) -> Result<Self, String> {
+        Self::parse(name).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|a| a.as_str()).collect();
+            format!("unknown algorithm {name:?} (one of {})", names.join(", "))
+        })
+    }
+
+    /// Its number in the Redis script's flags (0 to 4).
     pub fn code(self) -> u64 {
         self as u64
     }
@@ -66,6 +84,23 @@ impl Algorithm {
     /// A bucket (token bucket or GCRA) rather than a window.
     pub fn is_bucket(self) -> bool {
         matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
+    }
+}
+
+/// An [`Algorithm`] (de)serialized by its name in rule files, for a
+/// setting (`#[serde(with = "by_name")]`).
+pub mod by_name {
+    use super::Algorithm;
+
+    /// Writes the algorithm's name.
+    pub fn serialize<S: serde::Serializer>(algorithm: &Algorithm, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(algorithm.as_str())
+    }
+
+    /// Reads an algorithm's name; an unknown one names them all.
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Algorithm, D::Error> {
+        let name = <std::borrow::Cow<'de, str> as serde::Deserialize>::deserialize(d)?;
+        Algorithm::named(&name).map_err(serde::de::Error::custom)
     }
 }
 
@@ -90,7 +125,7 @@ pub enum Count {
 }
 
 impl Count {
-    /// Its number in the Redis script's flags (0 to 2), times 8. The
+    /// Its number in the Redis script's flags (0 to 2), times 16. The
     /// script writes `Always` and `Anyway` alike; they differ only in the
     /// answer, which is made here from what the script returns.
     pub fn code(self) -> u64 {
@@ -203,14 +238,33 @@ pub fn roll(stored: StoredCounter, now_window: u64) -> Counts {
     }
 }
 
+/// Where `now` (ticks) falls for the window counter `stored` (none: never
+/// counted, or expired): the window to store with the counts (`now / W` for
+/// an aligned window, its first hit's tick for a first-hit window), the
+/// counts as seen from it, and the ticks elapsed in it. A first-hit window
+/// is open from its first hit until `W` later; a clock behind its start
+/// keeps its count, with nothing elapsed.
+pub fn locate(stored: Option<StoredCounter>, now: u64, params: WindowParams) -> (u64, Counts, u64) {
+    if params.algorithm == Algorithm::FirstHitWindow {
+        return match stored {
+            Some(s) if now < s.window.saturating_add(params.window_ms) => {
+                (s.window, Counts { current: s.current, previous: 0 }, now.saturating_sub(s.window))
+            }
+            _ => (now, Counts::default(), 0),
+        };
+    }
+    let (index, elapsed) = position(now, params.window_ms);
+    (index, roll(stored.unwrap_or_default(), index), elapsed)
+}
+
 /// Decides a request of `weight` against `counts` at `elapsed_ms` into the
 /// current window. Pure: the caller applies `current += weight` on admit.
 pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams) -> Verdict {
     let w = u128::from(params.window_ms);
     let cap = u128::from(params.capacity);
     let cur = u128::from(counts.current);
-    // A fixed window forgets the previous one entirely.
-    let sliding = params.algorithm != Algorithm::FixedWindow;
+    // A fixed or first-hit window forgets the previous one entirely.
+    let sliding = params.algorithm == Algorithm::SlidingWindow;
     debug_assert!(!params.algorithm.is_bucket(), "a bucket decides in bucket.rs");
     let prev = if sliding { u128::from(counts.previous) } else { 0 };
     let weight_w = u128::from(weight);
@@ -225,7 +279,7 @@ pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams
 
     let current_after = if admitted { cur + weight_w } else { cur };
     // Sliding: what is counted now decays out by the end of the next window.
-    // Fixed (prev is 0 there): everything resets when this window ends.
+    // Fixed or first-hit (prev is 0 there): everything resets when this window ends.
     let reset_after_ms = if current_after > 0 && sliding {
         2 * w - elapsed
     } else if current_after > 0 || prev > 0 {
@@ -483,6 +537,29 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn first_hit_window_opens_at_its_first_hit_and_lasts_exactly_w() {
+        let params = WindowParams { algorithm: Algorithm::FirstHitWindow, ..WindowParams::sliding(1_000, 2) };
+        // No counter: a window would open now, nothing elapsed.
+        assert_eq!(locate(None, 12_345, params), (12_345, Counts::default(), 0));
+        let opened = StoredCounter { window: 12_345, current: 2, previous: 0 };
+        // Open until 13_345 (not aligned to 1 s): denied, retry and reset at its end.
+        let (start, counts, elapsed) = locate(Some(opened), 13_000, params);
+        assert_eq!((start, counts.current, elapsed), (12_345, 2, 655));
+        let verdict = decide(counts, elapsed, 1, params);
+        assert_eq!(
+            (verdict.admitted, verdict.retry_after_ms, verdict.reset_after_ms),
+            (false, Some(345), 345)
+        );
+        // At its end a new window opens, empty, whatever the alignment.
+        assert_eq!(locate(Some(opened), 13_345, params), (13_345, Counts::default(), 0));
+        // A clock behind the start keeps the count, nothing elapsed.
+        assert_eq!(locate(Some(opened), 12_000, params), (12_345, Counts { current: 2, previous: 0 }, 0));
+        // Admitted on an empty counter: resets a whole window on; refused: nothing to reset.
+        assert_eq!(decide(Counts::default(), 0, 1, params).reset_after_ms, 1_000);
+        assert_eq!(decide(Counts::default(), 0, 3, params).reset_after_ms, 0);
+    }
+
+    #[test]
     fn clock_going_backwards_starts_empty_rather_than_panicking() {
         let stored = StoredCounter { window: 10, current: 5, previous: 5 };
         assert_eq!(roll(stored, 9), Counts::default());
@@ -524,14 +601,26 @@ pub(super) mod tests {
             Ok(())
         }
 
+        /// The algorithms that count in windows.
+        fn windows() -> impl Strategy<Value = Algorithm> {
+            prop_oneof![
+                Just(Algorithm::SlidingWindow),
+                Just(Algorithm::FixedWindow),
+                Just(Algorithm::FirstHitWindow)
+            ]
+        }
+
+        fn window(window_ms: u64, capacity: u64, algorithm: Algorithm) -> WindowParams {
+            WindowParams { algorithm, ..WindowParams::sliding(window_ms, capacity) }
+        }
+
         /// Parameters a compiled rule may have (capacity × window within
         /// [`MAX_CAPACITY_TIMES_WINDOW`]).
         fn params() -> impl Strategy<Value = WindowParams> {
-            (1u64..=86_400_000, any::<bool>()).prop_flat_map(|(window_ms, sliding)| {
+            (1u64..=86_400_000, windows()).prop_flat_map(|(window_ms, algorithm)| {
                 let max_capacity = (MAX_CAPACITY_TIMES_WINDOW / window_ms).clamp(1, 1 << 40);
-                (Just(window_ms), 1..=max_capacity, Just(sliding)).prop_map(
-                    |(window_ms, capacity, sliding)| WindowParams::window(window_ms, capacity, sliding),
-                )
+                (Just(window_ms), 1..=max_capacity, Just(algorithm))
+                    .prop_map(|(window_ms, capacity, algorithm)| window(window_ms, capacity, algorithm))
             })
         }
 
@@ -563,34 +652,42 @@ pub(super) mod tests {
                 prop_assert!(v.reset_after_ms <= 2 * params.window_ms);
             }
 
-            /// A counter driven through roll + decide + commit, as both stores
-            /// do, by requests at increasing random times with random weights:
-            /// the weight admitted in any one window never exceeds the
-            /// capacity (limit × burst), and with a sliding window the
-            /// estimate never does either.
+            /// A counter driven through locate + decide + commit, as both
+            /// stores do, by requests at increasing random times with random
+            /// weights: the weight admitted in any one window (aligned, or
+            /// from a first hit) never exceeds the capacity (limit × burst),
+            /// a first-hit window opens at an admitted request and lasts
+            /// exactly W, and with a sliding window the estimate never
+            /// exceeds the capacity either.
             #[test]
             fn never_admits_more_than_capacity_in_any_window(
                 window_ms in 1u64..=10_000,
                 capacity in 1u64..=1_000,
-                sliding in any::<bool>(),
+                algorithm in windows(),
                 start in 0u64..1_000_000_000,
                 steps in proptest::collection::vec((0u64..3_000, 1u64..=50), 1..300),
             ) {
-                let params = WindowParams::window(window_ms, capacity, sliding);
-                let mut stored = StoredCounter::default();
+                let params = window(window_ms, capacity, algorithm);
+                let mut stored = None;
                 let mut now = start;
                 let mut admitted_in: std::collections::HashMap<u64, u64> = Default::default();
                 for (gap, weight) in steps {
                     now += gap;
-                    let (window, elapsed) = position(now, window_ms);
-                    let counts = roll(stored, window);
+                    let (window, counts, elapsed) = locate(stored, now, params);
                     let v = decide(counts, elapsed, weight, params);
+                    prop_assert!(v.reset_after_ms <= window_ms || algorithm == Algorithm::SlidingWindow);
                     if v.admitted {
-                        stored = StoredCounter { window, current: counts.current + weight, previous: counts.previous };
+                        if algorithm == Algorithm::FirstHitWindow {
+                            prop_assert!(counts.current > 0 || window == now, "a window opens at its first hit");
+                            prop_assert!(now - window < window_ms);
+                        }
+                        let next = StoredCounter { window, current: counts.current + weight, previous: counts.previous };
+                        stored = Some(next);
                         let total = admitted_in.entry(window).or_default();
                         *total += weight;
                         prop_assert!(*total <= capacity, "window {window} admitted {total} > {capacity}");
-                        if sliding {
+                        if algorithm == Algorithm::SlidingWindow {
+                            let stored = next;
                             // estimate × W after the commit.
                             let estimate_w = u128::from(stored.current) * u128::from(window_ms)
                                 + u128::from(stored.previous) * u128::from(window_ms - elapsed);
@@ -606,22 +703,25 @@ pub(super) mod tests {
             fn retry_after_is_exact(
                 window_ms in 1u64..=120_000,
                 capacity in 1u64..=10_000,
-                sliding in any::<bool>(),
+                algorithm in windows(),
                 fill in 0.0f64..=1.0,
                 carry in 0.0f64..=1.0,
                 weight_frac in 0.0f64..=1.0,
                 offset_frac in 0.0f64..1.0,
             ) {
-                let params = WindowParams::window(window_ms, capacity, sliding);
+                let params = window(window_ms, capacity, algorithm);
                 let current = (capacity as f64 * fill) as u64;
                 let previous = (capacity as f64 * carry) as u64;
                 let weight = ((capacity as f64 * weight_frac) as u64).max(1);
                 let offset = ((window_ms as f64 * offset_frac) as u64).min(window_ms - 1);
-                let stored = StoredCounter { window: 1_000, current, previous };
+                // A first-hit window's start is a tick, an aligned window's an index.
+                let first_hit = algorithm == Algorithm::FirstHitWindow;
+                let opened = if first_hit { 1_000 * window_ms } else { 1_000 };
+                let stored = StoredCounter { window: opened, current, previous: if first_hit { 0 } else { previous } };
                 let now = 1_000 * window_ms + offset;
                 let at = |t: u64| {
-                    let (idx, elapsed) = position(t, window_ms);
-                    decide(roll(stored, idx), elapsed, weight, params)
+                    let (_, counts, elapsed) = locate(Some(stored), t, params);
+                    decide(counts, elapsed, weight, params)
                 };
                 retry_is_exact(now, at)?;
             }

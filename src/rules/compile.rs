@@ -116,7 +116,7 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
     }
     let algorithm = match raw.algorithm.as_deref() {
         None => Algorithm::SlidingWindow,
-        Some(name) => parse_algorithm(name).map_err(|message| error(sourced, "algorithm", message))?,
+        Some(name) => Algorithm::named(name).map_err(|message| error(sourced, "algorithm", message))?,
     };
     let (capacity, window_ms) =
         limit_window(&raw_first(raw)).map_err(|(field, message)| error(sourced, field, message))?;
@@ -217,12 +217,6 @@ fn raw_first(raw: &RawRule) -> RawLimit {
     }
 }
 
-fn parse_algorithm(name: &str) -> Result<Algorithm, String> {
-    Algorithm::parse(name).ok_or_else(|| {
-        format!("unknown algorithm {name:?} (sliding_window, fixed_window, token_bucket or gcra)")
-    })
-}
-
 /// A limit's capacity (`floor(limit × burst)`) and window in ms, checked;
 /// an error names the field (relative to the limit).
 fn limit_window(raw: &RawLimit) -> Result<(u64, u64), (&'static str, String)> {
@@ -267,7 +261,7 @@ fn also_limits(raw: &RawRule, algorithm: Algorithm) -> Result<Vec<AlsoLimit>, (S
                 limit_window(also).map_err(|(field, message)| (at(field), message))?;
             let algorithm = match also.algorithm.as_deref() {
                 None => algorithm,
-                Some(name) => parse_algorithm(name).map_err(|message| (at("algorithm"), message))?,
+                Some(name) => Algorithm::named(name).map_err(|message| (at("algorithm"), message))?,
             };
             let window = WindowParams { window_ms, capacity, rate: also.limit, algorithm };
             Ok(AlsoLimit { limit: also.limit, burst_capacity: also.burst_capacity, window })

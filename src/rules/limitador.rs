@@ -35,6 +35,7 @@ use std::{
 use serde::Deserialize;
 
 use super::{RuleError, RuleErrors, Versioned, envoy::EnvoyLimit};
+use crate::limiter::window::Algorithm;
 
 /// The longest CEL expression accepted, in bytes.
 pub const MAX_EXPRESSION_BYTES: usize = 1024;
@@ -164,14 +165,15 @@ impl Versioned for Limits {
 }
 
 impl Limits {
-    /// Reads and compiles the limits file at `path`.
-    pub fn load(path: &Path) -> Result<Self, RuleErrors> {
+    /// Reads and compiles the limits file at `path`, its limits counted by
+    /// `algorithm` (`rules.limitador_algorithm`).
+    pub fn load(path: &Path, algorithm: Algorithm) -> Result<Self, RuleErrors> {
         let text = std::fs::read_to_string(path).map_err(|e| RuleErrors(vec![RuleError::io(path, &e)]))?;
-        Self::parse(path, &text).map_err(|e| RuleErrors(vec![e]))
+        Self::parse(path, &text, algorithm).map_err(|e| RuleErrors(vec![e]))
     }
 
-    /// Compiles `text`, the contents of `file`.
-    pub fn parse(file: &Path, text: &str) -> Result<Self, RuleError> {
+    /// Compiles `text`, the contents of `file`, its limits counted by `algorithm`.
+    pub fn parse(file: &Path, text: &str, algorithm: Algorithm) -> Result<Self, RuleError> {
         let parse = |message: String| RuleError {
             file: file.to_path_buf(),
             line: None,
@@ -194,7 +196,7 @@ impl Limits {
         let mut limits = Limits { version: digest(&[text]), count: raw.len(), ..Limits::default() };
         let mut seen: HashMap<Arc<str>, usize> = HashMap::new();
         for (index, raw) in raw.into_iter().enumerate() {
-            let limit = compile(file, index, raw)?;
+            let limit = compile(file, index, raw, algorithm)?;
             if let Some(first) = seen.insert(Arc::clone(&limit.identity), index) {
                 return Err(limit_error(
                     file,
@@ -315,7 +317,7 @@ fn limit_error(file: &Path, index: usize, namespace: &str, field: &str, message:
 }
 
 /// Compiles limit `index` of `file`.
-fn compile(file: &Path, index: usize, raw: RawLimit) -> Result<Limit, RuleError> {
+fn compile(file: &Path, index: usize, raw: RawLimit, algorithm: Algorithm) -> Result<Limit, RuleError> {
     let fail = |field: &str, message: String| limit_error(file, index, &raw.namespace, field, message);
     if raw.namespace.trim().is_empty() {
         return Err(fail("namespace", "must not be empty".to_owned()));
@@ -352,6 +354,7 @@ fn compile(file: &Path, index: usize, raw: RawLimit) -> Result<Limit, RuleError>
     let key = format!("{}.{}", raw.namespace, raw.name.as_deref().unwrap_or(&identity));
     let envoy = EnvoyLimit::plain(Arc::from(key), raw.max_value, raw.seconds, raw.name.clone())
         .map_err(|(field, message)| fail(if field == "max" { "max_value" } else { field }, message))?;
+    let envoy = EnvoyLimit { algorithm: Some(algorithm), ..envoy };
     Ok(Limit {
         namespace: Arc::from(raw.namespace.as_str()),
         max_value: raw.max_value,

@@ -18,7 +18,7 @@ use crate::limiter::{
 pub(super) const DECIDE_BATCH_LUA: &str = include_str!("../scripts/decide_batch.lua");
 
 /// The parameters a counter shares with every counter of its rule: window
-/// (ticks), capacity, tick (ms), flags (algorithm code + 4 if shadow + 8 ×
+/// (ticks), capacity, tick (ms), flags (algorithm code + 8 if shadow + 16 ×
 /// count code), rate. A script call sends each distinct spec once.
 pub(super) type Spec = [u64; 5];
 
@@ -29,22 +29,22 @@ pub(super) struct KeyArgs {
     pub(super) weight: u64,
 }
 
-/// The flags argument of a counter: its algorithm's code, plus 4 when
-/// shadow, plus 8 times how it counts ([`Count::code`]).
+/// The flags argument of a counter: its algorithm's code, plus 8 when
+/// shadow, plus 16 times how it counts ([`Count::code`]).
 pub(super) fn flags(params: WindowParams, shadow: bool, count: Count) -> u64 {
-    params.algorithm.code() | (u64::from(shadow) << 2) | (count.code() << 3)
+    params.algorithm.code() | (u64::from(shadow) << 3) | (count.code() << 4)
 }
 
 impl KeyArgs {
     /// Its algorithm, from the flags ([`flags`]).
     pub(super) fn algorithm(&self) -> Algorithm {
-        Algorithm::ALL[(self.spec[3] & 3) as usize]
+        Algorithm::ALL[(self.spec[3] & 7) as usize]
     }
 }
 
 /// How many values the script answers for a counter of `algorithm`:
-/// whether it fits, then a bucket's debt or a window's current and
-/// previous counts.
+/// whether it fits, then a bucket's debt, or a window's current count and
+/// its previous count (a first-hit window: its start, in ticks).
 pub(super) fn answer_len(algorithm: Algorithm) -> usize {
     if algorithm.is_bucket() { 2 } else { 3 }
 }
@@ -52,8 +52,8 @@ pub(super) fn answer_len(algorithm: Algorithm) -> usize {
 /// What the script answered for one counter (`values`, [`answer_len`] of
 /// them): whether it fits, and what it saw, checked against the
 /// counter's parameters. A window's elapsed ticks follow from Redis' clock
-/// `now_ms` (the script's answer starts with it) and the tick, as the
-/// script derives them.
+/// `now_ms` (the script's answer starts with it), the tick and, for a
+/// first-hit window, its start, as the script derives them.
 pub(super) fn seen_of(
     values: &[u64],
     now_ms: u64,
@@ -66,6 +66,14 @@ pub(super) fn seen_of(
                 return Err(script_error(format!("debt {debt} beyond the largest debt {MAX_DEBT}")));
             }
             Seen::Bucket { debt }
+        }
+        (false, &[_, current, start]) if params.algorithm == Algorithm::FirstHitWindow => {
+            let now = now_ms / tick_ms.max(1);
+            let elapsed = now.saturating_sub(start);
+            if current > max_count(params.window_ms) || elapsed >= params.window_ms {
+                return Err(script_error(format!("count {current} from tick {start} at tick {now}")));
+            }
+            Seen::Window { counts: Counts { current, previous: 0 }, elapsed }
         }
         (false, &[_, current, previous]) => {
             let max = max_count(params.window_ms);

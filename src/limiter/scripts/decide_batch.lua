@@ -23,9 +23,10 @@
 --                  the batch (usually one per rule)
 -- then per spec    5 values: window length W in ticks, capacity, tick
 --                  length in ms, flags (algorithm: 0 sliding window,
---                  1 fixed window, 2 token bucket, 3 GCRA; + 4 = shadow;
---                  + 8 x count: 0 if it fits, 1 never (a peek), 2 always
---                  (a report)), rate (a bucket's refill per W)
+--                  1 fixed window, 2 token bucket, 3 GCRA, 4 first-hit
+--                  window; + 8 = shadow; + 16 x count: 0 if it fits,
+--                  1 never (a peek), 2 always (a report)), rate (a
+--                  bucket's refill per W)
 -- then             number of jobs J
 -- then per job     a job of one key: that key's entry; a job of n > 1
 --                  keys: 0, n, then each key's entry
@@ -40,20 +41,23 @@
 -- several keys whether it committed (0|1) (a one-key job commits exactly
 -- when its key fits, is a report or is shadow), then per key: fits (0|1)
 -- and what it saw BEFORE this key's own weight:
--- a window's current and previous counts (2 values), or a bucket's debt
--- (1 value). The caller derives elapsed from now_ms and the spec, and
+-- a window's current and previous counts (2 values; a first-hit window's
+-- count and start in ticks), or a bucket's debt (1 value). The caller
+-- derives elapsed from now_ms and the spec (and a first-hit start), and
 -- remaining, retry_after and reset_after with the Rust arithmetic (and
 -- checks the script's answer against it).
 --
 -- Each counter is one string of four little-endian doubles (struct, 32
--- bytes): a window's (index, current, previous, expiry), or a bucket's
+-- bytes): a window's (index, current, previous, expiry), a first-hit
+-- window's (start in ticks, count, -4, expiry), or a bucket's
 -- (stamp, value, -algorithm code, expiry) where the stamp is the last
 -- refill (token bucket) or the TAT in whole ticks (GCRA) and the value
 -- the debt then, or the TAT's remainder in units. The expiry (Unix ms) is
 -- the key's own, so a write knows whether it must move it. The third
--- value tells a window (>= 0) from either bucket. A window expires when
--- it stops mattering (the end of the next window), a bucket at twice the
--- time until it is full again, set only when its expiry falls short. A
+-- value tells an aligned window (>= 0) from the other kinds. A window
+-- expires when it stops mattering (the end of the next window; a
+-- first-hit window's own end), a bucket at twice the time until it is
+-- full again, set only when its expiry falls short. A
 -- value of any other shape (a key of another type or length, or of
 -- another algorithm) reads as no counter and is overwritten.
 --
@@ -125,13 +129,13 @@ for s = 1, nspecs do
   local w, cap, tick, flags, rate =
     tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
   a = a + 5
-  local alg = flags % 4
+  local alg = flags % 8
   local now = floor(now_ms / tick)
   local idx = floor(now / w)
   local one = {
     weight = 1,
     w = w, cap = cap, tick = tick, alg = alg, rate = rate, now = now,
-    shadow = floor(flags / 4) % 2 == 1, mode = floor(flags / 8),
+    shadow = floor(flags / 8) % 2 == 1, mode = floor(flags / 16),
     -- The capacity in units (capacity * W): a window's bound, a full bucket.
     capw = cap * w,
     -- A window: the current one, the largest count, the previous window's
@@ -247,7 +251,25 @@ for _ = 1, jobs do
     local fits = 0
     local nx, ny, nz, need, later
 
-    if alg >= 2 then
+    if alg == 4 then
+      -- A window from its first hit (window.rs `locate`), stored as
+      -- (start, count, -4): open until start + W; a clock behind its start
+      -- keeps its count. Otherwise a new one starts now.
+      local now, start, cur = sp.now, sp.now, 0
+      if z == -4 and now - x < w then start, cur = x, y end
+      if cur > sp.maxc then cur = sp.maxc end
+      if (cur + weight) * w <= sp.capw then fits = 1 end
+      if writes and (fits == 1 or mode == 2) then
+        local next = cur + weight
+        if next > sp.maxc then next = sp.maxc end
+        nx, ny, nz, need = start, next, -4, (start + w) * sp.tick
+        later = need
+      end
+      out[o + 1] = fits
+      out[o + 2] = cur
+      out[o + 3] = start
+      o = o + 3
+    elseif alg >= 2 then
       -- A bucket (bucket.rs): its debt at `now`, in units (1 token = w
       -- units, 1 tick refills `rate`), at most MAXCW. Stored as (last
       -- refill, debt then) for the token bucket, (TAT in whole ticks, the

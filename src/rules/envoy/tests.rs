@@ -177,7 +177,7 @@ fn every_upstream_error() {
         ),
         (
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, algorithm: leaky }\n",
-            "unknown algorithm 'leaky' (sliding_window, fixed_window, token_bucket or gcra)",
+            "unknown algorithm \"leaky\" (one of sliding_window, fixed_window, token_bucket, gcra, first_hit_window)",
         ),
         (
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true, unit: second }\n",

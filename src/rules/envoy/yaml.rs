@@ -468,14 +468,7 @@ fn compile_limit(
     }
     let algorithm = match r.algorithm.as_str() {
         "" => None,
-        name => Some(Algorithm::parse(name).ok_or_else(|| {
-            error(
-                file,
-                Some(&at),
-                "algorithm",
-                format!("unknown algorithm '{name}' (sliding_window, fixed_window, token_bucket or gcra)"),
-            )
-        })?),
+        name => Some(Algorithm::named(name).map_err(|message| error(file, Some(&at), "algorithm", message))?),
     };
     let unit_multiplier = multiplier(file, &at, r, unit)?;
     if let Some(unit) = unit {

@@ -20,6 +20,11 @@ const EXAMPLE: &str = r#"
     - descriptors[0]['user_id']
 "#;
 
+/// Compiles `text` with limitador's counting.
+fn parse(file: &Path, text: &str) -> Result<Limits, RuleError> {
+    Limits::parse(file, text, Algorithm::FirstHitWindow)
+}
+
 fn applied<'a>(
     limits: &'a Limits,
     namespace: &str,
@@ -35,7 +40,7 @@ fn applied<'a>(
 
 #[test]
 fn every_limit_whose_conditions_hold_and_variables_resolve_applies() {
-    let limits = Limits::parse(Path::new("limits.yaml"), EXAMPLE).unwrap();
+    let limits = parse(Path::new("limits.yaml"), EXAMPLE).unwrap();
     let post = vec![("req.method", "POST"), ("user_id", "ann")];
     assert_eq!(
         applied(&limits, "test_namespace", &[post]),
@@ -51,7 +56,7 @@ fn every_limit_whose_conditions_hold_and_variables_resolve_applies() {
 
 #[test]
 fn any_descriptor_and_the_limit_itself_can_be_referred_to() {
-    let limits = Limits::parse(
+    let limits = parse(
         Path::new("limits.yaml"),
         r#"
 - namespace: ns
@@ -71,7 +76,7 @@ fn any_descriptor_and_the_limit_itself_can_be_referred_to() {
 
 #[test]
 fn an_evaluation_error_is_an_error_not_no_limit() {
-    let limits = Limits::parse(
+    let limits = parse(
         Path::new("limits.yaml"),
         "- { namespace: ns, max_value: 1, seconds: 1, conditions: [\"descriptors[0].n\"] }\n\
          - { namespace: other, max_value: 1, seconds: 1, variables: [\"descriptors[0]\"] }\n",
@@ -85,7 +90,7 @@ fn an_evaluation_error_is_an_error_not_no_limit() {
 
 #[test]
 fn bad_limits_are_refused_naming_file_limit_and_field() {
-    let refused = |text: &str| Limits::parse(Path::new("limits.yaml"), text).unwrap_err().to_string();
+    let refused = |text: &str| parse(Path::new("limits.yaml"), text).unwrap_err().to_string();
     let error = refused("- { namespace: ns, max_value: 1, seconds: 1, condition: [\"true\"] }\n");
     assert!(error.contains("limits.yaml") && error.contains("condition"), "{error}");
     let error = refused("- { namespace: ns, max_value: 1, seconds: 0 }\n");
@@ -114,15 +119,14 @@ fn bad_limits_are_refused_naming_file_limit_and_field() {
     assert!(error.contains("conditions[0]") && error.contains("nested 3 deep"), "{error}");
     let two = "- { namespace: ns, max_value: 1, seconds: 1, conditions: [\"descriptors.all(d, \
                descriptors.exists(e, e == d)) && descriptors.map(d, d).size() > 0\"] }\n";
-    Limits::parse(Path::new("limits.yaml"), two).unwrap();
-    assert!(Limits::parse(Path::new("limits.yaml"), "").unwrap().namespaces().next().is_none());
-    assert!(Limits::parse(Path::new("limits.yaml"), "---\n").unwrap().namespaces().next().is_none());
+    parse(Path::new("limits.yaml"), two).unwrap();
+    assert!(parse(Path::new("limits.yaml"), "").unwrap().namespaces().next().is_none());
+    assert!(parse(Path::new("limits.yaml"), "---\n").unwrap().namespaces().next().is_none());
 }
 
 #[test]
 fn a_limits_identity_is_its_counter_not_its_value() {
-    let identity =
-        |text: &str| Arc::clone(&Limits::parse(Path::new("f"), text).unwrap().of("ns")[0].identity);
+    let identity = |text: &str| Arc::clone(&parse(Path::new("f"), text).unwrap().of("ns")[0].identity);
     let base = identity(
         "- { namespace: ns, max_value: 5, seconds: 60, variables: [\"descriptors[0].a\", \"descriptors[0].b\"] }",
     );
@@ -138,7 +142,7 @@ fn a_limits_identity_is_its_counter_not_its_value() {
 
 #[test]
 fn a_descriptor_the_request_lacks_is_an_error() {
-    let limits = Limits::parse(
+    let limits = parse(
         Path::new("f"),
         "- { namespace: ns, max_value: 1, seconds: 1, variables: [\"descriptors[1].a\"] }",
     )

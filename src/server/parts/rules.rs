@@ -200,9 +200,9 @@ fn limitador(
     tasks: &mut Tasks,
 ) -> Result<Option<Arc<Hot<Limits>>>, ServerError> {
     let Some(path) = &config.limitador_path else { return Ok(None) };
-    let allow_empty = config.allow_empty;
+    let (allow_empty, algorithm) = (config.allow_empty, config.limitador_algorithm);
     let load = move |path: &std::path::Path| {
-        Limits::load(path).and_then(|set| rules::non_empty(set, path, allow_empty))
+        Limits::load(path, algorithm).and_then(|set| rules::non_empty(set, path, allow_empty))
     };
     let loaded = load(path)?;
     tracing::info!(
