@@ -117,6 +117,10 @@ async fn limitadors_example_limits_through_envoy() {
     let first = send("POST", "ann");
     assert_eq!(first.status, 200, "{:?}", first.headers);
     assert_eq!(first.header("x-ratelimit-remaining"), Some("4"), "{:?}", first.headers);
+    // limitador's counting: the window opened at this first hit, so it
+    // resets a whole minute on (a sliding window says up to two).
+    let reset = first.header("x-ratelimit-reset").and_then(|r| r.parse::<u64>().ok());
+    assert!(reset.is_some_and(|r| (59..=60).contains(&r)), "{:?}", first.headers);
     for i in 1..5 {
         assert_eq!(send("POST", "ann").status, 200, "POST {i}");
     }

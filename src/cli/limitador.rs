@@ -289,6 +289,18 @@ mod tests {
         assert_eq!(config.redis.url.as_deref(), Some("redis://redis.kuadrant:6379"));
         assert!(config.envoy.response_headers);
         assert_eq!(config.envoy.remaining_header, "X-RateLimit-Remaining");
+        assert_eq!(
+            config.rules.limitador_algorithm,
+            crate::limiter::Algorithm::FirstHitWindow,
+            "limitador's counting"
+        );
+        let mut sliding = parsed(&["/etc/limits.yaml", "memory"]);
+        sliding.insert("RATELIMITD__RULES__LIMITADOR_ALGORITHM".to_owned(), "sliding_window".to_owned());
+        let config = crate::config::Config::load(None, sliding.clone()).unwrap();
+        assert_eq!(config.rules.limitador_algorithm, crate::limiter::Algorithm::SlidingWindow);
+        sliding.insert("RATELIMITD__RULES__LIMITADOR_ALGORITHM".to_owned(), "leaky".to_owned());
+        let error = crate::config::Config::load(None, sliding).unwrap_err().to_string();
+        assert!(error.contains("limitador_algorithm") && error.contains("first_hit_window"), "{error}");
 
         let env = parsed(&["--http-port", "8080", "--rls-port", "8081", "/etc/limits.yaml", "memory"]);
         assert!(!env.contains_key("REDIS_URL"), "memory: no Redis");

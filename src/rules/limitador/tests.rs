@@ -54,6 +54,19 @@ fn every_limit_whose_conditions_hold_and_variables_resolve_applies() {
     assert!(applied(&limits, "other", &[vec![("req.method", "POST")]]).is_empty());
 }
 
+/// Every limit counts by the algorithm given (`rules.limitador_algorithm`),
+/// in each of its modes.
+#[test]
+fn limits_count_by_the_algorithm_given() {
+    for algorithm in [Algorithm::FirstHitWindow, Algorithm::SlidingWindow] {
+        let limits = Limits::parse(Path::new("limits.yaml"), EXAMPLE, algorithm).unwrap();
+        for limit in limits.of("test_namespace") {
+            let modes = [&limit.envoy, &limit.envoy_peek, &limit.envoy_report].map(|l| l.algorithm);
+            assert_eq!(modes, [Some(algorithm); 3]);
+        }
+    }
+}
+
 #[test]
 fn any_descriptor_and_the_limit_itself_can_be_referred_to() {
     let limits = parse(
