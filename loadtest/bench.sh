@@ -15,9 +15,11 @@
 #   latency    open loop, uniform users: Redis at LAT_REDIS_RATE/s, memory
 #              at LAT_MEMORY_RATE/s (latency from each request's intended
 #              send time, so queueing is not hidden)
-#   peer       with LIMITADOR set: Kuadrant's limitador-server, memory and
-#              Redis, the Envoy API on one hot key, on the smallest and the
-#              largest service core set, beside ratelimitd's same rows
+#   peer       with LIMITADOR set: Kuadrant's limitador-server and
+#              ratelimitd started as limitador-server, each with the same
+#              command line and limits file (a counter per user), memory
+#              and Redis, the Envoy API on one hot key, on the smallest and
+#              the largest service core set
 #
 #   loadtest/bench.sh OUTDIR
 #
@@ -31,7 +33,8 @@
 # through the kit's loader), RATELIMITD, LOADTEST (default
 # target/release/…), REDIS_CMD, REDIS_CLI (default: redis-server and
 # redis-cli from PATH), LIMITADOR (optional: a limitador-server
-# built outside this repository, never vendored).
+# built outside this repository, never vendored; in a KIT, bundle it under
+# another name, e.g. limitador: ratelimitd answers to limitador-server).
 # Core sets (taskset -c lists): REDIS_CPUS (one Redis; default 0),
 # CLUSTER_CPUS (one per primary, space-separated; default "1 2 3"),
 # SERVICE_SERIES (default "4 4-5 4-7 4-11"), LOAD_CPUS (default 12-15).
@@ -204,25 +207,35 @@ if part latency; then
 fi
 
 if part peer && [ -n "${LIMITADOR:-}" ]; then
-  cat > "$WORK/limits.yaml" <<'YAML'
-- namespace: edge
-  max_value: 1000000000
-  seconds: 60
-  conditions: []
-  variables:
-    - descriptors[0]['user']
-YAML
+  write_edge_limits "$WORK/limits.yaml" plain
+  # ratelimitd under the name limitador-server, which makes it read
+  # limitador's command line: a link, or in a KIT the loader told the name.
+  mkdir -p "$WORK/as"
+  if [ -n "${KIT:-}" ]; then
+    printf '#!/usr/bin/env bash\nexec %q --library-path %q --argv0 limitador-server %q "$@"\n' \
+      "$KIT/lib/ld-linux-x86-64.so.2" "$KIT/lib" "$KIT/bin/ratelimitd" >"$WORK/as/limitador-server"
+    chmod +x "$WORK/as/limitador-server"
+  else
+    ln -s "$(cd "$(dirname "$RATELIMITD")" && pwd)/$(basename "$RATELIMITD")" "$WORK/as/limitador-server"
+  fi
   for cpus in "${SERIES[0]}" "$LARGEST"; do
     n="$(cores "$cpus")"
     for store in memory redis; do
-      SVC_PORT="$(free_port)"
-      args=(--rls-port "$SVC_PORT" --http-port "$(free_port)" "$WORK/limits.yaml")
-      if [ "$store" = redis ]; then args+=(redis "redis://127.0.0.1:$REDIS_PORT"); else args+=(memory); fi
-      (pin "$cpus" "$LIMITADOR" "${args[@]}" >"$WORK/limitador-$SVC_PORT.log" 2>&1) &
-      SVC_PID=$!; PIDS+=("$SVC_PID")
-      wait_port "$SVC_PORT"; sleep 0.5
-      load "peer-$n-$store-envoy" --api envoy --keys hot $(closed)
-      stop_service
+      for target in limitador ratelimitd; do
+        bin="$LIMITADOR"; [ "$target" = ratelimitd ] && bin="$WORK/as/limitador-server"
+        SVC_PORT="$(free_port)"
+        args=(--rls-port "$SVC_PORT" --http-port "$(free_port)" "$WORK/limits.yaml")
+        if [ "$store" = redis ]; then
+          args+=(redis "redis://127.0.0.1:$REDIS_PORT"); "$REDIS_CLI" -p "$REDIS_PORT" flushall >/dev/null
+        else
+          args+=(memory)
+        fi
+        (pin "$cpus" "$bin" "${args[@]}" >"$WORK/$target-$SVC_PORT.log" 2>&1) &
+        SVC_PID=$!; PIDS+=("$SVC_PID")
+        wait_port "$SVC_PORT"; sleep 0.5
+        load "peer-$n-$store-$target" --api envoy --keys hot $(closed)
+        stop_service
+      done
     done
   done
 fi
@@ -234,11 +247,31 @@ fi
   echo
   cell() { [ -f "$OUT/$1.json" ] && awk -v d="$(field "$OUT/$1.json" decisions_per_second)" -v c="$(field "$OUT/$1.json" target_cpu_us_per_decision)" 'BEGIN { printf "%.0fk (%.2f µs)", d / 1000, c }' || echo "not run"; }
   if part scaling; then
-    echo "| service cores | Envoy API, memory | Envoy API, Redis | Check (unary), memory | CheckStream, memory | limitador, memory | limitador, Redis |"
-    echo "|---|---|---|---|---|---|---|"
+    echo "| service cores | Envoy API, memory | Envoy API, Redis | Check (unary), memory | CheckStream, memory |"
+    echo "|---|---|---|---|---|"
     for cpus in "${SERIES[@]}"; do
       n="$(cores "$cpus")"
-      echo "| $n ($cpus) | $(cell "scale-$n-memory-envoy") | $(cell "scale-$n-redis-envoy") | $(cell "scale-$n-memory-check") | $(cell "scale-$n-memory-stream") | $(cell "peer-$n-memory-envoy") | $(cell "peer-$n-redis-envoy") |"
+      echo "| $n ($cpus) | $(cell "scale-$n-memory-envoy") | $(cell "scale-$n-redis-envoy") | $(cell "scale-$n-memory-check") | $(cell "scale-$n-memory-stream") |"
+    done
+    echo
+  fi
+  if part peer && [ -n "${LIMITADOR:-}" ]; then
+    # decisions/s of ratelimitd over limitador's, and limitador's CPU per decision over ratelimitd's.
+    ratio() {
+      [ -f "$OUT/$1.json" ] && [ -f "$OUT/$2.json" ] || { echo "not run"; return; }
+      awk -v a="$(field "$OUT/$1.json" decisions_per_second)" -v b="$(field "$OUT/$2.json" decisions_per_second)" \
+        -v ca="$(field "$OUT/$1.json" target_cpu_us_per_decision)" -v cb="$(field "$OUT/$2.json" target_cpu_us_per_decision)" \
+        'BEGIN { printf "%.2fx, %.2fx", b / a, ca / cb }'
+    }
+    echo "Same limits file and command line (limitador-server [--rls-port, --http-port] limits.yaml memory | redis URL), Envoy API, one hot key; ratelimitd counts in its limitador mode (windows from the first hit)."
+    echo
+    echo "| service cores | store | limitador-server | ratelimitd as limitador-server | decisions/s ratio, CPU per decision ratio |"
+    echo "|---|---|---|---|---|"
+    for cpus in "${SERIES[0]}" "$LARGEST"; do
+      n="$(cores "$cpus")"
+      for store in memory redis; do
+        echo "| $n ($cpus) | $store | $(cell "peer-$n-$store-limitador") | $(cell "peer-$n-$store-ratelimitd") | $(ratio "peer-$n-$store-limitador" "peer-$n-$store-ratelimitd") |"
+      done
     done
     echo
   fi

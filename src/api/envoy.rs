@@ -175,14 +175,14 @@ impl RateLimitService for EnvoyService {
         if let Some(limits) = &self.limitador {
             let decision =
                 self.engine.limitador(&limits.load(), &rls, Call::Admit, None).instrument(span).await;
-            let mut answer = response(&decision, &self.settings)?;
+            let mut answer = response(&decision, &self.settings, true)?;
             // limitador answers no statuses (its headers, when asked for,
             // carry what they would).
             answer.statuses.clear();
             return Ok(Response::new(answer));
         }
         let decision = self.engine.should_rate_limit(&rls).instrument(span).await;
-        let mut answer = response(&decision, &self.settings)?;
+        let mut answer = response(&decision, &self.settings, false)?;
         if self.settings.response_dynamic_metadata {
             answer.dynamic_metadata = Some(dynamic_metadata(&request, &decision));
         }
@@ -318,13 +318,23 @@ fn response_unit(unit: Unit) -> ResponseUnit {
 /// The wire answer for `decision`. A store failure under
 /// `envoy.failure_mode: unavailable` is UNAVAILABLE (not UNKNOWN): Envoy
 /// then applies its own `failure_mode_deny`.
-fn response(decision: &RlsDecision, settings: &EnvoySettings) -> Result<RateLimitResponse, Status> {
+fn response(
+    decision: &RlsDecision,
+    settings: &EnvoySettings,
+    limitador: bool,
+) -> Result<RateLimitResponse, Status> {
     if let Some(failure) = &decision.failure {
         return Err(Status::unavailable(format!("counter store unavailable: {failure}")));
     }
     let statuses: Vec<DescriptorStatus> = decision.statuses.iter().map(status).collect();
     let mut response_headers_to_add = Vec::new();
-    if settings.response_headers
+    if settings.response_headers && limitador {
+        // limitador's own headers (its order and rounding) under the configured names.
+        let names = [&settings.limit_header, &settings.remaining_header, &settings.reset_header];
+        let values = super::limitador_http::draft03(decision).into_iter().flatten();
+        response_headers_to_add =
+            names.into_iter().zip(values).map(|(name, value)| header(name, value)).collect();
+    } else if settings.response_headers
         && let Some(index) = decision.tightest
     {
         let policies = |i: usize, out: &mut String| {

@@ -113,7 +113,8 @@ async fn decide(State(api): State<Api>, body: Bytes, call: Call) -> Response {
             let status = if decision.over_limit { StatusCode::TOO_MANY_REQUESTS } else { StatusCode::OK };
             let mut response = null(status);
             if request.response_headers.as_deref() == Some("DraftVersion03") {
-                for (name, value) in draft03(&decision) {
+                let names = ["X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"];
+                for (name, value) in names.into_iter().zip(draft03(&decision).into_iter().flatten()) {
                     if let Ok(value) = HeaderValue::from_str(&value) {
                         response.headers_mut().insert(name, value);
                     }
@@ -124,14 +125,16 @@ async fn decide(State(api): State<Api>, body: Bytes, call: Call) -> Response {
     }
 }
 
-/// limitador's draft-03 headers: the limit with the fewest hits left
-/// (`X-RateLimit-Limit` lists every limit, fewest left first, as
-/// `max;w=seconds[;name="…"]`), what it has left, and the whole seconds
-/// until it resets.
-fn draft03(decision: &RlsDecision) -> Vec<(&'static str, String)> {
+/// limitador's draft-03 headers, for its HTTP API and its `ShouldRateLimit`
+/// alike: the limit with the fewest hits left (`X-RateLimit-Limit` lists
+/// every limit, fewest left first, as `max;w=seconds[;name="…"]`), what it
+/// has left, and the whole seconds until it resets, counted from just after
+/// the decision as limitador counts them (59 at a minute window's first
+/// hit). `None` when no limit was counted.
+pub(crate) fn draft03(decision: &RlsDecision) -> Option<[String; 3]> {
     let mut counted: Vec<_> = decision.statuses.iter().filter(|s| s.limit.is_some()).collect();
     counted.sort_by_key(|s| s.remaining);
-    let Some(first) = counted.first() else { return Vec::new() };
+    let first = counted.first()?;
     let max = |s: &&crate::decision::DescriptorDecision| s.limit.as_ref().map_or(0, |l| l.per_unit());
     let mut limit = max(first).to_string();
     for status in &counted {
@@ -141,11 +144,8 @@ fn draft03(decision: &RlsDecision) -> Vec<(&'static str, String)> {
             limit.push_str(&format!(";name=\"{}\"", name.replace('"', "'")));
         }
     }
-    vec![
-        ("X-RateLimit-Limit", limit),
-        ("X-RateLimit-Remaining", first.remaining.to_string()),
-        ("X-RateLimit-Reset", (first.until_reset_ms / 1_000).to_string()),
-    ]
+    let reset = first.until_reset_ms.saturating_sub(1) / 1_000;
+    Some([limit, first.remaining.to_string(), reset.to_string()])
 }
 
 /// `GET /limits/{namespace}`: each limit as limitador lists it.
