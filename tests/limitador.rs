@@ -595,3 +595,166 @@ async fn the_same_calls_are_answered_as_limitador_server_answers_them() {
     }
     assert!(differ.is_empty(), "{} calls answered differently:\n{}", differ.len(), differ.join("\n"));
 }
+
+/// Kuadrant's wasm shim, as its calls go out of Envoy, played by an Envoy
+/// Lua filter written anew (the shim's module is not at hand): before the
+/// request, `CheckRateLimit` with one hit (OVER_LIMIT: 429; no answer:
+/// 500); after the response, `Report` with the tokens the upstream says it
+/// used (`usage.total_tokens` in its JSON body). gRPC framed by hand over
+/// Envoy's HTTP/2 client.
+const SHIM_LUA: &str = r#"
+local function varint(n)
+  local out = {}
+  repeat
+    local b = n % 128
+    n = math.floor(n / 128)
+    if n > 0 then b = b + 128 end
+    out[#out + 1] = string.char(b)
+  until n == 0
+  return table.concat(out)
+end
+local function field(tag, bytes) return string.char(tag) .. varint(#bytes) .. bytes end
+-- RateLimitRequest { domain = 1, descriptors = 2 { entries = 1 { key = 1, value = 2 } }, hits_addend = 3 }
+local function request(user, hits)
+  local entry = field(0x0a, "user") .. field(0x12, user)
+  local message = field(0x0a, "llm") .. field(0x12, field(0x0a, entry)) .. string.char(0x18) .. varint(hits)
+  local n = #message
+  return string.char(0, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256) .. message
+end
+-- The answer's overall_code (field 1, first when set), or nil without an answer.
+local function call(handle, method, body)
+  local headers, reply = handle:httpCall("ratelimit", {
+    [":method"] = "POST", [":path"] = "/kuadrant.service.ratelimit.v1.RateLimitService/" .. method,
+    [":authority"] = "ratelimit", ["content-type"] = "application/grpc", ["te"] = "trailers",
+  }, body, 2000)
+  if headers[":status"] ~= "200" or reply == nil or #reply < 5 then return nil end
+  if #reply >= 7 and reply:byte(6) == 0x08 then return reply:byte(7) end
+  return 0
+end
+function envoy_on_request(handle)
+  local user = handle:headers():get("x-user-id") or ""
+  local code = call(handle, "CheckRateLimit", request(user, 1))
+  if code ~= 1 then
+    handle:respond({[":status"] = (code == 2) and "429" or "500"}, "")
+    return
+  end
+  handle:streamInfo():dynamicMetadata():set("kuadrant", "user", user)
+end
+function envoy_on_response(handle)
+  local checked = handle:streamInfo():dynamicMetadata():get("kuadrant")
+  if checked == nil then return end
+  local body = handle:body()
+  local tokens = tonumber(string.match(body:getBytes(0, body:length()), '"total_tokens"%s*:%s*(%d+)')) or 0
+  if call(handle, "Report", request(checked["user"], tokens)) ~= 1 then
+    handle:logErr("the report was not counted")
+  end
+end
+"#;
+
+/// An upstream that answers like a model API: its JSON body says how many
+/// tokens the request used (the request's `x-tokens` header).
+fn token_upstream(dir: &std::path::Path) -> (Process, u16) {
+    let script = dir.join("tokens.py");
+    std::fs::write(
+        &script,
+        "import http.server, sys\n\
+         class H(http.server.BaseHTTPRequestHandler):\n\
+         \x20   def do_POST(self):\n\
+         \x20       body = ('{\"usage\": {\"total_tokens\": %s}}' % int(self.headers['x-tokens'])).encode()\n\
+         \x20       self.send_response(200)\n\
+         \x20       self.send_header('Content-Type', 'application/json')\n\
+         \x20       self.send_header('Content-Length', str(len(body)))\n\
+         \x20       self.end_headers()\n\
+         \x20       self.wfile.write(body)\n\
+         \x20   def log_message(self, *args):\n\
+         \x20       pass\n\
+         http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n",
+    )
+    .unwrap();
+    let (child, port) = common::start_listening("upstream", &dir.join("tokens.log"), |port| {
+        let mut command = std::process::Command::new("python3");
+        command.arg(&script).arg(port.to_string());
+        command
+    });
+    (Process(child), port)
+}
+
+/// Envoy with the shim's calls (`SHIM_LUA`) in front of `backend`.
+fn shim_envoy_config(listen: u16, admin: u16, ratelimit: u16, backend: u16) -> String {
+    let lua: String = SHIM_LUA.lines().map(|line| format!("                          {line}\n")).collect();
+    let clusters = envoy_config(listen, admin, ratelimit, backend);
+    let clusters = &clusters[..clusters.find("  listeners:").unwrap()];
+    format!(
+        r#"{clusters}  listeners:
+    - address: {{ socket_address: {{ address: 127.0.0.1, port_value: {listen} }} }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: http
+                http_filters:
+                  - name: envoy.filters.http.lua
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
+                      default_source_code:
+                        inline_string: |
+{lua}
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+                route_config:
+                  virtual_hosts:
+                    - name: backend
+                      domains: ["*"]
+                      routes:
+                        - match: {{ prefix: / }}
+                          route: {{ cluster: backend }}
+"#
+    )
+}
+
+/// Kuadrant's token flow through a real Envoy: each request is checked
+/// (one hit, nothing counted) before it goes upstream and the tokens its
+/// response used are reported after it, on Redis. ann's 60, 39 and 5
+/// tokens pass (99 used when the third is checked) and are all counted
+/// (104 of 100), so her next request is refused before it reaches the
+/// upstream; bob's is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kuadrants_check_then_report_flow_through_envoy() {
+    let redis = common::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let limits = dir.path().join("limits.yaml");
+    std::fs::write(
+        &limits,
+        "- namespace: llm\n  max_value: 100\n  seconds: 60\n  name: tokens\n  variables: [\"descriptors[0].user\"]\n",
+    )
+    .unwrap();
+    let mut config = default_rules_config(Some(redis.url()));
+    config.rules.limitador_path = Some(limits);
+    let server = TestServer::start(config).await;
+    let (_upstream, backend) = token_upstream(dir.path());
+    let (envoy, listen) = start_envoy(dir.path(), |listen, admin| {
+        shim_envoy_config(listen, admin, server.addr.port(), backend)
+    });
+    let _envoy = Process(envoy);
+    let send = |user: &str, tokens: u32| {
+        let tokens = tokens.to_string();
+        http_raw(
+            listen,
+            "POST",
+            "/v1/chat",
+            &[("x-user-id", user.as_bytes()), ("x-tokens", tokens.as_bytes())],
+        )
+    };
+    for tokens in [60, 39, 5] {
+        let answer = send("ann", tokens);
+        assert_eq!(answer.status, 200, "{tokens} tokens: {:?}", answer.headers);
+        assert!(answer.body.contains(&format!("\"total_tokens\": {tokens}")), "{}", answer.body);
+    }
+    assert_eq!(send("ann", 1).status, 429, "104 of 100 tokens used: checked and refused");
+    assert_eq!(send("bob", 1).status, 200, "bob's tokens are his own");
+    server.stop().await.unwrap();
+    let log = std::fs::read_to_string(dir.path().join("envoy.log")).unwrap_or_default();
+    assert!(!log.contains("the report was not counted"), "{log}");
+}
