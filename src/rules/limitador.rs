@@ -37,6 +37,9 @@ use serde::Deserialize;
 use super::{RuleError, RuleErrors, Versioned, envoy::EnvoyLimit};
 use crate::limiter::window::Algorithm;
 
+mod fast;
+use fast::Fast;
+
 /// The longest CEL expression accepted, in bytes.
 pub const MAX_EXPRESSION_BYTES: usize = 1024;
 /// The most conditions, and the most variables, of one limit.
@@ -72,6 +75,8 @@ struct Expression {
     program: cel::Program,
     /// The variables it references (`descriptors`, `limit`).
     references: Vec<String>,
+    /// Its form answered without the interpreter, if it has one.
+    fast: Option<Fast>,
 }
 
 impl fmt::Debug for Expression {
@@ -108,6 +113,9 @@ pub struct Limit {
     conditions: Vec<Expression>,
     /// Sorted by source, as limitador orders them.
     variables: Vec<Expression>,
+    /// Every condition and variable has a fast form: the limit is decided
+    /// without the interpreter.
+    fast: bool,
 }
 
 impl Limit {
@@ -236,26 +244,28 @@ impl Limits {
         if limits.is_empty() {
             return Ok(Vec::new());
         }
-        let mut root = cel::Context::default();
-        let list: Vec<cel::Value> = descriptors
-            .iter()
-            .map(|entries| {
-                let map: HashMap<String, String> =
-                    entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-                cel::Value::from(map)
-            })
-            .collect();
-        root.add_variable_from_value("descriptors", cel::Value::List(Arc::new(list)));
+        // The interpreter's context, built only for a limit that needs it.
+        let root = std::cell::OnceCell::new();
         let mut applied = Vec::new();
         for limit in limits {
-            let mut scope = root.new_inner_scope();
-            let text = |v: &Option<Arc<str>>| {
-                v.as_ref().map_or(cel::Value::Null, |s| cel::Value::String(Arc::new(s.to_string())))
+            let scope = (!limit.fast).then(|| {
+                let mut scope = root.get_or_init(|| context(descriptors)).new_inner_scope();
+                let text = |v: &Option<Arc<str>>| {
+                    v.as_ref().map_or(cel::Value::Null, |s| cel::Value::String(Arc::new(s.to_string())))
+                };
+                let data: HashMap<&str, cel::Value> =
+                    HashMap::from([("name", text(&limit.name)), ("id", text(&limit.id))]);
+                scope.add_variable_from_value("limit", cel::Value::from(data));
+                scope
+            });
+            let execute = |e: &Expression| match (&e.fast, &scope) {
+                (Some(fast), _) => fast.execute(descriptors),
+                (None, Some(scope)) => e.program.execute(scope),
+                (None, None) => {
+                    Err(cel::ExecutionError::function_error("limit", "no context for the interpreter"))
+                }
             };
-            let data: HashMap<&str, cel::Value> =
-                HashMap::from([("name", text(&limit.name)), ("id", text(&limit.id))]);
-            scope.add_variable_from_value("limit", cel::Value::from(data));
-            if let Some(values) = evaluate(limit, &scope)? {
+            if let Some(values) = evaluate(limit, execute)? {
                 applied.push(Applied { limit, values });
             }
         }
@@ -263,8 +273,27 @@ impl Limits {
     }
 }
 
-/// Whether `limit` applies in `scope`, and if so its variables' values.
-fn evaluate(limit: &Limit, scope: &cel::Context<'_>) -> Result<Option<Vec<String>>, EvalError> {
+/// The interpreter's context over `descriptors`: each a map of its entries.
+fn context(descriptors: &[Vec<(&str, &str)>]) -> cel::Context<'static> {
+    let mut root = cel::Context::default();
+    let list: Vec<cel::Value> = descriptors
+        .iter()
+        .map(|entries| {
+            let map: HashMap<String, String> =
+                entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+            cel::Value::from(map)
+        })
+        .collect();
+    root.add_variable_from_value("descriptors", cel::Value::List(Arc::new(list)));
+    root
+}
+
+/// Whether `limit` applies, each expression's answer from `execute`, and
+/// if so its variables' values.
+fn evaluate(
+    limit: &Limit,
+    execute: impl Fn(&Expression) -> Result<cel::Value, cel::ExecutionError>,
+) -> Result<Option<Vec<String>>, EvalError> {
     let bound = |e: &Expression| e.references.iter().all(|v| v == "descriptors" || v == "limit");
     let error = |e: &Expression, message: String| EvalError {
         limit: Arc::clone(&limit.identity),
@@ -275,7 +304,7 @@ fn evaluate(limit: &Limit, scope: &cel::Context<'_>) -> Result<Option<Vec<String
         if !bound(condition) {
             return Ok(None);
         }
-        match condition.program.execute(scope) {
+        match execute(condition) {
             Ok(cel::Value::Bool(true)) => {}
             Ok(cel::Value::Bool(false)) | Err(cel::ExecutionError::NoSuchKey(_)) => return Ok(None),
             Ok(other) => {
@@ -289,7 +318,7 @@ fn evaluate(limit: &Limit, scope: &cel::Context<'_>) -> Result<Option<Vec<String
         if !bound(variable) {
             return Ok(None);
         }
-        let value = match variable.program.execute(scope) {
+        let value = match execute(variable) {
             Ok(cel::Value::String(s)) => s.to_string(),
             Ok(cel::Value::Int(i)) => i.to_string(),
             Ok(cel::Value::UInt(u)) => u.to_string(),
@@ -343,7 +372,8 @@ fn compile(file: &Path, index: usize, raw: RawLimit, algorithm: Algorithm) -> Re
                 return Err(fail(&at, message));
             }
             let references = program.references().variables().into_iter().map(str::to_owned).collect();
-            out.push(Expression { source: Arc::from(source.as_str()), program, references });
+            let fast = Fast::of(program.expression());
+            out.push(Expression { source: Arc::from(source.as_str()), program, references, fast });
         }
         Ok(out)
     };
@@ -365,6 +395,7 @@ fn compile(file: &Path, index: usize, raw: RawLimit, algorithm: Algorithm) -> Re
         envoy_report: Arc::new(EnvoyLimit { report_mode: true, ..envoy.clone() }),
         envoy_peek: Arc::new(EnvoyLimit { peek_mode: true, ..envoy.clone() }),
         envoy: Arc::new(envoy),
+        fast: conditions.iter().chain(&variables).all(|e| e.fast.is_some()),
         conditions,
         variables,
     })
