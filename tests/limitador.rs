@@ -29,6 +29,28 @@ const LIMITS: &str = r#"
 /// (`req.method`) and the `x-user-id` header (`user_id`), as limitador's
 /// own Envoy example builds it.
 fn envoy_config(listen: u16, admin: u16, ratelimit: u16, backend: u16) -> String {
+    let filter = r#"
+                  - name: envoy.filters.http.ratelimit
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+                      domain: test_namespace
+                      failure_mode_deny: true
+                      timeout: 2s
+                      rate_limit_service:
+                        transport_api_version: V3
+                        grpc_service: { envoy_grpc: { cluster_name: ratelimit } }"#;
+    let actions = r#"
+                            rate_limits:
+                              - actions:
+                                  - request_headers: { header_name: ":method", descriptor_key: req.method }
+                                  - request_headers: { header_name: x-user-id, descriptor_key: user_id }"#;
+    envoy_yaml([listen, admin, ratelimit, backend], filter, actions)
+}
+
+/// Envoy on `listen` (admin on `admin`), the service on `ratelimit` as
+/// cluster `ratelimit` (HTTP/2), every path routed to `backend`, with the
+/// HTTP `filter` before the router and the route's `actions`.
+fn envoy_yaml([listen, admin, ratelimit, backend]: [u16; 4], filter: &str, actions: &str) -> String {
     format!(
         r#"
 admin:
@@ -63,16 +85,7 @@ static_resources:
               typed_config:
                 "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
                 stat_prefix: http
-                http_filters:
-                  - name: envoy.filters.http.ratelimit
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-                      domain: test_namespace
-                      failure_mode_deny: true
-                      timeout: 2s
-                      rate_limit_service:
-                        transport_api_version: V3
-                        grpc_service: {{ envoy_grpc: {{ cluster_name: ratelimit }} }}
+                http_filters:{filter}
                   - name: envoy.filters.http.router
                     typed_config:
                       "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -83,11 +96,7 @@ static_resources:
                       routes:
                         - match: {{ prefix: / }}
                           route:
-                            cluster: backend
-                            rate_limits:
-                              - actions:
-                                  - request_headers: {{ header_name: ":method", descriptor_key: req.method }}
-                                  - request_headers: {{ header_name: x-user-id, descriptor_key: user_id }}
+                            cluster: backend{actions}
 "#
     )
 }
@@ -243,17 +252,9 @@ async fn started_as_the_operator_starts_limitador_server() {
     assert!(stderr.contains("limits[1]") && stderr.contains("seconds"), "{stderr}");
 }
 
-/// Kuadrant's wasm-shim flow over `kuadrant.service.ratelimit.v1`: a
-/// token limit checked before each request (nothing counted) and the
-/// tokens the response used reported after it (counted whatever is left),
-/// on Redis; and the same check from grpcurl through reflection.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn kuadrants_check_then_report_flow() {
-    use ratelimitd::api::envoy_pb::{
-        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
-        kuadrant::service::ratelimit::v1::rate_limit_service_client::RateLimitServiceClient,
-        rls::{RateLimitRequest, rate_limit_response::Code},
-    };
+/// The service on Redis with limitador's limits: 100 tokens a minute per
+/// user of namespace `llm`. The Redis, the limits' folder, the service.
+async fn serving_token_limit() -> (common::RedisServer, tempfile::TempDir, TestServer) {
     let redis = common::RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let limits = dir.path().join("limits.yaml");
@@ -265,6 +266,21 @@ async fn kuadrants_check_then_report_flow() {
     let mut config = default_rules_config(Some(redis.url()));
     config.rules.limitador_path = Some(limits);
     let server = TestServer::start(config).await;
+    (redis, dir, server)
+}
+
+/// Kuadrant's wasm-shim flow over `kuadrant.service.ratelimit.v1`: a
+/// token limit checked before each request (nothing counted) and the
+/// tokens the response used reported after it (counted whatever is left),
+/// on Redis; and the same check from grpcurl through reflection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kuadrants_check_then_report_flow() {
+    use ratelimitd::api::envoy_pb::{
+        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+        kuadrant::service::ratelimit::v1::rate_limit_service_client::RateLimitServiceClient,
+        rls::{RateLimitRequest, rate_limit_response::Code},
+    };
+    let (_redis, _dir, server) = serving_token_limit().await;
     let mut client = RateLimitServiceClient::connect(format!("http://{}", server.addr)).await.unwrap();
     let request = |user: &str, hits: u32| RateLimitRequest {
         domain: "llm".to_owned(),
@@ -654,64 +670,31 @@ end
 /// An upstream that answers like a model API: its JSON body says how many
 /// tokens the request used (the request's `x-tokens` header).
 fn token_upstream(dir: &std::path::Path) -> (Process, u16) {
-    let script = dir.join("tokens.py");
-    std::fs::write(
-        &script,
-        "import http.server, sys\n\
-         class H(http.server.BaseHTTPRequestHandler):\n\
-         \x20   def do_POST(self):\n\
+    common::scripted_upstream(
+        dir,
+        "tokens",
+        "    def do_POST(self):\n\
          \x20       body = ('{\"usage\": {\"total_tokens\": %s}}' % int(self.headers['x-tokens'])).encode()\n\
          \x20       self.send_response(200)\n\
          \x20       self.send_header('Content-Type', 'application/json')\n\
          \x20       self.send_header('Content-Length', str(len(body)))\n\
          \x20       self.end_headers()\n\
-         \x20       self.wfile.write(body)\n\
-         \x20   def log_message(self, *args):\n\
-         \x20       pass\n\
-         http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n",
+         \x20       self.wfile.write(body)\n",
     )
-    .unwrap();
-    let (child, port) = common::start_listening("upstream", &dir.join("tokens.log"), |port| {
-        let mut command = std::process::Command::new("python3");
-        command.arg(&script).arg(port.to_string());
-        command
-    });
-    (Process(child), port)
 }
 
 /// Envoy with the shim's calls (`SHIM_LUA`) in front of `backend`.
 fn shim_envoy_config(listen: u16, admin: u16, ratelimit: u16, backend: u16) -> String {
-    let lua: String = SHIM_LUA.lines().map(|line| format!("                          {line}\n")).collect();
-    let clusters = envoy_config(listen, admin, ratelimit, backend);
-    let clusters = &clusters[..clusters.find("  listeners:").unwrap()];
-    format!(
-        r#"{clusters}  listeners:
-    - address: {{ socket_address: {{ address: 127.0.0.1, port_value: {listen} }} }}
-      filter_chains:
-        - filters:
-            - name: envoy.filters.network.http_connection_manager
-              typed_config:
-                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-                stat_prefix: http
-                http_filters:
+    let lua: String = SHIM_LUA.lines().map(|line| format!("\n                          {line}")).collect();
+    let filter = format!(
+        r#"
                   - name: envoy.filters.http.lua
                     typed_config:
                       "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
                       default_source_code:
-                        inline_string: |
-{lua}
-                  - name: envoy.filters.http.router
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-                route_config:
-                  virtual_hosts:
-                    - name: backend
-                      domains: ["*"]
-                      routes:
-                        - match: {{ prefix: / }}
-                          route: {{ cluster: backend }}
-"#
-    )
+                        inline_string: |{lua}"#
+    );
+    envoy_yaml([listen, admin, ratelimit, backend], &filter, "")
 }
 
 /// Kuadrant's token flow through a real Envoy: each request is checked
@@ -722,17 +705,7 @@ fn shim_envoy_config(listen: u16, admin: u16, ratelimit: u16, backend: u16) -> S
 /// upstream; bob's is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kuadrants_check_then_report_flow_through_envoy() {
-    let redis = common::RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let limits = dir.path().join("limits.yaml");
-    std::fs::write(
-        &limits,
-        "- namespace: llm\n  max_value: 100\n  seconds: 60\n  name: tokens\n  variables: [\"descriptors[0].user\"]\n",
-    )
-    .unwrap();
-    let mut config = default_rules_config(Some(redis.url()));
-    config.rules.limitador_path = Some(limits);
-    let server = TestServer::start(config).await;
+    let (_redis, dir, server) = serving_token_limit().await;
     let (_upstream, backend) = token_upstream(dir.path());
     let (envoy, listen) = start_envoy(dir.path(), |listen, admin| {
         shim_envoy_config(listen, admin, server.addr.port(), backend)

@@ -177,22 +177,32 @@ pub fn python_upstream(dir: &Path) -> (Process, u16) {
 
 /// An upstream for Envoy that answers every method 200 with an empty body.
 pub fn any_method_upstream(dir: &Path) -> (Process, u16) {
-    let script = dir.join("upstream.py");
-    std::fs::write(
-        &script,
-        "import http.server, sys\n\
-         class H(http.server.BaseHTTPRequestHandler):\n\
-         \x20   def answer(self):\n\
+    scripted_upstream(
+        dir,
+        "upstream",
+        "    def answer(self):\n\
          \x20       self.send_response(200)\n\
          \x20       self.send_header('Content-Length', '0')\n\
          \x20       self.end_headers()\n\
-         \x20   do_GET = do_POST = do_PUT = do_DELETE = answer\n\
+         \x20   do_GET = do_POST = do_PUT = do_DELETE = answer\n",
+    )
+}
+
+/// An HTTP upstream on a free loopback port: Python's threading server
+/// with `methods` (the handler class's methods, indented four spaces), its
+/// script and log in `dir` under `name`.
+pub fn scripted_upstream(dir: &Path, name: &str, methods: &str) -> (Process, u16) {
+    let script = dir.join(format!("{name}.py"));
+    let text = format!(
+        "import http.server, sys\n\
+         class H(http.server.BaseHTTPRequestHandler):\n\
+         {methods}\
          \x20   def log_message(self, *args):\n\
          \x20       pass\n\
-         http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n",
-    )
-    .unwrap();
-    let (child, port) = start_listening("upstream", &dir.join("upstream.log"), |port| {
+         http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+    );
+    std::fs::write(&script, text).unwrap();
+    let (child, port) = start_listening(name, &dir.join(format!("{name}.log")), |port| {
         let mut command = Command::new("python3");
         command.arg(&script).arg(port.to_string());
         command
