@@ -251,25 +251,7 @@ for _ = 1, jobs do
     local fits = 0
     local nx, ny, nz, need, later
 
-    if alg == 4 then
-      -- A window from its first hit (window.rs `locate`), stored as
-      -- (start, count, -4): open until start + W; a clock behind its start
-      -- keeps its count. Otherwise a new one starts now.
-      local now, start, cur = sp.now, sp.now, 0
-      if z == -4 and now - x < w then start, cur = x, y end
-      if cur > sp.maxc then cur = sp.maxc end
-      if (cur + weight) * w <= sp.capw then fits = 1 end
-      if writes and (fits == 1 or mode == 2) then
-        local next = cur + weight
-        if next > sp.maxc then next = sp.maxc end
-        nx, ny, nz, need = start, next, -4, (start + w) * sp.tick
-        later = need
-      end
-      out[o + 1] = fits
-      out[o + 2] = cur
-      out[o + 3] = start
-      o = o + 3
-    elseif alg >= 2 then
+    if alg == 2 or alg == 3 then
       -- A bucket (bucket.rs): its debt at `now`, in units (1 token = w
       -- units, 1 tick refills `rate`), at most MAXCW. Stored as (last
       -- refill, debt then) for the token bucket, (TAT in whole ticks, the
@@ -315,9 +297,17 @@ for _ = 1, jobs do
       o = o + 2
     else
       -- A window, stored as (index, current, previous).
-      local idx, maxc = sp.idx, sp.maxc
+      -- A first-hit window (window.rs `locate`) is stored as (start,
+      -- count, -4): open until start + W (a clock behind its start keeps
+      -- its count), else a new one starts now; its previous count is 0,
+      -- and its start is answered in the previous count's place.
+      local idx, maxc, expiry = sp.idx, sp.maxc, sp.expiry
       local cur, prev = 0, 0
-      if z >= 0 then
+      if alg == 4 then
+        idx = sp.now
+        if z == -4 and idx - x < w then idx, cur = x, y end
+        expiry = (idx + w) * sp.tick
+      elseif z >= 0 then
         if x == idx then
           cur, prev = y, z
         elseif x == idx - 1 then
@@ -332,12 +322,12 @@ for _ = 1, jobs do
       if writes and (fits == 1 or mode == 2) then
         local next = cur + weight
         if next > maxc then next = maxc end
-        nx, ny, nz, need = idx, next, prev, sp.expiry
+        nx, ny, nz, need = idx, next, (alg == 4) and -4 or prev, expiry
         later = need
       end
       out[o + 1] = fits
       out[o + 2] = cur
-      out[o + 3] = prev
+      out[o + 3] = (alg == 4) and idx or prev
       o = o + 3
     end
     if need then
