@@ -103,12 +103,8 @@ static_resources:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn limitadors_example_limits_through_envoy() {
-    let redis = common::RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let limits = dir.path().join("limits.yaml");
-    std::fs::write(&limits, LIMITS).unwrap();
-    let mut config = default_rules_config(Some(redis.url()));
-    config.rules.limitador_path = Some(limits.clone());
+    let (redis, dir) = (common::RedisServer::start(), tempfile::tempdir().unwrap());
+    let (mut config, limits) = limitador_config(&redis, dir.path(), LIMITS);
     // limitador's --rate-limit-headers DRAFT_VERSION_03.
     config.envoy.response_headers = true;
     config.envoy.response_headers_format = ratelimitd::config::EnvoyHeaderFormat::Draft03;
@@ -255,18 +251,24 @@ async fn started_as_the_operator_starts_limitador_server() {
 /// The service on Redis with limitador's limits: 100 tokens a minute per
 /// user of namespace `llm`. The Redis, the limits' folder, the service.
 async fn serving_token_limit() -> (common::RedisServer, tempfile::TempDir, TestServer) {
-    let redis = common::RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let limits = dir.path().join("limits.yaml");
-    std::fs::write(
-        &limits,
-        "- namespace: llm\n  max_value: 100\n  seconds: 60\n  name: tokens\n  variables: [\"descriptors[0].user\"]\n",
-    )
-    .unwrap();
-    let mut config = default_rules_config(Some(redis.url()));
-    config.rules.limitador_path = Some(limits);
-    let server = TestServer::start(config).await;
+    let (redis, dir) = (common::RedisServer::start(), tempfile::tempdir().unwrap());
+    let tokens = "- namespace: llm\n  max_value: 100\n  seconds: 60\n  name: tokens\n  variables: [\"descriptors[0].user\"]\n";
+    let server = TestServer::start(limitador_config(&redis, dir.path(), tokens).0).await;
     (redis, dir, server)
+}
+
+/// The service's configuration on `redis` with the limits file `text`,
+/// written in `dir`: the configuration and the file's path.
+fn limitador_config(
+    redis: &common::RedisServer,
+    dir: &std::path::Path,
+    text: &str,
+) -> (ratelimitd::config::Config, std::path::PathBuf) {
+    let limits = dir.join("limits.yaml");
+    std::fs::write(&limits, text).unwrap();
+    let mut config = default_rules_config(Some(redis.url()));
+    config.rules.limitador_path = Some(limits.clone());
+    (config, limits)
 }
 
 /// Kuadrant's wasm-shim flow over `kuadrant.service.ratelimit.v1`: a
@@ -340,13 +342,8 @@ fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, Vec<(String
 /// limitador answers them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn limitadors_http_api() {
-    let redis = common::RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let limits = dir.path().join("limits.yaml");
-    std::fs::write(&limits, LIMITS).unwrap();
-    let mut config = default_rules_config(Some(redis.url()));
-    config.rules.limitador_path = Some(limits);
-    let server = TestServer::start(config).await;
+    let (redis, dir) = (common::RedisServer::start(), tempfile::tempdir().unwrap());
+    let server = TestServer::start(limitador_config(&redis, dir.path(), LIMITS).0).await;
     let addr = server.http_addr;
     let call = move |path: &'static str, user: &'static str, delta: u32, headers: bool| {
         let extra = if headers { r#", "response_headers": "DraftVersion03""# } else { "" };
