@@ -77,13 +77,7 @@ pub(super) async fn decide<D: Descriptor>(
     // Priority from the request's own entries (`envoy.priority_key`).
     let priority = envoy::priority(engine, request);
     let decision = engine.run(envoy::Rls::with_limits(&counted, matches, priority)).await;
-    let span = tracing::Span::current();
-    span.record("reason", decision.reason.as_str());
-    span.record("overall_code", if decision.over_limit { "OVER_LIMIT" } else { "OK" });
-    if decision.store_error.is_some() {
-        engine.inner.stats.envoy_failed();
-    }
-    engine.inner.stats.decision_latency(Api::Envoy, started.elapsed());
+    engine.envoy_decided(&decision, started);
     decision
 }
 

@@ -421,6 +421,14 @@ impl Engine {
             envoy::admit_reporters(request, &decision);
         }
         envoy::capture(self, request, &decision);
+        self.envoy_decided(&decision, started);
+        decision
+    }
+
+    /// What every Envoy-API decision records once taken at `started`: its
+    /// reason and overall code on the current span, a store failure, the
+    /// latency.
+    fn envoy_decided(&self, decision: &RlsDecision, started: std::time::Instant) {
         let span = tracing::Span::current();
         span.record("reason", decision.reason.as_str());
         span.record("overall_code", if decision.over_limit { "OVER_LIMIT" } else { "OK" });
@@ -428,7 +436,6 @@ impl Engine {
             self.inner.stats.envoy_failed();
         }
         self.inner.stats.decision_latency(Api::Envoy, started.elapsed());
-        decision
     }
 
     /// Decides a limitador request (its domain is the namespace) under
