@@ -149,6 +149,27 @@ async fn limitadors_example_limits_through_envoy() {
     }
     assert_eq!(send("GET", "cat").status, 200, "the 12th");
     assert_eq!(send("GET", "cat").status, 429, "the 13th");
+
+    // The counters Envoy's calls made, listed under the limits in force; a
+    // limit removed from the file leaves its counter unnamed.
+    let user = |name: &str| serde_json::json!({"descriptors[0]['user_id']": name});
+    let posts = serde_json::json!("per-user-posts");
+    let (listed, _) = counters(server.http_addr, "test_namespace").await;
+    let namespace_wide = (serde_json::Value::Null, serde_json::json!({}), 0);
+    let users = [(posts.clone(), user("ann"), 0), (posts.clone(), user("bob"), 4)];
+    assert_eq!(counted(&listed), [vec![namespace_wide], users.to_vec()].concat());
+    let per_user_only = LIMITS.split_once("- namespace").map(|(_, rest)| rest).unwrap();
+    let per_user_only = per_user_only.split_once("- namespace").map(|(_, rest)| rest).unwrap();
+    std::fs::write(&limits, format!("- namespace{per_user_only}")).unwrap();
+    loop {
+        let (listed, headers) = counters(server.http_addr, "test_namespace").await;
+        if headers.contains(&("ratelimitd-counters-unnamed".to_owned(), "1".to_owned())) {
+            assert_eq!(counted(&listed), users, "{headers:?}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the limit never removed: {headers:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     server.stop().await.unwrap();
 }
 
@@ -338,13 +359,50 @@ fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, Vec<(String
     (reply.status, reply.headers, reply.body)
 }
 
-/// limitador's HTTP API on the same limits: status codes and bodies as
-/// limitador answers them.
+/// limitador's HTTP API on the same limits, on Redis and in memory:
+/// status codes and bodies as limitador answers them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn limitadors_http_api() {
     let (redis, dir) = (common::RedisServer::start(), tempfile::tempdir().unwrap());
-    let server = TestServer::start(limitador_config(&redis, dir.path(), LIMITS).0).await;
-    let addr = server.http_addr;
+    for store in ["redis", "memory"] {
+        let (mut config, _) = limitador_config(&redis, dir.path(), LIMITS);
+        if store == "memory" {
+            config.redis.url = None;
+        }
+        let server = TestServer::start(config).await;
+        http_api_answers(server.http_addr, store).await;
+        server.stop().await.unwrap();
+    }
+}
+
+/// `GET /counters/{namespace}` at `addr`, parsed.
+async fn counters(
+    addr: std::net::SocketAddr,
+    namespace: &str,
+) -> (Vec<serde_json::Value>, Vec<(String, String)>) {
+    let path = format!("/counters/{namespace}");
+    let reply =
+        tokio::task::spawn_blocking(move || common::http_request(addr.port(), "GET", &path, &[], b""))
+            .await
+            .unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    (serde_json::from_str(&reply.body).unwrap(), reply.headers)
+}
+
+/// Each counter's limit name (null for none), variables and remaining.
+fn counted(listed: &[serde_json::Value]) -> Vec<(serde_json::Value, serde_json::Value, u64)> {
+    listed
+        .iter()
+        .map(|c| {
+            let expires = c["expires_in_seconds"].as_u64().unwrap();
+            assert!((55..60).contains(&expires), "a minute's counter, just counted: {c}");
+            (c["limit"]["name"].clone(), c["set_variables"].clone(), c["remaining"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+/// The HTTP API's calls and answers, the service at `addr` on `store`.
+async fn http_api_answers(addr: std::net::SocketAddr, store: &str) {
     let call = move |path: &'static str, user: &'static str, delta: u32, headers: bool| {
         let extra = if headers { r#", "response_headers": "DraftVersion03""# } else { "" };
         let body = format!(
@@ -361,6 +419,17 @@ async fn limitadors_http_api() {
         Some(r#"5, 5;w=60;name="per-user-posts", 10;w=60"#),
         "the fewest left first"
     );
+    let user = |name: &str| serde_json::json!({"descriptors[0]['user_id']": name});
+    let (listed, headers) = counters(addr, "test_namespace").await;
+    let none = serde_json::Value::Null;
+    let (posts, empty) = (serde_json::json!("per-user-posts"), serde_json::json!({}));
+    assert_eq!(
+        counted(&listed),
+        [(none.clone(), empty.clone(), 9), (posts.clone(), user("ann"), 4)],
+        "{store}"
+    );
+    assert_eq!(listed[1]["limit"]["variables"][0], "descriptors[0]['user_id']");
+    assert!(headers.iter().all(|(name, _)| !name.starts_with("ratelimitd-counters")), "{headers:?}");
     for _ in 1..5 {
         assert_eq!(call("/check_and_report", "ann", 1, false).await.unwrap().0, 200);
     }
@@ -393,7 +462,17 @@ async fn limitadors_http_api() {
     let huge = format!(r#"{{"namespace": "{}", "values": {{}}, "delta": 1}}"#, "n".repeat(100_000));
     let refused = tokio::task::spawn_blocking(move || post(addr, "/report", &huge)).await.unwrap();
     assert_eq!(refused.0, 413, "a body over 64 KiB is not read");
-    server.stop().await.unwrap();
+
+    // ann's five and bob's report of 7 (over his 5 and the 10 of all).
+    let (listed, _) = counters(addr, "test_namespace").await;
+    let mut counted = counted(&listed);
+    counted.sort_by_key(|c| c.1.to_string());
+    assert_eq!(
+        counted,
+        [(posts.clone(), user("ann"), 0), (posts, user("bob"), 0), (none, empty, 0)],
+        "{store}"
+    );
+    assert_eq!(counters(addr, "elsewhere").await.0, Vec::<serde_json::Value>::new());
 }
 
 /// One HTTP call of the parity test: method, path, JSON body.
@@ -401,9 +480,11 @@ type Call = (&'static str, &'static str, String);
 
 /// An answer as the parity test compares it: status, body (JSON as a
 /// value with lists sorted, so a set's order does not count; other text
-/// as it is), the rate limit headers but `x-ratelimit-reset`, and that
-/// (compared within a second: the two answers come a moment apart).
-type Comparable = (u16, String, Vec<(String, String)>, Option<u64>);
+/// as it is), the rate limit headers but `x-ratelimit-reset`, and the
+/// times in seconds compared within a second (the two answers come a
+/// moment apart, and limitador's Redis rounds a counter's time to live):
+/// that header, then each listed counter's `expires_in_seconds`.
+type Comparable = (u16, String, Vec<(String, String)>, Vec<u64>);
 
 fn comparable(reply: common::Reply) -> Comparable {
     fn sorted(value: serde_json::Value) -> serde_json::Value {
@@ -417,16 +498,35 @@ fn comparable(reply: common::Reply) -> Comparable {
             other => other,
         }
     }
-    let body = serde_json::from_str(&reply.body).map_or(reply.body, |v| sorted(v).to_string());
-    let reset =
-        reply.headers.iter().find(|(name, _)| name == "x-ratelimit-reset").map(|(_, v)| v.parse().unwrap());
+    let mut times: Vec<u64> = reply
+        .headers
+        .iter()
+        .filter(|(name, _)| name == "x-ratelimit-reset")
+        .map(|(_, v)| v.parse().unwrap())
+        .collect();
+    let body = match serde_json::from_str(&reply.body) {
+        Ok(serde_json::Value::Array(items)) => {
+            let mut items: Vec<(String, Option<u64>)> = items
+                .into_iter()
+                .map(|mut item| {
+                    let expires = item.as_object_mut().and_then(|o| o.remove("expires_in_seconds"));
+                    (sorted(item).to_string(), expires.and_then(|e| e.as_u64()))
+                })
+                .collect();
+            items.sort();
+            times.extend(items.iter().filter_map(|(_, expires)| *expires));
+            format!("[{}]", items.into_iter().map(|(item, _)| item).collect::<Vec<_>>().join(","))
+        }
+        Ok(other) => sorted(other).to_string(),
+        Err(_) => reply.body,
+    };
     let mut headers: Vec<_> = reply
         .headers
         .into_iter()
         .filter(|(name, _)| name.starts_with("x-ratelimit-") && name != "x-ratelimit-reset")
         .collect();
     headers.sort();
-    (reply.status, body, headers, reset)
+    (reply.status, body, headers, times)
 }
 
 /// Starts `binary` as limitador-server with the operator's command line
@@ -460,14 +560,11 @@ fn start_as_limitador(
     (Process(child), http.get(), grpc)
 }
 
-/// Whether two answers are alike: all but the reset exactly, the reset
+/// Whether two answers are alike: all but the times exactly, the times
 /// within a second.
 fn alike(a: &Comparable, b: &Comparable) -> bool {
-    let resets = match (a.3, b.3) {
-        (Some(x), Some(y)) => x.abs_diff(y) <= 1,
-        (x, y) => x == y,
-    };
-    (a.0, &a.1, &a.2) == (b.0, &b.1, &b.2) && resets
+    let times = a.3.len() == b.3.len() && a.3.iter().zip(&b.3).all(|(x, y)| x.abs_diff(*y) <= 1);
+    (a.0, &a.1, &a.2) == (b.0, &b.1, &b.2) && times
 }
 
 /// The HTTP calls of the parity test, each to both: those answered differently.
@@ -484,6 +581,11 @@ fn http_differences(theirs: u16, ours: u16) -> Vec<String> {
         ("POST", "/check", values("ann", "GET", 1, true)),
         ("POST", "/check", values("bob", "POST", 5, true)),
         ("POST", "/check", values("bob", "POST", 6, false)),
+        // Listed before bob's report puts counters past their limits:
+        // limitador's `remaining` then wraps below zero (2^64 - 2 for 7 of 5).
+        ("POST", "/report", values("we{ir}d*|=%", "POST", 2, false)),
+        ("GET", "/counters/test_namespace", String::new()),
+        ("GET", "/counters/elsewhere", String::new()),
         ("POST", "/report", values("bob", "POST", 7, false)),
         ("POST", "/check", values("bob", "POST", 1, true)),
         ("POST", "/check", values("cat", "POST", 0, true)),
@@ -554,8 +656,11 @@ async fn rls_differences(theirs: u16, ours: u16) -> Vec<String> {
                     .iter()
                     .map(|h| (h.key.to_ascii_lowercase(), h.value.clone()))
                     .collect();
-                let reset =
-                    headers.iter().find(|(k, _)| k == "x-ratelimit-reset").map(|(_, v)| v.parse().unwrap());
+                let reset: Vec<u64> = headers
+                    .iter()
+                    .filter(|(k, _)| k == "x-ratelimit-reset")
+                    .map(|(_, v)| v.parse().unwrap())
+                    .collect();
                 headers.retain(|(k, _)| k != "x-ratelimit-reset");
                 headers.sort();
                 let code = u16::try_from(r.overall_code).unwrap();

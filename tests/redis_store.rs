@@ -182,6 +182,57 @@ async fn buckets_decide_many_alike_on_both_stores() {
     }
 }
 
+/// Listing a group's counters: only its job counters (not another
+/// group's, one whose name is a glob matching it, nor a native counter
+/// keyed by the group's name), by prefix, bounded; alike on both stores.
+#[tokio::test(flavor = "current_thread")]
+async fn a_groups_counters_are_listed_alike_on_both_stores() {
+    use std::sync::Arc;
+
+    use ratelimitd::limiter::{
+        Algorithm, CounterSpec, ManyItem, MemoryStore, Store, SystemClock, WindowParams,
+    };
+    let redis = RedisServer::start();
+    let (redis_store, _dispatchers) = single_connection_store(&redis).await;
+    let stores = [
+        Store::Redis(Arc::new(redis_store)),
+        Store::Memory(Arc::new(MemoryStore::new(4, 1_000, Arc::new(SystemClock)))),
+    ];
+    let item = |key: &str, weight: u64| ManyItem {
+        key: key.to_owned(),
+        params: WindowParams { window_ms: 60_000, capacity: 5, rate: 5, algorithm: Algorithm::FixedWindow },
+        tick_ms: 1,
+        weight,
+        count: Count::IfFits,
+        shadow: false,
+    };
+    for store in &stores {
+        let name = store.name();
+        for (group, key) in
+            [("ns", "60|a=1"), ("ns", "60|a=2"), ("ns", "1|b=%2A"), ("n*", "60|a=3"), ("other", "60|a=4")]
+        {
+            assert!(store.decide_many(group, &[item(key, 1)]).await.unwrap().committed);
+        }
+        // A peek writes no counter: never listed.
+        store.decide_many("ns", &[ManyItem { count: Count::Never, ..item("60|a=peeked", 1) }]).await.unwrap();
+        let id: Arc<str> = Arc::from("ns");
+        let native = CounterSpec { id: &id, window: WindowParams::sliding(60_000, 5) };
+        store.decide("60|a=native", native, 1, Count::IfFits).await.unwrap();
+
+        let mut listed = store.list("ns", "", 10).await.unwrap();
+        listed.keys.sort();
+        assert_eq!(listed.keys, ["1|b=%2A", "60|a=1", "60|a=2"], "{name}");
+        assert!(listed.complete, "{name}");
+        let listed = store.list("ns", "60|", 10).await.unwrap();
+        assert_eq!(listed.keys.len(), 2, "{name}: by prefix");
+        let listed = store.list("n*", "", 10).await.unwrap();
+        assert_eq!(listed.keys, ["60|a=3"], "{name}: a glob in the group matches only itself");
+        let listed = store.list("ns", "", 2).await.unwrap();
+        assert_eq!((listed.keys.len(), listed.complete), (2, false), "{name}: bounded");
+        assert_eq!(store.list("none", "", 10).await.unwrap().keys.len(), 0, "{name}");
+    }
+}
+
 /// A bucket is stored as (stamp, value, minus its algorithm code, expiry);
 /// the key expires when its value says, at twice the time until the bucket
 /// is full again, and a write whose bucket fills before that keeps the

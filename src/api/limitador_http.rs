@@ -11,6 +11,16 @@
 //!   object is 400.
 //! - `GET /limits/{namespace}`: the namespace's limits as limitador lists
 //!   them.
+//! - `GET /counters/{namespace}`: its counters that hold hits, as
+//!   limitador lists them (`limit`, `set_variables`, `remaining`,
+//!   `expires_in_seconds`), at most
+//!   [`MAX_LISTED_COUNTERS`](crate::decision::limitador::MAX_LISTED_COUNTERS);
+//!   `ratelimitd-counters-truncated: true` when there were more (or the
+//!   store's scan reached its bound), `ratelimitd-counters-unnamed: N` for
+//!   counters that name no limit of the file. One listing runs at a time
+//!   (the others wait, in turn, up to [`LISTING_TIMEOUT`] in all): a
+//!   listing holds one side connection of the store. A store that cannot
+//!   answer, or a listing past the timeout, is 500.
 //!
 //! A body is read up to [`MAX_BODY_BYTES`]; its values are bounded as a
 //! descriptor's entries are (`envoy.max_entries`; a long key or value
@@ -18,7 +28,7 @@
 //! so a peer holds at most `http.max_connections_per_peer` decisions in
 //! flight; with `http.probe_listen` the probes have places of their own.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use axum::{
     Router,
@@ -29,20 +39,29 @@ use axum::{
     routing::{get, post},
 };
 use serde::Deserialize;
+use tokio::sync::Semaphore;
 
 use crate::{
     decision::{Engine, OwnedDescriptor, RlsDecision, RlsRequest, limitador::Call},
-    rules::{Hot, limitador::Limits},
+    rules::{
+        Hot,
+        limitador::{Limit, Limits},
+    },
 };
 
 /// The largest request body read.
 pub const MAX_BODY_BYTES: usize = 64 << 10;
+
+/// The longest a counter listing takes, its wait for its turn included.
+pub const LISTING_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Clone)]
 struct Api {
     engine: Engine,
     limits: Arc<Hot<Limits>>,
     max_entries: usize,
+    /// One counter listing at a time.
+    listing: Arc<Semaphore>,
 }
 
 /// A check or report, as limitador's HTTP API takes it.
@@ -63,8 +82,9 @@ pub fn router(engine: Engine, limits: Arc<Hot<Limits>>, max_entries: usize) -> R
         .route("/report", post(|s: State<Api>, body: Bytes| decide(s, body, Call::Report)))
         .route("/check_and_report", post(|s: State<Api>, body: Bytes| decide(s, body, Call::Admit)))
         .route("/limits/{namespace}", get(limits_of))
+        .route("/counters/{namespace}", get(counters_of))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(Api { engine, limits, max_entries })
+        .with_state(Api { engine, limits, max_entries, listing: Arc::new(Semaphore::new(1)) })
 }
 
 /// limitador's JSON `null`, with `status`.
@@ -148,23 +168,69 @@ pub(crate) fn draft03(decision: &RlsDecision) -> Option<[String; 3]> {
     Some([limit, first.remaining.to_string(), reset.to_string()])
 }
 
+/// A limit as limitador lists it.
+fn limit_json(l: &Limit) -> serde_json::Value {
+    serde_json::json!({
+        "id": l.id.as_deref(),
+        "namespace": &*l.namespace,
+        "max_value": l.max_value,
+        "seconds": l.seconds,
+        "name": l.name.as_deref(),
+        "conditions": l.conditions().collect::<Vec<_>>(),
+        "variables": l.variables().collect::<Vec<_>>(),
+    })
+}
+
 /// `GET /limits/{namespace}`: each limit as limitador lists it.
 async fn limits_of(State(api): State<Api>, Path(namespace): Path<String>) -> Response {
     let limits = api.limits.load();
-    let listed: Vec<serde_json::Value> = limits
-        .of(&namespace)
+    let listed: Vec<serde_json::Value> = limits.of(&namespace).iter().map(limit_json).collect();
+    axum::Json(listed).into_response()
+}
+
+/// `GET /counters/{namespace}`: each counter holding hits as limitador
+/// lists it (`expires_in_seconds` in whole seconds, as limitador's memory
+/// store reads a counter's time to live).
+async fn counters_of(State(api): State<Api>, Path(namespace): Path<String>) -> Response {
+    let limits = api.limits.load();
+    let listing = async {
+        let _turn = api.listing.acquire().await;
+        api.engine.limitador_counters(&limits, &namespace).await
+    };
+    let counters = match tokio::time::timeout(LISTING_TIMEOUT, listing).await {
+        Ok(Ok(counters)) => counters,
+        Ok(Err(error)) => {
+            tracing::warn!(namespace, %error, "limitador counters not listed: the store did not answer");
+            return (StatusCode::INTERNAL_SERVER_ERROR, "Internal server error").into_response();
+        }
+        Err(_) => {
+            tracing::warn!(
+                namespace,
+                timeout_ms = LISTING_TIMEOUT.as_millis(),
+                "limitador counters not listed in time"
+            );
+            return (StatusCode::INTERNAL_SERVER_ERROR, "Internal server error").into_response();
+        }
+    };
+    let listed: Vec<serde_json::Value> = counters
+        .counters
         .iter()
-        .map(|l| {
+        .map(|c| {
             serde_json::json!({
-                "id": l.id.as_deref(),
-                "namespace": &*l.namespace,
-                "max_value": l.max_value,
-                "seconds": l.seconds,
-                "name": l.name.as_deref(),
-                "conditions": l.conditions().collect::<Vec<_>>(),
-                "variables": l.variables().collect::<Vec<_>>(),
+                "limit": limit_json(c.limit),
+                "set_variables": c.variables.iter().map(|(k, v)| (k.clone(), v.as_str().into())).collect::<serde_json::Map<_, _>>(),
+                "remaining": c.remaining,
+                "expires_in_seconds": c.reset_after_ms / 1_000,
             })
         })
         .collect();
-    axum::Json(listed).into_response()
+    let mut response = axum::Json(listed).into_response();
+    let headers = response.headers_mut();
+    if !counters.complete {
+        headers.insert("ratelimitd-counters-truncated", HeaderValue::from_static("true"));
+    }
+    if counters.unnamed > 0 {
+        headers.insert("ratelimitd-counters-unnamed", HeaderValue::from(counters.unnamed));
+    }
+    response
 }

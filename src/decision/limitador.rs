@@ -7,16 +7,26 @@
 //! then each variable = its value. Those entries are the counter's key, so
 //! the same limit and values share one counter on every instance.
 
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
 use super::{
     Api, Engine, Reason,
-    envoy::{self, Descriptor, OwnedDescriptor, RlsDecision, RlsRequest},
+    envoy::{self, Descriptor, OwnedDescriptor, RlsDecision, RlsRequest, parse_counter_key},
 };
 use crate::{
-    rules::{envoy::EnvoyMatch, limitador::Limits},
+    limiter::{Algorithm, Count, ManyItem, StoreError},
+    rules::{
+        envoy::{EnvoyMatch, params, tick_ms},
+        limitador::{Limit, Limits},
+    },
     shed::Level,
 };
+
+/// The most counters one listing answers (`GET /counters/{namespace}`).
+pub const MAX_LISTED_COUNTERS: usize = 10_000;
+
+/// Counters read per store call of a listing.
+const PEEK_BATCH: usize = 64;
 
 /// The entry key naming the limit in an applied limit's descriptor.
 pub const LIMIT_ENTRY: &str = "limitador";
@@ -96,4 +106,106 @@ fn unevaluable<D: Descriptor>(engine: &Engine, request: &RlsRequest<'_, D>) -> R
         failure: None,
         store_error: None,
     }
+}
+
+/// A counter's variables (sorted) and their values.
+pub type Variables = Vec<(String, String)>;
+
+/// One counter of a namespace, as limitador lists it.
+#[derive(Debug)]
+pub struct Counter<'l> {
+    /// Its limit.
+    pub limit: &'l Limit,
+    /// Each variable of the limit (sorted) and its value (a value counted
+    /// by its digest reads `#sha256:…`).
+    pub variables: Variables,
+    /// Hits left in its window.
+    pub remaining: u64,
+    /// Until its window ends (a first-hit or fixed window), or until one
+    /// more hit would be admitted after a full one frees (a sliding window).
+    pub reset_after_ms: u64,
+}
+
+/// A namespace's counters ([`Engine::limitador_counters`]).
+#[derive(Debug, Default)]
+pub struct Counters<'l> {
+    /// Those that hold hits, in the file's order of their limits, then by
+    /// their variables' values.
+    pub counters: Vec<Counter<'l>>,
+    /// Every counter of the namespace was read: the store's listing was
+    /// complete (see [`crate::limiter::Listed`]) and held at most
+    /// [`MAX_LISTED_COUNTERS`].
+    pub complete: bool,
+    /// Counters of the namespace that name none of its limits: a limit
+    /// since removed from the file, or a key too long to keep (counted by
+    /// its digest as a whole).
+    pub unnamed: usize,
+}
+
+/// Reads `namespace`'s counters; see [`Engine::limitador_counters`].
+pub(super) async fn counters<'l>(
+    engine: &Engine,
+    limits: &'l Limits,
+    namespace: &str,
+) -> Result<Counters<'l>, StoreError> {
+    let of_namespace = limits.of(namespace);
+    if of_namespace.is_empty() {
+        // No limit, no counter to name: the store is not asked.
+        return Ok(Counters { counters: Vec::new(), complete: true, unnamed: 0 });
+    }
+    let store = &engine.inner.store;
+    let listed = store.list(namespace, "", MAX_LISTED_COUNTERS).await?;
+    let by_identity: HashMap<&str, (usize, &Limit)> =
+        of_namespace.iter().enumerate().map(|(at, l)| (&*l.identity, (at, l))).collect();
+    let mut found = Vec::with_capacity(listed.keys.len());
+    let mut unnamed = 0;
+    for key in &listed.keys {
+        match named(key, &by_identity) {
+            Some((at, limit, variables)) => found.push((at, limit, variables, key)),
+            None => unnamed += 1,
+        }
+    }
+    found.sort_by(|a, b| (a.0, &a.2).cmp(&(b.0, &b.2)));
+    let algorithm = engine.inner.envoy_policy.algorithm;
+    let mut counters = Vec::with_capacity(found.len());
+    let mut rest = found.into_iter().peekable();
+    while rest.peek().is_some() {
+        let batch: Vec<_> = rest.by_ref().take(PEEK_BATCH).collect();
+        let items: Vec<ManyItem> =
+            batch.iter().map(|(_, limit, _, key)| peek(limit, key, algorithm)).collect();
+        let outcome = store.decide_many(namespace, &items).await?;
+        for ((_, limit, variables, _), verdict) in batch.into_iter().zip(outcome.verdicts) {
+            // A counter whose hits have all left its window holds nothing.
+            if verdict.remaining < limit.max_value {
+                let (remaining, reset_after_ms) = (verdict.remaining, verdict.reset_after_ms);
+                counters.push(Counter { limit, variables, remaining, reset_after_ms });
+            }
+        }
+    }
+    Ok(Counters { counters, complete: listed.complete, unnamed })
+}
+
+/// A read of `limit`'s counter at `key` that counts nothing (`algorithm`:
+/// `envoy.algorithm`, for a limit without one).
+fn peek(limit: &Limit, key: &str, algorithm: Algorithm) -> ManyItem {
+    let algorithm = limit.envoy.algorithm.unwrap_or(algorithm);
+    ManyItem {
+        key: key.to_owned(),
+        params: params(limit.seconds, limit.envoy.per_unit(), algorithm),
+        tick_ms: tick_ms(limit.seconds),
+        weight: 0,
+        count: Count::Never,
+        shadow: false,
+    }
+}
+
+/// The limit (its position in the namespace) and the variables of a
+/// limitador counter's `key`, when it names one of `limits`.
+fn named<'l>(key: &str, limits: &HashMap<&str, (usize, &'l Limit)>) -> Option<(usize, &'l Limit, Variables)> {
+    let (seconds, entries) = parse_counter_key(key)?;
+    let mut entries = entries.into_iter();
+    let (name, identity) = entries.next()?;
+    let &(at, limit) = limits.get(&*identity).filter(|(_, l)| name == LIMIT_ENTRY && l.seconds == seconds)?;
+    let variables: Variables = entries.map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
+    limit.variables().eq(variables.iter().map(|(k, _)| k.as_str())).then_some((at, limit, variables))
 }

@@ -454,6 +454,19 @@ impl Engine {
         limitador::decide(self, limits, request, call, hits).await
     }
 
+    /// `namespace`'s counters under `limits` (limitador's `GET
+    /// /counters/{namespace}`): the store's keys of the namespace listed
+    /// (at most [`limitador::MAX_LISTED_COUNTERS`]), each that names one of
+    /// its limits read without counting, 64 per store call. A store that
+    /// cannot answer is an error.
+    pub async fn limitador_counters<'l>(
+        &self,
+        limits: &'l crate::rules::limitador::Limits,
+        namespace: &str,
+    ) -> Result<limitador::Counters<'l>, crate::limiter::StoreError> {
+        limitador::counters(self, limits, namespace).await
+    }
+
     /// Counts a request the API refused as malformed, under a fixed reason.
     pub fn refused(&self, api: Api, reason: &'static str) {
         self.inner.stats.refused(api, reason);

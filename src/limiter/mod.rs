@@ -24,6 +24,7 @@ pub mod slots;
 pub mod window;
 
 use std::{
+    borrow::Cow,
     fmt::{self, Write as _},
     sync::Arc,
 };
@@ -163,6 +164,24 @@ impl Store {
         }
     }
 
+    /// The keys of `group`'s job counters (those of [`Store::decide_many`])
+    /// that start with `prefix` and still count, at most `max` of them
+    /// (unordered); see [`Listed`]. Memory: every shard walked, one lock
+    /// hold each, on a blocking thread. Redis: `SCAN … MATCH` on the node
+    /// serving the group's hash slot, at most [`redis::MAX_SCAN_CALLS`] calls
+    /// of [`redis::SCAN_COUNT`] keys, each within `redis.timeout_ms`.
+    pub async fn list(&self, group: &str, prefix: &str, max: usize) -> Result<Listed, StoreError> {
+        match self {
+            Store::Memory(store) => {
+                let (store, group, prefix) = (Arc::clone(store), group.to_owned(), prefix.to_owned());
+                tokio::task::spawn_blocking(move || store.list(&group, &prefix, max)).await.map_err(|e| {
+                    StoreError { kind: FailureKind::Other, message: format!("counter listing failed: {e}") }
+                })
+            }
+            Store::Redis(store) => store.list(group, prefix, max).await,
+        }
+    }
+
     /// Whether a call leaves the process (Redis): only those are timed.
     pub fn is_remote(&self) -> bool {
         matches!(self, Store::Redis(_))
@@ -175,6 +194,17 @@ impl Store {
             Store::Redis(_) => "redis",
         }
     }
+}
+
+/// What [`Store::list`] found: keys, and whether the listing is complete
+/// (`false`: more than `max` keys, or a Redis scan that reached its bound
+/// before the end of the keyspace).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listed {
+    /// The keys within their group, at most `max`.
+    pub keys: Vec<String>,
+    /// Every key of the group and prefix is in `keys`.
+    pub complete: bool,
 }
 
 /// Appends `text` to a counter key with `%` and every character of
@@ -193,6 +223,27 @@ pub fn push_encoded(key: &mut String, text: &str, reserved: &[char]) {
             key.push(c);
         }
     }
+}
+
+/// The text [`push_encoded`] appended as `encoded`: each `%XX` turned back
+/// into its character (only ASCII was encoded). `None` when `encoded`
+/// holds a `%` not followed by two hex digits of an ASCII character, which
+/// `push_encoded` never writes.
+pub fn decoded(encoded: &str) -> Option<Cow<'_, str>> {
+    if !encoded.contains('%') {
+        return Some(Cow::Borrowed(encoded));
+    }
+    let mut out = String::with_capacity(encoded.len());
+    let mut rest = encoded;
+    while let Some(at) = rest.find('%') {
+        out.push_str(&rest[..at]);
+        let hex = rest.get(at + 1..at + 3).filter(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()))?;
+        let byte = u8::from_str_radix(hex, 16).ok().filter(u8::is_ascii)?;
+        out.push(char::from(byte));
+        rest = &rest[at + 3..];
+    }
+    out.push_str(rest);
+    Some(Cow::Owned(out))
 }
 
 /// Which counter of a user a single-counter decision uses: the rule's id

@@ -4,7 +4,10 @@
 
 use std::{borrow::Cow, fmt::Write as _, sync::Arc};
 
-use crate::{decision::keys, limiter::push_encoded};
+use crate::{
+    decision::keys,
+    limiter::{decoded, push_encoded},
+};
 
 /// The counter of one descriptor: its window in seconds and its entries, each as
 /// `key=value` with `%`, `=`, `|` and `*` percent-encoded so distinct entry
@@ -56,6 +59,29 @@ pub(super) fn bounded_key(key: String) -> (String, bool) {
         return (keys::digest_bytes(key.as_bytes()), true);
     }
     (key, false)
+}
+
+/// A counter key's entries read back: names and values.
+pub(crate) type Entries<'a> = Vec<(Cow<'a, str>, Cow<'a, str>)>;
+
+/// The window (seconds) and the entries of a first counter key that
+/// [`raw_counter_key`] wrote without sharing: `None` for a key digested
+/// as a whole, an extra limit's key (`seconds+slot|…`), a shared entry's
+/// pattern (`=*`) or anything else it never writes. An entry digested on
+/// its own reads back as its digest (`#sha256:…`, which no value is).
+pub(crate) fn parse_counter_key(key: &str) -> Option<(u64, Entries<'_>)> {
+    let mut parts = key.split('|');
+    let seconds = parts.next().filter(|s| s.bytes().all(|b| b.is_ascii_digit()))?.parse().ok()?;
+    let entries = parts
+        .map(|entry| {
+            let (name, value) = entry.split_once('=')?;
+            if value.starts_with('*') {
+                return None;
+            }
+            Some((decoded(name)?, decoded(value)?))
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((seconds, entries))
 }
 
 /// Separators of the counter key format, encoded inside names and values.
@@ -113,6 +139,29 @@ mod tests {
         )
         .0;
         assert_eq!(nested, "1|user=*u%2A|path=/x");
+    }
+
+    #[test]
+    fn first_counter_keys_read_back_as_their_entries() {
+        let entries = [("limitador", "ab12"), ("descriptors[0]['user']", "a|b=c*d%e|%41"), ("x", "")];
+        let (key, _) = counter_key(60, entries.into_iter(), &[], 1_024);
+        let (seconds, read) = parse_counter_key(&key).expect("a first counter key");
+        assert_eq!(seconds, 60);
+        let read: Vec<(&str, &str)> = read.iter().map(|(k, v)| (&**k, &**v)).collect();
+        assert_eq!(read, entries);
+        // A long value reads back as its digest; a key digested whole, a
+        // shared pattern and an extra limit's key do not read back.
+        let long = "v".repeat(300);
+        let (key, _) = counter_key(1, [("a", &*long)].into_iter(), &[], 256);
+        assert!(parse_counter_key(&key).unwrap().1[0].1.starts_with("#sha256:"));
+        let (key, _) = counter_key(1, [("a", &*long), ("b", &*long)].into_iter(), &[], 1_024);
+        assert_eq!(parse_counter_key(&key), None);
+        let (key, _) = counter_key(60, [("files", "a")].into_iter(), &[(0, Arc::from("f*"))], 1_024);
+        assert_eq!(parse_counter_key(&key), None);
+        for written_by_no_one in ["60+1|a=b", "x|a=b", "60|a", "60|a=%4", "60|a=%zz", "60|a=%+1", "60|a=%C3"]
+        {
+            assert_eq!(parse_counter_key(written_by_no_one), None, "{written_by_no_one}");
+        }
     }
 
     #[test]

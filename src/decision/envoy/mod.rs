@@ -30,6 +30,7 @@ use std::sync::Arc;
 
 pub(super) use answer::admit_reporters;
 pub use answer::{DescriptorDecision, RlsDecision};
+pub(super) use counter::parse_counter_key;
 use plan::{Plan, item_hits};
 pub use policy::{EnvoyFailure, EnvoyPolicy};
 use request::hits_of;

@@ -45,7 +45,8 @@ use tokio::sync::{Notify, watch};
 use self::summary::{FULL_PPM, Sketch};
 
 use super::{
-    Clock, Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, StoreError, evaluate, many_verdicts,
+    Clock, Count, CounterSpec, FailureKind, Listed, ManyItem, ManyOutcome, StoreError, evaluate,
+    many_verdicts,
     window::{StoredCounter, Verdict, WindowParams},
 };
 
@@ -468,6 +469,33 @@ impl MemoryStore {
             }
         }
         remaining
+    }
+
+    /// The keys of `group`'s job counters that start with `prefix` and
+    /// have not expired, at most `max` (see [`Store::list`](super::Store::list)).
+    /// One lock hold per shard; a shard that never interned `group` is
+    /// passed at once, and the others compare the interned group by
+    /// pointer. Blocking: run it off the async workers.
+    pub fn list(&self, group: &str, prefix: &str, max: usize) -> Listed {
+        let now = self.clock.now_ms();
+        let mut keys = Vec::new();
+        for index in 0..self.shards.len() {
+            let shard = self.lock(index);
+            let Some(interned) = shard.groups.get(group) else { continue };
+            let found = shard.counters.iter().filter(|(key, entry)| {
+                key.many
+                    && Arc::ptr_eq(&key.group, interned)
+                    && entry.expires_at_ms > now
+                    && key.key.starts_with(prefix)
+            });
+            for (key, _) in found {
+                if keys.len() == max {
+                    return Listed { keys, complete: false };
+                }
+                keys.push(key.key.to_string());
+            }
+        }
+        Listed { keys, complete: true }
     }
 
     /// Number of live counters (expired ones not yet swept included).

@@ -319,3 +319,17 @@ fn many_never_outgrows_the_bound_by_rewriting_an_expired_counter() {
     assert_eq!(error.kind, FailureKind::StoreFull);
     assert!(store.len() <= 2, "{} counters", store.len());
 }
+
+#[test]
+fn a_listing_leaves_out_expired_counters() {
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let store = MemoryStore::new(4, 1_000, Arc::clone(&clock) as Arc<dyn Clock>);
+    let short = |key: &str| ManyItem { params: WindowParams::sliding(1_000, 5), ..item(key, 5, 1, false) };
+    store.decide_many("g", &[short("a"), item("b", 5, 1, false)]).unwrap();
+    let mut listed = store.list("g", "", 10);
+    listed.keys.sort();
+    assert_eq!(listed, Listed { keys: vec!["a".to_owned(), "b".to_owned()], complete: true });
+    // A sliding window's counter lasts two windows.
+    clock.advance(2_000);
+    assert_eq!(store.list("g", "", 10).keys, ["b"]);
+}

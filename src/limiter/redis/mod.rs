@@ -54,9 +54,11 @@ use tokio::{
 mod backend;
 mod dispatch;
 mod keys;
+mod scan;
 mod script;
 
 pub use self::keys::{counter_key, key_slot};
+pub use self::scan::{MAX_SCAN_CALLS, SCAN_COUNT};
 use self::{
     backend::{Backend, Conn, backend, breaker_of, breakers, classify},
     dispatch::{CallCaps, Dispatcher, timeout_error},
@@ -374,11 +376,8 @@ impl RedisStore {
         let keys = items
             .iter()
             .map(|item| {
-                let mut key = String::with_capacity(self.key_prefix.len() + 7 + group.len() + item.key.len());
-                key.push_str(&self.key_prefix);
-                key.push_str("rle2:{");
-                push_tag(&mut key, group);
-                key.push_str("}:");
+                let mut key = String::with_capacity(self.key_prefix.len() + 8 + group.len() + item.key.len());
+                self.push_group_stem(&mut key, group);
                 key.push_str(&item.key);
                 let p = item.params;
                 let flags = flags(p, item.shadow, item.count);
@@ -412,6 +411,15 @@ impl RedisStore {
             _ => !items.iter().zip(&raw).any(|(item, &(fits, _))| item.blocks(fits)),
         };
         Ok(ManyOutcome { committed, verdicts: many_verdicts(items, &raw, committed) })
+    }
+
+    /// Appends `<prefix>rle2:{<group>}:`, what every key of `group`'s jobs
+    /// starts with.
+    fn push_group_stem(&self, key: &mut String, group: &str) {
+        key.push_str(&self.key_prefix);
+        key.push_str("rle2:{");
+        push_tag(key, group);
+        key.push_str("}:");
     }
 
     /// Queues a job on the next slot and waits, at most `redis.timeout_ms`
