@@ -457,3 +457,52 @@ async fn a_global_limits_keys_share_one_slot_of_a_coordination_cluster() {
     drop(store);
     while dispatchers.join_next().await.is_some() {}
 }
+
+/// A group's counters listed from a cluster: `SCAN` goes to the primary
+/// serving the group's slot, one group on each of the three primaries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_groups_counters_are_listed_from_the_node_serving_it() {
+    use ratelimitd::limiter::{
+        Algorithm, Count, ManyItem, RedisStore, Store, WindowParams, settings::RedisConfig,
+    };
+    let cluster = RedisCluster::start();
+    let owners = cluster.slot_owners();
+    let mut dispatchers = tokio::task::JoinSet::new();
+    let config = RedisConfig { url: Some(cluster.url()), cluster: true, ..RedisConfig::default() };
+    let store = Store::Redis(Arc::new(RedisStore::new(&config, &mut dispatchers).unwrap()));
+    let groups: Vec<String> = (0..3)
+        .map(|node| {
+            (0..)
+                .map(|i| format!("ns-{i}"))
+                .find(|group| owners[usize::from(key_slot(&format!("rle2:{{{group}}}:k")))] == node)
+                .unwrap()
+        })
+        .collect();
+    for (n, group) in groups.iter().enumerate() {
+        let items: Vec<ManyItem> = (0..=n)
+            .map(|i| ManyItem {
+                key: format!("60|user={i}"),
+                params: WindowParams {
+                    window_ms: 60_000,
+                    capacity: 5,
+                    rate: 5,
+                    algorithm: Algorithm::FixedWindow,
+                },
+                tick_ms: 1,
+                weight: 1,
+                count: Count::IfFits,
+                shadow: false,
+            })
+            .collect();
+        assert!(store.decide_many(group, &items).await.unwrap().committed);
+    }
+    for (n, group) in groups.iter().enumerate() {
+        let mut listed = store.list(group, "", 100).await.unwrap();
+        listed.keys.sort();
+        let expected: Vec<String> = (0..=n).map(|i| format!("60|user={i}")).collect();
+        assert_eq!(listed.keys, expected, "{group}, on node {n}");
+        assert!(listed.complete);
+    }
+    drop(store);
+    while dispatchers.join_next().await.is_some() {}
+}
