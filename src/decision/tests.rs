@@ -243,3 +243,54 @@ async fn limitador_limits_apply_all_or_nothing() {
     let bulk = decide(vec![("req.method", "GET"), ("priority", "BULK")]).await;
     assert_eq!(bulk.priority, Priority::Bulk);
 }
+
+/// A namespace's counters: read without counting, in order, bounded; a key
+/// that names no limit is counted apart.
+#[tokio::test]
+async fn limitador_counters_are_listed_in_order_and_bounded() {
+    let store = Store::Memory(Arc::new(MemoryStore::new(4, 20_000, Arc::new(ManualClock::new(0)))));
+    let engine = Engine::new(EngineParts { store: store.clone(), ..parts(EnvoyPolicy::default()) });
+    let limits = rules::limitador::Limits::parse(
+        Path::new("limits.yaml"),
+        "- { namespace: ns, max_value: 5, seconds: 60, variables: [\"descriptors[0].u\"] }\n",
+        crate::limiter::Algorithm::FirstHitWindow,
+    )
+    .unwrap();
+    let report = |user: String, hits: u64| {
+        let (engine, limits) = (&engine, &limits);
+        async move {
+            let entries = [("u", user.as_str())];
+            let descriptors = descriptors(&[&entries]);
+            engine.limitador(limits, &request("ns", &descriptors), limitador::Call::Report, Some(hits)).await
+        }
+    };
+    report("b".to_owned(), 2).await;
+    report("a".to_owned(), 1).await;
+    let junk = crate::limiter::ManyItem {
+        key: "60|limitador=gone".to_owned(),
+        params: crate::limiter::WindowParams::sliding(60_000, 5),
+        tick_ms: 1,
+        weight: 1,
+        count: crate::limiter::Count::IfFits,
+        shadow: false,
+    };
+    store.decide_many("ns", &[junk]).await.unwrap();
+    let listed = engine.limitador_counters(&limits, "ns").await.unwrap();
+    let seen: Vec<(&str, u64, u64)> =
+        listed.counters.iter().map(|c| (c.variables[0].1.as_str(), c.remaining, c.reset_after_ms)).collect();
+    assert_eq!(seen, [("a", 4, 60_000), ("b", 3, 60_000)]);
+    assert_eq!(listed.counters[0].variables[0].0, "descriptors[0].u");
+    assert!(listed.complete);
+    assert_eq!(listed.unnamed, 1);
+    // Reading counted nothing.
+    assert_eq!(engine.limitador_counters(&limits, "ns").await.unwrap().counters[0].remaining, 4);
+    assert!(engine.limitador_counters(&limits, "other").await.unwrap().counters.is_empty());
+
+    for user in 0..limitador::MAX_LISTED_COUNTERS {
+        report(format!("u{user:05}"), 1).await;
+    }
+    let listed = engine.limitador_counters(&limits, "ns").await.unwrap();
+    assert!(!listed.complete);
+    assert!(listed.counters.len() + listed.unnamed <= limitador::MAX_LISTED_COUNTERS);
+    assert!(listed.counters.len() >= limitador::MAX_LISTED_COUNTERS - 3);
+}
