@@ -196,7 +196,13 @@ async fn started_as_the_operator_starts_limitador_server() {
         command
             .env_clear()
             .env("HOME", dir.path())
-            .args(["--rate-limit-headers", "DRAFT_VERSION_03", "-vvv", "--http-port"])
+            .args([
+                "--rate-limit-headers",
+                "DRAFT_VERSION_03",
+                "--limit-name-in-labels",
+                "-vvv",
+                "--http-port",
+            ])
             .arg(http.get().to_string())
             .args(["--http-ip", "127.0.0.1", "--rls-ip", "127.0.0.1", "--rls-port"])
             .arg(grpc.to_string())
@@ -230,6 +236,16 @@ async fn started_as_the_operator_starts_limitador_server() {
         }
     }
     assert_eq!(codes, [Code::Ok, Code::Ok, Code::Ok, Code::Ok, Code::Ok, Code::OverLimit]);
+    // limitador's families, the refused call under its limit's name
+    // (--limit-name-in-labels, as the operator passes it for exhaustive telemetry).
+    let (_, metrics) = common::http_get(([127, 0, 0, 1], http.get()).into(), "/metrics");
+    for line in [
+        r#"authorized_calls{limitador_namespace="test_namespace"} 5"#,
+        r#"authorized_hits{limitador_namespace="test_namespace"} 5"#,
+        r#"limited_calls{limitador_namespace="test_namespace",limit_name="per-user-posts"} 1"#,
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "no {line}");
+    }
     // The operator's probes read limitador's /status.
     let (status, body) = common::http_get(([127, 0, 0, 1], http.get()).into(), "/status");
     assert_eq!(status, 200, "{body}; {}", std::fs::read_to_string(&log).unwrap_or_default());
@@ -329,6 +345,16 @@ async fn kuadrants_check_then_report_flow() {
         assert_eq!(code(answer), Code::OverLimit, "a check counts nothing, and ann is over");
     }
     assert_eq!(code(client.check_rate_limit(request("bob", 1)).await.unwrap().into_inner()), Code::Ok);
+    // limitador's families: checks count calls, reports their hits.
+    let http = server.http_addr;
+    let (_, metrics) = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics")).await.unwrap();
+    for line in [
+        r#"authorized_calls{limitador_namespace="llm"} 4"#,
+        r#"authorized_hits{limitador_namespace="llm"} 104"#,
+        r#"limited_calls{limitador_namespace="llm"} 3"#,
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "no {line}");
+    }
 
     // An independent client: grpcurl, the service found by reflection.
     let addr = server.addr.to_string();
@@ -463,6 +489,19 @@ async fn http_api_answers(addr: std::net::SocketAddr, store: &str) {
     let refused = tokio::task::spawn_blocking(move || post(addr, "/report", &huge)).await.unwrap();
     assert_eq!(refused.0, 413, "a body over 64 KiB is not read");
 
+    // limitador's families count check_and_report only of the HTTP calls:
+    // ann's five admitted (one hit each) and her sixth refused by her limit.
+    let (_, metrics) = tokio::task::spawn_blocking(move || common::http_get(addr, "/metrics")).await.unwrap();
+    for line in [
+        r#"authorized_calls{limitador_namespace="test_namespace"} 5"#,
+        r#"authorized_hits{limitador_namespace="test_namespace"} 5"#,
+        r#"limited_calls{limitador_namespace="test_namespace"} 1"#,
+        "limitador_up 1",
+        "datastore_partitioned 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{store}: no {line}");
+    }
+
     // ann's five and bob's report of 7 (over his 5 and the 10 of all).
     let (listed, _) = counters(addr, "test_namespace").await;
     let mut counted = counted(&listed);
@@ -544,7 +583,8 @@ fn start_as_limitador(
         let mut command = std::process::Command::new(binary);
         command
             .env_clear()
-            .args(["--rate-limit-headers", "DRAFT_VERSION_03", "--http-ip", "127.0.0.1", "--http-port"])
+            .args(["--rate-limit-headers", "DRAFT_VERSION_03", "--limit-name-in-labels"])
+            .args(["--http-ip", "127.0.0.1", "--http-port"])
             .arg(http.get().to_string())
             .args(["--rls-ip", "127.0.0.1", "--rls-port"])
             .arg(grpc.to_string())
@@ -565,6 +605,23 @@ fn start_as_limitador(
 fn alike(a: &Comparable, b: &Comparable) -> bool {
     let times = a.3.len() == b.3.len() && a.3.iter().zip(&b.3).all(|(x, y)| x.abs_diff(*y) <= 1);
     (a.0, &a.1, &a.2) == (b.0, &b.1, &b.2) && times
+}
+
+/// limitador's metric families on `/metrics` at `port`: their series, sorted.
+fn limitador_families(port: u16) -> Vec<String> {
+    let (status, body) = common::http_get(([127, 0, 0, 1], port).into(), "/metrics");
+    assert_eq!(status, 200, "{body}");
+    let families =
+        ["authorized_calls", "authorized_hits", "limited_calls", "limitador_up", "datastore_partitioned"];
+    let mut series: Vec<String> = body
+        .lines()
+        .filter(|line| {
+            families.iter().any(|f| line.strip_prefix(f).is_some_and(|r| r.starts_with(['{', ' '])))
+        })
+        .map(str::to_owned)
+        .collect();
+    series.sort();
+    series
 }
 
 /// The HTTP calls of the parity test, each to both: those answered differently.
@@ -710,6 +767,10 @@ async fn the_same_calls_are_answered_as_limitador_server_answers_them() {
         differ.extend(http.into_iter().map(|d| format!("{store}: {d}")));
         differ
             .extend(rls_differences(their_grpc, our_grpc).await.into_iter().map(|d| format!("{store}: {d}")));
+        let (theirs, ours) = (limitador_families(their_http), limitador_families(our_http));
+        if theirs != ours {
+            differ.push(format!("{store}: /metrics\n  limitador:  {theirs:?}\n  ratelimitd: {ours:?}"));
+        }
     }
     assert!(differ.is_empty(), "{} calls answered differently:\n{}", differ.len(), differ.join("\n"));
 }

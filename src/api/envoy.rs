@@ -175,6 +175,8 @@ impl RateLimitService for EnvoyService {
         if let Some(limits) = &self.limitador {
             let decision =
                 self.engine.limitador(&limits.load(), &rls, Call::Admit, None).instrument(span).await;
+            let hits = u64::from(request.hits_addend.max(1));
+            self.engine.limitador_counted(&request.domain, Call::Admit, &decision, hits);
             let mut answer = response(&decision, &self.settings, true)?;
             // limitador answers no statuses (its headers, when asked for,
             // carry what they would).
@@ -248,6 +250,12 @@ impl EnvoyService {
         // limitador checks one hit, whatever the request says.
         let hits = (call == Call::Check).then_some(1);
         let decision = self.engine.limitador(&limits.load(), &rls, call, hits).instrument(span).await;
+        self.engine.limitador_counted(
+            &request.domain,
+            call,
+            &decision,
+            u64::from(request.hits_addend.max(1)),
+        );
         if let Some(failure) = &decision.failure {
             return Err(Status::unavailable(format!("counter store unavailable: {failure}")));
         }

@@ -169,8 +169,10 @@ pub struct EnvoySettings {
     /// the filter's namespace (`envoy.filters.http.ratelimit`) to route on.
     pub response_dynamic_metadata: bool,
     /// Also count every descriptor under envoyproxy/ratelimit's metric
-    /// names and labels (`ratelimit_service_rate_limit_*`), so its
-    /// dashboards and alerts carry over.
+    /// names and labels (`ratelimit_service_rate_limit_*`), and with
+    /// limitador's limits every call under limitador's (`authorized_calls`,
+    /// `authorized_hits`, `limited_calls`), so their dashboards and alerts
+    /// carry over.
     pub upstream_metrics: bool,
     /// Admitted hits past this share of their limit count as `near_limit`
     /// (upstream's `NEAR_LIMIT_RATIO`).
@@ -179,8 +181,13 @@ pub struct EnvoySettings {
     /// `value_to_metric` and request limits come from requests); hits past it count in
     /// `ratelimitd_upstream_metric_keys_refused_total`. A key over 512 bytes (long request values)
     /// is counted as its first bytes and the digest of the whole, so the series hold at most this
-    /// many × 512 bytes of keys.
+    /// many × 512 bytes of keys. With limitador's limits, also the most label sets (namespace, and
+    /// limit name) limitador's families count; calls past it count in
+    /// `ratelimitd_limitador_metric_series_refused_total`.
     pub upstream_metrics_max_keys: usize,
+    /// With limitador's limits, label `limited_calls` by the refusing limit's `name` too
+    /// (limitador's `--limit-name-in-labels`, `LIMIT_NAME_IN_PROMETHEUS_LABELS`).
+    pub upstream_metrics_limit_name: bool,
 }
 
 impl Default for EnvoySettings {
@@ -212,6 +219,7 @@ impl Default for EnvoySettings {
             upstream_metrics: true,
             near_limit_ratio: 0.8,
             upstream_metrics_max_keys: 10_000,
+            upstream_metrics_limit_name: false,
         }
     }
 }

@@ -117,6 +117,10 @@ async fn decide(State(api): State<Api>, body: Bytes, call: Call) -> Response {
         may_report: false,
     };
     let decision = api.engine.limitador(&api.limits.load(), &rls, call, Some(request.delta)).await;
+    if call == Call::Admit {
+        // limitador's families count `check_and_report` only of its HTTP calls.
+        api.engine.limitador_counted(&request.namespace, call, &decision, request.delta);
+    }
     if decision.failure.is_some() {
         return match call {
             Call::Check => (StatusCode::INTERNAL_SERVER_ERROR, "Internal server error").into_response(),

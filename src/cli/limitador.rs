@@ -48,7 +48,7 @@ struct Args {
     /// The HTTP listener's port (HTTP_API_PORT).
     #[arg(short = 'P', long = "http-port")]
     http_port: Option<u16>,
-    /// limitador's limit names as metric labels (LIMIT_NAME_IN_PROMETHEUS_LABELS): no effect.
+    /// `limited_calls` by limit name too (LIMIT_NAME_IN_PROMETHEUS_LABELS).
     #[arg(short = 'l', long = "limit-name-in-labels")]
     limit_name_in_labels: bool,
     /// limitador's custom metric labels: no effect.
@@ -165,7 +165,7 @@ fn environment(args: Args, mut env: HashMap<String, String>) -> HashMap<String, 
         }
     }
     if args.limit_name_in_labels {
-        set("LIMIT_NAME_IN_PROMETHEUS_LABELS", "true".to_owned());
+        set("LIMIT_NAME_IN_PROMETHEUS_LABELS", "1".to_owned());
     }
     if args.grpc_reflection_service {
         set("--grpc-reflection-service", "true".to_owned());

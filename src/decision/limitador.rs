@@ -12,6 +12,7 @@ use std::{collections::HashMap, sync::Arc};
 use super::{
     Api, Engine, Reason,
     envoy::{self, Descriptor, OwnedDescriptor, RlsDecision, RlsRequest, parse_counter_key},
+    limitador_metrics::Outcome,
 };
 use crate::{
     limiter::{Algorithm, Count, ManyItem, StoreError},
@@ -89,6 +90,25 @@ pub(super) async fn decide<D: Descriptor>(
     let decision = engine.run(envoy::Rls::with_limits(&counted, matches, priority)).await;
     engine.envoy_decided(&decision, started);
     decision
+}
+
+/// See [`Engine::limitador_counted`]. A refused call counts under the
+/// name of its first limit over (none when no limit refused it: an
+/// unevaluable request, shedding).
+pub(super) fn counted(engine: &Engine, namespace: &str, call: Call, decision: &RlsDecision, hits: u64) {
+    if decision.failure.is_some() {
+        return;
+    }
+    let outcome = match call {
+        Call::Report => Outcome::Reported { hits },
+        _ if decision.over_limit => {
+            let over = decision.statuses.iter().find(|s| s.over_limit).and_then(|s| s.limit.as_ref());
+            Outcome::Limited { limit: over.and_then(|l| l.name.as_deref()) }
+        }
+        Call::Admit => Outcome::Authorized { hits: Some(hits) },
+        Call::Check => Outcome::Authorized { hits: None },
+    };
+    engine.inner.stats.limitador(namespace, outcome);
 }
 
 /// The answer to a request whose limits could not be evaluated: over the

@@ -20,7 +20,11 @@ use std::{
     time::Duration,
 };
 
-use super::{Api, DenialCache, LimitHits, Stats, upstream_metrics::UpstreamMetrics};
+use super::{
+    Api, DenialCache, LimitHits, Stats,
+    limitador_metrics::{LimitadorMetrics, Outcome},
+    upstream_metrics::UpstreamMetrics,
+};
 use crate::{
     limiter::FailureKind,
     overload::Overload,
@@ -73,6 +77,9 @@ pub struct DecisionMetrics {
     /// envoyproxy/ratelimit's families, and the Envoy configuration whose
     /// loads they count; `None` when `envoy.upstream_metrics` is off.
     upstream: Option<(UpstreamMetrics, Option<Arc<Hot<EnvoyConfig>>>)>,
+    /// limitador's families; `None` unless limitador's limits are served
+    /// with `envoy.upstream_metrics` on.
+    limitador: Option<LimitadorMetrics>,
 }
 
 impl DecisionMetrics {
@@ -87,6 +94,7 @@ impl DecisionMetrics {
             store_errors: Default::default(),
             store_name,
             upstream: None,
+            limitador: None,
         }
     }
 
@@ -95,6 +103,14 @@ impl DecisionMetrics {
     /// with the loads of `envoy`, the Envoy configuration served.
     pub fn with_upstream(mut self, max_keys: usize, envoy: Option<Arc<Hot<EnvoyConfig>>>) -> Self {
         self.upstream = Some((UpstreamMetrics::new(max_keys), envoy));
+        self
+    }
+
+    /// Also counts limitador's families, for at most `max_series` label
+    /// sets (`envoy.upstream_metrics_max_keys`); `limit_name_label`:
+    /// `limited_calls` by `limit_name` too.
+    pub fn with_limitador(mut self, max_series: usize, limit_name_label: bool) -> Self {
+        self.limitador = Some(LimitadorMetrics::new(max_series, limit_name_label));
         self
     }
 
@@ -112,6 +128,9 @@ impl DecisionMetrics {
         if let Some((upstream, _)) = &self.upstream {
             upstream.render(out, self.envoy_loads());
             self.render_upstream_server(out);
+        }
+        if let Some(limitador) = &self.limitador {
+            limitador.render(out);
         }
     }
 
@@ -281,6 +300,12 @@ impl Stats for DecisionMetrics {
     fn envoy_failed(&self) {
         if let Some((upstream, _)) = &self.upstream {
             upstream.store_error();
+        }
+    }
+
+    fn limitador(&self, namespace: &str, outcome: Outcome<'_>) {
+        if let Some(limitador) = &self.limitador {
+            limitador.add(namespace, outcome);
         }
     }
 

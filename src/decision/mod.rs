@@ -27,6 +27,7 @@ mod envoy;
 mod failure;
 pub mod keys;
 pub mod limitador;
+pub mod limitador_metrics;
 pub mod metrics;
 mod pipeline;
 pub mod shares;
@@ -195,6 +196,9 @@ pub trait Stats: Send + Sync + fmt::Debug {
     fn limit_hits(&self, key: &str, hits: LimitHits);
     /// One `ShouldRateLimit` the store could not decide.
     fn envoy_failed(&self);
+    /// One limitador call of `namespace` (a request's domain, which the
+    /// implementation must keep within a bound) in limitador's families.
+    fn limitador(&self, namespace: &str, outcome: limitador_metrics::Outcome<'_>);
 }
 
 /// Receives a sample of decided `Check` and `ShouldRateLimit` requests
@@ -226,6 +230,7 @@ impl Stats for NoStats {
     fn refused(&self, _: Api, _: &'static str) {}
     fn limit_hits(&self, _: &str, _: LimitHits) {}
     fn envoy_failed(&self) {}
+    fn limitador(&self, _: &str, _: limitador_metrics::Outcome<'_>) {}
 }
 
 /// Everything an [`Engine`] decides with.
@@ -452,6 +457,22 @@ impl Engine {
         hits: Option<u64>,
     ) -> RlsDecision {
         limitador::decide(self, limits, request, call, hits).await
+    }
+
+    /// Counts a limitador call of `namespace` whose `hits` were decided
+    /// as `decision` in limitador's metric families, as limitador counts
+    /// its calls: `ShouldRateLimit` and `check_and_report` (`Admit`),
+    /// `CheckRateLimit` (`Check`) and Kuadrant's `Report`; never one the
+    /// store could not answer. (limitador's HTTP `check` and `report`
+    /// count nothing.)
+    pub fn limitador_counted(
+        &self,
+        namespace: &str,
+        call: limitador::Call,
+        decision: &RlsDecision,
+        hits: u64,
+    ) {
+        limitador::counted(self, namespace, call, decision, hits);
     }
 
     /// `namespace`'s counters under `limits` (limitador's `GET

@@ -235,6 +235,16 @@ impl crate::telemetry::Figures for Health {
             "1 while the counter store answers and no circuit breaker is open (decisions are exact), else 0.",
             u8::from(exact),
         );
+        if self.limitador.is_some() {
+            single(out, "limitador_up", "gauge", "Limitador is running (limitador's name): 1.", 1);
+            single(
+                out,
+                "datastore_partitioned",
+                "gauge",
+                "Limitador is partitioned from backing datastore (limitador's name): 1 while ratelimitd_store_reachable is 0.",
+                u8::from(!exact),
+            );
+        }
     }
 }
 

@@ -16,6 +16,8 @@
 //!   names.
 //! - `TRACING_ENDPOINT` (`rpc://host:4317`, OTLP/gRPC) →
 //!   `telemetry.otlp_endpoint`.
+//! - `LIMIT_NAME_IN_PROMETHEUS_LABELS=1` →
+//!   `envoy.upstream_metrics_limit_name` (`limited_calls` by `limit_name`).
 //! - `DISK_PATH` (limitador's disk storage) refuses to start: counts kept
 //!   on one instance's disk are not served here.
 //!
@@ -32,12 +34,11 @@ pub(super) const IGNORED: &[(&str, &str)] = &[
     ("REDIS_LOCAL_CACHE_ENABLED", "no local counter cache: every decision is exact in Redis"),
     ("REDIS_LOCAL_CACHE_FLUSHING_PERIOD_MS", "no local counter cache: every decision is exact in Redis"),
     ("REDIS_LOCAL_CACHE_BATCH_SIZE", "no local counter cache: every decision is exact in Redis"),
-    ("LIMIT_NAME_IN_PROMETHEUS_LABELS", "decisions are counted per limit key in ratelimitd's own metrics"),
     ("DISK_OPTIMIZE", "no disk storage"),
     ("--custom-metric-labels", "decisions are counted per limit key in ratelimitd's own metrics"),
     ("--metric-labels-default", "decisions are counted per limit key in ratelimitd's own metrics"),
     ("--grpc-reflection-service", "gRPC reflection is always served"),
-    ("--cache", "the memory store is sized by memory.max_keys"),
+    ("--cache", "the memory store is sized by memory.max_counters"),
     ("--max-cached", "no local counter cache: every decision is exact in Redis"),
     ("--response-timeout", "Redis calls time out after redis.timeout_ms"),
 ];
@@ -73,6 +74,10 @@ pub(super) fn translate(env: &HashMap<String, String>, out: &mut Out) -> Result<
         out.push(("redis.url", url.to_owned()));
     }
     headers(env, out)?;
+    // Enabled by "1" only, as limitador reads it.
+    if get(env, "LIMIT_NAME_IN_PROMETHEUS_LABELS") == Some("1") {
+        out.push(("envoy.upstream_metrics_limit_name", "true".to_owned()));
+    }
     if let Some(endpoint) = get(env, "TRACING_ENDPOINT") {
         let endpoint =
             endpoint.strip_prefix("rpc://").map_or_else(|| endpoint.to_owned(), |e| format!("http://{e}"));

@@ -74,15 +74,18 @@ fn global_vitals(
         .collect()
 }
 
-/// The decision path's counters (with envoyproxy/ratelimit's families
-/// when `envoy.upstream_metrics` is on and Envoy rules are served).
+/// The decision path's counters (with `envoy.upstream_metrics` on,
+/// envoyproxy/ratelimit's families when Envoy rules are served and
+/// limitador's when its limits are).
 pub(crate) fn stats(envoy: &EnvoySettings, rules: &Rules, store: &Store) -> Arc<DecisionMetrics> {
-    let stats = DecisionMetrics::new(store.name());
-    Arc::new(if envoy.upstream_metrics && rules.envoy.is_some() {
-        stats.with_upstream(envoy.upstream_metrics_max_keys, rules.envoy.clone())
-    } else {
-        stats
-    })
+    let mut stats = DecisionMetrics::new(store.name());
+    if envoy.upstream_metrics && rules.envoy.is_some() {
+        stats = stats.with_upstream(envoy.upstream_metrics_max_keys, rules.envoy.clone());
+    }
+    if envoy.upstream_metrics && rules.limitador.is_some() {
+        stats = stats.with_limitador(envoy.upstream_metrics_max_keys, envoy.upstream_metrics_limit_name);
+    }
+    Arc::new(stats)
 }
 
 /// The `/metrics` registry, and the statsd sink reading it when
