@@ -17,10 +17,12 @@
 //!   [`MAX_LISTED_COUNTERS`](crate::decision::limitador::MAX_LISTED_COUNTERS);
 //!   `ratelimitd-counters-truncated: true` when there were more (or the
 //!   store's scan reached its bound), `ratelimitd-counters-unnamed: N` for
-//!   counters that name no limit of the file. One listing runs at a time
-//!   (the others wait, in turn, up to [`LISTING_TIMEOUT`] in all): a
-//!   listing holds one side connection of the store. A store that cannot
-//!   answer, or a listing past the timeout, is 500.
+//!   counters that name no limit of the file. Listings are paced
+//!   ([`Listings`]): one at a time, and each starts no sooner after the
+//!   last than that one took, so they hold the store's side connection
+//!   (and Redis' `SCAN` work) at most half of the time, whoever asks; the
+//!   others wait in turn, up to [`LISTING_TIMEOUT`] in all. A store that
+//!   cannot answer, or a listing past the timeout, is 500.
 //!
 //! A body is read up to [`MAX_BODY_BYTES`]; its values are bounded as a
 //! descriptor's entries are (`envoy.max_entries`; a long key or value
@@ -28,7 +30,11 @@
 //! so a peer holds at most `http.max_connections_per_peer` decisions in
 //! flight; with `http.probe_listen` the probes have places of their own.
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
 
 use axum::{
     Router,
@@ -39,7 +45,7 @@ use axum::{
     routing::{get, post},
 };
 use serde::Deserialize;
-use tokio::sync::Semaphore;
+use tokio::{sync::Semaphore, time::Instant};
 
 use crate::{
     decision::{Engine, OwnedDescriptor, RlsDecision, RlsRequest, limitador::Call},
@@ -60,8 +66,46 @@ struct Api {
     engine: Engine,
     limits: Arc<Hot<Limits>>,
     max_entries: usize,
-    /// One counter listing at a time.
-    listing: Arc<Semaphore>,
+    listings: Arc<Listings>,
+}
+
+/// Counter listings, paced: one at a time, and each starts no sooner after
+/// the previous one ended than that one took (a listing cut short by its
+/// timeout included).
+#[derive(Debug)]
+struct Listings {
+    turn: Semaphore,
+    not_before: Mutex<Instant>,
+}
+
+impl Listings {
+    fn new() -> Self {
+        Listings { turn: Semaphore::new(1), not_before: Mutex::new(Instant::now()) }
+    }
+
+    /// Runs `listing` at its turn.
+    async fn run<T>(&self, listing: impl Future<Output = T>) -> T {
+        let _turn = self.turn.acquire().await;
+        let not_before = *self.not_before.lock().unwrap_or_else(PoisonError::into_inner);
+        tokio::time::sleep_until(not_before).await;
+        // Dropped before the turn is: the next listing sees the pause.
+        let _paced = Paced { listings: self, started: Instant::now() };
+        listing.await
+    }
+}
+
+/// Sets the next listing's earliest start when a listing ends, or is
+/// dropped.
+struct Paced<'a> {
+    listings: &'a Listings,
+    started: Instant,
+}
+
+impl Drop for Paced<'_> {
+    fn drop(&mut self) {
+        let now = Instant::now();
+        *self.listings.not_before.lock().unwrap_or_else(PoisonError::into_inner) = now + (now - self.started);
+    }
 }
 
 /// A check or report, as limitador's HTTP API takes it.
@@ -84,7 +128,7 @@ pub fn router(engine: Engine, limits: Arc<Hot<Limits>>, max_entries: usize) -> R
         .route("/limits/{namespace}", get(limits_of))
         .route("/counters/{namespace}", get(counters_of))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(Api { engine, limits, max_entries, listing: Arc::new(Semaphore::new(1)) })
+        .with_state(Api { engine, limits, max_entries, listings: Arc::new(Listings::new()) })
 }
 
 /// limitador's JSON `null`, with `status`.
@@ -197,10 +241,7 @@ async fn limits_of(State(api): State<Api>, Path(namespace): Path<String>) -> Res
 /// store reads a counter's time to live).
 async fn counters_of(State(api): State<Api>, Path(namespace): Path<String>) -> Response {
     let limits = api.limits.load();
-    let listing = async {
-        let _turn = api.listing.acquire().await;
-        api.engine.limitador_counters(&limits, &namespace).await
-    };
+    let listing = api.listings.run(api.engine.limitador_counters(&limits, &namespace));
     let counters = match tokio::time::timeout(LISTING_TIMEOUT, listing).await {
         Ok(Ok(counters)) => counters,
         Ok(Err(error)) => {
@@ -237,4 +278,26 @@ async fn counters_of(State(api): State<Api>, Path(namespace): Path<String>) -> R
         headers.insert("ratelimitd-counters-unnamed", HeaderValue::from(counters.unnamed));
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each listing starts no sooner after the last than that one took,
+    /// one cut short by a timeout included.
+    #[tokio::test(start_paused = true)]
+    async fn listings_are_paced_by_what_they_took() {
+        let listings = Listings::new();
+        let start = Instant::now();
+        listings.run(tokio::time::sleep(Duration::from_millis(300))).await;
+        assert_eq!(listings.run(async { Instant::now() }).await - start, Duration::from_millis(600));
+        let cut = tokio::time::timeout(
+            Duration::from_millis(100),
+            listings.run(tokio::time::sleep(Duration::from_secs(60))),
+        );
+        assert!(cut.await.is_err());
+        let after_cut = Instant::now();
+        assert_eq!(listings.run(async { Instant::now() }).await - after_cut, Duration::from_millis(100));
+    }
 }
