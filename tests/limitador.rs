@@ -161,6 +161,7 @@ async fn limitadors_example_limits_through_envoy() {
     let per_user_only = LIMITS.split_once("- namespace").map(|(_, rest)| rest).unwrap();
     let per_user_only = per_user_only.split_once("- namespace").map(|(_, rest)| rest).unwrap();
     std::fs::write(&limits, format!("- namespace{per_user_only}")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         let (listed, headers) = counters(server.http_addr, "test_namespace").await;
         if headers.contains(&("ratelimitd-counters-unnamed".to_owned(), "1".to_owned())) {
@@ -421,7 +422,7 @@ fn counted(listed: &[serde_json::Value]) -> Vec<(serde_json::Value, serde_json::
         .iter()
         .map(|c| {
             let expires = c["expires_in_seconds"].as_u64().unwrap();
-            assert!((55..60).contains(&expires), "a minute's counter, just counted: {c}");
+            assert!((40..60).contains(&expires), "a minute's counter, counted moments ago: {c}");
             (c["limit"]["name"].clone(), c["set_variables"].clone(), c["remaining"].as_u64().unwrap())
         })
         .collect()
