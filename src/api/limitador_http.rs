@@ -131,6 +131,11 @@ pub fn router(engine: Engine, limits: Arc<Hot<Limits>>, max_entries: usize) -> R
         .with_state(Api { engine, limits, max_entries, listings: Arc::new(Listings::new()) })
 }
 
+/// limitador's 500: its text body.
+fn internal_server_error() -> Response {
+    (StatusCode::INTERNAL_SERVER_ERROR, "Internal server error").into_response()
+}
+
 /// limitador's JSON `null`, with `status`.
 fn null(status: StatusCode) -> Response {
     (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], "null").into_response()
@@ -167,7 +172,7 @@ async fn decide(State(api): State<Api>, body: Bytes, call: Call) -> Response {
     }
     if decision.failure.is_some() {
         return match call {
-            Call::Check => (StatusCode::INTERNAL_SERVER_ERROR, "Internal server error").into_response(),
+            Call::Check => internal_server_error(),
             _ => null(StatusCode::INTERNAL_SERVER_ERROR),
         };
     }
@@ -244,17 +249,13 @@ async fn counters_of(State(api): State<Api>, Path(namespace): Path<String>) -> R
     let listing = api.listings.run(api.engine.limitador_counters(&limits, &namespace));
     let counters = match tokio::time::timeout(LISTING_TIMEOUT, listing).await {
         Ok(Ok(counters)) => counters,
-        Ok(Err(error)) => {
-            tracing::warn!(namespace, %error, "limitador counters not listed: the store did not answer");
-            return (StatusCode::INTERNAL_SERVER_ERROR, "Internal server error").into_response();
-        }
-        Err(_) => {
-            tracing::warn!(
-                namespace,
-                timeout_ms = LISTING_TIMEOUT.as_millis(),
-                "limitador counters not listed in time"
-            );
-            return (StatusCode::INTERNAL_SERVER_ERROR, "Internal server error").into_response();
+        failed => {
+            let error = match failed {
+                Ok(Err(store)) => format!("the store did not answer: {store}"),
+                _ => format!("not done within {} ms", LISTING_TIMEOUT.as_millis()),
+            };
+            tracing::warn!(namespace, error, "limitador counters not listed");
+            return internal_server_error();
         }
     };
     let listed: Vec<serde_json::Value> = counters
