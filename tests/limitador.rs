@@ -422,7 +422,7 @@ fn counted(listed: &[serde_json::Value]) -> Vec<(serde_json::Value, serde_json::
         .iter()
         .map(|c| {
             let expires = c["expires_in_seconds"].as_u64().unwrap();
-            assert!((40..60).contains(&expires), "a minute's counter, counted moments ago: {c}");
+            assert!((40..=60).contains(&expires), "a minute's counter, counted moments ago: {c}");
             (c["limit"]["name"].clone(), c["set_variables"].clone(), c["remaining"].as_u64().unwrap())
         })
         .collect()
