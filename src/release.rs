@@ -20,6 +20,7 @@ use crate::{
         self,
         encoding::{Provenance, SnapshotRecord},
         gate::GateThresholds,
+        limitador::Limits,
         signing::{Signer, Trust},
     },
 };
@@ -196,17 +197,24 @@ pub fn replay_settings(config: &Config, thresholds: GateThresholds) -> replay::S
 }
 
 /// The rules of `record`, compiled as this configuration compiles them
-/// (no Envoy configuration when it has none); an error says it of `what`.
+/// (no Envoy configuration when it has none; limitador's limits when it
+/// has them or this configuration answers with them); an error says it of
+/// `what`.
 pub fn rules_of(config: &Config, record: &SnapshotRecord, what: &str) -> Result<replay::Rules, ReleaseError> {
-    let compiled = record
-        .compile(config.envoy.compile(), config.rules.path_matching)
-        .map_err(|e| ReleaseError::Rules(format!("{what}: {e}")))?;
-    Ok(replay::Rules { native: compiled.native, envoy: record.envoy.is_some().then_some(compiled.envoy) })
+    let compiled =
+        record.compile(config.compilers()).map_err(|e| ReleaseError::Rules(format!("{what}: {e}")))?;
+    let limitador = record.limitador.is_some() || config.rules.limitador_path.is_some();
+    Ok(replay::Rules {
+        native: compiled.native,
+        envoy: record.envoy.is_some().then_some(compiled.envoy),
+        limitador: limitador.then_some(compiled.limitador),
+    })
 }
 
 /// The rules in force: `in_force` (a record from the rules topic), else,
 /// with `rules.source: kafka`, the record in force on the topic (read with
-/// `trust`), else `rules.path` (or the embedded rules) and `rules.envoy_path`.
+/// `trust`), else `rules.path` (or the embedded rules), `rules.envoy_path`
+/// and `rules.limitador_path`.
 pub fn rules_in_force(
     config: &Config,
     in_force: Option<&SnapshotRecord>,
@@ -225,7 +233,10 @@ pub fn rules_in_force(
     }
     let loaded = match &config.rules.path {
         Some(path) => rules::load(path, config.rules.path_matching),
-        None if config.rules.examples && config.rules.envoy_path.is_none() => {
+        None if config.rules.examples
+            && config.rules.envoy_path.is_none()
+            && config.rules.limitador_path.is_none() =>
+        {
             rules::embedded(config.rules.path_matching)
         }
         None => Ok(rules::empty()),
@@ -238,5 +249,12 @@ pub fn rules_in_force(
         ),
         None => None,
     };
-    Ok(replay::Rules { native, envoy })
+    let limitador = match &config.rules.limitador_path {
+        Some(path) => Some(
+            Limits::load(path, config.rules.limitador_algorithm)
+                .map_err(|e| ReleaseError::Rules(format!("limitador's limits in force: {e}")))?,
+        ),
+        None => None,
+    };
+    Ok(replay::Rules { native, envoy, limitador })
 }

@@ -23,12 +23,13 @@ pub use crate::rules::gate::Row;
 use crate::{
     capture::{CaptureRecord, CountKind},
     clock::ManualClock,
-    decision::{CheckRequest, Engine, EngineParts, EnvoyCall, EnvoyPolicy, Reason},
+    decision::{CheckRequest, Engine, EngineParts, EnvoyCall, EnvoyPolicy, Reason, limitador},
     limiter::{MemoryStore, Store},
     rules::{
-        Hot, RuleStore, Snapshot,
+        Hot, RuleStore, Snapshot, Versioned,
         envoy::EnvoyConfig,
         gate::{Gate, GateReport, GateThresholds},
+        limitador::Limits,
     },
     shed::Priority,
 };
@@ -209,20 +210,32 @@ pub struct Rules {
     /// The Envoy configuration (`ShouldRateLimit`); `None`: every
     /// descriptor is unmatched.
     pub envoy: Option<EnvoyConfig>,
+    /// limitador's limits: when set, Envoy-API requests (limitador's
+    /// `ShouldRateLimit`, `CheckRateLimit`, `Report`, and its HTTP calls)
+    /// are decided by them, as an instance with `rules.limitador_path`
+    /// decides them, not by `envoy`.
+    pub limitador: Option<Limits>,
 }
 
 impl Rules {
     /// Native rules only.
     pub fn native(native: Snapshot) -> Self {
-        Rules { native, envoy: None }
+        Rules { native, envoy: None, limitador: None }
     }
 
-    /// The native version, and the Envoy one after a `+` when there is one.
+    /// The native version, then the Envoy one and limitador's, each after
+    /// a `+`, when there is one.
     pub fn version(&self) -> String {
-        match &self.envoy {
-            Some(envoy) => format!("{}+{}", self.native.version(), envoy.version()),
-            None => self.native.version().to_owned(),
+        let mut version = self.native.version().to_owned();
+        for other in
+            [self.envoy.as_ref().map(EnvoyConfig::version), self.limitador.as_ref().map(Versioned::version)]
+                .into_iter()
+                .flatten()
+        {
+            version.push('+');
+            version.push_str(other);
         }
+        version
     }
 }
 
@@ -253,6 +266,7 @@ pub fn run(rules: Rules, requests: &[Request], settings: &Settings) -> Vec<Outco
     let capacity = requests.len().max(1_000);
     let store = MemoryStore::new(16, capacity, Arc::clone(&clock) as Arc<dyn crate::clock::Clock>);
     let store = Store::Memory(Arc::new(store));
+    let limitador = rules.limitador;
     let engine = Engine::new(EngineParts {
         envoy: rules.envoy.map(|envoy| Arc::new(Hot::new(envoy))),
         max_user_id_bytes: settings.max_user_id_bytes,
@@ -264,16 +278,27 @@ pub fn run(rules: Rules, requests: &[Request], settings: &Settings) -> Vec<Outco
         let mut outcomes = Vec::with_capacity(requests.len());
         for request in requests {
             clock.set(request.time_ms);
-            outcomes.push(decide(&engine, request).await);
+            outcomes.push(decide(&engine, limitador.as_ref(), request).await);
         }
         outcomes
     })
 }
 
-/// One request through `engine`.
-async fn decide(engine: &Engine, request: &Request) -> Outcome {
+/// One request through `engine`, an Envoy-API one through `limitador`'s
+/// limits when given.
+async fn decide(engine: &Engine, limitador: Option<&Limits>, request: &Request) -> Outcome {
     if let Some(call) = &request.envoy {
-        let decision = engine.should_rate_limit(&call.request()).await;
+        let decision = match limitador {
+            Some(limits) => {
+                let how = match request.count {
+                    CountKind::Peek => limitador::Call::Check,
+                    CountKind::Report => limitador::Call::Report,
+                    CountKind::Check | CountKind::CheckAnyway => limitador::Call::Admit,
+                };
+                engine.limitador(limits, &call.request(), how, None).await
+            }
+            None => engine.should_rate_limit(&call.request()).await,
+        };
         let bound = decision.bound_limit();
         return Outcome { denied: decision.over_limit, rule: bound.map(|limit| Arc::clone(&limit.full_key)) };
     }

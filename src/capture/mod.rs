@@ -47,6 +47,7 @@ use crate::{
     clock::{Clock, SystemClock},
     decision::{CaptureSink, CheckRequest, Decision, EnvoyCall, RlsDecision, keys},
     dlq::record::truncated,
+    limiter::Count,
 };
 
 /// Whether `user_id` is sampled at `threshold` (`ratio × 2^64`) under
@@ -213,7 +214,7 @@ impl CaptureSink for Capture {
         envoy_sampled(&self.salt.0, domain, first_entries, self.threshold)
     }
 
-    fn record_envoy(&self, call: EnvoyCall, decision: &RlsDecision, envoy_version: &str) {
+    fn record_envoy(&self, call: EnvoyCall, count: Count, decision: &RlsDecision, envoy_version: &str) {
         let bound = decision.bound_limit();
         let record = CaptureRecord {
             schema: CAPTURE_SCHEMA.to_owned(),
@@ -224,7 +225,7 @@ impl CaptureSink for Capture {
             client_type: None,
             priority: None,
             weight: call.hits_addend.max(1),
-            count: CountKind::Check,
+            count: CountKind::of(count),
             headers: BTreeMap::new(),
             rules_version: envoy_version.to_owned(),
             rule_id: bound.map(|limit| limit.full_key.to_string()),

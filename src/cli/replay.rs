@@ -7,19 +7,23 @@ use super::{
     EXIT_USAGE,
     rule_sets::{GateArgs, rules_with},
 };
-use crate::config::Config;
+use crate::{config::Config, rollout::publish::Sources};
 
 /// `ratelimitd replay …`
 #[derive(Debug, clap::Args)]
 pub struct ReplayArgs {
     /// The candidate native rules: a YAML file or a directory. Default: the
     /// native rules in force.
-    #[arg(long, required_unless_present = "envoy")]
+    #[arg(long, required_unless_present_any = ["envoy", "limitador"])]
     pub rules: Option<PathBuf>,
     /// The candidate envoyproxy/ratelimit configuration: a file or a
     /// directory. Default: the Envoy configuration in force.
     #[arg(long, value_name = "PATH")]
     pub envoy: Option<PathBuf>,
+    /// The candidate limitador limits file: Envoy-API requests are then
+    /// decided by limitador's limits. Default: those in force.
+    #[arg(long, value_name = "FILE")]
+    pub limitador: Option<PathBuf>,
     /// The capture: a JSON-lines file (capture.file), or `kafka` for capture.kafka.topic.
     #[arg(long)]
     pub capture: String,
@@ -31,6 +35,10 @@ pub struct ReplayArgs {
     /// the rules topic (rules.source: kafka), else rules.envoy_path.
     #[arg(long, value_name = "PATH")]
     pub current_envoy: Option<PathBuf>,
+    /// limitador's limits in force. Default: the record in force on the
+    /// rules topic (rules.source: kafka), else rules.limitador_path.
+    #[arg(long, value_name = "FILE")]
+    pub current_limitador: Option<PathBuf>,
     /// Exit 1 when the candidate fails the gate by these thresholds.
     #[command(flatten)]
     pub thresholds: GateArgs,
@@ -42,14 +50,21 @@ pub struct ReplayArgs {
 /// Runs `ratelimitd replay`: 0 the candidate passes the gate, 1 it fails
 /// (or the capture cannot be read), 64 bad arguments.
 pub fn run(args: &ReplayArgs, config: &Config) -> ExitCode {
-    let rules = |native: &Option<PathBuf>, envoy: &Option<PathBuf>, flags: (&str, &str)| {
-        rules_with(config, native.as_deref(), envoy.as_deref(), flags)
+    let current = Sources {
+        native: args.current.as_deref(),
+        envoy: args.current_envoy.as_deref(),
+        limitador: args.current_limitador.as_deref(),
     };
-    let current = match rules(&args.current, &args.current_envoy, ("--current", "--current-envoy")) {
+    let current = match rules_with(config, current, ["--current", "--current-envoy", "--current-limitador"]) {
         Ok(current) => current,
         Err(code) => return code,
     };
-    let candidate = match rules(&args.rules, &args.envoy, ("--rules", "--envoy")) {
+    let candidate = Sources {
+        native: args.rules.as_deref(),
+        envoy: args.envoy.as_deref(),
+        limitador: args.limitador.as_deref(),
+    };
+    let candidate = match rules_with(config, candidate, ["--rules", "--envoy", "--limitador"]) {
         Ok(candidate) => candidate,
         Err(code) => return code,
     };

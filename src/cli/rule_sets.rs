@@ -56,25 +56,29 @@ impl GateArgs {
     }
 }
 
-/// The rules in force with the parts given replaced: native rules from
-/// `native`, the Envoy configuration from `envoy` (errors name `flags`).
+/// The rules in force with the parts `sources` gives replaced: native
+/// rules, the Envoy configuration, limitador's limits (errors name the
+/// part's flag in `flags`, in that order).
 pub(super) fn rules_with(
     config: &Config,
-    native: Option<&std::path::Path>,
-    envoy: Option<&std::path::Path>,
-    flags: (&str, &str),
+    sources: crate::rollout::publish::Sources<'_>,
+    flags: [&str; 3],
 ) -> Result<crate::replay::Rules, ExitCode> {
-    let mut rules = match (native, envoy) {
+    let mut rules = match (sources.native, sources.envoy) {
         (Some(_), Some(_)) => crate::replay::Rules::native(crate::rules::empty()),
         _ => current_rules(config, None)?,
     };
-    if let Some(path) = native {
+    if let Some(path) = sources.native {
         rules.native =
-            crate::rules::load(path, config.rules.path_matching).map_err(|e| rule_errors(flags.0, &e))?;
+            crate::rules::load(path, config.rules.path_matching).map_err(|e| rule_errors(flags[0], &e))?;
     }
-    if let Some(path) = envoy {
+    if let Some(path) = sources.envoy {
         let compiled = crate::rules::envoy::load(path, config.envoy.compile());
-        rules.envoy = Some(compiled.map_err(|e| rule_errors(flags.1, &e))?);
+        rules.envoy = Some(compiled.map_err(|e| rule_errors(flags[1], &e))?);
+    }
+    if let Some(path) = sources.limitador {
+        let compiled = crate::rules::limitador::Limits::load(path, config.rules.limitador_algorithm);
+        rules.limitador = Some(compiled.map_err(|e| rule_errors(flags[2], &e))?);
     }
     Ok(rules)
 }

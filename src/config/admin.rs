@@ -49,6 +49,9 @@ pub struct ConsoleConfig {
     pub rules_path: Option<PathBuf>,
     /// The Envoy configuration in the repository: a file or a directory.
     pub envoy_path: Option<PathBuf>,
+    /// limitador's limits file in the repository (published for instances
+    /// with `rules.limitador_path`).
+    pub limitador_path: Option<PathBuf>,
     /// A directory of captures (`*.jsonl`) the gate may replay; unset: the
     /// console cannot gate (and cannot publish with `rules.kafka.require_gate`).
     pub captures_dir: Option<PathBuf>,
@@ -108,6 +111,7 @@ impl Default for ConsoleConfig {
             branch: "main".to_owned(),
             rules_path: None,
             envoy_path: None,
+            limitador_path: None,
             captures_dir: None,
             audit_log: PathBuf::new(),
             users: Vec::new(),
@@ -131,7 +135,12 @@ impl ConsoleConfig {
         if self.branch.is_empty() || self.branch.starts_with('-') || self.branch.contains("..") {
             return Err(invalid("admin.branch", format!("{:?} is not a branch name", self.branch)));
         }
-        for (key, path) in [("admin.rules_path", &self.rules_path), ("admin.envoy_path", &self.envoy_path)] {
+        let paths = [
+            ("admin.rules_path", &self.rules_path),
+            ("admin.envoy_path", &self.envoy_path),
+            ("admin.limitador_path", &self.limitador_path),
+        ];
+        for (key, path) in paths {
             if path.as_deref().is_some_and(|p| !crate::rollout::git::inside(p)) {
                 return Err(invalid(key, "give a relative path inside the repository, without `..`"));
             }
@@ -164,8 +173,11 @@ impl ConsoleConfig {
         if self.repo.is_none() {
             return Err(invalid("admin.repo", "the console needs the rules' Git repository"));
         }
-        if self.rules_path.is_none() && self.envoy_path.is_none() {
-            return Err(invalid("admin.rules_path", "set admin.rules_path, admin.envoy_path or both"));
+        if self.rules_path.is_none() && self.envoy_path.is_none() && self.limitador_path.is_none() {
+            return Err(invalid(
+                "admin.rules_path",
+                "set at least one of admin.rules_path, admin.envoy_path, admin.limitador_path",
+            ));
         }
         if self.users.is_empty() && self.proxy.user_header.is_none() {
             return Err(invalid("admin.users", "nobody can sign in: configure admin.users or admin.proxy"));

@@ -237,6 +237,16 @@ impl Config {
             .requiring_gate(kafka.require_gate.then_some(self.gate))
     }
 
+    /// How this instance compiles a rules record: `envoy.algorithm` and
+    /// `envoy.merge_domains`, `rules.path_matching`, `rules.limitador_algorithm`.
+    pub fn compilers(&self) -> crate::rules::encoding::Compilers {
+        crate::rules::encoding::Compilers {
+            envoy: self.envoy.compile(),
+            paths: self.rules.path_matching,
+            limitador: self.rules.limitador_algorithm,
+        }
+    }
+
     /// A Kafka setting in a build without Kafka (cargo feature `kafka`)
     /// fails closed, naming its key: failed decisions would otherwise go
     /// to a file the operator does not read, and rules never arrive.

@@ -55,7 +55,9 @@ pub struct RulesConfig {
     /// Kuadrant limitador's limits file (a YAML list of limits with CEL conditions and
     /// variables): `ShouldRateLimit` is answered as limitador answers it, every limit of the
     /// request's domain (its namespace) that applies counted. Watched and swapped as `envoy_path`
-    /// is. Not with `envoy_path`, nor with `source: kafka` or `xds`.
+    /// is. With `source: kafka` the limits come from the rules topic's records (`rules publish
+    /// --limitador`) and this file is the fallback, served as `path` is. Not with `envoy_path`,
+    /// nor with `source: xds`.
     pub limitador_path: Option<PathBuf>,
     /// How limitador's limits count: `first_hit_window` (limitador's own counters: a window
     /// opens at a counter's first hit and ends `seconds` later), or any rule algorithm
@@ -216,8 +218,11 @@ impl RulesConfig {
                 "not with rules.envoy_path: both would answer ShouldRateLimit",
             ));
         }
-        if self.source != RulesSource::Files {
-            return Err(invalid("rules.limitador_path", "only with rules.source: files"));
+        if self.source == RulesSource::Xds {
+            return Err(invalid(
+                "rules.limitador_path",
+                "not with rules.source: xds (Envoy's configuration only)",
+            ));
         }
         Ok(())
     }

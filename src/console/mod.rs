@@ -86,6 +86,7 @@ impl Console {
             branch: admin.branch.clone(),
             native: admin.rules_path.clone(),
             envoy: admin.envoy_path.clone(),
+            limitador: admin.limitador_path.clone(),
         };
         let auth = auth::Auth::new(&admin.users, &admin.proxy);
         let audit = audit::AuditLog::open(&admin.audit_log)?;

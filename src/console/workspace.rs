@@ -2,7 +2,8 @@
 //! commit, a change to them checked with the compilers `serve` uses (every
 //! error naming file, rule and field), compared with the rules in force,
 //! and turned into the commit and candidate the publish path takes. Only
-//! files under `admin.rules_path` and `admin.envoy_path` may be changed:
+//! files under `admin.rules_path`, `admin.envoy_path` and
+//! `admin.limitador_path` may be changed:
 //! the console writes nothing else into the repository.
 
 use std::path::{Path, PathBuf};
@@ -21,6 +22,7 @@ use crate::{
         diff::{self, Change},
         encoding::{Provenance, SnapshotRecord},
         envoy::EnvoyConfig,
+        limitador::Limits,
         signing::Trust,
     },
 };
@@ -61,9 +63,10 @@ pub struct Problem {
 /// One change of a rule or limit against the rules in force.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RuleChange {
-    /// `native` or `envoy`.
+    /// `native`, `envoy` or `limitador`.
     pub kind: &'static str,
-    /// The rule id or Envoy full key.
+    /// The rule id, Envoy full key or limitador limit's key
+    /// (`diff::limitador_key`).
     pub id: String,
     /// `added`, `removed` or `changed`.
     pub change: &'static str,
@@ -101,6 +104,8 @@ pub struct Workspace {
     pub native: Option<PathBuf>,
     /// The Envoy configuration in it.
     pub envoy: Option<PathBuf>,
+    /// limitador's limits file in it.
+    pub limitador: Option<PathBuf>,
 }
 
 /// A change checked and compiled: its candidate and the files it holds.
@@ -115,7 +120,7 @@ pub struct Checked {
 impl Workspace {
     /// The rule paths in the repository.
     pub fn paths(&self) -> Vec<&Path> {
-        self.native.iter().chain(&self.envoy).map(PathBuf::as_path).collect()
+        self.native.iter().chain(&self.envoy).chain(&self.limitador).map(PathBuf::as_path).collect()
     }
 
     /// The head of the branch.
@@ -184,13 +189,15 @@ impl Workspace {
         git::write_files(dir.path(), files)?;
         // A rule path the change leaves without files is not compiled.
         let held = |p: &&Path| dir.path().join(p).exists();
-        let (native, envoy) = (self.native.as_deref().filter(held), self.envoy.as_deref().filter(held));
-        if native.is_none() && envoy.is_none() {
+        let sources = publish::Sources {
+            native: self.native.as_deref().filter(held),
+            envoy: self.envoy.as_deref().filter(held),
+            limitador: self.limitador.as_deref().filter(held),
+        };
+        if sources.paths().next().is_none() {
             return Err(ChangeError::Refused("the change leaves no rule file".to_owned()));
         }
-        let (how, paths, allow_empty) =
-            (config.envoy.compile(), config.rules.path_matching, config.rules.allow_empty);
-        publish::candidate_under(dir.path(), native, envoy, how, paths, allow_empty)
+        publish::candidate_under(dir.path(), sources, config.compilers(), config.rules.allow_empty)
             .map_err(|errors| ChangeError::Invalid(errors.0.into_iter().map(problem).collect()))
     }
 }
@@ -208,7 +215,8 @@ fn problem(error: RuleError) -> Problem {
 }
 
 /// What `candidate` changes against the rules in force (`in_force`, else
-/// the configured rules): native rules by id, Envoy limits by full key.
+/// the configured rules): native rules by id, Envoy limits by full key,
+/// limitador's by what makes their counter.
 pub fn changes(
     config: &Config,
     in_force: Option<&SnapshotRecord>,
@@ -232,6 +240,18 @@ pub fn changes(
         for change in diff::envoy_diff(old_envoy, new_envoy) {
             out.push(rule_change("envoy", &change, |key, new_side| {
                 diff::describe_limit(if new_side { &new_limits } else { &old_limits }, key)
+            }));
+        }
+    }
+    if candidate.limitador.is_some() {
+        let none = Limits::default();
+        let (old_set, new_set) =
+            (old.limitador.as_ref().unwrap_or(&none), new.limitador.as_ref().unwrap_or(&none));
+        let (old_limits, new_limits) = (diff::limitador_by_key(old_set), diff::limitador_by_key(new_set));
+        for change in diff::limitador_diff(old_set, new_set) {
+            out.push(rule_change("limitador", &change, |key, new_side| {
+                let limits = if new_side { &new_limits } else { &old_limits };
+                limits.get(key).map(|l| diff::describe_limitador(l)).unwrap_or_default()
             }));
         }
     }
@@ -284,6 +304,7 @@ mod tests {
             branch: "main".to_owned(),
             native: Some(PathBuf::from("rules")),
             envoy: Some(PathBuf::from("envoy")),
+            limitador: None,
         };
         (repo, workspace, head)
     }

@@ -89,7 +89,30 @@ pub(super) async fn decide<D: Descriptor>(
     let priority = envoy::priority(engine, request);
     let decision = engine.run(envoy::Rls::with_limits(&counted, matches, priority)).await;
     engine.envoy_decided(&decision, started);
+    capture(engine, limits, request, call, hits, &decision);
     decision
+}
+
+/// Captures `request` as it was asked (its descriptors, its hits: `hits`,
+/// else the request's), counted as `call` counts, for the publish gate
+/// to replay through limitador's limits. Hits beyond `u32::MAX` are
+/// captured as that many.
+fn capture<D: Descriptor>(
+    engine: &Engine,
+    limits: &Limits,
+    request: &RlsRequest<'_, D>,
+    call: Call,
+    hits: Option<u64>,
+    decision: &RlsDecision,
+) {
+    let count = match call {
+        Call::Admit => Count::IfFits,
+        Call::Check => Count::Never,
+        Call::Report => Count::Always,
+    };
+    let hits = hits.map_or(request.hits_addend, |h| u32::try_from(h).unwrap_or(u32::MAX));
+    let version = || crate::rules::Versioned::version(limits).to_owned();
+    envoy::capture_as(engine, request, hits, count, decision, version);
 }
 
 /// See [`Engine::limitador_counted`]. A refused call counts under the

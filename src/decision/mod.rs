@@ -214,8 +214,10 @@ pub trait CaptureSink: Send + Sync + fmt::Debug {
     /// `first_entries` is captured (the same answer for every such request).
     fn wants_envoy(&self, domain: &str, first_entries: &mut dyn Iterator<Item = (&str, &str)>) -> bool;
     /// Captures one decided Envoy request, decided under the Envoy
-    /// configuration `envoy_version`.
-    fn record_envoy(&self, call: EnvoyCall, decision: &RlsDecision, envoy_version: &str);
+    /// configuration (or limitador's limits) `envoy_version`; `count` says
+    /// how it counted (limitador's `CheckRateLimit` peeks, its `Report`
+    /// counts whatever is left).
+    fn record_envoy(&self, call: EnvoyCall, count: Count, decision: &RlsDecision, envoy_version: &str);
 }
 
 /// A [`Stats`] that counts nothing (tools and tests that do not scrape).

@@ -24,21 +24,42 @@ pub struct Candidate {
     pub native: Option<encoding::NativeRules>,
     /// Envoy configuration files.
     pub envoy: Option<encoding::EnvoyRules>,
+    /// limitador's limits file.
+    pub limitador: Option<encoding::LimitadorRules>,
     /// The paths it was loaded from.
     pub paths: Vec<PathBuf>,
+}
+
+/// Where a candidate's files are: native rules, Envoy configuration,
+/// limitador's limits file; any may be absent.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Sources<'a> {
+    /// Native rules: a file or a directory.
+    pub native: Option<&'a Path>,
+    /// envoyproxy/ratelimit configuration: a file or a directory.
+    pub envoy: Option<&'a Path>,
+    /// limitador's limits file.
+    pub limitador: Option<&'a Path>,
+}
+
+impl<'a> Sources<'a> {
+    /// Every path given, in that order.
+    pub fn paths(self) -> impl Iterator<Item = &'a Path> {
+        self.native.into_iter().chain(self.envoy).chain(self.limitador)
+    }
 }
 
 impl Candidate {
     /// The version the record will have.
     pub fn version(&self) -> String {
-        encoding::record_version(self.native.as_ref(), self.envoy.as_ref())
+        encoding::record_version(self.native.as_ref(), self.envoy.as_ref(), self.limitador.as_ref())
     }
 
     /// The candidate as if loaded from `base` as the working directory:
     /// every file named by its path under `base` (`rules sync` loads a
     /// commit's files from a temporary directory, and names them as a
-    /// publish from the repository's root would; Envoy file names are part
-    /// of the version).
+    /// publish from the repository's root would; Envoy and limitador file
+    /// names are part of the version).
     pub fn relative_to(mut self, base: &Path) -> Self {
         let strip = |name: &str| {
             Path::new(name).strip_prefix(base).map_or(name.to_owned(), |p| p.display().to_string())
@@ -52,6 +73,10 @@ impl Candidate {
             }
             envoy.digest = encoding::envoy_digest(&envoy.files);
         }
+        if let Some(limitador) = &mut self.limitador {
+            *limitador =
+                encoding::encode_limitador(Path::new(&strip(&limitador.file.name)), &limitador.file.text);
+        }
         for path in &mut self.paths {
             *path = path.strip_prefix(base).map_or(path.clone(), Path::to_path_buf);
         }
@@ -59,66 +84,64 @@ impl Candidate {
     }
 }
 
-/// Loads and compiles the native rules at `native` and the Envoy
-/// configuration at `envoy` with the compilers `serve` uses; every problem
-/// is returned, as `rules validate` reports it. A set without rules is one
-/// unless `allow_empty` (`rules.allow_empty`): instances would refuse it.
+/// Loads and compiles the files `sources` names with the compilers `serve`
+/// uses; every problem is returned, as `rules validate` reports it. A set
+/// without rules is one unless `allow_empty` (`rules.allow_empty`):
+/// instances would refuse it.
 pub fn candidate(
-    native: Option<&Path>,
-    envoy: Option<&Path>,
-    how: rules::envoy::Compile,
-    paths: rules::PathForm,
+    sources: Sources<'_>,
+    how: encoding::Compilers,
     allow_empty: bool,
 ) -> Result<Candidate, RuleErrors> {
     let mut errors = Vec::new();
-    let native_rules = match native
-        .map(|path| rules::load(path, paths).and_then(|s| rules::non_empty(s, path, allow_empty)))
-    {
-        None => None,
-        Some(Ok(snapshot)) => Some(encoding::encode_native(&snapshot)),
-        Some(Err(e)) => {
-            errors.extend(e.0);
-            None
-        }
-    };
-    let envoy_rules = match envoy.map(rules::envoy::read_files) {
-        None => None,
-        Some(Ok(files)) => match rules::envoy::compile_texts(&files, how)
-            .and_then(|set| rules::non_empty(set, envoy.unwrap_or(Path::new("envoy")), allow_empty))
-        {
-            Ok(_) => Some(encoding::encode_envoy(&files)),
-            Err(e) => {
-                errors.extend(e.0);
-                None
-            }
-        },
-        Some(Err(e)) => {
-            errors.extend(e.0);
-            None
-        }
-    };
+    let native = sources.native.and_then(|path| {
+        kept(&mut errors, rules::load(path, how.paths).and_then(|s| rules::non_empty(s, path, allow_empty)))
+            .map(|snapshot| encoding::encode_native(&snapshot))
+    });
+    let envoy = sources.envoy.and_then(|path| {
+        let files = kept(&mut errors, rules::envoy::read_files(path))?;
+        let compiled = rules::envoy::compile_texts(&files, how.envoy)
+            .and_then(|set| rules::non_empty(set, path, allow_empty));
+        kept(&mut errors, compiled).map(|_| encoding::encode_envoy(&files))
+    });
+    let limitador = sources.limitador.and_then(|path| {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| RuleErrors(vec![rules::RuleError::io(path, &e)]));
+        let text = kept(&mut errors, text)?;
+        let compiled = rules::limitador::Limits::parse(path, &text, how.limitador)
+            .map_err(|e| RuleErrors(vec![e]))
+            .and_then(|set| rules::non_empty(set, path, allow_empty));
+        kept(&mut errors, compiled).map(|_| encoding::encode_limitador(path, &text))
+    });
     if !errors.is_empty() {
         return Err(RuleErrors(errors));
     }
-    let paths = native.into_iter().chain(envoy).map(Path::to_path_buf).collect();
-    Ok(Candidate { native: native_rules, envoy: envoy_rules, paths })
+    let paths = sources.paths().map(Path::to_path_buf).collect();
+    Ok(Candidate { native, envoy, limitador, paths })
 }
 
-/// [`candidate`] of the rules at `native` and `envoy` below `base` (a
-/// directory holding a commit's files: `rules sync`, the console): every
-/// file, and every error, named by its path below `base`, as a publish
-/// from the repository's root names them (Envoy file names are part of the
-/// version).
+/// `result`'s value, or nothing with its errors added to `errors`.
+fn kept<T>(errors: &mut Vec<rules::RuleError>, result: Result<T, RuleErrors>) -> Option<T> {
+    result.map_err(|e| errors.extend(e.0)).ok()
+}
+
+/// [`candidate`] of the files `sources` names below `base` (a directory
+/// holding a commit's files: `rules sync`, the console): every file, and
+/// every error, named by its path below `base`, as a publish from the
+/// repository's root names them (Envoy and limitador file names are part
+/// of the version).
 pub fn candidate_under(
     base: &Path,
-    native: Option<&Path>,
-    envoy: Option<&Path>,
-    how: rules::envoy::Compile,
-    paths: rules::PathForm,
+    sources: Sources<'_>,
+    how: encoding::Compilers,
     allow_empty: bool,
 ) -> Result<Candidate, RuleErrors> {
-    let (native, envoy) = (native.map(|p| base.join(p)), envoy.map(|p| base.join(p)));
-    match candidate(native.as_deref(), envoy.as_deref(), how, paths, allow_empty) {
+    let joined = |p: Option<&Path>| p.map(|p| base.join(p));
+    let (native, envoy, limitador) =
+        (joined(sources.native), joined(sources.envoy), joined(sources.limitador));
+    let under =
+        Sources { native: native.as_deref(), envoy: envoy.as_deref(), limitador: limitador.as_deref() };
+    match candidate(under, how, allow_empty) {
         Ok(candidate) => Ok(candidate.relative_to(base)),
         Err(mut errors) => {
             for error in &mut errors.0 {
@@ -188,6 +211,7 @@ pub fn record(
         provenance,
         native: candidate.native.clone(),
         envoy: candidate.envoy.clone(),
+        limitador: candidate.limitador.clone(),
         gate: None,
     }
 }
@@ -220,10 +244,7 @@ pub fn history(kafka: &RulesKafkaConfig, trust: &Trust) -> Result<Vec<Entry>, Ro
                 record: trust
                     .open(&payload)
                     // Display only: a record any instance could compile is shown as valid.
-                    .and_then(|record| {
-                        let how = rules::envoy::Compile { sliding: true, merge_domains: true };
-                        record.compile(how, rules::PathForm::default()).map(|_| record)
-                    })
+                    .and_then(|record| record.compile(encoding::Compilers::ANY).map(|_| record))
                     .map_err(|e| e.to_string()),
             })
         })

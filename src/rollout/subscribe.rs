@@ -13,8 +13,13 @@
 //! Before the first snapshot nothing is served (`/readyz`: waiting for
 //! rules). If the topic is empty, or no snapshot arrived within
 //! `rules.kafka.wait_ms`, the fallback files (`rules.path`,
-//! `rules.envoy_path`) are swapped in when configured; a later record
-//! replaces them.
+//! `rules.envoy_path`, `rules.limitador_path`) are swapped in when
+//! configured; a later record replaces them.
+//!
+//! An instance with `rules.limitador_path` answers `ShouldRateLimit` with
+//! limitador's limits: it serves the records' limitador part, and refuses
+//! a record without one (unless `rules.allow_empty`), which would lift
+//! every limit it answers by.
 
 use std::{
     path::PathBuf,
@@ -34,11 +39,11 @@ use super::topic;
 use crate::{
     clock::{Clock, SystemClock},
     folded::Folded,
-    rules::envoy::Compile,
     rules::{
-        self, Feed, Hot, Origin, PathForm, RuleErrors, RuleStore, Served, Snapshot, Versioned,
-        encoding::{Compiled, DecodeError, SnapshotRecord},
+        self, Feed, Hot, Origin, RuleErrors, RuleStore, Served, Snapshot, Versioned,
+        encoding::{Compiled, Compilers, DecodeError, SnapshotRecord},
         envoy::EnvoyConfig,
+        limitador::Limits,
         signing::Trust,
     },
 };
@@ -50,28 +55,29 @@ pub struct Fallback {
     pub native: Option<PathBuf>,
     /// Envoy configuration (`rules.envoy_path`).
     pub envoy: Option<PathBuf>,
+    /// limitador's limits file (`rules.limitador_path`).
+    pub limitador: Option<PathBuf>,
 }
 
 impl Fallback {
     fn configured(&self) -> bool {
-        self.native.is_some() || self.envoy.is_some()
+        self.native.is_some() || self.envoy.is_some() || self.limitador.is_some()
     }
 
-    fn load(
-        &self,
-        how: Compile,
-        paths: PathForm,
-        allow_empty: bool,
-    ) -> Result<(Snapshot, EnvoyConfig), RuleErrors> {
+    fn load(&self, how: Compilers, allow_empty: bool) -> Result<(Snapshot, EnvoyConfig, Limits), RuleErrors> {
         let native = match &self.native {
-            Some(path) => rules::non_empty(rules::load(path, paths)?, path, allow_empty)?,
+            Some(path) => rules::non_empty(rules::load(path, how.paths)?, path, allow_empty)?,
             None => rules::empty(),
         };
         let envoy = match &self.envoy {
-            Some(path) => rules::non_empty(rules::envoy::load(path, how)?, path, allow_empty)?,
+            Some(path) => rules::non_empty(rules::envoy::load(path, how.envoy)?, path, allow_empty)?,
             None => EnvoyConfig::default(),
         };
-        Ok((native, envoy))
+        let limitador = match &self.limitador {
+            Some(path) => rules::non_empty(Limits::load(path, how.limitador)?, path, allow_empty)?,
+            None => Limits::default(),
+        };
+        Ok((native, envoy, limitador))
     }
 }
 
@@ -80,10 +86,8 @@ impl Fallback {
 pub struct Subscription {
     /// Topic, brokers, properties, how long to wait before falling back.
     pub kafka: RulesKafkaConfig,
-    /// How Envoy rules compile (`envoy.algorithm`, `envoy.merge_domains`).
-    pub compile: Compile,
-    /// How native rules' paths are compared (`rules.path_matching`).
-    pub paths: PathForm,
+    /// How records compile on this instance.
+    pub compile: Compilers,
     /// Accept a record, or fallback files, with no rules (`rules.allow_empty`).
     pub allow_empty: bool,
     /// Whose records are served (`rules.kafka.verify_keys`, `allow_unsigned`).
@@ -92,6 +96,9 @@ pub struct Subscription {
     pub native: Arc<RuleStore>,
     /// The Envoy configuration the engine reads.
     pub envoy: Arc<Hot<EnvoyConfig>>,
+    /// limitador's limits the engine reads, on an instance that answers
+    /// with them (`rules.limitador_path`).
+    pub limitador: Option<Arc<Hot<Limits>>>,
     /// What is served, for health, metrics and the status reporter.
     pub feed: Arc<Feed>,
     /// Served when the topic has nothing.
@@ -173,15 +180,25 @@ impl Subscription {
     }
 
     /// `compiled`, unless `record` would lift every limit of a kind it
-    /// carries (a part with no rules, or no rules at all) and empty sets
+    /// carries (a part with no rules, or no rules at all; on an instance
+    /// answering with limitador's limits, none of those) and empty sets
     /// are not accepted (`rules.allow_empty`).
     fn non_empty(&self, record: &SnapshotRecord, compiled: Compiled) -> Result<Compiled, DecodeError> {
-        let native = (record.native.is_some() || record.envoy.is_none()) && compiled.native.size() == 0;
-        let envoy = (record.envoy.is_some() || record.native.is_none()) && compiled.envoy.size() == 0;
-        if self.allow_empty || !(native || envoy) {
+        let answering = self.limitador.is_some();
+        let (carries_native, carries_envoy) = (record.native.is_some(), record.envoy.is_some());
+        let native = (carries_native || !carries_envoy && !answering) && compiled.native.size() == 0;
+        let envoy = (carries_envoy || !carries_native && !answering) && compiled.envoy.size() == 0;
+        let limitador = answering && compiled.limitador.size() == 0;
+        if self.allow_empty || !(native || envoy || limitador) {
             return Ok(compiled);
         }
-        let part = if native { "the record's native rules" } else { "the record's Envoy rules" };
+        let part = if limitador {
+            "the record's limitador limits"
+        } else if native {
+            "the record's native rules"
+        } else {
+            "the record's Envoy rules"
+        };
         Err(DecodeError::Rules {
             version: compiled.version,
             errors: rules::empty_set(std::path::Path::new(part)),
@@ -201,7 +218,7 @@ impl Subscription {
     /// Decodes, compiles and swaps in one record; false when it was refused.
     fn apply(&self, offset: i64, payload: &[u8]) -> bool {
         let compiled = self.trust.open(payload).and_then(|record| {
-            let compiled = record.compile(self.compile, self.paths)?;
+            let compiled = record.compile(self.compile)?;
             self.non_empty(&record, compiled)
         });
         let compiled = match compiled {
@@ -221,10 +238,14 @@ impl Subscription {
             offset,
             native_rules = compiled.native.rules().len(),
             envoy_domains = compiled.envoy.domain_count(),
+            limitador_limits = compiled.limitador.size(),
             "rules snapshot swapped in"
         );
         self.native.swap(compiled.native);
         self.envoy.swap(compiled.envoy);
+        if let Some(limits) = &self.limitador {
+            limits.swap(compiled.limitador);
+        }
         self.feed.serve(Served {
             version: compiled.version,
             origin: Origin::Topic { offset },
@@ -235,13 +256,20 @@ impl Subscription {
 
     fn serve_fallback(&self, why: &str) {
         if !self.fallback.configured() {
-            tracing::warn!(why, "no fallback configured (rules.path, rules.envoy_path): waiting for rules");
+            tracing::warn!(
+                why,
+                "no fallback configured (rules.path, rules.envoy_path, rules.limitador_path): waiting for rules"
+            );
             return;
         }
-        match self.fallback.load(self.compile, self.paths, self.allow_empty) {
-            Ok((native, envoy)) => {
-                let version = format!("fallback:{}", native.version());
-                tracing::warn!(why, %version, native = ?self.fallback.native, envoy = ?self.fallback.envoy, "serving the fallback rule files until a snapshot arrives");
+        match self.fallback.load(self.compile, self.allow_empty) {
+            Ok((native, envoy, limitador)) => {
+                let mut version = format!("fallback:{}", native.version());
+                if let Some(limits) = &self.limitador {
+                    version = format!("{version}+{}", limitador.version());
+                    limits.swap(limitador);
+                }
+                tracing::warn!(why, %version, native = ?self.fallback.native, envoy = ?self.fallback.envoy, limitador = ?self.fallback.limitador, "serving the fallback rule files until a snapshot arrives");
                 self.native.swap(native);
                 self.envoy.swap(envoy);
                 self.feed.serve(Served { version, origin: Origin::Fallback, since_ms: SystemClock.now_ms() });

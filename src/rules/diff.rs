@@ -1,6 +1,8 @@
 //! `rules diff`: what a candidate rule set changes against another (the
 //! rules in force, by default), in words a reviewer reads: native rules (by
-//! rule id) and Envoy limits (by full key) added, removed, and each changed
+//! rule id), Envoy limits (by full key) and limitador's limits (by what
+//! makes their counter: namespace, seconds, conditions, variables) added,
+//! removed, and each changed
 //! field from and to; and, given captured traffic, how many requests each
 //! change touches (a request whose rule or limit is another one under the
 //! candidate, or whose rule or limit changed).
@@ -10,6 +12,7 @@ use std::collections::BTreeMap;
 use super::{
     Rule, Snapshot,
     envoy::{EnvoyConfig, EnvoyLimit},
+    limitador::{Limit, Limits},
 };
 
 /// One change between two rule sets, by rule id.
@@ -127,6 +130,46 @@ pub fn envoy_diff(old: &EnvoyConfig, new: &EnvoyConfig) -> Vec<Change> {
         c.limits().into_iter().map(|l| (l.full_key.to_string(), l)).collect()
     };
     changes(&by_key(old), &by_key(new), |limit| envoy_fields(limit))
+}
+
+/// A limitador limit's key in a diff: what makes its counter (namespace,
+/// window, conditions and variables, each set sorted, as its identity
+/// takes them), written out: `ns 60s if [a, b] by [v]`.
+pub fn limitador_key(limit: &Limit) -> String {
+    let sorted = |items: &mut dyn Iterator<Item = &str>| {
+        let mut items: Vec<&str> = items.collect();
+        items.sort_unstable();
+        items.dedup();
+        items.join(", ")
+    };
+    format!(
+        "{} {}s if [{}] by [{}]",
+        limit.namespace,
+        limit.seconds,
+        sorted(&mut limit.conditions()),
+        sorted(&mut limit.variables())
+    )
+}
+
+/// A limitador limit in a few words: `5 per 60 s (name per-user)`.
+pub fn describe_limitador(limit: &Limit) -> String {
+    let name = limit.name.as_deref().map(|n| format!(" (name {n})")).unwrap_or_default();
+    format!("{} per {} s{name}", limit.max_value, limit.seconds)
+}
+
+/// The changes from `old` to `new` limitador limits, by [`limitador_key`],
+/// in the order of [`diff`]; a changed `max_value`, `name` or `id` keeps
+/// the limit's counters.
+pub fn limitador_diff(old: &Limits, new: &Limits) -> Vec<Change> {
+    changes(&limitador_by_key(old), &limitador_by_key(new), |limit| {
+        let text = |v: &Option<std::sync::Arc<str>>| v.as_deref().unwrap_or("-").to_owned();
+        vec![("max_value", limit.max_value.to_string()), ("name", text(&limit.name)), ("id", text(&limit.id))]
+    })
+}
+
+/// `limits` by [`limitador_key`].
+pub fn limitador_by_key(limits: &Limits) -> BTreeMap<String, &Limit> {
+    limits.namespaces().flat_map(|(_, l)| l).map(|l| (limitador_key(l), l)).collect()
 }
 
 /// Removed, changed (the fields that differ), added: by key, in key order.
@@ -268,5 +311,34 @@ mod tests {
         assert_eq!((touched["old"], touched["write"]), (1, 1), "/o moves from old to write");
         assert!(!touched.contains_key("same"), "unchanged rules are not listed");
         assert!(diff(&old, &old).is_empty());
+    }
+
+    #[test]
+    fn limitador_limits_are_compared_by_what_makes_their_counter() {
+        let limits = |yaml: &str| {
+            Limits::parse(Path::new("l.yaml"), yaml, crate::limiter::Algorithm::FirstHitWindow).unwrap()
+        };
+        let old = limits(
+            "- { namespace: ns, max_value: 5, seconds: 60, conditions: [\"descriptors[0]['m'] == 'GET'\"], variables: [\"descriptors[0]['u']\"] }\n- { namespace: ns, max_value: 9, seconds: 1, conditions: [], variables: [] }\n",
+        );
+        let new = limits(
+            "- { namespace: ns, max_value: 7, seconds: 60, name: per-user, conditions: [\"descriptors[0]['m'] == 'GET'\"], variables: [\"descriptors[0]['u']\"] }\n- { namespace: ns, max_value: 9, seconds: 2, conditions: [], variables: [] }\n",
+        );
+        let key = "ns 60s if [descriptors[0]['m'] == 'GET'] by [descriptors[0]['u']]";
+        assert_eq!(
+            limitador_diff(&old, &new),
+            vec![
+                Change::Removed("ns 1s if [] by []".to_owned()),
+                Change::Changed(
+                    key.to_owned(),
+                    vec![
+                        ("max_value", "5".to_owned(), "7".to_owned()),
+                        ("name", "-".to_owned(), "per-user".to_owned())
+                    ]
+                ),
+                Change::Added("ns 2s if [] by []".to_owned()),
+            ]
+        );
+        assert_eq!(describe_limitador(limitador_by_key(&new)[key]), "7 per 60 s (name per-user)");
     }
 }

@@ -6,6 +6,8 @@
 //! the algorithm named. Envoy configurations travel as their validated
 //! envoyproxy/ratelimit YAML documents (upstream's own documented format),
 //! because an instance compiles them with its own `envoy.algorithm`.
+//! limitador's limits file travels the same way, as its YAML text, compiled
+//! by each instance with its own `rules.limitador_algorithm`.
 //!
 //! Decoding never trusts the record: the rules are compiled again by the
 //! same compiler `serve` and `rules validate` use, and every content hash
@@ -21,12 +23,13 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
+use super::limitador::Limits;
 use super::{
     FailurePolicy, Mode, OverloadSpec, PathForm, RuleErrors, Snapshot, compile,
     envoy::{self, EnvoyConfig},
     native::{RawRule, SourcedRule},
 };
-use crate::shed::Priority;
+use crate::{limiter::Algorithm, shed::Priority};
 
 /// The schema this build writes and reads.
 pub const SCHEMA: &str = "ratelimitd.rules.snapshot/1";
@@ -49,6 +52,10 @@ pub struct SnapshotRecord {
     pub native: Option<NativeRules>,
     /// Envoy configuration; `None`: none (every descriptor is unmatched).
     pub envoy: Option<EnvoyRules>,
+    /// limitador's limits file; `None`: none. Absent from records without
+    /// it, so their versions and bytes are what they were before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limitador: Option<LimitadorRules>,
     /// The publish gate's report on this version (`rules publish --gate`);
     /// instances with `rules.kafka.require_gate` serve only a passing one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -138,6 +145,37 @@ pub struct EnvoyFile {
     pub text: String,
 }
 
+/// limitador's limits file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitadorRules {
+    /// [`envoy_digest`] of `file` alone.
+    pub digest: String,
+    /// The file, as validated.
+    pub file: EnvoyFile,
+}
+
+/// How a record's rules compile on this instance.
+#[derive(Debug, Clone, Copy)]
+pub struct Compilers {
+    /// Envoy's (`envoy.algorithm`, `envoy.merge_domains`).
+    pub envoy: envoy::Compile,
+    /// How native rules' paths are compared (`rules.path_matching`).
+    pub paths: PathForm,
+    /// How limitador's limits count (`rules.limitador_algorithm`).
+    pub limitador: Algorithm,
+}
+
+impl Compilers {
+    /// Sliding windows, domains merged, paths as written, limitador's own
+    /// counters: for tools that only ask whether a record compiles.
+    pub const ANY: Compilers = Compilers {
+        envoy: envoy::Compile { sliding: true, merge_domains: true },
+        paths: PathForm { decode_slashes: false, ignore_case: false },
+        limitador: Algorithm::FirstHitWindow,
+    };
+}
+
 /// Why a record cannot be served.
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
@@ -198,6 +236,9 @@ pub struct Compiled {
     /// The Envoy configuration, compiled with the instance's algorithm
     /// (empty when the record has none).
     pub envoy: EnvoyConfig,
+    /// limitador's limits, compiled with the instance's algorithm (none
+    /// when the record has none).
+    pub limitador: Limits,
 }
 
 /// The digest of Envoy files: SHA-1 over names and texts, 16 hex digits.
@@ -211,9 +252,14 @@ pub fn envoy_digest(files: &[EnvoyFile]) -> String {
     hasher.digest().to_string()[..16].to_owned()
 }
 
-/// The version of a whole record: SHA-1 over the native version and the
-/// Envoy digest, 16 hex digits. Equal content, equal version.
-pub fn record_version(native: Option<&NativeRules>, envoy: Option<&EnvoyRules>) -> String {
+/// The version of a whole record: SHA-1 over the native version, the
+/// Envoy digest and, when it has limitador's limits, their digest; 16 hex
+/// digits. Equal content, equal version.
+pub fn record_version(
+    native: Option<&NativeRules>,
+    envoy: Option<&EnvoyRules>,
+    limitador: Option<&LimitadorRules>,
+) -> String {
     let mut text = String::new();
     let _ = write!(
         text,
@@ -221,6 +267,9 @@ pub fn record_version(native: Option<&NativeRules>, envoy: Option<&EnvoyRules>) 
         native.map_or("-", |n| &n.version),
         envoy.map_or("-", |e| &e.digest)
     );
+    if let Some(limitador) = limitador {
+        let _ = writeln!(text, "limitador:{}", limitador.digest);
+    }
     sha1_smol::Sha1::from(text.as_bytes()).digest().to_string()[..16].to_owned()
 }
 
@@ -269,6 +318,12 @@ pub fn encode_envoy(files: &[(PathBuf, String)]) -> EnvoyRules {
     EnvoyRules { digest: envoy_digest(&files), files }
 }
 
+/// The limitador part of a record, from a file that compiled.
+pub fn encode_limitador(name: &Path, text: &str) -> LimitadorRules {
+    let file = EnvoyFile { name: name.display().to_string(), text: text.to_owned() };
+    LimitadorRules { digest: envoy_digest(std::slice::from_ref(&file)), file }
+}
+
 impl SnapshotRecord {
     /// Parses a record's bytes (no compilation yet).
     pub fn parse(bytes: &[u8]) -> Result<Self, DecodeError> {
@@ -280,9 +335,9 @@ impl SnapshotRecord {
         Ok(record)
     }
 
-    /// Compiles the record's rules (Envoy's as `how` says, native paths
-    /// compared in `paths`) and checks every hash it states.
-    pub fn compile(&self, how: envoy::Compile, paths: PathForm) -> Result<Compiled, DecodeError> {
+    /// Compiles the record's rules as `how` says and checks every hash it
+    /// states.
+    pub fn compile(&self, how: Compilers) -> Result<Compiled, DecodeError> {
         let version = &self.version;
         let hash = |what, stated: &str, actual: &str| {
             if stated == actual {
@@ -296,12 +351,13 @@ impl SnapshotRecord {
                 })
             }
         };
-        hash("the version", version, &record_version(self.native.as_ref(), self.envoy.as_ref()))?;
+        let stated = record_version(self.native.as_ref(), self.envoy.as_ref(), self.limitador.as_ref());
+        hash("the version", version, &stated)?;
         let rules_error = |errors| DecodeError::Rules { version: version.clone(), errors };
         let native = match &self.native {
             None => super::empty(),
             Some(native) => {
-                let snapshot = decode_native(native, version, paths).map_err(rules_error)?;
+                let snapshot = decode_native(native, version, how.paths).map_err(rules_error)?;
                 hash("the native version", &native.version, snapshot.version())?;
                 for (encoded, rule) in native.rules.iter().zip(snapshot.rules()) {
                     hash(
@@ -319,10 +375,20 @@ impl SnapshotRecord {
                 hash("the envoy digest", &envoy.digest, &envoy_digest(&envoy.files))?;
                 let files: Vec<(PathBuf, String)> =
                     envoy.files.iter().map(|f| (PathBuf::from(&f.name), f.text.clone())).collect();
-                envoy::compile_texts(&files, how).map_err(rules_error)?
+                envoy::compile_texts(&files, how.envoy).map_err(rules_error)?
             }
         };
-        Ok(Compiled { version: version.clone(), native, envoy })
+        let limitador = match &self.limitador {
+            None => Limits::default(),
+            Some(limitador) => {
+                let digest = envoy_digest(std::slice::from_ref(&limitador.file));
+                hash("the limitador digest", &limitador.digest, &digest)?;
+                let file = &limitador.file;
+                Limits::parse(Path::new(&file.name), &file.text, how.limitador)
+                    .map_err(|e| rules_error(RuleErrors(vec![e])))?
+            }
+        };
+        Ok(Compiled { version: version.clone(), native, envoy, limitador })
     }
 }
 
@@ -359,7 +425,7 @@ fn decode_native(native: &NativeRules, version: &str, paths: PathForm) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rules::native::parse;
+    use crate::rules::{Versioned as _, native::parse};
 
     const RULES: &str = r#"
 rules:
@@ -369,6 +435,13 @@ rules:
     const ENVOY: &str =
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: { unit: second, requests_per_unit: 1 }\n";
 
+    const HOW: Compilers = Compilers {
+        envoy: envoy::Compile::SLIDING,
+        paths: PathForm { decode_slashes: false, ignore_case: false },
+        limitador: Algorithm::FirstHitWindow,
+    };
+    const LIMITS: &str = "- { namespace: ns, max_value: 5, seconds: 60, conditions: [], variables: [] }\n";
+
     fn record() -> (Snapshot, SnapshotRecord) {
         let snapshot =
             compile(Path::new("r.yaml"), parse(Path::new("r.yaml"), RULES).unwrap(), PathForm::default())
@@ -377,12 +450,13 @@ rules:
         let envoy = encode_envoy(&[(PathBuf::from("d.yaml"), ENVOY.to_owned())]);
         let record = SnapshotRecord {
             schema: SCHEMA.to_owned(),
-            version: record_version(Some(&native), Some(&envoy)),
+            version: record_version(Some(&native), Some(&envoy), None),
             previous: None,
             published_at: "2026-11-23T10:00:00.000Z".to_owned(),
             provenance: Provenance::default(),
             native: Some(native),
             envoy: Some(envoy),
+            limitador: None,
             gate: None,
         };
         (snapshot, record)
@@ -394,7 +468,7 @@ rules:
         let bytes = serde_json::to_vec(&record).unwrap();
         let parsed = SnapshotRecord::parse(&bytes).unwrap();
         assert_eq!(parsed, record);
-        let compiled = parsed.compile(envoy::Compile::SLIDING, PathForm::default()).unwrap();
+        let compiled = parsed.compile(HOW).unwrap();
         assert_eq!(compiled.native.version(), snapshot.version());
         for (a, b) in compiled.native.rules().iter().zip(snapshot.rules()) {
             assert_eq!(
@@ -411,30 +485,21 @@ rules:
         let (_, record) = record();
         let mut limit = record.clone();
         limit.native.as_mut().unwrap().rules[0].limit = 1_000;
-        assert!(matches!(
-            limit.compile(envoy::Compile::SLIDING, PathForm::default()),
-            Err(DecodeError::Hash { what: "the native version", .. })
-        ));
+        assert!(matches!(limit.compile(HOW), Err(DecodeError::Hash { what: "the native version", .. })));
         let mut version = record.clone();
         version.version = "0000000000000000".to_owned();
-        assert!(matches!(
-            version.compile(envoy::Compile::SLIDING, PathForm::default()),
-            Err(DecodeError::Hash { what: "the version", .. })
-        ));
+        assert!(matches!(version.compile(HOW), Err(DecodeError::Hash { what: "the version", .. })));
 
         let mut envoy = record.clone();
         envoy.envoy.as_mut().unwrap().files[0].text.push_str("# edited\n");
-        assert!(matches!(
-            envoy.compile(envoy::Compile::SLIDING, PathForm::default()),
-            Err(DecodeError::Hash { what: "the envoy digest", .. })
-        ));
+        assert!(matches!(envoy.compile(HOW), Err(DecodeError::Hash { what: "the envoy digest", .. })));
 
         // Consistent hashes over an invalid rule: the compiler refuses it.
         let mut invalid = record.clone();
         let native = invalid.native.as_mut().unwrap();
         native.rules[0].limit = 0;
-        invalid.version = record_version(invalid.native.as_ref(), invalid.envoy.as_ref());
-        let error = invalid.compile(envoy::Compile::SLIDING, PathForm::default()).unwrap_err().to_string();
+        invalid.version = record_version(invalid.native.as_ref(), invalid.envoy.as_ref(), None);
+        let error = invalid.compile(HOW).unwrap_err().to_string();
         assert!(error.contains("field `limit`") && error.contains("\"a\""), "{error}");
 
         assert!(matches!(SnapshotRecord::parse(b"{not json"), Err(DecodeError::Undecodable(_))));
@@ -448,16 +513,44 @@ rules:
     fn an_empty_record_serves_no_rules() {
         let record = SnapshotRecord {
             schema: SCHEMA.to_owned(),
-            version: record_version(None, None),
+            version: record_version(None, None, None),
             previous: Some("x".to_owned()),
             published_at: String::new(),
             provenance: Provenance::default(),
             native: None,
             envoy: None,
+            limitador: None,
             gate: None,
         };
-        let compiled = record.compile(envoy::Compile::FIXED, PathForm::default()).unwrap();
+        let compiled = record.compile(Compilers { envoy: envoy::Compile::FIXED, ..HOW }).unwrap();
         assert!(compiled.native.rules().is_empty());
         assert_eq!(compiled.envoy.domain_count(), 0);
+    }
+
+    #[test]
+    fn limitadors_limits_travel_as_their_file_and_are_checked() {
+        let (_, mut record) = record();
+        let before = record.version.clone();
+        record.limitador = Some(encode_limitador(Path::new("limits.yaml"), LIMITS));
+        record.version =
+            record_version(record.native.as_ref(), record.envoy.as_ref(), record.limitador.as_ref());
+        assert_ne!(record.version, before, "limitador's limits are part of the version");
+        let bytes = serde_json::to_vec(&record).unwrap();
+        let compiled = SnapshotRecord::parse(&bytes).unwrap().compile(HOW).unwrap();
+        assert_eq!((compiled.limitador.of("ns").len(), compiled.limitador.size()), (1, 1));
+
+        let mut edited = record.clone();
+        edited.limitador.as_mut().unwrap().file.text = LIMITS.replace('5', "500");
+        assert!(matches!(edited.compile(HOW), Err(DecodeError::Hash { what: "the limitador digest", .. })));
+        let mut invalid = record.clone();
+        invalid.limitador = Some(encode_limitador(Path::new("limits.yaml"), "- { namespace: ns }\n"));
+        invalid.version =
+            record_version(invalid.native.as_ref(), invalid.envoy.as_ref(), invalid.limitador.as_ref());
+        let error = invalid.compile(HOW).unwrap_err().to_string();
+        assert!(error.contains("limits.yaml") && error.contains("max_value"), "{error}");
+
+        // A record without them serializes as before they existed.
+        let (_, plain) = self::record();
+        assert!(!String::from_utf8(serde_json::to_vec(&plain).unwrap()).unwrap().contains("limitador"));
     }
 }

@@ -190,6 +190,7 @@ mod tests {
             provenance: Provenance::default(),
             native: None,
             envoy: None,
+            limitador: None,
             gate: None,
         }
     }

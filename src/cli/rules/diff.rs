@@ -3,17 +3,20 @@
 
 use std::{io::Write, path::PathBuf, process::ExitCode};
 
-use crate::{cli::rule_sets::rules_with, config::Config};
+use crate::{cli::rule_sets::rules_with, config::Config, rollout::publish::Sources};
 
 /// `ratelimitd rules diff …`
 #[derive(Debug, clap::Args)]
 pub struct DiffArgs {
     /// The candidate native rules: a YAML file or a directory.
-    #[arg(required_unless_present = "envoy")]
+    #[arg(required_unless_present_any = ["envoy", "limitador"])]
     pub rules: Option<PathBuf>,
     /// The candidate envoyproxy/ratelimit configuration: a file or a directory.
     #[arg(long, value_name = "PATH")]
     pub envoy: Option<PathBuf>,
+    /// The candidate limitador limits file.
+    #[arg(long, value_name = "FILE")]
+    pub limitador: Option<PathBuf>,
     /// The native rules to compare with. Default: the record in force on
     /// the rules topic (rules.source: kafka), else rules.path, else the
     /// embedded rules.
@@ -23,6 +26,10 @@ pub struct DiffArgs {
     /// on the rules topic (rules.source: kafka), else rules.envoy_path, else none.
     #[arg(long, value_name = "PATH")]
     pub from_envoy: Option<PathBuf>,
+    /// limitador's limits to compare with. Default: the record in force on
+    /// the rules topic (rules.source: kafka), else rules.limitador_path, else none.
+    #[arg(long, value_name = "FILE")]
+    pub from_limitador: Option<PathBuf>,
     /// A capture (a JSON-lines file, capture.file): count the requests each
     /// change touches.
     #[arg(long, value_name = "FILE")]
@@ -32,17 +39,20 @@ pub struct DiffArgs {
 /// Runs `rules diff`: 0 printed (changes or none), 1 rules or the capture
 /// cannot be read.
 pub fn run(args: &DiffArgs, config: &Config) -> ExitCode {
-    let sides =
-        rules_with(config, args.from.as_deref(), args.from_envoy.as_deref(), ("--from", "--from-envoy"))
-            .and_then(|old| {
-                let new = rules_with(
-                    config,
-                    args.rules.as_deref(),
-                    args.envoy.as_deref(),
-                    ("rules diff", "--envoy"),
-                )?;
-                Ok((old, new))
-            });
+    let from = Sources {
+        native: args.from.as_deref(),
+        envoy: args.from_envoy.as_deref(),
+        limitador: args.from_limitador.as_deref(),
+    };
+    let candidate = Sources {
+        native: args.rules.as_deref(),
+        envoy: args.envoy.as_deref(),
+        limitador: args.limitador.as_deref(),
+    };
+    let sides = rules_with(config, from, ["--from", "--from-envoy", "--from-limitador"]).and_then(|old| {
+        let new = rules_with(config, candidate, ["rules diff", "--envoy", "--limitador"])?;
+        Ok((old, new))
+    });
     let (old, new) = match sides {
         Ok(sides) => sides,
         Err(code) => return code,
@@ -62,6 +72,11 @@ pub fn run(args: &DiffArgs, config: &Config) -> ExitCode {
         let none = crate::rules::envoy::EnvoyConfig::default();
         let old_envoy = old.envoy.as_ref().unwrap_or(&none);
         print_envoy_diff(&mut out, old_envoy, new.envoy.as_ref().unwrap_or(&none), capture.as_ref());
+    }
+    if args.limitador.is_some() {
+        let none = crate::rules::limitador::Limits::default();
+        let old_limits = old.limitador.as_ref().unwrap_or(&none);
+        print_limitador_diff(&mut out, old_limits, new.limitador.as_ref().unwrap_or(&none));
     }
     ExitCode::SUCCESS
 }
@@ -109,6 +124,22 @@ fn print_envoy_diff(
     let versions = (old.version(), new.version());
     print_changes(out, versions, &changes, touched.as_ref(), |key, candidate| {
         diff::describe_limit(if candidate { &new_limits } else { &old_limits }, key)
+    });
+}
+
+/// `rules diff`'s lines for limitador's limits (a capture is not counted
+/// against them).
+fn print_limitador_diff(
+    out: &mut impl Write,
+    old: &crate::rules::limitador::Limits,
+    new: &crate::rules::limitador::Limits,
+) {
+    use crate::rules::{Versioned, diff};
+    let changes = diff::limitador_diff(old, new);
+    let (old_limits, new_limits) = (diff::limitador_by_key(old), diff::limitador_by_key(new));
+    print_changes(out, (old.version(), new.version()), &changes, None, |key, candidate| {
+        let limits = if candidate { &new_limits } else { &old_limits };
+        limits.get(key).map(|l| diff::describe_limitador(l)).unwrap_or_default()
     });
 }
 

@@ -20,11 +20,14 @@ use crate::{
 #[derive(Debug, clap::Args)]
 pub struct PublishArgs {
     /// Native rules: a YAML file or a directory of them.
-    #[arg(required_unless_present = "envoy")]
+    #[arg(required_unless_present_any = ["envoy", "limitador"])]
     pub path: Option<PathBuf>,
     /// envoyproxy/ratelimit configuration: a file or a directory, one domain per file.
     #[arg(long, value_name = "PATH")]
     pub envoy: Option<PathBuf>,
+    /// Kuadrant limitador's limits file (served by instances with rules.limitador_path).
+    #[arg(long, value_name = "FILE")]
+    pub limitador: Option<PathBuf>,
     /// Replay this capture (a JSON-lines file) through the rules in force and
     /// the candidate first; refuse to publish a candidate that fails the gate.
     #[arg(long, value_name = "CAPTURE")]
@@ -33,6 +36,17 @@ pub struct PublishArgs {
     pub thresholds: GateArgs,
     #[command(flatten)]
     pub signing: SigningArgs,
+}
+
+impl PublishArgs {
+    /// The files to publish.
+    pub fn sources(&self) -> publish::Sources<'_> {
+        publish::Sources {
+            native: self.path.as_deref(),
+            envoy: self.envoy.as_deref(),
+            limitador: self.limitador.as_deref(),
+        }
+    }
 }
 
 /// `ratelimitd rules sync …`
@@ -87,8 +101,7 @@ pub async fn sync(args: SyncArgs, config: &Config) -> ExitCode {
         eprintln!("rules sync: cannot make a temporary directory");
         return ExitCode::FAILURE;
     };
-    let wanted: Vec<&Path> =
-        args.publish.path.iter().chain(&args.publish.envoy).map(PathBuf::as_path).collect();
+    let wanted: Vec<&Path> = args.publish.sources().paths().collect();
     let repo = std::path::absolute(&args.repo).unwrap_or(args.repo.clone());
     let commit = match git::export(&repo, &args.rev, &wanted, dir.path()) {
         Ok(commit) => commit,
@@ -105,12 +118,10 @@ fn candidate(
     config: &Config,
     base: Option<&Path>,
 ) -> Result<publish::Candidate, ExitCode> {
-    let (native, envoy) = (args.path.as_deref(), args.envoy.as_deref());
-    let (how, paths, allow_empty) =
-        (config.envoy.compile(), config.rules.path_matching, config.rules.allow_empty);
+    let (sources, how, allow_empty) = (args.sources(), config.compilers(), config.rules.allow_empty);
     let compiled = match base {
-        Some(base) => publish::candidate_under(base, native, envoy, how, paths, allow_empty),
-        None => publish::candidate(native, envoy, how, paths, allow_empty),
+        Some(base) => publish::candidate_under(base, sources, how, allow_empty),
+        None => publish::candidate(sources, how, allow_empty),
     };
     compiled.map_err(|errors| {
         for error in &errors.0 {

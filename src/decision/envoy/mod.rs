@@ -38,7 +38,7 @@ pub use request::{Descriptor, EnvoyCall, LimitOverride, OwnedDescriptor, RlsDesc
 
 use super::{Engine, Reason, pipeline::Subject};
 use crate::{
-    limiter::{ManyItem, ManyOutcome, Shares, StoreError},
+    limiter::{Count, ManyItem, ManyOutcome, Shares, StoreError},
     rules::envoy::EnvoyMatch,
     shed::{Level, Priority},
 };
@@ -70,15 +70,29 @@ pub(in crate::decision) fn priority<D: Descriptor>(engine: &Engine, request: &Rl
 
 /// Hands a sampled request and its decision to the capture sink.
 pub(super) fn capture<D: Descriptor>(engine: &Engine, request: &RlsRequest<'_, D>, decision: &RlsDecision) {
+    let version = || engine.inner.envoy.as_ref().map(|e| e.load().version().to_owned()).unwrap_or_default();
+    capture_as(engine, request, request.hits_addend, Count::IfFits, decision, version);
+}
+
+/// [`capture`] of a request whose hits are `hits_addend`, counted as
+/// `count`, decided under the rules `version` names (asked only when the
+/// request is captured).
+pub(super) fn capture_as<D: Descriptor>(
+    engine: &Engine,
+    request: &RlsRequest<'_, D>,
+    hits_addend: u32,
+    count: Count,
+    decision: &RlsDecision,
+    version: impl FnOnce() -> String,
+) {
     let Some(capture) = &engine.inner.capture else { return };
     let mut first = request.descriptors.first().into_iter().flat_map(Descriptor::entries);
     if !capture.wants_envoy(request.domain, &mut first) {
         return;
     }
     let descriptors: Vec<OwnedDescriptor> = request.descriptors.iter().map(OwnedDescriptor::of).collect();
-    let version = engine.inner.envoy.as_ref().map(|e| e.load().version().to_owned()).unwrap_or_default();
-    let call = EnvoyCall { domain: request.domain.to_owned(), descriptors, hits_addend: request.hits_addend };
-    capture.record_envoy(call, decision, &version);
+    let call = EnvoyCall { domain: request.domain.to_owned(), descriptors, hits_addend };
+    capture.record_envoy(call, count, decision, &version());
 }
 
 /// A `ShouldRateLimit` in the pipeline: each descriptor's limit, then

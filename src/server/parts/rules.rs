@@ -99,16 +99,22 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
         topic = %kafka.topic,
         "rules come from the rules topic; not ready until the first snapshot"
     );
+    // With rules.limitador_path, ShouldRateLimit answers with the records' limitador limits.
+    let limitador = config.rules.limitador_path.as_ref().map(|_| Arc::new(Hot::new(Limits::default())));
     let subscription = Subscription {
         kafka: kafka.clone(),
-        compile: config.envoy.compile(),
-        paths: config.rules.path_matching,
+        compile: config.compilers(),
         allow_empty: config.rules.allow_empty,
         trust: config.rules_trust(),
         native: Arc::clone(&native),
         envoy: Arc::clone(&envoy),
+        limitador: limitador.clone(),
         feed: Arc::clone(&feed),
-        fallback: Fallback { native: config.rules.path.clone(), envoy: config.rules.envoy_path.clone() },
+        fallback: Fallback {
+            native: config.rules.path.clone(),
+            envoy: config.rules.envoy_path.clone(),
+            limitador: config.rules.limitador_path.clone(),
+        },
     };
     let stop = tasks.stopper();
     tasks.spawn(subscribe::run(subscription, stop));
@@ -129,7 +135,7 @@ pub(crate) fn subscribed_rules(config: &Config, tasks: &mut Tasks) -> Rules {
         native,
         native_source: format!("kafka topic {}", kafka.topic),
         envoy: Some(envoy),
-        limitador: None,
+        limitador,
         feed: Some(feed),
         xds: None,
         vitals: Some(vitals),
