@@ -137,7 +137,9 @@ fn print_limitador_diff(
     use crate::rules::{Versioned, diff};
     let changes = diff::limitador_diff(old, new);
     let (old_limits, new_limits) = (diff::limitador_by_key(old), diff::limitador_by_key(new));
-    print_changes(out, (old.version(), new.version()), &changes, None, |key, candidate| {
+    let (old_version, new_version) = (old.version(), new.version());
+    let versions = (if old_version.is_empty() { "none" } else { old_version }, new_version);
+    print_changes(out, versions, &changes, None, |key, candidate| {
         let limits = if candidate { &new_limits } else { &old_limits };
         limits.get(key).map(|l| diff::describe_limitador(l)).unwrap_or_default()
     });
