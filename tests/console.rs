@@ -94,6 +94,11 @@ impl Fixture {
 
     /// `ratelimitd admin` on a free port, and the console's URL.
     fn admin(&self) -> (Admin, String) {
+        self.admin_with(&[])
+    }
+
+    /// [`Fixture::admin`] with more environment.
+    fn admin_with(&self, env: &[(&str, &str)]) -> (Admin, String) {
         let log = self.dir.path().join("admin.log");
         let (child, port) = start_listening("ratelimitd admin", &log, |port| {
             let mut command = Command::new(BIN);
@@ -101,7 +106,8 @@ impl Fixture {
                 .arg("--config")
                 .arg(&self.config_file)
                 .arg("admin")
-                .env("RATELIMITD__ADMIN__LISTEN", format!("127.0.0.1:{port}"));
+                .env("RATELIMITD__ADMIN__LISTEN", format!("127.0.0.1:{port}"))
+                .envs(env.iter().copied());
             command
         });
         (Admin(child), format!("http://127.0.0.1:{port}/"))
@@ -522,5 +528,108 @@ async fn the_api_refuses_what_it_must_and_rolls_back_and_syncs_through_git() {
     ];
     let want: Vec<(String, String)> = want.iter().map(|(a, o)| ((*a).to_owned(), (*o).to_owned())).collect();
     assert_eq!(actions, want);
+    drop(admin);
+}
+
+/// `max` calls per minute per `user` in limitador's namespace `ns`.
+fn limitador_limits(max: u32) -> String {
+    format!(
+        "- {{ namespace: ns, max_value: {max}, seconds: 60, conditions: [], variables: [\"descriptors[0]['user']\"] }}\n"
+    )
+}
+
+/// limitador's limits file in the repository (`admin.limitador_path`):
+/// listed, checked (errors naming the file), compared by limit, published,
+/// and served by an instance answering with limitador's limits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limitadors_limits_are_edited_checked_and_published() {
+    use ratelimitd::api::envoy_pb::{
+        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+        rls::{RateLimitRequest, rate_limit_service_client::RateLimitServiceClient},
+    };
+    let f = fixture(Broker::start());
+    assert!(f.run(&["migrate"]).status.success());
+    let seed = f.dir.path().join("seed");
+    std::fs::create_dir_all(seed.join("limitador")).unwrap();
+    std::fs::write(seed.join("limitador/limits.yaml"), limitador_limits(5)).unwrap();
+    git(&seed, &["add", "limitador"]);
+    git(&seed, &["commit", "-q", "-m", "limitador's limits"]);
+    git(&seed, &["push", "-q", f.repo.to_str().unwrap(), "main"]);
+    let (admin, url) = f.admin_with(&[("RATELIMITD__ADMIN__LIMITADOR_PATH", "limitador/limits.yaml")]);
+    let api = |method: &str, path: &str, token: &str, body: Option<Value>| {
+        let url = url.clone();
+        let (method, path, token) = (method.to_owned(), path.to_owned(), token.to_owned());
+        async move { tokio::task::spawn_blocking(move || call(&url, &method, &path, &token, body)).await.unwrap() }
+    };
+    let (status, listed) = api("GET", "/api/rules", "val-token", None).await;
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(listed["limitador_path"], "limitador/limits.yaml");
+    let paths: Vec<&str> =
+        listed["files"].as_array().unwrap().iter().map(|f| f["path"].as_str().unwrap()).collect();
+    assert!(paths.contains(&"limitador/limits.yaml"), "{listed}");
+    let (status, synced) = api("POST", "/api/sync", "pat-token", Some(json!({}))).await;
+    assert_eq!(status, 200, "{synced}");
+    let head = git(&f.repo, &["rev-parse", "main"]);
+
+    let path = "limitador/limits.yaml";
+    let broken = change(&head, path, "- { namespace: ns, seconds: 60 }\n", "m");
+    let (status, answer) = api("POST", "/api/check", "eve-token", Some(broken)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["problems"][0]["file"], path, "{answer}");
+    let problem = answer["problems"][0]["text"].as_str().unwrap();
+    assert_eq!(problem, "limitador/limits.yaml: [0]: missing field `max_value` at line 1 column 3");
+    let (status, checked) =
+        api("POST", "/api/check", "eve-token", Some(change(&head, path, &limitador_limits(2), "m"))).await;
+    assert_eq!(status, 200, "{checked}");
+    let key = "ns 60s if [] by [descriptors[0]['user']]";
+    assert_eq!(
+        checked["changes"],
+        json!([{ "kind": "limitador", "id": key, "change": "changed", "describe": "", "fields": [["max_value", "5", "2"]] }]),
+        "{checked}"
+    );
+
+    let (status, published) = api(
+        "POST",
+        "/api/publish",
+        "pat-token",
+        Some(change(&head, path, &limitador_limits(2), "ns: 2 a minute")),
+    )
+    .await;
+    assert_eq!(status, 200, "{published}");
+    let version = published["version"].as_str().unwrap().to_owned();
+    assert_eq!(f.in_force(), version);
+    let (_, in_force) = api("GET", "/api/in-force", "val-token", None).await;
+    assert!(
+        in_force["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["kind"] == "limitador" && r["describe"] == "2 per 60 s"),
+        "{in_force}"
+    );
+
+    let mut instance = f.subscriber("l1");
+    let fallback = f.dir.path().join("fallback-limits.yaml");
+    std::fs::write(&fallback, limitador_limits(100)).unwrap();
+    instance.rules.limitador_path = Some(fallback);
+    let server = TestServer::start(instance).await;
+    let addr = server.http_addr;
+    let serving = || {
+        let version = version.clone();
+        async move {
+            tokio::task::spawn_blocking(move || http_get(addr, "/readyz")).await.unwrap().1.contains(&version)
+        }
+    };
+    assert!(eventually(Duration::from_secs(10), serving).await);
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", server.addr)).await.unwrap();
+    let mut codes = Vec::new();
+    for _ in 0..3 {
+        let entries = vec![Entry { key: "user".to_owned(), value: "u".to_owned() }];
+        let descriptors = vec![RateLimitDescriptor { entries, ..Default::default() }];
+        let request = RateLimitRequest { domain: "ns".to_owned(), descriptors, hits_addend: 0 };
+        codes.push(client.should_rate_limit(request).await.unwrap().into_inner().overall_code);
+    }
+    assert_eq!(codes, [1, 1, 2], "2 a minute, from the console's publication");
+    server.stop().await.unwrap();
     drop(admin);
 }

@@ -407,6 +407,7 @@ fn record_summary(r: &SnapshotRecord) -> Value {
         "rolled_back_from": r.provenance.rolled_back_from,
         "native_rules": r.native.as_ref().map_or(0, |n| n.rules.len()),
         "envoy_files": r.envoy.as_ref().map_or(0, |e| e.files.len()),
+        "limitador_file": r.limitador.as_ref().map(|l| &l.file.name),
         "gate": r.gate.as_ref().map(|g| json!({
             "passed": g.gate.passed,
             "capture_requests": g.capture_requests,
@@ -422,7 +423,7 @@ fn history_entry(entry: &Entry) -> Value {
     }
 }
 
-/// `GET /api/in-force`: every rule and Envoy limit of the record in force,
+/// `GET /api/in-force`: every rule, Envoy limit and limitador limit of the record in force,
 /// one line each (the page searches them); compiled once per version.
 pub(super) async fn in_force(State(console): State<Arc<Console>>, peer: Peer, headers: HeaderMap) -> Answer {
     console.user(&headers, &peer, Role::Viewer, "in_force").await?;
@@ -452,6 +453,11 @@ pub(super) async fn in_force(State(console): State<Arc<Console>>, peer: Peer, he
             let describe = crate::rules::diff::describe_envoy(&limit);
             let directive = overload(limit.overload);
             lines.push(json!({ "kind": "envoy", "id": &*limit.full_key, "describe": describe, "overload": directive }));
+        }
+        let limitador = compiled.limitador.as_ref().map(crate::rules::diff::limitador_by_key).unwrap_or_default();
+        for (key, limit) in limitador {
+            let describe = crate::rules::diff::describe_limitador(limit);
+            lines.push(json!({ "kind": "limitador", "id": key, "describe": describe, "overload": null }));
         }
         Ok(Value::Array(lines))
     })
@@ -489,6 +495,7 @@ pub(super) async fn rules(State(console): State<Arc<Console>>, peer: Peer, heade
         "files": files,
         "rules_path": console.workspace.native,
         "envoy_path": console.workspace.envoy,
+        "limitador_path": console.workspace.limitador,
         "captures": captures,
         "require_gate": console.config.rules.kafka.require_gate,
     })))

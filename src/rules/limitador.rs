@@ -194,8 +194,11 @@ impl Limits {
             None
         } else {
             let deserializer = yaml_serde::Deserializer::from_str(text);
-            serde_path_to_error::deserialize(deserializer)
-                .map_err(|e| parse(format!("{}: {}", e.path(), e.inner())))?
+            serde_path_to_error::deserialize(deserializer).map_err(|e| {
+                // The YAML error names the path itself (`.[0]: …`) inside a list.
+                let inner = e.inner().to_string();
+                parse(inner.strip_prefix('.').map_or_else(|| format!("{}: {inner}", e.path()), str::to_owned))
+            })?
         };
         let raw = raw.unwrap_or_default();
         if raw.len() > MAX_LIMITS {
