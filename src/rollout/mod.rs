@@ -37,8 +37,8 @@ pub struct RulesKafkaConfig {
     /// serves, keyed by instance (`ratelimitd rules status` reads it).
     pub status_topic: String,
     /// How long `serve` waits for the first snapshot before it falls back
-    /// to `rules.path` / `rules.envoy_path` (when set; otherwise it keeps
-    /// waiting, not ready).
+    /// to `rules.path` / `rules.envoy_path` / `rules.limitador_path` (when
+    /// set; otherwise it keeps waiting, not ready).
     pub wait_ms: u64,
     /// How often an instance reports its version to `status_topic`
     /// (besides on every swap).
