@@ -178,6 +178,21 @@ async fn limitadors_limits_are_published_refused_gated_and_rolled_back() {
     let failed = gate(&tight);
     assert_eq!(failed.status.code(), Some(1), "{}", text(&failed));
     assert!(text(&failed).contains("fails the gate; nothing published"), "{}", text(&failed));
+    let valid = run(&broker, &["rules", "validate", "--limitador", tight.to_str().unwrap()]);
+    assert!(text(&valid).contains("tight.yaml: ok, 1 limits"), "{}", text(&valid));
+    let replayed = Command::new(BIN)
+        .args(["replay", "--capture", capture.to_str().unwrap(), "--min-group-requests", "1"])
+        .args(["--limitador", tight.to_str().unwrap(), "--current-limitador", v1.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(replayed.status.code(), Some(1), "{}", text(&replayed));
+    // Under 3 a minute 15 of the 19 were admitted; 1 a minute denies 10 of them.
+    assert!(
+        text(&replayed).contains("the candidate denies 10 of 15 CRITICAL requests"),
+        "{}",
+        text(&replayed)
+    );
+    assert!(text(&replayed).contains("path ns: user=f: 2 of 3"), "{}", text(&replayed));
     let loose = file("loose.yaml", &limits(20));
     let passed = gate(&loose);
     assert!(passed.status.success(), "{}", text(&passed));

@@ -139,7 +139,14 @@ pub fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Serve => with_config(file, serve::run),
         Command::Check(args) => block_on(check::run(args)),
-        Command::Rules(RulesCommand::Validate { paths, envoy }) => rules::validate::run(&paths, envoy),
+        Command::Rules(RulesCommand::Validate { paths, envoy, limitador }) => {
+            let format = match (envoy, limitador) {
+                (true, _) => rules::validate::Format::Envoy,
+                (_, true) => rules::validate::Format::Limitador,
+                _ => rules::validate::Format::Native,
+            };
+            rules::validate::run(&paths, format)
+        }
         Command::Rules(RulesCommand::Keygen { out }) => rules::keygen::run(&out),
         Command::Rules(RulesCommand::Diff(args)) => with_config(file, |c| rules::diff::run(&args, &c)),
         Command::Rules(RulesCommand::Publish(args)) => {

@@ -27,8 +27,11 @@ pub enum RulesCommand {
         #[arg(required = true)]
         paths: Vec<PathBuf>,
         /// The paths are envoyproxy/ratelimit configurations (rules.envoy_path), not native rules.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "limitador")]
         envoy: bool,
+        /// The paths are Kuadrant limitador limits files (rules.limitador_path), not native rules.
+        #[arg(long)]
+        limitador: bool,
     },
     /// Validate, compile and publish a rule set to the rules topic (rules.kafka.*).
     Publish(publish::PublishArgs),
