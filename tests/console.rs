@@ -539,8 +539,9 @@ fn limitador_limits(max: u32) -> String {
 }
 
 /// limitador's limits file in the repository (`admin.limitador_path`):
-/// listed, checked (errors naming the file), compared by limit, published,
-/// and served by an instance answering with limitador's limits.
+/// listed, edited and checked in the page (errors naming the file),
+/// compared by limit, published, and served by an instance answering with
+/// limitador's limits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn limitadors_limits_are_edited_checked_and_published() {
     use ratelimitd::api::envoy_pb::{
@@ -570,6 +571,24 @@ async fn limitadors_limits_are_edited_checked_and_published() {
     let (status, synced) = api("POST", "/api/sync", "pat-token", Some(json!({}))).await;
     assert_eq!(status, 200, "{synced}");
     let head = git(&f.repo, &["rev-parse", "main"]);
+    let key = "ns 60s if [] by [descriptors[0]['user']]";
+
+    // In the page: the file listed beside the native rules, edited, compared, checked.
+    let browser = tokio::task::block_in_place(|| Browser::start(&f.dir.path().join("chromedriver.log")));
+    tokio::task::block_in_place(|| {
+        sign_in(&browser, &url, "eve-token", "Eve Editor");
+        browser.click("#nav-rules");
+        browser.wait_text("#rules-head", "limitador/limits.yaml", WAIT);
+        browser.click("#file-select option[value='limitador/limits.yaml']");
+        assert_eq!(browser.property("#editor", "value").as_str().unwrap(), limitador_limits(5));
+        edit(&browser, &limitador_limits(2), "max_value: 5 → 2");
+        assert!(browser.text("#changes").contains(key), "{}", browser.text("#changes"));
+        browser.clear("#editor");
+        browser.type_text("#editor", "- { namespace: ns, seconds: 60 }");
+        browser.wait_text("#problems", "limitador/limits.yaml: [0]: missing field `max_value`", WAIT);
+        browser.click("#sign-out");
+    });
+    drop(browser);
 
     let path = "limitador/limits.yaml";
     let broken = change(&head, path, "- { namespace: ns, seconds: 60 }\n", "m");
@@ -581,7 +600,6 @@ async fn limitadors_limits_are_edited_checked_and_published() {
     let (status, checked) =
         api("POST", "/api/check", "eve-token", Some(change(&head, path, &limitador_limits(2), "m"))).await;
     assert_eq!(status, 200, "{checked}");
-    let key = "ns 60s if [] by [descriptors[0]['user']]";
     assert_eq!(
         checked["changes"],
         json!([{ "kind": "limitador", "id": key, "change": "changed", "describe": "", "fields": [["max_value", "5", "2"]] }]),

@@ -240,7 +240,7 @@ async function loadRules(keepEdits) {
     notice(data.branch + " moved to " + (data.head || "").slice(0, 10) + ": your edits now apply to it; check the diff again.", true);
   }
   $("rules-head").textContent = data.branch + " at " + (data.head ? data.head.slice(0, 10) : "no commit yet")
-    + "; rules in " + [data.rules_path, data.envoy_path, data.limitador_path].filter(Boolean).join(" and ");
+    + "; rules in " + [data.rules_path, data.envoy_path, data.limitador_path].filter(Boolean).join(", ");
   const select = $("file-select");
   const paths = [...new Set([...state.original.keys(), ...state.edits.keys()])].sort();
   select.replaceChildren(...paths.map((p) => el("option", { value: p }, p)));
