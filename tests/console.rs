@@ -9,7 +9,8 @@
 //! API answers 403). The publisher reviews the proposal and publishes it:
 //! the repository holds the commit with the publisher as author, the three
 //! instances converge on its version, and the audit log has every step.
-//! With `RATELIMITD_SCREENSHOTS=DIR` the main pages are saved as PNGs
+//! limitador's limits file is edited, compared and published the same way
+//! and served by an instance answering with limitador's limits. With `RATELIMITD_SCREENSHOTS=DIR` the main pages are saved as PNGs
 //! (the README's pictures).
 
 #![cfg(feature = "kafka")]
