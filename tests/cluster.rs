@@ -468,7 +468,10 @@ async fn a_groups_counters_are_listed_from_the_node_serving_it() {
     let cluster = RedisCluster::start();
     let owners = cluster.slot_owners();
     let mut dispatchers = tokio::task::JoinSet::new();
-    let config = RedisConfig { url: Some(cluster.url()), cluster: true, ..RedisConfig::default() };
+    // Where the listing goes is tested, not how fast: a loaded machine's
+    // first SCAN on a node can take longer than the 10 ms decision timeout.
+    let config =
+        RedisConfig { url: Some(cluster.url()), cluster: true, timeout_ms: 5_000, ..RedisConfig::default() };
     let store = Store::Redis(Arc::new(RedisStore::new(&config, &mut dispatchers).unwrap()));
     let groups: Vec<String> = (0..3)
         .map(|node| {
