@@ -250,8 +250,7 @@ pub fn changes(
         let (old_limits, new_limits) = (diff::limitador_by_key(old_set), diff::limitador_by_key(new_set));
         for change in diff::limitador_diff(old_set, new_set) {
             out.push(rule_change("limitador", &change, |key, new_side| {
-                let limits = if new_side { &new_limits } else { &old_limits };
-                limits.get(key).map(|l| diff::describe_limitador(l)).unwrap_or_default()
+                diff::describe_limitador_key(if new_side { &new_limits } else { &old_limits }, key)
             }));
         }
     }

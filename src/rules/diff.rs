@@ -157,6 +157,13 @@ pub fn describe_limitador(limit: &Limit) -> String {
     format!("{} per {} s{name}", limit.max_value, limit.seconds)
 }
 
+/// [`describe_limitador`] of the limit `key` among `limits` (a limits
+/// file's, by [`limitador_by_key`], walked once by the caller); empty when
+/// none has it.
+pub fn describe_limitador_key(limits: &BTreeMap<String, &Limit>, key: &str) -> String {
+    limits.get(key).map(|l| describe_limitador(l)).unwrap_or_default()
+}
+
 /// The changes from `old` to `new` limitador limits, by [`limitador_key`],
 /// in the order of [`diff`]; a changed `max_value`, `name` or `id` keeps
 /// the limit's counters.
@@ -339,6 +346,7 @@ mod tests {
                 Change::Added("ns 2s if [] by []".to_owned()),
             ]
         );
-        assert_eq!(describe_limitador(limitador_by_key(&new)[key]), "7 per 60 s (name per-user)");
+        assert_eq!(describe_limitador_key(&limitador_by_key(&new), key), "7 per 60 s (name per-user)");
+        assert_eq!(describe_limitador_key(&limitador_by_key(&new), "ns 1s if [] by []"), "");
     }
 }

@@ -140,8 +140,7 @@ fn print_limitador_diff(
     let (old_version, new_version) = (old.version(), new.version());
     let versions = (if old_version.is_empty() { "none" } else { old_version }, new_version);
     print_changes(out, versions, &changes, None, |key, candidate| {
-        let limits = if candidate { &new_limits } else { &old_limits };
-        limits.get(key).map(|l| diff::describe_limitador(l)).unwrap_or_default()
+        diff::describe_limitador_key(if candidate { &new_limits } else { &old_limits }, key)
     });
 }
 
