@@ -66,7 +66,7 @@ pub struct RuleChange {
     /// `native`, `envoy` or `limitador`.
     pub kind: &'static str,
     /// The rule id, Envoy full key or limitador limit's key
-    /// (`diff::limitador_key`).
+    /// (`Limit::written_identity`).
     pub id: String,
     /// `added`, `removed` or `changed`.
     pub change: &'static str,

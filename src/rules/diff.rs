@@ -132,25 +132,6 @@ pub fn envoy_diff(old: &EnvoyConfig, new: &EnvoyConfig) -> Vec<Change> {
     changes(&by_key(old), &by_key(new), |limit| envoy_fields(limit))
 }
 
-/// A limitador limit's key in a diff: what makes its counter (namespace,
-/// window, conditions and variables, each set sorted, as its identity
-/// takes them), written out: `ns 60s if [a, b] by [v]`.
-pub fn limitador_key(limit: &Limit) -> String {
-    let sorted = |items: &mut dyn Iterator<Item = &str>| {
-        let mut items: Vec<&str> = items.collect();
-        items.sort_unstable();
-        items.dedup();
-        items.join(", ")
-    };
-    format!(
-        "{} {}s if [{}] by [{}]",
-        limit.namespace,
-        limit.seconds,
-        sorted(&mut limit.conditions()),
-        sorted(&mut limit.variables())
-    )
-}
-
 /// A limitador limit in a few words: `5 per 60 s (name per-user)`.
 pub fn describe_limitador(limit: &Limit) -> String {
     let name = limit.name.as_deref().map(|n| format!(" (name {n})")).unwrap_or_default();
@@ -164,7 +145,7 @@ pub fn describe_limitador_key(limits: &BTreeMap<String, &Limit>, key: &str) -> S
     limits.get(key).map(|l| describe_limitador(l)).unwrap_or_default()
 }
 
-/// The changes from `old` to `new` limitador limits, by [`limitador_key`],
+/// The changes from `old` to `new` limitador limits, by [`Limit::written_identity`],
 /// in the order of [`diff`]; a changed `max_value`, `name` or `id` keeps
 /// the limit's counters.
 pub fn limitador_diff(old: &Limits, new: &Limits) -> Vec<Change> {
@@ -174,9 +155,9 @@ pub fn limitador_diff(old: &Limits, new: &Limits) -> Vec<Change> {
     })
 }
 
-/// `limits` by [`limitador_key`].
+/// `limits` by [`Limit::written_identity`].
 pub fn limitador_by_key(limits: &Limits) -> BTreeMap<String, &Limit> {
-    limits.namespaces().flat_map(|(_, l)| l).map(|l| (limitador_key(l), l)).collect()
+    limits.namespaces().flat_map(|(_, l)| l).map(|l| (l.written_identity(), l)).collect()
 }
 
 /// Removed, changed (the fields that differ), added: by key, in key order.

@@ -128,6 +128,21 @@ impl Limit {
     pub fn variables(&self) -> impl Iterator<Item = &str> {
         self.variables.iter().map(|e| &*e.source)
     }
+
+    /// What makes its counter, written out (its identity before the
+    /// digest): `ns 60s if [a, b] by [v]`, conditions and variables each as
+    /// the identity takes them (sorted, once each).
+    pub fn written_identity(&self) -> String {
+        let list =
+            |expressions: &[Expression]| sources(expressions).into_iter().collect::<Vec<_>>().join(", ");
+        format!(
+            "{} {}s if [{}] by [{}]",
+            self.namespace,
+            self.seconds,
+            list(&self.conditions),
+            list(&self.variables)
+        )
+    }
 }
 
 /// A request's evaluation that failed (not a missing key: that is a limit
@@ -442,14 +457,17 @@ fn digest(parts: &[&str]) -> String {
     hash.finalize()[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The sources of `expressions` as a set: how a limit's identity takes
+/// its conditions and its variables.
+fn sources(expressions: &[Expression]) -> BTreeSet<&str> {
+    expressions.iter().map(|e| &*e.source).collect()
+}
+
 /// A limit's identity: the digest of its namespace, seconds, and its
 /// conditions and variables each sorted, with their counts.
 fn identity(namespace: &str, seconds: u64, conditions: &[Expression], variables: &[Expression]) -> Arc<str> {
-    let (seconds, conditions_set, variables_set) = (
-        seconds.to_string(),
-        conditions.iter().map(|e| &*e.source).collect::<BTreeSet<&str>>(),
-        variables.iter().map(|e| &*e.source).collect::<BTreeSet<&str>>(),
-    );
+    let seconds = seconds.to_string();
+    let (conditions_set, variables_set) = (sources(conditions), sources(variables));
     let (nc, nv) = (conditions_set.len().to_string(), variables_set.len().to_string());
     let mut parts = vec![namespace, &seconds, &nc];
     parts.extend(conditions_set);
