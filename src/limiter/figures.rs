@@ -45,7 +45,7 @@ impl Figures for MemoryStore {
 
 impl Figures for LocalLimiter {
     fn render(&self, out: &mut String) {
-        let gauges: [(&str, &str, &str, u64); 4] = [
+        let gauges: [(&str, &str, &str, u64); 5] = [
             (
                 "ratelimitd_local_instances",
                 "gauge",
@@ -63,6 +63,12 @@ impl Figures for LocalLimiter {
                 "gauge",
                 "Hits admitted locally and not yet written back to the shared store.",
                 self.owed_hits(),
+            ),
+            (
+                "ratelimitd_local_owed_folded_hits_total",
+                "counter",
+                "Locally admitted hits folded out of the owed entries at their bound (local.max_counters): never written back.",
+                self.folded_hits(),
             ),
             (
                 "ratelimitd_local_written_back_hits_total",

@@ -5,16 +5,20 @@
 //! [`super::lease`]).
 //!
 //! Bounds, whatever callers send: at most `max_keys` keys per limit (split
-//! evenly over the shards). A key new to a full shard takes the place of
-//! the key with the fewest hits since the last report that holds no grant,
-//! and inherits its count (the space-saving algorithm: a key with more than
-//! its shard's hits divided by its room in an interval is always tracked,
-//! and its demand is overstated by at most the count it inherited), so a
-//! flood of keys with a hit each cannot keep a busy key from being
-//! reported; a key that finds every place held by a grant is not tracked:
-//! it has no grant and is enforced at the region's floor, which keeps the
-//! global bound. A key with no demand in a report and no lease left is
-//! dropped, so the keys held are those with demand in the interval.
+//! evenly over at most 16 shards of at least 64 places). A key new to a
+//! full shard takes the place of the key with the fewest hits over this
+//! interval and its own of the last, granted or not, and inherits its
+//! count of this interval (the
+//! space-saving algorithm: a key with more than its shard's hits over two
+//! intervals divided by its room is always tracked, and its demand is
+//! overstated by at most the count it inherited), so a flood of keys with
+//! a hit each, granted or not, cannot keep a busy key from being reported
+//! and granted. A granted key that loses its place is enforced at the
+//! region's floor from then on here, and the agent reports it with no
+//! demand, which gives its grant back: the global bound holds, since a
+//! region never enforces more than it was granted. A key with no demand
+//! in a report and no lease left is dropped, so the keys held are those
+//! with demand in the interval.
 
 use std::{
     collections::HashMap,
@@ -24,8 +28,14 @@ use std::{
 
 use crate::clock::Clock;
 
-/// Shards of a limit's keys: decisions of different keys rarely meet on a lock.
+/// Shards of a limit's keys, at most: decisions of different keys rarely
+/// meet on a lock.
 const SHARDS: usize = 16;
+
+/// Places of one shard, at least (but for a table smaller than this): a
+/// busy key is tracked when it has more than its shard's hits over its
+/// room, so a few large shards hold a busy key better than many small ones.
+const MIN_PER_SHARD: usize = 64;
 
 /// One shard of a limit's keys.
 type Shard = HashMap<Box<str>, KeyState>;
@@ -37,6 +47,24 @@ struct KeyState {
     grant: Option<(u64, u64)>,
     admitted: u64,
     denied: u64,
+    /// Of `denied`, what it inherited with its place this interval.
+    inherited: u64,
+    /// Its own hits of the last interval (nothing inherited): with this
+    /// interval's count, what the key's place is kept by.
+    last: u64,
+}
+
+impl KeyState {
+    /// This interval's count (inherited included).
+    fn count(&self) -> u64 {
+        self.admitted.saturating_add(self.denied)
+    }
+
+    /// Its own hits of the last interval and this interval's count: the
+    /// key with the least gives its place to a new one.
+    fn weight(&self) -> u64 {
+        self.last.saturating_add(self.count())
+    }
 }
 
 /// What this instance saw of one key since its last report.
@@ -59,17 +87,18 @@ pub struct GrantTable {
 }
 
 impl GrantTable {
-    /// A table of at most `max_keys` keys (at least one per shard).
+    /// A table of at most `max_keys` keys (at least one).
     pub fn new(max_keys: usize) -> Self {
+        let shards = (max_keys / MIN_PER_SHARD).clamp(1, SHARDS);
         GrantTable {
-            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            per_shard: max_keys.div_ceil(SHARDS).max(1),
+            shards: (0..shards).map(|_| Mutex::default()).collect(),
+            per_shard: (max_keys / shards).max(1),
             hasher: RandomState::new(),
         }
     }
 
     fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, Shard> {
-        let index = (self.hasher.hash_one(key) % SHARDS as u64) as usize;
+        let index = (self.hasher.hash_one(key) % self.shards.len() as u64) as usize;
         self.shards[index].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -104,8 +133,9 @@ impl GrantTable {
                 let demand = state.admitted > 0 || state.denied > 0;
                 if demand {
                     out.push(KeyTally { key: key.clone(), admitted: state.admitted, denied: state.denied });
-                    (state.admitted, state.denied) = (0, 0);
                 }
+                state.last = state.count().saturating_sub(state.inherited);
+                (state.admitted, state.denied, state.inherited) = (0, 0, 0);
                 demand || state.grant.is_some_and(|(_, until)| now < until)
             });
         }
@@ -113,11 +143,9 @@ impl GrantTable {
     }
 
     /// Sets `key`'s grant until `until`, in the place of the key with the
-    /// fewest hits without a grant when the shard is full; a key that finds
-    /// every place held by a grant keeps the floor.
+    /// fewest hits when the shard is full (see the module).
     pub fn set_grant(&self, key: &str, grant: u64, until: u64) {
-        let mut shard = self.shard(key);
-        if let Some(state) = tracked(&mut shard, key, self.per_shard) {
+        if let Some(state) = tracked(&mut self.shard(key), key, self.per_shard) {
             state.grant = Some((grant, until));
         }
     }
@@ -205,8 +233,9 @@ pub fn share(limit: u64, ppm: u64) -> u64 {
 }
 
 /// `key`'s state in `shard`; a new key takes a place while there is room,
-/// else the place (and the count) of the key with the fewest hits that
-/// holds no grant, if any.
+/// else the place and this interval's count of the key with the fewest
+/// hits over this interval and its own of the last, one without a grant
+/// first among equals.
 fn tracked<'m>(
     shard: &'m mut HashMap<Box<str>, KeyState>,
     key: &str,
@@ -215,15 +244,15 @@ fn tracked<'m>(
     if !shard.contains_key(key) {
         let mut state = KeyState::default();
         if shard.len() >= room {
-            let (evicted, count) = shard
+            let lightest = shard
                 .iter()
-                .filter(|(_, s)| s.grant.is_none())
-                .map(|(k, s)| (k, s.admitted.saturating_add(s.denied)))
-                .min_by_key(|(_, count)| *count)?;
-            let evicted = evicted.clone();
-            shard.remove(&evicted);
-            // Inherited as denied: it counts as demand, never as admitted.
-            state.denied = count;
+                .min_by_key(|(_, s)| (s.weight(), s.grant.is_some()))
+                .map(|(k, s)| (k.clone(), s.count()));
+            if let Some((evicted, count)) = lightest {
+                shard.remove(&evicted);
+                // Inherited as denied: it counts as demand, never as admitted.
+                (state.denied, state.inherited) = (count, count);
+            }
         }
         shard.insert(key.into(), state);
     }
@@ -272,11 +301,11 @@ mod tests {
 
     #[test]
     fn a_flood_of_keys_with_a_hit_each_cannot_keep_a_busy_key_out() {
-        let table = GrantTable::new(SHARDS * 4);
+        let table = GrantTable::new(64);
         let now = 1_000;
         // 10,000 junk keys of a hit each, every place taken before a busy
-        // key (2,250 hits) comes: its shard sees about 2,875 hits for 4
-        // places, and it has more than a quarter of them.
+        // key (2,250 hits) comes: its shard sees 12,250 hits for 64
+        // places, and it has far more than a 64th of them.
         for i in 0..10_000 {
             table.record(&format!("junk{i}"), 1, true);
             if i >= 1_000 && i % 4 == 0 {
@@ -284,7 +313,7 @@ mod tests {
             }
         }
         let tallies = table.take_tallies(now);
-        assert!(tallies.len() <= SHARDS * 4, "{}", tallies.len());
+        assert!(tallies.len() <= 64, "{}", tallies.len());
         let busy = tallies.iter().find(|t| &*t.key == "busy").expect("the busy key is reported");
         let demand = busy.admitted + busy.denied;
         assert!(busy.admitted <= 2_250, "admitted: only its own hits");
@@ -292,12 +321,58 @@ mod tests {
             (2_250..=2_250 + 10_000 / 4).contains(&demand),
             "overstated by at most what it inherited: {demand}"
         );
-        // A granted key is never displaced by a flood.
+        // A granted key busier than the flood keeps its place and grant; a
+        // granted key with no demand gives its place up (its region then
+        // enforces the floor, and the agent gives the grant back).
+        table.record("granted", 1, true);
         table.set_grant("granted", 900, now + 3_000);
+        table.set_grant("idle", 900, now + 3_000);
         for i in 0..10_000 {
             table.record(&format!("more{i}"), 1, true);
+            if i % 4 == 0 {
+                table.record("granted", 1, true);
+            }
         }
         assert_eq!(table.limit("granted", 7, now), 900);
+        assert_eq!(table.limit("idle", 7, now), 7);
+    }
+
+    /// A global limit with `max_keys` 32; 200 keys of a hit every 150 ms
+    /// each hold every place, each granted as soon as reported; a busy key
+    /// of 50 hits a second comes: it gets its place and its grant, and
+    /// keeps them (on the old policy, a granted key never gave its place
+    /// up, and the busy key stayed at its floor of 5).
+    #[test]
+    fn a_busy_key_gets_its_grant_during_a_flood_of_one_hit_keys_holding_every_place() {
+        let table = GrantTable::new(32);
+        let (floor, grant) = (5, 30);
+        let (mut at_grant, mut decisions) = (0, 0);
+        for tick in 0..1_000u64 {
+            let now = tick * 10;
+            for key in (0..200u64).filter(|k| k % 15 == tick % 15) {
+                let key = format!("flood{key}");
+                let limit = table.limit(&key, floor, now);
+                table.record(&key, 1, limit > 0);
+            }
+            if tick >= 100 && tick % 2 == 0 {
+                let limit = table.limit("busy", floor, now);
+                if tick >= 400 {
+                    decisions += 1;
+                    at_grant += u32::from(limit == grant);
+                }
+                table.record("busy", 1, true);
+            }
+            if tick % 100 == 99 {
+                for tally in table.take_tallies(now) {
+                    table.set_grant(&tally.key, grant, now + 3_000);
+                }
+            }
+        }
+        assert!(
+            at_grant * 100 >= decisions * 95,
+            "the busy key was at its grant for {at_grant} of {decisions} decisions"
+        );
+        assert!(table.len() <= 32, "{}", table.len());
     }
 
     #[test]

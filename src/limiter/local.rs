@@ -15,12 +15,17 @@
 //! forgotten.
 //!
 //! Bounds, whatever callers send:
-//! - the counters are a [`MemoryStore`] of `local.max_counters` (a full one
-//!   makes the decision fail, and the engine then denies: closed, never
-//!   open);
+//! - the counters are a [`MemoryStore`] of `local.max_counters`: a full
+//!   shard evicts the counter holding least of its limit into its summary,
+//!   owed or not, so a newcomer always gets a counter and an evicted key
+//!   returns at least at its count;
 //! - the owed hits are at most `local.max_counters` entries too (plus at
 //!   most one per thread deciding at the same instant): an admission that
-//!   would need a new entry past the bound is refused the same way.
+//!   needs a new entry past the bound folds the entry owing least among
+//!   [`FOLD_SAMPLE`] (a flood's one-hit keys first) into a count of folded
+//!   hits, which are not written back. So a flood of distinct keys during
+//!   an outage never refuses a newcomer, and what it makes the shared store
+//!   miss is its own keys' hits, the least owed.
 
 use std::{
     collections::HashMap,
@@ -34,8 +39,8 @@ use std::{
 use futures_util::future::BoxFuture;
 
 use super::{
-    Clock, Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, MemoryStore, RedisStore, Store,
-    StoreError, Verdict, WindowParams, exchange::Participant,
+    Clock, Count, CounterSpec, ManyItem, ManyOutcome, MemoryStore, RedisStore, Store, StoreError, Verdict,
+    WindowParams, exchange::Participant,
 };
 
 /// How the local limiter runs (from `local.*`).
@@ -85,15 +90,19 @@ pub enum Owed {
     Item(ManyItem),
 }
 
+/// Owed entries looked at to choose the one folded when they are at their
+/// bound: the one owing least of them goes.
+pub const FOLD_SAMPLE: usize = 64;
+
 /// Local counters at this instance's share of each limit, and the hits they
 /// owe the shared store.
 #[derive(Debug)]
 pub struct LocalLimiter {
     counters: MemoryStore,
-    /// Shared with the counters: a counter whose hits are owed is never
-    /// evicted.
-    owed: Arc<Mutex<HashMap<OwedKey, Owed>>>,
+    owed: Mutex<HashMap<OwedKey, Owed>>,
     max_owed: usize,
+    /// Hits folded out of the owed entries (never written back).
+    folded: AtomicU64,
     /// The divisor of every limit: instances reported alive, else the configured number.
     instances: AtomicU64,
     configured_instances: u64,
@@ -105,23 +114,11 @@ impl LocalLimiter {
     /// A limiter of `settings`, reading `clock`.
     pub fn new(settings: Settings, clock: Arc<dyn Clock>) -> Self {
         let instances = settings.instances.max(1);
-        let owed: Arc<Mutex<HashMap<OwedKey, Owed>>> = Arc::default();
-        let pinned = {
-            let owed = Arc::clone(&owed);
-            Arc::new(move |many: bool, group: &str, key: &str| {
-                let owed = owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                let key = if many {
-                    OwedKey::Item(group.into(), key.into())
-                } else {
-                    OwedKey::Counter(group.into(), key.into())
-                };
-                owed.contains_key(&key)
-            })
-        };
         LocalLimiter {
-            counters: MemoryStore::new(settings.shards, settings.max_counters, clock).with_pinned(pinned),
-            owed,
+            counters: MemoryStore::new(settings.shards, settings.max_counters, clock),
+            owed: Mutex::default(),
             max_owed: settings.max_counters.max(1),
+            folded: AtomicU64::new(0),
             instances: AtomicU64::new(instances),
             configured_instances: instances,
             written_back: AtomicU64::new(0),
@@ -151,8 +148,7 @@ impl LocalLimiter {
     }
 
     /// Decides a native counter locally, at this instance's share; an
-    /// admission (or a report) is owed to the shared store. Fails when the
-    /// local counters or the owed entries are at their bound.
+    /// admission (or a report) is owed to the shared store.
     pub fn decide(
         &self,
         user_id: &str,
@@ -162,8 +158,8 @@ impl LocalLimiter {
     ) -> Result<Verdict, StoreError> {
         let key = OwedKey::Counter(Arc::clone(counter.id), user_id.into());
         let owes = count != Count::Never && weight > 0;
-        if owes && !self.has_room(&key) {
-            return Err(self.full());
+        if owes {
+            self.make_room(&key);
         }
         let shared = CounterSpec { id: counter.id, window: self.share(counter.window) };
         let verdict = self.counters.decide(user_id, shared, weight, count)?;
@@ -182,9 +178,7 @@ impl LocalLimiter {
             .filter(|i| owing(i))
             .map(|i| OwedKey::Item(group.into(), i.key.as_str().into()))
             .collect();
-        if !keys.iter().all(|key| self.has_room(key)) {
-            return Err(self.full());
-        }
+        keys.iter().for_each(|key| self.make_room(key));
         let shared: Vec<ManyItem> =
             items.iter().map(|item| ManyItem { params: self.share(item.params), ..item.clone() }).collect();
         let outcome = self.counters.decide_many(group, &shared)?;
@@ -202,21 +196,22 @@ impl LocalLimiter {
         Ok(outcome)
     }
 
-    fn has_room(&self, key: &OwedKey) -> bool {
-        let owed = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        owed.len() < self.max_owed || owed.contains_key(key)
+    /// Room for `key` among the owed entries: at the bound, the entry owing
+    /// least among [`FOLD_SAMPLE`] is folded (its hits counted, not owed).
+    fn make_room(&self, key: &OwedKey) {
+        let mut owed = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if owed.len() < self.max_owed || owed.contains_key(key) {
+            return;
+        }
+        let lightest = owed.iter().take(FOLD_SAMPLE).min_by_key(|(_, o)| o.hits()).map(|(k, _)| k.clone());
+        if let Some(folded) = lightest.and_then(|k| owed.remove(&k)) {
+            self.folded.fetch_add(folded.hits(), Ordering::Relaxed);
+        }
     }
 
     fn owe(&self, key: OwedKey, hits: Owed) {
         let mut owed = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         merge(&mut owed, key, hits);
-    }
-
-    fn full(&self) -> StoreError {
-        StoreError {
-            kind: FailureKind::StoreFull,
-            message: format!("local limiter full ({} counters or owed entries)", self.max_owed),
-        }
     }
 
     /// The owed entries, copied (what a process leaves in its state
@@ -239,6 +234,12 @@ impl LocalLimiter {
     pub fn owed_hits(&self) -> u64 {
         let owed = self.owed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         owed.values().map(Owed::hits).sum()
+    }
+
+    /// Hits folded out of the owed entries at their bound: admitted
+    /// locally, never written back.
+    pub fn folded_hits(&self) -> u64 {
+        self.folded.load(Ordering::Relaxed)
     }
 
     /// Hits written back to the shared store so far.
@@ -489,7 +490,7 @@ async fn report_alive(redis: &RedisStore, instance: &str, interval: Duration) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{ManualClock, memory::MemoryStore, window::Algorithm};
+    use crate::limiter::{FailureKind, ManualClock, memory::MemoryStore, window::Algorithm};
 
     fn limiter(max_counters: usize, instances: u64) -> (LocalLimiter, Arc<ManualClock>) {
         let clock = Arc::new(ManualClock::new(1_000_000));
@@ -529,15 +530,56 @@ mod tests {
         assert_eq!(local.instances(), 1, "the configured number");
     }
 
+    /// A store outage and a flood of distinct keys past every bound: the
+    /// owed entries owing least are folded, so a newcomer on 5 an hour is
+    /// still decided at its share, 5 of 8 (on the old policy, every local
+    /// counter owed hits, none could go, and it was refused 8 of 8).
     #[test]
-    fn full_refuses_new_keys_but_keeps_counting_known_ones() {
-        let (local, _) = limiter(2, 1);
+    fn a_newcomer_is_decided_at_its_share_after_a_flood_past_every_bound() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let local = LocalLimiter::new(Settings::default(), clock);
         let rule: Arc<str> = Arc::from("r");
-        assert!(local.decide("a", spec(&rule, 5), 1, Count::IfFits).is_ok());
-        assert!(local.decide("b", spec(&rule, 5), 1, Count::IfFits).is_ok());
-        let error = local.decide("c", spec(&rule, 5), 1, Count::IfFits).unwrap_err();
-        assert_eq!(error.kind, FailureKind::StoreFull);
-        assert!(local.decide("a", spec(&rule, 5), 1, Count::IfFits).unwrap().admitted);
+        let hour = |id| CounterSpec { id, window: WindowParams::sliding(3_600_000, 5) };
+        for i in 0..110_000 {
+            assert!(local.decide(&format!("flood{i}"), hour(&rule), 1, Count::IfFits).unwrap().admitted);
+        }
+        let admitted = (0..8)
+            .filter(|_| local.decide("newcomer", hour(&rule), 1, Count::IfFits).unwrap().admitted)
+            .count();
+        assert_eq!(admitted, 5);
+        assert!(local.counters() <= 100_000, "{}", local.counters());
+        assert!(local.owed_entries().len() <= 100_000);
+        assert_eq!(local.owed_hits() + local.folded_hits(), 110_005, "every admission owed or folded");
+        assert!(
+            local
+                .owed_entries()
+                .iter()
+                .any(|(k, _)| *k == OwedKey::Counter(Arc::clone(&rule), "newcomer".into()))
+        );
+    }
+
+    /// At the bound, the entry folded is the one owing least of a sample:
+    /// a key near its limit stays owed while one-hit keys go.
+    #[test]
+    fn the_entry_folded_owes_least() {
+        let (local, _) = limiter(4, 1);
+        let rule: Arc<str> = Arc::from("r");
+        for _ in 0..4 {
+            local.decide("heavy", spec(&rule, 5), 1, Count::IfFits).unwrap();
+        }
+        for i in 0..10 {
+            local.decide(&format!("light{i}"), spec(&rule, 5), 1, Count::IfFits).unwrap();
+        }
+        assert_eq!(local.folded_hits(), 7);
+        let owed = local.owed_entries();
+        assert_eq!(owed.len(), 4);
+        assert!(
+            owed.iter()
+                .any(|(k, o)| *k == OwedKey::Counter(Arc::clone(&rule), "heavy".into()) && o.hits() == 4)
+        );
+        // The heavy key's local counter was kept too: one more of its 5.
+        assert!(local.decide("heavy", spec(&rule, 5), 1, Count::IfFits).unwrap().admitted);
+        assert!(!local.decide("heavy", spec(&rule, 5), 1, Count::IfFits).unwrap().admitted);
     }
 
     #[test]

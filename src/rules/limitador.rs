@@ -10,8 +10,10 @@
 //!
 //! A limit applies to a request when every condition is true and every
 //! variable has a value; a reference to a key the descriptors lack
-//! (`NoSuchKey`) or to a variable that is not bound makes the limit not
-//! apply, as in limitador. Any other evaluation error (a condition that is
+//! (`NoSuchKey`) makes the limit not apply, as in limitador. What
+//! limitador-server would never apply (a name it does not bind, a
+//! comprehension's variable, which it takes for one) or cannot evaluate
+//! (a struct literal, a comprehension over a string) is refused at load. Any other evaluation error (a condition that is
 //! not a boolean, a variable that is a list, `descriptors[3]` of a
 //! request with one descriptor) is an error of the request: the caller
 //! answers it closed, never as "no limit".
@@ -73,8 +75,6 @@ struct RawLimit {
 struct Expression {
     source: Arc<str>,
     program: cel::Program,
-    /// The variables it references (`descriptors`, `limit`).
-    references: Vec<String>,
     /// Its form answered without the interpreter, if it has one.
     fast: Option<Fast>,
 }
@@ -278,7 +278,7 @@ impl Limits {
             });
             let execute = |e: &Expression| match (&e.fast, &scope) {
                 (Some(fast), _) => fast.execute(descriptors),
-                (None, Some(scope)) => e.program.execute(scope),
+                (None, Some(scope)) => interpret(e, scope),
                 (None, None) => {
                     Err(cel::ExecutionError::function_error("limit", "no context for the interpreter"))
                 }
@@ -289,6 +289,16 @@ impl Limits {
         }
         Ok(applied)
     }
+}
+
+/// `e` run by the interpreter in `scope`. The load refuses every
+/// construct known to panic it ([`evaluable`]); should one still panic,
+/// the request is not evaluable (answered closed, counted), never a
+/// reset stream or a dropped connection.
+fn interpret(e: &Expression, scope: &cel::Context<'_>) -> Result<cel::Value, cel::ExecutionError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| e.program.execute(scope))).unwrap_or_else(|_| {
+        Err(cel::ExecutionError::function_error("cel", "the interpreter failed on this expression"))
+    })
 }
 
 /// The interpreter's context over `descriptors`: each a map of its entries.
@@ -312,16 +322,12 @@ fn evaluate(
     limit: &Limit,
     execute: impl Fn(&Expression) -> Result<cel::Value, cel::ExecutionError>,
 ) -> Result<Option<Vec<String>>, EvalError> {
-    let bound = |e: &Expression| e.references.iter().all(|v| v == "descriptors" || v == "limit");
     let error = |e: &Expression, message: String| EvalError {
         limit: Arc::clone(&limit.identity),
         expression: Arc::clone(&e.source),
         message,
     };
     for condition in &limit.conditions {
-        if !bound(condition) {
-            return Ok(None);
-        }
         match execute(condition) {
             Ok(cel::Value::Bool(true)) => {}
             Ok(cel::Value::Bool(false)) | Err(cel::ExecutionError::NoSuchKey(_)) => return Ok(None),
@@ -333,9 +339,6 @@ fn evaluate(
     }
     let mut values = Vec::with_capacity(limit.variables.len());
     for variable in &limit.variables {
-        if !bound(variable) {
-            return Ok(None);
-        }
         let value = match execute(variable) {
             Ok(cel::Value::String(s)) => s.to_string(),
             Ok(cel::Value::Int(i)) => i.to_string(),
@@ -389,9 +392,10 @@ fn compile(file: &Path, index: usize, raw: RawLimit, algorithm: Algorithm) -> Re
                 );
                 return Err(fail(&at, message));
             }
-            let references = program.references().variables().into_iter().map(str::to_owned).collect();
+            evaluable(program.expression(), field == "variables")
+                .map_err(|e| fail(&at, format!("{source:?}: {e}")))?;
             let fast = Fast::of(program.expression());
-            out.push(Expression { source: Arc::from(source.as_str()), program, references, fast });
+            out.push(Expression { source: Arc::from(source.as_str()), program, fast });
         }
         Ok(out)
     };
@@ -417,6 +421,95 @@ fn compile(file: &Path, index: usize, raw: RawLimit, algorithm: Algorithm) -> Re
         conditions,
         variables,
     })
+}
+
+/// Whether limitador-server evaluates `e`, a condition or (`variable`) a
+/// variable, without panicking and with a chance to apply; else why not.
+/// Refused here, never found out per request:
+/// - a struct literal (`Foo{a: 1}`): the interpreter panics on it;
+/// - a comprehension over what may be a string or a scalar (a
+///   descriptor's value, a literal): the interpreter panics iterating it;
+///   ranges are the descriptors, one descriptor, a list or map written in
+///   the expression, or a `map`/`filter` of those;
+/// - a comprehension's variable read in its body, or any name but
+///   `descriptors` (and, in a condition, `limit`): limitador-server takes
+///   each for an unbound reference and never applies the limit.
+fn evaluable(e: &cel::IdedExpr, variable: bool) -> Result<(), String> {
+    let mut bound = BTreeSet::new();
+    unsupported(e, &mut bound)?;
+    let referenced = e.references();
+    let mut references: Vec<&str> = referenced.variables().into_iter().collect();
+    references.sort_unstable();
+    for name in references {
+        if bound.contains(name) {
+            return Err(format!(
+                "`{name}` is a comprehension's variable: limitador-server takes it for an unbound reference \
+                 and never applies the limit (test a key with `has(descriptors[0].key)` or `'key' in \
+                 descriptors[0]` instead)"
+            ));
+        }
+        let known = name == "descriptors" || (!variable && name == "limit");
+        if !known {
+            let names = if variable { "`descriptors`" } else { "`descriptors` and `limit`" };
+            return Err(format!(
+                "`{name}` is not bound: limitador-server binds only {names} here and would never apply the limit"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The first construct of `e` the interpreter cannot evaluate (see
+/// [`evaluable`]); the comprehensions' variables go to `bound`.
+fn unsupported<'e>(e: &'e cel::IdedExpr, bound: &mut BTreeSet<&'e str>) -> Result<(), String> {
+    use cel::common::ast::{EntryExpr, Expr};
+    match &e.expr {
+        Expr::Struct(_) => Err("a struct literal: the interpreter cannot evaluate it".to_owned()),
+        Expr::Comprehension(c) => {
+            if !iterable(&c.iter_range) {
+                return Err(
+                    "a comprehension over what may be a string or a scalar: the interpreter iterates \
+                            only lists and maps (`descriptors`, `descriptors[N]`, a list or map written out)"
+                        .to_owned(),
+                );
+            }
+            bound.insert(&c.iter_var);
+            if let Some(second) = &c.iter_var2 {
+                bound.insert(second);
+            }
+            for part in [&c.iter_range, &c.accu_init, &c.loop_cond, &c.loop_step, &c.result] {
+                unsupported(part, bound)?;
+            }
+            Ok(())
+        }
+        Expr::Call(call) => {
+            call.target.iter().map(|t| &**t).chain(&call.args).try_for_each(|a| unsupported(a, bound))
+        }
+        Expr::List(list) => list.elements.iter().try_for_each(|a| unsupported(a, bound)),
+        Expr::Map(map) => map.entries.iter().try_for_each(|entry| match &entry.expr {
+            EntryExpr::MapEntry(m) => unsupported(&m.key, bound).and_then(|()| unsupported(&m.value, bound)),
+            EntryExpr::StructField(_) => Err("a struct field: the interpreter cannot evaluate it".to_owned()),
+        }),
+        Expr::Select(select) => unsupported(&select.operand, bound),
+        Expr::Unspecified => Err("an empty expression".to_owned()),
+        Expr::Ident(_) | Expr::Literal(_) => Ok(()),
+    }
+}
+
+/// Whether `range` is always a list or a map: the descriptors, one of them
+/// (`descriptors[N]`: a map, or an error), a list or map written out, or
+/// a comprehension that builds a list (`map`, `filter`).
+fn iterable(range: &cel::IdedExpr) -> bool {
+    use cel::common::ast::Expr;
+    match &range.expr {
+        Expr::Ident(name) => name == "descriptors",
+        Expr::Call(call) if call.func_name == cel::common::ast::operators::INDEX => {
+            matches!(call.args.first().map(|a| &a.expr), Some(Expr::Ident(name)) if name == "descriptors")
+        }
+        Expr::List(_) | Expr::Map(_) => true,
+        Expr::Comprehension(c) => matches!(c.accu_init.expr, Expr::List(_)) && iterable(&c.iter_range),
+        _ => false,
+    }
 }
 
 /// How deep comprehensions nest in `e` (a comprehension's range is not

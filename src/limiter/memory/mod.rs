@@ -12,8 +12,7 @@
 //!   counters from a random position, the one that expired earliest; when
 //!   none has, the one that counts least relative to its own limit (a
 //!   flood's counters, one hit each, before a user near its limit), never
-//!   one the owner pinned (the local limiter's counters whose hits are
-//!   owed to the shared store). An evicted counter that still counts is
+//!   one its owner pinned ([`MemoryStore::with_pinned`]). An evicted counter that still counts is
 //!   remembered in the shard's summary ([`summary`]): a key evicted
 //!   returns at least where it was, for at least
 //!   [`EVICTED_PER_GENERATION`](summary::EVICTED_PER_GENERATION) further

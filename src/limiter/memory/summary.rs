@@ -159,11 +159,15 @@ impl Generation {
 }
 
 impl Evicted {
+    /// Adds a key to the current generation. A full generation becomes the
+    /// previous one (the previous is dropped); a current generation whose
+    /// every counter expired is cleared in place, so the previous one,
+    /// which may live longer, is kept for its full term.
     fn insert(&mut self, hash: u64, expires_at_ms: u64, now_ms: u64) {
-        if self.current.keys >= EVICTED_PER_GENERATION
-            || (self.current.keys > 0 && !self.current.live(now_ms))
-        {
+        if self.current.keys >= EVICTED_PER_GENERATION {
             std::mem::swap(&mut self.current, &mut self.previous);
+            self.current.clear();
+        } else if self.current.keys > 0 && !self.current.live(now_ms) {
             self.current.clear();
         }
         self.current.insert(hash, expires_at_ms);
@@ -219,6 +223,69 @@ mod tests {
             (0..10_000).filter(|n| sketch.recall(&hasher, &key(&format!("new-{n}")), 0) > 0).count();
         // 2 x 0.24 % expected (about 48); 150 is over ten standard deviations away.
         assert!(recalled < 150, "{recalled} of 10,000 newcomers started above zero");
+    }
+
+    /// A key that lives an hour, evicted, then evictions of keys that live
+    /// a second around a pause: the current generation expires during the
+    /// pause, and clearing it must not take the older, live one along.
+    #[test]
+    fn a_long_lived_key_outlives_a_pause_that_expires_the_newer_generation() {
+        let hasher = RandomState::new();
+        let mut sketch = Sketch::new();
+        sketch.remember(&hasher, &key("user"), 800_000, 3_600_000, 0);
+        for n in 0..EVICTED_PER_GENERATION {
+            sketch.remember(&hasher, &key(&format!("a-{n}")), 1, 1_000 + n as u64, n as u64);
+        }
+        // The user is in the previous generation now; a few short-lived
+        // evictions, a 3 s pause, then more.
+        for n in 0..17 {
+            sketch.remember(&hasher, &key(&format!("b-{n}")), 1, 3_000, 2_500);
+        }
+        for n in 0..17 {
+            sketch.remember(&hasher, &key(&format!("c-{n}")), 1, 7_000, 6_000);
+        }
+        assert!(sketch.recall(&hasher, &key("user"), 6_000) >= 800_000, "forgotten after 34 evictions");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 200, ..Default::default() })]
+
+        /// Under any timing of evictions, pauses and lifetimes, a key
+        /// evicted is recalled at least at its fill while its counter would
+        /// live, for at least a generation of further evictions.
+        #[test]
+        fn an_evicted_key_is_recalled_within_the_stated_bound(
+            watched in proptest::collection::vec((0usize..3_000, 1u32..=1_000_000, 1u64..7_200_000), 1..4),
+            steps in proptest::collection::vec((0u64..5_000, 1u64..120_000, proptest::prelude::any::<bool>()), 1..3_000),
+        ) {
+            let hasher = RandomState::new();
+            let mut sketch = Sketch::new();
+            // (name, fill, expires at, evictions since)
+            let mut remembered: Vec<(String, u32, u64, usize)> = Vec::new();
+            let mut now = 0u64;
+            for (i, (pause, lifetime, long_pause)) in steps.iter().enumerate() {
+                now += if *long_pause { pause * 10 } else { *pause / 100 };
+                for (n, (at, fill, life)) in watched.iter().enumerate() {
+                    if *at == i {
+                        remembered.iter_mut().for_each(|r| r.3 += 1);
+                        sketch.remember(&hasher, &key(&format!("watched-{n}")), *fill, now + life, now);
+                        remembered.push((format!("watched-{n}"), *fill, now + life, 0));
+                    }
+                }
+                sketch.remember(&hasher, &key(&format!("flood-{i}")), 1, now + lifetime, now);
+                for (name, fill, expires_at, since) in &mut remembered {
+                    *since += 1;
+                    if now < *expires_at && *since <= EVICTED_PER_GENERATION {
+                        let recalled = sketch.recall(&hasher, &key(name), now);
+                        proptest::prop_assert!(
+                            recalled >= *fill,
+                            "{} at {} of its limit recalled at {} after {} evictions",
+                            name, fill, recalled, since
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -131,7 +131,7 @@ fn bad_limits_are_refused_naming_file_limit_and_field() {
     let error = refused(nested);
     assert!(error.contains("conditions[0]") && error.contains("nested 3 deep"), "{error}");
     let two = "- { namespace: ns, max_value: 1, seconds: 1, conditions: [\"descriptors.all(d, \
-               descriptors.exists(e, e == d)) && descriptors.map(d, d).size() > 0\"] }\n";
+               descriptors.exists(e, true)) && descriptors.map(d, 1).size() > 0\"] }\n";
     parse(Path::new("limits.yaml"), two).unwrap();
     assert!(parse(Path::new("limits.yaml"), "").unwrap().namespaces().next().is_none());
     assert!(parse(Path::new("limits.yaml"), "---\n").unwrap().namespaces().next().is_none());
@@ -162,6 +162,61 @@ fn a_descriptor_the_request_lacks_is_an_error() {
     .unwrap();
     let result = limits.applying("ns", &[vec![("a", "1")]]);
     assert!(result.is_err(), "{result:?}");
+}
+
+/// What limitador-server would panic on, or never apply, is refused at
+/// load naming file, limit and field: a comprehension's variable (taken
+/// there for an unbound reference), a name it does not bind, a struct
+/// literal, a comprehension over a value that may be a string.
+#[test]
+fn what_limitador_never_applies_or_cannot_evaluate_is_refused_at_load() {
+    let refused = |field: &str, source: &str| {
+        let text = format!("- {{ namespace: ns, max_value: 1, seconds: 1, {field}: [{source:?}] }}\n");
+        parse(Path::new("limits.yaml"), &text).unwrap_err().to_string()
+    };
+    for (field, source, why) in [
+        ("conditions", "descriptors[0].exists(k, k == 'user')", "comprehension's variable"),
+        ("conditions", "descriptors.exists(d, d.user == 'ann')", "comprehension's variable"),
+        ("conditions", "descriptors.filter(d, true).size() == 1", "comprehension's variable"),
+        ("variables", "descriptors.map(d, d.user)[0]", "comprehension's variable"),
+        ("conditions", "Foo{a: 1} == Foo{a: 1}", "struct literal"),
+        ("conditions", "descriptors[0].user.exists(c, true)", "string or a scalar"),
+        ("conditions", "'abc'.all(c, true)", "string or a scalar"),
+        ("conditions", "user == 'ann'", "`user` is not bound"),
+        ("variables", "limit.name", "`limit` is not bound"),
+    ] {
+        let error = refused(field, source);
+        assert!(
+            error.contains("limits.yaml")
+                && error.contains("limits[0]")
+                && error.contains(&format!("{field}[0]")),
+            "{source}: {error}"
+        );
+        assert!(error.contains(why), "{source}: {error}");
+    }
+    // What limitador evaluates is kept: comprehensions that read only the
+    // request, `has()`, `in`, the limit's own name in a condition.
+    for source in [
+        "descriptors.exists(d, true)",
+        "[1, 2].all(x, true)",
+        "descriptors.map(d, 1).size() == 1",
+        "has(descriptors[0].user)",
+        "'user' in descriptors[0]",
+        "limit.name == 'x'",
+    ] {
+        let text = format!("- {{ namespace: ns, max_value: 1, seconds: 1, conditions: [{source:?}] }}\n");
+        parse(Path::new("limits.yaml"), &text).unwrap_or_else(|e| panic!("{source}: {e}"));
+    }
+}
+
+/// An expression that panics the interpreter (one the load refuses,
+/// compiled here past it) is an error of the request, not a panic.
+#[test]
+fn an_interpreter_panic_is_an_evaluation_error() {
+    let program = cel::Program::compile("Foo{a: 1} == Foo{a: 1}").unwrap();
+    let expression = Expression { source: Arc::from("Foo{a: 1} == Foo{a: 1}"), program, fast: None };
+    let root = context(&[vec![("user", "ann")]]);
+    assert!(interpret(&expression, &root).is_err());
 }
 
 /// Compiled limits are shared by every worker (a snapshot).
