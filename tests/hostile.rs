@@ -206,6 +206,85 @@ async fn one_address_holds_at_most_its_connections_and_others_still_connect() {
     server.stop().await.unwrap();
 }
 
+/// Opens `per_address` idle gRPC connections from each of `addresses`
+/// loopback addresses (127.0.1.x), preface sent, and holds those the
+/// server keeps.
+async fn idle_connections(
+    addr: std::net::SocketAddr,
+    addresses: u8,
+    per_address: usize,
+) -> Vec<tokio::net::TcpStream> {
+    let mut held = Vec::new();
+    for a in 0..addresses {
+        for _ in 0..per_address {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(format!("127.0.1.{}:0", a + 1).parse().unwrap()).unwrap();
+            let Ok(mut socket) = socket.connect(addr).await else { continue };
+            let mut first = [0u8; 9];
+            let kept = async {
+                socket.write_all(common::H2_START).await?;
+                socket.read_exact(&mut first).await
+            };
+            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), kept).await {
+                held.push(socket);
+            }
+        }
+    }
+    held
+}
+
+/// Seven Checks of `user` from a new connection at `from`: each answered
+/// within a second, 5 admitted (the limit).
+async fn decided_in_time(server: &TestServer, from: &str, user: &str) {
+    let started = Instant::now();
+    let mut client = tokio::time::timeout(Duration::from_secs(1), server.client_from(from))
+        .await
+        .unwrap_or_else(|_| panic!("{from}: no connection within 1 s"));
+    let mut admitted = 0;
+    for _ in 0..7 {
+        let at = Instant::now();
+        let answer =
+            tokio::time::timeout(Duration::from_secs(1), check(&mut client, request(user, "/limited")))
+                .await
+                .unwrap_or_else(|_| panic!("{from}: a Check not decided within 1 s"));
+        assert!(at.elapsed() < Duration::from_secs(1), "{from}: answered in {:?}", at.elapsed());
+        admitted += usize::from(answer.allowed);
+    }
+    assert_eq!(admitted, 5, "{from}: decided exactly");
+    assert!(started.elapsed() < Duration::from_secs(3), "{from}: {:?}", started.elapsed());
+}
+
+/// 60 addresses each holding idle gRPC connections up to their share
+/// (`grpc.max_connections_per_peer`) take more than every place (on the
+/// old policy, all of them, and a trusted Envoy's new connection got 0 of
+/// 3 Checks decided): a new untrusted caller takes the place of the one
+/// idle longest, and a trusted peer finds its reserved part free, both
+/// decided within a second; with no trusted peers configured, a new caller
+/// still is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_addresses_of_idle_connections_leave_new_callers_decided_within_1_s() {
+    for trusted in [true, false] {
+        let rules = Rules::new(RULES);
+        let mut config = common::config(&rules.path(), None);
+        config.grpc.max_connections = 128;
+        config.grpc.max_connections_per_peer = 4;
+        if trusted {
+            config.grpc.trusted_peers = vec!["127.0.2.1/32".to_owned()];
+        }
+        let server = TestServer::start(config).await;
+        let held = idle_connections(server.addr, 60, 4).await;
+        assert!(held.len() >= 120, "the attack holds {} connections", held.len());
+        decided_in_time(&server, "127.0.3.1", "newcomer").await;
+        if trusted {
+            decided_in_time(&server, "127.0.2.1", "envoy").await;
+        }
+        let reclaimed = common::metric(&server, "ratelimitd_grpc_connections_reclaimed_total ").await;
+        assert!(reclaimed.is_some_and(|r| r >= 1.0), "{reclaimed:?}");
+        drop(held);
+        server.stop().await.unwrap();
+    }
+}
+
 /// This process's resident memory, in bytes (the server runs in it).
 fn resident_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
@@ -374,8 +453,10 @@ async fn ready_in_time(addr: std::net::SocketAddr) {
 
 /// 300 unfinished request heads from one address hold 8 of the HTTP
 /// port's 64 places (`http.max_connections_per_peer`): `/readyz` answers
-/// within a second. From 9 addresses they fill all 64, and the probe
-/// port (`http.probe_listen`), whose places are its own, still answers.
+/// within a second. From 9 addresses they fill all 64: a new connection
+/// takes the place of the one quiet longest, and `/readyz` still answers
+/// within a second; so does the probe port (`http.probe_listen`), whose
+/// places are its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unfinished_request_heads_leave_readyz_answering_within_1_s() {
     let rules = Rules::new(RULES);
@@ -392,20 +473,63 @@ async fn unfinished_request_heads_leave_readyz_answering_within_1_s() {
         many.push(unfinished_heads(server.http_addr, &format!("127.0.0.{host}"), 8).await);
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // The HTTP port is full: a request there waits in the listen backlog.
-    let mut waiting = tokio::net::TcpStream::connect(server.http_addr).await.unwrap();
-    waiting.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
-    let answer = tokio::time::timeout(Duration::from_millis(500), async {
-        use tokio::io::AsyncReadExt as _;
-        waiting.read(&mut [0; 64]).await
-    });
-    assert!(answer.await.is_err(), "the HTTP port answered: the flood did not fill it");
+    ready_in_time(server.http_addr).await;
     let probes: std::net::SocketAddr = format!("127.0.0.1:{probe_port}").parse().unwrap();
     ready_in_time(probes).await;
     let (status, _) =
         tokio::task::spawn_blocking(move || common::http_get(probes, "/metrics")).await.unwrap();
     assert_eq!(status, 404, "the probe port serves the probes alone");
     drop((one_address, many));
+    server.stop().await.unwrap();
+}
+
+/// 10 addresses of 8 keep-alive connections each, within their share,
+/// polling `/readyz` every 2 s (on the old policy they held all 64 places
+/// and another client's `/status` was answered 0 of 10 within a second):
+/// another client's `/readyz` is answered within a second, ten times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keep_alive_pollers_from_10_addresses_leave_another_client_answered_within_1_s() {
+    let rules = Rules::new(RULES);
+    let server = TestServer::start(common::config(&rules.path(), None)).await;
+    let addr = server.http_addr;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut pollers = Vec::new();
+    for host in 0..10 {
+        for _ in 0..8 {
+            let stop = std::sync::Arc::clone(&stop);
+            pollers.push(tokio::spawn(async move {
+                let mut socket = None;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if socket.is_none() {
+                        let fresh = tokio::net::TcpSocket::new_v4().unwrap();
+                        fresh.bind(format!("127.0.4.{}:0", host + 1).parse().unwrap()).unwrap();
+                        socket = fresh.connect(addr).await.ok();
+                    }
+                    if let Some(open) = socket.as_mut() {
+                        let polled = async {
+                            open.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n").await?;
+                            let mut answer = [0u8; 512];
+                            let n = open.read(&mut answer).await?;
+                            if n == 0 { Err(std::io::ErrorKind::UnexpectedEof.into()) } else { Ok(()) }
+                        };
+                        if tokio::time::timeout(Duration::from_secs(1), polled)
+                            .await
+                            .map_or(true, |r: std::io::Result<()>| r.is_err())
+                        {
+                            socket = None;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    ready_in_time(addr).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for poller in pollers {
+        poller.await.unwrap();
+    }
     server.stop().await.unwrap();
 }
 

@@ -50,6 +50,9 @@ use std::{
 
 use http_body::{Frame, SizeHint};
 
+mod activity;
+pub use activity::{Active, Activity, now_ms};
+
 use crate::limiter::CallerCalls;
 use tonic::{
     Status,
@@ -223,6 +226,9 @@ pub struct Caller {
     pub store_calls: Arc<CallerCalls>,
     /// Whether its outcome reports may move an adaptive limit.
     pub may_report: bool,
+    /// What the connection is doing: the server reclaims the places of
+    /// idle ones first.
+    pub activity: Arc<Activity>,
     bytes: Arc<CallerBytes>,
 }
 
@@ -288,6 +294,7 @@ impl Budget {
                 peer: share.as_ref().map(|share| Arc::clone(&share.store_calls)),
             }),
             may_report: peer.may_report,
+            activity: Arc::new(Activity::new(now_ms())),
             bytes: Arc::new(CallerBytes { connection: Held::new(self.shares.per_connection), peer: share }),
         })
     }
@@ -477,10 +484,17 @@ where
         let bound = self.bounds.of(path);
         let denied = self.bounds.denials.iter().position(|(p, _)| *p == path);
         let budget = Arc::clone(&self.budget);
-        let caller = request.extensions().get::<Caller>().map(|caller| Arc::clone(&caller.bytes));
-        let counted = |body| Body::new(Counted::new(body, budget, caller, bound, denied.is_some()));
+        let caller = request.extensions().get::<Caller>();
+        // In flight while its handler answers and while its body is read.
+        let (active, reading) = match caller {
+            Some(caller) => (Some(caller.activity.begin()), Some(caller.activity.begin())),
+            None => (None, None),
+        };
+        let caller = caller.map(|caller| Arc::clone(&caller.bytes));
+        let counted =
+            |body| Body::new(Counted::new(body, budget, caller, bound, denied.is_some()).reading(reading));
         let future = self.inner.call(request.map(counted));
-        Answered { future, denial: denied.map(|at| (Arc::clone(&self.bounds), at)) }
+        Answered { future, denial: denied.map(|at| (Arc::clone(&self.bounds), at)), _active: active }
     }
 }
 
@@ -494,6 +508,7 @@ pin_project_lite::pin_project! {
         #[pin]
         future: F,
         denial: Option<(Arc<MessageBounds>, usize)>,
+        _active: Option<Active>,
     }
 }
 
@@ -585,6 +600,8 @@ struct Counted {
     /// OUT_OF_RANGE, one over its caller's share with ABORTED, which
     /// [`Answered`] turns into the denial; others with RESOURCE_EXHAUSTED.
     deny: bool,
+    /// The request is in flight on its connection while its body is read.
+    _reading: Option<Active>,
 }
 
 impl Counted {
@@ -606,7 +623,14 @@ impl Counted {
             left: 0,
             oversized: false,
             deny,
+            _reading: None,
         }
+    }
+
+    /// The same, in flight on its connection as `reading` says.
+    fn reading(mut self, reading: Option<Active>) -> Self {
+        self._reading = reading;
+        self
     }
 
     /// Follows `chunk` through the gRPC framing: each message's announced

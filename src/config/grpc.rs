@@ -78,12 +78,20 @@ pub struct GrpcConfig {
     /// shorter `grpc-timeout` wins. Streams (`CheckStream`) are not bound
     /// by it. 0: none.
     pub request_timeout_ms: u64,
-    /// Most gRPC connections open at once (the TCP port and `grpc.uds` together); past it the
-    /// listeners are not polled and new connections wait in the kernel's listen backlog until one
-    /// closes (over TLS, the accept loop first completes up to 1,024 handshakes more and holds them
-    /// in its queue). With the two limits above this bounds what clients can make the service hold;
-    /// keep it under the process's open-file limit (`ulimit -n`), or accepting fails there instead.
+    /// Most gRPC connections open at once (the TCP port and `grpc.uds` together). Untrusted
+    /// connections hold at most 15/16 of them together; the rest are kept for `grpc.trusted_peers`.
+    /// A new connection that finds no place takes the place of one of its class, the one idle
+    /// longest (no request in flight), else one of the peer holding most connections while that
+    /// peer holds more than one past the newcomer's; the connection reclaimed is closed
+    /// (`ratelimitd_grpc_connections_reclaimed_total`). With none to reclaim the newcomer is
+    /// closed (`ratelimitd_grpc_connections_refused_total`). With the two limits above this bounds
+    /// what clients can make the service hold; keep it under the process's open-file limit
+    /// (`ulimit -n`), or accepting fails there instead.
     pub max_connections: usize,
+    /// A gRPC connection that starts no request within this long of opening is closed
+    /// (`ratelimitd_grpc_connections_unused_total`): an idle connection holds a descriptor and a
+    /// place, and a client that needs one opens it when it has a request. `0`: never.
+    pub first_request_timeout_ms: u64,
     /// Most store calls (Redis) one connection has in flight: each decision
     /// of a `Check`, each item of a `CheckBatch` or `CheckStream`, each
     /// `ShouldRateLimit` holds one while its store call runs; past it the
@@ -126,8 +134,9 @@ pub struct GrpcConfig {
     pub tcp_keepalive_ms: u64,
     /// HTTP/2 PING keepalive: an idle connection is pinged this often and closed when a PING goes
     /// unanswered for `grpc.keepalive_timeout_ms`; unlike TCP keepalive it also finds a peer whose
-    /// host answers but whose process hangs. Off by default: with it hyper takes a lock and reads
-    /// the clock for every frame received, about 1.5 % more CPU per unary decision; `0` disables.
+    /// host answers but whose process hangs, so its place goes back. It costs about 1.5 % more CPU
+    /// per unary decision (hyper takes a lock and reads the clock for every frame received); `0`
+    /// disables.
     pub keepalive_interval_ms: u64,
     /// How long a keepalive PING may go unanswered before the connection is
     /// closed.
@@ -152,6 +161,7 @@ impl Default for GrpcConfig {
             max_concurrent_streams: 1_024,
             max_header_list_bytes: 16 << 10,
             max_connections: 10_000,
+            first_request_timeout_ms: 10_000,
             max_request_bytes_in_flight: 128 << 20,
             max_request_bytes_per_connection: 16 << 20,
             max_request_bytes_per_peer: 32 << 20,
@@ -162,9 +172,9 @@ impl Default for GrpcConfig {
             max_store_calls_per_tenant: 1_024,
             max_store_calls_per_peer: 1_024,
             max_connections_per_peer: 128,
-            max_connection_age_ms: 0,
+            max_connection_age_ms: 1_800_000,
             tcp_keepalive_ms: 60_000,
-            keepalive_interval_ms: 0,
+            keepalive_interval_ms: 60_000,
             keepalive_timeout_ms: 20_000,
             tls: GrpcTlsConfig::default(),
             uds: None,

@@ -23,10 +23,11 @@ pub struct HttpConfig {
     /// instance ready, its decisions follow each rule's failure policy,
     /// flagged, and the body says so.
     pub unready_without_store: bool,
-    /// Most connections to the HTTP port open at once; past it new ones
-    /// wait in the listen backlog, holding no descriptor. Scrapers and
-    /// probes need a few; the bound keeps idle connections from taking the
-    /// descriptors gRPC needs.
+    /// Most connections to the HTTP port open at once; past it a new one
+    /// takes the place of the connection that received nothing for
+    /// longest, which is closed (keep-alive pollers from many addresses
+    /// cannot keep a probe out). Scrapers and probes need a few; the bound
+    /// keeps idle connections from taking the descriptors gRPC needs.
     pub max_connections: usize,
     /// Of those, most one peer (an IPv4 address, an IPv6 /64) holds; a connection past it is
     /// closed as soon as it is accepted. A flood of unfinished request heads from one address

@@ -1,8 +1,10 @@
 //! The HTTP port's connections, bounded (`http.max_connections`,
 //! `http.idle_timeout_ms`, `http.max_connection_age_ms`): each accepted
-//! connection holds one of a fixed number of places until it closes, and
-//! while none is free the listener is not polled, so further connections
-//! wait in the kernel's backlog without taking a descriptor. A connection
+//! connection holds one of a fixed number of places until it closes. A
+//! connection that finds none free takes the place of the one that
+//! received nothing for longest ([`super::reclaim`]), which is closed: so
+//! keep-alive pollers from any number of addresses, each within its share,
+//! cannot keep a probe or a scraper out. A connection
 //! that sends nothing for the idle timeout, or that reaches its age (a
 //! client that never reads the answer), is closed; a request head trickled
 //! in byte by byte is cut by the server's header-read deadline
@@ -32,9 +34,11 @@ use crate::budget::PeerKey;
 use axum::serve::Listener;
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
-    sync::{OwnedSemaphorePermit, Semaphore},
     time::{Instant, Sleep},
 };
+
+use super::reclaim::{Place, Places};
+use crate::budget::{Activity, Peer, now_ms};
 
 /// How the connections of a listener are bounded.
 #[derive(Debug, Clone, Copy)]
@@ -58,7 +62,7 @@ type Peers = Arc<Mutex<HashMap<PeerKey, usize>>>;
 #[derive(Debug)]
 pub struct Capped<L> {
     inner: L,
-    places: Arc<Semaphore>,
+    places: Arc<Places>,
     peers: Peers,
     limits: Limits,
 }
@@ -68,7 +72,7 @@ impl<L> Capped<L> {
     pub fn new(inner: L, limits: Limits) -> Self {
         Capped {
             inner,
-            places: Arc::new(Semaphore::new(limits.max_connections)),
+            places: Arc::new(Places::with_untrusted(limits.max_connections, limits.max_connections, 0)),
             peers: Peers::default(),
             limits,
         }
@@ -118,14 +122,16 @@ impl<L: Listener<Addr = SocketAddr>> Listener for Capped<L> {
         let inner = &mut self.inner;
         async move {
             loop {
-                // Never closed: the semaphore lives as long as the listener.
-                let place = Arc::clone(&places).acquire_owned().await.expect("the places are never closed");
                 let (io, addr) = inner.accept().await;
-                // Past its peer's share: closed at once (dropped), its place freed.
-                if let Some(peer) =
-                    PeerPlace::take(&peers, PeerKey::of(addr.ip()), limits.max_connections_per_peer)
-                {
-                    return (Bounded::new(io, (place, peer), limits), addr);
+                let key = PeerKey::of(addr.ip());
+                // Past its peer's share, or with no place to reclaim: closed at once (dropped).
+                let Some(peer) = PeerPlace::take(&peers, key, limits.max_connections_per_peer) else {
+                    continue;
+                };
+                let activity = Arc::new(Activity::new(now_ms()));
+                let who = Peer { key, trusted: false, may_report: false };
+                if let Some(place) = places.admit(who, Arc::clone(&activity), now_ms()) {
+                    return (Bounded::new(io, (place, peer), activity, limits), addr);
                 }
             }
         }
@@ -137,22 +143,24 @@ impl<L: Listener<Addr = SocketAddr>> Listener for Capped<L> {
 }
 
 /// A connection holding a place, closed (an I/O error to hyper) when idle
-/// or old.
+/// or old, or (its end of stream) when its place is reclaimed.
 #[derive(Debug)]
 pub struct Bounded<T> {
     io: T,
-    _place: (OwnedSemaphorePermit, PeerPlace),
+    _place: (Place, PeerPlace),
+    activity: Arc<Activity>,
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
     age: Pin<Box<Sleep>>,
 }
 
 impl<T> Bounded<T> {
-    fn new(io: T, place: (OwnedSemaphorePermit, PeerPlace), limits: Limits) -> Self {
+    fn new(io: T, place: (Place, PeerPlace), activity: Arc<Activity>, limits: Limits) -> Self {
         let now = Instant::now();
         Bounded {
             io,
             _place: place,
+            activity,
             idle_timeout: limits.idle_timeout,
             idle: Box::pin(tokio::time::sleep_until(now + limits.idle_timeout)),
             age: Box::pin(tokio::time::sleep_until(now + limits.max_age)),
@@ -175,12 +183,17 @@ impl<T: AsyncRead + Unpin> AsyncRead for Bounded<T> {
         if let Some(error) = this.aged(cx) {
             return Poll::Ready(Err(error));
         }
+        if this.activity.closing(cx.waker()) {
+            // Its place was reclaimed: the end of the stream ends it.
+            return Poll::Ready(Ok(()));
+        }
         let before = buf.filled().len();
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
                     let next = Instant::now() + this.idle_timeout;
                     this.idle.as_mut().reset(next);
+                    this.activity.touch(now_ms());
                 }
                 Poll::Ready(Ok(()))
             }
@@ -195,6 +208,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for Bounded<T> {
 impl<T: AsyncWrite + Unpin> AsyncWrite for Bounded<T> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if this.activity.closing(cx.waker()) {
+            return Poll::Ready(Err(io::ErrorKind::ConnectionAborted.into()));
+        }
         match Pin::new(&mut this.io).poll_write(cx, buf) {
             // A client that does not read: the write waits, until the age.
             Poll::Pending => this.aged(cx).map_or(Poll::Pending, |error| Poll::Ready(Err(error))),
@@ -234,20 +250,20 @@ mod tests {
         header_read_timeout: Duration::from_secs(3_600),
     };
 
-    /// Two places: a third connection is not accepted until one closes.
+    /// Two places, both held: a third connection takes the place of the
+    /// one that received nothing for longest, which is closed.
     #[tokio::test]
-    async fn connections_past_the_bound_wait_for_a_place() {
-        let (mut listener, addr) = capped(LIMITS).await;
+    async fn a_new_connection_takes_the_place_of_the_quietest() {
+        let (mut listener, addr) = capped(Limits { max_connections_per_peer: 3, ..LIMITS }).await;
         let _clients = [TcpStream::connect(addr).await.unwrap(), TcpStream::connect(addr).await.unwrap()];
-        let (first, _) = listener.accept().await;
+        let (mut first, _) = listener.accept().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
         let (_second, _) = listener.accept().await;
         let _third = TcpStream::connect(addr).await.unwrap();
-        let waiting = tokio::time::timeout(Duration::from_millis(200), listener.accept()).await;
-        assert!(waiting.is_err(), "a third connection was accepted");
-        drop(first);
-        tokio::time::timeout(Duration::from_secs(5), listener.accept())
-            .await
-            .expect("accepted once a place freed");
+        let (_third, _) =
+            tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.expect("a place reclaimed");
+        let read = tokio::time::timeout(Duration::from_secs(1), first.read(&mut [0; 8])).await.unwrap();
+        assert!(matches!(read, Ok(0)), "the quietest was closed: {read:?}");
     }
 
     /// One peer holds at most its share of the places: past it a connection

@@ -16,6 +16,7 @@ pub mod conns;
 pub mod health;
 mod parts;
 mod places;
+mod reclaim;
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -208,7 +209,11 @@ pub async fn run_observed(
     });
     let drain_delay = Duration::from_millis(config.grpc.drain_delay_ms);
     let (signal, drained) = drain_on(shutdown, health, reporter, drain_delay);
-    let serve = serve_grpc(&config, router, listener, tls, &budget, signal, &mut tasks)?;
+    let places =
+        Arc::new(reclaim::Places::new(config.grpc.max_connections, config.grpc.first_request_timeout_ms));
+    metrics.register(Arc::clone(&places) as Arc<dyn crate::telemetry::Figures>);
+    tasks.spawn(Arc::clone(&places).sweep_until(tasks.stopper()));
+    let serve = serve_grpc(&config, router, listener, tls, (&budget, &places), signal, &mut tasks)?;
     let grace = Duration::from_millis(config.grpc.shutdown_grace_ms);
     let result = serve_until_stopped(serve, drained, grace, &mut tasks, &mut dispatchers).await;
     stop(tasks, dispatchers, grace, &dlq).await;
@@ -516,13 +521,13 @@ fn serve_grpc(
     router: Router,
     listener: TcpListener,
     tls: Option<ReloadingAcceptor>,
-    budget: &Arc<Budget>,
+    (budget, places): (&Arc<Budget>, &Arc<reclaim::Places>),
     signal: impl Future<Output = ()> + Send + 'static,
     tasks: &mut Tasks,
 ) -> Result<Serving, ServerError> {
     tcp_keepalive(&listener, config.grpc.tcp_keepalive_ms).map_err(ServerError::Keepalive)?;
     // One count of connections for both listeners.
-    let places = Arc::new(tokio::sync::Semaphore::new(config.grpc.max_connections));
+    let places = Arc::clone(places);
     let Some(path) = &config.grpc.uds else {
         return Ok(serve_tcp(config, router, listener, tls, &places, Arc::clone(budget), signal, tasks));
     };
@@ -606,7 +611,7 @@ fn serve_tcp(
     router: Router,
     listener: TcpListener,
     tls: Option<ReloadingAcceptor>,
-    places: &Arc<tokio::sync::Semaphore>,
+    places: &Arc<reclaim::Places>,
     budget: Arc<Budget>,
     signal: impl Future<Output = ()> + Send + 'static,
     tasks: &mut Tasks,

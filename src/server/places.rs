@@ -1,15 +1,13 @@
-//! `grpc.max_connections`: how many gRPC connections are open at once,
-//! and what each may hold ([`Caller`], handed to every request of the
-//! connection as its connect info): its share of the store's in-flight
-//! work (`grpc.max_store_calls_per_connection`, read by `api/`) and of the
-//! request byte budget (its own and its peer's, read by the budget
-//! layer), across the TCP port (plain or TLS) and the Unix socket. Each accepted
-//! connection holds a place ([`Placed`]) until tonic drops it; while none is
-//! free the listeners are not polled, so new connections wait in the
-//! kernel's listen backlog (past that their SYNs go unanswered and clients
-//! retry) instead of each taking a descriptor, buffers and streams. Over
-//! TLS the accept loop (`tls.rs`) hands finished handshakes through a
-//! queue of 1,024, which fills first.
+//! What each gRPC connection may hold ([`Caller`], handed to every request
+//! of the connection as its connect info): its share of the store's
+//! in-flight work (`grpc.max_store_calls_per_connection`, read by `api/`)
+//! and of the request byte budget (its own and its peer's, read by the
+//! budget layer), and one of the `grpc.max_connections` places across the
+//! TCP port (plain or TLS) and the Unix socket ([`super::reclaim`]: which
+//! connection gives its place up when they run short). Each accepted
+//! connection holds its place ([`Placed`]) until tonic drops it or the
+//! place is reclaimed, which ends it at its next read. Over TLS the accept
+//! loop (`tls.rs`) hands finished handshakes through a queue of 1,024.
 
 use std::{
     io::{self, IoSlice},
@@ -19,12 +17,10 @@ use std::{
 };
 
 use futures_util::{Stream, StreamExt as _};
-use tokio::{
-    io::{AsyncRead, AsyncWrite, ReadBuf},
-    sync::{OwnedSemaphorePermit, Semaphore},
-};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tonic::transport::server::Connected;
 
+use super::reclaim::{Place, Places};
 use crate::{
     accept::AcceptBackoff,
     budget::{Budget, Caller, Peer, Quotas},
@@ -32,28 +28,29 @@ use crate::{
 
 /// A connection holding one of the `grpc.max_connections` places, freed
 /// when it is dropped, and its share of the store's in-flight work. Reads
-/// and writes go straight to the connection.
+/// and writes go straight to the connection, until its place is
+/// reclaimed: then its next read is its end.
 #[derive(Debug)]
 pub(super) struct Placed<T> {
     io: T,
-    _place: OwnedSemaphorePermit,
+    _place: Place,
     caller: Caller,
 }
 
 /// Who a connection comes from, for its shares and what it may do.
 pub(super) type PeerOf<T> = Arc<dyn Fn(&T) -> Peer + Send + Sync>;
 
-/// `incoming`'s connections, each taken only once a place in `places` is
-/// free (the stream is not polled meanwhile); an accept error passes
-/// through and frees its place, after a pause ([`AcceptBackoff`]: tonic retries
-/// at once, which spun a core while no descriptor was left).
-/// Each connection gets its shares of `budget` and of the store's calls
-/// (`quotas`), as `peer_of` says who it comes from; one from an untrusted
-/// peer that has its `quotas.connections_per_peer` open already is closed
-/// at once (dropped) and its place taken by the next.
+/// `incoming`'s connections, each with a place in `places` (reclaimed
+/// from another when none is free; a connection that gets none is closed
+/// at once); an accept error passes through after a pause
+/// ([`AcceptBackoff`]: tonic retries at once, which spun a core while no
+/// descriptor was left). Each connection gets its shares of `budget` and
+/// of the store's calls (`quotas`), as `peer_of` says who it comes from;
+/// one from an untrusted peer that has its `quotas.connections_per_peer`
+/// open already is closed at once (dropped).
 pub(super) fn placed<S, T, E>(
     incoming: S,
-    places: Arc<Semaphore>,
+    places: Arc<Places>,
     budget: Arc<Budget>,
     peer_of: PeerOf<T>,
     quotas: Quotas,
@@ -67,8 +64,6 @@ where
     futures_util::stream::unfold(state, move |(mut incoming, places, mut backoff)| {
         let (budget, peer_of) = (Arc::clone(&budget), Arc::clone(&peer_of));
         async move {
-            // Never closed: `None` ends the stream only if it were.
-            let place = Arc::clone(&places).acquire_owned().await.ok()?;
             loop {
                 let io = match incoming.next().await? {
                     Ok(io) => io,
@@ -79,7 +74,10 @@ where
                     }
                 };
                 backoff.reset();
-                if let Some(caller) = budget.caller(peer_of(&io), quotas) {
+                let peer = peer_of(&io);
+                let Some(caller) = budget.caller(peer, quotas) else { continue };
+                let now = crate::budget::now_ms();
+                if let Some(place) = places.admit(peer, Arc::clone(&caller.activity), now) {
                     return Some((Ok(Placed { io, _place: place, caller }), (incoming, places, backoff)));
                 }
             }
@@ -136,12 +134,19 @@ impl<T: AsyncRead + Unpin> AsyncRead for Placed<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if self.caller.activity.closing(cx.waker()) {
+            // Its place was reclaimed: the end of the stream ends it.
+            return Poll::Ready(Ok(()));
+        }
         Pin::new(&mut self.io).poll_read(cx, buf)
     }
 }
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for Placed<T> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        if self.caller.activity.closing(cx.waker()) {
+            return Poll::Ready(Err(io::ErrorKind::ConnectionAborted.into()));
+        }
         Pin::new(&mut self.io).poll_write(cx, buf)
     }
 
@@ -182,15 +187,16 @@ impl<T> Connected for Placed<T> {
 mod tests {
     use super::*;
 
-    /// Two places: the third connection is taken only once one of the
-    /// first two is dropped; an error passes through without keeping one.
+    /// Two places, both held by idle connections: a third takes the
+    /// place of the one idle longest, which ends at its next read; an
+    /// accept error passes through.
     #[tokio::test]
-    async fn a_connection_is_taken_only_while_a_place_is_free() {
+    async fn a_new_connection_takes_the_place_of_the_idle_one() {
         let (send, receive) = tokio::sync::mpsc::unbounded_channel::<Result<u32, &str>>();
         for item in [Ok(1), Err("accept failed"), Ok(2), Ok(3)] {
             send.send(item).unwrap();
         }
-        let places = Arc::new(Semaphore::new(2));
+        let places = Arc::new(Places::new(2, 0));
         let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(receive);
         let budget = Arc::new(Budget::unshared(1));
         let local: PeerOf<u32> =
@@ -200,13 +206,16 @@ mod tests {
         let first = connections.next().await.unwrap().unwrap();
         assert_eq!(connections.next().await.unwrap().unwrap_err(), "accept failed");
         let second = connections.next().await.unwrap().unwrap();
+        let _busy = second.caller.activity.begin();
         assert_eq!((first.io, second.io), (1, 2));
-        let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), connections.next()).await;
-        assert!(waiting.is_err(), "a third connection was taken with both places held");
-        drop(first);
         let third = connections.next().await.unwrap().unwrap();
-        assert_eq!((third.io, places.available_permits()), (3, 0));
+        assert_eq!((third.io, places.open()), (3, 2));
+        let waker = futures_util::task::noop_waker_ref();
+        assert!(first.caller.activity.closing(waker), "the idle one gave its place");
+        assert!(!second.caller.activity.closing(waker));
+        drop(first);
+        assert_eq!(places.open(), 2, "a reclaimed place is not given back twice");
         drop((second, third));
-        assert_eq!(places.available_permits(), 2, "closed connections free their places");
+        assert_eq!(places.open(), 0, "closed connections free their places");
     }
 }
