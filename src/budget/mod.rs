@@ -40,25 +40,21 @@
 use std::{
     collections::HashMap,
     net::IpAddr,
-    pin::Pin,
     sync::{
         Arc, Mutex, Weak,
         atomic::{AtomicU64, AtomicUsize, Ordering},
     },
-    task::{Context, Poll},
 };
-
-use http_body::{Frame, SizeHint};
 
 mod activity;
+mod layer;
+mod ticket;
 pub use activity::{Active, Activity, now_ms};
+pub use layer::{Answered, BudgetLayer, Budgeted};
+use ticket::Ticket;
 
 use crate::limiter::CallerCalls;
-use tonic::{
-    Status,
-    body::Body,
-    codegen::{Bytes, http},
-};
+use tonic::codegen::Bytes;
 
 /// How much of the pool one caller may hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,17 +112,20 @@ impl Held {
     }
 }
 
-/// Which share refused a message.
+/// Which share refused a message, or that its bytes were reclaimed for
+/// another caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Refused {
     Connection,
     Peer,
     Untrusted,
     Pool,
+    Reclaimed,
 }
 
 impl Refused {
-    const ALL: [Refused; 4] = [Refused::Connection, Refused::Peer, Refused::Untrusted, Refused::Pool];
+    const ALL: [Refused; 5] =
+        [Refused::Connection, Refused::Peer, Refused::Untrusted, Refused::Pool, Refused::Reclaimed];
 
     fn as_str(self) -> &'static str {
         match self {
@@ -134,6 +133,7 @@ impl Refused {
             Refused::Peer => "peer",
             Refused::Untrusted => "untrusted",
             Refused::Pool => "pool",
+            Refused::Reclaimed => "reclaimed",
         }
     }
 
@@ -147,6 +147,9 @@ impl Refused {
                 "untrusted peers hold their half of grpc.max_request_bytes_in_flight of unfinished requests"
             }
             Refused::Pool => "the service holds grpc.max_request_bytes_in_flight of unfinished requests",
+            Refused::Reclaimed => {
+                "this address held the most of grpc.max_request_bytes_in_flight while another caller needed it"
+            }
         }
     }
 }
@@ -187,6 +190,9 @@ struct PeerShare {
     held: Held,
     /// Its store calls in flight.
     store_calls: Arc<tokio::sync::Semaphore>,
+    /// Its requests holding bytes (dead ones pruned as it grows): what
+    /// is reclaimed when it holds most.
+    tickets: Mutex<Vec<Weak<Ticket>>>,
     key: PeerKey,
     peers: Arc<Peers>,
 }
@@ -255,7 +261,7 @@ pub struct Budget {
     untrusted: Held,
     shares: Shares,
     peers: Arc<Peers>,
-    refused: [AtomicU64; 4],
+    refused: [AtomicU64; 5],
     oversized: AtomicU64,
     refused_connections: AtomicU64,
 }
@@ -316,6 +322,7 @@ impl Budget {
         let share = Arc::new(PeerShare {
             held: Held::new(self.shares.per_peer),
             store_calls: Arc::new(tokio::sync::Semaphore::new(permits(quotas.store_calls_per_peer))),
+            tickets: Mutex::default(),
             key,
             peers: Arc::clone(&self.peers),
         });
@@ -350,8 +357,25 @@ impl Budget {
         self.oversized.load(Ordering::Relaxed)
     }
 
-    /// Takes `bytes` from every share the caller lives under, all or none.
+    /// Takes `bytes` from every share the caller lives under, all or none;
+    /// refused by the untrusted part or the pool, after reclaiming from
+    /// the peer holding most ([`Budget::reclaim`]) once.
     fn take(&self, caller: Option<&CallerBytes>, bytes: usize) -> Result<(), Refused> {
+        let result = match self.try_take(caller, bytes) {
+            Err(Refused::Untrusted | Refused::Pool)
+                if self.reclaim(caller.and_then(|c| c.peer.as_deref()), bytes) =>
+            {
+                self.try_take(caller, bytes)
+            }
+            other => other,
+        };
+        if let Err(refused) = result {
+            self.refused[refused as usize].fetch_add(1, Ordering::Relaxed);
+        }
+        result
+    }
+
+    fn try_take(&self, caller: Option<&CallerBytes>, bytes: usize) -> Result<(), Refused> {
         let peer = caller.and_then(|caller| caller.peer.as_deref());
         let steps: [(Option<&Held>, Refused); 4] = [
             (caller.map(|caller| &caller.connection), Refused::Connection),
@@ -366,11 +390,40 @@ impl Budget {
                 for held in steps[..at].iter().filter_map(|(held, _)| *held) {
                     held.give(bytes);
                 }
-                self.refused[*refused as usize].fetch_add(1, Ordering::Relaxed);
                 return Err(*refused);
             }
         }
         Ok(())
+    }
+
+    /// Frees bytes for a caller refused by the untrusted part or the pool
+    /// (`requester`: its peer's share, `None` for a trusted one): every
+    /// request of the untrusted peer holding most is cancelled and its
+    /// bytes given back at once, when that peer holds more than the
+    /// requester's peer would with `needed` more. Whether any was.
+    fn reclaim(&self, requester: Option<&PeerShare>, needed: usize) -> bool {
+        let mine = requester.map_or(0, |p| p.held.held.load(Ordering::Relaxed));
+        let largest = {
+            let peers = self.peers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            peers
+                .values()
+                .filter_map(Weak::upgrade)
+                .filter(|p| requester.is_none_or(|r| r.key != p.key))
+                .max_by_key(|p| p.held.held.load(Ordering::Relaxed))
+        };
+        let Some(largest) = largest else { return false };
+        if largest.held.held.load(Ordering::Relaxed) <= mine.saturating_add(needed) {
+            return false;
+        }
+        let tickets: Vec<Arc<Ticket>> = {
+            let mut tickets = largest.tickets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            std::mem::take(&mut *tickets).iter().filter_map(Weak::upgrade).collect()
+        };
+        for ticket in &tickets {
+            ticket.cancel();
+        }
+        self.refused[Refused::Reclaimed as usize].fetch_add(tickets.len() as u64, Ordering::Relaxed);
+        !tickets.is_empty()
     }
 
     fn give(&self, caller: Option<&CallerBytes>, bytes: usize) {
@@ -434,288 +487,6 @@ impl MessageBounds {
     }
 }
 
-/// Counts every request's body against the budget and its message bound
-/// (a tower layer).
-#[derive(Debug, Clone)]
-pub struct BudgetLayer {
-    budget: Arc<Budget>,
-    bounds: Arc<MessageBounds>,
-}
-
-impl BudgetLayer {
-    /// Requests held against `budget`, each message within `bounds`.
-    pub fn new(budget: Arc<Budget>, bounds: MessageBounds) -> Self {
-        BudgetLayer { budget, bounds: Arc::new(bounds) }
-    }
-}
-
-impl<S> tower::Layer<S> for BudgetLayer {
-    type Service = Budgeted<S>;
-
-    fn layer(&self, inner: S) -> Budgeted<S> {
-        Budgeted { inner, budget: Arc::clone(&self.budget), bounds: Arc::clone(&self.bounds) }
-    }
-}
-
-/// A service whose requests' bodies are counted against the budget.
-#[derive(Debug, Clone)]
-pub struct Budgeted<S> {
-    inner: S,
-    budget: Arc<Budget>,
-    bounds: Arc<MessageBounds>,
-}
-
-type Response = http::Response<Body>;
-
-impl<S> tower::Service<http::Request<Body>> for Budgeted<S>
-where
-    S: tower::Service<http::Request<Body>, Response = Response>,
-{
-    type Response = Response;
-    type Error = S::Error;
-    type Future = Answered<S::Future>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        let path = request.uri().path();
-        let bound = self.bounds.of(path);
-        let denied = self.bounds.denials.iter().position(|(p, _)| *p == path);
-        let budget = Arc::clone(&self.budget);
-        let caller = request.extensions().get::<Caller>();
-        // In flight while its handler answers and while its body is read.
-        let (active, reading) = match caller {
-            Some(caller) => (Some(caller.activity.begin()), Some(caller.activity.begin())),
-            None => (None, None),
-        };
-        let caller = caller.map(|caller| Arc::clone(&caller.bytes));
-        let counted =
-            |body| Body::new(Counted::new(body, budget, caller, bound, denied.is_some()).reading(reading));
-        let future = self.inner.call(request.map(counted));
-        Answered { future, denial: denied.map(|at| (Arc::clone(&self.bounds), at)), _active: active }
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// A call's answer; a single-decision call refused unread (by its
-    /// counted body, with OUT_OF_RANGE for its size or ABORTED for its
-    /// caller's share: tonic answers the body's error as a trailers-only
-    /// response, and no handler answers either) is answered with its
-    /// method's denial instead.
-    pub struct Answered<F> {
-        #[pin]
-        future: F,
-        denial: Option<(Arc<MessageBounds>, usize)>,
-        _active: Option<Active>,
-    }
-}
-
-impl<F, E> std::future::Future for Answered<F>
-where
-    F: std::future::Future<Output = Result<Response, E>>,
-{
-    type Output = Result<Response, E>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        let response = std::task::ready!(this.future.poll(cx))?;
-        let refusal = match this.denial {
-            None => None,
-            Some(_) => match response.headers().get("grpc-status").map(|code| code.as_bytes()) {
-                Some(b"11") => Some(Refusal::TooLarge),
-                Some(b"10") => Some(Refusal::CallerBusy),
-                _ => None,
-            },
-        };
-        Poll::Ready(Ok(match (this.denial.take(), refusal) {
-            (Some((bounds, at)), Some(refusal)) => answer((bounds.denials[at].1)(refusal)),
-            _ => response,
-        }))
-    }
-}
-
-/// A gRPC answer of one message (`message`, encoded) and status OK.
-fn answer(message: Bytes) -> Response {
-    let mut framed = Vec::with_capacity(5 + message.len());
-    framed.push(0);
-    framed.extend_from_slice(&u32::try_from(message.len()).unwrap_or(u32::MAX).to_be_bytes());
-    framed.extend_from_slice(&message);
-    let mut trailers = http::HeaderMap::new();
-    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-    let mut response =
-        http::Response::new(Body::new(Answer { data: Some(Bytes::from(framed)), trailers: Some(trailers) }));
-    response
-        .headers_mut()
-        .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/grpc"));
-    response
-}
-
-/// The body of [`answer`]: one data frame, then the trailers.
-struct Answer {
-    data: Option<Bytes>,
-    trailers: Option<http::HeaderMap>,
-}
-
-impl http_body::Body for Answer {
-    type Data = Bytes;
-    type Error = Status;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        let this = self.get_mut();
-        let frame = match this.data.take() {
-            Some(data) => Some(Frame::data(data)),
-            None => this.trailers.take().map(Frame::trailers),
-        };
-        Poll::Ready(frame.map(Ok))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.data.is_none() && self.trailers.is_none()
-    }
-}
-
-/// A request body whose unfinished message is held against the budget.
-struct Counted {
-    inner: Body,
-    budget: Arc<Budget>,
-    /// The connection's and its peer's shares (none outside a server).
-    caller: Option<Arc<CallerBytes>>,
-    /// The longest message this method takes.
-    bound: usize,
-    /// Bytes taken for the message not yet whole: its announced length.
-    held: usize,
-    /// The gRPC prefix (flag, 4-byte length) being read.
-    prefix: [u8; 5],
-    prefix_len: usize,
-    /// Bytes of the current message still to come.
-    left: usize,
-    /// A message announced more than `bound`: the request failed.
-    oversized: bool,
-    /// A single-decision call: an oversized message is refused with
-    /// OUT_OF_RANGE, one over its caller's share with ABORTED, which
-    /// [`Answered`] turns into the denial; others with RESOURCE_EXHAUSTED.
-    deny: bool,
-    /// The request is in flight on its connection while its body is read.
-    _reading: Option<Active>,
-}
-
-impl Counted {
-    fn new(
-        inner: Body,
-        budget: Arc<Budget>,
-        caller: Option<Arc<CallerBytes>>,
-        bound: usize,
-        deny: bool,
-    ) -> Self {
-        Counted {
-            inner,
-            budget,
-            caller,
-            bound,
-            held: 0,
-            prefix: [0; 5],
-            prefix_len: 0,
-            left: 0,
-            oversized: false,
-            deny,
-            _reading: None,
-        }
-    }
-
-    /// The same, in flight on its connection as `reading` says.
-    fn reading(mut self, reading: Option<Active>) -> Self {
-        self._reading = reading;
-        self
-    }
-
-    /// Follows `chunk` through the gRPC framing: each message's announced
-    /// length (what tonic reserves for it once it reads the prefix) is
-    /// taken from the budget when its prefix is read, and given back when
-    /// its last byte has passed.
-    fn count(&mut self, chunk: &[u8]) -> Result<(), Status> {
-        let mut at = 0;
-        while at < chunk.len() {
-            if self.prefix_len < 5 {
-                let take = (5 - self.prefix_len).min(chunk.len() - at);
-                self.prefix[self.prefix_len..self.prefix_len + take].copy_from_slice(&chunk[at..at + take]);
-                self.prefix_len += take;
-                at += take;
-                if self.prefix_len < 5 {
-                    break;
-                }
-                let [_, a, b, c, d] = self.prefix;
-                self.left = u32::from_be_bytes([a, b, c, d]) as usize;
-                if self.left > self.bound {
-                    self.oversized = true;
-                    self.budget.oversized.fetch_add(1, Ordering::Relaxed);
-                    let message = format!(
-                        "a request message of {} bytes; the limit is {} (grpc.max_message_bytes, \
-                         grpc.max_batch_message_bytes for CheckBatch)",
-                        self.left, self.bound
-                    );
-                    let code =
-                        if self.deny { tonic::Code::OutOfRange } else { tonic::Code::ResourceExhausted };
-                    return Err(Status::new(code, message));
-                }
-                if let Err(refused) = self.budget.take(self.caller.as_deref(), self.left) {
-                    let code = if self.deny { tonic::Code::Aborted } else { tonic::Code::ResourceExhausted };
-                    return Err(Status::new(code, refused.message()));
-                }
-                self.held = self.left;
-            } else {
-                let take = self.left.min(chunk.len() - at);
-                self.left -= take;
-                at += take;
-            }
-            if self.left == 0 {
-                self.budget.give(self.caller.as_deref(), self.held);
-                self.held = 0;
-                self.prefix_len = 0;
-            }
-        }
-        Ok(())
-    }
-}
-
-impl http_body::Body for Counted {
-    type Data = Bytes;
-    type Error = Status;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        let this = self.get_mut();
-        let frame = match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => frame,
-            other => return other,
-        };
-        if let Some(data) = frame.data_ref() {
-            this.count(data)?;
-        }
-        Poll::Ready(Some(Ok(frame)))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.budget.give(self.caller.as_deref(), self.held);
-    }
-}
-
 impl crate::telemetry::Figures for Budget {
     fn render(&self, out: &mut String) {
         use crate::telemetry::exposition::{labelled, single};
@@ -723,7 +494,7 @@ impl crate::telemetry::Figures for Budget {
             out,
             "ratelimitd_grpc_request_bytes_in_flight",
             "gauge",
-            "Bytes of gRPC request messages announced but not yet whole (grpc.max_request_bytes_in_flight).",
+            "Bytes held for unfinished gRPC requests: header blocks, a fixed amount per stream, and messages announced but not yet whole (grpc.max_request_bytes_in_flight).",
             self.held(),
         );
         single(
@@ -739,7 +510,7 @@ impl crate::telemetry::Figures for Budget {
             out,
             "ratelimitd_grpc_requests_over_budget_total",
             "counter",
-            "Requests refused unread because their caller's share of the request byte budget was held (by the share that refused: connection, peer, untrusted, pool): a Check, Report or ShouldRateLimit denied, others failed with RESOURCE_EXHAUSTED.",
+            "Requests refused unread because their caller's share of the request byte budget was held (by the share that refused: connection, peer, untrusted, pool), or cancelled because their address held the most of it while another caller needed it (reclaimed): a Check, Report or ShouldRateLimit denied, others failed with RESOURCE_EXHAUSTED.",
             "share",
             &refused,
         );

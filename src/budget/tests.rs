@@ -3,6 +3,15 @@
 use futures_util::future::BoxFuture;
 
 use super::*;
+use http_body::Frame;
+use layer::Counted;
+use tonic::{
+    Status,
+    body::Body,
+    codegen::{Bytes, http},
+};
+
+type Response = http::Response<Body>;
 
 fn message(len: usize) -> Vec<u8> {
     let mut out = vec![0];
@@ -12,11 +21,16 @@ fn message(len: usize) -> Vec<u8> {
 }
 
 fn body(budget: &Arc<Budget>) -> Counted {
-    Counted::new(Body::empty(), Arc::clone(budget), None, 1_000, false)
+    Counted::new(Body::empty(), Ticket::new(Arc::clone(budget), None), 1_000, false, None)
 }
 
 fn body_of(budget: &Arc<Budget>, caller: &Caller) -> Counted {
-    Counted::new(Body::empty(), Arc::clone(budget), Some(Arc::clone(&caller.bytes)), 1_000, false)
+    let ticket = Ticket::new(Arc::clone(budget), Some(Arc::clone(&caller.bytes)));
+    Counted::new(Body::empty(), ticket, 1_000, false, None)
+}
+
+fn reclaimed(body: &Counted) -> bool {
+    body.ticket.cancelled(futures_util::task::noop_waker_ref())
 }
 
 /// A message's announced length is held from its prefix until it is
@@ -69,7 +83,7 @@ fn a_message_past_the_budget_fails_its_request() {
     let mut huge = body(&budget);
     let error = huge.count(&message(1_001)[..20]).unwrap_err();
     assert!(error.message().contains("grpc.max_message_bytes"), "{error:?}");
-    assert_eq!((budget.held(), budget.oversized(), huge.oversized), (0, 1, true));
+    assert_eq!((budget.held(), budget.oversized()), (0, 1));
 }
 
 /// Each connection and each untrusted peer holds at most its share;
@@ -103,17 +117,30 @@ fn a_caller_holds_at_most_its_share() {
     let other = caller(untrusted(v6("2001:db8::1")));
     let mut third = body_of(&budget, &other);
     third.count(&message(100)[..10]).unwrap();
-    let error = body_of(&budget, &other).count(&message(1)[..5]).unwrap_err();
+    // The untrusted part is full: the peer holding most (400, more than
+    // this one's 100 and 1 more) has its requests cancelled, their bytes
+    // given back at once, and this one passes.
+    let mut fourth = body_of(&budget, &other);
+    fourth.count(&message(1)[..5]).unwrap();
+    assert!(reclaimed(&first) && reclaimed(&second) && !reclaimed(&third));
+    assert_eq!(budget.held(), 101);
+    // A peer holding no more than the newcomer would is not reclaimed from.
+    let (late, late_too) =
+        (caller(untrusted(v6("2001:db8:0:2::1"))), caller(untrusted(v6("2001:db8:0:2::2"))));
+    let mut fifth = body_of(&budget, &late);
+    fifth.count(&message(290)[..10]).unwrap();
+    let error = body_of(&budget, &late_too).count(&message(110)[..10]).unwrap_err();
     assert_eq!(error.message(), Refused::Untrusted.message(), "untrusted peers together");
     let proxy = caller(Peer { key: PeerKey::Local, trusted: true, may_report: true });
     let mut trusted = body_of(&budget, &proxy);
     trusted.count(&message(300)[..10]).unwrap();
     let error = body_of(&budget, &proxy).count(&message(201)[..10]).unwrap_err();
     assert_eq!(error.message(), Refused::Connection.message());
-    assert_eq!((budget.held(), budget.refused(), budget.peers()), (800, 4, 2));
-    drop((first, second, third, trusted));
+    // Refused: connection, peer, untrusted, connection; 2 reclaimed.
+    assert_eq!((budget.held(), budget.refused(), budget.peers()), (691, 6, 3));
+    drop((first, second, third, fourth, fifth, trusted));
     assert_eq!(budget.held(), 0);
-    drop((a1, a2));
+    drop((a1, a2, late, late_too));
     assert_eq!(budget.peers(), 1, "a peer's share goes with its last connection");
 }
 

@@ -44,14 +44,19 @@ pub struct GrpcConfig {
     /// handler, and a header block that never ends (a CONTINUATION flood) holds at most this
     /// much. gRPC metadata is a few hundred bytes; Envoy's descriptors travel in the message.
     pub max_header_list_bytes: u32,
-    /// Most bytes of request messages announced (their gRPC length prefix: what is reserved for
-    /// them) but not yet whole, over every connection and stream together (a message is buffered
-    /// until its last byte arrives), so clients announcing large messages they never finish cannot
-    /// make the service hold `connections × streams × max_message_bytes`. Shared per caller (the
-    /// two keys below; half is kept for `grpc.trusted_peers` while any are set). A message past
-    /// its caller's share refuses its request (`ratelimitd_grpc_requests_over_budget_total`): a
-    /// `Check`, `Report` or `ShouldRateLimit` is denied (`CALLER_BUSY`, Envoy `OVER_LIMIT` flagged
-    /// `caller_busy`), a `CheckBatch` or `CheckStream` fails with RESOURCE_EXHAUSTED.
+    /// Most bytes held for unfinished requests, over every connection and stream together: each
+    /// request's decoded header block and 4 KiB for its stream from its arrival until it is
+    /// answered, and each message from its gRPC length prefix (what is reserved for it) until it
+    /// is whole. So clients opening streams they never finish, with large header blocks or
+    /// announcing large messages, cannot make the service hold `connections × streams × (16 KiB +
+    /// max_message_bytes)`. Shared per caller (the two keys below); untrusted callers together
+    /// hold at most half, whether or not `grpc.trusted_peers` are set. A request past its
+    /// caller's share is refused (`ratelimitd_grpc_requests_over_budget_total`): a `Check`,
+    /// `Report` or `ShouldRateLimit` is denied (`CALLER_BUSY`, Envoy `OVER_LIMIT` flagged
+    /// `caller_busy`), a `CheckBatch` or `CheckStream` fails with RESOURCE_EXHAUSTED. When the
+    /// untrusted half or the whole is what refuses it, the requests of the untrusted address
+    /// holding most are cancelled first, their bytes freed at once, if it holds more than the
+    /// caller's address would (`share="reclaimed"`).
     pub max_request_bytes_in_flight: usize,
     /// Most of those bytes one connection holds (at most the whole budget in effect); at least
     /// `grpc.max_batch_message_bytes`.
@@ -61,11 +66,11 @@ pub struct GrpcConfig {
     /// least `grpc.max_request_bytes_per_connection`.
     pub max_request_bytes_per_peer: usize,
     /// Peers trusted with the whole budget (the proxies in front: Envoy), as addresses or
-    /// prefixes (`10.0.0.0/8`, `fd00::/8`, `192.0.2.1`): no peer share applies to them, and while
-    /// any trust is set (this or `grpc.tls.trusted_client_names`) untrusted peers together hold at
-    /// most half of `grpc.max_request_bytes_in_flight`, the other half theirs alone. So a caller
-    /// that reaches the port directly, from any number of addresses, cannot take what the proxies
-    /// need. The Unix socket's clients are trusted.
+    /// prefixes (`10.0.0.0/8`, `fd00::/8`, `192.0.2.1`): no peer share applies to them, untrusted
+    /// peers together hold at most half of `grpc.max_request_bytes_in_flight` and 15/16 of
+    /// `grpc.max_connections`, the rest theirs alone, and their requests are never reclaimed. So a
+    /// caller that reaches the port directly, from any number of addresses, cannot take what the
+    /// proxies need. The Unix socket's clients are trusted.
     pub trusted_peers: Vec<String>,
     /// Who may report outcomes (`Report` with `outcome`, Envoy `ratelimitd.outcome` entries),
     /// as addresses or prefixes; with `grpc.tls.reporting_client_names`, the only callers whose
@@ -285,12 +290,13 @@ impl GrpcConfig {
     /// How the request byte budget is shared.
     pub fn byte_shares(&self) -> crate::budget::Shares {
         let pool = self.max_request_bytes_in_flight;
-        let trust = !self.trusted_peers.is_empty() || !self.tls.trusted_client_names.is_empty();
         crate::budget::Shares {
             pool,
             per_connection: self.max_request_bytes_per_connection.min(pool),
             per_peer: self.max_request_bytes_per_peer.min(pool),
-            untrusted: if trust { pool / 2 } else { pool },
+            // Whether or not trust is configured: what untrusted callers can
+            // hold is a part, never the whole.
+            untrusted: pool / 2,
         }
     }
 }
