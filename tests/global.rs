@@ -471,6 +471,99 @@ async fn two_regions(
     (servers, stores)
 }
 
+/// Region a's service, b's, and a second deployment that also calls
+/// itself a (its own Redis), sharing one coordination store: a rule of 300
+/// per 2 s, global. Returns the services in that order and the stores.
+async fn a_region_claimed_twice(rules: &common::Rules) -> (Vec<common::TestServer>, Vec<RedisServer>) {
+    use ratelimitd::global::RegionConfig;
+    let coordination = RedisServer::start();
+    let (mut servers, mut stores) = (Vec::new(), vec![coordination]);
+    for name in ["a", "b", "a"] {
+        let redis = RedisServer::start();
+        let mut config = common::default_rules_config(Some(redis.url()));
+        config.rules.path = Some(rules.path());
+        config.region = Some(name.to_owned());
+        config.global.regions =
+            ["a", "b"].iter().map(|n| RegionConfig { name: (*n).to_owned(), floor: 0.05 }).collect();
+        config.global.redis.url = Some(stores[0].url());
+        (config.global.interval_ms, config.global.lease_ms) = (200, 1_500);
+        (config.global.timeout_ms, config.global.skew_ms) = (500, 100);
+        servers.push(common::TestServer::start(config).await);
+        stores.push(redis);
+    }
+    (servers, stores)
+}
+
+/// Two deployments claim region a (on the old policy the second, refused
+/// at the coordination store, went on enforcing a's floor on its own
+/// keys: 306 admitted per window on a limit of 300): once refused, it
+/// enforces zero (a counter's smallest capacity: one hit a window), says
+/// so (`ratelimitd_global_last_answer{answer="claimed"}`), and the
+/// admissions of every deployment together stay within the limit, one per
+/// region of rounding and one for the duplicate over any window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_region_claimed_by_two_deployments_stays_within_the_limit() {
+    use common::{Rules, check, request};
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: shared, resource_path: /shared, limit: 300, window_seconds: 2, global: true }\n",
+    );
+    let (servers, _stores) = a_region_claimed_twice(&rules).await;
+    let log: Log = Arc::default();
+    let running = Arc::new(AtomicBool::new(true));
+    // Decisions asked from this wall-clock ms on are logged (0: none yet).
+    let measuring = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut load = JoinSet::new();
+    let answered = |region: &str, answer: &str| {
+        format!("ratelimitd_global_last_answer{{limit=\"shared\",region=\"{region}\",answer=\"{answer}\"}}")
+    };
+    for (deployment, server) in servers.iter().enumerate() {
+        if deployment == 2 {
+            // The first a holds the region before the second comes.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while common::metric(&servers[0], &answered("a", "ok")).await != Some(1.0) {
+                assert!(tokio::time::Instant::now() < deadline, "the first a never reported");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let mut client = server.client().await;
+        let (log, running, measuring) = (Arc::clone(&log), Arc::clone(&running), Arc::clone(&measuring));
+        load.spawn(async move {
+            while running.load(Ordering::Relaxed) {
+                let asked = wall_ms();
+                let allowed = check(&mut client, request("tenant", "/shared")).await.allowed;
+                let from = measuring.load(Ordering::Relaxed);
+                if allowed && from != 0 && asked >= from {
+                    log.lock().unwrap().push((wall_ms(), deployment));
+                }
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+        });
+    }
+    // The second a reports its demand, is refused, and enforces zero.
+    let claimed = answered("a", "claimed");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while common::metric(&servers[2], &claimed).await != Some(1.0) {
+        assert!(tokio::time::Instant::now() < deadline, "the second deployment of a was never refused");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    measuring.store(wall_ms(), Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    running.store(false, Ordering::Relaxed);
+    while load.join_next().await.is_some() {}
+    let log = log.lock().unwrap().clone();
+    let (worst, at) = worst_estimate(&log, 2_000);
+    // Zero, as a counter holds it: its smallest capacity, one hit a window.
+    let by_second_a = log.iter().filter(|(_, d)| *d == 2).count();
+    assert!(by_second_a <= 3, "the refused deployment admitted {by_second_a} in 5 s");
+    assert!(worst <= 303.0, "{worst:.1} admitted over a window ending at {at}");
+    assert!(log.len() >= 500, "{} admitted in 5 s: the first a and b share the limit", log.len());
+    let held = common::metric(&servers[0], &answered("a", "ok")).await;
+    assert_eq!(held, Some(1.0), "the first a holds the region");
+    for server in servers {
+        server.stop().await.unwrap();
+    }
+}
+
 /// The services' global figures for `limit` in region a: its grant, the
 /// agent flags of both regions, the reports answered, the last answer and
 /// the leases run out.

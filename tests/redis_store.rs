@@ -891,7 +891,7 @@ async fn the_lease_script_is_the_twin_of_allocate() {
             })
             .collect();
         let mut call = redis::cmd("EVAL");
-        call.arg(LEASE_LUA).arg(1 + keys.len()).arg("rlg:{g}").arg(&keys);
+        call.arg(LEASE_LUA).arg(2 + keys.len()).arg("rlg:{g}").arg("rlg:{g}!claims").arg(&keys);
         call.arg(region).arg(format!("deployment-{region}")).arg(floors.len()).arg(&floors);
         call.arg(limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(LINGER).arg(60_000);
         for r in &reports {
@@ -1063,11 +1063,16 @@ async fn instances_record_the_grants_they_apply_and_the_agent_reads_the_oldest()
     let other = exchange(call("two", None)).await;
     assert!(!other.agent);
     // The agent writes version 1; "two" reads it while it enforces version 0.
-    let written =
-        Written { limit: "api".into(), until: other.now_ms + 60_000, grants: vec![("k".into(), 500)] };
+    let written = Written {
+        limit: "api".into(),
+        until: other.now_ms + 60_000,
+        grants: vec![("k".into(), 500)],
+        claimed: false,
+    };
     regional::write_grants(&store, (1, &[written]), 60_000, timeout).await.unwrap();
     let read = exchange(call("two", Some(0))).await;
     assert_eq!((read.version, &read.grants[0].grants[..]), (1, &[("k".into(), 500)][..]));
+    assert_eq!(read.grants[0].claimed, None);
     assert_eq!(exchange(call("one", Some(1))).await.oldest_applied, Some(0), "not applied yet");
     regional::applied(&store, "two", (1, read.now_ms), timeout).await.unwrap();
     assert_eq!(exchange(call("one", Some(1))).await.oldest_applied, Some(1));

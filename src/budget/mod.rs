@@ -315,6 +315,10 @@ impl Budget {
             let open = Arc::strong_count(&share) - 1;
             if quotas.connections_per_peer != 0 && open >= quotas.connections_per_peer {
                 self.refused_connections.fetch_add(1, Ordering::Relaxed);
+                // The share may be the peer's last (its connections closed
+                // meanwhile): dropped out of the lock its drop takes.
+                drop(peers);
+                drop(share);
                 return None;
             }
             return Some(share);
@@ -403,14 +407,18 @@ impl Budget {
     /// requester's peer would with `needed` more. Whether any was.
     fn reclaim(&self, requester: Option<&PeerShare>, needed: usize) -> bool {
         let mine = requester.map_or(0, |p| p.held.held.load(Ordering::Relaxed));
-        let largest = {
+        // Taken out of the lock first: a share dropped here (its last
+        // connection gone meanwhile) takes the lock to leave the map.
+        let live: Vec<Arc<PeerShare>> = {
             let peers = self.peers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            peers
-                .values()
-                .filter_map(Weak::upgrade)
-                .filter(|p| requester.is_none_or(|r| r.key != p.key))
-                .max_by_key(|p| p.held.held.load(Ordering::Relaxed))
+            peers.values().filter_map(Weak::upgrade).collect()
         };
+        let largest = live
+            .iter()
+            .filter(|p| requester.is_none_or(|r| r.key != p.key))
+            .max_by_key(|p| p.held.held.load(Ordering::Relaxed))
+            .cloned();
+        drop(live);
         let Some(largest) = largest else { return false };
         if largest.held.held.load(Ordering::Relaxed) <= mine.saturating_add(needed) {
             return false;

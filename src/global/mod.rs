@@ -256,6 +256,9 @@ impl GlobalExchange {
                 Ok(Some(answer)) => written.push(self.take_grants(s, answer, (version, view.now_ms))),
                 Ok(None) => {}
                 Err(error) => {
+                    if error.message.contains("REGION_CLAIMED") {
+                        written.push(self.claimed(s, &error, view.now_ms));
+                    }
                     self.status.answered(&s.id, Err(&error));
                     failure = Some(error);
                 }
@@ -335,6 +338,10 @@ impl GlobalExchange {
     /// intervals from when it asked and never past the lease.
     fn enforce_written(&self, served: &[Served], view: &regional::View, sent: u64) {
         for (s, limit) in served.iter().zip(&view.grants) {
+            if let Some(claimed) = limit.claimed.filter(|until| *until > view.now_ms) {
+                self.grants.table(&s.id).claimed(sent.saturating_add(claimed - view.now_ms));
+                continue;
+            }
             let Some(until) = limit.until.filter(|until| *until > view.now_ms) else { continue };
             let left = until - view.now_ms;
             let table = self.grants.table(&s.id);
@@ -376,6 +383,34 @@ impl GlobalExchange {
             limit: Arc::clone(id),
             until: region_now_ms.saturating_add(self.settings.lease.lease_ms),
             grants: keys.into_iter().zip(granted.grants).collect(),
+            claimed: false,
+        }
+    }
+
+    /// The coordination store refused the region's report of `served`:
+    /// another deployment holds the region. The region enforces nothing of
+    /// the limit for a lease (renewed with each refusal): two deployments
+    /// under one name would each enforce the region's floor and grants.
+    /// Returns what tells the region's other instances.
+    fn claimed(&self, served: &Served, error: &StoreError, region_now_ms: u64) -> regional::Written {
+        let lease_ms = self.settings.lease.lease_ms;
+        let table = self.grants.table(&served.id);
+        let now = self.grants.now_ms();
+        if !table.is_claimed(now) {
+            tracing::warn!(
+                limit = %served.id,
+                region = self.status.region(),
+                %error,
+                "another deployment holds this region at the coordination store: enforcing zero for the global limit until it lets go (two deployments under one region name would each enforce its share)"
+            );
+        }
+        // Zero is never more than the region is counted for: held a whole lease.
+        table.claimed(now.saturating_add(lease_ms));
+        regional::Written {
+            limit: Arc::clone(&served.id),
+            until: region_now_ms.saturating_add(lease_ms),
+            grants: Vec::new(),
+            claimed: true,
         }
     }
 

@@ -9,7 +9,9 @@
 //! - `<prefix>rlr:{global}:t:<limit>`: the tallies since the agent last
 //!   drained them, fields `a:<key>` (admitted) and `d:<key>` (denied);
 //! - `<prefix>rlr:{global}:g:<limit>`: the grants, field `k:<key>` per
-//!   key and `_until` (when their lease ends, the regional store's clock);
+//!   key and `_until` (when their lease ends, the regional store's clock),
+//!   or `_claimed` alone (until when: the coordination store refused the
+//!   region's report, another deployment holding the region);
 //! - `<prefix>rlr:{global}:version`: the version of the grants, one more
 //!   with each write of the agent;
 //! - `<prefix>rlr:{global}:applied`: per instance, the oldest version of
@@ -33,6 +35,9 @@ pub struct LimitGrants {
     pub until: Option<u64>,
     /// Each key's grant.
     pub grants: Vec<(Box<str>, u64)>,
+    /// Until when the region enforces nothing of the limit (ms of the
+    /// regional store's clock): another deployment holds the region.
+    pub claimed: Option<u64>,
 }
 
 /// What an instance learnt from its region.
@@ -202,6 +207,7 @@ fn limit_grants(
         match field.split_at_checked(2) {
             Some(("k:", key)) => written.grants.push((key.into(), n)),
             _ if field == "_until" => written.until = Some(n),
+            _ if field == "_claimed" => written.claimed = Some(n),
             _ => {}
         }
     }
@@ -217,6 +223,9 @@ pub struct Written {
     pub until: u64,
     /// Each key's grant.
     pub grants: Vec<(Box<str>, u64)>,
+    /// The region's report was refused as claimed by another deployment:
+    /// it enforces nothing of the limit until `until`, and `grants` is empty.
+    pub claimed: bool,
 }
 
 /// The agent writes each limit's grants for the region's instances as
@@ -232,11 +241,11 @@ pub async fn write_grants(
     let mut pipeline = redis::pipe();
     pipeline.atomic();
     pipeline.set(key(prefix, "version", None), version).ignore();
-    for Written { limit, until, grants } in written {
+    for Written { limit, until, grants, claimed } in written {
         let key = key(prefix, "g", Some(limit));
         pipeline.del(&key).ignore();
         let mut hset = redis::cmd("HSET");
-        hset.arg(&key).arg("_until").arg(*until);
+        hset.arg(&key).arg(if *claimed { "_claimed" } else { "_until" }).arg(*until);
         for (k, grant) in grants {
             hset.arg(format!("k:{k}")).arg(*grant);
         }

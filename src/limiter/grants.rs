@@ -23,7 +23,10 @@
 use std::{
     collections::HashMap,
     hash::{BuildHasher, RandomState},
-    sync::{Arc, Mutex, RwLock},
+    sync::{
+        Arc, Mutex, RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
 use crate::clock::Clock;
@@ -84,6 +87,9 @@ pub struct GrantTable {
     shards: Box<[Mutex<Shard>]>,
     per_shard: usize,
     hasher: RandomState,
+    /// Until when (ms, this instance's monotonic clock) every key is at
+    /// zero: another deployment holds the region at the coordination store.
+    claimed_until: AtomicU64,
 }
 
 impl GrantTable {
@@ -94,7 +100,20 @@ impl GrantTable {
             shards: (0..shards).map(|_| Mutex::default()).collect(),
             per_shard: (max_keys / shards).max(1),
             hasher: RandomState::new(),
+            claimed_until: AtomicU64::new(0),
         }
+    }
+
+    /// Every key is enforced at zero until `until`: the region's report
+    /// was refused, another deployment holding the region (two under one
+    /// name would each enforce the region's floor and grants).
+    pub fn claimed(&self, until: u64) {
+        self.claimed_until.fetch_max(until, Ordering::Relaxed);
+    }
+
+    /// Whether the region is held by another deployment at `now`.
+    pub fn is_claimed(&self, now: u64) -> bool {
+        now < self.claimed_until.load(Ordering::Relaxed)
     }
 
     fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, Shard> {
@@ -103,8 +122,12 @@ impl GrantTable {
     }
 
     /// The limit `key` is enforced at `now`: its grant while its lease runs,
-    /// else `floor` (no grant yet, the lease ran out, or not tracked).
+    /// else `floor` (no grant yet, the lease ran out, or not tracked); zero
+    /// while the region is claimed by another deployment.
     pub fn limit(&self, key: &str, floor: u64, now: u64) -> u64 {
+        if self.is_claimed(now) {
+            return 0;
+        }
         match self.shard(key).get(key).and_then(|state| state.grant) {
             Some((grant, until)) if now < until => grant,
             _ => floor,

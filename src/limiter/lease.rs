@@ -199,7 +199,10 @@ fn lease_call(
         std::sync::LazyLock::new(|| redis::Script::new(LEASE_LUA));
     let mut call = redis::cmd("EVALSHA");
     call.arg(SCRIPT.get_hash());
-    call.arg(1 + reports.len()).arg(memory_key(prefix, limit.id));
+    // Beside the memory, in its hash slot; no key's lease key ends its tag with `!`.
+    let mut claims = memory_key(prefix, limit.id);
+    claims.push_str("!claims");
+    call.arg(2 + reports.len()).arg(memory_key(prefix, limit.id)).arg(claims);
     for r in reports {
         call.arg(lease_key(prefix, limit.id, &r.key));
     }

@@ -137,8 +137,12 @@ impl LocalLimiter {
     }
 
     /// This instance's share of `params`: capacity and rate divided by the
-    /// instances, rounded up, at least 1.
+    /// instances, rounded up, at least 1; a limit of zero (a global limit
+    /// whose region is claimed by another deployment) stays zero.
     pub fn share(&self, params: WindowParams) -> WindowParams {
+        if params.capacity == 0 {
+            return params;
+        }
         let n = self.instances();
         WindowParams {
             capacity: params.capacity.div_ceil(n).max(1),
@@ -528,6 +532,8 @@ mod tests {
         assert_eq!(local.instances(), 1);
         local.set_instances(None);
         assert_eq!(local.instances(), 1, "the configured number");
+        let zero = WindowParams { capacity: 0, ..params };
+        assert_eq!(local.share(zero).capacity, 0, "a limit of zero stays zero");
     }
 
     /// A store outage and a flood of distinct keys past every bound: the

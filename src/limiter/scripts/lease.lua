@@ -8,7 +8,13 @@
 --           store has lost them (a restart, a failover): for one lease and
 --           margin from then, no region's grant grows above what it says it
 --           enforces (or its floor), since leases granted before are unknown.
--- KEYS[1+k] one hash per (limit, key); fields per region index i:
+-- KEYS[2]   the limit's claims: per region index i, w<i> the deployment
+--           that reported for the region last and e<i> when its claim
+--           ends (a lease from then). Another deployment's report for a
+--           region whose claim runs is refused whole, whatever its keys:
+--           two deployments under one name would each enforce the
+--           region's floor and its grants.
+-- KEYS[2+k] one hash per (limit, key); fields per region index i:
 --           o<i> the grant offered, c<i> the grant it confirmed,
 --           e<i> its lease's end (ms, this server's clock), d<i> its demand,
 --           w<i> the deployment that holds region i
@@ -91,15 +97,21 @@ for i = 0, n - 1 do
   fields[#fields + 1] = 'd' .. i
 end
 
-for k = 2, #KEYS do
+local claim = redis.call('HMGET', KEYS[2], 'w' .. r, 'e' .. r)
+if claim[1] and claim[1] ~= deployment and now < (tonumber(claim[2]) or 0) + skew then
+  return redis.error_reply('REGION_CLAIMED region ' .. r .. ' is held by deployment ' .. claim[1])
+end
+for k = 3, #KEYS do
   local holder = redis.call('HMGET', KEYS[k], 'w' .. r, 'e' .. r)
   if holder[1] and holder[1] ~= deployment and now < (tonumber(holder[2]) or 0) + skew then
     return redis.error_reply('REGION_CLAIMED region ' .. r .. ' is held by deployment ' .. holder[1])
   end
 end
+redis.call('HSET', KEYS[2], 'w' .. r, deployment, 'e' .. r, now + lease)
+redis.call('PEXPIRE', KEYS[2], ttl)
 
 local out = { now }
-for k = 2, #KEYS do
+for k = 3, #KEYS do
   local enforcing = tonumber(ARGV[at])
   local admitted = tonumber(ARGV[at + 1])
   local demand = tonumber(ARGV[at + 2])
