@@ -16,7 +16,7 @@ use tonic::{
     codegen::{Bytes, http},
 };
 
-use super::{Budget, Caller, MessageBounds, Refusal, Refused, activity::Active, ticket::Ticket};
+use super::{Budget, Caller, MessageBounds, Refusal, Refused, ticket::Ticket};
 
 /// What a request's stream costs beside its header block and messages
 /// (its HTTP/2 and gRPC state, its handler), charged from its arrival.
@@ -81,19 +81,20 @@ where
         let denied = self.bounds.denials.iter().position(|(p, _)| *p == path);
         let budget = Arc::clone(&self.budget);
         let caller = request.extensions().get::<Caller>();
-        // In flight while its handler answers and while its body is read.
-        let (active, reading) = match caller {
-            Some(caller) => (Some(caller.activity.begin()), Some(caller.activity.begin())),
-            None => (None, None),
+        // In flight, and holding its bytes, while its handler answers or its
+        // body is read: the ticket lives as long as either.
+        let ticket = match caller {
+            Some(caller) => {
+                Ticket::new(budget, Some(Arc::clone(&caller.bytes)), Some(caller.activity.begin()))
+            }
+            None => Ticket::new(budget, None, None),
         };
-        let ticket = Ticket::new(budget, caller.map(|caller| Arc::clone(&caller.bytes)));
         // The header block and the stream are held from now until the answer.
         let refused = ticket.take(header_bytes(&request) + STREAM_BYTES).err();
         let deny = denied.is_some();
-        let counted =
-            |body| Body::new(Counted::new(body, Arc::clone(&ticket), bound, deny, refused).reading(reading));
+        let counted = |body| Body::new(Counted::new(body, Arc::clone(&ticket), bound, deny, refused));
         let future = self.inner.call(request.map(counted));
-        Answered { future, denial: denied.map(|at| (Arc::clone(&self.bounds), at)), _held: (active, ticket) }
+        Answered { future, denial: denied.map(|at| (Arc::clone(&self.bounds), at)), _held: ticket }
     }
 }
 
@@ -107,7 +108,7 @@ pin_project_lite::pin_project! {
         #[pin]
         future: F,
         denial: Option<(Arc<MessageBounds>, usize)>,
-        _held: (Option<Active>, Arc<Ticket>),
+        _held: Arc<Ticket>,
     }
 }
 
@@ -199,8 +200,6 @@ pub(super) struct Counted {
     deny: bool,
     /// Its header block found no room: the body fails at once.
     refused: Option<Refused>,
-    /// The request is in flight on its connection while its body is read.
-    _reading: Option<Active>,
 }
 
 impl Counted {
@@ -211,24 +210,7 @@ impl Counted {
         deny: bool,
         refused: Option<Refused>,
     ) -> Self {
-        Counted {
-            inner,
-            ticket,
-            bound,
-            held: 0,
-            prefix: [0; 5],
-            prefix_len: 0,
-            left: 0,
-            deny,
-            refused,
-            _reading: None,
-        }
-    }
-
-    /// The same, in flight on its connection as `reading` says.
-    fn reading(mut self, reading: Option<Active>) -> Self {
-        self._reading = reading;
-        self
+        Counted { inner, ticket, bound, held: 0, prefix: [0; 5], prefix_len: 0, left: 0, deny, refused }
     }
 
     /// The error of a request refused for its caller's share.

@@ -21,11 +21,11 @@ fn message(len: usize) -> Vec<u8> {
 }
 
 fn body(budget: &Arc<Budget>) -> Counted {
-    Counted::new(Body::empty(), Ticket::new(Arc::clone(budget), None), 1_000, false, None)
+    Counted::new(Body::empty(), Ticket::new(Arc::clone(budget), None, None), 1_000, false, None)
 }
 
 fn body_of(budget: &Arc<Budget>, caller: &Caller) -> Counted {
-    let ticket = Ticket::new(Arc::clone(budget), Some(Arc::clone(&caller.bytes)));
+    let ticket = Ticket::new(Arc::clone(budget), Some(Arc::clone(&caller.bytes)), None);
     Counted::new(Body::empty(), ticket, 1_000, false, None)
 }
 

@@ -15,7 +15,7 @@ use std::{
 
 use futures_util::task::AtomicWaker;
 
-use super::{Budget, CallerBytes, Refused};
+use super::{Budget, CallerBytes, Refused, activity::Active};
 
 /// Tickets a peer lists before the dead ones are pruned (then at every
 /// doubling).
@@ -29,17 +29,25 @@ pub(super) struct Ticket {
     bytes: AtomicUsize,
     cancelled: AtomicBool,
     waker: AtomicWaker,
+    /// The request is in flight on its connection while it lives.
+    _active: Option<Active>,
 }
 
 impl Ticket {
-    /// A request of `caller`'s holding nothing yet, listed with its peer.
-    pub(super) fn new(budget: Arc<Budget>, caller: Option<Arc<CallerBytes>>) -> Arc<Self> {
+    /// A request of `caller`'s holding nothing yet, listed with its peer,
+    /// in flight (`active`) while it lives.
+    pub(super) fn new(
+        budget: Arc<Budget>,
+        caller: Option<Arc<CallerBytes>>,
+        active: Option<Active>,
+    ) -> Arc<Self> {
         let ticket = Arc::new(Ticket {
             budget,
             caller,
             bytes: AtomicUsize::new(0),
             cancelled: AtomicBool::new(false),
             waker: AtomicWaker::new(),
+            _active: active,
         });
         if let Some(peer) = ticket.caller.as_ref().and_then(|c| c.peer.as_ref()) {
             let mut tickets = peer.tickets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
