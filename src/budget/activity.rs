@@ -44,11 +44,12 @@ impl Activity {
         }
     }
 
-    /// A request begins: in flight until the guard is dropped.
+    /// A request begins: in flight until the guard is dropped (which marks
+    /// when the connection was last active: while one is in flight it is
+    /// not idle, so the start needs no clock).
     pub fn begin(self: &std::sync::Arc<Self>) -> Active {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.started.fetch_add(1, Ordering::Relaxed);
-        self.last_ms.store(now_ms(), Ordering::Relaxed);
         Active(std::sync::Arc::clone(self))
     }
 
@@ -68,7 +69,7 @@ impl Activity {
         self.started.load(Ordering::Relaxed)
     }
 
-    /// When a request last began or ended (or the connection opened).
+    /// When a request last ended (or the connection opened).
     pub fn last_ms(&self) -> u64 {
         self.last_ms.load(Ordering::Relaxed)
     }
@@ -83,6 +84,13 @@ impl Activity {
     /// is (registered first, so no close is missed).
     pub fn closing(&self, waker: &Waker) -> bool {
         self.waker.register(waker);
+        self.close.load(Ordering::Acquire)
+    }
+
+    /// Whether the connection was told to close, registering nothing: for
+    /// the I/O to look before it reads, and register ([`Activity::closing`])
+    /// only when it is to wait.
+    pub fn closed(&self) -> bool {
         self.close.load(Ordering::Acquire)
     }
 

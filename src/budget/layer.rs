@@ -276,12 +276,18 @@ impl http_body::Body for Counted {
         if let Some(refused) = this.refused {
             return Poll::Ready(Some(Err(this.over_budget(refused))));
         }
-        if this.ticket.cancelled(cx.waker()) {
+        // Cancelled (its bytes reclaimed): it fails. The waker is
+        // registered only when the body is to wait (then looked again).
+        if this.ticket.is_cancelled() {
             this.refused = Some(Refused::Reclaimed);
             return Poll::Ready(Some(Err(this.over_budget(Refused::Reclaimed))));
         }
         let frame = match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => frame,
+            Poll::Pending if this.ticket.cancelled(cx.waker()) => {
+                this.refused = Some(Refused::Reclaimed);
+                return Poll::Ready(Some(Err(this.over_budget(Refused::Reclaimed))));
+            }
             other => return other,
         };
         if let Some(data) = frame.data_ref() {

@@ -95,9 +95,15 @@ impl Ticket {
         self.waker.wake();
     }
 
-    /// Whether the request was cancelled; `waker` is woken when it is.
+    /// Whether the request was cancelled; `waker` is woken when it is
+    /// (registered first, so no cancel is missed).
     pub(super) fn cancelled(&self, waker: &Waker) -> bool {
         self.waker.register(waker);
+        self.cancelled.load(Ordering::Acquire)
+    }
+
+    /// Whether the request was cancelled, registering nothing.
+    pub(super) fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Acquire)
     }
 }

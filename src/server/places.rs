@@ -134,17 +134,21 @@ impl<T: AsyncRead + Unpin> AsyncRead for Placed<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        if self.caller.activity.closing(cx.waker()) {
-            // Its place was reclaimed: the end of the stream ends it.
+        // Its place reclaimed: the end of the stream ends it. The waker is
+        // registered only when the read is to wait (then looked again).
+        if self.caller.activity.closed() {
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        match Pin::new(&mut self.io).poll_read(cx, buf) {
+            Poll::Pending if self.caller.activity.closing(cx.waker()) => Poll::Ready(Ok(())),
+            other => other,
+        }
     }
 }
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for Placed<T> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        if self.caller.activity.closing(cx.waker()) {
+        if self.caller.activity.closed() {
             return Poll::Ready(Err(io::ErrorKind::ConnectionAborted.into()));
         }
         Pin::new(&mut self.io).poll_write(cx, buf)
