@@ -18,6 +18,10 @@ use crate::{
     shed::{Level, Priority},
 };
 
+/// The retry time of a denial while another deployment holds the region
+/// of a global limit (its hold lasts a lease from its last refusal).
+const CLAIMED_RETRY_MS: i64 = 1_000;
+
 /// A validated request. Borrows from the wire message: no copies.
 #[derive(Debug, Clone, Copy)]
 pub struct CheckRequest<'a> {
@@ -284,6 +288,17 @@ impl Subject for Native<'_, '_> {
             && rule.global
         {
             self.grant = Some(grants.limit(&rule.id, &self.user, rule.limit_at(0).0));
+            // Another deployment holds the region: zero, which a counter
+            // (at least one hit) cannot hold, so denied here, no store call;
+            // still demand, so the agent keeps reporting until it lets go.
+            if grants.is_claimed(&rule.id) && !self.shadow() && self.request.count != Count::Always {
+                self.record_global(engine, false);
+                return Some(Decision {
+                    allowed: false,
+                    retry_after_ms: CLAIMED_RETRY_MS,
+                    ..self.uncounted(Reason::OverLimit)
+                });
+            }
         }
         // A global rule's denials are not cached: its limit moves with its
         // grant, and a denial's retry time is the grant's of the moment.

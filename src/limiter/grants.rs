@@ -228,6 +228,13 @@ impl Grants {
         }
     }
 
+    /// Whether another deployment holds this region for the global limit
+    /// `id` now: its keys are enforced at zero.
+    pub fn is_claimed(&self, id: &str) -> bool {
+        let tables = self.tables.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        tables.get(id).is_some_and(|table| table.is_claimed(self.clock.now_ms()))
+    }
+
     /// Counts `hits` of `key` of the global limit `id`, admitted or denied,
     /// for the region's next report.
     pub fn record(&self, id: &Arc<str>, key: &str, hits: u64, admitted: bool) {
