@@ -494,9 +494,9 @@ async fn a_region_claimed_twice(rules: &common::Rules) -> (Vec<common::TestServe
     (servers, stores)
 }
 
-/// Two deployments claim region a (on the old policy the second, refused
-/// at the coordination store, went on enforcing a's floor on its own
-/// keys: 306 admitted per window on a limit of 300): once refused, it
+/// Two deployments claim region a (the second, refused at the
+/// coordination store, would otherwise enforce a's floor on its own keys
+/// beside the first's grants): once refused, it
 /// enforces zero, says so (`ratelimitd_global_last_answer{answer="claimed"}`),
 /// and the admissions of every deployment together stay within the limit
 /// and one per region of rounding over any window.

@@ -126,11 +126,9 @@ async fn a_byte_flood_from_one_address_holds_its_32_mib_share_and_others_are_dec
 }
 
 /// Five addresses, two connections each, announcing 4 MiB messages they
-/// never send, with default settings (no trusted peers): on the old policy
-/// they took the whole budget and another caller got CALLER_BUSY on 10 of
-/// 10 Checks and 20 of 20 ShouldRateLimit. Now the untrusted part is half
-/// the pool and the address holding most is reclaimed from when another
-/// needs room: another caller's Checks (5 of 7 on a limit of 5) and
+/// never send, with default settings (no trusted peers), more than the
+/// whole budget: the untrusted part is half the pool and the address
+/// holding most is reclaimed from when another needs room: another caller's Checks (5 of 7 on a limit of 5) and
 /// ShouldRateLimit (3 of 5 on 3 a minute) are decided exactly, in time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn five_addresses_announcing_messages_leave_another_caller_decided_exactly() {
@@ -318,9 +316,8 @@ async fn decided_in_time(server: &TestServer, from: &str, user: &str) {
 }
 
 /// 60 addresses each holding idle gRPC connections up to their share
-/// (`grpc.max_connections_per_peer`) take more than every place (on the
-/// old policy, all of them, and a trusted Envoy's new connection got 0 of
-/// 3 Checks decided): a new untrusted caller takes the place of the one
+/// (`grpc.max_connections_per_peer`) take more than every place: a new
+/// untrusted caller takes the place of the one
 /// idle longest, and a trusted peer finds its reserved part free, both
 /// decided within a second; with no trusted peers configured, a new caller
 /// still is.
@@ -469,8 +466,7 @@ async fn unfinished_header_streams(addr: std::net::SocketAddr, addresses: u8, fo
 }
 
 /// Header blocks are in the byte budget: 32 connections of unfinished
-/// Check streams with ~15.6 KiB header blocks (on the old policy, 1.5 GB
-/// of resident memory from one address), from 1 and from 60 addresses:
+/// Check streams with ~15.6 KiB header blocks, from 1 and from 60 addresses:
 /// the process grows by less than 256 MiB (twice
 /// `grpc.max_request_bytes_in_flight`) and another caller is decided
 /// exactly, each Check within a second.
@@ -643,9 +639,7 @@ async fn unfinished_request_heads_leave_readyz_answering_within_1_s() {
 }
 
 /// 10 addresses of 8 keep-alive connections each, within their share,
-/// polling `/readyz` every 2 s (on the old policy they held all 64 places
-/// and another client's `/status` was answered 0 of 10 within a second):
-/// another client's `/readyz` is answered within a second, ten times.
+/// polling `/readyz` every 2 s, 80 for 64 places: another client's `/readyz` is answered within a second, ten times.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn keep_alive_pollers_from_10_addresses_leave_another_client_answered_within_1_s() {
     let rules = Rules::new(RULES);

@@ -370,8 +370,8 @@ mod tests {
     /// A global limit with `max_keys` 32; 200 keys of a hit every 150 ms
     /// each hold every place, each granted as soon as reported; a busy key
     /// of 50 hits a second comes: it gets its place and its grant, and
-    /// keeps them (on the old policy, a granted key never gave its place
-    /// up, and the busy key stayed at its floor of 5).
+    /// keeps them, where a policy keeping granted keys' places would leave
+    /// it at its floor of 5.
     #[test]
     fn a_busy_key_gets_its_grant_during_a_flood_of_one_hit_keys_holding_every_place() {
         let table = GrantTable::new(32);

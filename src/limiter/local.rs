@@ -538,8 +538,7 @@ mod tests {
 
     /// A store outage and a flood of distinct keys past every bound: the
     /// owed entries owing least are folded, so a newcomer on 5 an hour is
-    /// still decided at its share, 5 of 8 (on the old policy, every local
-    /// counter owed hits, none could go, and it was refused 8 of 8).
+    /// still decided at its share, 5 of 8.
     #[test]
     fn a_newcomer_is_decided_at_its_share_after_a_flood_past_every_bound() {
         let clock = Arc::new(ManualClock::new(1_000_000));
