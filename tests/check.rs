@@ -832,3 +832,35 @@ async fn unfinished_requests_hold_at_most_the_byte_budget() {
     }
     server.stop().await.unwrap();
 }
+
+/// A `CheckStream` item begun (its length prefix and a few bytes) and
+/// never finished holds its bytes at most `grpc.request_timeout_ms`: the
+/// stream then fails and the budget is whole again, its connection still
+/// open (a streaming call is not bounded by the call's own timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_begun_and_never_finished_holds_its_bytes_at_most_the_request_timeout() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let rules = Rules::new(RULES);
+    let server = grpc_server(&rules, |grpc| grpc.request_timeout_ms = 500).await;
+    let mut begun = vec![0u8];
+    begun.extend_from_slice(&(200u32).to_be_bytes());
+    begun.extend_from_slice(&[7; 10]);
+    let mut socket = common::h2_connect(server.addr, "127.0.0.1").await;
+    let headers = grpc_headers("/ratelimit.v1.RateLimiter/CheckStream");
+    socket.write_all(&h2_frame(1, 0x4, 1, &headers)).await.unwrap(); // END_HEADERS
+    socket.write_all(&h2_frame(0, 0, 1, &begun)).await.unwrap();
+    let reader = tokio::spawn(async move {
+        let mut sink = vec![0; 64 * 1024];
+        while matches!(socket.read(&mut sink).await, Ok(n) if n > 0) {}
+    });
+    let series = "ratelimitd_grpc_request_bytes_in_flight ";
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let held = common::metric(&server, series).await.unwrap();
+    assert!(held >= 200.0, "the message begun is held: {held}");
+    let freed =
+        eventually(Duration::from_secs(5), || async { common::metric(&server, series).await == Some(0.0) })
+            .await;
+    assert!(freed, "a message begun and never finished kept its bytes");
+    reader.abort();
+    server.stop().await.unwrap();
+}

@@ -92,7 +92,9 @@ where
         // The header block and the stream are held from now until the answer.
         let refused = ticket.take(header_bytes(&request) + STREAM_BYTES).err();
         let deny = denied.is_some();
-        let counted = |body| Body::new(Counted::new(body, Arc::clone(&ticket), bound, deny, refused));
+        let timeout = self.bounds.message_timeout;
+        let counted =
+            |body| Body::new(Counted::new(body, Arc::clone(&ticket), bound, deny, refused).timed(timeout));
         let future = self.inner.call(request.map(counted));
         Answered { future, denial: denied.map(|at| (Arc::clone(&self.bounds), at)), _held: ticket }
     }
@@ -200,6 +202,10 @@ pub(super) struct Counted {
     deny: bool,
     /// Its header block found no room: the body fails at once.
     refused: Option<Refused>,
+    /// How long a message may take once begun, and when the one begun and
+    /// not yet whole must be (a timer only while one waits unfinished).
+    timeout: Option<std::time::Duration>,
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Counted {
@@ -210,7 +216,44 @@ impl Counted {
         deny: bool,
         refused: Option<Refused>,
     ) -> Self {
-        Counted { inner, ticket, bound, held: 0, prefix: [0; 5], prefix_len: 0, left: 0, deny, refused }
+        Counted {
+            inner,
+            ticket,
+            bound,
+            held: 0,
+            prefix: [0; 5],
+            prefix_len: 0,
+            left: 0,
+            deny,
+            refused,
+            timeout: None,
+            deadline: None,
+        }
+    }
+
+    /// The same, each message whole within `timeout` of its length prefix.
+    fn timed(mut self, timeout: Option<std::time::Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// A message begun is not whole: fails when its time is up (polled
+    /// only when the body waits with one unfinished).
+    fn overdue(&mut self, cx: &mut Context<'_>) -> Option<Status> {
+        if self.held == 0 {
+            self.deadline = None;
+            return None;
+        }
+        let timeout = self.timeout?;
+        let deadline = self.deadline.get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        deadline.as_mut().poll(cx).is_ready().then(|| {
+            let code = if self.deny { tonic::Code::Aborted } else { tonic::Code::ResourceExhausted };
+            let message = format!(
+                "a request message begun and not whole within {} ms (grpc.request_timeout_ms)",
+                timeout.as_millis()
+            );
+            Status::new(code, message)
+        })
     }
 
     /// The error of a request refused for its caller's share.
@@ -258,6 +301,8 @@ impl Counted {
                 self.ticket.give(self.held);
                 self.held = 0;
                 self.prefix_len = 0;
+                // The next message has its own time.
+                self.deadline = None;
             }
         }
         Ok(())
@@ -287,6 +332,9 @@ impl http_body::Body for Counted {
             Poll::Pending if this.ticket.cancelled(cx.waker()) => {
                 this.refused = Some(Refused::Reclaimed);
                 return Poll::Ready(Some(Err(this.over_budget(Refused::Reclaimed))));
+            }
+            Poll::Pending => {
+                return this.overdue(cx).map_or(Poll::Pending, |late| Poll::Ready(Some(Err(late))));
             }
             other => return other,
         };

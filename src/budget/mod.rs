@@ -475,6 +475,10 @@ pub struct MessageBounds {
     /// Single-decision methods, by path, with what denies an oversized
     /// request.
     pub denials: Vec<(&'static str, Denial)>,
+    /// How long a message may take from its length prefix to its last
+    /// byte (`grpc.request_timeout_ms`; `None`: as long as its request):
+    /// a message begun and trickled holds its bytes no longer.
+    pub message_timeout: Option<std::time::Duration>,
 }
 
 impl std::fmt::Debug for MessageBounds {
@@ -485,6 +489,7 @@ impl std::fmt::Debug for MessageBounds {
             .field("batch", &self.batch)
             .field("batch_path", &self.batch_path)
             .field("denied", &denied)
+            .field("message_timeout", &self.message_timeout)
             .finish()
     }
 }

@@ -226,6 +226,7 @@ async fn an_oversized_single_decision_is_denied_and_others_pass_whole() {
             message: 100,
             batch: 1_000,
             batch_path: "/s/Batch",
+            message_timeout: None,
             denials: vec![(
                 "/s/Check",
                 Arc::new(|refusal| match refusal {

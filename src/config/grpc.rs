@@ -81,7 +81,9 @@ pub struct GrpcConfig {
     /// How long a unary call may take, its request read included; past it
     /// the call is cancelled (CANCELLED) and its buffer freed. A client's
     /// shorter `grpc-timeout` wins. Streams (`CheckStream`) are not bound
-    /// by it. 0: none.
+    /// by it, but each of their messages is: one begun (its length prefix
+    /// read) and not whole within this long fails its stream
+    /// (RESOURCE_EXHAUSTED) and frees its bytes. 0: none.
     pub request_timeout_ms: u64,
     /// Most gRPC connections open at once (the TCP port and `grpc.uds` together). Untrusted
     /// connections hold at most 15/16 of them together; the rest are kept for `grpc.trusted_peers`.

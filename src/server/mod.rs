@@ -454,6 +454,8 @@ fn message_bounds(
         batch: grpc.max_batch_message_bytes,
         batch_path: paths::CHECK_BATCH,
         denials,
+        message_timeout: (grpc.request_timeout_ms > 0)
+            .then(|| Duration::from_millis(grpc.request_timeout_ms)),
     }
 }
 
