@@ -287,11 +287,12 @@ impl Subject for Native<'_, '_> {
         if let (Some(rule), Some(grants)) = (self.rule, engine.inner.grants.as_deref())
             && rule.global
         {
-            self.grant = Some(grants.limit(&rule.id, &self.user, rule.limit_at(0).0));
+            let grant = grants.limit(&rule.id, &self.user, rule.limit_at(0).0);
+            self.grant = Some(grant.unwrap_or(0));
             // Another deployment holds the region: zero, which a counter
             // (at least one hit) cannot hold, so denied here, no store call;
             // still demand, so the agent keeps reporting until it lets go.
-            if grants.is_claimed(&rule.id) && !self.shadow() && self.request.count != Count::Always {
+            if grant.is_none() && !self.shadow() && self.request.count != Count::Always {
                 self.record_global(engine, false);
                 return Some(Decision {
                     allowed: false,

@@ -122,12 +122,10 @@ impl GrantTable {
     }
 
     /// The limit `key` is enforced at `now`: its grant while its lease runs,
-    /// else `floor` (no grant yet, the lease ran out, or not tracked); zero
-    /// while the region is claimed by another deployment.
+    /// else `floor` (no grant yet, the lease ran out, or not tracked). A
+    /// decision reads it through [`Grants::limit`], which is zero while the
+    /// region is claimed.
     pub fn limit(&self, key: &str, floor: u64, now: u64) -> u64 {
-        if self.is_claimed(now) {
-            return 0;
-        }
         match self.shard(key).get(key).and_then(|state| state.grant) {
             Some((grant, until)) if now < until => grant,
             _ => floor,
@@ -217,22 +215,18 @@ impl Grants {
     }
 
     /// The limit `key` of the global limit `id` (of `limit` in all) is
-    /// enforced at now: its grant, else this region's floor.
-    pub fn limit(&self, id: &str, key: &str, limit: u64) -> u64 {
+    /// enforced at now: its grant, else this region's floor; `None` while
+    /// another deployment holds this region for the limit (zero).
+    pub fn limit(&self, id: &str, key: &str, limit: u64) -> Option<u64> {
         let floor = self.floor(limit);
+        let now = self.clock.now_ms();
         let tables = self.tables.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         match tables.get(id) {
+            Some(table) if table.is_claimed(now) => None,
             // A global limit that adapts may have fallen below the grant.
-            Some(table) => table.limit(key, floor, self.clock.now_ms()).min(limit),
-            None => floor,
+            Some(table) => Some(table.limit(key, floor, now).min(limit)),
+            None => Some(floor),
         }
-    }
-
-    /// Whether another deployment holds this region for the global limit
-    /// `id` now: its keys are enforced at zero.
-    pub fn is_claimed(&self, id: &str) -> bool {
-        let tables = self.tables.read().unwrap_or_else(std::sync::PoisonError::into_inner);
-        tables.get(id).is_some_and(|table| table.is_claimed(self.clock.now_ms()))
     }
 
     /// Counts `hits` of `key` of the global limit `id`, admitted or denied,

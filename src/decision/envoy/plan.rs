@@ -211,7 +211,9 @@ fn push_items<D: Descriptor>(
         // A global limit is enforced at this region's grant for the counter.
         let per_unit = match engine.inner.grants.as_deref() {
             Some(grants) if slot == 0 && limit.global => {
-                let grant = grants.limit(&limit.full_key, &key, u64::from(limit.per_unit()));
+                // Claimed by another deployment: a limit of 0 (a descriptor's
+                // counter holds it, as `requests_per_unit: 0`).
+                let grant = grants.limit(&limit.full_key, &key, u64::from(limit.per_unit())).unwrap_or(0);
                 u32::try_from(grant).unwrap_or(u32::MAX)
             }
             _ => limit.per_unit(),
