@@ -452,37 +452,25 @@ async fn when_a_regions_agent_dies_another_instance_takes_the_role_within_a_leas
 async fn two_regions(
     tune: impl Fn(&mut ratelimitd::config::Config),
 ) -> (Vec<common::TestServer>, Vec<RedisServer>) {
+    deployments(&["a", "b"], tune).await
+}
+
+/// A service for each of `regions` (a name given twice: two deployments
+/// calling themselves that region), each with its own Redis, the regions
+/// a and b sharing a coordination store; `tune` adds the rules. Returns
+/// the services in that order and the stores.
+async fn deployments(
+    regions: &[&str],
+    tune: impl Fn(&mut ratelimitd::config::Config),
+) -> (Vec<common::TestServer>, Vec<RedisServer>) {
     use ratelimitd::global::RegionConfig;
     let coordination = RedisServer::start();
     let (mut servers, mut stores) = (Vec::new(), vec![coordination]);
-    for name in ["a", "b"] {
+    for name in regions {
         let redis = RedisServer::start();
         let mut config = common::default_rules_config(Some(redis.url()));
         tune(&mut config);
-        config.region = Some(name.to_owned());
-        config.global.regions =
-            ["a", "b"].iter().map(|n| RegionConfig { name: (*n).to_owned(), floor: 0.05 }).collect();
-        config.global.redis.url = Some(stores[0].url());
-        (config.global.interval_ms, config.global.lease_ms) = (200, 1_500);
-        (config.global.timeout_ms, config.global.skew_ms) = (500, 100);
-        servers.push(common::TestServer::start(config).await);
-        stores.push(redis);
-    }
-    (servers, stores)
-}
-
-/// Region a's service, b's, and a second deployment that also calls
-/// itself a (its own Redis), sharing one coordination store: a rule of 300
-/// per 2 s, global. Returns the services in that order and the stores.
-async fn a_region_claimed_twice(rules: &common::Rules) -> (Vec<common::TestServer>, Vec<RedisServer>) {
-    use ratelimitd::global::RegionConfig;
-    let coordination = RedisServer::start();
-    let (mut servers, mut stores) = (Vec::new(), vec![coordination]);
-    for name in ["a", "b", "a"] {
-        let redis = RedisServer::start();
-        let mut config = common::default_rules_config(Some(redis.url()));
-        config.rules.path = Some(rules.path());
-        config.region = Some(name.to_owned());
+        config.region = Some((*name).to_owned());
         config.global.regions =
             ["a", "b"].iter().map(|n| RegionConfig { name: (*n).to_owned(), floor: 0.05 }).collect();
         config.global.redis.url = Some(stores[0].url());
@@ -506,7 +494,9 @@ async fn a_region_claimed_by_two_deployments_stays_within_the_limit() {
     let rules = Rules::new(
         "rules:\n  - { rule_id: shared, resource_path: /shared, limit: 300, window_seconds: 2, global: true }\n",
     );
-    let (servers, _stores) = a_region_claimed_twice(&rules).await;
+    // Region a's service, b's, and a second deployment that also calls itself a.
+    let (servers, _stores) =
+        deployments(&["a", "b", "a"], |config| config.rules.path = Some(rules.path())).await;
     let log: Log = Arc::default();
     let running = Arc::new(AtomicBool::new(true));
     // Decisions asked from this wall-clock ms on are logged (0: none yet).

@@ -81,6 +81,22 @@ async fn budget(server: &TestServer) -> (f64, Vec<(&'static str, f64)>) {
     (held, refused)
 }
 
+/// Seven Checks of alice on the limit of 5 from `client`: each answered
+/// within a second, the first five admitted, the rest OVER_LIMIT.
+async fn five_of_seven_in_time(
+    client: &mut ratelimitd::api::pb::rate_limiter_client::RateLimiterClient<tonic::transport::Channel>,
+) {
+    let mut answers = Vec::new();
+    for _ in 0..7 {
+        let started = Instant::now();
+        let answer = check(client, request("alice", "/limited")).await;
+        assert!(started.elapsed() < Duration::from_secs(1), "answered in {:?}", started.elapsed());
+        answers.push((answer.allowed, reason(&answer)));
+    }
+    assert_eq!(answers.iter().filter(|(allowed, _)| *allowed).count(), 5, "{answers:?}");
+    assert!(answers[5..].iter().all(|(_, r)| *r == Reason::OverLimit), "{answers:?}");
+}
+
 /// A flood from one address (two connections announcing 4 MiB messages
 /// they never send) holds at most that address's share (32 MiB of the 128
 /// MiB budget): meanwhile another caller's Checks are decided exactly and
@@ -93,17 +109,7 @@ async fn a_byte_flood_from_one_address_holds_its_32_mib_share_and_others_are_dec
     let attack = flood(server.addr, &["127.0.0.2"], 2, Duration::from_secs(3));
     tokio::time::sleep(Duration::from_millis(1_000)).await;
 
-    let mut honest = server.client().await;
-    let mut answers = Vec::new();
-    for _ in 0..7 {
-        let started = Instant::now();
-        let answer = check(&mut honest, request("alice", "/limited")).await;
-        assert!(started.elapsed() < Duration::from_secs(1), "answered in {:?}", started.elapsed());
-        answers.push((answer.allowed, reason(&answer)));
-    }
-    let admitted = answers.iter().filter(|(allowed, _)| *allowed).count();
-    assert_eq!(admitted, 5, "{answers:?}");
-    assert!(answers[5..].iter().all(|(_, r)| *r == Reason::OverLimit), "{answers:?}");
+    five_of_seven_in_time(&mut server.client().await).await;
 
     // The flooding address's own Check is decided, never an error: denied
     // as CALLER_BUSY while its share is full, or admitted in what is left
@@ -143,16 +149,7 @@ async fn five_addresses_announcing_messages_leave_another_caller_decided_exactly
     let attack = flood(server.addr, attackers, 2, Duration::from_secs(4));
     tokio::time::sleep(Duration::from_millis(1_500)).await;
 
-    let mut honest = server.client_from("127.0.6.1").await;
-    let mut answers = Vec::new();
-    for _ in 0..7 {
-        let started = Instant::now();
-        let answer = check(&mut honest, request("alice", "/limited")).await;
-        assert!(started.elapsed() < Duration::from_secs(1), "answered in {:?}", started.elapsed());
-        answers.push((answer.allowed, reason(&answer)));
-    }
-    assert_eq!(answers.iter().filter(|(allowed, _)| *allowed).count(), 5, "{answers:?}");
-    assert!(answers[5..].iter().all(|(_, r)| *r == Reason::OverLimit), "{answers:?}");
+    five_of_seven_in_time(&mut server.client_from("127.0.6.1").await).await;
 
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
         .unwrap()
