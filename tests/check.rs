@@ -781,7 +781,7 @@ async fn unfinished_requests_hold_at_most_the_byte_budget() {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let rules = Rules::new(RULES);
     let server = grpc_server(&rules, |grpc| {
-        grpc.max_request_bytes_in_flight = 1 << 20;
+        grpc.max_request_bytes_in_flight = Some(1 << 20);
         grpc.max_batch_message_bytes = 1 << 20;
         grpc.request_timeout_ms = 1_000;
     })

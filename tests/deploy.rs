@@ -449,6 +449,19 @@ fn kubernetes_manifests_agree_with_the_service_and_each_other() {
     // Gateways' long-lived connections reach pods a scale-out adds.
     assert!(config.grpc.max_connection_age_ms > 0, "grpc.max_connection_age_ms unset");
 
+    // The memory limit holds the worst case docs/operations.md states: the
+    // base, the in-memory store full (512 bytes a counter and its summary)
+    // and what requests can make it hold (twice the request byte budget,
+    // by default an eighth of the limit the pod runs under).
+    let limit = quantity(container["resources"]["limits"]["memory"].as_str().expect("a memory limit"));
+    let mut under = config.clone();
+    under.grpc.memory_limit = Some(limit);
+    under.validate().unwrap_or_else(|e| panic!("deployment.yaml's environment under its limit: {e}"));
+    let budget = under.grpc.request_bytes_in_flight() as u64;
+    assert_eq!(budget, limit / 8, "the request byte budget is an eighth of the pod's limit");
+    let worst = (40 << 20) + 512 * under.memory.max_counters as u64 + (9 << 19) + 2 * budget;
+    assert!(worst < limit, "a worst case of {} MiB over the pod's {} MiB", worst >> 20, limit >> 20);
+
     // The migrate Job runs the Deployment's image against its store.
     let job = object("migrate-job.yaml");
     let migrate = &job["spec"]["template"]["spec"]["containers"][0];
@@ -475,6 +488,17 @@ fn kubernetes_manifests_agree_with_the_service_and_each_other() {
     for port in &opened {
         assert!(port_of(port).is_some(), "{port} names no container port");
     }
+}
+
+/// A Kubernetes memory quantity in bytes (`512Mi`, `1Gi`, `1073741824`).
+fn quantity(text: &str) -> u64 {
+    let (number, shift) = match text {
+        t if t.ends_with("Gi") => (&t[..t.len() - 2], 30),
+        t if t.ends_with("Mi") => (&t[..t.len() - 2], 20),
+        t if t.ends_with("Ki") => (&t[..t.len() - 2], 10),
+        t => (t, 0),
+    };
+    number.parse::<u64>().unwrap_or_else(|e| panic!("{text:?}: {e}")) << shift
 }
 
 /// The alert rules are valid for Prometheus (`promtool check rules`) and

@@ -48,9 +48,11 @@ use std::{
 
 mod activity;
 mod layer;
+mod memory;
 mod ticket;
 pub use activity::{Active, Activity, now_ms};
 pub use layer::{Answered, BudgetLayer, Budgeted};
+pub use memory::{BUDGET_FRACTION, memory_limit};
 use ticket::Ticket;
 
 use crate::limiter::CallerCalls;
@@ -509,6 +511,13 @@ impl crate::telemetry::Figures for Budget {
             "gauge",
             "Bytes held for unfinished gRPC requests: header blocks, a fixed amount per stream, and messages announced but not yet whole (grpc.max_request_bytes_in_flight).",
             self.held(),
+        );
+        single(
+            out,
+            "ratelimitd_grpc_request_bytes_limit",
+            "gauge",
+            "The request byte budget: grpc.max_request_bytes_in_flight, by default an eighth of the process's memory limit.",
+            self.shares.pool,
         );
         single(
             out,

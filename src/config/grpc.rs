@@ -7,6 +7,9 @@ use serde::Deserialize;
 use super::{ConfigError, invalid};
 use crate::tls::GrpcTlsConfig;
 
+/// The request byte budget with no memory limit to take it from.
+const DEFAULT_REQUEST_BYTES_IN_FLIGHT: usize = 128 << 20;
+
 /// `grpc.*`
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
@@ -56,8 +59,17 @@ pub struct GrpcConfig {
     /// `caller_busy`), a `CheckBatch` or `CheckStream` fails with RESOURCE_EXHAUSTED. When the
     /// untrusted half or the whole is what refuses it, the requests of the untrusted address
     /// holding most are cancelled first, their bytes freed at once, if it holds more than the
-    /// caller's address would (`share="reclaimed"`).
-    pub max_request_bytes_in_flight: usize,
+    /// caller's address would (`share="reclaimed"`). What requests make the process hold stays
+    /// under twice this (docs/hostile-input.md), so a value over half the process's memory limit
+    /// is refused at start.
+    ///
+    /// Default: an eighth of the process's memory limit (cgroup v2 `memory.max`, v1
+    /// `memory.limit_in_bytes`, under `shed.cgroup_root`): 134217728 (128 MiB) in the shipped
+    /// Deployment's 1 GiB; 134217728 with no limit.
+    pub max_request_bytes_in_flight: Option<usize>,
+    /// The process's memory limit, read from its cgroup at load.
+    #[serde(skip)]
+    pub memory_limit: Option<u64>,
     /// Most of those bytes one connection holds (at most the whole budget in effect); at least
     /// `grpc.max_batch_message_bytes`.
     pub max_request_bytes_per_connection: usize,
@@ -169,7 +181,8 @@ impl Default for GrpcConfig {
             max_header_list_bytes: 16 << 10,
             max_connections: 10_000,
             first_request_timeout_ms: 10_000,
-            max_request_bytes_in_flight: 128 << 20,
+            max_request_bytes_in_flight: None,
+            memory_limit: None,
             max_request_bytes_per_connection: 16 << 20,
             max_request_bytes_per_peer: 32 << 20,
             trusted_peers: Vec::new(),
@@ -244,11 +257,39 @@ impl GrpcConfig {
     /// Checks how the request byte budget is shared (`grpc.max_request_bytes_*`,
     /// `grpc.trusted_peers`).
     fn validate_shares(&self) -> Result<(), ConfigError> {
-        if self.max_request_bytes_in_flight < self.max_batch_message_bytes {
-            return Err(invalid(
-                "grpc.max_request_bytes_in_flight",
-                format!("must be at least grpc.max_batch_message_bytes ({})", self.max_batch_message_bytes),
-            ));
+        let budget = self.request_bytes_in_flight();
+        let limit = self.memory_limit.map(|limit| usize::try_from(limit).unwrap_or(usize::MAX));
+        match (self.max_request_bytes_in_flight, limit) {
+            (Some(set), Some(limit)) if set > limit / 2 => {
+                return Err(invalid(
+                    "grpc.max_request_bytes_in_flight",
+                    format!(
+                        "{set} is over half the process's memory limit ({limit} bytes, cgroup memory.max): \
+                         what requests make the service hold reaches twice it; at most {}",
+                        limit / 2
+                    ),
+                ));
+            }
+            (None, Some(limit)) if budget < self.max_batch_message_bytes => {
+                return Err(invalid(
+                    "grpc.max_request_bytes_in_flight",
+                    format!(
+                        "an eighth of the process's memory limit ({limit} bytes, cgroup memory.max) is {budget}, \
+                         less than grpc.max_batch_message_bytes ({}): raise the limit, or set both keys",
+                        self.max_batch_message_bytes
+                    ),
+                ));
+            }
+            _ if budget < self.max_batch_message_bytes => {
+                return Err(invalid(
+                    "grpc.max_request_bytes_in_flight",
+                    format!(
+                        "must be at least grpc.max_batch_message_bytes ({})",
+                        self.max_batch_message_bytes
+                    ),
+                ));
+            }
+            _ => {}
         }
         if self.max_request_bytes_per_connection < self.max_batch_message_bytes {
             return Err(invalid(
@@ -289,9 +330,18 @@ impl GrpcConfig {
         }
     }
 
+    /// The request byte budget: `grpc.max_request_bytes_in_flight`, else an
+    /// eighth of the process's memory limit, else 128 MiB.
+    pub fn request_bytes_in_flight(&self) -> usize {
+        self.max_request_bytes_in_flight.unwrap_or_else(|| match self.memory_limit {
+            Some(limit) => usize::try_from(limit / crate::budget::BUDGET_FRACTION).unwrap_or(usize::MAX),
+            None => DEFAULT_REQUEST_BYTES_IN_FLIGHT,
+        })
+    }
+
     /// How the request byte budget is shared.
     pub fn byte_shares(&self) -> crate::budget::Shares {
-        let pool = self.max_request_bytes_in_flight;
+        let pool = self.request_bytes_in_flight();
         crate::budget::Shares {
             pool,
             per_connection: self.max_request_bytes_per_connection.min(pool),

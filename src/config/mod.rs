@@ -195,6 +195,7 @@ impl Config {
         );
         let raw = builder.build().map_err(|e| ConfigError::Load(e.to_string()))?;
         let mut config: Config = raw.try_deserialize().map_err(|e| ConfigError::Load(e.to_string()))?;
+        config.grpc.memory_limit = crate::budget::memory_limit(&config.shed.cgroup_root);
         config.validate()?;
         config.compat = compat;
         config.notes = notes;
@@ -380,6 +381,39 @@ mod tests {
         assert!(
             Config::load(None, env(&[("RATELIMITD__ENVOY__REASON_HEADER", "")])).is_ok(),
             "empty turns it off"
+        );
+    }
+
+    /// The request byte budget is an eighth of the cgroup's memory limit
+    /// unless set; a setting over half the limit, or a limit too small for
+    /// the largest message, refuses to start, naming the key.
+    #[test]
+    fn the_request_byte_budget_follows_the_memory_limit() {
+        let cgroup = tempfile::tempdir().unwrap();
+        let root = cgroup.path().to_str().unwrap();
+        let load = |pairs: &[(&str, &str)]| {
+            let mut pairs = pairs.to_vec();
+            pairs.push(("RATELIMITD__SHED__CGROUP_ROOT", root));
+            Config::load(None, env(&pairs))
+        };
+        assert_eq!(load(&[]).unwrap().grpc.request_bytes_in_flight(), 128 << 20, "no limit: 128 MiB");
+        std::fs::write(cgroup.path().join("memory.max"), "max\n").unwrap();
+        assert_eq!(load(&[]).unwrap().grpc.request_bytes_in_flight(), 128 << 20, "max: 128 MiB");
+        std::fs::write(cgroup.path().join("memory.max"), "4294967296\n").unwrap();
+        let config = load(&[]).unwrap();
+        assert_eq!(config.grpc.request_bytes_in_flight(), 512 << 20, "an eighth of 4 GiB");
+        assert_eq!(config.grpc.byte_shares().untrusted, 256 << 20);
+        let set = ("RATELIMITD__GRPC__MAX_REQUEST_BYTES_IN_FLIGHT", "67108864");
+        assert_eq!(load(&[set]).unwrap().grpc.request_bytes_in_flight(), 64 << 20, "set, it wins");
+        let over = ("RATELIMITD__GRPC__MAX_REQUEST_BYTES_IN_FLIGHT", "2147483649");
+        let err = load(&[over]).unwrap_err().to_string();
+        assert!(err.contains("`grpc.max_request_bytes_in_flight`") && err.contains("over half"), "{err}");
+        std::fs::write(cgroup.path().join("memory.max"), "16777216\n").unwrap();
+        let err = load(&[]).unwrap_err().to_string();
+        assert!(
+            err.contains("`grpc.max_request_bytes_in_flight`")
+                && err.contains("grpc.max_batch_message_bytes"),
+            "{err}"
         );
     }
 

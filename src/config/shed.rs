@@ -31,7 +31,9 @@ pub struct ShedConfig {
     pub source: Source,
     /// Where `self/stat`, `self/status` (process) and `stat` (host) are read.
     pub procfs_root: PathBuf,
-    /// The cgroup v2 directory holding `cpu.max` and `cpu.stat`.
+    /// The process's cgroup directory: `cpu.max` and `cpu.stat` (v2) for `shed.source: process`,
+    /// and its memory limit (v2 `memory.max`, v1 `memory/memory.limit_in_bytes`), of which
+    /// `grpc.max_request_bytes_in_flight` is a fraction by default.
     pub cgroup_root: PathBuf,
     /// Utilization (0..1) at which DEGRADED_MODE starts: BULK and BEST_EFFORT are shed.
     pub degraded_at: f64,

@@ -373,6 +373,8 @@ fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, st
         rules_version = snapshot.version(),
         rules = snapshot.rules().len(),
         source = %rules.native_source,
+        request_bytes_in_flight = config.grpc.request_bytes_in_flight(),
+        memory_limit = config.grpc.memory_limit,
         "ratelimitd serving"
     );
 }
