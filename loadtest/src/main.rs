@@ -15,7 +15,8 @@
 //! Keys: one hot key, uniform over N users, or zipf over N users. Latency
 //! goes into an HDR histogram; the report has p50/p90/p99/p99.9/max,
 //! throughput, errors by gRPC code and, with `--target-pid`, the target's
-//! CPU time per decision (from `/proc/PID/stat`). A progress line on stderr
+//! CPU time, context switches and CPU migrations per decision (from
+//! `/proc/PID`). A progress line on stderr
 //! while it runs; a JSON report and an SVG latency plot at the end.
 
 #![forbid(unsafe_code)]
@@ -23,6 +24,7 @@
 
 mod keys;
 mod report;
+mod usage;
 mod victim;
 
 use std::{
@@ -335,19 +337,6 @@ fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("valid bounds")
 }
 
-/// User + system CPU time of `pid`, in seconds.
-fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
-    let stat =
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("/proc/{pid}/stat"))?;
-    // Fields after the command name, which is in parentheses and may contain spaces.
-    let after = stat.rsplit_once(')').context("malformed stat")?.1;
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: u64 =
-        fields.get(11).context("utime")?.parse::<u64>()? + fields.get(12).context("stime")?.parse::<u64>()?;
-    // USER_HZ is 100 on Linux for every architecture this runs on.
-    Ok(ticks as f64 / 100.0)
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -380,7 +369,7 @@ async fn main() -> anyhow::Result<()> {
     let duration = Duration::from_secs_f64(args.duration);
     let tally = Arc::new(Tally::default());
     let running = Arc::new(AtomicBool::new(true));
-    let cpu_before = args.target_pid.map(cpu_seconds).transpose()?;
+    let usage_before = args.target_pid.map(usage::Usage::of).transpose()?;
     let started = Instant::now();
     let progress =
         tokio::spawn(report::progress(Arc::clone(&tally), started, duration, Arc::clone(&running)));
@@ -487,12 +476,12 @@ async fn main() -> anyhow::Result<()> {
         Some(victims) => Some(victims.await??),
         None => None,
     };
-    let cpu = match (args.target_pid, cpu_before) {
-        (Some(pid), Some(before)) => Some(cpu_seconds(pid)? - before),
+    let usage = match (args.target_pid, usage_before) {
+        (Some(pid), Some(before)) => Some(usage::Usage::of(pid)?.since(before)),
         _ => None,
     };
     let report =
-        report::Report::build(&args.label, &args.api, &tally, elapsed, cpu, args.rate, args.concurrency);
+        report::Report::build(&args.label, &args.api, &tally, elapsed, usage, args.rate, args.concurrency);
     println!("{}", report.text());
     if let (Some(victims), Some(path)) = (&victims, &args.victim) {
         println!("{}", victims.text(path));

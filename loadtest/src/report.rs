@@ -57,7 +57,7 @@ pub(crate) struct Report {
     errors: Vec<(String, u64)>,
     /// (name, nanoseconds)
     latency: Vec<(&'static str, u64)>,
-    cpu_seconds: Option<f64>,
+    usage: Option<crate::usage::Usage>,
 }
 
 impl Report {
@@ -67,7 +67,7 @@ impl Report {
         api: &str,
         tally: &Tally,
         elapsed: Duration,
-        cpu_seconds: Option<f64>,
+        usage: Option<crate::usage::Usage>,
         rate: Option<u64>,
         concurrency: Option<usize>,
     ) -> Self {
@@ -94,7 +94,7 @@ impl Report {
             denied: tally.denied.load(Ordering::Relaxed),
             errors: tally.errors.lock().unwrap().iter().map(|(k, v)| (k.clone(), *v)).collect(),
             latency,
-            cpu_seconds,
+            usage,
         }
     }
 
@@ -107,7 +107,13 @@ impl Report {
     }
 
     fn cpu_per_decision_us(&self) -> Option<f64> {
-        self.cpu_seconds.map(|cpu| cpu / self.decisions().max(1) as f64 * 1e6)
+        self.usage.map(|usage| usage.cpu / self.decisions().max(1) as f64 * 1e6)
+    }
+
+    /// The target's context switches and CPU migrations per decision.
+    fn switches_per_decision(&self) -> Option<(f64, f64)> {
+        let decisions = self.decisions().max(1) as f64;
+        self.usage.map(|usage| (usage.switches as f64 / decisions, usage.migrations as f64 / decisions))
     }
 
     /// Human-readable summary.
@@ -130,6 +136,12 @@ impl Report {
         out.push('\n');
         if let Some(cpu) = self.cpu_per_decision_us() {
             let _ = writeln!(out, "target CPU: {cpu:.2} µs per decision");
+        }
+        if let Some((switches, migrations)) = self.switches_per_decision() {
+            let _ = writeln!(
+                out,
+                "target: {switches:.2} context switches, {migrations:.2} migrations per decision"
+            );
         }
         if !self.errors.is_empty() {
             let _ = writeln!(out, "errors: {:?}", self.errors);
@@ -157,6 +169,8 @@ impl Report {
             "latency": latency,
             "errors": self.errors.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
             "target_cpu_us_per_decision": self.cpu_per_decision_us(),
+            "target_switches_per_decision": self.switches_per_decision().map(|s| s.0),
+            "target_migrations_per_decision": self.switches_per_decision().map(|s| s.1),
         })
         .to_string()
     }
