@@ -38,7 +38,7 @@ for bin in "$RATELIMITD" "$LOADTEST"; do
 done
 
 write_edge_config "$WORK/envoy"
-write_edge_limits "$WORK/limits.yaml" plain
+write_edge_limits "$WORK/edge-limits.yaml" plain
 cat > "$WORK/native.yaml" <<'YAML'
 rules:
   - { rule_id: playback, resource_path: /api/v1/playback, limit: 1000000000, window_seconds: 60 }
@@ -85,7 +85,7 @@ if [ -n "${LIMITADOR:-}" ]; then
     bin="$LIMITADOR"; [ "$target" = ratelimitd-as-limitador ] && bin="$WORK/as/limitador-server"
     flush
     SVC_PORT="$(free_port)"
-    args=(--rls-port "$SVC_PORT" --http-port "$(free_port)" "$WORK/limits.yaml")
+    args=(--rls-port "$SVC_PORT" --http-port "$(free_port)" "$WORK/edge-limits.yaml")
     if [ -n "$REDIS_URL" ]; then args+=(redis "$REDIS_URL"); else args+=(memory); fi
     (pin "$SERVICE_CPUS" env RUST_LOG=warn "$bin" "${args[@]}" >"$WORK/$target.log" 2>&1) &
     SVC_PID=$!; PIDS+=("$SVC_PID")

@@ -48,6 +48,7 @@ pub mod global;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod limiter;
+pub mod locality;
 pub mod migrate;
 pub mod overload;
 pub mod release;

@@ -864,3 +864,71 @@ async fn a_message_begun_and_never_finished_holds_its_bytes_at_most_the_request_
     reader.abort();
     server.stop().await.unwrap();
 }
+
+/// Context switches so far of `pid`'s threads, serving threads
+/// (`ratelimitd-serve-*`) and the others apart.
+fn switches(pid: u32) -> (u64, u64) {
+    let (mut serving, mut others) = (0, 0);
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let (Ok(name), Ok(status)) = (
+            std::fs::read_to_string(task.path().join("comm")),
+            std::fs::read_to_string(task.path().join("status")),
+        ) else {
+            continue; // a thread that ended meanwhile
+        };
+        let count: u64 = status
+            .lines()
+            .filter(|line| line.contains("ctxt_switches:"))
+            .filter_map(|line| line.split_whitespace().last()?.parse::<u64>().ok())
+            .sum();
+        if name.starts_with("ratelimitd-serv") { serving += count } else { others += count }
+    }
+    (serving, others)
+}
+
+/// A decision wakes no thread but the one serving its connection: 300
+/// Checks, one after another over one connection, on Redis, to the service
+/// as it runs (its own process, two serving threads): the threads serving
+/// no connection switch fewer than once every ten decisions. On a shared
+/// multi-threaded runtime each hand-off (the connection, the request, the
+/// store's dispatcher and its connection) woke a sleeping worker: about 3
+/// switches of those threads per decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_wakes_no_thread_but_its_connections() {
+    let redis = common::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let rules = Rules::new(RULES);
+    let (child, port) = common::start_listening("ratelimitd", &dir.path().join("service.log"), |port| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+        command
+            .arg("serve")
+            .env_clear()
+            .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
+            .env("RATELIMITD__HTTP__LISTEN", "127.0.0.1:0")
+            .env("RATELIMITD__GRPC__SERVING_THREADS", "2")
+            .env("RATELIMITD__RULES__PATH", rules.path())
+            .env("RATELIMITD__REDIS__URL", redis.url())
+            .env("RATELIMITD__SHED__MODE", "off")
+            .env("STATE_DIRECTORY", dir.path());
+        command
+    });
+    let service = common::Process(child);
+    let mut client = ratelimitd::api::pb::rate_limiter_client::RateLimiterClient::connect(format!(
+        "http://127.0.0.1:{port}"
+    ))
+    .await
+    .unwrap();
+    for _ in 0..20 {
+        check(&mut client, request("warm-up", "/hot")).await;
+    }
+    let pid = service.0.id();
+    let before = switches(pid);
+    for i in 0..300 {
+        let answer = check(&mut client, request(&format!("user-{i}"), "/hot")).await;
+        assert!(answer.allowed, "{answer:?}");
+    }
+    let after = switches(pid);
+    let (serving, others) = (after.0 - before.0, after.1 - before.1);
+    assert!(others < 30, "threads serving no connection switched {others} times for 300 decisions");
+    assert!(serving >= 300, "the serving threads switched {serving} times for 300 decisions");
+}

@@ -160,6 +160,13 @@ pub struct GrpcConfig {
     /// How long a keepalive PING may go unanswered before the connection is
     /// closed.
     pub keepalive_timeout_ms: u64,
+    /// Threads serving the gRPC port's plain TCP connections, each with a runtime of its own: a
+    /// connection is served for its life by the one holding the fewest when it arrives, with the
+    /// store calls its requests make, so a decision wakes no other thread (docs/performance.md).
+    /// One connection's decisions use at most one core. 0: one per CPU the process may use (its
+    /// affinity and CPU quota). Connections over TLS and on `grpc.uds` are served by the shared
+    /// runtime.
+    pub serving_threads: usize,
     /// TLS on the gRPC port; off unless `cert_file` and `key_file` are set.
     pub tls: GrpcTlsConfig,
     /// Also serve gRPC (plain) on this Unix socket, for a proxy on the same host (upstream's
@@ -196,6 +203,7 @@ impl Default for GrpcConfig {
             tcp_keepalive_ms: 60_000,
             keepalive_interval_ms: 60_000,
             keepalive_timeout_ms: 20_000,
+            serving_threads: 0,
             tls: GrpcTlsConfig::default(),
             uds: None,
         }
@@ -229,6 +237,9 @@ impl GrpcConfig {
             ));
         }
         self.validate_shares()?;
+        if self.serving_threads > 1_024 {
+            return Err(invalid("grpc.serving_threads", "must be between 0 (one per CPU) and 1024"));
+        }
         if !(1..=1 << 20).contains(&self.max_connections) {
             return Err(invalid("grpc.max_connections", "must be between 1 and 1048576"));
         }
@@ -319,6 +330,15 @@ impl GrpcConfig {
     /// `grpc.reporting_peers`, parsed; an error names the entry.
     pub fn reporting_nets(&self) -> Result<Vec<ipnet::IpNet>, ConfigError> {
         nets("grpc.reporting_peers", &self.reporting_peers)
+    }
+
+    /// The serving threads in effect: `grpc.serving_threads`, else one per
+    /// CPU the process may use.
+    pub fn serving_threads(&self) -> usize {
+        match self.serving_threads {
+            0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            set => set,
+        }
     }
 
     /// What one caller may hold besides bytes.

@@ -17,6 +17,7 @@ pub mod health;
 mod parts;
 mod places;
 mod reclaim;
+mod threads;
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -84,6 +85,9 @@ pub enum ServerError {
     /// TCP keepalive (`grpc.tcp_keepalive_ms`) cannot be set on the listener.
     #[error("grpc.tcp_keepalive_ms: {0}")]
     Keepalive(std::io::Error),
+    /// A serving thread cannot be started (`grpc.serving_threads`).
+    #[error("grpc.serving_threads: cannot start a serving thread: {0}")]
+    ServingThread(std::io::Error),
     /// The Unix socket (`grpc.uds`) cannot be bound.
     #[error("grpc.uds {0}")]
     Uds(String),
@@ -147,7 +151,14 @@ pub async fn run_observed(
     let rules = parts::rules_of(&config, &mut tasks)?;
     // Before anything binds or connects: a TLS file that does not load is fatal.
     let tls = ReloadingAcceptor::new(&config.grpc.tls)?;
-    let store = parts::store(&config.redis, &config.memory, &mut tasks, &mut dispatchers).await?;
+    let store = parts::store(
+        &config.redis,
+        &config.memory,
+        &mut tasks,
+        &mut dispatchers,
+        config.grpc.serving_threads(),
+    )
+    .await?;
     let shedder = parts::shedder(&config.shed, &mut tasks);
     let dlq = parts::dlq(&config.dlq, &config.limits, &mut tasks)?;
     let captured = parts::capture(&config, &mut tasks)?;
@@ -533,7 +544,7 @@ fn serve_grpc(
     // One count of connections for both listeners.
     let places = Arc::clone(places);
     let Some(path) = &config.grpc.uds else {
-        return Ok(serve_tcp(config, router, listener, tls, &places, Arc::clone(budget), signal, tasks));
+        return serve_tcp(config, router, listener, tls, &places, Arc::clone(budget), signal, tasks);
     };
     let unix = bind_uds(path)?;
     tracing::info!(path = %path.display(), "gRPC also on a Unix socket");
@@ -551,7 +562,7 @@ fn serve_grpc(
         Arc::clone(budget),
         stopped(stop_rx.clone()),
         tasks,
-    );
+    )?;
     let quotas = config.grpc.quotas();
     // The socket's clients are on this host, behind its file permissions: a proxy beside the service.
     let local: places::PeerOf<tokio::net::UnixStream> =
@@ -619,7 +630,7 @@ fn serve_tcp(
     budget: Arc<Budget>,
     signal: impl Future<Output = ()> + Send + 'static,
     tasks: &mut Tasks,
-) -> Serving {
+) -> Result<Serving, ServerError> {
     let places = Arc::clone(places);
     let quotas = config.grpc.quotas();
     let identify = Arc::new(places::Identify::of(&config.grpc));
@@ -629,7 +640,8 @@ fn serve_tcp(
                 Arc::new(move |io| identify.peer(io.peer_addr().ok(), None));
             let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
             let incoming = places::placed(incoming, places, budget, peer_of, quotas);
-            Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
+            threads::serve(config.grpc.serving_threads(), router, incoming, signal)
+                .map_err(ServerError::ServingThread)
         }
         Some(tls) => {
             tracing::info!(mutual = tls.mutual(), "gRPC over TLS");
@@ -644,7 +656,7 @@ fn serve_tcp(
                 Arc::new(move |io| identify.peer(io.get_ref().0.peer_addr().ok(), Some(io)));
             let incoming = tokio_stream::wrappers::ReceiverStream::new(streams);
             let incoming = places::placed(incoming, places, budget, peer_of, quotas);
-            Box::pin(router.serve_with_incoming_shutdown(incoming, signal))
+            Ok(Box::pin(router.serve_with_incoming_shutdown(incoming, signal)))
         }
     }
 }

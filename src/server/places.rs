@@ -37,6 +37,23 @@ pub(super) struct Placed<T> {
     caller: Caller,
 }
 
+impl Placed<tokio::net::TcpStream> {
+    /// The same connection, its place and shares, off this runtime's
+    /// reactor: to be served by another thread's ([`super::threads`]).
+    pub(super) fn into_std(self) -> io::Result<Placed<std::net::TcpStream>> {
+        let Placed { io, _place, caller } = self;
+        Ok(Placed { io: io.into_std()?, _place, caller })
+    }
+}
+
+impl Placed<std::net::TcpStream> {
+    /// The connection on the current runtime's reactor.
+    pub(super) fn into_tokio(self) -> io::Result<Placed<tokio::net::TcpStream>> {
+        let Placed { io, _place, caller } = self;
+        Ok(Placed { io: tokio::net::TcpStream::from_std(io)?, _place, caller })
+    }
+}
+
 /// Who a connection comes from, for its shares and what it may do.
 pub(super) type PeerOf<T> = Arc<dyn Fn(&T) -> Peer + Send + Sync>;
 

@@ -39,7 +39,7 @@
 
 use std::{
     sync::{
-        Arc,
+        Arc, OnceLock,
         atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
@@ -107,10 +107,21 @@ impl JobKeys {
     }
 }
 
+/// A set of dispatchers' queues.
+type Queues = Box<[mpsc::Sender<Job>]>;
+
 /// Counters in one Redis server or a Redis Cluster.
 pub struct RedisStore {
     backend: Backend,
-    queues: Box<[mpsc::Sender<Job>]>,
+    queues: Queues,
+    /// Each serving thread's own dispatchers ([`RedisStore::serving`]),
+    /// spawned on that thread at its first call, with connections of their
+    /// own: a decision made there wakes nothing on another thread.
+    local: Box<[OnceLock<Queues>]>,
+    /// Dispatchers per serving thread.
+    local_slots: usize,
+    /// What makes a dispatcher: the settings and the shared parts.
+    parts: Parts,
     next_slot: AtomicUsize,
     script: Arc<redis::Script>,
     timeout: Duration,
@@ -186,27 +197,15 @@ impl RedisStore {
         let script = Arc::new(redis::Script::new(DECIDE_BATCH_LUA));
         let timeout = Duration::from_millis(config.timeout_ms);
         let breakers = breakers(config, &backend);
-        let queues = (0..config.connections)
-            .map(|slot| {
-                let (sender, receiver) = mpsc::channel(QUEUE_PER_SLOT);
-                let dispatcher = Dispatcher {
-                    slot,
-                    backend: backend.clone(),
-                    script: Arc::clone(&script),
-                    timeout,
-                    breakers: Arc::clone(&breakers),
-                    caps: CallCaps {
-                        keys: config.max_keys_per_call,
-                        key_bytes: config.max_key_bytes_per_call,
-                    },
-                };
-                tasks.spawn(dispatcher.run(receiver));
-                sender
-            })
-            .collect();
+        let parts =
+            Parts { config: config.clone(), script: Arc::clone(&script), breakers: Arc::clone(&breakers) };
+        let queues = parts.dispatchers(&backend, config.connections, |run| drop(tasks.spawn(run)));
         Ok(RedisStore {
             backend,
             queues,
+            local: Box::default(),
+            local_slots: 0,
+            parts,
             next_slot: AtomicUsize::new(0),
             script,
             timeout,
@@ -216,6 +215,37 @@ impl RedisStore {
             connection_waits: AtomicU64::new(0),
             tenant_waits: AtomicU64::new(0),
             peer_waits: AtomicU64::new(0),
+        })
+    }
+
+    /// The same store, whose calls from each of `threads` serving threads
+    /// ([`crate::locality`]) go to dispatchers of that thread's own,
+    /// `redis.connections` shared among the threads (at least one each).
+    #[must_use]
+    pub fn serving(mut self, threads: usize) -> Self {
+        self.local = (0..threads).map(|_| OnceLock::new()).collect();
+        self.local_slots = self.parts.config.connections.div_ceil(threads.max(1)).max(1);
+        self
+    }
+
+    /// The dispatchers of the serving thread running this code, spawned
+    /// on it at its first call; the shared ones elsewhere.
+    fn queues(&self) -> &[mpsc::Sender<Job>] {
+        let Some(cell) = crate::locality::serving_thread().and_then(|index| self.local.get(index)) else {
+            return &self.queues;
+        };
+        cell.get_or_init(|| {
+            // A pool of its own against one server (a pooled connection
+            // would run where it was made); a cluster's client and slot map
+            // are shared, each dispatcher connecting from its thread.
+            let backend = match &self.backend {
+                Backend::Cluster(_) => self.backend.clone(),
+                _ => match backend(&self.parts.config) {
+                    Ok(backend) => backend,
+                    Err(_) => return self.queues.clone(),
+                },
+            };
+            self.parts.dispatchers(&backend, self.local_slots, |run| drop(tokio::spawn(run)))
         })
     }
 
@@ -437,8 +467,9 @@ impl RedisStore {
             });
         }
         let (reply, answer) = oneshot::channel();
-        let queue = self.next_slot.fetch_add(1, Ordering::Relaxed) % self.queues.len();
-        if let Err(e) = self.queues[queue].try_send(Job { slot, keys, reply }) {
+        let queues = self.queues();
+        let queue = self.next_slot.fetch_add(1, Ordering::Relaxed) % queues.len();
+        if let Err(e) = queues[queue].try_send(Job { slot, keys, reply }) {
             return Err(match e {
                 mpsc::error::TrySendError::Full(_) => StoreError {
                     kind: FailureKind::PoolExhausted,
@@ -458,6 +489,42 @@ impl RedisStore {
             }),
             Err(_) => Err(timeout_error(self.timeout)),
         }
+    }
+}
+
+/// What every dispatcher of a store is made of.
+struct Parts {
+    config: RedisConfig,
+    script: Arc<redis::Script>,
+    breakers: Arc<[Breaker]>,
+}
+
+impl Parts {
+    /// `count` dispatchers on `backend`, each handed to `spawn` to run: their queues.
+    fn dispatchers(
+        &self,
+        backend: &Backend,
+        count: usize,
+        mut spawn: impl FnMut(std::pin::Pin<Box<dyn Future<Output = ()> + Send>>),
+    ) -> Queues {
+        (0..count)
+            .map(|slot| {
+                let (sender, receiver) = mpsc::channel(QUEUE_PER_SLOT);
+                let dispatcher = Dispatcher {
+                    slot,
+                    backend: backend.clone(),
+                    script: Arc::clone(&self.script),
+                    timeout: Duration::from_millis(self.config.timeout_ms),
+                    breakers: Arc::clone(&self.breakers),
+                    caps: CallCaps {
+                        keys: self.config.max_keys_per_call,
+                        key_bytes: self.config.max_key_bytes_per_call,
+                    },
+                };
+                spawn(Box::pin(dispatcher.run(receiver)));
+                sender
+            })
+            .collect()
     }
 }
 

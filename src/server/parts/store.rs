@@ -22,13 +22,15 @@ use crate::{
 };
 
 /// The counter store: in memory (with its sweeper in `tasks`) or Redis
-/// (its dispatchers in `dispatchers`, joined only after the engine is
-/// dropped, since they end when the store does).
+/// (its shared dispatchers in `dispatchers`, joined only after the engine is
+/// dropped, since they end when the store does; each of `serving_threads`
+/// spawns its own at its first call, ended with its runtime).
 pub(crate) async fn store(
     redis: &RedisConfig,
     memory: &MemoryConfig,
     tasks: &mut Tasks,
     dispatchers: &mut JoinSet<()>,
+    serving_threads: usize,
 ) -> Result<Store, ServerError> {
     if redis.url.is_none() {
         let store = Arc::new(MemoryStore::new(memory.shards, memory.max_counters, Arc::new(SystemClock)));
@@ -37,7 +39,7 @@ pub(crate) async fn store(
         return Ok(Store::Memory(store));
     }
     let connect_timeout = Duration::from_millis(redis.connect_timeout_ms);
-    let redis = Arc::new(RedisStore::new(redis, dispatchers)?);
+    let redis = Arc::new(RedisStore::new(redis, dispatchers)?.serving(serving_threads));
     // Not fatal: until Redis answers, rules answer by failure policy.
     match redis.warm_up(connect_timeout).await {
         Ok(()) => tracing::info!(url = redis.url_for_logs(), "redis reachable"),

@@ -1,0 +1,173 @@
+//! The serving threads: each plain TCP gRPC connection is served, for its
+//! whole life, by one of `grpc.serving_threads` threads, each running a
+//! single-threaded runtime of its own (thread per core). The connection's
+//! HTTP/2 task, its requests' tasks and the store's dispatcher they call
+//! ([`crate::locality`]) all run there, so a decision wakes no other
+//! thread: a thread sleeps only waiting for the network (the request, the
+//! store's answer), and a busy one does the next piece of work itself. On a
+//! shared multi-threaded runtime each hand-off between those tasks woke a
+//! sleeping worker (a futex, a context switch, often a move to another
+//! CPU), which at a few thousand decisions a second cost more than the
+//! decision.
+//!
+//! The accept loop stays on the shared runtime: it gives each connection
+//! its place and shares (`places.rs`), then hands it to the serving thread
+//! holding the fewest connections. A connection is served by one thread,
+//! so one connection's decisions use at most one core; clients open
+//! several (Envoy one per worker).
+
+use std::{
+    net::TcpStream as StdTcpStream,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
+
+use futures_util::{Stream, StreamExt as _};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::{Router, Serving, places::Placed};
+
+/// A connection on its way to a serving thread, and that thread's count of
+/// the connections it holds (given back when the connection ends).
+struct Handed {
+    placed: Placed<StdTcpStream>,
+    held: Counted,
+}
+
+/// One of a thread's connections, counted while it lives.
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A serving thread's connection: the connection and its count.
+pub(super) struct Served {
+    placed: Placed<tokio::net::TcpStream>,
+    _held: Counted,
+}
+
+/// Serves `router` on the connections of `incoming` on `threads` serving
+/// threads until `signal`; the future ends when every thread has finished
+/// its connections.
+pub(super) fn serve<S>(
+    threads: usize,
+    router: Router,
+    incoming: S,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<Serving>
+where
+    S: Stream<Item = Result<Placed<tokio::net::TcpStream>, std::io::Error>> + Send + 'static,
+{
+    let (stop, stopped) = watch::channel(false);
+    let mut queues = Vec::with_capacity(threads);
+    let mut finished = Vec::with_capacity(threads);
+    for index in 0..threads {
+        // Unbounded: the accept loop admits at most grpc.max_connections.
+        let (queue, connections) = mpsc::unbounded_channel::<Handed>();
+        let (done, result) = oneshot::channel();
+        let (router, mut stopped) = (router.clone(), stopped.clone());
+        std::thread::Builder::new().name(format!("ratelimitd-serve-{index}")).spawn(move || {
+            crate::locality::become_serving_thread(index);
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(runtime) => runtime,
+                Err(error) => {
+                    tracing::error!(%error, index, "a serving thread cannot start its runtime");
+                    let _ = done.send(Ok(()));
+                    return;
+                }
+            };
+            let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(connections).map(
+                |Handed { placed, held }| placed.into_tokio().map(|placed| Served { placed, _held: held }),
+            );
+            let signal = async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            };
+            let served = runtime.block_on(router.serve_with_incoming_shutdown(incoming, signal));
+            let _ = done.send(served);
+        })?;
+        queues.push((queue, Arc::new(AtomicUsize::new(0))));
+        finished.push(result);
+    }
+    Ok(Box::pin(async move {
+        let mut incoming = std::pin::pin!(incoming.take_until(signal));
+        while let Some(accepted) = incoming.next().await {
+            // An accept error was paused on and logged where it happened.
+            let Ok(placed) = accepted else { continue };
+            let Some((queue, held)) = queues.iter().min_by_key(|(_, held)| held.load(Ordering::Relaxed))
+            else {
+                break;
+            };
+            let Ok(placed) = placed.into_std() else { continue };
+            held.fetch_add(1, Ordering::Relaxed);
+            let _ = queue.send(Handed { placed, held: Counted(Arc::clone(held)) });
+        }
+        drop(queues);
+        let _ = stop.send(true);
+        let mut served = Ok(());
+        for result in finished {
+            if let Ok(Err(error)) = result.await {
+                served = served.and(Err(error));
+            }
+        }
+        served
+    }))
+}
+
+impl tokio::io::AsyncRead for Served {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.placed).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Served {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.placed).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.placed).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.placed.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.placed).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.placed).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for Served {
+    type ConnectInfo = crate::budget::Caller;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.placed.connect_info()
+    }
+}
