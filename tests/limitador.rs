@@ -776,6 +776,232 @@ async fn the_same_calls_are_answered_as_limitador_server_answers_them() {
     assert!(differ.is_empty(), "{} calls answered differently:\n{}", differ.len(), differ.join("\n"));
 }
 
+/// Conditions (and variables) limitador-server evaluates, each a limit of
+/// its own: keys present and missing, `has()`, `in`, comparisons of
+/// another type, conversions that fail, comprehensions over the
+/// descriptors and over literals, an index past the descriptors, the
+/// limit's own name, on the fast path and the interpreter's alike.
+const CEL_TABLE: &[(&str, &str)] = &[
+    ("descriptors[0].user == 'ann'", ""),
+    ("descriptors[0]['user'] == 'ann'", ""),
+    ("descriptors[0].plan == 'gold'", ""),
+    ("descriptors[0].user != 'ann'", ""),
+    ("has(descriptors[0].plan)", ""),
+    ("!has(descriptors[0].plan)", ""),
+    ("'plan' in descriptors[0]", ""),
+    ("descriptors[0].user in ['ann', 'bob']", ""),
+    ("descriptors[0].user > 5", ""),
+    ("descriptors[0].user == 5", ""),
+    ("int(descriptors[0].n) > 5", ""),
+    ("descriptors[0].user.startsWith('a') && descriptors[0].user.size() == 3", ""),
+    ("descriptors[0].user.matches('^a.n$')", ""),
+    ("descriptors[0].plan == 'gold' || descriptors[0].user == 'ann'", ""),
+    ("descriptors[0].user == 'ann' || descriptors[0].plan == 'gold'", ""),
+    ("descriptors.exists(d, true)", ""),
+    ("descriptors.all(d, false)", ""),
+    ("descriptors.map(d, 1).size() == 1", ""),
+    ("size(descriptors) == 1", ""),
+    ("descriptors.size() == 2", ""),
+    ("descriptors[1].user == 'bob'", ""),
+    ("[1, 2].all(x, true)", ""),
+    ("limit.name == 'named'", ""),
+    ("", "descriptors[0].plan"),
+    ("", "descriptors[0].n"),
+    ("descriptors[0].user == 'ann'", "descriptors[0].user"),
+];
+
+/// What this service refuses at load as never applied by limitador-server
+/// (a comprehension's variable read, a name it does not bind):
+/// limitador-server loads each and, the test checks, never applies it.
+const CEL_REFUSED: &[&str] =
+    &["descriptors.exists(d, d.user == 'ann')", "[1, 2].all(x, x > 0)", "user == 'ann'"];
+
+/// The requests of the CEL parity test: one descriptor's entries each (none:
+/// over HTTP only), and two descriptors (over `ShouldRateLimit` only).
+const CEL_VALUES: &[&[&[(&str, &str)]]] = &[
+    &[&[("user", "ann")]],
+    &[&[("user", "ann"), ("plan", "gold")]],
+    &[&[("user", "bob"), ("n", "7")]],
+    &[&[("user", "ann"), ("n", "x")]],
+    &[&[]],
+    &[&[("user", "ann")], &[("user", "bob")]],
+];
+
+/// A limits file of `conditions` (with `variables`), each limit once per
+/// request of [`CEL_VALUES`] and API, 1 a minute, in a namespace of its own.
+fn cel_limits(table: &[(&str, &str)]) -> String {
+    let mut out = String::from("---\n");
+    for (i, (condition, variable)) in table.iter().enumerate() {
+        for v in 0..CEL_VALUES.len() {
+            for api in ["http", "rls"] {
+                let conditions = if condition.is_empty() { String::new() } else { format!("{condition:?}") };
+                let variables = if variable.is_empty() { String::new() } else { format!("{variable:?}") };
+                out.push_str(&format!(
+                    "- {{ namespace: cel-{i}-{v}-{api}, name: named, max_value: 1, seconds: 60, \
+                     conditions: [{conditions}], variables: [{variables}] }}\n"
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The calls of the CEL parity test against limits `table`, each twice (the
+/// second says whether the first was counted): those answered differently.
+async fn cel_differences(table: &[(&str, &str)], theirs: (u16, u16), ours: (u16, u16)) -> Vec<String> {
+    use ratelimitd::api::envoy_pb::{
+        envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
+        rls::{RateLimitRequest, rate_limit_service_client::RateLimitServiceClient},
+    };
+    let connect = |port: u16| RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"));
+    let (mut their_rls, mut our_rls) = (connect(theirs.1).await.unwrap(), connect(ours.1).await.unwrap());
+    let mut differ = Vec::new();
+    let mut unanswered = 0;
+    for (i, entry) in table.iter().enumerate() {
+        for (v, descriptors) in CEL_VALUES.iter().enumerate() {
+            if let [one] = descriptors {
+                let values: serde_json::Map<String, serde_json::Value> =
+                    one.iter().map(|(k, v)| ((*k).to_owned(), serde_json::Value::from(*v))).collect();
+                let body = serde_json::json!({ "namespace": format!("cel-{i}-{v}-http"), "values": values, "delta": 1 })
+                    .to_string();
+                for _ in 0..2 {
+                    let (limitador, ratelimitd) = (posted(theirs.0, &body), posted(ours.0, &body));
+                    // What limitador-server cannot evaluate (a type error, a
+                    // failed conversion, a missing key or descriptor read)
+                    // panics its handler: the connection closes unanswered,
+                    // which a proxy failing open allows. Here it is denied.
+                    let denied = ratelimitd.as_ref().is_some_and(|(status, _)| *status == 429);
+                    if limitador.is_none() && denied {
+                        unanswered += 1;
+                    } else if limitador != ratelimitd {
+                        differ.push(format!("{entry:?} {one:?} (HTTP)\n  limitador:  {limitador:?}\n  ratelimitd: {ratelimitd:?}"));
+                    }
+                }
+            }
+            // Envoy never sends a descriptor without entries (limitador
+            // takes one; this service refuses it, INVALID_ARGUMENT).
+            if descriptors.iter().any(|entries| entries.is_empty()) {
+                continue;
+            }
+            let request = RateLimitRequest {
+                domain: format!("cel-{i}-{v}-rls"),
+                descriptors: descriptors
+                    .iter()
+                    .map(|entries| RateLimitDescriptor {
+                        entries: entries
+                            .iter()
+                            .map(|(k, v)| Entry { key: (*k).to_owned(), value: (*v).to_owned() })
+                            .collect(),
+                        ..Default::default()
+                    })
+                    .collect(),
+                hits_addend: 1,
+            };
+            let answer = |r: Result<
+                tonic::Response<ratelimitd::api::envoy_pb::rls::RateLimitResponse>,
+                tonic::Status,
+            >| {
+                match r {
+                    Ok(r) => format!("code {}", r.into_inner().overall_code),
+                    Err(status) => format!("error {:?}", status.code()),
+                }
+            };
+            for _ in 0..2 {
+                let limitador = answer(their_rls.should_rate_limit(request.clone()).await);
+                let ratelimitd = answer(our_rls.should_rate_limit(request.clone()).await);
+                // As above: where limitador-server's handler fails, OVER_LIMIT here.
+                let denied = limitador.starts_with("error") && ratelimitd == "code 2";
+                if denied {
+                    unanswered += 1;
+                } else if limitador != ratelimitd {
+                    differ.push(format!("{entry:?} {descriptors:?} (RLS)\n  limitador:  {limitador}\n  ratelimitd: {ratelimitd}"));
+                }
+            }
+        }
+    }
+    eprintln!("{unanswered} calls limitador-server left unanswered were denied here");
+    differ
+}
+
+/// `body` POSTed to `/check_and_report` on `port`: the status and body, or
+/// `None` when the connection closed unanswered.
+fn posted(port: u16, body: &str) -> Option<(u16, String)> {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let request = format!(
+        "POST /check_and_report HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let text = String::from_utf8_lossy(&response);
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, body.to_owned()))
+}
+
+/// limitador-server built from limitador's repository and this binary
+/// started as limitador-server, on the limits of [`CEL_TABLE`]: every call
+/// answered alike, over HTTP and `ShouldRateLimit`, but where
+/// limitador-server cannot evaluate a condition (its handler panics and the
+/// call goes unanswered: a proxy failing open allows it), which this
+/// service answers with a denial. What this service
+/// refuses at load ([`CEL_REFUSED`]) `rules validate` refuses, naming the
+/// limit, and limitador-server never applies.
+///
+/// `LIMITADOR_SERVER=/path/to/limitador-server cargo nextest run --test limitador --run-ignored only`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs LIMITADOR_SERVER, a limitador-server built from limitador's repository"]
+async fn cel_conditions_are_evaluated_as_limitador_server_evaluates_them() {
+    let peer =
+        std::env::var_os("LIMITADOR_SERVER").expect("LIMITADOR_SERVER: the path of a limitador-server");
+    let peer = std::path::PathBuf::from(peer);
+    let dir = tempfile::tempdir().unwrap();
+    let link = dir.path().join("limitador-server");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ratelimitd"), &link).unwrap();
+    let memory = vec!["memory".to_owned()];
+
+    let limits = dir.path().join("limits.yaml");
+    std::fs::write(&limits, cel_limits(CEL_TABLE)).unwrap();
+    let (_limitador, their_http, their_grpc) =
+        start_as_limitador(&peer, &dir.path().join("limitador.log"), &limits, &memory);
+    let (_ratelimitd, our_http, our_grpc) =
+        start_as_limitador(&link, &dir.path().join("ratelimitd.log"), &limits, &memory);
+    let differ = cel_differences(CEL_TABLE, (their_http, their_grpc), (our_http, our_grpc)).await;
+    assert!(differ.is_empty(), "{} calls answered differently:\n{}", differ.len(), differ.join("\n"));
+
+    let refused: Vec<(&str, &str)> = CEL_REFUSED.iter().map(|c| (*c, "")).collect();
+    let limits = dir.path().join("refused.yaml");
+    std::fs::write(&limits, cel_limits(&refused)).unwrap();
+    for (n, source) in CEL_REFUSED.iter().enumerate() {
+        let alone = dir.path().join(format!("refused-{n}.yaml"));
+        std::fs::write(&alone, cel_limits(&[(source, "")])).unwrap();
+        let validate = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+            .args(["rules", "validate", "--limitador"])
+            .arg(&alone)
+            .output()
+            .unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&validate.stdout),
+            String::from_utf8_lossy(&validate.stderr)
+        );
+        assert!(!validate.status.success() && said.contains("limits[0]") && said.contains(source), "{said}");
+    }
+    let (_limitador, http, grpc) =
+        start_as_limitador(&peer, &dir.path().join("limitador-refused.log"), &limits, &memory);
+    let never = CEL_REFUSED.iter().map(|_| ("false", "")).collect::<Vec<_>>();
+    let (_never, never_http, never_grpc) = {
+        let limits = dir.path().join("never.yaml");
+        std::fs::write(&limits, cel_limits(&never)).unwrap();
+        start_as_limitador(&peer, &dir.path().join("limitador-never.log"), &limits, &memory)
+    };
+    let differ = cel_differences(&refused, (http, grpc), (never_http, never_grpc)).await;
+    assert!(differ.is_empty(), "limitador-server applied what is refused here:\n{}", differ.join("\n"));
+}
+
 /// Kuadrant's wasm shim, as its calls go out of Envoy, played by an Envoy
 /// Lua filter written anew (the shim's module is not at hand): before the
 /// request, `CheckRateLimit` with one hit (OVER_LIMIT: 429; no answer:
