@@ -10,7 +10,8 @@
 # Targets: ratelimitd serving Envoy rules (domain edge, a counter per
 # user), and with LIMITADOR (a limitador-server built outside this
 # repository) limitador-server and ratelimitd started as limitador-server,
-# each with the same command line and limits file. API (envoy: the Envoy
+# each with the same command line and limits file; with BASELINE (another
+# ratelimitd build) that build first, the same way. API (envoy: the Envoy
 # API, ShouldRateLimit; check: Check, unary; stream: CheckStream, closed
 # loop only) for the first target; the limitador pair answers
 # ShouldRateLimit. STORE (redis, memory), RATES (default "2000 5000
@@ -69,13 +70,18 @@ measure() {
 }
 flush() { if [ -n "$REDIS_URL" ]; then "${REDIS_CLI:-redis-cli}" -p "$REDIS_PORT" flushall >/dev/null; fi; }
 
-TARGETS=(ratelimitd)
-flush
+TARGETS=()
 store_env=(); [ -n "$REDIS_URL" ] && store_env=(RATELIMITD__REDIS__URL="$REDIS_URL")
-# shellcheck disable=SC2086
-start_service "$SERVICE_CPUS" "$RATELIMITD" "${store_env[@]}" ${SERVICE_ENV:-}
-measure ratelimitd "$API"
-stop_service
+# BASELINE: another ratelimitd build measured the same way first (before/after).
+for target in ${BASELINE:+baseline} ratelimitd; do
+  bin="$RATELIMITD"; [ "$target" = baseline ] && bin="$BASELINE"
+  flush
+  # shellcheck disable=SC2086
+  start_service "$SERVICE_CPUS" "$bin" "${store_env[@]}" ${SERVICE_ENV:-}
+  measure "$target" "$API"
+  stop_service
+  TARGETS+=("$target")
+done
 
 if [ -n "${LIMITADOR:-}" ]; then
   # ratelimitd under the name limitador-server reads limitador's command line.

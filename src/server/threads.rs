@@ -51,6 +51,13 @@ pub(super) struct Served {
     _held: Counted,
 }
 
+/// A serving thread's end of the hand-off: its queue of connections and
+/// its count of them.
+type Thread = (mpsc::UnboundedSender<Handed>, Arc<AtomicUsize>);
+
+/// What a serving thread's server answered when it ended.
+type Finished = oneshot::Receiver<Result<(), tonic::transport::Error>>;
+
 /// Serves `router` on the connections of `incoming` on `threads` serving
 /// threads until `signal`; the future ends when every thread has finished
 /// its connections.
@@ -64,48 +71,14 @@ where
     S: Stream<Item = Result<Placed<tokio::net::TcpStream>, std::io::Error>> + Send + 'static,
 {
     let (stop, stopped) = watch::channel(false);
-    let mut queues = Vec::with_capacity(threads);
-    let mut finished = Vec::with_capacity(threads);
+    let (mut queues, mut finished) = (Vec::with_capacity(threads), Vec::with_capacity(threads));
     for index in 0..threads {
-        // Unbounded: the accept loop admits at most grpc.max_connections.
-        let (queue, connections) = mpsc::unbounded_channel::<Handed>();
-        let (done, result) = oneshot::channel();
-        let (router, mut stopped) = (router.clone(), stopped.clone());
-        std::thread::Builder::new().name(format!("ratelimitd-serve-{index}")).spawn(move || {
-            crate::locality::become_serving_thread(index);
-            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                Ok(runtime) => runtime,
-                Err(error) => {
-                    tracing::error!(%error, index, "a serving thread cannot start its runtime");
-                    let _ = done.send(Ok(()));
-                    return;
-                }
-            };
-            let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(connections).map(
-                |Handed { placed, held }| placed.into_tokio().map(|placed| Served { placed, _held: held }),
-            );
-            let signal = async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            };
-            let served = runtime.block_on(router.serve_with_incoming_shutdown(incoming, signal));
-            let _ = done.send(served);
-        })?;
-        queues.push((queue, Arc::new(AtomicUsize::new(0))));
+        let (queue, result) = start(index, router.clone(), stopped.clone())?;
+        queues.push(queue);
         finished.push(result);
     }
     Ok(Box::pin(async move {
-        let mut incoming = std::pin::pin!(incoming.take_until(signal));
-        while let Some(accepted) = incoming.next().await {
-            // An accept error was paused on and logged where it happened.
-            let Ok(placed) = accepted else { continue };
-            let Some((queue, held)) = queues.iter().min_by_key(|(_, held)| held.load(Ordering::Relaxed))
-            else {
-                break;
-            };
-            let Ok(placed) = placed.into_std() else { continue };
-            held.fetch_add(1, Ordering::Relaxed);
-            let _ = queue.send(Handed { placed, held: Counted(Arc::clone(held)) });
-        }
+        hand_out(incoming.take_until(signal), &queues).await;
         drop(queues);
         let _ = stop.send(true);
         let mut served = Ok(());
@@ -116,6 +89,58 @@ where
         }
         served
     }))
+}
+
+/// Starts serving thread `index`: `router` on the connections handed to
+/// it, until `stopped` says so.
+fn start(
+    index: usize,
+    router: Router,
+    mut stopped: watch::Receiver<bool>,
+) -> std::io::Result<(Thread, Finished)> {
+    // Unbounded: the accept loop admits at most grpc.max_connections.
+    let (queue, connections) = mpsc::unbounded_channel::<Handed>();
+    let (done, finished) = oneshot::channel();
+    std::thread::Builder::new().name(format!("ratelimitd-serve-{index}")).spawn(move || {
+        crate::locality::become_serving_thread(index);
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(runtime) => runtime,
+            Err(error) => {
+                tracing::error!(%error, index, "a serving thread cannot start its runtime");
+                let _ = done.send(Ok(()));
+                return;
+            }
+        };
+        let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(connections)
+            .map(|Handed { placed, held }| placed.into_tokio().map(|placed| Served { placed, _held: held }));
+        let signal = async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        };
+        let served = runtime.block_on(router.serve_with_incoming_shutdown(incoming, signal));
+        let _ = done.send(served);
+    })?;
+    Ok(((queue, Arc::new(AtomicUsize::new(0))), finished))
+}
+
+/// Hands each connection of `incoming` to the thread holding the fewest,
+/// until it ends. Dropped on return: at the signal the listener closes at
+/// once, so a client connecting then is refused rather than left
+/// unaccepted until the process exits.
+async fn hand_out<S>(incoming: S, threads: &[Thread])
+where
+    S: Stream<Item = Result<Placed<tokio::net::TcpStream>, std::io::Error>>,
+{
+    let mut incoming = std::pin::pin!(incoming);
+    while let Some(accepted) = incoming.next().await {
+        // An accept error was paused on and logged where it happened.
+        let Ok(placed) = accepted else { continue };
+        let Some((queue, held)) = threads.iter().min_by_key(|(_, held)| held.load(Ordering::Relaxed)) else {
+            break;
+        };
+        let Ok(placed) = placed.into_std() else { continue };
+        held.fetch_add(1, Ordering::Relaxed);
+        let _ = queue.send(Handed { placed, held: Counted(Arc::clone(held)) });
+    }
 }
 
 impl tokio::io::AsyncRead for Served {
