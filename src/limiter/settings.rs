@@ -60,7 +60,10 @@ pub struct RedisConfig {
     /// Number of connections, each with one dispatcher task: the decisions
     /// queued while its script call is in flight become its next call, so a
     /// couple serve thousands of in-flight decisions (fewer connections,
-    /// bigger batches, less Redis CPU per decision).
+    /// bigger batches, less Redis CPU per decision). Shared among the serving threads
+    /// (`grpc.serving_threads`): each has its own, `connections / threads` rounded up, at least
+    /// one, opened at its first decision; calls from elsewhere (TLS, `grpc.uds`) use another set
+    /// of `connections`, opened at their first call.
     pub connections: usize,
     /// Consecutive failed script calls (unreachable, connection lost, deadline missed) that open
     /// the circuit breaker, if they also span `redis.breaker_min_failing_ms`; `0` disables it.
