@@ -134,7 +134,11 @@ where
     while let Some(accepted) = incoming.next().await {
         // An accept error was paused on and logged where it happened.
         let Ok(placed) = accepted else { continue };
-        let Some((queue, held)) = threads.iter().min_by_key(|(_, held)| held.load(Ordering::Relaxed)) else {
+        // A thread whose runtime did not start has closed its queue; with
+        // none left the server ends rather than closing every connection.
+        let alive = threads.iter().filter(|(queue, _)| !queue.is_closed());
+        let Some((queue, held)) = alive.min_by_key(|(_, held)| held.load(Ordering::Relaxed)) else {
+            tracing::error!("no serving thread is left; the gRPC port stops accepting");
             break;
         };
         let Ok(placed) = placed.into_std() else { continue };
