@@ -89,8 +89,6 @@ SERIES=($SERVICE_SERIES)
 LARGEST="${SERIES[${#SERIES[@]}-1]}"
 # The number of cores in a taskset list ("4-7,9" -> 5).
 cores() { echo "$1" | tr ',' '\n' | awk -F- '{ n += ($2 == "" ? 1 : $2 - $1 + 1) } END { print n }'; }
-# A field of a one-line JSON report (the first occurrence of its name).
-field() { grep -o "\"$2\":[^,}]*" "$1" | head -1 | cut -d: -f2; }
 
 # Rules: Envoy domain "edge" (a counter per user), and one native rule per
 # algorithm, all far above what the load reaches: every decision is

@@ -2,7 +2,8 @@
 # removed on exit, the PIDs of what they started (killed on exit), a free
 # loopback port, waiting until something listens on one, running a command
 # on a core set, starting Redis and reading its script statistics, starting
-# the service, and the Envoy configuration the loads run against.
+# the service, reading a field of a JSON report, and the Envoy
+# configuration the loads run against.
 WORK="$(mktemp -d)"
 PIDS=()
 cleanup() {
@@ -92,6 +93,9 @@ start_service() {
 }
 # stop_service [PID]: stops the service (SVC_PID by default) and waits for it.
 stop_service() { local pid="${1:-$SVC_PID}"; kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; }
+
+# field FILE NAME: a field of a one-line JSON report (the first occurrence of its name).
+field() { grep -o "\"$2\":[^,}]*" "$1" | head -1 | cut -d: -f2; }
 
 wait_port() { for _ in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; echo "$0: nothing on port $1" >&2; exit 1; }
 

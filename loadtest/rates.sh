@@ -50,8 +50,6 @@ if [ "$STORE" = redis ]; then
   start_redis "$REDIS_CPUS" "$REDIS_PORT"
   REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
 fi
-# A field of a one-line JSON report (the first occurrence of its name).
-field() { grep -o "\"$2\":[^,}]*" "$1" | head -1 | cut -d: -f2; }
 
 # measure NAME API: the open-loop runs and the closed-loop run against the
 # target on SVC_PORT (process SVC_PID), after a warm-up.
