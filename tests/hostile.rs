@@ -344,7 +344,12 @@ async fn sixty_addresses_of_idle_connections_leave_new_callers_decided_within_1_
 
 /// This process's resident memory, in bytes (the server runs in it).
 fn resident_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    resident_bytes_of(std::process::id())
+}
+
+/// The resident memory of process `pid`.
+fn resident_bytes_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kib: u64 = status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
@@ -464,42 +469,68 @@ async fn unfinished_header_streams(addr: std::net::SocketAddr, addresses: u8, fo
 
 /// Header blocks are in the byte budget: 32 connections of unfinished
 /// Check streams with ~15.6 KiB header blocks, from 1 and from 60 addresses,
-/// under the shipped Deployment's memory limit (1 GiB, the budget an eighth
-/// of it): the process grows by less than 256 MiB (twice the budget, a
+/// against the service as it ships (its own process, its allocator) under
+/// the Deployment's memory limit (1 GiB in its cgroup's `memory.max`, the
+/// budget an eighth of it), on the shared runtime and on two serving
+/// threads: the process grows by less than 256 MiB (twice the budget, a
 /// quarter of the limit) and another caller is decided exactly, each Check
 /// within a second.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unfinished_streams_with_large_header_blocks_hold_the_budget_not_the_memory() {
-    for addresses in [1u8, 60] {
-        let rules = Rules::new(RULES);
-        let mut config = common::config(&rules.path(), None);
-        config.grpc.memory_limit = Some(1 << 30);
-        let ceiling = 2 * config.grpc.request_bytes_in_flight() as u64;
-        assert_eq!(ceiling, 256 << 20, "an eighth of 1 GiB, twice");
-        let server = TestServer::start(config).await;
-        let mut honest = server.client_from("127.0.8.1").await;
+    let rules = Rules::new(RULES);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("memory.max"), "1073741824\n").unwrap();
+    let ceiling = 256 << 20;
+    for (threads, addresses) in [("0", 1u8), ("0", 60), ("2", 1), ("2", 60)] {
+        let http = common::free_port();
+        let (child, port) = common::start_listening("ratelimitd", &dir.path().join("service.log"), |port| {
+            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+            command
+                .arg("serve")
+                .env_clear()
+                .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
+                .env("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{http}"))
+                .env("RATELIMITD__GRPC__SERVING_THREADS", threads)
+                .env("RATELIMITD__RULES__PATH", rules.path())
+                .env("RATELIMITD__SHED__MODE", "off")
+                .env("RATELIMITD__SHED__CGROUP_ROOT", dir.path())
+                .env("STATE_DIRECTORY", dir.path().join(format!("state-{port}")));
+            command
+        });
+        let service = common::Process(child);
+        let pid = service.0.id();
+        let (_, metrics) = common::http_get(([127, 0, 0, 1], http).into(), "/metrics");
+        assert!(metrics.contains("ratelimitd_grpc_request_bytes_limit 134217728"), "an eighth of 1 GiB");
+        let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .local_address(Some("127.0.8.1".parse().unwrap()))
+            .connect()
+            .await
+            .unwrap();
+        let mut honest = ratelimitd::api::pb::rate_limiter_client::RateLimiterClient::new(channel);
         check(&mut honest, request("warm-up", "/limited")).await;
-        let before = resident_bytes();
-        let attack = tokio::spawn(unfinished_header_streams(server.addr, addresses, Duration::from_secs(4)));
+        let before = resident_bytes_of(pid);
+        let attack = tokio::spawn(unfinished_header_streams(addr, addresses, Duration::from_secs(4)));
         let mut answers = Vec::new();
         let mut grown = 0;
         let started = Instant::now();
         while started.elapsed() < Duration::from_secs(4) || answers.len() < 7 {
             let at = Instant::now();
             let answer = check(&mut honest, request("alice", "/limited")).await;
-            assert!(at.elapsed() < Duration::from_secs(1), "{addresses}: a check took {:?}", at.elapsed());
+            let took = at.elapsed();
+            assert!(took < Duration::from_secs(1), "{threads} threads, {addresses}: a check took {took:?}");
             answers.push(answer.allowed);
-            grown = grown.max(resident_bytes().saturating_sub(before));
+            grown = grown.max(resident_bytes_of(pid).saturating_sub(before));
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         attack.await.unwrap();
         assert!(
             answers[..5].iter().all(|a| *a) && answers[5..].iter().all(|a| !*a),
-            "{addresses}: {answers:?}"
+            "{threads} threads, {addresses}: {answers:?}"
         );
-        eprintln!("{addresses} address(es): grew by {} MiB", grown >> 20);
-        assert!(grown < ceiling, "{addresses}: the process grew by {} MiB", grown >> 20);
-        server.stop().await.unwrap();
+        eprintln!("serving threads {threads}, {addresses} address(es): grew by {} MiB", grown >> 20);
+        assert!(grown < ceiling, "{threads} threads, {addresses}: the process grew by {} MiB", grown >> 20);
     }
 }
 

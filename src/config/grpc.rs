@@ -48,7 +48,8 @@ pub struct GrpcConfig {
     /// much. gRPC metadata is a few hundred bytes; Envoy's descriptors travel in the message.
     pub max_header_list_bytes: u32,
     /// Most bytes held for unfinished requests, over every connection and stream together: each
-    /// request's decoded header block and 4 KiB for its stream from its arrival until it is
+    /// request's header block (four times its decoded size: what it keeps held) and 4 KiB for
+    /// its stream from its arrival until it is
     /// answered, and each message from its gRPC length prefix (what is reserved for it) until it
     /// is whole. So clients opening streams they never finish, with large header blocks or
     /// announcing large messages, cannot make the service hold `connections × streams × (16 KiB +
@@ -163,13 +164,11 @@ pub struct GrpcConfig {
     /// Threads serving the gRPC port's plain TCP connections, each with a runtime of its own: a
     /// connection is served for its life by the one holding the fewest when it arrives, with the
     /// store calls its requests make, so a decision wakes no other thread (docs/performance.md).
-    /// One connection's decisions use at most one core; one per CPU is the usual setting.
-    /// Connections over TLS and on `grpc.uds` are served by the shared runtime. 0 (the default):
-    /// every connection on the shared runtime. Off by default while one bound does not hold with
-    /// it: under the header-block flood of docs/hostile-input.md the process grew by 250–303 MiB
-    /// with 2 serving threads, past twice the request byte budget (256 MiB), where the shared
-    /// runtime stays under it.
-    pub serving_threads: usize,
+    /// One connection's decisions use at most one core. Connections over TLS and on `grpc.uds`
+    /// are served by the shared runtime; 0 serves every connection there.
+    ///
+    /// Default: one per CPU the process may use (its affinity and CPU quota).
+    pub serving_threads: Option<usize>,
     /// TLS on the gRPC port; off unless `cert_file` and `key_file` are set.
     pub tls: GrpcTlsConfig,
     /// Also serve gRPC (plain) on this Unix socket, for a proxy on the same host (upstream's
@@ -206,7 +205,7 @@ impl Default for GrpcConfig {
             tcp_keepalive_ms: 60_000,
             keepalive_interval_ms: 60_000,
             keepalive_timeout_ms: 20_000,
-            serving_threads: 0,
+            serving_threads: None,
             tls: GrpcTlsConfig::default(),
             uds: None,
         }
@@ -240,8 +239,8 @@ impl GrpcConfig {
             ));
         }
         self.validate_shares()?;
-        if self.serving_threads > 1_024 {
-            return Err(invalid("grpc.serving_threads", "must be between 0 (off) and 1024"));
+        if self.serving_threads.is_some_and(|threads| threads > 1_024) {
+            return Err(invalid("grpc.serving_threads", "must be between 0 (none) and 1024"));
         }
         if !(1..=1 << 20).contains(&self.max_connections) {
             return Err(invalid("grpc.max_connections", "must be between 1 and 1048576"));
@@ -333,6 +332,13 @@ impl GrpcConfig {
     /// `grpc.reporting_peers`, parsed; an error names the entry.
     pub fn reporting_nets(&self) -> Result<Vec<ipnet::IpNet>, ConfigError> {
         nets("grpc.reporting_peers", &self.reporting_peers)
+    }
+
+    /// The serving threads in effect: `grpc.serving_threads`, else one per
+    /// CPU the process may use; 0: none.
+    pub fn serving_threads(&self) -> usize {
+        self.serving_threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get))
     }
 
     /// What one caller may hold besides bytes.

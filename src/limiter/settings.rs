@@ -60,8 +60,8 @@ pub struct RedisConfig {
     /// Number of connections, each with one dispatcher task: the decisions
     /// queued while its script call is in flight become its next call, so a
     /// couple serve thousands of in-flight decisions (fewer connections,
-    /// bigger batches, less Redis CPU per decision). With serving threads
-    /// (`grpc.serving_threads`) each has its own, `connections / threads` rounded up, at least
+    /// bigger batches, less Redis CPU per decision). Each serving thread
+    /// (`grpc.serving_threads`) has its own, `connections / threads` rounded up, at least
     /// one, opened at its first decision; calls from elsewhere (TLS, `grpc.uds`) use another set
     /// of `connections`, opened at their first call.
     pub connections: usize,

@@ -156,7 +156,7 @@ pub async fn run_observed(
         &config.memory,
         &mut tasks,
         &mut dispatchers,
-        config.grpc.serving_threads,
+        config.grpc.serving_threads(),
     )
     .await?;
     let shedder = parts::shedder(&config.shed, &mut tasks);
@@ -640,7 +640,7 @@ fn serve_tcp(
                 Arc::new(move |io| identify.peer(io.peer_addr().ok(), None));
             let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
             let incoming = places::placed(incoming, places, budget, peer_of, quotas);
-            match config.grpc.serving_threads {
+            match config.grpc.serving_threads() {
                 0 => Ok(Box::pin(router.serve_with_incoming_shutdown(incoming, signal))),
                 threads => {
                     threads::serve(threads, router, incoming, signal).map_err(ServerError::ServingThread)
