@@ -386,6 +386,7 @@ fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, st
         source = %rules.native_source,
         request_bytes_in_flight = config.grpc.request_bytes_in_flight(),
         memory_limit = config.grpc.memory_limit,
+        serving_threads = config.grpc.serving_threads(),
         "ratelimitd serving"
     );
 }
