@@ -6,9 +6,9 @@
 //! thread: a thread sleeps only waiting for the network (the request, the
 //! store's answer), and a busy one does the next piece of work itself. On a
 //! shared multi-threaded runtime each hand-off between those tasks woke a
-//! sleeping worker (a futex, a context switch, often a move to another
-//! CPU), which at a few thousand decisions a second cost more than the
-//! decision.
+//! sleeping worker (a write to its driver's eventfd, a context switch,
+//! often a move to another CPU), which at a few thousand decisions a
+//! second cost more than the decision.
 //!
 //! The accept loop stays on the shared runtime: it gives each connection
 //! its place and shares (`places.rs`), then hands it to the serving thread
