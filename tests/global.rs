@@ -552,6 +552,59 @@ async fn a_region_claimed_by_two_deployments_stays_within_the_limit() {
     }
 }
 
+/// The same through Envoy's API: a second deployment calling itself region
+/// a, refused at the coordination store for a descriptor marked global,
+/// answers its `ShouldRateLimit`s OVER_LIMIT (a limit of zero) while the
+/// first a keeps admitting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claimed_region_denies_a_global_descriptor_through_envoys_api() {
+    use ratelimitd::api::envoy_pb::rls::{
+        rate_limit_response::Code, rate_limit_service_client::RateLimitServiceClient,
+    };
+    let envoy = common::Rules::new(
+        "domain: edge\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: second, unit_multiplier: 2, requests_per_unit: 200, global: true }\n",
+    );
+    let (servers, _stores) =
+        deployments(&["a", "b", "a"], |config| config.rules.envoy_path = Some(envoy.path())).await;
+    let request = common::rls_request("edge", "tenant", "acme");
+    let answered = |answer: &str| {
+        format!("ratelimitd_global_last_answer{{limit=\"edge.tenant\",region=\"a\",answer=\"{answer}\"}}")
+    };
+    let mut first = RateLimitServiceClient::connect(format!("http://{}", servers[0].addr)).await.unwrap();
+    let mut second = RateLimitServiceClient::connect(format!("http://{}", servers[2].addr)).await.unwrap();
+    // The first a holds the region before the second comes.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while common::metric(&servers[0], &answered("ok")).await != Some(1.0) {
+        assert!(tokio::time::Instant::now() < deadline, "the first a never reported");
+        first.should_rate_limit(request.clone()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Demand at both deployments of a until the second is refused.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while common::metric(&servers[2], &answered("claimed")).await != Some(1.0) {
+        assert!(tokio::time::Instant::now() < deadline, "the second deployment of a was never refused");
+        first.should_rate_limit(request.clone()).await.unwrap();
+        second.should_rate_limit(request.clone()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let code = |answer: tonic::Response<ratelimitd::api::envoy_pb::rls::RateLimitResponse>| {
+        answer.into_inner().overall_code
+    };
+    let (mut denied, mut admitted) = (0, 0);
+    for _ in 0..50 {
+        denied += usize::from(
+            code(second.should_rate_limit(request.clone()).await.unwrap()) == Code::OverLimit as i32,
+        );
+        admitted +=
+            usize::from(code(first.should_rate_limit(request.clone()).await.unwrap()) == Code::Ok as i32);
+    }
+    assert_eq!(denied, 50, "the refused deployment of a admitted {} of 50", 50 - denied);
+    assert!(admitted > 0, "the first a admitted none of 50");
+    for server in servers {
+        server.stop().await.unwrap();
+    }
+}
+
 /// The services' global figures for `limit` in region a: its grant, the
 /// agent flags of both regions, the reports answered, the last answer and
 /// the leases run out.
