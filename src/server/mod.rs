@@ -146,6 +146,9 @@ pub async fn run_observed(
     shutdown: impl Future<Output = ()> + Send + 'static,
     observe: impl FnOnce(Observer),
 ) -> Result<(), ServerError> {
+    // First: a connection the kernel accepts meanwhile inherits it, so one
+    // arriving while the parts start has keepalive too.
+    tcp_keepalive(&listener, config.grpc.tcp_keepalive_ms).map_err(ServerError::Keepalive)?;
     let mut tasks = Tasks::new();
     let mut dispatchers = JoinSet::new();
     let rules = parts::rules_of(&config, &mut tasks)?;
@@ -541,7 +544,6 @@ fn serve_grpc(
     signal: impl Future<Output = ()> + Send + 'static,
     tasks: &mut Tasks,
 ) -> Result<Serving, ServerError> {
-    tcp_keepalive(&listener, config.grpc.tcp_keepalive_ms).map_err(ServerError::Keepalive)?;
     // One count of connections for both listeners.
     let places = Arc::clone(places);
     let Some(path) = &config.grpc.uds else {
