@@ -898,21 +898,14 @@ async fn a_decision_wakes_no_thread_but_its_connections() {
     let redis = common::RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let rules = Rules::new(RULES);
-    let (child, port) = common::start_listening("ratelimitd", &dir.path().join("service.log"), |port| {
-        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-        command
-            .arg("serve")
-            .env_clear()
-            .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
-            .env("RATELIMITD__HTTP__LISTEN", "127.0.0.1:0")
-            .env("RATELIMITD__GRPC__SERVING_THREADS", "2")
-            .env("RATELIMITD__RULES__PATH", rules.path())
-            .env("RATELIMITD__REDIS__URL", redis.url())
-            .env("RATELIMITD__SHED__MODE", "off")
-            .env("STATE_DIRECTORY", dir.path());
-        command
-    });
-    let service = common::Process(child);
+    let (service, port) = common::spawn_service(
+        dir.path(),
+        &[
+            ("RATELIMITD__GRPC__SERVING_THREADS", "2".to_owned()),
+            ("RATELIMITD__RULES__PATH", rules.path().display().to_string()),
+            ("RATELIMITD__REDIS__URL", redis.url()),
+        ],
+    );
     let mut client = ratelimitd::api::pb::rate_limiter_client::RateLimiterClient::connect(format!(
         "http://127.0.0.1:{port}"
     ))

@@ -483,21 +483,15 @@ async fn unfinished_streams_with_large_header_blocks_hold_the_budget_not_the_mem
     let ceiling = 256 << 20;
     for (threads, addresses) in [("0", 1u8), ("0", 60), ("2", 1), ("2", 60)] {
         let http = common::free_port();
-        let (child, port) = common::start_listening("ratelimitd", &dir.path().join("service.log"), |port| {
-            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-            command
-                .arg("serve")
-                .env_clear()
-                .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
-                .env("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{http}"))
-                .env("RATELIMITD__GRPC__SERVING_THREADS", threads)
-                .env("RATELIMITD__RULES__PATH", rules.path())
-                .env("RATELIMITD__SHED__MODE", "off")
-                .env("RATELIMITD__SHED__CGROUP_ROOT", dir.path())
-                .env("STATE_DIRECTORY", dir.path().join(format!("state-{port}")));
-            command
-        });
-        let service = common::Process(child);
+        let (service, port) = common::spawn_service(
+            dir.path(),
+            &[
+                ("RATELIMITD__HTTP__LISTEN", format!("127.0.0.1:{http}")),
+                ("RATELIMITD__GRPC__SERVING_THREADS", threads.to_owned()),
+                ("RATELIMITD__RULES__PATH", rules.path().display().to_string()),
+                ("RATELIMITD__SHED__CGROUP_ROOT", dir.path().display().to_string()),
+            ],
+        );
         let pid = service.0.id();
         let (_, metrics) = common::http_get(([127, 0, 0, 1], http).into(), "/metrics");
         assert!(metrics.contains("ratelimitd_grpc_request_bytes_limit 134217728"), "an eighth of 1 GiB");

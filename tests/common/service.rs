@@ -466,3 +466,24 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
 }
 
 // Certificates for the TLS tests, made by the `openssl` command line.
+
+/// The service as it ships (`ratelimitd serve`, its own allocator) in a
+/// process of its own: gRPC on a fresh loopback port, the HTTP port on any
+/// unless `env` names one, no shedding, its state and log
+/// (`service.log`) in `dir`; `env` adds or overrides settings. Its process
+/// (stopped when dropped) and gRPC port.
+pub fn spawn_service(dir: &Path, env: &[(&str, String)]) -> (Process, u16) {
+    let (child, port) = start_listening("ratelimitd", &dir.join("service.log"), |port| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+        command
+            .arg("serve")
+            .env_clear()
+            .env("RATELIMITD__GRPC__LISTEN", format!("127.0.0.1:{port}"))
+            .env("RATELIMITD__HTTP__LISTEN", "127.0.0.1:0")
+            .env("RATELIMITD__SHED__MODE", "off")
+            .env("STATE_DIRECTORY", dir.join(format!("state-{port}")))
+            .envs(env.iter().map(|(key, value)| (*key, value.as_str())));
+        command
+    });
+    (Process(child), port)
+}
