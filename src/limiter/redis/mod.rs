@@ -123,11 +123,7 @@ pub struct RedisStore {
     /// What makes a dispatcher: the settings and the shared parts.
     parts: Parts,
     next_slot: AtomicUsize,
-    script: Arc<redis::Script>,
     timeout: Duration,
-    /// One against a single server; one per [`SLOTS_PER_BREAKER`] slots
-    /// against a cluster.
-    breakers: Arc<[Breaker]>,
     url_for_logs: String,
     /// `redis.key_prefix`, before every key (upstream's `CACHE_KEY_PREFIX`).
     key_prefix: Box<str>,
@@ -194,11 +190,11 @@ impl RedisStore {
         let url = config.url.as_deref().unwrap_or_default();
         let setup_error = |message: String| RedisSetupError { url: redact_url(url), message };
         let backend = backend(config).map_err(setup_error)?;
-        let script = Arc::new(redis::Script::new(DECIDE_BATCH_LUA));
-        let timeout = Duration::from_millis(config.timeout_ms);
-        let breakers = breakers(config, &backend);
-        let parts =
-            Parts { config: config.clone(), script: Arc::clone(&script), breakers: Arc::clone(&breakers) };
+        let parts = Parts {
+            config: config.clone(),
+            script: Arc::new(redis::Script::new(DECIDE_BATCH_LUA)),
+            breakers: breakers(config, &backend),
+        };
         let queues = parts.dispatchers(&backend, config.connections, |run| drop(tasks.spawn(run)));
         Ok(RedisStore {
             backend,
@@ -207,9 +203,7 @@ impl RedisStore {
             local_slots: 0,
             parts,
             next_slot: AtomicUsize::new(0),
-            script,
-            timeout,
-            breakers,
+            timeout: Duration::from_millis(config.timeout_ms),
             url_for_logs: redact_url(url),
             key_prefix: config.key_prefix.as_str().into(),
             connection_waits: AtomicU64::new(0),
@@ -253,7 +247,7 @@ impl RedisStore {
     /// the readiness monitor: it reads them and closes them when its probe
     /// finds Redis answering. Holding them keeps no dispatcher alive.
     pub fn breakers(&self) -> Arc<[Breaker]> {
-        Arc::clone(&self.breakers)
+        Arc::clone(&self.parts.breakers)
     }
 
     /// The URL with any password masked.
@@ -270,8 +264,8 @@ impl RedisStore {
             let mut conn = self.side_connection().await?;
             let loaded: Result<String, RedisError> = match &mut conn {
                 // SCRIPT LOAD goes to every primary of a cluster.
-                Conn::Single(conn) => self.script.load_async(conn.connection()).await,
-                Conn::Cluster(conn) => self.script.load_async(conn).await,
+                Conn::Single(conn) => self.parts.script.load_async(conn.connection()).await,
+                Conn::Cluster(conn) => self.parts.script.load_async(conn).await,
             };
             if let (Ok(_), Backend::Cluster(cluster), Conn::Cluster(conn)) =
                 (&loaded, &self.backend, &mut conn)
@@ -460,7 +454,7 @@ impl RedisStore {
             Backend::Single(_) | Backend::Sentinel(_) => 0,
             Backend::Cluster(_) => key_slot(keys.as_slice().first().map_or("", |(key, _)| key.as_str())),
         };
-        if breaker_of(&self.breakers, slot).admit() == Admission::Reject {
+        if breaker_of(&self.parts.breakers, slot).admit() == Admission::Reject {
             return Err(StoreError {
                 kind: FailureKind::CircuitOpen,
                 message: "redis circuit breaker open after consecutive failures; not tried".to_owned(),
@@ -496,6 +490,8 @@ impl RedisStore {
 struct Parts {
     config: RedisConfig,
     script: Arc<redis::Script>,
+    /// One against a single server; one per [`SLOTS_PER_BREAKER`] slots
+    /// against a cluster.
     breakers: Arc<[Breaker]>,
 }
 
