@@ -118,6 +118,43 @@ impl TraceService for Receiver {
 /// none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
+    let (receiver, log) = compat_run("true").await;
+    let spans = spans_of(&receiver);
+    let decisions: Vec<_> = spans.iter().filter(|s| s.name == "ratelimit.should_rate_limit").collect();
+    let expected: Vec<u8> =
+        (0..16).map(|i| u8::from_str_radix(&TRACE_ID[2 * i..2 * i + 2], 16).unwrap()).collect();
+    assert!(
+        decisions.len() == 1 && decisions[0].trace_id == expected,
+        "one span, the sampled caller's: {decisions:#?}; the service's log:\n{log}"
+    );
+    for (key, value) in [
+        ("service.name", "envoy-ratelimit"),
+        ("service.namespace", "envoy-gateway-system"),
+        ("service.instance.id", "envoy-ratelimit-5d8c7b-x2k4p"),
+    ] {
+        let values = receiver.resource_values(key);
+        assert!(!values.is_empty() && values.iter().all(|v| v.contains(value)), "{key}: {values:?}");
+    }
+}
+
+/// The same with `TRACING_ENABLED=false`: nothing is exported, though
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` names the collector and the caller's trace
+/// is sampled (upstream reads no OpenTelemetry variable without it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_compat_mode_tracing_disabled_exports_nothing() {
+    let (receiver, log) = compat_run("false").await;
+    assert!(receiver.0.lock().unwrap().is_empty(), "an export reached the collector; log:\n{log}");
+}
+
+/// The trace of the one sampled call of [`compat_run`].
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+
+/// The binary in envoyproxy compat mode with Envoy Gateway's tracing
+/// variables (`TRACING_ENABLED` as given) and an OTLP/HTTP collector at
+/// `OTEL_EXPORTER_OTLP_ENDPOINT`: five unsampled `ShouldRateLimit` calls and
+/// one with a sampled caller's trace, then SIGTERM (the exporter flushes).
+/// The collector and the service's log.
+async fn compat_run(tracing_enabled: &str) -> (Receiver, String) {
     use ratelimitd::api::envoy_pb::rls::rate_limit_service_client::RateLimitServiceClient;
     let (receiver, otlp_port, serving) = Receiver::start_http().await;
     let redis = common::RedisServer::start();
@@ -134,7 +171,7 @@ async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
         ("REDIS_URL", format!("127.0.0.1:{}", redis.port)),
         ("RUNTIME_ROOT", dir.path().join("data").display().to_string()),
         ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
-        ("TRACING_ENABLED", "true".to_owned()),
+        ("TRACING_ENABLED", tracing_enabled.to_owned()),
         ("LOG_LEVEL", "warn".to_owned()),
         ("TRACING_SERVICE_NAME", "envoy-ratelimit".to_owned()),
         ("TRACING_SERVICE_NAMESPACE", "envoy-gateway-system".to_owned()),
@@ -145,33 +182,16 @@ async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
     let log = dir.path().join("serve.log");
     let (child, grpc_port, _) = common::start_compat(dir.path(), &log, &env);
     let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{grpc_port}")).await.unwrap();
-    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let request = common::rls_request("edge", "user", "ann");
     for _ in 0..5 {
         client.should_rate_limit(request.clone()).await.unwrap();
     }
     let mut call = tonic::Request::new(request);
-    call.metadata_mut().insert("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap());
+    call.metadata_mut().insert("traceparent", format!("00-{TRACE_ID}-00f067aa0ba902b7-01").parse().unwrap());
     client.should_rate_limit(call).await.unwrap();
     stop_and_wait(child).await;
-    let spans = spans_of(&receiver);
-    let decisions: Vec<_> = spans.iter().filter(|s| s.name == "ratelimit.should_rate_limit").collect();
-    let expected: Vec<u8> =
-        (0..16).map(|i| u8::from_str_radix(&trace_id[2 * i..2 * i + 2], 16).unwrap()).collect();
-    assert!(
-        decisions.len() == 1 && decisions[0].trace_id == expected,
-        "one span, the sampled caller's: {decisions:#?}; the service's log:\n{}",
-        std::fs::read_to_string(&log).unwrap_or_default()
-    );
-    for (key, value) in [
-        ("service.name", "envoy-ratelimit"),
-        ("service.namespace", "envoy-gateway-system"),
-        ("service.instance.id", "envoy-ratelimit-5d8c7b-x2k4p"),
-    ] {
-        let values = receiver.resource_values(key);
-        assert!(!values.is_empty() && values.iter().all(|v| v.contains(value)), "{key}: {values:?}");
-    }
     serving.stop().await;
+    (receiver, std::fs::read_to_string(&log).unwrap_or_default())
 }
 
 /// SIGTERMs `child` (its exporter flushes on the way out) and waits for it.

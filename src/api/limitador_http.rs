@@ -11,6 +11,8 @@
 //!   object is 400.
 //! - `GET /limits/{namespace}`: the namespace's limits as limitador lists
 //!   them.
+//! - A method a route does not take, `HEAD` included, is 404 as a path
+//!   none serves ([`routed_as_limitador`]).
 //! - `GET /counters/{namespace}`: its counters that hold hits, as
 //!   limitador lists them (`limit`, `set_variables`, `remaining`,
 //!   `expires_in_seconds`), at most
@@ -40,7 +42,7 @@ use axum::{
     Router,
     body::Bytes,
     extract::{DefaultBodyLimit, Path, State},
-    http::{HeaderValue, StatusCode, header},
+    http::{HeaderMap, HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
     routing::{get, post},
 };
@@ -108,9 +110,10 @@ impl Drop for Paced<'_> {
     }
 }
 
-/// A check or report, as limitador's HTTP API takes it.
+/// A check or report, as limitador's HTTP API takes it (its name is
+/// limitador's: a body of the wrong shape is refused naming it).
 #[derive(Debug, Deserialize)]
-struct CheckAndReport {
+struct CheckAndReportInfo {
     namespace: String,
     values: HashMap<String, String>,
     delta: u64,
@@ -122,13 +125,44 @@ struct CheckAndReport {
 /// bounds a request's values (`envoy.max_entries`).
 pub fn router(engine: Engine, limits: Arc<Hot<Limits>>, max_entries: usize) -> Router {
     Router::new()
-        .route("/check", post(|s: State<Api>, body: Bytes| decide(s, body, Call::Check)))
-        .route("/report", post(|s: State<Api>, body: Bytes| decide(s, body, Call::Report)))
-        .route("/check_and_report", post(|s: State<Api>, body: Bytes| decide(s, body, Call::Admit)))
+        .route("/check", post(|s: State<Api>, h: HeaderMap, body: Bytes| decide(s, h, body, Call::Check)))
+        .route("/report", post(|s: State<Api>, h: HeaderMap, body: Bytes| decide(s, h, body, Call::Report)))
+        .route(
+            "/check_and_report",
+            post(|s: State<Api>, h: HeaderMap, body: Bytes| decide(s, h, body, Call::Admit)),
+        )
         .route("/limits/{namespace}", get(limits_of))
         .route("/counters/{namespace}", get(counters_of))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(Api { engine, limits, max_entries, listings: Arc::new(Listings::new()) })
+}
+
+/// `app` (the API's routes with the HTTP port's) answering a method a
+/// route does not take as limitador's server does: 404 with no body, as
+/// for a path it does not know (not 405), and `HEAD` too (limitador serves
+/// no `HEAD` from its `GET` routes).
+pub fn routed_as_limitador(app: Router) -> Router {
+    async fn no_head(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+        if request.method() == axum::http::Method::HEAD {
+            return StatusCode::NOT_FOUND.into_response();
+        }
+        next.run(request).await
+    }
+    app.method_not_allowed_fallback(|| async { StatusCode::NOT_FOUND })
+        .layer(axum::middleware::from_fn(no_head))
+}
+
+/// Whether the body is declared JSON as limitador's JSON extractor (actix
+/// web's) requires before it reads one: a content type whose subtype is
+/// `json` or ends in `+json`, any parameters after it.
+fn json_content(headers: &HeaderMap) -> bool {
+    let Some(value) = headers.get(axum::http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let essence = value.split(';').next().unwrap_or_default().trim();
+    let Some((_, subtype)) = essence.split_once('/') else { return false };
+    let subtype = subtype.to_ascii_lowercase();
+    subtype == "json" || subtype.ends_with("+json")
 }
 
 /// limitador's 500: its text body.
@@ -141,8 +175,11 @@ fn null(status: StatusCode) -> Response {
     (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], "null").into_response()
 }
 
-async fn decide(State(api): State<Api>, body: Bytes, call: Call) -> Response {
-    let request: CheckAndReport = match serde_json::from_slice(&body) {
+async fn decide(State(api): State<Api>, headers: HeaderMap, body: Bytes, call: Call) -> Response {
+    if !json_content(&headers) {
+        return (StatusCode::BAD_REQUEST, "Content type error").into_response();
+    }
+    let request: CheckAndReportInfo = match serde_json::from_slice(&body) {
         Ok(request) => request,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("Json deserialize error: {e}")).into_response(),
     };

@@ -331,7 +331,7 @@ pub async fn serve_http(
     let app = if metrics.is_some() { probes.route("/metrics", get(metrics_handler)) } else { probes };
     let app = app.with_state(HttpState { health, metrics });
     let app = match api {
-        Some(api) => app.merge(api),
+        Some(api) => crate::api::limitador_http::routed_as_limitador(app.merge(api)),
         None => app,
     };
     serve_app(listener, limits, app, shutdown).await;
@@ -407,8 +407,9 @@ async fn healthcheck_handler(State(state): State<HttpState>) -> axum::response::
 /// limitador's `/status`, which its operator's probes read: always 200,
 /// `{"started_at", "config_applied_at", "config_version",
 /// "config_err_since"}` (times as limitador writes them: UTC, no zone;
-/// the version counts the limits files loaded, the first included; the
-/// errors, reloads refused since).
+/// the version counts the reloads applied since start, 0 before the first,
+/// as limitador counts them: its first load precedes its status; the
+/// errors, reloads refused since the last applied).
 async fn status_handler(State(state): State<HttpState>) -> axum::response::Response {
     let Some(limits) = &state.health.limitador else { return StatusCode::NOT_FOUND.into_response() };
     let time = |at: std::time::SystemTime| {
@@ -417,7 +418,7 @@ async fn status_handler(State(state): State<HttpState>) -> axum::response::Respo
     axum::Json(serde_json::json!({
         "started_at": time(state.health.started_at),
         "config_applied_at": time(limits.swapped_at()),
-        "config_version": limits.loads(),
+        "config_version": limits.loads().saturating_sub(1),
         "config_err_since": limits.failures_since_swap(),
     }))
     .into_response()
