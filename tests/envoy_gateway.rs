@@ -327,3 +327,155 @@ async fn envoy_gateways_deployment_serves_its_xds_limits_through_envoy() {
         .sum();
     assert!(shadow >= 2.0, "the over-limit free requests counted as shadow: {shadow}\n{metrics}");
 }
+
+/// Envoy Gateway's Deployment unchanged but for the image: uid 65534 with
+/// the image's `STATE_DIRECTORY` on a root filesystem it cannot write and
+/// no volume (here: a state and working directory owned by root, when the
+/// test runs as root; read-only ones otherwise). It starts, warning that
+/// `dlq.file` and `local.state_dir` cannot be written; before the control
+/// plane's first set it answers as envoyproxy/ratelimit does
+/// (`checkServiceErr(snappedConfig != nil, "no rate limit configuration
+/// loaded")` in service/ratelimit.go, a plain error: UNKNOWN, after its
+/// checks of the request's structure), so Envoy's failure mode decides,
+/// never OK; once the set is in and Redis is gone, a
+/// failed decision's record is a JSON line on standard error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_unchanged_deployment_starts_as_nobody_without_a_volume() {
+    use ratelimitd::api::envoy_pb::{
+        envoy::extensions::common::ratelimit::v3::{
+            RateLimitDescriptor as Descriptor, rate_limit_descriptor::Entry,
+        },
+        rls::{RateLimitRequest, rate_limit_service_client::RateLimitServiceClient},
+    };
+    use std::os::unix::{fs::PermissionsExt as _, process::CommandExt as _};
+    let dir = tempfile::tempdir().unwrap();
+    common::make_ca(dir.path(), "ca");
+    common::make_leaf(dir.path(), "ca", "server", "serverAuth");
+    common::make_leaf(dir.path(), "ca", "ratelimit", "serverAuth,clientAuth");
+    let certs = dir.path().join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    for (from, to) in [("ratelimit.pem", "tls.crt"), ("ratelimit.key", "tls.key"), ("ca.pem", "ca.crt")] {
+        std::fs::copy(dir.path().join(from), certs.join(to)).unwrap();
+        // The Secret's files, readable by the container's user.
+        std::fs::set_permissions(certs.join(to), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let root = running_as_root();
+    let (state, work) = (dir.path().join("var/lib/ratelimitd"), dir.path().join("work"));
+    for (place, mode) in [(dir.path(), 0o755), (&certs, 0o755), (&state, 0o555), (&work, 0o555)] {
+        std::fs::create_dir_all(place).unwrap();
+        // Root's and not writable by 65534 (root itself passes the mode bits,
+        // so a run as root drops to 65534 below).
+        std::fs::set_permissions(place, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    let (set, seen, url) = management_server_with(None, Some(dir.path())).await;
+    let xds_port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
+    let mut redis = common::RedisServer::start();
+    let metrics_port = common::free_port();
+    let mut env = deployment_env(&certs, xds_port, redis.port, metrics_port);
+    env.push(("STATE_DIRECTORY", state.display().to_string()));
+    let log = dir.path().join("ratelimit.log");
+    let home = dir.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let (child, grpc_port, _) = common::start_as_upstream_with(&home, &log, &env, |command| {
+        command.current_dir(&work);
+        if root {
+            command.uid(65534).gid(65534);
+        }
+    });
+    let _service = Process(child);
+    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(certs.join("ca.crt")).unwrap()))
+        .domain_name("localhost");
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://127.0.0.1:{grpc_port}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = RateLimitServiceClient::new(channel);
+    let request = || RateLimitRequest {
+        domain: DOMAIN.to_owned(),
+        descriptors: vec![Descriptor {
+            entries: vec![
+                Entry { key: ROUTE_USERS.to_owned(), value: ROUTE_USERS.to_owned() },
+                Entry { key: "rule-1-match--1".to_owned(), value: "rule-1-match--1".to_owned() },
+            ],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    };
+    let refused = client.should_rate_limit(request()).await.expect_err("no configuration yet");
+    assert_eq!(
+        (refused.code(), refused.message()),
+        (tonic::Code::Unknown, "no rate limit configuration loaded"),
+        "{refused:?}"
+    );
+
+    // Upstream checks the request's structure first, with its own words.
+    let mut nameless = request();
+    nameless.domain.clear();
+    let refused = client.should_rate_limit(nameless).await.expect_err("no domain");
+    assert_eq!(
+        (refused.code(), refused.message()),
+        (tonic::Code::Unknown, "rate limit domain must not be empty"),
+        "{refused:?}"
+    );
+
+    set.send_replace(Some(("1".to_owned(), vec![gateway_config()])));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !seen.lock().unwrap().iter().any(|r| r.version_info == "1") {
+        assert!(Instant::now() < deadline, "the set was never acknowledged; log:\n{}", log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for key in ["dlq.file", "local.state_dir"] {
+        let warned = log_text().lines().any(|l| l.contains("WARN") && l.contains(key));
+        assert!(warned, "no warning naming {key}:\n{}", log_text());
+    }
+    let answer = client.should_rate_limit(request()).await.expect("the set is in").into_inner();
+    assert_eq!(answer.overall_code, 1, "OK: the first of 5 a year");
+
+    // Redis gone: the decision is the local share's, its record on stderr.
+    redis.stop();
+    let _ = client.should_rate_limit(request()).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let record = loop {
+        let found = log_text()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|r| r["schema_version"].is_u64() && r["failure"].is_object());
+        if let Some(record) = found {
+            break record;
+        }
+        assert!(Instant::now() < deadline, "no record on standard error:\n{}", log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(record["request"].to_string().contains(DOMAIN), "{record}");
+    // Read back from the container's log, as the docs say.
+    let mut audit = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .args(["audit", "--file", "-"])
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut audit.stdin.take().unwrap(), log_text().as_bytes()).unwrap();
+    let audited = audit.wait_with_output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&audited.stdout), String::from_utf8_lossy(&audited.stderr));
+    let event = record["event_id"].as_str().unwrap();
+    assert!(audited.status.success() && out.contains(event), "{out}\n{err}");
+}
+
+/// Whether this test runs as root (then the service is started as 65534).
+fn running_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}

@@ -65,6 +65,14 @@ async fn client(server: &TestServer) -> RateLimitServiceClient<Channel> {
 
 /// The limit `user` = `user` answers with in domain `edge` (0: none).
 async fn limit_of(client: &mut RateLimitServiceClient<Channel>, user: &str) -> (Code, u32) {
+    answer_of(client, user).await.unwrap()
+}
+
+/// [`limit_of`], or the call's error.
+async fn answer_of(
+    client: &mut RateLimitServiceClient<Channel>,
+    user: &str,
+) -> Result<(Code, u32), tonic::Status> {
     let request = RateLimitRequest {
         domain: "edge".to_owned(),
         descriptors: vec![RateLimitDescriptor {
@@ -73,9 +81,9 @@ async fn limit_of(client: &mut RateLimitServiceClient<Channel>, user: &str) -> (
         }],
         hits_addend: 0,
     };
-    let response = client.should_rate_limit(request).await.unwrap().into_inner();
+    let response = client.should_rate_limit(request).await?.into_inner();
     let limit = response.statuses[0].current_limit.as_ref().map_or(0, |l| l.requests_per_unit);
-    (Code::try_from(response.overall_code).unwrap(), limit)
+    Ok((Code::try_from(response.overall_code).unwrap(), limit))
 }
 
 /// Waits until `check` holds, polling.
@@ -163,18 +171,22 @@ async fn sets_swap_in_are_acknowledged_and_a_bad_one_is_refused() {
     server.stop().await.unwrap();
 }
 
-/// `rules.xds.force_start`: without a first set the service serves at
-/// once, every Envoy descriptor unlimited, and takes the set when it comes.
+/// `rules.xds.force_start`: without a first set the service starts at
+/// once, and answers every `ShouldRateLimit` with UNAVAILABLE (never OK:
+/// Envoy's failure_mode_deny keeps a fail-closed gateway closed) until the
+/// set comes; then it decides by the set.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn force_start_serves_before_the_first_set() {
     let (set, _seen, url) = management_server(None).await;
     let server = subscribed(&url, true).await;
     let mut client = client(&server).await;
-    assert_eq!(limit_of(&mut client, "ed").await, (Code::Ok, 0), "no limit yet");
+    let refused = answer_of(&mut client, "ed").await.expect_err("no configuration yet");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("rules.xds.force_start"), "{refused:?}");
     set.send_replace(Some(("1".to_owned(), vec![resource("edge", "edge", 3)])));
     eventually("the first set in force", || {
         let mut client = client.clone();
-        async move { limit_of(&mut client, "ed").await == (Code::Ok, 3) }
+        async move { answer_of(&mut client, "ed").await.ok() == Some((Code::Ok, 3)) }
     })
     .await;
     server.stop().await.unwrap();
@@ -203,11 +215,9 @@ async fn mutual_tls_to_the_management_server() {
 
     let server = subscribed_with(&url, true, |c| c.rules.xds.ca_file = path("ca.pem")).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        limit_of(&mut client(&server).await, "fay").await,
-        (Code::Ok, 0),
-        "no client certificate: no set"
-    );
+    let refused =
+        answer_of(&mut client(&server).await, "fay").await.expect_err("no client certificate: no set");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     server.stop().await.unwrap();
 }
 

@@ -30,7 +30,7 @@ use crate::{
         Api, Descriptor, DescriptorDecision, Engine, LimitOverride, Reason, RlsDecision, RlsRequest,
         limitador::Call,
     },
-    rules::{Hot, envoy::Unit, limitador::Limits},
+    rules::{Hot, XdsState, envoy::Unit, limitador::Limits},
     telemetry::traces::{continue_trace, trace_id_of},
 };
 
@@ -42,18 +42,45 @@ pub struct EnvoyService {
     /// limitador's limits: set, requests are answered as limitador answers
     /// them (every limit of the namespace that applies; no statuses).
     limitador: Option<Arc<Hot<Limits>>>,
+    /// Envoy's rules over xDS: until the first set is accepted (served
+    /// before it with `rules.xds.force_start`), every call is answered
+    /// with an error, never with OK, so the gateway's own failure mode
+    /// decides (Envoy's `failure_mode_deny` keeps a fail-closed gateway
+    /// closed).
+    xds: Option<Arc<XdsState>>,
+    /// Errors as envoyproxy/ratelimit words them (compat mode), where no
+    /// setting decides: its `checkServiceErr` panics, returned to gRPC as
+    /// plain errors, so UNKNOWN with its message.
+    upstream_errors: bool,
 }
 
 impl EnvoyService {
     /// A service deciding with `engine`, validating and answering by `settings`.
     pub fn new(engine: Engine, settings: EnvoySettings) -> Self {
-        EnvoyService { engine, settings: Arc::new(settings), limitador: None }
+        EnvoyService {
+            engine,
+            settings: Arc::new(settings),
+            limitador: None,
+            xds: None,
+            upstream_errors: false,
+        }
     }
 
     /// The same service answering from limitador's `limits` instead of
     /// Envoy rules.
     pub fn with_limitador(self, limits: Arc<Hot<Limits>>) -> Self {
         EnvoyService { limitador: Some(limits), ..self }
+    }
+
+    /// The same service with its rules over xDS: an error answers every
+    /// call until `state` accepts the first set.
+    pub fn with_xds(self, state: Arc<XdsState>) -> Self {
+        EnvoyService { xds: Some(state), ..self }
+    }
+
+    /// The same service wording its errors as envoyproxy/ratelimit does.
+    pub fn with_upstream_errors(self) -> Self {
+        EnvoyService { upstream_errors: true, ..self }
     }
 
     /// The tonic server wrapper.
@@ -82,8 +109,25 @@ impl EnvoyService {
     fn admissible(&self, request: &RateLimitRequest) -> Result<(), Status> {
         self.validate(request).map_err(|(reason, message)| {
             self.engine.refused(Api::Envoy, reason);
-            Status::invalid_argument(message)
+            match (self.upstream_errors, reason) {
+                (true, "empty_domain") => Status::unknown("rate limit domain must not be empty"),
+                (true, "no_descriptors") => Status::unknown("rate limit descriptor list must not be empty"),
+                _ => Status::invalid_argument(message),
+            }
         })
+    }
+
+    /// The answer before the first xDS set.
+    fn unconfigured(&self) -> Status {
+        self.engine.refused(Api::Envoy, "unconfigured");
+        if self.upstream_errors {
+            Status::unknown("no rate limit configuration loaded")
+        } else {
+            Status::unavailable(
+                "no rate-limit configuration loaded yet: the first xDS set has not arrived \
+                 (rules.xds.force_start serves before it)",
+            )
+        }
     }
 
     /// Refuses only broken structure (empty domain, no descriptors, an
@@ -124,8 +168,11 @@ impl EnvoyService {
                 ),
             ));
         }
+        // limitador reads a descriptor as a map: none, or an empty key, is
+        // a map too.
+        let structured = self.limitador.is_none();
         for (i, d) in request.descriptors.iter().enumerate() {
-            if d.entries.is_empty() {
+            if d.entries.is_empty() && structured {
                 return Err(("empty_entries", format!("descriptors[{i}].entries: must not be empty")));
             }
             if d.entries.len() > settings.max_entries {
@@ -138,7 +185,9 @@ impl EnvoyService {
                     ),
                 ));
             }
-            if let Some(j) = d.entries.iter().position(|e| e.key.is_empty()) {
+            if let Some(j) = d.entries.iter().position(|e| e.key.is_empty())
+                && structured
+            {
                 return Err(("empty_key", format!("descriptors[{i}].entries[{j}].key: must not be empty")));
             }
             if d.limit.as_ref().is_some_and(|limit| override_unit(limit.unit).is_none()) {
@@ -156,7 +205,19 @@ impl RateLimitService for EnvoyService {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let (metadata, extensions, request) = request.into_parts();
+        if request.domain.is_empty() && self.limitador.is_some() {
+            // limitador's answer to a request without a namespace: UNKNOWN,
+            // nothing counted (envoy_rls/server.rs).
+            self.engine.refused(Api::Envoy, "empty_domain");
+            return Ok(Response::new(RateLimitResponse {
+                overall_code: Code::Unknown.into(),
+                ..Default::default()
+            }));
+        }
         self.admissible(&request)?;
+        if self.xds.as_ref().is_some_and(|state| !state.configured()) {
+            return Err(self.unconfigured());
+        }
         let span = tracing::info_span!(
             "ratelimit.should_rate_limit",
             otel.kind = "server",

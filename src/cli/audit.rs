@@ -13,7 +13,9 @@ use crate::{
 /// `ratelimitd audit …`
 #[derive(Debug, clap::Args)]
 pub struct AuditArgs {
-    /// Read this JSON-lines file (e.g. dlq.file) instead of the Kafka topic.
+    /// Read this JSON-lines file (e.g. dlq.file) instead of the Kafka topic; `-`: standard
+    /// input (e.g. `kubectl logs POD | ratelimitd audit --file -` where records go to standard
+    /// error).
     #[arg(long)]
     pub file: Option<PathBuf>,
     /// Only this user_id.

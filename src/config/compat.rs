@@ -102,6 +102,9 @@ const REDIS_URL: &str = "/var/run/nutcracker/ratelimit.sock";
 pub struct Compat {
     /// Upstream variables that were set but have no effect, each with why.
     pub ignored: Vec<(&'static str, &'static str)>,
+    /// Started as envoyproxy/ratelimit (`RATELIMITD_COMPAT=envoyproxy`):
+    /// its answers where they are not settings (before any configuration).
+    pub envoyproxy: bool,
 }
 
 /// With `RATELIMITD_COMPAT=envoyproxy` (or `limitador`) in `env`, adds
@@ -133,7 +136,8 @@ pub fn apply(env: &mut HashMap<String, String>) -> Result<Compat, ConfigError> {
             env.remove(name);
         }
     }
-    Ok(Compat { ignored })
+    let envoyproxy = env.get(COMPAT_VAR).is_some_and(|mode| mode == ENVOYPROXY);
+    Ok(Compat { ignored, envoyproxy })
 }
 
 /// The variables of `list` set in `env`, each with why it is ignored.

@@ -16,13 +16,21 @@ pub(super) const SYSTEM_STATE_DIR: &str = "/var/lib/ratelimitd";
 #[serde(default, deny_unknown_fields)]
 pub struct DlqConfig {
     /// The JSON-lines file records are appended to when no Kafka brokers are
-    /// set; created (with its directory) at start, and the service does not
-    /// start where it cannot be written.
+    /// set, created (with its directory) at start; `-`: standard error, one
+    /// line per record (collected with the container's logs). A file set
+    /// here that cannot be written stops the start; the default one that
+    /// cannot be written (a read-only root filesystem, no volume) sends the
+    /// records to standard error instead, with a warning at start naming
+    /// this key.
     ///
     /// Default: `dlq.jsonl` in the state directory: `$STATE_DIRECTORY`, else
     /// `$XDG_STATE_HOME/ratelimitd`, else `$HOME/.local/state/ratelimitd`, else
     /// `/var/lib/ratelimitd` (never the working directory)
     pub file: PathBuf,
+    /// Whether `file` is the state directory's default (not set): set by
+    /// [`Config::load`](super::Config::load).
+    #[serde(skip)]
+    pub file_is_default: bool,
     /// Records waiting between the decision path and the writer, at most.
     /// Past it a record is dropped (counted, logged): size it for bursts.
     pub queue_capacity: usize,
@@ -65,6 +73,7 @@ impl Default for DlqConfig {
     fn default() -> Self {
         Self {
             file: PathBuf::from(SYSTEM_STATE_DIR).join("dlq.jsonl"),
+            file_is_default: false,
             queue_capacity: 65_536,
             queue_max_bytes: 64 << 20,
             file_max_bytes: 1 << 30,
@@ -137,7 +146,15 @@ impl fmt::Debug for KafkaConfig {
     }
 }
 
+/// `dlq.file`'s value for standard error.
+const STDERR: &str = "-";
+
 impl DlqConfig {
+    /// Whether records go to standard error by choice (`dlq.file: "-"`).
+    pub fn to_stderr(&self) -> bool {
+        self.file.as_os_str() == STDERR
+    }
+
     /// `instance_id`, else the host name, else `ratelimitd`.
     pub fn instance(&self) -> String {
         self.instance_id.clone().unwrap_or_else(|| {

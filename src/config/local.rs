@@ -29,8 +29,15 @@ pub struct LocalConfig {
     /// owes the store (`{id}.json`, at most every 5 s and at shutdown), locked by `{id}.lock`
     /// while it lives. A process starting takes over what dead processes of the same store left:
     /// it enforces their count's share from its start, and writes their owed hits back. Several
-    /// processes may share it. Default: `local/` in the state directory.
+    /// processes may share it. One set here that cannot be written stops the start; the default
+    /// one that cannot be written (a read-only root filesystem, no volume) is done without, with a
+    /// warning at start naming this key: a process then starts from `local.instances` and what it
+    /// owes the store is not handed on past a crash. Default: `local/` in the state directory.
     pub state_dir: PathBuf,
+    /// Whether `state_dir` is the state directory's default (not set): set
+    /// by [`Config::load`](super::Config::load).
+    #[serde(skip)]
+    pub state_dir_is_default: bool,
 }
 
 impl Default for LocalConfig {
@@ -41,6 +48,7 @@ impl Default for LocalConfig {
             instances: 1,
             reconcile_interval_ms: 1_000,
             state_dir: PathBuf::from(super::dlq::SYSTEM_STATE_DIR).join("local"),
+            state_dir_is_default: false,
         }
     }
 }

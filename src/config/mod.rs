@@ -196,6 +196,8 @@ impl Config {
         let raw = builder.build().map_err(|e| ConfigError::Load(e.to_string()))?;
         let mut config: Config = raw.try_deserialize().map_err(|e| ConfigError::Load(e.to_string()))?;
         config.grpc.memory_limit = crate::budget::memory_limit(&config.shed.cgroup_root);
+        config.dlq.file_is_default = config.dlq.file == state.join("dlq.jsonl");
+        config.local.state_dir_is_default = config.local.state_dir == state.join("local");
         config.validate()?;
         config.compat = compat;
         config.notes = notes;
@@ -358,6 +360,16 @@ mod tests {
         let config =
             Config::load(None, env(&[("HOME", "/h"), ("RATELIMITD__DLQ__FILE", "/x/dlq.jsonl")])).unwrap();
         assert_eq!(config.dlq.file, PathBuf::from("/x/dlq.jsonl"));
+        // Only a default may fall back (to standard error, to no local state).
+        assert!(!config.dlq.file_is_default && config.local.state_dir_is_default);
+        let config = Config::load(None, env(&[("HOME", "/h")])).unwrap();
+        assert!(config.dlq.file_is_default && !config.dlq.to_stderr());
+        let config = Config::load(
+            None,
+            env(&[("RATELIMITD__DLQ__FILE", "-"), ("RATELIMITD__LOCAL__STATE_DIR", "/x/local")]),
+        )
+        .unwrap();
+        assert!(config.dlq.to_stderr() && !config.dlq.file_is_default && !config.local.state_dir_is_default);
     }
 
     #[test]

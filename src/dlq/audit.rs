@@ -201,10 +201,16 @@ impl<W: Write> Printer<W> {
     }
 }
 
-/// Audits a JSON-lines file (the file sink's, or a copy of the topic).
+/// Audits a JSON-lines file (the file sink's, or a copy of the topic);
+/// `-`: standard input (a container's log, where records written to
+/// standard error sit among log lines, which count as unreadable).
 pub fn from_file<W: Write>(path: &Path, printer: &mut Printer<W>) -> Result<(), AuditError> {
     let file_error = |source| AuditError::File { path: path.display().to_string(), source };
-    let reader = BufReader::new(File::open(path).map_err(file_error)?);
+    let reader: Box<dyn BufRead> = if path.as_os_str() == "-" {
+        Box::new(std::io::stdin().lock())
+    } else {
+        Box::new(BufReader::new(File::open(path).map_err(file_error)?))
+    };
     for line in reader.lines() {
         let line = line.map_err(file_error)?;
         if line.trim().is_empty() {

@@ -208,11 +208,33 @@ pub struct FileTarget {
     pub max_bytes: u64,
 }
 
-/// Drains `queue` into the file until `shutdown` turns true, then writes
+/// Where the sink without Kafka writes its JSON lines.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// Appended to `dlq.file`, fsync'd per batch, under its cap.
+    File(FileTarget),
+    /// Standard error (`dlq.file: "-"`, or the default file where it cannot
+    /// be written): each record one line, written whole under the stream's
+    /// lock (log lines never split it), kept as long as the container's log
+    /// pipeline keeps them. No cap here: the pipeline's.
+    Stderr,
+}
+
+impl Target {
+    /// Where it writes, for logs.
+    pub fn place(&self) -> std::borrow::Cow<'_, str> {
+        match self {
+            Target::File(file) => file.path.to_string_lossy(),
+            Target::Stderr => "standard error".into(),
+        }
+    }
+}
+
+/// Drains `queue` into `target` until `shutdown` turns true, then writes
 /// what is still queued and returns.
 pub async fn run(
     mut queue: mpsc::Receiver<FailureRecord>,
-    target: FileTarget,
+    target: Target,
     counters: Arc<DlqCounters>,
     mut drain: Drain,
     mut shutdown: watch::Receiver<bool>,
@@ -224,13 +246,15 @@ pub async fn run(
         let lines = Arc::new(Lines::of(&batch));
         let written = write_with_retry(&target, lines, drain.stopping).await;
         let over = (batch.len() - written.records) as u64;
-        if over > 0 {
-            alarm.dropped(&counters, over, "dlq.file_max_bytes", target.max_bytes, &target.path);
+        if over > 0
+            && let Target::File(file) = &target
+        {
+            alarm.dropped(&counters, over, "dlq.file_max_bytes", file.max_bytes, &file.path);
         }
         if written.durable {
             counters.delivered.fetch_add(written.records as u64, Ordering::SeqCst);
         } else {
-            tracing::error!(records = written.records, path = %target.path.display(), "shutting down with an unwritable disk: failure records DROPPED");
+            tracing::error!(records = written.records, to = %target.place(), "shutting down unable to write: failure records DROPPED");
             counters.lose(DropReason::DiskError, written.records as u64);
         }
         if let Some(bytes) = written.file_bytes {
@@ -262,7 +286,7 @@ const SHUTDOWN_ATTEMPTS: u32 = 5;
 /// silently. While serving it retries for as long as it takes; during
 /// shutdown it gives up after a few tries so a dead disk cannot keep the
 /// process from exiting.
-async fn write_with_retry(target: &FileTarget, lines: Arc<Lines>, stopping: bool) -> Written {
+async fn write_with_retry(target: &Target, lines: Arc<Lines>, stopping: bool) -> Written {
     let mut backoff = Duration::from_millis(50);
     let mut records = lines.ends.len();
     for attempt in 1.. {
@@ -270,22 +294,28 @@ async fn write_with_retry(target: &FileTarget, lines: Arc<Lines>, stopping: bool
             return Written { records, durable: false, file_bytes: None };
         }
         let (owned, batch) = (target.clone(), Arc::clone(&lines));
-        let attempted = tokio::task::spawn_blocking(move || {
-            let size = std::fs::metadata(&owned.path).map_or(0, |m| m.len());
-            let records = batch.fitting(owned.max_bytes.saturating_sub(size));
-            let bytes = batch.prefix(records);
-            let result = if records == 0 { Ok(()) } else { append_durably(&owned.path, bytes) };
-            (records, size + bytes.len() as u64, result)
+        let attempted = tokio::task::spawn_blocking(move || match owned {
+            Target::File(file) => {
+                let size = std::fs::metadata(&file.path).map_or(0, |m| m.len());
+                let records = batch.fitting(file.max_bytes.saturating_sub(size));
+                let bytes = batch.prefix(records);
+                let result = if records == 0 { Ok(()) } else { append_durably(&file.path, bytes) };
+                (records, Some(size + bytes.len() as u64), result)
+            }
+            Target::Stderr => {
+                let records = batch.ends.len();
+                (records, None, std::io::stderr().lock().write_all(batch.prefix(records)))
+            }
         })
         .await;
         match attempted {
             Ok((fitting, file_bytes, Ok(()))) => {
-                return Written { records: fitting, durable: true, file_bytes: Some(file_bytes) };
+                return Written { records: fitting, durable: true, file_bytes };
             }
             Ok((fitting, _, Err(e))) => {
                 records = fitting;
                 tracing::error!(
-                    path = %target.path.display(), records, error = %e, stopping,
+                    to = %target.place(), records, error = %e, stopping,
                     "cannot write failure records; retrying"
                 );
             }

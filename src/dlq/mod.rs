@@ -396,7 +396,13 @@ mod tests {
             DlqSink::new(1_000, 1 << 20, "i".to_owned(), Vec::new(), RecordBounds::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let target = file::FileTarget { path: path.clone(), max_bytes: u64::MAX };
-        let writer = tokio::spawn(file::run(queue, target, counters, file::Drain::default(), stopped));
+        let writer = tokio::spawn(file::run(
+            queue,
+            file::Target::File(target),
+            counters,
+            file::Drain::default(),
+            stopped,
+        ));
         fail(&sink, 300);
         stop.send(true).unwrap();
         writer.await.unwrap();
@@ -448,7 +454,13 @@ mod tests {
         let sink = sink.with_disk_cap(cap);
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let target = file::FileTarget { path: path.clone(), max_bytes: cap };
-        let writer = tokio::spawn(file::run(queue, target, counters, file::Drain::default(), stopped));
+        let writer = tokio::spawn(file::run(
+            queue,
+            file::Target::File(target),
+            counters,
+            file::Drain::default(),
+            stopped,
+        ));
         let settled = |sink: &DlqSink| {
             let s = sink.stats();
             s.pending == 0 && s.enqueued == s.delivered + s.dropped

@@ -344,6 +344,11 @@ impl XdsState {
         self.accepted.borrow().clone()
     }
 
+    /// Whether a set has been accepted (cheap: no lock, nothing copied).
+    pub fn configured(&self) -> bool {
+        self.acks.load(Ordering::Relaxed) > 0
+    }
+
     /// Sets accepted, and refused, since start.
     pub fn counts(&self) -> (u64, u64) {
         (self.acks.load(Ordering::Relaxed), self.nacks.load(Ordering::Relaxed))

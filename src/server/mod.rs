@@ -407,10 +407,14 @@ fn grpc_router(
     let check = RateLimiterService::new(engine.clone());
     let serve_envoy = rules.envoy.is_some() || rules.limitador.is_some();
     let envoy = serve_envoy.then(|| {
-        let service = EnvoyService::new(engine.clone(), config.envoy.clone());
-        match &rules.limitador {
-            Some(limits) => service.with_limitador(Arc::clone(limits)),
-            None => service,
+        let mut service = EnvoyService::new(engine.clone(), config.envoy.clone());
+        if config.compat.envoyproxy {
+            service = service.with_upstream_errors();
+        }
+        match (&rules.limitador, &rules.xds) {
+            (Some(limits), _) => service.with_limitador(Arc::clone(limits)),
+            (None, Some(xds)) => service.with_xds(Arc::clone(xds)),
+            (None, None) => service,
         }
     });
     let reflection = |builder: tonic_reflection::server::Builder<'static>| {

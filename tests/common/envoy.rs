@@ -112,29 +112,42 @@ pub fn http_get_text(port: u16, path: &str, headers: &[(&str, &str)]) -> Reply {
 pub fn start_compat(home: &Path, log: &Path, env: &[(&str, String)]) -> (Child, u16, u16) {
     let mut env = env.to_vec();
     env.push(("RATELIMITD_COMPAT", "envoyproxy".to_owned()));
-    start_upstream(Path::new(env!("CARGO_BIN_EXE_ratelimitd")), &["serve"], home, log, &env)
+    start_upstream(Path::new(env!("CARGO_BIN_EXE_ratelimitd")), &["serve"], home, log, &env, |_| {})
 }
 
 /// The same deployment as upstream's image runs it: the binary under
 /// upstream's name (`ratelimit`, a link in `home`), with no argument and
 /// no `RATELIMITD_COMPAT`.
 pub fn start_as_upstream(home: &Path, log: &Path, env: &[(&str, String)]) -> (Child, u16, u16) {
+    start_as_upstream_with(home, log, env, |_| {})
+}
+
+/// [`start_as_upstream`], the command also set by `prepare` (its user,
+/// its working directory).
+pub fn start_as_upstream_with(
+    home: &Path,
+    log: &Path,
+    env: &[(&str, String)],
+    prepare: impl Fn(&mut Command),
+) -> (Child, u16, u16) {
     let link = home.join("bin/ratelimit");
     std::fs::create_dir_all(link.parent().unwrap()).unwrap();
     if !link.exists() {
         std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ratelimitd"), &link).unwrap();
     }
-    start_upstream(&link, &[], home, log, env)
+    start_upstream(&link, &[], home, log, env, prepare)
 }
 
 /// `program args` with `env`, upstream's listeners on free ports and
-/// nothing else from this process' environment; (child, gRPC, HTTP port).
+/// nothing else from this process' environment, then `prepare`d; (child,
+/// gRPC, HTTP port).
 fn start_upstream(
     program: &Path,
     args: &[&str],
     home: &Path,
     log: &Path,
     env: &[(&str, String)],
+    prepare: impl Fn(&mut Command),
 ) -> (Child, u16, u16) {
     // The HTTP port is picked afresh with each try of the gRPC one.
     let http = std::cell::Cell::new(0);
@@ -150,6 +163,7 @@ fn start_upstream(
             .env("GRPC_HOST", "127.0.0.1")
             .env("GRPC_PORT", grpc.to_string())
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())));
+        prepare(&mut command);
         command
     });
     (child, grpc, http.get())

@@ -36,18 +36,21 @@ pub(crate) fn dlq(
     let sink = sink.with_folds(Arc::clone(&folds));
     let drain = || dlq::file::Drain::with_folds(Arc::clone(&folds), fold_interval);
     let Some(brokers) = &config.kafka.brokers else {
-        tracing::info!(file = %config.file.display(), "failed decisions go to a JSON-lines file");
         let stop = tasks.stopper();
-        let target = dlq::file::FileTarget { path: config.file.clone(), max_bytes: config.file_max_bytes };
-        // Where failed decisions cannot be written (a read-only root
-        // filesystem, another user's directory) the service does not start:
-        // found at the first failure, every record would be lost.
-        dlq::file::append_durably(&target.path, b"")
-            .map_err(|e| ServerError::DlqFile(target.path.display().to_string(), e))?;
-        let size = std::fs::metadata(&target.path).map_or(0, |m| m.len());
-        counters.file_bytes.store(size, std::sync::atomic::Ordering::SeqCst);
-        tasks.spawn(dlq::file::run(queue, target, counters, drain(), stop));
-        return Ok(Arc::new(sink.with_disk_cap(config.file_max_bytes)));
+        return Ok(match file_target(config)? {
+            dlq::file::Target::File(file) => {
+                tracing::info!(file = %file.path.display(), "failed decisions go to a JSON-lines file");
+                let size = std::fs::metadata(&file.path).map_or(0, |m| m.len());
+                counters.file_bytes.store(size, std::sync::atomic::Ordering::SeqCst);
+                let cap = file.max_bytes;
+                tasks.spawn(dlq::file::run(queue, dlq::file::Target::File(file), counters, drain(), stop));
+                Arc::new(sink.with_disk_cap(cap))
+            }
+            dlq::file::Target::Stderr => {
+                tasks.spawn(dlq::file::run(queue, dlq::file::Target::Stderr, counters, drain(), stop));
+                Arc::new(sink)
+            }
+        });
     };
     dlq_to_kafka(config, brokers, (sink, queue, counters), drain(), tasks)
 }
@@ -179,4 +182,32 @@ pub(crate) fn capture(config: &Config, tasks: &mut Tasks) -> Result<Option<Captu
 pub(crate) struct Captured {
     pub(crate) sink: Arc<Capture>,
     pub(crate) counters: Arc<CaptureCounters>,
+}
+
+/// Where the sink without Kafka writes: `dlq.file`, created now, so a place
+/// that cannot be written is found at start rather than at the first
+/// failure (when every record would be lost). A file set there stops the
+/// start; the state directory's default falls back to standard error (a
+/// read-only root filesystem without a volume: Envoy Gateway's Deployment),
+/// with a warning naming the settings that keep records in a file.
+fn file_target(config: &DlqConfig) -> Result<dlq::file::Target, ServerError> {
+    if config.to_stderr() {
+        tracing::info!("failed decisions go to standard error as JSON lines (dlq.file: -)");
+        return Ok(dlq::file::Target::Stderr);
+    }
+    let file = dlq::file::FileTarget { path: config.file.clone(), max_bytes: config.file_max_bytes };
+    match dlq::file::append_durably(&file.path, b"") {
+        Ok(()) => Ok(dlq::file::Target::File(file)),
+        Err(error) if config.file_is_default => {
+            tracing::warn!(
+                file = %file.path.display(),
+                %error,
+                "the state directory cannot be written: failed decisions go to standard error as JSON lines, \
+                 kept only as long as the logs are; set dlq.file (or STATE_DIRECTORY) to a writable volume, \
+                 or dlq.kafka.brokers, to keep them durably"
+            );
+            Ok(dlq::file::Target::Stderr)
+        }
+        Err(error) => Err(ServerError::DlqFile(file.path.display().to_string(), error)),
+    }
 }

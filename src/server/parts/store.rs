@@ -69,45 +69,61 @@ pub(crate) fn local(
 ) -> Result<Arc<LocalLimiter>, ServerError> {
     let mut settings = config.settings();
     let id = crate::limiter::instance::id(name);
-    let state = match store {
-        Store::Memory(_) => {
-            settings.instances = 1;
-            None
-        }
-        Store::Redis(_) => {
-            let url = redis.url.as_deref().map(crate::limiter::settings::redact_url).unwrap_or_default();
-            let store_id = format!("{url} {}", redis.key_prefix);
-            let (state, adopted) = crate::limiter::instance::InstanceState::open::<local::Owing>(
-                &config.state_dir,
-                &id,
-                &store_id,
-            )?;
-            match adopted.instances {
-                Some(known) => settings.instances = settings.instances.max(known),
-                None if config.instances == 1 => tracing::warn!(
-                    "local.instances is 1 and no earlier instance count is in local.state_dir: while the store \
-                     cannot answer, this instance admits each whole limit locally until it reads the live count \
-                     (set local.instances to the replica count)"
-                ),
-                None => {}
-            }
-            Some((state, adopted))
-        }
-    };
-    let local = Arc::new(LocalLimiter::new(settings, Arc::new(SystemClock)));
-    let state = state.map(|(state, adopted)| {
-        if adopted.processes > 0 {
-            let hits: u64 = adopted.owed.iter().map(|(_, owed)| owed.hits()).sum();
-            tracing::info!(
-                processes = adopted.processes,
-                hits,
+    if let Store::Memory(_) = store {
+        settings.instances = 1;
+        return Ok(reconciled(settings, store, id, None, exchanges));
+    }
+    let url = redis.url.as_deref().map(crate::limiter::settings::redact_url).unwrap_or_default();
+    let store_id = format!("{url} {}", redis.key_prefix);
+    let opened =
+        crate::limiter::instance::InstanceState::open::<local::Owing>(&config.state_dir, &id, &store_id);
+    let (state, adopted) = match opened {
+        Ok(opened) => opened,
+        Err(error) if config.state_dir_is_default => {
+            tracing::warn!(
+                %error,
                 instances = settings.instances,
-                "took over the owed hits and instance count earlier processes left in local.state_dir"
+                "the state directory cannot be written: this process starts from local.instances and \
+                 cannot hand what it owes the store on past a crash; set local.state_dir (or \
+                 STATE_DIRECTORY) to a writable volume to keep them"
             );
-            local.adopt_owed(adopted.owed);
+            return Ok(reconciled(settings, store, id, None, exchanges));
         }
-        state
-    });
+        Err(error) => return Err(error.into()),
+    };
+    match adopted.instances {
+        Some(known) => settings.instances = settings.instances.max(known),
+        None if config.instances == 1 => tracing::warn!(
+            "local.instances is 1 and no earlier instance count is in local.state_dir: while the store \
+             cannot answer, this instance admits each whole limit locally until it reads the live count \
+             (set local.instances to the replica count)"
+        ),
+        None => {}
+    }
+    let local = reconciled(settings, store, id, Some(state), exchanges);
+    if adopted.processes > 0 {
+        let hits: u64 = adopted.owed.iter().map(|(_, owed)| owed.hits()).sum();
+        tracing::info!(
+            processes = adopted.processes,
+            hits,
+            instances = settings.instances,
+            "took over the owed hits and instance count earlier processes left in local.state_dir"
+        );
+        local.adopt_owed(adopted.owed);
+    }
+    Ok(local)
+}
+
+/// The local limiter of `settings` with its reconciler, which keeps its
+/// `state` (none: nothing kept for the next process).
+fn reconciled(
+    settings: crate::limiter::local::Settings,
+    store: &Store,
+    id: String,
+    state: Option<crate::limiter::instance::InstanceState>,
+    exchanges: &mut Vec<Box<dyn Participant>>,
+) -> Arc<LocalLimiter> {
+    let local = Arc::new(LocalLimiter::new(settings, Arc::new(SystemClock)));
     exchanges.push(Box::new(Reconciler::new(
         Arc::clone(&local),
         store.clone(),
@@ -115,7 +131,7 @@ pub(crate) fn local(
         settings.reconcile_interval,
         state,
     )));
-    Ok(local)
+    local
 }
 
 /// The local cache of exact denials: with the Redis store, unless
