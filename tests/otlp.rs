@@ -118,14 +118,23 @@ impl TraceService for Receiver {
 /// none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
-    let (receiver, log) = compat_run("true").await;
+    for protocol in [None, Some("http")] {
+        exports_the_sampled_span(protocol).await;
+    }
+}
+
+/// [`in_compat_mode_a_sampled_should_rate_limit_exports_its_span`] with
+/// `TRACING_EXPORTER_PROTOCOL` set to `protocol` (unset: upstream's default).
+async fn exports_the_sampled_span(protocol: Option<&str>) {
+    let extra: Vec<_> = protocol.map(|p| ("TRACING_EXPORTER_PROTOCOL", p.to_owned())).into_iter().collect();
+    let (receiver, log) = compat_run("true", &extra).await;
     let spans = spans_of(&receiver);
     let decisions: Vec<_> = spans.iter().filter(|s| s.name == "ratelimit.should_rate_limit").collect();
     let expected: Vec<u8> =
         (0..16).map(|i| u8::from_str_radix(&TRACE_ID[2 * i..2 * i + 2], 16).unwrap()).collect();
     assert!(
         decisions.len() == 1 && decisions[0].trace_id == expected,
-        "one span, the sampled caller's: {decisions:#?}; the service's log:\n{log}"
+        "{protocol:?}: one span, the sampled caller's: {decisions:#?}; the service's log:\n{log}"
     );
     for (key, value) in [
         ("service.name", "envoy-ratelimit"),
@@ -142,7 +151,7 @@ async fn in_compat_mode_a_sampled_should_rate_limit_exports_its_span() {
 /// is sampled (upstream reads no OpenTelemetry variable without it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_compat_mode_tracing_disabled_exports_nothing() {
-    let (receiver, log) = compat_run("false").await;
+    let (receiver, log) = compat_run("false", &[]).await;
     assert!(receiver.0.lock().unwrap().is_empty(), "an export reached the collector; log:\n{log}");
 }
 
@@ -150,11 +159,11 @@ async fn in_compat_mode_tracing_disabled_exports_nothing() {
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 
 /// The binary in envoyproxy compat mode with Envoy Gateway's tracing
-/// variables (`TRACING_ENABLED` as given) and an OTLP/HTTP collector at
+/// variables (`TRACING_ENABLED` as given, `extra` added) and an OTLP/HTTP collector at
 /// `OTEL_EXPORTER_OTLP_ENDPOINT`: five unsampled `ShouldRateLimit` calls and
 /// one with a sampled caller's trace, then SIGTERM (the exporter flushes).
 /// The collector and the service's log.
-async fn compat_run(tracing_enabled: &str) -> (Receiver, String) {
+async fn compat_run(tracing_enabled: &str, extra: &[(&str, String)]) -> (Receiver, String) {
     use ratelimitd::api::envoy_pb::rls::rate_limit_service_client::RateLimitServiceClient;
     let (receiver, otlp_port, serving) = Receiver::start_http().await;
     let redis = common::RedisServer::start();
@@ -178,7 +187,10 @@ async fn compat_run(tracing_enabled: &str) -> (Receiver, String) {
         ("TRACING_SERVICE_INSTANCE_ID", "envoy-ratelimit-5d8c7b-x2k4p".to_owned()),
         ("TRACING_SAMPLING_RATE", "0".to_owned()),
         ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{otlp_port}")),
-    ];
+    ]
+    .into_iter()
+    .chain(extra.iter().cloned())
+    .collect::<Vec<_>>();
     let log = dir.path().join("serve.log");
     let (child, grpc_port, _) = common::start_compat(dir.path(), &log, &env);
     let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{grpc_port}")).await.unwrap();
