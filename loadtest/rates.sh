@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a decision costs at the rates users run: open loop at each of RATES
 # and closed loop (saturation), one target after the other in one run,
-# each on one Redis (or in memory): the target's CPU time, context
+# each on one Redis (or in memory): the target's CPU time (and its system part), context
 # switches and CPU migrations per decision (all its threads, from
 # /proc/PID), its throughput and latency.
 #
@@ -106,17 +106,18 @@ fi
   echo "Load: loadtest, $API API for ratelimitd (ShouldRateLimit for the limitador pair), users uniform over $USERS," \
     "$CONNECTIONS HTTP/2 connections, $DURATION s per run; store $STORE. Closed loop: $CONCURRENCY callers."
   echo
-  echo "| target | load | decisions/s | CPU µs per decision | context switches per decision | migrations per decision | p50 ms | p99 ms |"
-  echo "|---|---|---|---|---|---|---|---|"
+  echo "| target | load | decisions/s | CPU µs per decision | of it system | context switches per decision | migrations per decision | p50 ms | p99 ms |"
+  echo "|---|---|---|---|---|---|---|---|---|"
   for target in "${TARGETS[@]}"; do
     for run in $RATES closed; do
       f="$OUT/$target-$run.json"
       [ -f "$f" ] || continue
       load="$run/s"; [ "$run" = closed ] && load="closed, $CONCURRENCY"
       awk -v t="$target" -v l="$load" -v d="$(field "$f" decisions_per_second)" -v c="$(field "$f" target_cpu_us_per_decision)" \
+        -v k="$(field "$f" target_system_us_per_decision)" \
         -v s="$(field "$f" target_switches_per_decision)" -v m="$(field "$f" target_migrations_per_decision)" \
         -v p50="$(field "$f" p50_us)" -v p99="$(field "$f" p99_us)" \
-        'BEGIN { printf "| %s | %s | %.0f | %.1f | %.2f | %.2f | %.2f | %.2f |\n", t, l, d, c, s, m, p50 / 1000, p99 / 1000 }'
+        'BEGIN { printf "| %s | %s | %.0f | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f |\n", t, l, d, c, k, s, m, p50 / 1000, p99 / 1000 }'
     done
   done
 } > "$OUT/table.md"

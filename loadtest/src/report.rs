@@ -110,6 +110,11 @@ impl Report {
         self.usage.map(|usage| usage.cpu / self.decisions().max(1) as f64 * 1e6)
     }
 
+    /// The system part of it.
+    fn system_per_decision_us(&self) -> Option<f64> {
+        self.usage.map(|usage| usage.system / self.decisions().max(1) as f64 * 1e6)
+    }
+
     /// The target's context switches and CPU migrations per decision.
     fn switches_per_decision(&self) -> Option<(f64, f64)> {
         let decisions = self.decisions().max(1) as f64;
@@ -134,8 +139,8 @@ impl Report {
             let _ = write!(out, " {name} {:.3} ms", *ns as f64 / 1e6);
         }
         out.push('\n');
-        if let Some(cpu) = self.cpu_per_decision_us() {
-            let _ = writeln!(out, "target CPU: {cpu:.2} µs per decision");
+        if let (Some(cpu), Some(system)) = (self.cpu_per_decision_us(), self.system_per_decision_us()) {
+            let _ = writeln!(out, "target CPU: {cpu:.2} µs per decision ({system:.2} of it system)");
         }
         if let Some((switches, migrations)) = self.switches_per_decision() {
             let _ = writeln!(
@@ -169,6 +174,7 @@ impl Report {
             "latency": latency,
             "errors": self.errors.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
             "target_cpu_us_per_decision": self.cpu_per_decision_us(),
+            "target_system_us_per_decision": self.system_per_decision_us(),
             "target_switches_per_decision": self.switches_per_decision().map(|s| s.0),
             "target_migrations_per_decision": self.switches_per_decision().map(|s| s.1),
         })

@@ -11,6 +11,9 @@ use anyhow::Context as _;
 pub(crate) struct Usage {
     /// User + system CPU time, in seconds.
     pub(crate) cpu: f64,
+    /// The system part of it (the kernel working for it: system calls,
+    /// loopback TCP run in the sender's context), in seconds.
+    pub(crate) system: f64,
     /// Context switches of its threads.
     pub(crate) switches: u64,
     /// Moves of its threads between CPUs (0 where the kernel keeps no
@@ -26,9 +29,11 @@ impl Usage {
         // Fields after the command name, which is in parentheses and may contain spaces.
         let after = stat.rsplit_once(')').context("malformed stat")?.1;
         let fields: Vec<&str> = after.split_whitespace().collect();
-        let ticks: u64 = fields.get(11).context("utime")?.parse::<u64>()?
-            + fields.get(12).context("stime")?.parse::<u64>()?;
-        let mut usage = Usage { cpu: ticks as f64 / 100.0, ..Usage::default() }; // USER_HZ is 100
+        let user: u64 = fields.get(11).context("utime")?.parse()?;
+        let system: u64 = fields.get(12).context("stime")?.parse()?;
+        // USER_HZ is 100.
+        let mut usage =
+            Usage { cpu: (user + system) as f64 / 100.0, system: system as f64 / 100.0, ..Usage::default() };
         let tasks =
             std::fs::read_dir(format!("/proc/{pid}/task")).with_context(|| format!("/proc/{pid}/task"))?;
         for task in tasks.flatten() {
@@ -48,6 +53,7 @@ impl Usage {
     pub(crate) fn since(self, before: Usage) -> Usage {
         Usage {
             cpu: self.cpu - before.cpu,
+            system: self.system - before.system,
             switches: self.switches.saturating_sub(before.switches),
             migrations: self.migrations.saturating_sub(before.migrations),
         }

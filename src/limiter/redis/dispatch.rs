@@ -83,6 +83,13 @@ pub(super) enum Health {
 impl Dispatcher {
     pub(super) async fn run(self, mut queue: mpsc::Receiver<Job>) {
         let mut batch = Vec::with_capacity(MAX_BATCH);
+        // Every call's deadline, one timer for the dispatcher's life. Each
+        // call moves it later (tokio then only updates the entry in place);
+        // a fresh timer per call would be registered ahead of the runtime's
+        // next wake-up, and each registration writes to its eventfd. Kept
+        // armed while calls follow each other, it also keeps the decisions'
+        // own deadlines from being the earliest.
+        let mut deadline = Box::pin(tokio::time::sleep(self.timeout));
         // Jobs past the caps of the last call: the next call's first, in order.
         let mut rest: Vec<Job> = Vec::new();
         let mut conn: Option<Conn> = None;
@@ -115,7 +122,9 @@ impl Dispatcher {
             // The breakers hear about every call; `health` is what the
             // connection as a whole did.
             let health = match &mut conn {
-                Some(Conn::Single(connection)) => self.dispatch_single(connection, &mut batch).await,
+                Some(Conn::Single(connection)) => {
+                    self.dispatch_single(connection, &mut batch, deadline.as_mut()).await
+                }
                 Some(Conn::Cluster(connection)) => self.dispatch_cluster(connection, &mut batch).await,
                 None => unreachable!("a connection was just set"),
             };
@@ -217,15 +226,22 @@ impl Dispatcher {
         }
     }
 
-    /// One script call for the whole batch, answered within `timeout`.
-    pub(super) async fn dispatch_single(&self, conn: &mut Pooled, batch: &mut Vec<Job>) -> Health {
+    /// One script call for the whole batch, answered within `timeout`
+    /// (`deadline`, reset to it).
+    pub(super) async fn dispatch_single(
+        &self,
+        conn: &mut Pooled,
+        batch: &mut Vec<Job>,
+        mut deadline: std::pin::Pin<&mut tokio::time::Sleep>,
+    ) -> Health {
         // Nobody waits longer than `timeout` for this answer. A late reply
         // on a kept connection is read and discarded by the client.
-        let call = tokio::time::timeout(
-            self.timeout,
-            run_script(Target::Server(conn.connection()), &self.script, batch),
-        )
-        .await;
+        deadline.as_mut().reset(tokio::time::Instant::now() + self.timeout);
+        let call = tokio::select! {
+            biased;
+            answer = run_script(Target::Server(conn.connection()), &self.script, batch) => Ok(answer),
+            () = deadline => Err(TimedOut),
+        };
         self.settle_call(call, batch)
     }
 
@@ -266,7 +282,8 @@ impl Dispatcher {
             self.timeout,
             run_script(Target::Node(&mut conn, first), &self.script, &group),
         )
-        .await;
+        .await
+        .map_err(|_| TimedOut);
         match call {
             Ok(Err(e)) if refused_as_not_local(&e) => {
                 // The first call to find the map stale reads it again, once
@@ -297,7 +314,8 @@ impl Dispatcher {
     pub(super) async fn call_slot(&self, mut conn: ClusterConnection, mut group: Vec<Job>) -> Health {
         let call =
             tokio::time::timeout(self.timeout, run_script(Target::Slot(&mut conn), &self.script, &group))
-                .await;
+                .await
+                .map_err(|_| TimedOut);
         self.settle_call(call, &mut group)
     }
 }
@@ -342,7 +360,12 @@ pub(super) fn refused_as_not_local(e: &RedisError) -> bool {
     e.to_string().contains("non local key")
 }
 
-pub(super) type CallResult = Result<Result<Vec<u64>, RedisError>, tokio::time::error::Elapsed>;
+/// A script call's answer, or its deadline passed.
+pub(super) type CallResult = Result<Result<Vec<u64>, RedisError>, TimedOut>;
+
+/// A call's deadline passed first.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TimedOut;
 
 /// How Redis did on one call, and its answer with any error classified
 /// (once).
