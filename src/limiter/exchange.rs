@@ -42,9 +42,11 @@ pub trait Participant: Send {
     /// exchange and each wake: at most a second away when it must notice
     /// new rules soon.
     fn due(&mut self, now_ms: u64) -> u64;
-    /// Exchanges what is due at `now_ms`, in one round trip to its store;
-    /// `None` when nothing was (no call made, nothing counted).
-    fn exchange(&mut self, now_ms: u64) -> BoxFuture<'_, Option<Result<(), StoreError>>>;
+    /// Exchanges what is due at `due_ms` (the instant [`due`](Self::due)
+    /// named, however late the exchange runs: what a participant keys by
+    /// the interval it counted, it keys by this), in one round trip to its
+    /// store; `None` when nothing was (no call made, nothing counted).
+    fn exchange(&mut self, due_ms: u64) -> BoxFuture<'_, Option<Result<(), StoreError>>>;
     /// At shutdown: a last exchange, if it owes one.
     fn finish(&mut self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
@@ -164,12 +166,18 @@ pub async fn run(
             break;
         }
         let now = clock.now_ms();
-        let runs = participants.iter_mut().enumerate().filter(|(i, _)| next[*i] <= now).map(
-            |(i, participant)| async move {
-                let holding = participant.holding();
-                (i, holding, participant.exchange(now).await)
-            },
-        );
+        // Each is told when it was due, not when it runs: one that runs
+        // late (the machine busy, another participant's slow store) still
+        // writes what it counted under the interval it counted it in, the
+        // interval every other instance writes and reads that turn.
+        let runs =
+            participants.iter_mut().enumerate().filter(|(i, _)| next[*i] <= now).map(|(i, participant)| {
+                let due = next[i];
+                async move {
+                    let holding = participant.holding();
+                    (i, holding, participant.exchange(due).await)
+                }
+            });
         for (i, holding, result) in join_all(runs).await {
             if let Some(result) = result {
                 counts.record(i, holding, &result);
@@ -266,5 +274,29 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("ratelimitd_store_exchange_failing{exchange=\"slow\"} 1"), "{text}");
+    }
+
+    /// A participant that runs late (the clock already past its next
+    /// instant, as when another's store was slow) is told the instant it was
+    /// due, so an interval's counts keep the interval's key.
+    #[tokio::test(start_paused = true)]
+    async fn a_late_exchange_is_told_the_instant_it_was_due() {
+        let clock = Arc::new(ManualClock::new(0));
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let failing = Arc::new(AtomicBool::new(false));
+        let probe = Probe { name: "late", period: 500, last: None, failing, ran: Arc::clone(&ran) };
+        let participants: Vec<Box<dyn Participant>> = vec![Box::new(probe)];
+        let counts = Arc::new(ExchangeCounts::of(&participants));
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(run(participants, counts, clock.clone(), stopped));
+        for now in [499, 990, 1_400] {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            clock.set(now);
+            tokio::time::sleep(Duration::from_millis(600)).await;
+        }
+        let _ = stop.send(true);
+        task.await.unwrap();
+        let ran: Vec<u64> = ran.lock().unwrap().iter().map(|(_, at)| *at).collect();
+        assert_eq!(ran, [0, 500, 1_000], "run at 0, 990 and 1400: told 0, 500 and 1000");
     }
 }
