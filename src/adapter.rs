@@ -8,7 +8,7 @@
 //! into the interval it means): the instance takes the outcomes reported
 //! to it since its last exchange and
 //! - with Redis, adds them to the rule's hash (`rla:{adaptive}:<rule>`)
-//!   in one script call for every rule due ([`ADAPT_LUA`]), which steps
+//!   in one script call for every rule due (`scripts::ADAPT`), which steps
 //!   the limit on the first exchange of an interval and returns it;
 //! - with the memory store, does the same in-process ([`exchange`]).
 //!
@@ -30,8 +30,9 @@ use futures_util::future::BoxFuture;
 use crate::{
     limiter::{
         RedisStore, StoreError,
-        adaptive::{ADAPT_LUA, AdaptiveLimit, STATE_TTL_SECONDS, Shared, Tally, exchange, state_key},
+        adaptive::{AdaptiveLimit, STATE_TTL_SECONDS, Shared, Tally, exchange, state_key},
         exchange::Participant,
+        scripts,
     },
     rules::{
         ENVOY_ADAPTIVE_PREFIX, Hot, RuleStore, adaptive_limits, adaptive_limits_where, envoy::EnvoyConfig,
@@ -151,8 +152,8 @@ impl Adapter {
 /// One script call for every rule due (their keys share a hash slot),
 /// within half the shortest interval (at most a second).
 async fn exchange_redis(store: &RedisStore, due: &[Due<'_>]) -> Result<Vec<u64>, StoreError> {
-    let mut call = redis::cmd("EVAL");
-    call.arg(ADAPT_LUA).arg(due.len());
+    let mut call = scripts::ADAPT.call();
+    call.arg(due.len());
     for d in due {
         call.arg(state_key(store.key_prefix(), &d.id));
     }
@@ -165,10 +166,9 @@ async fn exchange_redis(store: &RedisStore, due: &[Due<'_>]) -> Result<Vec<u64>,
         call.arg(d.tally.successes).arg(d.tally.failures).arg(d.tally.overloads);
     }
     call.arg(STATE_TTL_SECONDS * 1_000);
-    let mut pipeline = redis::pipe();
-    pipeline.add_command(call);
     let timeout = Duration::from_millis((shortest / 2).clamp(10, 1_000));
-    let (limits,): (Vec<u64>,) = store.pipeline(&pipeline, timeout).await?;
+    let answer = store.scripts(std::slice::from_ref(&call), timeout).await?.pop();
+    let limits: Vec<u64> = answer.and_then(|a| redis::from_redis_value(a).ok()).unwrap_or_default();
     if limits.len() != due.len() {
         return Err(StoreError {
             kind: crate::limiter::FailureKind::ScriptError,

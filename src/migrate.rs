@@ -321,15 +321,13 @@ async fn upgrade_key_schema(
     from: u32,
     to: u32,
 ) -> Result<Applied, String> {
-    let swapped: u32 = redis::Script::new(
-        "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0",
-    )
-    .key(key)
-    .arg(from)
-    .arg(to)
-    .invoke_async(conn)
-    .await
-    .map_err(|e| format!("cannot update {key}: {e}"))?;
+    let mut call = crate::limiter::scripts::SCHEMA_SWAP.call();
+    call.arg(1).arg(key).arg(from).arg(to);
+    let answers = crate::limiter::scripts::run(conn, std::slice::from_ref(&call))
+        .await
+        .map_err(|e| format!("cannot update {key}: {e}"))?;
+    let swapped =
+        answers.into_iter().next().and_then(|a| redis::from_redis_value::<u32>(a).ok()).unwrap_or(0);
     if swapped == 1 {
         Ok(Applied::Changed(format!(
             "upgraded key-schema version {from} to {to}; version-{from} counters expire by their own TTL"

@@ -16,7 +16,8 @@ use std::{
 use common::{RedisServer, Rules, TestServer, config, metric, request};
 use ratelimitd::{
     api::pb::{self, Outcome, rate_limiter_client::RateLimiterClient},
-    limiter::adaptive::{ADAPT_LUA, AimdParams, Shared, Tally, exchange},
+    limiter::adaptive::{AimdParams, Shared, Tally, exchange},
+    limiter::scripts,
 };
 use tonic::transport::Channel;
 
@@ -258,8 +259,8 @@ async fn the_script_is_the_twin_of_exchange() {
     let mut index = [1_000u64, 7];
     let mut random = common::xorshift(0x9e37_79b9_7f4a_7c15_u64);
     for round in 0..2_000 {
-        let mut call = redis::cmd("EVAL");
-        call.arg(ADAPT_LUA).arg(2).arg("rla:a").arg("rla:b");
+        let mut call = scripts::ADAPT.call();
+        call.arg(2).arg("rla:a").arg("rla:b");
         let mut expected = [0; 2];
         for k in 0..2 {
             // Mostly the same or the next interval; sometimes a gap, or a clock behind.
@@ -279,7 +280,8 @@ async fn the_script_is_the_twin_of_exchange() {
             states[k] = Some(next);
         }
         call.arg(60_000);
-        let limits: Vec<u64> = call.query_async(&mut conn).await.unwrap();
+        let answer = scripts::run(&mut conn, std::slice::from_ref(&call)).await.unwrap().pop().unwrap();
+        let limits: Vec<u64> = redis::from_redis_value(answer).unwrap();
         assert_eq!(limits, expected, "round {round}");
         for (k, key) in ["rla:a", "rla:b"].into_iter().enumerate() {
             let stored: Vec<u64> = redis::cmd("HMGET")

@@ -92,12 +92,41 @@ async fn script_is_reloaded_after_script_flush() {
     assert_eq!(r.remaining_tokens, 98);
 
     // The script is loaded at startup, so only the decision after the flush
-    // meets NOSCRIPT: 2 decisions + 1 retry, 1 failed.
+    // meets NOSCRIPT: 2 decisions by SHA, 1 failed, and its retry with the
+    // script's text.
     let evalsha = redis.info_field("commandstats", "cmdstat_evalsha").await.expect("EVALSHA used");
-    assert!(evalsha.starts_with("calls=3,"), "{evalsha}");
+    assert!(evalsha.starts_with("calls=2,"), "{evalsha}");
     assert!(evalsha.ends_with("failed_calls=1"), "{evalsha}");
-    assert!(redis.info_field("commandstats", "cmdstat_eval").await.is_none(), "never plain EVAL");
+    let eval = redis.info_field("commandstats", "cmdstat_eval").await.expect("the retry");
+    assert!(eval.starts_with("calls=1,") && eval.ends_with("failed_calls=0"), "{eval}");
     server.stop().await.unwrap();
+}
+
+/// Every script goes through one runner: by SHA, and on NOSCRIPT (told by
+/// the error's kind) once more in one pipeline, each script's first call
+/// carrying its text; after that the store knows it again.
+#[tokio::test]
+async fn the_script_runner_calls_by_sha_and_sends_the_text_once_on_noscript() {
+    use ratelimitd::limiter::scripts;
+    let redis = RedisServer::start();
+    let mut conn = redis.client().await;
+    let _: () = redis::cmd("SET").arg("v").arg(1).query_async(&mut conn).await.unwrap();
+    let swap = |from: u32, to: u32| {
+        let mut call = scripts::SCHEMA_SWAP.call();
+        call.arg(1).arg("v").arg(from).arg(to);
+        call
+    };
+    // Unknown to the store: both calls of the pipeline retried, the first
+    // with the text, the second by SHA behind it.
+    let answers = scripts::run(&mut conn, &[swap(1, 2), swap(2, 3)]).await.unwrap();
+    let answers: Vec<u32> = answers.into_iter().map(|a| redis::from_redis_value(a).unwrap()).collect();
+    assert_eq!(answers, [1, 1]);
+    let answers = scripts::run(&mut conn, &[swap(3, 4)]).await.unwrap();
+    assert_eq!(redis::from_redis_value::<u32>(answers[0].clone()).unwrap(), 1);
+    let evalsha = redis.info_field("commandstats", "cmdstat_evalsha").await.unwrap();
+    let eval = redis.info_field("commandstats", "cmdstat_eval").await.unwrap();
+    assert!(evalsha.starts_with("calls=4,") && evalsha.ends_with("failed_calls=2"), "{evalsha}");
+    assert!(eval.starts_with("calls=1,"), "{eval}");
 }
 
 /// Two service instances sharing one Redis admit exactly the limit in total.
@@ -867,7 +896,10 @@ async fn rediss_with_a_private_ca_and_auth() {
 /// same states.
 #[tokio::test]
 async fn the_lease_script_is_the_twin_of_allocate() {
-    use ratelimitd::limiter::lease::{LEASE_LUA, Lease, RegionState, Report, allocate};
+    use ratelimitd::limiter::{
+        lease::{Lease, RegionState, Report, allocate},
+        scripts,
+    };
     let redis = RedisServer::start();
     let mut conn = redis.client().await;
     let (limit, floors) = (1_000u64, [50u64, 100, 0]);
@@ -890,14 +922,15 @@ async fn the_lease_script_is_the_twin_of_allocate() {
                 Report { region, enforcing, admitted, demand: random(1_500) }
             })
             .collect();
-        let mut call = redis::cmd("EVAL");
-        call.arg(LEASE_LUA).arg(2 + keys.len()).arg("rlg:{g}").arg("rlg:{g}!claims").arg(&keys);
+        let mut call = scripts::LEASE.call();
+        call.arg(2 + keys.len()).arg("rlg:{g}").arg("rlg:{g}!claims").arg(&keys);
         call.arg(region).arg(format!("deployment-{region}")).arg(floors.len()).arg(&floors);
         call.arg(limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(LINGER).arg(60_000);
         for r in &reports {
             call.arg(r.enforcing).arg(r.admitted).arg(r.demand);
         }
-        let answer: Vec<u64> = call.query_async(&mut conn).await.unwrap();
+        let answer = scripts::run(&mut conn, std::slice::from_ref(&call)).await.unwrap().pop().unwrap();
+        let answer: Vec<u64> = redis::from_redis_value(answer).unwrap();
         let now = answer[0];
         let since = *remembering.get_or_insert(now);
         let amnesia = now < since + lease.lease_ms + lease.skew_ms;

@@ -19,13 +19,7 @@
 
 use std::{collections::HashMap, time::Duration};
 
-use crate::limiter::{RedisStore, StoreError, grants::KeyTally, push_encoded};
-
-/// One instance's exchange with its region (see the module).
-pub const REGION_LUA: &str = include_str!("../limiter/scripts/region.lua");
-
-/// An instance says it applied the grants of a version.
-pub const APPLIED_LUA: &str = include_str!("../limiter/scripts/applied.lua");
+use crate::limiter::{RedisStore, StoreError, grants::KeyTally, push_encoded, scripts};
 
 /// The grants of one limit the agent last wrote.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -112,8 +106,8 @@ pub async fn exchange(
     timeout: Duration,
 ) -> Result<View, StoreError> {
     let prefix = store.key_prefix();
-    let mut cmd = redis::cmd("EVAL");
-    cmd.arg(REGION_LUA).arg(4 + 2 * limits.len());
+    let mut cmd = scripts::REGION.call();
+    cmd.arg(4 + 2 * limits.len());
     cmd.arg(key(prefix, "agent", None)).arg(key(prefix, "deployment", None));
     cmd.arg(key(prefix, "applied", None)).arg(key(prefix, "version", None));
     for limit in limits {
@@ -130,10 +124,8 @@ pub async fn exchange(
             cmd.arg(&*t.key).arg(t.admitted).arg(t.denied);
         }
     }
-    let mut pipeline = redis::pipe();
-    pipeline.add_command(cmd);
-    let (answer,): (redis::Value,) = store.pipeline(&pipeline, timeout).await?;
-    parse(answer, limits.len()).ok_or_else(|| StoreError {
+    let answer = store.scripts(std::slice::from_ref(&cmd), timeout).await?.pop();
+    answer.and_then(|answer| parse(answer, limits.len())).ok_or_else(|| StoreError {
         kind: crate::limiter::FailureKind::ScriptError,
         message: "the region script answered an unexpected shape".to_owned(),
     })
@@ -264,10 +256,8 @@ pub async fn applied(
     (version, read_ms): (u64, u64),
     timeout: Duration,
 ) -> Result<(), StoreError> {
-    let mut cmd = redis::cmd("EVAL");
-    cmd.arg(APPLIED_LUA).arg(1).arg(key(store.key_prefix(), "applied", None));
+    let mut cmd = scripts::APPLIED.call();
+    cmd.arg(1).arg(key(store.key_prefix(), "applied", None));
     cmd.arg(instance).arg(version).arg(read_ms);
-    let mut pipeline = redis::pipe();
-    pipeline.add_command(cmd).ignore();
-    store.pipeline::<()>(&pipeline, timeout).await
+    store.scripts(std::slice::from_ref(&cmd), timeout).await.map(drop)
 }

@@ -379,10 +379,6 @@ pub fn carry_over<'a>(previous: Vec<(&'a str, &'a AdaptiveLimit)>, next: Vec<(&'
     }
 }
 
-/// The Redis script of [`exchange`]: every due rule of one instance in one
-/// call (their keys share the `{adaptive}` hash slot).
-pub const ADAPT_LUA: &str = include_str!("scripts/adapt.lua");
-
 /// Seconds a rule's shared state outlives its last exchange.
 pub const STATE_TTL_SECONDS: u64 = 86_400;
 

@@ -36,12 +36,7 @@
 
 use std::time::Duration;
 
-use super::{RedisStore, StoreError, push_encoded};
-
-/// [`allocate`] in the coordination store: one call per region, limit and
-/// interval for every active key of the limit (their keys share the
-/// limit's hash tag); see the script for its arguments.
-pub const LEASE_LUA: &str = include_str!("scripts/lease.lua");
+use super::{RedisStore, StoreError, push_encoded, scripts};
 
 /// The coordination store's memory of the global limit `limit_id`: when it
 /// began to remember its leases (`<prefix>rlg:{<limit_id>}`). Missing, it
@@ -139,9 +134,9 @@ pub struct Reporter<'a> {
 pub const KEYS_PER_CALL: usize = 500;
 
 /// A region's reports of `limit`'s keys to the coordination store `store`:
-/// one script call per [`KEYS_PER_CALL`] keys, pipelined (by the script's
-/// SHA; with its text only when the store does not know it yet, a round
-/// trip to another region being dear), within `timeout`. The hashes expire
+/// one call of [`scripts::LEASE`] ([`allocate`] in the coordination
+/// store; their keys share the limit's hash tag) per [`KEYS_PER_CALL`]
+/// keys, pipelined, within `timeout`. The hashes expire
 /// two leases (and margins and lingers) after the last report of any
 /// region, when every lease they hold has run out.
 pub async fn report(
@@ -152,18 +147,20 @@ pub async fn report(
     reports: &[KeyReport],
     timeout: Duration,
 ) -> Result<Granted, StoreError> {
-    let calls: Vec<redis::Cmd> = reports
+    let calls: Vec<scripts::Call> = reports
         .chunks(KEYS_PER_CALL)
         .map(|chunk| lease_call(store.key_prefix(), limit, reporter, lease, chunk))
         .collect();
-    let answers = match query(store, &calls, false, timeout).await {
-        Err(error) if error.message.contains("NoScript") || error.message.contains("NOSCRIPT") => {
-            // The first call with the script's text, which the store keeps
-            // for the others (a limit's keys share one hash slot).
-            query(store, &calls, true, timeout).await?
-        }
-        answered => answered?,
-    };
+    let answers: Vec<Vec<u64>> = store
+        .scripts(&calls, timeout)
+        .await?
+        .into_iter()
+        .map(redis::from_redis_value)
+        .collect::<Result<_, _>>()
+        .map_err(|e| StoreError {
+            kind: super::FailureKind::ScriptError,
+            message: format!("the lease script answered {e}"),
+        })?;
     let mut granted = Granted { now_ms: 0, grants: Vec::with_capacity(reports.len()) };
     for (answer, chunk) in answers.iter().zip(reports.chunks(KEYS_PER_CALL)) {
         match answer.split_first() {
@@ -186,19 +183,16 @@ pub async fn report(
     Ok(granted)
 }
 
-/// The `EVALSHA` of [`LEASE_LUA`] for `reports` (see the script for its
-/// arguments); the SHA is `redis::Script`'s, as for the decision script.
+/// The call of [`scripts::LEASE`] for `reports` (see the script for its
+/// arguments).
 fn lease_call(
     prefix: &str,
     limit: GlobalLimit<'_>,
     reporter: Reporter<'_>,
     lease: Lease,
     reports: &[KeyReport],
-) -> redis::Cmd {
-    static SCRIPT: std::sync::LazyLock<redis::Script> =
-        std::sync::LazyLock::new(|| redis::Script::new(LEASE_LUA));
-    let mut call = redis::cmd("EVALSHA");
-    call.arg(SCRIPT.get_hash());
+) -> scripts::Call {
+    let mut call = scripts::LEASE.call();
     // Beside the memory, in its hash slot; no key's lease key ends its tag with `!`.
     let mut claims = memory_key(prefix, limit.id);
     claims.push_str("!claims");
@@ -214,32 +208,6 @@ fn lease_call(
         call.arg(r.enforcing).arg(r.admitted).arg(r.demand);
     }
     call
-}
-
-/// Runs `calls` on the coordination store in one pipeline within
-/// `timeout`; with `text_first`, the first as an `EVAL` of the script's text.
-async fn query(
-    store: &RedisStore,
-    calls: &[redis::Cmd],
-    text_first: bool,
-    timeout: Duration,
-) -> Result<Vec<Vec<u64>>, StoreError> {
-    let mut pipeline = redis::pipe();
-    for (i, call) in calls.iter().enumerate() {
-        if i == 0 && text_first {
-            let mut eval = redis::cmd("EVAL");
-            eval.arg(LEASE_LUA);
-            for arg in call.args_iter().skip(2) {
-                if let redis::Arg::Simple(bytes) = arg {
-                    eval.arg(bytes);
-                }
-            }
-            pipeline.add_command(eval);
-        } else {
-            pipeline.add_command(call.clone());
-        }
-    }
-    store.pipeline(&pipeline, timeout).await
 }
 
 /// What the allocator keeps of one region, for one global limit and key.

@@ -19,6 +19,7 @@ pub mod lease;
 pub mod local;
 pub mod memory;
 pub mod redis;
+pub mod scripts;
 pub mod settings;
 pub mod slots;
 pub mod window;

@@ -59,7 +59,6 @@ pub(super) fn call_size<'a>(
 pub(super) struct Dispatcher {
     pub(super) slot: usize,
     pub(super) backend: Backend,
-    pub(super) script: Arc<redis::Script>,
     pub(super) timeout: Duration,
     pub(super) breakers: Arc<[Breaker]>,
     pub(super) caps: CallCaps,
@@ -239,7 +238,7 @@ impl Dispatcher {
         deadline.as_mut().reset(tokio::time::Instant::now() + self.timeout);
         let call = tokio::select! {
             biased;
-            answer = run_script(Target::Server(conn.connection()), &self.script, batch) => Ok(answer),
+            answer = run_script(Target::Server(conn.connection()), batch) => Ok(answer),
             () = deadline => Err(TimedOut),
         };
         self.settle_call(call, batch)
@@ -278,12 +277,9 @@ impl Dispatcher {
         if group.iter().all(|job| job.slot == first) {
             return self.call_slot(conn, group).await;
         }
-        let call = tokio::time::timeout(
-            self.timeout,
-            run_script(Target::Node(&mut conn, first), &self.script, &group),
-        )
-        .await
-        .map_err(|_| TimedOut);
+        let call = tokio::time::timeout(self.timeout, run_script(Target::Node(&mut conn, first), &group))
+            .await
+            .map_err(|_| TimedOut);
         match call {
             Ok(Err(e)) if refused_as_not_local(&e) => {
                 // The first call to find the map stale reads it again, once
@@ -312,10 +308,9 @@ impl Dispatcher {
     /// One call for one slot's jobs, with declared keys: routed by them,
     /// redirected by redis-rs (MOVED, ASK) as any keyed command.
     pub(super) async fn call_slot(&self, mut conn: ClusterConnection, mut group: Vec<Job>) -> Health {
-        let call =
-            tokio::time::timeout(self.timeout, run_script(Target::Slot(&mut conn), &self.script, &group))
-                .await
-                .map_err(|_| TimedOut);
+        let call = tokio::time::timeout(self.timeout, run_script(Target::Slot(&mut conn), &group))
+            .await
+            .map_err(|_| TimedOut);
         self.settle_call(call, &mut group)
     }
 }

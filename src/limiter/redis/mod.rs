@@ -63,13 +63,13 @@ use self::{
     backend::{Backend, Conn, backend, breaker_of, breakers, classify},
     dispatch::{CallCaps, Dispatcher, timeout_error},
     keys::push_tag,
-    script::{DECIDE_BATCH_LUA, KeyArgs, answer_len, flags, script_error, seen_of},
+    script::{KeyArgs, answer_len, flags, script_error, seen_of},
 };
 use super::settings::{RedisConfig, redact_url};
 use super::{
     Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, Shares, StoreError,
     breaker::{Admission, Breaker},
-    many_verdicts,
+    many_verdicts, scripts,
     window::Verdict,
 };
 
@@ -190,11 +190,7 @@ impl RedisStore {
         let url = config.url.as_deref().unwrap_or_default();
         let setup_error = |message: String| RedisSetupError { url: redact_url(url), message };
         let backend = backend(config).map_err(setup_error)?;
-        let parts = Parts {
-            config: config.clone(),
-            script: Arc::new(redis::Script::new(DECIDE_BATCH_LUA)),
-            breakers: breakers(config, &backend),
-        };
+        let parts = Parts { config: config.clone(), breakers: breakers(config, &backend) };
         let queues = parts.dispatchers(&backend, config.connections, |run| drop(tasks.spawn(run)));
         Ok(RedisStore {
             backend,
@@ -262,10 +258,10 @@ impl RedisStore {
     pub async fn warm_up(&self, timeout: Duration) -> Result<(), StoreError> {
         let load = async {
             let mut conn = self.side_connection().await?;
-            let loaded: Result<String, RedisError> = match &mut conn {
+            let loaded: Result<(), RedisError> = match &mut conn {
                 // SCRIPT LOAD goes to every primary of a cluster.
-                Conn::Single(conn) => self.parts.script.load_async(conn.connection()).await,
-                Conn::Cluster(conn) => self.parts.script.load_async(conn).await,
+                Conn::Single(conn) => scripts::DECIDE_BATCH.load(conn.connection()).await,
+                Conn::Cluster(conn) => scripts::DECIDE_BATCH.load(conn).await,
             };
             if let (Ok(_), Backend::Cluster(cluster), Conn::Cluster(conn)) =
                 (&loaded, &self.backend, &mut conn)
@@ -325,6 +321,30 @@ impl RedisStore {
             let answer: Result<T, RedisError> = match &mut conn {
                 Conn::Single(conn) => pipeline.query_async(conn.connection()).await,
                 Conn::Cluster(conn) => pipeline.query_async(conn).await,
+            };
+            self.keep(conn, answer.is_ok());
+            answer.map_err(|e| classify(&e))
+        };
+        match tokio::time::timeout(timeout, run).await {
+            Ok(result) => result,
+            Err(_) => Err(timeout_error(timeout)),
+        }
+    }
+
+    /// Runs `calls` outside the decision path within `timeout`, in one
+    /// pipeline on the side connection ([`RedisStore::pipeline`]'s), as
+    /// [`scripts::run`] runs them: by SHA, and once more with each script's
+    /// text when the store does not know it. Each call's answer, in order.
+    pub async fn scripts(
+        &self,
+        calls: &[scripts::Call],
+        timeout: Duration,
+    ) -> Result<Vec<redis::Value>, StoreError> {
+        let run = async {
+            let mut conn = self.side_connection().await?;
+            let answer = match &mut conn {
+                Conn::Single(conn) => scripts::run(conn.connection(), calls).await,
+                Conn::Cluster(conn) => scripts::run(conn, calls).await,
             };
             self.keep(conn, answer.is_ok());
             answer.map_err(|e| classify(&e))
@@ -489,7 +509,6 @@ impl RedisStore {
 /// What every dispatcher of a store is made of.
 struct Parts {
     config: RedisConfig,
-    script: Arc<redis::Script>,
     /// One against a single server; one per [`SLOTS_PER_BREAKER`] slots
     /// against a cluster.
     breakers: Arc<[Breaker]>,
@@ -509,7 +528,6 @@ impl Parts {
                 let dispatcher = Dispatcher {
                     slot,
                     backend: backend.clone(),
-                    script: Arc::clone(&self.script),
                     timeout: Duration::from_millis(self.config.timeout_ms),
                     breakers: Arc::clone(&self.breakers),
                     caps: CallCaps {
@@ -622,7 +640,8 @@ mod tests {
             args.weight = 5;
         }
         let args = |inline| {
-            script_call("sha", &batch, inline)
+            script_call(&batch, inline)
+                .by_sha()
                 .args_iter()
                 .map(|arg| match arg {
                     redis::Arg::Simple(bytes) => String::from_utf8(bytes.to_vec()).unwrap(),
@@ -633,11 +652,12 @@ mod tests {
         // One spec; three jobs: x twice (0, 2 keys, each repeated: -1), y
         // of weight 5 (1 spec + position 1, then its weight), z (1).
         let tail = ["1", "1", "1", "1", "0", "1", "3", "0", "2", "-1", "-1", "2", "5", "1"];
+        let sha = scripts::DECIDE_BATCH.sha();
         let declared: Vec<&str> =
-            ["EVALSHA", "sha", "4", "x", "x", "y", "z", "1", "4"].into_iter().chain(tail).collect();
+            ["EVALSHA", sha, "4", "x", "x", "y", "z", "1", "4"].into_iter().chain(tail).collect();
         assert_eq!(args(false), declared);
         let inline: Vec<&str> =
-            ["EVALSHA", "sha", "0", "2", "3", "1", "x", "x", "y", "z"].into_iter().chain(tail).collect();
+            ["EVALSHA", sha, "0", "2", "3", "1", "x", "x", "y", "z"].into_iter().chain(tail).collect();
         assert_eq!(args(true), inline);
     }
 

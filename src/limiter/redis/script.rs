@@ -12,10 +12,9 @@ use super::{Job, fail_all};
 use crate::limiter::{
     Count, FailureKind, Seen, StoreError,
     bucket::MAX_DEBT,
+    scripts,
     window::{Algorithm, Counts, WindowParams, max_count, position},
 };
-
-pub(super) const DECIDE_BATCH_LUA: &str = include_str!("../scripts/decide_batch.lua");
 
 /// The parameters a counter shares with every counter of its rule: window
 /// (ticks), capacity, tick (ms), flags (algorithm code + 8 if shadow + 16 ×
@@ -137,40 +136,27 @@ pub(super) enum Target<'a> {
 }
 
 impl Target<'_> {
-    pub(super) async fn query(&mut self, call: redis::Cmd) -> Result<Value, RedisError> {
+    pub(super) async fn query(&mut self, call: &redis::Cmd) -> Result<Value, RedisError> {
         match self {
             Target::Server(conn) => call.query_async(*conn).await,
             Target::Slot(conn) => call.query_async(*conn).await,
             Target::Node(conn, slot) => {
                 let route = Route::new(*slot, SlotAddr::Master);
-                conn.route_command(call, RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)))
-                    .await
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+                conn.route_command(call.clone(), routing).await
             }
-        }
-    }
-
-    /// SCRIPT LOAD (to every primary of a cluster).
-    pub(super) async fn load(&mut self, script: &redis::Script) -> Result<String, RedisError> {
-        match self {
-            Target::Server(conn) => script.load_async(*conn).await,
-            Target::Slot(conn) | Target::Node(conn, _) => script.load_async(*conn).await,
         }
     }
 }
 
-/// Sends one batch as one script call by its SHA, loading the script once
-/// when the server does not know it (NOSCRIPT: a restart, a new node).
-pub(super) async fn run_script(
-    mut target: Target<'_>,
-    script: &redis::Script,
-    batch: &[Job],
-) -> Result<Vec<u64>, RedisError> {
+/// Sends one batch as one call of the decision script by its SHA, and
+/// once more with its text when the server does not know it (NOSCRIPT: a
+/// restart, a new node), as every script is called ([`scripts`]).
+pub(super) async fn run_script(mut target: Target<'_>, batch: &[Job]) -> Result<Vec<u64>, RedisError> {
     let inline = matches!(target, Target::Node(..));
-    let answer = match target.query(script_call(script.get_hash(), batch, inline)).await {
-        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-            target.load(script).await?;
-            target.query(script_call(script.get_hash(), batch, inline)).await?
-        }
+    let call = script_call(batch, inline);
+    let answer = match target.query(call.by_sha()).await {
+        Err(e) if scripts::unknown(&e) => target.query(&call.by_text()).await?,
         answer => answer?,
     };
     Ok(redis::from_redis_value(answer)?)
@@ -184,11 +170,10 @@ pub(super) async fn run_script(
 /// in the call. The layout is the script's header. Every value is a
 /// command argument Redis parses and Lua interns (~900 instructions per
 /// key for two of them), so the common case (one key, weight 1) is one.
-pub(super) fn script_call(sha: &str, batch: &[Job], inline: bool) -> redis::Cmd {
+pub(super) fn script_call(batch: &[Job], inline: bool) -> scripts::Call {
     let keys = || batch.iter().flat_map(|job| job.keys.as_slice().iter().map(|(key, _)| key.as_str()));
     let nkeys: usize = batch.iter().map(|job| job.keys.as_slice().len()).sum();
-    let mut call = redis::cmd("EVALSHA");
-    call.arg(sha);
+    let mut call = scripts::DECIDE_BATCH.call();
     if inline {
         call.arg(0);
         let runs = slot_runs(batch);
