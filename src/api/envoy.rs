@@ -9,9 +9,6 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
 use super::convert::call_traceparent;
-use super::envoy_pb::kuadrant::service::ratelimit::v1::rate_limit_service_server::{
-    RateLimitService as KuadrantRateLimitService, RateLimitServiceServer as KuadrantRateLimitServiceServer,
-};
 use super::envoy_pb::{
     envoy::{
         config::core::v3::HeaderValue, extensions::common::ratelimit::v3::RateLimitDescriptor,
@@ -37,11 +34,11 @@ use crate::{
 /// The Envoy rate limit service.
 #[derive(Debug, Clone)]
 pub struct EnvoyService {
-    engine: Engine,
+    pub(super) engine: Engine,
     settings: Arc<EnvoySettings>,
     /// limitador's limits: set, requests are answered as limitador answers
     /// them (every limit of the namespace that applies; no statuses).
-    limitador: Option<Arc<Hot<Limits>>>,
+    pub(super) limitador: Option<Arc<Hot<Limits>>>,
     /// Envoy's rules over xDS: until the first set is accepted (served
     /// before it with `rules.xds.force_start`), every call is answered
     /// with an error, never with OK, so the gateway's own failure mode
@@ -106,7 +103,7 @@ impl EnvoyService {
 
     /// [`EnvoyService::validate`], a refusal counted under its reason and
     /// answered INVALID_ARGUMENT: for `ShouldRateLimit` and Kuadrant's calls.
-    fn admissible(&self, request: &RateLimitRequest) -> Result<(), Status> {
+    pub(super) fn admissible(&self, request: &RateLimitRequest) -> Result<(), Status> {
         self.validate(request).map_err(|(reason, message)| {
             self.engine.refused(Api::Envoy, reason);
             match (self.upstream_errors, reason) {
@@ -253,81 +250,8 @@ impl RateLimitService for EnvoyService {
     }
 }
 
-/// Kuadrant's rate limit service, served beside `ShouldRateLimit` from
-/// limitador's limits: the check before a request (nothing counted) and the
-/// report of its usage after the response (counted whatever is left).
-#[tonic::async_trait]
-impl KuadrantRateLimitService for EnvoyService {
-    async fn check_rate_limit(
-        &self,
-        request: Request<RateLimitRequest>,
-    ) -> Result<Response<RateLimitResponse>, Status> {
-        self.kuadrant(request, Call::Check).await
-    }
-
-    async fn report(
-        &self,
-        request: Request<RateLimitRequest>,
-    ) -> Result<Response<RateLimitResponse>, Status> {
-        self.kuadrant(request, Call::Report).await
-    }
-}
-
-impl EnvoyService {
-    /// The Kuadrant service's server (with limitador's limits).
-    pub fn into_kuadrant_server(self) -> KuadrantRateLimitServiceServer<Self> {
-        KuadrantRateLimitServiceServer::new(self)
-    }
-
-    /// `CheckRateLimit` (`call` Check) or `Report`: OK or OVER_LIMIT (a
-    /// report is always OK), no statuses or headers, as limitador answers.
-    async fn kuadrant(
-        &self,
-        request: Request<RateLimitRequest>,
-        call: Call,
-    ) -> Result<Response<RateLimitResponse>, Status> {
-        let Some(limits) = &self.limitador else {
-            return Err(Status::unimplemented(
-                "kuadrant.service.ratelimit.v1 is served with limitador's limits",
-            ));
-        };
-        let (metadata, extensions, request) = request.into_parts();
-        self.admissible(&request)?;
-        let span = tracing::info_span!(
-            "ratelimit.kuadrant",
-            otel.kind = "server",
-            call = ?call,
-            domain = %request.domain,
-            descriptors = request.descriptors.len(),
-            reason = tracing::field::Empty,
-            overall_code = tracing::field::Empty,
-        );
-        continue_trace(&span, &metadata);
-        let rls = RlsRequest {
-            share: super::check::share_of(&extensions),
-            may_report: false,
-            ..convert(&request, call_traceparent(&metadata))
-        };
-        // limitador checks one hit, whatever the request says.
-        let hits = (call == Call::Check).then_some(1);
-        let decision = self.engine.limitador(&limits.load(), &rls, call, hits).instrument(span).await;
-        self.engine.limitador_counted(
-            &request.domain,
-            call,
-            &decision,
-            u64::from(request.hits_addend.max(1)),
-        );
-        if let Some(failure) = &decision.failure {
-            return Err(Status::unavailable(format!("counter store unavailable: {failure}")));
-        }
-        let over = call == Call::Check && decision.over_limit;
-        let code = if over { Code::OverLimit } else { Code::Ok };
-        Ok(Response::new(RateLimitResponse { overall_code: code as i32, ..Default::default() }))
-    }
-}
-
 /// Borrows a validated request as the engine's [`RlsRequest`]: no copy.
-fn convert<'a>(
+pub(super) fn convert<'a>(
     request: &'a RateLimitRequest,
     traceparent: Option<&'a str>,
 ) -> RlsRequest<'a, RateLimitDescriptor> {

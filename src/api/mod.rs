@@ -9,6 +9,7 @@ pub mod client;
 mod convert;
 mod eager;
 mod envoy;
+mod kuadrant;
 pub mod envoy_settings;
 pub mod lenient;
 pub mod limitador_http;
