@@ -12,7 +12,8 @@ use super::convert::call_traceparent;
 use super::envoy::{EnvoyService, convert};
 use super::envoy_pb::{
     kuadrant::service::ratelimit::v1::rate_limit_service_server::{
-        RateLimitService as KuadrantRateLimitService, RateLimitServiceServer as KuadrantRateLimitServiceServer,
+        RateLimitService as KuadrantRateLimitService,
+        RateLimitServiceServer as KuadrantRateLimitServiceServer,
     },
     rls::{RateLimitRequest, RateLimitResponse, rate_limit_response::Code},
 };
@@ -93,4 +94,3 @@ impl EnvoyService {
         Ok(Response::new(RateLimitResponse { overall_code: code as i32, ..Default::default() }))
     }
 }
-

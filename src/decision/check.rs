@@ -14,7 +14,7 @@ use super::{
 use crate::{
     limiter::{CallerCalls, Count, FailureKind, Shares, StoreError, Verdict, adaptive::Reported},
     overload::{Kind, OverloadVerdict},
-    rules::{FailurePolicy, Mode, Rule},
+    rules::{FailurePolicy, Mode, Rule, Snapshot},
     shed::{Level, Priority},
 };
 
@@ -111,8 +111,7 @@ impl Decision {
 
 /// Decides one request through the pipeline; feeds the rule's adaptive
 /// limit its outcome report, or an admission.
-pub(super) async fn decide(engine: &Engine, request: &CheckRequest<'_>) -> Decision {
-    let snapshot = engine.inner.rules.load();
+pub(super) async fn decide(engine: &Engine, snapshot: &Snapshot, request: &CheckRequest<'_>) -> Decision {
     let rule = snapshot.lookup(request.resource_path, request.client_type);
     let adaptive = rule.and_then(|r| r.adaptive.as_deref());
     if let Some(reported) = request.outcome

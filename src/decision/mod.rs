@@ -396,7 +396,9 @@ impl Engine {
     /// caller's request span).
     pub async fn check(&self, request: &CheckRequest<'_>) -> Decision {
         let started = std::time::Instant::now();
-        let decision = check::decide(self, request).await;
+        // One snapshot from lookup to answer, the capture's version included.
+        let snapshot = self.inner.rules.load();
+        let decision = check::decide(self, &snapshot, request).await;
         let span = tracing::Span::current();
         if let Some(rule) = &decision.rule {
             span.record("rule", &*rule.id);
@@ -413,7 +415,7 @@ impl Engine {
         if let Some(capture) = &self.inner.capture
             && capture.wants(request.user_id)
         {
-            capture.record(request, &decision, self.inner.rules.load().version());
+            capture.record(request, &decision, snapshot.version());
         }
         decision
     }
@@ -423,11 +425,13 @@ impl Engine {
     /// `reason` and `overall_code` on the current span.
     pub async fn should_rate_limit<D: Descriptor>(&self, request: &RlsRequest<'_, D>) -> RlsDecision {
         let started = std::time::Instant::now();
-        let decision = self.run(envoy::Rls::new(self, request)).await;
+        // One configuration from lookup to answer, the capture's version included.
+        let config = self.inner.envoy.as_ref().map(|hot| hot.load());
+        let decision = self.run(envoy::Rls::new(self, config.as_deref(), request)).await;
         if !decision.over_limit {
             envoy::admit_reporters(request, &decision);
         }
-        envoy::capture(self, request, &decision);
+        envoy::capture(self, config.as_deref(), request, &decision);
         self.envoy_decided(&decision, started);
         decision
     }

@@ -39,7 +39,7 @@ pub use request::{Descriptor, EnvoyCall, LimitOverride, OwnedDescriptor, RlsDesc
 use super::{Engine, Reason, pipeline::Subject};
 use crate::{
     limiter::{Count, ManyItem, ManyOutcome, Shares, StoreError},
-    rules::envoy::EnvoyMatch,
+    rules::envoy::{EnvoyConfig, EnvoyMatch},
     shed::{Level, Priority},
 };
 
@@ -69,8 +69,13 @@ pub(in crate::decision) fn priority<D: Descriptor>(engine: &Engine, request: &Rl
 }
 
 /// Hands a sampled request and its decision to the capture sink.
-pub(super) fn capture<D: Descriptor>(engine: &Engine, request: &RlsRequest<'_, D>, decision: &RlsDecision) {
-    let version = || engine.inner.envoy.as_ref().map(|e| e.load().version().to_owned()).unwrap_or_default();
+pub(super) fn capture<D: Descriptor>(
+    engine: &Engine,
+    config: Option<&EnvoyConfig>,
+    request: &RlsRequest<'_, D>,
+    decision: &RlsDecision,
+) {
+    let version = || config.map(|c| c.version().to_owned()).unwrap_or_default();
     capture_as(engine, request, request.hits_addend, Count::IfFits, decision, version);
 }
 
@@ -110,9 +115,9 @@ pub(super) struct Rls<'r, 'a, D> {
 }
 
 impl<'r, 'a, D: Descriptor> Rls<'r, 'a, D> {
-    /// `request` before the pipeline: its limits and its priority.
-    pub(super) fn new(engine: &Engine, request: &'r RlsRequest<'a, D>) -> Self {
-        Rls::with_limits(request, plan::limits(engine, request), priority(engine, request))
+    /// `request` before the pipeline: its limits in `config` and its priority.
+    pub(super) fn new(engine: &Engine, config: Option<&EnvoyConfig>, request: &'r RlsRequest<'a, D>) -> Self {
+        Rls::with_limits(request, plan::limits(engine, config, request), priority(engine, request))
     }
 
     /// `request` whose descriptors' limits are already known (one each),

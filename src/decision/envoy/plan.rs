@@ -14,7 +14,7 @@ use crate::{
     decision::{Api, Engine},
     limiter::{Count, ManyItem},
     overload::{Kind, OverloadVerdict},
-    rules::envoy::{EnvoyLimit, EnvoyMatch, params, tick_ms},
+    rules::envoy::{EnvoyConfig, EnvoyLimit, EnvoyMatch, params, tick_ms},
 };
 
 /// How one descriptor is decided.
@@ -57,9 +57,12 @@ pub(super) fn item_hits(item: &ManyItem) -> u64 {
 /// Each descriptor's limit: the request's override, else the
 /// configuration's; then `replaces` drops every named limit another
 /// matched limit replaces.
-pub(super) fn limits<D: Descriptor>(engine: &Engine, request: &RlsRequest<'_, D>) -> Vec<Option<EnvoyMatch>> {
+pub(super) fn limits<D: Descriptor>(
+    engine: &Engine,
+    config: Option<&EnvoyConfig>,
+    request: &RlsRequest<'_, D>,
+) -> Vec<Option<EnvoyMatch>> {
     let inner = &engine.inner;
-    let config = inner.envoy.as_ref().map(|hot| hot.load());
     // Asked only of requests that carry a limit: most carry none.
     let honoured = || inner.envoy_policy.request_limit_domains.contains(request.domain);
     let mut limits: Vec<Option<EnvoyMatch>> = request
@@ -97,6 +100,12 @@ pub(super) fn limits<D: Descriptor>(engine: &Engine, request: &RlsRequest<'_, D>
             }
         })
         .collect();
+    drop_replaced(&mut limits);
+    limits
+}
+
+/// Drops every named limit of `limits` another of them replaces.
+fn drop_replaced(limits: &mut [Option<EnvoyMatch>]) {
     // The limits are `Arc`s: collecting the replacing ones clones pointers.
     let replacing: Vec<Arc<EnvoyLimit>> = limits
         .iter()
@@ -104,18 +113,18 @@ pub(super) fn limits<D: Descriptor>(engine: &Engine, request: &RlsRequest<'_, D>
         .filter(|m| !m.limit.replaces.is_empty())
         .map(|m| Arc::clone(&m.limit))
         .collect();
-    if !replacing.is_empty() {
-        for slot in &mut limits {
-            let replaced = slot
-                .as_ref()
-                .and_then(|m| m.limit.name.as_deref())
-                .is_some_and(|name| replacing.iter().any(|r| r.replaces.iter().any(|x| x == name)));
-            if replaced {
-                *slot = None;
-            }
+    if replacing.is_empty() {
+        return;
+    }
+    for slot in limits {
+        let replaced = slot
+            .as_ref()
+            .and_then(|m| m.limit.name.as_deref())
+            .is_some_and(|name| replacing.iter().any(|r| r.replaces.iter().any(|x| x == name)));
+        if replaced {
+            *slot = None;
         }
     }
-    limits
 }
 
 /// A limit the request supplies for descriptor `d` of `domain`, under
