@@ -49,7 +49,9 @@ impl Script {
     /// `SCRIPT LOAD` of its text on `conn` (to every primary of a cluster),
     /// so the first call by SHA finds it.
     pub async fn load<C: ConnectionLike>(&self, conn: &mut C) -> Result<(), RedisError> {
-        redis::Script::new(self.text).load_async(conn).await.map(drop)
+        // Sent as it is: `redis::Script` would hash the text again each time
+        // (the readiness probe loads the decision script at every probe).
+        redis::cmd("SCRIPT").arg("LOAD").arg(self.text).query_async::<String>(conn).await.map(drop)
     }
 }
 
