@@ -165,29 +165,24 @@ pub static SCHEMA_SWAP: Script = Script::new(
 mod tests {
     use super::*;
 
+    /// A command's words.
+    fn words(cmd: &Cmd) -> Vec<Vec<u8>> {
+        cmd.args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => b.to_vec(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
     #[test]
     fn a_call_by_text_is_the_call_by_sha_with_the_text_in_place_of_the_sha() {
         let mut call = ADAPT.call();
         call.arg(1).arg("key").arg(7);
-        let by_sha: Vec<Vec<u8>> = call
-            .by_sha()
-            .args_iter()
-            .map(|a| match a {
-                redis::Arg::Simple(b) => b.to_vec(),
-                _ => Vec::new(),
-            })
-            .collect();
+        let (by_sha, by_text) = (words(call.by_sha()), words(&call.by_text()));
         assert_eq!(by_sha[0], b"EVALSHA");
         assert_eq!(by_sha[1], ADAPT.sha().as_bytes());
         assert_eq!(ADAPT.sha().len(), 40);
-        let by_text: Vec<Vec<u8>> = call
-            .by_text()
-            .args_iter()
-            .map(|a| match a {
-                redis::Arg::Simple(b) => b.to_vec(),
-                _ => Vec::new(),
-            })
-            .collect();
         assert_eq!(by_text[0], b"EVAL");
         assert_eq!(by_text[1], ADAPT.text().as_bytes());
         assert_eq!(by_text[2..], by_sha[2..]);
@@ -197,13 +192,7 @@ mod tests {
     fn a_retry_carries_each_scripts_text_once() {
         let calls = [LEASE.call(), LEASE.call(), APPLIED.call()];
         let text = pipeline(&calls, true);
-        let firsts: Vec<Vec<u8>> = text
-            .cmd_iter()
-            .map(|c| match c.args_iter().next() {
-                Some(redis::Arg::Simple(b)) => b.to_vec(),
-                _ => Vec::new(),
-            })
-            .collect();
+        let firsts: Vec<Vec<u8>> = text.cmd_iter().map(|c| words(c).swap_remove(0)).collect();
         assert_eq!(firsts, [b"EVAL".to_vec(), b"EVALSHA".to_vec(), b"EVAL".to_vec()]);
     }
 }
