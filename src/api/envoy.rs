@@ -102,7 +102,9 @@ impl EnvoyService {
     }
 
     /// [`EnvoyService::validate`], a refusal counted under its reason and
-    /// answered INVALID_ARGUMENT: for `ShouldRateLimit` and Kuadrant's calls.
+    /// answered INVALID_ARGUMENT (an empty domain or no descriptors, in
+    /// envoyproxy compat mode, UNKNOWN in upstream's words): for
+    /// `ShouldRateLimit` and Kuadrant's calls.
     pub(super) fn admissible(&self, request: &RateLimitRequest) -> Result<(), Status> {
         self.validate(request).map_err(|(reason, message)| {
             self.engine.refused(Api::Envoy, reason);
@@ -127,9 +129,10 @@ impl EnvoyService {
         }
     }
 
-    /// Refuses only broken structure (empty domain, no descriptors, an
-    /// empty entry list or key) and the counts Envoy's own configuration
-    /// bounds (domain length, descriptors, entries). An entry's size never
+    /// Refuses only broken structure (an empty domain; but with limitador's
+    /// limits, which read descriptors as maps, no descriptors, an empty
+    /// entry list or key) and the counts Envoy's own configuration bounds
+    /// (domain length, descriptors, entries). An entry's size never
     /// refuses: the engine counts a long one by its digest. A request limit
     /// with a unit this service does not know is ignored, as if none were
     /// sent (the configured limit applies; counted as `override_ignored`):
