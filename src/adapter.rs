@@ -167,8 +167,8 @@ async fn exchange_redis(store: &RedisStore, due: &[Due<'_>]) -> Result<Vec<u64>,
     }
     call.arg(STATE_TTL_SECONDS * 1_000);
     let timeout = Duration::from_millis((shortest / 2).clamp(10, 1_000));
-    let answer = store.scripts(std::slice::from_ref(&call), timeout).await?.pop();
-    let limits: Vec<u64> = answer.and_then(|a| redis::from_redis_value(a).ok()).unwrap_or_default();
+    let answer = store.script(&call, timeout).await?;
+    let limits: Vec<u64> = redis::from_redis_value(answer).unwrap_or_default();
     if limits.len() != due.len() {
         return Err(StoreError {
             kind: crate::limiter::FailureKind::ScriptError,

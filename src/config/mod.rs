@@ -168,10 +168,11 @@ impl Config {
         let notes = environment::unread(&env);
         environment::otel(&mut env)?;
         let state = state_dir(&env);
+        let (dlq_file, local_dir) = (state.join("dlq.jsonl"), state.join("local"));
         let mut builder = config::Config::builder()
-            .set_default("dlq.file", path_value(&state.join("dlq.jsonl")))
+            .set_default("dlq.file", path_value(&dlq_file))
             .and_then(|b| b.set_default("dlq.spool_dir", path_value(&state.join("spool"))))
-            .and_then(|b| b.set_default("local.state_dir", path_value(&state.join("local"))))
+            .and_then(|b| b.set_default("local.state_dir", path_value(&local_dir)))
             .and_then(|b| b.set_default("capture.file", path_value(&state.join("capture.jsonl"))))
             .and_then(|b| b.set_default("admin.audit_log", path_value(&state.join("admin-audit.jsonl"))))
             .map_err(|e| ConfigError::Load(e.to_string()))?;
@@ -196,8 +197,8 @@ impl Config {
         let raw = builder.build().map_err(|e| ConfigError::Load(e.to_string()))?;
         let mut config: Config = raw.try_deserialize().map_err(|e| ConfigError::Load(e.to_string()))?;
         config.grpc.memory_limit = crate::budget::memory_limit(&config.shed.cgroup_root);
-        config.dlq.file_is_default = config.dlq.file == state.join("dlq.jsonl");
-        config.local.state_dir_is_default = config.local.state_dir == state.join("local");
+        config.dlq.file_is_default = config.dlq.file == dlq_file;
+        config.local.state_dir_is_default = config.local.state_dir == local_dir;
         config.validate()?;
         config.compat = compat;
         config.notes = notes;

@@ -358,6 +358,18 @@ mod tests {
         }
     }
 
+    /// The file writer of `queue` on `path`, capped at `max_bytes`, until `stopped`.
+    fn file_writer(
+        queue: tokio::sync::mpsc::Receiver<FailureRecord>,
+        path: &Path,
+        max_bytes: u64,
+        counters: Arc<DlqCounters>,
+        stopped: tokio::sync::watch::Receiver<bool>,
+    ) -> tokio::task::JoinHandle<()> {
+        let target = file::Target::File(file::FileTarget { path: path.to_owned(), max_bytes });
+        tokio::spawn(file::run(queue, target, counters, file::Drain::default(), stopped))
+    }
+
     fn fail(sink: &DlqSink, times: usize) {
         let headers = HashMap::new();
         let rule = rule();
@@ -395,14 +407,7 @@ mod tests {
         let (sink, queue, counters) =
             DlqSink::new(1_000, 1 << 20, "i".to_owned(), Vec::new(), RecordBounds::default());
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let target = file::FileTarget { path: path.clone(), max_bytes: u64::MAX };
-        let writer = tokio::spawn(file::run(
-            queue,
-            file::Target::File(target),
-            counters,
-            file::Drain::default(),
-            stopped,
-        ));
+        let writer = file_writer(queue, &path, u64::MAX, counters, stopped);
         fail(&sink, 300);
         stop.send(true).unwrap();
         writer.await.unwrap();
@@ -453,14 +458,7 @@ mod tests {
             DlqSink::new(1_000, u64::MAX, "i".to_owned(), Vec::new(), RecordBounds::default());
         let sink = sink.with_disk_cap(cap);
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let target = file::FileTarget { path: path.clone(), max_bytes: cap };
-        let writer = tokio::spawn(file::run(
-            queue,
-            file::Target::File(target),
-            counters,
-            file::Drain::default(),
-            stopped,
-        ));
+        let writer = file_writer(queue, &path, cap, counters, stopped);
         let settled = |sink: &DlqSink| {
             let s = sink.stats();
             s.pending == 0 && s.enqueued == s.delivered + s.dropped

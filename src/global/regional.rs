@@ -124,8 +124,8 @@ pub async fn exchange(
             cmd.arg(&*t.key).arg(t.admitted).arg(t.denied);
         }
     }
-    let answer = store.scripts(std::slice::from_ref(&cmd), timeout).await?.pop();
-    answer.and_then(|answer| parse(answer, limits.len())).ok_or_else(|| StoreError {
+    let answer = store.script(&cmd, timeout).await?;
+    parse(answer, limits.len()).ok_or_else(|| StoreError {
         kind: crate::limiter::FailureKind::ScriptError,
         message: "the region script answered an unexpected shape".to_owned(),
     })
@@ -259,5 +259,5 @@ pub async fn applied(
     let mut cmd = scripts::APPLIED.call();
     cmd.arg(1).arg(key(store.key_prefix(), "applied", None));
     cmd.arg(instance).arg(version).arg(read_ms);
-    store.scripts(std::slice::from_ref(&cmd), timeout).await.map(drop)
+    store.script(&cmd, timeout).await.map(drop)
 }

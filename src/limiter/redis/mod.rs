@@ -271,13 +271,9 @@ impl RedisStore {
                 // only more calls) until a probe reads it.
                 tracing::debug!(%error, "redis cluster slot map not read; calls go per slot");
             }
-            self.keep(conn, loaded.is_ok());
-            loaded.map(drop).map_err(|e| classify(&e))
+            self.settle_side(conn, loaded)
         };
-        match tokio::time::timeout(timeout, load).await {
-            Ok(result) => result,
-            Err(_) => Err(timeout_error(timeout)),
-        }
+        within(timeout, load).await
     }
 
     /// A permit of each of a caller's `shares` of the in-flight calls,
@@ -322,13 +318,9 @@ impl RedisStore {
                 Conn::Single(conn) => pipeline.query_async(conn.connection()).await,
                 Conn::Cluster(conn) => pipeline.query_async(conn).await,
             };
-            self.keep(conn, answer.is_ok());
-            answer.map_err(|e| classify(&e))
+            self.settle_side(conn, answer)
         };
-        match tokio::time::timeout(timeout, run).await {
-            Ok(result) => result,
-            Err(_) => Err(timeout_error(timeout)),
-        }
+        within(timeout, run).await
     }
 
     /// Runs `calls` outside the decision path within `timeout`, in one
@@ -346,13 +338,22 @@ impl RedisStore {
                 Conn::Single(conn) => scripts::run(conn.connection(), calls).await,
                 Conn::Cluster(conn) => scripts::run(conn, calls).await,
             };
-            self.keep(conn, answer.is_ok());
-            answer.map_err(|e| classify(&e))
+            self.settle_side(conn, answer)
         };
-        match tokio::time::timeout(timeout, run).await {
-            Ok(result) => result,
-            Err(_) => Err(timeout_error(timeout)),
-        }
+        within(timeout, run).await
+    }
+
+    /// [`RedisStore::scripts`] of one call: its answer.
+    pub async fn script(&self, call: &scripts::Call, timeout: Duration) -> Result<redis::Value, StoreError> {
+        let mut answers = self.scripts(std::slice::from_ref(call), timeout).await?;
+        answers.pop().ok_or_else(|| script_error(format!("{} answered nothing", call.script().name())))
+    }
+
+    /// What a side call's `answer` says: the connection kept when it worked
+    /// ([`RedisStore::keep`]), the error classified.
+    fn settle_side<T>(&self, conn: Conn, answer: Result<T, RedisError>) -> Result<T, StoreError> {
+        self.keep(conn, answer.is_ok());
+        answer.map_err(|e| classify(&e))
     }
 
     /// A connection for calls outside the decision path.
@@ -547,6 +548,14 @@ fn fail_all(batch: &mut Vec<Job>, error: &StoreError) {
     for job in batch.drain(..) {
         let _ = job.reply.send(Err(error.clone()));
     }
+}
+
+/// `run`'s result, or a timeout once `timeout` has passed.
+async fn within<T>(
+    timeout: Duration,
+    run: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(timeout, run).await.unwrap_or_else(|_| Err(timeout_error(timeout)))
 }
 
 #[cfg(test)]

@@ -37,20 +37,18 @@ pub(crate) fn dlq(
     let drain = || dlq::file::Drain::with_folds(Arc::clone(&folds), fold_interval);
     let Some(brokers) = &config.kafka.brokers else {
         let stop = tasks.stopper();
-        return Ok(match file_target(config)? {
+        let target = file_target(config)?;
+        let sink = match &target {
             dlq::file::Target::File(file) => {
                 tracing::info!(file = %file.path.display(), "failed decisions go to a JSON-lines file");
                 let size = std::fs::metadata(&file.path).map_or(0, |m| m.len());
                 counters.file_bytes.store(size, std::sync::atomic::Ordering::SeqCst);
-                let cap = file.max_bytes;
-                tasks.spawn(dlq::file::run(queue, dlq::file::Target::File(file), counters, drain(), stop));
-                Arc::new(sink.with_disk_cap(cap))
+                sink.with_disk_cap(file.max_bytes)
             }
-            dlq::file::Target::Stderr => {
-                tasks.spawn(dlq::file::run(queue, dlq::file::Target::Stderr, counters, drain(), stop));
-                Arc::new(sink)
-            }
-        });
+            dlq::file::Target::Stderr => sink,
+        };
+        tasks.spawn(dlq::file::run(queue, target, counters, drain(), stop));
+        return Ok(Arc::new(sink));
     };
     dlq_to_kafka(config, brokers, (sink, queue, counters), drain(), tasks)
 }
