@@ -240,6 +240,24 @@ fn deployment_env(
     ]
 }
 
+/// In `dir`: the gateway's CA (`ca.pem`), the control plane's certificate
+/// (`server.pem`), and the Deployment's `/certs` (returned): `tls.crt` and
+/// `tls.key` (it serves and it is a client of the control plane) and
+/// `ca.crt`, readable by the container's user as the Secret's files are.
+fn deployment_certs(dir: &std::path::Path) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt as _;
+    common::make_ca(dir, "ca");
+    common::make_leaf(dir, "ca", "server", "serverAuth");
+    common::make_leaf(dir, "ca", "ratelimit", "serverAuth,clientAuth");
+    let certs = dir.join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    for (from, to) in [("ratelimit.pem", "tls.crt"), ("ratelimit.key", "tls.key"), ("ca.pem", "ca.crt")] {
+        std::fs::copy(dir.join(from), certs.join(to)).unwrap();
+        std::fs::set_permissions(certs.join(to), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    certs
+}
+
 /// GET `path` through Envoy with `headers`: (status, `x-ratelimit-remaining`).
 fn get(port: u16, path: &str, headers: &[(&str, &str)]) -> (u16, Option<String>) {
     let reply = http_get_text(port, path, headers);
@@ -249,18 +267,9 @@ fn get(port: u16, path: &str, headers: &[(&str, &str)]) -> (u16, Option<String>)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn envoy_gateways_deployment_serves_its_xds_limits_through_envoy() {
     let dir = tempfile::tempdir().unwrap();
-    // The gateway's CA; the control plane's certificate; the rate limit
-    // Deployment's /certs/tls.crt (it serves and it is a client of the
-    // control plane); the Envoy proxy's client certificate.
-    common::make_ca(dir.path(), "ca");
-    common::make_leaf(dir.path(), "ca", "server", "serverAuth");
-    common::make_leaf(dir.path(), "ca", "ratelimit", "serverAuth,clientAuth");
+    let certs = deployment_certs(dir.path());
+    // The Envoy proxy's client certificate.
     common::make_leaf(dir.path(), "ca", "envoy", "clientAuth");
-    let certs = dir.path().join("certs");
-    std::fs::create_dir_all(&certs).unwrap();
-    for (from, to) in [("ratelimit.pem", "tls.crt"), ("ratelimit.key", "tls.key"), ("ca.pem", "ca.crt")] {
-        std::fs::copy(dir.path().join(from), certs.join(to)).unwrap();
-    }
 
     let (_set, seen, url) =
         management_server_with(Some(("1".to_owned(), vec![gateway_config()])), Some(dir.path())).await;
@@ -349,16 +358,7 @@ async fn the_unchanged_deployment_starts_as_nobody_without_a_volume() {
     };
     use std::os::unix::{fs::PermissionsExt as _, process::CommandExt as _};
     let dir = tempfile::tempdir().unwrap();
-    common::make_ca(dir.path(), "ca");
-    common::make_leaf(dir.path(), "ca", "server", "serverAuth");
-    common::make_leaf(dir.path(), "ca", "ratelimit", "serverAuth,clientAuth");
-    let certs = dir.path().join("certs");
-    std::fs::create_dir_all(&certs).unwrap();
-    for (from, to) in [("ratelimit.pem", "tls.crt"), ("ratelimit.key", "tls.key"), ("ca.pem", "ca.crt")] {
-        std::fs::copy(dir.path().join(from), certs.join(to)).unwrap();
-        // The Secret's files, readable by the container's user.
-        std::fs::set_permissions(certs.join(to), std::fs::Permissions::from_mode(0o644)).unwrap();
-    }
+    let certs = deployment_certs(dir.path());
     let root = running_as_root();
     let (state, work) = (dir.path().join("var/lib/ratelimitd"), dir.path().join("work"));
     for (place, mode) in [(dir.path(), 0o755), (&certs, 0o755), (&state, 0o555), (&work, 0o555)] {
