@@ -183,7 +183,7 @@ impl GlobalExchange {
         settings: Settings,
         status: Arc<status::GlobalStatus>,
     ) -> Self {
-        let deployment = matches!(store, Store::Memory(_)).then(|| crate::limiter::instance::id("memory"));
+        let deployment = store.shared().is_none().then(|| crate::limiter::instance::id("memory"));
         GlobalExchange {
             grants,
             rules,
@@ -221,7 +221,7 @@ impl GlobalExchange {
     /// An instance that is not the agent says it applied what it read.
     async fn applied(&mut self, view: &regional::View) -> Result<(), StoreError> {
         self.applied = Some(view.version);
-        let Store::Redis(redis) = &self.store else { return Ok(()) };
+        let Some(redis) = self.store.shared() else { return Ok(()) };
         let (instance, timeout) = (&self.settings.instance, self.settings.regional_timeout);
         regional::applied(redis, instance, (view.version, view.now_ms), timeout).await
     }
@@ -275,12 +275,12 @@ impl GlobalExchange {
             return Ok(());
         }
         self.applied = Some(version);
-        let result = match &self.store {
-            Store::Redis(redis) => {
+        let result = match self.store.shared() {
+            Some(redis) => {
                 let (lease_ms, timeout) = (self.settings.lease.lease_ms, self.settings.regional_timeout);
                 regional::write_grants(redis, (version, written), lease_ms, timeout).await
             }
-            Store::Memory(_) => Ok(()),
+            None => Ok(()),
         };
         self.landed(version);
         result
@@ -320,7 +320,7 @@ impl GlobalExchange {
     async fn with_region(&mut self, served: &[Served], sent: u64) -> Result<regional::View, StoreError> {
         let tallies: Vec<Vec<KeyTally>> =
             served.iter().map(|s| self.grants.table(&s.id).take_tallies(sent)).collect();
-        let Store::Redis(redis) = &self.store else { return Ok(regional::View::alone(tallies, sent)) };
+        let Some(redis) = self.store.shared() else { return Ok(regional::View::alone(tallies, sent)) };
         let ids: Vec<&str> = served.iter().map(|s| &*s.id).collect();
         let call = regional::Call {
             instance: &self.settings.instance,

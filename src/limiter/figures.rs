@@ -2,12 +2,9 @@
 //! in-memory store's counters and evictions, the local limiter's share
 //! and write-back, and the store calls that waited for their share.
 
-use std::{
-    fmt::Write as _,
-    sync::{Arc, Weak},
-};
+use std::fmt::Write as _;
 
-use super::{MemoryStore, RedisStore, Store, local::LocalLimiter};
+use super::{MemoryStore, local::LocalLimiter};
 use crate::telemetry::exposition::{Figures, header, single};
 
 impl Figures for MemoryStore {
@@ -40,6 +37,7 @@ impl Figures for MemoryStore {
             "Counters that still counted evicted to make room in a full shard (the least full first), each remembered in the shard's summary so its key returns at least at its count.",
             self.live_evictions(),
         );
+        share_waits(out, ShareWaits::default());
     }
 }
 
@@ -84,40 +82,27 @@ impl Figures for LocalLimiter {
     }
 }
 
-/// The store calls that waited for their connection's, their peer's or
-/// their tenant's share (`grpc.max_store_calls_per_*`): Redis only, 0 otherwise.
-#[derive(Debug)]
+/// Calls that waited for a share of the in-flight calls, by share.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ShareWaits {
-    /// Weak: the store's dispatchers end only once it is dropped, at
-    /// shutdown, while metrics may still be scraped.
-    redis: Option<Weak<RedisStore>>,
+    /// For their connection's (`grpc.max_store_calls_per_connection`).
+    pub connection: u64,
+    /// For their tenant's (`grpc.max_store_calls_per_tenant`).
+    pub tenant: u64,
+    /// For their peer's (`grpc.max_store_calls_per_peer`).
+    pub peer: u64,
 }
 
-impl ShareWaits {
-    /// The waits of `store`'s calls.
-    pub fn of(store: &Store) -> Arc<Self> {
-        Arc::new(ShareWaits {
-            redis: match store {
-                Store::Redis(redis) => Some(Arc::downgrade(redis)),
-                Store::Memory(_) => None,
-            },
-        })
-    }
-}
-
-impl Figures for ShareWaits {
-    fn render(&self, out: &mut String) {
-        header(
-            out,
-            "ratelimitd_store_call_waits_total",
-            "counter",
-            "Store calls that waited for their connection's, peer's or tenant's share (grpc.max_store_calls_per_*).",
-        );
-        let waits =
-            self.redis.as_ref().and_then(Weak::upgrade).map(|redis| redis.share_waits()).unwrap_or_default();
-        let _ =
-            writeln!(out, "ratelimitd_store_call_waits_total{{share=\"connection\"}} {}", waits.connection);
-        let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"peer\"}} {}", waits.peer);
-        let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"tenant\"}} {}", waits.tenant);
-    }
+/// `ratelimitd_store_call_waits_total`, shown by every store (a store in
+/// the process never waits: 0).
+pub(crate) fn share_waits(out: &mut String, waits: ShareWaits) {
+    header(
+        out,
+        "ratelimitd_store_call_waits_total",
+        "counter",
+        "Store calls that waited for their connection's, peer's or tenant's share (grpc.max_store_calls_per_*).",
+    );
+    let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"connection\"}} {}", waits.connection);
+    let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"peer\"}} {}", waits.peer);
+    let _ = writeln!(out, "ratelimitd_store_call_waits_total{{share=\"tenant\"}} {}", waits.tenant);
 }

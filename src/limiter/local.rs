@@ -29,6 +29,7 @@
 
 use std::{
     collections::HashMap,
+    future::Future,
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
@@ -39,9 +40,10 @@ use std::{
 use futures_util::future::BoxFuture;
 
 use super::{
-    Clock, Count, CounterSpec, ManyItem, ManyOutcome, MemoryStore, RedisStore, Store, StoreError, Verdict,
-    WindowParams, exchange::Participant,
+    Clock, Count, CounterSpec, CounterStore, FailureKind, Listed, ManyItem, ManyOutcome, MemoryStore,
+    RedisStore, Shares, Store, StoreError, Verdict, WindowParams, exchange::Participant,
 };
+use crate::telemetry::exposition::Figures;
 
 /// How the local limiter runs (from `local.*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -303,6 +305,49 @@ impl LocalLimiter {
     }
 }
 
+/// The local store: the memory store's counters at this instance's share
+/// of each limit, each admission owed to the shared store.
+impl CounterStore for LocalLimiter {
+    const NAME: &'static str = "local";
+    const REMOTE: bool = false;
+
+    fn decide_in(
+        &self,
+        _: Shares<'_>,
+        user_id: &str,
+        counter: CounterSpec<'_>,
+        weight: u64,
+        count: Count,
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
+        std::future::ready(self.decide(user_id, counter, weight, count))
+    }
+
+    fn decide_job(
+        &self,
+        group: &str,
+        items: &[ManyItem],
+    ) -> impl Future<Output = Result<ManyOutcome, StoreError>> + Send {
+        std::future::ready(self.decide_many(group, items))
+    }
+
+    /// Every shard walked, one lock hold each, on a blocking thread.
+    async fn list_keys(
+        self: &Arc<Self>,
+        group: &str,
+        prefix: &str,
+        max: usize,
+    ) -> Result<Listed, StoreError> {
+        let (local, group, prefix) = (Arc::clone(self), group.to_owned(), prefix.to_owned());
+        tokio::task::spawn_blocking(move || local.counters.list(&group, &prefix, max)).await.map_err(|e| {
+            StoreError { kind: FailureKind::Other, message: format!("counter listing failed: {e}") }
+        })
+    }
+
+    fn figures(self: &Arc<Self>) -> Arc<dyn Figures> {
+        Arc::clone(self) as Arc<dyn Figures>
+    }
+}
+
 impl Owed {
     /// The hits owed.
     pub fn hits(&self) -> u64 {
@@ -418,7 +463,7 @@ impl Participant for Reconciler {
         self.last = Some(now_ms);
         Box::pin(async move {
             let mut result = None;
-            if let Store::Redis(redis) = &self.store {
+            if let Some(redis) = self.store.shared() {
                 // Kept on a failure: an outage is exactly when the last count matters.
                 let alive = report_alive(redis, &self.instance, self.interval).await;
                 result = Some(alive.map(|alive| self.local.set_instances(Some(alive))));

@@ -1,7 +1,7 @@
 //! Counting: the window arithmetic ([`window`]), the token bucket and GCRA
 //! ([`bucket`]), `evaluate` which picks by a rule's [`Algorithm`], and the
 //! two stores that apply it atomically — [`redis`] (a Lua script) and
-//! [`memory`] (sharded maps) — behind one [`Store`]; and [`adaptive`], the
+//! [`memory`] (sharded maps) — behind one interface ([`store`]); and [`adaptive`], the
 //! arithmetic of limits that follow reported outcomes.
 //!
 //! Architecture invariant: no gRPC here, and both stores answer through
@@ -22,6 +22,7 @@ pub mod redis;
 pub mod scripts;
 pub mod settings;
 pub mod slots;
+pub mod store;
 pub mod window;
 
 use std::{
@@ -32,181 +33,11 @@ use std::{
 
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
-use tokio::sync::Semaphore;
+pub use store::{CallerCalls, CounterStore, Listed, Shares, Store};
 use window::StoredCounter;
 pub use window::{Algorithm, Count, Verdict, WindowParams};
 
 pub use crate::clock::{Clock, ManualClock, SystemClock};
-
-/// The shares of the store's in-flight work one call draws on: a Redis
-/// call holds a permit of each it is given while it runs, its tenant's
-/// first, then its peer's, then its connection's (one order for every
-/// call, so no two wait on each other). `Shares::default()`: unbounded.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Shares<'a> {
-    /// The caller's connection's and peer's.
-    pub caller: Option<&'a CallerCalls>,
-    /// The caller's tenant's (`grpc.max_store_calls_per_tenant`).
-    pub tenant: Option<&'a Semaphore>,
-}
-
-/// One caller's shares of the store's in-flight calls: its connection's
-/// (`grpc.max_store_calls_per_connection`) and, for an untrusted peer, the
-/// one all the peer's connections draw on (`grpc.max_store_calls_per_peer`).
-#[derive(Debug)]
-pub struct CallerCalls {
-    /// The connection's own.
-    pub connection: Semaphore,
-    /// The peer's; `None` for a trusted peer.
-    pub peer: Option<Arc<Semaphore>>,
-}
-
-/// Where counters live. An enum rather than a trait object: static dispatch,
-/// and no boxed future per decision.
-#[derive(Debug, Clone)]
-pub enum Store {
-    /// In-process counters (the embedded default).
-    Memory(Arc<MemoryStore>),
-    /// Counters in Redis, updated by a Lua script.
-    Redis(Arc<RedisStore>),
-}
-
-impl Store {
-    /// Decides a request of `weight` for `user_id` against `counter` and
-    /// counts it as `count` says ([`Count`]): if it fits, never (a peek), or
-    /// always (a report). The verdict of a peek or a report describes the
-    /// counter without (peek) or after (report) its weight; see
-    /// `Seen::answer`.
-    pub async fn decide(
-        &self,
-        user_id: &str,
-        counter: CounterSpec<'_>,
-        weight: u64,
-        count: Count,
-    ) -> Result<Verdict, StoreError> {
-        self.decide_in(Shares::default(), user_id, counter, weight, count).await
-    }
-
-    /// [`Store::decide`] for a caller with `shares` of a remote store's
-    /// in-flight calls: a Redis call holds one permit of each while it runs
-    /// (waiting for one if none is free); an in-process call needs none.
-    pub async fn decide_in(
-        &self,
-        shares: Shares<'_>,
-        user_id: &str,
-        counter: CounterSpec<'_>,
-        weight: u64,
-        count: Count,
-    ) -> Result<Verdict, StoreError> {
-        match self {
-            Store::Memory(store) => store.decide(user_id, counter, weight, count),
-            // Boxed: the Redis call's future (its batch slot, its timeout,
-            // the wait for a permit) would otherwise size every decision's
-            // future, the in-memory ones too, and a stream allocates one
-            // per item in flight.
-            Store::Redis(store) => {
-                Box::pin(async move {
-                    let _permits = store.permits(shares).await;
-                    store.decide(user_id, counter, weight, count).await
-                })
-                .await
-            }
-        }
-    }
-
-    /// Decides several counters together, all or nothing (Envoy's
-    /// multi-descriptor requests): if any non-shadow item does not fit,
-    /// none of the admissions is counted. `group` scopes the keys (the
-    /// Envoy domain). Reports ([`Count::Always`]) are counted whatever the
-    /// others decide: mixed with admissions, they go to the store as a job
-    /// of their own.
-    pub async fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
-        self.decide_many_in(Shares::default(), group, items).await
-    }
-
-    /// [`Store::decide_many`] for a caller with `shares` of a remote
-    /// store's in-flight calls (see [`Store::decide_in`]): one permit of
-    /// each for the whole call.
-    pub async fn decide_many_in(
-        &self,
-        shares: Shares<'_>,
-        group: &str,
-        items: &[ManyItem],
-    ) -> Result<ManyOutcome, StoreError> {
-        let _permits = match self {
-            Store::Redis(store) => Some(store.permits(shares).await),
-            Store::Memory(_) => None,
-        };
-        let reports = items.iter().filter(|i| i.count.whatever_is_left()).count();
-        if reports == 0 || reports == items.len() {
-            return self.decide_job(group, items).await;
-        }
-        // Rare (one request carrying both reports and admissions): clones.
-        let (reported, decided): (Vec<ManyItem>, Vec<ManyItem>) =
-            items.iter().cloned().partition(|i| i.count.whatever_is_left());
-        let (reported, decided) =
-            tokio::join!(self.decide_job(group, &reported), self.decide_job(group, &decided));
-        let (mut reported, mut decided) = (reported?.verdicts.into_iter(), decided?);
-        let committed = decided.committed;
-        let mut admissions = std::mem::take(&mut decided.verdicts).into_iter();
-        let verdicts = items
-            .iter()
-            .map(|i| if i.count.whatever_is_left() { reported.next() } else { admissions.next() })
-            .collect::<Option<Vec<Verdict>>>()
-            .expect("one verdict per item");
-        Ok(ManyOutcome { committed, verdicts })
-    }
-
-    /// One all-or-nothing job (reports only, or no report).
-    async fn decide_job(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
-        match self {
-            Store::Memory(store) => store.decide_many(group, items),
-            Store::Redis(store) => store.decide_many(group, items).await,
-        }
-    }
-
-    /// The keys of `group`'s job counters (those of [`Store::decide_many`])
-    /// that start with `prefix` and still count, at most `max` of them
-    /// (unordered); see [`Listed`]. Memory: every shard walked, one lock
-    /// hold each, on a blocking thread. Redis: `SCAN … MATCH` on the node
-    /// serving the group's hash slot, at most [`redis::MAX_SCAN_CALLS`] calls
-    /// of [`redis::SCAN_COUNT`] keys, each within `redis.timeout_ms`.
-    pub async fn list(&self, group: &str, prefix: &str, max: usize) -> Result<Listed, StoreError> {
-        match self {
-            Store::Memory(store) => {
-                let (store, group, prefix) = (Arc::clone(store), group.to_owned(), prefix.to_owned());
-                tokio::task::spawn_blocking(move || store.list(&group, &prefix, max)).await.map_err(|e| {
-                    StoreError { kind: FailureKind::Other, message: format!("counter listing failed: {e}") }
-                })
-            }
-            Store::Redis(store) => store.list(group, prefix, max).await,
-        }
-    }
-
-    /// Whether a call leaves the process (Redis): only those are timed.
-    pub fn is_remote(&self) -> bool {
-        matches!(self, Store::Redis(_))
-    }
-
-    /// `memory` or `redis`, for logs.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Store::Memory(_) => "memory",
-            Store::Redis(_) => "redis",
-        }
-    }
-}
-
-/// What [`Store::list`] found: keys, and whether the listing is complete
-/// (`false`: more than `max` keys, or a Redis scan that reached its bound
-/// before the end of the keyspace).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Listed {
-    /// The keys within their group, at most `max`.
-    pub keys: Vec<String>,
-    /// Every key of the group and prefix is in `keys`.
-    pub complete: bool,
-}
 
 /// Appends `text` to a counter key with `%` and every character of
 /// `reserved` (ASCII separators of the key format) percent-encoded, so
@@ -533,8 +364,9 @@ pub enum FailureKind {
     ScriptError,
     /// A Redis Cluster error (slot moved, cluster down).
     ClusterError,
-    /// A shard of memory counters is full and every counter it sampled
-    /// is owed to the shared store (the local limiter's: none may go).
+    /// The store is full: Redis at `maxmemory` under `noeviction`, or a
+    /// shard of memory counters every one of which it sampled is owed to
+    /// the shared store (the local limiter's: none may go).
     StoreFull,
     /// Anything else.
     Other,

@@ -86,10 +86,7 @@ impl Health {
         store: &Store,
         feed: Option<Arc<Feed>>,
     ) -> Self {
-        let breakers = match store {
-            Store::Memory(_) => None,
-            Store::Redis(redis) => Some(redis.breakers()),
-        };
+        let breakers = store.breakers();
         Health {
             state: AtomicU8::new(STARTING),
             rules,
@@ -269,18 +266,7 @@ pub async fn run_monitor(
         if health.state.load(Ordering::SeqCst) == DRAINING {
             continue;
         }
-        let up = match &store {
-            Store::Memory(_) => true,
-            // Also reloads the script after a Redis restart.
-            Store::Redis(redis) => {
-                let up = redis.warm_up(probe_timeout).await.is_ok();
-                if up {
-                    // Redis answers: no traffic is needed to close a breaker.
-                    redis.breakers().iter().for_each(Breaker::close);
-                }
-                up
-            }
-        };
+        let up = store.probe(probe_timeout).await;
         // A concurrent drain wins: never turn draining back into serving.
         let next = if up { STORE_UP } else { STORE_DOWN };
         let _ = health

@@ -283,6 +283,11 @@ impl RedisCluster {
         node.child.is_some()
     }
 
+    /// Each node's port.
+    pub fn ports(&self) -> Vec<u16> {
+        self.nodes.iter().map(|n| n.port).collect()
+    }
+
     /// The seed nodes, as `redis.url` takes them.
     pub fn url(&self) -> String {
         self.nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect::<Vec<_>>().join(",")
@@ -427,6 +432,14 @@ impl Drop for RedisCluster {
 }
 
 /// `redis-cli -p <port> <args…>`'s output ("" if it could not run).
+/// `CONFIG SET parameter value` on the servers listening on `ports`.
+pub fn redis_config_set(ports: &[u16], parameter: &str, value: &str) {
+    for &port in ports {
+        let answer = redis_cli(port, &["config", "set", parameter, value]);
+        assert_eq!(answer.trim(), "OK", "CONFIG SET {parameter} {value} on port {port}");
+    }
+}
+
 fn redis_cli(port: u16, args: &[&str]) -> String {
     Command::new("redis-cli")
         .args(["-p", &port.to_string()])

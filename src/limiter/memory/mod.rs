@@ -28,6 +28,7 @@
 
 use std::{
     collections::HashSet,
+    future::Future,
     hash::{BuildHasher, Hash, Hasher, RandomState},
     sync::{
         Arc, Mutex, MutexGuard,
@@ -39,13 +40,15 @@ use std::{
 mod summary;
 
 use indexmap::{Equivalent, IndexMap};
+
+use crate::telemetry::exposition::Figures;
 use tokio::sync::{Notify, watch};
 
 use self::summary::{FULL_PPM, Sketch};
 
 use super::{
-    Clock, Count, CounterSpec, FailureKind, Listed, ManyItem, ManyOutcome, StoreError, evaluate,
-    many_verdicts,
+    Clock, Count, CounterSpec, CounterStore, FailureKind, Listed, ManyItem, ManyOutcome, Shares, StoreError,
+    evaluate, many_verdicts,
     window::{StoredCounter, Verdict, WindowParams},
 };
 
@@ -528,6 +531,48 @@ impl MemoryStore {
     /// Counter slots allocated over all shards (what the maps have room for).
     pub fn allocated(&self) -> usize {
         (0..self.shards.len()).map(|i| self.lock(i).counters.capacity()).sum()
+    }
+}
+
+impl CounterStore for MemoryStore {
+    const NAME: &'static str = "memory";
+    const REMOTE: bool = false;
+
+    fn decide_in(
+        &self,
+        _: Shares<'_>,
+        user_id: &str,
+        counter: CounterSpec<'_>,
+        weight: u64,
+        count: Count,
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
+        std::future::ready(self.decide(user_id, counter, weight, count))
+    }
+
+    fn decide_job(
+        &self,
+        group: &str,
+        items: &[ManyItem],
+    ) -> impl Future<Output = Result<ManyOutcome, StoreError>> + Send {
+        std::future::ready(self.decide_many(group, items))
+    }
+
+    /// Every shard walked, one lock hold each, on a blocking thread.
+    async fn list_keys(
+        self: &Arc<Self>,
+        group: &str,
+        prefix: &str,
+        max: usize,
+    ) -> Result<Listed, StoreError> {
+        let (store, group, prefix) = (Arc::clone(self), group.to_owned(), prefix.to_owned());
+        tokio::task::spawn_blocking(move || store.list(&group, &prefix, max)).await.map_err(|e| StoreError {
+            kind: FailureKind::Other,
+            message: format!("counter listing failed: {e}"),
+        })
+    }
+
+    fn figures(self: &Arc<Self>) -> Arc<dyn Figures> {
+        Arc::clone(self) as Arc<dyn Figures>
     }
 }
 

@@ -335,6 +335,9 @@ pub(super) fn classify(e: &RedisError) -> StoreError {
         FailureKind::ConnectionLost
     } else if e.is_cluster_error() {
         FailureKind::ClusterError
+    } else if e.code() == Some("OOM") {
+        // maxmemory reached under `noeviction`: full, as a memory store can be.
+        FailureKind::StoreFull
     } else if matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)) {
         // A demoted master: not the script's fault.
         FailureKind::Other

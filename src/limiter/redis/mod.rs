@@ -38,6 +38,7 @@
 //! the breakers of its ranges, and the other primaries' slots keep deciding.
 
 use std::{
+    future::Future,
     sync::{
         Arc, OnceLock,
         atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -46,6 +47,8 @@ use std::{
 };
 
 use redis::RedisError;
+
+use crate::telemetry::exposition::Figures;
 use tokio::{
     sync::{Semaphore, SemaphorePermit, mpsc, oneshot},
     task::JoinSet,
@@ -67,9 +70,11 @@ use self::{
 };
 use super::settings::{RedisConfig, redact_url};
 use super::{
-    Count, CounterSpec, FailureKind, ManyItem, ManyOutcome, Shares, StoreError,
+    Count, CounterSpec, CounterStore, FailureKind, Listed, ManyItem, ManyOutcome, Shares, StoreError,
     breaker::{Admission, Breaker},
+    figures::{ShareWaits, share_waits},
     many_verdicts, scripts,
+    store::Held,
     window::Verdict,
 };
 
@@ -135,15 +140,20 @@ pub struct RedisStore {
     peer_waits: AtomicU64,
 }
 
-/// Calls that waited for a share of the in-flight calls, by share.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ShareWaits {
-    /// For their connection's (`grpc.max_store_calls_per_connection`).
-    pub connection: u64,
-    /// For their tenant's (`grpc.max_store_calls_per_tenant`).
-    pub tenant: u64,
-    /// For their peer's (`grpc.max_store_calls_per_peer`).
-    pub peer: u64,
+/// The Redis store's figures: the calls that waited for their
+/// connection's, their peer's or their tenant's share
+/// (`grpc.max_store_calls_per_*`).
+#[derive(Debug)]
+struct RedisFigures {
+    /// Weak: the store's dispatchers end only once it is dropped, at
+    /// shutdown, while metrics may still be scraped.
+    redis: std::sync::Weak<RedisStore>,
+}
+
+impl Figures for RedisFigures {
+    fn render(&self, out: &mut String) {
+        share_waits(out, self.redis.upgrade().map(|redis| redis.share_waits()).unwrap_or_default());
+    }
 }
 
 /// A permit of `share` once one is free (a wait counted in `waits`); none
@@ -556,6 +566,73 @@ async fn within<T>(
     run: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     tokio::time::timeout(timeout, run).await.unwrap_or_else(|_| Err(timeout_error(timeout)))
+}
+
+impl CounterStore for RedisStore {
+    const NAME: &'static str = "redis";
+    const REMOTE: bool = true;
+
+    fn decide_in(
+        &self,
+        shares: Shares<'_>,
+        user_id: &str,
+        counter: CounterSpec<'_>,
+        weight: u64,
+        count: Count,
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
+        // Boxed: the Redis call's future (its batch slot, its timeout, the
+        // wait for a permit) would otherwise size every decision's future,
+        // the in-memory ones too, and a stream allocates one per item in
+        // flight.
+        Box::pin(async move {
+            let _permits = self.permits(shares).await;
+            self.decide(user_id, counter, weight, count).await
+        })
+    }
+
+    fn decide_job(
+        &self,
+        group: &str,
+        items: &[ManyItem],
+    ) -> impl Future<Output = Result<ManyOutcome, StoreError>> + Send {
+        self.decide_many(group, items)
+    }
+
+    fn hold<'s>(&self, shares: Shares<'s>) -> impl Future<Output = Held<'s>> + Send {
+        self.permits(shares)
+    }
+
+    /// `SCAN … MATCH` on the node serving the group's hash slot.
+    fn list_keys(
+        self: &Arc<Self>,
+        group: &str,
+        prefix: &str,
+        max: usize,
+    ) -> impl Future<Output = Result<Listed, StoreError>> + Send {
+        self.list(group, prefix, max)
+    }
+
+    /// Redis answers: no traffic is needed to close a breaker. Also
+    /// reloads the script after a Redis restart.
+    async fn probe(&self, timeout: Duration) -> bool {
+        let up = self.warm_up(timeout).await.is_ok();
+        if up {
+            self.parts.breakers.iter().for_each(Breaker::close);
+        }
+        up
+    }
+
+    fn breakers(&self) -> Option<Arc<[Breaker]>> {
+        Some(self.breakers())
+    }
+
+    fn shared(self: &Arc<Self>) -> Option<&Arc<RedisStore>> {
+        Some(self)
+    }
+
+    fn figures(self: &Arc<Self>) -> Arc<dyn Figures> {
+        Arc::new(RedisFigures { redis: Arc::downgrade(self) })
+    }
 }
 
 #[cfg(test)]

@@ -64,9 +64,9 @@ pub(crate) fn overload(
 ) -> Result<Arc<Overload>, ServerError> {
     let overload = Arc::new(Overload::new(settings.mode, settings.report_interval_ms));
     let sources = feed::Sources { rules: Arc::clone(&rules.native), envoy: rules.envoy.clone(), tenants };
-    let exchange = match store {
-        Store::Memory(_) => feed::Exchange::Local,
-        Store::Redis(redis) => feed::Exchange::Redis(Arc::clone(redis)),
+    let exchange = match store.shared() {
+        Some(redis) => feed::Exchange::Redis(Arc::clone(redis)),
+        None => feed::Exchange::Local,
     };
     let feed_settings = feed::Settings {
         mode: settings.mode,
@@ -90,9 +90,9 @@ pub(crate) fn adaptive(
     regional: bool,
     exchanges: &mut Vec<Box<dyn Participant>>,
 ) -> Arc<Adapter> {
-    let exchange = match store {
-        Store::Memory(_) => adapter::Exchange::Local(std::sync::Mutex::default()),
-        Store::Redis(redis) => adapter::Exchange::Redis(Arc::clone(redis)),
+    let exchange = match store.shared() {
+        Some(redis) => adapter::Exchange::Redis(Arc::clone(redis)),
+        None => adapter::Exchange::Local(std::sync::Mutex::default()),
     };
     let adapter = Arc::new(Adapter::new(Arc::clone(&rules.native), rules.envoy.clone()));
     let scope = if regional { adapter::Scope::Regional } else { adapter::Scope::All };

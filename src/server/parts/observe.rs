@@ -19,8 +19,8 @@ use crate::{
     decision::{DecisionMetrics, DenialCache, Engine, Saved},
     dlq::DlqSink,
     global::status::GlobalStatus,
+    limiter::Store,
     limiter::exchange::ExchangeCounts,
-    limiter::{Store, figures::ShareWaits},
     overload::Overload,
     rules::RuleSets,
     shed::Shedder,
@@ -127,11 +127,8 @@ pub(crate) fn register_figures(
     budget: &Arc<Budget>,
 ) {
     metrics.register(parts.stats);
-    if let Store::Memory(memory) = engine.store() {
-        metrics.register(Arc::clone(memory) as Arc<dyn telemetry::Figures>);
-    }
+    metrics.register(engine.store().figures());
     metrics.register(Arc::clone(engine.local()) as Arc<dyn telemetry::Figures>);
-    metrics.register(ShareWaits::of(engine.store()));
     metrics.register(Arc::clone(budget) as Arc<dyn telemetry::Figures>);
     metrics.register(parts.shedder);
     metrics.register(parts.dlq);

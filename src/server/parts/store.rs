@@ -69,7 +69,7 @@ pub(crate) fn local(
 ) -> Result<Arc<LocalLimiter>, ServerError> {
     let mut settings = config.settings();
     let id = crate::limiter::instance::id(name);
-    if let Store::Memory(_) = store {
+    if store.shared().is_none() {
         settings.instances = 1;
         return Ok(reconciled(settings, store, id, None, exchanges));
     }
@@ -137,12 +137,8 @@ fn reconciled(
 /// The local cache of exact denials: with the Redis store, unless
 /// `denial_cache.enabled` is off (the memory store is local already).
 pub(crate) fn denials(config: &DenialCacheConfig, store: &Store) -> Option<Arc<DenialCache>> {
-    match store {
-        Store::Redis(_) if config.enabled => {
-            Some(Arc::new(DenialCache::new(config.max_entries, Arc::new(MonotonicClock::default()))))
-        }
-        _ => None,
-    }
+    (store.is_remote() && config.enabled)
+        .then(|| Arc::new(DenialCache::new(config.max_entries, Arc::new(MonotonicClock::default()))))
 }
 
 /// Each tenant's share of the Redis store's in-flight calls: with a tenant
@@ -153,8 +149,8 @@ pub(crate) fn tenant_shares(
     tenants: Option<&Arc<Hot<Tenants>>>,
     store: &Store,
 ) -> Option<Arc<TenantShares>> {
-    match (tenants, store) {
-        (Some(table), Store::Redis(_)) if permits > 0 => {
+    match tenants {
+        Some(table) if store.is_remote() && permits > 0 => {
             Some(Arc::new(TenantShares::new(Arc::clone(table), permits)))
         }
         _ => None,
