@@ -268,7 +268,7 @@ async fn create_topic(spec: &TopicSpec<'_>) -> Result<Applied, String> {
 /// newest, recorded by a later step) counts as applied; a newer one is
 /// refused.
 async fn redis_key_schema(config: &Config, version: u32, latest: u32) -> Result<Applied, String> {
-    let Some(url) = &config.redis.url else {
+    let Some(url) = &config.redis.connection.url else {
         return Ok(Applied::Skipped("redis.url unset (in-memory counters)".to_owned()));
     };
     let shown = redact_url(url);
@@ -277,7 +277,7 @@ async fn redis_key_schema(config: &Config, version: u32, latest: u32) -> Result<
         .await
         .map_err(|_| format!("no answer from Redis at {shown} within 10 s"))?
         .map_err(|e| format!("cannot connect to Redis at {shown}: {e}"))?;
-    let key = format!("{}{KEY_SCHEMA_KEY}", config.redis.key_prefix);
+    let key = format!("{}{KEY_SCHEMA_KEY}", config.redis.connection.key_prefix);
     let key = key.as_str();
     // SET NX first: concurrent migrations agree on one writer.
     let set: Option<String> = redis::cmd("SET")

@@ -21,7 +21,7 @@ use tonic::transport::Channel;
 
 fn cluster_config(rules: &Rules, cluster: &RedisCluster) -> Config {
     let mut config = config(&rules.path(), Some(cluster.url()));
-    config.redis.cluster = true;
+    config.redis.connection.cluster = true;
     config
 }
 
@@ -424,7 +424,14 @@ async fn a_global_limits_keys_share_one_slot_of_a_coordination_cluster() {
     };
     let cluster = RedisCluster::start();
     let mut dispatchers = tokio::task::JoinSet::new();
-    let config = RedisConfig { url: Some(cluster.url()), cluster: true, ..RedisConfig::default() };
+    let config = RedisConfig {
+        connection: ratelimitd::limiter::settings::Connection {
+            url: Some(cluster.url()),
+            cluster: true,
+            ..Default::default()
+        },
+        ..RedisConfig::default()
+    };
     let store = RedisStore::new(&config, &mut dispatchers).unwrap();
     let lease = Lease { lease_ms: 3_000, skew_ms: 500 };
     let keys: Vec<String> = (0..50).map(|i| format!("tenant-{i}")).collect();
@@ -471,8 +478,15 @@ async fn a_groups_counters_are_listed_from_the_node_serving_it() {
     let mut dispatchers = tokio::task::JoinSet::new();
     // Where the listing goes is tested, not how fast: a loaded machine's
     // first SCAN on a node can take longer than the 10 ms decision timeout.
-    let config =
-        RedisConfig { url: Some(cluster.url()), cluster: true, timeout_ms: 5_000, ..RedisConfig::default() };
+    let config = RedisConfig {
+        connection: ratelimitd::limiter::settings::Connection {
+            url: Some(cluster.url()),
+            cluster: true,
+            ..Default::default()
+        },
+        timeout_ms: 5_000,
+        ..RedisConfig::default()
+    };
     let store = Store::Redis(Arc::new(RedisStore::new(&config, &mut dispatchers).unwrap()));
     let groups: Vec<String> = (0..3)
         .map(|node| {

@@ -26,6 +26,8 @@ struct Field {
     doc: String,
     ty: String,
     default: Option<String>,
+    /// `#[serde(flatten)]`: its type's keys are this struct's own.
+    flatten: bool,
 }
 
 /// Every `pub struct` of `src/` with named fields, by name.
@@ -42,7 +44,7 @@ fn parse(text: &str, out: &mut HashMap<String, Vec<Field>>) {
     while let Some(line) = lines.next() {
         let Some(rest) = line.strip_prefix("pub struct ") else { continue };
         let Some(name) = rest.strip_suffix(" {") else { continue };
-        let (mut fields, mut doc, mut skipped) = (Vec::new(), Vec::new(), false);
+        let (mut fields, mut doc, mut skipped, mut flatten) = (Vec::new(), Vec::new(), false, false);
         for line in lines.by_ref() {
             if line == "}" {
                 break;
@@ -52,6 +54,8 @@ fn parse(text: &str, out: &mut HashMap<String, Vec<Field>>) {
                 doc.push(text.trim().to_owned());
             } else if line.starts_with("#[serde(skip)]") {
                 skipped = true;
+            } else if line.starts_with("#[serde(flatten)]") {
+                flatten = true;
             } else if let Some(field) = line.strip_prefix("pub ") {
                 if let Some((field, ty)) = field.split_once(": ")
                     && !skipped
@@ -62,10 +66,10 @@ fn parse(text: &str, out: &mut HashMap<String, Vec<Field>>) {
                         None => (doc, None),
                     };
                     let ty = ty.trim_end_matches(',').to_owned();
-                    fields.push(Field { name: field.to_owned(), doc, ty, default });
+                    fields.push(Field { name: field.to_owned(), doc, ty, default, flatten });
                 }
                 doc.clear();
-                skipped = false;
+                (skipped, flatten) = (false, false);
             }
         }
         out.insert(name.to_owned(), fields);
@@ -100,6 +104,10 @@ fn rows(
     out: &mut Vec<String>,
 ) {
     for field in &structs[name] {
+        if field.flatten {
+            rows(structs, &field.ty, prefix, defaults, out);
+            continue;
+        }
         let key = format!("{prefix}{}", field.name);
         let value = defaults.get(&field.name);
         if structs.contains_key(&field.ty) {
@@ -167,20 +175,32 @@ fn every_key_in_the_table_is_accepted() {
     }
 }
 
-/// Each key is described by its own field: no two keys share a text (a
-/// copied doc comment describes at most one of them).
+/// Each field is described in its own words: no two fields share a text
+/// (a copied doc comment describes at most one of them). Keys of one type
+/// used twice (`redis.url`, `global.redis.url`) are one field.
 #[test]
 fn every_key_has_its_own_description() {
+    /// The fields of `name` and of the sections under it, each once.
+    fn walk<'a>(
+        structs: &'a HashMap<String, Vec<Field>>,
+        name: &'a str,
+        out: &mut Vec<(&'a str, &'a Field)>,
+    ) {
+        for field in &structs[name] {
+            if structs.contains_key(&field.ty) {
+                walk(structs, &field.ty, out);
+            } else if !out.iter().any(|(n, f)| *n == name && f.name == field.name) {
+                out.push((name, field));
+            }
+        }
+    }
     let structs = structs();
-    let defaults = serde_json::to_value(Config::default()).unwrap();
-    let mut out = Vec::new();
-    rows(&structs, "Config", "", &defaults, &mut out);
-    let mut seen: HashMap<&str, &str> = HashMap::new();
-    for row in &out {
-        let key = row.split('`').nth(1).unwrap();
-        let text = row.split(" | ").nth(1).unwrap();
-        if let Some(first) = seen.insert(text, key) {
-            panic!("`{first}` and `{key}` share one description: {text}");
+    let mut fields = Vec::new();
+    walk(&structs, "Config", &mut fields);
+    let mut seen: HashMap<&str, String> = HashMap::new();
+    for (name, field) in fields {
+        if let Some(first) = seen.insert(&field.doc, format!("{name}.{}", field.name)) {
+            panic!("`{first}` and `{name}.{}` share one description: {}", field.name, field.doc);
         }
     }
 }

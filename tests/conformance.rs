@@ -288,8 +288,7 @@ mod open {
     /// dispatchers end with the returned set.
     pub(crate) async fn redis(url: String, cluster: bool) -> (Arc<RedisStore>, tokio::task::JoinSet<()>) {
         let config = ratelimitd::config::RedisConfig {
-            url: Some(url),
-            cluster,
+            connection: ratelimitd::config::Connection { url: Some(url), cluster, ..Default::default() },
             timeout_ms: 5_000,
             ..ratelimitd::config::RedisConfig::default()
         };

@@ -99,7 +99,7 @@ fn compose_environment_is_real_configuration() {
             let kafka = environment(&services[&Value::from("kafka")]);
             assert!(kafka["KAFKA_ADVERTISED_LISTENERS"].contains("kafka:9092"));
         }
-        if let Some(url) = &config.redis.url {
+        if let Some(url) = &config.redis.connection.url {
             assert!(
                 services.contains_key(Value::from("redis")) && url.starts_with("redis://redis:"),
                 "{url}"
@@ -470,7 +470,10 @@ fn kubernetes_manifests_agree_with_the_service_and_each_other() {
     let job_env = container_env(migrate);
     let job_config =
         Config::load(None, job_env).unwrap_or_else(|e| panic!("migrate-job.yaml's environment: {e}"));
-    assert_eq!(job_config.redis.url, config.redis.url, "the Job migrates the Deployment's Redis");
+    assert_eq!(
+        job_config.redis.connection.url, config.redis.connection.url,
+        "the Job migrates the Deployment's Redis"
+    );
     let help = Command::new(env!("CARGO_BIN_EXE_ratelimitd")).args(["migrate", "--help"]).output().unwrap();
     assert!(help.status.success());
 

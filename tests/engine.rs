@@ -109,7 +109,10 @@ impl Harness {
             Backend::Redis => {
                 let redis = RedisServer::start();
                 let config = RedisConfig {
-                    url: Some(redis.url()),
+                    connection: ratelimitd::limiter::settings::Connection {
+                        url: Some(redis.url()),
+                        ..Default::default()
+                    },
                     timeout_ms: 2_000,
                     connect_timeout_ms: 500,
                     ..RedisConfig::default()

@@ -60,7 +60,12 @@ struct World {
 }
 
 fn store_config(url: String) -> RedisConfig {
-    RedisConfig { url: Some(url), timeout_ms: 1_000, connect_timeout_ms: 1_000, ..RedisConfig::default() }
+    RedisConfig {
+        connection: ratelimitd::config::Connection { url: Some(url), ..Default::default() },
+        timeout_ms: 1_000,
+        connect_timeout_ms: 1_000,
+        ..RedisConfig::default()
+    }
 }
 
 impl World {

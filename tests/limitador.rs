@@ -394,7 +394,7 @@ async fn limitadors_http_api() {
     for store in ["redis", "memory"] {
         let (mut config, _) = limitador_config(&redis, dir.path(), LIMITS);
         if store == "memory" {
-            config.redis.url = None;
+            config.redis.connection.url = None;
         }
         let server = TestServer::start(config).await;
         http_api_answers(server.http_addr, store).await;

@@ -59,7 +59,7 @@ async fn key_prefixes_keep_deployments_apart() {
     let mut servers = Vec::new();
     for prefix in ["a:", "b:"] {
         let mut cfg = config(&rules.path(), Some(redis.url()));
-        cfg.redis.key_prefix = prefix.to_owned();
+        cfg.redis.connection.key_prefix = prefix.to_owned();
         servers.push(TestServer::start(cfg).await);
     }
     for _ in 0..3 {
@@ -411,8 +411,8 @@ async fn single_connection_store_with(
     redis: &RedisServer,
     base: ratelimitd::config::RedisConfig,
 ) -> (ratelimitd::limiter::RedisStore, tokio::task::JoinSet<()>) {
-    let config =
-        ratelimitd::config::RedisConfig { url: Some(redis.url()), connections: 1, timeout_ms: 5_000, ..base };
+    let connection = ratelimitd::config::Connection { url: Some(redis.url()), ..base.connection.clone() };
+    let config = ratelimitd::config::RedisConfig { connection, connections: 1, timeout_ms: 5_000, ..base };
     let mut dispatchers = tokio::task::JoinSet::new();
     let store = ratelimitd::limiter::RedisStore::new(&config, &mut dispatchers).unwrap();
     store.warm_up(Duration::from_secs(5)).await.unwrap();
@@ -660,7 +660,7 @@ async fn breaker_fails_fast_while_redis_is_down_and_closes_when_it_returns() {
         // The count alone here; the sustained-failure rule has its own tests.
         breaker_min_failing_ms: 0,
         breaker_open_ms: 100,
-        url: Some(redis.url()),
+        connection: ratelimitd::config::Connection { url: Some(redis.url()), ..Default::default() },
         ..Default::default()
     };
     let mut dispatchers = tokio::task::JoinSet::new();
@@ -703,7 +703,7 @@ async fn auth_password_from_a_file_and_never_in_errors() {
     let file = secrets.path().join("redis-password");
     std::fs::write(&file, "s3cret-pw\n").unwrap();
     let mut good = config(&rules.path(), Some(redis.url()));
-    good.redis.password_file = Some(file);
+    good.redis.connection.password_file = Some(file);
     let server = TestServer::start(good).await;
     let mut client = server.client().await;
     for expected in (97..100).rev() {
@@ -714,7 +714,7 @@ async fn auth_password_from_a_file_and_never_in_errors() {
     server.stop().await.unwrap();
 
     let mut bad = config(&rules.path(), Some(redis.url()));
-    bad.redis.password = Some("wrong-pw-value".to_owned());
+    bad.redis.connection.password = Some("wrong-pw-value".to_owned());
     let server = TestServer::start(bad).await;
     let mut client = server.client().await;
     let r = check(&mut client, request("ana", "/closed")).await;
@@ -740,8 +740,8 @@ async fn an_acl_user_authenticates_with_its_name() {
     }
     let rules = Rules::new(RULES);
     let mut user = config(&rules.path(), Some(redis.url()));
-    user.redis.username = Some("limiter".to_owned());
-    user.redis.password = Some("acl-pw".to_owned());
+    user.redis.connection.username = Some("limiter".to_owned());
+    user.redis.connection.password = Some("acl-pw".to_owned());
     let server = TestServer::start(user).await;
     let mut client = server.client().await;
     for expected in (97..100).rev() {
@@ -751,7 +751,7 @@ async fn an_acl_user_authenticates_with_its_name() {
     server.stop().await.unwrap();
 
     let mut no_user = config(&rules.path(), Some(redis.url()));
-    no_user.redis.password = Some("acl-pw".to_owned());
+    no_user.redis.connection.password = Some("acl-pw".to_owned());
     let server = TestServer::start(no_user).await;
     let mut client = server.client().await;
     let r = check(&mut client, request("ace", "/closed")).await;
@@ -773,8 +773,8 @@ async fn rediss_with_a_private_ca_and_auth() {
     let rules = Rules::new(RULES);
 
     let mut trusted = config(&rules.path(), Some(url.clone()));
-    trusted.redis.password = Some("tls-pw".to_owned());
-    trusted.redis.tls_ca_file = Some(certs.path().join("ca.pem"));
+    trusted.redis.connection.password = Some("tls-pw".to_owned());
+    trusted.redis.connection.tls_ca_file = Some(certs.path().join("ca.pem"));
     let server = TestServer::start(trusted).await;
     let mut client = server.client().await;
     for expected in (97..100).rev() {
@@ -785,7 +785,7 @@ async fn rediss_with_a_private_ca_and_auth() {
     server.stop().await.unwrap();
 
     let mut untrusted = config(&rules.path(), Some(url));
-    untrusted.redis.password = Some("tls-pw".to_owned());
+    untrusted.redis.connection.password = Some("tls-pw".to_owned());
     let server = TestServer::start(untrusted).await;
     let mut client = server.client().await;
     let r = check(&mut client, request("tess", "/closed")).await;
@@ -908,7 +908,13 @@ async fn regions_report_to_a_distant_coordination_store_and_grants_follow_demand
     let target: std::net::SocketAddr = format!("127.0.0.1:{}", redis.port).parse().unwrap();
     let proxy = common::DelayProxy::start(target, Duration::from_millis(50)).await;
     let mut dispatchers = tokio::task::JoinSet::new();
-    let config = RedisConfig { url: Some(format!("redis://{}", proxy.addr)), ..RedisConfig::default() };
+    let config = RedisConfig {
+        connection: ratelimitd::limiter::settings::Connection {
+            url: Some(format!("redis://{}", proxy.addr)),
+            ..Default::default()
+        },
+        ..RedisConfig::default()
+    };
     let store = RedisStore::new(&config, &mut dispatchers).unwrap();
     let limit = GlobalLimit { id: "api{1}", limit: 1_000, floors: &[50, 50, 50], linger_ms: 2_000 };
     let lease = Lease { lease_ms: 3_000, skew_ms: 500 };
@@ -982,7 +988,13 @@ async fn instances_record_the_grants_they_apply_and_the_agent_reads_the_oldest()
     };
     let redis = RedisServer::start();
     let mut dispatchers = tokio::task::JoinSet::new();
-    let config = RedisConfig { url: Some(redis.url()), ..RedisConfig::default() };
+    let config = RedisConfig {
+        connection: ratelimitd::limiter::settings::Connection {
+            url: Some(redis.url()),
+            ..Default::default()
+        },
+        ..RedisConfig::default()
+    };
     let store = RedisStore::new(&config, &mut dispatchers).unwrap();
     let timeout = Duration::from_secs(2);
     let call = |instance: &'static str, applied: Option<u64>| Call {
@@ -1044,7 +1056,13 @@ async fn a_report_of_many_keys_goes_in_calls_of_a_bounded_size() {
     };
     let redis = RedisServer::start();
     let mut dispatchers = tokio::task::JoinSet::new();
-    let config = RedisConfig { url: Some(redis.url()), ..RedisConfig::default() };
+    let config = RedisConfig {
+        connection: ratelimitd::limiter::settings::Connection {
+            url: Some(redis.url()),
+            ..Default::default()
+        },
+        ..RedisConfig::default()
+    };
     let store = RedisStore::new(&config, &mut dispatchers).unwrap();
     let limit = GlobalLimit { id: "many", limit: 1_000, floors: &[50, 50, 50], linger_ms: 2_000 };
     let lease = Lease { lease_ms: 3_000, skew_ms: 500 };

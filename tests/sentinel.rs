@@ -18,7 +18,7 @@ async fn a_failover_keeps_decisions_exact() {
     let mut setup = SentinelSetup::start().await;
     let rules = Rules::new(RULES);
     let mut cfg = config(&rules.path(), Some(setup.sentinel_url()));
-    cfg.redis.sentinel_master = Some("mymaster".to_owned());
+    cfg.redis.connection.sentinel_master = Some("mymaster".to_owned());
     cfg.redis.timeout_ms = 500;
     let server = TestServer::start(cfg).await;
     let mut client = server.client().await;

@@ -286,7 +286,7 @@ mod tests {
             Some("/home/limitador/etc/limitador-config.yaml")
         );
         assert_eq!(config.grpc.listen, "0.0.0.0:8081");
-        assert_eq!(config.redis.url.as_deref(), Some("redis://redis.kuadrant:6379"));
+        assert_eq!(config.redis.connection.url.as_deref(), Some("redis://redis.kuadrant:6379"));
         assert!(config.envoy.response_headers);
         assert_eq!(config.envoy.remaining_header, "X-RateLimit-Remaining");
         assert_eq!(

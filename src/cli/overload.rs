@@ -9,7 +9,7 @@ use crate::config::Config;
 /// cluster-wide mode switch. 0 on success, 1 when Redis cannot be reached,
 /// 64 without `redis.url` (the memory store has no cluster to switch).
 pub async fn run(mode: Option<&str>, config: &Config) -> ExitCode {
-    if config.redis.url.is_none() {
+    if config.redis.connection.url.is_none() {
         eprintln!(
             "overload: redis.url is unset: the switch lives in Redis (set overload.mode or the tenant table's mode instead)"
         );
@@ -54,7 +54,7 @@ pub async fn run(mode: Option<&str>, config: &Config) -> ExitCode {
         Err(e) => {
             eprintln!(
                 "overload: {}: {e}",
-                config.redis.url.as_deref().map(crate::config::redact_url).unwrap_or_default()
+                config.redis.connection.url.as_deref().map(crate::config::redact_url).unwrap_or_default()
             );
             ExitCode::from(1)
         }

@@ -23,7 +23,7 @@ impl GlobalConfig {
         if self.timeout_ms == 0 {
             return Err(invalid("global.timeout_ms", "must be at least 1"));
         }
-        self.redis.store(self.timeout_ms).validate().map_err(|e| match e {
+        self.redis.validate().map_err(|e| match e {
             ConfigError::Invalid { key, message } => invalid(under_global(key), message),
             other => other,
         })?;
@@ -109,7 +109,6 @@ fn under_global(key: &'static str) -> &'static str {
         "redis.password_file" => "global.redis.password_file",
         "redis.tls_key_file" => "global.redis.tls_key_file",
         "redis.key_prefix" => "global.redis.key_prefix",
-        "redis.timeout_ms" | "redis.connect_timeout_ms" => "global.timeout_ms",
         _ => "global.redis",
     }
 }

@@ -62,7 +62,7 @@ pub use crate::{
     },
     api::xds::XdsConfig,
     decision::TenantSource,
-    limiter::settings::{RedisConfig, redact_url},
+    limiter::settings::{Connection, RedisConfig, redact_url},
     rollout::RulesKafkaConfig,
     rules::{OverloadMode, PathForm, gate::GateThresholds},
     telemetry::settings::{LogConfig, LogFormat, TelemetryConfig},
@@ -340,7 +340,7 @@ mod tests {
     #[test]
     fn defaults_are_the_embedded_mode() {
         let config = Config::load(None, HashMap::new()).unwrap();
-        assert!(config.redis.url.is_none());
+        assert!(config.redis.connection.url.is_none());
         assert_eq!(config.grpc.listen, "0.0.0.0:8081");
         assert_eq!(config.rules.path, None, "the embedded rules");
     }
@@ -437,7 +437,7 @@ mod tests {
         std::fs::write(&file, "redis:\n  timeout_ms: 7\n  url: redis://127.0.0.1:1\n").unwrap();
         let config = Config::load(Some(&file), env(&[("RATELIMITD__REDIS__TIMEOUT_MS", "3")])).unwrap();
         assert_eq!(config.redis.timeout_ms, 3);
-        assert_eq!(config.redis.url.as_deref(), Some("redis://127.0.0.1:1"));
+        assert_eq!(config.redis.connection.url.as_deref(), Some("redis://127.0.0.1:1"));
     }
 
     #[test]
@@ -498,7 +498,7 @@ mod tests {
             assert!(err.contains("`redis.key_prefix`"), "{prefix}: {err}");
         }
         let unix = Config::load(None, env(&[("RATELIMITD__REDIS__URL", "unix:///run/redis.sock")])).unwrap();
-        assert_eq!(unix.redis.url.as_deref(), Some("unix:///run/redis.sock"));
+        assert_eq!(unix.redis.connection.url.as_deref(), Some("unix:///run/redis.sock"));
     }
 
     #[test]
@@ -512,7 +512,7 @@ mod tests {
             Config::load(None, env(&pairs))
         };
         let ok = sentinel(&[]).unwrap();
-        assert_eq!(ok.redis.sentinel_master.as_deref(), Some("mymaster"));
+        assert_eq!(ok.redis.connection.sentinel_master.as_deref(), Some("mymaster"));
         let err = sentinel(&[("RATELIMITD__REDIS__CLUSTER", "true")]).unwrap_err().to_string();
         assert!(err.contains("`redis.sentinel_master`"), "{err}");
         let err = sentinel(&[("RATELIMITD__REDIS__SENTINEL_MASTER", "my master")]).unwrap_err().to_string();
@@ -580,10 +580,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            config.redis.seed_urls().collect::<Vec<_>>(),
+            config.redis.connection.seed_urls().collect::<Vec<_>>(),
             ["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"]
         );
-        assert_eq!(config.redis.password().unwrap().as_deref(), Some("s3cret"));
+        assert_eq!(config.redis.connection.password().unwrap().as_deref(), Some("s3cret"));
         assert!(!format!("{config:?}").contains("s3cret"));
 
         let err = Config::load(None, env(&[("RATELIMITD__REDIS__URL", "redis://a:1,redis://b:2")]))
@@ -605,7 +605,7 @@ mod tests {
             ]),
         )
         .unwrap();
-        assert_eq!(config.redis.password().unwrap().as_deref(), Some("from-file"));
+        assert_eq!(config.redis.connection.password().unwrap().as_deref(), Some("from-file"));
         let missing = dir.path().join("absent");
         let err = Config::load(
             None,
@@ -619,10 +619,41 @@ mod tests {
         assert!(err.contains("`redis.password_file`") && err.contains("absent"), "{err}");
     }
 
+    /// `redis` and `global.redis` read one connection type: each key as its
+    /// field's type (a numeric password from the environment stays the
+    /// string it was), an unknown key refused by name, secrets hidden in
+    /// both.
+    #[test]
+    fn both_redis_sections_read_one_connection_type() {
+        let config = Config::load(
+            None,
+            env(&[
+                ("RATELIMITD__REDIS__URL", "redis://127.0.0.1:1"),
+                ("RATELIMITD__REDIS__PASSWORD", "123456"),
+                ("RATELIMITD__REDIS__KEY_PREFIX", "7"),
+                ("RATELIMITD__REDIS__TIMEOUT_MS", "25"),
+                ("RATELIMITD__GLOBAL__REDIS__PASSWORD", "987654"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.redis.connection.password().unwrap().as_deref(), Some("123456"));
+        assert_eq!((config.redis.connection.key_prefix.as_str(), config.redis.timeout_ms), ("7", 25));
+        assert_eq!(config.global.redis.password.as_deref(), Some("987654"));
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("123456") && !shown.contains("987654"), "{shown}");
+        for key in ["RATELIMITD__REDIS__URLL", "RATELIMITD__GLOBAL__REDIS__TIMEOUT_MS"] {
+            let error = Config::load(None, env(&[(key, "1")])).unwrap_err().to_string();
+            assert!(error.contains("unknown field"), "{key}: {error}");
+        }
+    }
+
     #[test]
     fn redis_password_is_redacted() {
         let config = RedisConfig {
-            url: Some("redis://:hunter2@10.0.0.1:6379/0".to_owned()),
+            connection: Connection {
+                url: Some("redis://:hunter2@10.0.0.1:6379/0".to_owned()),
+                ..Default::default()
+            },
             ..RedisConfig::default()
         };
         let shown = format!("{config:?}");
@@ -635,8 +666,13 @@ mod tests {
             redact_url("redis://:a,b@h1:1, rediss://:c,d@h2:2"),
             "redis://***@h1:1, rediss://***@h2:2"
         );
-        let config =
-            RedisConfig { url: Some("redis://:p,w@h1:1,redis://h2:2".to_owned()), ..RedisConfig::default() };
-        assert_eq!(config.seed_urls().collect::<Vec<_>>(), ["redis://:p,w@h1:1", "redis://h2:2"]);
+        let config = RedisConfig {
+            connection: Connection {
+                url: Some("redis://:p,w@h1:1,redis://h2:2".to_owned()),
+                ..Default::default()
+            },
+            ..RedisConfig::default()
+        };
+        assert_eq!(config.connection.seed_urls().collect::<Vec<_>>(), ["redis://:p,w@h1:1", "redis://h2:2"]);
     }
 }

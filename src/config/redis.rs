@@ -1,11 +1,45 @@
 //! `redis.*` checked: the Redis store's settings ([`RedisConfig`], owned by
-//! `limiter::settings`) validated with errors naming their key.
+//! `limiter::settings`) validated with errors naming their key; and
+//! [`Connection`], how any Redis is reached (`redis`, `global.redis`),
+//! validated here once for both.
 
 use super::{ConfigError, invalid};
-use crate::limiter::settings::{RedisConfig, redact_url};
+use crate::limiter::settings::{Connection, RedisConfig, redact_url};
 
 impl RedisConfig {
-    /// Checks `redis.*`: URLs, credentials, TLS files, deadlines and the breaker.
+    /// Checks `redis.*`: the connection, deadlines, the breaker and the
+    /// calls' bounds.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.connection.validate()?;
+        if self.timeout_ms == 0 {
+            return Err(invalid("redis.timeout_ms", "must be at least 1"));
+        }
+        if self.connect_timeout_ms == 0 {
+            return Err(invalid("redis.connect_timeout_ms", "must be at least 1"));
+        }
+        if !(1..=256).contains(&self.connections) {
+            return Err(invalid("redis.connections", "must be between 1 and 256"));
+        }
+        if self.max_keys_per_call == 0 {
+            return Err(invalid("redis.max_keys_per_call", "must be at least 1"));
+        }
+        if self.max_key_bytes_per_call < 1_024 {
+            return Err(invalid("redis.max_key_bytes_per_call", "must be at least 1024"));
+        }
+        if self.breaker_failures > 0 && self.breaker_open_ms == 0 {
+            return Err(invalid(
+                "redis.breaker_open_ms",
+                "must be at least 1 while redis.breaker_failures is set",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Connection {
+    /// Checks a Redis connection's keys (named as under `redis`; the
+    /// coordination store's errors are renamed under `global.redis`): URLs,
+    /// credentials, TLS files and the key prefix.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if let Some(url) = &self.url {
             self.validate_seeds(url)?;
@@ -24,21 +58,6 @@ impl RedisConfig {
         } else if self.cluster {
             return Err(invalid("redis.cluster", "needs redis.url (the seed nodes)"));
         }
-        if self.timeout_ms == 0 {
-            return Err(invalid("redis.timeout_ms", "must be at least 1"));
-        }
-        if self.connect_timeout_ms == 0 {
-            return Err(invalid("redis.connect_timeout_ms", "must be at least 1"));
-        }
-        if !(1..=256).contains(&self.connections) {
-            return Err(invalid("redis.connections", "must be between 1 and 256"));
-        }
-        if self.max_keys_per_call == 0 {
-            return Err(invalid("redis.max_keys_per_call", "must be at least 1"));
-        }
-        if self.max_key_bytes_per_call < 1_024 {
-            return Err(invalid("redis.max_key_bytes_per_call", "must be at least 1024"));
-        }
         // Braces would become the key's hash tag; control characters and
         // spaces have no place in a key an operator reads.
         if self.key_prefix.len() > 64
@@ -50,12 +69,6 @@ impl RedisConfig {
                     "{:?}: at most 64 bytes, without braces, spaces or control characters",
                     self.key_prefix
                 ),
-            ));
-        }
-        if self.breaker_failures > 0 && self.breaker_open_ms == 0 {
-            return Err(invalid(
-                "redis.breaker_open_ms",
-                "must be at least 1 while redis.breaker_failures is set",
             ));
         }
         Ok(())

@@ -47,7 +47,7 @@ use std::{
 use futures_util::future::{BoxFuture, join_all};
 
 pub use served::Served;
-pub use settings::{CoordinationConfig, GlobalConfig, RegionConfig};
+pub use settings::{GlobalConfig, RegionConfig};
 
 use crate::{
     limiter::{

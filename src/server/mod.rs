@@ -363,7 +363,7 @@ async fn stop(tasks: Tasks, mut dispatchers: JoinSet<()>, grace: Duration, dlq: 
 /// The startup lines: what is served, from where, on which store.
 fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, store: &str) {
     let local_addr = listener.local_addr().map_or_else(|e| format!("unknown ({e})"), |a| a.to_string());
-    if config.redis.url.is_none() && config.dlq.kafka.brokers.is_none() {
+    if config.redis.connection.url.is_none() && config.dlq.kafka.brokers.is_none() {
         tracing::info!(
             rules = %rules.native_source,
             dlq = %config.dlq.file.display(),

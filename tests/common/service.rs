@@ -92,7 +92,7 @@ pub fn config(rules: &Path, redis_url: Option<String>) -> Config {
     config.grpc.listen = "127.0.0.1:0".to_owned();
     config.rules.path = Some(rules.to_path_buf());
     config.rules.reload_interval_ms = 20;
-    config.redis.url = redis_url;
+    config.redis.connection.url = redis_url;
     config.redis.timeout_ms = 2_000;
     config.grpc.shutdown_grace_ms = 5_000;
     // The host's real CPU load must not shed requests in tests that are not

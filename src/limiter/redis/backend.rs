@@ -144,19 +144,20 @@ pub(super) fn breaker_of(breakers: &[Breaker], slot: u16) -> &Breaker {
 /// Redis Cluster client, or a pool to one server. Errors are the message
 /// of a [`RedisSetupError`].
 pub(super) fn backend(config: &RedisConfig) -> Result<Backend, String> {
-    let password = config.password().map_err(|e| e.to_string())?;
+    let password = config.connection.password().map_err(|e| e.to_string())?;
     let nodes = config
+        .connection
         .seed_urls()
         .map(|node| {
             let info = node.into_connection_info().map_err(|e| e.to_string())?;
-            Ok(with_auth(info, config.username.as_deref(), password.as_deref()))
+            Ok(with_auth(info, config.connection.username.as_deref(), password.as_deref()))
         })
         .collect::<Result<Vec<_>, String>>()?;
     let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
     let tls = tls_certificates(config)?;
-    if let Some(master) = &config.sentinel_master {
+    if let Some(master) = &config.connection.sentinel_master {
         Ok(Backend::Sentinel(sentinel_pool(config, master, password, connect_timeout)?))
-    } else if config.cluster {
+    } else if config.connection.cluster {
         cluster_backend(nodes, tls, connect_timeout)
     } else {
         single_backend(config, nodes, tls, connect_timeout)
@@ -261,11 +262,11 @@ pub(super) fn tls_certificates(config: &RedisConfig) -> Result<Option<redis::Tls
     let read = |key: &str, path: &std::path::Path| {
         std::fs::read(path).map_err(|e| format!("{key} {}: {e}", path.display()))
     };
-    let root_cert = match &config.tls_ca_file {
+    let root_cert = match &config.connection.tls_ca_file {
         Some(path) => Some(read("redis.tls_ca_file", path)?),
         None => None,
     };
-    let client_tls = match (&config.tls_cert_file, &config.tls_key_file) {
+    let client_tls = match (&config.connection.tls_cert_file, &config.connection.tls_key_file) {
         (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
             client_cert: read("redis.tls_cert_file", cert)?,
             client_key: read("redis.tls_key_file", key)?,
@@ -285,16 +286,17 @@ pub(super) fn sentinel_pool(
     connect_timeout: Duration,
 ) -> Result<SentinelPool, String> {
     let sentinels = config
+        .connection
         .seed_urls()
         .map(|url| {
             let info = url.into_connection_info().map_err(|e| e.to_string())?;
-            Ok(with_auth(info, None, config.sentinel_password.as_deref()))
+            Ok(with_auth(info, None, config.connection.sentinel_password.as_deref()))
         })
         .collect::<Result<Vec<_>, String>>()?;
     let node = SentinelNodeConnectionInfo {
         tls_mode: None,
         redis_connection_info: Some(deadpool_redis::RedisConnectionInfo {
-            username: config.username.clone(),
+            username: config.connection.username.clone(),
             password,
             ..Default::default()
         }),

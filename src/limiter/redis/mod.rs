@@ -197,7 +197,7 @@ impl RedisStore {
     /// [`RedisStore::warm_up`]. The dispatchers end once the store is
     /// dropped and their queued jobs are answered.
     pub fn new(config: &RedisConfig, tasks: &mut JoinSet<()>) -> Result<Self, RedisSetupError> {
-        let url = config.url.as_deref().unwrap_or_default();
+        let url = config.connection.url.as_deref().unwrap_or_default();
         let setup_error = |message: String| RedisSetupError { url: redact_url(url), message };
         let backend = backend(config).map_err(setup_error)?;
         let parts = Parts { config: config.clone(), breakers: breakers(config, &backend) };
@@ -211,7 +211,7 @@ impl RedisStore {
             next_slot: AtomicUsize::new(0),
             timeout: Duration::from_millis(config.timeout_ms),
             url_for_logs: redact_url(url),
-            key_prefix: config.key_prefix.as_str().into(),
+            key_prefix: config.connection.key_prefix.as_str().into(),
             connection_waits: AtomicU64::new(0),
             tenant_waits: AtomicU64::new(0),
             peer_waits: AtomicU64::new(0),

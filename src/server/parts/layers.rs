@@ -15,6 +15,7 @@ use crate::{
         exchange::{self, ExchangeCounts, Participant},
         grants::Grants,
         lease::Lease,
+        settings::RedisConfig,
     },
     overload::{Overload, feed},
     rules::{Hot, tenants::Tenants},
@@ -127,7 +128,8 @@ pub(crate) fn global(
     let floors_ppm = global.floors_ppm();
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::default());
     let grants = Arc::new(Grants::new(floors_ppm[index], global.max_keys, Arc::clone(&clock)));
-    let coordination = Arc::new(RedisStore::new(&global.redis.store(global.timeout_ms), dispatchers)?);
+    let coordination =
+        Arc::new(RedisStore::new(&RedisConfig::side(&global.redis, global.timeout_ms), dispatchers)?);
     let status = Arc::new(GlobalStatus::new(region, global.lease_ms, clock));
     let settings = crate::global::Settings {
         region: index,

@@ -32,7 +32,7 @@ pub(crate) async fn store(
     dispatchers: &mut JoinSet<()>,
     serving_threads: usize,
 ) -> Result<Store, ServerError> {
-    if redis.url.is_none() {
+    if redis.connection.url.is_none() {
         let store = Arc::new(MemoryStore::new(memory.shards, memory.max_counters, Arc::new(SystemClock)));
         let stop = tasks.stopper();
         tasks.spawn(run_sweeper(Arc::clone(&store), Duration::from_millis(memory.sweep_interval_ms), stop));
@@ -73,8 +73,8 @@ pub(crate) fn local(
         settings.instances = 1;
         return Ok(reconciled(settings, store, id, None, exchanges));
     }
-    let url = redis.url.as_deref().map(crate::limiter::settings::redact_url).unwrap_or_default();
-    let store_id = format!("{url} {}", redis.key_prefix);
+    let url = redis.connection.url.as_deref().map(crate::limiter::settings::redact_url).unwrap_or_default();
+    let store_id = format!("{url} {}", redis.connection.key_prefix);
     let opened =
         crate::limiter::instance::InstanceState::open::<local::Owing>(&config.state_dir, &id, &store_id);
     let (state, adopted) = match opened {
