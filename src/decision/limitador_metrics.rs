@@ -24,6 +24,14 @@ use std::{
 
 use crate::telemetry::exposition::{escape, header};
 
+/// What the limitador APIs count in limitador's families (the engine's
+/// [`super::Stats`] includes it).
+pub trait LimitadorStats {
+    /// One limitador call of `namespace` (a request's domain, which the
+    /// implementation must keep within a bound) in limitador's families.
+    fn limitador(&self, namespace: &str, outcome: Outcome<'_>);
+}
+
 /// What one limitador call counts in the families.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome<'a> {

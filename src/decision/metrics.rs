@@ -21,7 +21,7 @@ use std::{
 };
 
 use super::{
-    Api, DenialCache, LimitHits, Stats,
+    Api, DenialCache, LimitHits, LimitadorStats, Stats, UpstreamStats,
     limitador_metrics::{LimitadorMetrics, Outcome},
     upstream_metrics::UpstreamMetrics,
 };
@@ -277,20 +277,7 @@ fn count(map: &RwLock<HashMap<(Api, &'static str), AtomicU64>>, key: (Api, &'sta
     map.write().unwrap_or_else(|p| p.into_inner()).entry(key).or_default().fetch_add(1, Ordering::Relaxed);
 }
 
-impl Stats for DecisionMetrics {
-    fn adjusted(&self, api: Api, what: &'static str) {
-        count(&self.adjusted, (api, what));
-    }
-
-    fn refused(&self, api: Api, reason: &'static str) {
-        count(&self.refused, (api, reason));
-        if api == Api::Envoy
-            && let Some((upstream, _)) = &self.upstream
-        {
-            upstream.service_error();
-        }
-    }
-
+impl UpstreamStats for DecisionMetrics {
     fn limit_hits(&self, key: &str, hits: LimitHits) {
         if let Some((upstream, _)) = &self.upstream {
             upstream.add(key, hits);
@@ -302,10 +289,27 @@ impl Stats for DecisionMetrics {
             upstream.store_error();
         }
     }
+}
 
+impl LimitadorStats for DecisionMetrics {
     fn limitador(&self, namespace: &str, outcome: Outcome<'_>) {
         if let Some(limitador) = &self.limitador {
             limitador.add(namespace, outcome);
+        }
+    }
+}
+
+impl Stats for DecisionMetrics {
+    fn adjusted(&self, api: Api, what: &'static str) {
+        count(&self.adjusted, (api, what));
+    }
+
+    fn refused(&self, api: Api, reason: &'static str) {
+        count(&self.refused, (api, reason));
+        if api == Api::Envoy
+            && let Some((upstream, _)) = &self.upstream
+        {
+            upstream.service_error();
         }
     }
 

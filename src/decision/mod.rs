@@ -45,8 +45,10 @@ pub use envoy::{
 pub use failure::{FailedDecision, FailureSink};
 
 pub use denials::DenialCache;
+pub use limitador_metrics::LimitadorStats;
 pub use metrics::{DecisionMetrics, Saved};
 pub use shares::TenantShares;
+pub use upstream_metrics::{LimitHits, UpstreamStats};
 
 use crate::{
     limiter::{Count, FailureKind, Store, StoreError, grants::Grants, local::LocalLimiter, window::Verdict},
@@ -127,53 +129,11 @@ impl Api {
     }
 }
 
-/// One descriptor's counts in envoyproxy/ratelimit's terms (its
-/// `total_hits`, `over_limit`, `near_limit`, `within_limit` and
-/// `shadow_mode` stats), in hits.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LimitHits {
-    /// Hits of the descriptor (0 for a `hits_addend: 0` peek).
-    pub total: u64,
-    /// Hits refused (or, in shadow mode, that would have been).
-    pub over: u64,
-    /// Admitted hits past `near_limit_ratio` of the limit.
-    pub near: u64,
-    /// Admitted hits.
-    pub within: u64,
-    /// Over-limit hits a shadow-mode limit let through.
-    pub shadow: u64,
-}
-
-impl LimitHits {
-    /// Upstream's arithmetic for `hits` against a limit of `limit`, from
-    /// the store's `verdict`. A hit that does not fit is refused whole
-    /// (nothing of it is counted), so every hit of a refused descriptor is
-    /// `over` — upstream, whose counter also takes refused hits, splits a
-    /// request straddling the limit into near and over hits.
-    pub fn of(limit: u64, hits: u64, verdict: &Verdict, shadow: bool, near_ratio: f32) -> Self {
-        let mut out = LimitHits { total: hits, ..LimitHits::default() };
-        if !verdict.admitted {
-            out.over = hits;
-            if shadow {
-                out.shadow = hits;
-            }
-            return out;
-        }
-        // As upstream: floor(float32(limit) * ratio).
-        let near = (limit as f32 * near_ratio).floor() as u64;
-        let after = limit.saturating_sub(verdict.remaining);
-        let before = after.saturating_sub(hits);
-        if after > near {
-            out.near = if before >= near { hits } else { after - near };
-        }
-        out.within = hits;
-        out
-    }
-}
-
-/// Where the engine counts what it decides. Called on the hot path:
-/// implementations only add to atomics.
-pub trait Stats: Send + Sync + fmt::Debug {
+/// Where the engine counts what it decides, in its own terms; what a
+/// drop-in API also counts in its upstream's metric families is declared
+/// beside those families ([`UpstreamStats`], [`LimitadorStats`]). Called on
+/// the hot path: implementations only add to atomics.
+pub trait Stats: UpstreamStats + LimitadorStats + Send + Sync + fmt::Debug {
     /// One decision (for Envoy: one per descriptor). `rule` is a configured
     /// id or key, or a fixed label: never a request value.
     fn decision(&self, api: Api, rule: Option<&Arc<str>>, reason: &'static str, allowed: bool);
@@ -189,16 +149,6 @@ pub trait Stats: Send + Sync + fmt::Debug {
     /// A request refused as malformed (INVALID_ARGUMENT): `reason` is a
     /// fixed name of the broken structure, never a request value.
     fn refused(&self, api: Api, reason: &'static str);
-    /// One Envoy descriptor's counts under upstream's metric `key`: the
-    /// limit's configured full key, or one holding request values
-    /// (`detailed_metric`, `value_to_metric`, a request's own limit), which
-    /// the implementation must keep within a bound.
-    fn limit_hits(&self, key: &str, hits: LimitHits);
-    /// One `ShouldRateLimit` the store could not decide.
-    fn envoy_failed(&self);
-    /// One limitador call of `namespace` (a request's domain, which the
-    /// implementation must keep within a bound) in limitador's families.
-    fn limitador(&self, namespace: &str, outcome: limitador_metrics::Outcome<'_>);
 }
 
 /// Receives a sample of decided `Check` and `ShouldRateLimit` requests
@@ -230,8 +180,14 @@ impl Stats for NoStats {
     fn store_call(&self, _: Option<Duration>, _: Option<FailureKind>) {}
     fn adjusted(&self, _: Api, _: &'static str) {}
     fn refused(&self, _: Api, _: &'static str) {}
+}
+
+impl UpstreamStats for NoStats {
     fn limit_hits(&self, _: &str, _: LimitHits) {}
     fn envoy_failed(&self) {}
+}
+
+impl LimitadorStats for NoStats {
     fn limitador(&self, _: &str, _: limitador_metrics::Outcome<'_>) {}
 }
 

@@ -29,8 +29,64 @@ use std::{
     },
 };
 
-use super::{LimitHits, keys::digest_bytes};
+use super::{Verdict, keys::digest_bytes};
 use crate::telemetry::exposition::{escape, header};
+
+/// One descriptor's counts in envoyproxy/ratelimit's terms (its
+/// `total_hits`, `over_limit`, `near_limit`, `within_limit` and
+/// `shadow_mode` stats), in hits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LimitHits {
+    /// Hits of the descriptor (0 for a `hits_addend: 0` peek).
+    pub total: u64,
+    /// Hits refused (or, in shadow mode, that would have been).
+    pub over: u64,
+    /// Admitted hits past `near_limit_ratio` of the limit.
+    pub near: u64,
+    /// Admitted hits.
+    pub within: u64,
+    /// Over-limit hits a shadow-mode limit let through.
+    pub shadow: u64,
+}
+
+impl LimitHits {
+    /// Upstream's arithmetic for `hits` against a limit of `limit`, from
+    /// the store's `verdict`. A hit that does not fit is refused whole
+    /// (nothing of it is counted), so every hit of a refused descriptor is
+    /// `over` — upstream, whose counter also takes refused hits, splits a
+    /// request straddling the limit into near and over hits.
+    pub fn of(limit: u64, hits: u64, verdict: &Verdict, shadow: bool, near_ratio: f32) -> Self {
+        let mut out = LimitHits { total: hits, ..LimitHits::default() };
+        if !verdict.admitted {
+            out.over = hits;
+            if shadow {
+                out.shadow = hits;
+            }
+            return out;
+        }
+        // As upstream: floor(float32(limit) * ratio).
+        let near = (limit as f32 * near_ratio).floor() as u64;
+        let after = limit.saturating_sub(verdict.remaining);
+        let before = after.saturating_sub(hits);
+        if after > near {
+            out.near = if before >= near { hits } else { after - near };
+        }
+        out.within = hits;
+        out
+    }
+}
+
+/// What the Envoy API counts in envoyproxy/ratelimit's families (the
+/// engine's [`super::Stats`] includes it).
+pub trait UpstreamStats {
+    /// One Envoy descriptor's counts under upstream's metric `key`: the
+    /// limit's configured full key, or one holding request values
+    /// (`detailed_metric`, `value_to_metric`, a request's own limit), which
+    /// the implementation must keep within a bound.
+    fn limit_hits(&self, key: &str, hits: LimitHits);
+    /// One `ShouldRateLimit` the store could not decide.
+    fn envoy_failed(&self);
+}
 
 /// The longest stat key counted as it is (the bound of a counter key).
 pub const MAX_STAT_KEY_BYTES: usize = super::keys::MAX_COUNTER_KEY_BYTES;
