@@ -4,10 +4,10 @@
 //! periodic exchange reach it.
 //!
 //! Adding a store: its folder under `limiter/` implementing
-//! [`CounterStore`] (and passing `tests/conformance.rs`), its variant in
-//! [`Store`] with its arm in `each!` (the registration), and its settings
-//! (a section `config/` composes, opened in `server/parts/store.rs`).
-//! Nothing else matches on the store.
+//! [`CounterStore`] (and passing `tests/conformance.rs`), one line in
+//! `stores!` below (the registration), and its settings (a section
+//! `config/` composes, opened in `server/parts/store.rs`). Nothing else
+//! matches on the store.
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -131,24 +131,35 @@ pub struct Listed {
     pub complete: bool,
 }
 
-/// The store this service opened. An enum rather than a trait object:
-/// static dispatch, and no boxed future per decision.
-#[derive(Debug, Clone)]
-pub enum Store {
-    /// In-process counters (the embedded default).
-    Memory(Arc<MemoryStore>),
-    /// Counters in Redis, updated by a Lua script.
-    Redis(Arc<RedisStore>),
-}
+/// Declares [`Store`], one variant per store, and `each!`, which runs one
+/// body on whichever store a `Store` holds. (`$d` is a `$` handed in, so
+/// the inner macro can name its own arguments.)
+macro_rules! stores {
+    ($d:tt $($(#[doc = $doc:literal])* $variant:ident($store:ty),)*) => {
+        /// The store this service opened. An enum rather than a trait
+        /// object: static dispatch, and no boxed future per decision.
+        #[derive(Debug, Clone)]
+        pub enum Store {
+            $($(#[doc = $doc])* $variant(Arc<$store>),)*
+        }
 
-/// `$body` with `$s` bound to the store inside `$store`, whichever it is.
-macro_rules! each {
-    ($store:expr, $s:ident => $body:expr) => {
-        match $store {
-            Store::Memory($s) => $body,
-            Store::Redis($s) => $body,
+        /// `$body` with `$s` bound to the store inside `$store`.
+        macro_rules! each {
+            ($d store_:expr, $d s:ident => $d body:expr) => {
+                match $d store_ {
+                    $(Store::$variant($d s) => $d body,)*
+                }
+            };
         }
     };
+}
+
+// The registration: one line per store.
+stores! {$
+    /// In-process counters (the embedded default).
+    Memory(MemoryStore),
+    /// Counters in Redis, updated by a Lua script.
+    Redis(RedisStore),
 }
 
 impl Store {
