@@ -113,6 +113,51 @@ async fn draft03_headers_list_the_quota_policies() {
     s.server.stop().await.unwrap();
 }
 
+/// `envoy.ratelimit_headers`: through Envoy, the client gets the standard
+/// `RateLimit-Policy` and `RateLimit` fields (draft-11), on the 200 and on
+/// the 429, each an RFC 8941 list naming the user's limit (3 a minute):
+/// what is left counts down and the reset is within the (sliding) window's
+/// two minutes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn standard_ratelimit_headers_reach_the_client() {
+    let s = stack(|c| c.envoy.ratelimit_headers = true).await;
+    let port = s.envoy_port;
+    let replies = tokio::task::spawn_blocking(move || {
+        (0..4).map(|_| get(port, &[("x-user-id", "ida")])).collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    let codes: Vec<u16> = replies.iter().map(|(code, _)| *code).collect();
+    assert_eq!(codes, [200, 200, 200, 429]);
+    for (i, (_, headers)) in replies.iter().enumerate() {
+        let field = |name: &str| {
+            let value = header(headers, name).unwrap_or_else(|| panic!("reply {i}: no {name}: {headers:?}"));
+            sfv::Parser::new(value).parse::<sfv::List>().unwrap_or_else(|e| panic!("{name}: {value:?}: {e}"))
+        };
+        let item = |list: &sfv::List| match &list[0] {
+            sfv::ListEntry::Item(item) => item.clone(),
+            other => panic!("{other:?}"),
+        };
+        let policy = item(&field("ratelimit-policy"));
+        let current = item(&field("ratelimit"));
+        let int = |item: &sfv::Item, key: &str| {
+            item.params.get(key).and_then(sfv::BareItem::as_integer).map(i64::from)
+        };
+        assert_eq!(
+            policy.bare_item,
+            sfv::BareItem::String(sfv::String::from_string("edge.user".to_owned()).unwrap())
+        );
+        assert_eq!(current.bare_item, policy.bare_item, "reply {i}");
+        assert_eq!((int(&policy, "q"), int(&policy, "w")), (Some(3), Some(60)), "reply {i}");
+        let left = 2i64.saturating_sub(i as i64).max(0);
+        assert_eq!(int(&current, "r"), Some(left), "reply {i}");
+        // A sliding window is whole again once this window and the next
+        // have passed: within two windows.
+        assert!(int(&current, "t").is_some_and(|t| (1..=120).contains(&t)), "reply {i}: {current:?}");
+    }
+    s.server.stop().await.unwrap();
+}
+
 /// Without `envoy.response_headers`, no x-ratelimit-* header reaches the client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn envoy_headers_are_off_by_default() {

@@ -63,6 +63,9 @@ descriptors:
     rate_limit: { unit: day, requests_per_unit: 10 }
   - key: ninety
     rate_limit: { unit: second, unit_multiplier: 90, requests_per_unit: 2 }
+  - key: model
+    rate_limit: { name: per-minute, unit: minute, requests_per_unit: 5 }
+    also: [ { unit: day, requests_per_unit: 4 } ]
   - key: backend
     rate_limit:
       unit: day
@@ -130,6 +133,7 @@ for_each_store!(
     dynamic_metadata_says_which_limit_fired,
     a_window_of_any_length,
     an_adaptive_limit_follows_outcome_descriptors,
+    standard_headers_name_every_policy_and_the_binding_one,
 );
 
 /// `adaptive` on a `rate_limit` (ratelimitd's extension): a descriptor
@@ -782,4 +786,70 @@ async fn statsd_gets_upstream_counters_and_an_unresolved_host_is_not_fatal() {
     let answer = ask(&mut s.client, request(vec![descriptor(&[("user", "x")])])).await;
     assert_eq!(code(answer.overall_code), Code::Ok);
     s.server.stop().await.unwrap();
+}
+
+/// The draft-11 fields as a Structured Field List (RFC 8941): each member's
+/// policy name and its integer parameters.
+fn sf_list(value: &str) -> Vec<(String, Vec<(String, i64)>)> {
+    let list = sfv::Parser::new(value).parse::<sfv::List>().unwrap_or_else(|e| panic!("{value:?}: {e}"));
+    list.into_iter()
+        .map(|member| {
+            let sfv::ListEntry::Item(item) = member else { panic!("{value:?}: an inner list") };
+            let sfv::BareItem::String(name) = &item.bare_item else { panic!("{value:?}: not a string") };
+            let params = item
+                .params
+                .iter()
+                .map(|(key, value)| (key.as_str().to_owned(), value.as_integer().map_or(-1, i64::from)))
+                .collect();
+            (name.as_str().to_owned(), params)
+        })
+        .collect()
+}
+
+/// `envoy.ratelimit_headers` (here for the domain alone): the standard
+/// `RateLimit-Policy` lists every limit a request met, each once, by name
+/// (a further `also` limit as the name and `#1`; an unnamed limit by its
+/// key), with its quota and window in seconds; `RateLimit` names the one
+/// that binds, with what is left and the seconds until it resets. Both
+/// parse as RFC 8941 lists. Off for a domain set to false.
+async fn standard_headers_name_every_policy_and_the_binding_one(backend: Backend) {
+    let mut s = start(backend, |c| {
+        c.envoy.domain_ratelimit_headers = [("edge".to_owned(), true)].into();
+    })
+    .await;
+    let fields = |r: &RateLimitResponse| {
+        let get =
+            |name: &str| r.response_headers_to_add.iter().find(|h| h.key == name).map(|h| sf_list(&h.value));
+        (get("RateLimit-Policy"), get("RateLimit"))
+    };
+    // The day's 4 (the `also` limit) bind before the minute's 5.
+    let r = ask(&mut s.client, request(vec![descriptor(&[("model", "m1")])])).await;
+    let (Some(policies), Some(current)) = fields(&r) else { panic!("{r:?}") };
+    let param = |params: &[(String, i64)], key: &str| params.iter().find(|(k, _)| k == key).map(|(_, v)| *v);
+    let listed: Vec<(&str, Option<i64>, Option<i64>)> =
+        policies.iter().map(|(n, p)| (n.as_str(), param(p, "q"), param(p, "w"))).collect();
+    assert_eq!(listed, [("per-minute", Some(5), Some(60)), ("per-minute#1", Some(4), Some(86_400))]);
+    let (name, params) = &current[0];
+    assert_eq!((name.as_str(), param(params, "r")), ("per-minute#1", Some(3)), "{current:?}");
+    // Whole again once the (sliding) day and the next have passed.
+    assert!(param(params, "t").is_some_and(|t| (1..=2 * 86_400).contains(&t)), "{current:?}");
+
+    // Three descriptors: the user's 3 a day (2 left) bind; every policy once.
+    let three =
+        vec![descriptor(&[("model", "m2")]), descriptor(&[("user", "gus")]), descriptor(&[("model", "m3")])];
+    let r = ask(&mut s.client, request(three)).await;
+    let (Some(policies), Some(current)) = fields(&r) else { panic!("{r:?}") };
+    let names: Vec<&str> = policies.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["per-minute", "per-minute#1", "edge.user"], "{policies:?}");
+    assert_eq!((current[0].0.as_str(), param(&current[0].1, "r")), ("edge.user", Some(2)), "{current:?}");
+    s.server.stop().await.unwrap();
+
+    let mut off = start(backend, |c| {
+        c.envoy.ratelimit_headers = true;
+        c.envoy.domain_ratelimit_headers = [("edge".to_owned(), false)].into();
+    })
+    .await;
+    let r = ask(&mut off.client, request(vec![descriptor(&[("user", "hal")])])).await;
+    assert_eq!(fields(&r), (None, None), "off for the domain: {r:?}");
+    off.server.stop().await.unwrap();
 }

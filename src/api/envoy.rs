@@ -21,6 +21,7 @@ use super::envoy_pb::{
     },
 };
 use super::envoy_settings::{EnvoyHeaderFormat, EnvoySettings};
+use super::ratelimit_headers;
 use crate::{
     budget::Refusal,
     decision::{
@@ -238,14 +239,14 @@ impl RateLimitService for EnvoyService {
                 self.engine.limitador(&limits.load(), &rls, Call::Admit, None).instrument(span).await;
             let hits = u64::from(request.hits_addend.max(1));
             self.engine.limitador_counted(&request.domain, Call::Admit, &decision, hits);
-            let mut answer = response(&decision, &self.settings, true)?;
+            let mut answer = response(&decision, &self.settings, (&request.domain, true))?;
             // limitador answers no statuses (its headers, when asked for,
             // carry what they would).
             answer.statuses.clear();
             return Ok(Response::new(answer));
         }
         let decision = self.engine.should_rate_limit(&rls).instrument(span).await;
-        let mut answer = response(&decision, &self.settings, false)?;
+        let mut answer = response(&decision, &self.settings, (&request.domain, false))?;
         if self.settings.response_dynamic_metadata {
             answer.dynamic_metadata = Some(dynamic_metadata(&request, &decision));
         }
@@ -311,13 +312,14 @@ fn response_unit(unit: Unit) -> ResponseUnit {
     }
 }
 
-/// The wire answer for `decision`. A store failure under
+/// The wire answer for `decision` of a request of `domain` (`limitador`:
+/// decided against limitador's limits). A store failure under
 /// `envoy.failure_mode: unavailable` is UNAVAILABLE (not UNKNOWN): Envoy
 /// then applies its own `failure_mode_deny`.
 fn response(
     decision: &RlsDecision,
     settings: &EnvoySettings,
-    limitador: bool,
+    (domain, limitador): (&str, bool),
 ) -> Result<RateLimitResponse, Status> {
     if let Some(failure) = &decision.failure {
         return Err(Status::unavailable(format!("counter store unavailable: {failure}")));
@@ -342,6 +344,13 @@ fn response(
             }
         };
         response_headers_to_add = headers(settings, &statuses, policies, index);
+    }
+    if settings.ratelimit_headers_for(domain)
+        && let Some((policies, current)) =
+            decision.tightest.and_then(|index| ratelimit_headers::fields(&decision.statuses, index))
+    {
+        response_headers_to_add.push(header(ratelimit_headers::POLICY_FIELD, policies));
+        response_headers_to_add.push(header(ratelimit_headers::RATELIMIT_FIELD, current));
     }
     if matches!(decision.reason, Reason::Shed | Reason::Overload) && !settings.reason_header.is_empty() {
         // Envoy adds these to its 429: the client sees why (a back-off, not a spent quota).

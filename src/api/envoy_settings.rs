@@ -119,6 +119,14 @@ pub struct EnvoySettings {
     /// `plain` (the tightest limit's number, as envoyproxy/ratelimit) or `draft03` (followed by
     /// every descriptor's quota policy, `10, 10;w=60, 1000;w=3600;name="daily"`).
     pub response_headers_format: EnvoyHeaderFormat,
+    /// Add the standard `RateLimit-Policy` and `RateLimit` headers (draft-ietf-httpapi-ratelimit-headers-11:
+    /// every quota policy the request met, `"name";q=100;w=60`, and the binding one's remaining and
+    /// reset in seconds, `"name";r=50;t=30`) to every domain's responses, beside the `X-RateLimit-*`
+    /// ones of `response_headers`.
+    pub ratelimit_headers: bool,
+    /// Whether a domain's responses carry the standard headers (`domain: true|false`), over
+    /// `ratelimit_headers`.
+    pub domain_ratelimit_headers: HashMap<String, bool>,
     /// Name of the limit header.
     pub limit_header: String,
     /// Name of the remaining header.
@@ -201,6 +209,8 @@ impl Default for EnvoySettings {
             error_header: "x-ratelimit-error".to_owned(),
             response_headers: false,
             response_headers_format: EnvoyHeaderFormat::Plain,
+            ratelimit_headers: false,
+            domain_ratelimit_headers: HashMap::new(),
             limit_header: "x-ratelimit-limit".to_owned(),
             remaining_header: "x-ratelimit-remaining".to_owned(),
             reset_header: "x-ratelimit-reset".to_owned(),
@@ -225,6 +235,12 @@ impl Default for EnvoySettings {
 }
 
 impl EnvoySettings {
+    /// Whether `domain`'s responses carry the standard `RateLimit-Policy`
+    /// and `RateLimit` headers.
+    pub fn ratelimit_headers_for(&self, domain: &str) -> bool {
+        self.domain_ratelimit_headers.get(domain).copied().unwrap_or(self.ratelimit_headers)
+    }
+
     /// How the engine treats Envoy requests under these settings.
     pub fn policy(&self) -> EnvoyPolicy {
         let settings = self;

@@ -13,6 +13,7 @@ pub mod envoy_settings;
 mod kuadrant;
 pub mod lenient;
 pub mod limitador_http;
+pub mod ratelimit_headers;
 mod wire;
 pub mod xds;
 

@@ -69,6 +69,12 @@ impl EnvoySettings {
                 format!("{domain:?}: a domain must not be empty"),
             ));
         }
+        if let Some(domain) = self.domain_ratelimit_headers.keys().find(|d| d.is_empty()) {
+            return Err(invalid(
+                "envoy.domain_ratelimit_headers",
+                format!("{domain:?}: a domain must not be empty"),
+            ));
+        }
         if let Some(domain) = self.domain_priority.keys().find(|d| d.is_empty()) {
             return Err(invalid("envoy.domain_priority", format!("{domain:?}: a domain must not be empty")));
         }
