@@ -228,11 +228,7 @@ impl RateLimitService for EnvoyService {
             overall_code = tracing::field::Empty,
         );
         continue_trace(&span, &metadata);
-        let rls = RlsRequest {
-            share: super::check::share_of(&extensions),
-            may_report: super::check::may_report(&extensions),
-            ..convert(&request, call_traceparent(&metadata))
-        };
+        let rls = convert(&request, (&metadata, &extensions), true);
         // The engine fills the span's decision fields (it runs inside it).
         if let Some(limits) = &self.limitador {
             let decision =
@@ -254,18 +250,22 @@ impl RateLimitService for EnvoyService {
     }
 }
 
-/// Borrows a validated request as the engine's [`RlsRequest`]: no copy.
+/// Borrows a validated request, received with `metadata` and `extensions`,
+/// as the engine's [`RlsRequest`]: no copy. `reports`: the API lets a
+/// caller report usage (`ShouldRateLimit`, as its connection allows; not
+/// Kuadrant's, whose `Report` is a call of its own).
 pub(super) fn convert<'a>(
     request: &'a RateLimitRequest,
-    traceparent: Option<&'a str>,
+    (metadata, extensions): (&'a tonic::metadata::MetadataMap, &'a tonic::Extensions),
+    reports: bool,
 ) -> RlsRequest<'a, RateLimitDescriptor> {
     RlsRequest {
         domain: &request.domain,
         descriptors: &request.descriptors,
         hits_addend: request.hits_addend,
-        trace_id: traceparent.and_then(trace_id_of),
-        share: None,
-        may_report: true,
+        trace_id: call_traceparent(metadata).and_then(trace_id_of),
+        share: super::check::share_of(extensions),
+        may_report: reports && super::check::may_report(extensions),
     }
 }
 

@@ -8,7 +8,6 @@
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
-use super::convert::call_traceparent;
 use super::envoy::{EnvoyService, convert};
 use super::envoy_pb::{
     kuadrant::service::ratelimit::v1::rate_limit_service_server::{
@@ -17,10 +16,7 @@ use super::envoy_pb::{
     },
     rls::{RateLimitRequest, RateLimitResponse, rate_limit_response::Code},
 };
-use crate::{
-    decision::{RlsRequest, limitador::Call},
-    telemetry::traces::continue_trace,
-};
+use crate::{decision::limitador::Call, telemetry::traces::continue_trace};
 
 /// Kuadrant's rate limit service, served beside `ShouldRateLimit` from
 /// limitador's limits: the check before a request (nothing counted) and the
@@ -72,11 +68,7 @@ impl EnvoyService {
             overall_code = tracing::field::Empty,
         );
         continue_trace(&span, &metadata);
-        let rls = RlsRequest {
-            share: super::check::share_of(&extensions),
-            may_report: false,
-            ..convert(&request, call_traceparent(&metadata))
-        };
+        let rls = convert(&request, (&metadata, &extensions), false);
         // limitador checks one hit, whatever the request says.
         let hits = (call == Call::Check).then_some(1);
         let decision = self.engine.limitador(&limits.load(), &rls, call, hits).instrument(span).await;
