@@ -40,8 +40,6 @@ use std::{
 mod summary;
 
 use indexmap::{Equivalent, IndexMap};
-
-use crate::telemetry::exposition::Figures;
 use tokio::sync::{Notify, watch};
 
 use self::summary::{FULL_PPM, Sketch};
@@ -51,6 +49,7 @@ use super::{
     evaluate, many_verdicts,
     window::{StoredCounter, Verdict, WindowParams},
 };
+use crate::telemetry::exposition::Figures;
 
 /// How many counters a full shard examines for an expired one to evict:
 /// this many consecutive ones from a random index (contiguous in memory),

@@ -47,8 +47,6 @@ use std::{
 };
 
 use redis::RedisError;
-
-use crate::telemetry::exposition::Figures;
 use tokio::{
     sync::{Semaphore, SemaphorePermit, mpsc, oneshot},
     task::JoinSet,
@@ -77,6 +75,7 @@ use super::{
     store::Held,
     window::Verdict,
 };
+use crate::telemetry::exposition::Figures;
 
 /// Most jobs in one script call. Bounds the time one call holds Redis (a
 /// script blocks every other client while it runs): at ~1 µs of Lua per key,
