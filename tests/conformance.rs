@@ -51,13 +51,15 @@ async fn job<S: CounterStore>(store: &S, group: &str, items: &[ManyItem]) -> Man
 /// (aligned) end, a sliding one until a fifth of the next window has
 /// passed (the full window's weight then lets one more in), a first-hit
 /// window an hour from its first hit, a bucket until one of its 5 tokens
-/// an hour is back.
+/// an hour is back, slots in flight until the next window's end.
 fn wait_bounds(algorithm: Algorithm) -> std::ops::RangeInclusive<u64> {
     match algorithm {
         Algorithm::FixedWindow => 1..=HOUR_MS,
         Algorithm::SlidingWindow => HOUR_MS / 5..=HOUR_MS + HOUR_MS / 5,
         Algorithm::TokenBucket | Algorithm::Gcra => HOUR_MS / 5 - 2_000..=HOUR_MS / 5,
         Algorithm::FirstHitWindow => HOUR_MS - 2_000..=HOUR_MS,
+        // Slots in flight, none given back: until this window's are over too.
+        Algorithm::Concurrency => HOUR_MS..=2 * HOUR_MS,
     }
 }
 
@@ -133,10 +135,11 @@ async fn several_limits_are_decided_all_or_nothing<S: CounterStore>(store: Arc<S
 
 /// A report is counted whatever is left, past the limit, and later
 /// admissions see it; in a job with admissions that are refused, the
-/// report is still counted.
+/// report is still counted. (Slots in flight: a report gives them back,
+/// below.)
 async fn reports_are_counted_past_the_limit<S: CounterStore>(store: Arc<S>) {
     let name = S::NAME;
-    for algorithm in Algorithm::ALL {
+    for algorithm in Algorithm::ALL.into_iter().filter(|a| !a.releases()) {
         let window = params(algorithm, HOUR_MS, 5);
         let id: Arc<str> = Arc::from(format!("report-{}", algorithm.as_str()));
         let reported = one(&*store, "ann", &id, window, (8, Count::Always)).await.unwrap();
@@ -152,6 +155,49 @@ async fn reports_are_counted_past_the_limit<S: CounterStore>(store: Arc<S>) {
     let peek = ManyItem { count: Count::Never, ..item("used", window) };
     let seen = job(&*store, "report", &[peek]).await;
     assert!(!seen.verdicts[0].admitted && seen.verdicts[0].remaining == 0, "{name}: the report counted");
+}
+
+/// Requests in flight: admissions take slots until none is left, a report
+/// gives slots back (the oldest first, never below none) and the next
+/// request fits again; slots never given back are freed within two
+/// windows. Alike for one counter and for a job.
+async fn slots_in_flight_are_taken_and_given_back<S: CounterStore>(store: Arc<S>) {
+    let name = S::NAME;
+    let id: Arc<str> = Arc::from("in-flight");
+    let window = params(Algorithm::Concurrency, HOUR_MS, 3);
+    for left in (0..3).rev() {
+        let taken = one(&*store, "ann", &id, window, (1, Count::IfFits)).await.unwrap();
+        assert!(taken.admitted && taken.remaining == left, "{name}: {taken:?}");
+    }
+    let full = one(&*store, "ann", &id, window, (1, Count::IfFits)).await.unwrap();
+    assert!(!full.admitted && full.remaining == 0, "{name}: the fourth in flight: {full:?}");
+    let back = one(&*store, "ann", &id, window, (1, Count::Always)).await.unwrap();
+    assert!(back.admitted && back.remaining == 1, "{name}: one given back: {back:?}");
+    assert!(one(&*store, "ann", &id, window, (1, Count::IfFits)).await.unwrap().admitted, "{name}");
+    let all_back = one(&*store, "ann", &id, window, (10, Count::Always)).await.unwrap();
+    assert_eq!(all_back.remaining, 3, "{name}: more given back than taken: none in flight");
+
+    let key = "in-flight|ann";
+    let take = || item(key, window);
+    let give = || ManyItem { count: Count::Always, ..item(key, window) };
+    assert!(job(&*store, "flight", &[ManyItem { weight: 3, ..take() }]).await.committed, "{name}");
+    assert!(!job(&*store, "flight", &[take()]).await.committed, "{name}: full");
+    job(&*store, "flight", &[give()]).await;
+    let again = job(&*store, "flight", &[take()]).await;
+    assert!(again.committed && again.verdicts[0].remaining == 0, "{name}: {again:?}");
+
+    // A caller that never gives its slots back: freed within two windows.
+    let short = params(Algorithm::Concurrency, 200, 2);
+    let leaked: Arc<str> = Arc::from("leaked");
+    for _ in 0..2 {
+        assert!(one(&*store, "bob", &leaked, short, (1, Count::IfFits)).await.unwrap().admitted, "{name}");
+    }
+    let refused = one(&*store, "bob", &leaked, short, (1, Count::IfFits)).await.unwrap();
+    let wait = refused.retry_after_ms.expect("a wait");
+    assert!(!refused.admitted && (200..=400).contains(&wait), "{name}: {refused:?}");
+    tokio::time::sleep(Duration::from_millis(wait + 5)).await;
+    let freed = one(&*store, "bob", &leaked, short, (1, Count::IfFits)).await.unwrap();
+    assert!(freed.admitted && freed.remaining == 1, "{name}: {freed:?}");
 }
 
 /// A peek says whether a hit would fit and counts nothing, nor creates a
@@ -328,6 +374,12 @@ macro_rules! stores {
             async fn reports_are_counted_past_the_limit() {
                 let (store, _keep) = $open.await;
                 super::reports_are_counted_past_the_limit(store).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn slots_in_flight_are_taken_and_given_back() {
+                let (store, _keep) = $open.await;
+                super::slots_in_flight_are_taken_and_given_back(store).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

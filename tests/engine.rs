@@ -16,8 +16,8 @@ use common::{Backend, RedisServer};
 use ratelimitd::{
     config::RedisConfig,
     decision::{
-        CheckRequest, Decision, Engine, EngineParts, EnvoyFailure, EnvoyPolicy, FailedDecision, FailureSink,
-        LimitOverride, Reason, RlsDecision, RlsDescriptor, RlsRequest,
+        CheckRequest, Decision, DenialCache, Engine, EngineParts, EnvoyFailure, EnvoyPolicy, FailedDecision,
+        FailureSink, LimitOverride, Reason, RlsDecision, RlsDescriptor, RlsRequest,
     },
     limiter::{Algorithm, Count, ManualClock, MemoryStore, RedisStore, Store},
     rules::{self, Hot, RuleStore, envoy::Unit},
@@ -38,6 +38,8 @@ rules:
   - { rule_id: llm-token_bucket, resource_path: /llm/token_bucket, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: token_bucket }
   - { rule_id: llm-gcra, resource_path: /llm/gcra, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: gcra }
   - { rule_id: llm-first_hit_window, resource_path: /llm/first_hit_window, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: first_hit_window }
+  - { rule_id: llm-concurrency, resource_path: /llm/concurrency, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: concurrency }
+  - { rule_id: in-flight, resource_path: /in-flight, limit: 3, window_seconds: 60, algorithm: concurrency }
   - { rule_id: both, resource_path: /both, limit: 10, window_seconds: 1, algorithm: fixed_window, also: [ { limit: 30, window_seconds: 60 } ] }
 "#;
 
@@ -241,6 +243,7 @@ for_each_store!(
     envoy_global_shadow_mode_never_denies,
     several_limits_count_all_or_nothing,
     envoy_several_limits_count_all_or_nothing,
+    requests_in_flight_are_held_until_reported,
 );
 
 impl Harness {
@@ -331,7 +334,8 @@ async fn envoy_global_quota_mode_denies_only_when_every_limit_is_over(backend: B
 /// injected clock, to the millisecond).
 async fn reports_count_past_the_limit_for_every_algorithm(backend: Backend) {
     let h = Harness::default(backend).await;
-    for algorithm in Algorithm::ALL {
+    // (Slots in flight are given back by a report: below.)
+    for algorithm in Algorithm::ALL.into_iter().filter(|a| !a.releases()) {
         let path = format!("/llm/{}", algorithm.as_str());
         let first = h.call("ann", &path, 60, Count::Always).await;
         assert_eq!((first.allowed, first.reason, first.remaining), (true, Reason::Ok, 40), "{algorithm:?}");
@@ -805,4 +809,43 @@ async fn envoy_several_limits_count_all_or_nothing(backend: Backend) {
     }
     assert!(h.rls(&[&[("both", "kim")]]).await.over_limit, "the minute's 30 are spent");
     assert!(!h.rls(&[&[("both", "lee")]]).await.over_limit, "values are independent");
+}
+
+/// `algorithm: concurrency` through the native API: each Check takes a
+/// slot, the fourth of 3 is refused (retry: until the slots' windows are
+/// over, given no report), and a Report at a request's end gives its slot
+/// back, so the next Check passes at once, even with a cache of denials
+/// (whose retry time a report overtakes: such denials are not cached).
+async fn requests_in_flight_are_held_until_reported(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let engine = Engine::new(EngineParts {
+        denials: Some(Arc::new(DenialCache::new(1_000, Arc::clone(&h.clock) as _))),
+        ..EngineParts::new(Arc::clone(h.engine.rules()), h.engine.store().clone())
+    });
+    let headers = HashMap::new();
+    let call = |count: Count| CheckRequest {
+        user_id: "flo",
+        resource_path: "/in-flight",
+        client_type: None,
+        weight: 1,
+        count,
+        priority: None,
+        headers: &headers,
+        trace_id: None,
+        share: None,
+        outcome: None,
+    };
+    for left in (0..3).rev() {
+        let taken = engine.check(&call(Count::IfFits)).await;
+        assert_eq!((taken.allowed, taken.remaining), (true, left), "{taken:?}");
+    }
+    for _ in 0..2 {
+        let fourth = engine.check(&call(Count::IfFits)).await;
+        assert_eq!((fourth.allowed, fourth.reason), (false, Reason::OverLimit), "{fourth:?}");
+        assert!((60_000..=120_000).contains(&fourth.retry_after_ms), "{fourth:?}");
+    }
+    let ended = engine.check(&call(Count::Always)).await;
+    assert_eq!((ended.allowed, ended.remaining), (true, 1), "a slot given back: {ended:?}");
+    let next = engine.check(&call(Count::IfFits)).await;
+    assert_eq!((next.allowed, next.remaining), (true, 0), "{next:?}");
 }

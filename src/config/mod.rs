@@ -619,6 +619,16 @@ mod tests {
         assert!(err.contains("`redis.password_file`") && err.contains("absent"), "{err}");
     }
 
+    /// limitador's limits count hits: an algorithm of requests in flight
+    /// is refused for them, naming the key.
+    #[test]
+    fn limitador_limits_cannot_count_requests_in_flight() {
+        let error = Config::load(None, env(&[("RATELIMITD__RULES__LIMITADOR_ALGORITHM", "concurrency")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("rules.limitador_algorithm") && error.contains("in flight"), "{error}");
+    }
+
     /// `redis` and `global.redis` read one connection type: each key as its
     /// field's type (a numeric password from the environment stays the
     /// string it was), an unknown key refused by name, secrets hidden in

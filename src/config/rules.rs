@@ -152,6 +152,12 @@ impl Default for RulesConfig {
 impl RulesConfig {
     /// Checks `rules.*`; every error names its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.limitador_algorithm.releases() {
+            return Err(invalid(
+                "rules.limitador_algorithm",
+                "concurrency counts requests in flight, not limitador's hits: a native rule's algorithm",
+            ));
+        }
         if self.path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
             return Err(invalid("rules.path", "must not be empty; leave it unset for the embedded rules"));
         }

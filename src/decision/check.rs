@@ -301,12 +301,12 @@ impl Subject for Native<'_, '_> {
             }
         }
         // A global rule's denials are not cached: its limit moves with its
-        // grant, and a denial's retry time is the grant's of the moment.
-        let cache = engine
-            .inner
-            .denials
-            .as_deref()
-            .filter(|_| !self.shadow() && self.request.count != Count::Always && self.grant.is_none())?;
+        // grant, and a denial's retry time is the grant's of the moment. Nor
+        // are those of requests in flight: a slot given back admits sooner.
+        let releases = self.rule().window.algorithm.releases();
+        let cache = engine.inner.denials.as_deref().filter(|_| {
+            !self.shadow() && self.request.count != Count::Always && self.grant.is_none() && !releases
+        })?;
         let version = cache.version_hash(self.version);
         self.cache = Some(version);
         let hit = cache.lookup(version, &self.rule().id, &self.user, u64::from(self.request.weight))?;

@@ -79,12 +79,14 @@ pub struct GlobalLimit<'a> {
 }
 
 /// How long an admission weighs in a counter of `window` (ms): until a
-/// sliding window's next window ends (two windows), a fixed or first-hit
+/// sliding window's next window ends (two windows; a slot in flight at the
+/// latest then), a fixed or first-hit
 /// window ends (one), a bucket has refilled its capacity.
 pub fn linger_ms(window: &super::window::WindowParams) -> u64 {
     use super::window::Algorithm;
     match window.algorithm {
-        Algorithm::SlidingWindow => window.window_ms.saturating_mul(2),
+        // A slot in flight weighs until given back, two windows at most.
+        Algorithm::SlidingWindow | Algorithm::Concurrency => window.window_ms.saturating_mul(2),
         Algorithm::FixedWindow | Algorithm::FirstHitWindow => window.window_ms,
         Algorithm::TokenBucket | Algorithm::Gcra => {
             let rate = window.rate.max(1);

@@ -163,7 +163,9 @@ impl LocalLimiter {
         count: Count,
     ) -> Result<Verdict, StoreError> {
         let key = OwedKey::Counter(Arc::clone(counter.id), user_id.into());
-        let owes = count != Count::Never && weight > 0;
+        // Slots in flight are not handed on: what this instance took and
+        // gave back while the store was out stays here (see owes_the_store).
+        let owes = owes_the_store(count, weight, counter.window);
         if owes {
             self.make_room(&key);
         }
@@ -178,7 +180,7 @@ impl LocalLimiter {
     /// Decides several counters of `group` locally, all or nothing, at this
     /// instance's share of each; what was counted is owed to the shared store.
     pub fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
-        let owing = |item: &ManyItem| item.count != Count::Never && item.weight > 0;
+        let owing = |item: &ManyItem| owes_the_store(item.count, item.weight, item.params);
         let keys: Vec<OwedKey> = items
             .iter()
             .filter(|i| owing(i))
@@ -303,6 +305,18 @@ impl LocalLimiter {
     pub fn sweep(&self) -> usize {
         self.counters.sweep()
     }
+}
+
+/// Whether a decision counted here is owed to the shared store: a count
+/// (an admission or a report) of a limit that counts usage. Slots in flight
+/// are not: their admissions and their releases (reports) would both reach
+/// the store as reports, and a release written back as one would count
+/// where it should give back. Those taken here are freed here, and the
+/// store's count of them starts over: for at most two windows after the
+/// store is back, an instance's requests of the outage and the store's may
+/// together exceed the limit by what this instance took.
+fn owes_the_store(count: Count, weight: u64, params: WindowParams) -> bool {
+    count != Count::Never && weight > 0 && !params.algorithm.releases()
 }
 
 /// The local store: the memory store's counters at this instance's share

@@ -226,6 +226,22 @@ impl Seen {
         }
     }
 
+    /// The counter after a report of `weight` counted whatever is left: its
+    /// usage added, or for slots in flight ([`Algorithm::releases`]) that
+    /// many given back, the previous window's first (the oldest), never
+    /// below 0; exactly as both stores do.
+    fn reported(self, weight: u64, params: WindowParams) -> Self {
+        match self {
+            Seen::Window { counts, elapsed } if params.algorithm.releases() => {
+                let previous = counts.previous.saturating_sub(weight);
+                let rest = weight - (counts.previous - previous);
+                let current = counts.current.saturating_sub(rest);
+                Seen::Window { counts: window::Counts { current, previous }, elapsed }
+            }
+            _ => self.after(weight, params),
+        }
+    }
+
     /// The answer to a decision of `weight` that counted as `count` says,
     /// from its `test` (`self.verdict(weight, params)`, which every caller
     /// has already computed); `counted`: an admission's weight was written. An admission answers
@@ -245,7 +261,7 @@ impl Seen {
         match count {
             Count::IfFits if counted => test,
             Count::Always => {
-                let after = self.after(weight, params);
+                let after = self.reported(weight, params);
                 after.uncounted(after.verdict(1, params), params)
             }
             Count::Anyway if test.admitted => test,
@@ -290,7 +306,10 @@ pub(crate) fn evaluate(
     let writes = weight > 0 && (count.whatever_is_left() || (count == Count::IfFits && fits));
     // An admission that does not fit is its own test: the answer is `test` either way.
     let verdict = seen.answer(test, weight, count, params, fits);
-    let write = writes.then(|| match seen.after(weight, params) {
+    let write = writes.then(|| {
+        if count == Count::Always { seen.reported(weight, params) } else { seen.after(weight, params) }
+    });
+    let write = write.map(|next| match next {
         Seen::Window { counts, .. } => {
             let next = StoredCounter { window: index, current: counts.current, previous: counts.previous };
             // Until it stops mattering: a first-hit window's end, else the next window's.

@@ -40,16 +40,23 @@ pub enum Algorithm {
     /// when the count starts from zero again (limitador's counters, whose
     /// expiry is set by their first hit). Stores the start in ticks.
     FirstHitWindow,
+    /// Requests in flight: an admission takes `weight` slots, a report
+    /// gives them back (the request ended). A slot never given back (its
+    /// caller died) is freed one to two windows after it was taken: counts
+    /// live in aligned windows of `W` and both the current and the previous
+    /// window's are in flight, none older.
+    Concurrency,
 }
 
 impl Algorithm {
     /// Every algorithm, in [`Algorithm::code`] order.
-    pub const ALL: [Algorithm; 5] = [
+    pub const ALL: [Algorithm; 6] = [
         Algorithm::SlidingWindow,
         Algorithm::FixedWindow,
         Algorithm::TokenBucket,
         Algorithm::Gcra,
         Algorithm::FirstHitWindow,
+        Algorithm::Concurrency,
     ];
 
     /// The name in rule files.
@@ -60,6 +67,7 @@ impl Algorithm {
             Algorithm::TokenBucket => "token_bucket",
             Algorithm::Gcra => "gcra",
             Algorithm::FirstHitWindow => "first_hit_window",
+            Algorithm::Concurrency => "concurrency",
         }
     }
 
@@ -76,7 +84,7 @@ impl Algorithm {
         })
     }
 
-    /// Its number in the Redis script's flags (0 to 4).
+    /// Its number in the Redis script's flags (0 to 5).
     pub fn code(self) -> u64 {
         self as u64
     }
@@ -84,6 +92,11 @@ impl Algorithm {
     /// A bucket (token bucket or GCRA) rather than a window.
     pub fn is_bucket(self) -> bool {
         matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
+    }
+
+    /// A report gives slots back rather than counting usage.
+    pub fn releases(self) -> bool {
+        self == Algorithm::Concurrency
     }
 }
 
@@ -263,24 +276,28 @@ pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams
     let w = u128::from(params.window_ms);
     let cap = u128::from(params.capacity);
     let cur = u128::from(counts.current);
-    // A fixed or first-hit window forgets the previous one entirely.
+    // A fixed or first-hit window forgets the previous one entirely; the
+    // slots of requests in flight count whole until their window is over.
     let sliding = params.algorithm == Algorithm::SlidingWindow;
+    let in_flight = params.algorithm == Algorithm::Concurrency;
     debug_assert!(!params.algorithm.is_bucket(), "a bucket decides in bucket.rs");
-    let prev = if sliding { u128::from(counts.previous) } else { 0 };
+    let prev = if sliding || in_flight { u128::from(counts.previous) } else { 0 };
     let weight_w = u128::from(weight);
     let elapsed = u128::from(elapsed_ms);
     debug_assert!(elapsed < w, "elapsed {elapsed} outside window {w}");
 
     // estimate * W, exactly.
-    let estimate_w = cur * w + prev * (w - elapsed);
+    let prev_share = if in_flight { w } else { w - elapsed };
+    let estimate_w = cur * w + prev * prev_share;
     let admitted = weight_w <= cap && estimate_w + weight_w * w <= cap * w;
     let used_w = if admitted { estimate_w + weight_w * w } else { estimate_w };
     let remaining = (cap * w).saturating_sub(used_w) / w;
 
     let current_after = if admitted { cur + weight_w } else { cur };
-    // Sliding: what is counted now decays out by the end of the next window.
+    // Sliding: what is counted now decays out by the end of the next window
+    // (slots in flight: are freed then at the latest).
     // Fixed or first-hit (prev is 0 there): everything resets when this window ends.
-    let reset_after_ms = if current_after > 0 && sliding {
+    let reset_after_ms = if current_after > 0 && (sliding || in_flight) {
         2 * w - elapsed
     } else if current_after > 0 || prev > 0 {
         w - elapsed
@@ -294,8 +311,12 @@ pub fn decide(counts: Counts, elapsed_ms: u64, weight: u64, params: WindowParams
         None
     } else if sliding {
         Some(retry_after(cur, prev, elapsed, weight_w, cap, w))
+    } else if in_flight && cur + weight_w > cap {
+        // Given no release: once this window's slots are over too.
+        Some(2 * w - elapsed)
     } else {
-        // Fixed window: everything resets when the next window starts.
+        // Fixed window: everything resets when the next window starts (slots
+        // in flight: the previous window's are over then, enough to fit).
         Some(w - elapsed)
     };
 
@@ -606,7 +627,8 @@ pub(super) mod tests {
             prop_oneof![
                 Just(Algorithm::SlidingWindow),
                 Just(Algorithm::FixedWindow),
-                Just(Algorithm::FirstHitWindow)
+                Just(Algorithm::FirstHitWindow),
+                Just(Algorithm::Concurrency)
             ]
         }
 
@@ -657,8 +679,9 @@ pub(super) mod tests {
             /// weights: the weight admitted in any one window (aligned, or
             /// from a first hit) never exceeds the capacity (limit × burst),
             /// a first-hit window opens at an admitted request and lasts
-            /// exactly W, and with a sliding window the estimate never
-            /// exceeds the capacity either.
+            /// exactly W, and with a sliding window the estimate (slots in
+            /// flight: this window's and the last one's) never exceeds the
+            /// capacity either.
             #[test]
             fn never_admits_more_than_capacity_in_any_window(
                 window_ms in 1u64..=10_000,
@@ -675,7 +698,8 @@ pub(super) mod tests {
                     now += gap;
                     let (window, counts, elapsed) = locate(stored, now, params);
                     let v = decide(counts, elapsed, weight, params);
-                    prop_assert!(v.reset_after_ms <= window_ms || algorithm == Algorithm::SlidingWindow);
+                    let two_windows = matches!(algorithm, Algorithm::SlidingWindow | Algorithm::Concurrency);
+                    prop_assert!(v.reset_after_ms <= window_ms || two_windows);
                     if v.admitted {
                         if algorithm == Algorithm::FirstHitWindow {
                             prop_assert!(counts.current > 0 || window == now, "a window opens at its first hit");
@@ -686,6 +710,10 @@ pub(super) mod tests {
                         let total = admitted_in.entry(window).or_default();
                         *total += weight;
                         prop_assert!(*total <= capacity, "window {window} admitted {total} > {capacity}");
+                        if algorithm == Algorithm::Concurrency {
+                            // In flight: this window's and the last one's, given nothing back.
+                            prop_assert!(next.current + next.previous <= capacity);
+                        }
                         if algorithm == Algorithm::SlidingWindow {
                             let stored = next;
                             // estimate × W after the commit.

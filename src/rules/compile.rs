@@ -127,6 +127,7 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         return fail("overload.rate_per_second", format!("must be between 1 and {MAX_OVERLOAD_RATE}"));
     }
     let adaptive = rule_adaptive(raw).map_err(|(field, message)| error(sourced, &field, message))?;
+    in_flight(raw, algorithm, &also).map_err(|(field, message)| error(sourced, field, message))?;
     Ok(Rule {
         id: Arc::from(raw.rule_id.as_str()),
         resource_path: raw.resource_path.clone(),
@@ -143,6 +144,26 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         global: raw.global,
         source: Arc::clone(&sourced.file),
     })
+}
+
+/// A limit of requests in flight (`algorithm: concurrency`) stands alone:
+/// its reports give slots back, so it shares no rule with a limit whose
+/// reports count usage (`also:`), nor moves (`adaptive:`), nor is split
+/// among regions (`global:`), whose grants follow a rate.
+fn in_flight(raw: &RawRule, algorithm: Algorithm, also: &[AlsoLimit]) -> Result<(), (&'static str, String)> {
+    let releases = algorithm.releases() || also.iter().any(|a| a.window.algorithm.releases());
+    let alone = |what: &str| format!("a limit of requests in flight (algorithm: concurrency) cannot {what}");
+    if !releases {
+        Ok(())
+    } else if !also.is_empty() {
+        Err(("also", alone("share its rule with further limits: give it a rule of its own")))
+    } else if raw.adaptive.is_some() {
+        Err(("adaptive", alone("be adaptive")))
+    } else if raw.global {
+        Err(("global", alone("be global")))
+    } else {
+        Ok(())
+    }
 }
 
 /// `adaptive:` checked for a limit that starts at `start` (the field
@@ -325,6 +346,19 @@ mod tests {
             (rule("a", "/a", "    client_type: \"\"\n"), "field `client_type`"),
             (rule("a", "/a", "").replace("limit: 10", "limit: 10000000000000"), "field `limit`"),
             (rule("a", "/a", "    algorithm: leaky_bucket\n"), "field `algorithm`"),
+            (
+                rule("a", "/a", "    algorithm: concurrency\n    also: [{limit: 5, window_seconds: 60}]\n"),
+                "field `also`: a limit of requests in flight",
+            ),
+            (
+                rule("a", "/a", "    also: [{limit: 5, window_seconds: 60, algorithm: concurrency}]\n"),
+                "field `also`: a limit of requests in flight",
+            ),
+            (
+                rule("a", "/a", "    algorithm: concurrency\n    adaptive: {min: 5, max: 20}\n"),
+                "field `adaptive`: a limit of requests in flight",
+            ),
+            (rule("a", "/a", "    algorithm: concurrency\n    global: true\n"), "field `global`"),
             (rule("a", "/a", "    overload: {rate_per_second: 0}\n"), "field `overload.rate_per_second`"),
             (
                 rule("a", "/a", "    adaptive: {min: 11, max: 20}\n"),

@@ -24,8 +24,9 @@
 -- then per spec    5 values: window length W in ticks, capacity, tick
 --                  length in ms, flags (algorithm: 0 sliding window,
 --                  1 fixed window, 2 token bucket, 3 GCRA, 4 first-hit
---                  window; + 8 = shadow; + 16 x count: 0 if it fits,
---                  1 never (a peek), 2 always (a report)), rate (a
+--                  window, 5 requests in flight; + 8 = shadow; + 16 x
+--                  count: 0 if it fits, 1 never (a peek), 2 always (a
+--                  report; in flight: slots given back)), rate (a
 --                  bucket's refill per W)
 -- then             number of jobs J
 -- then per job     a job of one key: that key's entry; a job of n > 1
@@ -138,10 +139,13 @@ for s = 1, nspecs do
     shadow = floor(flags / 8) % 2 == 1, mode = floor(flags / 16),
     -- The capacity in units (capacity * W): a window's bound, a full bucket.
     capw = cap * w,
-    -- A window: the current one, the largest count, the previous window's
-    -- share of the estimate (W - elapsed; 0 for a fixed window), and when
-    -- a counter written now stops mattering (the next window's end).
-    idx = idx, maxc = floor(MAXCW / w), prevw = (alg == 1) and 0 or (w - (now - idx * w)),
+    -- A window: the current one, the largest count, the previous
+    -- window's share of the estimate, and when a counter written now stops
+    -- mattering (the next window's end):
+    -- a window's share of the estimate (W - elapsed; 0 for a fixed window,
+    -- all of it for slots in flight),
+    idx = idx, maxc = floor(MAXCW / w),
+    prevw = (alg == 1) and 0 or ((alg == 5) and w or (w - (now - idx * w))),
     expiry = (idx + 2) * w * tick,
     -- A bucket: the ticks that pay back the largest debt (no product
     -- grows past 2^53 beyond them).
@@ -320,9 +324,19 @@ for _ = 1, jobs do
       if (cur + weight) * w + prev * sp.prevw <= sp.capw then fits = 1 end
       -- A peek or a weight of 0 writes nothing: no counter is created or extended.
       if writes and (fits == 1 or mode == 2) then
-        local next = cur + weight
-        if next > maxc then next = maxc end
-        nx, ny, nz, need = idx, next, (alg == 4) and -4 or prev, expiry
+        if alg == 5 and mode == 2 then
+          -- Slots given back (window.rs Seen::reported): the previous
+          -- window's first, never below 0.
+          local back = weight
+          if back > prev then back = prev end
+          local rest = cur - (weight - back)
+          if rest < 0 then rest = 0 end
+          nx, ny, nz, need = idx, rest, prev - back, expiry
+        else
+          local next = cur + weight
+          if next > maxc then next = maxc end
+          nx, ny, nz, need = idx, next, (alg == 4) and -4 or prev, expiry
+        end
         later = need
       end
       out[o + 1] = fits

@@ -177,7 +177,7 @@ fn every_upstream_error() {
         ),
         (
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, algorithm: leaky }\n",
-            "unknown algorithm \"leaky\" (one of sliding_window, fixed_window, token_bucket, gcra, first_hit_window)",
+            "unknown algorithm \"leaky\" (one of sliding_window, fixed_window, token_bucket, gcra, first_hit_window, concurrency)",
         ),
         (
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unlimited: true, unit: second }\n",
@@ -263,6 +263,10 @@ fn every_upstream_error() {
         (
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: -1 }\n",
             "expected u32",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, algorithm: concurrency }\n",
+            "field `algorithm`: a limit of requests in flight (concurrency) is a native rule's",
         ),
     ];
     for (text, expected) in cases {

@@ -470,6 +470,12 @@ fn compile_limit(
         "" => None,
         name => Some(Algorithm::named(name).map_err(|message| error(file, Some(&at), "algorithm", message))?),
     };
+    if algorithm.is_some_and(Algorithm::releases) {
+        // Envoy asks at the request's start and reports at its end with the
+        // same descriptor: nothing would tell a release from a usage report.
+        let message = "a limit of requests in flight (concurrency) is a native rule's: Check at the request's start, Report at its end";
+        return Err(error(file, Some(&at), "algorithm", message.to_owned()));
+    }
     let unit_multiplier = multiplier(file, &at, r, unit)?;
     if let Some(unit) = unit {
         let seconds = unit.seconds() * u64::from(unit_multiplier);
