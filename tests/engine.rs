@@ -66,6 +66,8 @@ descriptors:
   - key: both
     rate_limit: { unit: second, requests_per_unit: 10, algorithm: fixed_window }
     also: [ { unit: minute, requests_per_unit: 30 } ]
+  - key: stream
+    rate_limit: { unit: minute, requests_per_unit: 2, algorithm: concurrency }
 "#;
 
 /// The failed decisions the engine reported.
@@ -244,6 +246,7 @@ for_each_store!(
     several_limits_count_all_or_nothing,
     envoy_several_limits_count_all_or_nothing,
     requests_in_flight_are_held_until_reported,
+    envoy_requests_in_flight_are_released_by_their_release_descriptor,
 );
 
 impl Harness {
@@ -848,4 +851,44 @@ async fn requests_in_flight_are_held_until_reported(backend: Backend) {
     assert_eq!((ended.allowed, ended.remaining), (true, 1), "a slot given back: {ended:?}");
     let next = engine.check(&call(Count::IfFits)).await;
     assert_eq!((next.allowed, next.remaining), (true, 0), "{next:?}");
+}
+
+/// Requests in flight through Envoy's API: a descriptor of a `concurrency`
+/// limit takes a slot; the same entries with `ratelimitd.release` last
+/// (what Envoy sends with `apply_on_stream_done`) give it back, never
+/// shed; a caller that may not report cannot release (nothing counted),
+/// and a release aimed at a limit that is not of requests in flight
+/// counts nothing.
+async fn envoy_requests_in_flight_are_released_by_their_release_descriptor(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let take: &[(&str, &str)] = &[("stream", "s1")];
+    let give: &[(&str, &str)] = &[("stream", "s1"), ("ratelimitd.release", "1")];
+    for left in [1, 0] {
+        let taken = h.rls(&[take]).await;
+        assert_eq!((taken.over_limit, taken.statuses[0].remaining), (false, left), "{taken:?}");
+    }
+    assert!(h.rls(&[take]).await.over_limit, "a third in flight of 2");
+    let descriptors = [RlsDescriptor { entries: give.to_vec(), limit: None, hits_addend: None }];
+    let untrusted = RlsRequest {
+        domain: "edge",
+        descriptors: &descriptors,
+        hits_addend: 1,
+        trace_id: None,
+        share: None,
+        may_report: false,
+    };
+    h.engine.should_rate_limit(&untrusted).await;
+    assert!(h.rls(&[take]).await.over_limit, "a caller that may not report released nothing");
+
+    h.shedder.publish(Level::CriticalOnly, 0.95);
+    let released = h.rls(&[give]).await;
+    assert_eq!((released.over_limit, released.reason), (false, Reason::Ok), "never shed: {released:?}");
+    h.shedder.publish(Level::Normal, 0.1);
+    let again = h.rls(&[take]).await;
+    assert_eq!((again.over_limit, again.statuses[0].remaining), (false, 0), "{again:?}");
+
+    h.rls(&[&[("user", "una")]]).await;
+    let not_in_flight = h.rls(&[&[("user", "una"), ("ratelimitd.release", "1")]]).await;
+    assert!(not_in_flight.statuses[0].limit.is_none(), "{not_in_flight:?}");
+    assert_eq!(h.rls(&[&[("user", "una")]]).await.statuses[0].remaining, 0, "the user's count was not moved");
 }

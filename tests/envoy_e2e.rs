@@ -354,10 +354,11 @@ async fn a_user_header_that_is_not_utf8_is_limited_like_any_other() {
 /// copied from the request's `x-tokens` (the tokens an LLM response used).
 fn reporting_upstream(dir: &Path, name: &str) -> (Process, u16) {
     const SCRIPT: &str = r#"
-import http.server, sys
+import http.server, sys, time
 name = sys.argv[2]
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        time.sleep(int(self.headers.get("x-delay-ms", "0")) / 1000)
         self.send_response(200)
         self.send_header("x-service", name)
         self.send_header("x-tokens-used", self.headers.get("x-tokens", "0"))
@@ -451,6 +452,34 @@ impl QuotaStack {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+/// Requests in flight through Envoy (`/v1/stream`, 2 per user): with two
+/// slow requests in flight a third and a fourth get 429 (a refused
+/// request's stream end gives nothing back), and once they end, Envoy's
+/// stream-done release (`ratelimitd.release`) has freed both slots: two
+/// more pass at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_in_flight_are_taken_and_given_back_through_envoy() {
+    let s = quota_stack().await;
+    let port = s.envoy_port;
+    let slow = move || {
+        std::thread::spawn(move || {
+            get_path(port, "/v1/stream", &[("x-user-id", "vic"), ("x-delay-ms", "1500")]).0
+        })
+    };
+    let first = [slow(), slow()];
+    std::thread::sleep(Duration::from_millis(500));
+    let quick = move || get_path(port, "/v1/stream", &[("x-user-id", "vic")]).0;
+    let refused = tokio::task::spawn_blocking(move || [quick(), quick()]).await.unwrap();
+    assert_eq!(refused, [429, 429], "two in flight of 2");
+    let done: Vec<u16> = first.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(done, [200, 200]);
+    s.until_remaining("streams_user", "vic", 2).await;
+    let again = [slow(), slow()].map(|t| t.join().unwrap());
+    assert_eq!(again, [200, 200], "both slots given back");
+    s.until_remaining("streams_user", "vic", 2).await;
+    s.server.stop().await.unwrap();
 }
 
 /// Envoy's token-quota flow (`hits_addend: 0` on the request path, the

@@ -75,7 +75,12 @@ pub(super) async fn decide<D: Descriptor>(
             Call::Check => &one.limit.envoy_peek,
             Call::Report => &one.limit.envoy_report,
         };
-        matches.push(Some(EnvoyMatch { limit: Arc::clone(limit), shared: Vec::new(), stat_key: None }));
+        matches.push(Some(EnvoyMatch {
+            limit: Arc::clone(limit),
+            shared: Vec::new(),
+            stat_key: None,
+            released: false,
+        }));
     }
     let counted = RlsRequest {
         domain: request.domain,

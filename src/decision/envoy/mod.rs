@@ -166,8 +166,8 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
         self.priority
     }
 
-    /// A request whose every counted limit is a report (with hits): its
-    /// usage has happened. (A check of a `report_mode` limit, 0 hits, is
+    /// A request whose every counted limit is a report or a release (with
+    /// hits): its usage has happened. (A check of a `report_mode` limit, 0 hits, is
     /// shed.)
     #[inline]
     fn shed_exempt(&self) -> bool {
@@ -175,7 +175,7 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
         for (found, descriptor) in self.limits.iter().zip(self.request.descriptors) {
             match found {
                 Some(m) if m.limit.unlimited => {}
-                Some(m) if m.limit.report_mode && self.hits(descriptor) > 0 => reports += 1,
+                Some(m) if (m.limit.report_mode || m.released) && self.hits(descriptor) > 0 => reports += 1,
                 Some(_) => others += 1,
                 None => {}
             }

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use super::{
     RlsRequest,
     counter::{bounded_key, raw_counter_key},
-    request::{Descriptor, LimitOverride, Reporter, hits_of, reported},
+    request::{Descriptor, LimitOverride, Marked, Reporter, hits_of, marked},
 };
 use crate::{
-    decision::{Api, Engine},
+    decision::{Api, Engine, EnvoyPolicy},
     limiter::{Count, ManyItem},
     overload::{Kind, OverloadVerdict},
     rules::envoy::{EnvoyConfig, EnvoyLimit, EnvoyMatch, params, tick_ms},
@@ -69,7 +69,10 @@ pub(super) fn limits<D: Descriptor>(
         .descriptors
         .iter()
         .map(|d| {
-            if let Some((outcome, n)) = reported(d) {
+            if let Some((Marked::Release, n)) = marked(d) {
+                return released(engine, config, request, d.entries().take(n - 1));
+            }
+            if let Some((Marked::Outcome(outcome), n)) = marked(d) {
                 if !request.may_report {
                     inner.stats.adjusted(Api::Envoy, "outcome_not_allowed");
                     return None;
@@ -102,6 +105,28 @@ pub(super) fn limits<D: Descriptor>(
         .collect();
     drop_replaced(&mut limits);
     limits
+}
+
+/// The limit of requests in flight that a release descriptor's other
+/// `entries` find, marked released; none (adjusted, nothing counted) for a
+/// caller that may not report (a release frees slots others wait for) or
+/// for a limit that does not count requests in flight.
+fn released<'e, D: Descriptor>(
+    engine: &Engine,
+    config: Option<&EnvoyConfig>,
+    request: &RlsRequest<'_, D>,
+    entries: impl Iterator<Item = (&'e str, &'e str)> + Clone,
+) -> Option<EnvoyMatch> {
+    if !request.may_report {
+        engine.inner.stats.adjusted(Api::Envoy, "release_not_allowed");
+        return None;
+    }
+    let found = config?.lookup(request.domain, entries)?;
+    if !found.limit.algorithm.is_some_and(|a| a.releases()) {
+        engine.inner.stats.adjusted(Api::Envoy, "release_not_in_flight");
+        return None;
+    }
+    Some(EnvoyMatch { released: true, ..found })
 }
 
 /// Drops every named limit of `limits` another of them replaces.
@@ -137,6 +162,7 @@ fn requested_limit<D: Descriptor>(
     requested: LimitOverride,
 ) -> EnvoyMatch {
     EnvoyMatch {
+        released: false,
         limit: Arc::new(EnvoyLimit::bare(
             Arc::clone(&engine.override_label),
             requested.requests_per_unit,
@@ -190,8 +216,14 @@ fn push_items<D: Descriptor>(
     let first = &found.limit;
     let policy = &engine.inner.envoy_policy;
     let seconds = |limit: &EnvoyLimit| limit.window_seconds().expect("a limited limit has a unit");
-    let (raw, mut digested) =
-        raw_counter_key(seconds(first), descriptor.entries(), &found.shared, policy.max_value_bytes);
+    // A release names its counter by its other entries.
+    let named = if found.released { descriptor.entries().count() - 1 } else { usize::MAX };
+    let (raw, mut digested) = raw_counter_key(
+        seconds(first),
+        descriptor.entries().take(named),
+        &found.shared,
+        policy.max_value_bytes,
+    );
     let entries_at = raw.find('|').unwrap_or(raw.len());
     let mut keys = Vec::with_capacity(first.also.len() + 1);
     for (slot, also) in first.also.iter().enumerate() {
@@ -206,17 +238,7 @@ fn push_items<D: Descriptor>(
     for (slot, key) in std::iter::once(key).chain(keys).enumerate() {
         let limit = first.limit_at(slot);
         let seconds = seconds(limit);
-        // `hits_addend: 0` asks whether one more hit fits (or, as
-        // upstream, whether the count is within the limit) and counts
-        // nothing, as a `peek_mode` limit asks of its hits; a `report_mode` limit counts hits whatever is left, and
-        // with `count_every_hit` an admission is counted even when denied.
-        let (weight, count) = match hits {
-            0 => (u64::from(!policy.zero_hits_within_limit), Count::Never),
-            hits if limit.peek_mode => (hits, Count::Never),
-            hits if limit.report_mode => (hits, Count::Always),
-            hits if policy.count_every_hit => (hits, Count::Anyway),
-            hits => (hits, Count::IfFits),
-        };
+        let (weight, count) = counting(found, limit, hits, policy);
         // A global limit is enforced at this region's grant for the counter.
         let per_unit = match engine.inner.grants.as_deref() {
             Some(grants) if slot == 0 && limit.global => {
@@ -237,6 +259,24 @@ fn push_items<D: Descriptor>(
             // descriptor denies only together with all others.
             shadow: policy.shadow(first) || policy.quota(first),
         });
+    }
+}
+
+/// A counter's weight and how it counts, for `hits` of a descriptor that
+/// found `found` (`limit`, one of its limits): `hits_addend: 0` asks
+/// whether one more hit fits (or, as upstream, whether the count is within
+/// the limit) and counts nothing, as a `peek_mode` limit asks of its hits;
+/// a `report_mode` limit counts hits whatever is left (a release gives
+/// them back), and with `count_every_hit` an admission is counted even
+/// when denied.
+fn counting(found: &EnvoyMatch, limit: &EnvoyLimit, hits: u64, policy: &EnvoyPolicy) -> (u64, Count) {
+    match hits {
+        hits if found.released => (hits, Count::Always),
+        0 => (u64::from(!policy.zero_hits_within_limit), Count::Never),
+        hits if limit.peek_mode => (hits, Count::Never),
+        hits if limit.report_mode => (hits, Count::Always),
+        hits if policy.count_every_hit => (hits, Count::Anyway),
+        hits => (hits, Count::IfFits),
     }
 }
 

@@ -73,13 +73,31 @@ pub trait Descriptor {
 /// twin of a native `Report` with an outcome).
 pub(super) const OUTCOME_KEY: &str = "ratelimitd.outcome";
 
-/// The outcome `d` reports, and its number of entries: `None` unless its
-/// last entry is [`OUTCOME_KEY`] with a known outcome (any other value
-/// leaves the descriptor an ordinary one, counted as it is).
-pub(super) fn reported<D: Descriptor>(d: &D) -> Option<(Outcome, usize)> {
+/// The descriptor entry key that makes a descriptor the end of requests in
+/// flight: with its last entry `ratelimitd.release` (any value), its other
+/// entries name the counter of a limit of requests in flight
+/// (`algorithm: concurrency`) and its hits give slots back. Envoy sends it
+/// with `apply_on_stream_done`.
+pub(super) const RELEASE_KEY: &str = "ratelimitd.release";
+
+/// What a descriptor's last entry makes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Marked {
+    /// An outcome report ([`OUTCOME_KEY`]).
+    Outcome(Outcome),
+    /// The end of requests in flight ([`RELEASE_KEY`]).
+    Release,
+}
+
+/// What `d`'s last entry makes it, and its number of entries: `None`
+/// unless its last entry is [`OUTCOME_KEY`] with a known outcome (any other
+/// value leaves the descriptor an ordinary one, counted as it is) or
+/// [`RELEASE_KEY`], after at least one other.
+pub(super) fn marked<D: Descriptor>(d: &D) -> Option<(Marked, usize)> {
     let (count, last) = d.entries().fold((0, None), |(n, _), entry| (n + 1, Some(entry)));
     match last? {
-        (OUTCOME_KEY, value) if count > 1 => Some((Outcome::parse(value)?, count)),
+        (OUTCOME_KEY, value) if count > 1 => Some((Marked::Outcome(Outcome::parse(value)?), count)),
+        (RELEASE_KEY, _) if count > 1 => Some((Marked::Release, count)),
         _ => None,
     }
 }

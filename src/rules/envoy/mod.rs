@@ -277,6 +277,10 @@ pub struct EnvoyMatch {
     /// (upstream's `GetLimit`). Unsanitized. `None` (no allocation) unless
     /// the configuration uses either flag.
     pub stat_key: Option<Box<str>>,
+    /// The descriptor's last entry is `ratelimitd.release` and the limit its
+    /// other entries find counts requests in flight: those entries name the
+    /// counter, and its hits give slots back (the request ended).
+    pub released: bool,
 }
 
 /// How one request entry found its node.
@@ -416,7 +420,7 @@ impl EnvoyConfig {
                 };
                 (*key != *limit.full_key).then(|| key.into_boxed_str())
             });
-            EnvoyMatch { limit, shared, stat_key }
+            EnvoyMatch { limit, shared, stat_key, released: false }
         })
     }
 

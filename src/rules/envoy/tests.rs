@@ -265,8 +265,12 @@ fn every_upstream_error() {
             "expected u32",
         ),
         (
-            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: second, requests_per_unit: 1, algorithm: concurrency }\n",
-            "field `algorithm`: a limit of requests in flight (concurrency) is a native rule's",
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: minute, requests_per_unit: 1, algorithm: concurrency }\n    also: [ { unit: hour, requests_per_unit: 5 } ]\n",
+            "field `also`: a limit of requests in flight",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a\n    report_mode: true\n    rate_limit: { unit: minute, requests_per_unit: 1, algorithm: concurrency }\n",
+            "field `report_mode`: a limit of requests in flight",
         ),
     ];
     for (text, expected) in cases {

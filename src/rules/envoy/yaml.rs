@@ -471,10 +471,28 @@ fn compile_limit(
         name => Some(Algorithm::named(name).map_err(|message| error(file, Some(&at), "algorithm", message))?),
     };
     if algorithm.is_some_and(Algorithm::releases) {
-        // Envoy asks at the request's start and reports at its end with the
-        // same descriptor: nothing would tell a release from a usage report.
-        let message = "a limit of requests in flight (concurrency) is a native rule's: Check at the request's start, Report at its end";
-        return Err(error(file, Some(&at), "algorithm", message.to_owned()));
+        // Slots are given back by `ratelimitd.release` descriptors: a limit
+        // of requests in flight stands alone, as a native one does.
+        let alone = |field: &str, what: &str| {
+            let message = format!("a limit of requests in flight (algorithm: concurrency) cannot {what}");
+            Err(error(file, Some(&at), field, message))
+        };
+        if !d.also.is_empty() {
+            return alone("also", "share its descriptor with further limits");
+        }
+        if r.adaptive.is_some() || r.global || d.report_mode {
+            let field = if r.adaptive.is_some() {
+                "adaptive"
+            } else if r.global {
+                "global"
+            } else {
+                "report_mode"
+            };
+            return alone(
+                field,
+                "be adaptive, global or report_mode (its release is a ratelimitd.release descriptor)",
+            );
+        }
     }
     let unit_multiplier = multiplier(file, &at, r, unit)?;
     if let Some(unit) = unit {
