@@ -199,6 +199,7 @@ fn benches(c: &mut Criterion) {
         trace_id: None,
         share: None,
         outcome: None,
+        may_report: true,
     };
     c.bench_function("Engine::check, memory store", |b| {
         b.iter(|| runtime.block_on(engine.check(black_box(&check))))

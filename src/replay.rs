@@ -315,6 +315,7 @@ async fn decide(engine: &Engine, limitador: Option<&Limits>, request: &Request) 
             trace_id: None,
             share: None,
             outcome: None,
+            may_report: true,
         })
         .await;
     Outcome {

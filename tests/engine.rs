@@ -160,6 +160,7 @@ impl Harness {
             trace_id: None,
             share: None,
             outcome: None,
+            may_report: true,
         };
         self.engine.check(&request).await
     }
@@ -818,7 +819,8 @@ async fn envoy_several_limits_count_all_or_nothing(backend: Backend) {
 /// slot, the fourth of 3 is refused (retry: until the slots' windows are
 /// over, given no report), and a Report at a request's end gives its slot
 /// back, so the next Check passes at once, even with a cache of denials
-/// (whose retry time a report overtakes: such denials are not cached).
+/// (whose retry time a report overtakes: such denials are not cached); a
+/// Report from a caller that may not report is answered as a peek.
 async fn requests_in_flight_are_held_until_reported(backend: Backend) {
     let h = Harness::default(backend).await;
     let engine = Engine::new(EngineParts {
@@ -837,6 +839,7 @@ async fn requests_in_flight_are_held_until_reported(backend: Backend) {
         trace_id: None,
         share: None,
         outcome: None,
+        may_report: true,
     };
     for left in (0..3).rev() {
         let taken = engine.check(&call(Count::IfFits)).await;
@@ -847,6 +850,12 @@ async fn requests_in_flight_are_held_until_reported(backend: Backend) {
         assert_eq!((fourth.allowed, fourth.reason), (false, Reason::OverLimit), "{fourth:?}");
         assert!((60_000..=120_000).contains(&fourth.retry_after_ms), "{fourth:?}");
     }
+    let untrusted = engine.check(&CheckRequest { may_report: false, ..call(Count::Always) }).await;
+    assert!(!untrusted.allowed, "answered as a peek: {untrusted:?}");
+    assert!(
+        !engine.check(&call(Count::IfFits)).await.allowed,
+        "a caller that may not report gave nothing back"
+    );
     let ended = engine.check(&call(Count::Always)).await;
     assert_eq!((ended.allowed, ended.remaining), (true, 1), "a slot given back: {ended:?}");
     let next = engine.check(&call(Count::IfFits)).await;

@@ -205,6 +205,7 @@ impl Load {
                         trace_id: None,
                         share: None,
                         outcome: None,
+                        may_report: true,
                     };
                     if engine.check(&request).await.allowed {
                         log.lock().unwrap().push((wall_ms(), region));

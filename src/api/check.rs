@@ -117,6 +117,7 @@ impl RateLimiterService {
             }
         }
         checked.share = share_of(&extensions);
+        checked.may_report = may_report(&extensions);
         // One field list for both spans: the engine records `rule`, `reason`
         // and `allowed` on whichever it runs in. (A span's name must be a literal.)
         macro_rules! request_span {

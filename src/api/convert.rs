@@ -83,6 +83,7 @@ pub fn validate<'a>(
             .and_then(trace_id_of),
         share: None,
         outcome: None,
+        may_report: true,
     })
 }
 

@@ -47,6 +47,10 @@ pub struct CheckRequest<'a> {
     /// A `Report` of how `weight` checked requests went downstream: fed to
     /// the rule's adaptive limit, nothing counted, no store call.
     pub outcome: Option<Reported>,
+    /// The caller may report outcomes and give slots in flight back
+    /// (`grpc.reporting_peers`): a `Report` of a rule of requests in flight
+    /// from any other caller is answered as a peek, nothing given back.
+    pub may_report: bool,
 }
 
 /// What the matched rule says about itself in a response.
@@ -121,6 +125,18 @@ pub(super) async fn decide(engine: &Engine, snapshot: &Snapshot, request: &Check
         // The reporter is the user: its report weighs what it was admitted.
         adaptive.record(request.user_id, reported.outcome, reported.latency_ms, u64::from(request.weight));
     }
+    let unreleased;
+    let request = if request.count == Count::Always
+        && !request.may_report
+        && rule.is_some_and(|r| r.window.algorithm.releases())
+    {
+        // Slots given back lift a limit others live under.
+        engine.adjusted(Api::Check, "release_not_allowed");
+        unreleased = CheckRequest { count: Count::Never, ..*request };
+        &unreleased
+    } else {
+        request
+    };
     let base = rule.map_or(engine.inner.default_priority, |r| r.priority);
     let native = Native {
         request,

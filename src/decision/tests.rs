@@ -96,6 +96,7 @@ async fn an_untrusted_request_priority_only_lowers() {
         trace_id: None,
         share: None,
         outcome: None,
+        may_report: true,
     };
     assert_eq!(engine.check(&check(Priority::Critical)).await.priority, Priority::Degraded);
     assert_eq!(engine.check(&check(Priority::BestEffort)).await.priority, Priority::BestEffort);
@@ -185,7 +186,7 @@ mod several_limits {
                 let expected = in_second && in_minute;
                 let request = CheckRequest {
                     user_id: "u", resource_path: "/x", client_type: None, weight, count: Count::IfFits,
-                    priority: None, headers: &headers, trace_id: None, share: None, outcome: None,
+                    priority: None, headers: &headers, trace_id: None, share: None, outcome: None, may_report: true,
                 };
                 let decision = runtime.block_on(engine.check(&request));
                 prop_assert_eq!(decision.allowed, expected, "at {} weight {}: {:?}", now, w, decision);

@@ -387,6 +387,7 @@ mod tests {
                 trace_id: None,
                 share: None,
                 outcome: None,
+                may_report: true,
             };
             sink.record(&FailedDecision::of_check(&request, &rule, Priority::Bulk, &error, Reason::FailOpen));
         }
