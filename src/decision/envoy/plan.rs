@@ -69,23 +69,14 @@ pub(super) fn limits<D: Descriptor>(
         .descriptors
         .iter()
         .map(|d| {
-            if let Some((Marked::Release, n)) = marked(d) {
-                return released(engine, config, request, d.entries().take(n - 1));
-            }
-            if let Some((Marked::Outcome(outcome), n)) = marked(d) {
-                if !request.may_report {
-                    inner.stats.adjusted(Api::Envoy, "outcome_not_allowed");
-                    return None;
+            match marked(d) {
+                Some((Marked::Release, n)) => {
+                    return released(engine, config, request, d.entries().take(n - 1));
                 }
-                // Reported to the limit its other entries find; nothing counted.
-                let found = config.as_ref()?.lookup(request.domain, d.entries().take(n - 1));
-                if let Some(limit) = found.as_ref().and_then(|f| f.limit.adaptive.as_deref()) {
-                    // The reporter is the counter its other entries name: its
-                    // report weighs what that counter was admitted.
-                    let reporter = Reporter(request.domain, d.entries().take(n - 1));
-                    limit.record(reporter, outcome, None, hits_of(request, d).max(1));
+                Some((Marked::Outcome(outcome), n)) => {
+                    return outcome_reported(engine, config, request, d, (outcome, n));
                 }
-                return None;
+                None => {}
             }
             let requested = match d.limit() {
                 Some(limit) if honoured() => Some(limit),
@@ -105,6 +96,31 @@ pub(super) fn limits<D: Descriptor>(
         .collect();
     drop_replaced(&mut limits);
     limits
+}
+
+/// An outcome report (`ratelimitd.outcome` last of the descriptor's `n`
+/// entries) fed to the adaptive limit its other entries find, if the
+/// caller may report; nothing counted, no limit for the descriptor.
+fn outcome_reported<D: Descriptor>(
+    engine: &Engine,
+    config: Option<&EnvoyConfig>,
+    request: &RlsRequest<'_, D>,
+    d: &D,
+    (outcome, n): (crate::limiter::adaptive::Outcome, usize),
+) -> Option<EnvoyMatch> {
+    if !request.may_report {
+        engine.inner.stats.adjusted(Api::Envoy, "outcome_not_allowed");
+        return None;
+    }
+    // Reported to the limit its other entries find; nothing counted.
+    let found = config?.lookup(request.domain, d.entries().take(n - 1));
+    if let Some(limit) = found.as_ref().and_then(|f| f.limit.adaptive.as_deref()) {
+        // The reporter is the counter its other entries name: its
+        // report weighs what that counter was admitted.
+        let reporter = Reporter(request.domain, d.entries().take(n - 1));
+        limit.record(reporter, outcome, None, hits_of(request, d).max(1));
+    }
+    None
 }
 
 /// The limit of requests in flight that a release descriptor's other
