@@ -96,6 +96,30 @@ struct Harness {
     _dir: tempfile::TempDir,
 }
 
+/// A native request of `weight` for `user` on `path`, counted as `count`
+/// says, from a caller that may report.
+fn native<'a>(
+    user: &'a str,
+    path: &'a str,
+    weight: u32,
+    count: Count,
+    headers: &'a HashMap<String, String>,
+) -> CheckRequest<'a> {
+    CheckRequest {
+        user_id: user,
+        resource_path: path,
+        client_type: None,
+        weight,
+        count,
+        priority: None,
+        headers,
+        trace_id: None,
+        share: None,
+        outcome: None,
+        may_report: true,
+    }
+}
+
 impl Harness {
     async fn new(backend: Backend, shed_mode: ShedMode, policy: EnvoyPolicy) -> Self {
         let dir = tempfile::tempdir().unwrap();
@@ -149,20 +173,7 @@ impl Harness {
     /// A `Check` (`IfFits`), a peek (`Never`) or a `Report` (`Always`).
     async fn call(&self, user: &str, path: &str, weight: u32, count: Count) -> Decision {
         let headers = HashMap::new();
-        let request = CheckRequest {
-            user_id: user,
-            resource_path: path,
-            client_type: None,
-            weight,
-            count,
-            priority: None,
-            headers: &headers,
-            trace_id: None,
-            share: None,
-            outcome: None,
-            may_report: true,
-        };
-        self.engine.check(&request).await
+        self.engine.check(&native(user, path, weight, count, &headers)).await
     }
 
     async fn rls(&self, descriptors: &[&[(&str, &str)]]) -> RlsDecision {
@@ -828,19 +839,7 @@ async fn requests_in_flight_are_held_until_reported(backend: Backend) {
         ..EngineParts::new(Arc::clone(h.engine.rules()), h.engine.store().clone())
     });
     let headers = HashMap::new();
-    let call = |count: Count| CheckRequest {
-        user_id: "flo",
-        resource_path: "/in-flight",
-        client_type: None,
-        weight: 1,
-        count,
-        priority: None,
-        headers: &headers,
-        trace_id: None,
-        share: None,
-        outcome: None,
-        may_report: true,
-    };
+    let call = |count: Count| native("flo", "/in-flight", 1, count, &headers);
     for left in (0..3).rev() {
         let taken = engine.check(&call(Count::IfFits)).await;
         assert_eq!((taken.allowed, taken.remaining), (true, left), "{taken:?}");

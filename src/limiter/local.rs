@@ -40,8 +40,8 @@ use std::{
 use futures_util::future::BoxFuture;
 
 use super::{
-    Clock, Count, CounterSpec, CounterStore, FailureKind, Listed, ManyItem, ManyOutcome, MemoryStore,
-    RedisStore, Shares, Store, StoreError, Verdict, WindowParams, exchange::Participant,
+    Clock, Count, CounterSpec, CounterStore, Listed, ManyItem, ManyOutcome, MemoryStore, RedisStore, Shares,
+    Store, StoreError, Verdict, WindowParams, exchange::Participant,
 };
 use crate::telemetry::exposition::Figures;
 
@@ -352,9 +352,7 @@ impl CounterStore for LocalLimiter {
         max: usize,
     ) -> Result<Listed, StoreError> {
         let (local, group, prefix) = (Arc::clone(self), group.to_owned(), prefix.to_owned());
-        tokio::task::spawn_blocking(move || local.counters.list(&group, &prefix, max)).await.map_err(|e| {
-            StoreError { kind: FailureKind::Other, message: format!("counter listing failed: {e}") }
-        })
+        super::store::listed_blocking(move || local.counters.list(&group, &prefix, max)).await
     }
 
     fn figures(self: &Arc<Self>) -> Arc<dyn Figures> {

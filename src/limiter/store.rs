@@ -256,6 +256,17 @@ fn name<S: CounterStore>(_: &Arc<S>) -> &'static str {
     S::NAME
 }
 
+/// A listing of an in-process store (every shard walked, one lock hold
+/// each) run on a blocking thread, off the async workers.
+pub(crate) async fn listed_blocking(
+    list: impl FnOnce() -> Listed + Send + 'static,
+) -> Result<Listed, StoreError> {
+    tokio::task::spawn_blocking(list).await.map_err(|e| StoreError {
+        kind: super::FailureKind::Other,
+        message: format!("counter listing failed: {e}"),
+    })
+}
+
 /// [`Store::decide_many_in`] on `store`: the shares held for the whole
 /// call; reports mixed with admissions split into a job of their own.
 pub async fn decide_many<S: CounterStore>(

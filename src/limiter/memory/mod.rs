@@ -564,10 +564,7 @@ impl CounterStore for MemoryStore {
         max: usize,
     ) -> Result<Listed, StoreError> {
         let (store, group, prefix) = (Arc::clone(self), group.to_owned(), prefix.to_owned());
-        tokio::task::spawn_blocking(move || store.list(&group, &prefix, max)).await.map_err(|e| StoreError {
-            kind: FailureKind::Other,
-            message: format!("counter listing failed: {e}"),
-        })
+        super::store::listed_blocking(move || store.list(&group, &prefix, max)).await
     }
 
     fn figures(self: &Arc<Self>) -> Arc<dyn Figures> {
