@@ -271,6 +271,7 @@ pub fn run(rules: Rules, requests: &[Request], settings: &Settings) -> Vec<Outco
         envoy: rules.envoy.map(|envoy| Arc::new(Hot::new(envoy))),
         max_user_id_bytes: settings.max_user_id_bytes,
         envoy_policy: settings.envoy.clone(),
+        clock: Arc::clone(&clock) as Arc<dyn crate::clock::Clock>,
         ..EngineParts::new(Arc::new(RuleStore::new(rules.native)), store)
     });
     let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a current-thread runtime");

@@ -510,6 +510,7 @@ async fn a_groups_counters_are_listed_from_the_node_serving_it() {
                 weight: 1,
                 count: Count::IfFits,
                 shadow: false,
+                clock: None,
             })
             .collect();
         assert!(store.decide_many(group, &items).await.unwrap().committed);

@@ -16,6 +16,7 @@ use common::{RedisCluster, RedisServer};
 use ratelimitd::limiter::{
     Algorithm, Count, CounterSpec, CounterStore, FailureKind, ManyItem, ManyOutcome, MemoryStore, RedisStore,
     Shares, StoreError, SystemClock, Verdict, WindowParams,
+    calendar::{Calendar, Period},
     local::{LocalLimiter, Settings},
     store,
 };
@@ -24,7 +25,15 @@ const HOUR_MS: u64 = 3_600_000;
 
 /// One counter of a job, counted if it fits.
 fn item(key: &str, params: WindowParams) -> ManyItem {
-    ManyItem { key: key.to_owned(), params, tick_ms: 1, weight: 1, count: Count::IfFits, shadow: false }
+    ManyItem {
+        key: key.to_owned(),
+        params,
+        tick_ms: 1,
+        weight: 1,
+        count: Count::IfFits,
+        shadow: false,
+        clock: None,
+    }
 }
 
 fn params(algorithm: Algorithm, window_ms: u64, capacity: u64) -> WindowParams {
@@ -345,6 +354,61 @@ mod open {
     }
 }
 
+/// The counter of a calendar limit of `capacity` (`algorithm`) for a
+/// decision at `now_ms`: in its period's ticks, on the decision's clock.
+fn in_period(key: &str, calendar: &Calendar, algorithm: Algorithm, capacity: u64, now_ms: u64) -> ManyItem {
+    let (clock, window) = calendar.clock(now_ms);
+    let tick_ms = calendar.period().tick_ms();
+    ManyItem { tick_ms, clock: Some(clock), ..item(key, params(algorithm, window, capacity)) }
+}
+
+fn utc(text: &str) -> u64 {
+    u64::try_from(text.parse::<jiff::Timestamp>().unwrap().as_millisecond()).unwrap()
+}
+
+/// A calendar period counts on the decision's clock, whatever the store's:
+/// a month in Berlin resets at its first midnight (an hour before UTC's,
+/// after the autumn's daylight-saving change), a denial waits exactly to
+/// the period's end, a writer whose clock is behind counts in the newer
+/// period and loses nothing of it, and a sliding day of 25 hours weighs
+/// the previous day by what is left of this one.
+async fn calendar_periods_count_on_the_decisions_clock<S: CounterStore>(store: Arc<S>) {
+    let name = S::NAME;
+    let month = Calendar::new(Period::Month, "Europe/Berlin").unwrap();
+    let at = |key: &str, now_ms| [in_period(key, &month, Algorithm::FixedWindow, 5, now_ms)];
+    let october = utc("2026-10-31T22:30:00Z");
+    for left in (0..5).rev() {
+        let outcome = job(&*store, "cal", &at("month", october)).await;
+        assert_eq!((outcome.committed, outcome.verdicts[0].remaining), (true, left), "{name}");
+    }
+    let denied = job(&*store, "cal", &at("month", october)).await;
+    // Half an hour to November in Berlin, to the ms.
+    assert!(!denied.committed, "{name}");
+    assert_eq!(denied.verdicts[0].retry_after_ms, Some(1_800_000), "{name}: {denied:?}");
+    assert_eq!(denied.verdicts[0].reset_after_ms, 1_800_000, "{name}");
+    let november = utc("2026-10-31T23:00:00Z");
+    let fresh = job(&*store, "cal", &at("month", november)).await;
+    assert_eq!((fresh.committed, fresh.verdicts[0].remaining), (true, 4), "{name}: {fresh:?}");
+    // A clock still in October finds November's counter: counted there,
+    // everything it holds as current (conservative), nothing lost.
+    let behind = job(&*store, "cal", &at("month", november - 1)).await;
+    assert!(!behind.committed, "{name}: {behind:?}");
+    let later = job(&*store, "cal", &at("month", november + 60_000)).await;
+    assert_eq!((later.committed, later.verdicts[0].remaining), (true, 3), "{name}: {later:?}");
+
+    // Berlin's 2026-10-25 lasts 25 hours; the day before is full.
+    let day = Calendar::new(Period::Day, "Europe/Berlin").unwrap();
+    let at = |now_ms| [in_period("day", &day, Algorithm::SlidingWindow, 10, now_ms)];
+    let eve = utc("2026-10-24T21:59:00Z");
+    assert!(job(&*store, "cal", &[ManyItem { weight: 10, ..at(eve)[0].clone() }]).await.committed);
+    let midnight = utc("2026-10-24T22:00:00Z");
+    let denied = job(&*store, "cal", &at(midnight)).await;
+    // 10 x (W - e) / W <= 9 once e is a tenth of 25 hours.
+    assert_eq!(denied.verdicts[0].retry_after_ms, Some(9_000_000), "{name}: {denied:?}");
+    assert!(!job(&*store, "cal", &at(midnight + 8_999_000)).await.committed, "{name}");
+    assert!(job(&*store, "cal", &at(midnight + 9_000_000)).await.committed, "{name}");
+}
+
 /// One module per store, one test per behaviour: `$open` (an async block)
 /// gives the store and what must live as long as it; `$fill` makes it full.
 macro_rules! stores {
@@ -398,6 +462,12 @@ macro_rules! stores {
             async fn a_groups_counters_are_listed() {
                 let (store, _keep) = $open.await;
                 super::a_groups_counters_are_listed(store).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn calendar_periods_count_on_the_decisions_clock() {
+                let (store, _keep) = $open.await;
+                super::calendar_periods_count_on_the_decisions_clock(store).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -41,6 +41,7 @@ rules:
   - { rule_id: llm-concurrency, resource_path: /llm/concurrency, priority_bucket: BULK, limit: 100, window_seconds: 60, algorithm: concurrency }
   - { rule_id: in-flight, resource_path: /in-flight, limit: 3, window_seconds: 60, algorithm: concurrency }
   - { rule_id: both, resource_path: /both, limit: 10, window_seconds: 1, algorithm: fixed_window, also: [ { limit: 30, window_seconds: 60 } ] }
+  - { rule_id: monthly, resource_path: /monthly, limit: 3, period: month, time_zone: Europe/Berlin, also: [ { limit: 100, window_seconds: 60 } ] }
 "#;
 
 const ENVOY: &str = r#"
@@ -157,6 +158,7 @@ impl Harness {
             shedder: Arc::clone(&shedder),
             failures: Arc::clone(&failures) as _,
             envoy_policy: policy,
+            clock: Arc::clone(&clock) as _,
             ..EngineParts::new(Arc::new(RuleStore::new(native)), store)
         });
         Harness { engine, shedder, failures, clock, memory, redis, _dispatchers: dispatchers, _dir: dir }
@@ -258,6 +260,7 @@ for_each_store!(
     several_limits_count_all_or_nothing,
     envoy_several_limits_count_all_or_nothing,
     requests_in_flight_are_held_until_reported,
+    a_month_resets_when_the_calendar_month_starts_in_its_zone,
     envoy_requests_in_flight_are_released_by_their_release_descriptor,
 );
 
@@ -859,6 +862,39 @@ async fn requests_in_flight_are_held_until_reported(backend: Backend) {
     assert_eq!((ended.allowed, ended.remaining), (true, 1), "a slot given back: {ended:?}");
     let next = engine.check(&call(Count::IfFits)).await;
     assert_eq!((next.allowed, next.remaining), (true, 0), "{next:?}");
+}
+
+/// A limit of 3 a month in Berlin, on the engine's clock: spent in the
+/// last hour of October (a month of 31 days and an hour: it left summer
+/// time), refused until November starts there (an hour before UTC's
+/// month), to the ms; again at the end of March, whose month is an hour
+/// short. Alike on the memory store and Redis, whose own clock is a
+/// month ahead of the injected one.
+async fn a_month_resets_when_the_calendar_month_starts_in_its_zone(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let utc = |text: &str| u64::try_from(text.parse::<jiff::Timestamp>().unwrap().as_millisecond()).unwrap();
+    const HOUR_MS: u64 = 3_600_000;
+    for (spend, month_start, month_hours) in [
+        ("2026-10-31T22:00:00Z", "2026-10-31T23:00:00Z", 31 * 24 + 1),
+        ("2027-03-31T21:00:00Z", "2027-03-31T22:00:00Z", 31 * 24 - 1),
+    ] {
+        h.clock.set(utc(spend));
+        for left in (0..3).rev() {
+            let d = h.check("mia", "/monthly", 1).await;
+            assert_eq!((d.allowed, d.remaining), (true, left), "{spend}: {d:?}");
+            assert_eq!(d.rule.as_ref().unwrap().window_ms, month_hours * HOUR_MS, "{spend}: {d:?}");
+        }
+        let over = h.check("mia", "/monthly", 1).await;
+        assert_eq!((over.allowed, over.reason), (false, Reason::OverLimit), "{spend}: {over:?}");
+        assert_eq!((over.retry_after_ms, over.reset_after_ms), (3_600_000, 3_600_000), "{spend}: {over:?}");
+        h.clock.set(utc(month_start) - 1);
+        let last = h.check("mia", "/monthly", 1).await;
+        assert_eq!((last.allowed, last.retry_after_ms), (false, 1), "{spend}: {last:?}");
+        h.clock.set(utc(month_start));
+        let next = h.check("mia", "/monthly", 1).await;
+        assert_eq!((next.allowed, next.remaining), (true, 2), "{spend}: a new month: {next:?}");
+        assert_eq!(h.check("amy", "/monthly", 2).await.remaining, 1, "users apart");
+    }
 }
 
 /// Requests in flight through Envoy's API: a descriptor of a `concurrency`

@@ -187,6 +187,7 @@ async fn a_bucket_keeps_its_expiry_until_it_must_move() {
             weight: 4,
             count: Count::IfFits,
             shadow: false,
+            clock: None,
         };
         let key = format!("rle2:{{g}}:k-{}", algorithm.as_str());
         let mut expiries = Vec::new();
@@ -393,6 +394,7 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
         also: Vec::new(),
         adaptive: None,
         global: false,
+        calendar: None,
         source: std::path::Path::new("t.yaml").into(),
     }
 }
@@ -466,6 +468,7 @@ async fn batches_over_the_key_cap_are_split_in_order() {
         weight: 1,
         count: Count::IfFits,
         shadow: false,
+        clock: None,
     };
     let jobs: Vec<Vec<ManyItem>> = (0..300).map(|_| ["a", "b", "c", "d"].map(item).to_vec()).collect();
     let before = redis.evalsha_calls().await;
@@ -492,6 +495,7 @@ async fn a_denied_job_in_a_batch_writes_nothing() {
         weight,
         count: Count::IfFits,
         shadow: false,
+        clock: None,
     };
     let first = [item("a", 10, 4), item("b", 10, 4)];
     // b would reach 4 + 7 = 11 > 10: denied, so a gets nothing either.
@@ -531,6 +535,7 @@ async fn counters_once_in_a_call_and_repeated_ones_are_written_alike() {
         weight: 1,
         count: Count::IfFits,
         shadow: false,
+        clock: None,
     };
     let window = WindowParams::sliding(60_000, 3);
     let bucket = WindowParams { window_ms: 60_000, capacity: 3, rate: 3, algorithm: Algorithm::TokenBucket };
@@ -579,6 +584,7 @@ async fn script_and_arithmetic_agree_across_window_edges() {
             weight: 1,
             count: Count::IfFits,
             shadow: false,
+            clock: None,
         };
         let (mut admitted, mut denied) = (0, 0);
         let until = Instant::now() + Duration::from_millis(800);
@@ -613,6 +619,7 @@ async fn a_first_hit_window_opens_at_its_first_hit_and_ends_with_its_key() {
         weight: 1,
         count: Count::IfFits,
         shadow: false,
+        clock: None,
     };
     let decide = |item: ManyItem| {
         let store = &store;

@@ -148,6 +148,7 @@ pub(super) async fn decide(engine: &Engine, snapshot: &Snapshot, request: &Check
         cache: None,
         version: snapshot.version(),
         grant: None,
+        now_ms: rule.filter(|rule| rule.has_calendar()).map_or(0, |_| engine.inner.clock.now_ms()),
     };
     let decision = engine.run(native).await;
     if let Some(adaptive) = adaptive
@@ -163,10 +164,12 @@ pub(super) async fn decide(engine: &Engine, snapshot: &Snapshot, request: &Check
 
 impl RuleInfo {
     /// The rule's limit `index` (0 the first, then `also`'s): the one that
-    /// bound; the first at `grant` when given (a global rule's).
-    pub(super) fn of_limit(rule: &Rule, index: usize, grant: Option<u64>) -> Self {
+    /// bound; the first at `grant` when given (a global rule's); a calendar
+    /// period's window is the period's length at `now_ms`.
+    pub(super) fn of_limit(rule: &Rule, index: usize, grant: Option<u64>, now_ms: u64) -> Self {
         let (limit, window) = rule.limit_at_grant(index, grant);
-        RuleInfo { id: Arc::clone(&rule.id), limit, capacity: window.capacity, window_ms: window.window_ms }
+        let window_ms = rule.window_ms_at(index, now_ms);
+        RuleInfo { id: Arc::clone(&rule.id), limit, capacity: window.capacity, window_ms }
     }
 }
 
@@ -187,6 +190,8 @@ struct Native<'r, 'a> {
     /// A global rule's limit for this user in this region: its grant, or
     /// the region's floor.
     grant: Option<u64>,
+    /// The engine's clock, read once when a limit counts per calendar period.
+    now_ms: u64,
 }
 
 impl Native<'_, '_> {
@@ -200,7 +205,7 @@ impl Native<'_, '_> {
 
     /// What the answer says of the matched rule.
     fn info(&self) -> Option<RuleInfo> {
-        self.rule.map(|rule| RuleInfo::of_limit(rule, 0, self.grant))
+        self.rule.map(|rule| RuleInfo::of_limit(rule, 0, self.grant, self.now_ms))
     }
 
     /// Counts what a global rule admitted and denied of this user, for the
@@ -347,14 +352,14 @@ impl Subject for Native<'_, '_> {
         let tenant = engine.tenant_share(|| tenant(engine, self.request));
         let shares = Shares { caller: self.request.share, tenant: tenant.as_deref() };
         let (rule, store) = (self.rule(), &engine.inner.store);
-        if rule.also.is_empty() {
+        if !rule.counts_a_job() {
             let counter = rule.counter_at(self.grant);
             let verdict = store.decide_in(shares, &self.user, counter, weight, self.request.count).await?;
             return Ok((verdict, 0));
         }
         // Boxed: the job's future would otherwise size every decision's,
         // the single-limit ones' too.
-        let items = rule.items(self.grant, weight, self.request.count);
+        let items = rule.items(self.grant, weight, self.request.count, self.now_ms);
         let outcome = Box::pin(store.decide_many_in(shares, &self.user, &items)).await?;
         Ok(outcome.binding())
     }
@@ -376,15 +381,16 @@ impl Subject for Native<'_, '_> {
             );
         }
         self.record_global(engine, verdict.admitted);
-        let info = self.rule.map(|rule| RuleInfo::of_limit(rule, bound, self.grant));
+        let info = self.rule.map(|rule| RuleInfo::of_limit(rule, bound, self.grant, self.now_ms));
         let decided = from_verdict(&verdict, self.shadow(), info, self.priority);
         Decision { shadow_shed: self.shadow_shed, level: self.level, ..decided }
     }
 
     #[inline]
     fn failed(self, engine: &Engine, error: StoreError) -> Decision {
-        let what =
-            Failed { user: &self.user, priority: self.priority, level: self.level, error, grant: self.grant };
+        let (user, priority, level, grant, now_ms) =
+            (&self.user, self.priority, self.level, self.grant, self.now_ms);
+        let what = Failed { user, priority, level, error, grant, now_ms };
         Decision { shadow_shed: self.shadow_shed, ..failed(engine, self.request, self.rule(), what) }
     }
 }
@@ -412,6 +418,8 @@ struct Failed<'a> {
     error: StoreError,
     /// A global rule's limit for the user in this region.
     grant: Option<u64>,
+    /// The decision's clock, for its calendar periods.
+    now_ms: u64,
 }
 
 fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priority: Priority) -> Decision {
@@ -435,10 +443,10 @@ fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priorit
 /// A `Check` the store could not decide, answered by `rule`'s failure
 /// policy, flagged and dead-lettered.
 fn failed(engine: &Engine, request: &CheckRequest<'_>, rule: &Rule, failed: Failed<'_>) -> Decision {
-    let Failed { user, priority, level, error, grant } = failed;
-    let (weight, info) = (u64::from(request.weight), Some(RuleInfo::of_limit(rule, 0, grant)));
+    let Failed { user, priority, level, error, grant, now_ms } = failed;
+    let (weight, info) = (u64::from(request.weight), Some(RuleInfo::of_limit(rule, 0, grant, now_ms)));
     let local = match rule.failure_policy {
-        FailurePolicy::Local if rule.also.is_empty() => Some(
+        FailurePolicy::Local if !rule.counts_a_job() => Some(
             engine.inner.local.decide(user, rule.counter_at(grant), weight, request.count).map(|v| (v, 0)),
         ),
         // Every limit locally too: an outage never lifts the daily one.
@@ -446,7 +454,7 @@ fn failed(engine: &Engine, request: &CheckRequest<'_>, rule: &Rule, failed: Fail
             engine
                 .inner
                 .local
-                .decide_many(user, &rule.items(grant, weight, request.count))
+                .decide_many(user, &rule.items(grant, weight, request.count, now_ms))
                 .map(|o| o.binding()),
         ),
         FailurePolicy::Open | FailurePolicy::Closed => None,
@@ -459,7 +467,7 @@ fn failed(engine: &Engine, request: &CheckRequest<'_>, rule: &Rule, failed: Fail
             {
                 grants.record(&rule.id, user, weight, verdict.admitted);
             }
-            let info = Some(RuleInfo::of_limit(rule, bound, grant));
+            let info = Some(RuleInfo::of_limit(rule, bound, grant, now_ms));
             let decided = from_verdict(&verdict, rule.mode == Mode::Shadow, info, priority);
             let reason =
                 if decided.reason == Reason::OverLimit { Reason::LocalOverLimit } else { Reason::LocalOk };

@@ -244,6 +244,7 @@ fn peek(limit: &Limit, key: &str, algorithm: Algorithm) -> ManyItem {
         weight: 0,
         count: Count::Never,
         shadow: false,
+        clock: None,
     }
 }
 

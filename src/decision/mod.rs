@@ -236,6 +236,9 @@ pub struct EngineParts {
     /// This region's grants of the global limits (`global.*`); `None`: no
     /// other region, a global limit is enforced whole.
     pub grants: Option<Arc<Grants>>,
+    /// What places a calendar period's edges (`period:`): the system
+    /// clock, or a test's.
+    pub clock: Arc<dyn crate::clock::Clock>,
 }
 
 impl EngineParts {
@@ -264,6 +267,7 @@ impl EngineParts {
             tenant_shares: None,
             denials: None,
             grants: None,
+            clock: Arc::new(crate::clock::SystemClock),
         }
     }
 }

@@ -274,6 +274,7 @@ async fn limitador_counters_are_listed_in_order_and_bounded() {
         weight: 1,
         count: crate::limiter::Count::IfFits,
         shadow: false,
+        clock: None,
     };
     store.decide_many("ns", &[junk]).await.unwrap();
     let listed = engine.limitador_counters(&limits, "ns").await.unwrap();

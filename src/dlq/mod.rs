@@ -354,6 +354,7 @@ mod tests {
             also: Vec::new(),
             adaptive: None,
             global: false,
+            calendar: None,
             source: Arc::from(Path::new("r.yaml")),
         }
     }

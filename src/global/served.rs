@@ -103,6 +103,7 @@ impl Served {
                     weight: 0,
                     count: Count::Never,
                     shadow: false,
+                    clock: None,
                 };
                 let outcome = store.decide_many(domain, &[item]).await?;
                 let remaining = outcome.verdicts.first().map_or(0, |v| v.remaining);

@@ -654,6 +654,7 @@ mod tests {
             weight: 1,
             count: Count::IfFits,
             shadow: false,
+            clock: None,
         };
         let items = [item("a", 5), item("b", 1)];
         assert!(local.decide_many("d", &items).unwrap().committed);

@@ -11,6 +11,7 @@
 pub mod adaptive;
 pub mod breaker;
 pub mod bucket;
+pub mod calendar;
 pub mod exchange;
 pub mod figures;
 pub mod grants;
@@ -104,6 +105,10 @@ pub struct ManyItem {
     pub count: Count,
     /// Over the limit does not block the other items (and is not counted).
     pub shadow: bool,
+    /// The counter's clock when the decision keeps it (a calendar period);
+    /// `None`: the store's, `now_ms / tick_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock: Option<calendar::ItemClock>,
 }
 
 impl ManyItem {
@@ -113,6 +118,22 @@ impl ManyItem {
     /// Redis' script is its twin.
     pub(crate) fn blocks(&self, fits: bool) -> bool {
         !fits && !self.shadow && !self.count.whatever_is_left()
+    }
+
+    /// Now in the counter's ticks, the store's clock reading `now_ms`: its
+    /// own clock when it has one (a calendar period's), else `now_ms / tick_ms`.
+    #[inline]
+    pub(crate) fn now(&self, now_ms: u64) -> u64 {
+        self.clock.map_or(now_ms / self.tick_ms.max(1), |clock| clock.now)
+    }
+
+    /// A duration the arithmetic answered in ticks, in ms.
+    #[inline]
+    fn ms(&self, ticks: u64) -> u64 {
+        match self.clock {
+            Some(clock) => clock.ms(ticks, self.params.window_ms, self.tick_ms),
+            None => ticks.saturating_mul(self.tick_ms),
+        }
     }
 }
 
@@ -317,7 +338,9 @@ pub(crate) fn evaluate(
                 Algorithm::FirstHitWindow => {
                     index.saturating_add(params.window_ms).saturating_sub(now).max(1)
                 }
-                _ => 2 * params.window_ms,
+                // The next window's end (a counter of a later window: that
+                // one's next).
+                _ => index.saturating_add(2).saturating_mul(params.window_ms).saturating_sub(now).max(1),
             };
             (next, ttl, counts.current.saturating_add(counts.previous))
         }
@@ -347,8 +370,8 @@ pub(crate) fn many_verdicts(items: &[ManyItem], raw: &[RawItem], committed: bool
         .map(|(item, &(fits, seen))| {
             let test = seen.verdict(item.weight, item.params);
             let mut verdict = seen.answer(test, item.weight, item.count, item.params, fits && committed);
-            verdict.retry_after_ms = verdict.retry_after_ms.map(|t| t.saturating_mul(item.tick_ms));
-            verdict.reset_after_ms = verdict.reset_after_ms.saturating_mul(item.tick_ms);
+            verdict.retry_after_ms = verdict.retry_after_ms.map(|t| item.ms(t));
+            verdict.reset_after_ms = item.ms(verdict.reset_after_ms);
             verdict
         })
         .collect()

@@ -240,12 +240,17 @@ pub fn position(now_ms: u64, window_ms: u64) -> (u64, u64) {
 
 /// Re-reads a stored counter from the point of view of window `now_window`:
 /// the same window keeps both counts, the next one demotes `current` to
-/// `previous`, anything later (or a clock that went backwards) starts empty.
+/// `previous`, anything later starts empty. A counter of a window after
+/// `now_window` (written by a clock ahead of this one: another instance's
+/// at a calendar period's edge, or a store's before it failed over) is not
+/// lost: [`locate`] counts in its window, both of its counts as current.
 pub fn roll(stored: StoredCounter, now_window: u64) -> Counts {
     if stored.window == now_window {
         Counts { current: stored.current, previous: stored.previous }
     } else if stored.window.checked_add(1) == Some(now_window) {
         Counts { current: 0, previous: stored.current }
+    } else if stored.window > now_window {
+        Counts { current: stored.current.saturating_add(stored.previous), previous: 0 }
     } else {
         Counts::default()
     }
@@ -256,7 +261,8 @@ pub fn roll(stored: StoredCounter, now_window: u64) -> Counts {
 /// an aligned window, its first hit's tick for a first-hit window), the
 /// counts as seen from it, and the ticks elapsed in it. A first-hit window
 /// is open from its first hit until `W` later; a clock behind its start
-/// keeps its count, with nothing elapsed.
+/// keeps its count, with nothing elapsed. An aligned window's counter
+/// written by a clock ahead keeps its window ([`roll`]).
 pub fn locate(stored: Option<StoredCounter>, now: u64, params: WindowParams) -> (u64, Counts, u64) {
     if params.algorithm == Algorithm::FirstHitWindow {
         return match stored {
@@ -267,7 +273,8 @@ pub fn locate(stored: Option<StoredCounter>, now: u64, params: WindowParams) -> 
         };
     }
     let (index, elapsed) = position(now, params.window_ms);
-    (index, roll(stored.unwrap_or_default(), index), elapsed)
+    let stored = stored.unwrap_or_default();
+    (index.max(stored.window), roll(stored, index), elapsed)
 }
 
 /// Decides a request of `weight` against `counts` at `elapsed_ms` into the
@@ -581,11 +588,17 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn clock_going_backwards_starts_empty_rather_than_panicking() {
-        let stored = StoredCounter { window: 10, current: 5, previous: 5 };
-        assert_eq!(roll(stored, 9), Counts::default());
+    fn a_clock_behind_the_counter_counts_in_its_window() {
+        let stored = StoredCounter { window: 10, current: 5, previous: 4 };
+        // Nothing written ahead is lost: both counts are current, in window 10.
+        assert_eq!(roll(stored, 9), Counts { current: 9, previous: 0 });
+        assert_eq!(roll(stored, 0), Counts { current: 9, previous: 0 });
+        let params = WindowParams::window(1_000, 10, false);
+        assert_eq!(locate(Some(stored), 9_500, params), (10, Counts { current: 9, previous: 0 }, 500));
         assert_eq!(roll(stored, 12), Counts::default());
         assert_eq!(roll(stored, 11), Counts { current: 0, previous: 5 });
+        let huge = StoredCounter { window: u64::MAX, current: u64::MAX, previous: 1 };
+        assert_eq!(roll(huge, 1), Counts { current: u64::MAX, previous: 0 });
     }
 
     #[test]

@@ -15,6 +15,7 @@ use super::{
 };
 use crate::limiter::{
     adaptive::{AdaptiveLimit, AimdParams},
+    calendar::Calendar,
     window::{Algorithm, MAX_CAPACITY_TIMES_WINDOW, WindowParams},
 };
 
@@ -114,13 +115,15 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
     if raw.client_type.as_deref() == Some("") {
         return fail("client_type", "must not be empty; omit it to match any client".to_owned());
     }
-    let algorithm = match raw.algorithm.as_deref() {
-        None => Algorithm::SlidingWindow,
-        Some(name) => Algorithm::named(name).map_err(|message| error(sourced, "algorithm", message))?,
+    let written = match raw.algorithm.as_deref() {
+        None => None,
+        Some(name) => Some(Algorithm::named(name).map_err(|message| error(sourced, "algorithm", message))?),
     };
-    let (capacity, window_ms) =
-        limit_window(&raw_first(raw)).map_err(|(field, message)| error(sourced, field, message))?;
-    let also = also_limits(raw, algorithm).map_err(|(field, message)| error(sourced, &field, message))?;
+    let first = raw_first(raw);
+    let (capacity, window_ms, calendar) =
+        limit_window(&first).map_err(|(field, message)| error(sourced, field, message))?;
+    let algorithm = counted_by(written, &first).map_err(|message| error(sourced, "algorithm", message))?;
+    let also = also_limits(raw, written).map_err(|(field, message)| error(sourced, &field, message))?;
     if let Some(overload) = &raw.overload
         && !(1..=MAX_OVERLOAD_RATE).contains(&overload.rate_per_second)
     {
@@ -128,6 +131,15 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
     }
     let adaptive = rule_adaptive(raw).map_err(|(field, message)| error(sourced, &field, message))?;
     in_flight(raw, algorithm, &also).map_err(|(field, message)| error(sourced, field, message))?;
+    if calendar.is_some() {
+        let period = |what: &str| format!("a limit counted per calendar period (period:) cannot {what}");
+        if raw.adaptive.is_some() {
+            return fail("adaptive", period("be adaptive"));
+        }
+        if raw.global {
+            return fail("global", period("be global: its regions' grants follow a rate"));
+        }
+    }
     Ok(Rule {
         id: Arc::from(raw.rule_id.as_str()),
         resource_path: raw.resource_path.clone(),
@@ -142,8 +154,26 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         also,
         adaptive,
         global: raw.global,
+        calendar,
         source: Arc::clone(&sourced.file),
     })
+}
+
+/// How a limit counts: the algorithm written (the rule's, or the
+/// limit's own), else a sliding window, or for a calendar period a fixed
+/// one (it starts from zero when the period does). A calendar period
+/// counts in a window, sliding or fixed.
+fn counted_by(written: Option<Algorithm>, limit: &RawLimit) -> Result<Algorithm, String> {
+    let Some(period) = limit.period else { return Ok(written.unwrap_or(Algorithm::SlidingWindow)) };
+    match written {
+        None => Ok(Algorithm::FixedWindow),
+        Some(algorithm @ (Algorithm::FixedWindow | Algorithm::SlidingWindow)) => Ok(algorithm),
+        Some(other) => Err(format!(
+            "a calendar period (period: {}) counts with fixed_window or sliding_window, not {}",
+            period.as_str(),
+            other.as_str()
+        )),
+    }
 }
 
 /// A limit of requests in flight (`algorithm: concurrency`) stands alone:
@@ -233,22 +263,58 @@ fn raw_first(raw: &RawRule) -> RawLimit {
     RawLimit {
         limit: raw.limit,
         window_seconds: raw.window_seconds,
+        period: raw.period,
+        time_zone: raw.time_zone.clone(),
         burst_capacity: raw.burst_capacity,
         algorithm: None,
     }
 }
 
-/// A limit's capacity (`floor(limit × burst)`) and window in ms, checked;
-/// an error names the field (relative to the limit).
-fn limit_window(raw: &RawLimit) -> Result<(u64, u64), (&'static str, String)> {
+/// A limit checked: its capacity, window and calendar period.
+type Checked = (u64, u64, Option<Arc<Calendar>>);
+
+/// A limit's capacity (`floor(limit × burst)`), window in ms (a calendar
+/// period's longest, in its ticks) and calendar period, checked; an error
+/// names the field (relative to the limit).
+fn limit_window(raw: &RawLimit) -> Result<Checked, (&'static str, String)> {
     if raw.limit == 0 {
         return Err(("limit", "must be at least 1".to_owned()));
     }
-    if raw.window_seconds == 0 {
-        return Err(("window_seconds", "must be at least 1".to_owned()));
-    }
     if !raw.burst_capacity.is_finite() || raw.burst_capacity < 1.0 {
         return Err(("burst_capacity", format!("must be a number >= 1, got {}", raw.burst_capacity)));
+    }
+    let Some(period) = raw.period else {
+        if raw.time_zone.is_some() {
+            return Err(("time_zone", "only a calendar period (period:) has a time zone".to_owned()));
+        }
+        let (capacity, window_ms) = window(raw)?;
+        return Ok((capacity, window_ms, None));
+    };
+    if raw.window_seconds != 0 {
+        return Err(("period", "a limit has window_seconds or a calendar period, not both".to_owned()));
+    }
+    let zone = raw.time_zone.as_deref().unwrap_or("UTC");
+    let calendar = Calendar::new(period, zone).map_err(|message| ("time_zone", message))?;
+    let capacity = capacity(raw.limit, raw.burst_capacity);
+    let most = MAX_CAPACITY_TIMES_WINDOW / period.max_ticks();
+    if capacity > most {
+        let period = period.as_str();
+        return Err((
+            "limit",
+            format!(
+                "limit x burst_capacity must not exceed {most} for period {period} (the counters are exact \
+                 to the unit): use a shorter period or a smaller limit"
+            ),
+        ));
+    }
+    Ok((capacity, period.max_ticks(), Some(Arc::new(calendar))))
+}
+
+/// A limit of `window_seconds`: its capacity and window in ms, checked.
+fn window(raw: &RawLimit) -> Result<(u64, u64), (&'static str, String)> {
+    if raw.window_seconds == 0 {
+        let message = "must be at least 1 (or give a calendar period: day, week, month or year)";
+        return Err(("window_seconds", message.to_owned()));
     }
     let window_ms = raw.window_seconds.checked_mul(1_000);
     // Exact for the magnitudes the bound below admits; a larger one fails it.
@@ -267,9 +333,9 @@ fn limit_window(raw: &RawLimit) -> Result<(u64, u64), (&'static str, String)> {
 }
 
 /// The rule's `also` limits, checked; an error names the field
-/// (`also[1].window_seconds`). Each takes the rule's algorithm unless it
-/// names its own.
-fn also_limits(raw: &RawRule, algorithm: Algorithm) -> Result<Vec<AlsoLimit>, (String, String)> {
+/// (`also[1].window_seconds`). Each takes the rule's written algorithm
+/// unless it names its own ([`counted_by`]).
+fn also_limits(raw: &RawRule, written: Option<Algorithm>) -> Result<Vec<AlsoLimit>, (String, String)> {
     if raw.also.len() > MAX_ALSO_LIMITS {
         return Err(("also".to_owned(), format!("at most {MAX_ALSO_LIMITS} further limits")));
     }
@@ -278,14 +344,15 @@ fn also_limits(raw: &RawRule, algorithm: Algorithm) -> Result<Vec<AlsoLimit>, (S
         .enumerate()
         .map(|(i, also)| {
             let at = |field: &str| format!("also[{i}].{field}");
-            let (capacity, window_ms) =
+            let (capacity, window_ms, calendar) =
                 limit_window(also).map_err(|(field, message)| (at(field), message))?;
-            let algorithm = match also.algorithm.as_deref() {
-                None => algorithm,
-                Some(name) => Algorithm::named(name).map_err(|message| (at("algorithm"), message))?,
+            let own = match also.algorithm.as_deref() {
+                None => written,
+                Some(name) => Some(Algorithm::named(name).map_err(|message| (at("algorithm"), message))?),
             };
+            let algorithm = counted_by(own, also).map_err(|message| (at("algorithm"), message))?;
             let window = WindowParams { window_ms, capacity, rate: also.limit, algorithm };
-            Ok(AlsoLimit { limit: also.limit, burst_capacity: also.burst_capacity, window })
+            Ok(AlsoLimit { limit: also.limit, burst_capacity: also.burst_capacity, window, calendar })
         })
         .collect()
 }
@@ -438,7 +505,7 @@ mod tests {
         assert_eq!(rule.min_capacity(), 10);
         assert_eq!(rule.limit_at(2), (50, rule.also[1].window));
         let keys: Vec<String> =
-            rule.items(None, 1, crate::limiter::Count::IfFits).into_iter().map(|i| i.key).collect();
+            rule.items(None, 1, crate::limiter::Count::IfFits, 0).into_iter().map(|i| i.key).collect();
         assert_eq!(keys, ["#a/0", "#a/1", "#a/2"]);
     }
 
@@ -454,8 +521,66 @@ mod tests {
         let nine = ["{ limit: 5, window_seconds: 1 }"; 9].join(", ");
         let e = with(&format!("[ {nine} ]"));
         assert!(e.contains("also") && e.contains("at most 8"), "{e}");
-        let text = format!("rules:\n{}", rule("a", "/a", "    also: [ { limit: 5 } ]\n"));
-        let e = parse(Path::new("r.yaml"), &text).unwrap_err().to_string();
-        assert!(e.contains("also") && e.contains("missing field `window_seconds`"), "{e}");
+        let e = with("[ { limit: 5 } ]");
+        assert!(e.contains("also[0].window_seconds") && e.contains("calendar period"), "{e}");
+    }
+
+    #[test]
+    fn calendar_periods_are_checked_field_by_field() {
+        let errors = |extra: &str| {
+            let text = format!("rules:\n{}", rule("a", "/a", extra)).replace("    window_seconds: 1\n", "");
+            compile_text(&text).unwrap_err().iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")
+        };
+        let ok = |extra: &str| {
+            let text = format!("rules:\n{}", rule("a", "/a", extra)).replace("    window_seconds: 1\n", "");
+            compile_text(&text).map_err(|e| format!("{e:?}")).unwrap().rules()[0].clone()
+        };
+        let monthly = ok("    period: month\n    time_zone: Europe/Berlin\n");
+        assert_eq!(monthly.window.algorithm, Algorithm::FixedWindow, "a period starts from zero");
+        assert_eq!(monthly.window_text(0), "month in Europe/Berlin");
+        let sliding = ok(
+            "    period: day\n    algorithm: sliding_window\n    also: [ { limit: 5, window_seconds: 60 } ]\n",
+        );
+        assert_eq!(sliding.window.algorithm, Algorithm::SlidingWindow);
+        assert_eq!(sliding.calendar_at(0).unwrap().zone_name(), "UTC");
+        assert!(sliding.calendar_at(1).is_none() && sliding.counts_a_job());
+        for (extra, expected) in [
+            ("", "field `window_seconds`: must be at least 1 (or give a calendar period"),
+            ("    period: fortnight\n", "fortnight"),
+            (
+                "    period: month\n    window_seconds: 60\n",
+                "field `period`: a limit has window_seconds or a calendar period, not both",
+            ),
+            ("    window_seconds: 60\n    time_zone: UTC\n", "field `time_zone`: only a calendar period"),
+            (
+                "    period: month\n    time_zone: Mars/Olympus\n",
+                "field `time_zone`: unknown time zone \"Mars/Olympus\"",
+            ),
+            (
+                "    period: month\n    algorithm: gcra\n",
+                "field `algorithm`: a calendar period (period: month) counts with fixed_window or sliding_window",
+            ),
+            ("    period: month\n    global: true\n", "field `global`: a limit counted per calendar period"),
+            ("    period: month\n    adaptive: { min: 1, max: 20 }\n", "field `adaptive`"),
+            (
+                "    window_seconds: 2\n    also: [ { limit: 5, period: year, algorithm: token_bucket } ]\n",
+                "also[0].algorithm",
+            ),
+        ] {
+            let e = if expected == "fortnight" {
+                let text =
+                    format!("rules:\n{}", rule("a", "/a", extra)).replace("    window_seconds: 1\n", "");
+                parse(Path::new("r.yaml"), &text).unwrap_err().to_string()
+            } else {
+                errors(extra)
+            };
+            assert!(e.contains(expected), "{extra}: {e}");
+        }
+        // The bound: a year counts in hours, so at most 2^51 / 8,811.
+        let text = format!("rules:\n{}", rule("a", "/a", "    period: year\n"))
+            .replace("    window_seconds: 1\n", "")
+            .replace("limit: 10", "limit: 300000000000");
+        let e = compile_text(&text).unwrap_err()[0].to_string();
+        assert!(e.contains("field `limit`") && e.contains("for period year"), "{e}");
     }
 }

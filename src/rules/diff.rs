@@ -41,7 +41,7 @@ fn fields(rule: &Rule) -> [(&'static str, String); 9] {
         ("resource_path", rule.resource_path.clone()),
         ("client_type", rule.client_type.clone().unwrap_or_else(|| "any".to_owned())),
         ("limit", rule.limit.to_string()),
-        ("window", format!("{} ms", rule.window.window_ms)),
+        ("window", rule.window_text(0)),
         ("burst_capacity", rule.burst_capacity.to_string()),
         ("algorithm", format!("{:?}", rule.window.algorithm)),
         ("priority", rule.priority.to_string()),
@@ -53,10 +53,10 @@ fn fields(rule: &Rule) -> [(&'static str, String); 9] {
 /// One line describing `rule`.
 pub fn describe(rule: &Rule) -> String {
     format!(
-        "{} {} per {} ms ({:?}{})",
+        "{} {} per {} ({:?}{})",
         rule.resource_path,
         rule.limit,
-        rule.window.window_ms,
+        rule.window_text(0),
         rule.window.algorithm,
         rule.client_type.as_deref().map(|c| format!(", client_type {c}")).unwrap_or_default()
     )
@@ -85,7 +85,8 @@ pub fn diff(old: &Snapshot, new: &Snapshot) -> Vec<Change> {
         let also: Vec<String> = rule
             .also
             .iter()
-            .map(|a| format!("{} per {} ms ({:?})", a.limit, a.window.window_ms, a.window.algorithm))
+            .enumerate()
+            .map(|(i, a)| format!("{} per {} ({:?})", a.limit, rule.window_text(i + 1), a.window.algorithm))
             .collect();
         fields.push(("also", format!("[{}]", also.join(", "))));
         let adaptive = rule.adaptive.as_deref().map(|a| a.params);

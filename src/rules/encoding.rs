@@ -29,7 +29,10 @@ use super::{
     envoy::{self, EnvoyConfig},
     native::{RawRule, SourcedRule},
 };
-use crate::{limiter::Algorithm, shed::Priority};
+use crate::{
+    limiter::{Algorithm, calendar::Calendar},
+    shed::Priority,
+};
 
 /// The schema this build writes and reads.
 pub const SCHEMA: &str = "ratelimitd.rules.snapshot/1";
@@ -103,7 +106,14 @@ pub struct EncodedRule {
     pub client_type: Option<String>,
     pub priority_bucket: Priority,
     pub limit: u64,
+    /// 0 for a calendar period.
     pub window_seconds: u64,
+    /// The first limit's calendar period, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period: Option<crate::limiter::calendar::Period>,
+    /// The calendar period's time zone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<String>,
     pub burst_capacity: f64,
     /// `sliding_window`, `fixed_window`, `token_bucket` or `gcra`.
     pub algorithm: String,
@@ -285,7 +295,9 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
             client_type: rule.client_type.clone(),
             priority_bucket: rule.priority,
             limit: rule.limit,
-            window_seconds: rule.window.window_ms / 1_000,
+            window_seconds: window_seconds(rule.calendar.as_deref(), rule.window.window_ms),
+            period: rule.calendar.as_deref().map(Calendar::period),
+            time_zone: rule.calendar.as_deref().map(|c| c.zone_name().to_owned()),
             burst_capacity: rule.burst_capacity,
             algorithm: rule.window.algorithm.as_str().to_owned(),
             mode: rule.mode,
@@ -297,7 +309,9 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
                 .iter()
                 .map(|also| super::RawLimit {
                     limit: also.limit,
-                    window_seconds: also.window.window_ms / 1_000,
+                    window_seconds: window_seconds(also.calendar.as_deref(), also.window.window_ms),
+                    period: also.calendar.as_deref().map(Calendar::period),
+                    time_zone: also.calendar.as_deref().map(|c| c.zone_name().to_owned()),
                     burst_capacity: also.burst_capacity,
                     algorithm: Some(also.window.algorithm.as_str().to_owned()),
                 })
@@ -392,6 +406,11 @@ impl SnapshotRecord {
     }
 }
 
+/// A limit's `window_seconds` as written: 0 for a calendar period.
+fn window_seconds(calendar: Option<&Calendar>, window_ms: u64) -> u64 {
+    if calendar.is_some() { 0 } else { window_ms / 1_000 }
+}
+
 /// Compiles encoded rules with the same validation as rule files.
 fn decode_native(native: &NativeRules, version: &str, paths: PathForm) -> Result<Snapshot, RuleErrors> {
     let rules = native
@@ -408,6 +427,8 @@ fn decode_native(native: &NativeRules, version: &str, paths: PathForm) -> Result
                 priority_bucket: rule.priority_bucket,
                 limit: rule.limit,
                 window_seconds: rule.window_seconds,
+                period: rule.period,
+                time_zone: rule.time_zone.clone(),
                 burst_capacity: rule.burst_capacity,
                 mode: rule.mode,
                 failure_policy: rule.failure_policy,

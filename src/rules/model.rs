@@ -8,6 +8,7 @@ use crate::{
     limiter::{
         Count, CounterSpec, ManyItem,
         adaptive::{AdaptiveLimit, AimdParams},
+        calendar::Calendar,
         window::WindowParams,
     },
     shed::Priority,
@@ -153,8 +154,11 @@ pub struct AlsoLimit {
     pub limit: u64,
     /// Burst multiplier (>= 1).
     pub burst_capacity: f64,
-    /// Window length and capacity.
+    /// Window length and capacity (a calendar period's window: its
+    /// longest, in its ticks).
     pub window: WindowParams,
+    /// Counted per calendar period (`period:`) rather than per window.
+    pub calendar: Option<Arc<Calendar>>,
 }
 
 /// One validated rule. Shared by reference from the [`Snapshot`](super::Snapshot);
@@ -191,6 +195,9 @@ pub struct Rule {
     /// The first limit holds for every region together (`global: true`):
     /// each region enforces it at its grant (docs/global-limits.md).
     pub global: bool,
+    /// The first limit is counted per calendar period (`period:`): then
+    /// `window` is the period's longest, in its ticks.
+    pub calendar: Option<Arc<Calendar>>,
     /// The file the rule came from, for messages.
     pub source: Arc<Path>,
 }
@@ -239,19 +246,73 @@ impl Rule {
         self.also.iter().map(|a| a.window.capacity).fold(self.first(None).1.capacity, u64::min)
     }
 
-    /// The counters of a rule with `also` limits for one decision, one per
-    /// limit, keyed `#<rule id>/<index>` within the user's group (a key no
-    /// Envoy counter has: theirs start with a digit); the first at `grant`
-    /// when given.
-    pub fn items(&self, grant: Option<u64>, weight: u64, count: Count) -> Vec<ManyItem> {
+    /// Limit `index`'s calendar period, when it is counted per period.
+    pub fn calendar_at(&self, index: usize) -> Option<&Calendar> {
+        match index.checked_sub(1) {
+            Some(i) => self.also.get(i).and_then(|also| also.calendar.as_deref()),
+            None => self.calendar.as_deref(),
+        }
+    }
+
+    /// Limit `index`'s window as a reviewer reads it: `60000 ms`, or a
+    /// calendar period and its zone (`month in Europe/Berlin`).
+    pub fn window_text(&self, index: usize) -> String {
+        match self.calendar_at(index) {
+            Some(calendar) => format!("{} in {}", calendar.period().as_str(), calendar.zone_name()),
+            None => format!("{} ms", self.limit_at(index).1.window_ms),
+        }
+    }
+
+    /// Whether a limit is counted per calendar period: the decision then
+    /// reads the clock, and counts as one job of every limit.
+    pub fn has_calendar(&self) -> bool {
+        self.calendar.is_some() || self.also.iter().any(|also| also.calendar.is_some())
+    }
+
+    /// Whether a decision counts one job of a counter per limit (several
+    /// limits, or a calendar period's) rather than one counter.
+    pub fn counts_a_job(&self) -> bool {
+        !self.also.is_empty() || self.calendar.is_some()
+    }
+
+    /// Limit `index`'s window length in ms at `now_ms`: a calendar
+    /// period's length where it is counted per period.
+    pub fn window_ms_at(&self, index: usize, now_ms: u64) -> u64 {
+        match self.calendar_at(index) {
+            Some(calendar) => {
+                let at = calendar.at(now_ms);
+                at.end_ms - at.start_ms
+            }
+            None => self.limit_at(index).1.window_ms,
+        }
+    }
+
+    /// The counters of a rule with `also` limits (or a calendar period)
+    /// for one decision at `now_ms`, one per limit, keyed `#<rule
+    /// id>/<index>` within the user's group (a key no Envoy counter has:
+    /// theirs start with a digit); the first at `grant` when given. A
+    /// calendar limit's counter counts in its period's ticks on its own
+    /// clock ([`Calendar::clock`]).
+    pub fn items(&self, grant: Option<u64>, weight: u64, count: Count, now_ms: u64) -> Vec<ManyItem> {
         (0..=self.also.len())
-            .map(|index| ManyItem {
-                key: format!("#{}/{index}", self.id),
-                params: self.limit_at_grant(index, grant).1,
-                tick_ms: 1,
-                weight,
-                count,
-                shadow: false,
+            .map(|index| {
+                let params = self.limit_at_grant(index, grant).1;
+                let (params, tick_ms, clock) = match self.calendar_at(index) {
+                    Some(calendar) => {
+                        let (clock, window_ms) = calendar.clock(now_ms);
+                        (WindowParams { window_ms, ..params }, calendar.period().tick_ms(), Some(clock))
+                    }
+                    None => (params, 1, None),
+                };
+                ManyItem {
+                    key: format!("#{}/{index}", self.id),
+                    params,
+                    tick_ms,
+                    weight,
+                    count,
+                    shadow: false,
+                    clock,
+                }
             })
             .collect()
     }

@@ -17,7 +17,7 @@ use super::{
     RuleError,
     model::{AdaptiveSpec, FailurePolicy, Mode, OverloadSpec},
 };
-use crate::shed::Priority;
+use crate::{limiter::calendar::Period, shed::Priority};
 
 /// One rule as written, before validation.
 #[derive(Debug, Clone, Deserialize)]
@@ -30,7 +30,15 @@ pub(crate) struct RawRule {
     #[serde(default = "default_priority")]
     pub(crate) priority_bucket: Priority,
     pub(crate) limit: u64,
+    /// The window; 0 when not written (a calendar `period` instead).
+    #[serde(default)]
     pub(crate) window_seconds: u64,
+    /// A calendar period instead of a window.
+    #[serde(default)]
+    pub(crate) period: Option<Period>,
+    /// The calendar period's time zone (default UTC).
+    #[serde(default)]
+    pub(crate) time_zone: Option<String>,
     #[serde(default = "default_burst")]
     pub(crate) burst_capacity: f64,
     #[serde(default)]
@@ -60,8 +68,15 @@ pub(crate) struct RawRule {
 pub struct RawLimit {
     /// Requests per window, before burst.
     pub limit: u64,
-    /// The window.
+    /// The window; 0 when not written (a calendar `period` instead).
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub window_seconds: u64,
+    /// A calendar period instead of a window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period: Option<Period>,
+    /// The calendar period's time zone (default UTC).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<String>,
     /// Burst multiplier (default 1).
     #[serde(default = "default_burst")]
     pub burst_capacity: f64,
@@ -76,6 +91,10 @@ pub(crate) struct SourcedRule {
     pub(crate) file: Arc<Path>,
     pub(crate) index: usize,
     pub(crate) raw: RawRule,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 fn default_priority() -> Priority {
@@ -273,9 +292,9 @@ rules:
 
     #[test]
     fn missing_field_is_named() {
-        let text = GOOD.replace("    window_seconds: 1\n", "");
+        let text = GOOD.replace("    limit: 10\n", "");
         let err = parse(Path::new("a.yaml"), &text).unwrap_err().to_string();
-        assert!(err.contains("missing field `window_seconds`"), "{err}");
+        assert!(err.contains("missing field `limit`"), "{err}");
         assert!(err.contains("\"search\""), "{err}");
     }
 

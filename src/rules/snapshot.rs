@@ -343,7 +343,7 @@ fn content_hash(rules: &[Rule]) -> String {
                 a.min, a.max, a.increase, a.decrease, a.interval_ms, a.max_failure_ratio, a.latency_ms
             );
         }
-        for also in &rule.also {
+        for (index, also) in rule.also.iter().enumerate() {
             let w = &also.window;
             let _ = writeln!(
                 canonical,
@@ -354,6 +354,18 @@ fn content_hash(rules: &[Rule]) -> String {
                 w.capacity,
                 w.algorithm.as_str()
             );
+            if let Some(calendar) = rule.calendar_at(index + 1) {
+                let _ = writeln!(
+                    canonical,
+                    "\tperiod\t{}\t{:?}",
+                    calendar.period().as_str(),
+                    calendar.zone_name()
+                );
+            }
+        }
+        if let Some(calendar) = rule.calendar_at(0) {
+            let _ =
+                writeln!(canonical, "\tperiod\t{}\t{:?}", calendar.period().as_str(), calendar.zone_name());
         }
     }
     let digest = sha1_smol::Sha1::from(canonical.as_bytes()).digest().to_string();

@@ -274,6 +274,7 @@ fn push_items<D: Descriptor>(
             // Neither blocks the others: shadow never denies, and a quota
             // descriptor denies only together with all others.
             shadow: policy.shadow(first) || policy.quota(first),
+            clock: None,
         });
     }
 }

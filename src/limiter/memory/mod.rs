@@ -237,7 +237,7 @@ impl Shard {
         let key = KeyRef { many: true, group, key: &item.key };
         match self.counters.get(&key) {
             Some(entry) => (entry.expires_at_ms > now_ms).then_some(entry.counter),
-            None => self.recalled(hasher, &key, now_ms, now_ms / item.tick_ms, item.params),
+            None => self.recalled(hasher, &key, now_ms, item.now(now_ms), item.params),
         }
     }
 
@@ -394,7 +394,7 @@ impl MemoryStore {
         let mut writes = Vec::new();
         let mut blocked = false;
         for (item, &shard) in items.iter().zip(&shard_of) {
-            let now = now_ms / item.tick_ms;
+            let now = item.now(now_ms);
             let stored = match pending.iter().rev().find(|(key, _, _)| *key == item.key) {
                 Some((_, counter, _)) => Some(*counter),
                 None => guards[position(shard)].1.stored(&self.hasher, group, item, now_ms),

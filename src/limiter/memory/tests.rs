@@ -83,6 +83,7 @@ fn item(key: &str, capacity: u64, weight: u64, shadow: bool) -> ManyItem {
         weight,
         count: Count::IfFits,
         shadow,
+        clock: None,
     }
 }
 

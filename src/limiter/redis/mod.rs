@@ -64,7 +64,7 @@ use self::{
     backend::{Backend, Conn, backend, breaker_of, breakers, classify},
     dispatch::{CallCaps, Dispatcher, timeout_error},
     keys::push_tag,
-    script::{KeyArgs, answer_len, flags, script_error, seen_of},
+    script::{KeyArgs, OWN_CLOCK, answer_len, flags, script_error, seen_of},
 };
 use super::settings::{RedisConfig, redact_url};
 use super::{
@@ -400,7 +400,7 @@ impl RedisStore {
     ) -> Result<Verdict, StoreError> {
         let params = counter.window;
         let args = KeyArgs {
-            spec: [params.window_ms, params.capacity, 1, flags(params, false, count), params.rate],
+            spec: [params.window_ms, params.capacity, 1, flags(params, false, count), params.rate, 0],
             weight,
         };
         let reply =
@@ -410,7 +410,7 @@ impl RedisStore {
         let &[now_ms, ref values @ ..] = reply.as_slice() else {
             return Err(script_error("script answered nothing for one key".to_owned()));
         };
-        let (fits, seen) = seen_of(values, now_ms, 1, params)?;
+        let (fits, seen) = seen_of(values, now_ms, params)?;
         let test = seen.verdict(weight, params);
         let admitted = test.admitted;
         if admitted != fits {
@@ -434,8 +434,9 @@ impl RedisStore {
                 self.push_group_stem(&mut key, group);
                 key.push_str(&item.key);
                 let p = item.params;
-                let flags = flags(p, item.shadow, item.count);
-                let spec = [p.window_ms, p.capacity, item.tick_ms, flags, p.rate];
+                let (own, now) = item.clock.map_or((0, 0), |clock| (OWN_CLOCK, clock.now));
+                let flags = flags(p, item.shadow, item.count) | own;
+                let spec = [p.window_ms, p.capacity, item.tick_ms, flags, p.rate, now];
                 (key, KeyArgs { spec, weight: item.weight })
             })
             .collect();
@@ -454,7 +455,7 @@ impl RedisStore {
         for item in items {
             let (these, rest) = values.split_at(answer_len(item.params.algorithm).min(values.len()));
             values = rest;
-            let (fits, seen) = seen_of(these, now_ms, item.tick_ms, item.params)?;
+            let (fits, seen) = seen_of(these, item.now(now_ms), item.params)?;
             if seen.verdict(item.weight, item.params).admitted != fits {
                 return Err(script_error(format!("script and the Rust arithmetic disagree on {}", item.key)));
             }
@@ -670,7 +671,7 @@ mod tests {
     #[test]
     fn specs_are_numbered_once_in_order_of_first_use() {
         let mut specs = Specs::default();
-        let spec = |n: u64| [n, 1, 1, 0, 1];
+        let spec = |n: u64| [n, 1, 1, 0, 1, 0];
         assert_eq!([1, 2, 1, 3, 2].map(|n| specs.position(spec(n))), [1, 2, 1, 3, 2]);
         // Past the linear search, the map keeps every number.
         for n in 4..=40 {
@@ -684,7 +685,7 @@ mod tests {
     }
 
     fn job(slot: u16, key: &str, keys: usize) -> Job {
-        let args = KeyArgs { spec: [1, 1, 1, 0, 1], weight: 1 };
+        let args = KeyArgs { spec: [1, 1, 1, 0, 1, 0], weight: 1 };
         let keys = match keys {
             1 => JobKeys::One([(key.to_owned(), args)]),
             n => JobKeys::Many(vec![(key.to_owned(), args); n]),
@@ -749,7 +750,7 @@ mod tests {
     #[test]
     fn a_call_takes_jobs_while_both_caps_hold_and_always_one() {
         let job = |keys: usize, len: usize| -> Vec<(String, KeyArgs)> {
-            vec![("k".repeat(len), KeyArgs { spec: [0; 5], weight: 1 }); keys]
+            vec![("k".repeat(len), KeyArgs { spec: [0; 6], weight: 1 }); keys]
         };
         let jobs = [job(4, 10), job(4, 10), job(4, 10), job(100, 10), job(1, 10)];
         let slices = || jobs.iter().map(Vec::as_slice);

@@ -18,8 +18,13 @@ use crate::limiter::{
 
 /// The parameters a counter shares with every counter of its rule: window
 /// (ticks), capacity, tick (ms), flags (algorithm code + 8 if shadow + 16 ×
-/// count code), rate. A script call sends each distinct spec once.
-pub(super) type Spec = [u64; 5];
+/// count code + 64 when the counter's clock follows), rate, and the
+/// counter's clock in ticks (a calendar period's; sent only with flag 64).
+/// A script call sends each distinct spec once.
+pub(super) type Spec = [u64; 6];
+
+/// The flag of a spec whose counter's clock follows its rate.
+pub(super) const OWN_CLOCK: u64 = 64;
 
 /// One counter's script arguments: its spec and the request's weight.
 #[derive(Debug, Clone, Copy)]
@@ -50,15 +55,11 @@ pub(super) fn answer_len(algorithm: Algorithm) -> usize {
 
 /// What the script answered for one counter (`values`, [`answer_len`] of
 /// them): whether it fits, and what it saw, checked against the
-/// counter's parameters. A window's elapsed ticks follow from Redis' clock
-/// `now_ms` (the script's answer starts with it), the tick and, for a
+/// counter's parameters. A window's elapsed ticks follow from `now`, the
+/// counter's clock in ticks (Redis' clock, which the script's answer
+/// starts with, over the tick; or the one the spec sent), and, for a
 /// first-hit window, its start, as the script derives them.
-pub(super) fn seen_of(
-    values: &[u64],
-    now_ms: u64,
-    tick_ms: u64,
-    params: WindowParams,
-) -> Result<(bool, Seen), StoreError> {
+pub(super) fn seen_of(values: &[u64], now: u64, params: WindowParams) -> Result<(bool, Seen), StoreError> {
     let seen = match (params.algorithm.is_bucket(), values) {
         (true, &[_, debt]) => {
             if debt > MAX_DEBT {
@@ -67,7 +68,6 @@ pub(super) fn seen_of(
             Seen::Bucket { debt }
         }
         (false, &[_, current, start]) if params.algorithm == Algorithm::FirstHitWindow => {
-            let now = now_ms / tick_ms.max(1);
             let elapsed = now.saturating_sub(start);
             if current > max_count(params.window_ms) || elapsed >= params.window_ms {
                 return Err(script_error(format!("count {current} from tick {start} at tick {now}")));
@@ -81,7 +81,7 @@ pub(super) fn seen_of(
                     "counts {current}, {previous} beyond the largest count {max}"
                 )));
             }
-            let (_, elapsed) = position(now_ms / tick_ms.max(1), params.window_ms);
+            let (_, elapsed) = position(now, params.window_ms);
             Seen::Window { counts: Counts { current, previous }, elapsed }
         }
         _ => return Err(script_error(format!("script answered {} values for one counter", values.len()))),
@@ -196,7 +196,8 @@ pub(super) fn script_call(batch: &[Job], inline: bool) -> scripts::Call {
         batch.iter().flat_map(|job| job.keys.as_slice()).map(|(_, args)| specs.position(args.spec)).collect();
     call.arg(specs.list.len());
     for spec in &specs.list {
-        for value in spec {
+        let values = if spec[3] & OWN_CLOCK == 0 { &spec[..5] } else { &spec[..] };
+        for value in values {
             call.arg(*value);
         }
     }

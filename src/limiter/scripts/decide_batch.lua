@@ -26,8 +26,12 @@
 --                  1 fixed window, 2 token bucket, 3 GCRA, 4 first-hit
 --                  window, 5 requests in flight; + 8 = shadow; + 16 x
 --                  count: 0 if it fits, 1 never (a peek), 2 always (a
---                  report; in flight: slots given back)), rate (a
---                  bucket's refill per W)
+--                  report; in flight: slots given back); + 64 = the
+--                  counter's own clock follows), rate (a bucket's refill
+--                  per W); then, with flag 64, now in ticks (a calendar
+--                  period's clock, limiter/calendar.rs: the period's
+--                  number x W + the ticks elapsed in it), which replaces
+--                  Redis' clock in the arithmetic (not in the expiries)
 -- then             number of jobs J
 -- then per job     a job of one key: that key's entry; a job of n > 1
 --                  keys: 0, n, then each key's entry
@@ -131,12 +135,18 @@ for s = 1, nspecs do
     tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
   a = a + 5
   local alg = flags % 8
-  local now = floor(now_ms / tick)
+  -- `base` + ticks x tick is the Unix ms of a tick of this spec's clock.
+  local now, base = floor(now_ms / tick), 0
+  if flags >= 64 then
+    now = tonumber(ARGV[a])
+    base = now_ms - now * tick
+    a = a + 1
+  end
   local idx = floor(now / w)
   local one = {
     weight = 1,
     w = w, cap = cap, tick = tick, alg = alg, rate = rate, now = now,
-    shadow = floor(flags / 8) % 2 == 1, mode = floor(flags / 16),
+    shadow = floor(flags / 8) % 2 == 1, mode = floor(flags / 16) % 4, base = base,
     -- The capacity in units (capacity * W): a window's bound, a full bucket.
     capw = cap * w,
     -- A window: the current one, the largest count, the previous
@@ -146,7 +156,7 @@ for s = 1, nspecs do
     -- all of it for slots in flight),
     idx = idx, maxc = floor(MAXCW / w),
     prevw = (alg == 1) and 0 or ((alg == 5) and w or (w - (now - idx * w))),
-    expiry = (idx + 2) * w * tick,
+    expiry = base + (idx + 2) * w * tick,
     -- A bucket: the ticks that pay back the largest debt (no product
     -- grows past 2^53 beyond them).
     payback = ceil(MAXCW / rate),
@@ -310,12 +320,17 @@ for _ = 1, jobs do
       if alg == 4 then
         idx = sp.now
         if z == -4 and idx - x < w then idx, cur = x, y end
-        expiry = (idx + w) * sp.tick
+        expiry = sp.base + (idx + w) * sp.tick
       elseif z >= 0 then
         if x == idx then
           cur, prev = y, z
         elseif x == idx - 1 then
           prev = y
+        elseif x and x > idx then
+          -- A later window's counter (written by a clock ahead: window.rs
+          -- `roll`): counted in its window, both counts as current.
+          idx, cur = x, y + z
+          expiry = sp.base + (x + 2) * w * sp.tick
         end
       end
       if cur > maxc then cur = maxc end

@@ -119,6 +119,7 @@ pub(crate) fn engine(
         denials: layers.denials,
         tenant_shares: layers.tenant_shares,
         grants: layers.grants,
+        clock: Arc::new(crate::clock::SystemClock),
     })
 }
 
