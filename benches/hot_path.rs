@@ -196,6 +196,7 @@ fn benches(c: &mut Criterion) {
         count: Count::IfFits,
         priority: None,
         headers: &headers,
+        usage: &ratelimitd::decision::NO_USAGE,
         trace_id: None,
         share: None,
         outcome: None,

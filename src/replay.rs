@@ -23,7 +23,7 @@ pub use crate::rules::gate::Row;
 use crate::{
     capture::{CaptureRecord, CountKind},
     clock::ManualClock,
-    decision::{CheckRequest, Engine, EngineParts, EnvoyCall, EnvoyPolicy, Reason, limitador},
+    decision::{CheckRequest, Engine, EngineParts, EnvoyCall, EnvoyPolicy, NO_USAGE, Reason, limitador},
     limiter::{MemoryStore, Store},
     rules::{
         Hot, RuleStore, Snapshot, Versioned,
@@ -57,6 +57,8 @@ pub struct Request {
     pub priority: Option<Priority>,
     /// Its weight.
     pub weight: u32,
+    /// What it stated of units other than requests; `None`: nothing.
+    pub usage: Option<Box<HashMap<String, u64>>>,
     /// Check, peek or report.
     pub count: CountKind,
     /// The priority it was decided with when captured: what the gate
@@ -98,6 +100,7 @@ impl From<CaptureRecord> for Request {
             client_type: r.client_type.map(Into::into),
             priority: r.priority,
             weight: r.weight.max(1),
+            usage: (!r.usage.is_empty()).then(|| Box::new(r.usage.into_iter().collect())),
             count: r.count,
         }
     }
@@ -313,6 +316,7 @@ async fn decide(engine: &Engine, limitador: Option<&Limits>, request: &Request) 
             count: request.count.count(),
             priority: request.priority,
             headers: &headers,
+            usage: request.usage.as_deref().unwrap_or(&NO_USAGE),
             trace_id: None,
             share: None,
             outcome: None,
@@ -575,6 +579,7 @@ mod tests {
             client_type: None,
             priority: None,
             weight: 1,
+            usage: None,
             count: CountKind::Check,
             captured_priority,
             captured_rule: Some(rule.into()),

@@ -22,6 +22,7 @@ rules:
   - { rule_id: api, resource_path: "/api/*", limit: 3, window_seconds: 86400, priority_bucket: BULK }
   - { rule_id: shadow, resource_path: /shadow, limit: 1, window_seconds: 86400, mode: shadow }
   - { rule_id: hot, resource_path: /hot, limit: 100, window_seconds: 86400 }
+  - { rule_id: llm, resource_path: /llm, limit: 100, window_seconds: 86400, also: [ { limit: 5000000000, period: day, unit: output_tokens } ] }
 "#;
 
 const DAY_MS: i64 = 86_400_000;
@@ -38,6 +39,7 @@ for_each_store!(
     hot_reload_sees_configmap_symlink_swap,
     invalid_rule_file_keeps_the_last_good_snapshot,
     report_and_peek_over_grpc,
+    usage_of_other_units_over_grpc,
     check_batch_decides_in_order_and_answers_each_item,
     check_stream_answers_every_item_by_id,
 );
@@ -159,6 +161,34 @@ async fn report_and_peek_over_grpc(backend: Backend) {
         ),
         "{metrics}"
     );
+    server.stop().await.unwrap();
+}
+
+/// `usage` over gRPC: a limit of output tokens counts the request's, the
+/// answer names the unit of the limit it describes and what is left of it
+/// past 32 bits; a report of usage is counted past the limit.
+async fn usage_of_other_units_over_grpc(backend: Backend) {
+    let rules = Rules::new(RULES);
+    let (server, _redis) = common::start(backend, &rules.path()).await;
+    let mut client = server.client().await;
+    let mut call = request("uma", "/llm");
+    call.usage.insert("output_tokens".to_owned(), 500_000_000);
+    call.usage.insert("unknown_unit".to_owned(), 7);
+    let first = check(&mut client, call.clone()).await;
+    assert!(first.allowed, "{first:?}");
+    // 4.5e9 output tokens left (a share of 90 %) bind before 99 requests of 100.
+    assert_eq!((first.unit.as_str(), first.remaining), ("output_tokens", 4_500_000_000), "{first:?}");
+    assert_eq!(first.remaining_tokens, u32::MAX, "the 32-bit field saturates");
+    call.usage.insert("output_tokens".to_owned(), 4_500_000_001);
+    let over = check(&mut client, call.clone()).await;
+    assert_eq!(
+        (over.allowed, reason(&over), over.unit.as_str()),
+        (false, Reason::OverLimit, "output_tokens")
+    );
+    let r = client.report(call).await.unwrap().into_inner();
+    assert_eq!((r.allowed, r.remaining), (false, 0), "the report counted past the limit: {r:?}");
+    let plain = check(&mut client, request("uma", "/limited")).await;
+    assert_eq!((plain.unit.as_str(), plain.remaining), ("", 4), "a limit of requests: {plain:?}");
     server.stop().await.unwrap();
 }
 

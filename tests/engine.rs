@@ -17,7 +17,7 @@ use ratelimitd::{
     config::RedisConfig,
     decision::{
         CheckRequest, Decision, DenialCache, Engine, EngineParts, EnvoyFailure, EnvoyPolicy, FailedDecision,
-        FailureSink, LimitOverride, Reason, RlsDecision, RlsDescriptor, RlsRequest,
+        FailureSink, LimitOverride, NO_USAGE, Reason, RlsDecision, RlsDescriptor, RlsRequest,
     },
     limiter::{Algorithm, Count, ManualClock, MemoryStore, RedisStore, Store},
     rules::{self, Hot, RuleStore, envoy::Unit},
@@ -42,6 +42,8 @@ rules:
   - { rule_id: in-flight, resource_path: /in-flight, limit: 3, window_seconds: 60, algorithm: concurrency }
   - { rule_id: both, resource_path: /both, limit: 10, window_seconds: 1, algorithm: fixed_window, also: [ { limit: 30, window_seconds: 60 } ] }
   - { rule_id: monthly, resource_path: /monthly, limit: 3, period: month, time_zone: Europe/Berlin, also: [ { limit: 100, window_seconds: 60 } ] }
+  - { rule_id: tokens, resource_path: /tokens, limit: 60, window_seconds: 60, also: [ { limit: 1000, window_seconds: 60, unit: input_tokens }, { limit: 500, window_seconds: 60, unit: output_tokens } ] }
+  - { rule_id: spend, resource_path: /spend, limit: 1000, period: month, unit: cost }
 "#;
 
 const ENVOY: &str = r#"
@@ -114,6 +116,7 @@ fn native<'a>(
         count,
         priority: None,
         headers,
+        usage: &NO_USAGE,
         trace_id: None,
         share: None,
         outcome: None,
@@ -261,6 +264,8 @@ for_each_store!(
     envoy_several_limits_count_all_or_nothing,
     requests_in_flight_are_held_until_reported,
     a_month_resets_when_the_calendar_month_starts_in_its_zone,
+    limits_of_other_units_count_what_the_request_states,
+    a_money_budget_stops_the_key_at_its_limit,
     envoy_requests_in_flight_are_released_by_their_release_descriptor,
 );
 
@@ -894,6 +899,76 @@ async fn a_month_resets_when_the_calendar_month_starts_in_its_zone(backend: Back
         let next = h.check("mia", "/monthly", 1).await;
         assert_eq!((next.allowed, next.remaining), (true, 2), "{spend}: a new month: {next:?}");
         assert_eq!(h.check("amy", "/monthly", 2).await.remaining, 1, "users apart");
+    }
+}
+
+/// A rule of 60 requests, 1,000 input tokens and 500 output tokens a
+/// minute: each limit counts its own unit from the request's usage, all
+/// or nothing; a request that would pass one budget but not another
+/// counts in neither; one that states nothing of a spent unit is refused;
+/// a report counts past the limit; more than a limit holds never fits.
+async fn limits_of_other_units_count_what_the_request_states(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let headers = HashMap::new();
+    let call = |usage: &[(&str, u64)], count: Count| {
+        let usage: HashMap<String, u64> = usage.iter().map(|(unit, n)| ((*unit).to_owned(), *n)).collect();
+        let engine = h.engine.clone();
+        let headers = &headers;
+        async move {
+            engine.check(&CheckRequest { usage: &usage, ..native("tia", "/tokens", 1, count, headers) }).await
+        }
+    };
+    let unit = |d: &Decision| d.rule.as_ref().and_then(|r| r.unit.as_deref().map(str::to_owned));
+    let first = call(&[("input_tokens", 600), ("output_tokens", 200)], Count::IfFits).await;
+    assert!(first.allowed, "{first:?}");
+    let over = call(&[("input_tokens", 500), ("output_tokens", 10)], Count::IfFits).await;
+    assert_eq!((over.allowed, over.reason), (false, Reason::OverLimit), "{over:?}");
+    assert_eq!(
+        (unit(&over).as_deref(), over.remaining),
+        (Some("input_tokens"), 400),
+        "the input budget binds"
+    );
+    let exact = call(&[("input_tokens", 400), ("output_tokens", 300)], Count::IfFits).await;
+    assert!(exact.allowed, "the refused request counted nothing: {exact:?}");
+    let nothing = call(&[], Count::IfFits).await;
+    assert!(!nothing.allowed, "spent budgets refuse a request that states none: {nothing:?}");
+    let peek = call(&[("input_tokens", 0)], Count::Never).await;
+    assert!(!peek.allowed, "{peek:?}");
+    let reported = call(&[("output_tokens", 120)], Count::Always).await;
+    assert!(!reported.allowed, "a report past the output limit: {reported:?}");
+    let requests = h.check("tia", "/other-path", 1).await;
+    assert_eq!(requests.reason, Reason::NoRule);
+    let huge = call(&[("input_tokens", 1_001)], Count::IfFits).await;
+    assert_eq!((huge.allowed, huge.reason, huge.retry_after_ms), (false, Reason::WeightExceedsCapacity, -1));
+    let both = HashMap::from([("input_tokens".to_owned(), 1_000), ("output_tokens".to_owned(), 500)]);
+    let tom = CheckRequest { usage: &both, ..native("tom", "/tokens", 1, Count::IfFits, &headers) };
+    assert!(h.engine.check(&tom).await.allowed, "users apart");
+}
+
+/// A budget of 1,000 micro-units of money a month: spent to exactly its
+/// limit, then refused, whatever the next request states.
+async fn a_money_budget_stops_the_key_at_its_limit(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let headers = HashMap::new();
+    let mut spent = 0;
+    for cost in [400, 350, 250] {
+        let usage = HashMap::from([("cost".to_owned(), cost)]);
+        let d = h
+            .engine
+            .check(&CheckRequest { usage: &usage, ..native("mo", "/spend", 1, Count::IfFits, &headers) })
+            .await;
+        spent += cost;
+        assert_eq!((d.allowed, d.remaining), (true, 1_000 - spent), "{d:?}");
+        assert_eq!(d.rule.as_ref().and_then(|r| r.unit.as_deref()), Some("cost"));
+    }
+    for usage in
+        [HashMap::from([("cost".to_owned(), 1)]), HashMap::from([("cost".to_owned(), 0)]), HashMap::new()]
+    {
+        let d = h
+            .engine
+            .check(&CheckRequest { usage: &usage, ..native("mo", "/spend", 1, Count::IfFits, &headers) })
+            .await;
+        assert_eq!((d.allowed, d.reason), (false, Reason::OverLimit), "{usage:?}: {d:?}");
     }
 }
 

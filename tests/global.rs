@@ -202,6 +202,7 @@ impl Load {
                         count: Count::IfFits,
                         priority: None,
                         headers: &headers,
+                        usage: &ratelimitd::decision::NO_USAGE,
                         trace_id: None,
                         share: None,
                         outcome: None,

@@ -395,6 +395,7 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
         adaptive: None,
         global: false,
         calendar: None,
+        unit: None,
         source: std::path::Path::new("t.yaml").into(),
     }
 }

@@ -73,6 +73,7 @@ pub fn validate<'a>(
         resource_path: &request.resource_path,
         client_type: (!request.client_type.is_empty()).then_some(request.client_type.as_str()),
         weight: request.weight.max(1),
+        usage: &request.usage,
         count: if request.peek { Count::Never } else { Count::IfFits },
         priority,
         headers: &request.headers,
@@ -117,9 +118,12 @@ pub(super) fn call_traceparent(metadata: &tonic::metadata::MetadataMap) -> Optio
 
 /// Builds the wire response for `decision`.
 pub(crate) fn response(decision: Decision) -> pb::RateLimitResponse {
-    let (rule_id, limit, capacity, window_ms) = match decision.rule {
-        Some(rule) => (String::from(&*rule.id), rule.limit, rule.capacity, rule.window_ms),
-        None => (String::new(), 0, 0, 0),
+    let (rule_id, limit, capacity, window_ms, unit) = match decision.rule {
+        Some(rule) => {
+            let unit = rule.unit.as_deref().map_or_else(String::new, str::to_owned);
+            (String::from(&*rule.id), rule.limit, rule.capacity, rule.window_ms, unit)
+        }
+        None => (String::new(), 0, 0, 0, String::new()),
     };
     pb::RateLimitResponse {
         allowed: decision.allowed,
@@ -136,6 +140,8 @@ pub(crate) fn response(decision: Decision) -> pb::RateLimitResponse {
         shadow_shed: decision.shadow_shed,
         priority: priority(decision.priority) as i32,
         store_error: decision.store_error.map_or_else(String::new, |kind| kind.as_str().to_owned()),
+        unit,
+        remaining: decision.remaining,
     }
 }
 

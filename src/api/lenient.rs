@@ -64,6 +64,7 @@ impl RawCheck {
             peek: self.peek,
             outcome: self.outcome,
             latency_ms: self.latency_ms,
+            usage: self.usage.into_iter().map(|e| (text(e.key), e.value)).collect(),
         }
     }
 }
@@ -148,6 +149,17 @@ struct RawCheck {
     outcome: i32,
     #[prost(uint32, tag = "9")]
     latency_ms: u32,
+    #[prost(message, repeated, tag = "10")]
+    usage: Vec<RawAmount>,
+}
+
+/// A `usage` entry: a unit's name (bytes) and its amount.
+#[derive(Clone, PartialEq, Message)]
+struct RawAmount {
+    #[prost(bytes = "vec", tag = "1")]
+    key: Vec<u8>,
+    #[prost(uint64, tag = "2")]
+    value: u64,
 }
 
 /// `ratelimit.v1.CheckItem` over [`RawCheck`].
@@ -340,6 +352,10 @@ mod tests {
             peek: true,
             outcome: 2,
             latency_ms: 7,
+            usage: vec![
+                RawAmount { key: b"input_tokens".to_vec(), value: 900 },
+                RawAmount { key: b"cost\xff".to_vec(), value: 3 },
+            ],
         }
         .encode_to_vec();
         assert!(pb::RateLimitRequest::decode(raw.as_slice()).is_err(), "prost refuses it");
@@ -350,5 +366,7 @@ mod tests {
         assert_eq!((request.weight, request.priority, request.client_type.as_str()), (2, 4, ""));
         assert!(request.peek, "the peek flag survives the lenient decoding");
         assert!(request.headers["x-request-id"].starts_with("r\u{fffd}"));
+        assert_eq!(request.usage["input_tokens"], 900, "usage carried over");
+        assert_eq!(request.usage.len(), 2, "a unit name that is not UTF-8 is kept apart");
     }
 }

@@ -34,7 +34,11 @@ impl Encode for pb::RateLimitResponse {
         // The scalars take at most 11 bytes each; the strings their length
         // and a prefix.
         out.reserve(
-            14 * 11 + self.cluster_utilization_status.len() + self.rule_id.len() + self.store_error.len(),
+            16 * 11
+                + self.cluster_utilization_status.len()
+                + self.rule_id.len()
+                + self.store_error.len()
+                + self.unit.len(),
         );
         boolean(out, 1, self.allowed);
         uint(out, 2, u64::from(self.remaining_tokens));
@@ -50,6 +54,8 @@ impl Encode for pb::RateLimitResponse {
         boolean(out, 12, self.shadow_shed);
         int(out, 13, i64::from(self.priority));
         string(out, 14, &self.store_error);
+        string(out, 15, &self.unit);
+        uint(out, 16, self.remaining);
     }
 }
 
@@ -71,11 +77,10 @@ impl Encode for pb::CheckBatchResponse {
     }
 }
 
-/// A field's key: its number and wire type (0 varint, 2 length-delimited).
-/// Every field here numbers below 16, so the key is one byte.
+/// A field's key: its number and wire type (0 varint, 2 length-delimited):
+/// one byte below field 16, two from there on.
 fn key(out: &mut Vec<u8>, field: u8, wire_type: u8) {
-    debug_assert!(field < 16);
-    out.push(field << 3 | wire_type);
+    varint(out, u64::from(field) << 3 | u64::from(wire_type));
 }
 
 fn varint(out: &mut Vec<u8>, mut value: u64) {
@@ -149,13 +154,12 @@ mod tests {
         let scalars = (any::<bool>(), any::<u32>(), any::<i64>(), any::<u64>(), any::<i64>(), -3..14i32);
         let more =
             (any::<bool>(), any::<u64>(), any::<i64>(), any::<bool>(), prop_oneof![-2..8i32, any::<i32>()]);
-        (scalars, more, text(), text(), text()).prop_map(
+        (scalars, more, (text(), text(), text()), (text(), any::<u64>())).prop_map(
             |(
                 (allowed, remaining, retry, limit, reset, reason),
                 (denied, capacity, window, shed, priority),
-                status,
-                rule,
-                store_error,
+                (status, rule, store_error),
+                (unit, remaining_units),
             )| {
                 pb::RateLimitResponse {
                     allowed,
@@ -172,6 +176,8 @@ mod tests {
                     shadow_shed: shed,
                     priority,
                     store_error,
+                    unit,
+                    remaining: remaining_units,
                 }
             },
         )

@@ -27,7 +27,7 @@ mod record;
 mod writer;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -38,7 +38,7 @@ use tokio::sync::mpsc;
 
 #[cfg(feature = "kafka")]
 pub use kafka::{producer, run_kafka};
-pub use record::{CAPTURE_SCHEMA, CaptureRecord, CountKind};
+pub use record::{CAPTURE_SCHEMA, CaptureRecord, CountKind, MAX_CAPTURED_UNITS};
 pub use writer::run_file;
 
 use sha2::{Digest as _, Sha256};
@@ -198,6 +198,7 @@ impl CaptureSink for Capture {
             client_type: request.client_type.map(|c| truncated(c, b.client_type_bytes)),
             priority: request.priority,
             weight: request.weight,
+            usage: captured_usage(request.usage),
             count: CountKind::of(request.count),
             headers,
             rules_version: rules_version.to_owned(),
@@ -225,6 +226,7 @@ impl CaptureSink for Capture {
             client_type: None,
             priority: None,
             weight: call.hits_addend.max(1),
+            usage: BTreeMap::new(),
             count: CountKind::of(count),
             headers: BTreeMap::new(),
             rules_version: envoy_version.to_owned(),
@@ -236,6 +238,18 @@ impl CaptureSink for Capture {
         };
         self.enqueue(record);
     }
+}
+
+/// The part of a request's `usage` a capture keeps: at most
+/// [`MAX_CAPTURED_UNITS`] entries whose names a rule's unit could have
+/// (any other names no limit counts).
+fn captured_usage(usage: &HashMap<String, u64>) -> BTreeMap<String, u64> {
+    usage
+        .iter()
+        .filter(|(name, _)| name.len() <= crate::rules::MAX_UNIT_BYTES)
+        .take(MAX_CAPTURED_UNITS)
+        .map(|(name, &amount)| (name.clone(), amount))
+        .collect()
 }
 
 impl Capture {

@@ -48,6 +48,9 @@ impl CountKind {
     }
 }
 
+/// Most units of a request's `usage` a capture keeps.
+pub const MAX_CAPTURED_UNITS: usize = 16;
+
 /// One captured request and its decision.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CaptureRecord {
@@ -71,6 +74,10 @@ pub struct CaptureRecord {
     pub priority: Option<Priority>,
     /// Its weight (at least 1).
     pub weight: u32,
+    /// What it stated of units other than requests (`usage`), at most
+    /// [`MAX_CAPTURED_UNITS`] of them, each named as a unit may be.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub usage: BTreeMap<String, u64>,
     /// Check, peek or report.
     pub count: CountKind,
     /// Allow-listed headers (`dlq.header_allowlist`), lower-case names.

@@ -22,6 +22,9 @@ use crate::{
 /// of a global limit (its hold lasts a lease from its last refusal).
 const CLAIMED_RETRY_MS: i64 = 1_000;
 
+/// The usage of a request that states none (only its weight).
+pub static NO_USAGE: std::sync::LazyLock<HashMap<String, u64>> = std::sync::LazyLock::new(HashMap::new);
+
 /// A validated request. Borrows from the wire message: no copies.
 #[derive(Debug, Clone, Copy)]
 pub struct CheckRequest<'a> {
@@ -31,8 +34,11 @@ pub struct CheckRequest<'a> {
     pub resource_path: &'a str,
     /// `None` when the caller did not say.
     pub client_type: Option<&'a str>,
-    /// Cost, at least 1.
+    /// Cost, at least 1: what a limit of requests counts.
     pub weight: u32,
+    /// What a limit of another unit counts, by unit (`usage`); a unit not
+    /// named counts nothing.
+    pub usage: &'a HashMap<String, u64>,
     /// `IfFits`: a `Check`; `Never`: a `Check` with `peek` (nothing is
     /// counted); `Always`: a `Report` (counted whatever is left).
     pub count: Count,
@@ -64,6 +70,8 @@ pub struct RuleInfo {
     pub capacity: u64,
     /// Window length in ms.
     pub window_ms: u64,
+    /// What the limit counts; `None`: requests.
+    pub unit: Option<Arc<str>>,
 }
 
 /// The answer to one request.
@@ -169,7 +177,8 @@ impl RuleInfo {
     pub(super) fn of_limit(rule: &Rule, index: usize, grant: Option<u64>, now_ms: u64) -> Self {
         let (limit, window) = rule.limit_at_grant(index, grant);
         let window_ms = rule.window_ms_at(index, now_ms);
-        RuleInfo { id: Arc::clone(&rule.id), limit, capacity: window.capacity, window_ms }
+        let unit = rule.unit_at(index).cloned();
+        RuleInfo { id: Arc::clone(&rule.id), limit, capacity: window.capacity, window_ms, unit }
     }
 }
 
@@ -226,6 +235,34 @@ impl Native<'_, '_> {
     fn shadow(&self) -> bool {
         self.rule.is_some_and(|rule| rule.mode == Mode::Shadow)
     }
+
+    /// What limit `index` of `rule` counts of this request, and how: a
+    /// limit of requests its weight; a limit of another unit the amount
+    /// the request states of it. A unit not stated (or stated as 0)
+    /// counts nothing: an admission or a peek then asks for room for one
+    /// unit more (a spent budget refuses even a request that states none
+    /// of it), a report counts nothing of it.
+    fn counted(&self, rule: &Rule, index: usize) -> (u64, Count) {
+        let count = self.request.count;
+        let Some(unit) = rule.unit_at(index) else { return (u64::from(self.request.weight), count) };
+        match (self.request.usage.get(&**unit).copied().filter(|&amount| amount > 0), count) {
+            (Some(amount), _) => (amount, count),
+            (None, Count::Always) => (0, count),
+            (None, _) => (1, Count::Never),
+        }
+    }
+
+    /// Whether a limit of `rule` can never admit what this request asks of
+    /// it (more than its capacity; a report is counted whatever it is).
+    fn never_fits(&self, rule: &Rule) -> bool {
+        if !rule.has_units() {
+            return u64::from(self.request.weight) > rule.min_capacity();
+        }
+        (0..=rule.also.len()).any(|index| {
+            let (amount, count) = self.counted(rule, index);
+            count != Count::Always && amount > rule.limit_at(index).1.capacity
+        })
+    }
 }
 
 impl Subject for Native<'_, '_> {
@@ -267,8 +304,7 @@ impl Subject for Native<'_, '_> {
         if self.request.outcome.is_some() {
             return Some(self.uncounted(Reason::Ok));
         }
-        let weight = u64::from(self.request.weight);
-        if weight > rule.min_capacity() && self.request.count != Count::Always {
+        if self.request.count != Count::Always && self.never_fits(rule) {
             let base = self.uncounted(Reason::Ok);
             return Some(if self.shadow() {
                 Decision { shadow_denied: true, ..base }
@@ -323,10 +359,13 @@ impl Subject for Native<'_, '_> {
         }
         // A global rule's denials are not cached: its limit moves with its
         // grant, and a denial's retry time is the grant's of the moment. Nor
-        // are those of requests in flight: a slot given back admits sooner.
-        let releases = self.rule().window.algorithm.releases();
+        // are those of requests in flight (a slot given back admits sooner),
+        // nor of limits of other units (the cache knows a request by its
+        // weight, not by its usage).
+        let rule = self.rule();
+        let cached = !rule.window.algorithm.releases() && !rule.has_units();
         let cache = engine.inner.denials.as_deref().filter(|_| {
-            !self.shadow() && self.request.count != Count::Always && self.grant.is_none() && !releases
+            !self.shadow() && self.request.count != Count::Always && self.grant.is_none() && cached
         })?;
         let version = cache.version_hash(self.version);
         self.cache = Some(version);
@@ -359,9 +398,9 @@ impl Subject for Native<'_, '_> {
         }
         // Boxed: the job's future would otherwise size every decision's,
         // the single-limit ones' too.
-        let items = rule.items(self.grant, weight, self.request.count, self.now_ms);
+        let items = rule.items(self.grant, self.now_ms, |index| self.counted(rule, index));
         let outcome = Box::pin(store.decide_many_in(shares, &self.user, &items)).await?;
-        Ok(outcome.binding())
+        Ok(bound(rule, &outcome))
     }
 
     #[inline]
@@ -390,8 +429,21 @@ impl Subject for Native<'_, '_> {
     fn failed(self, engine: &Engine, error: StoreError) -> Decision {
         let (user, priority, level, grant, now_ms) =
             (&self.user, self.priority, self.level, self.grant, self.now_ms);
-        let what = Failed { user, priority, level, error, grant, now_ms };
+        let rule = self.rule();
+        let items = rule.counts_a_job().then(|| rule.items(grant, now_ms, |index| self.counted(rule, index)));
+        let what = Failed { user, priority, level, error, grant, now_ms, items };
         Decision { shadow_shed: self.shadow_shed, ..failed(engine, self.request, self.rule(), what) }
+    }
+}
+
+/// The verdict of a rule's job and the limit that binds: limits of one
+/// unit answer with the least left of them all, limits of several units
+/// with the binding one's own, in its unit.
+fn bound(rule: &Rule, outcome: &crate::limiter::ManyOutcome) -> (Verdict, usize) {
+    if rule.has_units() {
+        outcome.binding_in_units(|index| rule.limit_at(index).1.capacity)
+    } else {
+        outcome.binding()
     }
 }
 
@@ -420,6 +472,9 @@ struct Failed<'a> {
     grant: Option<u64>,
     /// The decision's clock, for its calendar periods.
     now_ms: u64,
+    /// The counters of a rule that counts one job of them
+    /// ([`Rule::counts_a_job`]); `None`: its one counter.
+    items: Option<Vec<crate::limiter::ManyItem>>,
 }
 
 fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priority: Priority) -> Decision {
@@ -443,21 +498,17 @@ fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priorit
 /// A `Check` the store could not decide, answered by `rule`'s failure
 /// policy, flagged and dead-lettered.
 fn failed(engine: &Engine, request: &CheckRequest<'_>, rule: &Rule, failed: Failed<'_>) -> Decision {
-    let Failed { user, priority, level, error, grant, now_ms } = failed;
+    let Failed { user, priority, level, error, grant, now_ms, items } = failed;
     let (weight, info) = (u64::from(request.weight), Some(RuleInfo::of_limit(rule, 0, grant, now_ms)));
-    let local = match rule.failure_policy {
-        FailurePolicy::Local if !rule.counts_a_job() => Some(
+    let local = match (rule.failure_policy, items) {
+        (FailurePolicy::Local, None) => Some(
             engine.inner.local.decide(user, rule.counter_at(grant), weight, request.count).map(|v| (v, 0)),
         ),
         // Every limit locally too: an outage never lifts the daily one.
-        FailurePolicy::Local => Some(
-            engine
-                .inner
-                .local
-                .decide_many(user, &rule.items(grant, weight, request.count, now_ms))
-                .map(|o| o.binding()),
-        ),
-        FailurePolicy::Open | FailurePolicy::Closed => None,
+        (FailurePolicy::Local, Some(items)) => {
+            Some(engine.inner.local.decide_many(user, &items).map(|outcome| bound(rule, &outcome)))
+        }
+        (FailurePolicy::Open | FailurePolicy::Closed, _) => None,
     };
     let decision = match (rule.failure_policy, local) {
         (_, Some(Ok((verdict, bound)))) => {

@@ -37,7 +37,7 @@ pub mod upstream_metrics;
 
 use std::{fmt, sync::Arc, time::Duration};
 
-pub use check::{CheckRequest, Decision, RuleInfo};
+pub use check::{CheckRequest, Decision, NO_USAGE, RuleInfo};
 pub use envoy::{
     Descriptor, DescriptorDecision, EnvoyCall, EnvoyFailure, EnvoyPolicy, LimitOverride, OwnedDescriptor,
     RlsDecision, RlsDescriptor, RlsRequest,

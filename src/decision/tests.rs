@@ -93,6 +93,7 @@ async fn an_untrusted_request_priority_only_lowers() {
         count: crate::limiter::Count::IfFits,
         priority: Some(priority),
         headers: &headers,
+        usage: &NO_USAGE,
         trace_id: None,
         share: None,
         outcome: None,
@@ -161,46 +162,47 @@ mod several_limits {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
-        #[test]
-        fn admitted_only_within_every_limit_and_denials_consume_nothing(
-            steps in proptest::collection::vec((0u64..700, 1u32..4), 1..150)
-        ) {
-            let clock = Arc::new(ManualClock::new(6_000_000));
-            let rules = rules::from_text(Path::new("r.yaml"), RULE, rules::PathForm::default()).unwrap();
-            let engine = Engine::new(EngineParts {
-                rules: Arc::new(RuleStore::new(rules)),
-                store: Store::Memory(Arc::new(MemoryStore::new(1, 1_000, Arc::clone(&clock) as _))),
-                ..parts(EnvoyPolicy::default())
-            });
-            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-            let (mut second, mut minute) = (Window::default(), Window::default());
-            let headers = HashMap::new();
-            for (advance, weight) in steps {
-                clock.advance(advance);
-                let now = clock.now_ms();
-                let w = u64::from(weight);
-                // Both windows are rolled before either is judged.
-                let in_second = fits(&mut second, now, 1_000, 10, w);
-                let in_minute = fits(&mut minute, now, 60_000, 30, w);
-                let expected = in_second && in_minute;
-                let request = CheckRequest {
-                    user_id: "u", resource_path: "/x", client_type: None, weight, count: Count::IfFits,
-                    priority: None, headers: &headers, trace_id: None, share: None, outcome: None, may_report: true,
-                };
-                let decision = runtime.block_on(engine.check(&request));
-                prop_assert_eq!(decision.allowed, expected, "at {} weight {}: {:?}", now, w, decision);
-                if expected {
-                    second.count += w;
-                    minute.count += w;
-                } else if in_second != in_minute {
-                    // One limit is over: it is the one that binds.
-                    let bound = decision.rule.as_ref().map(|r| r.window_ms);
-                    prop_assert_eq!(bound, Some(if in_second { 60_000 } else { 1_000 }), "{:?}", decision);
-                }
-            }
-        }
-    }
+           #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+           #[test]
+           fn admitted_only_within_every_limit_and_denials_consume_nothing(
+               steps in proptest::collection::vec((0u64..700, 1u32..4), 1..150)
+           ) {
+               let clock = Arc::new(ManualClock::new(6_000_000));
+               let rules = rules::from_text(Path::new("r.yaml"), RULE, rules::PathForm::default()).unwrap();
+               let engine = Engine::new(EngineParts {
+                   rules: Arc::new(RuleStore::new(rules)),
+                   store: Store::Memory(Arc::new(MemoryStore::new(1, 1_000, Arc::clone(&clock) as _))),
+                   ..parts(EnvoyPolicy::default())
+               });
+               let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+               let (mut second, mut minute) = (Window::default(), Window::default());
+               let headers = HashMap::new();
+               for (advance, weight) in steps {
+                   clock.advance(advance);
+                   let now = clock.now_ms();
+                   let w = u64::from(weight);
+                   // Both windows are rolled before either is judged.
+                   let in_second = fits(&mut second, now, 1_000, 10, w);
+                   let in_minute = fits(&mut minute, now, 60_000, 30, w);
+                   let expected = in_second && in_minute;
+                   let request = CheckRequest {
+                       user_id: "u", resource_path: "/x", client_type: None, weight, count: Count::IfFits,
+                       priority: None, headers: &headers,
+    usage: &NO_USAGE, trace_id: None, share: None, outcome: None, may_report: true,
+                   };
+                   let decision = runtime.block_on(engine.check(&request));
+                   prop_assert_eq!(decision.allowed, expected, "at {} weight {}: {:?}", now, w, decision);
+                   if expected {
+                       second.count += w;
+                       minute.count += w;
+                   } else if in_second != in_minute {
+                       // One limit is over: it is the one that binds.
+                       let bound = decision.rule.as_ref().map(|r| r.window_ms);
+                       prop_assert_eq!(bound, Some(if in_second { 60_000 } else { 1_000 }), "{:?}", decision);
+                   }
+               }
+           }
+       }
 }
 
 /// limitador's example limits through the engine: every applying limit is

@@ -333,7 +333,7 @@ mod tests {
 
     use super::*;
     use crate::{
-        decision::{CheckRequest, Reason},
+        decision::{CheckRequest, NO_USAGE, Reason},
         limiter::{FailureKind, StoreError, window::WindowParams},
         rules::{FailurePolicy, Mode, Rule},
         shed::Priority,
@@ -355,6 +355,7 @@ mod tests {
             adaptive: None,
             global: false,
             calendar: None,
+            unit: None,
             source: Arc::from(Path::new("r.yaml")),
         }
     }
@@ -385,6 +386,7 @@ mod tests {
                 count: crate::limiter::Count::IfFits,
                 priority: None,
                 headers: &headers,
+                usage: &NO_USAGE,
                 trace_id: None,
                 share: None,
                 outcome: None,

@@ -153,6 +153,27 @@ impl ManyOutcome {
     pub fn binding(&self) -> (Verdict, usize) {
         binding(&self.verdicts)
     }
+
+    /// The binding item of a job whose items count different units (item
+    /// `i` of capacity `capacity(i)`), answered with its own remaining and
+    /// reset, in its unit: denied, the denying item that frees last, as
+    /// [`binding`] chooses; admitted, the one with the least left as a
+    /// share of its capacity.
+    pub fn binding_in_units(&self, capacity: impl Fn(usize) -> u64) -> (Verdict, usize) {
+        let frees = |v: &Verdict| v.retry_after_ms.unwrap_or(u64::MAX);
+        let items = self.verdicts.iter().enumerate();
+        let denied = items.clone().filter(|(_, v)| !v.admitted).max_by_key(|(_, v)| frees(v));
+        // remaining / capacity, compared as a cross product.
+        let least_share = |(a, va): &(usize, &Verdict), (b, vb): &(usize, &Verdict)| {
+            let left =
+                |v: &Verdict, other: usize| u128::from(v.remaining) * u128::from(capacity(other).max(1));
+            left(va, *b).cmp(&left(vb, *a))
+        };
+        match denied.or_else(|| items.min_by(least_share)) {
+            Some((index, verdict)) => (*verdict, index),
+            None => (Verdict { admitted: true, remaining: 0, retry_after_ms: Some(0), reset_after_ms: 0 }, 0),
+        }
+    }
 }
 
 /// One verdict for the items of one subject's limits (a native rule's, an

@@ -240,20 +240,29 @@ pub fn position(now_ms: u64, window_ms: u64) -> (u64, u64) {
 
 /// Re-reads a stored counter from the point of view of window `now_window`:
 /// the same window keeps both counts, the next one demotes `current` to
-/// `previous`, anything later starts empty. A counter of a window after
+/// `previous`, anything later starts empty. A counter of the window after
 /// `now_window` (written by a clock ahead of this one: another instance's
-/// at a calendar period's edge, or a store's before it failed over) is not
-/// lost: [`locate`] counts in its window, both of its counts as current.
+/// at a calendar period's edge) is not lost: [`locate`] counts in its
+/// window, both of its counts as current. One further ahead is another
+/// window's (a rule whose window changed, a clock far off) and starts
+/// empty, as one far behind does: a counter can never stick to a window
+/// it would not leave.
 pub fn roll(stored: StoredCounter, now_window: u64) -> Counts {
     if stored.window == now_window {
         Counts { current: stored.current, previous: stored.previous }
     } else if stored.window.checked_add(1) == Some(now_window) {
         Counts { current: 0, previous: stored.current }
-    } else if stored.window > now_window {
+    } else if Some(stored.window) == now_window.checked_add(1) {
         Counts { current: stored.current.saturating_add(stored.previous), previous: 0 }
     } else {
         Counts::default()
     }
+}
+
+/// The window a counter read at `now_window` is stored with: the next one
+/// when it was written there ([`roll`]), else `now_window`.
+fn kept(stored: StoredCounter, now_window: u64) -> u64 {
+    if Some(stored.window) == now_window.checked_add(1) { stored.window } else { now_window }
 }
 
 /// Where `now` (ticks) falls for the window counter `stored` (none: never
@@ -274,7 +283,7 @@ pub fn locate(stored: Option<StoredCounter>, now: u64, params: WindowParams) -> 
     }
     let (index, elapsed) = position(now, params.window_ms);
     let stored = stored.unwrap_or_default();
-    (index.max(stored.window), roll(stored, index), elapsed)
+    (kept(stored, index), roll(stored, index), elapsed)
 }
 
 /// Decides a request of `weight` against `counts` at `elapsed_ms` into the
@@ -590,15 +599,18 @@ pub(super) mod tests {
     #[test]
     fn a_clock_behind_the_counter_counts_in_its_window() {
         let stored = StoredCounter { window: 10, current: 5, previous: 4 };
-        // Nothing written ahead is lost: both counts are current, in window 10.
+        // Nothing written one window ahead is lost: both counts are current, in window 10.
         assert_eq!(roll(stored, 9), Counts { current: 9, previous: 0 });
-        assert_eq!(roll(stored, 0), Counts { current: 9, previous: 0 });
         let params = WindowParams::window(1_000, 10, false);
         assert_eq!(locate(Some(stored), 9_500, params), (10, Counts { current: 9, previous: 0 }, 500));
+        // Further ahead is another window's counter: empty, stored at now's.
+        assert_eq!(roll(stored, 8), Counts::default());
+        assert_eq!(locate(Some(stored), 8_500, params), (8, Counts::default(), 500));
         assert_eq!(roll(stored, 12), Counts::default());
         assert_eq!(roll(stored, 11), Counts { current: 0, previous: 5 });
         let huge = StoredCounter { window: u64::MAX, current: u64::MAX, previous: 1 };
-        assert_eq!(roll(huge, 1), Counts { current: u64::MAX, previous: 0 });
+        assert_eq!(roll(huge, u64::MAX - 1), Counts { current: u64::MAX, previous: 0 });
+        assert_eq!(roll(huge, 1), Counts::default());
     }
 
     #[test]

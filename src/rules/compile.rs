@@ -8,7 +8,8 @@ use std::{collections::HashMap, path::Path, sync::Arc};
 use super::{
     RuleError,
     model::{
-        ADAPTIVE_INTERVAL_MS, AdaptiveSpec, AlsoLimit, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, Rule, capacity,
+        ADAPTIVE_INTERVAL_MS, AdaptiveSpec, AlsoLimit, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, MAX_UNIT_BYTES,
+        Rule, capacity,
     },
     native::{RawLimit, RawRule, SourcedRule},
     snapshot::{PathForm, PathKey, Snapshot},
@@ -90,56 +91,26 @@ fn error(sourced: &SourcedRule, field: &str, message: String) -> RuleError {
 
 fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
     let raw = &sourced.raw;
-    let fail = |field: &str, message: String| Err(error(sourced, field, message));
-
-    if raw.rule_id.is_empty() {
-        return fail("rule_id", "must not be empty".to_owned());
-    }
-    if raw.rule_id.len() > MAX_RULE_ID_BYTES {
-        return fail("rule_id", format!("longer than {MAX_RULE_ID_BYTES} bytes"));
-    }
-    if let Some(bad) = raw.rule_id.chars().find(|c| !(c.is_ascii_alphanumeric() || "._-".contains(*c))) {
-        return fail("rule_id", format!("{bad:?} is not allowed: use letters, digits, '.', '_' and '-'"));
-    }
-    if raw.resource_path.is_empty() {
-        return fail("resource_path", "must not be empty".to_owned());
-    }
-    if let Some(star) = raw.resource_path.find('*')
-        && star != raw.resource_path.len() - 1
-    {
-        return fail(
-            "resource_path",
-            format!("{:?}: '*' is only allowed as the last character (a prefix pattern)", raw.resource_path),
-        );
-    }
-    if raw.client_type.as_deref() == Some("") {
-        return fail("client_type", "must not be empty; omit it to match any client".to_owned());
-    }
+    let fail = |(field, message): (&str, String)| error(sourced, field, message);
+    names(raw).map_err(fail)?;
     let written = match raw.algorithm.as_deref() {
         None => None,
-        Some(name) => Some(Algorithm::named(name).map_err(|message| error(sourced, "algorithm", message))?),
+        Some(name) => Some(Algorithm::named(name).map_err(|message| fail(("algorithm", message)))?),
     };
     let first = raw_first(raw);
-    let (capacity, window_ms, calendar) =
-        limit_window(&first).map_err(|(field, message)| error(sourced, field, message))?;
-    let algorithm = counted_by(written, &first).map_err(|message| error(sourced, "algorithm", message))?;
+    let (capacity, window_ms, calendar) = limit_window(&first).map_err(fail)?;
+    let algorithm = counted_by(written, &first).map_err(|message| fail(("algorithm", message)))?;
+    let unit = unit_of(&first).map_err(|message| fail(("unit", message)))?;
     let also = also_limits(raw, written).map_err(|(field, message)| error(sourced, &field, message))?;
     if let Some(overload) = &raw.overload
         && !(1..=MAX_OVERLOAD_RATE).contains(&overload.rate_per_second)
     {
-        return fail("overload.rate_per_second", format!("must be between 1 and {MAX_OVERLOAD_RATE}"));
+        let message = format!("must be between 1 and {MAX_OVERLOAD_RATE}");
+        return Err(fail(("overload.rate_per_second", message)));
     }
     let adaptive = rule_adaptive(raw).map_err(|(field, message)| error(sourced, &field, message))?;
-    in_flight(raw, algorithm, &also).map_err(|(field, message)| error(sourced, field, message))?;
-    if calendar.is_some() {
-        let period = |what: &str| format!("a limit counted per calendar period (period:) cannot {what}");
-        if raw.adaptive.is_some() {
-            return fail("adaptive", period("be adaptive"));
-        }
-        if raw.global {
-            return fail("global", period("be global: its regions' grants follow a rate"));
-        }
-    }
+    in_flight(raw, algorithm, &also).map_err(fail)?;
+    moving(raw, unit.is_some(), calendar.is_some()).map_err(fail)?;
     Ok(Rule {
         id: Arc::from(raw.rule_id.as_str()),
         resource_path: raw.resource_path.clone(),
@@ -155,8 +126,75 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         adaptive,
         global: raw.global,
         calendar,
+        unit,
         source: Arc::clone(&sourced.file),
     })
+}
+
+/// The rule's id, path and client type, checked.
+fn names(raw: &RawRule) -> Result<(), (&'static str, String)> {
+    if raw.rule_id.is_empty() {
+        return Err(("rule_id", "must not be empty".to_owned()));
+    }
+    if raw.rule_id.len() > MAX_RULE_ID_BYTES {
+        return Err(("rule_id", format!("longer than {MAX_RULE_ID_BYTES} bytes")));
+    }
+    if let Some(bad) = raw.rule_id.chars().find(|c| !(c.is_ascii_alphanumeric() || "._-".contains(*c))) {
+        return Err(("rule_id", format!("{bad:?} is not allowed: use letters, digits, '.', '_' and '-'")));
+    }
+    if raw.resource_path.is_empty() {
+        return Err(("resource_path", "must not be empty".to_owned()));
+    }
+    if let Some(star) = raw.resource_path.find('*')
+        && star != raw.resource_path.len() - 1
+    {
+        let message =
+            format!("{:?}: '*' is only allowed as the last character (a prefix pattern)", raw.resource_path);
+        return Err(("resource_path", message));
+    }
+    if raw.client_type.as_deref() == Some("") {
+        return Err(("client_type", "must not be empty; omit it to match any client".to_owned()));
+    }
+    Ok(())
+}
+
+/// A first limit that moves (`adaptive:`) or is shared out among regions
+/// (`global:`) counts requests in a window: outcomes are reported per
+/// request, and grants follow a rate.
+fn moving(raw: &RawRule, unit: bool, calendar: bool) -> Result<(), (&'static str, String)> {
+    let what = if unit {
+        "a limit of another unit than requests"
+    } else if calendar {
+        "a limit counted per calendar period (period:)"
+    } else {
+        return Ok(());
+    };
+    if raw.adaptive.is_some() {
+        return Err(("adaptive", format!("{what} cannot be adaptive: outcomes are reported per request")));
+    }
+    if raw.global {
+        return Err((
+            "global",
+            format!("{what} cannot be global: its regions' grants follow a rate of requests"),
+        ));
+    }
+    Ok(())
+}
+
+/// What a limit counts: `None` for requests (written or not), else the
+/// unit's name, lower-case letters, digits and `_`, starting with a
+/// letter (`input_tokens`, `cost`).
+fn unit_of(limit: &RawLimit) -> Result<Option<Arc<str>>, String> {
+    let Some(unit) = limit.unit.as_deref().filter(|unit| *unit != "requests") else { return Ok(None) };
+    let well_formed = unit.len() <= MAX_UNIT_BYTES
+        && unit.starts_with(|c: char| c.is_ascii_lowercase())
+        && unit.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !well_formed {
+        return Err(format!(
+            "{unit:?}: a unit is lower-case letters, digits and '_', starting with a letter (at most {MAX_UNIT_BYTES} bytes)"
+        ));
+    }
+    Ok(Some(Arc::from(unit)))
 }
 
 /// How a limit counts: the algorithm written (the rule's, or the
@@ -182,11 +220,14 @@ fn counted_by(written: Option<Algorithm>, limit: &RawLimit) -> Result<Algorithm,
 /// among regions (`global:`), whose grants follow a rate.
 fn in_flight(raw: &RawRule, algorithm: Algorithm, also: &[AlsoLimit]) -> Result<(), (&'static str, String)> {
     let releases = algorithm.releases() || also.iter().any(|a| a.window.algorithm.releases());
+    let unit = raw.unit.as_deref().is_some_and(|unit| unit != "requests");
     let alone = |what: &str| format!("a limit of requests in flight (algorithm: concurrency) cannot {what}");
     if !releases {
         Ok(())
     } else if !also.is_empty() {
         Err(("also", alone("share its rule with further limits: give it a rule of its own")))
+    } else if unit {
+        Err(("unit", alone("count another unit than requests")))
     } else if raw.adaptive.is_some() {
         Err(("adaptive", alone("be adaptive")))
     } else if raw.global {
@@ -265,6 +306,7 @@ fn raw_first(raw: &RawRule) -> RawLimit {
         window_seconds: raw.window_seconds,
         period: raw.period,
         time_zone: raw.time_zone.clone(),
+        unit: raw.unit.clone(),
         burst_capacity: raw.burst_capacity,
         algorithm: None,
     }
@@ -325,7 +367,8 @@ fn window(raw: &RawLimit) -> Result<(u64, u64), (&'static str, String)> {
             "limit",
             format!(
                 "limit x burst_capacity x window_seconds x 1000 must not exceed {MAX_CAPACITY_TIMES_WINDOW} \
-                 (the counters are exact to the request and the ms): use a shorter window or a smaller limit"
+                 (the counters are exact to the request and the ms): use a shorter window, a smaller \
+                 limit, or a calendar period (period:), counted in coarser ticks"
             ),
         ));
     }
@@ -351,8 +394,9 @@ fn also_limits(raw: &RawRule, written: Option<Algorithm>) -> Result<Vec<AlsoLimi
                 Some(name) => Some(Algorithm::named(name).map_err(|message| (at("algorithm"), message))?),
             };
             let algorithm = counted_by(own, also).map_err(|message| (at("algorithm"), message))?;
+            let unit = unit_of(also).map_err(|message| (at("unit"), message))?;
             let window = WindowParams { window_ms, capacity, rate: also.limit, algorithm };
-            Ok(AlsoLimit { limit: also.limit, burst_capacity: also.burst_capacity, window, calendar })
+            Ok(AlsoLimit { limit: also.limit, burst_capacity: also.burst_capacity, window, calendar, unit })
         })
         .collect()
 }
@@ -505,7 +549,7 @@ mod tests {
         assert_eq!(rule.min_capacity(), 10);
         assert_eq!(rule.limit_at(2), (50, rule.also[1].window));
         let keys: Vec<String> =
-            rule.items(None, 1, crate::limiter::Count::IfFits, 0).into_iter().map(|i| i.key).collect();
+            rule.items(None, 0, |_| (1, crate::limiter::Count::IfFits)).into_iter().map(|i| i.key).collect();
         assert_eq!(keys, ["#a/0", "#a/1", "#a/2"]);
     }
 
@@ -523,6 +567,41 @@ mod tests {
         assert!(e.contains("also") && e.contains("at most 8"), "{e}");
         let e = with("[ { limit: 5 } ]");
         assert!(e.contains("also[0].window_seconds") && e.contains("calendar period"), "{e}");
+    }
+
+    #[test]
+    fn units_are_checked_field_by_field() {
+        let compiled = |extra: &str| compile_text(&format!("rules:\n{}", rule("a", "/a", extra)));
+        let rule = compiled(
+            "    unit: input_tokens\n    also: [ { limit: 5, window_seconds: 60, unit: requests } ]\n",
+        )
+        .unwrap()
+        .rules()[0]
+            .clone();
+        assert_eq!(rule.unit_at(0).map(|u| &**u), Some("input_tokens"));
+        assert!(rule.unit_at(1).is_none(), "requests is the default, written or not");
+        assert!(rule.has_units() && rule.counts_a_job());
+        assert_eq!(rule.limit_text(0), "10 input_tokens");
+        let errors = |extra: &str| compiled(extra).unwrap_err()[0].to_string();
+        for (extra, expected) in [
+            ("    unit: Input-Tokens\n", "field `unit`: \"Input-Tokens\": a unit is lower-case letters"),
+            ("    unit: cost\n    global: true\n", "field `global`: a limit of another unit than requests"),
+            (
+                "    unit: cost\n    adaptive: { min: 1, max: 20 }\n",
+                "field `adaptive`: a limit of another unit",
+            ),
+            ("    unit: cost\n    algorithm: concurrency\n", "field `unit`: a limit of requests in flight"),
+            ("    also: [ { limit: 5, window_seconds: 60, unit: \"9lives\" } ]\n", "also[0].unit"),
+        ] {
+            let e = errors(extra);
+            assert!(e.contains(expected), "{extra}: {e}");
+        }
+        let long = format!("    unit: {}\n", "u".repeat(MAX_UNIT_BYTES + 1));
+        assert!(errors(&long).contains("at most 64 bytes"));
+        // A unit is part of the rules' version.
+        let version = |extra: &str| compiled(extra).unwrap().version().to_owned();
+        assert_ne!(version("    unit: input_tokens\n"), version("    unit: output_tokens\n"));
+        assert_eq!(version(""), version("    unit: requests\n"));
     }
 
     #[test]
@@ -576,7 +655,7 @@ mod tests {
             };
             assert!(e.contains(expected), "{extra}: {e}");
         }
-        // The bound: a year counts in hours, so at most 2^51 / 8,811.
+        // The bound: a year counts in hours, so at most 2^51 / 8,787.
         let text = format!("rules:\n{}", rule("a", "/a", "    period: year\n"))
             .replace("    window_seconds: 1\n", "")
             .replace("limit: 10", "limit: 300000000000");

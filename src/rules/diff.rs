@@ -40,7 +40,7 @@ fn fields(rule: &Rule) -> [(&'static str, String); 9] {
     [
         ("resource_path", rule.resource_path.clone()),
         ("client_type", rule.client_type.clone().unwrap_or_else(|| "any".to_owned())),
-        ("limit", rule.limit.to_string()),
+        ("limit", rule.limit_text(0)),
         ("window", rule.window_text(0)),
         ("burst_capacity", rule.burst_capacity.to_string()),
         ("algorithm", format!("{:?}", rule.window.algorithm)),
@@ -55,7 +55,7 @@ pub fn describe(rule: &Rule) -> String {
     format!(
         "{} {} per {} ({:?}{})",
         rule.resource_path,
-        rule.limit,
+        rule.limit_text(0),
         rule.window_text(0),
         rule.window.algorithm,
         rule.client_type.as_deref().map(|c| format!(", client_type {c}")).unwrap_or_default()
@@ -86,7 +86,14 @@ pub fn diff(old: &Snapshot, new: &Snapshot) -> Vec<Change> {
             .also
             .iter()
             .enumerate()
-            .map(|(i, a)| format!("{} per {} ({:?})", a.limit, rule.window_text(i + 1), a.window.algorithm))
+            .map(|(i, a)| {
+                format!(
+                    "{} per {} ({:?})",
+                    rule.limit_text(i + 1),
+                    rule.window_text(i + 1),
+                    a.window.algorithm
+                )
+            })
             .collect();
         fields.push(("also", format!("[{}]", also.join(", "))));
         let adaptive = rule.adaptive.as_deref().map(|a| a.params);

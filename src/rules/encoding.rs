@@ -114,6 +114,9 @@ pub struct EncodedRule {
     /// The calendar period's time zone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_zone: Option<String>,
+    /// What the first limit counts, when not requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unit: Option<String>,
     pub burst_capacity: f64,
     /// `sliding_window`, `fixed_window`, `token_bucket` or `gcra`.
     pub algorithm: String,
@@ -298,6 +301,7 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
             window_seconds: window_seconds(rule.calendar.as_deref(), rule.window.window_ms),
             period: rule.calendar.as_deref().map(Calendar::period),
             time_zone: rule.calendar.as_deref().map(|c| c.zone_name().to_owned()),
+            unit: rule.unit.as_deref().map(str::to_owned),
             burst_capacity: rule.burst_capacity,
             algorithm: rule.window.algorithm.as_str().to_owned(),
             mode: rule.mode,
@@ -312,6 +316,7 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
                     window_seconds: window_seconds(also.calendar.as_deref(), also.window.window_ms),
                     period: also.calendar.as_deref().map(Calendar::period),
                     time_zone: also.calendar.as_deref().map(|c| c.zone_name().to_owned()),
+                    unit: also.unit.as_deref().map(str::to_owned),
                     burst_capacity: also.burst_capacity,
                     algorithm: Some(also.window.algorithm.as_str().to_owned()),
                 })
@@ -429,6 +434,7 @@ fn decode_native(native: &NativeRules, version: &str, paths: PathForm) -> Result
                 window_seconds: rule.window_seconds,
                 period: rule.period,
                 time_zone: rule.time_zone.clone(),
+                unit: rule.unit.clone(),
                 burst_capacity: rule.burst_capacity,
                 mode: rule.mode,
                 failure_policy: rule.failure_policy,

@@ -24,8 +24,8 @@ use std::{fmt, io, path::Path, path::PathBuf};
 pub(crate) use compile::compile;
 pub use figures::RuleSets;
 pub use model::{
-    AdaptiveSpec, AlsoLimit, FailurePolicy, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, Mode, OverloadScope,
-    OverloadSpec, Rule,
+    AdaptiveSpec, AlsoLimit, FailurePolicy, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, MAX_UNIT_BYTES, Mode,
+    OverloadScope, OverloadSpec, Rule,
 };
 pub use native::RawLimit;
 pub use snapshot::{PathForm, Snapshot, canonical_path};

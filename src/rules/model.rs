@@ -79,6 +79,9 @@ pub struct OverloadSpec {
 /// Largest accepted `overload.rate_per_second`.
 pub const MAX_OVERLOAD_RATE: u64 = 1_000_000_000;
 
+/// Longest unit name (`unit:`): it is a key of a request's `usage`.
+pub const MAX_UNIT_BYTES: usize = 64;
+
 /// Most limits a rule may add with `also:` (each is one more counter per
 /// decision).
 pub const MAX_ALSO_LIMITS: usize = 8;
@@ -159,6 +162,8 @@ pub struct AlsoLimit {
     pub window: WindowParams,
     /// Counted per calendar period (`period:`) rather than per window.
     pub calendar: Option<Arc<Calendar>>,
+    /// What it counts (`unit:`); `None`: requests.
+    pub unit: Option<Arc<str>>,
 }
 
 /// One validated rule. Shared by reference from the [`Snapshot`](super::Snapshot);
@@ -198,6 +203,9 @@ pub struct Rule {
     /// The first limit is counted per calendar period (`period:`): then
     /// `window` is the period's longest, in its ticks.
     pub calendar: Option<Arc<Calendar>>,
+    /// What the first limit counts (`unit:`); `None`: requests (the
+    /// request's weight).
+    pub unit: Option<Arc<str>>,
     /// The file the rule came from, for messages.
     pub source: Arc<Path>,
 }
@@ -254,6 +262,16 @@ impl Rule {
         }
     }
 
+    /// Limit `index` as a reviewer reads it: `10`, or with its unit
+    /// (`100000 input_tokens`).
+    pub fn limit_text(&self, index: usize) -> String {
+        let limit = self.limit_at(index).0;
+        match self.unit_at(index) {
+            Some(unit) => format!("{limit} {unit}"),
+            None => limit.to_string(),
+        }
+    }
+
     /// Limit `index`'s window as a reviewer reads it: `60000 ms`, or a
     /// calendar period and its zone (`month in Europe/Berlin`).
     pub fn window_text(&self, index: usize) -> String {
@@ -261,6 +279,20 @@ impl Rule {
             Some(calendar) => format!("{} in {}", calendar.period().as_str(), calendar.zone_name()),
             None => format!("{} ms", self.limit_at(index).1.window_ms),
         }
+    }
+
+    /// What limit `index` counts: `None` for requests (the weight), else
+    /// the unit whose amount the request states.
+    pub fn unit_at(&self, index: usize) -> Option<&Arc<str>> {
+        match index.checked_sub(1) {
+            Some(i) => self.also.get(i).and_then(|also| also.unit.as_ref()),
+            None => self.unit.as_ref(),
+        }
+    }
+
+    /// Whether a limit counts a unit other than requests.
+    pub fn has_units(&self) -> bool {
+        self.unit.is_some() || self.also.iter().any(|also| also.unit.is_some())
     }
 
     /// Whether a limit is counted per calendar period: the decision then
@@ -272,7 +304,7 @@ impl Rule {
     /// Whether a decision counts one job of a counter per limit (several
     /// limits, or a calendar period's) rather than one counter.
     pub fn counts_a_job(&self) -> bool {
-        !self.also.is_empty() || self.calendar.is_some()
+        !self.also.is_empty() || self.calendar.is_some() || self.unit.is_some()
     }
 
     /// Limit `index`'s window length in ms at `now_ms`: a calendar
@@ -287,15 +319,21 @@ impl Rule {
         }
     }
 
-    /// The counters of a rule with `also` limits (or a calendar period)
-    /// for one decision at `now_ms`, one per limit, keyed `#<rule
+    /// The counters of a rule with `also` limits (or a calendar period, or
+    /// a unit) for one decision at `now_ms`, one per limit, keyed `#<rule
     /// id>/<index>` within the user's group (a key no Envoy counter has:
-    /// theirs start with a digit); the first at `grant` when given. A
-    /// calendar limit's counter counts in its period's ticks on its own
-    /// clock ([`Calendar::clock`]).
-    pub fn items(&self, grant: Option<u64>, weight: u64, count: Count, now_ms: u64) -> Vec<ManyItem> {
+    /// theirs start with a digit), each counting what `counted(index)`
+    /// says; the first at `grant` when given. A calendar limit's counter
+    /// counts in its period's ticks on its own clock ([`Calendar::clock`]).
+    pub fn items(
+        &self,
+        grant: Option<u64>,
+        now_ms: u64,
+        counted: impl Fn(usize) -> (u64, Count),
+    ) -> Vec<ManyItem> {
         (0..=self.also.len())
             .map(|index| {
+                let (weight, count) = counted(index);
                 let params = self.limit_at_grant(index, grant).1;
                 let (params, tick_ms, clock) = match self.calendar_at(index) {
                     Some(calendar) => {

@@ -39,6 +39,9 @@ pub(crate) struct RawRule {
     /// The calendar period's time zone (default UTC).
     #[serde(default)]
     pub(crate) time_zone: Option<String>,
+    /// What the first limit counts (default `requests`).
+    #[serde(default)]
+    pub(crate) unit: Option<String>,
     #[serde(default = "default_burst")]
     pub(crate) burst_capacity: f64,
     #[serde(default)]
@@ -77,6 +80,9 @@ pub struct RawLimit {
     /// The calendar period's time zone (default UTC).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_zone: Option<String>,
+    /// What it counts (default `requests`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unit: Option<String>,
     /// Burst multiplier (default 1).
     #[serde(default = "default_burst")]
     pub burst_capacity: f64,

@@ -354,22 +354,24 @@ fn content_hash(rules: &[Rule]) -> String {
                 w.capacity,
                 w.algorithm.as_str()
             );
-            if let Some(calendar) = rule.calendar_at(index + 1) {
-                let _ = writeln!(
-                    canonical,
-                    "\tperiod\t{}\t{:?}",
-                    calendar.period().as_str(),
-                    calendar.zone_name()
-                );
-            }
+            counted_in(&mut canonical, rule, index + 1);
         }
-        if let Some(calendar) = rule.calendar_at(0) {
-            let _ =
-                writeln!(canonical, "\tperiod\t{}\t{:?}", calendar.period().as_str(), calendar.zone_name());
-        }
+        counted_in(&mut canonical, rule, 0);
     }
     let digest = sha1_smol::Sha1::from(canonical.as_bytes()).digest().to_string();
     digest[..16].to_owned()
+}
+
+/// Limit `index`'s calendar period and unit, in the canonical rendering,
+/// each only when set (so the versions of sets without them stay as they
+/// were).
+fn counted_in(canonical: &mut String, rule: &Rule, index: usize) {
+    if let Some(calendar) = rule.calendar_at(index) {
+        let _ = writeln!(canonical, "\tperiod\t{}\t{:?}", calendar.period().as_str(), calendar.zone_name());
+    }
+    if let Some(unit) = rule.unit_at(index) {
+        let _ = writeln!(canonical, "\tunit\t{unit:?}");
+    }
 }
 
 #[cfg(test)]

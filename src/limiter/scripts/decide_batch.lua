@@ -326,8 +326,8 @@ for _ = 1, jobs do
           cur, prev = y, z
         elseif x == idx - 1 then
           prev = y
-        elseif x and x > idx then
-          -- A later window's counter (written by a clock ahead: window.rs
+        elseif x == idx + 1 then
+          -- The next window's counter (written by a clock ahead: window.rs
           -- `roll`): counted in its window, both counts as current.
           idx, cur = x, y + z
           expiry = sp.base + (x + 2) * w * sp.tick
