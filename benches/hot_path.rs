@@ -201,6 +201,8 @@ fn benches(c: &mut Criterion) {
         share: None,
         outcome: None,
         may_report: true,
+        reserve: false,
+        reservation: None,
     };
     c.bench_function("Engine::check, memory store", |b| {
         b.iter(|| runtime.block_on(engine.check(black_box(&check))))

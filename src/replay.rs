@@ -321,6 +321,8 @@ async fn decide(engine: &Engine, limitador: Option<&Limits>, request: &Request) 
             share: None,
             outcome: None,
             may_report: true,
+            reserve: false,
+            reservation: None,
         })
         .await;
     Outcome {

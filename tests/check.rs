@@ -189,6 +189,32 @@ async fn usage_of_other_units_over_grpc(backend: Backend) {
     assert_eq!((r.allowed, r.remaining), (false, 0), "the report counted past the limit: {r:?}");
     let plain = check(&mut client, request("uma", "/limited")).await;
     assert_eq!((plain.unit.as_str(), plain.remaining), ("", 4), "a limit of requests: {plain:?}");
+
+    // Reserve, then settle: 900 million estimated, 100 million used.
+    let mut reserve = request("ria", "/llm");
+    reserve.usage.insert("output_tokens".to_owned(), 900_000_000);
+    reserve.reserve = true;
+    let reserved = check(&mut client, reserve.clone()).await;
+    assert!(reserved.allowed && reserved.reservation.starts_with("r1|llm|"), "{reserved:?}");
+    assert_eq!(reserved.remaining, 4_100_000_000);
+    let mut settle = request("ria", "/llm");
+    settle.usage.insert("output_tokens".to_owned(), 100_000_000);
+    settle.reservation = reserved.reservation.clone();
+    let settled = client.report(settle.clone()).await.unwrap().into_inner();
+    assert_eq!((settled.unit.as_str(), settled.remaining), ("output_tokens", 4_900_000_000), "{settled:?}");
+    let again = client.report(settle.clone()).await.unwrap().into_inner();
+    assert_eq!(again.remaining, 4_900_000_000, "settled once: {again:?}");
+    let mut garbled = settle.clone();
+    garbled.reservation = "r1|llm|not-a-number".to_owned();
+    for (message, field) in [(garbled, "reservation"), (reserve.clone(), "reserve")] {
+        let status = client.report(message).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{field}");
+        assert!(status.message().starts_with(field), "{}", status.message());
+    }
+    let mut check_with_id = request("ria", "/llm");
+    check_with_id.reservation = reserved.reservation;
+    let status = client.check(check_with_id).await.unwrap_err();
+    assert!(status.message().starts_with("reservation: must be empty on Check"), "{}", status.message());
     server.stop().await.unwrap();
 }
 

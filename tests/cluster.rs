@@ -511,6 +511,7 @@ async fn a_groups_counters_are_listed_from_the_node_serving_it() {
                 count: Count::IfFits,
                 shadow: false,
                 clock: None,
+                refund: None,
             })
             .collect();
         assert!(store.decide_many(group, &items).await.unwrap().committed);

@@ -33,6 +33,7 @@ fn item(key: &str, params: WindowParams) -> ManyItem {
         count: Count::IfFits,
         shadow: false,
         clock: None,
+        refund: None,
     }
 }
 
@@ -409,6 +410,48 @@ async fn calendar_periods_count_on_the_decisions_clock<S: CounterStore>(store: A
     assert!(job(&*store, "cal", &at(midnight + 9_000_000)).await.committed, "{name}");
 }
 
+/// A refund (a settlement below its reservation) gives its weight back to
+/// the window it names while that window counts (this one's count, or the
+/// previous one's), never below 0, and nothing to a window long gone; a
+/// bucket's debt shrinks by it. Decided by the script as by the Rust
+/// arithmetic.
+async fn refunds_give_back_to_the_window_counted_in<S: CounterStore>(store: Arc<S>) {
+    let name = S::NAME;
+    for algorithm in
+        [Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::TokenBucket, Algorithm::Gcra]
+    {
+        let key = format!("refund-{}", algorithm.as_str());
+        let spend = ManyItem { weight: 6, ..item(&key, params(algorithm, HOUR_MS, 10)) };
+        let spent = job(&*store, "refund", std::slice::from_ref(&spend)).await;
+        assert_eq!(spent.verdicts[0].remaining, 4, "{name} {algorithm:?}");
+        let window = spend.window_at(spent.now_ms);
+        let refund =
+            |weight, window| ManyItem { weight, count: Count::Always, refund: Some(window), ..spend.clone() };
+        let gone = job(&*store, "refund", &[refund(4, window.saturating_sub(5))]).await;
+        let expected = if algorithm.is_bucket() { 8 } else { 4 };
+        // What is left once the refund is given back (a bucket's, whatever window it names).
+        assert_eq!(gone.verdicts[0].remaining, expected, "{name} {algorithm:?}: a window long gone");
+        let back = job(&*store, "refund", &[refund(3, window)]).await;
+        let expected = if algorithm.is_bucket() { 10 } else { 7 };
+        assert_eq!(back.verdicts[0].remaining, expected, "{name} {algorithm:?}: {back:?}");
+        let all = job(&*store, "refund", &[refund(100, window)]).await;
+        assert_eq!(all.verdicts[0].remaining, 10, "{name} {algorithm:?}: never below 0");
+    }
+    // A sliding day: 10 counted on the eve, 4 given back the next day from
+    // the previous window, which then weighs 6.
+    let day = Calendar::new(Period::Day, "UTC").unwrap();
+    let eve = utc("2026-11-27T23:00:00Z");
+    let at =
+        |now_ms, weight| ManyItem { weight, ..in_period("days", &day, Algorithm::SlidingWindow, 10, now_ms) };
+    let spent = job(&*store, "refund", &[at(eve, 10)]).await;
+    let window = at(eve, 10).window_at(spent.now_ms);
+    let midnight = utc("2026-11-28T00:00:00Z");
+    let back = ManyItem { count: Count::Always, refund: Some(window), ..at(midnight, 4) };
+    job(&*store, "refund", &[back]).await;
+    let next = job(&*store, "refund", &[ManyItem { count: Count::Never, ..at(midnight, 1) }]).await;
+    assert_eq!((next.verdicts[0].admitted, next.verdicts[0].remaining), (true, 4), "{name}: {next:?}");
+}
+
 /// One module per store, one test per behaviour: `$open` (an async block)
 /// gives the store and what must live as long as it; `$fill` makes it full.
 macro_rules! stores {
@@ -468,6 +511,12 @@ macro_rules! stores {
             async fn calendar_periods_count_on_the_decisions_clock() {
                 let (store, _keep) = $open.await;
                 super::calendar_periods_count_on_the_decisions_clock(store).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn refunds_give_back_to_the_window_counted_in() {
+                let (store, _keep) = $open.await;
+                super::refunds_give_back_to_the_window_counted_in(store).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -121,6 +121,8 @@ fn native<'a>(
         share: None,
         outcome: None,
         may_report: true,
+        reserve: false,
+        reservation: None,
     }
 }
 
@@ -266,6 +268,8 @@ for_each_store!(
     a_month_resets_when_the_calendar_month_starts_in_its_zone,
     limits_of_other_units_count_what_the_request_states,
     a_money_budget_stops_the_key_at_its_limit,
+    a_reservation_is_settled_once_up_or_down,
+    a_reservation_never_settled_stays_charged_at_its_estimate,
     envoy_requests_in_flight_are_released_by_their_release_descriptor,
 );
 
@@ -970,6 +974,94 @@ async fn a_money_budget_stops_the_key_at_its_limit(backend: Backend) {
             .await;
         assert_eq!((d.allowed, d.reason), (false, Reason::OverLimit), "{usage:?}: {d:?}");
     }
+}
+
+impl Harness {
+    /// A `Check` (`reserve`) or `Report` (`settle`: a reservation's id) of
+    /// `usage` on `path` for `user`, from a caller that may report.
+    async fn usage(
+        &self,
+        user: &str,
+        path: &str,
+        usage: &[(&str, u64)],
+        reserve: bool,
+        settle: Option<&str>,
+    ) -> Decision {
+        let usage: HashMap<String, u64> = usage.iter().map(|(unit, n)| ((*unit).to_owned(), *n)).collect();
+        let headers = HashMap::new();
+        let reservation = settle.map(|id| ratelimitd::decision::reservation::Reservation::parse(id).unwrap());
+        let count = if settle.is_some() { Count::Always } else { Count::IfFits };
+        let request = CheckRequest {
+            usage: &usage,
+            reserve,
+            reservation: reservation.as_ref(),
+            ..native(user, path, 1, count, &headers)
+        };
+        self.engine.check(&request).await
+    }
+}
+
+/// Reserve 300 input and 400 output tokens (of 1,000 and 500 a minute):
+/// a parallel request cannot spend what is reserved; the settlement of
+/// 100 output tokens gives 300 back, once however often it is retried;
+/// another key's settlement above its estimate counts the difference.
+async fn a_reservation_is_settled_once_up_or_down(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let reserved =
+        h.usage("rex", "/tokens", &[("input_tokens", 300), ("output_tokens", 400)], true, None).await;
+    let id = reserved.reservation.clone().expect("a reservation id");
+    assert!(reserved.allowed, "{reserved:?}");
+    let parallel =
+        h.usage("rex", "/tokens", &[("input_tokens", 100), ("output_tokens", 200)], false, None).await;
+    assert!(!parallel.allowed, "the reservation holds 400 of 500: {parallel:?}");
+    let settled =
+        h.usage("rex", "/tokens", &[("input_tokens", 300), ("output_tokens", 100)], false, Some(&id)).await;
+    assert!(settled.reservation.is_none(), "{settled:?}");
+    for _ in 0..2 {
+        let retried = h.usage("rex", "/tokens", &[("output_tokens", 0)], false, Some(&id)).await;
+        assert!(retried.reservation.is_none(), "{retried:?}");
+    }
+    let fits = h.usage("rex", "/tokens", &[("input_tokens", 700), ("output_tokens", 400)], false, None).await;
+    assert!(fits.allowed, "300 output tokens back, once: {fits:?}");
+    let full = h.usage("rex", "/tokens", &[("output_tokens", 1)], false, None).await;
+    assert!(!full.allowed, "a retried settlement gave nothing more back: {full:?}");
+
+    let up = h.usage("uly", "/tokens", &[("input_tokens", 200), ("output_tokens", 100)], true, None).await;
+    let id = up.reservation.expect("a reservation id");
+    h.usage("uly", "/tokens", &[("output_tokens", 450)], false, Some(&id)).await;
+    let over = h.usage("uly", "/tokens", &[("output_tokens", 51)], false, None).await;
+    assert_eq!((over.allowed, over.remaining), (false, 50), "450 counted, not 100: {over:?}");
+    assert!(h.usage("uly", "/tokens", &[("output_tokens", 50)], false, None).await.allowed);
+
+    // Not the rule's, or from a caller that may not report: nothing settled.
+    let other = h.usage("vic", "/spend", &[("cost", 900)], true, None).await.reservation.unwrap();
+    let wrong = h.usage("vic", "/tokens", &[("output_tokens", 0)], false, Some(&other)).await;
+    assert!(wrong.allowed && wrong.reservation.is_none());
+    let headers = HashMap::new();
+    let usage = HashMap::from([("cost".to_owned(), 0)]);
+    let parsed = ratelimitd::decision::reservation::Reservation::parse(&other).unwrap();
+    let untrusted = CheckRequest {
+        usage: &usage,
+        reservation: Some(&parsed),
+        may_report: false,
+        ..native("vic", "/spend", 1, Count::Always, &headers)
+    };
+    h.engine.check(&untrusted).await;
+    let spent = h.usage("vic", "/spend", &[("cost", 101)], false, None).await;
+    assert_eq!((spent.allowed, spent.remaining), (false, 100), "nothing given back: {spent:?}");
+}
+
+/// A reservation not settled within limits.reservation_ttl_ms stays
+/// charged at its estimate: a late settlement gives nothing back.
+async fn a_reservation_never_settled_stays_charged_at_its_estimate(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let id = h.usage("eve", "/spend", &[("cost", 300)], true, None).await.reservation.unwrap();
+    h.clock.advance(600_001);
+    let late = h.usage("eve", "/spend", &[("cost", 0)], false, Some(&id)).await;
+    assert!(late.reservation.is_none(), "{late:?}");
+    let over = h.usage("eve", "/spend", &[("cost", 701)], false, None).await;
+    assert_eq!((over.allowed, over.remaining), (false, 700), "still charged 300: {over:?}");
+    assert!(h.usage("eve", "/spend", &[("cost", 700)], false, None).await.allowed);
 }
 
 /// Requests in flight through Envoy's API: a descriptor of a `concurrency`

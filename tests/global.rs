@@ -207,6 +207,8 @@ impl Load {
                         share: None,
                         outcome: None,
                         may_report: true,
+                        reserve: false,
+                        reservation: None,
                     };
                     if engine.check(&request).await.allowed {
                         log.lock().unwrap().push((wall_ms(), region));

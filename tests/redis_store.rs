@@ -188,6 +188,7 @@ async fn a_bucket_keeps_its_expiry_until_it_must_move() {
             count: Count::IfFits,
             shadow: false,
             clock: None,
+            refund: None,
         };
         let key = format!("rle2:{{g}}:k-{}", algorithm.as_str());
         let mut expiries = Vec::new();
@@ -470,6 +471,7 @@ async fn batches_over_the_key_cap_are_split_in_order() {
         count: Count::IfFits,
         shadow: false,
         clock: None,
+        refund: None,
     };
     let jobs: Vec<Vec<ManyItem>> = (0..300).map(|_| ["a", "b", "c", "d"].map(item).to_vec()).collect();
     let before = redis.evalsha_calls().await;
@@ -497,6 +499,7 @@ async fn a_denied_job_in_a_batch_writes_nothing() {
         count: Count::IfFits,
         shadow: false,
         clock: None,
+        refund: None,
     };
     let first = [item("a", 10, 4), item("b", 10, 4)];
     // b would reach 4 + 7 = 11 > 10: denied, so a gets nothing either.
@@ -537,6 +540,7 @@ async fn counters_once_in_a_call_and_repeated_ones_are_written_alike() {
         count: Count::IfFits,
         shadow: false,
         clock: None,
+        refund: None,
     };
     let window = WindowParams::sliding(60_000, 3);
     let bucket = WindowParams { window_ms: 60_000, capacity: 3, rate: 3, algorithm: Algorithm::TokenBucket };
@@ -586,6 +590,7 @@ async fn script_and_arithmetic_agree_across_window_edges() {
             count: Count::IfFits,
             shadow: false,
             clock: None,
+            refund: None,
         };
         let (mut admitted, mut denied) = (0, 0);
         let until = Instant::now() + Duration::from_millis(800);
@@ -621,6 +626,7 @@ async fn a_first_hit_window_opens_at_its_first_hit_and_ends_with_its_key() {
         count: Count::IfFits,
         shadow: false,
         clock: None,
+        refund: None,
     };
     let decide = |item: ManyItem| {
         let store = &store;

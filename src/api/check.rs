@@ -22,7 +22,7 @@ use super::{
 
 use crate::{
     budget::{Caller, Refusal},
-    decision::{Api, CheckRequest, Engine},
+    decision::{Api, CheckRequest, Engine, reservation::Reservation},
     limiter::{CallerCalls, Count},
     telemetry::traces::continue_trace,
 };
@@ -94,6 +94,7 @@ impl RateLimiterService {
             self.engine.refused(Api::Check, e.reason);
             Status::invalid_argument(e.to_string())
         };
+        let reservation = settled(&message, report).map_err(refuse)?;
         let mut checked = validate(&message, call_traceparent(&metadata)).map_err(refuse)?;
         if unknown_priority(&message) {
             self.engine.adjusted(Api::Check, "unknown_priority");
@@ -108,6 +109,7 @@ impl RateLimiterService {
             }
             checked.count = Count::Always;
             checked.outcome = reported(&message).map_err(refuse)?;
+            checked.reservation = reservation.as_ref();
             if let Some(reported) = &mut checked.outcome
                 && !may_report(&extensions)
             {
@@ -155,7 +157,7 @@ async fn decide_item(
     share: Option<&CallerCalls>,
 ) -> pb::CheckResult {
     let request = request.unwrap_or_else(|| &NO_REQUEST);
-    let checked = match validate(request, traceparent) {
+    let checked = match settled(request, false).and_then(|_| validate(request, traceparent)) {
         Ok(checked) => {
             if unknown_priority(request) {
                 engine.adjusted(Api::Check, "unknown_priority");
@@ -169,6 +171,22 @@ async fn decide_item(
     };
     let decision = engine.check(&checked).await;
     pb::CheckResult { id, response: Some(response(decision)), invalid_argument: String::new() }
+}
+
+/// The reservation a `Report` settles, read from its id; `reserve` on a
+/// `Report` and `reservation` on a `Check` are refused by name.
+fn settled(message: &pb::RateLimitRequest, report: bool) -> Result<Option<Reservation>, ValidationError> {
+    let wrong = |field, message: String| ValidationError { field, message, reason: "reservation" };
+    match (report, message.reserve, message.reservation.is_empty()) {
+        (true, true, _) => Err(wrong("reserve", "must be false on Report (a Check reserves)".to_owned())),
+        (false, _, false) => {
+            Err(wrong("reservation", "must be empty on Check (a Report settles)".to_owned()))
+        }
+        (_, _, true) => Ok(None),
+        (true, false, false) => {
+            Reservation::parse(&message.reservation).map(Some).map_err(|e| wrong("reservation", e))
+        }
+    }
 }
 
 /// The connection's shares of the store's in-flight work, which the

@@ -85,6 +85,8 @@ pub fn validate<'a>(
         share: None,
         outcome: None,
         may_report: true,
+        reserve: request.reserve,
+        reservation: None,
     })
 }
 
@@ -142,6 +144,7 @@ pub(crate) fn response(decision: Decision) -> pb::RateLimitResponse {
         store_error: decision.store_error.map_or_else(String::new, |kind| kind.as_str().to_owned()),
         unit,
         remaining: decision.remaining,
+        reservation: decision.reservation.unwrap_or_default(),
     }
 }
 

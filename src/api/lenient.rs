@@ -65,6 +65,8 @@ impl RawCheck {
             outcome: self.outcome,
             latency_ms: self.latency_ms,
             usage: self.usage.into_iter().map(|e| (text(e.key), e.value)).collect(),
+            reserve: self.reserve,
+            reservation: text(self.reservation),
         }
     }
 }
@@ -151,6 +153,10 @@ struct RawCheck {
     latency_ms: u32,
     #[prost(message, repeated, tag = "10")]
     usage: Vec<RawAmount>,
+    #[prost(bool, tag = "11")]
+    reserve: bool,
+    #[prost(bytes = "vec", tag = "12")]
+    reservation: Vec<u8>,
 }
 
 /// A `usage` entry: a unit's name (bytes) and its amount.
@@ -356,6 +362,8 @@ mod tests {
                 RawAmount { key: b"input_tokens".to_vec(), value: 900 },
                 RawAmount { key: b"cost\xff".to_vec(), value: 3 },
             ],
+            reserve: true,
+            reservation: Vec::new(),
         }
         .encode_to_vec();
         assert!(pb::RateLimitRequest::decode(raw.as_slice()).is_err(), "prost refuses it");

@@ -38,7 +38,8 @@ impl Encode for pb::RateLimitResponse {
                 + self.cluster_utilization_status.len()
                 + self.rule_id.len()
                 + self.store_error.len()
-                + self.unit.len(),
+                + self.unit.len()
+                + self.reservation.len(),
         );
         boolean(out, 1, self.allowed);
         uint(out, 2, u64::from(self.remaining_tokens));
@@ -56,6 +57,7 @@ impl Encode for pb::RateLimitResponse {
         string(out, 14, &self.store_error);
         string(out, 15, &self.unit);
         uint(out, 16, self.remaining);
+        string(out, 17, &self.reservation);
     }
 }
 
@@ -154,12 +156,12 @@ mod tests {
         let scalars = (any::<bool>(), any::<u32>(), any::<i64>(), any::<u64>(), any::<i64>(), -3..14i32);
         let more =
             (any::<bool>(), any::<u64>(), any::<i64>(), any::<bool>(), prop_oneof![-2..8i32, any::<i32>()]);
-        (scalars, more, (text(), text(), text()), (text(), any::<u64>())).prop_map(
+        (scalars, more, (text(), text(), text()), (text(), any::<u64>(), text())).prop_map(
             |(
                 (allowed, remaining, retry, limit, reset, reason),
                 (denied, capacity, window, shed, priority),
                 (status, rule, store_error),
-                (unit, remaining_units),
+                (unit, remaining_units, reservation),
             )| {
                 pb::RateLimitResponse {
                     allowed,
@@ -178,6 +180,7 @@ mod tests {
                     store_error,
                     unit,
                     remaining: remaining_units,
+                    reservation,
                 }
             },
         )

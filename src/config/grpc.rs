@@ -85,13 +85,14 @@ pub struct GrpcConfig {
     /// caller that reaches the port directly, from any number of addresses, cannot take what the
     /// proxies need. The Unix socket's clients are trusted.
     pub trusted_peers: Vec<String>,
-    /// Who may report outcomes (`Report` with `outcome`, Envoy `ratelimitd.outcome` entries) and
-    /// give slots of requests in flight back (`Report` of such a rule, `ratelimitd.release`),
-    /// as addresses or prefixes; with `grpc.tls.reporting_client_names`, the only callers whose
-    /// reports move an adaptive limit or free slots (others are answered and count nowhere,
-    /// `ratelimitd_request_values_adjusted_total{reason="outcome_not_allowed"}`, or
-    /// `release_not_allowed`). Unset with it: anyone, each outcome still weighing at most what its
-    /// reporter was admitted.
+    /// Who may report outcomes (`Report` with `outcome`, Envoy `ratelimitd.outcome` entries),
+    /// give slots of requests in flight back (`Report` of such a rule, `ratelimitd.release`) and
+    /// settle reservations (`Report` with `reservation`), as addresses or prefixes; with
+    /// `grpc.tls.reporting_client_names`, the only callers whose reports move an adaptive limit,
+    /// free slots or give reserved units back (others are answered and count nowhere,
+    /// `ratelimitd_request_values_adjusted_total{reason="outcome_not_allowed"}`,
+    /// `release_not_allowed` or `settlement_not_allowed`). Unset with it: anyone, each outcome
+    /// still weighing at most what its reporter was admitted.
     pub reporting_peers: Vec<String>,
     /// How long a unary call may take, its request read included; past it
     /// the call is cancelled (CANCELLED) and its buffer freed. A client's

@@ -20,6 +20,9 @@ pub struct LimitsConfig {
     pub max_headers: usize,
     /// Longest header name plus value, in bytes.
     pub max_header_bytes: usize,
+    /// How long a reservation (a `Check` with `reserve`) may be settled, in ms (1 to 86,400,000):
+    /// not settled by then, it stays charged at its estimate.
+    pub reservation_ttl_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -30,6 +33,7 @@ impl Default for LimitsConfig {
             max_client_type_bytes: 64,
             max_headers: 64,
             max_header_bytes: 8_192,
+            reservation_ttl_ms: crate::decision::reservation::DEFAULT_TTL_MS,
         }
     }
 }
@@ -46,6 +50,10 @@ impl LimitsConfig {
             if value == 0 {
                 return Err(invalid(key, "must be at least 1"));
             }
+        }
+        let most = crate::decision::reservation::MAX_TTL_MS;
+        if !(1..=most).contains(&self.reservation_ttl_ms) {
+            return Err(invalid("limits.reservation_ttl_ms", format!("must be between 1 and {most}")));
         }
         Ok(())
     }

@@ -7,12 +7,16 @@
 
 use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
+use super::reservation::{Reservation, Reserved};
 use super::{
     Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, Reason, TenantSource, clamp_i64, keys,
     pipeline::Subject,
 };
 use crate::{
-    limiter::{CallerCalls, Count, FailureKind, Shares, StoreError, Verdict, adaptive::Reported},
+    limiter::{
+        CallerCalls, Count, FailureKind, ManyItem, ManyOutcome, Shares, StoreError, Verdict,
+        adaptive::Reported,
+    },
     overload::{Kind, OverloadVerdict},
     rules::{FailurePolicy, Mode, Rule, Snapshot},
     shed::{Level, Priority},
@@ -57,6 +61,12 @@ pub struct CheckRequest<'a> {
     /// (`grpc.reporting_peers`): a `Report` of a rule of requests in flight
     /// from any other caller is answered as a peek, nothing given back.
     pub may_report: bool,
+    /// A `Check` that reserves: when admitted on a rule that counts a job,
+    /// its answer carries a reservation id to settle.
+    pub reserve: bool,
+    /// A `Report` that settles this reservation (from a caller that may
+    /// report).
+    pub reservation: Option<&'a Reservation>,
 }
 
 /// What the matched rule says about itself in a response.
@@ -101,6 +111,8 @@ pub struct Decision {
     /// Why the shared store did not decide (the rule's failure policy
     /// did); `None` when it did.
     pub store_error: Option<FailureKind>,
+    /// A reserving `Check` admitted: the id its `Report` settles with.
+    pub reservation: Option<String>,
 }
 
 impl Decision {
@@ -117,6 +129,7 @@ impl Decision {
             level,
             shadow_shed: false,
             store_error: None,
+            reservation: None,
         }
     }
 }
@@ -133,17 +146,15 @@ pub(super) async fn decide(engine: &Engine, snapshot: &Snapshot, request: &Check
         // The reporter is the user: its report weighs what it was admitted.
         adaptive.record(request.user_id, reported.outcome, reported.latency_ms, u64::from(request.weight));
     }
-    let unreleased;
-    let request = if request.count == Count::Always
-        && !request.may_report
-        && rule.is_some_and(|r| r.window.algorithm.releases())
-    {
-        // Slots given back lift a limit others live under.
-        engine.adjusted(Api::Check, "release_not_allowed");
-        unreleased = CheckRequest { count: Count::Never, ..*request };
-        &unreleased
-    } else {
-        request
+    let clocked = rule.is_some_and(Rule::has_calendar) || request.reserve || request.reservation.is_some();
+    let now_ms = if clocked { engine.inner.clock.now_ms() } else { 0 };
+    let peek;
+    let request = match refused_report(engine, rule, request, now_ms) {
+        Some(refused) => {
+            peek = refused;
+            &peek
+        }
+        None => request,
     };
     let base = rule.map_or(engine.inner.default_priority, |r| r.priority);
     let native = Native {
@@ -156,7 +167,7 @@ pub(super) async fn decide(engine: &Engine, snapshot: &Snapshot, request: &Check
         cache: None,
         version: snapshot.version(),
         grant: None,
-        now_ms: rule.filter(|rule| rule.has_calendar()).map_or(0, |_| engine.inner.clock.now_ms()),
+        now_ms,
     };
     let decision = engine.run(native).await;
     if let Some(adaptive) = adaptive
@@ -168,6 +179,40 @@ pub(super) async fn decide(engine: &Engine, snapshot: &Snapshot, request: &Check
         adaptive.admit(request.user_id, u64::from(request.weight));
     }
     decision
+}
+
+/// A `Report` that may not do what it asks, as the peek it is answered
+/// with instead, counted: slots in flight or a settlement given back by a
+/// caller that may not report (they would lift a limit others live
+/// under), a settlement of another rule's reservation (or of a rule that
+/// counts no job), or of one expired (it stays charged at its estimate).
+fn refused_report<'a>(
+    engine: &Engine,
+    rule: Option<&Rule>,
+    request: &CheckRequest<'a>,
+    now_ms: u64,
+) -> Option<CheckRequest<'a>> {
+    let refused = |what| {
+        engine.adjusted(Api::Check, what);
+        Some(CheckRequest { count: Count::Never, reservation: None, ..*request })
+    };
+    if request.count != Count::Always {
+        return None;
+    }
+    if !request.may_report && rule.is_some_and(|r| r.window.algorithm.releases()) {
+        return refused("release_not_allowed");
+    }
+    let reservation = request.reservation?;
+    if !request.may_report {
+        return refused("settlement_not_allowed");
+    }
+    if !rule.is_some_and(|rule| *rule.id == *reservation.rule_id && rule.counts_a_job()) {
+        return refused("settlement_other_rule");
+    }
+    if reservation.expires_ms <= now_ms {
+        return refused("reservation_expired");
+    }
+    None
 }
 
 impl RuleInfo {
@@ -199,7 +244,8 @@ struct Native<'r, 'a> {
     /// A global rule's limit for this user in this region: its grant, or
     /// the region's floor.
     grant: Option<u64>,
-    /// The engine's clock, read once when a limit counts per calendar period.
+    /// The engine's clock, read once when a limit counts per calendar
+    /// period, or the request reserves or settles.
     now_ms: u64,
 }
 
@@ -252,6 +298,57 @@ impl Native<'_, '_> {
         }
     }
 
+    /// What a settling report states of limit `index`'s unit: `None` for a
+    /// limit of requests, or of a unit it does not name.
+    fn stated(&self, rule: &Rule, index: usize) -> Option<u64> {
+        rule.unit_at(index).and_then(|unit| self.request.usage.get(&**unit).copied())
+    }
+
+    /// A reserving `Check` admitted whole: the reservation of what it
+    /// counted of each unit, in the windows the store counted it in.
+    fn reserved(&self, engine: &Engine, items: &[ManyItem], outcome: &ManyOutcome) -> Option<String> {
+        let admitted = outcome.committed && outcome.verdicts.iter().all(|v| v.admitted);
+        if !self.request.reserve || self.request.count != Count::IfFits || !admitted {
+            return None;
+        }
+        let rule = self.rule();
+        let limits = items
+            .iter()
+            .enumerate()
+            .filter(|(index, item)| rule.unit_at(*index).is_some() && item.count == Count::IfFits)
+            .map(|(limit, item)| Reserved {
+                limit,
+                amount: item.weight,
+                window: item.window_at(outcome.now_ms),
+            })
+            .collect();
+        let expires_ms = self.now_ms.saturating_add(engine.inner.reservation_ttl_ms);
+        Some(Reservation::new(rule, expires_ms, limits).id())
+    }
+
+    /// A settlement: its claim and each limit's difference, one job. A
+    /// reservation settled before is answered as a peek, nothing counted.
+    async fn settle(
+        &self,
+        engine: &Engine,
+        shares: Shares<'_>,
+        reservation: &Reservation,
+    ) -> Result<(Verdict, usize, Option<String>), StoreError> {
+        let (rule, store) = (self.rule(), &engine.inner.store);
+        let items = rule.items(None, self.now_ms, |index| self.counted(rule, index));
+        let job = reservation.settle(self.now_ms, items, |index| self.stated(rule, index));
+        let outcome = store.decide_job_in(shares, &self.user, &job).await?;
+        if !outcome.committed {
+            engine.adjusted(Api::Check, "settlement_repeated");
+            let peeks = rule.items(None, self.now_ms, |_| (1, Count::Never));
+            let (verdict, bound) = bound(rule, &store.decide_many_in(shares, &self.user, &peeks).await?);
+            return Ok((verdict, bound, None));
+        }
+        let limits = ManyOutcome { verdicts: outcome.verdicts[1..].to_vec(), ..outcome };
+        let (verdict, bound) = bound(rule, &limits);
+        Ok((verdict, bound, None))
+    }
+
     /// Whether a limit of `rule` can never admit what this request asks of
     /// it (more than its capacity; a report is counted whatever it is).
     fn never_fits(&self, rule: &Rule) -> bool {
@@ -267,8 +364,9 @@ impl Native<'_, '_> {
 
 impl Subject for Native<'_, '_> {
     type Answer = Decision;
-    /// The verdict, and which of the rule's limits bound (0 the first).
-    type Outcome = (Verdict, usize);
+    /// The verdict, which of the rule's limits bound (0 the first), and a
+    /// reservation's id.
+    type Outcome = (Verdict, usize, Option<String>);
 
     #[inline]
     fn priority(&self) -> Priority {
@@ -386,7 +484,7 @@ impl Subject for Native<'_, '_> {
     /// One counter, or with `also` limits one all-or-nothing job of them
     /// all in the user's group.
     #[inline]
-    async fn decide(&self, engine: &Engine) -> Result<(Verdict, usize), StoreError> {
+    async fn decide(&self, engine: &Engine) -> Result<Self::Outcome, StoreError> {
         let weight = u64::from(self.request.weight);
         let tenant = engine.tenant_share(|| tenant(engine, self.request));
         let shares = Shares { caller: self.request.share, tenant: tenant.as_deref() };
@@ -394,17 +492,21 @@ impl Subject for Native<'_, '_> {
         if !rule.counts_a_job() {
             let counter = rule.counter_at(self.grant);
             let verdict = store.decide_in(shares, &self.user, counter, weight, self.request.count).await?;
-            return Ok((verdict, 0));
+            return Ok((verdict, 0, None));
         }
         // Boxed: the job's future would otherwise size every decision's,
         // the single-limit ones' too.
+        if let Some(reservation) = self.request.reservation {
+            return Box::pin(self.settle(engine, shares, reservation)).await;
+        }
         let items = rule.items(self.grant, self.now_ms, |index| self.counted(rule, index));
         let outcome = Box::pin(store.decide_many_in(shares, &self.user, &items)).await?;
-        Ok(bound(rule, &outcome))
+        let (verdict, bound) = bound(rule, &outcome);
+        Ok((verdict, bound, self.reserved(engine, &items, &outcome)))
     }
 
     #[inline]
-    fn answer(self, engine: &Engine, (verdict, bound): (Verdict, usize)) -> Decision {
+    fn answer(self, engine: &Engine, (verdict, bound, reservation): Self::Outcome) -> Decision {
         if let (Some(version), Some(cache)) = (self.cache, engine.inner.denials.as_deref())
             && !verdict.admitted
             && let Some(retry_after_ms) = verdict.retry_after_ms
@@ -422,7 +524,7 @@ impl Subject for Native<'_, '_> {
         self.record_global(engine, verdict.admitted);
         let info = self.rule.map(|rule| RuleInfo::of_limit(rule, bound, self.grant, self.now_ms));
         let decided = from_verdict(&verdict, self.shadow(), info, self.priority);
-        Decision { shadow_shed: self.shadow_shed, level: self.level, ..decided }
+        Decision { shadow_shed: self.shadow_shed, level: self.level, reservation, ..decided }
     }
 
     #[inline]
@@ -430,7 +532,13 @@ impl Subject for Native<'_, '_> {
         let (user, priority, level, grant, now_ms) =
             (&self.user, self.priority, self.level, self.grant, self.now_ms);
         let rule = self.rule();
-        let items = rule.counts_a_job().then(|| rule.items(grant, now_ms, |index| self.counted(rule, index)));
+        let items = rule.counts_a_job().then(|| {
+            let items = rule.items(grant, now_ms, |index| self.counted(rule, index));
+            match self.request.reservation {
+                Some(reservation) => reservation.settle(now_ms, items, |index| self.stated(rule, index)),
+                None => items,
+            }
+        });
         let what = Failed { user, priority, level, error, grant, now_ms, items };
         Decision { shadow_shed: self.shadow_shed, ..failed(engine, self.request, self.rule(), what) }
     }
@@ -439,7 +547,7 @@ impl Subject for Native<'_, '_> {
 /// The verdict of a rule's job and the limit that binds: limits of one
 /// unit answer with the least left of them all, limits of several units
 /// with the binding one's own, in its unit.
-fn bound(rule: &Rule, outcome: &crate::limiter::ManyOutcome) -> (Verdict, usize) {
+fn bound(rule: &Rule, outcome: &ManyOutcome) -> (Verdict, usize) {
     if rule.has_units() {
         outcome.binding_in_units(|index| rule.limit_at(index).1.capacity)
     } else {
@@ -474,7 +582,7 @@ struct Failed<'a> {
     now_ms: u64,
     /// The counters of a rule that counts one job of them
     /// ([`Rule::counts_a_job`]); `None`: its one counter.
-    items: Option<Vec<crate::limiter::ManyItem>>,
+    items: Option<Vec<ManyItem>>,
 }
 
 fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priority: Priority) -> Decision {
@@ -492,6 +600,7 @@ fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priorit
         level: Level::Normal,
         shadow_shed: false,
         store_error: None,
+        reservation: None,
     }
 }
 

@@ -245,6 +245,7 @@ fn peek(limit: &Limit, key: &str, algorithm: Algorithm) -> ManyItem {
         count: Count::Never,
         shadow: false,
         clock: None,
+        refund: None,
     }
 }
 

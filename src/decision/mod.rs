@@ -30,6 +30,7 @@ pub mod limitador;
 pub mod limitador_metrics;
 pub mod metrics;
 mod pipeline;
+pub mod reservation;
 pub mod shares;
 #[cfg(test)]
 mod tests;
@@ -236,9 +237,11 @@ pub struct EngineParts {
     /// This region's grants of the global limits (`global.*`); `None`: no
     /// other region, a global limit is enforced whole.
     pub grants: Option<Arc<Grants>>,
-    /// What places a calendar period's edges (`period:`): the system
-    /// clock, or a test's.
+    /// What places a calendar period's edges (`period:`) and a
+    /// reservation's expiry: the system clock, or a test's.
     pub clock: Arc<dyn crate::clock::Clock>,
+    /// How long a reservation may be settled (`limits.reservation_ttl_ms`).
+    pub reservation_ttl_ms: u64,
 }
 
 impl EngineParts {
@@ -268,6 +271,7 @@ impl EngineParts {
             denials: None,
             grants: None,
             clock: Arc::new(crate::clock::SystemClock),
+            reservation_ttl_ms: reservation::DEFAULT_TTL_MS,
         }
     }
 }

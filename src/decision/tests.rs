@@ -98,6 +98,8 @@ async fn an_untrusted_request_priority_only_lowers() {
         share: None,
         outcome: None,
         may_report: true,
+        reserve: false,
+        reservation: None,
     };
     assert_eq!(engine.check(&check(Priority::Critical)).await.priority, Priority::Degraded);
     assert_eq!(engine.check(&check(Priority::BestEffort)).await.priority, Priority::BestEffort);
@@ -189,6 +191,8 @@ mod several_limits {
                        user_id: "u", resource_path: "/x", client_type: None, weight, count: Count::IfFits,
                        priority: None, headers: &headers,
     usage: &NO_USAGE, trace_id: None, share: None, outcome: None, may_report: true,
+                       reserve: false,
+                       reservation: None,
                    };
                    let decision = runtime.block_on(engine.check(&request));
                    prop_assert_eq!(decision.allowed, expected, "at {} weight {}: {:?}", now, w, decision);
@@ -277,6 +281,7 @@ async fn limitador_counters_are_listed_in_order_and_bounded() {
         count: crate::limiter::Count::IfFits,
         shadow: false,
         clock: None,
+        refund: None,
     };
     store.decide_many("ns", &[junk]).await.unwrap();
     let listed = engine.limitador_counters(&limits, "ns").await.unwrap();

@@ -391,6 +391,8 @@ mod tests {
                 share: None,
                 outcome: None,
                 may_report: true,
+                reserve: false,
+                reservation: None,
             };
             sink.record(&FailedDecision::of_check(&request, &rule, Priority::Bulk, &error, Reason::FailOpen));
         }

@@ -104,6 +104,7 @@ impl Served {
                     count: Count::Never,
                     shadow: false,
                     clock: None,
+                    refund: None,
                 };
                 let outcome = store.decide_many(domain, &[item]).await?;
                 let remaining = outcome.verdicts.first().map_or(0, |v| v.remaining);

@@ -655,6 +655,7 @@ mod tests {
             count: Count::IfFits,
             shadow: false,
             clock: None,
+            refund: None,
         };
         let items = [item("a", 5), item("b", 1)];
         assert!(local.decide_many("d", &items).unwrap().committed);

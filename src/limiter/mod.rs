@@ -109,6 +109,13 @@ pub struct ManyItem {
     /// `None`: the store's, `now_ms / tick_ms`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock: Option<calendar::ItemClock>,
+    /// A report (`Count::Always`) that gives `weight` back instead of
+    /// counting it: a settlement below its reservation, which was counted
+    /// in window `r` (the window's index in ticks, [`ManyItem::window_at`]).
+    /// Taken from that window's count while it still counts (this window,
+    /// or the previous one); a bucket's debt shrinks by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refund: Option<u64>,
 }
 
 impl ManyItem {
@@ -125,6 +132,12 @@ impl ManyItem {
     #[inline]
     pub(crate) fn now(&self, now_ms: u64) -> u64 {
         self.clock.map_or(now_ms / self.tick_ms.max(1), |clock| clock.now)
+    }
+
+    /// The index of the window this counter counts in at `now_ms` of the
+    /// store's clock (what a refund names).
+    pub fn window_at(&self, now_ms: u64) -> u64 {
+        self.now(now_ms) / self.params.window_ms.max(1)
     }
 
     /// A duration the arithmetic answered in ticks, in ms.
@@ -146,6 +159,9 @@ pub struct ManyOutcome {
     /// Per item, durations in ms. `admitted` says whether the item fit on
     /// its own; `remaining` reflects what was actually counted.
     pub verdicts: Vec<Verdict>,
+    /// The store's clock when it decided (Unix ms): where each item's
+    /// window was ([`ManyItem::window_at`]).
+    pub now_ms: u64,
 }
 
 impl ManyOutcome {
@@ -268,6 +284,32 @@ impl Seen {
         }
     }
 
+    /// The counter after a refund of `weight` counted in window `window`,
+    /// seen from window `index`: taken from that window's count while it
+    /// counts (this one's or the previous one's), never below 0; a
+    /// bucket's debt less `weight` tokens. Exactly as both stores do.
+    fn refunded(self, weight: u64, params: WindowParams, index: u64, window: u64) -> Self {
+        match self {
+            Seen::Window { mut counts, elapsed } => {
+                if window == index {
+                    counts.current = counts.current.saturating_sub(weight);
+                } else if window.checked_add(1) == Some(index) {
+                    counts.previous = counts.previous.saturating_sub(weight);
+                }
+                Seen::Window { counts, elapsed }
+            }
+            Seen::Bucket { debt } => {
+                Seen::Bucket { debt: debt.saturating_sub(weight.saturating_mul(params.window_ms)) }
+            }
+        }
+    }
+
+    /// The answer to a refund: for the next request, as a report's.
+    fn answer_refund(self, weight: u64, params: WindowParams, index: u64, window: u64) -> Verdict {
+        let after = self.refunded(weight, params, index, window);
+        after.uncounted(after.verdict(1, params), params)
+    }
+
     /// The counter after a report of `weight` counted whatever is left: its
     /// usage added, or for slots in flight ([`Algorithm::releases`]) that
     /// many given back, the previous window's first (the oldest), never
@@ -340,16 +382,22 @@ pub(crate) fn evaluate(
     now: u64,
     weight: u64,
     params: WindowParams,
-    count: Count,
+    (count, refund): (Count, Option<u64>),
 ) -> Evaluated {
     let (seen, index) = Seen::at(stored, now, params);
     let test = seen.verdict(weight, params);
     let fits = test.admitted;
     let writes = weight > 0 && (count.whatever_is_left() || (count == Count::IfFits && fits));
+    let refund = refund.filter(|_| count == Count::Always);
     // An admission that does not fit is its own test: the answer is `test` either way.
-    let verdict = seen.answer(test, weight, count, params, fits);
-    let write = writes.then(|| {
-        if count == Count::Always { seen.reported(weight, params) } else { seen.after(weight, params) }
+    let verdict = match refund {
+        Some(window) => seen.answer_refund(weight, params, index, window),
+        None => seen.answer(test, weight, count, params, fits),
+    };
+    let write = writes.then(|| match (count, refund) {
+        (Count::Always, Some(window)) => seen.refunded(weight, params, index, window),
+        (Count::Always, None) => seen.reported(weight, params),
+        _ => seen.after(weight, params),
     });
     let write = write.map(|next| match next {
         Seen::Window { counts, .. } => {
@@ -383,14 +431,25 @@ pub(crate) fn evaluate(
 /// Per item: fits, then what the store saw before its own weight.
 pub(crate) type RawItem = (bool, Seen);
 
-/// Turns the raw per-item results of either store into verdicts in ms.
-pub(crate) fn many_verdicts(items: &[ManyItem], raw: &[RawItem], committed: bool) -> Vec<Verdict> {
+/// Turns the raw per-item results of either store, deciding at `now_ms`,
+/// into verdicts in ms.
+pub(crate) fn many_verdicts(
+    items: &[ManyItem],
+    raw: &[RawItem],
+    committed: bool,
+    now_ms: u64,
+) -> Vec<Verdict> {
     items
         .iter()
         .zip(raw)
         .map(|(item, &(fits, seen))| {
-            let test = seen.verdict(item.weight, item.params);
-            let mut verdict = seen.answer(test, item.weight, item.count, item.params, fits && committed);
+            let mut verdict = match item.refund.filter(|_| item.count == Count::Always) {
+                Some(window) => seen.answer_refund(item.weight, item.params, item.window_at(now_ms), window),
+                None => {
+                    let test = seen.verdict(item.weight, item.params);
+                    seen.answer(test, item.weight, item.count, item.params, fits && committed)
+                }
+            };
             verdict.retry_after_ms = verdict.retry_after_ms.map(|t| item.ms(t));
             verdict.reset_after_ms = item.ms(verdict.reset_after_ms);
             verdict

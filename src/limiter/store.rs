@@ -207,6 +207,21 @@ impl Store {
         each!(self, s => decide_many(&**s, shares, group, items).await)
     }
 
+    /// One job as it is, reports with admissions: nothing of it is counted
+    /// unless every admission fits (a settlement and its claim,
+    /// `decision::reservation`), for a caller with `shares`.
+    pub async fn decide_job_in(
+        &self,
+        shares: Shares<'_>,
+        group: &str,
+        items: &[ManyItem],
+    ) -> Result<ManyOutcome, StoreError> {
+        each!(self, s => {
+            let _held = s.hold(shares).await;
+            s.decide_job(group, items).await
+        })
+    }
+
     /// The keys of `group`'s job counters (those of [`Store::decide_many`])
     /// that start with `prefix` and still count, at most `max` of them
     /// (unordered); see [`Listed`]. Memory: every shard walked, one lock
@@ -293,5 +308,5 @@ pub async fn decide_many<S: CounterStore>(
         .map(|i| if i.count.whatever_is_left() { reported.next() } else { admissions.next() })
         .collect::<Option<Vec<Verdict>>>()
         .expect("one verdict per item");
-    Ok(ManyOutcome { committed, verdicts })
+    Ok(ManyOutcome { committed, verdicts, now_ms: decided.now_ms })
 }

@@ -350,6 +350,7 @@ impl Rule {
                     count,
                     shadow: false,
                     clock,
+                    refund: None,
                 }
             })
             .collect()

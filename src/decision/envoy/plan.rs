@@ -275,6 +275,7 @@ fn push_items<D: Descriptor>(
             // descriptor denies only together with all others.
             shadow: policy.shadow(first) || policy.quota(first),
             clock: None,
+            refund: None,
         });
     }
 }

@@ -258,7 +258,7 @@ impl Shard {
         }
         let used = u64::try_from((fill * u128::from(params.capacity)).div_ceil(u128::from(FULL_PPM)))
             .unwrap_or(u64::MAX);
-        evaluate(None, now, used, params, Count::Always).write.map(|(counter, _, _)| counter)
+        evaluate(None, now, used, params, (Count::Always, None)).write.map(|(counter, _, _)| counter)
     }
 }
 
@@ -357,7 +357,7 @@ impl MemoryStore {
             let key = KeyRef { many: false, group: counter.id, key: user_id };
             stored = shard.recalled(&self.hasher, &key, now, now, counter.window);
         }
-        let decided = evaluate(stored, now, weight, counter.window, count);
+        let decided = evaluate(stored, now, weight, counter.window, (count, None));
         if let Some((next, ttl, used)) = decided.write {
             let entry = Entry::new(next, now.saturating_add(ttl), used, counter.window.capacity);
             match at {
@@ -399,7 +399,7 @@ impl MemoryStore {
                 Some((_, counter, _)) => Some(*counter),
                 None => guards[position(shard)].1.stored(&self.hasher, group, item, now_ms),
             };
-            let decided = evaluate(stored, now, item.weight, item.params, item.count);
+            let decided = evaluate(stored, now, item.weight, item.params, (item.count, item.refund));
             let fits = decided.fits;
             // A peek (or a weight of 0) writes nothing: no counter is created.
             if let Some((next, ttl, used)) = decided.write {
@@ -433,7 +433,8 @@ impl MemoryStore {
             }
         }
         drop(guards);
-        Ok(ManyOutcome { committed: !blocked, verdicts: many_verdicts(items, &raw, !blocked) })
+        let verdicts = many_verdicts(items, &raw, !blocked, now_ms);
+        Ok(ManyOutcome { committed: !blocked, verdicts, now_ms })
     }
 
     /// Removes expired counters, `SWEEP_CHUNK` per lock hold, and shrinks

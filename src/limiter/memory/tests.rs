@@ -84,6 +84,7 @@ fn item(key: &str, capacity: u64, weight: u64, shadow: bool) -> ManyItem {
         count: Count::IfFits,
         shadow,
         clock: None,
+        refund: None,
     }
 }
 

@@ -64,7 +64,7 @@ use self::{
     backend::{Backend, Conn, backend, breaker_of, breakers, classify},
     dispatch::{CallCaps, Dispatcher, timeout_error},
     keys::push_tag,
-    script::{KeyArgs, OWN_CLOCK, answer_len, flags, script_error, seen_of},
+    script::{KeyArgs, OWN_CLOCK, REFUND, answer_len, flags, script_error, seen_of},
 };
 use super::settings::{RedisConfig, redact_url};
 use super::{
@@ -400,7 +400,7 @@ impl RedisStore {
     ) -> Result<Verdict, StoreError> {
         let params = counter.window;
         let args = KeyArgs {
-            spec: [params.window_ms, params.capacity, 1, flags(params, false, count), params.rate, 0],
+            spec: [params.window_ms, params.capacity, 1, flags(params, false, count), params.rate, 0, 0],
             weight,
         };
         let reply =
@@ -435,8 +435,9 @@ impl RedisStore {
                 key.push_str(&item.key);
                 let p = item.params;
                 let (own, now) = item.clock.map_or((0, 0), |clock| (OWN_CLOCK, clock.now));
-                let flags = flags(p, item.shadow, item.count) | own;
-                let spec = [p.window_ms, p.capacity, item.tick_ms, flags, p.rate, now];
+                let (refunds, window) = item.refund.map_or((0, 0), |window| (REFUND, window));
+                let flags = flags(p, item.shadow, item.count) | own | refunds;
+                let spec = [p.window_ms, p.capacity, item.tick_ms, flags, p.rate, now, window];
                 (key, KeyArgs { spec, weight: item.weight })
             })
             .collect();
@@ -465,7 +466,7 @@ impl RedisStore {
             [committed] => *committed == 1,
             _ => !items.iter().zip(&raw).any(|(item, &(fits, _))| item.blocks(fits)),
         };
-        Ok(ManyOutcome { committed, verdicts: many_verdicts(items, &raw, committed) })
+        Ok(ManyOutcome { committed, verdicts: many_verdicts(items, &raw, committed, now_ms), now_ms })
     }
 
     /// Appends `<prefix>rle2:{<group>}:`, what every key of `group`'s jobs
@@ -671,7 +672,7 @@ mod tests {
     #[test]
     fn specs_are_numbered_once_in_order_of_first_use() {
         let mut specs = Specs::default();
-        let spec = |n: u64| [n, 1, 1, 0, 1, 0];
+        let spec = |n: u64| [n, 1, 1, 0, 1, 0, 0];
         assert_eq!([1, 2, 1, 3, 2].map(|n| specs.position(spec(n))), [1, 2, 1, 3, 2]);
         // Past the linear search, the map keeps every number.
         for n in 4..=40 {
@@ -685,7 +686,7 @@ mod tests {
     }
 
     fn job(slot: u16, key: &str, keys: usize) -> Job {
-        let args = KeyArgs { spec: [1, 1, 1, 0, 1, 0], weight: 1 };
+        let args = KeyArgs { spec: [1, 1, 1, 0, 1, 0, 0], weight: 1 };
         let keys = match keys {
             1 => JobKeys::One([(key.to_owned(), args)]),
             n => JobKeys::Many(vec![(key.to_owned(), args); n]),
@@ -750,7 +751,7 @@ mod tests {
     #[test]
     fn a_call_takes_jobs_while_both_caps_hold_and_always_one() {
         let job = |keys: usize, len: usize| -> Vec<(String, KeyArgs)> {
-            vec![("k".repeat(len), KeyArgs { spec: [0; 6], weight: 1 }); keys]
+            vec![("k".repeat(len), KeyArgs { spec: [0; 7], weight: 1 }); keys]
         };
         let jobs = [job(4, 10), job(4, 10), job(4, 10), job(100, 10), job(1, 10)];
         let slices = || jobs.iter().map(Vec::as_slice);

@@ -18,13 +18,17 @@ use crate::limiter::{
 
 /// The parameters a counter shares with every counter of its rule: window
 /// (ticks), capacity, tick (ms), flags (algorithm code + 8 if shadow + 16 ×
-/// count code + 64 when the counter's clock follows), rate, and the
-/// counter's clock in ticks (a calendar period's; sent only with flag 64).
-/// A script call sends each distinct spec once.
-pub(super) type Spec = [u64; 6];
+/// count code + 64 when the counter's clock follows + 128 when a refund's
+/// window follows), rate, the counter's clock in ticks (a calendar
+/// period's; sent only with flag 64) and the window a refund gives back to
+/// (sent only with flag 128). A script call sends each distinct spec once.
+pub(super) type Spec = [u64; 7];
 
 /// The flag of a spec whose counter's clock follows its rate.
 pub(super) const OWN_CLOCK: u64 = 64;
+
+/// The flag of a spec that gives its weight back to the window that follows.
+pub(super) const REFUND: u64 = 128;
 
 /// One counter's script arguments: its spec and the request's weight.
 #[derive(Debug, Clone, Copy)]
@@ -196,9 +200,14 @@ pub(super) fn script_call(batch: &[Job], inline: bool) -> scripts::Call {
         batch.iter().flat_map(|job| job.keys.as_slice()).map(|(_, args)| specs.position(args.spec)).collect();
     call.arg(specs.list.len());
     for spec in &specs.list {
-        let values = if spec[3] & OWN_CLOCK == 0 { &spec[..5] } else { &spec[..] };
-        for value in values {
+        for value in &spec[..5] {
             call.arg(*value);
+        }
+        if spec[3] & OWN_CLOCK != 0 {
+            call.arg(spec[5]);
+        }
+        if spec[3] & REFUND != 0 {
+            call.arg(spec[6]);
         }
     }
     call.arg(batch.len());

@@ -27,11 +27,17 @@
 --                  window, 5 requests in flight; + 8 = shadow; + 16 x
 --                  count: 0 if it fits, 1 never (a peek), 2 always (a
 --                  report; in flight: slots given back); + 64 = the
---                  counter's own clock follows), rate (a bucket's refill
---                  per W); then, with flag 64, now in ticks (a calendar
---                  period's clock, limiter/calendar.rs: the period's
---                  number x W + the ticks elapsed in it), which replaces
---                  Redis' clock in the arithmetic (not in the expiries)
+--                  counter's own clock follows; + 128 = a refund
+--                  follows), rate (a bucket's refill per W); then, with
+--                  flag 64, now in ticks (a calendar period's clock,
+--                  limiter/calendar.rs: the period's number x W + the
+--                  ticks elapsed in it), which replaces Redis' clock in
+--                  the arithmetic (not in the expiries); then, with flag
+--                  128, the window r a report gives its weight back to
+--                  (a settlement below its reservation, counted in
+--                  window r: taken from this window's count when r is
+--                  this window, from the previous one's when r is that
+--                  one, else nothing; a bucket's debt shrinks by it)
 -- then             number of jobs J
 -- then per job     a job of one key: that key's entry; a job of n > 1
 --                  keys: 0, n, then each key's entry
@@ -136,17 +142,21 @@ for s = 1, nspecs do
   a = a + 5
   local alg = flags % 8
   -- `base` + ticks x tick is the Unix ms of a tick of this spec's clock.
-  local now, base = floor(now_ms / tick), 0
-  if flags >= 64 then
+  local now, base, refund = floor(now_ms / tick), 0, nil
+  if flags % 128 >= 64 then
     now = tonumber(ARGV[a])
     base = now_ms - now * tick
+    a = a + 1
+  end
+  if flags >= 128 then
+    refund = tonumber(ARGV[a])
     a = a + 1
   end
   local idx = floor(now / w)
   local one = {
     weight = 1,
     w = w, cap = cap, tick = tick, alg = alg, rate = rate, now = now,
-    shadow = floor(flags / 8) % 2 == 1, mode = floor(flags / 16) % 4, base = base,
+    shadow = floor(flags / 8) % 2 == 1, mode = floor(flags / 16) % 4, base = base, refund = refund,
     -- The capacity in units (capacity * W): a window's bound, a full bucket.
     capw = cap * w,
     -- A window: the current one, the largest count, the previous
@@ -291,6 +301,10 @@ for _ = 1, jobs do
       if weight <= cap and debt + units <= sp.capw then fits = 1 end
       if writes and (fits == 1 or mode == 2) then
         local after = debt + units
+        if sp.refund then
+          after = debt - units
+          if after < 0 then after = 0 end
+        end
         if after > MAXCW then after = MAXCW end
         if alg == 2 then
           nx, ny = now, after
@@ -339,7 +353,20 @@ for _ = 1, jobs do
       if (cur + weight) * w + prev * sp.prevw <= sp.capw then fits = 1 end
       -- A peek or a weight of 0 writes nothing: no counter is created or extended.
       if writes and (fits == 1 or mode == 2) then
-        if alg == 5 and mode == 2 then
+        local r = sp.refund
+        if r then
+          -- A settlement's refund (window.rs Seen::refunded): from the
+          -- window it was counted in, while that one still counts.
+          local c, p = cur, prev
+          if r == idx then
+            c = c - weight
+            if c < 0 then c = 0 end
+          elseif r == idx - 1 then
+            p = p - weight
+            if p < 0 then p = 0 end
+          end
+          nx, ny, nz, need = idx, c, (alg == 4) and -4 or p, expiry
+        elseif alg == 5 and mode == 2 then
           -- Slots given back (window.rs Seen::reported): the previous
           -- window's first, never below 0.
           local back = weight

@@ -120,6 +120,7 @@ pub(crate) fn engine(
         tenant_shares: layers.tenant_shares,
         grants: layers.grants,
         clock: Arc::new(crate::clock::SystemClock),
+        reservation_ttl_ms: config.limits.reservation_ttl_ms,
     })
 }
 
