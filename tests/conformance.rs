@@ -25,16 +25,7 @@ const HOUR_MS: u64 = 3_600_000;
 
 /// One counter of a job, counted if it fits.
 fn item(key: &str, params: WindowParams) -> ManyItem {
-    ManyItem {
-        key: key.to_owned(),
-        params,
-        tick_ms: 1,
-        weight: 1,
-        count: Count::IfFits,
-        shadow: false,
-        clock: None,
-        refund: None,
-    }
+    ManyItem::admission(key, params)
 }
 
 fn params(algorithm: Algorithm, window_ms: u64, capacity: u64) -> WindowParams {

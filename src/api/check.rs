@@ -109,7 +109,7 @@ impl RateLimiterService {
             }
             checked.count = Count::Always;
             checked.outcome = reported(&message).map_err(refuse)?;
-            checked.reservation = reservation.as_ref();
+            checked.reservation = reservation.as_deref();
             if let Some(reported) = &mut checked.outcome
                 && !may_report(&extensions)
             {
@@ -175,7 +175,11 @@ async fn decide_item(
 
 /// The reservation a `Report` settles, read from its id; `reserve` on a
 /// `Report` and `reservation` on a `Check` are refused by name.
-fn settled(message: &pb::RateLimitRequest, report: bool) -> Result<Option<Reservation>, ValidationError> {
+/// Boxed: every call's future holds it, and most hold none.
+fn settled(
+    message: &pb::RateLimitRequest,
+    report: bool,
+) -> Result<Option<Box<Reservation>>, ValidationError> {
     let wrong = |field, message: String| ValidationError { field, message, reason: "reservation" };
     match (report, message.reserve, message.reservation.is_empty()) {
         (true, true, _) => Err(wrong("reserve", "must be false on Report (a Check reserves)".to_owned())),
@@ -183,9 +187,9 @@ fn settled(message: &pb::RateLimitRequest, report: bool) -> Result<Option<Reserv
             Err(wrong("reservation", "must be empty on Check (a Report settles)".to_owned()))
         }
         (_, _, true) => Ok(None),
-        (true, false, false) => {
-            Reservation::parse(&message.reservation).map(Some).map_err(|e| wrong("reservation", e))
-        }
+        (true, false, false) => Reservation::parse(&message.reservation)
+            .map(|r| Some(Box::new(r)))
+            .map_err(|e| wrong("reservation", e)),
     }
 }
 

@@ -144,7 +144,7 @@ pub(crate) fn response(decision: Decision) -> pb::RateLimitResponse {
         store_error: decision.store_error.map_or_else(String::new, |kind| kind.as_str().to_owned()),
         unit,
         remaining: decision.remaining,
-        reservation: decision.reservation.unwrap_or_default(),
+        reservation: decision.reservation.map_or_else(String::new, String::from),
     }
 }
 

@@ -82,7 +82,11 @@ impl Encode for pb::CheckBatchResponse {
 /// A field's key: its number and wire type (0 varint, 2 length-delimited):
 /// one byte below field 16, two from there on.
 fn key(out: &mut Vec<u8>, field: u8, wire_type: u8) {
-    varint(out, u64::from(field) << 3 | u64::from(wire_type));
+    if field < 16 {
+        out.push(field << 3 | wire_type);
+    } else {
+        varint(out, u64::from(field) << 3 | u64::from(wire_type));
+    }
 }
 
 fn varint(out: &mut Vec<u8>, mut value: u64) {

@@ -112,7 +112,7 @@ pub struct Decision {
     /// did); `None` when it did.
     pub store_error: Option<FailureKind>,
     /// A reserving `Check` admitted: the id its `Report` settles with.
-    pub reservation: Option<String>,
+    pub reservation: Option<Box<str>>,
 }
 
 impl Decision {
@@ -306,7 +306,7 @@ impl Native<'_, '_> {
 
     /// A reserving `Check` admitted whole: the reservation of what it
     /// counted of each unit, in the windows the store counted it in.
-    fn reserved(&self, engine: &Engine, items: &[ManyItem], outcome: &ManyOutcome) -> Option<String> {
+    fn reserved(&self, engine: &Engine, items: &[ManyItem], outcome: &ManyOutcome) -> Option<Box<str>> {
         let admitted = outcome.committed && outcome.verdicts.iter().all(|v| v.admitted);
         if !self.request.reserve || self.request.count != Count::IfFits || !admitted {
             return None;
@@ -323,7 +323,7 @@ impl Native<'_, '_> {
             })
             .collect();
         let expires_ms = self.now_ms.saturating_add(engine.inner.reservation_ttl_ms);
-        Some(Reservation::new(rule, expires_ms, limits).id())
+        Some(Reservation::new(rule, expires_ms, limits).id().into_boxed_str())
     }
 
     /// A settlement: its claim and each limit's difference, one job. A
@@ -333,7 +333,7 @@ impl Native<'_, '_> {
         engine: &Engine,
         shares: Shares<'_>,
         reservation: &Reservation,
-    ) -> Result<(Verdict, usize, Option<String>), StoreError> {
+    ) -> Result<(Verdict, usize, Option<Box<str>>), StoreError> {
         let (rule, store) = (self.rule(), &engine.inner.store);
         let items = rule.items(None, self.now_ms, |index| self.counted(rule, index));
         let job = reservation.settle(self.now_ms, items, |index| self.stated(rule, index));
@@ -366,7 +366,7 @@ impl Subject for Native<'_, '_> {
     type Answer = Decision;
     /// The verdict, which of the rule's limits bound (0 the first), and a
     /// reservation's id.
-    type Outcome = (Verdict, usize, Option<String>);
+    type Outcome = (Verdict, usize, Option<Box<str>>);
 
     #[inline]
     fn priority(&self) -> Priority {

@@ -126,16 +126,8 @@ impl Reservation {
     /// job counts nothing.
     pub fn claim(&self, now_ms: u64) -> ManyItem {
         let window_ms = self.expires_ms.saturating_sub(now_ms).max(1);
-        ManyItem {
-            key: format!("~settled/{:016x}", self.nonce),
-            params: WindowParams { window_ms, capacity: 1, rate: 1, algorithm: Algorithm::FirstHitWindow },
-            tick_ms: 1,
-            weight: 1,
-            count: Count::IfFits,
-            shadow: false,
-            clock: None,
-            refund: None,
-        }
+        let params = WindowParams { window_ms, capacity: 1, rate: 1, algorithm: Algorithm::FirstHitWindow };
+        ManyItem::admission(format!("~settled/{:016x}", self.nonce), params)
     }
 
     /// The settlement's job: the claim, then each of `items` (the rule's

@@ -647,16 +647,8 @@ mod tests {
     #[test]
     fn many_owes_only_what_it_committed() {
         let (local, _) = limiter(100, 1);
-        let item = |key: &str, capacity: u64| ManyItem {
-            key: key.to_owned(),
-            params: WindowParams::sliding(1_000, capacity),
-            tick_ms: 1,
-            weight: 1,
-            count: Count::IfFits,
-            shadow: false,
-            clock: None,
-            refund: None,
-        };
+        let item =
+            |key: &str, capacity: u64| ManyItem::admission(key, WindowParams::sliding(1_000, capacity));
         let items = [item("a", 5), item("b", 1)];
         assert!(local.decide_many("d", &items).unwrap().committed);
         assert_eq!(local.owed_hits(), 2);

@@ -119,6 +119,22 @@ pub struct ManyItem {
 }
 
 impl ManyItem {
+    /// A counter `key` of `params` (in ms) admitting one request if it
+    /// fits: the fields a job's item most often has, for the others to
+    /// be set with `..`.
+    pub fn admission(key: impl Into<String>, params: WindowParams) -> Self {
+        ManyItem {
+            key: key.into(),
+            params,
+            tick_ms: 1,
+            weight: 1,
+            count: Count::IfFits,
+            shadow: false,
+            clock: None,
+            refund: None,
+        }
+    }
+
     /// Whether this item's answer keeps its job from committing: it does
     /// not fit, and it is enforced (not shadow) and not a report (a report
     /// is counted whatever is left). Both stores decide a job with this;
