@@ -326,7 +326,10 @@ async fn decide(engine: &Engine, limitador: Option<&Limits>, request: &Request) 
         })
         .await;
     Outcome {
-        denied: matches!(decision.reason, Reason::OverLimit | Reason::WeightExceedsCapacity),
+        denied: matches!(
+            decision.reason,
+            Reason::OverLimit | Reason::WeightExceedsCapacity | Reason::NoPrice
+        ),
         rule: decision.rule.map(|r| r.id),
     }
 }

@@ -44,6 +44,7 @@ rules:
   - { rule_id: monthly, resource_path: /monthly, limit: 3, period: month, time_zone: Europe/Berlin, also: [ { limit: 100, window_seconds: 60 } ] }
   - { rule_id: tokens, resource_path: /tokens, limit: 60, window_seconds: 60, also: [ { limit: 1000, window_seconds: 60, unit: input_tokens }, { limit: 500, window_seconds: 60, unit: output_tokens } ] }
   - { rule_id: spend, resource_path: /spend, limit: 1000, period: month, unit: cost }
+  - { rule_id: priced, resource_path: /priced, limit: 100, window_seconds: 60, also: [ { limit: 10000, period: month, unit: cost } ], prices: { model_from: x-model, per_million: { gpt-4o: { input_tokens: 2500000, output_tokens: 10000000 }, mini: { input_tokens: 150000, output_tokens: 600000 } } } }
 "#;
 
 const ENVOY: &str = r#"
@@ -269,6 +270,7 @@ for_each_store!(
     limits_of_other_units_count_what_the_request_states,
     a_money_budget_stops_the_key_at_its_limit,
     a_reservation_is_settled_once_up_or_down,
+    a_price_table_charges_the_cost_of_the_tokens_by_model,
     a_reservation_never_settled_stays_charged_at_its_estimate,
     envoy_requests_in_flight_are_released_by_their_release_descriptor,
 );
@@ -1049,6 +1051,43 @@ async fn a_reservation_is_settled_once_up_or_down(backend: Backend) {
     h.engine.check(&untrusted).await;
     let spent = h.usage("vic", "/spend", &[("cost", 101)], false, None).await;
     assert_eq!((spent.allowed, spent.remaining), (false, 100), "nothing given back: {spent:?}");
+}
+
+/// A budget of 10,000 micro-dollars a month charged from a price table:
+/// each request costs its tokens at its model's prices (rounded up once),
+/// a `cost` the request states itself is not what is charged, a model the
+/// table does not list is refused on a Check and charged the highest
+/// prices on a Report.
+async fn a_price_table_charges_the_cost_of_the_tokens_by_model(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let call = |model: &str, usage: &[(&str, u64)], count: Count| {
+        let usage: HashMap<String, u64> = usage.iter().map(|(unit, n)| ((*unit).to_owned(), *n)).collect();
+        let headers = HashMap::from([("X-Model".to_owned(), model.to_owned())]);
+        let engine = h.engine.clone();
+        async move {
+            engine
+                .check(&CheckRequest { usage: &usage, ..native("pia", "/priced", 1, count, &headers) })
+                .await
+        }
+    };
+    let cost = |d: &Decision| {
+        (d.allowed, d.rule.as_ref().and_then(|r| r.unit.as_deref().map(str::to_owned)), d.remaining)
+    };
+    // 1,200 x 2.5 + 312 x 10 = 6,120 micro-dollars.
+    let first =
+        call("gpt-4o", &[("input_tokens", 1_200), ("output_tokens", 312), ("cost", 1)], Count::IfFits).await;
+    assert_eq!(cost(&first), (true, Some("cost".to_owned()), 3_880), "{first:?}");
+    let over = call("gpt-4o", &[("input_tokens", 400), ("output_tokens", 300)], Count::IfFits).await;
+    assert_eq!(cost(&over), (false, Some("cost".to_owned()), 3_880), "4,000 does not fit: {over:?}");
+    // 1,000 x 0.15 + 1,001 x 0.6 = 150 + 600.6, rounded up: 751.
+    let mini = call("mini", &[("input_tokens", 1_000), ("output_tokens", 1_001)], Count::IfFits).await;
+    assert_eq!(cost(&mini), (true, Some("cost".to_owned()), 3_129), "{mini:?}");
+    let unknown = call("llama", &[("input_tokens", 10)], Count::IfFits).await;
+    assert_eq!((unknown.allowed, unknown.reason, unknown.retry_after_ms), (false, Reason::NoPrice, -1));
+    // Reported at the highest prices: 100 x 2.5 + 100 x 10 = 1,250.
+    call("llama", &[("input_tokens", 100), ("output_tokens", 100)], Count::Always).await;
+    let left = call("mini", &[("input_tokens", 1)], Count::Never).await;
+    assert_eq!(cost(&left), (true, Some("cost".to_owned()), 1_879), "{left:?}");
 }
 
 /// A reservation not settled within limits.reservation_ttl_ms stays

@@ -397,6 +397,7 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
         global: false,
         calendar: None,
         unit: None,
+        prices: None,
         source: std::path::Path::new("t.yaml").into(),
     }
 }

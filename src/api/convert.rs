@@ -160,6 +160,7 @@ fn reason(reason: Reason) -> pb::Reason {
         Reason::LocalOk => pb::Reason::LocalOk,
         Reason::LocalOverLimit => pb::Reason::LocalOverLimit,
         Reason::WeightExceedsCapacity => pb::Reason::WeightExceedsCapacity,
+        Reason::NoPrice => pb::Reason::NoPrice,
     }
 }
 

@@ -12,6 +12,7 @@ use super::{
     Api, Engine, FAIL_CLOSED_RETRY_MS, FailedDecision, Reason, TenantSource, clamp_i64, keys,
     pipeline::Subject,
 };
+use crate::rules::prices::{COST, Cost, Prices};
 use crate::{
     limiter::{
         CallerCalls, Count, FailureKind, ManyItem, ManyOutcome, Shares, StoreError, Verdict,
@@ -291,7 +292,7 @@ impl Native<'_, '_> {
     fn counted(&self, rule: &Rule, index: usize) -> (u64, Count) {
         let count = self.request.count;
         let Some(unit) = rule.unit_at(index) else { return (u64::from(self.request.weight), count) };
-        match (self.request.usage.get(&**unit).copied().filter(|&amount| amount > 0), count) {
+        match (self.amount(rule, unit).filter(|&amount| amount > 0), count) {
             (Some(amount), _) => (amount, count),
             (None, Count::Always) => (0, count),
             (None, _) => (1, Count::Never),
@@ -301,7 +302,26 @@ impl Native<'_, '_> {
     /// What a settling report states of limit `index`'s unit: `None` for a
     /// limit of requests, or of a unit it does not name.
     fn stated(&self, rule: &Rule, index: usize) -> Option<u64> {
-        rule.unit_at(index).and_then(|unit| self.request.usage.get(&**unit).copied())
+        rule.unit_at(index).and_then(|unit| self.amount(rule, unit))
+    }
+
+    /// What the request states of `unit`: for `cost` on a rule with a
+    /// price table, what its tokens cost at its model's prices (an
+    /// unlisted model's: `None`, or on a report the table's highest).
+    fn amount(&self, rule: &Rule, unit: &str) -> Option<u64> {
+        match (&rule.prices, unit) {
+            (Some(prices), COST) => match self.cost(prices) {
+                Cost::Priced(cost) => Some(cost),
+                Cost::Unpriced => None,
+            },
+            _ => self.request.usage.get(unit).copied(),
+        }
+    }
+
+    /// What the request costs at its model's prices.
+    fn cost(&self, prices: &Prices) -> Cost {
+        let report = self.request.count == Count::Always;
+        prices.cost(self.request.headers, |unit| self.request.usage.get(unit).copied(), report)
     }
 
     /// A reserving `Check` admitted whole: the reservation of what it
@@ -402,12 +422,14 @@ impl Subject for Native<'_, '_> {
         if self.request.outcome.is_some() {
             return Some(self.uncounted(Reason::Ok));
         }
-        if self.request.count != Count::Always && self.never_fits(rule) {
+        let unpriced = rule.prices.as_deref().is_some_and(|prices| self.cost(prices) == Cost::Unpriced);
+        let never = if unpriced { Reason::NoPrice } else { Reason::WeightExceedsCapacity };
+        if self.request.count != Count::Always && (unpriced || self.never_fits(rule)) {
             let base = self.uncounted(Reason::Ok);
             return Some(if self.shadow() {
                 Decision { shadow_denied: true, ..base }
             } else {
-                Decision { allowed: false, reason: Reason::WeightExceedsCapacity, retry_after_ms: -1, ..base }
+                Decision { allowed: false, reason: never, retry_after_ms: -1, ..base }
             });
         }
         None

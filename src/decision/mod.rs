@@ -91,6 +91,9 @@ pub enum Reason {
     WeightExceedsCapacity,
     /// Dropped by the overload layer; no counter was touched.
     Overload,
+    /// The rule prices its cost by model and the request's model has no
+    /// price: it can never pass as it is; nothing counted.
+    NoPrice,
 }
 
 impl Reason {
@@ -107,6 +110,7 @@ impl Reason {
             Reason::LocalOverLimit => "LOCAL_OVER_LIMIT",
             Reason::WeightExceedsCapacity => "WEIGHT_EXCEEDS_CAPACITY",
             Reason::Overload => "OVERLOAD",
+            Reason::NoPrice => "NO_PRICE",
         }
     }
 }

@@ -356,6 +356,7 @@ mod tests {
             global: false,
             calendar: None,
             unit: None,
+            prices: None,
             source: Arc::from(Path::new("r.yaml")),
         }
     }

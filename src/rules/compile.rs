@@ -12,6 +12,7 @@ use super::{
         Rule, capacity,
     },
     native::{RawLimit, RawRule, SourcedRule},
+    prices::{COST, Prices},
     snapshot::{PathForm, PathKey, Snapshot},
 };
 use crate::limiter::{
@@ -111,6 +112,8 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
     let adaptive = rule_adaptive(raw).map_err(|(field, message)| error(sourced, &field, message))?;
     in_flight(raw, algorithm, &also).map_err(fail)?;
     moving(raw, unit.is_some(), calendar.is_some()).map_err(fail)?;
+    let charges = unit.as_deref() == Some(COST) || also.iter().any(|a| a.unit.as_deref() == Some(COST));
+    let prices = priced(raw, charges).map_err(|(field, message)| error(sourced, &field, message))?;
     Ok(Rule {
         id: Arc::from(raw.rule_id.as_str()),
         resource_path: raw.resource_path.clone(),
@@ -127,6 +130,7 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         global: raw.global,
         calendar,
         unit,
+        prices,
         source: Arc::clone(&sourced.file),
     })
 }
@@ -181,15 +185,31 @@ fn moving(raw: &RawRule, unit: bool, calendar: bool) -> Result<(), (&'static str
     Ok(())
 }
 
+/// The rule's price table, checked: only on a rule with a limit of unit
+/// `cost` (what it charges).
+fn priced(raw: &RawRule, charges: bool) -> Result<Option<Arc<Prices>>, (String, String)> {
+    let Some(table) = &raw.prices else { return Ok(None) };
+    if !charges {
+        let message = format!("a price table charges a limit of unit {COST}: the rule has none");
+        return Err(("prices".to_owned(), message));
+    }
+    Ok(Some(Arc::new(Prices::new(table, well_formed_unit)?)))
+}
+
+/// Whether `unit` is a unit's name: lower-case letters, digits and `_`,
+/// starting with a letter, at most [`MAX_UNIT_BYTES`].
+fn well_formed_unit(unit: &str) -> bool {
+    unit.len() <= MAX_UNIT_BYTES
+        && unit.starts_with(|c: char| c.is_ascii_lowercase())
+        && unit.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}
+
 /// What a limit counts: `None` for requests (written or not), else the
 /// unit's name, lower-case letters, digits and `_`, starting with a
 /// letter (`input_tokens`, `cost`).
 fn unit_of(limit: &RawLimit) -> Result<Option<Arc<str>>, String> {
     let Some(unit) = limit.unit.as_deref().filter(|unit| *unit != "requests") else { return Ok(None) };
-    let well_formed = unit.len() <= MAX_UNIT_BYTES
-        && unit.starts_with(|c: char| c.is_ascii_lowercase())
-        && unit.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if !well_formed {
+    if !well_formed_unit(unit) {
         return Err(format!(
             "{unit:?}: a unit is lower-case letters, digits and '_', starting with a letter (at most {MAX_UNIT_BYTES} bytes)"
         ));
@@ -602,6 +622,19 @@ mod tests {
         let version = |extra: &str| compiled(extra).unwrap().version().to_owned();
         assert_ne!(version("    unit: input_tokens\n"), version("    unit: output_tokens\n"));
         assert_eq!(version(""), version("    unit: requests\n"));
+        // Prices charge a limit of cost, and are part of the version.
+        let table = |price: u64| {
+            format!(
+                "    prices: {{ model_from: x-model, per_million: {{ m: {{ input_tokens: {price} }} }} }}\n"
+            )
+        };
+        let e = errors(&table(1));
+        assert!(e.contains("field `prices`: a price table charges a limit of unit cost"), "{e}");
+        let priced = |price| format!("    unit: cost\n{}", table(price));
+        assert!(compiled(&priced(1)).unwrap().rules()[0].prices.is_some());
+        assert_ne!(version(&priced(1)), version(&priced(2)));
+        let e = errors(&format!("    unit: cost\n{}", table(1).replace("x-model", "'x model'")));
+        assert!(e.contains("field `prices.model_from`"), "{e}");
     }
 
     #[test]

@@ -136,6 +136,9 @@ pub struct EncodedRule {
     /// The first limit holds for every region together.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub global: bool,
+    /// The price table of its cost limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prices: Option<super::prices::RawPrices>,
 }
 
 /// The Envoy configuration files.
@@ -323,6 +326,7 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
                 .collect(),
             adaptive: rule.adaptive.as_deref().map(|a| super::AdaptiveSpec::of(&a.params)),
             global: rule.global,
+            prices: rule.prices.as_deref().map(|p| p.raw().clone()),
         })
         .collect();
     NativeRules { version: snapshot.version().to_owned(), rules }
@@ -443,6 +447,7 @@ fn decode_native(native: &NativeRules, version: &str, paths: PathForm) -> Result
                 also: rule.also.clone(),
                 adaptive: rule.adaptive,
                 global: rule.global,
+                prices: rule.prices.clone(),
             },
         })
         .collect();

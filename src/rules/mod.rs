@@ -14,6 +14,7 @@ pub mod gate;
 pub mod limitador;
 pub mod model;
 mod native;
+pub mod prices;
 pub mod signing;
 mod snapshot;
 mod store;

@@ -206,6 +206,8 @@ pub struct Rule {
     /// What the first limit counts (`unit:`); `None`: requests (the
     /// request's weight).
     pub unit: Option<Arc<str>>,
+    /// What its limits of unit `cost` charge, by model (`prices:`).
+    pub prices: Option<Arc<super::prices::Prices>>,
     /// The file the rule came from, for messages.
     pub source: Arc<Path>,
 }

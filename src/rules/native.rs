@@ -63,6 +63,9 @@ pub(crate) struct RawRule {
     /// The first limit holds for every region together (docs/global-limits.md).
     #[serde(default)]
     pub(crate) global: bool,
+    /// What a limit of unit `cost` charges, by model.
+    #[serde(default)]
+    pub(crate) prices: Option<super::prices::RawPrices>,
 }
 
 /// A further limit of a rule (`also:`), as written.

@@ -357,6 +357,10 @@ fn content_hash(rules: &[Rule]) -> String {
             counted_in(&mut canonical, rule, index + 1);
         }
         counted_in(&mut canonical, rule, 0);
+        if let Some(prices) = &rule.prices {
+            let table = serde_json::to_string(prices.raw()).unwrap_or_default();
+            let _ = writeln!(canonical, "\tprices\t{table}");
+        }
     }
     let digest = sha1_smol::Sha1::from(canonical.as_bytes()).digest().to_string();
     digest[..16].to_owned()
