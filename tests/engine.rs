@@ -1027,6 +1027,8 @@ async fn a_reservation_is_settled_once_up_or_down(backend: Backend) {
     assert!(fits.allowed, "300 output tokens back, once: {fits:?}");
     let full = h.usage("rex", "/tokens", &[("output_tokens", 1)], false, None).await;
     assert!(!full.allowed, "a retried settlement gave nothing more back: {full:?}");
+    let plain = h.usage("rex", "/both", &[], true, None).await;
+    assert!(plain.allowed && plain.reservation.is_none(), "no unit, nothing to reserve: {plain:?}");
 
     let up = h.usage("uly", "/tokens", &[("input_tokens", 200), ("output_tokens", 100)], true, None).await;
     let id = up.reservation.expect("a reservation id");

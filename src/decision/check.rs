@@ -327,11 +327,11 @@ impl Native<'_, '_> {
     /// A reserving `Check` admitted whole: the reservation of what it
     /// counted of each unit, in the windows the store counted it in.
     fn reserved(&self, engine: &Engine, items: &[ManyItem], outcome: &ManyOutcome) -> Option<Box<str>> {
+        let rule = self.rule();
         let admitted = outcome.committed && outcome.verdicts.iter().all(|v| v.admitted);
-        if !self.request.reserve || self.request.count != Count::IfFits || !admitted {
+        if !self.request.reserve || self.request.count != Count::IfFits || !admitted || !rule.has_units() {
             return None;
         }
-        let rule = self.rule();
         let limits = items
             .iter()
             .enumerate()
