@@ -178,9 +178,13 @@ impl LocalLimiter {
     }
 
     /// Decides several counters of `group` locally, all or nothing, at this
-    /// instance's share of each; what was counted is owed to the shared store.
+    /// instance's share of each; what was counted is owed to the shared
+    /// store. A refund is given back here only: owed, it would merge with
+    /// the key's owed usage (and a later write-back give back too much),
+    /// so the shared store keeps the estimate charged (never less).
     pub fn decide_many(&self, group: &str, items: &[ManyItem]) -> Result<ManyOutcome, StoreError> {
-        let owing = |item: &ManyItem| owes_the_store(item.count, item.weight, item.params);
+        let owing =
+            |item: &ManyItem| item.refund.is_none() && owes_the_store(item.count, item.weight, item.params);
         let keys: Vec<OwedKey> = items
             .iter()
             .filter(|i| owing(i))
@@ -654,6 +658,10 @@ mod tests {
         assert_eq!(local.owed_hits(), 2);
         // "b" is over: nothing of the call is counted or owed.
         assert!(!local.decide_many("d", &items).unwrap().committed);
+        assert_eq!(local.owed_hits(), 2);
+        // A refund is given back locally and owed to nobody.
+        let refund = ManyItem { count: Count::Always, refund: Some(0), ..item("a", 5) };
+        assert!(local.decide_many("d", &[refund]).unwrap().committed);
         assert_eq!(local.owed_hits(), 2);
     }
 
