@@ -188,22 +188,7 @@ fn benches(c: &mut Criterion) {
     };
     let engine = engine_with(true);
     let headers = HashMap::new();
-    let check = CheckRequest {
-        user_id: "user-2",
-        resource_path: "/api/v1/service-49/resource-49",
-        client_type: None,
-        weight: 1,
-        count: Count::IfFits,
-        priority: None,
-        headers: &headers,
-        usage: &ratelimitd::decision::NO_USAGE,
-        trace_id: None,
-        share: None,
-        outcome: None,
-        may_report: true,
-        reserve: false,
-        reservation: None,
-    };
+    let check = CheckRequest::new("user-2", "/api/v1/service-49/resource-49", &headers);
     c.bench_function("Engine::check, memory store", |b| {
         b.iter(|| runtime.block_on(engine.check(black_box(&check))))
     });

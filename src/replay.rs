@@ -309,20 +309,12 @@ async fn decide(engine: &Engine, limitador: Option<&Limits>, request: &Request) 
     let headers = HashMap::new();
     let decision = engine
         .check(&CheckRequest {
-            user_id: &request.user_id,
-            resource_path: &request.resource_path,
             client_type: request.client_type.as_deref(),
             weight: request.weight,
             count: request.count.count(),
             priority: request.priority,
-            headers: &headers,
             usage: request.usage.as_deref().unwrap_or(&NO_USAGE),
-            trace_id: None,
-            share: None,
-            outcome: None,
-            may_report: true,
-            reserve: false,
-            reservation: None,
+            ..CheckRequest::new(&request.user_id, &request.resource_path, &headers)
         })
         .await;
     Outcome {

@@ -470,9 +470,7 @@ async fn a_global_limits_keys_share_one_slot_of_a_coordination_cluster() {
 /// serving the group's slot, one group on each of the three primaries.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_groups_counters_are_listed_from_the_node_serving_it() {
-    use ratelimitd::limiter::{
-        Algorithm, Count, ManyItem, RedisStore, Store, WindowParams, settings::RedisConfig,
-    };
+    use ratelimitd::limiter::{Algorithm, ManyItem, RedisStore, Store, WindowParams, settings::RedisConfig};
     let cluster = RedisCluster::start();
     let owners = cluster.slot_owners();
     let mut dispatchers = tokio::task::JoinSet::new();
@@ -497,23 +495,10 @@ async fn a_groups_counters_are_listed_from_the_node_serving_it() {
         })
         .collect();
     for (n, group) in groups.iter().enumerate() {
-        let items: Vec<ManyItem> = (0..=n)
-            .map(|i| ManyItem {
-                key: format!("60|user={i}"),
-                params: WindowParams {
-                    window_ms: 60_000,
-                    capacity: 5,
-                    rate: 5,
-                    algorithm: Algorithm::FixedWindow,
-                },
-                tick_ms: 1,
-                weight: 1,
-                count: Count::IfFits,
-                shadow: false,
-                clock: None,
-                refund: None,
-            })
-            .collect();
+        let params =
+            WindowParams { window_ms: 60_000, capacity: 5, rate: 5, algorithm: Algorithm::FixedWindow };
+        let items: Vec<ManyItem> =
+            (0..=n).map(|i| ManyItem::admission(format!("60|user={i}"), params)).collect();
         assert!(store.decide_many(group, &items).await.unwrap().committed);
     }
     for (n, group) in groups.iter().enumerate() {

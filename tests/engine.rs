@@ -17,7 +17,7 @@ use ratelimitd::{
     config::RedisConfig,
     decision::{
         CheckRequest, Decision, DenialCache, Engine, EngineParts, EnvoyFailure, EnvoyPolicy, FailedDecision,
-        FailureSink, LimitOverride, NO_USAGE, Reason, RlsDecision, RlsDescriptor, RlsRequest,
+        FailureSink, LimitOverride, Reason, RlsDecision, RlsDescriptor, RlsRequest,
     },
     limiter::{Algorithm, Count, ManualClock, MemoryStore, RedisStore, Store},
     rules::{self, Hot, RuleStore, envoy::Unit},
@@ -109,22 +109,7 @@ fn native<'a>(
     count: Count,
     headers: &'a HashMap<String, String>,
 ) -> CheckRequest<'a> {
-    CheckRequest {
-        user_id: user,
-        resource_path: path,
-        client_type: None,
-        weight,
-        count,
-        priority: None,
-        headers,
-        usage: &NO_USAGE,
-        trace_id: None,
-        share: None,
-        outcome: None,
-        may_report: true,
-        reserve: false,
-        reservation: None,
-    }
+    CheckRequest { weight, count, ..CheckRequest::new(user, path, headers) }
 }
 
 impl Harness {

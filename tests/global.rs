@@ -24,7 +24,7 @@ use ratelimitd::{
     decision::{CheckRequest, Engine, EngineParts},
     global::{GlobalExchange, Settings, status::GlobalStatus},
     limiter::{
-        Algorithm, Count, RedisStore, Store,
+        Algorithm, RedisStore, Store,
         exchange::{self, ExchangeCounts, Participant},
         grants::Grants,
         lease::Lease,
@@ -194,22 +194,7 @@ impl Load {
                     }
                     n += 1;
                     let user = format!("tenant-{}", n % keys);
-                    let request = CheckRequest {
-                        user_id: &user,
-                        resource_path: path,
-                        client_type: None,
-                        weight: 1,
-                        count: Count::IfFits,
-                        priority: None,
-                        headers: &headers,
-                        usage: &ratelimitd::decision::NO_USAGE,
-                        trace_id: None,
-                        share: None,
-                        outcome: None,
-                        may_report: true,
-                        reserve: false,
-                        reservation: None,
-                    };
+                    let request = CheckRequest::new(&user, path, &headers);
                     if engine.check(&request).await.allowed {
                         log.lock().unwrap().push((wall_ms(), region));
                     }

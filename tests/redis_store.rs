@@ -179,17 +179,9 @@ async fn a_bucket_keeps_its_expiry_until_it_must_move() {
     let (store, _dispatchers) = single_connection_store(&redis).await;
     let mut conn = redis.client().await;
     for (algorithm, code) in [(Algorithm::TokenBucket, -2.0), (Algorithm::Gcra, -3.0)] {
-        let item = ManyItem {
-            key: format!("k-{}", algorithm.as_str()),
-            // 10 tokens, refilled at 10 a minute: a full refill takes 60 s.
-            params: WindowParams { window_ms: 60_000, capacity: 10, rate: 10, algorithm },
-            tick_ms: 1,
-            weight: 4,
-            count: Count::IfFits,
-            shadow: false,
-            clock: None,
-            refund: None,
-        };
+        // 10 tokens, refilled at 10 a minute: a full refill takes 60 s.
+        let params = WindowParams { window_ms: 60_000, capacity: 10, rate: 10, algorithm };
+        let item = ManyItem { weight: 4, ..ManyItem::admission(format!("k-{}", algorithm.as_str()), params) };
         let key = format!("rle2:{{g}}:k-{}", algorithm.as_str());
         let mut expiries = Vec::new();
         // 4 tokens owed: full again in 24 s, so the key lives 48 s; then 1
@@ -464,16 +456,7 @@ async fn batches_over_the_key_cap_are_split_in_order() {
         ratelimitd::config::RedisConfig { max_keys_per_call: 64, ..Default::default() },
     )
     .await;
-    let item = |key: &str| ManyItem {
-        key: key.to_owned(),
-        params: WindowParams::sliding(60_000, 250),
-        tick_ms: 1,
-        weight: 1,
-        count: Count::IfFits,
-        shadow: false,
-        clock: None,
-        refund: None,
-    };
+    let item = |key: &str| ManyItem::admission(key, WindowParams::sliding(60_000, 250));
     let jobs: Vec<Vec<ManyItem>> = (0..300).map(|_| ["a", "b", "c", "d"].map(item).to_vec()).collect();
     let before = redis.evalsha_calls().await;
     let outcomes = futures_util::future::join_all(jobs.iter().map(|job| store.decide_many("g", job))).await;
@@ -493,14 +476,8 @@ async fn a_denied_job_in_a_batch_writes_nothing() {
     let redis = RedisServer::start();
     let (store, _dispatchers) = single_connection_store(&redis).await;
     let item = |key: &str, capacity: u64, weight: u64| ManyItem {
-        key: key.to_owned(),
-        params: WindowParams::sliding(60_000, capacity),
-        tick_ms: 1,
         weight,
-        count: Count::IfFits,
-        shadow: false,
-        clock: None,
-        refund: None,
+        ..ManyItem::admission(key, WindowParams::sliding(60_000, capacity))
     };
     let first = [item("a", 10, 4), item("b", 10, 4)];
     // b would reach 4 + 7 = 11 > 10: denied, so a gets nothing either.
@@ -533,16 +510,7 @@ async fn counters_once_in_a_call_and_repeated_ones_are_written_alike() {
     use ratelimitd::limiter::{Algorithm, ManyItem, WindowParams};
     let redis = RedisServer::start();
     let (store, _dispatchers) = single_connection_store(&redis).await;
-    let item = |key: &str, params: WindowParams| ManyItem {
-        key: key.to_owned(),
-        params,
-        tick_ms: 1,
-        weight: 1,
-        count: Count::IfFits,
-        shadow: false,
-        clock: None,
-        refund: None,
-    };
+    let item = |key: &str, params| ManyItem::admission(key, params);
     let window = WindowParams::sliding(60_000, 3);
     let bucket = WindowParams { window_ms: 60_000, capacity: 3, rate: 3, algorithm: Algorithm::TokenBucket };
     let mut jobs: Vec<Vec<ManyItem>> = (0..10).map(|i| vec![item(&format!("u{i}"), window)]).collect();
@@ -583,16 +551,9 @@ async fn script_and_arithmetic_agree_across_window_edges() {
     let redis = RedisServer::start();
     let (store, _dispatchers) = single_connection_store(&redis).await;
     for algorithm in Algorithm::ALL {
-        let item = ManyItem {
-            key: format!("edge-{}", algorithm.as_str()),
-            params: ratelimitd::limiter::WindowParams { window_ms: 4, capacity: 6, rate: 6, algorithm },
-            tick_ms: 25,
-            weight: 1,
-            count: Count::IfFits,
-            shadow: false,
-            clock: None,
-            refund: None,
-        };
+        let params = ratelimitd::limiter::WindowParams { window_ms: 4, capacity: 6, rate: 6, algorithm };
+        let item =
+            ManyItem { tick_ms: 25, ..ManyItem::admission(format!("edge-{}", algorithm.as_str()), params) };
         let (mut admitted, mut denied) = (0, 0);
         let until = Instant::now() + Duration::from_millis(800);
         while Instant::now() < until {
@@ -619,16 +580,8 @@ async fn a_first_hit_window_opens_at_its_first_hit_and_ends_with_its_key() {
     use ratelimitd::limiter::{Algorithm, ManyItem, WindowParams};
     let redis = RedisServer::start();
     let (store, _dispatchers) = single_connection_store(&redis).await;
-    let item = ManyItem {
-        key: "fh".to_owned(),
-        params: WindowParams { window_ms: 400, capacity: 2, rate: 2, algorithm: Algorithm::FirstHitWindow },
-        tick_ms: 1,
-        weight: 1,
-        count: Count::IfFits,
-        shadow: false,
-        clock: None,
-        refund: None,
-    };
+    let params = WindowParams { window_ms: 400, capacity: 2, rate: 2, algorithm: Algorithm::FirstHitWindow };
+    let item = ManyItem::admission("fh", params);
     let decide = |item: ManyItem| {
         let store = &store;
         async move { store.decide_many("g", std::slice::from_ref(&item)).await.unwrap().verdicts[0] }

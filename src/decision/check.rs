@@ -70,6 +70,31 @@ pub struct CheckRequest<'a> {
     pub reservation: Option<&'a Reservation>,
 }
 
+impl<'a> CheckRequest<'a> {
+    /// A `Check` of weight 1 by `user_id` on `resource_path` with
+    /// `headers`, from a caller that may report, stating nothing else (no
+    /// client type, priority, usage, trace, share, outcome or
+    /// reservation): the other fields are set with `..`.
+    pub fn new(user_id: &'a str, resource_path: &'a str, headers: &'a HashMap<String, String>) -> Self {
+        CheckRequest {
+            user_id,
+            resource_path,
+            client_type: None,
+            weight: 1,
+            usage: &NO_USAGE,
+            count: Count::IfFits,
+            priority: None,
+            headers,
+            trace_id: None,
+            share: None,
+            outcome: None,
+            may_report: true,
+            reserve: false,
+            reservation: None,
+        }
+    }
+}
+
 /// What the matched rule says about itself in a response.
 #[derive(Debug, Clone)]
 pub struct RuleInfo {

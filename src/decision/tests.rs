@@ -85,22 +85,8 @@ async fn an_untrusted_request_priority_only_lowers() {
     assert_eq!(stated("CRITICAL"), Priority::Degraded, "cannot rise above the default");
     assert_eq!(stated("BULK"), Priority::Bulk, "may lower");
     let headers = HashMap::new();
-    let check = |priority| CheckRequest {
-        user_id: "u",
-        resource_path: "/p",
-        client_type: None,
-        weight: 1,
-        count: crate::limiter::Count::IfFits,
-        priority: Some(priority),
-        headers: &headers,
-        usage: &NO_USAGE,
-        trace_id: None,
-        share: None,
-        outcome: None,
-        may_report: true,
-        reserve: false,
-        reservation: None,
-    };
+    let check =
+        |priority| CheckRequest { priority: Some(priority), ..CheckRequest::new("u", "/p", &headers) };
     assert_eq!(engine.check(&check(Priority::Critical)).await.priority, Priority::Degraded);
     assert_eq!(engine.check(&check(Priority::BestEffort)).await.priority, Priority::BestEffort);
     let trusting = engine_trusting(EnvoyPolicy::default(), true);
@@ -144,7 +130,7 @@ mod several_limits {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::{clock::Clock as _, limiter::Count};
+    use crate::clock::Clock as _;
 
     const RULE: &str = "rules:\n  - { rule_id: both, resource_path: /x, limit: 10, window_seconds: 1, algorithm: fixed_window, also: [ { limit: 30, window_seconds: 60 } ] }\n";
 
@@ -164,49 +150,43 @@ mod several_limits {
     }
 
     proptest! {
-           #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
-           #[test]
-           fn admitted_only_within_every_limit_and_denials_consume_nothing(
-               steps in proptest::collection::vec((0u64..700, 1u32..4), 1..150)
-           ) {
-               let clock = Arc::new(ManualClock::new(6_000_000));
-               let rules = rules::from_text(Path::new("r.yaml"), RULE, rules::PathForm::default()).unwrap();
-               let engine = Engine::new(EngineParts {
-                   rules: Arc::new(RuleStore::new(rules)),
-                   store: Store::Memory(Arc::new(MemoryStore::new(1, 1_000, Arc::clone(&clock) as _))),
-                   ..parts(EnvoyPolicy::default())
-               });
-               let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-               let (mut second, mut minute) = (Window::default(), Window::default());
-               let headers = HashMap::new();
-               for (advance, weight) in steps {
-                   clock.advance(advance);
-                   let now = clock.now_ms();
-                   let w = u64::from(weight);
-                   // Both windows are rolled before either is judged.
-                   let in_second = fits(&mut second, now, 1_000, 10, w);
-                   let in_minute = fits(&mut minute, now, 60_000, 30, w);
-                   let expected = in_second && in_minute;
-                   let request = CheckRequest {
-                       user_id: "u", resource_path: "/x", client_type: None, weight, count: Count::IfFits,
-                       priority: None, headers: &headers,
-    usage: &NO_USAGE, trace_id: None, share: None, outcome: None, may_report: true,
-                       reserve: false,
-                       reservation: None,
-                   };
-                   let decision = runtime.block_on(engine.check(&request));
-                   prop_assert_eq!(decision.allowed, expected, "at {} weight {}: {:?}", now, w, decision);
-                   if expected {
-                       second.count += w;
-                       minute.count += w;
-                   } else if in_second != in_minute {
-                       // One limit is over: it is the one that binds.
-                       let bound = decision.rule.as_ref().map(|r| r.window_ms);
-                       prop_assert_eq!(bound, Some(if in_second { 60_000 } else { 1_000 }), "{:?}", decision);
-                   }
-               }
-           }
-       }
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        #[test]
+        fn admitted_only_within_every_limit_and_denials_consume_nothing(
+            steps in proptest::collection::vec((0u64..700, 1u32..4), 1..150)
+        ) {
+            let clock = Arc::new(ManualClock::new(6_000_000));
+            let rules = rules::from_text(Path::new("r.yaml"), RULE, rules::PathForm::default()).unwrap();
+            let engine = Engine::new(EngineParts {
+                rules: Arc::new(RuleStore::new(rules)),
+                store: Store::Memory(Arc::new(MemoryStore::new(1, 1_000, Arc::clone(&clock) as _))),
+                ..parts(EnvoyPolicy::default())
+            });
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let (mut second, mut minute) = (Window::default(), Window::default());
+            let headers = HashMap::new();
+            for (advance, weight) in steps {
+                clock.advance(advance);
+                let now = clock.now_ms();
+                let w = u64::from(weight);
+                // Both windows are rolled before either is judged.
+                let in_second = fits(&mut second, now, 1_000, 10, w);
+                let in_minute = fits(&mut minute, now, 60_000, 30, w);
+                let expected = in_second && in_minute;
+                let request = CheckRequest { weight, ..CheckRequest::new("u", "/x", &headers) };
+                let decision = runtime.block_on(engine.check(&request));
+                prop_assert_eq!(decision.allowed, expected, "at {} weight {}: {:?}", now, w, decision);
+                if expected {
+                    second.count += w;
+                    minute.count += w;
+                } else if in_second != in_minute {
+                    // One limit is over: it is the one that binds.
+                    let bound = decision.rule.as_ref().map(|r| r.window_ms);
+                    prop_assert_eq!(bound, Some(if in_second { 60_000 } else { 1_000 }), "{:?}", decision);
+                }
+            }
+        }
+    }
 }
 
 /// limitador's example limits through the engine: every applying limit is

@@ -333,7 +333,7 @@ mod tests {
 
     use super::*;
     use crate::{
-        decision::{CheckRequest, NO_USAGE, Reason},
+        decision::{CheckRequest, Reason},
         limiter::{FailureKind, StoreError, window::WindowParams},
         rules::{FailurePolicy, Mode, Rule},
         shed::Priority,
@@ -379,22 +379,7 @@ mod tests {
         let error = StoreError { kind: FailureKind::Timeout, message: "slow".to_owned() };
         for i in 0..times {
             let user = format!("u{i}");
-            let request = CheckRequest {
-                user_id: &user,
-                resource_path: "/p",
-                client_type: None,
-                weight: 1,
-                count: crate::limiter::Count::IfFits,
-                priority: None,
-                headers: &headers,
-                usage: &NO_USAGE,
-                trace_id: None,
-                share: None,
-                outcome: None,
-                may_report: true,
-                reserve: false,
-                reservation: None,
-            };
+            let request = CheckRequest::new(&user, "/p", &headers);
             sink.record(&FailedDecision::of_check(&request, &rule, Priority::Bulk, &error, Reason::FailOpen));
         }
     }
