@@ -320,7 +320,7 @@ async fn decide(engine: &Engine, limitador: Option<&Limits>, request: &Request) 
     Outcome {
         denied: matches!(
             decision.reason,
-            Reason::OverLimit | Reason::WeightExceedsCapacity | Reason::NoPrice
+            Reason::OverLimit | Reason::WeightExceedsCapacity | Reason::NoPrice | Reason::NoLevelKey
         ),
         rule: decision.rule.map(|r| r.id),
     }

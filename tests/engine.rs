@@ -45,6 +45,7 @@ rules:
   - { rule_id: tokens, resource_path: /tokens, limit: 60, window_seconds: 60, also: [ { limit: 1000, window_seconds: 60, unit: input_tokens }, { limit: 500, window_seconds: 60, unit: output_tokens } ] }
   - { rule_id: spend, resource_path: /spend, limit: 1000, period: month, unit: cost }
   - { rule_id: priced, resource_path: /priced, limit: 100, window_seconds: 60, also: [ { limit: 10000, period: month, unit: cost } ], prices: { model_from: x-model, per_million: { gpt-4o: { input_tokens: 2500000, output_tokens: 10000000 }, mini: { input_tokens: 150000, output_tokens: 600000 } } } }
+  - { rule_id: levels, resource_path: /levels, limit: 100, window_seconds: 60, unit: output_tokens, levels: { team: x-team, org: x-org }, also: [ { limit: 150, window_seconds: 60, unit: output_tokens, level: team }, { limit: 400, period: month, unit: cost, level: org } ] }
 "#;
 
 const ENVOY: &str = r#"
@@ -258,6 +259,7 @@ for_each_store!(
     a_price_table_charges_the_cost_of_the_tokens_by_model,
     a_reservation_never_settled_stays_charged_at_its_estimate,
     envoy_requests_in_flight_are_released_by_their_release_descriptor,
+    a_request_is_charged_to_its_key_its_team_and_its_organisation,
 );
 
 impl Harness {
@@ -1128,4 +1130,65 @@ async fn envoy_requests_in_flight_are_released_by_their_release_descriptor(backe
     let not_in_flight = h.rls(&[&[("user", "una"), ("ratelimitd.release", "1")]]).await;
     assert!(not_in_flight.statuses[0].limit.is_none(), "{not_in_flight:?}");
     assert_eq!(h.rls(&[&[("user", "una")]]).await.statuses[0].remaining, 0, "the user's count was not moved");
+}
+
+/// Levels: 100 output tokens a minute per key, 150 per team, 400
+/// micro-dollars a month per organisation, charged all or nothing, the
+/// level that binds named; a request without a level's key (absent, or
+/// two spellings of the header with two values) is refused, counted
+/// nowhere.
+async fn a_request_is_charged_to_its_key_its_team_and_its_organisation(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let call = |user: &str, headers: &[(&str, &str)], usage: &[(&str, u64)], count: Count| {
+        let usage: HashMap<String, u64> = usage.iter().map(|(unit, n)| ((*unit).to_owned(), *n)).collect();
+        let headers: HashMap<String, String> =
+            headers.iter().map(|(name, value)| ((*name).to_owned(), (*value).to_owned())).collect();
+        let (engine, user) = (h.engine.clone(), user.to_owned());
+        async move {
+            engine
+                .check(&CheckRequest { usage: &usage, ..native(&user, "/levels", 1, count, &headers) })
+                .await
+        }
+    };
+    let answer = |d: &Decision| {
+        let rule = d.rule.as_ref().unwrap();
+        (
+            d.allowed,
+            rule.level.as_deref().map(str::to_owned),
+            rule.unit.as_deref().map(str::to_owned),
+            d.remaining,
+        )
+    };
+    let (team_a, team_b) = ([("x-team", "a"), ("x-org", "o")], [("X-Team", "b"), ("X-Org", "o")]);
+    let tokens = |n| [("output_tokens", n)];
+    assert!(call("alice", &team_a, &tokens(100), Count::IfFits).await.allowed);
+    let own = call("alice", &team_b, &tokens(1), Count::IfFits).await;
+    assert_eq!(answer(&own), (false, None, Some("output_tokens".into()), 0), "her own key binds: {own:?}");
+    let team = call("bob", &team_a, &tokens(60), Count::IfFits).await;
+    assert_eq!(answer(&team), (false, Some("team".into()), Some("output_tokens".into()), 50), "{team:?}");
+    assert!(call("bob", &team_a, &tokens(50), Count::IfFits).await.allowed, "the refusal counted nothing");
+    assert!(!call("carl", &team_a, &tokens(1), Count::IfFits).await.allowed, "team a is spent");
+    assert!(call("carl", &team_b, &tokens(100), Count::IfFits).await.allowed, "team b is not");
+
+    assert!(call("dora", &team_b, &[("cost", 300)], Count::IfFits).await.allowed);
+    let org = call("ezra", &[("x-team", "c"), ("x-org", "o")], &[("cost", 101)], Count::IfFits).await;
+    assert_eq!(answer(&org), (false, Some("org".into()), Some("cost".into()), 100), "{org:?}");
+    let other_org = call("ezra", &[("x-team", "c"), ("x-org", "p")], &[("cost", 101)], Count::IfFits).await;
+    assert!(other_org.allowed, "{other_org:?}");
+
+    for headers in [&[("x-team", "c")][..], &[("x-team", "c"), ("x-org", "")], &team_a[..1]] {
+        for count in [Count::IfFits, Count::Always] {
+            let d = call("finn", headers, &[("cost", 1)], count).await;
+            assert_eq!(
+                (d.allowed, d.reason, d.retry_after_ms),
+                (false, Reason::NoLevelKey, -1),
+                "{headers:?}"
+            );
+        }
+    }
+    let twice = [("x-team", "a"), ("X-TEAM", "z"), ("x-org", "o")];
+    let d = call("finn", &twice, &tokens(1), Count::IfFits).await;
+    assert_eq!(d.reason, Reason::NoLevelKey, "a caller may not choose which spelling counts: {d:?}");
+    let left = call("finn", &[("x-team", "c"), ("x-org", "o")], &[("cost", 100)], Count::IfFits).await;
+    assert!(left.allowed, "nothing was counted for the refused ones: {left:?}");
 }

@@ -390,6 +390,8 @@ fn hot_rule(limit: u64) -> ratelimitd::rules::Rule {
         calendar: None,
         unit: None,
         prices: None,
+        levels: None,
+        level: None,
         source: std::path::Path::new("t.yaml").into(),
     }
 }

@@ -120,12 +120,13 @@ pub(super) fn call_traceparent(metadata: &tonic::metadata::MetadataMap) -> Optio
 
 /// Builds the wire response for `decision`.
 pub(crate) fn response(decision: Decision) -> pb::RateLimitResponse {
-    let (rule_id, limit, capacity, window_ms, unit) = match decision.rule {
+    let (rule_id, limit, capacity, window_ms, unit, level) = match decision.rule {
         Some(rule) => {
             let unit = rule.unit.as_deref().map_or_else(String::new, str::to_owned);
-            (String::from(&*rule.id), rule.limit, rule.capacity, rule.window_ms, unit)
+            let level = rule.level.as_deref().map_or_else(String::new, str::to_owned);
+            (String::from(&*rule.id), rule.limit, rule.capacity, rule.window_ms, unit, level)
         }
-        None => (String::new(), 0, 0, 0, String::new()),
+        None => (String::new(), 0, 0, 0, String::new(), String::new()),
     };
     pb::RateLimitResponse {
         allowed: decision.allowed,
@@ -145,6 +146,7 @@ pub(crate) fn response(decision: Decision) -> pb::RateLimitResponse {
         unit,
         remaining: decision.remaining,
         reservation: decision.reservation.map_or_else(String::new, String::from),
+        level,
     }
 }
 
@@ -161,6 +163,7 @@ fn reason(reason: Reason) -> pb::Reason {
         Reason::LocalOverLimit => pb::Reason::LocalOverLimit,
         Reason::WeightExceedsCapacity => pb::Reason::WeightExceedsCapacity,
         Reason::NoPrice => pb::Reason::NoPrice,
+        Reason::NoLevelKey => pb::Reason::NoLevelKey,
     }
 }
 

@@ -39,7 +39,8 @@ impl Encode for pb::RateLimitResponse {
                 + self.rule_id.len()
                 + self.store_error.len()
                 + self.unit.len()
-                + self.reservation.len(),
+                + self.reservation.len()
+                + self.level.len(),
         );
         boolean(out, 1, self.allowed);
         uint(out, 2, u64::from(self.remaining_tokens));
@@ -58,6 +59,7 @@ impl Encode for pb::RateLimitResponse {
         string(out, 15, &self.unit);
         uint(out, 16, self.remaining);
         string(out, 17, &self.reservation);
+        string(out, 18, &self.level);
     }
 }
 
@@ -157,15 +159,15 @@ mod tests {
     }
 
     fn response() -> impl Strategy<Value = pb::RateLimitResponse> {
-        let scalars = (any::<bool>(), any::<u32>(), any::<i64>(), any::<u64>(), any::<i64>(), -3..14i32);
+        let scalars = (any::<bool>(), any::<u32>(), any::<i64>(), any::<u64>(), any::<i64>(), -3..16i32);
         let more =
             (any::<bool>(), any::<u64>(), any::<i64>(), any::<bool>(), prop_oneof![-2..8i32, any::<i32>()]);
-        (scalars, more, (text(), text(), text()), (text(), any::<u64>(), text())).prop_map(
+        (scalars, more, (text(), text(), text()), (text(), any::<u64>(), text(), text())).prop_map(
             |(
                 (allowed, remaining, retry, limit, reset, reason),
                 (denied, capacity, window, shed, priority),
                 (status, rule, store_error),
-                (unit, remaining_units, reservation),
+                (unit, remaining_units, reservation, level),
             )| {
                 pb::RateLimitResponse {
                     allowed,
@@ -185,6 +187,7 @@ mod tests {
                     unit,
                     remaining: remaining_units,
                     reservation,
+                    level,
                 }
             },
         )

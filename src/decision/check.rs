@@ -108,6 +108,8 @@ pub struct RuleInfo {
     pub window_ms: u64,
     /// What the limit counts; `None`: requests.
     pub unit: Option<Arc<str>>,
+    /// The level the limit is charged to (`levels:`); `None`: the user.
+    pub level: Option<Arc<str>>,
 }
 
 /// The answer to one request.
@@ -190,6 +192,7 @@ pub(super) async fn decide(engine: &Engine, snapshot: &Snapshot, request: &Check
         level: Level::Normal,
         shadow_shed: false,
         user: Cow::Borrowed(request.user_id),
+        levels: Vec::new(),
         cache: None,
         version: snapshot.version(),
         grant: None,
@@ -248,8 +251,8 @@ impl RuleInfo {
     pub(super) fn of_limit(rule: &Rule, index: usize, grant: Option<u64>, now_ms: u64) -> Self {
         let (limit, window) = rule.limit_at_grant(index, grant);
         let window_ms = rule.window_ms_at(index, now_ms);
-        let unit = rule.unit_at(index).cloned();
-        RuleInfo { id: Arc::clone(&rule.id), limit, capacity: window.capacity, window_ms, unit }
+        let (unit, level) = (rule.unit_at(index).cloned(), rule.level_name_at(index).cloned());
+        RuleInfo { id: Arc::clone(&rule.id), limit, capacity: window.capacity, window_ms, unit, level }
     }
 }
 
@@ -263,6 +266,8 @@ struct Native<'r, 'a> {
     shadow_shed: bool,
     /// The counted user id: the digest of an over-long one.
     user: Cow<'a, str>,
+    /// The key of each of the rule's levels (`levels:`), as counted.
+    levels: Vec<Cow<'a, str>>,
     /// The rules' version in the denial cache, where the cache applies.
     cache: Option<u64>,
     /// The rules' version.
@@ -275,7 +280,7 @@ struct Native<'r, 'a> {
     now_ms: u64,
 }
 
-impl Native<'_, '_> {
+impl<'a> Native<'_, 'a> {
     /// An answer of `reason` from the rule alone, nothing counted.
     fn uncounted(&self, reason: Reason) -> Decision {
         Decision {
@@ -380,18 +385,62 @@ impl Native<'_, '_> {
         reservation: &Reservation,
     ) -> Result<(Verdict, usize, Option<Box<str>>), StoreError> {
         let (rule, store) = (self.rule(), &engine.inner.store);
-        let items = rule.items(None, self.now_ms, |index| self.counted(rule, index));
+        let items = self.items(None, |index| self.counted(rule, index));
         let job = reservation.settle(self.now_ms, items, |index| self.stated(rule, index));
-        let outcome = store.decide_job_in(shares, &self.user, &job).await?;
+        let outcome = store.decide_job_in(shares, self.group(), &job).await?;
         if !outcome.committed {
             engine.adjusted(Api::Check, "settlement_repeated");
-            let peeks = rule.items(None, self.now_ms, |_| (1, Count::Never));
-            let (verdict, bound) = bound(rule, &store.decide_many_in(shares, &self.user, &peeks).await?);
+            let peeks = self.items(None, |_| (1, Count::Never));
+            let (verdict, bound) = bound(rule, &store.decide_many_in(shares, self.group(), &peeks).await?);
             return Ok((verdict, bound, None));
         }
         let limits = ManyOutcome { verdicts: outcome.verdicts[1..].to_vec(), ..outcome };
         let (verdict, bound) = bound(rule, &limits);
         Ok((verdict, bound, None))
+    }
+
+    /// The group the rule's counters are kept in: the user's, or for a
+    /// rule with levels the rule's own (a team's counter is no user's).
+    fn group(&self) -> &str {
+        match self.rule().levels.as_deref() {
+            Some(levels) => &levels.group,
+            None => &self.user,
+        }
+    }
+
+    /// The rule's counters for this decision ([`Rule::items`]); with
+    /// levels, each keyed by whose it is: `#<rule id>/<index>/<key>`.
+    fn items(&self, grant: Option<u64>, counted: impl Fn(usize) -> (u64, Count)) -> Vec<ManyItem> {
+        let rule = self.rule();
+        let mut items = rule.items(grant, self.now_ms, counted);
+        if rule.levels.is_some() {
+            for (index, item) in items.iter_mut().enumerate() {
+                let key = rule.level_at(index).map_or(&*self.user, |level| &*self.levels[level]);
+                item.key.push('/');
+                item.key.push_str(key);
+            }
+        }
+        items
+    }
+
+    /// The key of each of `rule`'s levels, read from the request's
+    /// headers (an over-long one counted by its digest, like a user id);
+    /// `false` when one is missing: absent, empty, or sent twice with two
+    /// values.
+    fn read_levels(&mut self, engine: &Engine, rule: &Rule) -> bool {
+        let Some(levels) = rule.levels.as_deref() else { return true };
+        let headers: &'a HashMap<String, String> = self.request.headers;
+        for key in &levels.keys {
+            let Some(value) = crate::rules::header(headers, &key.header).filter(|v| !v.is_empty()) else {
+                return false;
+            };
+            let counted = keys::bounded(value, engine.inner.max_user_id_bytes);
+            if matches!(counted, Cow::Owned(_)) {
+                engine.adjusted(Api::Check, "level_key_digest");
+            }
+            self.levels.push(counted);
+        }
+        true
     }
 
     /// Whether a limit of `rule` can never admit what this request asks of
@@ -437,9 +486,10 @@ impl Subject for Native<'_, '_> {
     /// answered from the rule. A weight over the rule's capacity can
     /// never pass: answered from the rule alone with a retry_after of -1,
     /// so no client loops waiting for it (a report is counted whatever
-    /// its weight).
+    /// its weight). A request without the key of one of the rule's levels
+    /// is refused the same way, a report too: it cannot be counted.
     #[inline]
-    fn settle(&mut self, _: &Engine, level: Level, shadow_shed: bool) -> Option<Decision> {
+    fn settle(&mut self, engine: &Engine, level: Level, shadow_shed: bool) -> Option<Decision> {
         (self.level, self.shadow_shed) = (level, shadow_shed);
         let Some(rule) = self.rule else {
             return Some(self.uncounted(Reason::NoRule));
@@ -447,9 +497,16 @@ impl Subject for Native<'_, '_> {
         if self.request.outcome.is_some() {
             return Some(self.uncounted(Reason::Ok));
         }
+        let unkeyed = !self.read_levels(engine, rule);
         let unpriced = rule.prices.as_deref().is_some_and(|prices| self.cost(prices) == Cost::Unpriced);
-        let never = if unpriced { Reason::NoPrice } else { Reason::WeightExceedsCapacity };
-        if self.request.count != Count::Always && (unpriced || self.never_fits(rule)) {
+        let never = match (unkeyed, unpriced) {
+            (true, _) => Reason::NoLevelKey,
+            (false, true) => Reason::NoPrice,
+            (false, false) => Reason::WeightExceedsCapacity,
+        };
+        // Without a level's key nothing can be counted, a report's usage
+        // neither.
+        if unkeyed || (self.request.count != Count::Always && (unpriced || self.never_fits(rule))) {
             let base = self.uncounted(Reason::Ok);
             return Some(if self.shadow() {
                 Decision { shadow_denied: true, ..base }
@@ -506,9 +563,10 @@ impl Subject for Native<'_, '_> {
         // grant, and a denial's retry time is the grant's of the moment. Nor
         // are those of requests in flight (a slot given back admits sooner),
         // nor of limits of other units (the cache knows a request by its
-        // weight, not by its usage).
+        // weight, not by its usage), nor of levels (it knows a request by
+        // its user, not by its team).
         let rule = self.rule();
-        let cached = !rule.window.algorithm.releases() && !rule.has_units();
+        let cached = !rule.window.algorithm.releases() && !rule.has_units() && rule.levels.is_none();
         let cache = engine.inner.denials.as_deref().filter(|_| {
             !self.shadow() && self.request.count != Count::Always && self.grant.is_none() && cached
         })?;
@@ -546,8 +604,8 @@ impl Subject for Native<'_, '_> {
         if let Some(reservation) = self.request.reservation {
             return Box::pin(self.settle(engine, shares, reservation)).await;
         }
-        let items = rule.items(self.grant, self.now_ms, |index| self.counted(rule, index));
-        let outcome = Box::pin(store.decide_many_in(shares, &self.user, &items)).await?;
+        let items = self.items(self.grant, |index| self.counted(rule, index));
+        let outcome = Box::pin(store.decide_many_in(shares, self.group(), &items)).await?;
         let (verdict, bound) = bound(rule, &outcome);
         Ok((verdict, bound, self.reserved(engine, &items, &outcome)))
     }
@@ -579,14 +637,15 @@ impl Subject for Native<'_, '_> {
         let (user, priority, level, grant, now_ms) =
             (&self.user, self.priority, self.level, self.grant, self.now_ms);
         let rule = self.rule();
+        let group = self.group();
         let items = rule.counts_a_job().then(|| {
-            let items = rule.items(grant, now_ms, |index| self.counted(rule, index));
+            let items = self.items(grant, |index| self.counted(rule, index));
             match self.request.reservation {
                 Some(reservation) => reservation.settle(now_ms, items, |index| self.stated(rule, index)),
                 None => items,
             }
         });
-        let what = Failed { user, priority, level, error, grant, now_ms, items };
+        let what = Failed { user, group, priority, level, error, grant, now_ms, items };
         Decision { shadow_shed: self.shadow_shed, ..failed(engine, self.request, self.rule(), what) }
     }
 }
@@ -620,6 +679,8 @@ fn tenant<'r>(engine: &Engine, request: &CheckRequest<'r>) -> Option<&'r str> {
 struct Failed<'a> {
     /// The counted user id (the digest of an over-long one).
     user: &'a str,
+    /// The group of the rule's job ([`Native::group`]).
+    group: &'a str,
     priority: Priority,
     level: Level,
     error: StoreError,
@@ -654,7 +715,7 @@ fn from_verdict(verdict: &Verdict, shadow: bool, info: Option<RuleInfo>, priorit
 /// A `Check` the store could not decide, answered by `rule`'s failure
 /// policy, flagged and dead-lettered.
 fn failed(engine: &Engine, request: &CheckRequest<'_>, rule: &Rule, failed: Failed<'_>) -> Decision {
-    let Failed { user, priority, level, error, grant, now_ms, items } = failed;
+    let Failed { user, group, priority, level, error, grant, now_ms, items } = failed;
     let (weight, info) = (u64::from(request.weight), Some(RuleInfo::of_limit(rule, 0, grant, now_ms)));
     let local = match (rule.failure_policy, items) {
         (FailurePolicy::Local, None) => Some(
@@ -662,7 +723,7 @@ fn failed(engine: &Engine, request: &CheckRequest<'_>, rule: &Rule, failed: Fail
         ),
         // Every limit locally too: an outage never lifts the daily one.
         (FailurePolicy::Local, Some(items)) => {
-            Some(engine.inner.local.decide_many(user, &items).map(|outcome| bound(rule, &outcome)))
+            Some(engine.inner.local.decide_many(group, &items).map(|outcome| bound(rule, &outcome)))
         }
         (FailurePolicy::Open | FailurePolicy::Closed, _) => None,
     };

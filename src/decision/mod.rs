@@ -94,6 +94,10 @@ pub enum Reason {
     /// The rule prices its cost by model and the request's model has no
     /// price: it can never pass as it is; nothing counted.
     NoPrice,
+    /// The rule charges a level (`levels:`) whose key the request does
+    /// not carry (its header absent, empty, or sent twice with two
+    /// values): nothing counted.
+    NoLevelKey,
 }
 
 impl Reason {
@@ -111,6 +115,7 @@ impl Reason {
             Reason::WeightExceedsCapacity => "WEIGHT_EXCEEDS_CAPACITY",
             Reason::Overload => "OVERLOAD",
             Reason::NoPrice => "NO_PRICE",
+            Reason::NoLevelKey => "NO_LEVEL_KEY",
         }
     }
 }

@@ -357,6 +357,8 @@ mod tests {
             calendar: None,
             unit: None,
             prices: None,
+            levels: None,
+            level: None,
             source: Arc::from(Path::new("r.yaml")),
         }
     }

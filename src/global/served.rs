@@ -39,7 +39,7 @@ fn most(adaptive: Option<&AdaptiveLimit>, limit: u64) -> u64 {
 #[derive(Debug, Clone)]
 enum Counter {
     /// A native rule's: the user's counter of the rule.
-    Native(Rule),
+    Native(Box<Rule>),
     /// An Envoy descriptor's: the counter key in its domain.
     Envoy { domain: Arc<str>, seconds: u64, algorithm: Algorithm },
 }
@@ -61,7 +61,7 @@ impl Served {
                     limit,
                     most,
                     window,
-                    counter: Counter::Native(rule.clone()),
+                    counter: Counter::Native(Box::new(rule.clone())),
                 }
             })
             .collect();

@@ -102,7 +102,9 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
     let (capacity, window_ms, calendar) = limit_window(&first).map_err(fail)?;
     let algorithm = counted_by(written, &first).map_err(|message| fail(("algorithm", message)))?;
     let unit = unit_of(&first).map_err(|message| fail(("unit", message)))?;
-    let also = also_limits(raw, written).map_err(|(field, message)| error(sourced, &field, message))?;
+    let mut also = also_limits(raw, written).map_err(|(field, message)| error(sourced, &field, message))?;
+    let (levels, level) = super::levels::compile(raw, algorithm, &mut also)
+        .map_err(|(field, message)| error(sourced, &field, message))?;
     if let Some(overload) = &raw.overload
         && !(1..=MAX_OVERLOAD_RATE).contains(&overload.rate_per_second)
     {
@@ -131,6 +133,8 @@ fn validate(sourced: &SourcedRule) -> Result<Rule, RuleError> {
         calendar,
         unit,
         prices,
+        levels,
+        level,
         source: Arc::clone(&sourced.file),
     })
 }
@@ -329,6 +333,7 @@ fn raw_first(raw: &RawRule) -> RawLimit {
         unit: raw.unit.clone(),
         burst_capacity: raw.burst_capacity,
         algorithm: None,
+        level: raw.level.clone(),
     }
 }
 
@@ -416,7 +421,8 @@ fn also_limits(raw: &RawRule, written: Option<Algorithm>) -> Result<Vec<AlsoLimi
             let algorithm = counted_by(own, also).map_err(|message| (at("algorithm"), message))?;
             let unit = unit_of(also).map_err(|message| (at("unit"), message))?;
             let window = WindowParams { window_ms, capacity, rate: also.limit, algorithm };
-            Ok(AlsoLimit { limit: also.limit, burst_capacity: also.burst_capacity, window, calendar, unit })
+            let burst_capacity = also.burst_capacity;
+            Ok(AlsoLimit { limit: also.limit, burst_capacity, window, calendar, unit, level: None })
         })
         .collect()
 }

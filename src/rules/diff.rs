@@ -87,8 +87,10 @@ pub fn diff(old: &Snapshot, new: &Snapshot) -> Vec<Change> {
             .iter()
             .enumerate()
             .map(|(i, a)| {
+                let level =
+                    rule.level_name_at(i + 1).map(|level| format!(", level {level}")).unwrap_or_default();
                 format!(
-                    "{} per {} ({:?})",
+                    "{} per {} ({:?}{level})",
                     rule.limit_text(i + 1),
                     rule.window_text(i + 1),
                     a.window.algorithm
@@ -96,6 +98,14 @@ pub fn diff(old: &Snapshot, new: &Snapshot) -> Vec<Change> {
             })
             .collect();
         fields.push(("also", format!("[{}]", also.join(", "))));
+        let levels: Vec<String> = rule
+            .levels
+            .iter()
+            .flat_map(|levels| &levels.keys)
+            .map(|key| format!("{} from header {}", key.name, key.header))
+            .collect();
+        fields.push(("levels", format!("[{}]", levels.join(", "))));
+        fields.push(("level", rule.level_name_at(0).map_or_else(|| "user".to_owned(), |l| l.to_string())));
         let adaptive = rule.adaptive.as_deref().map(|a| a.params);
         fields.push(("adaptive", adaptive.map_or_else(|| "-".to_owned(), |a| format!("{a:?}"))));
         fields
@@ -307,6 +317,28 @@ mod tests {
         assert_eq!((touched["old"], touched["write"]), (1, 1), "/o moves from old to write");
         assert!(!touched.contains_key("same"), "unchanged rules are not listed");
         assert!(diff(&old, &old).is_empty());
+    }
+
+    #[test]
+    fn a_change_of_levels_is_shown() {
+        let rule = |also_level: &str, header: &str| {
+            set(&format!(
+                "rules:\n  - {{ rule_id: llm, resource_path: /l, limit: 10, window_seconds: 1, levels: {{ team: {header} }}, level: team, also: [ {{ limit: 50, window_seconds: 60{also_level} }} ] }}\n"
+            ))
+        };
+        let changes = diff(&rule("", "x-team"), &rule(", level: team", "x-group"));
+        let Change::Changed(_, fields) = &changes[0] else { panic!("{changes:?}") };
+        assert_eq!(
+            fields,
+            &[
+                (
+                    "also",
+                    "[50 per 60000 ms (SlidingWindow)]".to_owned(),
+                    "[50 per 60000 ms (SlidingWindow, level team)]".to_owned()
+                ),
+                ("levels", "[team from header x-team]".to_owned(), "[team from header x-group]".to_owned()),
+            ]
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@
 //! of it is refused whole; the caller keeps its last good snapshot.
 
 use std::{
+    collections::BTreeMap,
     fmt::Write as _,
     path::{Path, PathBuf},
     sync::Arc,
@@ -139,6 +140,12 @@ pub struct EncodedRule {
     /// The price table of its cost limits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prices: Option<super::prices::RawPrices>,
+    /// Its levels: name -> header.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub levels: BTreeMap<String, String>,
+    /// The level the first limit is charged to, when not the user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub level: Option<String>,
 }
 
 /// The Envoy configuration files.
@@ -314,7 +321,8 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
             also: rule
                 .also
                 .iter()
-                .map(|also| super::RawLimit {
+                .enumerate()
+                .map(|(index, also)| super::RawLimit {
                     limit: also.limit,
                     window_seconds: window_seconds(also.calendar.as_deref(), also.window.window_ms),
                     period: also.calendar.as_deref().map(Calendar::period),
@@ -322,11 +330,19 @@ pub fn encode_native(snapshot: &Snapshot) -> NativeRules {
                     unit: also.unit.as_deref().map(str::to_owned),
                     burst_capacity: also.burst_capacity,
                     algorithm: Some(also.window.algorithm.as_str().to_owned()),
+                    level: rule.level_name_at(index + 1).map(|name| name.to_string()),
                 })
                 .collect(),
             adaptive: rule.adaptive.as_deref().map(|a| super::AdaptiveSpec::of(&a.params)),
             global: rule.global,
             prices: rule.prices.as_deref().map(|p| p.raw().clone()),
+            levels: rule
+                .levels
+                .iter()
+                .flat_map(|levels| &levels.keys)
+                .map(|key| (key.name.to_string(), key.header.to_string()))
+                .collect(),
+            level: rule.level_name_at(0).map(|name| name.to_string()),
         })
         .collect();
     NativeRules { version: snapshot.version().to_owned(), rules }
@@ -448,6 +464,8 @@ fn decode_native(native: &NativeRules, version: &str, paths: PathForm) -> Result
                 adaptive: rule.adaptive,
                 global: rule.global,
                 prices: rule.prices.clone(),
+                levels: rule.levels.clone(),
+                level: rule.level.clone(),
             },
         })
         .collect();
@@ -463,6 +481,7 @@ mod tests {
 rules:
   - { rule_id: a, resource_path: /a, limit: 10, window_seconds: 60, burst_capacity: 1.5, also: [ { limit: 100, window_seconds: 3600 } ] }
   - { rule_id: b, resource_path: "/b/*", client_type: IOS, priority_bucket: CRITICAL, limit: 5, window_seconds: 1, algorithm: gcra, mode: shadow, failure_policy: closed }
+  - { rule_id: c, resource_path: /c, limit: 9, window_seconds: 60, level: team, levels: { team: X-Team, org: x-org }, also: [ { limit: 90, period: month, unit: cost, level: org } ] }
 "#;
     const ENVOY: &str =
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: { unit: second, requests_per_unit: 1 }\n";
@@ -502,12 +521,8 @@ rules:
         assert_eq!(parsed, record);
         let compiled = parsed.compile(HOW).unwrap();
         assert_eq!(compiled.native.version(), snapshot.version());
-        for (a, b) in compiled.native.rules().iter().zip(snapshot.rules()) {
-            assert_eq!(
-                (&a.id, a.window, a.priority, a.mode, a.failure_policy),
-                (&b.id, b.window, b.priority, b.mode, b.failure_policy)
-            );
-        }
+        assert_eq!(compiled.native.rules(), snapshot.rules());
+        assert_eq!(compiled.native.rules()[2].level_name_at(1).map(|l| &**l), Some("org"));
         assert_eq!(compiled.envoy.domain_count(), 1);
         assert_eq!(compiled.version, record.version);
     }

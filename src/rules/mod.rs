@@ -11,6 +11,8 @@ pub mod encoding;
 pub mod envoy;
 mod figures;
 pub mod gate;
+mod headers;
+pub mod levels;
 pub mod limitador;
 pub mod model;
 mod native;
@@ -24,9 +26,10 @@ use std::{fmt, io, path::Path, path::PathBuf};
 
 pub(crate) use compile::compile;
 pub use figures::RuleSets;
+pub use headers::header;
 pub use model::{
-    AdaptiveSpec, AlsoLimit, FailurePolicy, MAX_ALSO_LIMITS, MAX_OVERLOAD_RATE, MAX_UNIT_BYTES, Mode,
-    OverloadScope, OverloadSpec, Rule,
+    AdaptiveSpec, AlsoLimit, FailurePolicy, LevelKey, Levels, MAX_ALSO_LIMITS, MAX_LEVELS, MAX_OVERLOAD_RATE,
+    MAX_UNIT_BYTES, Mode, OverloadScope, OverloadSpec, Rule,
 };
 pub use native::RawLimit;
 pub use snapshot::{PathForm, Snapshot, canonical_path};

@@ -164,6 +164,34 @@ pub struct AlsoLimit {
     pub calendar: Option<Arc<Calendar>>,
     /// What it counts (`unit:`); `None`: requests.
     pub unit: Option<Arc<str>>,
+    /// Whose key it is charged to: a level of the rule's `levels:`
+    /// (its index), `None`: the user's.
+    pub level: Option<usize>,
+}
+
+/// The most levels a rule may declare (`levels:`).
+pub const MAX_LEVELS: usize = 4;
+
+/// A rule's levels (`levels:`): further keys its limits may be charged
+/// to besides the user (a team, an organisation), each read from a
+/// request header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Levels {
+    /// The group its counters share in the stores (`~<rule id>`): the
+    /// counters of one decision must share a group, and a team's counter
+    /// cannot live in any one user's.
+    pub group: Box<str>,
+    /// Each level, in name order.
+    pub keys: Vec<LevelKey>,
+}
+
+/// One level: its name and the header its key is read from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LevelKey {
+    /// Its name (`team`), as the answer names it.
+    pub name: Arc<str>,
+    /// The header whose value is its key, lower-case.
+    pub header: Box<str>,
 }
 
 /// One validated rule. Shared by reference from the [`Snapshot`](super::Snapshot);
@@ -208,6 +236,11 @@ pub struct Rule {
     pub unit: Option<Arc<str>>,
     /// What its limits of unit `cost` charge, by model (`prices:`).
     pub prices: Option<Arc<super::prices::Prices>>,
+    /// Further keys its limits are charged to (`levels:`).
+    pub levels: Option<Arc<Levels>>,
+    /// The level the first limit is charged to (`level:`); `None`: the
+    /// user's.
+    pub level: Option<usize>,
     /// The file the rule came from, for messages.
     pub source: Arc<Path>,
 }
@@ -306,7 +339,23 @@ impl Rule {
     /// Whether a decision counts one job of a counter per limit (several
     /// limits, or a calendar period's) rather than one counter.
     pub fn counts_a_job(&self) -> bool {
-        !self.also.is_empty() || self.calendar.is_some() || self.unit.is_some()
+        !self.also.is_empty() || self.calendar.is_some() || self.unit.is_some() || self.levels.is_some()
+    }
+
+    /// The level limit `index` is charged to (its index in `levels`);
+    /// `None`: the user's.
+    pub fn level_at(&self, index: usize) -> Option<usize> {
+        match index.checked_sub(1) {
+            Some(i) => self.also.get(i).and_then(|also| also.level),
+            None => self.level,
+        }
+    }
+
+    /// The name of the level limit `index` is charged to; `None`: the
+    /// user's.
+    pub fn level_name_at(&self, index: usize) -> Option<&Arc<str>> {
+        let levels = self.levels.as_deref()?;
+        self.level_at(index).and_then(|level| levels.keys.get(level)).map(|key| &key.name)
     }
 
     /// Limit `index`'s window length in ms at `now_ms`: a calendar

@@ -66,6 +66,12 @@ pub(crate) struct RawRule {
     /// What a limit of unit `cost` charges, by model.
     #[serde(default)]
     pub(crate) prices: Option<super::prices::RawPrices>,
+    /// Further keys its limits may be charged to: level name -> header.
+    #[serde(default)]
+    pub(crate) levels: std::collections::BTreeMap<String, String>,
+    /// The level the first limit is charged to (default: the user).
+    #[serde(default)]
+    pub(crate) level: Option<String>,
 }
 
 /// A further limit of a rule (`also:`), as written.
@@ -92,6 +98,9 @@ pub struct RawLimit {
     /// Default: the rule's `algorithm`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub algorithm: Option<String>,
+    /// The level it is charged to (default: the user).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub level: Option<String>,
 }
 
 /// A rule together with the file it came from and its position in it.

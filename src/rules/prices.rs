@@ -74,10 +74,9 @@ impl Prices {
     /// The table `raw`, checked; an error names the field under `prices`.
     pub fn new(raw: &RawPrices, unit_ok: impl Fn(&str) -> bool) -> Result<Self, (String, String)> {
         let at = |field: &str| format!("prices.{field}");
-        let header = raw.model_from.trim().to_ascii_lowercase();
-        if header.is_empty() || !header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+        let Some(header) = super::headers::header_name(&raw.model_from) else {
             return Err((at("model_from"), format!("{:?} is not a header name", raw.model_from)));
-        }
+        };
         if raw.per_million.is_empty() || raw.per_million.len() > MAX_MODELS {
             return Err((at("per_million"), format!("list 1 to {MAX_MODELS} models")));
         }
@@ -125,10 +124,7 @@ impl Prices {
         amount: impl Fn(&str) -> Option<u64>,
         report: bool,
     ) -> Cost {
-        let model = headers
-            .iter()
-            .find(|(name, _)| name.eq_ignore_ascii_case(&self.header))
-            .and_then(|(_, model)| self.models.get(model.as_str()));
+        let model = super::headers::header(headers, &self.header).and_then(|model| self.models.get(model));
         let prices = match (model, &self.unpriced, report) {
             (Some(prices), _, _) => prices,
             (None, Some(default), _) => &self.models[default.as_str()],
@@ -170,6 +166,17 @@ mod tests {
         // A report of an unlisted model: the highest price of each unit.
         assert_eq!(prices.cost(&headers("llama"), amount, true), Cost::Priced(7_120));
         assert_eq!(table("mini").cost(&headers("llama"), amount, false), Cost::Priced(368));
+        // Two spellings of the header naming two models: neither is believed.
+        let two = HashMap::from([
+            ("x-model".to_owned(), "mini".to_owned()),
+            ("X-Model".to_owned(), "gpt-4o".to_owned()),
+        ]);
+        assert_eq!(prices.cost(&two, amount, false), Cost::Unpriced);
+        let same = HashMap::from([
+            ("x-model".to_owned(), "mini".to_owned()),
+            ("X-MODEL".to_owned(), "mini".to_owned()),
+        ]);
+        assert_eq!(prices.cost(&same, amount, false), Cost::Priced(368));
         let huge = |_: &str| Some(u64::MAX);
         assert_eq!(prices.cost(&headers("gpt-4o"), huge, false), Cost::Priced(u64::MAX));
     }

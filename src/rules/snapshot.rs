@@ -361,12 +361,15 @@ fn content_hash(rules: &[Rule]) -> String {
             let table = serde_json::to_string(prices.raw()).unwrap_or_default();
             let _ = writeln!(canonical, "\tprices\t{table}");
         }
+        for key in rule.levels.iter().flat_map(|levels| &levels.keys) {
+            let _ = writeln!(canonical, "\tlevel\t{:?}\t{:?}", key.name, key.header);
+        }
     }
     let digest = sha1_smol::Sha1::from(canonical.as_bytes()).digest().to_string();
     digest[..16].to_owned()
 }
 
-/// Limit `index`'s calendar period and unit, in the canonical rendering,
+/// Limit `index`'s calendar period, unit and level, in the canonical rendering,
 /// each only when set (so the versions of sets without them stay as they
 /// were).
 fn counted_in(canonical: &mut String, rule: &Rule, index: usize) {
@@ -375,6 +378,9 @@ fn counted_in(canonical: &mut String, rule: &Rule, index: usize) {
     }
     if let Some(unit) = rule.unit_at(index) {
         let _ = writeln!(canonical, "\tunit\t{unit:?}");
+    }
+    if let Some(level) = rule.level_name_at(index) {
+        let _ = writeln!(canonical, "\tcharged\t{level:?}");
     }
 }
 
