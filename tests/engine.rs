@@ -73,6 +73,11 @@ descriptors:
     also: [ { unit: minute, requests_per_unit: 30 } ]
   - key: stream
     rate_limit: { unit: minute, requests_per_unit: 2, algorithm: concurrency }
+  - key: llm_key
+    descriptors:
+      - { key: budget, value: output, rate_limit: { unit: minute, requests_per_unit: 1000 } }
+      - { key: budget, value: input, rate_limit: { unit: minute, requests_per_unit: 5000 } }
+      - { key: budget, value: daily, rate_limit: { unit: day, requests_per_unit: 1000 } }
 "#;
 
 /// The failed decisions the engine reported.
@@ -260,6 +265,7 @@ for_each_store!(
     a_reservation_never_settled_stays_charged_at_its_estimate,
     envoy_requests_in_flight_are_released_by_their_release_descriptor,
     a_request_is_charged_to_its_key_its_team_and_its_organisation,
+    envoy_reservations_are_settled_once_by_their_stream_done_descriptors,
 );
 
 impl Harness {
@@ -1191,4 +1197,79 @@ async fn a_request_is_charged_to_its_key_its_team_and_its_organisation(backend: 
     assert_eq!(d.reason, Reason::NoLevelKey, "a caller may not choose which spelling counts: {d:?}");
     let left = call("finn", &[("x-team", "c"), ("x-org", "o")], &[("cost", 100)], Count::IfFits).await;
     assert!(left.allowed, "nothing was counted for the refused ones: {left:?}");
+}
+
+impl Harness {
+    /// One `ShouldRateLimit` of key `key`'s `budgets` (name, hits), each
+    /// descriptor `llm_key=<key>, budget=<name>` and `mark` last when given.
+    async fn budgets(
+        &self,
+        key: &str,
+        budgets: &[(&str, u64)],
+        mark: Option<(&str, &str)>,
+        may_report: bool,
+    ) -> RlsDecision {
+        let descriptors: Vec<RlsDescriptor<'_>> = budgets
+            .iter()
+            .map(|(budget, hits)| RlsDescriptor {
+                entries: [("llm_key", key), ("budget", *budget)].into_iter().chain(mark).collect(),
+                limit: None,
+                hits_addend: Some(*hits),
+            })
+            .collect();
+        let request = RlsRequest {
+            domain: "edge",
+            descriptors: &descriptors,
+            hits_addend: 0,
+            trace_id: None,
+            share: None,
+            may_report,
+        };
+        self.engine.should_rate_limit(&request).await
+    }
+
+    /// What is left of `key`'s budget `budget` (a 0-hit peek).
+    async fn budget_left(&self, key: &str, budget: &str) -> u32 {
+        self.budgets(key, &[(budget, 0)], None, true).await.statuses[0].remaining
+    }
+}
+
+/// Reservations through Envoy's API: descriptors ending in
+/// `ratelimitd.reserve` count their estimates and the admitted answer
+/// names the reservation; the stream-done descriptors ending in
+/// `ratelimitd.settle=<id>` charge the actual usage instead, once however
+/// often the call comes; an expired one changes nothing; one that names
+/// no reservation counts its usage whole; a caller that may not report
+/// settles nothing.
+async fn envoy_reservations_are_settled_once_by_their_stream_done_descriptors(backend: Backend) {
+    let h = Harness::default(backend).await;
+    let reserve = Some(("ratelimitd.reserve", "1"));
+    let first = h.budgets("k1", &[("output", 400), ("input", 1_200)], reserve, true).await;
+    assert!(!first.over_limit, "{first:?}");
+    let id = first.reservation.clone().expect("a reservation id");
+    assert!(id.starts_with("e1|"), "{id}");
+    let parallel = h.budgets("k1", &[("output", 700), ("input", 10)], reserve, true).await;
+    assert!(parallel.over_limit && parallel.reservation.is_none(), "400 of 1,000 held: {parallel:?}");
+    assert_eq!(h.budget_left("k1", "input").await, 3_800, "the refused request counted nothing");
+
+    let settle = Some(("ratelimitd.settle", &*id));
+    h.budgets("k1", &[("output", 100), ("input", 1_300)], settle, false).await;
+    assert_eq!(h.budget_left("k1", "output").await, 600, "a caller that may not report settles nothing");
+    for _ in 0..2 {
+        h.budgets("k1", &[("output", 100), ("input", 1_300)], settle, true).await;
+        assert_eq!(h.budget_left("k1", "output").await, 900, "300 given back, once");
+        assert_eq!(h.budget_left("k1", "input").await, 3_700, "100 more counted, once");
+    }
+
+    let late = h.budgets("k2", &[("daily", 500)], reserve, true).await.reservation.unwrap();
+    h.clock.advance(600_001);
+    h.budgets("k2", &[("daily", 0)], Some(("ratelimitd.settle", &*late)), true).await;
+    let left = h.budget_left("k2", "daily").await;
+    // A sliding day: ten minutes decay at most a 144th of it.
+    assert!(left < 550, "an expired reservation stays charged: {left} left");
+
+    h.budgets("k3", &[("output", 250)], Some(("ratelimitd.settle", "none")), true).await;
+    assert_eq!(h.budget_left("k3", "output").await, 750, "no reservation: the usage is counted whole");
+    let plain = h.budgets("k3", &[("output", 10)], None, true).await;
+    assert!(!plain.over_limit && plain.reservation.is_none(), "{plain:?}");
 }

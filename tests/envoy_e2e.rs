@@ -350,8 +350,10 @@ async fn a_user_header_that_is_not_utf8_is_limited_like_any_other() {
     s.server.stop().await.unwrap();
 }
 
-/// An upstream answering 200 with `x-service: NAME` and `x-tokens-used`
-/// copied from the request's `x-tokens` (the tokens an LLM response used).
+/// An upstream answering 200 with `x-service: NAME`, `x-tokens-used`
+/// copied from the request's `x-tokens` (the tokens an LLM response used)
+/// and each `x-use-<unit>` request header as `x-usage-<unit>` (what a
+/// response of several units used), after `x-delay-ms`.
 fn reporting_upstream(dir: &Path, name: &str) -> (Process, u16) {
     const SCRIPT: &str = r#"
 import http.server, sys, time
@@ -362,10 +364,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("x-service", name)
         self.send_header("x-tokens-used", self.headers.get("x-tokens", "0"))
+        for header, value in self.headers.items():
+            if header.lower().startswith("x-use-"):
+                self.send_header("x-usage-" + header[6:].lower(), value)
         self.send_header("content-length", "0")
         self.end_headers()
     def log_message(self, *args):
         pass
+# Room for every concurrent connection a test opens (the default backlog is 5).
+http.server.ThreadingHTTPServer.request_queue_size = 128
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 "#;
     let log = dir.join(format!("{name}.log"));
@@ -419,9 +426,10 @@ async fn quota_stack() -> QuotaStack {
 }
 
 impl QuotaStack {
-    /// What ratelimitd has left for `key=value` in domain `llm`, asked as
-    /// Envoy's request path asks (hits_addend 0: counts nothing).
-    async fn remaining(&self, key: &str, value: &str) -> u32 {
+    /// What ratelimitd has left for the descriptor `entries` in domain
+    /// `llm`, asked as Envoy's request path asks (hits_addend 0: counts
+    /// nothing).
+    async fn remaining_of(&self, entries: &[(&str, &str)]) -> u32 {
         use ratelimitd::api::envoy_pb::{
             envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry},
             rls::{RateLimitRequest, rate_limit_service_client::RateLimitServiceClient},
@@ -431,7 +439,10 @@ impl QuotaStack {
         let request = RateLimitRequest {
             domain: "llm".to_owned(),
             descriptors: vec![RateLimitDescriptor {
-                entries: vec![Entry { key: key.to_owned(), value: value.to_owned() }],
+                entries: entries
+                    .iter()
+                    .map(|(key, value)| Entry { key: (*key).to_owned(), value: (*value).to_owned() })
+                    .collect(),
                 hits_addend: Some(0),
                 ..Default::default()
             }],
@@ -442,13 +453,19 @@ impl QuotaStack {
 
     /// Waits for Envoy's stream-done report to leave `remaining` behind.
     async fn until_remaining(&self, key: &str, value: &str, remaining: u32) {
+        self.until_remaining_of(&[(key, value)], remaining).await;
+    }
+
+    /// Waits for Envoy's stream-done reports to leave `remaining` of the
+    /// descriptor `entries`.
+    async fn until_remaining_of(&self, entries: &[(&str, &str)], remaining: u32) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let now = self.remaining(key, value).await;
+            let now = self.remaining_of(entries).await;
             if now == remaining {
                 return;
             }
-            assert!(Instant::now() < deadline, "{key}={value}: {now} left, expected {remaining}");
+            assert!(Instant::now() < deadline, "{entries:?}: {now} left, expected {remaining}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -498,6 +515,88 @@ async fn token_usage_reported_on_stream_done_spends_the_budget() {
     s.until_remaining("tokens_user", "alice", 0).await;
     assert_eq!(chat("1"), 429, "the budget is spent");
     assert_eq!(get_path(port, "/v1/chat", &[("x-user-id", "bob"), ("x-tokens", "5")]).0, 200, "per user");
+    s.server.stop().await.unwrap();
+}
+
+/// One request on `/v1/budget` for API key `key`: reserving `estimate`
+/// (input tokens, output tokens, micro-dollars), the upstream answering
+/// `used` after `delay_ms`. Its status.
+fn budgeted(port: u16, key: &str, estimate: [u64; 3], used: [u64; 3], delay_ms: u64) -> u16 {
+    let [input, output, cost] = estimate.map(|n| n.to_string());
+    let [used_input, used_output, used_cost] = used.map(|n| n.to_string());
+    let delay = delay_ms.to_string();
+    let headers = [
+        ("x-api-key", key),
+        ("x-input-tokens", &*input),
+        ("x-max-tokens", &*output),
+        ("x-max-cost", &*cost),
+        ("x-use-input-tokens", &*used_input),
+        ("x-use-output-tokens", &*used_output),
+        ("x-use-cost", &*used_cost),
+        ("x-delay-ms", &*delay),
+    ];
+    get_path(port, "/v1/budget", &headers).0
+}
+
+/// Budgets reserved, then settled, through a real Envoy (`/v1/budget`,
+/// 5,000 input and 1,000 output tokens a minute, 50,000 micro-dollars a
+/// day per key). Twenty concurrent calls estimating 100 output tokens: ten
+/// pass (each holds 100 while in flight), and the budget is charged what
+/// the ten used, exactly, once their streams end; the same twenty through
+/// the report-after-the-fact flow (`/v1/chat`, 100 tokens) all pass and
+/// spend twelve times its budget. Input and output bind apart, and a money
+/// budget stops the key at exactly its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn budgets_are_reserved_then_settled_through_envoy() {
+    let s = quota_stack().await;
+    let port = s.envoy_port;
+    let budget = |key: &'static str, unit: &'static str| [("budget_key", key), ("budget", unit)];
+    let parallel = move |call: fn(u16) -> u16| {
+        let threads: Vec<_> = (0..20).map(|_| std::thread::spawn(move || call(port))).collect();
+        threads.into_iter().map(|t| t.join().unwrap()).filter(|status| *status == 200).count() as u32
+    };
+    let admitted = tokio::task::spawn_blocking(move || {
+        parallel(|port| budgeted(port, "ann", [10, 100, 10], [10, 60, 10], 800))
+    })
+    .await
+    .unwrap();
+    assert_eq!(admitted, 10, "ten estimates of 100 fill the 1,000");
+    s.until_remaining_of(&budget("ann", "output_tokens"), 1_000 - 60 * admitted).await;
+    s.until_remaining_of(&budget("ann", "input_tokens"), 5_000 - 10 * admitted).await;
+    let reported = tokio::task::spawn_blocking(move || {
+        parallel(|port| {
+            get_path(port, "/v1/chat", &[("x-user-id", "ann"), ("x-tokens", "60"), ("x-delay-ms", "800")]).0
+        })
+    })
+    .await
+    .unwrap();
+    assert_eq!(reported, 20, "checked before any usage is reported, every call passes");
+
+    let call = move |key, estimate, used| budgeted(port, key, estimate, used, 0);
+    let codes = tokio::task::spawn_blocking(move || {
+        [
+            call("bea", [4_900, 10, 10], [4_900, 10, 10]),
+            call("bea", [200, 10, 10], [200, 10, 10]),
+            call("cat", [10, 950, 10], [10, 950, 10]),
+            call("cat", [10, 100, 10], [10, 100, 10]),
+        ]
+    })
+    .await
+    .unwrap();
+    assert_eq!(codes, [200, 429, 200, 429], "bea's input binds, cat's output");
+    s.until_remaining_of(&budget("bea", "output_tokens"), 990).await;
+    s.until_remaining_of(&budget("cat", "input_tokens"), 4_990).await;
+
+    let money = tokio::task::spawn_blocking(move || {
+        let spend = |cost| call("dan", [1, 1, cost], [1, 1, cost]);
+        [spend(20_000), spend(20_000), spend(20_000), spend(10_000)]
+    })
+    .await
+    .unwrap();
+    assert_eq!(money, [200, 200, 429, 200]);
+    s.until_remaining_of(&budget("dan", "cost"), 0).await;
+    let last = tokio::task::spawn_blocking(move || call("dan", [1, 1, 1], [1, 1, 1])).await.unwrap();
+    assert_eq!(last, 429, "50,000 micro-dollars spent: the key stops there");
     s.server.stop().await.unwrap();
 }
 

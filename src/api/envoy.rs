@@ -246,9 +246,25 @@ impl RateLimitService for EnvoyService {
         if self.settings.response_dynamic_metadata {
             answer.dynamic_metadata = Some(dynamic_metadata(&request, &decision));
         }
+        if let Some(id) = decision.reservation {
+            // Whatever `envoy.response_dynamic_metadata` says: the request
+            // asked for it (`ratelimitd.reserve`), and its stream-done
+            // settlement reads it.
+            let value = prost_types::Value { kind: Some(prost_types::value::Kind::StringValue(id.into())) };
+            answer
+                .dynamic_metadata
+                .get_or_insert_with(Default::default)
+                .fields
+                .insert(RESERVATION_FIELD.to_owned(), value);
+        }
         Ok(Response::new(answer))
     }
 }
+
+/// The field of the answer's dynamic metadata (Envoy stores it in the
+/// filter's namespace, `envoy.filters.http.ratelimit`) naming a
+/// reservation, for the stream-done `ratelimitd.settle` entry to read.
+pub(super) const RESERVATION_FIELD: &str = "ratelimitd.reservation";
 
 /// Borrows a validated request, received with `metadata` and `extensions`,
 /// as the engine's [`RlsRequest`]: no copy. `reports`: the API lets a

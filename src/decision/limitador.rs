@@ -79,7 +79,7 @@ pub(super) async fn decide<D: Descriptor>(
             limit: Arc::clone(limit),
             shared: Vec::new(),
             stat_key: None,
-            released: false,
+            role: crate::rules::envoy::Role::Counted,
         }));
     }
     let counted = RlsRequest {
@@ -153,6 +153,7 @@ fn unevaluable<D: Descriptor>(engine: &Engine, request: &RlsRequest<'_, D>) -> R
         shadow_shed: false,
         failure: None,
         store_error: None,
+        reservation: None,
     }
 }
 

@@ -67,11 +67,24 @@ static NEXT: LazyLock<AtomicU64> = LazyLock::new(|| {
     AtomicU64::new(u64::from_le_bytes(random))
 });
 
+/// A reservation's unique number.
+pub(super) fn nonce() -> u64 {
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The claim counter of reservation `nonce`, expiring at `expires_ms`:
+/// one hit of a first-hit window of one that lasts until then, so a
+/// second settlement does not fit and its job counts nothing.
+pub(super) fn claim(nonce: u64, expires_ms: u64, now_ms: u64) -> ManyItem {
+    let window_ms = expires_ms.saturating_sub(now_ms).max(1);
+    let params = WindowParams { window_ms, capacity: 1, rate: 1, algorithm: Algorithm::FirstHitWindow };
+    ManyItem::admission(format!("~settled/{nonce:016x}"), params)
+}
+
 impl Reservation {
     /// A new reservation of `limits` on `rule`, expiring at `expires_ms`.
     pub fn new(rule: &Rule, expires_ms: u64, limits: Vec<Reserved>) -> Self {
-        let nonce = NEXT.fetch_add(1, Ordering::Relaxed);
-        Reservation { rule_id: rule.id.to_string(), expires_ms, nonce, limits }
+        Reservation { rule_id: rule.id.to_string(), expires_ms, nonce: nonce(), limits }
     }
 
     /// Its id.
@@ -125,9 +138,7 @@ impl Reservation {
     /// reservation expires, so a second settlement does not fit and the
     /// job counts nothing.
     pub fn claim(&self, now_ms: u64) -> ManyItem {
-        let window_ms = self.expires_ms.saturating_sub(now_ms).max(1);
-        let params = WindowParams { window_ms, capacity: 1, rate: 1, algorithm: Algorithm::FirstHitWindow };
-        ManyItem::admission(format!("~settled/{:016x}", self.nonce), params)
+        claim(self.nonce, self.expires_ms, now_ms)
     }
 
     /// The settlement's job: the claim, then each of `items` (the rule's

@@ -44,6 +44,9 @@ pub struct RlsDecision {
     /// Why the shared store did not decide (the failure policy did);
     /// `None` when it did.
     pub store_error: Option<FailureKind>,
+    /// A request that reserves (`ratelimitd.reserve`), admitted: the id a
+    /// stream-done `ratelimitd.settle` settles with.
+    pub reservation: Option<Box<str>>,
 }
 
 impl RlsDecision {
@@ -243,6 +246,7 @@ pub(super) fn refused(
         shadow_shed: false,
         failure: None,
         store_error: None,
+        reservation: None,
     }
 }
 

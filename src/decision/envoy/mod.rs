@@ -16,8 +16,9 @@
 //!
 //! The files, in the order a request meets them: `request` (what the API
 //! hands over), `policy` (the settings), `plan` (each descriptor's limit and
-//! counters), `counter` (counter keys), `answer` (statuses, the overall code
-//! and the one place a descriptor is counted), `failed` (the failure mode).
+//! counters), `reserve` (reservations and their settlement), `counter`
+//! (counter keys), `answer` (statuses, the overall code and the one place a
+//! descriptor is counted), `failed` (the failure mode).
 
 mod answer;
 mod counter;
@@ -25,6 +26,7 @@ mod failed;
 mod plan;
 mod policy;
 mod request;
+mod reserve;
 
 use std::sync::Arc;
 
@@ -39,7 +41,7 @@ pub use request::{Descriptor, EnvoyCall, LimitOverride, OwnedDescriptor, RlsDesc
 use super::{Engine, Reason, pipeline::Subject};
 use crate::{
     limiter::{Count, ManyItem, ManyOutcome, Shares, StoreError},
-    rules::envoy::{EnvoyConfig, EnvoyMatch},
+    rules::envoy::{EnvoyConfig, EnvoyMatch, Role},
     shed::{Level, Priority},
 };
 
@@ -109,6 +111,11 @@ pub(super) struct Rls<'r, 'a, D> {
     limits: Vec<Option<EnvoyMatch>>,
     /// Settled: each descriptor's plan, and the store call's counters.
     settled: Option<(Vec<Plan>, Vec<ManyItem>)>,
+    /// What each counter's descriptor is, when one reserves or settles
+    /// (empty otherwise: no allocation).
+    roles: Vec<Role>,
+    /// The counters settle a reservation: one job, its claim last.
+    settles: bool,
     priority: Priority,
     level: Level,
     shadow_shed: bool,
@@ -128,7 +135,16 @@ impl<'r, 'a, D: Descriptor> Rls<'r, 'a, D> {
         limits: Vec<Option<EnvoyMatch>>,
         priority: Priority,
     ) -> Self {
-        Rls { request, limits, settled: None, priority, level: Level::Normal, shadow_shed: false }
+        Rls {
+            request,
+            limits,
+            settled: None,
+            roles: Vec::new(),
+            settles: false,
+            priority,
+            level: Level::Normal,
+            shadow_shed: false,
+        }
     }
 
     fn hits(&self, descriptor: &D) -> u64 {
@@ -148,7 +164,32 @@ impl<'r, 'a, D: Descriptor> Rls<'r, 'a, D> {
             shadow_shed: self.shadow_shed,
             failure: None,
             store_error: None,
+            reservation: None,
         }
+    }
+
+    /// A request admitted whole that reserves: the reservation of what its
+    /// reserving descriptors' admissions counted, in the windows of the
+    /// store's clock.
+    fn reserved(&self, engine: &Engine, items: &[ManyItem], outcome: &ManyOutcome) -> Option<Box<str>> {
+        let admitted =
+            outcome.committed && outcome.verdicts.iter().zip(items).all(|(v, i)| v.admitted || i.shadow);
+        if !admitted || !self.roles.contains(&Role::Reserved) {
+            return None;
+        }
+        let reserved = items
+            .iter()
+            .zip(&self.roles)
+            .filter(|(item, role)| **role == Role::Reserved && item.count == Count::IfFits)
+            .map(|(item, _)| item);
+        // Expiry is the deciding instance's clock, which settling reads.
+        let expires_ms = engine.inner.clock.now_ms().saturating_add(engine.inner.reservation_ttl_ms);
+        let reservation =
+            reserve::EnvoyReservation::new(self.request.domain, expires_ms, reserved, outcome.now_ms);
+        if reservation.is_none() {
+            engine.adjusted(super::Api::Envoy, "reservation_too_large");
+        }
+        reservation.filter(|r| !r.held.is_empty()).map(|r| r.id().into_boxed_str())
     }
 
     fn settled(&self) -> (&[Plan], &[ManyItem]) {
@@ -175,7 +216,9 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
         for (found, descriptor) in self.limits.iter().zip(self.request.descriptors) {
             match found {
                 Some(m) if m.limit.unlimited => {}
-                Some(m) if (m.limit.report_mode || m.released) && self.hits(descriptor) > 0 => reports += 1,
+                Some(m) if (m.limit.report_mode || m.role.reports()) && self.hits(descriptor) > 0 => {
+                    reports += 1
+                }
                 Some(_) => others += 1,
                 None => {}
             }
@@ -212,9 +255,17 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
     fn settle(&mut self, engine: &Engine, level: Level, shadow_shed: bool) -> Option<RlsDecision> {
         (self.level, self.shadow_shed) = (level, shadow_shed);
         let limits = std::mem::take(&mut self.limits);
-        let (plans, items) = plan::plans(engine, self.request.descriptors, limits, |d| self.hits(d));
+        let (plans, mut items, roles) =
+            plan::plans(engine, self.request.descriptors, limits, |d| self.hits(d));
         if items.is_empty() {
             return Some(answer::answer(engine, &plans, &items, None, self.base(plans.len()), false));
+        }
+        if roles.iter().any(|role| matches!(role, Role::Reserved | Role::Settled)) {
+            if roles.contains(&Role::Settled) {
+                let now_ms = engine.inner.clock.now_ms();
+                self.settles = reserve::settle(engine, self.request, &mut items, &roles, now_ms);
+            }
+            self.roles = roles;
         }
         self.settled = Some((plans, items));
         None
@@ -241,13 +292,21 @@ impl<D: Descriptor> Subject for Rls<'_, '_, D> {
         let items = self.settled().1;
         let tenant = engine.tenant_share(|| plan::tenant(engine, self.request));
         let shares = Shares { caller: self.request.share, tenant: tenant.as_deref() };
+        if self.settles {
+            return engine.inner.store.decide_job_in(shares, self.request.domain, items).await;
+        }
         engine.inner.store.decide_many_in(shares, self.request.domain, items).await
     }
 
     #[inline]
     fn answer(self, engine: &Engine, outcome: ManyOutcome) -> RlsDecision {
         let (plans, items) = self.settled();
-        answer::answer(engine, plans, items, Some(&outcome), self.base(plans.len()), false)
+        if self.settles && !outcome.committed {
+            engine.adjusted(super::Api::Envoy, "settlement_repeated");
+        }
+        let reservation = self.reserved(engine, items, &outcome);
+        let decided = answer::answer(engine, plans, items, Some(&outcome), self.base(plans.len()), false);
+        RlsDecision { reservation, ..decided }
     }
 
     #[inline]

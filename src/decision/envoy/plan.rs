@@ -14,7 +14,7 @@ use crate::{
     decision::{Api, Engine, EnvoyPolicy},
     limiter::{Count, ManyItem},
     overload::{Kind, OverloadVerdict},
-    rules::envoy::{EnvoyConfig, EnvoyLimit, EnvoyMatch, params, tick_ms},
+    rules::envoy::{EnvoyConfig, EnvoyLimit, EnvoyMatch, Role, params, tick_ms},
 };
 
 /// How one descriptor is decided.
@@ -72,6 +72,18 @@ pub(super) fn limits<D: Descriptor>(
             match marked(d) {
                 Some((Marked::Release, n)) => {
                     return released(engine, config, request, d.entries().take(n - 1));
+                }
+                Some((Marked::Reserve, n)) => {
+                    let found = config?.lookup(request.domain, d.entries().take(n - 1))?;
+                    return Some(EnvoyMatch { role: Role::Reserved, ..found });
+                }
+                Some((Marked::Settle, n)) => {
+                    if !request.may_report {
+                        inner.stats.adjusted(Api::Envoy, "settlement_not_allowed");
+                        return None;
+                    }
+                    let found = config?.lookup(request.domain, d.entries().take(n - 1))?;
+                    return Some(EnvoyMatch { role: Role::Settled, ..found });
                 }
                 Some((Marked::Outcome(outcome), n)) => {
                     return outcome_reported(engine, config, request, d, (outcome, n));
@@ -142,7 +154,7 @@ fn released<'e, D: Descriptor>(
         engine.inner.stats.adjusted(Api::Envoy, "release_not_in_flight");
         return None;
     }
-    Some(EnvoyMatch { released: true, ..found })
+    Some(EnvoyMatch { role: Role::Released, ..found })
 }
 
 /// Drops every named limit of `limits` another of them replaces.
@@ -178,7 +190,6 @@ fn requested_limit<D: Descriptor>(
     requested: LimitOverride,
 ) -> EnvoyMatch {
     EnvoyMatch {
-        released: false,
         limit: Arc::new(EnvoyLimit::bare(
             Arc::clone(&engine.override_label),
             requested.requests_per_unit,
@@ -187,18 +198,21 @@ fn requested_limit<D: Descriptor>(
         )),
         shared: Vec::new(),
         stat_key: engine.inner.envoy_policy.upstream_metrics.then(|| request_stat_key(domain, d.entries())),
+        role: Role::Counted,
     }
 }
 
-/// How each descriptor is decided, and the counters of the one store
-/// call (`hits`: a descriptor's hits).
+/// How each descriptor is decided, the counters of the one store call
+/// (`hits`: a descriptor's hits), and what each counter's descriptor is
+/// ([`Role`]).
 pub(super) fn plans<D: Descriptor>(
     engine: &Engine,
     descriptors: &[D],
     limits: Vec<Option<EnvoyMatch>>,
     hits: impl Fn(&D) -> u64,
-) -> (Vec<Plan>, Vec<ManyItem>) {
+) -> (Vec<Plan>, Vec<ManyItem>, Vec<Role>) {
     let mut items = Vec::new();
+    let mut roles = Vec::new();
     let plans = limits
         .into_iter()
         .zip(descriptors)
@@ -210,11 +224,12 @@ pub(super) fn plans<D: Descriptor>(
             Some(found) => {
                 let first = items.len();
                 push_items(engine, &found, descriptor, hits(descriptor), &mut items);
+                roles.resize(items.len(), found.role);
                 Plan::Limited(found.limit, first, found.stat_key)
             }
         })
         .collect();
-    (plans, items)
+    (plans, items, roles)
 }
 
 /// The counters of a descriptor with a limit (`found`) and `hits`: one
@@ -232,8 +247,9 @@ fn push_items<D: Descriptor>(
     let first = &found.limit;
     let policy = &engine.inner.envoy_policy;
     let seconds = |limit: &EnvoyLimit| limit.window_seconds().expect("a limited limit has a unit");
-    // A release names its counter by its other entries.
-    let named = if found.released { descriptor.entries().count() - 1 } else { usize::MAX };
+    // A release, a reservation and a settlement name their counter by
+    // their other entries.
+    let named = if found.role == Role::Counted { usize::MAX } else { descriptor.entries().count() - 1 };
     let (raw, mut digested) = raw_counter_key(
         seconds(first),
         descriptor.entries().take(named),
@@ -289,7 +305,7 @@ fn push_items<D: Descriptor>(
 /// when denied.
 fn counting(found: &EnvoyMatch, limit: &EnvoyLimit, hits: u64, policy: &EnvoyPolicy) -> (u64, Count) {
     match hits {
-        hits if found.released => (hits, Count::Always),
+        hits if found.role.reports() => (hits, Count::Always),
         0 => (u64::from(!policy.zero_hits_within_limit), Count::Never),
         hits if limit.peek_mode => (hits, Count::Never),
         hits if limit.report_mode => (hits, Count::Always),

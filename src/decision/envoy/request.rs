@@ -80,6 +80,17 @@ pub(super) const OUTCOME_KEY: &str = "ratelimitd.outcome";
 /// with `apply_on_stream_done`.
 pub(super) const RELEASE_KEY: &str = "ratelimitd.release";
 
+/// The descriptor entry key that makes a descriptor a reservation: with
+/// its last entry `ratelimitd.reserve` (any value), its other entries name
+/// the counter its hits (an estimate) are counted on, and the answer
+/// names the reservation (`reserve`).
+pub(super) const RESERVE_KEY: &str = "ratelimitd.reserve";
+
+/// The descriptor entry key that settles a reservation: with its last
+/// entry `ratelimitd.settle` valued with the reservation's id, its other
+/// entries name the counter and its hits are the actual usage.
+pub(super) const SETTLE_KEY: &str = "ratelimitd.settle";
+
 /// What a descriptor's last entry makes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Marked {
@@ -87,17 +98,24 @@ pub(super) enum Marked {
     Outcome(Outcome),
     /// The end of requests in flight ([`RELEASE_KEY`]).
     Release,
+    /// A reservation ([`RESERVE_KEY`]).
+    Reserve,
+    /// A settlement ([`SETTLE_KEY`]).
+    Settle,
 }
 
 /// What `d`'s last entry makes it, and its number of entries: `None`
 /// unless its last entry is [`OUTCOME_KEY`] with a known outcome (any other
 /// value leaves the descriptor an ordinary one, counted as it is) or
-/// [`RELEASE_KEY`], after at least one other.
+/// [`RELEASE_KEY`], [`RESERVE_KEY`] or [`SETTLE_KEY`], after at least one
+/// other.
 pub(super) fn marked<D: Descriptor>(d: &D) -> Option<(Marked, usize)> {
     let (count, last) = d.entries().fold((0, None), |(n, _), entry| (n + 1, Some(entry)));
     match last? {
         (OUTCOME_KEY, value) if count > 1 => Some((Marked::Outcome(Outcome::parse(value)?), count)),
         (RELEASE_KEY, _) if count > 1 => Some((Marked::Release, count)),
+        (RESERVE_KEY, _) if count > 1 => Some((Marked::Reserve, count)),
+        (SETTLE_KEY, _) if count > 1 => Some((Marked::Settle, count)),
         _ => None,
     }
 }

@@ -277,10 +277,34 @@ pub struct EnvoyMatch {
     /// (upstream's `GetLimit`). Unsanitized. `None` (no allocation) unless
     /// the configuration uses either flag.
     pub stat_key: Option<Box<str>>,
-    /// The descriptor's last entry is `ratelimitd.release` and the limit its
-    /// other entries find counts requests in flight: those entries name the
-    /// counter, and its hits give slots back (the request ended).
-    pub released: bool,
+    /// What the descriptor's last entry makes of it.
+    pub role: Role,
+}
+
+/// What a descriptor's last entry makes of it; but for [`Role::Counted`]
+/// its other entries name the counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Role {
+    /// An ordinary descriptor, counted as it is.
+    #[default]
+    Counted,
+    /// `ratelimitd.release`, of a limit of requests in flight: its hits give
+    /// slots back (the request ended).
+    Released,
+    /// `ratelimitd.reserve`: its hits (an estimate) are counted, and the
+    /// answer names the reservation.
+    Reserved,
+    /// `ratelimitd.settle`, valued with a reservation's id: its hits (the
+    /// actual usage) replace what the reservation holds there.
+    Settled,
+}
+
+impl Role {
+    /// Whether its hits report what happened (usage, a request's end)
+    /// rather than ask for room.
+    pub fn reports(self) -> bool {
+        matches!(self, Role::Released | Role::Settled)
+    }
 }
 
 /// How one request entry found its node.
@@ -420,7 +444,7 @@ impl EnvoyConfig {
                 };
                 (*key != *limit.full_key).then(|| key.into_boxed_str())
             });
-            EnvoyMatch { limit, shared, stat_key, released: false }
+            EnvoyMatch { limit, shared, stat_key, role: Role::Counted }
         })
     }
 
