@@ -204,7 +204,7 @@ fn requested_limit<D: Descriptor>(
 
 /// How each descriptor is decided, the counters of the one store call
 /// (`hits`: a descriptor's hits), and what each counter's descriptor is
-/// ([`Role`]).
+/// ([`Role`]; empty when every one is [`Role::Counted`]).
 pub(super) fn plans<D: Descriptor>(
     engine: &Engine,
     descriptors: &[D],
@@ -212,6 +212,9 @@ pub(super) fn plans<D: Descriptor>(
     hits: impl Fn(&D) -> u64,
 ) -> (Vec<Plan>, Vec<ManyItem>, Vec<Role>) {
     let mut items = Vec::new();
+    // Only a request that reserves, settles or releases keeps its roles:
+    // the others allocate nothing for them.
+    let marked = limits.iter().flatten().any(|found| found.role != Role::Counted);
     let mut roles = Vec::new();
     let plans = limits
         .into_iter()
@@ -224,7 +227,9 @@ pub(super) fn plans<D: Descriptor>(
             Some(found) => {
                 let first = items.len();
                 push_items(engine, &found, descriptor, hits(descriptor), &mut items);
-                roles.resize(items.len(), found.role);
+                if marked {
+                    roles.resize(items.len(), found.role);
+                }
                 Plan::Limited(found.limit, first, found.stat_key)
             }
         })
