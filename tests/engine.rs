@@ -189,29 +189,25 @@ impl Harness {
             .iter()
             .map(|entries| RlsDescriptor { entries: entries.to_vec(), limit, hits_addend: None })
             .collect();
-        let request = RlsRequest {
-            domain: "edge",
-            descriptors: &descriptors,
-            hits_addend: hits,
-            trace_id: None,
-            share: None,
-            may_report: true,
-        };
-        self.engine.should_rate_limit(&request).await
+        self.decide_rls(&descriptors, hits, true).await
     }
 
     /// One descriptor `key=value` with its own `hits_addend`.
     async fn hits(&self, key: &str, value: &str, hits: u64) -> RlsDecision {
         let descriptors =
             [RlsDescriptor { entries: vec![(key, value)], limit: None, hits_addend: Some(hits) }];
-        let request = RlsRequest {
-            domain: "edge",
-            descriptors: &descriptors,
-            hits_addend: 0,
-            trace_id: None,
-            share: None,
-            may_report: true,
-        };
+        self.decide_rls(&descriptors, 0, true).await
+    }
+
+    /// A `ShouldRateLimit` of `descriptors` in domain `edge`.
+    async fn decide_rls(
+        &self,
+        descriptors: &[RlsDescriptor<'_>],
+        hits_addend: u32,
+        may_report: bool,
+    ) -> RlsDecision {
+        let request =
+            RlsRequest { domain: "edge", descriptors, hits_addend, trace_id: None, share: None, may_report };
         self.engine.should_rate_limit(&request).await
     }
 
@@ -1217,15 +1213,7 @@ impl Harness {
                 hits_addend: Some(*hits),
             })
             .collect();
-        let request = RlsRequest {
-            domain: "edge",
-            descriptors: &descriptors,
-            hits_addend: 0,
-            trace_id: None,
-            share: None,
-            may_report,
-        };
-        self.engine.should_rate_limit(&request).await
+        self.decide_rls(&descriptors, 0, may_report).await
     }
 
     /// What is left of `key`'s budget `budget` (a 0-hit peek).
