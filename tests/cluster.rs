@@ -3,7 +3,8 @@
 //! Decisions are exact across slots, a killed primary only affects its own
 //! slots (answered by policy), and once it is back the service decides
 //! exactly again without a restart. Two instances sharing the cluster admit
-//! exactly `limit × burst` under 64 concurrent callers.
+//! exactly `limit × burst` under 64 concurrent callers. A rule with levels
+//! keeps a decision's counters in its own slot.
 
 mod common;
 
@@ -508,6 +509,76 @@ async fn a_groups_counters_are_listed_from_the_node_serving_it() {
         assert_eq!(listed.keys, expected, "{group}, on node {n}");
         assert!(listed.complete);
     }
+    drop(store);
+    while dispatchers.join_next().await.is_some() {}
+}
+
+/// A rule with levels on a Redis Cluster: keys whose own counters would
+/// live on three different primaries share their team's budget, decided
+/// in one step in the rule's slot (`{~<rule id>}`): the team's limit binds
+/// across them, exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_teams_budget_binds_across_keys_of_every_node() {
+    let cluster = RedisCluster::start();
+    let rules = Rules::new(
+        "rules:\n  - { rule_id: llm, resource_path: /llm, limit: 4, window_seconds: 3600, failure_policy: closed, levels: { team: x-team }, also: [ { limit: 6, window_seconds: 3600, level: team } ] }\n",
+    );
+    let server = TestServer::start(cluster_config(&rules, &cluster)).await;
+    let mut client = server.client().await;
+    let keys: Vec<String> = (0..3).flat_map(|node| users_on(&cluster, node, "key", 1)).collect();
+    let mut answers = Vec::new();
+    for key in keys.iter().cycle().take(9) {
+        let mut req = request(key, "/llm");
+        req.headers.insert("x-team".to_owned(), "search".to_owned());
+        let r = check(&mut client, req).await;
+        answers.push((r.allowed, r.level));
+    }
+    let admitted = answers.iter().filter(|(allowed, _)| *allowed).count();
+    assert_eq!(admitted, 6, "the team's 6, over keys on three primaries: {answers:?}");
+    assert!(answers[6..].iter().all(|(allowed, level)| !allowed && level == "team"), "{answers:?}");
+    let owner = cluster.slot_owners()[usize::from(key_slot("rle2:{~llm}:#llm/1/search"))];
+    for node in 0..3 {
+        let held = if node == owner { 4 } else { 0 };
+        assert_eq!(cluster.keys_on(node), held, "the team's counter and three keys', in the rule's slot");
+    }
+}
+
+/// A settlement on a Redis Cluster: its claim and its refund, one job in
+/// the group's slot (an Envoy domain's, a leveled rule's), counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settlement_and_its_claim_are_one_job_in_the_groups_slot() {
+    use ratelimitd::limiter::{
+        Algorithm, Count, ManyItem, RedisStore, Shares, Store, WindowParams, settings::RedisConfig,
+    };
+    let cluster = RedisCluster::start();
+    let mut dispatchers = tokio::task::JoinSet::new();
+    let config = RedisConfig {
+        connection: ratelimitd::limiter::settings::Connection {
+            url: Some(cluster.url()),
+            cluster: true,
+            ..Default::default()
+        },
+        timeout_ms: 5_000,
+        ..RedisConfig::default()
+    };
+    let store = Store::Redis(Arc::new(RedisStore::new(&config, &mut dispatchers).unwrap()));
+    let params =
+        WindowParams { window_ms: 3_600_000, capacity: 100, rate: 100, algorithm: Algorithm::FixedWindow };
+    let reserved = ManyItem { weight: 80, ..ManyItem::admission("3600|budget_key=k", params) };
+    let outcome = store.decide_many("llm", std::slice::from_ref(&reserved)).await.unwrap();
+    let window = reserved.window_at(outcome.now_ms);
+    let claim_params =
+        WindowParams { window_ms: 600_000, capacity: 1, rate: 1, algorithm: Algorithm::FirstHitWindow };
+    let job = [
+        ManyItem::admission("~settled/00000000000000aa", claim_params),
+        ManyItem { weight: 50, count: Count::Always, refund: Some(window), ..reserved.clone() },
+    ];
+    let shares = Shares { caller: None, tenant: None };
+    assert!(store.decide_job_in(shares, "llm", &job).await.unwrap().committed);
+    assert!(!store.decide_job_in(shares, "llm", &job).await.unwrap().committed, "settled once");
+    let peek = ManyItem { weight: 1, count: Count::Never, ..reserved };
+    let left = store.decide_many("llm", &[peek]).await.unwrap().verdicts[0].remaining;
+    assert_eq!(left, 70, "80 reserved, 50 given back once");
     drop(store);
     while dispatchers.join_next().await.is_some() {}
 }
