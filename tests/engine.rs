@@ -1260,4 +1260,10 @@ async fn envoy_reservations_are_settled_once_by_their_stream_done_descriptors(ba
     assert_eq!(h.budget_left("k3", "output").await, 750, "no reservation: the usage is counted whole");
     let plain = h.budgets("k3", &[("output", 10)], None, true).await;
     assert!(!plain.over_limit && plain.reservation.is_none(), "{plain:?}");
+
+    // A slot in flight is taken, not reserved, and no settlement gives it back.
+    let slot = h.rls(&[&[("stream", "s9"), ("ratelimitd.reserve", "1")]]).await;
+    assert!(!slot.over_limit && slot.reservation.is_none(), "{slot:?}");
+    h.rls(&[&[("stream", "s9"), ("ratelimitd.settle", "none")]]).await;
+    assert_eq!(h.rls(&[&[("stream", "s9")]]).await.statuses[0].remaining, 0, "one of 2 still taken");
 }

@@ -180,7 +180,10 @@ impl<'r, 'a, D: Descriptor> Rls<'r, 'a, D> {
         let reserved = items
             .iter()
             .zip(&self.roles)
-            .filter(|(item, role)| **role == Role::Reserved && item.count == Count::IfFits)
+            // A slot in flight is taken, not reserved: a release gives it back.
+            .filter(|(item, role)| {
+                **role == Role::Reserved && item.count == Count::IfFits && !item.params.algorithm.releases()
+            })
             .map(|(item, _)| item);
         // Expiry is the deciding instance's clock, which settling reads.
         let expires_ms = engine.inner.clock.now_ms().saturating_add(engine.inner.reservation_ttl_ms);

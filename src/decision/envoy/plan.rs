@@ -83,6 +83,10 @@ pub(super) fn limits<D: Descriptor>(
                         return None;
                     }
                     let found = config?.lookup(request.domain, d.entries().take(n - 1))?;
+                    if in_flight(&found) {
+                        inner.stats.adjusted(Api::Envoy, "settlement_in_flight");
+                        return None;
+                    }
                     return Some(EnvoyMatch { role: Role::Settled, ..found });
                 }
                 Some((Marked::Outcome(outcome), n)) => {
@@ -108,6 +112,11 @@ pub(super) fn limits<D: Descriptor>(
         .collect();
     drop_replaced(&mut limits);
     limits
+}
+
+/// Whether `found` counts requests in flight (`algorithm: concurrency`).
+fn in_flight(found: &EnvoyMatch) -> bool {
+    found.limit.algorithm.is_some_and(|a| a.releases())
 }
 
 /// An outcome report (`ratelimitd.outcome` last of the descriptor's `n`
@@ -150,7 +159,7 @@ fn released<'e, D: Descriptor>(
         return None;
     }
     let found = config?.lookup(request.domain, entries)?;
-    if !found.limit.algorithm.is_some_and(|a| a.releases()) {
+    if !in_flight(&found) {
         engine.inner.stats.adjusted(Api::Envoy, "release_not_in_flight");
         return None;
     }
