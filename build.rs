@@ -5,9 +5,12 @@
 
 use std::{env, path::PathBuf};
 
-/// Every vendored file: Envoy's RLS and what it imports (transitively).
+/// Every vendored file: Envoy's RLS and RLQS and what they import
+/// (transitively).
 const ENVOY_PROTOS: &[&str] = &[
     "proto/vendor/envoy/service/ratelimit/v3/rls.proto",
+    "proto/vendor/envoy/service/rate_limit_quota/v3/rlqs.proto",
+    "proto/vendor/envoy/type/v3/ratelimit_strategy.proto",
     "proto/vendor/envoy/extensions/common/ratelimit/v3/ratelimit.proto",
     "proto/vendor/envoy/config/core/v3/base.proto",
     "proto/vendor/envoy/config/core/v3/address.proto",

@@ -51,6 +51,7 @@ pub mod limiter;
 pub mod locality;
 pub mod migrate;
 pub mod overload;
+pub mod quota;
 pub mod release;
 pub mod replay;
 pub mod rollout;

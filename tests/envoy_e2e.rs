@@ -773,3 +773,71 @@ async fn ten_a_second_and_thirty_a_minute_on_one_descriptor() {
     assert_eq!(header(&last, "x-ratelimit-limit"), Some("10, 10;w=1, 30;w=60"), "{last:?}");
     s.server.stop().await.unwrap();
 }
+
+/// One Envoy on `examples/envoy/rlqs.yaml` against ratelimitd at
+/// `rlqs_port`, its upstream at `upstream_port`: its listener port.
+fn rlqs_envoy(dir: &Path, rlqs_port: u16, upstream_port: u16) -> (Process, u16) {
+    let example = std::fs::read_to_string(common::repo_path("examples/envoy/rlqs.yaml")).unwrap();
+    let (envoy, port) = common::start_envoy(dir, |listen, admin| {
+        example
+            .replace("port_value: 10001", &format!("port_value: {listen}"))
+            .replace("port_value: 8001", &format!("port_value: {upstream_port}"))
+            .replace("port_value: 8081", &format!("port_value: {rlqs_port}"))
+            .replace("port_value: 9902", &format!("port_value: {admin}"))
+    });
+    (Process(envoy), port)
+}
+
+/// The first status other than 429 of requests to `port`, 20 a second, within
+/// `seconds`.
+fn until_admitted(port: u16, seconds: u64) -> Option<u16> {
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    while Instant::now() < deadline {
+        let status = get_path(port, "/", &[]).0;
+        if status != 429 {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+/// The Rate Limit Quota Service through two real Envoys 1.40
+/// (`examples/envoy/rlqs.yaml`): each decides its requests itself against
+/// the token bucket ratelimitd assigns it. The first denies until its
+/// first assignment, then admits at most its burst (5 of its 293 a minute)
+/// and its refill; the second, joining while the first holds the limit, is
+/// denied until the first's next reports give it its share (Envoy reports
+/// about every 5 s: this test takes about 15 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_envoys_share_a_bucket_through_the_quota_service() {
+    let mut cfg = default_rules_config(None);
+    cfg.rules.envoy_path = Some(common::repo_path("examples/envoy/rlqs"));
+    let server = TestServer::start(cfg).await;
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (upstream, upstream_port) = common::python_upstream(one.path());
+    let (envoy_a, a) = rlqs_envoy(one.path(), server.addr.port(), upstream_port);
+    let (envoy_b, b) = rlqs_envoy(two.path(), server.addr.port(), upstream_port);
+    let (first, burst) = tokio::task::spawn_blocking(move || {
+        let first = get_path(a, "/", &[]).0;
+        let admitted = until_admitted(a, 10);
+        let started = Instant::now();
+        let burst: Vec<u16> = (0..30).map(|_| get_path(a, "/", &[]).0).collect();
+        (first, (admitted, (burst, started.elapsed())))
+    })
+    .await
+    .unwrap();
+    assert_eq!(first, 429, "no assignment yet: the bucket denies");
+    let (admitted, (burst, took)) = burst;
+    assert_eq!(admitted, Some(200), "assigned within 10 s");
+    // Its bucket: 5 tokens, refilled at 288 a minute (4.8 a second).
+    let passed = burst.iter().filter(|s| **s == 200).count() as f64;
+    let most = 5.0 + 4.8 * took.as_secs_f64() + 1.0;
+    assert!(passed <= most && burst.contains(&429), "{passed} of 30 in {took:?}: {burst:?}");
+    // Envoy reports about every 5 s: the first lets go of the limit at its
+    // next report, confirms at the one after, and the second's next gets it.
+    let second = tokio::task::spawn_blocking(move || until_admitted(b, 25)).await.unwrap();
+    assert_eq!(second, Some(200), "the second Envoy gets its share");
+    drop((envoy_a, envoy_b, upstream));
+    server.stop().await.unwrap();
+}

@@ -43,6 +43,11 @@ pub trait Lenient: Message + Default + Sized {
 }
 
 impl Lenient for RateLimitResponse {}
+// A usage report whose bucket ids are not UTF-8 is refused: it ends its
+// stream, and Envoy applies the bucket's configured fallback
+// (`no_assignment_behavior`, `expired_assignment_behavior`).
+impl Lenient for super::envoy_pb::rlqs::RateLimitQuotaUsageReports {}
+impl Lenient for super::envoy_pb::rlqs::RateLimitQuotaResponse {}
 
 impl Lenient for pb::RateLimitResponse {}
 

@@ -14,6 +14,7 @@ mod kuadrant;
 pub mod lenient;
 pub mod limitador_http;
 pub mod ratelimit_headers;
+pub mod rlqs;
 mod wire;
 pub mod xds;
 
@@ -68,6 +69,11 @@ pub mod envoy_pb {
                     tonic::include_proto!("envoy.service.ratelimit.v3");
                 }
             }
+            pub mod rate_limit_quota {
+                pub mod v3 {
+                    tonic::include_proto!("envoy.service.rate_limit_quota.v3");
+                }
+            }
             pub mod discovery {
                 pub mod v3 {
                     include!(concat!(env!("OUT_DIR"), "/xds/envoy.service.discovery.v3.rs"));
@@ -109,6 +115,9 @@ pub mod envoy_pb {
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("envoy_descriptor");
 
     pub use envoy::service::ratelimit::v3 as rls;
+
+    /// Envoy's Rate Limit Quota Service.
+    pub use envoy::service::rate_limit_quota::v3 as rlqs;
 
     /// Kuadrant's rate limit service (limitador's `CheckRateLimit`, `Report`).
     pub mod kuadrant {

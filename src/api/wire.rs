@@ -13,7 +13,10 @@
 
 use prost::Message;
 
-use super::{envoy_pb::rls, pb};
+use super::{
+    envoy_pb::{rlqs, rls},
+    pb,
+};
 
 /// A message the codec can write into a `Vec`.
 pub trait Encode: Message + Sized {
@@ -28,6 +31,8 @@ impl Encode for pb::CheckItem {}
 impl Encode for pb::CheckBatchRequest {}
 impl Encode for rls::RateLimitRequest {}
 impl Encode for rls::RateLimitResponse {}
+impl Encode for rlqs::RateLimitQuotaUsageReports {}
+impl Encode for rlqs::RateLimitQuotaResponse {}
 
 impl Encode for pb::RateLimitResponse {
     fn encode_to(&self, out: &mut Vec<u8>) {

@@ -27,6 +27,7 @@ mod local;
 mod memory;
 mod overload;
 mod redis;
+mod rlqs;
 mod rules;
 mod shed;
 mod telemetry;
@@ -54,6 +55,7 @@ pub use rules::{RulesConfig, RulesSource};
 pub use shed::ShedConfig;
 
 pub use crate::global::GlobalConfig;
+pub use crate::quota::RlqsConfig;
 
 // Settings owned by the parts they configure, composed here.
 pub use crate::{
@@ -137,6 +139,8 @@ pub struct Config {
     /// Global limits shared with other regions (off while `global.regions`
     /// is empty).
     pub global: GlobalConfig,
+    /// Envoy's Rate Limit Quota Service (served with the Envoy rules).
+    pub rlqs: RlqsConfig,
     /// envoyproxy/ratelimit variables that were set but not carried over
     /// (`RATELIMITD_COMPAT=envoyproxy`), logged once at start.
     #[serde(skip)]
@@ -227,6 +231,7 @@ impl Config {
         self.telemetry.validate()?;
         self.admin.validate()?;
         self.global.validate(self.region.as_deref())?;
+        self.rlqs.validate()?;
         self.kafka_built()
     }
 

@@ -27,13 +27,14 @@ use tonic::transport::server::TcpIncoming;
 use self::health::{Health, publish};
 use self::parts::Tasks;
 use crate::{
-    api::{EnvoyService, RateLimiterService},
+    api::{EnvoyService, RateLimiterService, rlqs::RlqsService},
     budget::{Budget, BudgetLayer, Denial, MessageBounds, Peer, PeerKey},
     config::Config,
     decision::Engine,
     dlq::DlqSink,
     limiter::redis::RedisSetupError,
     overload::Overload,
+    quota::BucketShares,
     rules::{Feed, RuleErrors},
     shed::Shedder,
     telemetry::Metrics,
@@ -432,6 +433,11 @@ fn grpc_router(
         .map_err(|e| ServerError::Reflection(e.to_string()))?;
     // Kuadrant's service beside Envoy's, from limitador's limits.
     let kuadrant = envoy.clone().filter(|_| rules.limitador.is_some());
+    // Envoy's Rate Limit Quota Service on the Envoy rules.
+    let rlqs = rules.envoy.as_ref().map(|envoy| {
+        let quotas = BucketShares::new(config.rlqs.clone(), Arc::new(crate::clock::SystemClock));
+        RlqsService::new(Arc::new(quotas), Arc::clone(envoy))
+    });
     let bounds = message_bounds(&config.grpc, &check, envoy.as_ref());
     // The layer bounds each method; tonic's bound is the largest of them.
     let max_message = bounds.batch;
@@ -444,6 +450,7 @@ fn grpc_router(
             kuadrant.map(|kuadrant| kuadrant.into_kuadrant_server().max_decoding_message_size(max_message)),
         )
         .add_optional_service(envoy.map(|envoy| envoy.into_server().max_decoding_message_size(max_message)))
+        .add_optional_service(rlqs.map(|rlqs| rlqs.into_server().max_decoding_message_size(max_message)))
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha))

@@ -1,0 +1,153 @@
+//! Envoy's Rate Limit Quota Service over gRPC, against a running server
+//! with Envoy rules: each bucket's limit is shared out among the streams
+//! that report it, by demand; a bucket no rule limits is allowed whole;
+//! streams and buckets are bounded; a bucket not reported is abandoned.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Rules, TestServer, config};
+use ratelimitd::api::envoy_pb::{
+    envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy},
+    rlqs::{
+        BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+        rate_limit_quota_response::bucket_action::BucketAction,
+        rate_limit_quota_service_client::RateLimitQuotaServiceClient,
+        rate_limit_quota_usage_reports::BucketQuotaUsage,
+    },
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Streaming};
+
+/// One Envoy's stream: what it sends, what it is answered.
+struct Envoy {
+    send: mpsc::Sender<RateLimitQuotaUsageReports>,
+    answers: Streaming<RateLimitQuotaResponse>,
+}
+
+async fn open(server: &TestServer) -> Result<Envoy, tonic::Status> {
+    let mut client = RateLimitQuotaServiceClient::connect(format!("http://{}", server.addr)).await.unwrap();
+    let (send, receive) = mpsc::channel(4);
+    let answers = client.stream_rate_limit_quotas(ReceiverStream::new(receive)).await?.into_inner();
+    Ok(Envoy { send, answers })
+}
+
+fn bucket(entries: &[(&str, &str)]) -> BucketId {
+    BucketId { bucket: entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect() }
+}
+
+impl Envoy {
+    /// Reports `allowed` and `denied` of `bucket` over a second; the answer.
+    async fn report(
+        &mut self,
+        domain: &str,
+        id: &BucketId,
+        (allowed, denied): (u64, u64),
+    ) -> RateLimitQuotaResponse {
+        let usage = BucketQuotaUsage {
+            bucket_id: Some(id.clone()),
+            time_elapsed: Some(prost_types::Duration { seconds: 1, nanos: 0 }),
+            num_requests_allowed: allowed,
+            num_requests_denied: denied,
+        };
+        let reports =
+            RateLimitQuotaUsageReports { domain: domain.to_owned(), bucket_quota_usages: vec![usage] };
+        self.send.send(reports).await.unwrap();
+        self.next().await.unwrap()
+    }
+
+    async fn next(&mut self) -> Result<RateLimitQuotaResponse, tonic::Status> {
+        tokio::time::timeout(Duration::from_secs(5), self.answers.message())
+            .await
+            .expect("an answer in time")
+            .and_then(|answer| answer.ok_or_else(|| tonic::Status::unknown("the stream ended")))
+    }
+}
+
+/// What an answer assigns its one bucket: a token bucket's (max_tokens,
+/// tokens_per_fill, fill interval s, ttl s), or a blanket rule.
+fn assigned(answer: &RateLimitQuotaResponse) -> Result<(u32, u32, i64, i64), BlanketRule> {
+    let action = answer.bucket_action[0].bucket_action.unwrap();
+    let BucketAction::QuotaAssignmentAction(assignment) = action else { panic!("{answer:?}") };
+    let ttl = assignment.assignment_time_to_live.unwrap().seconds;
+    match assignment.rate_limit_strategy.unwrap().strategy.unwrap() {
+        Strategy::TokenBucket(b) => {
+            Ok((b.max_tokens, b.tokens_per_fill.unwrap(), b.fill_interval.unwrap().seconds, ttl))
+        }
+        Strategy::BlanketRule(rule) => Err(BlanketRule::try_from(rule).unwrap()),
+        other => panic!("{other:?}"),
+    }
+}
+
+const ENVOY_RULES: &str = "domain: edge\ndescriptors:\n  - key: route\n    value: chat\n    rate_limit: { unit: minute, requests_per_unit: 300 }\n  - key: route\n    value: free\n    rate_limit: { unlimited: true }\n";
+
+async fn server(
+    tune: impl FnOnce(&mut ratelimitd::config::Config),
+) -> (TestServer, (Rules, tempfile::TempDir)) {
+    let rules = Rules::new("rules:\n  - { rule_id: a, resource_path: /a, limit: 1, window_seconds: 1 }\n");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("edge.yaml"), ENVOY_RULES).unwrap();
+    let mut cfg = config(&rules.path(), None);
+    cfg.rules.envoy_path = Some(dir.path().to_path_buf());
+    tune(&mut cfg);
+    (TestServer::start(cfg).await, (rules, dir))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buckets_limit_is_shared_out_among_its_envoys_by_demand() {
+    let (server, _dir) = server(|_| {}).await;
+    let chat = bucket(&[("route", "chat")]);
+    let mut a = open(&server).await.unwrap();
+    // Alone, 100 a second: all of 300 a minute less the bursts (6) and a
+    // token: a bucket of 5 refilled with 288 a minute, for 20 s.
+    assert_eq!(assigned(&a.report("edge", &chat, (100, 0)).await), Ok((5, 288, 60, 20)));
+    // A second Envoy with the same demand: nothing is free while the
+    // first may enforce its share.
+    let mut b = open(&server).await.unwrap();
+    assert_eq!(assigned(&b.report("edge", &chat, (0, 100)).await), Err(BlanketRule::DenyAll));
+    // The first reports: lowered to half; once it enforces it (its next
+    // report), the second gets the rest.
+    assert_eq!(assigned(&a.report("edge", &chat, (50, 50)).await), Ok((2, 144, 60, 20)));
+    assert_eq!(assigned(&a.report("edge", &chat, (25, 75)).await), Ok((2, 144, 60, 20)));
+    assert_eq!(assigned(&b.report("edge", &chat, (0, 100)).await), Ok((2, 144, 60, 20)));
+    // Unlimited, or under no rule: allowed whole.
+    for id in [bucket(&[("route", "free")]), bucket(&[("route", "x")])] {
+        assert_eq!(assigned(&a.report("edge", &id, (1, 0)).await), Err(BlanketRule::AllowAll), "{id:?}");
+    }
+    drop((a, b));
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_are_bounded_need_a_domain_and_idle_buckets_are_abandoned() {
+    let (server, _dir) = server(|cfg| {
+        cfg.rlqs.max_streams = 2;
+        cfg.rlqs.abandon_after_ms = 300;
+    })
+    .await;
+    let chat = bucket(&[("route", "chat")]);
+    let mut a = open(&server).await.unwrap();
+    a.report("edge", &chat, (1, 0)).await;
+    let mut nameless = open(&server).await.unwrap();
+    nameless.send.send(RateLimitQuotaUsageReports::default()).await.unwrap();
+    assert_eq!(nameless.next().await.unwrap_err().code(), Code::InvalidArgument);
+    let b = open(&server).await.unwrap();
+    // Two open (the nameless one ended): a third is refused.
+    let third = match open(&server).await {
+        Ok(mut envoy) => {
+            envoy.send.send(RateLimitQuotaUsageReports::default()).await.ok();
+            envoy.next().await.unwrap_err()
+        }
+        Err(status) => status,
+    };
+    assert_eq!(third.code(), Code::ResourceExhausted, "{third:?}");
+    // Not reported for 300 ms: abandoned.
+    let abandoned = a.next().await.unwrap();
+    let action = abandoned.bucket_action[0].clone();
+    assert_eq!(action.bucket_id, Some(chat));
+    assert!(matches!(action.bucket_action, Some(BucketAction::AbandonAction(_))), "{abandoned:?}");
+    drop((a, b, nameless));
+    server.stop().await.unwrap();
+}
