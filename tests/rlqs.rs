@@ -151,3 +151,19 @@ async fn streams_are_bounded_need_a_domain_and_idle_buckets_are_abandoned() {
     drop((a, b, nameless));
     server.stop().await.unwrap();
 }
+
+/// Reported demand moves the limit others live under: with
+/// `grpc.reporting_peers` set, a caller outside it cannot open a stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_reporting_peers_stream_quota_usage() {
+    let (server, _files) = server(|cfg| cfg.grpc.reporting_peers = vec!["127.0.0.2".to_owned()]).await;
+    let refused = match open(&server).await {
+        Ok(mut envoy) => {
+            envoy.send.send(RateLimitQuotaUsageReports::default()).await.ok();
+            envoy.next().await.unwrap_err()
+        }
+        Err(status) => status,
+    };
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    server.stop().await.unwrap();
+}

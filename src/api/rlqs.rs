@@ -9,7 +9,8 @@
 //! `unlimited` limit, or under none, is allowed whole. A bucket the Envoy
 //! has not reported for `rlqs.abandon_after_ms` is abandoned. Streams are
 //! bounded as a whole (`rlqs.max_streams`), and buckets per stream and
-//! overall.
+//! overall; only a caller that may report (`grpc.reporting_peers`) opens
+//! one, since its demand moves the limit the other Envoys live under.
 
 use std::{
     collections::HashMap,
@@ -220,6 +221,11 @@ impl RateLimitQuotaService for RlqsService {
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Answers>, Status> {
+        // A report of demand moves the limit other Envoys live under: only
+        // a caller that may report streams one.
+        if !super::check::may_report(request.extensions()) {
+            return Err(Status::permission_denied("only grpc.reporting_peers report quota usage"));
+        }
         let permit = Arc::clone(&self.streams)
             .try_acquire_owned()
             .map_err(|_| Status::resource_exhausted("rlqs.max_streams streams are open"))?;

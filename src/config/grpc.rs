@@ -86,8 +86,9 @@ pub struct GrpcConfig {
     /// proxies need. The Unix socket's clients are trusted.
     pub trusted_peers: Vec<String>,
     /// Who may report outcomes (`Report` with `outcome`, Envoy `ratelimitd.outcome` entries),
-    /// give slots of requests in flight back (`Report` of such a rule, `ratelimitd.release`) and
-    /// settle reservations (`Report` with `reservation`, Envoy `ratelimitd.settle`), as addresses or prefixes; with
+    /// give slots of requests in flight back (`Report` of such a rule, `ratelimitd.release`),
+    /// settle reservations (`Report` with `reservation`, Envoy `ratelimitd.settle`) and stream
+    /// quota usage (Envoy's Rate Limit Quota Service), as addresses or prefixes; with
     /// `grpc.tls.reporting_client_names`, the only callers whose reports move an adaptive limit,
     /// free slots or give reserved units back (others are answered and count nowhere,
     /// `ratelimitd_request_values_adjusted_total{reason="outcome_not_allowed"}`,
