@@ -116,6 +116,17 @@ async fn a_buckets_limit_is_shared_out_among_its_envoys_by_demand() {
     for id in [bucket(&[("route", "free")]), bucket(&[("route", "x")])] {
         assert_eq!(assigned(&a.report("edge", &id, (1, 0)).await), Err(BlanketRule::AllowAll), "{id:?}");
     }
+    // A hostile elapsed time (i64::MAX seconds) is read, saturated.
+    let usage = BucketQuotaUsage {
+        bucket_id: Some(chat.clone()),
+        time_elapsed: Some(prost_types::Duration { seconds: i64::MAX, nanos: 0 }),
+        num_requests_allowed: u64::MAX,
+        num_requests_denied: u64::MAX,
+    };
+    let reports = RateLimitQuotaUsageReports { domain: "edge".to_owned(), bucket_quota_usages: vec![usage] };
+    b.send.send(reports).await.unwrap();
+    let answer = b.next().await.expect("the stream lives on");
+    assert_eq!(answer.bucket_action[0].bucket_id, Some(chat), "{answer:?}");
     drop((a, b));
     server.stop().await.unwrap();
 }

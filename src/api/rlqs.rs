@@ -119,8 +119,9 @@ impl RlqsService {
             {
                 None => blanket(BlanketRule::AllowAll),
                 Some((per_unit, window_s)) => {
-                    let elapsed =
-                        usage.time_elapsed.map_or(0, |d| u64::try_from(d.seconds).unwrap_or(0) * 1_000);
+                    let elapsed = usage
+                        .time_elapsed
+                        .map_or(0, |d| u64::try_from(d.seconds).unwrap_or(0).saturating_mul(1_000));
                     let reported = Usage {
                         allowed: usage.num_requests_allowed,
                         denied: usage.num_requests_denied,
