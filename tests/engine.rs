@@ -1141,6 +1141,7 @@ async fn envoy_requests_in_flight_are_released_by_their_release_descriptor(backe
 /// nowhere.
 async fn a_request_is_charged_to_its_key_its_team_and_its_organisation(backend: Backend) {
     let h = Harness::default(backend).await;
+    h.next_second(10_000).await;
     let call = |user: &str, headers: &[(&str, &str)], usage: &[(&str, u64)], count: Count| {
         let usage: HashMap<String, u64> = usage.iter().map(|(unit, n)| ((*unit).to_owned(), *n)).collect();
         let headers: HashMap<String, String> =
@@ -1231,6 +1232,7 @@ impl Harness {
 /// settles nothing.
 async fn envoy_reservations_are_settled_once_by_their_stream_done_descriptors(backend: Backend) {
     let h = Harness::default(backend).await;
+    h.next_second(10_000).await;
     let reserve = Some(("ratelimitd.reserve", "1"));
     let first = h.budgets("k1", &[("output", 400), ("input", 1_200)], reserve, true).await;
     assert!(!first.over_limit, "{first:?}");
