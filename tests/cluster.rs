@@ -36,6 +36,26 @@ fn users_on(cluster: &RedisCluster, node: usize, prefix: &str, n: usize) -> Vec<
         .collect()
 }
 
+/// A Redis store on `cluster`, its dispatchers in `dispatchers`. What its
+/// tests check is where calls go, not how fast: a loaded machine's first
+/// call on a node can take longer than the 10 ms decision timeout.
+fn store_on(
+    cluster: &RedisCluster,
+    dispatchers: &mut tokio::task::JoinSet<()>,
+) -> ratelimitd::limiter::Store {
+    use ratelimitd::limiter::{RedisStore, Store, settings::RedisConfig};
+    let config = RedisConfig {
+        connection: ratelimitd::limiter::settings::Connection {
+            url: Some(cluster.url()),
+            cluster: true,
+            ..Default::default()
+        },
+        timeout_ms: 5_000,
+        ..RedisConfig::default()
+    };
+    Store::Redis(Arc::new(RedisStore::new(&config, dispatchers).unwrap()))
+}
+
 /// Sends `limit + 2` requests for `user` and asserts the exact sequence:
 /// remaining counts down to 0, then two OVER_LIMIT.
 async fn assert_exact(client: &mut RateLimiterClient<Channel>, user: &str, limit: u32) {
@@ -471,22 +491,11 @@ async fn a_global_limits_keys_share_one_slot_of_a_coordination_cluster() {
 /// serving the group's slot, one group on each of the three primaries.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_groups_counters_are_listed_from_the_node_serving_it() {
-    use ratelimitd::limiter::{Algorithm, ManyItem, RedisStore, Store, WindowParams, settings::RedisConfig};
+    use ratelimitd::limiter::{Algorithm, ManyItem, WindowParams};
     let cluster = RedisCluster::start();
     let owners = cluster.slot_owners();
     let mut dispatchers = tokio::task::JoinSet::new();
-    // Where the listing goes is tested, not how fast: a loaded machine's
-    // first SCAN on a node can take longer than the 10 ms decision timeout.
-    let config = RedisConfig {
-        connection: ratelimitd::limiter::settings::Connection {
-            url: Some(cluster.url()),
-            cluster: true,
-            ..Default::default()
-        },
-        timeout_ms: 5_000,
-        ..RedisConfig::default()
-    };
-    let store = Store::Redis(Arc::new(RedisStore::new(&config, &mut dispatchers).unwrap()));
+    let store = store_on(&cluster, &mut dispatchers);
     let groups: Vec<String> = (0..3)
         .map(|node| {
             (0..)
@@ -547,21 +556,10 @@ async fn a_teams_budget_binds_across_keys_of_every_node() {
 /// the group's slot (an Envoy domain's, a leveled rule's), counted once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settlement_and_its_claim_are_one_job_in_the_groups_slot() {
-    use ratelimitd::limiter::{
-        Algorithm, Count, ManyItem, RedisStore, Shares, Store, WindowParams, settings::RedisConfig,
-    };
+    use ratelimitd::limiter::{Algorithm, Count, ManyItem, Shares, WindowParams};
     let cluster = RedisCluster::start();
     let mut dispatchers = tokio::task::JoinSet::new();
-    let config = RedisConfig {
-        connection: ratelimitd::limiter::settings::Connection {
-            url: Some(cluster.url()),
-            cluster: true,
-            ..Default::default()
-        },
-        timeout_ms: 5_000,
-        ..RedisConfig::default()
-    };
-    let store = Store::Redis(Arc::new(RedisStore::new(&config, &mut dispatchers).unwrap()));
+    let store = store_on(&cluster, &mut dispatchers);
     let params =
         WindowParams { window_ms: 3_600_000, capacity: 100, rate: 100, algorithm: Algorithm::FixedWindow };
     let reserved = ManyItem { weight: 80, ..ManyItem::admission("3600|budget_key=k", params) };

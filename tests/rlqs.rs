@@ -34,6 +34,18 @@ async fn open(server: &TestServer) -> Result<Envoy, tonic::Status> {
     Ok(Envoy { send, answers })
 }
 
+/// How a stream the server refuses ends: refused at once, or at its first
+/// report (tonic may answer the call before the refusal arrives).
+async fn refusal(server: &TestServer) -> tonic::Status {
+    match open(server).await {
+        Ok(mut envoy) => {
+            envoy.send.send(RateLimitQuotaUsageReports::default()).await.ok();
+            envoy.next().await.unwrap_err()
+        }
+        Err(status) => status,
+    }
+}
+
 fn bucket(entries: &[(&str, &str)]) -> BucketId {
     BucketId { bucket: entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect() }
 }
@@ -146,13 +158,7 @@ async fn streams_are_bounded_need_a_domain_and_idle_buckets_are_abandoned() {
     assert_eq!(nameless.next().await.unwrap_err().code(), Code::InvalidArgument);
     let b = open(&server).await.unwrap();
     // Two open (the nameless one ended): a third is refused.
-    let third = match open(&server).await {
-        Ok(mut envoy) => {
-            envoy.send.send(RateLimitQuotaUsageReports::default()).await.ok();
-            envoy.next().await.unwrap_err()
-        }
-        Err(status) => status,
-    };
+    let third = refusal(&server).await;
     assert_eq!(third.code(), Code::ResourceExhausted, "{third:?}");
     // Not reported for 300 ms: abandoned.
     let abandoned = a.next().await.unwrap();
@@ -168,13 +174,7 @@ async fn streams_are_bounded_need_a_domain_and_idle_buckets_are_abandoned() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_reporting_peers_stream_quota_usage() {
     let (server, _files) = server(|cfg| cfg.grpc.reporting_peers = vec!["127.0.0.2".to_owned()]).await;
-    let refused = match open(&server).await {
-        Ok(mut envoy) => {
-            envoy.send.send(RateLimitQuotaUsageReports::default()).await.ok();
-            envoy.next().await.unwrap_err()
-        }
-        Err(status) => status,
-    };
+    let refused = refusal(&server).await;
     assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
     server.stop().await.unwrap();
 }
