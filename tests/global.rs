@@ -18,7 +18,7 @@ use std::{
     time::Duration,
 };
 
-use common::{DelayProxy, RedisServer};
+use common::{DelayProxy, RedisServer, deployments, two_regions};
 use ratelimitd::{
     clock::{Clock, MonotonicClock, SystemClock},
     decision::{CheckRequest, Engine, EngineParts},
@@ -438,42 +438,6 @@ async fn when_a_regions_agent_dies_another_instance_takes_the_role_within_a_leas
     let (worst, at) = worst_estimate(&log, 1_000);
     assert!(worst <= 303.0, "an estimate of {worst:.1} at {at}");
     world.shut().await;
-}
-
-/// Two services started from their configuration (`region`, `global.*`),
-/// each in its region with its own Redis, sharing a coordination store;
-/// `tune` adds the rules.
-async fn two_regions(
-    tune: impl Fn(&mut ratelimitd::config::Config),
-) -> (Vec<common::TestServer>, Vec<RedisServer>) {
-    deployments(&["a", "b"], tune).await
-}
-
-/// A service for each of `regions` (a name given twice: two deployments
-/// calling themselves that region), each with its own Redis, the regions
-/// a and b sharing a coordination store; `tune` adds the rules. Returns
-/// the services in that order and the stores.
-async fn deployments(
-    regions: &[&str],
-    tune: impl Fn(&mut ratelimitd::config::Config),
-) -> (Vec<common::TestServer>, Vec<RedisServer>) {
-    use ratelimitd::global::RegionConfig;
-    let coordination = RedisServer::start();
-    let (mut servers, mut stores) = (Vec::new(), vec![coordination]);
-    for name in regions {
-        let redis = RedisServer::start();
-        let mut config = common::default_rules_config(Some(redis.url()));
-        tune(&mut config);
-        config.region = Some((*name).to_owned());
-        config.global.regions =
-            ["a", "b"].iter().map(|n| RegionConfig { name: (*n).to_owned(), floor: 0.05 }).collect();
-        config.global.redis.url = Some(stores[0].url());
-        (config.global.interval_ms, config.global.lease_ms) = (200, 1_500);
-        (config.global.timeout_ms, config.global.skew_ms) = (500, 100);
-        servers.push(common::TestServer::start(config).await);
-        stores.push(redis);
-    }
-    (servers, stores)
 }
 
 /// Two deployments claim region a (the second, refused at the

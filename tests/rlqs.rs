@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Rules, TestServer, config};
+use common::{RedisServer, Rules, TestServer, config};
 use ratelimitd::api::envoy_pb::{
     envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy},
     rlqs::{
@@ -98,10 +98,18 @@ const ENVOY_RULES: &str = "domain: edge\ndescriptors:\n  - key: route\n    value
 async fn server(
     tune: impl FnOnce(&mut ratelimitd::config::Config),
 ) -> (TestServer, (Rules, tempfile::TempDir)) {
+    server_on(None, tune).await
+}
+
+/// A server with the Envoy rules, on Redis at `url` or in memory.
+async fn server_on(
+    url: Option<String>,
+    tune: impl FnOnce(&mut ratelimitd::config::Config),
+) -> (TestServer, (Rules, tempfile::TempDir)) {
     let rules = Rules::new("rules:\n  - { rule_id: a, resource_path: /a, limit: 1, window_seconds: 1 }\n");
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("edge.yaml"), ENVOY_RULES).unwrap();
-    let mut cfg = config(&rules.path(), None);
+    let mut cfg = config(&rules.path(), url);
     cfg.rules.envoy_path = Some(dir.path().to_path_buf());
     tune(&mut cfg);
     (TestServer::start(cfg).await, (rules, dir))
@@ -109,7 +117,17 @@ async fn server(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_buckets_limit_is_shared_out_among_its_envoys_by_demand() {
-    let (server, _dir) = server(|_| {}).await;
+    shared_out_by_demand(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buckets_limit_is_shared_out_among_its_envoys_by_demand_in_redis() {
+    let redis = RedisServer::start();
+    shared_out_by_demand(Some(redis.url())).await;
+}
+
+async fn shared_out_by_demand(url: Option<String>) {
+    let (server, _dir) = server_on(url, |_| {}).await;
     let chat = bucket(&[("route", "chat")]);
     let mut a = open(&server).await.unwrap();
     // Alone, 100 a second: all of 300 a minute less the bursts (6) and a
@@ -177,4 +195,120 @@ async fn only_reporting_peers_stream_quota_usage() {
     let refused = refusal(&server).await;
     assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
     server.stop().await.unwrap();
+}
+
+/// Two instances on one Redis: the Envoys reporting to either share one
+/// bucket's limit, as if they reported to one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_of_two_instances_on_one_redis_share_one_limit() {
+    let redis = RedisServer::start();
+    let (one, _one) = server_on(Some(redis.url()), |_| {}).await;
+    let (two, _two) = server_on(Some(redis.url()), |_| {}).await;
+    let chat = bucket(&[("route", "chat")]);
+    let mut a = open(&one).await.unwrap();
+    let mut b = open(&two).await.unwrap();
+    assert_eq!(assigned(&a.report("edge", &chat, (0, 100)).await), Ok((5, 288, 60, 20)));
+    // On the other instance: nothing is free while the first may enforce it.
+    assert_eq!(assigned(&b.report("edge", &chat, (0, 100)).await), Err(BlanketRule::DenyAll));
+    assert_eq!(assigned(&a.report("edge", &chat, (50, 50)).await), Ok((2, 144, 60, 20)));
+    assert_eq!(assigned(&a.report("edge", &chat, (25, 75)).await), Ok((2, 144, 60, 20)));
+    assert_eq!(assigned(&b.report("edge", &chat, (0, 100)).await), Ok((2, 144, 60, 20)));
+    // The first instance stops (its stream breaks): its Envoy's share is
+    // still counted while the assignment may live, so the second gets no
+    // more.
+    drop(a);
+    one.stop().await.unwrap();
+    assert_eq!(assigned(&b.report("edge", &chat, (25, 75)).await), Ok((2, 144, 60, 20)));
+    let mut conn = redis.client().await;
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*rlq:*").query_async(&mut conn).await.unwrap();
+    assert_eq!(keys.len(), 1, "the bucket's holders: {keys:?}");
+    drop(b);
+    two.stop().await.unwrap();
+}
+
+/// `quota.lua` is the twin of `quota::allot`: 1,500 random reports of four
+/// holders of two buckets answer exactly the shares the Rust function
+/// computes at the script's clock, and leave Redis holding the same
+/// holders.
+#[tokio::test]
+async fn the_quota_script_is_the_twin_of_allot() {
+    use std::{collections::BTreeMap, sync::Arc};
+
+    use ratelimitd::{
+        limiter::{
+            lease::{Lease, RegionState},
+            scripts,
+        },
+        quota::{BucketLimit, Holding, allot},
+    };
+    let redis = RedisServer::start();
+    let mut conn = redis.client().await;
+    let lease = Lease { lease_ms: 40, skew_ms: 15 };
+    let limits = [BucketLimit { limit: 300, window_ms: 20 }, BucketLimit { limit: 7, window_ms: 30 }];
+    let keys = ["rlq:{edge}:a", "rlq:{edge}:b"];
+    let names: Vec<Arc<str>> = ["i1/1", "i1/2", "i2/1", "i2/10"].into_iter().map(Arc::from).collect();
+    let mut twins: Vec<BTreeMap<Arc<str>, RegionState>> = vec![BTreeMap::new(); keys.len()];
+    let mut random = common::xorshift(0x9e37_79b9_7f4a_7c15_u64);
+    for round in 0..1_500 {
+        let (k, holder) = (random(2) as usize, &names[random(4) as usize]);
+        let limit = limits[k];
+        let held = twins[k].get(holder).map_or(0, |s| s.offered.max(s.confirmed));
+        let enforcing = if random(4) == 0 { random(400) } else { held };
+        let holding = Holding { enforcing, admitted: random(enforcing + 1), demand: random(600) };
+        let mut call = scripts::QUOTA.call();
+        call.arg(1).arg(keys[k]);
+        call.arg(&**holder).arg(limit.limit).arg(lease.lease_ms).arg(lease.skew_ms).arg(limit.window_ms);
+        call.arg(60_000).arg(holding.enforcing).arg(holding.admitted).arg(holding.demand);
+        let answer = scripts::run(&mut conn, std::slice::from_ref(&call)).await.unwrap().pop().unwrap();
+        let answer: Vec<u64> = redis::from_redis_value(answer).unwrap();
+        let now = answer[0];
+        let twin = allot(&mut twins[k], holder, limit, holding, (now, lease));
+        assert_eq!(answer[1], twin, "round {round}, bucket {k}, holder {holder}");
+        let stored: std::collections::HashMap<String, String> =
+            redis::cmd("HGETALL").arg(keys[k]).query_async(&mut conn).await.unwrap();
+        let expected: std::collections::HashMap<String, String> = twins[k]
+            .iter()
+            .map(|(h, s)| {
+                (h.to_string(), format!("{} {} {} {}", s.offered, s.confirmed, s.lease_until_ms, s.demand))
+            })
+            .collect();
+        assert_eq!(stored, expected, "round {round}, bucket {k}");
+        // Leases run out now and then (40 ms, trusted 15 ms past).
+        if random(15) == 0 {
+            tokio::time::sleep(Duration::from_millis(random(80))).await;
+        }
+    }
+}
+
+/// A bucket of a `global: true` limit in two regions, each with its own
+/// Redis: its holders are kept in the coordination store, so the Envoys of
+/// both regions share the one limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_of_two_regions_share_a_global_buckets_limit() {
+    let envoy = tempfile::tempdir().unwrap();
+    std::fs::write(
+        envoy.path().join("edge.yaml"),
+        "domain: edge\ndescriptors:\n  - key: route\n    rate_limit: { unit: minute, requests_per_unit: 300, global: true }\n",
+    )
+    .unwrap();
+    let (servers, stores) =
+        common::two_regions(|config| config.rules.envoy_path = Some(envoy.path().to_path_buf())).await;
+    let chat = bucket(&[("route", "chat")]);
+    let mut a = open(&servers[0]).await.unwrap();
+    let mut b = open(&servers[1]).await.unwrap();
+    assert_eq!(assigned(&a.report("edge", &chat, (0, 100)).await), Ok((5, 288, 60, 20)));
+    assert_eq!(assigned(&b.report("edge", &chat, (0, 100)).await), Err(BlanketRule::DenyAll));
+    assert_eq!(assigned(&a.report("edge", &chat, (50, 50)).await), Ok((2, 144, 60, 20)));
+    assert_eq!(assigned(&a.report("edge", &chat, (25, 75)).await), Ok((2, 144, 60, 20)));
+    assert_eq!(assigned(&b.report("edge", &chat, (0, 100)).await), Ok((2, 144, 60, 20)));
+    // In the coordination store; neither region's own.
+    for (i, store) in stores.iter().enumerate() {
+        let mut conn = store.client().await;
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*rlq:*").query_async(&mut conn).await.unwrap();
+        assert_eq!(keys.len(), usize::from(i == 0), "store {i}: {keys:?}");
+    }
+    drop((a, b));
+    for server in servers {
+        server.stop().await.unwrap();
+    }
 }

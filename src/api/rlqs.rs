@@ -41,42 +41,85 @@ use super::envoy_pb::{
     },
 };
 use crate::{
-    quota::{BucketKey, BucketShares, Usage, strategy},
+    clock::Clock,
+    quota::{Asked, BucketKey, BucketLimit, Holding, Quotas, Usage, strategy},
     rules::{Hot, envoy::EnvoyConfig},
 };
 
 /// The RLQS service.
 #[derive(Clone)]
 pub struct RlqsService {
-    quotas: Arc<BucketShares>,
+    quotas: Arc<Quotas>,
     envoy: Arc<Hot<EnvoyConfig>>,
     streams: Arc<Semaphore>,
+    instance: Arc<str>,
     next_holder: Arc<AtomicU64>,
+    clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for RlqsService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RlqsService").field("buckets", &self.quotas.len()).finish_non_exhaustive()
+        f.debug_struct("RlqsService").field("instance", &self.instance).finish_non_exhaustive()
     }
 }
 
-/// What one stream keeps: its holder number, its domain (the first
-/// report's), and each bucket it reported with when it last did.
+/// What one stream keeps: its holder id, its domain (the first report's),
+/// and each bucket it reported.
 struct Holder {
-    id: u64,
+    id: Arc<str>,
     domain: Option<Arc<str>>,
-    buckets: HashMap<BucketKey, (BucketId, u64)>,
+    buckets: HashMap<BucketKey, Reported>,
     _permit: OwnedSemaphorePermit,
+}
+
+/// A bucket a stream reported: its id, when it last did, and the share it
+/// was last assigned with when that assignment ends.
+struct Reported {
+    id: BucketId,
+    last_ms: u64,
+    assigned: Option<(u64, u64)>,
+}
+
+impl Holder {
+    /// The share `key` is assigned on this stream at `now_ms`, if any.
+    fn assigned(&self, key: &BucketKey, now_ms: u64) -> Option<u64> {
+        let (share, until_ms) = self.buckets.get(key)?.assigned?;
+        (now_ms < until_ms).then_some(share)
+    }
+}
+
+/// One bucket of a report, its limit found.
+struct Found {
+    id: BucketId,
+    key: BucketKey,
+    /// Its limit, window (s), whether global, and the holder's report;
+    /// `None`: unlimited, or under no rule.
+    limited: Option<(BucketLimit, u64, bool, Holding)>,
 }
 
 /// The answers of one stream.
 type Answers = Pin<Box<dyn Stream<Item = Result<RateLimitQuotaResponse, Status>> + Send + 'static>>;
 
 impl RlqsService {
-    /// Shares the limits of the Envoy rules `envoy` through `quotas`.
-    pub fn new(quotas: Arc<BucketShares>, envoy: Arc<Hot<EnvoyConfig>>) -> Self {
+    /// Shares the limits of the Envoy rules `envoy` through `quotas`; the
+    /// streams' holder ids start with `instance` (unique among the
+    /// instances sharing a store).
+    pub fn new(quotas: Arc<Quotas>, envoy: Arc<Hot<EnvoyConfig>>, instance: &str) -> Self {
         let streams = Arc::new(Semaphore::new(quotas.settings().max_streams));
-        RlqsService { quotas, envoy, streams, next_holder: Arc::new(AtomicU64::new(1)) }
+        RlqsService {
+            quotas,
+            envoy,
+            streams,
+            instance: Arc::from(instance),
+            next_holder: Arc::new(AtomicU64::new(1)),
+            clock: Arc::new(crate::clock::SystemClock),
+        }
+    }
+
+    /// The same service on `clock` (tests).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// The tonic server.
@@ -84,9 +127,46 @@ impl RlqsService {
         RateLimitQuotaServiceServer::new(self)
     }
 
+    /// The buckets of one message of `holder`'s stream, each with its
+    /// limit and the holder's report of it.
+    fn find(&self, holder: &Holder, domain: &Arc<str>, reports: RateLimitQuotaUsageReports) -> Vec<Found> {
+        let config = self.envoy.load();
+        let settings = self.quotas.settings();
+        let now_ms = self.clock.now_ms();
+        let mut found = Vec::with_capacity(reports.bucket_quota_usages.len());
+        for usage in reports.bucket_quota_usages {
+            let Some(id) = usage.bucket_id.filter(|id| !id.bucket.is_empty()) else { continue };
+            let mut entries: Vec<(&str, &str)> =
+                id.bucket.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            entries.sort_unstable();
+            let key = BucketKey { domain: Arc::clone(domain), id: bucket_key(&entries) };
+            let known = holder.buckets.contains_key(&key) || found.iter().any(|f: &Found| f.key == key);
+            if !known && holder.buckets.len() + found.len() >= settings.max_buckets_per_stream {
+                continue;
+            }
+            let limit = config.lookup(domain, entries.iter().copied()).filter(|found| !found.limit.unlimited);
+            let limited = limit.and_then(|found| {
+                let (per_unit, window_s) = (found.limit.per_unit(), found.limit.window_seconds()?);
+                let limit = BucketLimit::new(u64::from(per_unit), window_s);
+                let elapsed_ms = usage
+                    .time_elapsed
+                    .map_or(0, |d| u64::try_from(d.seconds).unwrap_or(0).saturating_mul(1_000));
+                let reported = Usage {
+                    allowed: usage.num_requests_allowed,
+                    denied: usage.num_requests_denied,
+                    elapsed_ms,
+                };
+                let holding = reported.holding(holder.assigned(&key, now_ms), limit.window_ms);
+                Some((limit, window_s, found.limit.global, holding))
+            });
+            found.push(Found { id, key, limited });
+        }
+        found
+    }
+
     /// The answer to one message of `holder`'s stream: an assignment for
     /// each bucket it reports that it may hold.
-    fn answer(
+    async fn answer(
         &self,
         holder: &mut Holder,
         reports: RateLimitQuotaUsageReports,
@@ -98,45 +178,42 @@ impl RlqsService {
             }
             None => Arc::clone(holder.domain.insert(Arc::from(reports.domain.as_str()))),
         };
-        let config = self.envoy.load();
-        let settings = self.quotas.settings();
-        let (ttl, now_ms) = (settings.assignment_ttl_ms, self.quotas.now_ms());
-        let mut actions = Vec::with_capacity(reports.bucket_quota_usages.len());
-        for usage in reports.bucket_quota_usages {
-            let Some(id) = usage.bucket_id.filter(|id| !id.bucket.is_empty()) else { continue };
-            let mut entries: Vec<(&str, &str)> =
-                id.bucket.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-            entries.sort_unstable();
-            let key = BucketKey { domain: Arc::clone(&domain), id: bucket_key(&entries) };
-            if !holder.buckets.contains_key(&key) && holder.buckets.len() >= settings.max_buckets_per_stream {
-                continue;
+        let found = self.find(holder, &domain, reports);
+        let asked: Vec<Asked<'_>> = found
+            .iter()
+            .filter_map(|f| {
+                let (limit, _, global, holding) = f.limited?;
+                Some(Asked { key: &f.key, limit, global, holding })
+            })
+            .collect();
+        let shares = match self.quotas.shares(&holder.id, &asked).await {
+            Ok(shares) => shares,
+            Err(error) => {
+                // No answer: the Envoy's assignments live out their time
+                // to live, counted as held in the store meanwhile.
+                tracing::warn!(%domain, %error, "rlqs: the store did not answer; no assignments renewed");
+                vec![None; asked.len()]
             }
-            let limit =
-                config.lookup(&domain, entries.iter().copied()).filter(|found| !found.limit.unlimited);
-            let strategy = match limit
-                .as_ref()
-                .and_then(|found| Some((found.limit.per_unit(), found.limit.window_seconds()?)))
-            {
-                None => blanket(BlanketRule::AllowAll),
-                Some((per_unit, window_s)) => {
-                    let elapsed = usage
-                        .time_elapsed
-                        .map_or(0, |d| u64::try_from(d.seconds).unwrap_or(0).saturating_mul(1_000));
-                    let reported = Usage {
-                        allowed: usage.num_requests_allowed,
-                        denied: usage.num_requests_denied,
-                        elapsed_ms: elapsed,
-                    };
-                    let Some(share) =
-                        self.quotas.share(holder.id, &key, (u64::from(per_unit), window_s), reported)
-                    else {
+        };
+        let ttl = self.quotas.settings().assignment_ttl_ms;
+        let now_ms = self.clock.now_ms();
+        let mut shares = shares.into_iter();
+        let mut actions = Vec::with_capacity(found.len());
+        for Found { id, key, limited } in found {
+            let (strategy, assigned) = match limited {
+                None => (blanket(BlanketRule::AllowAll), None),
+                Some((_, window_s, _, holding)) => {
+                    let Some(share) = shares.next().flatten() else {
+                        if let Some(reported) = holder.buckets.get_mut(&key) {
+                            reported.last_ms = now_ms;
+                        }
                         continue;
                     };
-                    tracing::debug!(holder = holder.id, bucket = %key.id, ?reported, share, "rlqs assignment");
-                    token_bucket(share, window_s)
+                    tracing::debug!(holder = %holder.id, bucket = %key.id, ?holding, share, "rlqs assignment");
+                    (token_bucket(share, window_s), Some((share, now_ms.saturating_add(ttl))))
                 }
             };
-            holder.buckets.insert(key, (id.clone(), now_ms));
+            holder.buckets.insert(key, Reported { id: id.clone(), last_ms: now_ms, assigned });
             actions.push(assignment(id, strategy, ttl));
         }
         Ok((!actions.is_empty()).then_some(RateLimitQuotaResponse { bucket_action: actions }))
@@ -146,13 +223,13 @@ impl RlqsService {
     /// abandoned: forgotten here, and told to the Envoy.
     fn abandon(&self, holder: &mut Holder) -> Option<RateLimitQuotaResponse> {
         let after = self.quotas.settings().abandon_after_ms;
-        let now_ms = self.quotas.now_ms();
+        let now_ms = self.clock.now_ms();
         let mut actions = Vec::new();
-        holder.buckets.retain(|_, (id, last)| {
-            let keep = now_ms.saturating_sub(*last) < after;
+        holder.buckets.retain(|_, reported| {
+            let keep = now_ms.saturating_sub(reported.last_ms) < after;
             if !keep {
                 actions.push(BucketAction {
-                    bucket_id: Some(id.clone()),
+                    bucket_id: Some(reported.id.clone()),
                     bucket_action: Some(bucket_action::BucketAction::AbandonAction(AbandonAction {})),
                 });
             }
@@ -230,8 +307,9 @@ impl RateLimitQuotaService for RlqsService {
         let permit = Arc::clone(&self.streams)
             .try_acquire_owned()
             .map_err(|_| Status::resource_exhausted("rlqs.max_streams streams are open"))?;
+        let number = self.next_holder.fetch_add(1, Ordering::Relaxed);
         let holder = Holder {
-            id: self.next_holder.fetch_add(1, Ordering::Relaxed),
+            id: Arc::from(format!("{}/{number}", self.instance)),
             domain: None,
             buckets: HashMap::new(),
             _permit: permit,
@@ -247,7 +325,7 @@ impl RateLimitQuotaService for RlqsService {
                     message = reports.next() => match message {
                         None => return None,
                         Some(Err(status)) => return Some((Err(status), None)),
-                        Some(Ok(message)) => match service.answer(&mut holder, message) {
+                        Some(Ok(message)) => match service.answer(&mut holder, message).await {
                             Ok(None) => {}
                             Ok(Some(answer)) => {
                                 return Some((Ok(answer), Some((reports, holder, interval, service))));

@@ -5,31 +5,38 @@
 //!
 //! The limit of a bucket comes from the Envoy rules (its id matched like a
 //! descriptor: `api::rlqs`). Its Envoys are holders of the limit as regions
-//! are of a global limit, and [`lease::allocate`] shares it out: each
-//! report is answered with the reporter's share, max-min fair over the
-//! holders' demands, never above the limit less what every other holder
-//! may still be enforcing (its share while its assignment's time to live
-//! and the skew run, and a window more while what it admitted weighs).
-//! A share lowered reaches another Envoy only once the Envoy that held it
-//! reports again (it then enforces the lower one) or its assignment has
-//! expired. The limit shared out is the bucket's less the bursts the
-//! Envoys' buckets may add when an assignment changes ([`strategy`]).
+//! are of a global limit, and [`allot`] shares it out with the global
+//! limits' allocator ([`lease::allocate`]): each report is answered with
+//! the reporter's share, max-min fair over the holders' demands, never
+//! above the limit less what every other holder may still be enforcing
+//! (its share while its assignment's time to live and the skew run, and a
+//! window more while what it admitted weighs). A share lowered reaches
+//! another Envoy only once the Envoy that held it reports again (it then
+//! enforces the lower one) or its assignment has expired. The limit shared
+//! out is the bucket's less the bursts the Envoys' buckets may add when an
+//! assignment changes ([`strategy`]).
 //!
-//! The shares are this instance's: every Envoy of a bucket reports to one
-//! instance for them to sum within the limit.
+//! Where the holders are kept ([`Quotas`]): with the Redis store, in it
+//! ([`store`], `quota.lua`, the twin of [`allot`]), so every instance's
+//! Envoys share one bound, and a `global: true` limit's in the
+//! coordination store, so every region's do; with the memory store, in
+//! this instance ([`local`]).
 
+pub mod local;
+pub mod store;
 pub mod strategy;
 
-use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex, MutexGuard},
-};
+use std::{collections::BTreeMap, sync::Arc};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    clock::Clock,
-    limiter::lease::{self, Lease, RegionState, Report},
+pub use local::BucketShares;
+
+pub use store::QuotaStore;
+
+use crate::limiter::{
+    StoreError,
+    lease::{self, Lease, Lingering, RegionState, Report},
 };
 
 /// `rlqs.*`: Envoy's Rate Limit Quota Service, served beside
@@ -42,7 +49,7 @@ pub struct RlqsConfig {
     /// (Envoy 1.40 reports about every 5 s).
     pub assignment_ttl_ms: u64,
     /// How long past its end an assignment is still counted as enforced
-    /// (ms): Envoy's clock drift over one.
+    /// (ms): the answer's way to the Envoy and its clock's drift over one.
     pub skew_ms: u64,
     /// A bucket an Envoy has not reported for this long is abandoned (ms):
     /// the Envoy forgets it until its next request.
@@ -53,8 +60,11 @@ pub struct RlqsConfig {
     /// Buckets one stream may hold; the buckets it reports beyond get no
     /// assignment (Envoy applies their `no_assignment_behavior`).
     pub max_buckets_per_stream: usize,
-    /// Buckets shared out at once, every stream's together; beyond, a new
-    /// bucket gets no assignment until an idle one is forgotten.
+    /// Buckets shared out at once by this instance with the memory store,
+    /// every stream's together; beyond, a new bucket gets no assignment
+    /// until an idle one is forgotten. (With Redis each bucket's holders
+    /// expire in the store; what an instance holds is bounded by
+    /// `max_streams` × `max_buckets_per_stream`.)
     pub max_buckets: usize,
 }
 
@@ -68,6 +78,13 @@ impl Default for RlqsConfig {
             max_buckets_per_stream: 1_000,
             max_buckets: 100_000,
         }
+    }
+}
+
+impl RlqsConfig {
+    /// The lease every assignment is made under.
+    pub fn lease(&self) -> Lease {
+        Lease { lease_ms: self.assignment_ttl_ms, skew_ms: self.skew_ms }
     }
 }
 
@@ -91,145 +108,91 @@ pub struct Usage {
     pub elapsed_ms: u64,
 }
 
-/// One bucket's limit and its holders.
-#[derive(Debug)]
-struct Shared {
-    /// Requests per window.
-    limit: u64,
-    /// The window (ms).
-    window_ms: u64,
-    /// Each holder's stream, by index into `states`.
-    holders: Vec<u64>,
-    /// Each holder's state, as the allocator keeps a region's.
-    states: Vec<RegionState>,
-}
+/// The most any count is taken as: exact in the store's arithmetic
+/// (doubles), and far above any limit (at most `u32::MAX` a window).
+pub const MOST: u64 = 1 << 52;
 
-/// The shares of every bucket, on this instance.
-#[derive(Debug)]
-pub struct BucketShares {
-    settings: RlqsConfig,
-    clock: Arc<dyn Clock>,
-    table: Mutex<HashMap<BucketKey, Shared>>,
-}
-
-impl BucketShares {
-    /// No bucket shared yet.
-    pub fn new(settings: RlqsConfig, clock: Arc<dyn Clock>) -> Self {
-        BucketShares { settings, clock, table: Mutex::new(HashMap::new()) }
+impl Usage {
+    /// `count` of this usage scaled to a window of `window_ms`.
+    fn per_window(&self, count: u64, window_ms: u64) -> u64 {
+        let elapsed = self.elapsed_ms.max(1_000);
+        let scaled = u128::from(count) * u128::from(window_ms) / u128::from(elapsed);
+        u64::try_from(scaled).unwrap_or(u64::MAX).min(MOST)
     }
 
-    /// The settings.
-    pub fn settings(&self) -> &RlqsConfig {
-        &self.settings
-    }
-
-    /// The clock's reading (Unix ms).
-    pub fn now_ms(&self) -> u64 {
-        self.clock.now_ms()
-    }
-
-    fn lock(&self) -> MutexGuard<'_, HashMap<BucketKey, Shared>> {
-        // A panic mid-update leaves plain integers: still meaningful.
-        self.table.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Takes `holder`'s report of `usage` of bucket `key`, limited to
-    /// `limit` per window of `window_s` seconds, and answers its share for
-    /// the next assignment's time to live; `None` when the bucket is new
-    /// and [`RlqsConfig::max_buckets`] are shared out.
-    pub fn share(
-        &self,
-        holder: u64,
-        key: &BucketKey,
-        (limit, window_s): (u64, u64),
-        usage: Usage,
-    ) -> Option<u64> {
-        let now_ms = self.clock.now_ms();
-        let window_ms = window_s.max(1).saturating_mul(1_000);
-        let mut table = self.lock();
-        if !table.contains_key(key) && table.len() >= self.settings.max_buckets {
-            self.forget_idle(&mut table, now_ms);
-            if table.len() >= self.settings.max_buckets {
-                return None;
-            }
-        }
-        let shared = table.entry(key.clone()).or_insert_with(|| Shared {
-            limit,
-            window_ms,
-            holders: Vec::new(),
-            states: Vec::new(),
-        });
-        // A rule changed: shared out anew under the new limit, what the
-        // holders may still enforce counted as it is.
-        (shared.limit, shared.window_ms) = (limit, window_ms);
-        self.forget_lapsed(shared, holder, now_ms);
-        let index = match shared.holders.iter().position(|h| *h == holder) {
-            Some(index) => index,
-            None => {
-                shared.holders.push(holder);
-                shared.states.push(RegionState::new(0));
-                shared.holders.len() - 1
-            }
-        };
-        let per_window = |count: u64| {
-            let elapsed = usage.elapsed_ms.max(1_000);
-            u64::try_from(u128::from(count) * u128::from(window_ms) / u128::from(elapsed)).unwrap_or(u64::MAX)
-        };
-        let enforcing = shared.states[index].offered;
-        let report = Report {
-            region: index,
+    /// The holder's report of this usage, in requests per window of
+    /// `window_ms`: it enforces `assigned` (its assignment from this
+    /// stream, while it lives), or, when the stream knows of none, what it
+    /// shows it admits (an Envoy keeps an assignment through a broken
+    /// stream).
+    pub fn holding(&self, assigned: Option<u64>, window_ms: u64) -> Holding {
+        let admitted = self.per_window(self.allowed, window_ms);
+        let enforcing = assigned.map_or(admitted, |share| share.min(MOST));
+        Holding {
             enforcing,
-            admitted: per_window(usage.allowed).min(enforcing),
-            demand: per_window(usage.allowed.saturating_add(usage.denied)),
-        };
-        let timing = self.lease().lingering(window_ms);
-        let room = shareable(limit, shared.holders.len());
-        Some(lease::allocate(&mut shared.states, room, report, now_ms, timing, false).grant)
-    }
-
-    /// The lease every assignment is made under.
-    fn lease(&self) -> Lease {
-        Lease { lease_ms: self.settings.assignment_ttl_ms, skew_ms: self.settings.skew_ms }
-    }
-
-    /// Forgets the holders of `shared` (but `reporter`) that may enforce
-    /// nothing any more: their assignment, its skew and a window have run
-    /// out.
-    fn forget_lapsed(&self, shared: &mut Shared, reporter: u64, now_ms: u64) {
-        let (skew, linger) = (self.settings.skew_ms, shared.window_ms);
-        let mut i = 0;
-        while i < shared.holders.len() {
-            if shared.holders[i] != reporter && lapsed(&shared.states[i], now_ms, skew, linger) {
-                shared.holders.swap_remove(i);
-                shared.states.swap_remove(i);
-            } else {
-                i += 1;
-            }
+            admitted: admitted.min(enforcing),
+            demand: self.per_window(self.allowed.saturating_add(self.denied), window_ms),
         }
     }
+}
 
-    /// Forgets every bucket no holder may still enforce.
-    fn forget_idle(&self, table: &mut HashMap<BucketKey, Shared>, now_ms: u64) {
-        let skew = self.settings.skew_ms;
-        table.retain(|_, shared| shared.states.iter().any(|s| !lapsed(s, now_ms, skew, shared.window_ms)));
-    }
+/// One holder's report of a bucket, requests per window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holding {
+    /// The share it enforces as it reports.
+    pub enforcing: u64,
+    /// What it admitted.
+    pub admitted: u64,
+    /// What it admitted and denied.
+    pub demand: u64,
+}
 
-    /// How many buckets are shared out.
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
+/// A bucket's limit: requests per window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketLimit {
+    /// Requests per window.
+    pub limit: u64,
+    /// The window (ms).
+    pub window_ms: u64,
+}
 
-    /// Whether no bucket is shared out.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+impl BucketLimit {
+    /// `limit` per window of `window_s` seconds (at least one).
+    pub fn new(limit: u64, window_s: u64) -> Self {
+        BucketLimit { limit: limit.min(MOST), window_ms: window_s.max(1).saturating_mul(1_000) }
     }
+}
+
+/// Takes `reporter`'s report `holding` of a bucket limited by `limit`,
+/// whose holders are `holders` (by id: sorted, which orders ties), at
+/// `now_ms`, and answers its share for the next assignment. Holders that
+/// may enforce nothing any more are forgotten first. Twin: `quota.lua`.
+pub fn allot(
+    holders: &mut BTreeMap<Arc<str>, RegionState>,
+    reporter: &Arc<str>,
+    limit: BucketLimit,
+    holding: Holding,
+    (now_ms, lease): (u64, Lease),
+) -> u64 {
+    let timing = lease.lingering(limit.window_ms);
+    holders.retain(|holder, state| holder == reporter || !lapsed(state, now_ms, timing));
+    holders.entry(Arc::clone(reporter)).or_insert_with(|| RegionState::new(0));
+    let mut states: Vec<RegionState> = holders.values().copied().collect();
+    let region = holders.keys().position(|holder| holder == reporter).unwrap_or_default();
+    let report =
+        Report { region, enforcing: holding.enforcing, admitted: holding.admitted, demand: holding.demand };
+    let room = shareable(limit.limit, states.len());
+    let grant = lease::allocate(&mut states, room, report, now_ms, timing, false).grant;
+    holders.insert(Arc::clone(reporter), states[region]);
+    grant
 }
 
 /// Whether a holder may enforce nothing any more, nor want anything: its
-/// assignment, the skew and what it admitted under it (`linger_ms`) have
-/// run out.
-fn lapsed(state: &RegionState, now_ms: u64, skew_ms: u64, linger_ms: u64) -> bool {
-    now_ms >= state.lease_until_ms.saturating_add(skew_ms).saturating_add(linger_ms)
+/// assignment, the skew and what it admitted under it (a window) have run
+/// out.
+fn lapsed(state: &RegionState, now_ms: u64, timing: Lingering) -> bool {
+    let Lingering { lease, linger_ms } = timing;
+    now_ms >= state.lease_until_ms.saturating_add(lease.skew_ms).saturating_add(linger_ms)
 }
 
 /// What of `limit` is shared out among `holders`: the limit less the
@@ -239,5 +202,84 @@ pub fn shareable(limit: u64, holders: usize) -> u64 {
     limit.saturating_sub(limit / strategy::BURST_DIVISOR + holders as u64)
 }
 
+/// Where the holders of the buckets are kept: in the Redis store (or this
+/// instance, with the memory store); a `global: true` limit's in the
+/// coordination store when the deployment shares limits with other
+/// regions.
+#[derive(Debug)]
+pub struct Quotas {
+    local: BucketShares,
+    regional: Option<QuotaStore>,
+    coordination: Option<QuotaStore>,
+}
+
+/// One bucket's report, for [`Quotas::shares`].
+#[derive(Debug, Clone, Copy)]
+pub struct Asked<'a> {
+    /// The bucket.
+    pub key: &'a BucketKey,
+    /// Its limit.
+    pub limit: BucketLimit,
+    /// Whether the limit is `global: true`.
+    pub global: bool,
+    /// The holder's report.
+    pub holding: Holding,
+}
+
+impl Quotas {
+    /// Holders kept in `regional` (the counters' Redis store; `None`: in
+    /// `local`), a global limit's in `coordination` if any.
+    pub fn new(local: BucketShares, regional: Option<QuotaStore>, coordination: Option<QuotaStore>) -> Self {
+        Quotas { local, regional, coordination }
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &RlqsConfig {
+        self.local.settings()
+    }
+
+    /// The holder `holder`'s reports of the buckets `asked` (one domain's),
+    /// answered each bucket's share, in order: `None` for a bucket this
+    /// instance has no room for (`rlqs.max_buckets`, memory store). A store
+    /// that cannot answer answers nothing for its buckets: the Envoy's
+    /// assignments live out their time to live.
+    pub async fn shares(
+        &self,
+        holder: &Arc<str>,
+        asked: &[Asked<'_>],
+    ) -> Result<Vec<Option<u64>>, StoreError> {
+        let mut out = vec![None; asked.len()];
+        let mut parts: [(Option<&QuotaStore>, Vec<usize>); 2] =
+            [(self.regional.as_ref(), Vec::new()), (None, Vec::new())];
+        for (i, a) in asked.iter().enumerate() {
+            match (&self.coordination, a.global) {
+                (Some(coordination), true) => {
+                    parts[1].0 = Some(coordination);
+                    parts[1].1.push(i);
+                }
+                _ => parts[0].1.push(i),
+            }
+        }
+        for (store, part) in parts {
+            if part.is_empty() {
+                continue;
+            }
+            let Some(store) = store else {
+                for i in part {
+                    let a = &asked[i];
+                    out[i] = self.local.share(holder, a.key, a.limit, a.holding);
+                }
+                continue;
+            };
+            let reports: Vec<Asked<'_>> = part.iter().map(|i| asked[*i]).collect();
+            let shares = store::shares(store, self.settings(), holder, &reports).await?;
+            for (i, share) in part.into_iter().zip(shares) {
+                out[i] = Some(share);
+            }
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
-mod tests;
+mod local_tests;

@@ -34,7 +34,7 @@ use crate::{
     dlq::DlqSink,
     limiter::redis::RedisSetupError,
     overload::Overload,
-    quota::BucketShares,
+    quota::Quotas,
     rules::{Feed, RuleErrors},
     shed::Shedder,
     telemetry::Metrics,
@@ -177,6 +177,8 @@ pub async fn run_observed(
     let metrics = parts::metrics(&config.telemetry, &mut tasks);
     let local = parts::local(&config.local, &config.redis, &config.dlq.instance(), &store, &mut exchanges)?;
     let global = parts::global(&config, (&rules, &adapter), &store, &mut exchanges, &mut dispatchers)?;
+    let quotas =
+        parts::quotas(&config, rules.envoy.is_some(), &store, global.as_ref().map(|g| &g.coordination));
     parts::vitals(&rules, (&shedder, &overload), &dlq, global.as_ref().map(|g| Arc::clone(&g.status)));
     let exchanges = parts::exchanges(exchanges, &mut tasks);
     let layers = parts::Layers {
@@ -204,7 +206,7 @@ pub async fn run_observed(
     parts::register_figures(&metrics, figures, &rules, &engine, &budget);
     let (health, reporter, health_service) =
         parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await?;
-    let router = grpc_router(&config, &engine, &rules, health_service, &budget)?;
+    let router = grpc_router(&config, &engine, (&rules, quotas), health_service, &budget)?;
     // From here the services hold the engine (and the store) alone.
     drop(engine);
 
@@ -401,7 +403,7 @@ fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, st
 fn grpc_router(
     config: &Config,
     engine: &Engine,
-    rules: &parts::Rules,
+    (rules, quotas): (&parts::Rules, Option<Arc<Quotas>>),
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
     budget: &Arc<Budget>,
 ) -> Result<Router, ServerError> {
@@ -434,10 +436,12 @@ fn grpc_router(
     // Kuadrant's service beside Envoy's, from limitador's limits.
     let kuadrant = envoy.clone().filter(|_| rules.limitador.is_some());
     // Envoy's Rate Limit Quota Service on the Envoy rules.
-    let rlqs = rules.envoy.as_ref().map(|envoy| {
-        let quotas = BucketShares::new(config.rlqs.clone(), Arc::new(crate::clock::SystemClock));
-        RlqsService::new(Arc::new(quotas), Arc::clone(envoy))
-    });
+    let instance = crate::limiter::instance::id(&config.dlq.instance());
+    let rlqs = rules
+        .envoy
+        .as_ref()
+        .zip(quotas)
+        .map(|(envoy, quotas)| RlqsService::new(quotas, Arc::clone(envoy), &instance));
     let bounds = message_bounds(&config.grpc, &check, envoy.as_ref());
     // The layer bounds each method; tonic's bound is the largest of them.
     let max_message = bounds.batch;

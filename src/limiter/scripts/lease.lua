@@ -49,45 +49,6 @@ redis.call('SET', KEYS[1], now, 'NX')
 local remembering = tonumber(redis.call('GET', KEYS[1]))
 local amnesia = now < remembering + lease + skew
 
--- Max-min fair shares of `limit` above the floors (see fair_shares).
-local function fair_shares(demands)
-  local shares, wants = {}, {}
-  local left = math.max(0, limit - floor_sum)
-  for i = 0, n - 1 do
-    shares[i] = floors[i]
-    wants[i] = math.max(0, demands[i] - floors[i])
-  end
-  while left > 0 do
-    local wanting = {}
-    for i = 0, n - 1 do
-      if wants[i] > 0 then wanting[#wanting + 1] = i end
-    end
-    if #wanting == 0 then break end
-    local even = math.floor(left / #wanting)
-    if even == 0 then
-      for j = 1, left do
-        local i = wanting[j]
-        shares[i] = shares[i] + 1
-        wants[i] = wants[i] - 1
-      end
-      left = 0
-      break
-    end
-    for _, i in ipairs(wanting) do
-      local given = math.min(even, wants[i])
-      shares[i] = shares[i] + given
-      wants[i] = wants[i] - given
-      left = left - given
-    end
-  end
-  if left > 0 and n > 0 then
-    local even, extra = math.floor(left / n), left % n
-    for i = 0, n - 1 do
-      shares[i] = shares[i] + even + ((i < extra) and 1 or 0)
-    end
-  end
-  return shares
-end
 
 local fields = {}
 for i = 0, n - 1 do
@@ -141,7 +102,7 @@ for k = 3, #KEYS do
     end
   end
   local room = math.max(0, limit - others)
-  local target = fair_shares(demands)[r]
+  local target = fair_shares(limit, n, floors, demands)[r]
   local grant = math.min(math.max(target, floors[r]), room)
   if amnesia then
     grant = math.min(grant, math.max(floors[r], enforcing))

@@ -140,7 +140,13 @@ pub static DECIDE_BATCH: Script = Script::new("decide_batch", include_str!("deci
 
 /// A region's lease report to the coordination store (`lease.lua`). Twin:
 /// `limiter::lease::allocate` (`redis_store.rs::the_lease_script_is_the_twin_of_allocate`).
-pub static LEASE: Script = Script::new("lease", include_str!("lease.lua"));
+pub static LEASE: Script =
+    Script::new("lease", concat!(include_str!("fair_shares.lua"), include_str!("lease.lua")));
+
+/// An Envoy's report of an RLQS bucket (`quota.lua`). Twin:
+/// `quota::allot` (`rlqs.rs::the_quota_script_is_the_twin_of_allot`).
+pub static QUOTA: Script =
+    Script::new("quota", concat!(include_str!("fair_shares.lua"), include_str!("quota.lua")));
 
 /// An instance's exchange with its region's store (`region.lua`): tallies,
 /// the agent role, the grants. Twin: `global::regional`'s in-process

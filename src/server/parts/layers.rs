@@ -160,17 +160,19 @@ pub(crate) fn global(
         Arc::clone(&grants),
         (Arc::clone(&rules.native), rules.envoy.clone()),
         store.clone(),
-        coordination,
+        Arc::clone(&coordination),
         settings,
         Arc::clone(&status),
     )));
-    Ok(Some(Global { grants, status }))
+    Ok(Some(Global { grants, status, coordination }))
 }
 
 /// The global limits' parts the engine and `/metrics` read.
 pub(crate) struct Global {
     pub(crate) grants: Arc<Grants>,
     pub(crate) status: Arc<GlobalStatus>,
+    /// The coordination store (RLQS buckets of global limits share it).
+    pub(crate) coordination: Arc<RedisStore>,
 }
 
 /// The one task that runs every periodic exchange with the store

@@ -16,7 +16,7 @@ pub(crate) use layers::{adaptive, exchanges, global, overload, shares_global_lim
 pub(crate) use observe::{Figures, health, metrics, register_figures, stats, vitals};
 pub(crate) use rules::{Rules, rules_of, tenants};
 pub(crate) use sinks::{Captured, capture, dlq};
-pub(crate) use store::{denials, local, store, tenant_shares};
+pub(crate) use store::{denials, local, quotas, store, tenant_shares};
 
 use std::sync::Arc;
 

@@ -1,6 +1,7 @@
 //! The counter store and what decides beside it: the local limiter (failure
 //! policy `local`) and its reconciler, the cache of exact denials, and the
-//! tenants' shares of the store's in-flight calls.
+//! tenants' shares of the store's in-flight calls, and where the RLQS
+//! buckets' holders are kept.
 
 use std::{sync::Arc, time::Duration};
 
@@ -18,6 +19,7 @@ use crate::{
         local::{self, LocalLimiter, Reconciler},
         memory::run_sweeper,
     },
+    quota::{BucketShares, QuotaStore, Quotas},
     rules::{Hot, tenants::Tenants},
 };
 
@@ -155,4 +157,30 @@ pub(crate) fn tenant_shares(
         }
         _ => None,
     }
+}
+
+/// Where the RLQS buckets' holders are kept (`rlqs.*`): in the Redis
+/// store, a global limit's in the coordination store (`coordination`, when
+/// the deployment shares limits with other regions); with the memory store,
+/// in this instance. `None` without Envoy rules (no RLQS served).
+pub(crate) fn quotas(
+    config: &crate::config::Config,
+    envoy_rules: bool,
+    store: &Store,
+    coordination: Option<&Arc<RedisStore>>,
+) -> Option<Arc<Quotas>> {
+    if !envoy_rules {
+        return None;
+    }
+    let local = BucketShares::new(config.rlqs.clone(), Arc::new(SystemClock));
+    // Off the request path: at least 100 ms.
+    let regional = store.shared().map(|regional| QuotaStore {
+        store: Arc::clone(regional),
+        timeout: Duration::from_millis(config.redis.timeout_ms.max(100)),
+    });
+    let coordination = coordination.map(|store| QuotaStore {
+        store: Arc::clone(store),
+        timeout: Duration::from_millis(config.global.timeout_ms),
+    });
+    Some(Arc::new(Quotas::new(local, regional, coordination)))
 }
