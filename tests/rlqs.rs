@@ -138,10 +138,11 @@ async fn shared_out_by_demand(url: Option<String>) {
     let mut b = open(&server).await.unwrap();
     assert_eq!(assigned(&b.report("edge", &chat, (0, 100)).await), Err(BlanketRule::DenyAll));
     // The first reports: lowered to half; once it enforces it (its next
-    // report), the second gets the rest.
+    // report), the second gets the rest: all but what the first admitted
+    // in the window (175 of 292).
     assert_eq!(assigned(&a.report("edge", &chat, (50, 50)).await), Ok((2, 144, 60, 20)));
     assert_eq!(assigned(&a.report("edge", &chat, (25, 75)).await), Ok((2, 144, 60, 20)));
-    assert_eq!(assigned(&b.report("edge", &chat, (0, 100)).await), Ok((2, 144, 60, 20)));
+    assert_eq!(assigned(&b.report("edge", &chat, (0, 100)).await), Ok((2, 115, 60, 20)));
     // Unlimited, or under no rule: allowed whole.
     for id in [bucket(&[("route", "free")]), bucket(&[("route", "x")])] {
         assert_eq!(assigned(&a.report("edge", &id, (1, 0)).await), Err(BlanketRule::AllowAll), "{id:?}");
@@ -157,7 +158,27 @@ async fn shared_out_by_demand(url: Option<String>) {
     b.send.send(reports).await.unwrap();
     let answer = b.next().await.expect("the stream lives on");
     assert_eq!(answer.bucket_action[0].bucket_id, Some(chat), "{answer:?}");
+    // Per domain: two Envoys, two buckets under a limit, 8 reports of
+    // which 2 of buckets no limit holds.
+    let figure = |name: &str| {
+        let series = format!("ratelimitd_rlqs_{name}{{domain=\"edge\"}} ");
+        let server = &server;
+        async move { common::metric(server, &series).await }
+    };
+    assert_eq!(figure("envoys").await, Some(2.0));
+    assert_eq!(figure("buckets").await, Some(2.0));
+    assert_eq!(figure("reports_total").await, Some(8.0));
+    assert_eq!(figure("unmatched_total").await, Some(2.0));
+    assert_eq!(figure("unanswered_total").await, Some(0.0));
+    assert!(figure("assigned_per_second").await.unwrap() >= 146.0 / 60.0);
     drop((a, b));
+    // The streams end: nothing held any more.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while figure("envoys").await != Some(0.0) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!((figure("envoys").await, figure("buckets").await), (Some(0.0), Some(0.0)));
+    assert_eq!(figure("assigned_per_second").await, Some(0.0));
     server.stop().await.unwrap();
 }
 

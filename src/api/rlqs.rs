@@ -23,7 +23,7 @@ use std::{
 };
 
 use futures_util::{Stream, StreamExt};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::envoy_pb::{
@@ -42,7 +42,11 @@ use super::envoy_pb::{
 };
 use crate::{
     clock::Clock,
-    quota::{Asked, BucketKey, BucketLimit, Holding, Quotas, Usage, strategy},
+    quota::{
+        Asked, BucketKey, BucketLimit, Holding, Quotas, Recent, Usage,
+        figures::{DomainFigures, milli_per_second},
+        strategy,
+    },
     rules::{Hot, envoy::EnvoyConfig},
 };
 
@@ -55,6 +59,7 @@ pub struct RlqsService {
     instance: Arc<str>,
     next_holder: Arc<AtomicU64>,
     clock: Arc<dyn Clock>,
+    draining: watch::Receiver<bool>,
 }
 
 impl std::fmt::Debug for RlqsService {
@@ -69,7 +74,19 @@ struct Holder {
     id: Arc<str>,
     domain: Option<Arc<str>>,
     buckets: HashMap<BucketKey, Reported>,
+    /// Its domain's figures, from its first report.
+    figures: Option<Arc<DomainFigures>>,
     _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        if let Some(figures) = &self.figures {
+            let held = self.buckets.values().filter_map(|r| r.milli);
+            let (buckets, milli) = held.fold((0, 0u64), |(n, sum), m| (n + 1, sum.saturating_add(m)));
+            figures.stream_closed(buckets, milli);
+        }
+    }
 }
 
 /// A bucket a stream reported: its id, when it last did, and the share it
@@ -78,6 +95,11 @@ struct Reported {
     id: BucketId,
     last_ms: u64,
     assigned: Option<(u64, u64)>,
+    /// What it admitted in its recent reports.
+    recent: Recent,
+    /// The share in thousandths of a request per second, as the domain's
+    /// figures count it; `None` for a bucket under no limit.
+    milli: Option<u64>,
 }
 
 impl Holder {
@@ -95,6 +117,8 @@ struct Found {
     /// Its limit, window (s), whether global, and the holder's report;
     /// `None`: unlimited, or under no rule.
     limited: Option<(BucketLimit, u64, bool, Holding)>,
+    /// What the holder admitted in its recent reports, this one's added.
+    recent: Recent,
 }
 
 /// The answers of one stream.
@@ -113,7 +137,17 @@ impl RlqsService {
             instance: Arc::from(instance),
             next_holder: Arc::new(AtomicU64::new(1)),
             clock: Arc::new(crate::clock::SystemClock),
+            // Never draining: the sender is gone.
+            draining: watch::channel(false).1,
         }
+    }
+
+    /// The same service ending its streams once `draining` turns true (the
+    /// server stops): their Envoys reconnect, to another instance, while
+    /// their assignments live.
+    pub fn with_draining(mut self, draining: watch::Receiver<bool>) -> Self {
+        self.draining = draining;
+        self
     }
 
     /// The same service on `clock` (tests).
@@ -145,6 +179,7 @@ impl RlqsService {
                 continue;
             }
             let limit = config.lookup(domain, entries.iter().copied()).filter(|found| !found.limit.unlimited);
+            let mut recent = holder.buckets.get(&key).map(|r| r.recent.clone()).unwrap_or_default();
             let limited = limit.and_then(|found| {
                 let (per_unit, window_s) = (found.limit.per_unit(), found.limit.window_seconds()?);
                 let limit = BucketLimit::new(u64::from(per_unit), window_s);
@@ -156,10 +191,11 @@ impl RlqsService {
                     denied: usage.num_requests_denied,
                     elapsed_ms,
                 };
-                let holding = reported.holding(holder.assigned(&key, now_ms), limit.window_ms);
+                let admitted = recent.add(now_ms, usage.num_requests_allowed, limit.window_ms);
+                let holding = reported.holding(holder.assigned(&key, now_ms), admitted, limit.window_ms);
                 Some((limit, window_s, found.limit.global, holding))
             });
-            found.push(Found { id, key, limited });
+            found.push(Found { id, key, limited, recent });
         }
         found
     }
@@ -176,9 +212,57 @@ impl RlqsService {
             None if reports.domain.is_empty() => {
                 return Err(Status::invalid_argument("domain: the stream's first report must name it"));
             }
-            None => Arc::clone(holder.domain.insert(Arc::from(reports.domain.as_str()))),
+            None => {
+                let known = self.envoy.load().has_domain(&reports.domain);
+                let figures = self.quotas.figures().domain(&reports.domain, known);
+                figures.stream_opened();
+                holder.figures = Some(figures);
+                Arc::clone(holder.domain.insert(Arc::from(reports.domain.as_str())))
+            }
         };
+        let figures = holder.figures.clone().unwrap_or_default();
         let found = self.find(holder, &domain, reports);
+        let shares = self.shares(&holder.id, &found).await;
+        let ttl = self.quotas.settings().assignment_ttl_ms;
+        let now_ms = self.clock.now_ms();
+        let mut shares = shares.into_iter();
+        let mut actions = Vec::with_capacity(found.len());
+        for Found { id, key, limited, recent } in found {
+            figures.reported(limited.is_none());
+            let previous = holder.buckets.get(&key);
+            if previous.and_then(|r| r.assigned).is_some_and(|(_, until_ms)| until_ms <= now_ms) {
+                figures.expired();
+            }
+            let was = previous.and_then(|r| r.milli);
+            let (strategy, assigned, milli) = match limited {
+                None => (blanket(BlanketRule::AllowAll), None, None),
+                Some((_, window_s, _, holding)) => {
+                    let Some(share) = shares.next().flatten() else {
+                        figures.unanswered();
+                        if let Some(reported) = holder.buckets.get_mut(&key) {
+                            (reported.last_ms, reported.recent) = (now_ms, recent);
+                        }
+                        continue;
+                    };
+                    tracing::debug!(holder = %holder.id, bucket = %key.id, ?holding, share, "rlqs assignment");
+                    let until_ms = now_ms.saturating_add(ttl);
+                    (
+                        token_bucket(share, window_s),
+                        Some((share, until_ms)),
+                        Some(milli_per_second(share, window_s)),
+                    )
+                }
+            };
+            figures.assigned(was, milli);
+            holder.buckets.insert(key, Reported { id: id.clone(), last_ms: now_ms, assigned, milli, recent });
+            actions.push(assignment(id, strategy, ttl));
+        }
+        Ok((!actions.is_empty()).then_some(RateLimitQuotaResponse { bucket_action: actions }))
+    }
+
+    /// The shares of the `found` buckets under a limit, in order, for the
+    /// holder `id`: `None` for those not answered.
+    async fn shares(&self, id: &Arc<str>, found: &[Found]) -> Vec<Option<u64>> {
         let asked: Vec<Asked<'_>> = found
             .iter()
             .filter_map(|f| {
@@ -186,37 +270,13 @@ impl RlqsService {
                 Some(Asked { key: &f.key, limit, global, holding })
             })
             .collect();
-        let shares = match self.quotas.shares(&holder.id, &asked).await {
-            Ok(shares) => shares,
-            Err(error) => {
-                // No answer: the Envoy's assignments live out their time
-                // to live, counted as held in the store meanwhile.
-                tracing::warn!(%domain, %error, "rlqs: the store did not answer; no assignments renewed");
-                vec![None; asked.len()]
-            }
-        };
-        let ttl = self.quotas.settings().assignment_ttl_ms;
-        let now_ms = self.clock.now_ms();
-        let mut shares = shares.into_iter();
-        let mut actions = Vec::with_capacity(found.len());
-        for Found { id, key, limited } in found {
-            let (strategy, assigned) = match limited {
-                None => (blanket(BlanketRule::AllowAll), None),
-                Some((_, window_s, _, holding)) => {
-                    let Some(share) = shares.next().flatten() else {
-                        if let Some(reported) = holder.buckets.get_mut(&key) {
-                            reported.last_ms = now_ms;
-                        }
-                        continue;
-                    };
-                    tracing::debug!(holder = %holder.id, bucket = %key.id, ?holding, share, "rlqs assignment");
-                    (token_bucket(share, window_s), Some((share, now_ms.saturating_add(ttl))))
-                }
-            };
-            holder.buckets.insert(key, Reported { id: id.clone(), last_ms: now_ms, assigned });
-            actions.push(assignment(id, strategy, ttl));
-        }
-        Ok((!actions.is_empty()).then_some(RateLimitQuotaResponse { bucket_action: actions }))
+        self.quotas.shares(id, &asked).await.unwrap_or_else(|error| {
+            // No answer: the Envoy's assignments live out their time to
+            // live, counted as held in the store meanwhile.
+            let domain = asked.first().map(|a| &a.key.domain);
+            tracing::warn!(?domain, %error, "rlqs: the store did not answer; no assignments renewed");
+            vec![None; asked.len()]
+        })
     }
 
     /// The buckets `holder` has not reported for `rlqs.abandon_after_ms`,
@@ -225,9 +285,11 @@ impl RlqsService {
         let after = self.quotas.settings().abandon_after_ms;
         let now_ms = self.clock.now_ms();
         let mut actions = Vec::new();
+        let figures = holder.figures.clone().unwrap_or_default();
         holder.buckets.retain(|_, reported| {
             let keep = now_ms.saturating_sub(reported.last_ms) < after;
             if !keep {
+                figures.assigned(reported.milli, None);
                 actions.push(BucketAction {
                     bucket_id: Some(reported.id.clone()),
                     bucket_action: Some(bucket_action::BucketAction::AbandonAction(AbandonAction {})),
@@ -236,6 +298,19 @@ impl RlqsService {
             keep
         });
         (!actions.is_empty()).then_some(RateLimitQuotaResponse { bucket_action: actions })
+    }
+}
+
+/// Resolves true once `draining` is, false if it never can be (its
+/// sender is gone).
+async fn until_draining(draining: &mut watch::Receiver<bool>) -> bool {
+    loop {
+        if *draining.borrow_and_update() {
+            return true;
+        }
+        if draining.changed().await.is_err() {
+            return false;
+        }
     }
 }
 
@@ -312,30 +387,33 @@ impl RateLimitQuotaService for RlqsService {
             id: Arc::from(format!("{}/{number}", self.instance)),
             domain: None,
             buckets: HashMap::new(),
+            figures: None,
             _permit: permit,
         };
         let tick = (self.quotas.settings().abandon_after_ms / 2).clamp(100, 60_000);
         let mut interval = tokio::time::interval(Duration::from_millis(tick));
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let state = (request.into_inner(), holder, interval, self.clone());
+        let state = (request.into_inner(), holder, interval, self.clone(), self.draining.clone());
         let answers = futures_util::stream::unfold(Some(state), |state| async move {
-            let (mut reports, mut holder, mut interval, service) = state?;
+            let (mut reports, mut holder, mut interval, service, mut draining) = state?;
             loop {
                 tokio::select! {
+                    // The server stops: the stream ends (OK).
+                    true = until_draining(&mut draining) => return None,
                     message = reports.next() => match message {
                         None => return None,
                         Some(Err(status)) => return Some((Err(status), None)),
                         Some(Ok(message)) => match service.answer(&mut holder, message).await {
                             Ok(None) => {}
                             Ok(Some(answer)) => {
-                                return Some((Ok(answer), Some((reports, holder, interval, service))));
+                                return Some((Ok(answer), Some((reports, holder, interval, service, draining))));
                             }
                             Err(status) => return Some((Err(status), None)),
                         },
                     },
                     _ = interval.tick() => {
                         if let Some(answer) = service.abandon(&mut holder) {
-                            return Some((Ok(answer), Some((reports, holder, interval, service))));
+                            return Some((Ok(answer), Some((reports, holder, interval, service, draining))));
                         }
                     }
                 }

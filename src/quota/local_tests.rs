@@ -28,11 +28,12 @@ fn usage(allowed: u64, denied: u64) -> Usage {
 struct Envoy {
     id: Arc<str>,
     assigned: Option<(u64, u64)>,
+    recent: Recent,
 }
 
 impl Envoy {
     fn new(id: &str) -> Self {
-        Envoy { id: Arc::from(id), assigned: None }
+        Envoy { id: Arc::from(id), assigned: None, recent: Recent::default() }
     }
 
     /// Reports `usage` of `bucket` at the clock's time and keeps the share.
@@ -45,7 +46,8 @@ impl Envoy {
     ) -> Option<u64> {
         let now = clock.now_ms();
         let live = self.assigned.filter(|(_, until)| now < *until).map(|(share, _)| share);
-        let share = quotas.share(&self.id, bucket, LIMIT, usage.holding(live, LIMIT.window_ms))?;
+        let admitted = self.recent.add(now, usage.allowed, LIMIT.window_ms);
+        let share = quotas.share(&self.id, bucket, LIMIT, usage.holding(live, admitted, LIMIT.window_ms))?;
         self.assigned = Some((share, now + quotas.settings().assignment_ttl_ms));
         Some(share)
     }
@@ -77,6 +79,44 @@ fn the_limit_follows_demand_and_moves_only_once_its_holder_lets_go() {
     assert_eq!(b.report(&quotas, &clock, &bucket, usage(14, 86)), Some(293));
     let holders: Vec<Arc<str>> = quotas.lock()[&bucket].holders.keys().cloned().collect();
     assert_eq!(holders, [Arc::from("b")], "A is forgotten");
+}
+
+#[test]
+fn what_an_envoy_admitted_in_the_window_is_held_after_it_lets_go() {
+    let (quotas, clock) = quotas();
+    let bucket = key("route=chat");
+    let (mut a, mut b) = (Envoy::new("a"), Envoy::new("b"));
+    assert_eq!(a.report(&quotas, &clock, &bucket, usage(0, 100)), Some(293));
+    clock.advance(1_000);
+    assert_eq!(a.report(&quotas, &clock, &bucket, usage(250, 0)), Some(293));
+    clock.advance(1_000);
+    assert_eq!(b.report(&quotas, &clock, &bucket, usage(0, 100)), Some(0));
+    // A's demand is gone: lowered to nothing, which it then enforces.
+    clock.advance(1_000);
+    assert_eq!(a.report(&quotas, &clock, &bucket, usage(0, 0)), Some(0));
+    clock.advance(1_000);
+    assert_eq!(a.report(&quotas, &clock, &bucket, usage(0, 0)), Some(0));
+    // The 250 it admitted a few seconds ago are still in the window: B
+    // gets only the rest.
+    clock.advance(1_000);
+    assert_eq!(b.report(&quotas, &clock, &bucket, usage(0, 100)), Some(292 - 250));
+    // Once they have left the window (A's next report says so), all of it.
+    clock.advance(6_000);
+    assert_eq!(a.report(&quotas, &clock, &bucket, usage(0, 0)), Some(0));
+    assert_eq!(b.report(&quotas, &clock, &bucket, usage(0, 100)), Some(292));
+}
+
+#[test]
+fn a_window_counts_every_report_received_in_it_and_merges_the_oldest() {
+    let mut recent = Recent::default();
+    assert_eq!(recent.add(0, 5, 10_000), 5);
+    assert_eq!(recent.add(5_000, 7, 10_000), 12);
+    assert_eq!(recent.add(10_000, 1, 10_000), 8, "the first left the window");
+    // A day's window remembers 16 reports, the oldest merged: nothing lost.
+    let mut day = Recent::default();
+    let total: u64 = (0..100).map(|i| day.add(i * 5_000, 1, 86_400_000)).last().unwrap();
+    assert_eq!(total, 100);
+    assert_eq!(day.reports.len(), RECENT_REPORTS);
 }
 
 #[test]

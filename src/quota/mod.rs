@@ -22,6 +22,7 @@
 //! coordination store, so every region's do; with the memory store, in
 //! this instance ([`local`]).
 
+pub mod figures;
 pub mod local;
 pub mod store;
 pub mod strategy;
@@ -30,6 +31,7 @@ use std::{collections::BTreeMap, sync::Arc};
 
 use serde::{Deserialize, Serialize};
 
+pub use figures::QuotaFigures;
 pub use local::BucketShares;
 
 pub use store::QuotaStore;
@@ -123,16 +125,46 @@ impl Usage {
     /// The holder's report of this usage, in requests per window of
     /// `window_ms`: it enforces `assigned` (its assignment from this
     /// stream, while it lives), or, when the stream knows of none, what it
-    /// shows it admits (an Envoy keeps an assignment through a broken
-    /// stream).
-    pub fn holding(&self, assigned: Option<u64>, window_ms: u64) -> Holding {
-        let admitted = self.per_window(self.allowed, window_ms);
-        let enforcing = assigned.map_or(admitted, |share| share.min(MOST));
+    /// shows it admits per window (an Envoy keeps an assignment through a
+    /// broken stream); it admitted `admitted` in the window ([`Recent`]).
+    pub fn holding(&self, assigned: Option<u64>, admitted: u64, window_ms: u64) -> Holding {
+        let enforcing =
+            assigned.map_or_else(|| self.per_window(self.allowed, window_ms), |share| share.min(MOST));
         Holding {
             enforcing,
-            admitted: admitted.min(enforcing),
+            admitted: admitted.min(MOST),
             demand: self.per_window(self.allowed.saturating_add(self.denied), window_ms),
         }
+    }
+}
+
+/// Reports of a bucket a holder's window remembers at most; beyond, the
+/// two oldest are merged (kept as long as the newer would be).
+pub const RECENT_REPORTS: usize = 16;
+
+/// What a holder admitted of a bucket in its recent reports: when each
+/// was received and what it allowed. A report covers the time up to its
+/// receipt, so every report received within the last window counts toward
+/// what the holder admitted in it (an Envoy reports every few seconds, a
+/// window may be far longer).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recent {
+    reports: std::collections::VecDeque<(u64, u64)>,
+}
+
+impl Recent {
+    /// Adds a report of `allowed` received at `now_ms` and answers what
+    /// the holder admitted in the window of `window_ms` ending now.
+    pub fn add(&mut self, now_ms: u64, allowed: u64, window_ms: u64) -> u64 {
+        self.reports.retain(|(at, _)| now_ms.saturating_sub(*at) < window_ms);
+        if self.reports.len() >= RECENT_REPORTS
+            && let Some((_, oldest)) = self.reports.pop_front()
+            && let Some((_, next)) = self.reports.front_mut()
+        {
+            *next = next.saturating_add(oldest);
+        }
+        self.reports.push_back((now_ms, allowed));
+        self.reports.iter().fold(0u64, |sum, (_, allowed)| sum.saturating_add(*allowed))
     }
 }
 
@@ -211,6 +243,7 @@ pub struct Quotas {
     local: BucketShares,
     regional: Option<QuotaStore>,
     coordination: Option<QuotaStore>,
+    figures: Arc<QuotaFigures>,
 }
 
 /// One bucket's report, for [`Quotas::shares`].
@@ -230,7 +263,12 @@ impl Quotas {
     /// Holders kept in `regional` (the counters' Redis store; `None`: in
     /// `local`), a global limit's in `coordination` if any.
     pub fn new(local: BucketShares, regional: Option<QuotaStore>, coordination: Option<QuotaStore>) -> Self {
-        Quotas { local, regional, coordination }
+        Quotas { local, regional, coordination, figures: Arc::new(QuotaFigures::new()) }
+    }
+
+    /// The streams' figures, by domain (`/metrics`, status reports).
+    pub fn figures(&self) -> &Arc<QuotaFigures> {
+        &self.figures
     }
 
     /// The settings.

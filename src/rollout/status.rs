@@ -76,6 +76,28 @@ pub struct Vitals {
     /// Each global limit in this instance's region, by limit id.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub global: BTreeMap<String, GlobalVital>,
+    /// Envoy's Rate Limit Quota Service on this instance, by domain.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rlqs: BTreeMap<String, RlqsVital>,
+}
+
+/// One domain's RLQS streams on an instance, as its report says.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RlqsVital {
+    /// Streams open: the Envoys reporting to this instance.
+    pub envoys: u64,
+    /// Buckets assigned on those streams.
+    pub buckets: u64,
+    /// The shares last assigned on them, requests per second summed.
+    pub assigned_per_second: f64,
+    /// Bucket usage reports taken since the start.
+    pub reports: u64,
+    /// Of those, of buckets no limit holds (allowed whole).
+    pub unmatched: u64,
+    /// Assignments that ran out before their Envoy reported again.
+    pub expired: u64,
+    /// Reports answered nothing (the store did not answer, or no room).
+    pub unanswered: u64,
 }
 
 /// One global limit in an instance's region, as its report says.

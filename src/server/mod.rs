@@ -179,7 +179,13 @@ pub async fn run_observed(
     let global = parts::global(&config, (&rules, &adapter), &store, &mut exchanges, &mut dispatchers)?;
     let quotas =
         parts::quotas(&config, rules.envoy.is_some(), &store, global.as_ref().map(|g| &g.coordination));
-    parts::vitals(&rules, (&shedder, &overload), &dlq, global.as_ref().map(|g| Arc::clone(&g.status)));
+    let rlqs_figures = quotas.as_ref().map(|q| Arc::clone(q.figures()));
+    parts::vitals(
+        &rules,
+        (&shedder, &overload),
+        &dlq,
+        (global.as_ref().map(|g| Arc::clone(&g.status)), rlqs_figures.clone()),
+    );
     let exchanges = parts::exchanges(exchanges, &mut tasks);
     let layers = parts::Layers {
         shedder: &shedder,
@@ -199,6 +205,7 @@ pub async fn run_observed(
         adapter,
         exchanges,
         global: global.as_ref().map(|g| Arc::clone(&g.status)),
+        rlqs: rlqs_figures,
     };
     let engine = parts::engine(&config, &rules, store, layers, &dlq, &stats, captured.as_ref());
     log_serving(&config, &listener, &rules, engine.store().name());
@@ -206,7 +213,8 @@ pub async fn run_observed(
     parts::register_figures(&metrics, figures, &rules, &engine, &budget);
     let (health, reporter, health_service) =
         parts::health(&config, &rules, &engine, &metrics, http, &mut tasks).await?;
-    let router = grpc_router(&config, &engine, (&rules, quotas), health_service, &budget)?;
+    let (draining_tx, draining) = tokio::sync::watch::channel(false);
+    let router = grpc_router(&config, &engine, (&rules, quotas, draining), health_service, &budget)?;
     // From here the services hold the engine (and the store) alone.
     drop(engine);
 
@@ -225,7 +233,7 @@ pub async fn run_observed(
         overload,
     });
     let drain_delay = Duration::from_millis(config.grpc.drain_delay_ms);
-    let (signal, drained) = drain_on(shutdown, health, reporter, drain_delay);
+    let (signal, drained) = drain_on(shutdown, (health, reporter, draining_tx), drain_delay);
     let places =
         Arc::new(reclaim::Places::new(config.grpc.max_connections, config.grpc.first_request_timeout_ms));
     metrics.register(Arc::clone(&places) as Arc<dyn crate::telemetry::Figures>);
@@ -283,12 +291,16 @@ async fn wait_for_rules(feed: &Feed, shutdown: &mut (impl Future<Output = ()> + 
 
 /// The shutdown signal the gRPC server waits for: once `shutdown` resolves,
 /// health turns NOT_SERVING (load balancers are told first), answers go on
-/// for `drain_delay`, then the server stops accepting. The receiver hears
-/// when that moment comes.
+/// for `drain_delay`, then the server stops accepting and long-lived
+/// streams are told to end (`streams`). The receiver hears when that
+/// moment comes.
 fn drain_on(
     shutdown: impl Future<Output = ()> + Send + 'static,
-    health: Arc<Health>,
-    reporter: tonic_health::server::HealthReporter,
+    (health, reporter, streams): (
+        Arc<Health>,
+        tonic_health::server::HealthReporter,
+        tokio::sync::watch::Sender<bool>,
+    ),
     drain_delay: Duration,
 ) -> (impl Future<Output = ()> + Send + 'static, oneshot::Receiver<()>) {
     let (draining_tx, draining_rx) = oneshot::channel::<()>();
@@ -298,6 +310,8 @@ fn drain_on(
         publish(&reporter, &health, false).await;
         tracing::info!(delay_ms = drain_delay.as_millis(), "health NOT_SERVING; draining");
         tokio::time::sleep(drain_delay).await;
+        // Long-lived streams (RLQS) end now, their peers reconnecting elsewhere.
+        let _ = streams.send(true);
         let _ = draining_tx.send(());
     };
     (signal, draining_rx)
@@ -403,7 +417,7 @@ fn log_serving(config: &Config, listener: &TcpListener, rules: &parts::Rules, st
 fn grpc_router(
     config: &Config,
     engine: &Engine,
-    (rules, quotas): (&parts::Rules, Option<Arc<Quotas>>),
+    (rules, quotas, draining): (&parts::Rules, Option<Arc<Quotas>>, tokio::sync::watch::Receiver<bool>),
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
     budget: &Arc<Budget>,
 ) -> Result<Router, ServerError> {
@@ -437,11 +451,9 @@ fn grpc_router(
     let kuadrant = envoy.clone().filter(|_| rules.limitador.is_some());
     // Envoy's Rate Limit Quota Service on the Envoy rules.
     let instance = crate::limiter::instance::id(&config.dlq.instance());
-    let rlqs = rules
-        .envoy
-        .as_ref()
-        .zip(quotas)
-        .map(|(envoy, quotas)| RlqsService::new(quotas, Arc::clone(envoy), &instance));
+    let rlqs = rules.envoy.as_ref().zip(quotas).map(|(envoy, quotas)| {
+        RlqsService::new(quotas, Arc::clone(envoy), &instance).with_draining(draining.clone())
+    });
     let bounds = message_bounds(&config.grpc, &check, envoy.as_ref());
     // The layer bounds each method; tonic's bound is the largest of them.
     let max_message = bounds.batch;

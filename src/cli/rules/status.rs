@@ -65,8 +65,8 @@ pub fn run(config: &Config) -> ExitCode {
     if converged && current > 0 { ExitCode::SUCCESS } else { ExitCode::from(1) }
 }
 
-/// An instance's lines under its own: its last refusal, its global limits
-/// and its adaptive limits.
+/// An instance's lines under its own: its last refusal, its global limits,
+/// its RLQS domains and its adaptive limits.
 fn details(out: &mut impl std::io::Write, report: &status::StatusReport) {
     if let Some(why) = &report.last_refusal {
         let _ = writeln!(out, "{:<32}  refused {} record(s); the last: {why}", "", report.rejected);
@@ -78,6 +78,13 @@ fn details(out: &mut impl std::io::Write, report: &status::StatusReport) {
             out,
             "{:<32}  global {limit} in {}: granted {} over {} key(s), demand {}, {age}, last answer {}{agent}",
             "", g.region, g.granted, g.keys, g.demand, g.answer
+        );
+    }
+    for (domain, q) in report.vitals.iter().flat_map(|v| &v.rlqs) {
+        let _ = writeln!(
+            out,
+            "{:<32}  rlqs {domain}: {} Envoy(s), {} bucket(s), {:.1}/s assigned, {} report(s), {} unmatched, {} expired, {} unanswered",
+            "", q.envoys, q.buckets, q.assigned_per_second, q.reports, q.unmatched, q.expired, q.unanswered
         );
     }
     if !report.adaptive.is_empty() {

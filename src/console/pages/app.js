@@ -146,7 +146,11 @@ async function loadOverview() {
     el("td", {}, Object.entries(i.adaptive || {}).map(([k, v]) => k + "=" + v).join(", ") || "–"),
     el("td", { class: Object.values((i.vitals && i.vitals.global) || {}).some((g) => g.answer !== "ok" && g.answer !== "none") ? "bad" : "" },
       Object.entries((i.vitals && i.vitals.global) || {}).map(([k, g]) => k + " in " + g.region + ": " + g.granted
-        + " granted" + (g.lease_age_s === null ? ", no lease" : "") + (g.answer !== "ok" && g.answer !== "none" ? ", " + g.answer : "")).join("; ") || "–"))));
+        + " granted" + (g.lease_age_s === null ? ", no lease" : "") + (g.answer !== "ok" && g.answer !== "none" ? ", " + g.answer : "")).join("; ") || "–"),
+    el("td", { class: Object.values((i.vitals && i.vitals.rlqs) || {}).some((q) => q.unanswered > 0) ? "bad" : "" },
+      Object.entries((i.vitals && i.vitals.rlqs) || {}).map(([d, q]) => d + ": " + q.envoys + " Envoy(s), " + q.buckets
+        + " bucket(s), " + q.assigned_per_second.toFixed(1) + "/s assigned" + (q.expired ? ", " + q.expired + " expired" : "")
+        + (q.unanswered ? ", " + q.unanswered + " unanswered" : "")).join("; ") || "–"))));
   const recent = data.instances.reduce((sum, i) => sum + i.dead_letters_recent.count, 0);
   $("dead-letters").textContent = recent + " failed decision(s) recorded in the last minute";
   drawTimeline(data.timeline, data.instances, now);

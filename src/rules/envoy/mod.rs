@@ -392,6 +392,11 @@ impl MetricKeys {
 }
 
 impl EnvoyConfig {
+    /// Whether any rule is in `domain`.
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
+    }
+
     /// The limit for `entries` (key, value pairs) in `domain`, as upstream's
     /// `GetLimit` finds it; `None` when nothing matches.
     pub fn lookup<'a>(

@@ -22,6 +22,7 @@ use crate::{
     limiter::Store,
     limiter::exchange::ExchangeCounts,
     overload::Overload,
+    quota::QuotaFigures,
     rules::RuleSets,
     shed::Shedder,
     telemetry::{self, Metrics},
@@ -33,7 +34,7 @@ pub(crate) fn vitals(
     rules: &Rules,
     (shedder, overload): (&Arc<Shedder>, &Arc<Overload>),
     dlq: &Arc<DlqSink>,
-    global: Option<Arc<GlobalStatus>>,
+    (global, rlqs): (Option<Arc<GlobalStatus>>, Option<Arc<QuotaFigures>>),
 ) {
     let Some(source) = &rules.vitals else { return };
     let (shedder, overload, dlq) = (Arc::clone(shedder), Arc::clone(overload), Arc::clone(dlq));
@@ -47,6 +48,7 @@ pub(crate) fn vitals(
             dead_letters: stats.enqueued,
             dead_letters_dropped: stats.dropped,
             global: global.as_deref().map(global_vitals).unwrap_or_default(),
+            rlqs: rlqs.as_deref().map(QuotaFigures::vitals).unwrap_or_default(),
         }
     });
 }
@@ -112,13 +114,14 @@ pub(crate) struct Figures {
     pub(crate) adapter: Arc<Adapter>,
     pub(crate) exchanges: Arc<ExchangeCounts>,
     pub(crate) global: Option<Arc<crate::global::status::GlobalStatus>>,
+    pub(crate) rlqs: Option<Arc<QuotaFigures>>,
 }
 
 /// Registers every part's figures with `metrics`, in `/metrics`' order:
 /// the decision path, the stores, the request byte budget, shedding, the
 /// dead-letter pipeline, the rule sets and their feeds, capture, the
 /// overload layer, the adaptive limits, the periodic exchanges, the
-/// global limits and the store calls saved.
+/// global limits, the RLQS streams and the store calls saved.
 pub(crate) fn register_figures(
     metrics: &Metrics,
     parts: Figures,
@@ -147,6 +150,9 @@ pub(crate) fn register_figures(
     metrics.register(parts.exchanges);
     if let Some(global) = parts.global {
         metrics.register(global);
+    }
+    if let Some(rlqs) = parts.rlqs {
+        metrics.register(rlqs);
     }
     metrics.register(Arc::new(Saved { overload: Some(parts.overload), denials: parts.denials }));
 }
