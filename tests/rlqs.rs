@@ -333,3 +333,37 @@ async fn envoys_of_two_regions_share_a_global_buckets_limit() {
         server.stop().await.unwrap();
     }
 }
+
+/// A stream is answered at most `rlqs.max_bucket_reports_per_second`
+/// bucket reports a second: five messages of two buckets at 10 a second
+/// (a burst of two) take at least 0.8 s past the first, each answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_bucket_reports_are_paced() {
+    let (server, _dir) = server(|cfg| {
+        cfg.rlqs.max_bucket_reports_per_second = 10;
+        cfg.rlqs.max_buckets_per_stream = 2;
+    })
+    .await;
+    let mut envoy = open(&server).await.unwrap();
+    let usage = |id: BucketId| BucketQuotaUsage {
+        bucket_id: Some(id),
+        time_elapsed: Some(prost_types::Duration { seconds: 1, nanos: 0 }),
+        num_requests_allowed: 1,
+        num_requests_denied: 0,
+    };
+    let message = || RateLimitQuotaUsageReports {
+        domain: "edge".to_owned(),
+        bucket_quota_usages: vec![usage(bucket(&[("route", "chat")])), usage(bucket(&[("route", "free")]))],
+    };
+    envoy.send.send(message()).await.unwrap();
+    assert_eq!(envoy.next().await.unwrap().bucket_action.len(), 2);
+    let started = std::time::Instant::now();
+    for _ in 0..5 {
+        envoy.send.send(message()).await.unwrap();
+        assert_eq!(envoy.next().await.unwrap().bucket_action.len(), 2);
+    }
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(750), "{took:?}");
+    drop(envoy);
+    server.stop().await.unwrap();
+}

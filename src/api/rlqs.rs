@@ -76,6 +76,9 @@ struct Holder {
     buckets: HashMap<BucketKey, Reported>,
     /// Its domain's figures, from its first report.
     figures: Option<Arc<DomainFigures>>,
+    /// Bucket reports it may still have answered now, and when that was
+    /// reckoned (`rlqs.max_bucket_reports_per_second`).
+    credit: (f64, tokio::time::Instant),
     _permit: OwnedSemaphorePermit,
 }
 
@@ -191,8 +194,9 @@ impl RlqsService {
                     denied: usage.num_requests_denied,
                     elapsed_ms,
                 };
-                let admitted = recent.add(now_ms, usage.num_requests_allowed, limit.window_ms);
-                let holding = reported.holding(holder.assigned(&key, now_ms), admitted, limit.window_ms);
+                let assigned = holder.assigned(&key, now_ms);
+                let admitted = recent.add(now_ms, (reported.allowed, elapsed_ms), assigned, limit.window_ms);
+                let holding = reported.holding(assigned, admitted, limit.window_ms);
                 Some((limit, window_s, found.limit.global, holding))
             });
             found.push(Found { id, key, limited, recent });
@@ -258,6 +262,30 @@ impl RlqsService {
             actions.push(assignment(id, strategy, ttl));
         }
         Ok((!actions.is_empty()).then_some(RateLimitQuotaResponse { bucket_action: actions }))
+    }
+
+    /// [`RlqsService::answer`] once the stream may be answered `message`'s
+    /// buckets (`rlqs.max_bucket_reports_per_second`, a burst of
+    /// `rlqs.max_buckets_per_stream`): until then the stream is not read.
+    async fn paced(
+        &self,
+        holder: &mut Holder,
+        message: RateLimitQuotaUsageReports,
+    ) -> Result<Option<RateLimitQuotaResponse>, Status> {
+        let settings = self.quotas.settings();
+        let (rate, burst) =
+            (settings.max_bucket_reports_per_second as f64, settings.max_buckets_per_stream as f64);
+        let (credit, at) = holder.credit;
+        let now = tokio::time::Instant::now();
+        let mut credit = (credit + rate * now.duration_since(at).as_secs_f64()).min(burst);
+        let cost = message.bucket_quota_usages.len() as f64;
+        if credit < cost {
+            // What accrues while it waits is exactly what it lacks.
+            tokio::time::sleep(Duration::from_secs_f64((cost - credit) / rate)).await;
+            credit = cost;
+        }
+        holder.credit = (credit - cost, tokio::time::Instant::now());
+        self.answer(holder, message).await
     }
 
     /// The shares of the `found` buckets under a limit, in order, for the
@@ -383,11 +411,13 @@ impl RateLimitQuotaService for RlqsService {
             .try_acquire_owned()
             .map_err(|_| Status::resource_exhausted("rlqs.max_streams streams are open"))?;
         let number = self.next_holder.fetch_add(1, Ordering::Relaxed);
+        let burst = self.quotas.settings().max_buckets_per_stream;
         let holder = Holder {
             id: Arc::from(format!("{}/{number}", self.instance)),
             domain: None,
             buckets: HashMap::new(),
             figures: None,
+            credit: (burst as f64, tokio::time::Instant::now()),
             _permit: permit,
         };
         let tick = (self.quotas.settings().abandon_after_ms / 2).clamp(100, 60_000);
@@ -403,7 +433,7 @@ impl RateLimitQuotaService for RlqsService {
                     message = reports.next() => match message {
                         None => return None,
                         Some(Err(status)) => return Some((Err(status), None)),
-                        Some(Ok(message)) => match service.answer(&mut holder, message).await {
+                        Some(Ok(message)) => match service.paced(&mut holder, message).await {
                             Ok(None) => {}
                             Ok(Some(answer)) => {
                                 return Some((Ok(answer), Some((reports, holder, interval, service, draining))));

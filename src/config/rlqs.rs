@@ -13,6 +13,7 @@ impl RlqsConfig {
             ("rlqs.abandon_after_ms", self.abandon_after_ms),
             ("rlqs.max_streams", self.max_streams as u64),
             ("rlqs.max_buckets_per_stream", self.max_buckets_per_stream as u64),
+            ("rlqs.max_bucket_reports_per_second", self.max_bucket_reports_per_second),
             ("rlqs.max_buckets", self.max_buckets as u64),
         ];
         if let Some((key, _)) = at_least_one.iter().find(|(_, value)| *value == 0) {

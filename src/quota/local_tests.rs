@@ -46,7 +46,7 @@ impl Envoy {
     ) -> Option<u64> {
         let now = clock.now_ms();
         let live = self.assigned.filter(|(_, until)| now < *until).map(|(share, _)| share);
-        let admitted = self.recent.add(now, usage.allowed, LIMIT.window_ms);
+        let admitted = self.recent.add(now, (usage.allowed, usage.elapsed_ms), live, LIMIT.window_ms);
         let share = quotas.share(&self.id, bucket, LIMIT, usage.holding(live, admitted, LIMIT.window_ms))?;
         self.assigned = Some((share, now + quotas.settings().assignment_ttl_ms));
         Some(share)
@@ -109,14 +109,31 @@ fn what_an_envoy_admitted_in_the_window_is_held_after_it_lets_go() {
 #[test]
 fn a_window_counts_every_report_received_in_it_and_merges_the_oldest() {
     let mut recent = Recent::default();
-    assert_eq!(recent.add(0, 5, 10_000), 5);
-    assert_eq!(recent.add(5_000, 7, 10_000), 12);
-    assert_eq!(recent.add(10_000, 1, 10_000), 8, "the first left the window");
+    // Shares unknown: every report received in the window counts whole.
+    assert_eq!(recent.add(0, (5, 5_000), None, 10_000), 5);
+    assert_eq!(recent.add(5_000, (7, 5_000), None, 10_000), 12);
+    assert_eq!(recent.add(9_999, (1, 5_000), None, 10_000), 13, "the first still ends in the window");
+    assert_eq!(recent.add(10_000, (0, 1), None, 10_000), 8, "the first left it");
     // A day's window remembers 16 reports, the oldest merged: nothing lost.
     let mut day = Recent::default();
-    let total: u64 = (0..100).map(|i| day.add(i * 5_000, 1, 86_400_000)).last().unwrap();
+    let total: u64 = (1..=100).map(|i| day.add(i * 5_000, (1, 5_000), None, 86_400_000)).last().unwrap();
     assert_eq!(total, 100);
     assert_eq!(day.reports.len(), RECENT_REPORTS);
+}
+
+#[test]
+fn a_report_that_only_ends_in_the_window_counts_what_its_share_could_admit_there() {
+    // 140 admitted over 5 s at a share of 300 per 10 s; 3 ms of it in the
+    // window: at most two bursts (6 each), 300 × 3 / 10,000 (0) and a
+    // token.
+    let mut recent = Recent::default();
+    recent.add(5_000, (140, 5_000), Some(300), 10_000);
+    recent.add(10_000, (145, 5_000), Some(300), 10_000);
+    assert_eq!(recent.add(14_997, (150, 5_000), Some(300), 10_000), 13 + 145 + 150);
+    // Whole once its time is all in the window.
+    let mut recent = Recent::default();
+    recent.add(5_000, (140, 5_000), Some(300), 10_000);
+    assert_eq!(recent.add(10_000, (145, 5_000), Some(300), 10_000), 140 + 145);
 }
 
 #[test]

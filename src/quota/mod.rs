@@ -62,6 +62,12 @@ pub struct RlqsConfig {
     /// Buckets one stream may hold; the buckets it reports beyond get no
     /// assignment (Envoy applies their `no_assignment_behavior`).
     pub max_buckets_per_stream: usize,
+    /// Bucket reports one stream is answered per second (a message of `n`
+    /// buckets counts `n`, up to `max_buckets_per_stream` at once); a
+    /// faster stream's messages are read later, HTTP/2's flow control
+    /// holding its Envoy back. Bounds the store calls (one per bucket
+    /// report) at this × `max_streams` a second.
+    pub max_bucket_reports_per_second: u64,
     /// Buckets shared out at once by this instance with the memory store,
     /// every stream's together; beyond, a new bucket gets no assignment
     /// until an idle one is forgotten. (With Redis each bucket's holders
@@ -78,6 +84,7 @@ impl Default for RlqsConfig {
             abandon_after_ms: 60_000,
             max_streams: 1_024,
             max_buckets_per_stream: 1_000,
+            max_bucket_reports_per_second: 1_000,
             max_buckets: 100_000,
         }
     }
@@ -142,29 +149,66 @@ impl Usage {
 /// two oldest are merged (kept as long as the newer would be).
 pub const RECENT_REPORTS: usize = 16;
 
-/// What a holder admitted of a bucket in its recent reports: when each
-/// was received and what it allowed. A report covers the time up to its
-/// receipt, so every report received within the last window counts toward
-/// what the holder admitted in it (an Envoy reports every few seconds, a
-/// window may be far longer).
+/// One report a holder's window remembers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Remembered {
+    /// When it was received (ms).
+    at: u64,
+    /// What it allowed.
+    allowed: u64,
+    /// Over how long before `at` (ms).
+    elapsed_ms: u64,
+    /// The share the holder enforced over that time, when known.
+    enforced: Option<u64>,
+}
+
+/// What a holder admitted of a bucket in its recent reports: each report
+/// covers the time up to its arrival, so one received within the last
+/// window counts toward what the holder admitted in it: whole when all its
+/// time is in the window; when only its last part is, at most what the
+/// share it enforced could admit in that part (two bursts, the part's
+/// share of the refill and a token: [`strategy`]), or whole when the share
+/// is unknown. An Envoy reports every few seconds, a window may be far
+/// longer.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Recent {
-    reports: std::collections::VecDeque<(u64, u64)>,
+    reports: std::collections::VecDeque<Remembered>,
 }
 
 impl Recent {
-    /// Adds a report of `allowed` received at `now_ms` and answers what
-    /// the holder admitted in the window of `window_ms` ending now.
-    pub fn add(&mut self, now_ms: u64, allowed: u64, window_ms: u64) -> u64 {
-        self.reports.retain(|(at, _)| now_ms.saturating_sub(*at) < window_ms);
+    /// Adds a report of `allowed` over `elapsed_ms` received at `now_ms`,
+    /// the holder enforcing `enforced` meanwhile (if known), and answers
+    /// what the holder admitted in the window of `window_ms` ending now.
+    pub fn add(
+        &mut self,
+        now_ms: u64,
+        (allowed, elapsed_ms): (u64, u64),
+        enforced: Option<u64>,
+        window_ms: u64,
+    ) -> u64 {
+        self.reports.retain(|r| now_ms.saturating_sub(r.at) < window_ms);
         if self.reports.len() >= RECENT_REPORTS
-            && let Some((_, oldest)) = self.reports.pop_front()
-            && let Some((_, next)) = self.reports.front_mut()
+            && let Some(oldest) = self.reports.pop_front()
+            && let Some(next) = self.reports.front_mut()
         {
-            *next = next.saturating_add(oldest);
+            next.allowed = next.allowed.saturating_add(oldest.allowed);
+            next.elapsed_ms = next.at.saturating_sub(oldest.at.saturating_sub(oldest.elapsed_ms));
+            next.enforced = next.enforced.zip(oldest.enforced).map(|(a, b)| a.max(b));
         }
-        self.reports.push_back((now_ms, allowed));
-        self.reports.iter().fold(0u64, |sum, (_, allowed)| sum.saturating_add(*allowed))
+        self.reports.push_back(Remembered { at: now_ms, allowed, elapsed_ms, enforced });
+        let start = now_ms.saturating_sub(window_ms);
+        self.reports.iter().fold(0u64, |sum, r| {
+            let counted = match r.enforced {
+                Some(share) if r.at.saturating_sub(r.elapsed_ms) < start => {
+                    let part = r.at - start;
+                    let refill = u128::from(share) * u128::from(part) / u128::from(window_ms.max(1));
+                    let most = 2 * strategy::burst(share) + u64::try_from(refill).unwrap_or(u64::MAX) + 1;
+                    r.allowed.min(most)
+                }
+                _ => r.allowed,
+            };
+            sum.saturating_add(counted)
+        })
     }
 }
 
