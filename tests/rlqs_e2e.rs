@@ -260,3 +260,57 @@ async fn three_envoys_on_two_instances_share_one_bucket_within_its_bound() {
     drop((envoys, upstream));
     one.stop().await.unwrap();
 }
+
+/// A `global: true` bucket through real Envoys in two regions, each
+/// region with its own instance and Redis, sharing the coordination store
+/// (`common::two_regions`): one bucket of 300 per 10 s. Demand in region
+/// a, then in both: in every span of 10 s the two Envoys together admit at
+/// most 300 and one each, and once split both admit. About 45 s of real
+/// time (the shares move at Envoy's reports).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn envoys_in_two_regions_share_a_global_bucket_within_its_bound() {
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(
+        rules.path().join("edge.yaml"),
+        "domain: edge\ndescriptors:\n  - key: route\n    value: chat\n    rate_limit: { unit: second, unit_multiplier: 10, requests_per_unit: 300, global: true }\n",
+    )
+    .unwrap();
+    let (servers, _stores) = common::two_regions(|cfg| {
+        cfg.rules.envoy_path = Some(rules.path().to_path_buf());
+        cfg.rlqs.assignment_ttl_ms = 12_000;
+    })
+    .await;
+    let dirs: Vec<tempfile::TempDir> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let (upstream, upstream_port) = common::python_upstream(dirs[0].path());
+    let envoys: Vec<(Process, u16)> = dirs
+        .iter()
+        .zip(&servers)
+        .map(|(dir, server)| rlqs_envoy(dir.path(), server.addr.port(), upstream_port))
+        .collect();
+    let schedules: [Vec<(f64, f64, f64)>; 2] = [vec![(0.0, 45.0, 50.0)], vec![(10.0, 45.0, 50.0)]];
+    let origin = Instant::now();
+    let drivers: Vec<_> = envoys
+        .iter()
+        .zip(schedules)
+        .map(|((_, port), phases)| {
+            let port = *port;
+            tokio::task::spawn_blocking(move || drive(port, origin, &phases, 45.0))
+        })
+        .collect();
+    let mut sent = Vec::new();
+    for driver in drivers {
+        sent.push(driver.await.unwrap());
+    }
+    let all: Vec<Sent> = sent.iter().flatten().copied().collect();
+    let most = most_in_a_window(&all, 10.0);
+    let per_envoy: Vec<[usize; 3]> =
+        sent.iter().map(|s| [5.0, 35.0, 40.0].map(|from| admitted_between(s, from, from + 5.0))).collect();
+    eprintln!("most in 10 s: {most}; admitted per 5 s from 5, 35, 40 s: {per_envoy:?}");
+    assert!(most <= 302, "at most 300 and one per Envoy in any 10 s: {most}");
+    assert!(per_envoy[0][0] >= 135, "a alone: {per_envoy:?}");
+    assert!(per_envoy.iter().all(|p| p[1] > 0 && p[2] > 0), "split: both admit: {per_envoy:?}");
+    drop((envoys, upstream));
+    for server in servers {
+        server.stop().await.unwrap();
+    }
+}
