@@ -93,3 +93,31 @@ fn details(out: &mut impl std::io::Write, report: &status::StatusReport) {
         let _ = writeln!(out, "{:<32}  adaptive limits: {}", "", limits.join(", "));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_instances_rlqs_domains_are_listed_under_it() {
+        let report: status::StatusReport = serde_json::from_value(serde_json::json!({
+            "schema": status::STATUS_SCHEMA, "instance": "a@1", "version": null, "origin": null,
+            "offset": null, "since_ms": null, "reported_ms": 0, "native_rules": 0, "rejected": 0,
+            "vitals": {
+                "shed_level": "NORMAL", "utilization": null, "overload_mode": "off",
+                "overload_directives": 0, "dead_letters": 0, "dead_letters_dropped": 0,
+                "rlqs": { "edge": {
+                    "envoys": 3, "buckets": 3, "assigned_per_second": 29.25, "reports": 412,
+                    "unmatched": 1, "expired": 0, "unanswered": 2
+                } }
+            }
+        }))
+        .unwrap();
+        let mut out = Vec::new();
+        details(&mut out, &report);
+        assert_eq!(
+            String::from_utf8(out).unwrap().trim(),
+            "rlqs edge: 3 Envoy(s), 3 bucket(s), 29.2/s assigned, 412 report(s), 1 unmatched, 0 expired, 2 unanswered"
+        );
+    }
+}
