@@ -153,12 +153,6 @@ impl RlqsService {
         self
     }
 
-    /// The same service on `clock` (tests).
-    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
-        self.clock = clock;
-        self
-    }
-
     /// The tonic server.
     pub fn into_server(self) -> RateLimitQuotaServiceServer<Self> {
         RateLimitQuotaServiceServer::new(self)
