@@ -52,7 +52,8 @@ fi
 start_service "${SERVICE_CPUS:-}" "$SVC_CMD" "${SETTINGS[@]}"
 
 UPSTREAM="$(free_port)"; NONE="$(free_port)"; RLS="$(free_port)"; RLQS="$(free_port)"; ADMIN="$(free_port)"
-# listener NAME PORT FILTERS ROUTE_EXTRA: one HTTP listener routing to the upstream.
+# listener NAME PORT FILTERS ACTION: one HTTP listener, every path answered
+# by ACTION (its lines indented for the route).
 listener() {
   cat <<YAML
     - name: $1
@@ -69,8 +70,7 @@ listener() {
                       domains: ["*"]
                       routes:
                         - match: { prefix: "/" }
-                          route:
-                            cluster: upstream$4
+$4
                 http_filters:
 $3
                   - name: envoy.filters.http.router
@@ -87,7 +87,9 @@ RLS_FILTER='                  - name: envoy.filters.http.ratelimit
                       rate_limit_service:
                         grpc_service: { envoy_grpc: { cluster_name: ratelimitd } }
                         transport_api_version: V3'
-RLS_ROUTE='
+TO_UPSTREAM='                          route:
+                            cluster: upstream'
+RLS_ROUTE="$TO_UPSTREAM"'
                             rate_limits:
                               - actions:
                                   - generic_key: { descriptor_key: route, descriptor_value: chat }'
@@ -113,30 +115,10 @@ RLQS_FILTER='                  - name: envoy.filters.http.rate_limit_quota
 {
   echo "static_resources:"
   echo "  listeners:"
-  cat <<YAML
-    - name: upstream
-      address: { socket_address: { address: 127.0.0.1, port_value: $UPSTREAM } }
-      filter_chains:
-        - filters:
-            - name: envoy.filters.network.http_connection_manager
-              typed_config:
-                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-                stat_prefix: upstream
-                route_config:
-                  virtual_hosts:
-                    - name: all
-                      domains: ["*"]
-                      routes:
-                        - match: { prefix: "/" }
-                          direct_response: { status: 200, body: { inline_string: "ok" } }
-                http_filters:
-                  - name: envoy.filters.http.router
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-YAML
-  listener none "$NONE" "" ""
+  listener upstream "$UPSTREAM" "" '                          direct_response: { status: 200, body: { inline_string: "ok" } }'
+  listener none "$NONE" "" "$TO_UPSTREAM"
   listener rls "$RLS" "$RLS_FILTER" "$RLS_ROUTE"
-  listener rlqs "$RLQS" "$RLQS_FILTER" ""
+  listener rlqs "$RLQS" "$RLQS_FILTER" "$TO_UPSTREAM"
   cat <<YAML
   clusters:
     - name: upstream

@@ -164,6 +164,34 @@ fn drive(port: u16, origin: Instant, phases: &[(f64, f64, f64)], until: f64) -> 
     }
 }
 
+/// Drives each of `envoys` by its schedule ([`drive`]) until `until`
+/// seconds from now: the origin and each Envoy's driver.
+fn drive_each<const N: usize>(
+    envoys: &[(Process, u16)],
+    schedules: [Vec<(f64, f64, f64)>; N],
+    until: f64,
+) -> (Instant, Vec<tokio::task::JoinHandle<Vec<Sent>>>) {
+    let origin = Instant::now();
+    let drivers = envoys
+        .iter()
+        .zip(schedules)
+        .map(|((_, port), phases)| {
+            let port = *port;
+            tokio::task::spawn_blocking(move || drive(port, origin, &phases, until))
+        })
+        .collect();
+    (origin, drivers)
+}
+
+/// What each driver sent, in order.
+async fn sent_by(drivers: Vec<tokio::task::JoinHandle<Vec<Sent>>>) -> Vec<Vec<Sent>> {
+    let mut sent = Vec::new();
+    for driver in drivers {
+        sent.push(driver.await.unwrap());
+    }
+    sent
+}
+
 /// The most requests admitted through all Envoys in any span of `window`
 /// seconds: for each admitted request, every admitted request that may
 /// have been decided within `window` of its start (ended after it started
@@ -216,15 +244,7 @@ async fn three_envoys_on_two_instances_share_one_bucket_within_its_bound() {
     // 45; C's instance stops at 75.
     let schedules: [Vec<(f64, f64, f64)>; 3] =
         [vec![(0.0, 15.0, 50.0)], vec![(15.0, 45.0, 50.0), (45.0, 95.0, 25.0)], vec![(45.0, 95.0, 25.0)]];
-    let origin = Instant::now();
-    let drivers: Vec<_> = envoys
-        .iter()
-        .zip(schedules)
-        .map(|((_, port), phases)| {
-            let port = *port;
-            tokio::task::spawn_blocking(move || drive(port, origin, &phases, 95.0))
-        })
-        .collect();
+    let (origin, drivers) = drive_each(&envoys, schedules, 95.0);
     tokio::time::sleep_until((origin + Duration::from_secs(75)).into()).await;
     let mut seen = Vec::new();
     for (name, server) in [("one", &one), ("two", &two)] {
@@ -234,10 +254,7 @@ async fn three_envoys_on_two_instances_share_one_bucket_within_its_bound() {
         }
     }
     two.stop().await.unwrap();
-    let mut sent = Vec::new();
-    for driver in drivers {
-        sent.push(driver.await.unwrap());
-    }
+    let sent = sent_by(drivers).await;
     let all: Vec<Sent> = sent.iter().flatten().copied().collect();
     let most = most_in_a_window(&all, 10.0);
     let per_envoy: Vec<[usize; 6]> = sent
@@ -288,19 +305,8 @@ async fn envoys_in_two_regions_share_a_global_bucket_within_its_bound() {
         .map(|(dir, server)| rlqs_envoy(dir.path(), server.addr.port(), upstream_port))
         .collect();
     let schedules: [Vec<(f64, f64, f64)>; 2] = [vec![(0.0, 45.0, 50.0)], vec![(10.0, 45.0, 50.0)]];
-    let origin = Instant::now();
-    let drivers: Vec<_> = envoys
-        .iter()
-        .zip(schedules)
-        .map(|((_, port), phases)| {
-            let port = *port;
-            tokio::task::spawn_blocking(move || drive(port, origin, &phases, 45.0))
-        })
-        .collect();
-    let mut sent = Vec::new();
-    for driver in drivers {
-        sent.push(driver.await.unwrap());
-    }
+    let (_, drivers) = drive_each(&envoys, schedules, 45.0);
+    let sent = sent_by(drivers).await;
     let all: Vec<Sent> = sent.iter().flatten().copied().collect();
     let most = most_in_a_window(&all, 10.0);
     let per_envoy: Vec<[usize; 3]> =

@@ -331,18 +331,11 @@ impl Quotas {
         asked: &[Asked<'_>],
     ) -> Result<Vec<Option<u64>>, StoreError> {
         let mut out = vec![None; asked.len()];
-        let mut parts: [(Option<&QuotaStore>, Vec<usize>); 2] =
-            [(self.regional.as_ref(), Vec::new()), (None, Vec::new())];
-        for (i, a) in asked.iter().enumerate() {
-            match (&self.coordination, a.global) {
-                (Some(coordination), true) => {
-                    parts[1].0 = Some(coordination);
-                    parts[1].1.push(i);
-                }
-                _ => parts[0].1.push(i),
-            }
-        }
-        for (store, part) in parts {
+        // A global limit's holders are kept in the coordination store, if
+        // any; the others' in the regional store, or in this instance.
+        let (globals, regionals): (Vec<usize>, Vec<usize>) =
+            (0..asked.len()).partition(|i| asked[*i].global && self.coordination.is_some());
+        for (store, part) in [(self.regional.as_ref(), regionals), (self.coordination.as_ref(), globals)] {
             if part.is_empty() {
                 continue;
             }
