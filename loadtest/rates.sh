@@ -20,7 +20,12 @@
 # LOAD_CPUS, REDIS_CPUS (taskset -c lists; default unpinned: on 2 cores
 # everything shares them, as it does in the issue this measures),
 # SERVICE_ENV (more VAR=value for ratelimitd), RATELIMITD, LOADTEST
-# (default $CARGO_TARGET_DIR, else target, /release/…). Writes OUTDIR/table.md and each run's JSON.
+# (default $CARGO_TARGET_DIR, else target, /release/…), FLOOR (the floor
+# program, default beside LOADTEST; FLOOR=none skips it). Last, at each rate,
+# the floor: `floor`'s responder, the same wake-ups and loopback round
+# trips as a decision (to the same Redis with STORE=redis) and no work,
+# what no decision on this machine can cost less than. Writes
+# OUTDIR/table.md and each run's JSON.
 set -euo pipefail
 OUT="${1:?usage: loadtest/rates.sh OUTDIR}"
 mkdir -p "$OUT"
@@ -30,6 +35,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 source "$HERE/common.sh"
 RATELIMITD="${RATELIMITD:-${CARGO_TARGET_DIR:-$HERE/../target}/release/ratelimitd}"
 LOADTEST="${LOADTEST:-${CARGO_TARGET_DIR:-$HERE/../target}/release/loadtest}"
+FLOOR="${FLOOR:-$(dirname "$LOADTEST")/floor}"
 API="${API:-envoy}"; STORE="${STORE:-redis}"; RATES="${RATES:-2000 5000 10000}"
 CONCURRENCY="${CONCURRENCY:-64}"; CONNECTIONS="${CONNECTIONS:-4}"; USERS="${USERS:-10000}"
 DURATION="${DURATION:-10}"
@@ -100,6 +106,15 @@ if [ -n "${LIMITADOR:-}" ]; then
   done
 fi
 
+if [ "$FLOOR" != none ] && [ "$API" != stream ]; then
+  [ -x "$FLOOR" ] || { echo "rates: $FLOOR not built (cargo build --release -p loadtest), or FLOOR=none" >&2; exit 1; }
+  floor_args=(); [ -n "$REDIS_URL" ] && floor_args=(--redis "127.0.0.1:$REDIS_PORT")
+  [ -n "$SERVICE_CPUS" ] && floor_args+=(--cpus "$SERVICE_CPUS")
+  for rate in $RATES; do
+    (pin "$LOAD_CPUS" "$FLOOR" "${floor_args[@]}" --rate "$rate" --duration "$DURATION" --json "$OUT/floor-$rate.json" >/dev/null)
+  done
+fi
+
 {
   echo "Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')." \
     "Core sets: service ${SERVICE_CPUS:-any}, load ${LOAD_CPUS:-any}, Redis ${REDIS_CPUS:-any}."
@@ -119,6 +134,14 @@ fi
         -v p50="$(field "$f" p50_us)" -v p99="$(field "$f" p99_us)" \
         'BEGIN { printf "| %s | %s | %.0f | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f |\n", t, l, d, c, k, s, m, p50 / 1000, p99 / 1000 }'
     done
+  done
+  for rate in $RATES; do
+    f="$OUT/floor-$rate.json"
+    [ -f "$f" ] || continue
+    awk -v l="$rate/s" -v d="$(field "$f" requests)" -v t="$DURATION" -v c="$(field "$f" cpu_us_per_request)" \
+      -v k="$(field "$f" system_us_per_request)" \
+      -v s="$(field "$f" switches_per_request)" -v m="$(field "$f" migrations_per_request)" \
+      'BEGIN { printf "| floor (round trips only) | %s | %.0f | %.1f | %.1f | %.2f | %.2f | – | – |\n", l, d / t, c, k, s, m }'
   done
 } > "$OUT/table.md"
 cat "$OUT/table.md"
