@@ -456,8 +456,10 @@ async fn unfinished_header_streams(addr: std::net::SocketAddr, addresses: u8, fo
                 if matches!(written, Ok(Err(_))) {
                     break;
                 }
-                // About 100 MB a second from the 32 together.
-                tokio::time::sleep(Duration::from_millis(300)).await;
+                // About 50 MB a second from the 32 together: the budget is
+                // full within a second (`requests_over_budget` below), and
+                // a debug build on 2 cores still has CPU for others.
+                tokio::time::sleep(Duration::from_millis(600)).await;
             }
             reader.abort();
         }));
@@ -519,6 +521,13 @@ async fn unfinished_streams_with_large_header_blocks_hold_the_budget_not_the_mem
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         attack.await.unwrap();
+        let (_, metrics) = common::http_get(([127, 0, 0, 1], http).into(), "/metrics");
+        let refused: f64 = metrics
+            .lines()
+            .filter(|line| line.starts_with("ratelimitd_grpc_requests_over_budget_total{"))
+            .filter_map(|line| line.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum();
+        assert!(refused > 0.0, "{threads} threads, {addresses}: the flood never reached a byte bound");
         assert!(
             answers[..5].iter().all(|a| *a) && answers[5..].iter().all(|a| !*a),
             "{threads} threads, {addresses}: {answers:?}"
