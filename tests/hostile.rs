@@ -69,15 +69,21 @@ fn flood(
     })
 }
 
-/// The bytes the service holds for unfinished requests, and the requests
-/// refused for their caller's share, by share.
-async fn budget(server: &TestServer) -> (f64, Vec<(&'static str, f64)>) {
-    let held = common::metric(server, "ratelimitd_grpc_request_bytes_in_flight ").await.unwrap();
-    let mut refused = Vec::new();
-    for share in ["connection", "peer", "untrusted", "pool", "reclaimed"] {
-        let series = format!("ratelimitd_grpc_requests_over_budget_total{{share=\"{share}\"}} ");
-        refused.push((share, common::metric(server, &series).await.unwrap()));
-    }
+/// The bytes the service on HTTP port `http` holds for unfinished
+/// requests, and the requests refused for their caller's share, by share.
+async fn budget(http: std::net::SocketAddr) -> (f64, Vec<(&'static str, f64)>) {
+    let scrape = tokio::task::spawn_blocking(move || common::http_get(http, "/metrics")).await.unwrap().1;
+    let value = |series: &str| -> f64 {
+        let value = scrape.lines().find_map(|line| line.strip_prefix(series));
+        value.and_then(|v| v.trim().parse().ok()).unwrap_or_else(|| panic!("no {series}in the scrape"))
+    };
+    let held = value("ratelimitd_grpc_request_bytes_in_flight ");
+    let refused = ["connection", "peer", "untrusted", "pool", "reclaimed"]
+        .into_iter()
+        .map(|share| {
+            (share, value(&format!("ratelimitd_grpc_requests_over_budget_total{{share=\"{share}\"}} ")))
+        })
+        .collect();
     (held, refused)
 }
 
@@ -122,7 +128,7 @@ async fn a_byte_flood_from_one_address_holds_its_32_mib_share_and_others_are_dec
         other => panic!("{other:?}: {own:?}"),
     }
 
-    let (held, refused) = budget(&server).await;
+    let (held, refused) = budget(server.http_addr).await;
     assert!(held <= f64::from(32u32 << 20), "held {held} bytes");
     assert!(held >= f64::from(16u32 << 20), "the attack was not seen: {held}");
     let by_share: f64 = refused.iter().map(|(_, n)| n).sum();
@@ -170,7 +176,7 @@ async fn five_addresses_announcing_messages_leave_another_caller_decided_exactly
     }
     let ok = i32::from(Code::Ok);
     assert_eq!(codes.iter().filter(|c| **c == ok).count(), 3, "{codes:?}");
-    let (held, refused) = budget(&server).await;
+    let (held, refused) = budget(server.http_addr).await;
     assert!(held <= f64::from(64u32 << 20), "untrusted peers held {held} bytes, over their half");
     assert!(refused.iter().map(|(_, n)| n).sum::<f64>() >= 100.0, "the attack was not seen: {refused:?}");
     attack.abort();
@@ -209,7 +215,7 @@ async fn through_envoy_a_user_on_3_a_minute_gets_3_of_200_during_a_byte_flood() 
     assert_eq!(passed, 3, "{codes:?}");
     assert_eq!(codes.iter().filter(|code| **code == 429).count(), 197, "{codes:?}");
 
-    let (held, refused) = budget(&server).await;
+    let (held, refused) = budget(server.http_addr).await;
     assert!(held <= f64::from(64u32 << 20), "untrusted peers held {held} bytes, over their half");
     assert!(refused.iter().map(|(_, n)| n).sum::<f64>() >= 100.0, "the attack was not seen: {refused:?}");
     attack.abort();
@@ -521,12 +527,8 @@ async fn unfinished_streams_with_large_header_blocks_hold_the_budget_not_the_mem
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         attack.await.unwrap();
-        let (_, metrics) = common::http_get(([127, 0, 0, 1], http).into(), "/metrics");
-        let refused: f64 = metrics
-            .lines()
-            .filter(|line| line.starts_with("ratelimitd_grpc_requests_over_budget_total{"))
-            .filter_map(|line| line.rsplit_once(' ')?.1.parse::<f64>().ok())
-            .sum();
+        let (_, refused) = budget(([127, 0, 0, 1], http).into()).await;
+        let refused: f64 = refused.iter().map(|(_, n)| n).sum();
         assert!(refused > 0.0, "{threads} threads, {addresses}: the flood never reached a byte bound");
         assert!(
             answers[..5].iter().all(|a| *a) && answers[5..].iter().all(|a| !*a),
