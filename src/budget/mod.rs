@@ -266,6 +266,12 @@ pub struct Budget {
     refused: [AtomicU64; 5],
     oversized: AtomicU64,
     refused_connections: AtomicU64,
+    /// Bytes of requests cancelled for another caller whose requests have
+    /// not ended yet: given back to every share, still in memory until
+    /// their tasks next run. At most half the pool ([`Budget::reclaim`]).
+    reclaiming: AtomicUsize,
+    /// One reclaim at a time, so `reclaiming` is checked and raised as one.
+    reclaim: Mutex<()>,
 }
 
 impl Budget {
@@ -279,6 +285,8 @@ impl Budget {
             refused: Default::default(),
             oversized: AtomicU64::new(0),
             refused_connections: AtomicU64::new(0),
+            reclaiming: AtomicUsize::new(0),
+            reclaim: Mutex::new(()),
         }
     }
 
@@ -347,6 +355,11 @@ impl Budget {
         self.pool.held.load(Ordering::Relaxed)
     }
 
+    /// Bytes of cancelled requests not ended yet (see `reclaiming`).
+    pub fn reclaiming(&self) -> usize {
+        self.reclaiming.load(Ordering::Relaxed)
+    }
+
     /// Peers with a connection open now.
     pub fn peers(&self) -> usize {
         self.peers.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).len()
@@ -407,7 +420,16 @@ impl Budget {
     /// request of the untrusted peer holding most is cancelled and its
     /// bytes given back at once, when that peer holds more than the
     /// requester's peer would with `needed` more. Whether any was.
+    ///
+    /// A cancelled request's memory goes only when its task next runs
+    /// (its body fails, its answer is sent): a busy thread may take a
+    /// while. Those bytes count in `reclaiming` until then, and no peer is
+    /// cancelled while they and its own would pass half the pool: what
+    /// requests make the process hold stays under one and a half times the
+    /// pool, and past that the newcomer is refused, never admitted on
+    /// memory not yet freed.
     fn reclaim(&self, requester: Option<&PeerShare>, needed: usize) -> bool {
+        let _one = self.reclaim.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mine = requester.map_or(0, |p| p.held.held.load(Ordering::Relaxed));
         // Taken out of the lock first: a share dropped here (its last
         // connection gone meanwhile) takes the lock to leave the map.
@@ -422,7 +444,10 @@ impl Budget {
             .cloned();
         drop(live);
         let Some(largest) = largest else { return false };
-        if largest.held.held.load(Ordering::Relaxed) <= mine.saturating_add(needed) {
+        let theirs = largest.held.held.load(Ordering::Relaxed);
+        if theirs <= mine.saturating_add(needed)
+            || self.reclaiming.load(Ordering::Relaxed).saturating_add(theirs) > self.shares.pool / 2
+        {
             return false;
         }
         let tickets: Vec<Arc<Ticket>> = {
@@ -518,6 +543,13 @@ impl crate::telemetry::Figures for Budget {
             "gauge",
             "The request byte budget: grpc.max_request_bytes_in_flight, by default an eighth of the process's memory limit.",
             self.shares.pool,
+        );
+        single(
+            out,
+            "ratelimitd_grpc_request_bytes_reclaiming",
+            "gauge",
+            "Bytes of requests cancelled for another caller (reclaimed) that have not ended yet: out of every share, still in memory until their tasks run; while these and the next peer's would pass half of grpc.max_request_bytes_in_flight nothing more is reclaimed.",
+            self.reclaiming(),
         );
         single(
             out,

@@ -144,6 +144,43 @@ fn a_caller_holds_at_most_its_share() {
     assert_eq!(budget.peers(), 1, "a peer's share goes with its last connection");
 }
 
+/// A cancelled request's bytes leave every share at once but count as
+/// reclaiming until the request ends (its memory goes then): while they
+/// and the largest peer's would pass half the pool, nothing more is
+/// reclaimed and the newcomer is refused.
+#[test]
+fn requests_cancelled_and_not_ended_stop_reclaiming_at_half_the_pool() {
+    let shares = Shares { pool: 1_000, per_connection: 300, per_peer: 300, untrusted: 500 };
+    let budget = Arc::new(Budget::new(shares));
+    let peer = |n: u8| {
+        let key = PeerKey::of(std::net::IpAddr::from([192, 0, 2, n]));
+        budget.caller(Peer { key, trusted: false, may_report: true }, Quotas::default()).unwrap()
+    };
+    let (a, b, c, d, e) = (peer(1), peer(2), peer(3), peer(4), peer(5));
+    let mut held_by_a = body_of(&budget, &a);
+    held_by_a.count(&message(300)[..10]).unwrap();
+    let mut held_by_b = body_of(&budget, &b);
+    held_by_b.count(&message(200)[..10]).unwrap();
+    let mut held_by_c = body_of(&budget, &c);
+    held_by_c.count(&message(10)[..10]).unwrap();
+    assert!(reclaimed(&held_by_a), "a held most");
+    assert_eq!((budget.held(), budget.reclaiming()), (210, 300));
+    let mut held_by_d = body_of(&budget, &d);
+    held_by_d.count(&message(290)[..10]).unwrap();
+    // 300 not ended and d's 290 would pass 500: d keeps its bytes.
+    let error = body_of(&budget, &e).count(&message(10)[..10]).unwrap_err();
+    assert_eq!(error.message(), Refused::Untrusted.message());
+    assert!(!reclaimed(&held_by_d));
+    drop(held_by_a);
+    assert_eq!(budget.reclaiming(), 0, "an ended request's memory is gone");
+    let mut held_by_e = body_of(&budget, &e);
+    held_by_e.count(&message(10)[..10]).unwrap();
+    assert!(reclaimed(&held_by_d) && !reclaimed(&held_by_b));
+    assert_eq!((budget.held(), budget.reclaiming()), (220, 290));
+    drop((held_by_b, held_by_c, held_by_d, held_by_e));
+    assert_eq!((budget.held(), budget.reclaiming()), (0, 0));
+}
+
 /// An untrusted peer opens at most its connections and holds at most
 /// its store calls, all its connections together; a trusted peer has
 /// neither bound; a closed connection frees its place.

@@ -28,6 +28,9 @@ pub(super) struct Ticket {
     caller: Option<Arc<CallerBytes>>,
     bytes: AtomicUsize,
     cancelled: AtomicBool,
+    /// What it held when cancelled, in the budget's `reclaiming` until it
+    /// is dropped.
+    reclaimed: AtomicUsize,
     waker: AtomicWaker,
     /// The request is in flight on its connection while it lives.
     _active: Option<Active>,
@@ -46,6 +49,7 @@ impl Ticket {
             caller,
             bytes: AtomicUsize::new(0),
             cancelled: AtomicBool::new(false),
+            reclaimed: AtomicUsize::new(0),
             waker: AtomicWaker::new(),
             _active: active,
         });
@@ -86,11 +90,17 @@ impl Ticket {
         self.budget.oversized.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Cancels the request: what it holds is given back at once, and its
-    /// body fails at its next read ([`Ticket::cancelled`]).
+    /// Cancels the request: what it holds is given back at once, and
+    /// counted in `reclaiming` until the ticket is dropped (the request's
+    /// memory goes with its task); its body fails at its next read
+    /// ([`Ticket::cancelled`]).
     pub(super) fn cancel(&self) {
-        self.cancelled.store(true, Ordering::Release);
+        if self.cancelled.swap(true, Ordering::AcqRel) {
+            return;
+        }
         let held = self.bytes.swap(0, Ordering::AcqRel);
+        self.budget.reclaiming.fetch_add(held, Ordering::AcqRel);
+        self.reclaimed.store(held, Ordering::Release);
         self.budget.give(self.caller.as_deref(), held);
         self.waker.wake();
     }
@@ -112,5 +122,7 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         let held = self.bytes.swap(0, Ordering::AcqRel);
         self.budget.give(self.caller.as_deref(), held);
+        let reclaimed = *self.reclaimed.get_mut();
+        self.budget.reclaiming.fetch_sub(reclaimed, Ordering::AcqRel);
     }
 }

@@ -60,9 +60,10 @@ pub struct GrpcConfig {
     /// `caller_busy`), a `CheckBatch` or `CheckStream` fails with RESOURCE_EXHAUSTED. When the
     /// untrusted half or the whole is what refuses it, the requests of the untrusted address
     /// holding most are cancelled first, their bytes freed at once, if it holds more than the
-    /// caller's address would (`share="reclaimed"`). What requests make the process hold stays
-    /// under twice this (docs/hostile-input.md), so a value over half the process's memory limit
-    /// is refused at start.
+    /// caller's address would (`share="reclaimed"`), and if the cancelled requests not yet ended
+    /// (`ratelimitd_grpc_request_bytes_reclaiming`) and these stay within half of this. What
+    /// requests make the process hold stays under twice this (docs/hostile-input.md), so a value
+    /// over half the process's memory limit is refused at start.
     ///
     /// Default: an eighth of the process's memory limit (cgroup v2 `memory.max`, v1
     /// `memory.limit_in_bytes`, under `shed.cgroup_root`): 134217728 (128 MiB) in the shipped

@@ -29,6 +29,16 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::{Router, Serving, places::Placed};
 
+/// Scheduler ticks between two looks at the tasks woken from other
+/// threads: every tick. Those are a request cancelled so that another
+/// caller gets its bytes (it frees its memory only when it runs) and a
+/// connection handed over; at tokio's default, one tick in 31, a thread
+/// busy with a flood of its own kept thousands of cancelled requests
+/// waiting, their memory held after their bytes had left the budget. A
+/// decision's own wake-ups are all on its thread, and an empty queue costs
+/// one atomic load to look at.
+const REMOTE_FIRST_EVERY: u32 = 1;
+
 /// A connection on its way to a serving thread, and that thread's count of
 /// the connections it holds (given back when the connection ends).
 struct Handed {
@@ -103,7 +113,11 @@ fn start(
     let (done, finished) = oneshot::channel();
     std::thread::Builder::new().name(format!("ratelimitd-serve-{index}")).spawn(move || {
         crate::locality::become_serving_thread(index);
-        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .global_queue_interval(REMOTE_FIRST_EVERY)
+            .build();
+        let runtime = match runtime {
             Ok(runtime) => runtime,
             Err(error) => {
                 tracing::error!(%error, index, "a serving thread cannot start its runtime");
