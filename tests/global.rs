@@ -314,6 +314,9 @@ const SPLIT_RULES: &str =
 /// The lease the worlds run with, and its margin.
 const LEASE_MS: u64 = 1_500;
 const SKEW_MS: u64 = 100;
+/// What an exchange's store calls may take beyond its start, six
+/// instances sharing 2 cores.
+const EXCHANGE_MS: u64 = 100;
 
 /// The coordination store hangs (SIGSTOP) for three leases' worth of time:
 /// each region keeps its grant while its lease runs, then enforces its
@@ -431,7 +434,11 @@ async fn when_a_regions_agent_dies_another_instance_takes_the_role_within_a_leas
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(took.is_some_and(|ms| ms <= LEASE_MS + INTERVAL_MS), "took the role after {took:?} ms");
+    // The lease runs out at most a lease after the kill; the other takes
+    // the role at its next exchange, an interval later at most, once that
+    // exchange's store calls are back (and this loop looks every 20 ms).
+    let within = LEASE_MS + INTERVAL_MS + EXCHANGE_MS;
+    assert!(took.is_some_and(|ms| ms <= within), "took the role after {took:?} ms (within {within})");
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert!(world.granted(0) >= 270, "the new agent holds the region's grant: {}", world.granted(0));
     let log = load.finish().await;
