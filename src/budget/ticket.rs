@@ -123,6 +123,8 @@ impl Drop for Ticket {
         let held = self.bytes.swap(0, Ordering::AcqRel);
         self.budget.give(self.caller.as_deref(), held);
         let reclaimed = *self.reclaimed.get_mut();
-        self.budget.reclaiming.fetch_sub(reclaimed, Ordering::AcqRel);
+        if reclaimed > 0 {
+            self.budget.reclaiming.fetch_sub(reclaimed, Ordering::AcqRel);
+        }
     }
 }
