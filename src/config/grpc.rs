@@ -60,8 +60,8 @@ pub struct GrpcConfig {
     /// `caller_busy`), a `CheckBatch` or `CheckStream` fails with RESOURCE_EXHAUSTED. When the
     /// untrusted half or the whole is what refuses it, the requests of the untrusted address
     /// holding most are cancelled first, their bytes freed at once, if it holds more than the
-    /// caller's address would (`share="reclaimed"`), and if the cancelled requests not yet ended
-    /// (`ratelimitd_grpc_request_bytes_reclaiming`) and these stay within half of this. What
+    /// caller's address would (`share="reclaimed"`) and while the cancelled requests not yet ended
+    /// (`ratelimitd_grpc_request_bytes_reclaiming`) and its own stay within half of this. What
     /// requests make the process hold stays under twice this (docs/hostile-input.md), so a value
     /// over half the process's memory limit is refused at start.
     ///

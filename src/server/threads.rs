@@ -33,8 +33,8 @@ use super::{Router, Serving, places::Placed};
 /// threads: every tick. Those are a request cancelled so that another
 /// caller gets its bytes (it frees its memory only when it runs) and a
 /// connection handed over; at tokio's default, one tick in 31, a thread
-/// busy with a flood of its own kept thousands of cancelled requests
-/// waiting, their memory held after their bytes had left the budget. A
+/// busy with a flood of its own leaves cancelled requests waiting, their
+/// memory held after their bytes have left the budget. A
 /// decision's own wake-ups are all on its thread, and an empty queue costs
 /// one atomic load to look at.
 const REMOTE_FIRST_EVERY: u32 = 1;
